@@ -1,0 +1,29 @@
+use thiserror::Error;
+
+/// Why a buffer is not a valid fanin packet. Every variant says what was
+/// wrong so a counter or a log line can name the reason.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum WireError {
+    #[error("truncated packet: need at least {needed} bytes, got {got}")]
+    Truncated { needed: usize, got: usize },
+    #[error("bad magic 0x{found:04x} (expected 0x{expected:04x})")]
+    BadMagic { found: u16, expected: u16 },
+    #[error("unsupported protocol version {found} (this build speaks {supported})")]
+    UnsupportedVersion { found: u8, supported: u8 },
+    #[error("unknown message type 0x{0:02x}")]
+    UnknownMessageType(u8),
+    #[error("message type 0x{0:02x} does not belong to this service")]
+    WrongService(u8),
+    #[error("unknown dtype code {0}")]
+    UnknownDtype(u8),
+    #[error("reserved bits set in flags byte 0x{0:02x}")]
+    ReservedBits(u8),
+    #[error("length mismatch: header implies {expected} bytes, datagram has {got}")]
+    LengthMismatch { expected: usize, got: usize },
+    #[error("grad_cnt {grad_cnt} exceeds the maximum of {max} elements per packet")]
+    TooManyElements { grad_cnt: usize, max: usize },
+    #[error("exponent-only message carries grad_cnt {0} (must be 0)")]
+    ExpOnlyWithPayload(u16),
+    #[error("unknown nack reason code {0}")]
+    UnknownNackReason(u16),
+}

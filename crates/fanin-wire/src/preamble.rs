@@ -1,0 +1,88 @@
+//! The common preamble every fanin datagram starts with.
+//!
+//! ```text
+//!  0               1               2               3
+//!  +---------------+---------------+---------------+---------------+
+//!  |          magic 0xFA17         |    version    |   msg_type    |
+//!  +---------------+---------------+---------------+---------------+
+//! ```
+
+use crate::WireError;
+
+pub const MAGIC: u16 = 0xFA17;
+pub const VERSION: u8 = 1;
+pub const PREAMBLE_LEN: usize = 4;
+
+/// Message types of all services share one number space so a receiver can
+/// route a datagram from the preamble alone. 0x01–0x1f: value-stream
+/// aggregation; 0x20–0x3f are reserved for key-value aggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum MessageType {
+    /// Worker → switch: a block of this worker's values (or exponent only).
+    Contribution = 0x01,
+    /// Worker → switch: the same contribution again after a timeout.
+    Retransmission = 0x02,
+    /// Switch → worker: the aggregated block (or the negotiated exponent).
+    Result = 0x03,
+    /// Worker → switch: announce membership, ask for the job's parameters.
+    Join = 0x04,
+    /// Switch → worker: job parameters and the current block offset.
+    JoinAck = 0x05,
+    /// Switch → worker: the request was refused, with a reason.
+    Nack = 0x06,
+}
+
+impl MessageType {
+    pub fn from_u8(code: u8) -> Result<Self, WireError> {
+        Ok(match code {
+            0x01 => Self::Contribution,
+            0x02 => Self::Retransmission,
+            0x03 => Self::Result,
+            0x04 => Self::Join,
+            0x05 => Self::JoinAck,
+            0x06 => Self::Nack,
+            other => return Err(WireError::UnknownMessageType(other)),
+        })
+    }
+
+    /// True for the messages that carry a block of values.
+    pub fn carries_block(self) -> bool {
+        matches!(self, Self::Contribution | Self::Retransmission | Self::Result)
+    }
+}
+
+/// The checked preamble of a datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preamble {
+    pub version: u8,
+    pub msg_type: MessageType,
+}
+
+impl Preamble {
+    /// Validate magic, version and message type of an untrusted datagram.
+    pub fn parse(bytes: &[u8]) -> Result<Self, WireError> {
+        if bytes.len() < PREAMBLE_LEN {
+            return Err(WireError::Truncated { needed: PREAMBLE_LEN, got: bytes.len() });
+        }
+        let magic = u16::from_be_bytes([bytes[0], bytes[1]]);
+        if magic != MAGIC {
+            return Err(WireError::BadMagic { found: magic, expected: MAGIC });
+        }
+        if bytes[2] != VERSION {
+            return Err(WireError::UnsupportedVersion { found: bytes[2], supported: VERSION });
+        }
+        Ok(Self { version: bytes[2], msg_type: MessageType::from_u8(bytes[3])? })
+    }
+
+    /// Write the preamble into the first [`PREAMBLE_LEN`] bytes of `buf`.
+    ///
+    /// # Panics
+    /// If `buf` is shorter than [`PREAMBLE_LEN`]; emitters size buffers from
+    /// `buffer_len()` so this never happens for them.
+    pub fn emit(msg_type: MessageType, buf: &mut [u8]) {
+        buf[0..2].copy_from_slice(&MAGIC.to_be_bytes());
+        buf[2] = VERSION;
+        buf[3] = msg_type as u8;
+    }
+}

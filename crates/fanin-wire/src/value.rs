@@ -1,0 +1,488 @@
+//! Value-stream (gradient) aggregation messages: Trio-ML's header, widened,
+//! plus what SwitchML-style loss recovery and block floating point need.
+//!
+//! ```text
+//!  0               1               2               3
+//!  +---------------+---------------+---------------+---------------+
+//!  |          magic 0xFA17         |    version    |   msg_type    |  preamble
+//!  +-------+-+-+-+-+---------------+---------------+---------------+
+//!  |age_op |F|D|E|0|     dtype     |            src_id             |  4
+//!  +-------+-+-+-+-+---------------+---------------+---------------+
+//!  |            src_cnt            |            gen_id             |  8
+//!  +---------------+---------------+---------------+---------------+
+//!  |                            job_id                             | 12
+//!  +---------------------------------------------------------------+
+//!  |                           block_id                            | 16
+//!  +---------------+---------------+---------------+---------------+
+//!  |           grad_cnt            |      exp      |   next_exp    | 20
+//!  +---------------+---------------+---------------+---------------+
+//!  |          payload: grad_cnt x int32, or a message body ...     | 24
+//! ```
+//! F = `final`, D = `degraded`, E = `exp_only`. See `docs/protocol.md`.
+
+use crate::preamble::{MessageType, Preamble, PREAMBLE_LEN};
+use crate::{WireError, MAX_DATAGRAM};
+
+mod field {
+    use core::ops::Range;
+    pub const FLAGS: usize = 4;
+    pub const DTYPE: usize = 5;
+    pub const SRC_ID: Range<usize> = 6..8;
+    pub const SRC_CNT: Range<usize> = 8..10;
+    pub const GEN_ID: Range<usize> = 10..12;
+    pub const JOB_ID: Range<usize> = 12..16;
+    pub const BLOCK_ID: Range<usize> = 16..20;
+    pub const GRAD_CNT: Range<usize> = 20..22;
+    pub const EXP: usize = 22;
+    pub const NEXT_EXP: usize = 23;
+    pub const PAYLOAD: usize = 24;
+}
+
+/// Bytes before the payload.
+pub const HEADER_LEN: usize = field::PAYLOAD;
+/// Bytes per element on the wire (every dtype travels as int32).
+pub const ELEM_LEN: usize = 4;
+/// Most elements one packet can carry and still fit one UDP datagram.
+pub const MAX_GRAD_CNT: usize = (MAX_DATAGRAM - HEADER_LEN) / ELEM_LEN;
+/// `exp` / `next_exp` value meaning "no exponent" (all-zero block, or no
+/// exponent announced). Smaller than every real exponent, so `max` ignores it.
+pub const EXP_NONE: i8 = i8::MIN;
+
+const FLAG_FINAL: u8 = 0b0000_1000;
+const FLAG_DEGRADED: u8 = 0b0000_0100;
+const FLAG_EXP_ONLY: u8 = 0b0000_0010;
+const FLAG_RESERVED: u8 = 0b0000_0001;
+const AGE_OP_SHIFT: u8 = 4;
+
+/// The element type the worker reduces. Every dtype is carried as int32 on the
+/// wire: int32 exactly, floating types as block floating point (a per-block
+/// shared exponent, see `exp`). The switch uses the tag only to refuse mixing
+/// dtypes inside one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Dtype {
+    Int32 = 0,
+    Float32 = 1,
+    Float16 = 2,
+    BFloat16 = 3,
+}
+
+impl Dtype {
+    pub fn from_u8(code: u8) -> Result<Self, WireError> {
+        Ok(match code {
+            0 => Self::Int32,
+            1 => Self::Float32,
+            2 => Self::Float16,
+            3 => Self::BFloat16,
+            other => return Err(WireError::UnknownDtype(other)),
+        })
+    }
+
+    /// Floating types need an exponent negotiated before data is sent.
+    pub fn is_block_floating_point(self) -> bool {
+        !matches!(self, Self::Int32)
+    }
+}
+
+/// Byte length of the message body that follows the header.
+fn body_len(msg_type: MessageType, grad_cnt: u16) -> usize {
+    match msg_type {
+        MessageType::Contribution | MessageType::Retransmission | MessageType::Result => {
+            grad_cnt as usize * ELEM_LEN
+        }
+        MessageType::Join => 0,
+        MessageType::JoinAck => JoinParams::LEN,
+        MessageType::Nack => Nack::LEN,
+    }
+}
+
+/// Zero-copy view of a value-stream datagram.
+#[derive(Debug, Clone, Copy)]
+pub struct Packet<T: AsRef<[u8]>> {
+    buffer: T,
+}
+
+impl<T: AsRef<[u8]>> Packet<T> {
+    /// Wrap a buffer without checks, for emission into a buffer the caller
+    /// sized with [`Repr::buffer_len`].
+    pub fn new_unchecked(buffer: T) -> Self {
+        Self { buffer }
+    }
+
+    /// Wrap an untrusted buffer. On success, no accessor of the view panics and
+    /// the datagram length equals the length the header implies.
+    pub fn new_checked(buffer: T) -> Result<Self, WireError> {
+        let packet = Self { buffer };
+        packet.check()?;
+        Ok(packet)
+    }
+
+    fn check(&self) -> Result<(), WireError> {
+        let bytes = self.buffer.as_ref();
+        let preamble = Preamble::parse(bytes)?;
+        if bytes.len() < HEADER_LEN {
+            return Err(WireError::Truncated { needed: HEADER_LEN, got: bytes.len() });
+        }
+        let flags = bytes[field::FLAGS];
+        if flags & FLAG_RESERVED != 0 {
+            return Err(WireError::ReservedBits(flags));
+        }
+        Dtype::from_u8(bytes[field::DTYPE])?;
+        let grad_cnt = self.grad_cnt();
+        if grad_cnt as usize > MAX_GRAD_CNT {
+            return Err(WireError::TooManyElements { grad_cnt: grad_cnt as usize, max: MAX_GRAD_CNT });
+        }
+        let carries_block = preamble.msg_type.carries_block();
+        if grad_cnt != 0 && (!carries_block || flags & FLAG_EXP_ONLY != 0) {
+            return Err(WireError::ExpOnlyWithPayload(grad_cnt));
+        }
+        let expected = HEADER_LEN + body_len(preamble.msg_type, grad_cnt);
+        if bytes.len() != expected {
+            return Err(WireError::LengthMismatch { expected, got: bytes.len() });
+        }
+        if preamble.msg_type == MessageType::Nack {
+            NackReason::from_u16(u16::from_be_bytes([bytes[HEADER_LEN], bytes[HEADER_LEN + 1]]))?;
+        }
+        Ok(())
+    }
+
+    pub fn into_inner(self) -> T {
+        self.buffer
+    }
+
+    fn u16_at(&self, range: core::ops::Range<usize>) -> u16 {
+        let b = &self.buffer.as_ref()[range];
+        u16::from_be_bytes([b[0], b[1]])
+    }
+
+    fn u32_at(&self, range: core::ops::Range<usize>) -> u32 {
+        let b = &self.buffer.as_ref()[range];
+        u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    /// Message type code (validated by `new_checked`).
+    pub fn msg_type_code(&self) -> u8 {
+        self.buffer.as_ref()[3]
+    }
+    pub fn flags(&self) -> u8 {
+        self.buffer.as_ref()[field::FLAGS]
+    }
+    pub fn age_op(&self) -> u8 {
+        self.flags() >> AGE_OP_SHIFT
+    }
+    pub fn final_block(&self) -> bool {
+        self.flags() & FLAG_FINAL != 0
+    }
+    pub fn degraded(&self) -> bool {
+        self.flags() & FLAG_DEGRADED != 0
+    }
+    pub fn exp_only(&self) -> bool {
+        self.flags() & FLAG_EXP_ONLY != 0
+    }
+    pub fn dtype_code(&self) -> u8 {
+        self.buffer.as_ref()[field::DTYPE]
+    }
+    pub fn src_id(&self) -> u16 {
+        self.u16_at(field::SRC_ID)
+    }
+    pub fn src_cnt(&self) -> u16 {
+        self.u16_at(field::SRC_CNT)
+    }
+    pub fn gen_id(&self) -> u16 {
+        self.u16_at(field::GEN_ID)
+    }
+    pub fn job_id(&self) -> u32 {
+        self.u32_at(field::JOB_ID)
+    }
+    pub fn block_id(&self) -> u32 {
+        self.u32_at(field::BLOCK_ID)
+    }
+    pub fn grad_cnt(&self) -> u16 {
+        self.u16_at(field::GRAD_CNT)
+    }
+    pub fn exp(&self) -> i8 {
+        self.buffer.as_ref()[field::EXP] as i8
+    }
+    pub fn next_exp(&self) -> i8 {
+        self.buffer.as_ref()[field::NEXT_EXP] as i8
+    }
+    /// Everything after the header: `grad_cnt` big-endian int32s for block
+    /// messages, the message body otherwise.
+    pub fn payload(&self) -> &[u8] {
+        &self.buffer.as_ref()[field::PAYLOAD..]
+    }
+    /// Element `i` of a block payload.
+    pub fn element(&self, i: usize) -> i32 {
+        let at = field::PAYLOAD + i * ELEM_LEN;
+        let b = &self.buffer.as_ref()[at..at + ELEM_LEN];
+        i32::from_be_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
+    fn put_u16(&mut self, range: core::ops::Range<usize>, v: u16) {
+        self.buffer.as_mut()[range].copy_from_slice(&v.to_be_bytes());
+    }
+    fn put_u32(&mut self, range: core::ops::Range<usize>, v: u32) {
+        self.buffer.as_mut()[range].copy_from_slice(&v.to_be_bytes());
+    }
+    pub fn set_msg_type(&mut self, t: MessageType) {
+        Preamble::emit(t, self.buffer.as_mut());
+    }
+    pub fn set_flags(&mut self, age_op: u8, final_block: bool, degraded: bool, exp_only: bool) {
+        let mut flags = (age_op & 0x0f) << AGE_OP_SHIFT;
+        if final_block {
+            flags |= FLAG_FINAL;
+        }
+        if degraded {
+            flags |= FLAG_DEGRADED;
+        }
+        if exp_only {
+            flags |= FLAG_EXP_ONLY;
+        }
+        self.buffer.as_mut()[field::FLAGS] = flags;
+    }
+    pub fn set_dtype(&mut self, d: Dtype) {
+        self.buffer.as_mut()[field::DTYPE] = d as u8;
+    }
+    pub fn set_src_id(&mut self, v: u16) {
+        self.put_u16(field::SRC_ID, v)
+    }
+    pub fn set_src_cnt(&mut self, v: u16) {
+        self.put_u16(field::SRC_CNT, v)
+    }
+    pub fn set_gen_id(&mut self, v: u16) {
+        self.put_u16(field::GEN_ID, v)
+    }
+    pub fn set_job_id(&mut self, v: u32) {
+        self.put_u32(field::JOB_ID, v)
+    }
+    pub fn set_block_id(&mut self, v: u32) {
+        self.put_u32(field::BLOCK_ID, v)
+    }
+    pub fn set_grad_cnt(&mut self, v: u16) {
+        self.put_u16(field::GRAD_CNT, v)
+    }
+    pub fn set_exp(&mut self, v: i8) {
+        self.buffer.as_mut()[field::EXP] = v as u8;
+    }
+    pub fn set_next_exp(&mut self, v: i8) {
+        self.buffer.as_mut()[field::NEXT_EXP] = v as u8;
+    }
+    pub fn payload_mut(&mut self) -> &mut [u8] {
+        &mut self.buffer.as_mut()[field::PAYLOAD..]
+    }
+}
+
+/// Parsed header of a value-stream message (the payload stays in the buffer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Repr {
+    pub msg_type: MessageType,
+    /// Trio-ML `age_op`: non-zero when the block was emitted by the aging
+    /// scanner rather than by completion.
+    pub age_op: u8,
+    /// Trio-ML `final`: last block of a generation (tensor).
+    pub final_block: bool,
+    /// Trio-ML `degraded`: the result sums fewer sources than the job has.
+    pub degraded: bool,
+    /// Exponent negotiation only: no payload, `exp` carries the sender's
+    /// block exponent (or, in a result, the negotiated maximum).
+    pub exp_only: bool,
+    pub dtype: Dtype,
+    pub src_id: u16,
+    /// In a result: how many sources the sum contains.
+    pub src_cnt: u16,
+    pub gen_id: u16,
+    pub job_id: u32,
+    pub block_id: u32,
+    pub grad_cnt: u16,
+    /// Shared block exponent the int32 values are scaled with (float dtypes).
+    pub exp: i8,
+    /// Piggybacked exponent announcement for block `block_id + lookahead`.
+    pub next_exp: i8,
+}
+
+impl Repr {
+    /// Parse a header from a checked packet.
+    pub fn parse<T: AsRef<[u8]>>(packet: &Packet<T>) -> Result<Self, WireError> {
+        packet.check()?;
+        Ok(Self {
+            msg_type: MessageType::from_u8(packet.msg_type_code())?,
+            age_op: packet.age_op(),
+            final_block: packet.final_block(),
+            degraded: packet.degraded(),
+            exp_only: packet.exp_only(),
+            dtype: Dtype::from_u8(packet.dtype_code())?,
+            src_id: packet.src_id(),
+            src_cnt: packet.src_cnt(),
+            gen_id: packet.gen_id(),
+            job_id: packet.job_id(),
+            block_id: packet.block_id(),
+            grad_cnt: packet.grad_cnt(),
+            exp: packet.exp(),
+            next_exp: packet.next_exp(),
+        })
+    }
+
+    /// Length of the whole datagram this header describes.
+    pub fn buffer_len(&self) -> usize {
+        HEADER_LEN + body_len(self.msg_type, self.grad_cnt)
+    }
+
+    /// Write the header (not the payload) into a buffer of at least
+    /// `buffer_len()` bytes.
+    pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, packet: &mut Packet<T>) {
+        packet.set_msg_type(self.msg_type);
+        packet.set_flags(self.age_op, self.final_block, self.degraded, self.exp_only);
+        packet.set_dtype(self.dtype);
+        packet.set_src_id(self.src_id);
+        packet.set_src_cnt(self.src_cnt);
+        packet.set_gen_id(self.gen_id);
+        packet.set_job_id(self.job_id);
+        packet.set_block_id(self.block_id);
+        packet.set_grad_cnt(self.grad_cnt);
+        packet.set_exp(self.exp);
+        packet.set_next_exp(self.next_exp);
+    }
+}
+
+/// Decode a block payload of big-endian int32s into `out` (`out.len()`
+/// elements). Written as a plain loop the compiler vectorises.
+pub fn read_elements(payload: &[u8], out: &mut [i32]) {
+    for (dst, src) in out.iter_mut().zip(payload.chunks_exact(ELEM_LEN)) {
+        *dst = i32::from_be_bytes([src[0], src[1], src[2], src[3]]);
+    }
+}
+
+/// Encode int32s as a big-endian block payload.
+pub fn write_elements(values: &[i32], payload: &mut [u8]) {
+    for (dst, v) in payload.chunks_exact_mut(ELEM_LEN).zip(values) {
+        dst.copy_from_slice(&v.to_be_bytes());
+    }
+}
+
+/// Body of a `JoinAck`: everything a worker needs to stream into the job.
+///
+/// ```text
+///  0 block_cnt_max u32 | 4 block_grad_max u32 | 8 block_exp_ms u32
+/// 12 incarnation u32   | 16 shard_count u16   | 18 reserved u16 | 20 next_block u32
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JoinParams {
+    /// Concurrent blocks (slots) the job may hold; also the exponent lookahead.
+    pub block_cnt_max: u32,
+    /// Most elements per block.
+    pub block_grad_max: u32,
+    /// Block timeout (aging) in milliseconds, 0 = never.
+    pub block_exp_ms: u32,
+    /// Changes every time the switch (re)starts.
+    pub incarnation: u32,
+    /// Number of data-plane ports (shards); block b goes to port base + shard(b).
+    pub shard_count: u16,
+    /// The block offset a joining worker starts from (SwitchML++ sync).
+    pub next_block: u32,
+}
+
+impl JoinParams {
+    pub const LEN: usize = 24;
+
+    pub fn parse(body: &[u8]) -> Result<Self, WireError> {
+        if body.len() < Self::LEN {
+            return Err(WireError::Truncated { needed: Self::LEN, got: body.len() });
+        }
+        let u32_at = |at: usize| u32::from_be_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
+        Ok(Self {
+            block_cnt_max: u32_at(0),
+            block_grad_max: u32_at(4),
+            block_exp_ms: u32_at(8),
+            incarnation: u32_at(12),
+            shard_count: u16::from_be_bytes([body[16], body[17]]),
+            next_block: u32_at(20),
+        })
+    }
+
+    pub fn emit(&self, body: &mut [u8]) {
+        body[0..4].copy_from_slice(&self.block_cnt_max.to_be_bytes());
+        body[4..8].copy_from_slice(&self.block_grad_max.to_be_bytes());
+        body[8..12].copy_from_slice(&self.block_exp_ms.to_be_bytes());
+        body[12..16].copy_from_slice(&self.incarnation.to_be_bytes());
+        body[16..18].copy_from_slice(&self.shard_count.to_be_bytes());
+        body[18..20].copy_from_slice(&[0, 0]);
+        body[20..24].copy_from_slice(&self.next_block.to_be_bytes());
+    }
+}
+
+/// Why the switch refused a worker's request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum NackReason {
+    UnknownJob = 1,
+    NotMember = 2,
+    /// grad_cnt above the job's `block_grad_max` (detail = the cap).
+    TooManyElements = 3,
+    /// A block received two dtypes (detail = dtype of the block).
+    DtypeMismatch = 4,
+    /// A float block arrived scaled with another exponent than negotiated.
+    ExponentMismatch = 5,
+    /// The block lies outside the job's window (detail = next expected block).
+    BlockOutOfWindow = 6,
+    /// The job runs in forwarding (NoAggr) mode and cannot take this message.
+    WrongMode = 7,
+}
+
+impl NackReason {
+    pub fn from_u16(code: u16) -> Result<Self, WireError> {
+        Ok(match code {
+            1 => Self::UnknownJob,
+            2 => Self::NotMember,
+            3 => Self::TooManyElements,
+            4 => Self::DtypeMismatch,
+            5 => Self::ExponentMismatch,
+            6 => Self::BlockOutOfWindow,
+            7 => Self::WrongMode,
+            other => return Err(WireError::UnknownNackReason(other)),
+        })
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::UnknownJob => "unknown job",
+            Self::NotMember => "source is not a member of the job",
+            Self::TooManyElements => "more elements per packet than the job's block_grad_max",
+            Self::DtypeMismatch => "dtype differs from the other contributions to this block",
+            Self::ExponentMismatch => "block exponent differs from the negotiated one",
+            Self::BlockOutOfWindow => "block lies outside the job's window",
+            Self::WrongMode => "message not valid for the job's mode",
+        }
+    }
+}
+
+/// Body of a `Nack`: `reason u16 | reserved u16 | detail u32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nack {
+    pub reason: NackReason,
+    pub detail: u32,
+}
+
+impl Nack {
+    pub const LEN: usize = 8;
+
+    pub fn parse(body: &[u8]) -> Result<Self, WireError> {
+        if body.len() < Self::LEN {
+            return Err(WireError::Truncated { needed: Self::LEN, got: body.len() });
+        }
+        Ok(Self {
+            reason: NackReason::from_u16(u16::from_be_bytes([body[0], body[1]]))?,
+            detail: u32::from_be_bytes([body[4], body[5], body[6], body[7]]),
+        })
+    }
+
+    pub fn emit(&self, body: &mut [u8]) {
+        body[0..2].copy_from_slice(&(self.reason as u16).to_be_bytes());
+        body[2..4].copy_from_slice(&[0, 0]);
+        body[4..8].copy_from_slice(&self.detail.to_be_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,303 @@
+//! Golden vectors: the bytes here are the specification in docs/protocol.md.
+//! Each message is checked four ways: read fields from known bytes, write
+//! fields and compare bytes, parse, emit (into a buffer pre-filled with a
+//! marker byte so a forgotten field shows).
+
+use super::*;
+use proptest::prelude::*;
+
+const MARKER: u8 = 0xA5;
+
+/// A contribution from src 3 of job 0x01020304, block 0x0A0B0C0D, gen 7,
+/// float32, final, exponent 5, next exponent -2, two elements 1 and -1.
+const CONTRIBUTION: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0x01, // magic, version 1, Contribution
+    0x08, 0x01, 0x00, 0x03, // flags: final; dtype float32; src_id 3
+    0x00, 0x00, 0x00, 0x07, // src_cnt 0; gen_id 7
+    0x01, 0x02, 0x03, 0x04, // job_id
+    0x0A, 0x0B, 0x0C, 0x0D, // block_id
+    0x00, 0x02, 0x05, 0xFE, // grad_cnt 2; exp 5; next_exp -2
+    0x00, 0x00, 0x00, 0x01, // 1
+    0xFF, 0xFF, 0xFF, 0xFF, // -1
+];
+
+fn contribution_repr() -> Repr {
+    Repr {
+        msg_type: MessageType::Contribution,
+        age_op: 0,
+        final_block: true,
+        degraded: false,
+        exp_only: false,
+        dtype: Dtype::Float32,
+        src_id: 3,
+        src_cnt: 0,
+        gen_id: 7,
+        job_id: 0x0102_0304,
+        block_id: 0x0A0B_0C0D,
+        grad_cnt: 2,
+        exp: 5,
+        next_exp: -2,
+    }
+}
+
+/// A degraded, aged result (age_op 1) summing 3 sources, int32, one element.
+const RESULT: [u8; 28] = [
+    0xFA, 0x17, 0x01, 0x03, // Result
+    0x14, 0x00, 0x00, 0x00, // age_op 1, degraded; int32; src_id 0
+    0x00, 0x03, 0xFF, 0xFF, // src_cnt 3; gen_id 65535
+    0x00, 0x00, 0x00, 0x2A, // job_id 42
+    0xFF, 0xFF, 0xFF, 0xFF, // block_id 2^32-1
+    0x00, 0x01, 0x80, 0x80, // grad_cnt 1; exp NONE; next_exp NONE
+    0x7F, 0xFF, 0xFF, 0xFF, // i32::MAX
+];
+
+/// JoinAck for job 9, src 2 of 4.
+const JOIN_ACK: [u8; 48] = [
+    0xFA, 0x17, 0x01, 0x05, // JoinAck
+    0x00, 0x00, 0x00, 0x02, // flags; int32; src_id 2
+    0x00, 0x04, 0x00, 0x00, // src_cnt 4; gen_id 0
+    0x00, 0x00, 0x00, 0x09, // job_id 9
+    0x00, 0x00, 0x00, 0x00, // block_id
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+    0x00, 0x00, 0x01, 0x00, // block_cnt_max 256
+    0x00, 0x00, 0x04, 0x00, // block_grad_max 1024
+    0x00, 0x00, 0x00, 0x0A, // block_exp_ms 10
+    0xDE, 0xAD, 0xBE, 0xEF, // incarnation
+    0x00, 0x02, 0x00, 0x00, // shard_count 2; reserved
+    0x00, 0x00, 0x10, 0x00, // next_block 4096
+];
+
+/// Nack: not a member, detail 17.
+const NACK: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0x06, 0x00, 0x00, 0x00, 0x11, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x09,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80, 0x80, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x11,
+];
+
+#[test]
+fn contribution_read_fields() {
+    let p = Packet::new_checked(&CONTRIBUTION[..]).unwrap();
+    assert_eq!(p.msg_type_code(), 0x01);
+    assert!(p.final_block() && !p.degraded() && !p.exp_only());
+    assert_eq!(p.age_op(), 0);
+    assert_eq!(p.dtype_code(), 1);
+    assert_eq!((p.src_id(), p.src_cnt(), p.gen_id()), (3, 0, 7));
+    assert_eq!((p.job_id(), p.block_id()), (0x0102_0304, 0x0A0B_0C0D));
+    assert_eq!((p.grad_cnt(), p.exp(), p.next_exp()), (2, 5, -2));
+    assert_eq!((p.element(0), p.element(1)), (1, -1));
+}
+
+#[test]
+fn contribution_write_fields() {
+    let mut buf = [MARKER; 32];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    p.set_msg_type(MessageType::Contribution);
+    p.set_flags(0, true, false, false);
+    p.set_dtype(Dtype::Float32);
+    p.set_src_id(3);
+    p.set_src_cnt(0);
+    p.set_gen_id(7);
+    p.set_job_id(0x0102_0304);
+    p.set_block_id(0x0A0B_0C0D);
+    p.set_grad_cnt(2);
+    p.set_exp(5);
+    p.set_next_exp(-2);
+    write_elements(&[1, -1], p.payload_mut());
+    assert_eq!(buf, CONTRIBUTION);
+}
+
+#[test]
+fn contribution_parse_and_emit() {
+    let repr = Repr::parse(&Packet::new_checked(&CONTRIBUTION[..]).unwrap()).unwrap();
+    assert_eq!(repr, contribution_repr());
+    assert_eq!(repr.buffer_len(), CONTRIBUTION.len());
+    let mut buf = [MARKER; 32];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut p);
+    write_elements(&[1, -1], p.payload_mut());
+    assert_eq!(buf, CONTRIBUTION);
+}
+
+#[test]
+fn result_parse_and_emit() {
+    let p = Packet::new_checked(&RESULT[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    assert_eq!(repr.msg_type, MessageType::Result);
+    assert_eq!((repr.age_op, repr.degraded, repr.final_block), (1, true, false));
+    assert_eq!((repr.src_cnt, repr.gen_id, repr.job_id, repr.block_id), (3, 0xFFFF, 42, u32::MAX));
+    assert_eq!((repr.exp, repr.next_exp), (EXP_NONE, EXP_NONE));
+    let mut out = [0i32; 1];
+    read_elements(p.payload(), &mut out);
+    assert_eq!(out, [i32::MAX]);
+    let mut buf = [MARKER; 28];
+    let mut q = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut q);
+    write_elements(&out, q.payload_mut());
+    assert_eq!(buf, RESULT);
+}
+
+#[test]
+fn join_ack_parse_and_emit() {
+    let p = Packet::new_checked(&JOIN_ACK[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    assert_eq!(repr.msg_type, MessageType::JoinAck);
+    let params = JoinParams::parse(p.payload()).unwrap();
+    assert_eq!(
+        params,
+        JoinParams {
+            block_cnt_max: 256,
+            block_grad_max: 1024,
+            block_exp_ms: 10,
+            incarnation: 0xDEAD_BEEF,
+            shard_count: 2,
+            next_block: 4096,
+        }
+    );
+    let mut buf = [MARKER; 48];
+    let mut q = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut q);
+    params.emit(q.payload_mut());
+    assert_eq!(buf, JOIN_ACK);
+}
+
+#[test]
+fn nack_parse_and_emit() {
+    let p = Packet::new_checked(&NACK[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    let nack = Nack::parse(p.payload()).unwrap();
+    assert_eq!(nack, Nack { reason: NackReason::NotMember, detail: 17 });
+    assert_eq!(repr.src_id, 17);
+    let mut buf = [MARKER; 32];
+    let mut q = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut q);
+    nack.emit(q.payload_mut());
+    assert_eq!(buf, NACK);
+}
+
+#[test]
+fn rejects_truncated_packets() {
+    for len in 0..HEADER_LEN {
+        assert!(matches!(
+            Packet::new_checked(&CONTRIBUTION[..len]),
+            Err(WireError::Truncated { .. })
+        ));
+    }
+}
+
+#[test]
+fn rejects_inconsistent_lengths() {
+    // one element missing
+    assert_eq!(
+        Packet::new_checked(&CONTRIBUTION[..28]).unwrap_err(),
+        WireError::LengthMismatch { expected: 32, got: 28 }
+    );
+    // trailing garbage
+    let mut long = CONTRIBUTION.to_vec();
+    long.push(0);
+    assert_eq!(
+        Packet::new_checked(&long[..]).unwrap_err(),
+        WireError::LengthMismatch { expected: 32, got: 33 }
+    );
+}
+
+#[test]
+fn rejects_bad_magic_version_type_dtype_flags() {
+    let mut b = CONTRIBUTION;
+    b[0] = 0x00;
+    assert!(matches!(Packet::new_checked(&b[..]), Err(WireError::BadMagic { found: 0x0017, .. })));
+    let mut b = CONTRIBUTION;
+    b[2] = 2;
+    assert_eq!(
+        Packet::new_checked(&b[..]).unwrap_err(),
+        WireError::UnsupportedVersion { found: 2, supported: 1 }
+    );
+    let mut b = CONTRIBUTION;
+    b[3] = 0x7F;
+    assert_eq!(Packet::new_checked(&b[..]).unwrap_err(), WireError::UnknownMessageType(0x7F));
+    let mut b = CONTRIBUTION;
+    b[5] = 9;
+    assert_eq!(Packet::new_checked(&b[..]).unwrap_err(), WireError::UnknownDtype(9));
+    let mut b = CONTRIBUTION;
+    b[4] |= 1;
+    assert_eq!(Packet::new_checked(&b[..]).unwrap_err(), WireError::ReservedBits(0x09));
+}
+
+#[test]
+fn rejects_oversized_grad_cnt() {
+    let mut b = CONTRIBUTION;
+    b[20] = 0xFF;
+    b[21] = 0xFF;
+    assert_eq!(
+        Packet::new_checked(&b[..]).unwrap_err(),
+        WireError::TooManyElements { grad_cnt: 0xFFFF, max: MAX_GRAD_CNT }
+    );
+}
+
+#[test]
+fn rejects_exp_only_with_payload() {
+    let mut b = CONTRIBUTION;
+    b[4] |= FLAG_EXP_ONLY;
+    assert_eq!(Packet::new_checked(&b[..]).unwrap_err(), WireError::ExpOnlyWithPayload(2));
+}
+
+#[test]
+fn largest_packet_fits_one_datagram() {
+    assert!(HEADER_LEN + MAX_GRAD_CNT * ELEM_LEN <= crate::MAX_DATAGRAM);
+    assert!(MAX_GRAD_CNT >= 16_000);
+}
+
+fn arb_repr() -> impl Strategy<Value = Repr> {
+    (
+        prop_oneof![
+            Just(MessageType::Contribution),
+            Just(MessageType::Retransmission),
+            Just(MessageType::Result)
+        ],
+        0u8..16,
+        any::<(bool, bool)>(),
+        0u8..4,
+        any::<(u16, u16, u16, u32, u32)>(),
+        0u16..300,
+        any::<(i8, i8)>(),
+    )
+        .prop_map(|(msg_type, age_op, (f, d), dt, (s, c, g, j, b), n, (e, ne))| Repr {
+            msg_type,
+            age_op,
+            final_block: f,
+            degraded: d,
+            exp_only: false,
+            dtype: Dtype::from_u8(dt).unwrap(),
+            src_id: s,
+            src_cnt: c,
+            gen_id: g,
+            job_id: j,
+            block_id: b,
+            grad_cnt: n,
+            exp: e,
+            next_exp: ne,
+        })
+}
+
+proptest! {
+    #[test]
+    fn emit_then_parse_round_trips(repr in arb_repr(), seed in any::<i32>()) {
+        let mut buf = vec![MARKER; repr.buffer_len()];
+        let mut p = Packet::new_unchecked(&mut buf[..]);
+        repr.emit(&mut p);
+        let values: Vec<i32> = (0..repr.grad_cnt as i32).map(|i| i.wrapping_mul(seed)).collect();
+        write_elements(&values, p.payload_mut());
+        let checked = Packet::new_checked(&buf[..]).unwrap();
+        prop_assert_eq!(Repr::parse(&checked).unwrap(), repr);
+        let mut back = vec![0; values.len()];
+        read_elements(checked.payload(), &mut back);
+        prop_assert_eq!(back, values);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        if let Ok(p) = Packet::new_checked(&bytes[..]) {
+            let repr = Repr::parse(&p).unwrap();
+            prop_assert_eq!(repr.buffer_len(), bytes.len());
+            for i in 0..p.grad_cnt() as usize { let _ = p.element(i); }
+        }
+    }
+}
