@@ -27,3 +27,37 @@ pub enum WireError {
     #[error("unknown nack reason code {0}")]
     UnknownNackReason(u16),
 }
+
+impl WireError {
+    /// Short stable label, used as a metrics label for malformed-packet counters.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Truncated { .. } => "truncated",
+            Self::BadMagic { .. } => "bad_magic",
+            Self::UnsupportedVersion { .. } => "bad_version",
+            Self::UnknownMessageType(_) => "unknown_msg_type",
+            Self::WrongService(_) => "wrong_service",
+            Self::UnknownDtype(_) => "unknown_dtype",
+            Self::ReservedBits(_) => "reserved_bits",
+            Self::LengthMismatch { .. } => "length_mismatch",
+            Self::TooManyElements { .. } => "too_many_elements",
+            Self::ExpOnlyWithPayload(_) => "unexpected_payload",
+            Self::UnknownNackReason(_) => "unknown_nack_reason",
+        }
+    }
+
+    /// Every label `kind` can return, for exporting zero-valued counters.
+    pub const KINDS: [&'static str; 11] = [
+        "truncated",
+        "bad_magic",
+        "bad_version",
+        "unknown_msg_type",
+        "wrong_service",
+        "unknown_dtype",
+        "reserved_bits",
+        "length_mismatch",
+        "too_many_elements",
+        "unexpected_payload",
+        "unknown_nack_reason",
+    ];
+}

@@ -20,7 +20,7 @@
 //! ```
 //! F = `final`, D = `degraded`, E = `exp_only`. See `docs/protocol.md`.
 
-use crate::preamble::{MessageType, Preamble, PREAMBLE_LEN};
+use crate::preamble::{MessageType, Preamble};
 use crate::{WireError, MAX_DATAGRAM};
 
 mod field {
@@ -428,6 +428,9 @@ pub enum NackReason {
     BlockOutOfWindow = 6,
     /// The job runs in forwarding (NoAggr) mode and cannot take this message.
     WrongMode = 7,
+    /// grad_cnt differs from the other contributions to this block
+    /// (detail = the block's grad_cnt): workers disagree on the tensor layout.
+    ShapeMismatch = 8,
 }
 
 impl NackReason {
@@ -440,6 +443,7 @@ impl NackReason {
             5 => Self::ExponentMismatch,
             6 => Self::BlockOutOfWindow,
             7 => Self::WrongMode,
+            8 => Self::ShapeMismatch,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -453,6 +457,7 @@ impl NackReason {
             Self::ExponentMismatch => "block exponent differs from the negotiated one",
             Self::BlockOutOfWindow => "block lies outside the job's window",
             Self::WrongMode => "message not valid for the job's mode",
+            Self::ShapeMismatch => "grad_cnt differs from the other contributions to this block",
         }
     }
 }

@@ -1,0 +1,215 @@
+//! Block floating point, as SwitchML carries float32 through an integer
+//! switch: all sources scale a block with one shared exponent, negotiated as
+//! the maximum of their local exponents, so the switch only adds int32s.
+//!
+//! With `e` the shared exponent (every |x| < 2^e) and `N` sources, values are
+//! quantised as `q = round(x * 2^(B - e))` with `B = 30 - ceil(log2 N)`, so
+//! |q| <= 2^B and the sum of N of them is at most 2^30: **the int32 sum can
+//! never overflow**. Dequantisation is `sum * 2^(e - B)`, exact in f64 and
+//! rounded once to f32.
+//!
+//! Error bound (documented in docs/protocol.md and checked by the tests):
+//! |result - exact_sum| <= N * 2^(e - B - 1) + ulp(result) / 2.
+//! For 4 sources B = 28: 28 bits of the block maximum, more than f32 carries.
+
+use fanin_wire::value::EXP_NONE;
+
+/// Fraction bits used for `n_sources` sources.
+pub fn frac_bits(n_sources: usize) -> i32 {
+    let n = n_sources.max(1) as u64;
+    let ceil_log2 = 64 - (n - 1).leading_zeros() as i32; // 0 for n == 1
+    30 - ceil_log2
+}
+
+/// A value that block floating point cannot carry.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("element {index} is {value}: block floating point carries only finite values below 2^127 in magnitude")]
+pub struct NonFinite {
+    pub index: usize,
+    pub value: f32,
+}
+
+/// The exponent `e` with every |x| < 2^e (frexp's exponent of the largest
+/// magnitude), or [`EXP_NONE`] for an all-zero block.
+///
+/// The exponent travels in one signed byte, so it is kept in `-127..=127`:
+/// blocks whose largest magnitude is below 2^-127 use -127 (their values are
+/// below the quantum and round to zero, an error far under the bound), and a
+/// magnitude of 2^127 or more is refused like a non-finite value.
+///
+/// Works on the bit patterns: for non-negative floats the integer order of
+/// the bits is the numeric order, so the maximum is an integer `max` that the
+/// compiler vectorises.
+pub fn block_exponent(values: &[f32]) -> Result<i8, NonFinite> {
+    let max_bits = values.iter().map(|v| v.to_bits() & 0x7fff_ffff).max().unwrap_or(0);
+    // 0x7f00_0000 is 2^127: exponent 128 would not fit the byte.
+    if max_bits >= 0x7f00_0000 {
+        let index = values.iter().position(|v| v.to_bits() & 0x7fff_ffff >= 0x7f00_0000).unwrap_or(0);
+        return Err(NonFinite { index, value: values[index] });
+    }
+    if max_bits == 0 {
+        return Ok(EXP_NONE);
+    }
+    let biased = (max_bits >> 23) as i32;
+    let e = if biased == 0 {
+        // subnormal: value = mantissa * 2^-149, mantissa < 2^23
+        let mantissa = max_bits & 0x007f_ffff;
+        (32 - mantissa.leading_zeros() as i32) - 149
+    } else {
+        biased - 126
+    };
+    Ok(e.max(-127) as i8)
+}
+
+/// 2^k as f64 for the range block floating point needs (|k| < 400).
+fn pow2(k: i32) -> f64 {
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
+/// Quantise `values` with shared exponent `exp` for `n_sources` sources.
+/// Values larger than the exponent allows (a source that announced a smaller
+/// exponent, or none) saturate at +-2^B instead of overflowing the sum.
+pub fn quantize(values: &[f32], exp: i8, n_sources: usize, out: &mut [i32]) {
+    if exp == EXP_NONE {
+        out.iter_mut().for_each(|q| *q = 0);
+        return;
+    }
+    let b = frac_bits(n_sources);
+    let scale = pow2(b - exp as i32);
+    let limit = pow2(b);
+    for (q, &x) in out.iter_mut().zip(values) {
+        *q = (x as f64 * scale).round_ties_even().clamp(-limit, limit) as i32;
+    }
+}
+
+/// Quantise straight into a big-endian packet payload.
+pub fn quantize_into_payload(values: &[f32], exp: i8, n_sources: usize, payload: &mut [u8]) {
+    if exp == EXP_NONE {
+        payload.iter_mut().for_each(|b| *b = 0);
+        return;
+    }
+    let b = frac_bits(n_sources);
+    let scale = pow2(b - exp as i32);
+    let limit = pow2(b);
+    for (dst, &x) in payload.chunks_exact_mut(4).zip(values) {
+        let q = (x as f64 * scale).round_ties_even().clamp(-limit, limit) as i32;
+        dst.copy_from_slice(&q.to_be_bytes());
+    }
+}
+
+/// Turn aggregated int32 sums back into floats.
+pub fn dequantize(sums: &[i32], exp: i8, n_sources: usize, out: &mut [f32]) {
+    if exp == EXP_NONE {
+        out.iter_mut().for_each(|x| *x = 0.0);
+        return;
+    }
+    let scale = pow2(exp as i32 - frac_bits(n_sources));
+    for (x, &s) in out.iter_mut().zip(sums) {
+        *x = (s as f64 * scale) as f32;
+    }
+}
+
+/// Dequantise straight from a big-endian packet payload.
+pub fn dequantize_from_payload(payload: &[u8], exp: i8, n_sources: usize, out: &mut [f32]) {
+    if exp == EXP_NONE {
+        out.iter_mut().for_each(|x| *x = 0.0);
+        return;
+    }
+    let scale = pow2(exp as i32 - frac_bits(n_sources));
+    for (x, src) in out.iter_mut().zip(payload.chunks_exact(4)) {
+        let s = i32::from_be_bytes([src[0], src[1], src[2], src[3]]);
+        *x = (s as f64 * scale) as f32;
+    }
+}
+
+/// The documented worst-case absolute error of a block-floating-point sum of
+/// `n_sources` blocks with shared exponent `exp`, before the final rounding
+/// of the result to f32.
+pub fn error_bound(exp: i8, n_sources: usize) -> f64 {
+    if exp == EXP_NONE {
+        return 0.0;
+    }
+    n_sources as f64 * pow2(exp as i32 - frac_bits(n_sources) - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn frac_bits_leave_room_for_the_sum() {
+        assert_eq!(frac_bits(1), 30);
+        assert_eq!(frac_bits(2), 29);
+        assert_eq!(frac_bits(4), 28);
+        assert_eq!(frac_bits(5), 27);
+        assert_eq!(frac_bits(256), 22);
+        for n in [1usize, 2, 3, 4, 7, 16, 255, 256, 1000, 4096] {
+            assert!((n as i64) << frac_bits(n) <= 1 << 30);
+        }
+    }
+
+    #[test]
+    fn exponent_matches_frexp() {
+        assert_eq!(block_exponent(&[0.0, -0.0]).unwrap(), EXP_NONE);
+        assert_eq!(block_exponent(&[1.0]).unwrap(), 1); // 1 < 2^1
+        assert_eq!(block_exponent(&[0.5]).unwrap(), 0);
+        assert_eq!(block_exponent(&[-3.0, 0.1]).unwrap(), 2);
+        assert_eq!(block_exponent(&[1.0e38]).unwrap(), 127);
+        assert!(block_exponent(&[f32::MAX]).is_err(), "2^127 and above do not fit the exponent byte");
+        assert_eq!(block_exponent(&[f32::from_bits(1)]).unwrap(), -127);
+        assert_eq!(block_exponent(&[f32::MIN_POSITIVE]).unwrap(), -125);
+        let err = block_exponent(&[1.0, f32::NAN]).unwrap_err();
+        assert_eq!(err.index, 1);
+        assert!(block_exponent(&[f32::NEG_INFINITY]).is_err());
+    }
+
+    #[test]
+    fn extreme_values_never_overflow_the_sum() {
+        let n = 16;
+        let vals = [1.7e38, -1.7e38, 1.7e38];
+        let e = block_exponent(&vals).unwrap();
+        let mut q = [0i32; 3];
+        quantize(&vals, e, n, &mut q);
+        let mut acc = [0i32; 3];
+        for _ in 0..n {
+            for (a, v) in acc.iter_mut().zip(q) {
+                *a = a.checked_add(v).expect("no overflow");
+            }
+        }
+        let mut out = [0f32; 3];
+        dequantize(&acc, e, n, &mut out);
+        // 16 * 1.7e38 exceeds the f32 range: the float result is honestly infinite
+        assert_eq!(out, [f32::INFINITY, f32::NEG_INFINITY, f32::INFINITY]);
+    }
+
+    proptest! {
+        #[test]
+        fn sum_within_documented_bound(
+            n in 1usize..20,
+            seed in proptest::collection::vec(-1.0e6f32..1.0e6, 1..50),
+            scale_exp in -60i32..60,
+        ) {
+            let scale = 2f32.powi(scale_exp);
+            let blocks: Vec<Vec<f32>> = (0..n)
+                .map(|w| seed.iter().map(|v| v * scale * (1.0 + w as f32 * 0.37)).collect())
+                .collect();
+            let e = blocks.iter().map(|b| block_exponent(b).unwrap()).max().unwrap();
+            let mut acc = vec![0i32; seed.len()];
+            for b in &blocks {
+                let mut q = vec![0; b.len()];
+                quantize(b, e, n, &mut q);
+                for (a, v) in acc.iter_mut().zip(q) { *a = a.checked_add(v).expect("sum fits int32"); }
+            }
+            let mut out = vec![0f32; seed.len()];
+            dequantize(&acc, e, n, &mut out);
+            let bound = error_bound(e, n);
+            for i in 0..seed.len() {
+                let exact: f64 = blocks.iter().map(|b| b[i] as f64).sum();
+                let ulp = (out[i].abs() * f32::EPSILON) as f64;
+                prop_assert!((out[i] as f64 - exact).abs() <= bound + ulp,
+                    "i={} got {} exact {} bound {}", i, out[i], exact, bound);
+            }
+        }
+    }
+}

@@ -1,0 +1,644 @@
+//! A worker's allreduce session, as a sans-IO machine.
+//!
+//! The session joins the job (learning the job's slots, element cap, shard
+//! count and sync offset from the switch), then runs one allreduce at a time:
+//! the tensor is split into blocks of `elems_per_packet` elements, numbered
+//! from a block counter that continues across allreduce calls (the job's
+//! stream), and streamed with at most `window` blocks outstanding. A block is
+//! sent only once every block `block_cnt_max` or more behind it has its
+//! result, which is what lets the switch keep just one shadow copy per slot.
+//!
+//! Float tensors travel as block floating point: a block's exponent is either
+//! known ahead (announced in `next_exp` by the contributions to the block
+//! `block_cnt_max` earlier and returned with its result) or negotiated with an
+//! exponent-only round first.
+//!
+//! **Calling contract** (the order a driver follows, as in quinn-proto):
+//! 1. `new(config, now)`; then loop:
+//! 2. `poll_transmit(now, out)` and send what it wrote (destination = shard);
+//! 3. wait for a datagram or until `poll_timeout()`;
+//! 4. `handle_datagram(now, bytes)` for each datagram, `handle_timeout(now)`
+//!    when the deadline passed;
+//! 5. `poll_event()` until it returns `None`.
+//!
+//! Start an allreduce with `begin(now, tensor)` once `Event::Joined` was seen.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Duration;
+
+use fanin_wire::value::{
+    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, EXP_NONE, MAX_GRAD_CNT,
+};
+use fanin_wire::MessageType;
+
+use crate::bfp::{self, NonFinite};
+use crate::job::shard_of;
+use crate::time::Time;
+use crate::transmit::Transmit;
+
+/// Worker-side parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionConfig {
+    pub job_id: u32,
+    /// This worker's source id (rank) in the job.
+    pub src_id: u16,
+    /// Elements per packet (Trio-ML `grad_cnt`; 1024 by default as in Trio).
+    pub elems_per_packet: u16,
+    /// Most blocks outstanding at once; clamped to the job's `block_cnt_max`.
+    pub window: u32,
+    /// Retransmission timeout before any round trip was measured.
+    pub rto_initial: Duration,
+    pub rto_min: Duration,
+    pub rto_max: Duration,
+    /// Give up joining after this long without an answer.
+    pub join_timeout: Duration,
+    /// Fail an allreduce when the switch has been silent this long.
+    pub dead_after: Duration,
+    /// Most datagrams one `poll_transmit` call writes, so receiving is never
+    /// starved by sending.
+    pub max_burst: usize,
+}
+
+impl SessionConfig {
+    pub fn new(job_id: u32, src_id: u16) -> Self {
+        Self {
+            job_id,
+            src_id,
+            elems_per_packet: 1024,
+            window: 256,
+            rto_initial: Duration::from_millis(20),
+            rto_min: Duration::from_millis(2),
+            rto_max: Duration::from_millis(500),
+            join_timeout: Duration::from_secs(5),
+            dead_after: Duration::from_secs(10),
+            max_burst: 64,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), SessionError> {
+        let bad = |msg: String| Err(SessionError::Config(msg));
+        if self.elems_per_packet == 0 || self.elems_per_packet as usize > MAX_GRAD_CNT {
+            return bad(format!(
+                "elems_per_packet {} is out of range (1..={MAX_GRAD_CNT}, the most one UDP datagram carries)",
+                self.elems_per_packet
+            ));
+        }
+        if self.window == 0 {
+            return bad("window must be at least 1".into());
+        }
+        if self.rto_min > self.rto_max || self.rto_min.is_zero() {
+            return bad(format!("rto_min {:?} must be non-zero and at most rto_max {:?}", self.rto_min, self.rto_max));
+        }
+        if self.max_burst == 0 {
+            return bad("max_burst must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a session or an allreduce failed. Messages say what to check.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SessionError {
+    #[error("invalid session configuration: {0}")]
+    Config(String),
+    #[error("no answer from the switch within {0:?}: is `fanin switch` running at that address, and is the job admitted?")]
+    SwitchUnreachable(Duration),
+    #[error("the switch has been silent for {waited:?} with {outstanding} blocks outstanding; giving up")]
+    SwitchSilent { waited: Duration, outstanding: usize },
+    #[error("the switch refused job {job_id}: {} (detail {detail})", reason.describe())]
+    Refused { job_id: u32, reason: NackReason, detail: u32 },
+    #[error("the job's block_grad_max is {cap} elements but this worker sends {requested} per packet; lower elems_per_packet")]
+    PacketTooLarge { requested: u16, cap: u32 },
+    #[error(transparent)]
+    NonFinite(#[from] NonFinite),
+    #[error("the session is not ready: {0}")]
+    NotReady(&'static str),
+}
+
+/// A tensor to reduce, owned by the session while the allreduce runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Tensor {
+    I32(Vec<i32>),
+    F32(Vec<f32>),
+}
+
+impl Tensor {
+    pub fn len(&self) -> usize {
+        match self {
+            Tensor::I32(v) => v.len(),
+            Tensor::F32(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn dtype(&self) -> Dtype {
+        match self {
+            Tensor::I32(_) => Dtype::Int32,
+            Tensor::F32(_) => Dtype::Float32,
+        }
+    }
+}
+
+/// A finished allreduce.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The reduced tensor (sum over the sources each block reports).
+    pub tensor: Tensor,
+    pub gen_id: u16,
+    pub blocks: u32,
+    /// Contributions this worker sent again after a timeout.
+    pub retransmissions: u64,
+    /// Blocks whose result summed fewer sources than the job has:
+    /// (block index within the tensor, `src_cnt`).
+    pub degraded_blocks: Vec<(u32, u16)>,
+    /// Smallest `src_cnt` over all blocks (the job size if none degraded).
+    pub min_src_cnt: u16,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The switch accepted this worker; `begin` may be called.
+    Joined(JoinParams),
+    Completed(Outcome),
+    Failed(SessionError),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockPhase {
+    Unsent,
+    /// Exponent-only contribution sent, waiting for the negotiated exponent.
+    ExpSent,
+    /// Exponent known; the data contribution is queued.
+    DataQueued,
+    DataSent,
+    Done,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BlockState {
+    phase: BlockPhase,
+    /// Negotiated (or announced-ahead) shared exponent; EXP_NONE = unknown.
+    exp: i8,
+    attempt: u32,
+    sent_at: Time,
+}
+
+struct Op {
+    tensor: Tensor,
+    /// Block id of the tensor's first block.
+    base_block: u32,
+    blocks: Vec<BlockState>,
+    /// This worker's own exponent per block (float tensors).
+    local_exp: Vec<i8>,
+    /// Lowest block index without a result.
+    low: u32,
+    /// Next block index never sent.
+    next_new: u32,
+    done: u32,
+    ready: VecDeque<u32>,
+    retransmit: VecDeque<u32>,
+    timers: BinaryHeap<Reverse<(Time, u32, u32)>>,
+    retransmissions: u64,
+    degraded: Vec<(u32, u16)>,
+    min_src_cnt: u16,
+}
+
+enum State {
+    Joining { started: Time, next_send: Time, interval: Duration },
+    Ready,
+    Failed(SessionError),
+}
+
+pub struct AllreduceSession {
+    config: SessionConfig,
+    state: State,
+    params: Option<JoinParams>,
+    /// Number of sources in the job (block floating point scales for it).
+    n_sources: u16,
+    /// Next block id of the job's stream.
+    next_block: u32,
+    gen_id: u16,
+    op: Option<Op>,
+    window: u32,
+    last_heard: Time,
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    events: VecDeque<Event>,
+    /// Join must be (re)sent at the next poll_transmit.
+    join_due: bool,
+}
+
+impl AllreduceSession {
+    pub fn new(config: SessionConfig, now: Time) -> Self {
+        let state = match config.validate() {
+            Ok(()) => State::Joining { started: now, next_send: now, interval: Duration::from_millis(50) },
+            Err(e) => State::Failed(e),
+        };
+        let mut session = Self {
+            window: config.window,
+            config,
+            state,
+            params: None,
+            n_sources: 1,
+            next_block: 0,
+            gen_id: 0,
+            op: None,
+            last_heard: now,
+            srtt: None,
+            rttvar: Duration::ZERO,
+            events: VecDeque::new(),
+            join_due: true,
+        };
+        if let State::Failed(e) = &session.state {
+            session.events.push_back(Event::Failed(e.clone()));
+        }
+        session
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    pub fn params(&self) -> Option<&JoinParams> {
+        self.params.as_ref()
+    }
+
+    pub fn n_sources(&self) -> u16 {
+        self.n_sources
+    }
+
+    pub fn is_ready(&self) -> bool {
+        matches!(self.state, State::Ready) && self.op.is_none()
+    }
+
+    pub fn error(&self) -> Option<&SessionError> {
+        match &self.state {
+            State::Failed(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Current retransmission timeout (before per-block backoff).
+    pub fn rto(&self) -> Duration {
+        match self.srtt {
+            None => self.config.rto_initial,
+            Some(srtt) => (srtt + 4 * self.rttvar).clamp(self.config.rto_min, self.config.rto_max),
+        }
+    }
+
+    /// Start an allreduce of `tensor`. The result comes as `Event::Completed`.
+    pub fn begin(&mut self, now: Time, tensor: Tensor) -> Result<(), SessionError> {
+        match &self.state {
+            State::Failed(e) => return Err(e.clone()),
+            State::Joining { .. } => return Err(SessionError::NotReady("still joining the job")),
+            State::Ready if self.op.is_some() => return Err(SessionError::NotReady("an allreduce is already running")),
+            State::Ready => {}
+        }
+        let per = self.config.elems_per_packet as usize;
+        let n_blocks = tensor.len().div_ceil(per) as u32;
+        let local_exp = match &tensor {
+            Tensor::F32(values) => values.chunks(per).map(bfp::block_exponent).collect::<Result<Vec<_>, _>>()?,
+            Tensor::I32(_) => Vec::new(),
+        };
+        let base_block = self.next_block;
+        self.next_block = self.next_block.wrapping_add(n_blocks);
+        self.gen_id = self.gen_id.wrapping_add(1);
+        let blocks = vec![BlockState { phase: BlockPhase::Unsent, exp: EXP_NONE, attempt: 0, sent_at: now }; n_blocks as usize];
+        self.op = Some(Op {
+            tensor,
+            base_block,
+            blocks,
+            local_exp,
+            low: 0,
+            next_new: 0,
+            done: 0,
+            ready: VecDeque::new(),
+            retransmit: VecDeque::new(),
+            timers: BinaryHeap::new(),
+            retransmissions: 0,
+            degraded: Vec::new(),
+            min_src_cnt: self.n_sources,
+        });
+        self.last_heard = now;
+        if n_blocks == 0 {
+            self.finish_op();
+        }
+        Ok(())
+    }
+
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// The next time `handle_timeout` must be called, if any.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        match &self.state {
+            State::Failed(_) => None,
+            State::Joining { started, next_send, .. } => Some((*next_send).min(*started + self.config.join_timeout)),
+            State::Ready => {
+                let op = self.op.as_ref()?;
+                let timer = op.timers.peek().map(|Reverse((t, _, _))| *t);
+                let dead = self.last_heard + self.config.dead_after;
+                Some(timer.map_or(dead, |t| t.min(dead)))
+            }
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Time) {
+        match &mut self.state {
+            State::Failed(_) => {}
+            State::Joining { started, next_send, .. } => {
+                let (started, next_send) = (*started, *next_send);
+                if now >= started + self.config.join_timeout {
+                    self.fail(SessionError::SwitchUnreachable(self.config.join_timeout));
+                } else if now >= next_send {
+                    self.join_due = true;
+                }
+            }
+            State::Ready => {
+                let Some(op) = self.op.as_mut() else { return };
+                while let Some(Reverse((t, idx, attempt))) = op.timers.peek().copied() {
+                    if t > now {
+                        break;
+                    }
+                    op.timers.pop();
+                    let b = &op.blocks[idx as usize];
+                    let outstanding = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
+                    if outstanding && b.attempt == attempt {
+                        op.retransmit.push_back(idx);
+                    }
+                }
+                let outstanding = op.next_new - op.done;
+                if outstanding > 0 && now >= self.last_heard + self.config.dead_after {
+                    let waited = now.saturating_since(self.last_heard);
+                    self.fail(SessionError::SwitchSilent { waited, outstanding: outstanding as usize });
+                }
+            }
+        }
+    }
+
+    /// Write datagrams to send; the destination is the switch shard.
+    pub fn poll_transmit(&mut self, now: Time, out: &mut impl Transmit<u16>) -> usize {
+        match &mut self.state {
+            State::Failed(_) => 0,
+            State::Joining { next_send, interval, .. } => {
+                if !self.join_due {
+                    return 0;
+                }
+                self.join_due = false;
+                *next_send = now + *interval;
+                *interval = (*interval * 2).min(Duration::from_millis(500));
+                let repr = self.header(MessageType::Join, 0, Dtype::Int32);
+                let buf = out.push(0, repr.buffer_len());
+                repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+                1
+            }
+            State::Ready => self.transmit_blocks(now, out),
+        }
+    }
+
+    fn transmit_blocks(&mut self, now: Time, out: &mut impl Transmit<u16>) -> usize {
+        let Some(params) = self.params else { return 0 };
+        let rto = self.rto();
+        let Some(op) = self.op.as_mut() else { return 0 };
+        let mut sent = 0;
+        let budget = self.config.max_burst;
+        while sent < budget {
+            let (idx, retransmission) = if let Some(i) = op.retransmit.pop_front() {
+                (i, true)
+            } else if let Some(i) = op.ready.pop_front() {
+                (i, false)
+            } else if op.next_new < op.blocks.len() as u32 && op.next_new < op.low + self.window {
+                op.next_new += 1;
+                (op.next_new - 1, false)
+            } else {
+                break;
+            };
+            let state = op.blocks[idx as usize];
+            let exp_only = match state.phase {
+                BlockPhase::Unsent => {
+                    op.tensor.dtype().is_block_floating_point() && state.exp == EXP_NONE
+                }
+                BlockPhase::ExpSent => true,
+                BlockPhase::DataQueued | BlockPhase::DataSent => false,
+                BlockPhase::Done => continue,
+            };
+            if retransmission {
+                op.retransmissions += 1;
+            }
+            emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, exp_only, retransmission, out);
+            let b = &mut op.blocks[idx as usize];
+            b.phase = if exp_only { BlockPhase::ExpSent } else { BlockPhase::DataSent };
+            if retransmission {
+                b.attempt += 1;
+            } else {
+                b.attempt = 0;
+                b.sent_at = now;
+            }
+            let backoff = rto * 2u32.pow(b.attempt.min(6));
+            op.timers.push(Reverse((now + backoff.min(self.config.rto_max * 4), idx, b.attempt)));
+            sent += 1;
+        }
+        sent
+    }
+
+    pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
+        let Ok(packet) = Packet::new_checked(bytes) else { return };
+        if packet.job_id() != self.config.job_id {
+            return;
+        }
+        let Ok(repr) = Repr::parse(&packet) else { return };
+        match repr.msg_type {
+            MessageType::JoinAck => self.on_join_ack(now, &repr, packet.payload()),
+            MessageType::Nack => {
+                if let Ok(nack) = Nack::parse(packet.payload()) {
+                    // Nacks name a problem no retransmission can fix.
+                    self.fail(SessionError::Refused { job_id: repr.job_id, reason: nack.reason, detail: nack.detail });
+                }
+            }
+            MessageType::Result => {
+                self.last_heard = now;
+                self.on_result(now, &repr, packet.payload());
+            }
+            _ => {}
+        }
+    }
+
+    fn on_join_ack(&mut self, now: Time, repr: &Repr, body: &[u8]) {
+        if !matches!(self.state, State::Joining { .. }) {
+            return;
+        }
+        let Ok(params) = JoinParams::parse(body) else { return };
+        if self.config.elems_per_packet as u32 > params.block_grad_max {
+            self.fail(SessionError::PacketTooLarge { requested: self.config.elems_per_packet, cap: params.block_grad_max });
+            return;
+        }
+        self.params = Some(params);
+        self.n_sources = repr.src_cnt.max(1);
+        self.next_block = params.next_block;
+        self.window = self.config.window.min(params.block_cnt_max).max(1);
+        self.last_heard = now;
+        self.state = State::Ready;
+        self.events.push_back(Event::Joined(params));
+    }
+
+    fn on_result(&mut self, now: Time, repr: &Repr, payload: &[u8]) {
+        let (Some(params), Some(op)) = (self.params, self.op.as_mut()) else { return };
+        let idx = repr.block_id.wrapping_sub(op.base_block);
+        if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
+            return; // a result of an earlier allreduce, duplicated by the network
+        }
+        let per = self.config.elems_per_packet as usize;
+        let start = idx as usize * per;
+        let count = (op.tensor.len() - start).min(per);
+        let block = &mut op.blocks[idx as usize];
+        if repr.exp_only {
+            if block.phase == BlockPhase::ExpSent {
+                block.exp = repr.exp;
+                block.phase = BlockPhase::DataQueued;
+                block.attempt = 0;
+                op.ready.push_back(idx);
+            }
+            return;
+        }
+        if block.phase != BlockPhase::DataSent || repr.grad_cnt as usize != count {
+            return;
+        }
+        match &mut op.tensor {
+            Tensor::I32(v) => read_elements(payload, &mut v[start..start + count]),
+            Tensor::F32(v) => {
+                bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, &mut v[start..start + count])
+            }
+        }
+        if block.attempt == 0 {
+            let sample = now.saturating_since(block.sent_at);
+            self.srtt = Some(match self.srtt {
+                None => {
+                    self.rttvar = sample / 2;
+                    sample
+                }
+                Some(srtt) => {
+                    let diff = if srtt > sample { srtt - sample } else { sample - srtt };
+                    self.rttvar = (self.rttvar * 3 + diff) / 4;
+                    (srtt * 7 + sample) / 8
+                }
+            });
+        }
+        block.phase = BlockPhase::Done;
+        op.done += 1;
+        if repr.degraded || repr.src_cnt < self.n_sources {
+            op.degraded.push((idx, repr.src_cnt));
+        }
+        op.min_src_cnt = op.min_src_cnt.min(repr.src_cnt);
+        // The exponent announced for the block one slot-cycle ahead.
+        let ahead = idx as usize + params.block_cnt_max as usize;
+        if repr.next_exp != EXP_NONE {
+            if let Some(b) = op.blocks.get_mut(ahead) {
+                if b.phase == BlockPhase::Unsent {
+                    b.exp = repr.next_exp;
+                }
+            }
+        }
+        while op.low < op.blocks.len() as u32 && op.blocks[op.low as usize].phase == BlockPhase::Done {
+            op.low += 1;
+        }
+        if op.done == op.blocks.len() as u32 {
+            self.finish_op();
+        }
+    }
+
+    fn finish_op(&mut self) {
+        let Some(op) = self.op.take() else { return };
+        self.events.push_back(Event::Completed(Outcome {
+            blocks: op.blocks.len() as u32,
+            tensor: op.tensor,
+            gen_id: self.gen_id,
+            retransmissions: op.retransmissions,
+            degraded_blocks: op.degraded,
+            min_src_cnt: op.min_src_cnt,
+        }));
+    }
+
+    fn fail(&mut self, err: SessionError) {
+        if matches!(self.state, State::Failed(_)) {
+            return;
+        }
+        self.op = None;
+        self.state = State::Failed(err.clone());
+        self.events.push_back(Event::Failed(err));
+    }
+
+    fn header(&self, msg_type: MessageType, block_id: u32, dtype: Dtype) -> Repr {
+        Repr {
+            msg_type,
+            age_op: 0,
+            final_block: false,
+            degraded: false,
+            exp_only: false,
+            dtype,
+            src_id: self.config.src_id,
+            src_cnt: 0,
+            gen_id: self.gen_id,
+            job_id: self.config.job_id,
+            block_id,
+            grad_cnt: 0,
+            exp: EXP_NONE,
+            next_exp: EXP_NONE,
+        }
+    }
+}
+
+/// Write one contribution (data or exponent-only) for block `idx`.
+#[allow(clippy::too_many_arguments)]
+fn emit_block(
+    config: &SessionConfig,
+    params: &JoinParams,
+    n_sources: u16,
+    gen_id: u16,
+    op: &Op,
+    idx: u32,
+    exp_only: bool,
+    retransmission: bool,
+    out: &mut impl Transmit<u16>,
+) {
+    let per = config.elems_per_packet as usize;
+    let start = idx as usize * per;
+    let count = (op.tensor.len() - start).min(per);
+    let block_id = op.base_block.wrapping_add(idx);
+    let state = &op.blocks[idx as usize];
+    let ahead = idx as usize + params.block_cnt_max as usize;
+    let (exp, next_exp) = match &op.tensor {
+        Tensor::I32(_) => (EXP_NONE, EXP_NONE),
+        Tensor::F32(_) if exp_only => (op.local_exp[idx as usize], EXP_NONE),
+        Tensor::F32(_) => (state.exp, op.local_exp.get(ahead).copied().unwrap_or(EXP_NONE)),
+    };
+    let repr = Repr {
+        msg_type: if retransmission { MessageType::Retransmission } else { MessageType::Contribution },
+        age_op: 0,
+        final_block: idx as usize + 1 == op.blocks.len(),
+        degraded: false,
+        exp_only,
+        dtype: op.tensor.dtype(),
+        src_id: config.src_id,
+        src_cnt: 0,
+        gen_id,
+        job_id: config.job_id,
+        block_id,
+        grad_cnt: if exp_only { 0 } else { count as u16 },
+        exp,
+        next_exp,
+    };
+    let shard = shard_of(config.job_id, block_id, params.block_cnt_max, params.shard_count);
+    let buf = out.push(shard, repr.buffer_len());
+    let mut packet = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut packet);
+    if exp_only {
+        return;
+    }
+    match &op.tensor {
+        Tensor::I32(v) => fanin_wire::value::write_elements(&v[start..start + count], packet.payload_mut()),
+        Tensor::F32(v) => bfp::quantize_into_payload(&v[start..start + count], exp, n_sources as usize, packet.payload_mut()),
+    }
+}

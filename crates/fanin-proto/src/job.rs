@@ -1,0 +1,155 @@
+//! Job records as the control plane specifies them (Trio-ML's
+//! `trio_ml_job_ctx_t`): members, caps and timeout. Validation lives here so
+//! the config file, the control API and the Python API reject the same things
+//! with the same words.
+
+use fanin_wire::value::MAX_GRAD_CNT;
+use serde::{Deserialize, Serialize};
+
+/// Largest source id + 1 a job may use.
+pub const MAX_SOURCES: usize = 4096;
+/// Most concurrent blocks (slots) one job may hold.
+pub const MAX_BLOCK_CNT: u32 = 1 << 20;
+
+/// What the switch does with a job's contributions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum JobMode {
+    /// In-network aggregation.
+    #[default]
+    Aggregate,
+    /// NoAggr baseline (ASK §5.7): the same packets through the same daemon,
+    /// each contribution returned to its sender as a result, no aggregation
+    /// state and no summation. Measures what aggregation costs over forwarding.
+    Forward,
+}
+
+/// A job as admitted by the control plane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub job_id: u32,
+    /// Source ids (ranks) of the members.
+    pub members: Vec<u16>,
+    /// Concurrent blocks the job may hold (SwitchML's pool size). Every slot
+    /// has a shadow copy, so the job's memory is
+    /// `2 * block_cnt_max * block_grad_max * 4` bytes.
+    pub block_cnt_max: u32,
+    /// Most elements per block.
+    pub block_grad_max: u32,
+    /// Block timeout in milliseconds for straggler aging; 0 disables aging.
+    #[serde(default)]
+    pub block_exp_ms: u32,
+    #[serde(default)]
+    pub mode: JobMode,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JobSpecError {
+    #[error("job {job_id}: members is empty (a job needs at least one source)")]
+    NoMembers { job_id: u32 },
+    #[error("job {job_id}: member id {id} is listed twice")]
+    DuplicateMember { job_id: u32, id: u16 },
+    #[error("job {job_id}: member id {id} is too large (source ids must be below {MAX_SOURCES})")]
+    MemberTooLarge { job_id: u32, id: u16 },
+    #[error("job {job_id}: block_cnt_max {value} is out of range (1..={MAX_BLOCK_CNT})")]
+    BlockCnt { job_id: u32, value: u32 },
+    #[error("job {job_id}: block_grad_max {value} is out of range (1..={MAX_GRAD_CNT}, the most elements one UDP datagram carries)")]
+    BlockGrad { job_id: u32, value: u32 },
+}
+
+impl JobSpec {
+    /// A job whose members are sources `0..n`.
+    pub fn with_sources(job_id: u32, n: u16, block_cnt_max: u32, block_grad_max: u32) -> Self {
+        Self {
+            job_id,
+            members: (0..n).collect(),
+            block_cnt_max,
+            block_grad_max,
+            block_exp_ms: 0,
+            mode: JobMode::Aggregate,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), JobSpecError> {
+        let job_id = self.job_id;
+        if self.members.is_empty() {
+            return Err(JobSpecError::NoMembers { job_id });
+        }
+        let mut seen = crate::mask::SourceMask::with_capacity(MAX_SOURCES);
+        for &id in &self.members {
+            if id as usize >= MAX_SOURCES {
+                return Err(JobSpecError::MemberTooLarge { job_id, id });
+            }
+            if !seen.insert(id as usize) {
+                return Err(JobSpecError::DuplicateMember { job_id, id });
+            }
+        }
+        if self.block_cnt_max == 0 || self.block_cnt_max > MAX_BLOCK_CNT {
+            return Err(JobSpecError::BlockCnt { job_id, value: self.block_cnt_max });
+        }
+        if self.block_grad_max == 0 || self.block_grad_max as usize > MAX_GRAD_CNT {
+            return Err(JobSpecError::BlockGrad { job_id, value: self.block_grad_max });
+        }
+        Ok(())
+    }
+
+    /// Switch memory the job may occupy at most, in bytes (slots and shadow
+    /// copies; forwarding jobs hold none).
+    pub fn memory_bytes(&self) -> u64 {
+        match self.mode {
+            JobMode::Aggregate => 2 * self.block_cnt_max as u64 * self.block_grad_max as u64 * 4,
+            JobMode::Forward => 0,
+        }
+    }
+
+    /// One more than the largest member id: the width of the job's masks.
+    pub fn source_capacity(&self) -> usize {
+        self.members.iter().map(|&m| m as usize + 1).max().unwrap_or(1)
+    }
+}
+
+/// Which switch shard (data-plane port offset) owns block `block_id` of job
+/// `job_id`. A slot's current block and its shadow copy map to the same
+/// shard, so a shard owns its slots outright and needs no locks. Workers use
+/// the same function to address the right port.
+pub fn shard_of(job_id: u32, block_id: u32, block_cnt_max: u32, shard_count: u16) -> u16 {
+    let slot = block_id % block_cnt_max.max(1);
+    ((slot as u64 + job_id as u64) % shard_count.max(1) as u64) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_problem() {
+        let mut spec = JobSpec::with_sources(3, 4, 64, 1024);
+        assert!(spec.validate().is_ok());
+        spec.members.push(2);
+        assert_eq!(spec.validate().unwrap_err().to_string(), "job 3: member id 2 is listed twice");
+        spec.members = vec![];
+        assert!(matches!(spec.validate(), Err(JobSpecError::NoMembers { .. })));
+        let mut spec = JobSpec::with_sources(3, 4, 0, 1024);
+        assert!(spec.validate().unwrap_err().to_string().contains("block_cnt_max 0"));
+        spec.block_cnt_max = 8;
+        spec.block_grad_max = 100_000;
+        assert!(spec.validate().unwrap_err().to_string().contains("block_grad_max 100000"));
+        spec.block_grad_max = 16;
+        spec.members = vec![5000];
+        assert!(matches!(spec.validate(), Err(JobSpecError::MemberTooLarge { id: 5000, .. })));
+    }
+
+    #[test]
+    fn slot_and_shadow_share_a_shard_and_shards_balance() {
+        for t in 1..5u16 {
+            let mut per_shard = vec![0; t as usize];
+            for b in 0..64u32 {
+                assert_eq!(shard_of(9, b, 16, t), shard_of(9, b + 16, 16, t));
+                per_shard[shard_of(9, b, 16, t) as usize] += 1;
+            }
+            let (lo, hi) = (per_shard.iter().min().unwrap(), per_shard.iter().max().unwrap());
+            assert!(hi - lo <= 16, "{per_shard:?}");
+        }
+    }
+}

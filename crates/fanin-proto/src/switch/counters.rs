@@ -1,0 +1,103 @@
+//! Per-reason packet counters of a switch shard. Every datagram the switch
+//! does not accept is counted under exactly one reason.
+
+use fanin_wire::WireError;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Datagrams handed to the program.
+    pub rx_datagrams: u64,
+    /// Contributions (data or exponent) added to a block.
+    pub accepted: u64,
+    /// Contributions already counted in their block (retransmissions and
+    /// network duplicates); never added twice.
+    pub duplicate: u64,
+    /// `Retransmission` messages received (also counted under their outcome).
+    pub retransmissions: u64,
+    /// Datagrams that failed to parse, by [`WireError::kind`].
+    pub malformed: [u64; WireError::KINDS.len()],
+    pub unknown_job: u64,
+    pub non_member: u64,
+    /// grad_cnt above the job's `block_grad_max`.
+    pub over_cap: u64,
+    /// A new block needs a slot whose current block is still aggregating
+    /// (the sender's window exceeds `block_cnt_max`).
+    pub slot_busy: u64,
+    /// Block beyond the job's window.
+    pub out_of_window: u64,
+    /// Block older than anything the switch still holds for the job.
+    pub stale: u64,
+    /// dtype, grad_cnt or exponent inconsistent with the block.
+    pub mismatch: u64,
+    /// Messages a switch never accepts in that state (data before the
+    /// exponent was negotiated, result or ack messages sent to the switch).
+    pub protocol_violation: u64,
+    /// Contribution to an already emitted block from a source not in it.
+    pub late: u64,
+    /// Datagram for a block another shard owns (handed over by the runtime).
+    pub wrong_shard: u64,
+    pub blocks_completed: u64,
+    /// Result datagrams sent when a block completed (one per member).
+    pub results_sent: u64,
+    /// Results sent again in answer to a retransmission.
+    pub results_resent: u64,
+    pub joins: u64,
+    pub nacks_sent: u64,
+    /// NoAggr jobs: contributions returned to their sender unaggregated.
+    pub forwarded: u64,
+}
+
+impl Counters {
+    pub fn count_malformed(&mut self, err: &WireError) {
+        let kind = err.kind();
+        if let Some(i) = WireError::KINDS.iter().position(|k| *k == kind) {
+            self.malformed[i] += 1;
+        }
+    }
+
+    pub fn malformed_total(&self) -> u64 {
+        self.malformed.iter().sum()
+    }
+
+    /// Every counter as `(name, reason label, value)`, for metrics export.
+    pub fn visit(&self, mut f: impl FnMut(&'static str, Option<&'static str>, u64)) {
+        f("rx_datagrams", None, self.rx_datagrams);
+        f("accepted", None, self.accepted);
+        f("duplicate", None, self.duplicate);
+        f("retransmissions", None, self.retransmissions);
+        for (kind, v) in WireError::KINDS.iter().zip(self.malformed) {
+            f("malformed", Some(kind), v);
+        }
+        f("unknown_job", None, self.unknown_job);
+        f("non_member", None, self.non_member);
+        f("over_cap", None, self.over_cap);
+        f("slot_busy", None, self.slot_busy);
+        f("out_of_window", None, self.out_of_window);
+        f("stale", None, self.stale);
+        f("mismatch", None, self.mismatch);
+        f("protocol_violation", None, self.protocol_violation);
+        f("late", None, self.late);
+        f("wrong_shard", None, self.wrong_shard);
+        f("blocks_completed", None, self.blocks_completed);
+        f("results_sent", None, self.results_sent);
+        f("results_resent", None, self.results_resent);
+        f("joins", None, self.joins);
+        f("nacks_sent", None, self.nacks_sent);
+        f("forwarded", None, self.forwarded);
+    }
+
+    /// Add another shard's counters into these.
+    pub fn merge(&mut self, other: &Counters) {
+        macro_rules! add {
+            ($($field:ident),*) => { $( self.$field += other.$field; )* };
+        }
+        add!(
+            rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
+            slot_busy, out_of_window, stale, mismatch, protocol_violation, late, wrong_shard,
+            blocks_completed, results_sent, results_resent, joins, nacks_sent, forwarded
+        );
+        for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
+            *a += b;
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! Property tests: workers and switch shards exchange datagrams over an
+//! in-memory network that loses, duplicates and reorders them. Every worker
+//! must end with bit-identical results equal to the reference (exact for
+//! int32, within the documented block-floating-point bound for float32).
+
+use std::collections::BinaryHeap;
+use std::cmp::Reverse;
+use std::time::Duration;
+
+use fanin_proto::bfp;
+use fanin_proto::fault::SplitMix64;
+use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, Tensor};
+use fanin_proto::switch::{ShardConfig, ValueSwitch, Verdict};
+use fanin_proto::{JobSpec, Time, VecTransmit};
+use proptest::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Node {
+    Worker(usize),
+    Shard(u16),
+}
+
+#[derive(Clone, Debug)]
+struct NetParams {
+    loss: f64,
+    dup: f64,
+    /// Maximum extra delay; any value above the base delay reorders.
+    jitter_ns: u64,
+}
+
+struct Run {
+    workers: usize,
+    shards: u16,
+    epp: u16,
+    window: u32,
+    slots: u32,
+    net: NetParams,
+    seed: u64,
+}
+
+fn run(cfg: &Run, inputs: Vec<Tensor>) -> Vec<Outcome> {
+    run_many(cfg, inputs.into_iter().map(|t| vec![t]).collect()).into_iter().map(|mut v| v.remove(0)).collect()
+}
+
+/// Each worker runs its list of allreduces back to back in one session.
+fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
+    let mut rng = SplitMix64::new(cfg.seed);
+    let spec = JobSpec::with_sources(7, cfg.workers as u16, cfg.slots, cfg.epp as u32);
+    let mut shards: Vec<ValueSwitch<Node>> = (0..cfg.shards)
+        .map(|s| {
+            let mut sw = ValueSwitch::new(ShardConfig {
+                shard: s,
+                shard_count: cfg.shards,
+                incarnation: 1,
+                memory_limit: 1 << 32,
+            });
+            sw.add_job(spec.clone()).unwrap();
+            sw
+        })
+        .collect();
+    let mut sessions: Vec<AllreduceSession> = (0..cfg.workers)
+        .map(|w| {
+            let mut c = SessionConfig::new(7, w as u16);
+            c.elems_per_packet = cfg.epp;
+            c.window = cfg.window;
+            c.rto_initial = Duration::from_micros(500);
+            c.rto_min = Duration::from_micros(200);
+            c.dead_after = Duration::from_secs(30);
+            c.join_timeout = Duration::from_secs(30);
+            AllreduceSession::new(c, Time::ZERO)
+        })
+        .collect();
+    let total: Vec<usize> = inputs.iter().map(Vec::len).collect();
+    let mut inputs: Vec<std::collections::VecDeque<Tensor>> = inputs.into_iter().map(Into::into).collect();
+    let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); cfg.workers];
+    // (delivery time, sequence, from, to, bytes)
+    let mut wire: BinaryHeap<Reverse<(u64, u64, Node, Node, Vec<u8>)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut now = Time::ZERO;
+    let base_delay = 5_000u64;
+    let mut send = |wire: &mut BinaryHeap<_>, rng: &mut SplitMix64, now: Time, from: Node, to: Node, bytes: Vec<u8>| {
+        if rng.next_f64() < cfg.net.loss {
+            return;
+        }
+        let copies = if rng.next_f64() < cfg.net.dup { 2 } else { 1 };
+        for _ in 0..copies {
+            let at = now.as_nanos() + base_delay + rng.below(cfg.net.jitter_ns + 1);
+            seq += 1;
+            wire.push(Reverse((at, seq, from, to, bytes.clone())));
+        }
+    };
+    let mut steps = 0u64;
+    loop {
+        steps += 1;
+        assert!(steps < 50_000_000, "no progress");
+        // workers: events, then transmit
+        for (w, s) in sessions.iter_mut().enumerate() {
+            while let Some(ev) = s.poll_event() {
+                match ev {
+                    Event::Joined(_) => {
+                        let t = inputs[w].pop_front().expect("at least one tensor");
+                        s.begin(now, t).unwrap();
+                    }
+                    Event::Completed(o) => {
+                        outcomes[w].push(o);
+                        if let Some(t) = inputs[w].pop_front() {
+                            s.begin(now, t).unwrap();
+                        }
+                    }
+                    Event::Failed(e) => panic!("worker {w} failed: {e}"),
+                }
+            }
+            let mut out = VecTransmit::new();
+            while s.poll_transmit(now, &mut out) > 0 {}
+            for (shard, bytes) in out.drain() {
+                send(&mut wire, &mut rng, now, Node::Worker(w), Node::Shard(shard), bytes);
+            }
+        }
+        // Re-poll events produced by begin() finishing instantly (empty tensors).
+        if outcomes.iter().zip(&total).all(|(o, t)| o.len() == *t) {
+            break;
+        }
+        // next thing to happen: a delivery or a timer
+        let next_timer = sessions.iter().filter_map(|s| s.poll_timeout()).min();
+        let next_wire = wire.peek().map(|Reverse((t, ..))| Time::from_nanos(*t));
+        let next = match (next_timer, next_wire) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) => a,
+            (None, Some(b)) => b,
+            (None, None) => {
+                // sessions may have pending events only
+                panic!("deadlock: nothing scheduled");
+            }
+        };
+        now = now.max(next);
+        while let Some(Reverse((t, ..))) = wire.peek() {
+            if *t > now.as_nanos() {
+                break;
+            }
+            let Reverse((_, _, from, to, bytes)) = wire.pop().unwrap();
+            match to {
+                Node::Shard(s) => {
+                    let mut out = VecTransmit::new();
+                    let mut target = s;
+                    loop {
+                        match shards[target as usize].handle_datagram(now, from, &bytes, &mut out) {
+                            Verdict::Consumed => break,
+                            Verdict::WrongShard(o) => target = o,
+                        }
+                    }
+                    for (dest, b) in out.drain() {
+                        send(&mut wire, &mut rng, now, Node::Shard(target), dest, b);
+                    }
+                }
+                Node::Worker(w) => sessions[w].handle_datagram(now, &bytes),
+            }
+        }
+        for s in sessions.iter_mut() {
+            if s.poll_timeout().is_some_and(|t| t <= now) {
+                s.handle_timeout(now);
+            }
+        }
+    }
+    outcomes
+}
+
+fn int_inputs(workers: usize, len: usize, seed: u64) -> Vec<Vec<i32>> {
+    let mut rng = SplitMix64::new(seed ^ 0xABCD);
+    (0..workers).map(|_| (0..len).map(|_| rng.next_u64() as i32).collect()).collect()
+}
+
+fn float_inputs(workers: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
+    let mut rng = SplitMix64::new(seed ^ 0x1234);
+    (0..workers)
+        .map(|_| {
+            (0..len)
+                .map(|i| {
+                    // magnitudes vary across blocks and inside them
+                    let scale = 2f32.powi((i / 97 % 40) as i32 - 20);
+                    ((rng.next_f64() * 2.0 - 1.0) as f32) * scale
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn check_int(inputs: &[Vec<i32>], outcomes: &[Outcome]) {
+    let len = inputs[0].len();
+    let mut expected = vec![0i32; len];
+    for v in inputs {
+        for (e, x) in expected.iter_mut().zip(v) {
+            *e = e.wrapping_add(*x);
+        }
+    }
+    for o in outcomes {
+        assert_eq!(o.tensor, Tensor::I32(expected.clone()));
+        assert!(o.degraded_blocks.is_empty());
+    }
+}
+
+fn check_float(inputs: &[Vec<f32>], outcomes: &[Outcome], epp: usize) {
+    let n = inputs.len();
+    let first = &outcomes[0].tensor;
+    for o in outcomes {
+        // bit-identical across workers
+        let (Tensor::F32(a), Tensor::F32(b)) = (&o.tensor, first) else { panic!("dtype") };
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "workers disagree");
+    }
+    let Tensor::F32(got) = first else { unreachable!() };
+    for (blk, chunk) in got.chunks(epp).enumerate() {
+        let range = blk * epp..blk * epp + chunk.len();
+        let exp = inputs.iter().map(|v| bfp::block_exponent(&v[range.clone()]).unwrap()).max().unwrap();
+        let bound = bfp::error_bound(exp, n);
+        for (i, g) in range.clone().zip(chunk) {
+            let exact: f64 = inputs.iter().map(|v| v[i] as f64).sum();
+            let ulp = (g.abs() * f32::EPSILON) as f64;
+            assert!((*g as f64 - exact).abs() <= bound + ulp, "element {i}: {g} vs {exact} (bound {bound})");
+        }
+    }
+}
+
+fn net(loss: f64, dup: f64, jitter_ns: u64) -> NetParams {
+    NetParams { loss, dup, jitter_ns }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn int32_exact_under_loss_dup_reorder(
+        workers in 1usize..=16,
+        len in prop_oneof![1usize..=10, 1usize..=5_000],
+        epp in prop_oneof![Just(64u16), Just(100u16), Just(1024u16)],
+        shards in 1u16..=3,
+        slots in 1u32..=16,
+        loss in 0.0f64..=0.3,
+        dup in 0.0f64..=0.1,
+        seed in any::<u64>(),
+    ) {
+        let cfg = Run { workers, shards, epp, window: slots, slots, net: net(loss, dup, 40_000), seed };
+        let inputs = int_inputs(workers, len, seed);
+        let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
+        check_int(&inputs, &outcomes);
+    }
+
+    #[test]
+    fn float32_within_bound_under_loss_dup_reorder(
+        workers in 1usize..=16,
+        len in 1usize..=5_000,
+        epp in prop_oneof![Just(64u16), Just(333u16), Just(1024u16)],
+        shards in 1u16..=3,
+        slots in 1u32..=16,
+        loss in 0.0f64..=0.3,
+        dup in 0.0f64..=0.1,
+        seed in any::<u64>(),
+    ) {
+        let cfg = Run { workers, shards, epp, window: slots, slots, net: net(loss, dup, 40_000), seed };
+        let inputs = float_inputs(workers, len, seed);
+        let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::F32).collect());
+        check_float(&inputs, &outcomes, epp as usize);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    /// Several allreduces of different sizes and dtypes back to back: the
+    /// block stream continues across generations and exponent lookahead never
+    /// leaks from one tensor into the next.
+    #[test]
+    fn consecutive_allreduces_in_one_session(
+        workers in 1usize..=6,
+        lens in proptest::collection::vec(1usize..=3_000, 1..=5),
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.2,
+        seed in any::<u64>(),
+    ) {
+        let epp = 64u16;
+        let cfg = Run { workers, shards: 2, epp, window: slots, slots, net: net(loss, 0.05, 30_000), seed };
+        let mut per_worker: Vec<Vec<Tensor>> = vec![Vec::new(); workers];
+        let mut refs = Vec::new();
+        for (k, len) in lens.iter().enumerate() {
+            if k % 2 == 0 {
+                let ins = float_inputs(workers, *len, seed + k as u64);
+                for (w, v) in ins.iter().enumerate() { per_worker[w].push(Tensor::F32(v.clone())); }
+                refs.push((true, ins.into_iter().map(|v| v.into_iter().map(|x| x.to_bits() as i32).collect()).collect::<Vec<Vec<i32>>>()));
+            } else {
+                let ins = int_inputs(workers, *len, seed + k as u64);
+                for (w, v) in ins.iter().enumerate() { per_worker[w].push(Tensor::I32(v.clone())); }
+                refs.push((false, ins));
+            }
+        }
+        let outcomes = run_many(&cfg, per_worker);
+        for (k, (is_float, ins)) in refs.iter().enumerate() {
+            let these: Vec<Outcome> = outcomes.iter().map(|o| o[k].clone()).collect();
+            if *is_float {
+                let floats: Vec<Vec<f32>> = ins.iter().map(|v| v.iter().map(|b| f32::from_bits(*b as u32)).collect()).collect();
+                check_float(&floats, &these, epp as usize);
+            } else {
+                check_int(ins, &these);
+            }
+        }
+    }
+}
+
+#[test]
+fn ten_million_int32_elements_with_loss() {
+    let cfg = Run { workers: 2, shards: 2, epp: 1024, window: 64, slots: 64, net: net(0.05, 0.01, 20_000), seed: 3 };
+    let inputs = int_inputs(2, 10_000_000, 3);
+    let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
+    check_int(&inputs, &outcomes);
+    assert!(outcomes[0].retransmissions > 0, "5% loss must cause retransmissions");
+}
+
+#[test]
+fn ten_million_float32_elements_with_loss() {
+    let cfg = Run { workers: 3, shards: 1, epp: 1024, window: 128, slots: 128, net: net(0.05, 0.01, 20_000), seed: 4 };
+    let inputs = float_inputs(3, 10_000_000, 4);
+    let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::F32).collect());
+    check_float(&inputs, &outcomes, 1024);
+}
+
+#[test]
+fn window_larger_than_slots_still_completes() {
+    // The switch refuses blocks whose slot is busy; retransmission recovers.
+    let cfg = Run { workers: 4, shards: 1, epp: 64, window: 32, slots: 4, net: net(0.0, 0.0, 1_000), seed: 5 };
+    let inputs = int_inputs(4, 3_000, 5);
+    let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
+    check_int(&inputs, &outcomes);
+}
+
+#[test]
+fn empty_tensor_completes_immediately() {
+    let cfg = Run { workers: 2, shards: 1, epp: 64, window: 4, slots: 4, net: net(0.0, 0.0, 0), seed: 6 };
+    let outcomes = run(&cfg, vec![Tensor::I32(vec![]), Tensor::I32(vec![])]);
+    assert!(outcomes.iter().all(|o| o.blocks == 0 && o.tensor.is_empty()));
+}
