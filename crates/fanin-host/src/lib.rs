@@ -1,0 +1,242 @@
+//! The host runtime: a thin driver that runs `fanin_proto::host::AllreduceSession`
+//! over a real UDP socket. It makes no protocol decisions; it moves datagrams
+//! and time between the socket and the machine.
+//!
+//! ```no_run
+//! use fanin_host::{Session, SessionOptions};
+//! use fanin_proto::host::Tensor;
+//! let mut s = Session::connect(SessionOptions::new("127.0.0.1:9000".parse().unwrap(), 1, 0)).unwrap();
+//! let out = s.allreduce(Tensor::F32(vec![1.0; 1 << 20])).unwrap();
+//! ```
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use fanin_proto::fault::DropInjector;
+use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, SessionError, Tensor};
+use fanin_proto::{Time, Transmit};
+use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
+use fanin_wire::value::JoinParams;
+
+/// How to reach the switch and how to behave.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// Data address of the switch's shard 0 (shard i is at port + i).
+    pub switch: SocketAddr,
+    pub session: SessionConfig,
+    /// Probability of dropping each datagram this worker sends (fault injection).
+    pub send_drop: f64,
+    pub seed: u64,
+    /// Socket buffer size requested, in bytes.
+    pub socket_buffer: usize,
+    /// Use UDP GSO/GRO when the kernel has them.
+    pub offload: bool,
+}
+
+impl SessionOptions {
+    pub fn new(switch: SocketAddr, job_id: u32, src_id: u16) -> Self {
+        Self {
+            switch,
+            session: SessionConfig::new(job_id, src_id),
+            send_drop: 0.0,
+            seed: 0,
+            socket_buffer: 8 << 20,
+            offload: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error("socket error: {0}")]
+    Io(#[from] io::Error),
+    #[error("invalid option: {0}")]
+    Option(String),
+}
+
+/// Statistics over the session's life.
+#[derive(Debug, Clone, Default)]
+pub struct SessionStats {
+    pub datagrams_sent: u64,
+    pub datagrams_received: u64,
+    pub dropped_by_fault_injection: u64,
+}
+
+/// A worker's connection to a fanin switch for one job.
+pub struct Session {
+    options: SessionOptions,
+    machine: AllreduceSession,
+    socket: BatchSocket,
+    rx: RecvBatch,
+    tx: SendBatch,
+    faults: DropInjector,
+    epoch: Instant,
+    params: JoinParams,
+    stats: SessionStats,
+}
+
+/// Sends through the batch, flushing when full; worker-send faults drop here.
+struct ShardTx<'a> {
+    switch: SocketAddr,
+    socket: &'a BatchSocket,
+    batch: &'a mut SendBatch,
+    faults: &'a mut DropInjector,
+    discard: Vec<u8>,
+    sent: u64,
+}
+
+impl Transmit<u16> for ShardTx<'_> {
+    fn push(&mut self, shard: u16, len: usize) -> &mut [u8] {
+        if self.faults.should_drop() {
+            self.discard.resize(len, 0);
+            return &mut self.discard[..len];
+        }
+        if self.batch.is_full() {
+            let _ = self.socket.send_batch(self.batch);
+        }
+        let mut dest = self.switch;
+        dest.set_port(self.switch.port().wrapping_add(shard));
+        self.sent += 1;
+        self.batch.push(dest, len)
+    }
+}
+
+impl Session {
+    /// Bind a socket, join the job and wait for the switch's answer (bounded
+    /// by `session.join_timeout`).
+    pub fn connect(options: SessionOptions) -> Result<Self, HostError> {
+        if !(0.0..=1.0).contains(&options.send_drop) {
+            return Err(HostError::Option(format!("send_drop {} is not a probability (0.0..=1.0)", options.send_drop)));
+        }
+        let bind_ip: IpAddr = match options.switch.ip() {
+            IpAddr::V4(ip) if ip.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(ip) if ip.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        };
+        let socket = BatchSocket::bind(SocketAddr::new(bind_ip, 0))?;
+        let _ = socket.set_buffer_sizes(options.socket_buffer, options.socket_buffer);
+        let mut tx = SendBatch::new(256);
+        if options.offload {
+            let _ = socket.enable_gro();
+            tx.set_gso(socket.gso_supported());
+        }
+        let epoch = Instant::now();
+        let machine = AllreduceSession::new(options.session.clone(), Time::ZERO);
+        let mut session = Self {
+            faults: DropInjector::new(options.send_drop, options.seed),
+            rx: RecvBatch::new(64, fanin_udp::GRO_SLOT_SIZE),
+            tx,
+            socket,
+            machine,
+            epoch,
+            params: JoinParams {
+                block_cnt_max: 0,
+                block_grad_max: 0,
+                block_exp_ms: 0,
+                incarnation: 0,
+                shard_count: 0,
+                next_block: 0,
+            },
+            stats: SessionStats::default(),
+            options,
+        };
+        loop {
+            session.step()?;
+            while let Some(ev) = session.machine.poll_event() {
+                match ev {
+                    Event::Joined(p) => {
+                        session.params = p;
+                        return Ok(session);
+                    }
+                    Event::Failed(e) => return Err(e.into()),
+                    Event::Completed(_) => {}
+                }
+            }
+        }
+    }
+
+    /// The job parameters the switch announced.
+    pub fn params(&self) -> &JoinParams {
+        &self.params
+    }
+
+    /// Number of sources in the job.
+    pub fn n_sources(&self) -> u16 {
+        self.machine.n_sources()
+    }
+
+    pub fn stats(&self) -> &SessionStats {
+        &self.stats
+    }
+
+    pub fn options(&self) -> &SessionOptions {
+        &self.options
+    }
+
+    /// Reduce `tensor` with every other member of the job; blocks until done
+    /// or failed (a silent switch fails after `session.dead_after`).
+    pub fn allreduce(&mut self, tensor: Tensor) -> Result<Outcome, HostError> {
+        let now = self.now();
+        self.machine.begin(now, tensor)?;
+        loop {
+            while let Some(ev) = self.machine.poll_event() {
+                match ev {
+                    Event::Completed(outcome) => return Ok(outcome),
+                    Event::Failed(e) => return Err(e.into()),
+                    Event::Joined(_) => {}
+                }
+            }
+            self.step()?;
+        }
+    }
+
+    fn now(&self) -> Time {
+        Time::from_nanos(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    /// One turn of the driver loop: transmit, wait for datagrams or the next
+    /// deadline, feed them in, fire timers.
+    fn step(&mut self) -> Result<(), HostError> {
+        let now = self.now();
+        let mut out = ShardTx {
+            switch: self.options.switch,
+            socket: &self.socket,
+            batch: &mut self.tx,
+            faults: &mut self.faults,
+            discard: Vec::new(),
+            sent: 0,
+        };
+        // Send everything the window allows, in bounded bursts.
+        while self.machine.poll_transmit(now, &mut out) > 0 {}
+        let sent = out.sent;
+        if !self.tx.is_empty() {
+            self.socket.send_batch(&mut self.tx)?;
+        }
+        self.stats.datagrams_sent += sent;
+        self.stats.dropped_by_fault_injection = self.faults.dropped();
+
+        let timeout = match self.machine.poll_timeout() {
+            Some(deadline) => deadline.saturating_since(self.now()),
+            None => Duration::from_millis(100),
+        };
+        // A zero timeout would make the socket block forever.
+        self.socket.set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;
+        let n = self.socket.recv_batch(&mut self.rx)?;
+        if n > 0 {
+            let now = self.now();
+            for (_, bytes) in self.rx.iter() {
+                self.stats.datagrams_received += 1;
+                self.machine.handle_datagram(now, bytes);
+            }
+        }
+        let now = self.now();
+        if self.machine.poll_timeout().is_some_and(|t| t <= now) {
+            self.machine.handle_timeout(now);
+        }
+        Ok(())
+    }
+}

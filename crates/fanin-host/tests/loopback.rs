@@ -1,0 +1,178 @@
+//! The real daemon (in-process threads, real UDP sockets on 127.0.0.1) and
+//! real worker sessions, with injected loss.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use fanin_host::{HostError, Session, SessionOptions};
+use fanin_proto::fault::SplitMix64;
+use fanin_proto::host::{SessionError, Tensor};
+use fanin_proto::job::JobMode;
+use fanin_switch::{DaemonConfig, FaultConfig, JobConfig, SwitchHandle};
+use fanin_wire::value::NackReason;
+
+fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
+    JobConfig {
+        job_id,
+        members: None,
+        sources: Some(sources),
+        block_cnt_max: 64,
+        block_grad_max: 1024,
+        block_exp_ms: 0,
+        mode,
+    }
+}
+
+fn start(shards: u16, loss: f64, jobs: Vec<JobConfig>) -> SwitchHandle {
+    let config = DaemonConfig {
+        data_addr: "127.0.0.1:0".parse().unwrap(),
+        shards,
+        control_addr: None,
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        faults: FaultConfig { ingress_drop: loss, egress_drop: loss / 2.0, seed: 11 },
+        jobs,
+        ..DaemonConfig::default()
+    };
+    SwitchHandle::start(config).expect("switch starts")
+}
+
+fn options(addr: SocketAddr, job: u32, rank: u16, loss: f64) -> SessionOptions {
+    let mut o = SessionOptions::new(addr, job, rank);
+    o.send_drop = loss;
+    o.seed = rank as u64 + 1;
+    o.session.rto_initial = Duration::from_millis(5);
+    o.session.rto_min = Duration::from_millis(2);
+    o
+}
+
+fn inputs_i32(rank: u16, len: usize) -> Vec<i32> {
+    let mut r = SplitMix64::new(rank as u64 * 7919 + 1);
+    (0..len).map(|_| r.next_u64() as i32).collect()
+}
+
+fn inputs_f32(rank: u16, len: usize) -> Vec<f32> {
+    let mut r = SplitMix64::new(rank as u64 * 104_729 + 3);
+    (0..len).map(|i| ((r.next_f64() - 0.5) * 2f64.powi((i % 31) as i32 - 15)) as f32).collect()
+}
+
+#[test]
+fn four_workers_int32_and_float32_with_loss_and_two_shards() {
+    let sw = start(2, 0.05, vec![job(1, 4, JobMode::Aggregate)]);
+    let addr = sw.data_addr();
+    let len = 300_001;
+    let handles: Vec<_> = (0..4u16)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut s = Session::connect(options(addr, 1, rank, 0.05)).unwrap();
+                let a = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap();
+                let b = s.allreduce(Tensor::F32(inputs_f32(rank, len))).unwrap();
+                (a, b)
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let mut expected = vec![0i32; len];
+    for r in 0..4 {
+        for (e, x) in expected.iter_mut().zip(inputs_i32(r, len)) {
+            *e = e.wrapping_add(x);
+        }
+    }
+    let first_f = &results[0].1.tensor;
+    for (a, b) in &results {
+        assert_eq!(a.tensor, Tensor::I32(expected.clone()));
+        assert_eq!(&b.tensor, first_f, "float results are bit-identical across workers");
+    }
+    let Tensor::F32(got) = first_f else { panic!() };
+    let ins: Vec<Vec<f32>> = (0..4).map(|r| inputs_f32(r, len)).collect();
+    for (blk, chunk) in got.chunks(1024).enumerate() {
+        let range = blk * 1024..blk * 1024 + chunk.len();
+        let e = ins.iter().map(|v| fanin_proto::bfp::block_exponent(&v[range.clone()]).unwrap()).max().unwrap();
+        let bound = fanin_proto::bfp::error_bound(e, 4);
+        for (i, g) in range.zip(chunk) {
+            let exact: f64 = ins.iter().map(|v| v[i] as f64).sum();
+            assert!((*g as f64 - exact).abs() <= bound + (g.abs() * f32::EPSILON) as f64);
+        }
+    }
+    let retrans: u64 = results.iter().map(|(a, b)| a.retransmissions + b.retransmissions).sum();
+    assert!(retrans > 0, "5% loss must show as retransmissions");
+    let c = sw.core().counters();
+    assert!(c.duplicate + c.results_resent > 0);
+    assert_eq!(c.malformed_total(), 0);
+    let metrics = sw.core().render_metrics();
+    assert!(metrics.contains("counter=\"accepted\""));
+}
+
+#[test]
+fn forward_mode_reflects_through_the_same_daemon() {
+    let sw = start(1, 0.0, vec![job(2, 2, JobMode::Forward)]);
+    let mut s = Session::connect(options(sw.data_addr(), 2, 1, 0.0)).unwrap();
+    let input = inputs_i32(1, 5000);
+    let out = s.allreduce(Tensor::I32(input.clone())).unwrap();
+    assert_eq!(out.tensor, Tensor::I32(input), "NoAggr returns each worker's own data");
+    assert!(sw.core().counters().forwarded >= 5);
+}
+
+#[test]
+fn unknown_job_and_non_member_fail_fast_with_the_reason() {
+    let sw = start(1, 0.0, vec![job(1, 2, JobMode::Aggregate)]);
+    let t = Instant::now();
+    let err = Session::connect(options(sw.data_addr(), 42, 0, 0.0)).err().unwrap();
+    assert!(matches!(err, HostError::Session(SessionError::Refused { reason: NackReason::UnknownJob, .. })), "{err}");
+    assert!(err.to_string().contains("unknown job"));
+    let err = Session::connect(options(sw.data_addr(), 1, 9, 0.0)).err().unwrap();
+    assert!(err.to_string().contains("not a member"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn dead_switch_fails_within_the_join_timeout() {
+    // a port where nothing listens
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = sock.local_addr().unwrap();
+    drop(sock);
+    let mut o = options(addr, 1, 0, 0.0);
+    o.session.join_timeout = Duration::from_millis(400);
+    let t = Instant::now();
+    let err = Session::connect(o).err().unwrap();
+    assert!(matches!(err, HostError::Session(SessionError::SwitchUnreachable(_))), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn switch_dying_mid_allreduce_fails_the_worker_after_dead_after() {
+    let sw = start(1, 0.0, vec![job(1, 2, JobMode::Aggregate)]);
+    let mut o = options(sw.data_addr(), 1, 0, 0.0);
+    o.session.dead_after = Duration::from_millis(500);
+    let mut s = Session::connect(o).unwrap();
+    sw.shutdown();
+    // rank 1 never comes and the switch is gone: bounded failure, no hang
+    let t = Instant::now();
+    let err = s.allreduce(Tensor::I32(vec![1; 10_000])).unwrap_err();
+    assert!(matches!(err, HostError::Session(SessionError::SwitchSilent { .. })), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn a_job_whose_worker_vanishes_does_not_disturb_another_job() {
+    let sw = start(1, 0.0, vec![job(1, 2, JobMode::Aggregate), job(2, 2, JobMode::Aggregate)]);
+    let addr = sw.data_addr();
+    // job 1: worker 0 sends, worker 1 never shows up
+    let mut o = options(addr, 1, 0, 0.0);
+    o.session.dead_after = Duration::from_millis(700);
+    let lonely = std::thread::spawn(move || {
+        let mut s = Session::connect(o).unwrap();
+        s.allreduce(Tensor::I32(vec![3; 50_000])).unwrap_err()
+    });
+    let workers: Vec<_> = (0..2u16)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let mut s = Session::connect(options(addr, 2, r, 0.0)).unwrap();
+                s.allreduce(Tensor::I32(vec![r as i32 + 1; 50_000])).unwrap()
+            })
+        })
+        .collect();
+    for w in workers {
+        assert_eq!(w.join().unwrap().tensor, Tensor::I32(vec![3; 50_000]));
+    }
+    assert!(matches!(lonely.join().unwrap(), HostError::Session(SessionError::SwitchSilent { .. })));
+}

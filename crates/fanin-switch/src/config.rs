@@ -1,0 +1,237 @@
+//! Daemon configuration (TOML file or JSON), validated with messages that
+//! name the offending field.
+
+use std::net::SocketAddr;
+
+use fanin_proto::job::{JobMode, JobSpec};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DaemonConfig {
+    /// Data-plane address of shard 0; shard `i` listens on port + i.
+    #[serde(default = "default_data_addr")]
+    pub data_addr: SocketAddr,
+    /// Run-to-completion processing threads, each owning one data port.
+    #[serde(default = "default_shards")]
+    pub shards: u16,
+    /// gRPC control API; `None` disables it.
+    #[serde(default = "default_control_addr")]
+    pub control_addr: Option<SocketAddr>,
+    /// Bearer token the control API requires, if any.
+    #[serde(default)]
+    pub control_token: Option<String>,
+    /// Prometheus text endpoint; `None` disables it.
+    #[serde(default = "default_metrics_addr")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Aggregation memory for all jobs together, in MiB.
+    #[serde(default = "default_memory_mb")]
+    pub memory_mb: u64,
+    /// Datagrams per receive/send batch.
+    #[serde(default = "default_batch")]
+    pub batch: usize,
+    /// Socket buffer size requested for each data socket, in bytes.
+    #[serde(default = "default_socket_buffer")]
+    pub socket_buffer: usize,
+    #[serde(default)]
+    pub faults: FaultConfig,
+    #[serde(default)]
+    pub jobs: Vec<JobConfig>,
+}
+
+/// Seeded fault injection on the switch's own ports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FaultConfig {
+    /// Probability of dropping each received datagram.
+    #[serde(default)]
+    pub ingress_drop: f64,
+    /// Probability of dropping each datagram the switch sends.
+    #[serde(default)]
+    pub egress_drop: f64,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// A job admitted at start-up.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    pub job_id: u32,
+    /// Explicit member source ids ...
+    #[serde(default)]
+    pub members: Option<Vec<u16>>,
+    /// ... or sources 0..n.
+    #[serde(default)]
+    pub sources: Option<u16>,
+    #[serde(default = "default_block_cnt_max")]
+    pub block_cnt_max: u32,
+    #[serde(default = "default_block_grad_max")]
+    pub block_grad_max: u32,
+    #[serde(default)]
+    pub block_exp_ms: u32,
+    #[serde(default)]
+    pub mode: JobMode,
+}
+
+fn default_data_addr() -> SocketAddr {
+    "127.0.0.1:9000".parse().expect("literal")
+}
+fn default_shards() -> u16 {
+    1
+}
+fn default_control_addr() -> Option<SocketAddr> {
+    Some("127.0.0.1:9100".parse().expect("literal"))
+}
+fn default_metrics_addr() -> Option<SocketAddr> {
+    Some("127.0.0.1:9101".parse().expect("literal"))
+}
+fn default_memory_mb() -> u64 {
+    1024
+}
+fn default_batch() -> usize {
+    64
+}
+fn default_socket_buffer() -> usize {
+    8 << 20
+}
+fn default_block_cnt_max() -> u32 {
+    256
+}
+fn default_block_grad_max() -> u32 {
+    1024
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {msg}")]
+    Read { path: String, msg: String },
+    #[error("invalid config: {0}")]
+    Parse(String),
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        serde_json::from_str("{}").expect("every field has a default")
+    }
+}
+
+impl DaemonConfig {
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let cfg: Self = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
+        let cfg: Self = serde_json::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn from_file(path: &str) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { path: path.to_string(), msg: e.to_string() })?;
+        if path.ends_with(".json") {
+            Self::from_json_str(&text)
+        } else {
+            Self::from_toml_str(&text)
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.shards == 0 || self.shards > 64 {
+            return bad(format!("shards = {} is out of range (1..=64)", self.shards));
+        }
+        if self.data_addr.port() as u32 + self.shards as u32 > 65_536 {
+            return bad(format!("data_addr port {} + {} shards exceeds 65535", self.data_addr.port(), self.shards));
+        }
+        if self.batch == 0 || self.batch > 1024 {
+            return bad(format!("batch = {} is out of range (1..=1024)", self.batch));
+        }
+        if self.memory_mb == 0 {
+            return bad("memory_mb must be at least 1".into());
+        }
+        for (name, p) in [("faults.ingress_drop", self.faults.ingress_drop), ("faults.egress_drop", self.faults.egress_drop)] {
+            if !(0.0..=1.0).contains(&p) {
+                return bad(format!("{name} = {p} is not a probability (0.0..=1.0)"));
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, job) in self.jobs.iter().enumerate() {
+            let spec = job.to_spec().map_err(|m| ConfigError::Invalid(format!("jobs[{i}]: {m}")))?;
+            spec.validate().map_err(|e| ConfigError::Invalid(format!("jobs[{i}]: {e}")))?;
+            if !seen.insert(job.job_id) {
+                return bad(format!("jobs[{i}]: job_id {} is defined twice", job.job_id));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl JobConfig {
+    pub fn to_spec(&self) -> Result<JobSpec, String> {
+        let members = match (&self.members, self.sources) {
+            (Some(m), None) => m.clone(),
+            (None, Some(n)) => (0..n).collect(),
+            (Some(_), Some(_)) => return Err("give either `members` or `sources`, not both".into()),
+            (None, None) => return Err("missing `members` (list of source ids) or `sources` (count)".into()),
+        };
+        Ok(JobSpec {
+            job_id: self.job_id,
+            members,
+            block_cnt_max: self.block_cnt_max,
+            block_grad_max: self.block_grad_max,
+            block_exp_ms: self.block_exp_ms,
+            mode: self.mode,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_a_full_file() {
+        let cfg = DaemonConfig::from_toml_str(
+            r#"
+            data_addr = "127.0.0.1:9500"
+            shards = 2
+            memory_mb = 64
+            [faults]
+            ingress_drop = 0.05
+            seed = 3
+            [[jobs]]
+            job_id = 1
+            sources = 4
+            [[jobs]]
+            job_id = 2
+            members = [0, 5]
+            block_cnt_max = 8
+            mode = "forward"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.shards, 2);
+        assert_eq!(cfg.jobs[0].to_spec().unwrap().members, vec![0, 1, 2, 3]);
+        assert_eq!(cfg.jobs[1].mode, JobMode::Forward);
+        assert_eq!(DaemonConfig::default().data_addr.port(), 9000);
+    }
+
+    #[test]
+    fn errors_say_what_is_wrong() {
+        let err = |t: &str| DaemonConfig::from_toml_str(t).unwrap_err().to_string();
+        assert!(err("shards = \"two\"").contains("invalid type"), "{}", err("shards = \"two\""));
+        assert!(err("shards = 0").contains("shards = 0 is out of range"));
+        assert!(err("bogus = 1").contains("unknown field `bogus`"));
+        assert!(err("[[jobs]]\nsources = 2").contains("missing field `job_id`"));
+        assert!(err("[[jobs]]\njob_id = 1").contains("jobs[0]: missing `members`"));
+        assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nblock_grad_max = 99999").contains("jobs[0]: job 1: block_grad_max 99999"));
+        assert!(err("[[jobs]]\njob_id = 1\nsources = 2\n[[jobs]]\njob_id = 1\nsources = 2").contains("defined twice"));
+        assert!(err("[faults]\ningress_drop = 1.5").contains("not a probability"));
+    }
+}

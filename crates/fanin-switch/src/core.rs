@@ -1,0 +1,352 @@
+//! Start-up, admission across shards, and shutdown.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fanin_proto::fault::DropInjector;
+use fanin_proto::job::JobSpec;
+use fanin_proto::switch::{AdmitError, Counters, ShardConfig, ValueSwitch};
+use fanin_udp::BatchSocket;
+
+use crate::config::DaemonConfig;
+use crate::metrics;
+use crate::shard::{Command, ShardStats, ShardThread};
+
+/// What the control API reports about a running switch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwitchInfo {
+    pub data_addr: SocketAddr,
+    pub shard_count: u16,
+    pub incarnation: u32,
+    pub memory_limit: u64,
+    pub memory_used: u64,
+    pub version: String,
+}
+
+/// Why admission failed, classified for the control API's status codes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitFailure {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Duplicate(String),
+    #[error("{0}")]
+    OutOfMemory(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("cannot bind data port {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot start metrics endpoint on {addr}: {source}")]
+    Metrics { addr: SocketAddr, source: std::io::Error },
+    #[error("job from the config file refused: {0}")]
+    Job(AdmitFailure),
+}
+
+struct ShardLink {
+    commands: Sender<Command>,
+    stats: Arc<ShardStats>,
+}
+
+/// The running switch as the control plane sees it.
+pub struct SwitchCore {
+    data_addr: SocketAddr,
+    shards: Vec<ShardLink>,
+    jobs: Mutex<BTreeMap<u32, JobSpec>>,
+    incarnation: u32,
+    memory_limit: u64,
+    started: Instant,
+}
+
+impl SwitchCore {
+    /// Admit a job on every shard, or on none.
+    pub fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure> {
+        spec.validate().map_err(|e| AdmitFailure::Invalid(e.to_string()))?;
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        if jobs.contains_key(&spec.job_id) {
+            return Err(AdmitFailure::Duplicate(format!("job {} already exists", spec.job_id)));
+        }
+        let mut admitted = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate() {
+            let (reply, answer) = mpsc::sync_channel(1);
+            let result = shard
+                .commands
+                .send(Command::AddJob(spec.clone(), reply))
+                .ok()
+                .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
+            match result {
+                Some(Ok(())) => admitted.push(i),
+                other => {
+                    for &j in &admitted {
+                        let (reply, answer) = mpsc::sync_channel(1);
+                        if self.shards[j].commands.send(Command::RemoveJob(spec.job_id, reply)).is_ok() {
+                            let _ = answer.recv_timeout(Duration::from_secs(5));
+                        }
+                    }
+                    return Err(match other {
+                        Some(Err(e @ AdmitError::OutOfMemory { .. })) => AdmitFailure::OutOfMemory(format!(
+                            "{e} (shard {i}; the switch has {} MiB for all jobs, split over {} shards)",
+                            self.memory_limit >> 20,
+                            self.shards.len()
+                        )),
+                        Some(Err(e @ AdmitError::Duplicate(_))) => AdmitFailure::Duplicate(e.to_string()),
+                        Some(Err(e)) => AdmitFailure::Invalid(e.to_string()),
+                        _ => AdmitFailure::Invalid(format!("shard {i} did not answer")),
+                    });
+                }
+            }
+        }
+        jobs.insert(spec.job_id, spec);
+        Ok(())
+    }
+
+    pub fn remove_job(&self, job_id: u32) -> Result<(), String> {
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        if jobs.remove(&job_id).is_none() {
+            return Err(format!("job {job_id} does not exist"));
+        }
+        for shard in &self.shards {
+            let (reply, answer) = mpsc::sync_channel(1);
+            if shard.commands.send(Command::RemoveJob(job_id, reply)).is_ok() {
+                let _ = answer.recv_timeout(Duration::from_secs(5));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn list_jobs(&self) -> Vec<JobSpec> {
+        self.jobs.lock().expect("jobs lock").values().cloned().collect()
+    }
+
+    pub fn info(&self) -> SwitchInfo {
+        SwitchInfo {
+            data_addr: self.data_addr,
+            shard_count: self.shards.len() as u16,
+            incarnation: self.incarnation,
+            memory_limit: self.memory_limit,
+            memory_used: self.shards.iter().map(|s| s.stats.memory_used.load(Ordering::Relaxed)).sum(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+
+    /// Counters summed over shards.
+    pub fn counters(&self) -> Counters {
+        let mut total = Counters::default();
+        for s in &self.shards {
+            total.merge(&s.stats.counters.lock().expect("counters lock"));
+        }
+        total
+    }
+
+    /// Prometheus text exposition of every counter, per shard.
+    pub fn render_metrics(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP fanin_switch_packets_total Datagrams by outcome and shard.\n");
+        out.push_str("# TYPE fanin_switch_packets_total counter\n");
+        for (i, s) in self.shards.iter().enumerate() {
+            let c = s.stats.counters.lock().expect("counters lock").clone();
+            c.visit(|name, reason, v| {
+                let reason = reason.map(|r| format!(",reason=\"{r}\"")).unwrap_or_default();
+                out.push_str(&format!("fanin_switch_packets_total{{shard=\"{i}\",counter=\"{name}\"{reason}}} {v}\n"));
+            });
+        }
+        out.push_str("# HELP fanin_switch_fault_dropped_total Datagrams dropped by fault injection.\n");
+        out.push_str("# TYPE fanin_switch_fault_dropped_total counter\n");
+        for (i, s) in self.shards.iter().enumerate() {
+            let ing = s.stats.fault_ingress_dropped.load(Ordering::Relaxed);
+            let eg = s.stats.fault_egress_dropped.load(Ordering::Relaxed);
+            out.push_str(&format!("fanin_switch_fault_dropped_total{{shard=\"{i}\",direction=\"ingress\"}} {ing}\n"));
+            out.push_str(&format!("fanin_switch_fault_dropped_total{{shard=\"{i}\",direction=\"egress\"}} {eg}\n"));
+        }
+        out.push_str("# TYPE fanin_switch_send_errors_total counter\n");
+        for (i, s) in self.shards.iter().enumerate() {
+            out.push_str(&format!(
+                "fanin_switch_send_errors_total{{shard=\"{i}\"}} {}\n",
+                s.stats.send_errors.load(Ordering::Relaxed)
+            ));
+        }
+        let info = self.info();
+        out.push_str("# TYPE fanin_switch_jobs gauge\n");
+        out.push_str(&format!("fanin_switch_jobs {}\n", self.jobs.lock().expect("jobs lock").len()));
+        out.push_str("# TYPE fanin_switch_memory_used_bytes gauge\n");
+        out.push_str(&format!("fanin_switch_memory_used_bytes {}\n", info.memory_used));
+        out.push_str("# TYPE fanin_switch_memory_limit_bytes gauge\n");
+        out.push_str(&format!("fanin_switch_memory_limit_bytes {}\n", info.memory_limit));
+        out.push_str("# TYPE fanin_switch_uptime_seconds gauge\n");
+        out.push_str(&format!("fanin_switch_uptime_seconds {:.3}\n", self.started.elapsed().as_secs_f64()));
+        out
+    }
+}
+
+/// A running switch: its shard threads, metrics endpoint and control plane.
+pub struct SwitchHandle {
+    core: Arc<SwitchCore>,
+    shutdown: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    metrics_addr: Option<SocketAddr>,
+}
+
+impl SwitchHandle {
+    /// Bind every port, start the shard threads and the metrics endpoint,
+    /// and admit the jobs of the config. Fails before anything runs if a port
+    /// is taken or a job is refused.
+    pub fn start(config: DaemonConfig) -> Result<Self, StartError> {
+        config.validate()?;
+        let sockets = bind_data_ports(config.data_addr, config.shards)?;
+        let data_addr = sockets[0].local_addr().map_err(|source| StartError::Bind { addr: config.data_addr, source })?;
+        let incarnation = new_incarnation();
+        let memory_limit = config.memory_mb << 20;
+        let per_shard = memory_limit / config.shards as u64;
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let epoch = Instant::now();
+        let channels: Vec<_> = (0..config.shards).map(|_| mpsc::channel::<Command>()).collect();
+        let senders: Vec<Sender<Command>> = channels.iter().map(|(tx, _)| tx.clone()).collect();
+        let mut links = Vec::new();
+        let mut threads = Vec::new();
+        for (i, ((_, rx), socket)) in channels.into_iter().zip(sockets).enumerate() {
+            let stats = Arc::new(ShardStats::default());
+            let _ = socket.set_buffer_sizes(config.socket_buffer, config.socket_buffer);
+            let _ = socket.enable_gro();
+            let seed = config.faults.seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64);
+            let shard = ShardThread {
+                switch: ValueSwitch::new(ShardConfig {
+                    shard: i as u16,
+                    shard_count: config.shards,
+                    incarnation,
+                    memory_limit: per_shard,
+                }),
+                socket,
+                commands: rx,
+                peers: senders.clone(),
+                stats: stats.clone(),
+                shutdown: shutdown.clone(),
+                epoch,
+                batch: config.batch,
+                ingress: DropInjector::new(config.faults.ingress_drop, seed),
+                egress: DropInjector::new(config.faults.egress_drop, seed ^ 0x5555),
+            };
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("fanin-shard-{i}"))
+                    .spawn(move || shard.run())
+                    .expect("spawn shard thread"),
+            );
+            links.push(ShardLink { commands: senders[i].clone(), stats });
+        }
+        let core = Arc::new(SwitchCore {
+            data_addr,
+            shards: links,
+            jobs: Mutex::new(BTreeMap::new()),
+            incarnation,
+            memory_limit,
+            started: epoch,
+        });
+        let mut handle = Self { core: core.clone(), shutdown: shutdown.clone(), threads, metrics_addr: None };
+        for job in &config.jobs {
+            let spec = job.to_spec().map_err(|m| StartError::Job(AdmitFailure::Invalid(m)))?;
+            if let Err(e) = core.admit_job(spec) {
+                handle.stop();
+                return Err(StartError::Job(e));
+            }
+        }
+        if let Some(addr) = config.metrics_addr {
+            match metrics::spawn(addr, core.clone(), shutdown.clone()) {
+                Ok((thread, bound)) => {
+                    handle.threads.push(thread);
+                    handle.metrics_addr = Some(bound);
+                }
+                Err(source) => {
+                    handle.stop();
+                    return Err(StartError::Metrics { addr, source });
+                }
+            }
+        }
+        Ok(handle)
+    }
+
+    pub fn core(&self) -> &Arc<SwitchCore> {
+        &self.core
+    }
+
+    pub fn data_addr(&self) -> SocketAddr {
+        self.core.data_addr
+    }
+
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// A flag that stops the switch when set (e.g. from a signal handler).
+    pub fn shutdown_flag(&self) -> Arc<AtomicBool> {
+        self.shutdown.clone()
+    }
+
+    fn stop(&mut self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    /// Stop every thread and wait for them (graceful: in-flight batches finish).
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    /// Block until the shutdown flag is set, then stop.
+    pub fn wait(mut self) {
+        while !self.shutdown.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.stop();
+    }
+}
+
+impl Drop for SwitchHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Bind `shards` consecutive ports starting at `base`. With port 0, pick a
+/// free ephemeral base and retry until a consecutive run is free.
+fn bind_data_ports(base: SocketAddr, shards: u16) -> Result<Vec<BatchSocket>, StartError> {
+    let attempts = if base.port() == 0 { 20 } else { 1 };
+    let mut last_err = None;
+    for _ in 0..attempts {
+        let first = match BatchSocket::bind(base) {
+            Ok(s) => s,
+            Err(source) => return Err(StartError::Bind { addr: base, source }),
+        };
+        let port = first.local_addr().map_err(|source| StartError::Bind { addr: base, source })?.port();
+        let mut sockets = vec![first];
+        for i in 1..shards {
+            let mut addr = base;
+            addr.set_port(port.wrapping_add(i));
+            match BatchSocket::bind(addr) {
+                Ok(s) => sockets.push(s),
+                Err(source) => {
+                    last_err = Some(StartError::Bind { addr, source });
+                    break;
+                }
+            }
+        }
+        if sockets.len() == shards as usize {
+            return Ok(sockets);
+        }
+    }
+    Err(last_err.expect("at least one attempt failed"))
+}
+
+fn new_incarnation() -> u32 {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(1);
+    ((nanos as u64 ^ (std::process::id() as u64) << 32) as u32) | 1
+}

@@ -1,0 +1,157 @@
+//! One run-to-completion shard thread: receive a batch, run every datagram
+//! through the shard's `ValueSwitch`, send the batch of replies.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, SyncSender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fanin_proto::fault::DropInjector;
+use fanin_proto::job::JobSpec;
+use fanin_proto::switch::{AdmitError, Counters, ValueSwitch, Verdict};
+use fanin_proto::{Time, Transmit};
+use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
+
+/// Requests from the control plane and from sibling shards.
+pub(crate) enum Command {
+    AddJob(JobSpec, SyncSender<Result<(), AdmitError>>),
+    RemoveJob(u32, SyncSender<bool>),
+    /// A datagram received by another shard for a block this shard owns.
+    Handover(SocketAddr, Vec<u8>),
+}
+
+/// What a shard publishes for metrics and the control API.
+#[derive(Default)]
+pub(crate) struct ShardStats {
+    pub counters: Mutex<Counters>,
+    pub memory_used: AtomicU64,
+    pub fault_ingress_dropped: AtomicU64,
+    pub fault_egress_dropped: AtomicU64,
+    pub send_errors: AtomicU64,
+    pub batches: AtomicU64,
+}
+
+pub(crate) struct ShardThread {
+    pub switch: ValueSwitch<SocketAddr>,
+    pub socket: BatchSocket,
+    pub commands: Receiver<Command>,
+    pub peers: Vec<Sender<Command>>,
+    pub stats: Arc<ShardStats>,
+    pub shutdown: Arc<AtomicBool>,
+    pub epoch: Instant,
+    pub batch: usize,
+    pub ingress: DropInjector,
+    pub egress: DropInjector,
+}
+
+/// Sends through the batch, flushing when it fills; egress faults drop here.
+struct SocketTx<'a> {
+    socket: &'a BatchSocket,
+    batch: &'a mut SendBatch,
+    egress: &'a mut DropInjector,
+    discard: &'a mut Vec<u8>,
+    stats: &'a ShardStats,
+}
+
+impl Transmit<SocketAddr> for SocketTx<'_> {
+    fn push(&mut self, dest: SocketAddr, len: usize) -> &mut [u8] {
+        if self.egress.should_drop() {
+            self.discard.resize(len, 0);
+            return &mut self.discard[..len];
+        }
+        if self.batch.is_full() {
+            flush(self.socket, self.batch, self.stats);
+        }
+        self.batch.push(dest, len)
+    }
+}
+
+fn flush(socket: &BatchSocket, batch: &mut SendBatch, stats: &ShardStats) {
+    if batch.is_empty() {
+        return;
+    }
+    if socket.send_batch(batch).is_err() {
+        stats.send_errors.fetch_add(1, Ordering::Relaxed);
+        batch.clear();
+    }
+}
+
+impl ShardThread {
+    pub fn run(mut self) {
+        let mut rx = RecvBatch::new(self.batch, fanin_udp::GRO_SLOT_SIZE);
+        let mut tx = SendBatch::new(self.batch * 8);
+        tx.set_gso(self.socket.gso_supported());
+        let mut discard = Vec::new();
+        // Short timeout so commands and shutdown are noticed promptly.
+        let _ = self.socket.set_read_timeout(Some(Duration::from_millis(5)));
+        while !self.shutdown.load(Ordering::Relaxed) {
+            self.drain_commands(&mut tx, &mut discard);
+            let n = match self.socket.recv_batch(&mut rx) {
+                Ok(n) => n,
+                Err(_) => 0,
+            };
+            if n > 0 {
+                let now = Time::from_nanos(self.epoch.elapsed().as_nanos() as u64);
+                let mut out = SocketTx {
+                    socket: &self.socket,
+                    batch: &mut tx,
+                    egress: &mut self.egress,
+                    discard: &mut discard,
+                    stats: &self.stats,
+                };
+                for (from, bytes) in rx.iter() {
+                    if self.ingress.should_drop() {
+                        continue;
+                    }
+                    if let Verdict::WrongShard(owner) = self.switch.handle_datagram(now, from, bytes, &mut out) {
+                        if let Some(peer) = self.peers.get(owner as usize) {
+                            let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                        }
+                    }
+                }
+                flush(&self.socket, &mut tx, &self.stats);
+                self.stats.batches.fetch_add(1, Ordering::Relaxed);
+            }
+            self.publish();
+        }
+        self.publish();
+    }
+
+    fn drain_commands(&mut self, tx: &mut SendBatch, discard: &mut Vec<u8>) {
+        loop {
+            match self.commands.try_recv() {
+                Ok(Command::AddJob(spec, reply)) => {
+                    let _ = reply.send(self.switch.add_job(spec));
+                }
+                Ok(Command::RemoveJob(id, reply)) => {
+                    let _ = reply.send(self.switch.remove_job(id));
+                }
+                Ok(Command::Handover(from, bytes)) => {
+                    let now = Time::from_nanos(self.epoch.elapsed().as_nanos() as u64);
+                    let mut out = SocketTx {
+                        socket: &self.socket,
+                        batch: tx,
+                        egress: &mut self.egress,
+                        discard,
+                        stats: &self.stats,
+                    };
+                    // A handed-over datagram is ours by construction; a second
+                    // hop cannot happen, so any verdict ends here.
+                    let _ = self.switch.handle_datagram(now, from, &bytes, &mut out);
+                    flush(&self.socket, tx, &self.stats);
+                }
+                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return,
+            }
+        }
+    }
+
+    fn publish(&self) {
+        if let Ok(mut c) = self.stats.counters.lock() {
+            c.clone_from(self.switch.counters());
+        }
+        self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
+        self.stats.fault_ingress_dropped.store(self.ingress.dropped(), Ordering::Relaxed);
+        self.stats.fault_egress_dropped.store(self.egress.dropped(), Ordering::Relaxed);
+    }
+}
