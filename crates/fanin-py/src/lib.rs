@@ -1,0 +1,281 @@
+//! Python bindings: `fanin._native`. The Python package `fanin` wraps these
+//! in its public API; nothing here makes protocol decisions.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use fanin_host::{HostError, Session as HostSession, SessionOptions};
+use fanin_proto::host::{Outcome, SessionError, Tensor};
+use fanin_switch::{DaemonConfig, SwitchHandle};
+
+create_exception!(_native, FaninError, PyRuntimeError, "A fanin operation failed.");
+create_exception!(_native, FaninTimeout, FaninError, "The switch did not answer in time.");
+create_exception!(_native, FaninRefused, FaninError, "The switch refused the request.");
+
+fn host_err(e: HostError) -> PyErr {
+    match &e {
+        HostError::Session(SessionError::SwitchUnreachable(_)) | HostError::Session(SessionError::SwitchSilent { .. }) => {
+            FaninTimeout::new_err(e.to_string())
+        }
+        HostError::Session(SessionError::Refused { .. }) | HostError::Session(SessionError::PacketTooLarge { .. }) => {
+            FaninRefused::new_err(e.to_string())
+        }
+        HostError::Session(SessionError::Config(_)) | HostError::Session(SessionError::NonFinite(_)) | HostError::Option(_) => {
+            PyValueError::new_err(e.to_string())
+        }
+        _ => FaninError::new_err(e.to_string()),
+    }
+}
+
+/// A worker's session with a fanin switch for one job (see `fanin.Session`).
+#[pyclass(module = "fanin._native", unsendable)]
+struct Session {
+    inner: HostSession,
+    last: Option<Outcome>,
+}
+
+#[pymethods]
+impl Session {
+    #[new]
+    #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
+                        rto_ms=20.0, rto_min_ms=2.0, rto_max_ms=500.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        switch: &str,
+        job_id: u32,
+        rank: u16,
+        elems_per_packet: u16,
+        window: u32,
+        send_drop: f64,
+        seed: u64,
+        rto_ms: f64,
+        rto_min_ms: f64,
+        rto_max_ms: f64,
+        join_timeout_s: f64,
+        dead_after_s: f64,
+        offload: bool,
+    ) -> PyResult<Self> {
+        let addr: SocketAddr = switch
+            .parse()
+            .map_err(|_| PyValueError::new_err(format!("switch address {switch:?} is not HOST:PORT (e.g. 127.0.0.1:9000)")))?;
+        let secs = |name: &str, v: f64| -> PyResult<Duration> {
+            if v.is_finite() && v > 0.0 {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(PyValueError::new_err(format!("{name} must be a positive number, got {v}")))
+            }
+        };
+        let mut o = SessionOptions::new(addr, job_id, rank);
+        o.session.elems_per_packet = elems_per_packet;
+        o.session.window = window;
+        o.session.rto_initial = secs("rto_ms", rto_ms / 1e3)?;
+        o.session.rto_min = secs("rto_min_ms", rto_min_ms / 1e3)?;
+        o.session.rto_max = secs("rto_max_ms", rto_max_ms / 1e3)?;
+        o.session.join_timeout = secs("join_timeout_s", join_timeout_s)?;
+        o.session.dead_after = secs("dead_after_s", dead_after_s)?;
+        o.send_drop = send_drop;
+        o.seed = seed;
+        o.offload = offload;
+        let inner = py.detach(|| HostSession::connect(o)).map_err(host_err)?;
+        Ok(Self { inner, last: None })
+    }
+
+    /// Sum `array` (int32 or float32, any shape) over every member of the job.
+    /// Returns a new array of the same shape and dtype. The GIL is released
+    /// while communicating.
+    fn allreduce<'py>(&mut self, py: Python<'py>, array: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let shape: Vec<usize>;
+        let tensor = if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, f32>>() {
+            shape = a.shape().to_vec();
+            Tensor::F32(a.as_array().iter().copied().collect())
+        } else if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, i32>>() {
+            shape = a.shape().to_vec();
+            Tensor::I32(a.as_array().iter().copied().collect())
+        } else {
+            let dtype = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
+            return Err(PyTypeError::new_err(format!(
+                "fanin allreduce takes a numpy array of int32 or float32 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
+            )));
+        };
+        let outcome = py.detach(|| self.inner.allreduce(tensor)).map_err(host_err)?;
+        let result = match &outcome.tensor {
+            Tensor::F32(v) => PyArray1::from_slice(py, v).reshape(shape)?.into_any(),
+            Tensor::I32(v) => PyArray1::from_slice(py, v).reshape(shape)?.into_any(),
+        };
+        self.last = Some(outcome);
+        Ok(result)
+    }
+
+    /// Statistics of the last allreduce: retransmissions, blocks, gen_id,
+    /// degraded_blocks [(block index, src_cnt)], min_src_cnt.
+    fn last_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(o) = &self.last else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("retransmissions", o.retransmissions)?;
+        d.set_item("blocks", o.blocks)?;
+        d.set_item("gen_id", o.gen_id)?;
+        d.set_item("degraded_blocks", o.degraded_blocks.clone())?;
+        d.set_item("min_src_cnt", o.min_src_cnt)?;
+        Ok(Some(d))
+    }
+
+    /// Number of sources (members) in the job.
+    #[getter]
+    fn n_sources(&self) -> u16 {
+        self.inner.n_sources()
+    }
+
+    /// The job parameters the switch announced when this worker joined.
+    #[getter]
+    fn params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = self.inner.params();
+        let d = PyDict::new(py);
+        d.set_item("block_cnt_max", p.block_cnt_max)?;
+        d.set_item("block_grad_max", p.block_grad_max)?;
+        d.set_item("block_exp_ms", p.block_exp_ms)?;
+        d.set_item("incarnation", p.incarnation)?;
+        d.set_item("shard_count", p.shard_count)?;
+        d.set_item("next_block", p.next_block)?;
+        Ok(d)
+    }
+
+    /// Datagram counters of this session.
+    fn socket_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("datagrams_sent", s.datagrams_sent)?;
+        d.set_item("datagrams_received", s.datagrams_received)?;
+        d.set_item("dropped_by_fault_injection", s.dropped_by_fault_injection)?;
+        Ok(d)
+    }
+}
+
+fn parse_config(config_json: &str) -> PyResult<DaemonConfig> {
+    DaemonConfig::from_json_str(config_json).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// A switch running inside this process on its own threads (embedded default,
+/// tests). `fanin switch` runs the same code in the foreground.
+#[pyclass(module = "fanin._native")]
+struct Switch {
+    handle: Option<SwitchHandle>,
+}
+
+impl Switch {
+    fn handle(&self) -> PyResult<&SwitchHandle> {
+        self.handle.as_ref().ok_or_else(|| FaninError::new_err("the switch was stopped"))
+    }
+}
+
+#[pymethods]
+impl Switch {
+    #[new]
+    fn new(py: Python<'_>, config_json: &str) -> PyResult<Self> {
+        let config = parse_config(config_json)?;
+        let handle = py.detach(|| SwitchHandle::start(config)).map_err(|e| FaninError::new_err(e.to_string()))?;
+        Ok(Self { handle: Some(handle) })
+    }
+
+    #[getter]
+    fn data_addr(&self) -> PyResult<String> {
+        Ok(self.handle()?.data_addr().to_string())
+    }
+
+    #[getter]
+    fn metrics_addr(&self) -> PyResult<Option<String>> {
+        Ok(self.handle()?.metrics_addr().map(|a| a.to_string()))
+    }
+
+    /// Admit a job: a JSON object with the fields of a config-file job.
+    fn admit_job(&self, py: Python<'_>, job_json: &str) -> PyResult<()> {
+        let job: fanin_switch::JobConfig =
+            serde_json::from_str(job_json).map_err(|e| PyValueError::new_err(format!("invalid job: {e}")))?;
+        let spec = job.to_spec().map_err(|m| PyValueError::new_err(format!("invalid job: {m}")))?;
+        let core = self.handle()?.core().clone();
+        py.detach(|| core.admit_job(spec)).map_err(|e| FaninRefused::new_err(e.to_string()))
+    }
+
+    fn remove_job(&self, py: Python<'_>, job_id: u32) -> PyResult<()> {
+        let core = self.handle()?.core().clone();
+        py.detach(|| core.remove_job(job_id)).map_err(FaninError::new_err)
+    }
+
+    /// Counters summed over shards, as {name: value} (malformed by reason as
+    /// "malformed.<reason>").
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.handle()?.core().counters();
+        let d = PyDict::new(py);
+        let mut err = None;
+        c.visit(|name, reason, v| {
+            let key = match reason {
+                Some(r) => format!("{name}.{r}"),
+                None => name.to_string(),
+            };
+            if let Err(e) = d.set_item(key, v) {
+                err = Some(e);
+            }
+        });
+        if let Some(e) = err {
+            return Err(e);
+        }
+        d.set_item("malformed", c.malformed_total())?;
+        Ok(d)
+    }
+
+    fn metrics_text(&self) -> PyResult<String> {
+        Ok(self.handle()?.core().render_metrics())
+    }
+
+    /// Stop the switch and join its threads.
+    fn stop(&mut self, py: Python<'_>) {
+        if let Some(h) = self.handle.take() {
+            py.detach(|| h.shutdown());
+        }
+    }
+}
+
+/// Run a switch in the foreground until SIGINT or SIGTERM (the `fanin switch`
+/// command). `on_ready(info: dict)` is called once the ports are bound.
+#[pyfunction]
+#[pyo3(signature = (config_json, on_ready=None))]
+fn run_switch(py: Python<'_>, config_json: &str, on_ready: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    let config = parse_config(config_json)?;
+    let handle = py.detach(|| SwitchHandle::start(config)).map_err(|e| FaninError::new_err(e.to_string()))?;
+    let flag = handle.shutdown_flag();
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, flag.clone())
+            .map_err(|e| FaninError::new_err(format!("cannot install signal handler: {e}")))?;
+    }
+    if let Some(cb) = on_ready {
+        let info = handle.core().info();
+        let d = PyDict::new(py);
+        d.set_item("data_addr", info.data_addr.to_string())?;
+        d.set_item("shards", info.shard_count)?;
+        d.set_item("incarnation", info.incarnation)?;
+        d.set_item("metrics_addr", handle.metrics_addr().map(|a| a.to_string()))?;
+        cb.call1((d,))?;
+    }
+    py.detach(|| handle.wait());
+    let _ = flag.load(Ordering::SeqCst);
+    Ok(())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Session>()?;
+    m.add_class::<Switch>()?;
+    m.add_function(wrap_pyfunction!(run_switch, m)?)?;
+    m.add("FaninError", m.py().get_type::<FaninError>())?;
+    m.add("FaninTimeout", m.py().get_type::<FaninTimeout>())?;
+    m.add("FaninRefused", m.py().get_type::<FaninRefused>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

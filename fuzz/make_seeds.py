@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Write the committed seed corpus under fuzz/corpus/<target>/.
+
+The seeds are valid messages: the golden vectors of
+crates/fanin-wire/src/value/tests.rs plus one of every message type, so each
+fuzzer starts past the magic/version/type checks. Re-run after a format
+change (`python3 fuzz/make_seeds.py`); it rewrites only the files it names.
+"""
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAGIC, VERSION = 0xFA17, 1
+CONTRIBUTION, RETRANSMISSION, RESULT, JOIN, JOIN_ACK, NACK = range(1, 7)
+FINAL, DEGRADED, EXP_ONLY = 0x08, 0x04, 0x02
+
+
+def header(msg_type, *, age_op=0, flags=0, dtype=0, src_id=0, src_cnt=0, gen_id=0,
+           job_id=0, block_id=0, grad_cnt=0, exp=-128, next_exp=-128):
+    return struct.pack(">HBBBBHHHIIHbb", MAGIC, VERSION, msg_type, (age_op << 4) | flags,
+                       dtype, src_id, src_cnt, gen_id, job_id, block_id, grad_cnt, exp, next_exp)
+
+
+def elements(*values):
+    return struct.pack(">%di" % len(values), *values)
+
+
+def join_params(block_cnt_max, block_grad_max, block_exp_ms, incarnation, shard_count, next_block):
+    return struct.pack(">IIIIHHI", block_cnt_max, block_grad_max, block_exp_ms, incarnation,
+                       shard_count, 0, next_block)
+
+
+def nack(reason, detail):
+    return struct.pack(">HHI", reason, 0, detail)
+
+
+JOIN_ACK_BODY = join_params(256, 1024, 10, 0xDEADBEEF, 2, 4096)
+NACK_BODY = nack(2, 17)
+
+SEEDS = {
+    "value_packet": {
+        # golden vectors (value/tests.rs)
+        "golden-contribution": header(CONTRIBUTION, flags=FINAL, dtype=1, src_id=3, gen_id=7,
+                                      job_id=0x01020304, block_id=0x0A0B0C0D, grad_cnt=2,
+                                      exp=5, next_exp=-2) + elements(1, -1),
+        "golden-result": header(RESULT, age_op=1, flags=DEGRADED, src_cnt=3, gen_id=0xFFFF,
+                                job_id=42, block_id=0xFFFFFFFF, grad_cnt=1) + elements(0x7FFFFFFF),
+        "golden-join-ack": header(JOIN_ACK, src_id=2, src_cnt=4, job_id=9) + JOIN_ACK_BODY,
+        "golden-nack": header(NACK, src_id=17, job_id=9) + NACK_BODY,
+        # one of every other shape
+        "join": header(JOIN, src_id=1, src_cnt=4, job_id=9),
+        "retransmission-exp-only": header(RETRANSMISSION, flags=EXP_ONLY, dtype=3, src_id=1,
+                                          job_id=9, block_id=5, exp=3, next_exp=4),
+        "result-bfloat16-final": header(RESULT, flags=FINAL, dtype=3, src_cnt=4, gen_id=1,
+                                        job_id=9, block_id=6, grad_cnt=4, exp=-3)
+        + elements(0, 1, -2, -0x80000000),
+        "contribution-float16-empty": header(CONTRIBUTION, dtype=2, src_id=2, job_id=1),
+    },
+    "join_params": {
+        "golden-join-ack-body": JOIN_ACK_BODY,
+        "max": join_params(0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFF, 0xFFFFFFFF),
+        "zero": join_params(0, 0, 0, 0, 0, 0),
+    },
+    "nack": {
+        "golden-nack-body": NACK_BODY,
+        "too-many-elements": nack(3, 1024),
+        "block-out-of-window": nack(6, 0xFFFFFFFF),
+        "shape-mismatch": nack(8, 256),
+    },
+    "preamble": {
+        "contribution": struct.pack(">HBB", MAGIC, VERSION, CONTRIBUTION),
+        "retransmission": struct.pack(">HBB", MAGIC, VERSION, RETRANSMISSION),
+        "result": struct.pack(">HBB", MAGIC, VERSION, RESULT),
+        "join": struct.pack(">HBB", MAGIC, VERSION, JOIN),
+        "join-ack": struct.pack(">HBB", MAGIC, VERSION, JOIN_ACK),
+        "nack": struct.pack(">HBB", MAGIC, VERSION, NACK),
+    },
+}
+
+assert len(SEEDS["value_packet"]["golden-contribution"]) == 32
+assert len(SEEDS["value_packet"]["golden-join-ack"]) == 48
+
+for target, seeds in SEEDS.items():
+    folder = os.path.join(HERE, "corpus", target)
+    os.makedirs(folder, exist_ok=True)
+    for name, data in seeds.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)

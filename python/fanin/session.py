@@ -1,0 +1,113 @@
+"""The worker-side API: join a job on a switch and allreduce numpy arrays."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from fanin import _native
+
+__all__ = ["Session"]
+
+
+class Session:
+    """A worker's session with a fanin switch for one job.
+
+    Joining is synchronous: the constructor asks the switch for the job's
+    parameters and fails with :class:`fanin.FaninRefused` (unknown job, not a
+    member, packets larger than the job allows) or :class:`fanin.FaninTimeout`
+    (no switch answering within ``join_timeout_s``).
+
+    Guarantee: every member of the job receives the same result for each
+    block, bit for bit. int32 sums are exact (wrapping on overflow, like
+    two's complement hardware). float32 travels as block floating point: the
+    error of each element is at most ``N * 2**(e - B - 1)`` plus the final
+    float32 rounding, where ``e`` is the block's shared exponent and
+    ``B = 30 - ceil(log2 N)`` (see docs/protocol.md).
+
+    Args:
+        switch: ``"HOST:PORT"`` of the switch's data port (shard 0).
+        job_id: the job, as admitted on the switch.
+        rank: this worker's source id in the job.
+        elems_per_packet: elements per packet (at most the job's block_grad_max).
+        window: blocks in flight (clamped to the job's block_cnt_max).
+        send_drop: probability of dropping each datagram this worker sends
+            (fault injection for tests and benchmarks), with ``seed``.
+        rto_ms, rto_min_ms, rto_max_ms: retransmission timeout (initial, bounds).
+        join_timeout_s: give up joining after this long.
+        dead_after_s: fail an allreduce when the switch is silent this long.
+
+    Example::
+
+        s = fanin.Session("127.0.0.1:9000", job_id=1, rank=0)
+        total = s.allreduce(np.ones(1000, dtype=np.float32))
+    """
+
+    def __init__(
+        self,
+        switch: str,
+        job_id: int,
+        rank: int,
+        *,
+        elems_per_packet: int = 1024,
+        window: int = 256,
+        send_drop: float = 0.0,
+        seed: int = 0,
+        rto_ms: float = 20.0,
+        rto_min_ms: float = 2.0,
+        rto_max_ms: float = 500.0,
+        join_timeout_s: float = 5.0,
+        dead_after_s: float = 10.0,
+        offload: bool = True,
+    ) -> None:
+        self._native = _native.Session(
+            switch,
+            job_id,
+            rank,
+            elems_per_packet=elems_per_packet,
+            window=window,
+            send_drop=send_drop,
+            seed=seed,
+            rto_ms=rto_ms,
+            rto_min_ms=rto_min_ms,
+            rto_max_ms=rto_max_ms,
+            join_timeout_s=join_timeout_s,
+            dead_after_s=dead_after_s,
+            offload=offload,
+        )
+        self.switch = switch
+        self.job_id = job_id
+        self.rank = rank
+
+    def allreduce(self, array: np.ndarray) -> np.ndarray:
+        """Return the element-wise sum of ``array`` over every member.
+
+        ``array`` must be int32 or float32 (any shape; it is not modified).
+        The GIL is released while the switch aggregates, so other Python
+        threads keep running.
+        """
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")
+        return self._native.allreduce(array)
+
+    @property
+    def last_stats(self) -> Optional[dict[str, Any]]:
+        """Statistics of the last allreduce: ``retransmissions``, ``blocks``,
+        ``gen_id``, ``degraded_blocks`` (list of ``(block, src_cnt)``) and
+        ``min_src_cnt``."""
+        return self._native.last_stats()
+
+    @property
+    def n_sources(self) -> int:
+        """Number of members in the job."""
+        return self._native.n_sources
+
+    @property
+    def params(self) -> dict[str, int]:
+        """Job parameters announced by the switch at join time."""
+        return self._native.params
+
+    def socket_stats(self) -> dict[str, int]:
+        """Datagrams sent, received and dropped by fault injection."""
+        return self._native.socket_stats()

@@ -1,0 +1,137 @@
+"""Running a switch: in this process (embedded default, tests) or configured
+for ``fanin switch``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Optional
+
+from fanin import _native
+
+__all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config"]
+
+
+def job_config(
+    job_id: int,
+    sources: Optional[int] = None,
+    members: Optional[Iterable[int]] = None,
+    *,
+    block_cnt_max: int = 256,
+    block_grad_max: int = 1024,
+    block_exp_ms: int = 0,
+    mode: str = "aggregate",
+) -> dict[str, Any]:
+    """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
+
+    Give either ``sources`` (members 0..n-1) or ``members`` (explicit ids).
+    ``mode="forward"`` is the NoAggr baseline: contributions are returned to
+    their sender without aggregation.
+    """
+    job: dict[str, Any] = {
+        "job_id": job_id,
+        "block_cnt_max": block_cnt_max,
+        "block_grad_max": block_grad_max,
+        "block_exp_ms": block_exp_ms,
+        "mode": mode,
+    }
+    if members is not None:
+        job["members"] = list(members)
+    if sources is not None:
+        job["sources"] = sources
+    return job
+
+
+def switch_config(
+    *,
+    data_addr: str = "127.0.0.1:9000",
+    shards: int = 1,
+    control_addr: Optional[str] = "127.0.0.1:9100",
+    metrics_addr: Optional[str] = "127.0.0.1:9101",
+    memory_mb: int = 1024,
+    ingress_drop: float = 0.0,
+    egress_drop: float = 0.0,
+    seed: int = 0,
+    batch: int = 64,
+    jobs: Iterable[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    """The daemon configuration (the same fields as the TOML config file)."""
+    return {
+        "data_addr": data_addr,
+        "shards": shards,
+        "control_addr": control_addr,
+        "metrics_addr": metrics_addr,
+        "memory_mb": memory_mb,
+        "batch": batch,
+        "faults": {"ingress_drop": ingress_drop, "egress_drop": egress_drop, "seed": seed},
+        "jobs": list(jobs),
+    }
+
+
+class LocalSwitch:
+    """A fanin switch running on background threads of this process.
+
+    It is the real daemon (same shard threads, sockets and counters as
+    ``fanin switch``), so tests and the embedded default exercise shipped code.
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._switch = _native.Switch(json.dumps(config))
+
+    @property
+    def data_addr(self) -> str:
+        return self._switch.data_addr
+
+    @property
+    def metrics_addr(self) -> Optional[str]:
+        return self._switch.metrics_addr
+
+    def admit_job(self, job: dict[str, Any]) -> None:
+        self._switch.admit_job(json.dumps(job))
+
+    def remove_job(self, job_id: int) -> None:
+        self._switch.remove_job(job_id)
+
+    def counters(self) -> dict[str, int]:
+        return self._switch.counters()
+
+    def metrics_text(self) -> str:
+        return self._switch.metrics_text()
+
+    def stop(self) -> None:
+        self._switch.stop()
+
+    def __enter__(self) -> "LocalSwitch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def local_switch(
+    workers: int = 1,
+    *,
+    job_id: int = 1,
+    shards: int = 1,
+    block_cnt_max: int = 256,
+    block_grad_max: int = 1024,
+    ingress_drop: float = 0.0,
+    egress_drop: float = 0.0,
+    seed: int = 0,
+    extra_jobs: Iterable[dict[str, Any]] = (),
+) -> LocalSwitch:
+    """Start a switch on an ephemeral loopback port with one job of
+    ``workers`` sources; no control API or metrics ports are opened."""
+    jobs = [job_config(job_id, workers, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max)]
+    jobs += list(extra_jobs)
+    return LocalSwitch(
+        switch_config(
+            data_addr="127.0.0.1:0",
+            shards=shards,
+            control_addr=None,
+            metrics_addr=None,
+            ingress_drop=ingress_drop,
+            egress_drop=egress_drop,
+            seed=seed,
+            jobs=jobs,
+        )
+    )
