@@ -1,0 +1,250 @@
+//! `BatchSocket`: a `std::net::UdpSocket` plus the batch syscalls and the
+//! socket options that make them fast.
+
+use std::io;
+use std::mem;
+use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crate::recv::{RecvBatch, GRO_SLOT_SIZE};
+use crate::send::{GsoState, SendBatch};
+
+/// A UDP socket (IPv4 or IPv6) that receives and sends in batches.
+///
+/// All methods take `&self`, so one socket can be shared (e.g. in an `Arc`)
+/// by a receiving thread and sending threads; each thread brings its own
+/// [`RecvBatch`] / [`SendBatch`]. Blocking behaviour is the socket's: by
+/// default receives block, bounded by [`set_read_timeout`].
+///
+/// [`set_read_timeout`]: BatchSocket::set_read_timeout
+#[derive(Debug)]
+pub struct BatchSocket {
+    socket: UdpSocket,
+    /// Bound to an IPv6 address: IPv4 destinations must be v4-mapped.
+    is_v6: bool,
+    gso: GsoState,
+    gro: AtomicBool,
+}
+
+impl BatchSocket {
+    /// Binds a new socket to `addr`. An IPv6 wildcard bind is dual-stack
+    /// unless the system sets `net.ipv6.bindv6only`.
+    pub fn bind(addr: SocketAddr) -> io::Result<Self> {
+        Self::from_std(UdpSocket::bind(addr)?)
+    }
+
+    /// Wraps a bound socket, keeping its blocking mode and options, and
+    /// probes GSO support.
+    ///
+    /// The probe sets the socket-wide `UDP_SEGMENT` default to 0 (off), so
+    /// a default segment size set earlier on `socket` is cleared; GSO is
+    /// requested per message instead.
+    pub fn from_std(socket: UdpSocket) -> io::Result<Self> {
+        let is_v6 = socket.local_addr()?.is_ipv6();
+        // Kernels without UDP GSO (< 4.18) reject the option; 0 is the
+        // default value, so the probe changes nothing where it succeeds.
+        let gso = setsockopt_int(socket.as_raw_fd(), libc::SOL_UDP, libc::UDP_SEGMENT, 0).is_ok();
+        Ok(BatchSocket {
+            socket,
+            is_v6,
+            gso: GsoState::new(gso),
+            gro: AtomicBool::new(false),
+        })
+    }
+
+    /// The underlying std socket, for anything not covered here (plain
+    /// `send_to`, `connect`, other options).
+    pub fn as_std(&self) -> &UdpSocket {
+        &self.socket
+    }
+
+    /// The address the socket is bound to.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.socket.local_addr()
+    }
+
+    /// Sets the kernel receive and send buffer sizes in bytes.
+    ///
+    /// Bursts from many workers arriving at once are what overflow a
+    /// switch's receive buffer, and the default (~200 KiB) holds only about
+    /// a hundred datagrams. The `*BUFFORCE` options ignore the
+    /// `net.core.{r,w}mem_max` caps but need `CAP_NET_ADMIN`; without it the
+    /// plain options are used, which the kernel silently caps. The kernel
+    /// doubles the value for bookkeeping; see [`buffer_sizes`].
+    ///
+    /// [`buffer_sizes`]: BatchSocket::buffer_sizes
+    pub fn set_buffer_sizes(&self, recv: usize, send: usize) -> io::Result<()> {
+        let fd = self.socket.as_raw_fd();
+        let clamp = |v: usize| libc::c_int::try_from(v).unwrap_or(libc::c_int::MAX);
+        for (force, plain, size) in [
+            (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF, recv),
+            (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF, send),
+        ] {
+            let size = clamp(size);
+            if setsockopt_int(fd, libc::SOL_SOCKET, force, size).is_err() {
+                setsockopt_int(fd, libc::SOL_SOCKET, plain, size)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel's current `(receive, send)` buffer sizes, as reported by
+    /// `SO_RCVBUF`/`SO_SNDBUF` (twice what was set, capped by sysctls).
+    pub fn buffer_sizes(&self) -> io::Result<(usize, usize)> {
+        let fd = self.socket.as_raw_fd();
+        let recv = getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF)?;
+        let send = getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF)?;
+        Ok((recv.max(0) as usize, send.max(0) as usize))
+    }
+
+    /// Bounds how long [`recv_batch`](Self::recv_batch) waits for the first
+    /// datagram; `None` waits forever. Like std, `Some(Duration::ZERO)` is an
+    /// error: use [`set_nonblocking`](Self::set_nonblocking) to poll.
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.socket.set_read_timeout(timeout)
+    }
+
+    /// Switches non-blocking mode: receives return 0 at once when nothing
+    /// is queued (for use under epoll or a busy-poll loop).
+    pub fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
+        self.socket.set_nonblocking(nonblocking)
+    }
+
+    /// Turns on UDP GRO: the kernel may hand over several datagrams of one
+    /// flow as one buffer, which [`RecvBatch::iter`] splits again. Returns
+    /// `Ok(false)` when the kernel does not support it (< 5.0).
+    ///
+    /// Once it is on, receive batches need slots of [`GRO_SLOT_SIZE`]
+    /// bytes, since a coalesced buffer can be that large;
+    /// [`recv_batch`](Self::recv_batch) rejects smaller ones.
+    pub fn enable_gro(&self) -> io::Result<bool> {
+        match setsockopt_int(self.socket.as_raw_fd(), libc::SOL_UDP, libc::UDP_GRO, 1) {
+            Ok(()) => {
+                self.gro.store(true, Ordering::Relaxed);
+                Ok(true)
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOPROTOOPT | libc::EINVAL)) => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether [`enable_gro`](Self::enable_gro) succeeded on this socket.
+    pub fn gro_enabled(&self) -> bool {
+        self.gro.load(Ordering::Relaxed)
+    }
+
+    /// Whether sends may use UDP GSO: the kernel supports it (probed once,
+    /// at construction) and no send has found the route unable to offload
+    /// it (after which it stays off for this socket).
+    pub fn gso_supported(&self) -> bool {
+        self.gso.enabled()
+    }
+
+    /// Receives what is queued into `batch` with one `recvmmsg`: waits up to
+    /// the read timeout for the first datagram, then takes whatever else is
+    /// already there, up to the batch capacity, without waiting further.
+    ///
+    /// Returns the number of datagrams [`RecvBatch::iter`] will yield (GRO
+    /// segments counted singly). A timeout, a would-block on a non-blocking
+    /// socket, a signal, or an ICMP error queued on a connected socket all
+    /// return `Ok(0)`, so a receive loop only needs to handle real faults.
+    ///
+    /// Fails with `InvalidInput` when GRO is on and the batch's slots are
+    /// smaller than [`GRO_SLOT_SIZE`], which would lose coalesced data.
+    pub fn recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        if self.gro_enabled() && batch.slot_size() < GRO_SLOT_SIZE - 1 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "GRO is enabled: RecvBatch slots must be at least GRO_SLOT_SIZE - 1 bytes",
+            ));
+        }
+        batch.recv_from_fd(self.socket.as_raw_fd(), self.gro_enabled())
+    }
+
+    /// Sends every datagram queued in `batch`, in order, then clears it
+    /// (also on error). Returns how many datagrams the kernel accepted.
+    ///
+    /// Uses as few `sendmmsg` calls as the kernel allows, resuming after
+    /// partial sends. With [`SendBatch::set_gso`] on and GSO supported, runs
+    /// of datagrams to one destination with one length (the last may be
+    /// shorter) go out as single UDP GSO messages of up to
+    /// [`MAX_GSO_SEGMENTS`] segments and [`MAX_GSO_BYTES`] bytes; if the
+    /// kernel refuses one (no checksum offload, segment above the path MTU)
+    /// it is resent plainly and the limit remembered.
+    ///
+    /// Failures are handled like a router would:
+    /// - `EINTR` is retried at once; `EAGAIN`/`ENOBUFS` (full queue) are
+    ///   retried with a backoff of about 2 ms in total, after which the rest
+    ///   of the batch is dropped;
+    /// - a datagram refused for its own reason (unreachable destination,
+    ///   wrong address family, too large) is dropped and the rest still go;
+    /// - the call returns `Err` (the first error seen) only if nothing at all
+    ///   was sent; otherwise `len() - returned` datagrams were dropped.
+    ///
+    /// [`MAX_GSO_SEGMENTS`]: crate::MAX_GSO_SEGMENTS
+    /// [`MAX_GSO_BYTES`]: crate::MAX_GSO_BYTES
+    pub fn send_batch(&self, batch: &mut SendBatch) -> io::Result<usize> {
+        batch.send_on_fd(self.socket.as_raw_fd(), self.is_v6, &self.gso)
+    }
+}
+
+impl AsRawFd for BatchSocket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
+impl AsFd for BatchSocket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+}
+
+fn setsockopt_int(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: `value` is a live c_int for the duration of the call and the
+    // length passed is exactly its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            std::ptr::from_ref(&value).cast(),
+            mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn getsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    let mut len = mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `value` and `len` are live locals; `len` tells the kernel how
+    // many bytes it may write into `value`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            level,
+            name,
+            std::ptr::from_mut(&mut value).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 {
+        Ok(value)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

@@ -1,0 +1,3 @@
+from fanin.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""Run fanin allreduce in real worker processes against a switch process,
+aggregation and the NoAggr baseline side by side in the same run."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import queue as queue_mod
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from fanin.proc import SwitchProcess, check_result, worker_inputs
+from fanin.switch import job_config, switch_config
+
+AGGR_JOB = 1
+NOAGGR_JOB = 2
+
+
+@dataclass
+class AllreduceParams:
+    workers: int = 4
+    elements: int = 25_000_000
+    dtype: str = "float32"
+    elems_per_packet: int = 1024
+    window: int = 256
+    loss: float = 0.0
+    iters: int = 5
+    shards: int = 1
+    seed: int = 1
+    verify: bool = True
+    noaggr: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.workers < 1 or self.workers > 256:
+            raise ValueError(f"--workers {self.workers} is out of range (1..256)")
+        if self.dtype not in ("float32", "int32"):
+            raise ValueError(f"--dtype must be float32 or int32, not {self.dtype!r}")
+        if not 1 <= self.elems_per_packet <= 16370:
+            raise ValueError(f"--elems-per-packet {self.elems_per_packet} is out of range (1..16370)")
+        if self.window < 1:
+            raise ValueError("--window must be at least 1")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"--loss {self.loss} is not a probability below 1")
+        if self.iters < 1:
+            raise ValueError("--iters must be at least 1")
+        if self.elements < 1:
+            raise ValueError("--size must be at least one element")
+
+
+@dataclass
+class AllreduceRun:
+    params: AllreduceParams
+    fanin_times: list[float] = field(default_factory=list)
+    noaggr_times: list[float] = field(default_factory=list)
+    retransmissions: int = 0
+    verified: bool = False
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        p = self.params
+        nbytes = p.elements * 4
+        med = statistics.median(self.fanin_times)
+        out: dict[str, Any] = {
+            "workers": p.workers,
+            "size_bytes": nbytes,
+            "elements": p.elements,
+            "dtype": p.dtype,
+            "elems_per_packet": p.elems_per_packet,
+            "window": p.window,
+            "loss": p.loss,
+            "shards": p.shards,
+            "iters": p.iters,
+            "median_s": med,
+            "times_s": self.fanin_times,
+            "goodput_gbps": nbytes * 8 / med / 1e9,
+            "elements_per_s": p.elements / med,
+            "retransmissions": self.retransmissions,
+            "verified": self.verified,
+            "max_abs_error": max((c.get("max_abs_error", 0) for c in self.checks), default=None),
+            "switch_counters": {k: v for k, v in self.counters.items() if v and not k.startswith("malformed.")},
+        }
+        if self.noaggr_times:
+            nmed = statistics.median(self.noaggr_times)
+            out["noaggr_median_s"] = nmed
+            out["noaggr_times_s"] = self.noaggr_times
+            out["ratio_vs_noaggr"] = nmed / med
+        return out
+
+
+def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
+    try:
+        from fanin import Session
+
+        kw = dict(elems_per_packet=p.elems_per_packet, window=p.window, send_drop=p.loss, seed=p.seed * 1000 + rank)
+        aggr = Session(switch, AGGR_JOB, rank, **kw)
+        noaggr = Session(switch, NOAGGR_JOB, rank, **kw) if p.noaggr else None
+        x = worker_inputs(rank, p.elements, p.dtype)
+        sync = np.zeros(1, dtype=np.int32)
+        report: dict[str, Any] = {"rank": rank, "ok": True}
+        # Correctness first, outside the timed loop.
+        out = aggr.allreduce(x)
+        report["digest"] = hashlib.sha256(out.tobytes()).hexdigest()
+        if p.verify:
+            report["check"] = check_result(out, p.workers, p.dtype, p.elems_per_packet)
+        del out
+        times: dict[str, list[float]] = {"fanin": [], "noaggr": []}
+        retrans = 0
+        for i in range(p.iters):
+            order = [("fanin", aggr), ("noaggr", noaggr)]
+            if i % 2:
+                order.reverse()
+            for name, sess in order:
+                if sess is None:
+                    continue
+                aggr.allreduce(sync)  # barrier: everyone starts together
+                t0 = time.perf_counter()
+                sess.allreduce(x)
+                times[name].append(time.perf_counter() - t0)
+                if name == "fanin":
+                    retrans += sess.last_stats["retransmissions"]
+            if rank == 0:
+                results.put({"progress": i + 1})
+        report["times"] = times
+        report["retransmissions"] = retrans
+        results.put(report)
+    except BaseException as e:  # reported to the parent, which fails the run
+        results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
+    """Start a switch process and `p.workers` worker processes; time fanin and
+    NoAggr allreduce alternately; verify every worker's first result."""
+    p.validate()
+    jobs = [
+        job_config(AGGR_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet),
+        job_config(NOAGGR_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet, mode="forward"),
+    ]
+    cfg = switch_config(data_addr="127.0.0.1:0", shards=p.shards, control_addr=None, metrics_addr="127.0.0.1:0",
+                        memory_mb=4096, ingress_drop=p.loss, egress_drop=p.loss, seed=p.seed, jobs=jobs)
+    run = AllreduceRun(params=p)
+    ctx = mp.get_context("spawn")
+    with SwitchProcess(cfg) as sw:
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, sw.data_addr, p, results), daemon=True) for r in range(p.workers)]
+        for pr in procs:
+            pr.start()
+        reports = []
+        bar = _progress(p.iters, label) if p.progress else None
+        deadline = time.monotonic() + 600 + p.iters * 120
+        while len(reports) < p.workers:
+            try:
+                msg = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline or all(not pr.is_alive() for pr in procs):
+                    dead = [r for r, pr in enumerate(procs) if not pr.is_alive() and pr.exitcode]
+                    raise RuntimeError(f"workers did not report (exited with errors: {dead})") from None
+                continue
+            if "progress" in msg:
+                if bar is not None:
+                    bar.update(1)
+                continue
+            reports.append(msg)
+        if bar is not None:
+            bar.close()
+        for pr in procs:
+            pr.join(timeout=30)
+        run.counters = sw.counters()
+    failed = [r for r in reports if not r["ok"]]
+    if failed:
+        raise RuntimeError("; ".join(f"worker {r['rank']}: {r['error']}" for r in failed))
+    reports.sort(key=lambda r: r["rank"])
+    # an iteration ends when the slowest worker has its result
+    run.fanin_times = [max(r["times"]["fanin"][i] for r in reports) for i in range(p.iters)]
+    if p.noaggr:
+        run.noaggr_times = [max(r["times"]["noaggr"][i] for r in reports) for i in range(p.iters)]
+    run.retransmissions = sum(r["retransmissions"] for r in reports)
+    digests = {r["digest"] for r in reports}
+    run.checks = [r.get("check", {}) for r in reports]
+    run.verified = p.verify and len(digests) == 1 and all(c.get("ok") for c in run.checks)
+    if p.verify and not run.verified:
+        why = "workers' results differ" if len(digests) != 1 else "a result differs from the reference"
+        raise RuntimeError(f"verification failed: {why}: {run.checks}")
+    return run
+
+
+def _progress(total: int, label: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=label, unit="iter", file=sys.stderr, leave=False)
+    except ImportError:  # pragma: no cover
+        return None

@@ -1,0 +1,238 @@
+"""The `fanin` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+EPILOG_MAIN = """\
+examples:
+  fanin demo                                   # switch + 4 workers on 127.0.0.1, 5% loss, checked results
+  fanin switch --job id=1,sources=4            # run a switch with one 4-worker job
+  fanin switch --config switch.toml            # ... or from a config file (see docs/operations.md)
+  fanin bench allreduce --workers 4 --size 100MB --json
+  fanin bench gloo-compare --workers 4 --size 100MB
+"""
+
+
+def _job_arg(text: str) -> dict[str, Any]:
+    """Parse 'id=1,sources=4,block_cnt_max=256,block_grad_max=1024,mode=forward'."""
+    job: dict[str, Any] = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise argparse.ArgumentTypeError(f"job field {part!r} is not key=value")
+        k, v = (s.strip() for s in part.split("=", 1))
+        k = {"id": "job_id"}.get(k, k)
+        if k == "members":
+            job[k] = [int(x) for x in v.split(":") if x]
+        elif k == "mode":
+            job[k] = v
+        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms"):
+            try:
+                job[k] = int(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
+        else:
+            raise argparse.ArgumentTypeError(
+                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, mode)")
+    if "job_id" not in job:
+        raise argparse.ArgumentTypeError("a job needs id=N")
+    return job
+
+
+def _cmd_switch(args: argparse.Namespace) -> int:
+    from fanin import _native
+    from fanin.switch import switch_config
+
+    if args.config:
+        path = args.config
+        with open(path) as f:
+            text = f.read()
+        if path.endswith(".json"):
+            config = json.loads(text)
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python < 3.11
+                import tomli as tomllib  # type: ignore
+            try:
+                config = tomllib.loads(text)
+            except Exception as e:
+                print(f"fanin switch: {path}: {e}", file=sys.stderr)
+                return 2
+    else:
+        config = switch_config(
+            data_addr=args.data_addr, shards=args.shards,
+            control_addr=None if args.control_addr == "off" else args.control_addr,
+            metrics_addr=None if args.metrics_addr == "off" else args.metrics_addr,
+            memory_mb=args.memory_mb, ingress_drop=args.ingress_drop, egress_drop=args.egress_drop,
+            seed=args.seed, jobs=args.job or [],
+        )
+    if args.control_token:
+        config["control_token"] = args.control_token
+
+    def ready(info: dict[str, Any]) -> None:
+        if args.print_ready:
+            print(json.dumps(info), flush=True)
+        print(f"fanin switch: data {info['data_addr']} ({info['shards']} shards), "
+              f"metrics {('http://' + info['metrics_addr'] + '/metrics') if info.get('metrics_addr') else 'off'}; "
+              "Ctrl-C to stop", file=sys.stderr, flush=True)
+
+    try:
+        _native.run_switch(json.dumps(config), ready)
+    except ValueError as e:
+        print(f"fanin switch: {e}", file=sys.stderr)
+        return 2
+    except _native.FaninError as e:
+        print(f"fanin switch: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    print("fanin switch: stopped", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from fanin.demo import run_demo
+
+    return run_demo(workers=args.workers, elements=args.elements, loss=args.loss, rounds=args.rounds,
+                    shards=args.shards, as_json=args.json)
+
+
+def _emit(result: dict[str, Any], human: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        print(human, file=sys.stderr)
+    else:
+        print(human)
+
+
+def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
+    from fanin.bench.runner import AllreduceParams, run_allreduce
+    from fanin.proc import format_size, parse_size
+
+    size = parse_size(args.size) if args.size else (16_000_000 if args.quick else 100_000_000)
+    p = AllreduceParams(workers=args.workers, elements=max(1, size // 4), dtype=args.dtype,
+                        elems_per_packet=args.elems_per_packet, window=args.window, loss=args.loss,
+                        iters=args.iters or (3 if args.quick else 7), shards=args.shards, seed=args.seed)
+    s = run_allreduce(p).summary()
+    human = (f"fanin allreduce {args.workers} workers x {format_size(size)} {args.dtype}: median {s['median_s']:.3f} s "
+             f"({s['goodput_gbps']:.2f} Gbit/s per worker), NoAggr {s['noaggr_median_s']:.3f} s, "
+             f"ratio_vs_noaggr {s['ratio_vs_noaggr']:.2f}, {s['retransmissions']} retransmissions, "
+             f"verified={s['verified']}")
+    _emit(s, human, args.json)
+    return 0
+
+
+def _cmd_bench_gloo(args: argparse.Namespace) -> int:
+    from fanin.bench.gloo import run_gloo_compare
+
+    return run_gloo_compare(args)
+
+
+def _cmd_bench_sweep(args: argparse.Namespace) -> int:
+    from fanin.bench.sweeps import run_sweep
+
+    return run_sweep(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fanin",
+        description="In-network aggregation you can run today: a software aggregation switch, "
+                    "its worker library, demos and benchmarks.",
+        epilog=EPILOG_MAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sw = sub.add_parser("switch", help="run a software aggregation switch in the foreground",
+                        description="Run the fanin switch daemon until SIGINT/SIGTERM. Shard i listens on the data "
+                                    "port + i; jobs come from --job/--config or the control API.",
+                        epilog="example: fanin switch --shards 2 --job id=1,sources=4,block_cnt_max=256",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sw.add_argument("--config", help="TOML or JSON config file (overrides the other flags)")
+    sw.add_argument("--data-addr", default="127.0.0.1:9000", help="data port of shard 0 (default %(default)s)")
+    sw.add_argument("--shards", type=int, default=1, help="processing threads, one data port each (default %(default)s)")
+    sw.add_argument("--control-addr", default="127.0.0.1:9100", help="gRPC control API address or 'off'")
+    sw.add_argument("--control-token", help="bearer token the control API requires")
+    sw.add_argument("--metrics-addr", default="127.0.0.1:9101", help="Prometheus endpoint address or 'off'")
+    sw.add_argument("--memory-mb", type=int, default=1024, help="aggregation memory for all jobs (default %(default)s)")
+    sw.add_argument("--job", action="append", type=_job_arg, metavar="id=N,sources=N[,...]",
+                    help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
+                         "block_cnt_max, block_grad_max, block_exp_ms, mode=aggregate|forward")
+    sw.add_argument("--ingress-drop", type=float, default=0.0, help="fault injection: drop probability on receive")
+    sw.add_argument("--egress-drop", type=float, default=0.0, help="fault injection: drop probability on send")
+    sw.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
+    sw.add_argument("--print-ready", action="store_true", help="print one JSON line on stdout once the ports are bound")
+    sw.set_defaults(func=_cmd_switch)
+
+    demo = sub.add_parser("demo", help="switch + 4 workers on 127.0.0.1 with 5%% loss, results checked",
+                          description="Start a switch process and worker processes on 127.0.0.1, allreduce float32 "
+                                      "and int32 tensors with injected loss, check every result against the reference.")
+    demo.add_argument("--workers", type=int, default=4)
+    demo.add_argument("--elements", type=int, default=1_000_000, help="elements per tensor (default %(default)s)")
+    demo.add_argument("--loss", type=float, default=0.05, help="drop probability on every send (default %(default)s)")
+    demo.add_argument("--rounds", type=int, default=2)
+    demo.add_argument("--shards", type=int, default=2)
+    demo.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON with --json; --quick for a ~1 minute run)")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
+
+    def common(b: argparse.ArgumentParser) -> None:
+        b.add_argument("--json", action="store_true", help="print one JSON object on stdout (summary to stderr)")
+        b.add_argument("--quick", action="store_true", help="reduced run that finishes in about a minute")
+        b.add_argument("--seed", type=int, default=1)
+
+    ar = bsub.add_parser("allreduce", help="fanin allreduce vs the NoAggr baseline through the same daemon",
+                         description="Time allreduce through a switch process with N worker processes, and the same "
+                                     "packets through the same daemon with aggregation replaced by forwarding "
+                                     "(NoAggr, ASK §5.7), alternating in one run. Every worker's result is verified.")
+    ar.add_argument("--workers", type=int, default=4)
+    ar.add_argument("--size", help="tensor size per worker, e.g. 100MB (default 100MB, 16MB with --quick)")
+    ar.add_argument("--dtype", default="float32", choices=["float32", "int32"])
+    ar.add_argument("--elems-per-packet", type=int, default=1024)
+    ar.add_argument("--window", type=int, default=256, help="blocks in flight (= the job's block_cnt_max)")
+    ar.add_argument("--loss", type=float, default=0.0, help="drop probability on every send, both directions")
+    ar.add_argument("--iters", type=int, help="timed iterations (default 7, 3 with --quick)")
+    ar.add_argument("--shards", type=int, default=1)
+    common(ar)
+    ar.set_defaults(func=_cmd_bench_allreduce)
+
+    gl = bsub.add_parser("gloo-compare", help="fanin vs torch.distributed Gloo allreduce, side by side",
+                         description="Run torch.distributed Gloo allreduce (what a PyTorch user has today) and fanin "
+                                     "allreduce at the same N and size in the same run.")
+    gl.add_argument("--workers", type=int, default=4)
+    gl.add_argument("--size", help="tensor size per worker (default 100MB, 16MB with --quick)")
+    gl.add_argument("--elems-per-packet", type=int, default=4096)
+    gl.add_argument("--window", type=int, default=128)
+    gl.add_argument("--shards", type=int, default=1)
+    gl.add_argument("--iters", type=int)
+    common(gl)
+    gl.set_defaults(func=_cmd_bench_gloo)
+
+    for name, help_text in (("epp-sweep", "aggregation latency vs elements per packet (Trio Fig. 15)"),
+                            ("window-sweep", "throughput and latency vs window (Trio Fig. 16)")):
+        sp = bsub.add_parser(name, help=help_text, description=help_text + "; writes CSV and PNG to --out.")
+        sp.add_argument("--workers", type=int, default=4)
+        sp.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+        common(sp)
+        sp.set_defaults(func=_cmd_bench_sweep, sweep=name)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        if getattr(args, "command", None) == "bench":
+            parser.parse_args(["bench", "--help"])
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, RuntimeError) as e:
+        print(f"fanin {args.command}: {e}", file=sys.stderr)
+        return 1

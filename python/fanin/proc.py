@@ -1,0 +1,165 @@
+"""Process plumbing shared by the demo and the benchmarks: a switch in its
+own process, worker processes, sizes, reference checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = [
+    "SwitchProcess",
+    "parse_size",
+    "format_size",
+    "worker_inputs",
+    "reference_sum",
+    "float_error_bound",
+    "scrape_counters",
+]
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)([iI]?)[bB]?\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '100MB', '64KiB', '1e6' style strings (decimal units: 1 MB = 10**6)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise ValueError(f"size {text!r} is not a number of bytes such as 100MB, 64KiB or 4096") from None
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+    base = 1024 if binary else 1000
+    return int(value * {"": 1, "K": base, "M": base**2, "G": base**3}[unit])
+
+
+def format_size(n: int) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g} {unit}"
+    return f"{n} B"
+
+
+class SwitchProcess:
+    """`fanin switch` in a child process, stopped with SIGTERM on exit."""
+
+    def __init__(self, config: dict[str, Any], *, quiet: bool = True) -> None:
+        fd, self.config_path = tempfile.mkstemp(prefix="fanin-switch-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fanin", "switch", "--config", self.config_path, "--print-ready"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if quiet else None,
+            text=True,
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            code = self.proc.wait(timeout=10)
+            raise RuntimeError(f"fanin switch exited with code {code} before it was ready (config {self.config_path})")
+        self.info = json.loads(line)
+        self.data_addr: str = self.info["data_addr"]
+        self.metrics_addr: Optional[str] = self.info.get("metrics_addr")
+
+    def counters(self) -> dict[str, int]:
+        if not self.metrics_addr:
+            return {}
+        return scrape_counters(self.metrics_addr)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        try:
+            os.unlink(self.config_path)
+        except OSError:
+            pass
+        return self.proc.returncode
+
+    def __enter__(self) -> "SwitchProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def scrape_counters(metrics_addr: str) -> dict[str, int]:
+    """Sum the switch's Prometheus counters over shards: {counter[.reason]: value}."""
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, int] = {}
+    pat = re.compile(r'^fanin_switch_packets_total\{shard="\d+",counter="(\w+)"(?:,reason="(\w+)")?\} (\d+)$')
+    for line in text.splitlines():
+        m = pat.match(line)
+        if m:
+            key = m.group(1) + (f".{m.group(2)}" if m.group(2) else "")
+            out[key] = out.get(key, 0) + int(m.group(3))
+    out["malformed"] = sum(v for k, v in out.items() if k.startswith("malformed."))
+    return out
+
+
+def worker_inputs(rank: int, n: int, dtype: str, iteration: int = 0) -> np.ndarray:
+    """Deterministic per-rank input, so any process can rebuild the reference."""
+    rng = np.random.default_rng([rank, iteration, 0xFA17])
+    if dtype == "int32":
+        return rng.integers(-(2**31), 2**31, size=n, dtype=np.int64).astype(np.int32)
+    # magnitudes spanning many binades, as gradients do
+    scale = np.exp2(rng.integers(-20, 4, size=n)).astype(np.float32)
+    return (rng.standard_normal(n, dtype=np.float32) * scale).astype(np.float32)
+
+
+def reference_sum(workers: int, n: int, dtype: str, iteration: int = 0) -> np.ndarray:
+    """Exact reference: int32 wrapping sum, or the float64 sum of float32 inputs."""
+    if dtype == "int32":
+        acc = np.zeros(n, dtype=np.int64)
+        for r in range(workers):
+            acc += worker_inputs(r, n, dtype, iteration)
+        return acc.astype(np.int32)  # wraps modulo 2**32 like the switch
+    acc = np.zeros(n, dtype=np.float64)
+    for r in range(workers):
+        acc += worker_inputs(r, n, dtype, iteration)
+    return acc
+
+
+def float_error_bound(workers: int, n: int, elems_per_packet: int, iteration: int = 0) -> np.ndarray:
+    """The documented per-element block-floating-point bound (docs/protocol.md):
+    N * 2**(e - B - 1) with e the block's shared exponent, B = 30 - ceil(log2 N)."""
+    maxabs = np.zeros(n, dtype=np.float32)
+    for r in range(workers):
+        np.maximum(maxabs, np.abs(worker_inputs(r, n, "float32", iteration)), out=maxabs)
+    blocks = math.ceil(n / elems_per_packet)
+    padded = np.zeros(blocks * elems_per_packet, dtype=np.float32)
+    padded[:n] = maxabs
+    block_max = padded.reshape(blocks, elems_per_packet).max(axis=1)
+    _, e = np.frexp(block_max)  # block_max < 2**e
+    e = np.maximum(e, -127)
+    b = 30 - math.ceil(math.log2(workers)) if workers > 1 else 30
+    bound = np.where(block_max > 0, workers * np.exp2(e.astype(np.float64) - b - 1), 0.0)
+    return np.repeat(bound, elems_per_packet)[:n]
+
+
+def check_result(result: np.ndarray, workers: int, dtype: str, elems_per_packet: int, iteration: int = 0) -> dict[str, Any]:
+    """Compare one worker's result with the reference; returns a report."""
+    n = result.size
+    ref = reference_sum(workers, n, dtype, iteration)
+    if dtype == "int32":
+        ok = bool(np.array_equal(result, ref))
+        return {"ok": ok, "max_abs_error": 0 if ok else int(np.max(np.abs(result.astype(np.int64) - ref)))}
+    bound = float_error_bound(workers, n, elems_per_packet, iteration)
+    err = np.abs(result.astype(np.float64) - ref)
+    ulp = np.abs(result).astype(np.float64) * np.finfo(np.float32).eps
+    ok = bool(np.all(err <= bound + ulp))
+    return {"ok": ok, "max_abs_error": float(err.max()) if n else 0.0, "max_bound": float(bound.max()) if n else 0.0}
