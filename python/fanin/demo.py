@@ -20,7 +20,7 @@ def _worker(rank: int, switch: str, workers: int, elements: int, loss: float, ro
     try:
         from fanin import Session
 
-        s = Session(switch, 1, rank, send_drop=loss, seed=rank + 1, rto_ms=10)
+        s = Session(switch, 1, rank, send_drop=loss, seed=rank + 1)
         report: dict[str, Any] = {"rank": rank, "ok": True, "runs": []}
         for it in range(rounds):
             for dtype in ("float32", "int32"):

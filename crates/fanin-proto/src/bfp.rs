@@ -61,6 +61,17 @@ pub fn block_exponent(values: &[f32]) -> Result<i8, NonFinite> {
     Ok(e.max(-127) as i8)
 }
 
+/// Adding and subtracting 1.5 * 2^52 rounds an f64 below 2^51 in magnitude to
+/// the nearest integer, ties to even (IEEE default rounding), with plain
+/// arithmetic the compiler vectorises, unlike a call to `rint`.
+const ROUND_MAGIC: f64 = 6_755_399_441_055_744.0;
+
+#[inline(always)]
+fn quantize_one(x: f32, scale: f64, limit: f64) -> i32 {
+    let v = (x as f64 * scale).clamp(-limit, limit);
+    ((v + ROUND_MAGIC) - ROUND_MAGIC) as i32
+}
+
 /// 2^k as f64 for the range block floating point needs (|k| < 400).
 fn pow2(k: i32) -> f64 {
     f64::from_bits(((k + 1023) as u64) << 52)
@@ -78,7 +89,7 @@ pub fn quantize(values: &[f32], exp: i8, n_sources: usize, out: &mut [i32]) {
     let scale = pow2(b - exp as i32);
     let limit = pow2(b);
     for (q, &x) in out.iter_mut().zip(values) {
-        *q = (x as f64 * scale).round_ties_even().clamp(-limit, limit) as i32;
+        *q = quantize_one(x, scale, limit);
     }
 }
 
@@ -92,8 +103,7 @@ pub fn quantize_into_payload(values: &[f32], exp: i8, n_sources: usize, payload:
     let scale = pow2(b - exp as i32);
     let limit = pow2(b);
     for (dst, &x) in payload.chunks_exact_mut(4).zip(values) {
-        let q = (x as f64 * scale).round_ties_even().clamp(-limit, limit) as i32;
-        dst.copy_from_slice(&q.to_be_bytes());
+        dst.copy_from_slice(&quantize_one(x, scale, limit).to_be_bytes());
     }
 }
 
@@ -162,6 +172,15 @@ mod tests {
         let err = block_exponent(&[1.0, f32::NAN]).unwrap_err();
         assert_eq!(err.index, 1);
         assert!(block_exponent(&[f32::NEG_INFINITY]).is_err());
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        let mut q = [0i32; 6];
+        // exponent 1 with one source: scale 2^29, so x = k * 2^-29 maps to k
+        let unit = 2f32.powi(-29);
+        quantize(&[0.5 * unit, 1.5 * unit, 2.5 * unit, -0.5 * unit, -1.5 * unit, 1.0], 1, 1, &mut q);
+        assert_eq!(q, [0, 2, 2, 0, -2, 1 << 29]);
     }
 
     #[test]

@@ -45,7 +45,7 @@ struct Session {
 impl Session {
     #[new]
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
-                        rto_ms=20.0, rto_min_ms=2.0, rto_max_ms=500.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true))]
+                        rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -95,10 +95,11 @@ impl Session {
         let shape: Vec<usize>;
         let tensor = if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, f32>>() {
             shape = a.shape().to_vec();
-            Tensor::F32(a.as_array().iter().copied().collect())
+            // contiguous arrays are one memcpy; others are gathered in C order
+            Tensor::F32(a.as_slice().map(<[f32]>::to_vec).unwrap_or_else(|_| a.as_array().iter().copied().collect()))
         } else if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, i32>>() {
             shape = a.shape().to_vec();
-            Tensor::I32(a.as_array().iter().copied().collect())
+            Tensor::I32(a.as_slice().map(<[i32]>::to_vec).unwrap_or_else(|_| a.as_array().iter().copied().collect()))
         } else {
             let dtype = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
             return Err(PyTypeError::new_err(format!(
@@ -106,11 +107,20 @@ impl Session {
             )));
         };
         let outcome = py.detach(|| self.inner.allreduce(tensor)).map_err(host_err)?;
-        let result = match &outcome.tensor {
-            Tensor::F32(v) => PyArray1::from_slice(py, v).reshape(shape)?.into_any(),
-            Tensor::I32(v) => PyArray1::from_slice(py, v).reshape(shape)?.into_any(),
+        let Outcome { tensor, gen_id, blocks, retransmissions, degraded_blocks, min_src_cnt } = outcome;
+        // the result vector becomes the array's buffer: no copy
+        let result = match tensor {
+            Tensor::F32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
+            Tensor::I32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
         };
-        self.last = Some(outcome);
+        self.last = Some(Outcome {
+            tensor: Tensor::I32(Vec::new()),
+            gen_id,
+            blocks,
+            retransmissions,
+            degraded_blocks,
+            min_src_cnt,
+        });
         Ok(result)
     }
 

@@ -134,6 +134,11 @@ pub struct SendBatch {
     capacity: usize,
     gso: bool,
     scratch: SendScratch,
+    /// Second arena and entry list for `group_by_destination`, swapped with
+    /// the live ones so regrouping allocates nothing after warm-up.
+    regroup: Vec<u8>,
+    regroup_entries: Vec<Entry>,
+    order: Vec<usize>,
 }
 
 impl SendBatch {
@@ -149,6 +154,9 @@ impl SendBatch {
             entries: Vec::with_capacity(capacity),
             capacity,
             gso: false,
+            regroup: Vec::new(),
+            regroup_entries: Vec::new(),
+            order: Vec::new(),
             scratch: SendScratch {
                 plan: Vec::with_capacity(capacity),
                 names: Vec::with_capacity(capacity),
@@ -226,9 +234,50 @@ impl SendBatch {
         socket_is_v6: bool,
         gso: &GsoState,
     ) -> io::Result<usize> {
+        if self.gso && gso.enabled() {
+            self.group_by_destination();
+        }
         let result = self.transmit(fd, socket_is_v6, gso);
         self.clear();
         result
+    }
+
+    /// Reorder the queued datagrams so each destination's datagrams are
+    /// adjacent (stable: per-destination order is kept), which lets GSO
+    /// coalesce a switch's fan-out (one result to N workers, many blocks per
+    /// batch) into one message per destination. Costs one copy of the batch,
+    /// far less than the syscalls it saves.
+    fn group_by_destination(&mut self) {
+        let first = match self.entries.first() {
+            Some(e) => e.dest,
+            None => return,
+        };
+        if self.entries.iter().all(|e| e.dest == first) {
+            return;
+        }
+        let mut order = std::mem::take(&mut self.order);
+        order.clear();
+        order.extend(0..self.entries.len());
+        order.sort_by_key(|&i| self.entries[i].dest);
+        if order.iter().enumerate().all(|(k, &i)| k == i) {
+            self.order = order;
+            return; // already grouped
+        }
+        let mut arena = std::mem::take(&mut self.regroup);
+        arena.clear();
+        arena.reserve(self.used);
+        let mut entries = std::mem::take(&mut self.regroup_entries);
+        entries.clear();
+        for &i in &order {
+            let e = self.entries[i];
+            let offset = arena.len();
+            arena.extend_from_slice(&self.arena[e.offset..e.offset + e.len]);
+            entries.push(Entry { dest: e.dest, offset, len: e.len });
+        }
+        self.regroup = std::mem::replace(&mut self.arena, arena);
+        self.regroup_entries = std::mem::replace(&mut self.entries, entries);
+        self.order = order;
+        self.used = self.arena.len();
     }
 
     fn transmit(&mut self, fd: RawFd, socket_is_v6: bool, gso: &GsoState) -> io::Result<usize> {

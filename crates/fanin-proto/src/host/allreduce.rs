@@ -22,9 +22,18 @@
 //! 5. `poll_event()` until it returns `None`.
 //!
 //! Start an allreduce with `begin(now, tensor)` once `Event::Joined` was seen.
+//!
+//! **Loss recovery.** Two triggers, as TCP has:
+//! * *fast retransmit*: the switch handles a shard's packets in order, so
+//!   when results arrive for [`DUP_THRESH`] blocks of the same shard that were
+//!   sent after block `b`, `b`'s contribution or result was lost: send `b`
+//!   again at once (once per block);
+//! * *stall timeout*: if no result at all arrived for one RTO, resend every
+//!   outstanding block sent more than an RTO ago, doubling the RTO each time
+//!   nothing moves. The timer restarts on progress, so a long queue in front
+//!   of a block (a full window) never causes spurious retransmissions.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use fanin_wire::value::{
@@ -67,9 +76,9 @@ impl SessionConfig {
             src_id,
             elems_per_packet: 1024,
             window: 256,
-            rto_initial: Duration::from_millis(20),
-            rto_min: Duration::from_millis(2),
-            rto_max: Duration::from_millis(500),
+            rto_initial: Duration::from_millis(50),
+            rto_min: Duration::from_millis(10),
+            rto_max: Duration::from_millis(1000),
             join_timeout: Duration::from_secs(5),
             dead_after: Duration::from_secs(10),
             max_burst: 64,
@@ -176,13 +185,22 @@ enum BlockPhase {
     Done,
 }
 
+/// Results of later same-shard blocks that make a missing one count as lost.
+pub const DUP_THRESH: u8 = 3;
+
 #[derive(Debug, Clone, Copy)]
 struct BlockState {
     phase: BlockPhase,
     /// Negotiated (or announced-ahead) shared exponent; EXP_NONE = unknown.
     exp: i8,
+    /// Transmissions of the current phase beyond the first.
     attempt: u32,
+    /// Last transmission.
     sent_at: Time,
+    /// Results seen for later blocks of the same shard while this one waits.
+    later_results: u8,
+    /// Already queued for a fast retransmission in this phase.
+    fast_retransmitted: bool,
 }
 
 struct Op {
@@ -199,7 +217,10 @@ struct Op {
     done: u32,
     ready: VecDeque<u32>,
     retransmit: VecDeque<u32>,
-    timers: BinaryHeap<Reverse<(Time, u32, u32)>>,
+    /// Last time a result (data or exponent) arrived for this allreduce.
+    last_progress: Time,
+    /// Consecutive stall timeouts without progress.
+    backoff: u32,
     retransmissions: u64,
     degraded: Vec<(u32, u16)>,
     min_src_cnt: u16,
@@ -305,7 +326,15 @@ impl AllreduceSession {
         let base_block = self.next_block;
         self.next_block = self.next_block.wrapping_add(n_blocks);
         self.gen_id = self.gen_id.wrapping_add(1);
-        let blocks = vec![BlockState { phase: BlockPhase::Unsent, exp: EXP_NONE, attempt: 0, sent_at: now }; n_blocks as usize];
+        let fresh = BlockState {
+            phase: BlockPhase::Unsent,
+            exp: EXP_NONE,
+            attempt: 0,
+            sent_at: now,
+            later_results: 0,
+            fast_retransmitted: false,
+        };
+        let blocks = vec![fresh; n_blocks as usize];
         self.op = Some(Op {
             tensor,
             base_block,
@@ -316,7 +345,8 @@ impl AllreduceSession {
             done: 0,
             ready: VecDeque::new(),
             retransmit: VecDeque::new(),
-            timers: BinaryHeap::new(),
+            last_progress: now,
+            backoff: 0,
             retransmissions: 0,
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,
@@ -339,9 +369,11 @@ impl AllreduceSession {
             State::Joining { started, next_send, .. } => Some((*next_send).min(*started + self.config.join_timeout)),
             State::Ready => {
                 let op = self.op.as_ref()?;
-                let timer = op.timers.peek().map(|Reverse((t, _, _))| *t);
                 let dead = self.last_heard + self.config.dead_after;
-                Some(timer.map_or(dead, |t| t.min(dead)))
+                if op.next_new == op.done {
+                    return Some(dead); // nothing outstanding
+                }
+                Some(self.stall_deadline(op).min(dead))
             }
         }
     }
@@ -358,17 +390,21 @@ impl AllreduceSession {
                 }
             }
             State::Ready => {
-                let Some(op) = self.op.as_mut() else { return };
-                while let Some(Reverse((t, idx, attempt))) = op.timers.peek().copied() {
-                    if t > now {
-                        break;
+                let rto = self.rto();
+                let Some(op) = self.op.as_ref() else { return };
+                let stalled = op.next_new > op.done && now >= self.stall_deadline(op);
+                let op = self.op.as_mut().expect("checked above");
+                if stalled {
+                    // Nothing moved for an RTO: resend what has waited that long.
+                    for idx in op.low..op.next_new {
+                        let b = &op.blocks[idx as usize];
+                        let waiting = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
+                        if waiting && now.saturating_since(b.sent_at) >= rto && !op.retransmit.contains(&idx) {
+                            op.retransmit.push_back(idx);
+                        }
                     }
-                    op.timers.pop();
-                    let b = &op.blocks[idx as usize];
-                    let outstanding = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
-                    if outstanding && b.attempt == attempt {
-                        op.retransmit.push_back(idx);
-                    }
+                    op.backoff = (op.backoff + 1).min(6);
+                    op.last_progress = now;
                 }
                 let outstanding = op.next_new - op.done;
                 if outstanding > 0 && now >= self.last_heard + self.config.dead_after {
@@ -401,7 +437,6 @@ impl AllreduceSession {
 
     fn transmit_blocks(&mut self, now: Time, out: &mut impl Transmit<u16>) -> usize {
         let Some(params) = self.params else { return 0 };
-        let rto = self.rto();
         let Some(op) = self.op.as_mut() else { return 0 };
         let mut sent = 0;
         let budget = self.config.max_burst;
@@ -422,6 +457,8 @@ impl AllreduceSession {
                     op.tensor.dtype().is_block_floating_point() && state.exp == EXP_NONE
                 }
                 BlockPhase::ExpSent => true,
+                // queued for its first data transmission already
+                BlockPhase::DataQueued if retransmission => continue,
                 BlockPhase::DataQueued | BlockPhase::DataSent => false,
                 BlockPhase::Done => continue,
             };
@@ -435,10 +472,10 @@ impl AllreduceSession {
                 b.attempt += 1;
             } else {
                 b.attempt = 0;
-                b.sent_at = now;
+                b.later_results = 0;
+                b.fast_retransmitted = false;
             }
-            let backoff = rto * 2u32.pow(b.attempt.min(6));
-            op.timers.push(Reverse((now + backoff.min(self.config.rto_max * 4), idx, b.attempt)));
+            b.sent_at = now;
             sent += 1;
         }
         sent
@@ -493,17 +530,24 @@ impl AllreduceSession {
         let per = self.config.elems_per_packet as usize;
         let start = idx as usize * per;
         let count = (op.tensor.len() - start).min(per);
+        let phase = op.blocks[idx as usize].phase;
+        let useful = if repr.exp_only {
+            phase == BlockPhase::ExpSent
+        } else {
+            phase == BlockPhase::DataSent && repr.grad_cnt as usize == count
+        };
+        if !useful {
+            return; // duplicate, or an answer to an earlier phase
+        }
+        op.last_progress = now;
+        op.backoff = 0;
+        note_later_result(op, idx, &params, self.config.job_id);
         let block = &mut op.blocks[idx as usize];
         if repr.exp_only {
-            if block.phase == BlockPhase::ExpSent {
-                block.exp = repr.exp;
-                block.phase = BlockPhase::DataQueued;
-                block.attempt = 0;
-                op.ready.push_back(idx);
-            }
-            return;
-        }
-        if block.phase != BlockPhase::DataSent || repr.grad_cnt as usize != count {
+            block.exp = repr.exp;
+            block.phase = BlockPhase::DataQueued;
+            block.attempt = 0;
+            op.ready.push_back(idx);
             return;
         }
         match &mut op.tensor {
@@ -549,6 +593,12 @@ impl AllreduceSession {
         }
     }
 
+    /// When the stall timer fires: one (backed-off) RTO after the last progress.
+    fn stall_deadline(&self, op: &Op) -> Time {
+        let rto = (self.rto() * 2u32.pow(op.backoff)).min(self.config.rto_max);
+        op.last_progress + rto
+    }
+
     fn finish_op(&mut self) {
         let Some(op) = self.op.take() else { return };
         self.events.push_back(Event::Completed(Outcome {
@@ -587,6 +637,39 @@ impl AllreduceSession {
             exp: EXP_NONE,
             next_exp: EXP_NONE,
         }
+    }
+}
+
+/// A result for block `idx` arrived: earlier blocks of the same shard still
+/// waiting have now been overtaken once more; at [`DUP_THRESH`] they are
+/// presumed lost and queued for a fast retransmission.
+fn note_later_result(op: &mut Op, idx: u32, params: &JoinParams, job_id: u32) {
+    if params.shard_count > 1 {
+        let shard = shard_of(job_id, op.base_block.wrapping_add(idx), params.block_cnt_max, params.shard_count);
+        for j in op.low..idx {
+            let same = shard_of(job_id, op.base_block.wrapping_add(j), params.block_cnt_max, params.shard_count) == shard;
+            if same {
+                overtaken(op, j);
+            }
+        }
+    } else {
+        for j in op.low..idx {
+            overtaken(op, j);
+        }
+    }
+}
+
+fn overtaken(op: &mut Op, j: u32) {
+    let b = &mut op.blocks[j as usize];
+    let waiting = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
+    // Only a first transmission can be overtaken by later first transmissions.
+    if !waiting || b.fast_retransmitted || b.attempt > 0 {
+        return;
+    }
+    b.later_results = b.later_results.saturating_add(1);
+    if b.later_results >= DUP_THRESH {
+        b.fast_retransmitted = true;
+        op.retransmit.push_back(j);
     }
 }
 

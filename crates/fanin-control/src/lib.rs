@@ -1,0 +1,443 @@
+//! fanin's versioned control API, `fanin.control.v1` (gRPC, schema in
+//! `proto/fanin/control/v1/control.proto` at the workspace root).
+//!
+//! A controller programs a switch daemon through it: admit and remove jobs,
+//! list them, read the switch's identity and its per-reason counters. This
+//! crate holds the generated code ([`pb`]), the server, and the glue from
+//! gRPC to the daemon: the daemon implements [`ControlPlane`] and calls
+//! [`spawn`] (from plain threads) or [`serve`] (inside its own tokio runtime).
+//!
+//! The server validates every job spec itself ([`JobSpec::validate`]) before
+//! the daemon sees it, so the config file, the control API and the Python
+//! API reject the same specs with the same words.
+//!
+//! Status codes: INVALID_ARGUMENT (spec fails validation, member id above
+//! 65535, unknown mode, missing spec), ALREADY_EXISTS (duplicate job_id),
+//! RESOURCE_EXHAUSTED (no memory for the job), NOT_FOUND (removing an
+//! unknown job), UNAUTHENTICATED (missing or wrong token), INTERNAL (the
+//! daemon failed otherwise).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use fanin_proto::job::{JobMode, JobSpec, JobSpecError, MAX_SOURCES};
+use fanin_proto::switch::{AdmitError, Counters};
+use tonic::metadata::MetadataMap;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status};
+
+/// Code generated from `control.proto` (messages, `control_server`,
+/// `control_client`).
+pub mod pb {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("fanin.control.v1");
+}
+
+pub use pb::control_client::ControlClient;
+
+/// The API version this crate serves, reported by `GetInfo`.
+pub const API_VERSION: &str = "v1";
+
+/// Metadata key that carries the token (`authorization: Bearer <token>`).
+pub const AUTH_METADATA_KEY: &str = "authorization";
+
+/// Identity and memory of a switch, as `GetInfo` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwitchInfo {
+    /// UDP address of shard 0's data-plane socket.
+    pub data_addr: SocketAddr,
+    pub shard_count: u16,
+    /// Changes on every daemon start (a controller re-admits its jobs when it
+    /// sees a new one).
+    pub incarnation: u32,
+    /// Aggregation memory cap and current use, bytes.
+    pub memory_limit: u64,
+    pub memory_used: u64,
+    /// Daemon software version.
+    pub version: String,
+}
+
+/// Why a switch refused a job. Each variant maps to one gRPC status code;
+/// the string is the human message sent to the caller unchanged.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitFailure {
+    /// The spec is not valid (INVALID_ARGUMENT).
+    #[error("{0}")]
+    Invalid(String),
+    /// A job with that id is already admitted (ALREADY_EXISTS).
+    #[error("{0}")]
+    Duplicate(String),
+    /// The job does not fit the switch's free memory (RESOURCE_EXHAUSTED).
+    #[error("{0}")]
+    OutOfMemory(String),
+    /// Anything else, e.g. a shard thread is gone (INTERNAL).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<AdmitError> for AdmitFailure {
+    fn from(e: AdmitError) -> Self {
+        let msg = e.to_string();
+        match e {
+            AdmitError::Invalid(_) => AdmitFailure::Invalid(msg),
+            AdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
+            AdmitError::OutOfMemory { .. } => AdmitFailure::OutOfMemory(msg),
+        }
+    }
+}
+
+impl From<JobSpecError> for AdmitFailure {
+    fn from(e: JobSpecError) -> Self {
+        AdmitFailure::Invalid(e.to_string())
+    }
+}
+
+impl From<AdmitFailure> for Status {
+    fn from(e: AdmitFailure) -> Self {
+        match e {
+            AdmitFailure::Invalid(m) => Status::invalid_argument(m),
+            AdmitFailure::Duplicate(m) => Status::already_exists(m),
+            AdmitFailure::OutOfMemory(m) => Status::resource_exhausted(m),
+            AdmitFailure::Internal(m) => Status::internal(m),
+        }
+    }
+}
+
+/// What the daemon offers the control API. Methods are called from a
+/// blocking-task pool (never on the async executor), so they may block
+/// briefly, e.g. to hand a job to every shard thread and wait for the
+/// answers.
+pub trait ControlPlane: Send + Sync + 'static {
+    /// Admit a job. The spec has already passed [`JobSpec::validate`].
+    /// `fanin_proto::switch::AdmitError` converts with `?` / `.into()`.
+    fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure>;
+    /// Remove a job; `Err` (with a human message) if the switch does not hold
+    /// it, reported as NOT_FOUND.
+    fn remove_job(&self, job_id: u32) -> Result<(), String>;
+    /// The admitted jobs, in any order (the API sorts them by job_id).
+    fn list_jobs(&self) -> Vec<JobSpec>;
+    fn info(&self) -> SwitchInfo;
+    /// Counters merged over all shards.
+    fn counters(&self) -> Counters;
+}
+
+/// Errors of starting or running the control server.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("control API: cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("control API: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("control API transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("control API server thread panicked")]
+    Panicked,
+}
+
+/// Serve the API on `addr` until `shutdown` resolves. With `Some(token)`
+/// every call must carry `authorization: Bearer <token>`; others get
+/// UNAUTHENTICATED. Must run inside a tokio runtime.
+pub async fn serve(
+    addr: SocketAddr,
+    plane: Arc<dyn ControlPlane>,
+    token: Option<String>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ControlError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| ControlError::Bind { addr, source })?;
+    serve_listener(listener, plane, token, shutdown).await
+}
+
+/// [`serve`] on an already bound listener (bind first to learn the port or
+/// to report bind errors early).
+pub async fn serve_listener(
+    listener: tokio::net::TcpListener,
+    plane: Arc<dyn ControlPlane>,
+    token: Option<String>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ControlError> {
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let expected = token.map(|t| format!("Bearer {t}"));
+    let svc = pb::control_server::ControlServer::with_interceptor(
+        Service { plane },
+        move |req: Request<()>| check_token(expected.as_deref(), req.metadata()).map(|()| req),
+    );
+    tonic::transport::Server::builder()
+        .serve_with_incoming_shutdown(svc, incoming, shutdown)
+        .await?;
+    Ok(())
+}
+
+/// Start the API on its own thread (a current-thread tokio runtime) for
+/// callers without a runtime. Binding happens before this returns, so a port
+/// in use is reported here as [`ControlError::Bind`]. Bind port 0 and read
+/// [`ControlServerHandle::local_addr`] for an ephemeral port.
+pub fn spawn(
+    addr: SocketAddr,
+    plane: Arc<dyn ControlPlane>,
+    token: Option<String>,
+) -> Result<ControlServerHandle, ControlError> {
+    let std_listener =
+        std::net::TcpListener::bind(addr).map_err(|source| ControlError::Bind { addr, source })?;
+    std_listener.set_nonblocking(true)?;
+    let local_addr = std_listener.local_addr()?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new().name("fanin-control".into()).spawn(move || {
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(std_listener)?;
+            // A dropped sender (handle dropped) also stops the server.
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            serve_listener(listener, plane, token, shutdown).await
+        })
+    })?;
+    Ok(ControlServerHandle { local_addr, stop: Some(stop), thread: Some(thread) })
+}
+
+/// A running control server started by [`spawn`]. Dropping it also stops the
+/// server (and waits for its thread).
+#[derive(Debug)]
+pub struct ControlServerHandle {
+    local_addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<Result<(), ControlError>>>,
+}
+
+impl ControlServerHandle {
+    /// The address the server listens on (with the real port if 0 was asked).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stop accepting calls, let calls in flight finish, and join the thread.
+    /// Returns the error the server stopped with, if any.
+    pub fn shutdown(mut self) -> Result<(), ControlError> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<(), ControlError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.thread.take() {
+            Some(thread) => thread.join().map_err(|_| ControlError::Panicked)?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ControlServerHandle {
+    fn drop(&mut self) {
+        let _ = self.stop_and_join();
+    }
+}
+
+fn check_token(expected: Option<&str>, metadata: &MetadataMap) -> Result<(), Status> {
+    let Some(expected) = expected else { return Ok(()) };
+    match metadata.get(AUTH_METADATA_KEY) {
+        None => Err(Status::unauthenticated("missing token (metadata authorization: Bearer <token>)")),
+        Some(got) if constant_time_eq(got.as_bytes(), expected.as_bytes()) => Ok(()),
+        Some(_) => Err(Status::unauthenticated("wrong token")),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Convert a wire job spec, rejecting what the Rust type cannot hold
+/// (member ids above 65535, unknown modes) instead of truncating, then
+/// validate it.
+pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
+    let job_id = spec.job_id;
+    let members = spec
+        .members
+        .iter()
+        .map(|&m| {
+            u16::try_from(m).map_err(|_| {
+                Status::invalid_argument(format!(
+                    "job {job_id}: member id {m} is too large (source ids must be below {MAX_SOURCES})"
+                ))
+            })
+        })
+        .collect::<Result<Vec<u16>, Status>>()?;
+    let mode = match pb::JobMode::try_from(spec.mode) {
+        Ok(pb::JobMode::Aggregate) => JobMode::Aggregate,
+        Ok(pb::JobMode::Forward) => JobMode::Forward,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!("job {job_id}: unknown mode {}", spec.mode)))
+        }
+    };
+    let spec = JobSpec {
+        job_id,
+        members,
+        block_cnt_max: spec.block_cnt_max,
+        block_grad_max: spec.block_grad_max,
+        block_exp_ms: spec.block_exp_ms,
+        mode,
+    };
+    spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
+    Ok(spec)
+}
+
+/// The wire form of a job spec.
+pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
+    pb::JobSpec {
+        job_id: spec.job_id,
+        members: spec.members.iter().map(|&m| m as u32).collect(),
+        block_cnt_max: spec.block_cnt_max,
+        block_grad_max: spec.block_grad_max,
+        block_exp_ms: spec.block_exp_ms,
+        mode: match spec.mode {
+            JobMode::Aggregate => pb::JobMode::Aggregate,
+            JobMode::Forward => pb::JobMode::Forward,
+        } as i32,
+    }
+}
+
+/// Counters as the wire list of `{name, reason, value}`, in
+/// [`Counters::visit`] order.
+pub fn counters_to_pb(counters: &Counters) -> Vec<pb::Counter> {
+    let mut out = Vec::new();
+    counters.visit(|name, reason, value| {
+        out.push(pb::Counter { name: name.to_string(), reason: reason.map(str::to_string), value })
+    });
+    out
+}
+
+struct Service {
+    plane: Arc<dyn ControlPlane>,
+}
+
+impl Service {
+    /// Run a (possibly blocking) control-plane call off the executor.
+    async fn call<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&dyn ControlPlane) -> T + Send + 'static,
+    ) -> Result<T, Status> {
+        let plane = self.plane.clone();
+        tokio::task::spawn_blocking(move || f(&*plane))
+            .await
+            .map_err(|e| Status::internal(format!("control plane call failed: {e}")))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::control_server::Control for Service {
+    async fn get_info(
+        &self,
+        _request: Request<pb::GetInfoRequest>,
+    ) -> Result<Response<pb::GetInfoResponse>, Status> {
+        let info = self.call(|p| p.info()).await?;
+        Ok(Response::new(pb::GetInfoResponse {
+            api_version: API_VERSION.to_string(),
+            version: info.version,
+            data_addr: info.data_addr.to_string(),
+            shard_count: info.shard_count.into(),
+            incarnation: info.incarnation,
+            memory_limit: info.memory_limit,
+            memory_used: info.memory_used,
+        }))
+    }
+
+    async fn admit_job(
+        &self,
+        request: Request<pb::AdmitJobRequest>,
+    ) -> Result<Response<pb::AdmitJobResponse>, Status> {
+        let spec = request
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::invalid_argument("AdmitJob needs a spec"))?;
+        let spec = job_spec_from_pb(spec)?;
+        self.call(move |p| p.admit_job(spec)).await??;
+        Ok(Response::new(pb::AdmitJobResponse {}))
+    }
+
+    async fn remove_job(
+        &self,
+        request: Request<pb::RemoveJobRequest>,
+    ) -> Result<Response<pb::RemoveJobResponse>, Status> {
+        let job_id = request.into_inner().job_id;
+        self.call(move |p| p.remove_job(job_id)).await?.map_err(Status::not_found)?;
+        Ok(Response::new(pb::RemoveJobResponse {}))
+    }
+
+    async fn list_jobs(
+        &self,
+        _request: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let mut jobs = self.call(|p| p.list_jobs()).await?;
+        jobs.sort_by_key(|j| j.job_id);
+        Ok(Response::new(pb::ListJobsResponse { jobs: jobs.iter().map(job_spec_to_pb).collect() }))
+    }
+
+    async fn get_counters(
+        &self,
+        _request: Request<pb::GetCountersRequest>,
+    ) -> Result<Response<pb::GetCountersResponse>, Status> {
+        let counters = self.call(|p| p.counters()).await?;
+        Ok(Response::new(pb::GetCountersResponse { counters: counters_to_pb(&counters) }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wide_member_ids_are_rejected_not_truncated() {
+        let spec = pb::JobSpec {
+            job_id: 7,
+            members: vec![0, 65536 + 1],
+            block_cnt_max: 4,
+            block_grad_max: 16,
+            ..Default::default()
+        };
+        let err = job_spec_from_pb(spec).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("member id 65537"), "{}", err.message());
+    }
+
+    #[test]
+    fn specs_round_trip() {
+        let mut spec = JobSpec::with_sources(3, 5, 8, 256);
+        spec.mode = JobMode::Forward;
+        spec.block_exp_ms = 20;
+        assert_eq!(job_spec_from_pb(job_spec_to_pb(&spec)).unwrap(), spec);
+    }
+
+    #[test]
+    fn unknown_mode_is_invalid() {
+        let mut spec = job_spec_to_pb(&JobSpec::with_sources(3, 2, 8, 256));
+        spec.mode = 9;
+        assert_eq!(job_spec_from_pb(spec).unwrap_err().code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn token_check() {
+        let mut md = MetadataMap::new();
+        assert!(check_token(None, &md).is_ok());
+        assert_eq!(check_token(Some("Bearer s"), &md).unwrap_err().code(), tonic::Code::Unauthenticated);
+        md.insert("authorization", "Bearer t".parse().unwrap());
+        assert_eq!(check_token(Some("Bearer s"), &md).unwrap_err().code(), tonic::Code::Unauthenticated);
+        assert!(check_token(Some("Bearer t"), &md).is_ok());
+    }
+
+    #[test]
+    fn counters_carry_reasons() {
+        let mut c = Counters::default();
+        c.accepted = 5;
+        c.malformed[0] = 2;
+        let list = counters_to_pb(&c);
+        assert!(list.iter().any(|x| x.name == "accepted" && x.reason.is_none() && x.value == 5));
+        assert!(list.iter().any(|x| x.name == "malformed" && x.reason.is_some() && x.value == 2));
+    }
+}

@@ -1,0 +1,294 @@
+//! The control API end to end: a real tonic server on 127.0.0.1:0 over an
+//! in-memory fake daemon, called with the generated tonic client.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use fanin_control::pb::{self, JobMode as PbMode};
+use fanin_control::{
+    spawn, AdmitFailure, ControlClient, ControlError, ControlPlane, ControlServerHandle, SwitchInfo,
+    API_VERSION,
+};
+use fanin_proto::job::JobSpec;
+use fanin_proto::switch::{AdmitError, Counters};
+use tonic::transport::Channel;
+use tonic::{Code, Request};
+
+const MEMORY_LIMIT: u64 = 1 << 20;
+
+/// A switch reduced to its job table, with the daemon's admission rules
+/// (duplicates, memory cap) and errors.
+#[derive(Default)]
+struct FakePlane {
+    jobs: Mutex<BTreeMap<u32, JobSpec>>,
+}
+
+impl FakePlane {
+    fn used(jobs: &BTreeMap<u32, JobSpec>) -> u64 {
+        jobs.values().map(JobSpec::memory_bytes).sum()
+    }
+}
+
+impl ControlPlane for FakePlane {
+    fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure> {
+        spec.validate()?;
+        let mut jobs = self.jobs.lock().unwrap();
+        if jobs.contains_key(&spec.job_id) {
+            return Err(AdmitError::Duplicate(spec.job_id).into());
+        }
+        let available = MEMORY_LIMIT - Self::used(&jobs);
+        if spec.memory_bytes() > available {
+            return Err(AdmitError::OutOfMemory {
+                job_id: spec.job_id,
+                needed: spec.memory_bytes(),
+                available,
+                limit: MEMORY_LIMIT,
+            }
+            .into());
+        }
+        jobs.insert(spec.job_id, spec);
+        Ok(())
+    }
+
+    fn remove_job(&self, job_id: u32) -> Result<(), String> {
+        match self.jobs.lock().unwrap().remove(&job_id) {
+            Some(_) => Ok(()),
+            None => Err(format!("job {job_id} is not on this switch")),
+        }
+    }
+
+    fn list_jobs(&self) -> Vec<JobSpec> {
+        // reversed on purpose: the API must sort
+        self.jobs.lock().unwrap().values().rev().cloned().collect()
+    }
+
+    fn info(&self) -> SwitchInfo {
+        SwitchInfo {
+            data_addr: "10.0.0.1:9000".parse().unwrap(),
+            shard_count: 4,
+            incarnation: 0xdead_beef,
+            memory_limit: MEMORY_LIMIT,
+            memory_used: Self::used(&self.jobs.lock().unwrap()),
+            version: "0.1.0-test".into(),
+        }
+    }
+
+    fn counters(&self) -> Counters {
+        let mut c = Counters::default();
+        c.rx_datagrams = 10;
+        c.accepted = 7;
+        c.malformed[0] = 3;
+        c
+    }
+}
+
+fn start(token: Option<&str>) -> ControlServerHandle {
+    spawn("127.0.0.1:0".parse().unwrap(), Arc::new(FakePlane::default()), token.map(String::from)).unwrap()
+}
+
+async fn client(addr: SocketAddr) -> ControlClient<Channel> {
+    ControlClient::connect(format!("http://{addr}")).await.unwrap()
+}
+
+fn spec(job_id: u32, members: Vec<u32>) -> pb::JobSpec {
+    pb::JobSpec {
+        job_id,
+        members,
+        block_cnt_max: 8,
+        block_grad_max: 256,
+        block_exp_ms: 5,
+        mode: PbMode::Aggregate as i32,
+    }
+}
+
+fn admit(spec: pb::JobSpec) -> pb::AdmitJobRequest {
+    pb::AdmitJobRequest { spec: Some(spec) }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn every_rpc_round_trips() {
+    let server = start(None);
+    let mut c = client(server.local_addr()).await;
+
+    let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.api_version, API_VERSION);
+    assert_eq!(info.api_version, "v1");
+    assert_eq!(info.version, "0.1.0-test");
+    assert_eq!(info.data_addr, "10.0.0.1:9000");
+    assert_eq!(info.shard_count, 4);
+    assert_eq!(info.incarnation, 0xdead_beef);
+    assert_eq!(info.memory_limit, MEMORY_LIMIT);
+    assert_eq!(info.memory_used, 0);
+
+    c.admit_job(admit(spec(9, vec![0, 1, 2]))).await.unwrap();
+    let mut forward = spec(2, vec![3, 1]);
+    forward.mode = PbMode::Forward as i32;
+    forward.block_exp_ms = 0;
+    c.admit_job(admit(forward.clone())).await.unwrap();
+
+    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    assert_eq!(jobs, vec![forward, spec(9, vec![0, 1, 2])], "sorted by job_id, fields intact");
+
+    let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.memory_used, JobSpec::with_sources(9, 3, 8, 256).memory_bytes());
+
+    c.remove_job(pb::RemoveJobRequest { job_id: 9 }).await.unwrap();
+    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    assert_eq!(jobs.iter().map(|j| j.job_id).collect::<Vec<_>>(), vec![2]);
+
+    let counters = c.get_counters(pb::GetCountersRequest {}).await.unwrap().into_inner().counters;
+    let mut expected = Vec::new();
+    FakePlane::default().counters().visit(|name, reason, value| {
+        expected.push((name.to_string(), reason.map(String::from), value))
+    });
+    let got: Vec<_> = counters.into_iter().map(|c| (c.name, c.reason, c.value)).collect();
+    assert_eq!(got, expected, "every counter, in visit order, reasons kept");
+    assert!(got.iter().any(|(n, r, v)| n == "malformed" && r.is_some() && *v == 3));
+    assert!(got.contains(&("accepted".into(), None, 7)));
+
+    drop(c);
+    server.shutdown().unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn errors_map_to_status_codes() {
+    let server = start(None);
+    let mut c = client(server.local_addr()).await;
+
+    // validation: the same words as fanin_proto's JobSpec::validate
+    let err = c.admit_job(admit(spec(1, vec![]))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(err.message(), "job 1: members is empty (a job needs at least one source)");
+    let err = c.admit_job(admit(spec(1, vec![0, 0]))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("listed twice"), "{}", err.message());
+    let mut bad = spec(1, vec![0]);
+    bad.block_grad_max = 0;
+    assert_eq!(c.admit_job(admit(bad)).await.unwrap_err().code(), Code::InvalidArgument);
+    // member ids beyond u16 are rejected, not truncated (65536 would be 0)
+    let err = c.admit_job(admit(spec(1, vec![1, 65536]))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("65536"), "{}", err.message());
+    let mut bad = spec(1, vec![0]);
+    bad.mode = 7;
+    assert_eq!(c.admit_job(admit(bad)).await.unwrap_err().code(), Code::InvalidArgument);
+    let err = c.admit_job(pb::AdmitJobRequest { spec: None }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs.is_empty());
+
+    // duplicate
+    c.admit_job(admit(spec(1, vec![0, 1]))).await.unwrap();
+    let err = c.admit_job(admit(spec(1, vec![0, 1]))).await.unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    assert_eq!(err.message(), "job 1 already exists");
+
+    // out of memory: 2 * 1024 slots * 1024 elements * 4 bytes > 1 MiB
+    let mut big = spec(2, vec![0]);
+    big.block_cnt_max = 1024;
+    big.block_grad_max = 1024;
+    let err = c.admit_job(admit(big.clone())).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(err.message().contains("aggregation memory"), "{}", err.message());
+    // a forwarding job holds no memory, so the same shape fits
+    big.mode = PbMode::Forward as i32;
+    c.admit_job(admit(big)).await.unwrap();
+
+    // unknown job
+    let err = c.remove_job(pb::RemoveJobRequest { job_id: 77 }).await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    assert_eq!(err.message(), "job 77 is not on this switch");
+
+    drop(c);
+    server.shutdown().unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn token_is_required_when_set() {
+    let server = start(Some("s3cret"));
+    let mut c = client(server.local_addr()).await;
+
+    let err = c.get_info(pb::GetInfoRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+
+    let mut req = Request::new(pb::ListJobsRequest {});
+    req.metadata_mut().insert("authorization", "Bearer wrong".parse().unwrap());
+    assert_eq!(c.list_jobs(req).await.unwrap_err().code(), Code::Unauthenticated);
+
+    let mut req = Request::new(pb::ListJobsRequest {});
+    req.metadata_mut().insert("authorization", "s3cret".parse().unwrap());
+    assert_eq!(c.list_jobs(req).await.unwrap_err().code(), Code::Unauthenticated, "scheme required");
+
+    // mutating calls are refused too, and have no effect
+    let err = c.admit_job(admit(spec(1, vec![0]))).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+
+    let mut req = Request::new(pb::GetInfoRequest {});
+    req.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
+    assert_eq!(c.get_info(req).await.unwrap().into_inner().api_version, "v1");
+
+    let mut req = Request::new(pb::ListJobsRequest {});
+    req.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
+    assert!(c.list_jobs(req).await.unwrap().into_inner().jobs.is_empty());
+
+    drop(c);
+    server.shutdown().unwrap();
+}
+
+#[test]
+fn spawn_reports_address_in_use_synchronously() {
+    let first = start(None);
+    let err = spawn(first.local_addr(), Arc::new(FakePlane::default()), None).unwrap_err();
+    match &err {
+        ControlError::Bind { addr, source } => {
+            assert_eq!(*addr, first.local_addr());
+            assert_eq!(source.kind(), std::io::ErrorKind::AddrInUse);
+        }
+        other => panic!("expected a bind error, got {other:?}"),
+    }
+    assert!(err.to_string().contains(&first.local_addr().to_string()), "{err}");
+    first.shutdown().unwrap();
+}
+
+#[test]
+fn shutdown_stops_serving_even_with_a_client_connected() {
+    let server = start(None);
+    let addr = server.local_addr();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let mut c = rt.block_on(client(addr));
+    rt.block_on(c.get_info(pb::GetInfoRequest {})).unwrap();
+
+    let t = std::time::Instant::now();
+    server.shutdown().unwrap();
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "shutdown took {:?}", t.elapsed());
+    assert!(rt.block_on(c.get_info(pb::GetInfoRequest {})).is_err());
+    // the port is free again
+    drop(spawn(addr, Arc::new(FakePlane::default()), None).unwrap());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn serve_runs_inside_a_callers_runtime() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(fanin_control::serve_listener(
+        listener,
+        Arc::new(FakePlane::default()),
+        None,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let mut c = client(addr).await;
+    let mut s = spec(4, vec![0, 1]);
+    s.mode = PbMode::Forward as i32;
+    c.admit_job(admit(s)).await.unwrap();
+    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    assert_eq!(jobs[0].mode, PbMode::Forward as i32);
+    drop(c);
+    // serve() on a taken address fails with a bind error
+    let err = fanin_control::serve(addr, Arc::new(FakePlane::default()), None, async {}).await.unwrap_err();
+    assert!(matches!(err, ControlError::Bind { .. }), "{err:?}");
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}

@@ -1,0 +1,103 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_MODE_AGGREGATE: _ClassVar[JobMode]
+    JOB_MODE_FORWARD: _ClassVar[JobMode]
+JOB_MODE_AGGREGATE: JobMode
+JOB_MODE_FORWARD: JobMode
+
+class JobSpec(_message.Message):
+    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_GRAD_MAX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EXP_MS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    block_cnt_max: int
+    block_grad_max: int
+    block_exp_ms: int
+    mode: JobMode
+    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("api_version", "version", "data_addr", "shard_count", "incarnation", "memory_limit", "memory_used")
+    API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    api_version: str
+    version: str
+    data_addr: str
+    shard_count: int
+    incarnation: int
+    memory_limit: int
+    memory_used: int
+    def __init__(self, api_version: _Optional[str] = ..., version: _Optional[str] = ..., data_addr: _Optional[str] = ..., shard_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., memory_limit: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
+
+class AdmitJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class AdmitJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class RemoveJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobSpec]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobSpec, _Mapping]]] = ...) -> None: ...
+
+class GetCountersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Counter(_message.Message):
+    __slots__ = ("name", "reason", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    value: int
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+
+class GetCountersResponse(_message.Message):
+    __slots__ = ("counters",)
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.RepeatedCompositeFieldContainer[Counter]
+    def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,176 @@
+"""Python client of the switch control API (gRPC, ``fanin.control.v1``).
+
+The schema is ``proto/fanin/control/v1/control.proto``; the stubs in
+``_gen/`` are generated from it by ``scripts/gen_proto_py.sh``.
+
+Every method returns plain Python values (dicts, lists, ints, strings), and
+every gRPC failure is raised as :class:`ControlError` carrying the status
+code name (``"INVALID_ARGUMENT"``, ``"ALREADY_EXISTS"``,
+``"RESOURCE_EXHAUSTED"``, ``"NOT_FOUND"``, ``"UNAUTHENTICATED"``,
+``"UNAVAILABLE"``, ``"DEADLINE_EXCEEDED"``, ...) and the server's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional
+
+import grpc
+
+from ._gen import control_pb2 as pb
+from ._gen import control_pb2_grpc as pb_grpc
+
+__all__ = ["API_VERSION", "ControlClient", "ControlError", "MODES"]
+
+#: The API version this client speaks (``info()["api_version"]``).
+API_VERSION = "v1"
+
+#: Job modes by name, as in the switch config file.
+MODES = {"aggregate": pb.JOB_MODE_AGGREGATE, "forward": pb.JOB_MODE_FORWARD}
+_MODE_NAMES = {v: k for k, v in MODES.items()}
+
+
+class ControlError(Exception):
+    """A control call failed.
+
+    ``code`` is the gRPC status code name (e.g. ``"ALREADY_EXISTS"``),
+    ``message`` the server's human-readable explanation.
+    """
+
+    def __init__(self, code: str, message: str):
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}" if self.message else self.code
+
+    def __repr__(self) -> str:
+        return f"ControlError({self.code!r}, {self.message!r})"
+
+
+class ControlClient:
+    """Talks to one switch daemon's control API.
+
+    ``addr`` is ``"host:port"``; ``token``, if given, is sent on every call
+    as ``authorization: Bearer <token>``; ``timeout`` (seconds) bounds each
+    call. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, addr: str = "127.0.0.1:9100", token: Optional[str] = None, timeout: float = 5.0):
+        self.addr = addr
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        self._channel = grpc.insecure_channel(addr)
+        self._stub = pb_grpc.ControlStub(self._channel)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ControlClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ControlClient({self.addr!r})"
+
+    # -- calls -------------------------------------------------------------
+
+    def info(self) -> Dict[str, Any]:
+        """Identity, data-plane address and memory of the switch."""
+        r = self._call("GetInfo", pb.GetInfoRequest())
+        return {
+            "api_version": r.api_version,
+            "version": r.version,
+            "data_addr": r.data_addr,
+            "shard_count": r.shard_count,
+            "incarnation": r.incarnation,
+            "memory_limit": r.memory_limit,
+            "memory_used": r.memory_used,
+        }
+
+    def admit_job(
+        self,
+        job_id: int,
+        members: Iterable[int],
+        block_cnt_max: int = 256,
+        block_grad_max: int = 1024,
+        block_exp_ms: int = 0,
+        mode: str = "aggregate",
+    ) -> None:
+        """Admit a job; ``members`` are the source ids (ranks) of its workers.
+
+        ``block_cnt_max`` is the number of concurrent blocks (SwitchML's pool
+        size), ``block_grad_max`` the most elements per block (defaults as in
+        the switch config file), ``block_exp_ms``
+        the straggler timeout (0 disables aging), ``mode`` ``"aggregate"`` or
+        ``"forward"`` (the NoAggr baseline).
+        """
+        try:
+            mode_value = MODES[mode]
+        except KeyError:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}") from None
+        members = [int(m) for m in members]
+        for value, what in [(job_id, "job_id"), (block_cnt_max, "block_cnt_max"),
+                            (block_grad_max, "block_grad_max"), (block_exp_ms, "block_exp_ms"),
+                            *((m, "member id") for m in members)]:
+            _check_u32(value, what)
+        spec = pb.JobSpec(
+            job_id=job_id,
+            members=members,
+            block_cnt_max=block_cnt_max,
+            block_grad_max=block_grad_max,
+            block_exp_ms=block_exp_ms,
+            mode=mode_value,
+        )
+        self._call("AdmitJob", pb.AdmitJobRequest(spec=spec))
+
+    def remove_job(self, job_id: int) -> None:
+        """Remove a job and free its memory (``NOT_FOUND`` if unknown)."""
+        _check_u32(job_id, "job_id")
+        self._call("RemoveJob", pb.RemoveJobRequest(job_id=job_id))
+
+    def list_jobs(self) -> List[Dict[str, Any]]:
+        """The admitted jobs, ordered by job_id, as dicts with the
+        :meth:`admit_job` argument names."""
+        r = self._call("ListJobs", pb.ListJobsRequest())
+        return [_job_to_dict(j) for j in r.jobs]
+
+    def counters(self) -> List[Dict[str, Any]]:
+        """Packet counters merged over shards: a list of
+        ``{"name": str, "reason": str | None, "value": int}``."""
+        r = self._call("GetCounters", pb.GetCountersRequest())
+        return [
+            {"name": c.name, "reason": c.reason if c.HasField("reason") else None, "value": c.value}
+            for c in r.counters
+        ]
+
+    # -- plumbing ----------------------------------------------------------
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            name = code.name if code is not None else "UNKNOWN"
+            details = e.details() if hasattr(e, "details") else str(e)
+            raise ControlError(name, f"{method} on {self.addr}: {details or ''}".rstrip(": ")) from None
+
+
+def _check_u32(value: int, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32:
+        raise ValueError(f"{what} must be an integer in 0..2**32, not {value!r}")
+
+
+def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
+    return {
+        "job_id": j.job_id,
+        "members": list(j.members),
+        "block_cnt_max": j.block_cnt_max,
+        "block_grad_max": j.block_grad_max,
+        "block_exp_ms": j.block_exp_ms,
+        "mode": _MODE_NAMES.get(j.mode, f"unknown({j.mode})"),
+    }
