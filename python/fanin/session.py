@@ -55,7 +55,7 @@ class Session:
         send_drop: float = 0.0,
         seed: int = 0,
         rto_ms: float = 50.0,
-        rto_min_ms: float = 10.0,
+        rto_min_ms: float = 25.0,
         rto_max_ms: float = 1000.0,
         join_timeout_s: float = 5.0,
         dead_after_s: float = 10.0,

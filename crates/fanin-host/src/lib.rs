@@ -41,7 +41,7 @@ impl SessionOptions {
             session: SessionConfig::new(job_id, src_id),
             send_drop: 0.0,
             seed: 0,
-            socket_buffer: 8 << 20,
+            socket_buffer: 32 << 20,
             offload: true,
         }
     }

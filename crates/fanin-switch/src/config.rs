@@ -93,7 +93,7 @@ fn default_batch() -> usize {
     64
 }
 fn default_socket_buffer() -> usize {
-    8 << 20
+    32 << 20
 }
 fn default_block_cnt_max() -> u32 {
     256

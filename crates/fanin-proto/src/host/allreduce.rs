@@ -201,6 +201,8 @@ struct BlockState {
     later_results: u8,
     /// Already queued for a fast retransmission in this phase.
     fast_retransmitted: bool,
+    /// Order of the last transmission among all of this session's sends.
+    send_seq: u64,
 }
 
 struct Op {
@@ -221,6 +223,8 @@ struct Op {
     last_progress: Time,
     /// Consecutive stall timeouts without progress.
     backoff: u32,
+    /// Transmissions so far (orders blocks for fast retransmit).
+    send_seq: u64,
     retransmissions: u64,
     degraded: Vec<(u32, u16)>,
     min_src_cnt: u16,
@@ -333,6 +337,7 @@ impl AllreduceSession {
             sent_at: now,
             later_results: 0,
             fast_retransmitted: false,
+            send_seq: 0,
         };
         let blocks = vec![fresh; n_blocks as usize];
         self.op = Some(Op {
@@ -347,6 +352,7 @@ impl AllreduceSession {
             retransmit: VecDeque::new(),
             last_progress: now,
             backoff: 0,
+            send_seq: 0,
             retransmissions: 0,
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,
@@ -476,6 +482,8 @@ impl AllreduceSession {
                 b.fast_retransmitted = false;
             }
             b.sent_at = now;
+            op.send_seq += 1;
+            b.send_seq = op.send_seq;
             sent += 1;
         }
         sent
@@ -644,23 +652,28 @@ impl AllreduceSession {
 /// waiting have now been overtaken once more; at [`DUP_THRESH`] they are
 /// presumed lost and queued for a fast retransmission.
 fn note_later_result(op: &mut Op, idx: u32, params: &JoinParams, job_id: u32) {
+    let seq = op.blocks[idx as usize].send_seq;
     if params.shard_count > 1 {
         let shard = shard_of(job_id, op.base_block.wrapping_add(idx), params.block_cnt_max, params.shard_count);
         for j in op.low..idx {
             let same = shard_of(job_id, op.base_block.wrapping_add(j), params.block_cnt_max, params.shard_count) == shard;
             if same {
-                overtaken(op, j);
+                overtaken(op, j, seq);
             }
         }
     } else {
         for j in op.low..idx {
-            overtaken(op, j);
+            overtaken(op, j, seq);
         }
     }
 }
 
-fn overtaken(op: &mut Op, j: u32) {
+/// Block `j` was overtaken if the answered transmission left after `j`'s.
+fn overtaken(op: &mut Op, j: u32, answered_seq: u64) {
     let b = &mut op.blocks[j as usize];
+    if b.send_seq >= answered_seq {
+        return;
+    }
     let waiting = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
     // Only a first transmission can be overtaken by later first transmissions.
     if !waiting || b.fast_retransmitted || b.attempt > 0 {
@@ -723,5 +736,90 @@ fn emit_block(
     match &op.tensor {
         Tensor::I32(v) => fanin_wire::value::write_elements(&v[start..start + count], packet.payload_mut()),
         Tensor::F32(v) => bfp::quantize_into_payload(&v[start..start + count], exp, n_sources as usize, packet.payload_mut()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::JobSpec;
+    use crate::switch::{ShardConfig, ValueSwitch};
+    use crate::transmit::VecTransmit;
+
+    /// One worker, one switch shard, datagrams moved by hand.
+    fn joined(window: u32) -> (AllreduceSession, ValueSwitch<u16>) {
+        let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+        sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+        let mut cfg = SessionConfig::new(1, 0);
+        cfg.elems_per_packet = 4;
+        cfg.window = window;
+        let mut s = AllreduceSession::new(cfg, Time::ZERO);
+        let mut out = VecTransmit::new();
+        s.poll_transmit(Time::ZERO, &mut out);
+        for (_, join) in out.drain() {
+            let mut reply = VecTransmit::new();
+            let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
+            for (_, b) in reply.drain() {
+                s.handle_datagram(Time::ZERO, &b);
+            }
+        }
+        assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+        (s, sw)
+    }
+
+    fn deliver(s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>, now: Time, datagrams: Vec<(u16, Vec<u8>)>) {
+        for (_, bytes) in datagrams {
+            let mut reply = VecTransmit::new();
+            let _ = sw.handle_datagram(now, 0, &bytes, &mut reply);
+            for (_, b) in reply.drain() {
+                s.handle_datagram(now, &b);
+            }
+        }
+    }
+
+    #[test]
+    fn a_lost_contribution_is_resent_after_three_later_results_without_waiting_for_a_timeout() {
+        let (mut s, mut sw) = joined(8);
+        let now = Time::from_nanos(1_000);
+        s.begin(now, Tensor::I32((0..20).collect())).unwrap();
+        let mut out = VecTransmit::new();
+        while s.poll_transmit(now, &mut out) > 0 {}
+        let mut sent: Vec<_> = out.drain().collect();
+        assert_eq!(sent.len(), 5, "20 elements / 4 per packet");
+        sent.remove(0); // block 0's contribution is lost
+        deliver(&mut s, &mut sw, now, sent);
+        // results of blocks 1..4 overtook block 0: it goes out again at once
+        let mut out = VecTransmit::new();
+        s.poll_transmit(now, &mut out);
+        let resent: Vec<_> = out.drain().collect();
+        assert_eq!(resent.len(), 1);
+        let p = Packet::new_checked(&resent[0].1[..]).unwrap();
+        assert_eq!((p.msg_type_code(), p.block_id()), (MessageType::Retransmission as u8, 0));
+        deliver(&mut s, &mut sw, now, resent);
+        match s.poll_event() {
+            Some(Event::Completed(o)) => {
+                assert_eq!(o.tensor, Tensor::I32((0..20).collect()));
+                assert_eq!(o.retransmissions, 1);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn stall_timer_resends_only_after_an_rto_without_progress() {
+        let (mut s, mut sw) = joined(8);
+        let t0 = Time::from_nanos(1_000);
+        s.begin(t0, Tensor::I32(vec![7; 4])).unwrap();
+        let mut out = VecTransmit::new();
+        s.poll_transmit(t0, &mut out);
+        out.drain().for_each(drop); // lost
+        let deadline = s.poll_timeout().unwrap();
+        assert_eq!(deadline, t0 + s.config().rto_initial);
+        s.handle_timeout(Time::from_nanos(deadline.as_nanos() - 1));
+        assert_eq!(s.poll_transmit(deadline, &mut out), 0, "not yet");
+        s.handle_timeout(deadline);
+        assert_eq!(s.poll_transmit(deadline, &mut out), 1);
+        deliver(&mut s, &mut sw, deadline, out.drain().collect());
+        assert!(matches!(s.poll_event(), Some(Event::Completed(_))));
     }
 }
