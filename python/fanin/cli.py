@@ -47,21 +47,11 @@ def _cmd_switch(args: argparse.Namespace) -> int:
     from fanin.switch import switch_config
 
     if args.config:
-        path = args.config
-        with open(path) as f:
-            text = f.read()
-        if path.endswith(".json"):
-            config = json.loads(text)
-        else:
-            try:
-                import tomllib
-            except ImportError:  # Python < 3.11
-                import tomli as tomllib  # type: ignore
-            try:
-                config = tomllib.loads(text)
-            except Exception as e:
-                print(f"fanin switch: {path}: {e}", file=sys.stderr)
-                return 2
+        try:
+            config = json.loads(_native.load_config(args.config))
+        except ValueError as e:
+            print(f"fanin switch: {args.config}: {e}", file=sys.stderr)
+            return 2
     else:
         config = switch_config(
             data_addr=args.data_addr, shards=args.shards,

@@ -168,6 +168,14 @@ impl Session {
     }
 }
 
+/// Read and validate a TOML or JSON daemon config file; returns it as JSON
+/// with every default filled in. Errors name the offending field.
+#[pyfunction]
+fn load_config(path: &str) -> PyResult<String> {
+    let config = DaemonConfig::from_file(path).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    serde_json::to_string(&config).map_err(|e| FaninError::new_err(e.to_string()))
+}
+
 fn parse_config(config_json: &str) -> PyResult<DaemonConfig> {
     DaemonConfig::from_json_str(config_json).map_err(|e| PyValueError::new_err(e.to_string()))
 }
@@ -283,6 +291,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
     m.add_class::<Switch>()?;
     m.add_function(wrap_pyfunction!(run_switch, m)?)?;
+    m.add_function(wrap_pyfunction!(load_config, m)?)?;
     m.add("FaninError", m.py().get_type::<FaninError>())?;
     m.add("FaninTimeout", m.py().get_type::<FaninTimeout>())?;
     m.add("FaninRefused", m.py().get_type::<FaninRefused>())?;

@@ -1,0 +1,174 @@
+"""Real processes: `fanin switch` as a child process, workers as processes,
+raw malformed datagrams, signals, and the CLI."""
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin.proc import SwitchProcess, check_result, worker_inputs
+from fanin.switch import job_config, switch_config
+
+
+def fanin_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fanin", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def switch_proc(jobs, **kw):
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", jobs=jobs, **kw)
+    return SwitchProcess(cfg)
+
+
+def _worker(rank, addr, n, size, q):
+    try:
+        s = fanin.Session(addr, 1, rank)
+        y = s.allreduce(worker_inputs(rank, size, "float32"))
+        q.put((rank, check_result(y, n, "float32", 1024)["ok"], y.tobytes()))
+    except BaseException as e:
+        q.put((rank, False, repr(e)))
+
+
+def test_worker_processes_through_a_switch_process():
+    n, size = 4, 200_000
+    with switch_proc([job_config(1, n)], shards=2) as sw:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, sw.data_addr, n, size, q)) for r in range(n)]
+        for p in procs:
+            p.start()
+        res = [q.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        counters = sw.counters()
+    assert all(ok for _, ok, _ in res), res
+    assert len({b for _, _, b in res}) == 1, "bit-identical across worker processes"
+    assert counters["blocks_completed"] >= size // 1024
+
+
+def _send_raw(addr, payloads):
+    host, port = addr.rsplit(":", 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for p in payloads:
+        s.sendto(p, (host, int(port)))
+    s.close()
+
+
+def header(msg=1, job=1, src=0, block=0, grad=0, version=1, magic=0xFA17, flags=0, dtype=0):
+    return struct.pack(">HBBBBHHHIIHbb", magic, version, msg, flags, dtype, src, 0, 0, job, block, grad, -128, -128)
+
+
+def test_malformed_datagrams_are_counted_by_reason_and_other_jobs_keep_working():
+    with switch_proc([job_config(1, 1)]) as sw:
+        good = header(grad=1) + struct.pack(">i", 5)
+        _send_raw(sw.data_addr, [
+            b"",                                   # truncated
+            good[:10],                             # truncated header
+            header(magic=0xBEEF),                  # bad magic
+            header(version=9),                     # bad version
+            header(msg=0x55),                      # unknown message type
+            header(grad=2) + b"\x00\x00\x00\x01",  # inconsistent length
+            header(grad=60000),                    # too many elements
+            header(dtype=7),                       # unknown dtype
+            header(job=77, grad=1) + b"\0\0\0\1",  # unknown job
+            header(src=9, grad=1) + b"\0\0\0\1",   # non-member
+        ])
+        time.sleep(0.3)
+        c = sw.counters()
+        assert c["malformed.truncated"] == 2
+        assert c["malformed.bad_magic"] == 1 and c["malformed.bad_version"] == 1
+        assert c["malformed.unknown_msg_type"] == 1 and c["malformed.length_mismatch"] == 1
+        assert c["malformed.too_many_elements"] == 1 and c["malformed.unknown_dtype"] == 1
+        assert c["unknown_job"] == 1 and c["non_member"] == 1
+        assert c["accepted"] == 0
+        # the daemon still serves the job
+        s = fanin.Session(sw.data_addr, 1, 0)
+        assert s.allreduce(np.arange(4, dtype=np.int32)).tolist() == [0, 1, 2, 3]
+
+
+def _join_then_hang(addr, q):
+    s = fanin.Session(addr, 1, 1)
+    q.put("joined")
+    time.sleep(3600)
+
+
+def test_a_worker_killed_mid_job_fails_the_others_cleanly_and_spares_other_jobs():
+    with switch_proc([job_config(1, 2), job_config(2, 1)]) as sw:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        victim = ctx.Process(target=_join_then_hang, args=(sw.data_addr, q))
+        victim.start()
+        assert q.get(timeout=30) == "joined"
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        s = fanin.Session(sw.data_addr, 1, 0, dead_after_s=0.8)
+        t = time.monotonic()
+        with pytest.raises(fanin.FaninTimeout, match="silent"):
+            s.allreduce(np.ones(100_000, dtype=np.float32))
+        assert time.monotonic() - t < 5
+        other = fanin.Session(sw.data_addr, 2, 0)
+        assert other.allreduce(np.ones(3, dtype=np.int32)).tolist() == [1, 1, 1]
+
+
+def test_sigterm_stops_the_switch_gracefully_and_metrics_are_prometheus_text():
+    import urllib.request
+
+    sw = switch_proc([job_config(1, 1)])
+    text = urllib.request.urlopen(f"http://{sw.metrics_addr}/metrics", timeout=5).read().decode()
+    assert "# TYPE fanin_switch_packets_total counter" in text
+    assert 'fanin_switch_packets_total{shard="0",counter="accepted"} 0' in text
+    assert sw.stop() == 0
+
+
+def test_cli_help_teaches_and_bad_config_is_rejected(tmp_path):
+    r = fanin_cli("--help")
+    assert r.returncode == 0 and "demo" in r.stdout and "bench" in r.stdout and "examples:" in r.stdout
+    r = fanin_cli("switch", "--help")
+    assert r.returncode == 0 and "--job" in r.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('shards = "two"\n')
+    r = fanin_cli("switch", "--config", str(bad))
+    assert r.returncode == 2 and "invalid type" in r.stderr and "shards" in r.stderr
+    bad.write_text("[[jobs]]\njob_id = 1\n")
+    r = fanin_cli("switch", "--config", str(bad))
+    assert r.returncode == 2 and "jobs[0]: missing `members`" in r.stderr
+    r = fanin_cli("switch", "--job", "id=1,sources=x")
+    assert r.returncode == 2 and "must be an integer" in r.stderr
+    r = fanin_cli("bench", "allreduce", "--dtype", "float64")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_switch_port_in_use_is_reported():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    r = fanin_cli("switch", "--data-addr", f"127.0.0.1:{port}", "--control-addr", "off", "--metrics-addr", "off",
+                  timeout=30)
+    s.close()
+    assert r.returncode == 1 and "cannot bind data port" in r.stderr
+
+
+def test_demo_passes_with_loss():
+    r = fanin_cli("demo", "--elements", "60000", "--rounds", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["loss"] == 0.05
+    assert all(row["identical"] and row["correct"] for row in out["rows"])
+
+
+def test_bench_allreduce_quick_json_reports_verified_figures():
+    r = fanin_cli("bench", "allreduce", "--workers", "2", "--size", "2MB", "--iters", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("median_s", "goodput_gbps", "elements_per_s", "retransmissions", "verified",
+                "noaggr_median_s", "ratio_vs_noaggr"):
+        assert key in out
+    assert out["verified"] is True and out["median_s"] > 0

@@ -1,0 +1,151 @@
+"""The Python worker API against a real in-process switch (shard threads and
+UDP sockets on 127.0.0.1)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin.proc import check_result, worker_inputs
+from fanin.switch import job_config, switch_config
+
+
+def run_workers(addr, n, fn):
+    out, errors = [None] * n, []
+
+    def body(rank):
+        try:
+            out[rank] = fn(rank)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_three_workers_get_identical_correct_results_and_shape(dtype):
+    n, size = 3, 50_003
+    with fanin.local_switch(workers=n, shards=2) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank)
+            x = worker_inputs(rank, size, dtype).reshape(-1, 1)
+            before = x.copy()
+            y = s.allreduce(x)
+            assert np.array_equal(x, before), "input is not modified"
+            assert y.shape == x.shape and y.dtype == x.dtype
+            return y.ravel()
+
+        results = run_workers(sw.data_addr, n, work)
+    for r in results:
+        assert r.tobytes() == results[0].tobytes()
+    assert check_result(results[0], n, dtype, 1024)["ok"]
+
+
+def test_loss_everywhere_is_recovered():
+    n = 4
+    with fanin.local_switch(workers=n, ingress_drop=0.1, egress_drop=0.1, seed=5) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, send_drop=0.1, seed=rank, rto_ms=5, rto_min_ms=2)
+            y = s.allreduce(worker_inputs(rank, 100_000, "int32"))
+            return y, s.last_stats["retransmissions"], s.socket_stats()
+
+        results = run_workers(sw.data_addr, n, work)
+        counters = sw.counters()
+    assert check_result(results[0][0], n, "int32", 1024)["ok"]
+    assert sum(r[1] for r in results) > 0
+    assert all(r[2]["dropped_by_fault_injection"] > 0 for r in results)
+    assert counters["duplicate"] > 0 and counters["malformed"] == 0
+
+
+def test_wrong_dtype_and_non_arrays_are_refused_clearly():
+    with fanin.local_switch(workers=1) as sw:
+        s = fanin.Session(sw.data_addr, 1, 0)
+        with pytest.raises(TypeError, match="int32 or float32.*float64"):
+            s.allreduce(np.zeros(4))
+        with pytest.raises(TypeError, match="numpy array"):
+            s.allreduce([1.0, 2.0])
+        with pytest.raises(ValueError, match="element 2 is NaN"):
+            s.allreduce(np.array([1, 2, np.nan], dtype=np.float32))
+        # the session still works after a refused call
+        assert s.allreduce(np.ones(3, dtype=np.float32)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_unknown_job_non_member_and_oversized_packets_are_refused():
+    with fanin.local_switch(workers=2, block_grad_max=256) as sw:
+        with pytest.raises(fanin.FaninRefused, match="unknown job"):
+            fanin.Session(sw.data_addr, 99, 0)
+        with pytest.raises(fanin.FaninRefused, match="not a member"):
+            fanin.Session(sw.data_addr, 1, 7)
+        with pytest.raises(fanin.FaninRefused, match="block_grad_max is 256"):
+            fanin.Session(sw.data_addr, 1, 0, elems_per_packet=1024)
+
+
+def test_no_switch_times_out_within_the_join_timeout():
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    addr = "127.0.0.1:%d" % s.getsockname()[1]
+    s.close()
+    t = time.monotonic()
+    with pytest.raises(fanin.FaninTimeout, match="no answer from the switch"):
+        fanin.Session(addr, 1, 0, join_timeout_s=0.5)
+    assert time.monotonic() - t < 3
+
+
+def test_bad_arguments_say_what_is_wrong():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        fanin.Session("localhost", 1, 0)
+    with pytest.raises(ValueError, match="shards = 0 is out of range"):
+        fanin.LocalSwitch(switch_config(data_addr="127.0.0.1:0", shards=0, control_addr=None, metrics_addr=None))
+    with pytest.raises(ValueError, match="not a probability"):
+        fanin.LocalSwitch(switch_config(data_addr="127.0.0.1:0", ingress_drop=2.0, control_addr=None, metrics_addr=None))
+    with fanin.local_switch(workers=1) as sw:
+        with pytest.raises(fanin.FaninRefused, match="already exists"):
+            sw.admit_job(job_config(1, 2))
+        with pytest.raises(ValueError, match="missing `members`"):
+            sw.admit_job({"job_id": 5})
+        with pytest.raises(fanin.FaninRefused, match="needs .* bytes of aggregation memory"):
+            sw.admit_job(job_config(6, 2, block_cnt_max=1 << 20, block_grad_max=16000))
+
+
+def test_jobs_are_admitted_and_removed_at_runtime_and_isolated():
+    with fanin.local_switch(workers=1) as sw:
+        sw.admit_job(job_config(2, 2, block_cnt_max=8, block_grad_max=64))
+        res = run_workers(sw.data_addr, 2, lambda r: fanin.Session(sw.data_addr, 2, r, elems_per_packet=64)
+                          .allreduce(np.full(1000, r + 1, dtype=np.int32)))
+        assert res[0].tolist() == [3] * 1000
+        assert fanin.Session(sw.data_addr, 1, 0).allreduce(np.arange(5, dtype=np.int32)).tolist() == list(range(5))
+        sw.remove_job(2)
+        with pytest.raises(fanin.FaninRefused, match="unknown job"):
+            fanin.Session(sw.data_addr, 2, 0)
+
+
+def test_gil_is_released_while_communicating():
+    with fanin.local_switch(workers=2) as sw:
+        ticks = []
+        stop = threading.Event()
+
+        def ticker():
+            while not stop.is_set():
+                ticks.append(1)
+                time.sleep(0.001)
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        s0 = fanin.Session(sw.data_addr, 1, 0, join_timeout_s=5)
+        # rank 1 joins 0.3 s later; meanwhile rank 0 waits inside allreduce
+        threading.Timer(0.3, lambda: fanin.Session(sw.data_addr, 1, 1).allreduce(np.ones(10, np.float32))).start()
+        s0.allreduce(np.ones(10, np.float32))
+        stop.set()
+        t.join()
+        assert len(ticks) > 50, "other Python threads ran during allreduce"
