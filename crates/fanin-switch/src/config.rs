@@ -235,3 +235,13 @@ mod tests {
         assert!(err("[faults]\ningress_drop = 1.5").contains("not a probability"));
     }
 }
+
+#[cfg(test)]
+mod example_file {
+    #[test]
+    fn the_shipped_example_config_is_valid() {
+        let cfg = super::DaemonConfig::from_toml_str(include_str!("../../../examples/switch.toml")).unwrap();
+        assert_eq!(cfg.shards, 2);
+        assert_eq!(cfg.jobs.len(), 1);
+    }
+}

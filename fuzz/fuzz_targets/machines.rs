@@ -1,0 +1,99 @@
+//! Arbitrary datagrams into the protocol machines: the switch program (an
+//! aggregating and a forwarding job, two shards) and a joined worker session.
+//! Input: a sequence of [len: u8][from: u8][bytes...] records.
+//! Oracles: no panic; everything the machines emit is a valid packet;
+//! every datagram the switch saw is counted; accepted contributions never
+//! exceed what arrived.
+#![no_main]
+
+use fanin_proto::host::{AllreduceSession, SessionConfig, Tensor};
+use fanin_proto::job::{JobMode, JobSpec};
+use fanin_proto::switch::{ShardConfig, ValueSwitch, Verdict};
+use fanin_proto::{Time, VecTransmit};
+use fanin_wire::value::{JoinParams, Packet, Repr};
+use fanin_wire::MessageType;
+use libfuzzer_sys::fuzz_target;
+
+fn switch(shard: u16) -> ValueSwitch<u8> {
+    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24 });
+    sw.add_job(JobSpec::with_sources(1, 3, 4, 8)).unwrap();
+    let mut fwd = JobSpec::with_sources(2, 2, 4, 8);
+    fwd.mode = JobMode::Forward;
+    sw.add_job(fwd).unwrap();
+    sw
+}
+
+fn session() -> AllreduceSession {
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.elems_per_packet = 4;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    // feed it a JoinAck so it is in the Ready state
+    let repr = Repr {
+        msg_type: MessageType::JoinAck,
+        age_op: 0,
+        final_block: false,
+        degraded: false,
+        exp_only: false,
+        dtype: fanin_wire::value::Dtype::Int32,
+        src_id: 0,
+        src_cnt: 3,
+        gen_id: 0,
+        job_id: 1,
+        block_id: 0,
+        grad_cnt: 0,
+        exp: -128,
+        next_exp: -128,
+    };
+    let mut buf = vec![0; repr.buffer_len()];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut p);
+    JoinParams { block_cnt_max: 4, block_grad_max: 8, block_exp_ms: 0, incarnation: 9, shard_count: 2, next_block: 0 }
+        .emit(p.payload_mut());
+    s.handle_datagram(Time::ZERO, &buf);
+    let _ = s.begin(Time::ZERO, Tensor::F32(vec![1.5; 13]));
+    s
+}
+
+fn check_emitted(out: &mut VecTransmit<impl Copy>) {
+    for (_, bytes) in out.drain() {
+        Packet::new_checked(&bytes[..]).expect("machines emit only valid packets");
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let mut shards = [switch(0), switch(1)];
+    let mut worker = session();
+    let mut out = VecTransmit::new();
+    let mut rest = data;
+    let mut fed = 0u64;
+    let mut t = 0u64;
+    while rest.len() >= 2 {
+        let (len, from) = (rest[0] as usize, rest[1]);
+        rest = &rest[2..];
+        let take = len.min(rest.len());
+        let (dgram, tail) = rest.split_at(take);
+        rest = tail;
+        t += 1_000;
+        let now = Time::from_nanos(t);
+        let target = (from & 1) as usize;
+        fed += 1;
+        if let Verdict::WrongShard(o) = shards[target].handle_datagram(now, from, dgram, &mut out) {
+            assert!(o < 2);
+            fed += 1;
+            let again = shards[o as usize].handle_datagram(now, from, dgram, &mut out);
+            assert_eq!(again, Verdict::Consumed, "the owner shard consumes what it owns");
+        }
+        check_emitted(&mut out);
+        worker.handle_datagram(now, dgram);
+        worker.handle_timeout(now);
+        let mut wout = VecTransmit::new();
+        worker.poll_transmit(now, &mut wout);
+        check_emitted(&mut wout);
+        while worker.poll_event().is_some() {}
+    }
+    let seen: u64 = shards.iter().map(|s| s.counters().rx_datagrams).sum();
+    assert_eq!(seen, fed);
+    for s in &shards {
+        assert!(s.counters().accepted <= s.counters().rx_datagrams);
+    }
+});
