@@ -335,3 +335,19 @@ fn empty_tensor_completes_immediately() {
     let outcomes = run(&cfg, vec![Tensor::I32(vec![]), Tensor::I32(vec![])]);
     assert!(outcomes.iter().all(|o| o.blocks == 0 && o.tensor.is_empty()));
 }
+
+#[test]
+#[ignore]
+fn diag_retransmission_rate() {
+    for loss in [0.0, 0.01, 0.05] {
+        let cfg = Run { workers: 4, shards: 1, epp: 1024, window: 256, slots: 256, net: net(loss, 0.0, 0), seed: 9 };
+        let inputs = float_inputs(4, 2_000_000, 9);
+        let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::F32).collect());
+        let r: u64 = outcomes.iter().map(|o| o.retransmissions).sum();
+        println!("float loss {loss}: blocks {} retransmissions {r}", outcomes[0].blocks);
+        let inputs = int_inputs(4, 2_000_000, 9);
+        let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
+        let r: u64 = outcomes.iter().map(|o| o.retransmissions).sum();
+        println!("int loss {loss}: blocks {} retransmissions {r}", outcomes[0].blocks);
+    }
+}

@@ -28,10 +28,11 @@
 //!   when results arrive for [`DUP_THRESH`] blocks of the same shard that were
 //!   sent after block `b`, `b`'s contribution or result was lost: send `b`
 //!   again at once (once per block);
-//! * *stall timeout*: if no result at all arrived for one RTO, resend every
-//!   outstanding block sent more than an RTO ago, doubling the RTO each time
-//!   nothing moves. The timer restarts on progress, so a long queue in front
-//!   of a block (a full window) never causes spurious retransmissions.
+//! * *stall timeout*: if no result at all arrived for one RTO, resend the
+//!   oldest waiting block of each shard (a stall is more often a slow peer
+//!   than mass loss), doubling the RTO each time nothing moves. The timer
+//!   restarts on progress, so a long queue in front of a block (a full
+//!   window) never causes spurious retransmissions.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -401,12 +402,29 @@ impl AllreduceSession {
                 let stalled = op.next_new > op.done && now >= self.stall_deadline(op);
                 let op = self.op.as_mut().expect("checked above");
                 if stalled {
-                    // Nothing moved for an RTO: resend what has waited that long.
+                    // Nothing moved for an RTO. Usually a peer is slow rather
+                    // than many packets lost, so, like TCP, resend only the
+                    // oldest waiting block of each shard; once results flow
+                    // again, fast retransmit finds any other hole.
+                    let shards = self.params.map_or(1, |p| p.shard_count.max(1)) as usize;
+                    let mut resent = vec![false; shards];
                     for idx in op.low..op.next_new {
                         let b = &op.blocks[idx as usize];
                         let waiting = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
-                        if waiting && now.saturating_since(b.sent_at) >= rto && !op.retransmit.contains(&idx) {
-                            op.retransmit.push_back(idx);
+                        if !waiting || now.saturating_since(b.sent_at) < rto {
+                            continue;
+                        }
+                        let shard = self.params.map_or(0, |p| {
+                            shard_of(self.config.job_id, op.base_block.wrapping_add(idx), p.block_cnt_max, p.shard_count)
+                        }) as usize;
+                        if !resent[shard] {
+                            resent[shard] = true;
+                            if !op.retransmit.contains(&idx) {
+                                op.retransmit.push_back(idx);
+                            }
+                            if resent.iter().all(|r| *r) {
+                                break;
+                            }
                         }
                     }
                     op.backoff = (op.backoff + 1).min(6);
