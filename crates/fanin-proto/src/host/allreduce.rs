@@ -26,8 +26,9 @@
 //! **Loss recovery.** Two triggers, as TCP has:
 //! * *fast retransmit*: the switch handles a shard's packets in order, so
 //!   when results arrive for [`DUP_THRESH`] blocks of the same shard that were
-//!   sent after block `b`, `b`'s contribution or result was lost: send `b`
-//!   again at once (once per block);
+//!   sent after block `b`'s last transmission, that transmission or its
+//!   result was lost: send `b` again at once (and again if the retransmission
+//!   is overtaken the same way);
 //! * *stall timeout*: if no result at all arrived for one RTO, resend the
 //!   oldest waiting block of each shard (a stall is more often a slow peer
 //!   than mass loss), doubling the RTO each time nothing moves. The timer
@@ -200,8 +201,8 @@ struct BlockState {
     sent_at: Time,
     /// Results seen for later blocks of the same shard while this one waits.
     later_results: u8,
-    /// Already queued for a fast retransmission in this phase.
-    fast_retransmitted: bool,
+    /// Queued for retransmission and not yet sent again.
+    queued: bool,
     /// Order of the last transmission among all of this session's sends.
     send_seq: u64,
 }
@@ -337,7 +338,7 @@ impl AllreduceSession {
             attempt: 0,
             sent_at: now,
             later_results: 0,
-            fast_retransmitted: false,
+            queued: false,
             send_seq: 0,
         };
         let blocks = vec![fresh; n_blocks as usize];
@@ -419,7 +420,8 @@ impl AllreduceSession {
                         }) as usize;
                         if !resent[shard] {
                             resent[shard] = true;
-                            if !op.retransmit.contains(&idx) {
+                            if !op.blocks[idx as usize].queued {
+                                op.blocks[idx as usize].queued = true;
                                 op.retransmit.push_back(idx);
                             }
                             if resent.iter().all(|r| *r) {
@@ -496,9 +498,9 @@ impl AllreduceSession {
                 b.attempt += 1;
             } else {
                 b.attempt = 0;
-                b.later_results = 0;
-                b.fast_retransmitted = false;
             }
+            b.later_results = 0;
+            b.queued = false;
             b.sent_at = now;
             op.send_seq += 1;
             b.send_seq = op.send_seq;
@@ -693,13 +695,14 @@ fn overtaken(op: &mut Op, j: u32, answered_seq: u64) {
         return;
     }
     let waiting = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
-    // Only a first transmission can be overtaken by later first transmissions.
-    if !waiting || b.fast_retransmitted || b.attempt > 0 {
+    if !waiting || b.queued {
         return;
     }
     b.later_results = b.later_results.saturating_add(1);
     if b.later_results >= DUP_THRESH {
-        b.fast_retransmitted = true;
+        // Also after a retransmission: a lost retransmission is found the
+        // same way, one round trip later, instead of by the stall timer.
+        b.queued = true;
         op.retransmit.push_back(j);
     }
 }
