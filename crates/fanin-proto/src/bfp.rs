@@ -9,7 +9,8 @@
 //! rounded once to f32.
 //!
 //! Error bound (documented in docs/protocol.md and checked by the tests):
-//! |result - exact_sum| <= N * 2^(e - B - 1) + ulp(result) / 2.
+//! |result - exact_sum| <= N * 2^(e - B - 1) + ulp(result)
+//! (the final rounding to f32 is half an ulp; the tests allow one).
 //! For 4 sources B = 28: 28 bits of the block maximum, more than f32 carries.
 
 use fanin_wire::value::EXP_NONE;
