@@ -303,6 +303,27 @@ pub struct Repr {
 }
 
 impl Repr {
+    /// A header with every optional field at its neutral value (no flags,
+    /// int32, counters 0, no exponents, no payload); set what the message needs.
+    pub fn new(msg_type: MessageType, job_id: u32, src_id: u16) -> Self {
+        Self {
+            msg_type,
+            age_op: 0,
+            final_block: false,
+            degraded: false,
+            exp_only: false,
+            dtype: Dtype::Int32,
+            src_id,
+            src_cnt: 0,
+            gen_id: 0,
+            job_id,
+            block_id: 0,
+            grad_cnt: 0,
+            exp: EXP_NONE,
+            next_exp: EXP_NONE,
+        }
+    }
+
     /// Parse a header from a checked packet.
     pub fn parse<T: AsRef<[u8]>>(packet: &Packet<T>) -> Result<Self, WireError> {
         packet.check()?;

@@ -452,7 +452,7 @@ impl AllreduceSession {
                 self.join_due = false;
                 *next_send = now + *interval;
                 *interval = (*interval * 2).min(Duration::from_millis(500));
-                let repr = self.header(MessageType::Join, 0, Dtype::Int32);
+                let repr = self.join_request();
                 let buf = out.push(0, repr.buffer_len());
                 repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
                 1
@@ -648,23 +648,8 @@ impl AllreduceSession {
         self.events.push_back(Event::Failed(err));
     }
 
-    fn header(&self, msg_type: MessageType, block_id: u32, dtype: Dtype) -> Repr {
-        Repr {
-            msg_type,
-            age_op: 0,
-            final_block: false,
-            degraded: false,
-            exp_only: false,
-            dtype,
-            src_id: self.config.src_id,
-            src_cnt: 0,
-            gen_id: self.gen_id,
-            job_id: self.config.job_id,
-            block_id,
-            grad_cnt: 0,
-            exp: EXP_NONE,
-            next_exp: EXP_NONE,
-        }
+    fn join_request(&self) -> Repr {
+        Repr { gen_id: self.gen_id, ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id) }
     }
 }
 

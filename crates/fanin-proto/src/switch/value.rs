@@ -334,22 +334,7 @@ impl<A: Copy> ValueSwitch<A> {
             return;
         }
         job.addrs[src as usize] = Some(from);
-        let repr = Repr {
-            msg_type: MessageType::JoinAck,
-            age_op: 0,
-            final_block: false,
-            degraded: false,
-            exp_only: false,
-            dtype: Dtype::Int32,
-            src_id: src,
-            src_cnt: job.member_count,
-            gen_id: 0,
-            job_id: job.spec.job_id,
-            block_id: 0,
-            grad_cnt: 0,
-            exp: EXP_NONE,
-            next_exp: EXP_NONE,
-        };
+        let repr = Repr { src_cnt: job.member_count, ..Repr::new(MessageType::JoinAck, job.spec.job_id, src) };
         let params = JoinParams {
             block_cnt_max: job.spec.block_cnt_max,
             block_grad_max: job.spec.block_grad_max,
@@ -454,11 +439,19 @@ impl<A: Copy> ValueSwitch<A> {
             return Verdict::Consumed;
         }
         let member_count = job.member_count as usize;
-        let ctx = Emit { job_id: job.spec.job_id, members: &job.members, addrs: &job.addrs };
+        let mut reply = Reply {
+            job_id: job.spec.job_id,
+            members: &job.members,
+            addrs: &job.addrs,
+            counters,
+            from,
+            out,
+            scratch: &mut self.scratch,
+        };
         let completed = if exp_only {
-            contribute_exponent(block, src, packet.exp(), member_count, counters, &ctx, from, out, &mut self.scratch)
+            contribute_exponent(block, src, packet.exp(), member_count, &mut reply)
         } else {
-            contribute_data(block, src, packet, member_count, counters, &ctx, from, out, &mut self.scratch)
+            contribute_data(block, src, packet, member_count, &mut reply)
         };
         if completed && !is_prev {
             // Every member contributed to the newer block, so every member had
@@ -481,30 +474,41 @@ fn open_block(slot: &mut Slot, capacity: usize, block_id: u32, packet: &Packet<&
     slot.cur = Some(block);
 }
 
-/// What result emission needs from the job record.
-struct Emit<'a, A> {
+/// Everything a contribution needs to answer: the job's members and their
+/// addresses, the sender, the counters and the output sink.
+struct Reply<'a, A, T> {
     job_id: u32,
     members: &'a SourceMask,
     addrs: &'a [Option<A>],
+    counters: &'a mut Counters,
+    from: A,
+    out: &'a mut T,
+    /// The result is built once here and copied to each destination.
+    scratch: &'a mut Vec<u8>,
 }
 
-impl<A: Copy> Emit<'_, A> {
-    /// Build the result once and send a copy to every member with a known
-    /// address (members that never sent anything fetch it by retransmitting).
-    fn to_all(&self, block: &Block, exp_only: bool, counters: &mut Counters, out: &mut impl Transmit<A>, scratch: &mut Vec<u8>) {
-        build_result(block, self.job_id, exp_only, scratch);
+impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
+    /// Send the result to every member with a known address (members that
+    /// never sent anything fetch it by retransmitting).
+    fn to_all(&mut self, block: &Block, exp_only: bool) {
+        build_result(block, self.job_id, exp_only, self.scratch);
         for id in self.members.iter() {
             if let Some(addr) = self.addrs.get(id).copied().flatten() {
-                out.push_copy(addr, scratch);
-                counters.results_sent += 1;
+                self.out.push_copy(addr, self.scratch);
+                self.counters.results_sent += 1;
             }
         }
     }
 
-    fn to_one(&self, block: &Block, exp_only: bool, counters: &mut Counters, dest: A, out: &mut impl Transmit<A>, scratch: &mut Vec<u8>) {
-        build_result(block, self.job_id, exp_only, scratch);
-        out.push_copy(dest, scratch);
-        counters.results_resent += 1;
+    /// Send the result again to the sender only.
+    fn to_sender(&mut self, block: &Block, exp_only: bool) {
+        build_result(block, self.job_id, exp_only, self.scratch);
+        self.out.push_copy(self.from, self.scratch);
+        self.counters.results_resent += 1;
+    }
+
+    fn nack(&mut self, request: &Packet<&[u8]>, reason: NackReason, detail: u32) {
+        send_nack(self.counters, self.out, self.from, request, reason, detail);
     }
 }
 
@@ -520,68 +524,58 @@ fn build_result(block: &Block, job_id: u32, exp_only: bool, scratch: &mut Vec<u8
 }
 
 /// An exponent-only contribution. Returns true if it completed the block.
-#[allow(clippy::too_many_arguments)]
-fn contribute_exponent<A: Copy>(
+fn contribute_exponent<A: Copy, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
     exp: i8,
     member_count: usize,
-    counters: &mut Counters,
-    ctx: &Emit<'_, A>,
-    from: A,
-    out: &mut impl Transmit<A>,
-    scratch: &mut Vec<u8>,
+    reply: &mut Reply<'_, A, T>,
 ) -> bool {
     match block.phase {
         Phase::Exponent => {
             if !block.rcvd.insert(src) {
-                counters.duplicate += 1;
+                reply.counters.duplicate += 1;
                 return false;
             }
-            counters.accepted += 1;
+            reply.counters.accepted += 1;
             block.exp = block.exp.max(exp);
             if block.rcvd.count() == member_count {
                 block.phase = Phase::Data;
                 block.negotiated = true;
-                ctx.to_all(block, true, counters, out, scratch);
+                reply.to_all(block, true);
                 block.rcvd.clear();
             }
             false
         }
         // The sender missed the negotiated exponent: tell it again.
         Phase::Data | Phase::Done => {
-            counters.duplicate += 1;
-            ctx.to_one(block, true, counters, from, out, scratch);
+            reply.counters.duplicate += 1;
+            reply.to_sender(block, true);
             false
         }
     }
 }
 
 /// A data contribution. Returns true if it completed the block.
-#[allow(clippy::too_many_arguments)]
-fn contribute_data<A: Copy>(
+fn contribute_data<A: Copy, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
     packet: &Packet<&[u8]>,
     member_count: usize,
-    counters: &mut Counters,
-    ctx: &Emit<'_, A>,
-    from: A,
-    out: &mut impl Transmit<A>,
-    scratch: &mut Vec<u8>,
+    reply: &mut Reply<'_, A, T>,
 ) -> bool {
     match block.phase {
         Phase::Exponent => {
-            counters.protocol_violation += 1;
+            reply.counters.protocol_violation += 1;
             false
         }
         Phase::Done => {
             if block.rcvd.contains(src) {
-                counters.duplicate += 1;
+                reply.counters.duplicate += 1;
             } else {
-                counters.late += 1;
+                reply.counters.late += 1;
             }
-            ctx.to_one(block, false, counters, from, out, scratch);
+            reply.to_sender(block, false);
             false
         }
         Phase::Data => {
@@ -589,25 +583,25 @@ fn contribute_data<A: Copy>(
             let float = block.dtype.is_block_floating_point();
             if block.has_data {
                 if grad_cnt != block.grad_cnt {
-                    counters.mismatch += 1;
-                    send_nack(counters, out, from, packet, NackReason::ShapeMismatch, block.grad_cnt as u32);
+                    reply.counters.mismatch += 1;
+                    reply.nack(packet, NackReason::ShapeMismatch, block.grad_cnt as u32);
                     return false;
                 }
                 if float && packet.exp() != block.exp {
-                    counters.mismatch += 1;
-                    send_nack(counters, out, from, packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
+                    reply.counters.mismatch += 1;
+                    reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
                     return false;
                 }
             } else if float && block.negotiated && packet.exp() != block.exp {
-                counters.mismatch += 1;
-                send_nack(counters, out, from, packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
+                reply.counters.mismatch += 1;
+                reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
                 return false;
             }
             if !block.rcvd.insert(src) {
-                counters.duplicate += 1;
+                reply.counters.duplicate += 1;
                 return false;
             }
-            counters.accepted += 1;
+            reply.counters.accepted += 1;
             let payload = packet.payload();
             let n = grad_cnt as usize;
             if block.has_data {
@@ -623,8 +617,8 @@ fn contribute_data<A: Copy>(
             block.final_block |= packet.final_block();
             if block.rcvd.count() == member_count {
                 block.phase = Phase::Done;
-                counters.blocks_completed += 1;
-                ctx.to_all(block, false, counters, out, scratch);
+                reply.counters.blocks_completed += 1;
+                reply.to_all(block, false);
                 return true;
             }
             false
@@ -661,20 +655,10 @@ fn send_nack<A: Copy>(
     detail: u32,
 ) {
     let repr = Repr {
-        msg_type: MessageType::Nack,
-        age_op: 0,
-        final_block: false,
-        degraded: false,
-        exp_only: false,
         dtype: Dtype::from_u8(request.dtype_code()).unwrap_or(Dtype::Int32),
-        src_id: request.src_id(),
-        src_cnt: 0,
         gen_id: request.gen_id(),
-        job_id: request.job_id(),
         block_id: request.block_id(),
-        grad_cnt: 0,
-        exp: EXP_NONE,
-        next_exp: EXP_NONE,
+        ..Repr::new(MessageType::Nack, request.job_id(), request.src_id())
     };
     let buf = out.push(dest, HEADER_LEN + Nack::LEN);
     let mut reply = Packet::new_unchecked(&mut buf[..]);
