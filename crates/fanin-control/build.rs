@@ -11,9 +11,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={}", file.display());
 
     let fds = protox::compile([&file], [&proto_root])?;
-    tonic_prost_build::configure()
-        .build_server(true)
-        .build_client(true)
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().build_server(true).build_client(true).compile_fds(fds)?;
     Ok(())
 }

@@ -39,6 +39,10 @@ pub use pb::control_client::ControlClient;
 /// The API version this crate serves, reported by `GetInfo`.
 pub const API_VERSION: &str = "v1";
 
+/// How long a shutdown waits for open connections to finish before it drops
+/// them.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Metadata key that carries the token (`authorization: Bearer <token>`).
 pub const AUTH_METADATA_KEY: &str = "authorization";
 
@@ -139,8 +143,9 @@ pub enum ControlError {
     Panicked,
 }
 
-/// Serve the API on `addr` until `shutdown` resolves. With `Some(token)`
-/// every call must carry `authorization: Bearer <token>`; others get
+/// Serve the API on `addr` until `shutdown` resolves (then let calls in
+/// flight finish, for at most [`SHUTDOWN_GRACE`]). With `Some(token)` every
+/// call must carry `authorization: Bearer <token>`; others get
 /// UNAUTHENTICATED. Must run inside a tokio runtime.
 pub async fn serve(
     addr: SocketAddr,
@@ -148,9 +153,8 @@ pub async fn serve(
     token: Option<String>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ControlError> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| ControlError::Bind { addr, source })?;
+    let listener =
+        tokio::net::TcpListener::bind(addr).await.map_err(|source| ControlError::Bind { addr, source })?;
     serve_listener(listener, plane, token, shutdown).await
 }
 
@@ -164,13 +168,31 @@ pub async fn serve_listener(
 ) -> Result<(), ControlError> {
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let expected = token.map(|t| format!("Bearer {t}"));
-    let svc = pb::control_server::ControlServer::with_interceptor(
-        Service { plane },
-        move |req: Request<()>| check_token(expected.as_deref(), req.metadata()).map(|()| req),
-    );
-    tonic::transport::Server::builder()
-        .serve_with_incoming_shutdown(svc, incoming, shutdown)
-        .await?;
+    let svc =
+        pb::control_server::ControlServer::with_interceptor(Service { plane }, move |req: Request<()>| {
+            check_token(expected.as_deref(), req.metadata()).map(|()| req)
+        });
+    // Graceful shutdown waits for every connection to close, which needs the
+    // client's cooperation (HTTP/2 GOAWAY and a ping round trip); a stalled
+    // client must not keep the daemon from stopping, so after SHUTDOWN_GRACE
+    // the remaining connections are dropped.
+    let fired = Arc::new(tokio::sync::Notify::new());
+    let signal = {
+        let fired = fired.clone();
+        async move {
+            shutdown.await;
+            fired.notify_one();
+        }
+    };
+    let serve = tonic::transport::Server::builder().serve_with_incoming_shutdown(svc, incoming, signal);
+    tokio::pin!(serve);
+    tokio::select! {
+        result = &mut serve => result?,
+        () = async {
+            fired.notified().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => {}
+    }
     Ok(())
 }
 
@@ -217,7 +239,8 @@ impl ControlServerHandle {
         self.local_addr
     }
 
-    /// Stop accepting calls, let calls in flight finish, and join the thread.
+    /// Stop accepting calls, let calls in flight finish (at most
+    /// [`SHUTDOWN_GRACE`]), and join the thread.
     /// Returns the error the server stopped with, if any.
     pub fn shutdown(mut self) -> Result<(), ControlError> {
         self.stop_and_join()
@@ -272,9 +295,7 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
     let mode = match pb::JobMode::try_from(spec.mode) {
         Ok(pb::JobMode::Aggregate) => JobMode::Aggregate,
         Ok(pb::JobMode::Forward) => JobMode::Forward,
-        Err(_) => {
-            return Err(Status::invalid_argument(format!("job {job_id}: unknown mode {}", spec.mode)))
-        }
+        Err(_) => return Err(Status::invalid_argument(format!("job {job_id}: unknown mode {}", spec.mode))),
     };
     let spec = JobSpec {
         job_id,
@@ -352,10 +373,8 @@ impl pb::control_server::Control for Service {
         &self,
         request: Request<pb::AdmitJobRequest>,
     ) -> Result<Response<pb::AdmitJobResponse>, Status> {
-        let spec = request
-            .into_inner()
-            .spec
-            .ok_or_else(|| Status::invalid_argument("AdmitJob needs a spec"))?;
+        let spec =
+            request.into_inner().spec.ok_or_else(|| Status::invalid_argument("AdmitJob needs a spec"))?;
         let spec = job_spec_from_pb(spec)?;
         self.call(move |p| p.admit_job(spec)).await??;
         Ok(Response::new(pb::AdmitJobResponse {}))
@@ -433,8 +452,7 @@ mod tests {
 
     #[test]
     fn counters_carry_reasons() {
-        let mut c = Counters::default();
-        c.accepted = 5;
+        let mut c = Counters { accepted: 5, ..Default::default() };
         c.malformed[0] = 2;
         let list = counters_to_pb(&c);
         assert!(list.iter().any(|x| x.name == "accepted" && x.reason.is_none() && x.value == 5));

@@ -75,12 +75,16 @@ impl ControlPlane for FakePlane {
     }
 
     fn counters(&self) -> Counters {
-        let mut c = Counters::default();
-        c.rx_datagrams = 10;
-        c.accepted = 7;
+        let mut c = Counters { rx_datagrams: 10, accepted: 7, ..Default::default() };
         c.malformed[0] = 3;
         c
     }
+}
+
+/// Shut down from async code without blocking the runtime that drives the
+/// client's connection (graceful shutdown needs the client to answer).
+async fn stop(server: ControlServerHandle) {
+    tokio::task::spawn_blocking(move || server.shutdown()).await.unwrap().unwrap();
 }
 
 fn start(token: Option<&str>) -> ControlServerHandle {
@@ -139,16 +143,16 @@ async fn every_rpc_round_trips() {
 
     let counters = c.get_counters(pb::GetCountersRequest {}).await.unwrap().into_inner().counters;
     let mut expected = Vec::new();
-    FakePlane::default().counters().visit(|name, reason, value| {
-        expected.push((name.to_string(), reason.map(String::from), value))
-    });
+    FakePlane::default()
+        .counters()
+        .visit(|name, reason, value| expected.push((name.to_string(), reason.map(String::from), value)));
     let got: Vec<_> = counters.into_iter().map(|c| (c.name, c.reason, c.value)).collect();
     assert_eq!(got, expected, "every counter, in visit order, reasons kept");
     assert!(got.iter().any(|(n, r, v)| n == "malformed" && r.is_some() && *v == 3));
     assert!(got.contains(&("accepted".into(), None, 7)));
 
     drop(c);
-    server.shutdown().unwrap();
+    stop(server).await;
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -200,7 +204,7 @@ async fn errors_map_to_status_codes() {
     assert_eq!(err.message(), "job 77 is not on this switch");
 
     drop(c);
-    server.shutdown().unwrap();
+    stop(server).await;
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -232,7 +236,7 @@ async fn token_is_required_when_set() {
     assert!(c.list_jobs(req).await.unwrap().into_inner().jobs.is_empty());
 
     drop(c);
-    server.shutdown().unwrap();
+    stop(server).await;
 }
 
 #[test]
@@ -251,16 +255,19 @@ fn spawn_reports_address_in_use_synchronously() {
 }
 
 #[test]
-fn shutdown_stops_serving_even_with_a_client_connected() {
+fn shutdown_is_not_held_up_by_a_stalled_client() {
     let server = start(None);
     let addr = server.local_addr();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let mut c = rt.block_on(client(addr));
     rt.block_on(c.get_info(pb::GetInfoRequest {})).unwrap();
 
+    // the client's runtime is not running: it cannot take part in a graceful
+    // close, so shutdown must give up on it after the grace period
     let t = std::time::Instant::now();
     server.shutdown().unwrap();
-    assert!(t.elapsed() < std::time::Duration::from_secs(5), "shutdown took {:?}", t.elapsed());
+    let took = t.elapsed();
+    assert!(took < fanin_control::SHUTDOWN_GRACE * 3, "shutdown took {took:?}");
     assert!(rt.block_on(c.get_info(pb::GetInfoRequest {})).is_err());
     // the port is free again
     drop(spawn(addr, Arc::new(FakePlane::default()), None).unwrap());

@@ -87,10 +87,8 @@ impl ShardThread {
         let _ = self.socket.set_read_timeout(Some(Duration::from_millis(5)));
         while !self.shutdown.load(Ordering::Relaxed) {
             self.drain_commands(&mut tx, &mut discard);
-            let n = match self.socket.recv_batch(&mut rx) {
-                Ok(n) => n,
-                Err(_) => 0,
-            };
+            // A receive error (e.g. ICMP feedback) is not fatal: try again.
+            let n = self.socket.recv_batch(&mut rx).unwrap_or_default();
             if n > 0 {
                 let now = Time::from_nanos(self.epoch.elapsed().as_nanos() as u64);
                 let mut out = SocketTx {

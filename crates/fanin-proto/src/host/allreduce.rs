@@ -592,7 +592,7 @@ impl AllreduceSession {
                     sample
                 }
                 Some(srtt) => {
-                    let diff = if srtt > sample { srtt - sample } else { sample - srtt };
+                    let diff = srtt.abs_diff(sample);
                     self.rttvar = (self.rttvar * 3 + diff) / 4;
                     (srtt * 7 + sample) / 8
                 }

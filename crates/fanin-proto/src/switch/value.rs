@@ -490,7 +490,7 @@ struct Reply<'a, A, T> {
 impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     /// Send the result to every member with a known address (members that
     /// never sent anything fetch it by retransmitting).
-    fn to_all(&mut self, block: &Block, exp_only: bool) {
+    fn send_to_all(&mut self, block: &Block, exp_only: bool) {
         build_result(block, self.job_id, exp_only, self.scratch);
         for id in self.members.iter() {
             if let Some(addr) = self.addrs.get(id).copied().flatten() {
@@ -501,7 +501,7 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     }
 
     /// Send the result again to the sender only.
-    fn to_sender(&mut self, block: &Block, exp_only: bool) {
+    fn send_to_sender(&mut self, block: &Block, exp_only: bool) {
         build_result(block, self.job_id, exp_only, self.scratch);
         self.out.push_copy(self.from, self.scratch);
         self.counters.results_resent += 1;
@@ -542,7 +542,7 @@ fn contribute_exponent<A: Copy, T: Transmit<A>>(
             if block.rcvd.count() == member_count {
                 block.phase = Phase::Data;
                 block.negotiated = true;
-                reply.to_all(block, true);
+                reply.send_to_all(block, true);
                 block.rcvd.clear();
             }
             false
@@ -550,7 +550,7 @@ fn contribute_exponent<A: Copy, T: Transmit<A>>(
         // The sender missed the negotiated exponent: tell it again.
         Phase::Data | Phase::Done => {
             reply.counters.duplicate += 1;
-            reply.to_sender(block, true);
+            reply.send_to_sender(block, true);
             false
         }
     }
@@ -575,7 +575,7 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
             } else {
                 reply.counters.late += 1;
             }
-            reply.to_sender(block, false);
+            reply.send_to_sender(block, false);
             false
         }
         Phase::Data => {
@@ -618,7 +618,7 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
             if block.rcvd.count() == member_count {
                 block.phase = Phase::Done;
                 reply.counters.blocks_completed += 1;
-                reply.to_all(block, false);
+                reply.send_to_all(block, false);
                 return true;
             }
             false
