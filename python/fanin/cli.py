@@ -67,6 +67,7 @@ def _cmd_switch(args: argparse.Namespace) -> int:
         if args.print_ready:
             print(json.dumps(info), flush=True)
         print(f"fanin switch: data {info['data_addr']} ({info['shards']} shards), "
+              f"control API {info.get('control_addr') or 'off'}, "
               f"metrics {('http://' + info['metrics_addr'] + '/metrics') if info.get('metrics_addr') else 'off'}; "
               "Ctrl-C to stop", file=sys.stderr, flush=True)
 

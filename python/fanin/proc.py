@@ -69,6 +69,7 @@ class SwitchProcess:
         self.info = json.loads(line)
         self.data_addr: str = self.info["data_addr"]
         self.metrics_addr: Optional[str] = self.info.get("metrics_addr")
+        self.control_addr: Optional[str] = self.info.get("control_addr")
 
     def counters(self) -> dict[str, int]:
         if not self.metrics_addr:

@@ -172,3 +172,47 @@ def test_bench_allreduce_quick_json_reports_verified_figures():
                 "noaggr_median_s", "ratio_vs_noaggr"):
         assert key in out
     assert out["verified"] is True and out["median_s"] > 0
+
+
+def test_control_api_admits_lists_and_removes_jobs_on_the_real_daemon():
+    from fanin.control import ControlClient, ControlError
+
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None, memory_mb=64, jobs=[])
+    cfg["control_token"] = "s3cret"
+    with SwitchProcess(cfg) as sw:
+        c = ControlClient(sw.control_addr, token="s3cret")
+        info = c.info()
+        assert info["api_version"] == "v1" and info["data_addr"] == sw.data_addr
+        c.admit_job(7, [0, 1], block_cnt_max=16, block_grad_max=256)
+        assert [j["job_id"] for j in c.list_jobs()] == [7]
+        with pytest.raises(ControlError) as e:
+            c.admit_job(7, [0, 1])
+        assert "ALREADY_EXISTS" in str(e.value)
+        with pytest.raises(ControlError) as e:
+            c.admit_job(8, [0], block_cnt_max=1 << 20, block_grad_max=16000)
+        assert "RESOURCE_EXHAUSTED" in str(e.value)
+        with pytest.raises(ControlError) as e:
+            c.admit_job(9, [], block_cnt_max=4, block_grad_max=4)
+        assert "INVALID_ARGUMENT" in str(e.value) and "members is empty" in str(e.value)
+        with pytest.raises(ControlError) as e:
+            ControlClient(sw.control_addr, token="wrong").info()
+        assert "UNAUTHENTICATED" in str(e.value)
+        # a worker uses the job admitted over the API
+        res = []
+        import threading
+
+        ts = [threading.Thread(target=lambda r=r: res.append(
+            fanin.Session(sw.data_addr, 7, r, elems_per_packet=256).allreduce(np.full(1000, 2, np.int32))))
+              for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert all(r.tolist() == [4] * 1000 for r in res) and len(res) == 2
+        counters = {(x["name"], x.get("reason") or ""): x["value"] for x in c.counters()}
+        assert counters[("accepted", "")] >= 2
+        c.remove_job(7)
+        assert c.list_jobs() == []
+        with pytest.raises(ControlError) as e:
+            c.remove_job(7)
+        assert "NOT_FOUND" in str(e.value)

@@ -279,6 +279,7 @@ fn run_switch(py: Python<'_>, config_json: &str, on_ready: Option<Bound<'_, PyAn
         d.set_item("shards", info.shard_count)?;
         d.set_item("incarnation", info.incarnation)?;
         d.set_item("metrics_addr", handle.metrics_addr().map(|a| a.to_string()))?;
+        d.set_item("control_addr", handle.control_addr().map(|a| a.to_string()))?;
         cb.call1((d,))?;
     }
     py.detach(|| handle.wait());

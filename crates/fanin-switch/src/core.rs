@@ -13,31 +13,11 @@ use fanin_proto::job::JobSpec;
 use fanin_proto::switch::{AdmitError, Counters, ShardConfig, ValueSwitch};
 use fanin_udp::BatchSocket;
 
+use fanin_control::{AdmitFailure, ControlPlane, ControlServerHandle, SwitchInfo};
+
 use crate::config::DaemonConfig;
 use crate::metrics;
 use crate::shard::{Command, ShardStats, ShardThread};
-
-/// What the control API reports about a running switch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SwitchInfo {
-    pub data_addr: SocketAddr,
-    pub shard_count: u16,
-    pub incarnation: u32,
-    pub memory_limit: u64,
-    pub memory_used: u64,
-    pub version: String,
-}
-
-/// Why admission failed, classified for the control API's status codes.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AdmitFailure {
-    #[error("{0}")]
-    Invalid(String),
-    #[error("{0}")]
-    Duplicate(String),
-    #[error("{0}")]
-    OutOfMemory(String),
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -49,6 +29,8 @@ pub enum StartError {
     Metrics { addr: SocketAddr, source: std::io::Error },
     #[error("job from the config file refused: {0}")]
     Job(AdmitFailure),
+    #[error(transparent)]
+    Control(#[from] fanin_control::ControlError),
 }
 
 struct ShardLink {
@@ -97,9 +79,8 @@ impl SwitchCore {
                             self.memory_limit >> 20,
                             self.shards.len()
                         )),
-                        Some(Err(e @ AdmitError::Duplicate(_))) => AdmitFailure::Duplicate(e.to_string()),
-                        Some(Err(e)) => AdmitFailure::Invalid(e.to_string()),
-                        _ => AdmitFailure::Invalid(format!("shard {i} did not answer")),
+                        Some(Err(e)) => e.into(),
+                        Some(Ok(())) | None => AdmitFailure::Internal(format!("shard {i} did not answer")),
                     });
                 }
             }
@@ -186,12 +167,33 @@ impl SwitchCore {
     }
 }
 
+/// The gRPC control API drives the switch through the same methods the
+/// config file and the Python bindings use.
+impl ControlPlane for SwitchCore {
+    fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure> {
+        SwitchCore::admit_job(self, spec)
+    }
+    fn remove_job(&self, job_id: u32) -> Result<(), String> {
+        SwitchCore::remove_job(self, job_id)
+    }
+    fn list_jobs(&self) -> Vec<JobSpec> {
+        SwitchCore::list_jobs(self)
+    }
+    fn info(&self) -> SwitchInfo {
+        SwitchCore::info(self)
+    }
+    fn counters(&self) -> Counters {
+        SwitchCore::counters(self)
+    }
+}
+
 /// A running switch: its shard threads, metrics endpoint and control plane.
 pub struct SwitchHandle {
     core: Arc<SwitchCore>,
     shutdown: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
     metrics_addr: Option<SocketAddr>,
+    control: Option<ControlServerHandle>,
 }
 
 impl SwitchHandle {
@@ -249,7 +251,8 @@ impl SwitchHandle {
             memory_limit,
             started: epoch,
         });
-        let mut handle = Self { core: core.clone(), shutdown: shutdown.clone(), threads, metrics_addr: None };
+        let mut handle =
+            Self { core: core.clone(), shutdown: shutdown.clone(), threads, metrics_addr: None, control: None };
         for job in &config.jobs {
             let spec = job.to_spec().map_err(|m| StartError::Job(AdmitFailure::Invalid(m)))?;
             if let Err(e) = core.admit_job(spec) {
@@ -269,7 +272,21 @@ impl SwitchHandle {
                 }
             }
         }
+        if let Some(addr) = config.control_addr {
+            match fanin_control::spawn(addr, core.clone(), config.control_token.clone()) {
+                Ok(server) => handle.control = Some(server),
+                Err(e) => {
+                    handle.stop();
+                    return Err(e.into());
+                }
+            }
+        }
         Ok(handle)
+    }
+
+    /// Address of the gRPC control API, if enabled.
+    pub fn control_addr(&self) -> Option<SocketAddr> {
+        self.control.as_ref().map(|c| c.local_addr())
     }
 
     pub fn core(&self) -> &Arc<SwitchCore> {
@@ -290,6 +307,9 @@ impl SwitchHandle {
     }
 
     fn stop(&mut self) {
+        if let Some(control) = self.control.take() {
+            let _ = control.shutdown();
+        }
         self.shutdown.store(true, Ordering::SeqCst);
         for t in self.threads.drain(..) {
             let _ = t.join();

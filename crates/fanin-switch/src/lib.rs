@@ -20,4 +20,5 @@ mod metrics;
 mod shard;
 
 pub use crate::config::{ConfigError, DaemonConfig, FaultConfig, JobConfig};
-pub use crate::core::{AdmitFailure, StartError, SwitchCore, SwitchHandle, SwitchInfo};
+pub use crate::core::{StartError, SwitchCore, SwitchHandle};
+pub use fanin_control::{AdmitFailure, SwitchInfo};

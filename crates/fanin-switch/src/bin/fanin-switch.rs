@@ -48,10 +48,11 @@ fn main() -> ExitCode {
     }
     let info = handle.core().info();
     eprintln!(
-        "fanin-switch: data {} ({} shards), incarnation {:08x}, metrics {}",
+        "fanin-switch: data {} ({} shards), incarnation {:08x}, control API {}, metrics {}",
         info.data_addr,
         info.shard_count,
         info.incarnation,
+        handle.control_addr().map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
         handle.metrics_addr().map(|a| format!("http://{a}/metrics")).unwrap_or_else(|| "off".into())
     );
     handle.wait();
