@@ -286,3 +286,18 @@ fn join_answers_with_parameters_or_a_reason() {
     let p = Packet::new_checked(&bytes[..]).unwrap();
     assert_eq!(Nack::parse(p.payload()).unwrap().reason, NackReason::UnknownJob);
 }
+
+#[test]
+fn a_job_of_300_sources_completes_only_with_all_of_them() {
+    let mut sw = switch_with(&[JobSpec::with_sources(9, 300, 4, 8)]);
+    for src in 0..299u16 {
+        assert!(send(&mut sw, Pkt::data(9, src, 0, &[src as i32, 1])).is_empty(), "source {src}");
+    }
+    // a repeat of source 255 (bit beyond the first 4 mask words) is a duplicate
+    assert!(send(&mut sw, Pkt::data(9, 255, 0, &[1, 1])).is_empty());
+    assert_eq!(sw.counters().duplicate, 1);
+    let out = send(&mut sw, Pkt::data(9, 299, 0, &[299, 1]));
+    assert_eq!(out.len(), 300, "the result goes to all 300 members");
+    assert_eq!(out[0].2, vec![(0..300).sum::<i32>(), 300]);
+    assert_eq!(out[0].1.src_cnt, 300);
+}
