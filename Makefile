@@ -14,6 +14,7 @@ test: setup
 
 # A quick pass over the benchmarks (each prints JSON; see docs/results.md).
 bench-quick: setup
+	python3 -m pip install -q -r requirements-bench.txt
 	fanin bench allreduce --quick --json
 	fanin bench gloo-compare --quick --json
 	fanin bench epp-sweep --quick --json

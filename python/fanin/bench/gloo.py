@@ -75,7 +75,7 @@ def run_gloo_compare(args: Any) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("fanin bench gloo-compare: PyTorch is not installed (pip install 'fanin[torch]')", file=sys.stderr)
+        print("fanin bench gloo-compare: PyTorch is not installed (pip install -r requirements-bench.txt)", file=sys.stderr)
         return 2
     size = parse_size(args.size) if args.size else (16_000_000 if args.quick else 100_000_000)
     n = max(1, size // 4)
