@@ -29,14 +29,14 @@ def _job_arg(text: str) -> dict[str, Any]:
             job[k] = [int(x) for x in v.split(":") if x]
         elif k == "mode":
             job[k] = v
-        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms"):
+        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows"):
             try:
                 job[k] = int(v)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
         else:
             raise argparse.ArgumentTypeError(
-                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, mode)")
+                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode)")
     if "job_id" not in job:
         raise argparse.ArgumentTypeError("a job needs id=N")
     return job
@@ -129,6 +129,18 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
     return run_sweep(args)
 
 
+def _cmd_bench_straggler_recovery(args: argparse.Namespace) -> int:
+    from fanin.bench.stragglers import run_recovery
+
+    return run_recovery(args)
+
+
+def _cmd_bench_straggler_iterations(args: argparse.Namespace) -> int:
+    from fanin.bench.stragglers import run_iterations
+
+    return run_iterations(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fanin",
@@ -151,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--memory-mb", type=int, default=1024, help="aggregation memory for all jobs (default %(default)s)")
     sw.add_argument("--job", action="append", type=_job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
-                         "block_cnt_max, block_grad_max, block_exp_ms, mode=aggregate|forward")
+                         "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward")
     sw.add_argument("--ingress-drop", type=float, default=0.0, help="fault injection: drop probability on receive")
     sw.add_argument("--egress-drop", type=float, default=0.0, help="fault injection: drop probability on send")
     sw.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
@@ -211,6 +223,28 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
         common(sp)
         sp.set_defaults(func=_cmd_bench_sweep, sweep=name)
+
+    sr = bsub.add_parser("straggler-recovery", help="time to a partial result vs the timeout (Trio Fig. 14)",
+                         description="One member of the job never sends; for timeouts 1-50 ms the two others stream "
+                                     "20 back-to-back blocks and measure each block's time from first send to its "
+                                     "partial result, with Trio's single REF flag (checks=1) and fanin's default "
+                                     "(checks=4) side by side. Writes CSV and PNG to --out.")
+    sr.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    common(sr)
+    sr.set_defaults(func=_cmd_bench_straggler_recovery)
+
+    si = bsub.add_parser("straggler-iterations", help="iteration time under the Slow Worker Pattern (Trio Fig. 13)",
+                         description="Worker processes run iterations of compute + allreduce of a model-sized tensor "
+                                     "(25M float32; 2M with --quick); at three delay points per iteration one worker "
+                                     "straggles with probability p for U(0.5, 2) x the typical iteration time. fanin "
+                                     "with mitigation vs without (SwitchML behaviour) vs an ideal run, one run.")
+    si.add_argument("--workers", type=int, default=4)
+    si.add_argument("--iters", type=int, help="iterations per arm (default 20, 10 with --quick)")
+    si.add_argument("--compute-ms", type=float, default=100.0, help="simulated compute per iteration (default %(default)s)")
+    si.add_argument("--block-exp-ms", type=int, default=10, help="straggler timeout of the mitigation arm (default %(default)s)")
+    si.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    common(si)
+    si.set_defaults(func=_cmd_bench_straggler_iterations)
     return parser
 
 

@@ -39,7 +39,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, EXP_NONE, MAX_GRAD_CNT, MEMBERSHIP_READMITTED,
+    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, MAX_GRAD_CNT, MEMBERSHIP_READMITTED,
     MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
@@ -70,6 +70,10 @@ pub struct SessionConfig {
     /// Most datagrams one `poll_transmit` call writes, so receiving is never
     /// starved by sending.
     pub max_burst: usize,
+    /// Bytes of results for *later* allreduces kept until they begin. A
+    /// straggler that fell behind finds the partial results the switch
+    /// pushed to every member while it was busy, instead of missing them.
+    pub stash_bytes: usize,
 }
 
 impl SessionConfig {
@@ -85,6 +89,7 @@ impl SessionConfig {
             join_timeout: Duration::from_secs(5),
             dead_after: Duration::from_secs(10),
             max_burst: 64,
+            stash_bytes: 64 << 20,
         }
     }
 
@@ -227,6 +232,9 @@ enum BlockPhase {
     Done,
 }
 
+/// How many allreduces ahead of this worker the stash keeps results for.
+const STASH_GENERATIONS: u16 = 4;
+
 /// Results of later same-shard blocks that make a missing one count as lost.
 pub const DUP_THRESH: u8 = 3;
 
@@ -306,6 +314,9 @@ pub struct AllreduceSession {
     join_due: bool,
     /// Sources the switch told us it declared permanently slow.
     slow_sources: Vec<u16>,
+    /// Results of later generations (header, body), oldest first.
+    stash: VecDeque<(Repr, Vec<u8>)>,
+    stash_len: usize,
 }
 
 impl AllreduceSession {
@@ -329,6 +340,8 @@ impl AllreduceSession {
             events: VecDeque::new(),
             join_due: true,
             slow_sources: Vec::new(),
+            stash: VecDeque::new(),
+            stash_len: 0,
         };
         if let State::Failed(e) = &session.state {
             session.events.push_back(Event::Failed(e.clone()));
@@ -423,6 +436,17 @@ impl AllreduceSession {
             min_src_cnt: self.n_sources,
         });
         self.last_heard = now;
+        // Results the switch pushed for this allreduce before it began.
+        let stash = std::mem::take(&mut self.stash);
+        self.stash_len = 0;
+        for (repr, body) in stash {
+            let ahead = repr.gen_id.wrapping_sub(self.gen_id);
+            if ahead == 0 {
+                self.on_result(now, &repr, &body);
+            } else if (1..=STASH_GENERATIONS).contains(&ahead) {
+                self.stash_result(&repr, &body);
+            }
+        }
         if n_blocks == 0 {
             self.finish_op();
         }
@@ -633,7 +657,22 @@ impl AllreduceSession {
         self.events.push_back(Event::Joined(params));
     }
 
+    /// Keep a result of a later allreduce (bounded by `stash_bytes`).
+    fn stash_result(&mut self, repr: &Repr, payload: &[u8]) {
+        if self.stash_len + payload.len() > self.config.stash_bytes {
+            return;
+        }
+        self.stash_len += payload.len();
+        self.stash.push_back((*repr, payload.to_vec()));
+    }
+
     fn on_result(&mut self, now: Time, repr: &Repr, payload: &[u8]) {
+        // A later generation: the job is ahead of this worker (it straggled).
+        let ahead = repr.gen_id.wrapping_sub(self.gen_id);
+        if (1..=STASH_GENERATIONS).contains(&ahead) {
+            self.stash_result(repr, payload);
+            return;
+        }
         let (Some(params), Some(op)) = (self.params, self.op.as_mut()) else { return };
         let idx = repr.block_id.wrapping_sub(op.base_block);
         if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
@@ -661,7 +700,11 @@ impl AllreduceSession {
         }
         op.last_progress = now;
         op.backoff = 0;
-        note_later_result(op, idx, &params, self.config.job_id);
+        // An aged result says nothing about loss: the scanners emit blocks
+        // in slice order, not block order.
+        if repr.age_op != AGE_OP_AGED {
+            note_later_result(op, idx, &params, self.config.job_id);
+        }
         let block = &mut op.blocks[idx as usize];
         if repr.exp_only {
             block.exp = repr.exp;

@@ -692,7 +692,6 @@ impl<A: Copy> ValueSwitch<A> {
             }
             return Verdict::Consumed;
         }
-        let was_open = block.is_open();
         let outcome = {
             let mut reply = Reply {
                 job_id: job.spec.job_id,
@@ -728,8 +727,10 @@ impl<A: Copy> ValueSwitch<A> {
                 }
             }
         }
-        // A permanently slow source that adds to an open block has caught up.
-        if outcome.accepted && was_open && !job.active.contains(src) {
+        // A permanently slow source has caught up when it adds to an open
+        // block, or sends the current block of a slot (not its shadow) even
+        // if the others just completed it: it is within one window of them.
+        if (outcome.accepted || (outcome.late && !is_prev)) && !job.active.contains(src) {
             readmit(job, src, block_id, counters, out, &mut self.scratch);
         }
         settle_slow_sources(job, &mut newly_slow, counters, out, &mut self.scratch);
@@ -834,6 +835,8 @@ struct Outcome {
     accepted: bool,
     /// It completed the block: the final result went out.
     completed: bool,
+    /// A data contribution to a block already emitted without its source.
+    late: bool,
 }
 
 /// An exponent-only contribution.
@@ -854,7 +857,7 @@ fn contribute_exponent<A: Copy, T: Transmit<A>>(
             if block.satisfied() {
                 finish_exponent_round(block, reply);
             }
-            Outcome { accepted: true, completed: false }
+            Outcome { accepted: true, completed: false, late: false }
         }
         // The sender missed the negotiated exponent: tell it again.
         Phase::Data | Phase::Done => {
@@ -901,6 +904,8 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
                 // A straggler's contribution to a block emitted without it:
                 // never added anywhere; it gets the partial result instead.
                 reply.counters.late += 1;
+                reply.send_to_sender(block, false);
+                return Outcome { late: true, ..Outcome::default() };
             }
             reply.send_to_sender(block, false);
             Outcome::default()
@@ -946,7 +951,7 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
             if completed {
                 finish_block(block, reply);
             }
-            Outcome { accepted: true, completed }
+            Outcome { accepted: true, completed, late: false }
         }
     }
 }
@@ -1074,8 +1079,8 @@ fn settle_slow_sources<A: Copy>(
     }
 }
 
-/// A permanently slow source caught up (or rejoined): wait for it again in
-/// the blocks created from now on.
+/// A permanently slow source caught up (or rejoined): wait for it again, in
+/// the open blocks and in every block created from now on.
 fn readmit<A: Copy>(
     job: &mut Job<A>,
     src: usize,
@@ -1087,6 +1092,16 @@ fn readmit<A: Copy>(
     job.active.insert(src);
     job.missed_streak[src] = 0;
     counters.readmitted += 1;
+    // It caught up: the open blocks wait for it too (it is about to send
+    // them), so it is not left out of the rest of the current window.
+    for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.is_open()) {
+        if block.expected.insert(src) {
+            block.expected_count += 1;
+            if block.rcvd.contains(src) {
+                block.expected_rcvd += 1;
+            }
+        }
+    }
     notify_membership(job, src, MEMBERSHIP_READMITTED, block_id, counters, out, scratch);
 }
 

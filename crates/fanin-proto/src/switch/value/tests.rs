@@ -520,3 +520,36 @@ fn aging_configuration_is_validated() {
     assert!(matches!(err, AdmitError::AgingTooFine { .. }));
     assert!(err.to_string().contains("block_exp_ms 1 with 100 scanners x 4 checks"), "{err}");
 }
+
+#[test]
+fn a_slow_source_one_step_behind_the_others_is_readmitted() {
+    // Declared slow, it then sends the current block of its slot just after
+    // the others completed it: it is within a window, so it caught up.
+    let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
+    for b in 0..2 {
+        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
+        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
+    }
+    tick(&mut sw, at(4));
+    tick(&mut sw, at(8));
+    assert_eq!(sw.slow_sources(1), vec![2]);
+    send_at(&mut sw, at(9), Pkt::data(1, 0, 2, &[1]));
+    send_at(&mut sw, at(9), Pkt::data(1, 1, 2, &[1])); // block 2 done without source 2
+    let out = send_at(&mut sw, at(9), Pkt::data(1, 2, 2, &[1]));
+    assert!(out.iter().any(|o| o.1.msg_type == MessageType::Result && o.1.src_cnt == 2), "late: the partial result");
+    assert!(out.iter().any(|o| o.1.msg_type == MessageType::Membership && o.1.age_op == MEMBERSHIP_READMITTED));
+    // but a contribution for a shadow (two steps behind) does not re-admit
+    let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
+    for b in 0..2 {
+        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
+        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
+    }
+    tick(&mut sw, at(4));
+    tick(&mut sw, at(8));
+    for s in 0..2 {
+        send_at(&mut sw, at(9), Pkt::data(1, s, 2, &[1]));
+    }
+    let out = send_at(&mut sw, at(9), Pkt::data(1, 2, 0, &[1]));
+    assert!(out.iter().all(|o| o.1.msg_type != MessageType::Membership));
+    assert_eq!(sw.slow_sources(1), vec![2]);
+}
