@@ -1,0 +1,174 @@
+//! `fanin-sim`: the simulator's command line.
+//!
+//! JSON on stdout (with --json), a human summary on stderr, CSV files in --out.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use fanin_sim::trimming::{fig6_pairs, figure, Design, RunSpec, Study, Variant};
+
+const USAGE: &str = "\
+usage:
+  fanin-sim trimming --figure N [--quick] [--json] [--out DIR] [--seed S]
+                     [--duration-us US] [--t0-us US] [--link-delay-ns NS]
+      the simulation study of 'Packet trimming in programmable switches'
+      (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
+  fanin-sim bench-events [--runs R] [--json]
+      event rate of the 64-sender Fig. 6 run (Tofino design), median of R runs
+";
+
+struct Args {
+    rest: Vec<String>,
+}
+
+impl Args {
+    fn flag(&mut self, name: &str) -> bool {
+        if let Some(i) = self.rest.iter().position(|a| a == name) {
+            self.rest.remove(i);
+            true
+        } else {
+            false
+        }
+    }
+    fn value<T: std::str::FromStr>(&mut self, name: &str) -> Result<Option<T>, String> {
+        let Some(i) = self.rest.iter().position(|a| a == name) else { return Ok(None) };
+        if i + 1 >= self.rest.len() {
+            return Err(format!("{name} needs a value"));
+        }
+        let v = self.rest.remove(i + 1);
+        self.rest.remove(i);
+        v.parse().map(Some).map_err(|_| format!("{name}: cannot parse {v:?}"))
+    }
+    fn finish(&self) -> Result<(), String> {
+        match self.rest.first() {
+            Some(a) => Err(format!("unexpected argument {a:?}")),
+            None => Ok(()),
+        }
+    }
+}
+
+fn progress_bar(label: String) -> impl FnMut(usize, usize) {
+    let tty = std::io::stderr().is_terminal();
+    let start = Instant::now();
+    move |done, total| {
+        let width = 30;
+        let filled = done * width / total.max(1);
+        let line = format!(
+            "{label} [{}{}] {done}/{total} {:.0} s",
+            "#".repeat(filled),
+            " ".repeat(width - filled),
+            start.elapsed().as_secs_f64()
+        );
+        if tty {
+            eprint!("\r{line}");
+            if done == total {
+                eprintln!();
+            }
+        } else if done == total || done % 10 == 0 {
+            eprintln!("{line}");
+        }
+        let _ = std::io::stderr().flush();
+    }
+}
+
+fn study_from(args: &mut Args) -> Result<Study, String> {
+    let mut s = Study::default();
+    if let Some(v) = args.value("--seed")? {
+        s.seed = v;
+    }
+    if let Some(v) = args.value("--duration-us")? {
+        s.duration_us = v;
+    }
+    if let Some(v) = args.value("--t0-us")? {
+        s.t0_us = v;
+    }
+    if let Some(v) = args.value("--link-delay-ns")? {
+        s.link_delay_ns = v;
+    }
+    Ok(s)
+}
+
+fn trimming(mut args: Args) -> Result<(), String> {
+    let n: u32 = args.value("--figure")?.ok_or("trimming needs --figure N (5-9)")?;
+    let quick = args.flag("--quick");
+    let as_json = args.flag("--json");
+    let out: PathBuf = args.value::<String>("--out")?.unwrap_or_else(|| "out/sim".into()).into();
+    let study = study_from(&mut args)?;
+    args.finish()?;
+    let mut bar = progress_bar(format!("fig{n}"));
+    let t = Instant::now();
+    let fig = figure(n, &study, quick, &mut bar).ok_or(format!("no figure {n}: choose 5, 6, 7, 8 or 9"))?;
+    std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let mut files = Vec::new();
+    for (name, text) in &fig.csv {
+        let path = out.join(name);
+        std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        files.push(path.display().to_string());
+    }
+    let mut json = fig.json;
+    json["csv"] = serde_json::json!(files);
+    json["quick"] = serde_json::json!(quick);
+    json["wall_s"] = serde_json::json!(t.elapsed().as_secs_f64());
+    let json_path = out.join(format!("{}.json", fig.name));
+    std::fs::write(&json_path, serde_json::to_string_pretty(&json).expect("json")).map_err(|e| format!("{}: {e}", json_path.display()))?;
+    if as_json {
+        println!("{}", serde_json::to_string(&json).expect("json"));
+    }
+    eprint!("{}", fig.summary);
+    eprintln!("wrote {} and {} ({:.1} s)", files.join(", "), json_path.display(), t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn bench_events(mut args: Args) -> Result<(), String> {
+    let runs: usize = args.value("--runs")?.unwrap_or(3);
+    let as_json = args.flag("--json");
+    let study = study_from(&mut args)?;
+    args.finish()?;
+    let spec = RunSpec { design: Design::Tofino, variant: Variant::Full, pairs: fig6_pairs(64), flow_pkts: u32::MAX, t0_us: study.t0_us, record: false };
+    let mut rates = Vec::new();
+    let mut events = 0;
+    for _ in 0..runs.max(1) {
+        let r = study.run(&spec);
+        events = r.stats.events;
+        rates.push(r.events_per_s);
+    }
+    rates.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let median = rates[rates.len() / 2];
+    let out = serde_json::json!({"experiment": "fig6 64 senders, tofino", "events_per_run": events,
+        "runs": rates.len(), "events_per_s_median": median, "events_per_s_all": rates, "target_events_per_s": 5e6,
+        "target_met": median >= 5e6});
+    if as_json {
+        println!("{out}");
+    }
+    eprintln!(
+        "bench-events: {events} events per run, median {:.2} M events/s over {} runs (target 5 M/s: {})",
+        median / 1e6,
+        rates.len(),
+        if median >= 5e6 { "met" } else { "NOT met" }
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let mut argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.is_empty() || argv[0] == "-h" || argv[0] == "--help" {
+        eprint!("{USAGE}");
+        return if argv.is_empty() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+    }
+    let cmd = argv.remove(0);
+    let args = Args { rest: argv };
+    let r = match cmd.as_str() {
+        "trimming" => trimming(args),
+        "bench-events" => bench_events(args),
+        _ => Err(format!("unknown command {cmd:?}\n{USAGE}")),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fanin-sim: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
