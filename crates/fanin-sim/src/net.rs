@@ -69,6 +69,10 @@ pub struct NetConfig {
     pub record_headers: bool,
     /// Record every congestion notification (time, egress port).
     pub record_notifications: bool,
+    /// Host control packets (ACK, NACK, PULL) share the host's uplink with its
+    /// data. `false` (default) gives them their own channel of the same rate
+    /// and delay, as htsim's separate source and sink routes do.
+    pub shared_host_link: bool,
 }
 
 impl Default for NetConfig {
@@ -88,6 +92,7 @@ impl Default for NetConfig {
             seed: 1,
             record_headers: false,
             record_notifications: false,
+            shared_host_link: false,
         }
     }
 }
@@ -122,7 +127,10 @@ struct Switch {
 }
 
 struct Host {
+    /// Port 0: data (and control when `shared_host_link`).
     nic: Port,
+    /// Port 1: control packets when the host link is not shared.
+    ctl: Port,
     sending: Vec<u32>,
     rr: usize,
     pulls: VecDeque<u32>,
@@ -207,6 +215,7 @@ impl Builder {
         let node = self.nodes.len() as u32;
         self.nodes.push(Node::Host(Host {
             nic: Port { queue: PortQueue::new(QueueConfig::unbounded()), busy: false, link: Link::gbps(100, 0), peer: (u32::MAX, 0) },
+            ctl: Port { queue: PortQueue::new(QueueConfig::unbounded()), busy: false, link: Link::gbps(100, 0), peer: (u32::MAX, 0) },
             sending: Vec::new(),
             rr: 0,
             pulls: VecDeque::new(),
@@ -241,6 +250,8 @@ impl Builder {
         let Node::Host(host) = &mut self.nodes[hn as usize] else { unreachable!() };
         host.nic.link = link;
         host.nic.peer = (sw, port);
+        host.ctl.link = link;
+        host.ctl.peer = (sw, port);
     }
 
     /// Connect two switches (both directions).
@@ -432,7 +443,13 @@ impl Sim {
 
     fn port_mut(&mut self, node: u32, port: u16) -> &mut Port {
         match &mut self.nodes[node as usize] {
-            Node::Host(h) => &mut h.nic,
+            Node::Host(h) => {
+                if port == 1 {
+                    &mut h.ctl
+                } else {
+                    &mut h.nic
+                }
+            }
             Node::Switch(s) => &mut s.ports[port as usize],
         }
     }
@@ -446,6 +463,15 @@ impl Sim {
                     return;
                 }
                 match p.queue.dequeue() {
+                    Some((pkt, _)) => pkt,
+                    None => return,
+                }
+            }
+            Node::Host(h) if port == 1 => {
+                if h.ctl.busy {
+                    return;
+                }
+                match h.ctl.queue.dequeue() {
                     Some((pkt, _)) => pkt,
                     None => return,
                 }
@@ -481,9 +507,11 @@ impl Sim {
     fn send_control(&mut self, from_host: u32, pkt: Packet, now: Ps) {
         let hn = self.hosts[from_host as usize];
         let Node::Host(h) = &mut self.nodes[hn as usize] else { unreachable!() };
+        let port = if self.cfg.shared_host_link { 0 } else { 1 };
+        let q = if port == 0 { &mut h.nic.queue } else { &mut h.ctl.queue };
         // Unbounded queue: cannot fail.
-        let _ = h.nic.queue.enqueue_header(pkt);
-        self.try_send(hn, 0, now);
+        let _ = q.enqueue_header(pkt);
+        self.try_send(hn, port, now);
     }
 
     fn host_arrive(&mut self, node: u32, pkt: Packet, now: Ps) {

@@ -146,7 +146,7 @@ impl Study {
         let t0 = Duration::from_nanos((spec.t0_us * 1000.0).round() as u64);
         let half = Duration::from_nanos((self.half_us / self.t0_us * spec.t0_us * 1000.0).round() as u64);
         let mut tc = TrimControlConfig {
-            pipelines: self.ports.div_ceil(16),
+            pipelines: (self.ports + RECEIVERS).div_ceil(16),
             ports_per_pipeline: 16,
             line_rate_bps: self.rate_gbps * 1_000_000_000,
             meter_burst_bytes: self.data_queue_pkts * self.mtu,
@@ -191,11 +191,12 @@ impl Study {
     /// Run one incast on the single switch.
     pub fn run(&self, spec: &RunSpec) -> RunResult {
         let cfg = self.net_config(spec);
-        let mut sim = single_switch(cfg, self.ports, Link::gbps(self.rate_gbps, self.link_delay_ns));
+        // Senders on ports 0..ports, receivers (16) on the ports after them.
+        let mut sim = single_switch(cfg, self.ports + RECEIVERS, Link::gbps(self.rate_gbps, self.link_delay_ns));
         let mut rng = SplitMix64::new(self.seed ^ 0xF1A5_5EED);
         for &(s, d) in &spec.pairs {
             let start = if self.start_jitter_ns > 0 { rng.below(self.start_jitter_ns * PS_PER_NS) } else { 0 };
-            sim.add_flow(s, d, spec.flow_pkts, start);
+            sim.add_flow(s, self.ports as u32 + d, spec.flow_pkts, start);
         }
         let t = Instant::now();
         let until = self.duration_us * PS_PER_US;
@@ -233,17 +234,22 @@ impl Study {
     }
 }
 
-/// Fig. 6's workload: sender i on port i sends to the receiver on port i % 16.
+/// Receivers of the study: separate hosts on ports `ports..ports + 16` (see
+/// docs/simulator.md: sources and sinks are separate endpoints, as in htsim).
+pub const RECEIVERS: usize = 16;
+
+/// Fig. 6's workload: sender i on port i sends to receiver i % 16.
 pub fn fig6_pairs(senders: usize) -> Vec<(u32, u32)> {
     (0..senders as u32).map(|i| (i, i % 16)).collect()
 }
 
-/// Fig. 5's incasts: "64->1" (ports 1..63 to port 0), "16->1x4" (port p to
-/// p % 4: four 16-to-1 incasts, 4 senders in each pipeline), "64->16" (port
-/// p to (p + 1) % 16: the §3 worst case of sixteen parallel 4-to-1 incasts).
+/// Fig. 5's incasts (sender port, receiver): "64->1" (every port to receiver
+/// 0), "16->1x4" (port p to receiver p % 4: four 16-to-1 incasts, 4 senders in
+/// each pipeline), "64->16" (port p to receiver (p + 1) % 16: the §3 worst
+/// case of sixteen parallel 4-to-1 incasts).
 pub fn fig5_pairs(workload: &str) -> Vec<(u32, u32)> {
     match workload {
-        "64to1" => (1..64).map(|p| (p, 0)).collect(),
+        "64to1" => (0..64).map(|p| (p, 0)).collect(),
         "16to1x4" => (0..64).map(|p| (p, p % 4)).collect(),
         "64to16" => (0..64).map(|p| (p, (p + 1) % 16)).collect(),
         _ => panic!("unknown workload {workload}"),
@@ -445,7 +451,7 @@ pub fn figure7(study: &Study, _quick: bool, progress: Progress) -> FigureOutput 
         .collect();
     let rs = sweep(study, &specs, progress);
     let t0 = (study.t0_us * PS_PER_US as f64) as Ps;
-    let mut csv = String::from("senders,port,start_us,end_us\n");
+    let mut csv = String::from("senders,receiver_port,start_us,end_us\n");
     let mut summary = String::from("Fig. 7 pessimistic mode (all pipelines), share of the run per congested port:\n");
     let mut rows = Vec::new();
     let dur = study.duration_us as f64;
@@ -453,6 +459,7 @@ pub fn figure7(study: &Study, _quick: bool, progress: Progress) -> FigureOutput 
         let iv = pessimistic_intervals(&r.notifications, t0);
         let mut per_port: std::collections::BTreeMap<u16, f64> = Default::default();
         for &(p, s, e) in &iv {
+            let p = p - study.ports as u16; // egress port -> receiver index
             let _ = writeln!(csv, "{},{},{:.4},{:.4}", r.senders, p, s as f64 / 1e6, e as f64 / 1e6);
             *per_port.entry(p).or_default() += (e.min(study.duration_us * PS_PER_US) - s) as f64 / 1e6;
         }
