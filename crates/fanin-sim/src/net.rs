@@ -73,6 +73,8 @@ pub struct NetConfig {
     /// data. `false` (default) gives them their own channel of the same rate
     /// and delay, as htsim's separate source and sink routes do.
     pub shared_host_link: bool,
+    /// Record every packet arriving at a host (tests, debugging).
+    pub record_trace: bool,
 }
 
 impl Default for NetConfig {
@@ -93,6 +95,7 @@ impl Default for NetConfig {
             record_headers: false,
             record_notifications: false,
             shared_host_link: false,
+            record_trace: false,
         }
     }
 }
@@ -165,7 +168,11 @@ pub struct NetStats {
     pub drops_data_queue: u64,
     pub drops_dod_overflow: u64,
     pub drops_mirror_overflow: u64,
+    /// Data-derived headers lost because a header queue was full (a returned
+    /// header that meets a full queue on its way back).
     pub drops_header_queue: u64,
+    /// ACK, NACK and PULL packets lost to a full header queue.
+    pub drops_control: u64,
     pub notifications: u64,
     pub max_dod_queue_pkts: u64,
     pub max_data_queue_pkts: u64,
@@ -195,6 +202,8 @@ pub struct Sim {
     pub stats: NetStats,
     pub header_arrivals: Vec<Ps>,
     pub notifications: Vec<(Ps, u16)>,
+    /// (time, host, packet) of every arrival at a host, with `record_trace`.
+    pub trace: Vec<(Ps, u32, Packet)>,
     pull_interval: Ps,
 }
 
@@ -306,7 +315,7 @@ impl Builder {
                     if dist[i] == u32::MAX {
                         continue;
                     }
-                    routes[i][h] = adj[i].iter().filter(|&&(_, peer)| dist[peer as usize] + 1 == dist[i]).map(|&(p, _)| p).collect();
+                    routes[i][h] = adj[i].iter().filter(|&&(_, peer)| dist[peer as usize].saturating_add(1) == dist[i]).map(|&(p, _)| p).collect();
                 }
             }
         }
@@ -348,6 +357,7 @@ impl Builder {
             stats: NetStats::default(),
             header_arrivals: Vec::new(),
             notifications: Vec::new(),
+            trace: Vec::new(),
             pull_interval,
         }
     }
@@ -516,6 +526,10 @@ impl Sim {
 
     fn host_arrive(&mut self, node: u32, pkt: Packet, now: Ps) {
         let f = pkt.flow as usize;
+        if self.cfg.record_trace {
+            let host = self.hosts.iter().position(|&h| h == node).expect("host") as u32;
+            self.trace.push((now, host, pkt));
+        }
         match (pkt.kind, pkt.bounced) {
             (Kind::Data, _) => {
                 self.stats.data_arrivals += 1;
@@ -725,7 +739,8 @@ impl Sim {
         match s.ports[out as usize].queue.enqueue_header(pkt) {
             Ok(()) => self.try_send(node, out, now),
             Err(p) if p.kind == Kind::Header && !p.bounced => self.bounce(node, p, now),
-            Err(_) => self.stats.drops_header_queue += 1,
+            Err(p) if p.is_data_derived() => self.stats.drops_header_queue += 1,
+            Err(_) => self.stats.drops_control += 1,
         }
     }
 
