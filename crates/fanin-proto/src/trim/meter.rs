@@ -29,7 +29,7 @@ pub enum Color {
 ///
 /// Tokens are counted in millibits so that a rate in whole Mbit/s adds an
 /// exact integer number of tokens per nanosecond: no drift, no floats, the
-/// same decisions on every machine.
+/// same decisions on every machine. Rates are taken in whole kbit/s.
 #[derive(Debug, Clone)]
 pub struct Meter {
     rate_bps: u64,
@@ -53,8 +53,10 @@ impl Meter {
     /// it conforms, RED (tokens untouched) if it does not.
     pub fn execute(&mut self, now: Time, bytes: u32) -> Color {
         if now > self.last {
-            let dt = now.as_nanos() - self.last.as_nanos();
-            let add = (self.rate_bps as u128 * dt as u128 / 1_000_000).min(u64::MAX as u128) as u64;
+            // kbit/s x ns / 1000 = millibits; dt is capped at 1 s, where any
+            // realistic bucket is full anyway, so u64 cannot overflow.
+            let dt = (now.as_nanos() - self.last.as_nanos()).min(1_000_000_000);
+            let add = self.rate_bps / 1000 * dt / 1000;
             self.tokens_mbits = self.tokens_mbits.saturating_add(add).min(self.burst_mbits);
             self.last = now;
         }

@@ -128,25 +128,31 @@ fn bench_events(mut args: Args) -> Result<(), String> {
     args.finish()?;
     let spec = RunSpec { design: Design::Tofino, variant: Variant::Full, pairs: fig6_pairs(64), flow_pkts: u32::MAX, t0_us: study.t0_us, record: false };
     let mut rates = Vec::new();
+    let mut wall_rates = Vec::new();
     let mut events = 0;
     for _ in 0..runs.max(1) {
         let r = study.run(&spec);
         events = r.stats.events;
-        rates.push(r.events_per_s);
+        rates.push(r.events_per_cpu_s);
+        wall_rates.push(r.events_per_s);
     }
-    rates.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let median = rates[rates.len() / 2];
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    let (cpu_median, wall_median) = (median(&mut rates), median(&mut wall_rates));
     let out = serde_json::json!({"experiment": "fig6 64 senders, tofino", "events_per_run": events,
-        "runs": rates.len(), "events_per_s_median": median, "events_per_s_all": rates, "target_events_per_s": 5e6,
-        "target_met": median >= 5e6});
+        "runs": rates.len(), "events_per_cpu_s_median": cpu_median, "events_per_cpu_s_all": rates,
+        "events_per_wall_s_median": wall_median, "target_events_per_s": 5e6, "target_met": cpu_median >= 5e6});
     if as_json {
         println!("{out}");
     }
     eprintln!(
-        "bench-events: {events} events per run, median {:.2} M events/s over {} runs (target 5 M/s: {})",
-        median / 1e6,
+        "bench-events: {events} events per run, median {:.2} M events per CPU second ({:.2} M per wall second) over {} runs (target 5 M/s on one core: {})",
+        cpu_median / 1e6,
+        wall_median / 1e6,
         rates.len(),
-        if median >= 5e6 { "met" } else { "NOT met" }
+        if cpu_median >= 5e6 { "met" } else { "NOT met" }
     );
     Ok(())
 }
