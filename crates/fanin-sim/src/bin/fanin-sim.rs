@@ -13,6 +13,7 @@ const USAGE: &str = "\
 usage:
   fanin-sim trimming --figure N [--quick] [--json] [--out DIR] [--seed S]
                      [--duration-us US] [--t0-us US] [--link-delay-ns NS]
+                     [--burst PKTS (Fig. 5)] [--initial-window PKTS]
       the simulation study of 'Packet trimming in programmable switches'
       (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
   fanin-sim bench-events [--runs R] [--json]
@@ -86,6 +87,12 @@ fn study_from(args: &mut Args) -> Result<Study, String> {
     }
     if let Some(v) = args.value("--link-delay-ns")? {
         s.link_delay_ns = v;
+    }
+    if let Some(v) = args.value("--burst")? {
+        s.fig5_burst_pkts = v;
+    }
+    if let Some(v) = args.value("--initial-window")? {
+        s.initial_window = v;
     }
     Ok(s)
 }
