@@ -1,7 +1,10 @@
 //! NDP end hosts (Handley et al., SIGCOMM 2017) as used by the trimming paper:
-//! a line-rate initial window, then one packet per PULL from the receiver's
-//! pull pacer; a NACK (trimmed header at the receiver) or a returned header
-//! queues a retransmission; a retransmission timeout is the fallback.
+//! the first `initial_window` packets go out unsolicited at line rate; every
+//! other transmission, retransmissions included, needs a PULL from the
+//! receiver's pull pacer. A NACK (trimmed header at the receiver) queues a
+//! retransmission (sent on the next PULL, ahead of new data); a returned
+//! header queues one and grants a credit, since the receiver never saw it;
+//! a retransmission timeout is the fallback and also grants a credit.
 
 use std::collections::VecDeque;
 
@@ -28,6 +31,10 @@ pub struct Flow {
     // sender
     pub(crate) started: bool,
     pub(crate) next_seq: u32,
+    /// Sequence numbers below this go out unsolicited (the initial window).
+    pub(crate) initial_window: u32,
+    /// Packets the sender may send beyond the initial window: one per PULL
+    /// (plus one per returned header or timeout, which no PULL will cover).
     pub(crate) credit: u32,
     pub(crate) rtx: VecDeque<u32>,
     pub(crate) state: Vec<SeqState>,
@@ -64,7 +71,8 @@ impl Flow {
             start,
             started: false,
             next_seq: 0,
-            credit: initial_window,
+            initial_window,
+            credit: 0,
             rtx: VecDeque::new(),
             state: Vec::new(),
             last_sent: Vec::new(),
@@ -80,15 +88,17 @@ impl Flow {
 
     /// The next sequence number to send if the flow may send now.
     pub(crate) fn next_to_send(&mut self) -> Option<(u32, bool)> {
-        if !self.started || self.credit == 0 {
+        if !self.started {
             return None;
         }
-        while let Some(seq) = self.rtx.pop_front() {
-            if self.state[seq as usize] == SeqState::Queued {
-                return Some((seq, true));
+        if self.credit > 0 {
+            while let Some(seq) = self.rtx.pop_front() {
+                if self.state[seq as usize] == SeqState::Queued {
+                    return Some((seq, true));
+                }
             }
         }
-        if self.next_seq < self.size_pkts {
+        if self.next_seq < self.size_pkts && (self.next_seq < self.initial_window || self.credit > 0) {
             let seq = self.next_seq;
             self.next_seq += 1;
             self.state.push(SeqState::InFlight);
@@ -99,7 +109,9 @@ impl Flow {
     }
 
     pub(crate) fn on_sent(&mut self, seq: u32, retransmit: bool, now: Ps) {
-        self.credit -= 1;
+        if retransmit || seq >= self.initial_window {
+            self.credit -= 1;
+        }
         self.state[seq as usize] = SeqState::InFlight;
         self.last_sent[seq as usize] = now;
         self.unacked.push_back((seq, now));

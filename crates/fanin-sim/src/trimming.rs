@@ -596,3 +596,29 @@ pub fn figure(n: u32, study: &Study, quick: bool, progress: Progress) -> Option<
         _ => return None,
     })
 }
+
+/// Incast completion (the NDP paper's headline incast behaviour): `senders`
+/// flows of `pkts` packets each to one receiver, started together; compares
+/// the last flow's completion with the optimum (all bytes at line rate plus
+/// one base round trip).
+pub fn incast_check(study: &Study, design: Design, senders: usize, pkts: u32) -> Value {
+    let spec = RunSpec { design, variant: Variant::Full, pairs: (0..senders as u32).map(|p| (p, 0)).collect(), flow_pkts: pkts, t0_us: study.t0_us, record: false };
+    let cfg = study.net_config(&spec);
+    let mut sim = single_switch(cfg, study.ports + RECEIVERS, Link::gbps(study.rate_gbps, study.link_delay_ns));
+    for &(s, d) in &spec.pairs {
+        sim.add_flow(s, study.ports as u32 + d, pkts, 0);
+    }
+    sim.run_until(u64::MAX);
+    let fct: Vec<f64> = sim.flows.iter().map(|f| f.stats.finished_at_ps.map_or(f64::NAN, |t| t as f64 / 1e6)).collect();
+    let last = fct.iter().cloned().fold(0.0, f64::max);
+    let first = fct.iter().cloned().fold(f64::INFINITY, f64::min);
+    let mtu_us = study.mtu_time_us();
+    // Data serialised back to back at the receiver, plus sender link, switch and
+    // receiver link latency of the first packet.
+    let optimal = senders as f64 * pkts as f64 * mtu_us + mtu_us + 2.0 * study.link_delay_ns as f64 / 1000.0;
+    json!({"design": design.name(), "senders": senders, "pkts_per_flow": pkts,
+        "last_completion_us": last, "first_completion_us": first, "optimal_us": optimal,
+        "last_over_optimal": last / optimal, "trims": sim.stats.trims(), "returned_to_sender": sim.stats.returned_to_sender,
+        "timeouts": sim.flows.iter().map(|f| f.stats.timeouts).sum::<u64>(),
+        "retransmissions": sim.flows.iter().map(|f| f.stats.retransmissions).sum::<u64>()})
+}

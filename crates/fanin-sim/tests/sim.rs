@@ -175,3 +175,18 @@ fn leaf_spine_and_fat_tree_deliver_permutations_with_spraying_and_ecmp() {
         assert_conserved(&mut ft);
     }
 }
+
+/// NDP's published incast behaviour: with trimming, an N-to-1 incast finishes
+/// within a few percent of the optimum (the trimmed headers' bytes on the
+/// bottleneck link plus a round trip), with no timeouts.
+#[test]
+fn ndp_incast_completes_near_the_optimum() {
+    let study = Study::default();
+    for design in [Design::Ideal, Design::Tofino] {
+        let r = fanin_sim::trimming::incast_check(&study, design, 16, 50);
+        let ratio = r["last_over_optimal"].as_f64().unwrap();
+        assert!((1.0..1.08).contains(&ratio), "{design:?}: {r}");
+        assert_eq!(r["timeouts"], 0);
+        assert_eq!(r["returned_to_sender"], 0);
+    }
+}

@@ -16,6 +16,8 @@ usage:
                      [--burst PKTS (Fig. 5)] [--initial-window PKTS]
       the simulation study of 'Packet trimming in programmable switches'
       (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
+  fanin-sim incast [--senders N] [--pkts P] [--design ideal|tofino|mod|dod-only] [--json]
+      N-to-1 incast of P-packet flows: last completion vs the optimum
   fanin-sim bench-events [--runs R] [--json]
       event rate of the 64-sender Fig. 6 run (Tofino design), median of R runs
 ";
@@ -164,6 +166,37 @@ fn bench_events(mut args: Args) -> Result<(), String> {
     Ok(())
 }
 
+fn incast(mut args: Args) -> Result<(), String> {
+    let senders: usize = args.value("--senders")?.unwrap_or(64);
+    let pkts: u32 = args.value("--pkts")?.unwrap_or(100);
+    let as_json = args.flag("--json");
+    let design = match args.value::<String>("--design")?.as_deref().unwrap_or("ideal") {
+        "ideal" => Design::Ideal,
+        "tofino" => Design::Tofino,
+        "mod" => Design::Mod,
+        "dod-only" => Design::DodOnly,
+        d => return Err(format!("unknown design {d:?} (ideal, tofino, mod, dod-only)")),
+    };
+    let study = study_from(&mut args)?;
+    args.finish()?;
+    let r = fanin_sim::trimming::incast_check(&study, design, senders, pkts);
+    if as_json {
+        println!("{r}");
+    }
+    eprintln!(
+        "incast {senders} x {pkts} packets -> 1 ({}): last flow done at {:.1} µs, optimum {:.1} µs (x{:.3}), first at {:.1} µs; {} trims, {} returned to sender, {} timeouts",
+        r["design"].as_str().unwrap_or(""),
+        r["last_completion_us"].as_f64().unwrap_or(f64::NAN),
+        r["optimal_us"].as_f64().unwrap_or(f64::NAN),
+        r["last_over_optimal"].as_f64().unwrap_or(f64::NAN),
+        r["first_completion_us"].as_f64().unwrap_or(f64::NAN),
+        r["trims"],
+        r["returned_to_sender"],
+        r["timeouts"]
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let mut argv: Vec<String> = std::env::args().skip(1).collect();
     if argv.is_empty() || argv[0] == "-h" || argv[0] == "--help" {
@@ -175,6 +208,7 @@ fn main() -> ExitCode {
     let r = match cmd.as_str() {
         "trimming" => trimming(args),
         "bench-events" => bench_events(args),
+        "incast" => incast(args),
         _ => Err(format!("unknown command {cmd:?}\n{USAGE}")),
     };
     match r {
