@@ -61,6 +61,11 @@ pub struct NetConfig {
     pub recirc_latency: Ps,
     pub dod_capacity_bytes: u64,
     pub mirror_capacity_bytes: u64,
+    /// Delay from the moment a deflected packet leaves the DoD queue to the
+    /// moment its congestion notification takes effect in the ingress
+    /// pipelines. §6.2: notifications go "to all pipelines at once" when the
+    /// packet is dequeued, so 0 by default.
+    pub notify_latency: Ps,
     pub load_balance: LoadBalance,
     pub initial_window: u32,
     pub rto: Ps,
@@ -88,6 +93,7 @@ impl Default for NetConfig {
             recirc_latency: PS_PER_US,
             dod_capacity_bytes: u64::MAX,
             mirror_capacity_bytes: u64::MAX,
+            notify_latency: 0,
             load_balance: LoadBalance::Spray,
             initial_window: 1000,
             rto: 1000 * PS_PER_US,
@@ -154,6 +160,7 @@ enum Ev {
     Pull { node: u32 },
     Rto { node: u32 },
     Start { flow: u32 },
+    Notify { node: u32, pipeline: u16, egress: u16 },
 }
 
 /// Switch-side counters of a run (all switches together).
@@ -407,6 +414,7 @@ impl Sim {
                 },
                 Ev::Pull { node } => self.pull_tick(node, now),
                 Ev::Rto { node } => self.rto_tick(node, now),
+                Ev::Notify { node, pipeline, egress } => self.notify(node, pipeline, egress, now),
                 Ev::Start { flow } => {
                     self.flows[flow as usize].started = true;
                     let hn = self.hosts[self.flows[flow as usize].src as usize];
@@ -468,14 +476,26 @@ impl Sim {
     fn try_send(&mut self, node: u32, port: u16, now: Ps) {
         let pkt = match &mut self.nodes[node as usize] {
             Node::Switch(s) => {
+                let front = s.front;
+                let has_trimmer = s.trimmer.is_some();
                 let p = &mut s.ports[port as usize];
                 if p.busy {
                     return;
                 }
-                match p.queue.dequeue() {
+                let pkt = match p.queue.dequeue() {
                     Some((pkt, _)) => pkt,
                     None => return,
+                };
+                if has_trimmer && port as usize >= front && pkt.kind == Kind::Data {
+                    // A deflected packet leaves the DoD queue: congestion signal.
+                    let (pipeline, egress) = ((port as usize - front) as u16, pkt.egress);
+                    if self.cfg.notify_latency == 0 {
+                        self.notify(node, pipeline, egress, now);
+                    } else {
+                        self.events.schedule(now + self.cfg.notify_latency, Ev::Notify { node, pipeline, egress });
+                    }
                 }
+                pkt
             }
             Node::Host(h) if port == 1 => {
                 if h.ctl.busy {
@@ -652,23 +672,13 @@ impl Sim {
             Node::Host(_) => unreachable!(),
         };
         if in_port as usize >= front {
-            // Back from recirculation: DoD packets are trimmed by the mirror
-            // session here and raise a congestion notification.
+            // Back from recirculation: DoD packets are cut by the mirror
+            // session here (their notification left when they were dequeued).
             let pipeline = in_port as usize - front;
+            let _ = pipeline;
             if pkt.kind == Kind::Data {
                 pkt.cut(TrimPoint::Dod);
                 self.stats.trims_dod += 1;
-                let Node::Switch(s) = &mut self.nodes[node as usize] else { unreachable!() };
-                if let Some(tr) = &mut s.trimmer {
-                    let before = tr.notifications();
-                    tr.on_notify(ns(now), pipeline, pkt.egress as usize);
-                    if tr.notifications() > before {
-                        self.stats.notifications += 1;
-                        if self.cfg.record_notifications {
-                            self.notifications.push((now, pkt.egress));
-                        }
-                    }
-                }
             }
             let out = pkt.egress;
             self.enqueue_header_or_bounce(node, out, pkt, now);
@@ -741,6 +751,19 @@ impl Sim {
             Err(p) if p.kind == Kind::Header && !p.bounced => self.bounce(node, p, now),
             Err(p) if p.is_data_derived() => self.stats.drops_header_queue += 1,
             Err(_) => self.stats.drops_control += 1,
+        }
+    }
+
+    fn notify(&mut self, node: u32, pipeline: u16, egress: u16, now: Ps) {
+        let Node::Switch(s) = &mut self.nodes[node as usize] else { unreachable!() };
+        let Some(tr) = &mut s.trimmer else { return };
+        let before = tr.notifications();
+        tr.on_notify(ns(now), pipeline as usize, egress as usize);
+        if tr.notifications() > before {
+            self.stats.notifications += 1;
+            if self.cfg.record_notifications {
+                self.notifications.push((now, egress));
+            }
         }
     }
 

@@ -81,6 +81,8 @@ pub struct Study {
     /// Half-pessimistic period after T0 (µs); T1 = T0 + this.
     pub half_us: f64,
     pub recirc_latency_ns: u64,
+    /// DoD dequeue -> notification in effect (0: "at once", §6.2).
+    pub notify_latency_ns: u64,
     /// Flow starts are spread uniformly over [0, start_jitter_ns).
     pub start_jitter_ns: u64,
     pub seed: u64,
@@ -106,6 +108,7 @@ impl Default for Study {
             t0_us: 6.0,
             half_us: 18.0,
             recirc_latency_ns: 1000,
+            notify_latency_ns: 0,
             start_jitter_ns: 120,
             seed: 1,
             fig5_burst_pkts: 50,
@@ -191,6 +194,7 @@ impl Study {
             ports_per_pipeline: 16,
             recirc_rate_bps: self.rate_gbps * 1_000_000_000,
             recirc_latency: self.recirc_latency_ns * PS_PER_NS,
+            notify_latency: self.notify_latency_ns * PS_PER_NS,
             initial_window: self.initial_window,
             seed: self.seed,
             record_headers: spec.record,

@@ -13,7 +13,7 @@ const USAGE: &str = "\
 usage:
   fanin-sim trimming --figure N [--quick] [--json] [--out DIR] [--seed S]
                      [--duration-us US] [--t0-us US] [--link-delay-ns NS]
-                     [--burst PKTS (Fig. 5)] [--initial-window PKTS]
+                     [--burst PKTS (Fig. 5)] [--initial-window PKTS] [--notify-latency-ns NS]
       the simulation study of 'Packet trimming in programmable switches'
       (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
   fanin-sim incast [--senders N] [--pkts P] [--design ideal|tofino|mod|dod-only] [--json]
@@ -89,6 +89,9 @@ fn study_from(args: &mut Args) -> Result<Study, String> {
     }
     if let Some(v) = args.value("--link-delay-ns")? {
         s.link_delay_ns = v;
+    }
+    if let Some(v) = args.value("--notify-latency-ns")? {
+        s.notify_latency_ns = v;
     }
     if let Some(v) = args.value("--burst")? {
         s.fig5_burst_pkts = v;
