@@ -12,7 +12,9 @@
 //!   ideal NDP trimming, mirror-on-drop, the Tofino design), NDP hosts.
 //! * [`topo`]: one switch, leaf-spine, fat-tree k.
 //! * [`trimming`]: the trimming paper's simulation study (Figs. 5-9).
+//! * [`allreduce`]: one `ValueSwitch` and N `AllreduceSession` workers.
 
+pub mod allreduce;
 pub mod kernel;
 pub mod ndp;
 pub mod net;

@@ -18,6 +18,9 @@ usage:
       (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
   fanin-sim incast [--senders N] [--pkts P] [--design ideal|tofino|mod|dod-only] [--json]
       N-to-1 incast of P-packet flows: last completion vs the optimum
+  fanin-sim allreduce [--workers N] [--elements E] [--elems-per-packet P] [--window W]
+                      [--loss P] [--rate-gbps R] [--seed S] [--json]
+      one ValueSwitch and N AllreduceSession workers (fanin-proto's machines), int32, checked
   fanin-sim bench-events [--runs R] [--json]
       event rate of the 64-sender Fig. 6 run (Tofino design), median of R runs
 ";
@@ -200,6 +203,47 @@ fn incast(mut args: Args) -> Result<(), String> {
     Ok(())
 }
 
+fn allreduce(mut args: Args) -> Result<(), String> {
+    let mut c = fanin_sim::allreduce::AllreduceConfig::default();
+    if let Some(v) = args.value("--workers")? {
+        c.workers = v;
+    }
+    if let Some(v) = args.value("--elements")? {
+        c.elements = v;
+    }
+    if let Some(v) = args.value("--elems-per-packet")? {
+        c.elems_per_packet = v;
+    }
+    if let Some(v) = args.value("--window")? {
+        c.window = v;
+    }
+    if let Some(v) = args.value("--loss")? {
+        c.loss = v;
+    }
+    if let Some(v) = args.value("--rate-gbps")? {
+        c.rate_gbps = v;
+    }
+    if let Some(v) = args.value("--seed")? {
+        c.seed = v;
+    }
+    let as_json = args.flag("--json");
+    args.finish()?;
+    let r = fanin_sim::allreduce::run(&c)?;
+    if as_json {
+        println!("{}", serde_json::to_string(&r).expect("json"));
+    }
+    eprintln!(
+        "allreduce {} workers x {} int32 ({} per packet, window {}, loss {}): {:.1} µs (bound {:.1} µs), {:.1} Gbit/s per worker, {} retransmissions, {} link drops, {} queue drops, verified={}",
+        c.workers, c.elements, c.elems_per_packet, c.window, c.loss, r.completion_us, r.bound_us, r.goodput_gbps_per_worker,
+        r.retransmissions, r.link_drops, r.queue_drops, r.verified
+    );
+    if r.verified {
+        Ok(())
+    } else {
+        Err("a worker's result differs from the reference sum".into())
+    }
+}
+
 fn main() -> ExitCode {
     let mut argv: Vec<String> = std::env::args().skip(1).collect();
     if argv.is_empty() || argv[0] == "-h" || argv[0] == "--help" {
@@ -212,6 +256,7 @@ fn main() -> ExitCode {
         "trimming" => trimming(args),
         "bench-events" => bench_events(args),
         "incast" => incast(args),
+        "allreduce" => allreduce(args),
         _ => Err(format!("unknown command {cmd:?}\n{USAGE}")),
     };
     match r {
