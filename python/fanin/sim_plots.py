@@ -46,7 +46,6 @@ def _fig5(out: str) -> List[str]:
         ax.set_title(title)
         ax.set_xlabel("header arrival time (µs)")
         ax.set_ylabel("CDF")
-        ax.set_xscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend()
     path = os.path.join(out, "fig5_header_cdf.png")

@@ -208,3 +208,16 @@ fn allreduce_runs_the_shipped_machines_and_is_exact_under_loss() {
         }
     }
 }
+
+#[test]
+fn notification_leaves_with_the_dod_dequeue_plus_the_configured_latency() {
+    let first_notification = |latency_ns| {
+        let study = Study { duration_us: 10, notify_latency_ns: latency_ns, ..Study::default() };
+        let r = study.run(&RunSpec { design: Design::Tofino, variant: Variant::Full, pairs: fig5_pairs("64to16"), flow_pkts: u32::MAX, t0_us: 6.0, record: true });
+        r.notifications.first().copied().expect("the worst case deflects")
+    };
+    let (t0, port0) = first_notification(0);
+    let (t1, port1) = first_notification(1120);
+    assert_eq!(port0, port1);
+    assert_eq!(t1 - t0, 1120 * PS_PER_NS);
+}
