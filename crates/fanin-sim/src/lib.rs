@@ -10,7 +10,8 @@
 //! * [`kernel`]: the (time, sequence)-ordered event list, picosecond time.
 //! * [`net`]: hosts, switches, ports (queue + link), switch models (drop-tail,
 //!   ideal NDP trimming, mirror-on-drop, the Tofino design), NDP hosts.
-//! * [`topo`]: one switch, leaf-spine, fat-tree k.
+//! * [`topo`]: one switch, leaf-spine, fat-tree k; [`permutation`]: a
+//!   permutation workload on any of them.
 //! * [`trimming`]: the trimming paper's simulation study (Figs. 5-9).
 //! * [`allreduce`]: one `ValueSwitch` and N `AllreduceSession` workers.
 
@@ -19,5 +20,6 @@ pub mod kernel;
 pub mod ndp;
 pub mod net;
 pub mod packet;
+pub mod permutation;
 pub mod topo;
 pub mod trimming;

@@ -39,7 +39,7 @@ pub fn leaf_spine(cfg: NetConfig, leaves: usize, spines: usize, hosts_per_leaf: 
 /// aggregation switches, (k/2)^2 core switches, k^3/4 hosts. Host
 /// `pod * k^2/4 + edge * k/2 + i`.
 pub fn fat_tree(cfg: NetConfig, k: usize, link: Link) -> Sim {
-    assert!(k >= 2 && k % 2 == 0, "fat-tree k must be even");
+    assert!(k >= 2 && k & 1 == 0, "fat-tree k must be even");
     let half = k / 2;
     let mut b = Builder::new(cfg);
     let mut edges = Vec::new();
@@ -49,8 +49,8 @@ pub fn fat_tree(cfg: NetConfig, k: usize, link: Link) -> Sim {
         aggs.push((0..half).map(|_| b.switch()).collect::<Vec<_>>());
     }
     let cores: Vec<u32> = (0..half * half).map(|_| b.switch()).collect();
-    for pod in 0..k {
-        for &e in &edges[pod] {
+    for pod_edges in &edges {
+        for &e in pod_edges {
             for _ in 0..half {
                 let h = b.host();
                 b.connect_host(h, e, link);

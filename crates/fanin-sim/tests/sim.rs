@@ -221,3 +221,23 @@ fn notification_leaves_with_the_dod_dequeue_plus_the_configured_latency() {
     assert_eq!(port0, port1);
     assert_eq!(t1 - t0, 1120 * PS_PER_NS);
 }
+
+#[test]
+fn packet_spraying_beats_ecmp_on_a_fat_tree_permutation() {
+    use fanin_sim::permutation::{run, PermutationConfig, Topology};
+    let cfg = |spray| PermutationConfig {
+        topology: Topology::FatTree { k: 4 },
+        model: "ideal".into(),
+        spray,
+        rate_gbps: 100,
+        link_delay_ns: 500,
+        pkts_per_flow: 300,
+        initial_window: 100,
+        seed: 3,
+    };
+    let spray = run(&cfg(true)).unwrap();
+    let ecmp = run(&cfg(false)).unwrap();
+    assert_eq!((spray.finished, ecmp.finished), (16, 16));
+    assert!(spray.fct_max_us < ecmp.fct_max_us, "spray {} vs ecmp {}", spray.fct_max_us, ecmp.fct_max_us);
+    assert!(spray.goodput_mean_gbps > 70.0, "{}", spray.goodput_mean_gbps);
+}

@@ -18,6 +18,11 @@ usage:
       (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
   fanin-sim incast [--senders N] [--pkts P] [--design ideal|tofino|mod|dod-only] [--json]
       N-to-1 incast of P-packet flows: last completion vs the optimum
+  fanin-sim permutation [--topology single|leaf-spine|fat-tree] [--k K] [--leaves L --spines S
+                        --hosts-per-leaf H] [--ports P] [--model ideal|droptail|mod|dod-only|tofino]
+                        [--lb spray|ecmp] [--pkts P] [--initial-window W] [--rate-gbps R]
+                        [--delay-ns D] [--seed S] [--json]
+      host i -> host (i + n/2) mod n, one NDP flow each: completion times, trims, drops
   fanin-sim allreduce [--workers N] [--elements E] [--elems-per-packet P] [--window W]
                       [--loss P] [--rate-gbps R] [--seed S] [--json]
       one ValueSwitch and N AllreduceSession workers (fanin-proto's machines), int32, checked
@@ -244,6 +249,47 @@ fn allreduce(mut args: Args) -> Result<(), String> {
     }
 }
 
+fn permutation(mut args: Args) -> Result<(), String> {
+    use fanin_sim::permutation::{run, PermutationConfig, Topology};
+    let topo: String = args.value("--topology")?.unwrap_or_else(|| "fat-tree".into());
+    let topology = match topo.as_str() {
+        "single" => Topology::Single { ports: args.value("--ports")?.unwrap_or(16) },
+        "leaf-spine" => Topology::LeafSpine {
+            leaves: args.value("--leaves")?.unwrap_or(4),
+            spines: args.value("--spines")?.unwrap_or(4),
+            hosts_per_leaf: args.value("--hosts-per-leaf")?.unwrap_or(4),
+        },
+        "fat-tree" => Topology::FatTree { k: args.value("--k")?.unwrap_or(4) },
+        t => return Err(format!("unknown topology {t:?} (single, leaf-spine, fat-tree)")),
+    };
+    let lb: String = args.value("--lb")?.unwrap_or_else(|| "spray".into());
+    if lb != "spray" && lb != "ecmp" {
+        return Err(format!("--lb must be spray or ecmp, got {lb:?}"));
+    }
+    let cfg = PermutationConfig {
+        topology,
+        model: args.value("--model")?.unwrap_or_else(|| "ideal".into()),
+        spray: lb == "spray",
+        rate_gbps: args.value("--rate-gbps")?.unwrap_or(100),
+        link_delay_ns: args.value("--delay-ns")?.unwrap_or(500),
+        pkts_per_flow: args.value("--pkts")?.unwrap_or(1000),
+        initial_window: args.value("--initial-window")?.unwrap_or(100),
+        seed: args.value("--seed")?.unwrap_or(1),
+    };
+    let as_json = args.flag("--json");
+    args.finish()?;
+    let r = run(&cfg)?;
+    if as_json {
+        println!("{}", serde_json::to_string(&r).expect("json"));
+    }
+    eprintln!(
+        "permutation on {topo} ({} hosts, {}, {lb}): {}/{} flows done, FCT mean {:.1} µs p99 {:.1} µs max {:.1} µs, goodput {:.1} Gbit/s per flow, {} trims, {} drops, {:.1} M events per CPU second",
+        r.hosts, cfg.model, r.finished, r.hosts, r.fct_mean_us, r.fct_p99_us, r.fct_max_us, r.goodput_mean_gbps,
+        r.stats.trims(), r.stats.data_drops(), r.events_per_cpu_s / 1e6
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let mut argv: Vec<String> = std::env::args().skip(1).collect();
     if argv.is_empty() || argv[0] == "-h" || argv[0] == "--help" {
@@ -257,6 +303,7 @@ fn main() -> ExitCode {
         "bench-events" => bench_events(args),
         "incast" => incast(args),
         "allreduce" => allreduce(args),
+        "permutation" => permutation(args),
         _ => Err(format!("unknown command {cmd:?}\n{USAGE}")),
     };
     match r {
