@@ -154,14 +154,16 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         print("fanin sim: the simulator binary is not built; run `cargo build --release -p fanin-sim` "
               "(or put fanin-sim on PATH, or set FANIN_SIM)", file=sys.stderr)
         return 2
-    argv = [binary, args.sim] + list(args.sim_args or [])
+    rest = list(args.sim_args or [])
+    no_plot = args.no_plot or "--no-plot" in rest
+    rest = [a for a in rest if a != "--no-plot"]
+    argv = [binary, args.sim] + rest
     if args.sim != "trimming":
         return subprocess.call(argv)
     rc = subprocess.call(argv)
-    if rc != 0 or args.no_plot:
+    if rc != 0 or no_plot:
         return rc
     out, figure = "out/sim", None
-    rest = list(args.sim_args or [])
     for i, a in enumerate(rest[:-1]):
         if a == "--out":
             out = rest[i + 1]
@@ -261,14 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
         common(sp)
         sp.set_defaults(func=_cmd_bench_sweep, sweep=name)
 
-    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, event-rate benchmark",
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",
                          epilog="examples:\n  fanin sim trimming --figure 6 --quick --json\n"
                                 "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("sim", choices=["trimming", "bench-events"], help="simulator command")
+    sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "bench-events"],
+                     help="simulator command (see `fanin-sim --help`)")
     sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
     sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")
     sim.set_defaults(func=_cmd_sim)
