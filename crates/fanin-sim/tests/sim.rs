@@ -241,3 +241,33 @@ fn packet_spraying_beats_ecmp_on_a_fat_tree_permutation() {
     assert!(spray.fct_max_us < ecmp.fct_max_us, "spray {} vs ecmp {}", spray.fct_max_us, ecmp.fct_max_us);
     assert!(spray.goodput_mean_gbps > 70.0, "{}", spray.goodput_mean_gbps);
 }
+
+/// Byte-exact regression reference: a short 20-sender Tofino run (counters,
+/// per-flow throughput, the first notifications and header arrivals).
+/// After an intended behaviour change, regenerate with
+/// `FANIN_SIM_UPDATE_GOLDEN=1 cargo test -p fanin-sim --test sim golden`
+/// and review the diff.
+#[test]
+fn golden_tofino_20_senders() {
+    let study = Study { duration_us: 40, ..Study::default() };
+    let mut spec = RunSpec { design: Design::Tofino, variant: Variant::Full, pairs: fig6_pairs(20), flow_pkts: u32::MAX, t0_us: 6.0, record: true };
+    let r = study.run(&spec);
+    spec.design = Design::Ideal;
+    let ideal = study.run(&spec);
+    let text = serde_json::to_string_pretty(&serde_json::json!({
+        "tofino_stats": r.stats,
+        "tofino_avg_throughput_gbps": format!("{:.6}", r.avg_throughput_gbps),
+        "tofino_first_notifications_ps": r.notifications.iter().take(20).collect::<Vec<_>>(),
+        "tofino_first_headers_ps": r.header_arrivals_ps.iter().take(20).collect::<Vec<_>>(),
+        "ideal_stats": ideal.stats,
+        "ideal_first_headers_ps": ideal.header_arrivals_ps.iter().take(20).collect::<Vec<_>>(),
+    }))
+    .unwrap()
+        + "\n";
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tofino_20_senders.json");
+    if std::env::var_os("FANIN_SIM_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, &text).unwrap();
+    }
+    let want = std::fs::read_to_string(&path).expect("golden file (FANIN_SIM_UPDATE_GOLDEN=1 creates it)");
+    assert!(text == want, "simulation output changed; diff against {}:\n{text}", path.display());
+}
