@@ -88,3 +88,24 @@ impl Trimmable for Packet {
         self.cut(TrimPoint::Queue)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packet_stays_small_and_trimming_keeps_identity() {
+        assert!(std::mem::size_of::<Packet>() <= 40, "{}", std::mem::size_of::<Packet>());
+        let mut p = Packet { kind: Kind::Data, trim: TrimPoint::None, bounced: false, retransmit: false, size: 1500, flow: 3, seq: 9, src: 1, dst: 2, egress: 0, sent: 7 };
+        p.cut(TrimPoint::Ingress);
+        assert_eq!((p.kind, p.size, p.trim, p.flow, p.seq), (Kind::Header, HEADER_BYTES, TrimPoint::Ingress, 3, 9));
+        // Cutting twice changes nothing; control packets are never cut.
+        p.cut(TrimPoint::Dod);
+        assert_eq!(p.trim, TrimPoint::Ingress);
+        let mut ack = Packet::control(Kind::Ack, 3, 9, 2, 1, 0);
+        ack.trim();
+        assert_eq!((ack.kind, ack.trim), (Kind::Ack, TrimPoint::None));
+        p.bounced = true;
+        assert_eq!(p.destination(), 1);
+    }
+}
