@@ -20,36 +20,44 @@ pub fn tx_time(bytes: u32, rate_bps: u64) -> Ps {
     bits.div_ceil(rate_bps as u128) as Ps
 }
 
-struct Entry<E> {
-    time: Ps,
-    seq: u64,
-    event: E,
+/// Heap entries stay small so sifting moves little memory (the events wait
+/// in a slab), and (time, sequence) is one integer so a comparison is one
+/// branch-free u128 compare.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    /// `time << 64 | seq`, inverted so that the max-heap pops the earliest.
+    key: u128,
+    slot: u32,
 }
 
-impl<E> PartialEq for Entry<E> {
-    fn eq(&self, other: &Self) -> bool {
-        (self.time, self.seq) == (other.time, other.seq)
-    }
-}
-impl<E> Eq for Entry<E> {}
-impl<E> PartialOrd for Entry<E> {
+impl PartialOrd for Entry {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
         Some(self.cmp(other))
     }
 }
-impl<E> Ord for Entry<E> {
+impl Ord for Entry {
     fn cmp(&self, other: &Self) -> Ordering {
-        // BinaryHeap is a max-heap: reverse to pop the earliest first.
-        (other.time, other.seq).cmp(&(self.time, self.seq))
+        self.key.cmp(&other.key)
     }
+}
+
+fn key(time: Ps, seq: u64) -> u128 {
+    !(((time as u128) << 64) | seq as u128)
+}
+
+fn time_of(key: u128) -> Ps {
+    ((!key) >> 64) as Ps
 }
 
 /// A deterministic event list.
 pub struct EventQueue<E> {
-    heap: BinaryHeap<Entry<E>>,
+    heap: BinaryHeap<Entry>,
+    slab: Vec<Option<E>>,
+    free: Vec<u32>,
     seq: u64,
     now: Ps,
     popped: u64,
+    max_len: usize,
 }
 
 impl<E> Default for EventQueue<E> {
@@ -60,7 +68,7 @@ impl<E> Default for EventQueue<E> {
 
 impl<E> EventQueue<E> {
     pub fn new() -> Self {
-        Self { heap: BinaryHeap::with_capacity(1024), seq: 0, now: 0, popped: 0 }
+        Self { heap: BinaryHeap::with_capacity(1024), slab: Vec::with_capacity(1024), free: Vec::new(), seq: 0, now: 0, popped: 0, max_len: 0 }
     }
 
     /// The time of the event being handled.
@@ -73,6 +81,11 @@ impl<E> EventQueue<E> {
         self.popped
     }
 
+    /// Most events ever pending at once.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
     pub fn len(&self) -> usize {
         self.heap.len()
     }
@@ -83,19 +96,33 @@ impl<E> EventQueue<E> {
     /// Schedule `event` at `time` (never earlier than now).
     pub fn schedule(&mut self, time: Ps, event: E) {
         debug_assert!(time >= self.now, "event in the past: {time} < {}", self.now);
-        self.heap.push(Entry { time: time.max(self.now), seq: self.seq, event });
+        let slot = match self.free.pop() {
+            Some(i) => {
+                self.slab[i as usize] = Some(event);
+                i
+            }
+            None => {
+                self.slab.push(Some(event));
+                self.slab.len() as u32 - 1
+            }
+        };
+        self.heap.push(Entry { key: key(time.max(self.now), self.seq), slot });
         self.seq += 1;
+        self.max_len = self.max_len.max(self.heap.len());
     }
 
     /// Pop the next event if it is due no later than `until`.
     pub fn pop_until(&mut self, until: Ps) -> Option<(Ps, E)> {
-        if self.heap.peek()?.time > until {
+        if time_of(self.heap.peek()?.key) > until {
             return None;
         }
         let e = self.heap.pop()?;
-        self.now = e.time;
+        let time = time_of(e.key);
+        self.now = time;
         self.popped += 1;
-        Some((e.time, e.event))
+        let event = self.slab[e.slot as usize].take().expect("scheduled event in its slot");
+        self.free.push(e.slot);
+        Some((time, event))
     }
 }
 

@@ -184,6 +184,8 @@ pub struct NetStats {
     /// ACK, NACK and PULL packets lost to a full header queue.
     pub drops_control: u64,
     pub notifications: u64,
+    /// Most events pending at once in the kernel.
+    pub max_pending_events: u64,
     pub max_dod_queue_pkts: u64,
     pub max_data_queue_pkts: u64,
     /// Data-derived packets (whole or trimmed) that reached an end host.
@@ -426,6 +428,7 @@ impl Sim {
             }
         }
         self.stats.events = self.events.events_handled();
+        self.stats.max_pending_events = self.events.max_len() as u64;
         for n in &self.nodes {
             if let Node::Switch(s) = n {
                 for (i, p) in s.ports.iter().enumerate() {
