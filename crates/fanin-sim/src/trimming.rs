@@ -334,8 +334,8 @@ pub fn figure5(study: &Study, quick: bool, progress: Progress) -> FigureOutput {
         let mut t: Vec<f64> = r.header_arrivals_ps.iter().map(|&p| p as f64 / PS_PER_US as f64).collect();
         t.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let n = t.len();
-        // Thin the CDF to at most 2000 points per curve.
-        let step = (n / 2000).max(1);
+        // Thin the CDF to about 400 points per curve (percentiles below use all).
+        let step = n.div_ceil(400).max(1);
         for (k, x) in t.iter().enumerate() {
             if k % step == 0 || k + 1 == n {
                 let _ = writeln!(csv, "{w},{},{k},{x:.4},{:.6}", r.design.name(), (k + 1) as f64 / n as f64);
