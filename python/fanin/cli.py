@@ -14,6 +14,7 @@ examples:
   fanin switch --config switch.toml            # ... or from a config file (see docs/operations.md)
   fanin bench allreduce --workers 4 --size 100MB --json
   fanin bench gloo-compare --workers 4 --size 100MB
+  fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
 """
 
 
@@ -139,6 +140,54 @@ def _cmd_bench_straggler_iterations(args: argparse.Namespace) -> int:
     from fanin.bench.stragglers import run_iterations
 
     return run_iterations(args)
+def _find_sim_binary() -> Optional[str]:
+    """`target/release/fanin-sim` of the source tree this package lives in, else PATH."""
+    import os
+    import shutil
+
+    env = os.environ.get("FANIN_SIM")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for up in (os.path.join(here, "..", ".."), os.getcwd()):
+        cand = os.path.normpath(os.path.join(up, "target", "release", "fanin-sim"))
+        if os.access(cand, os.X_OK):
+            return cand
+    return shutil.which("fanin-sim")
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    import subprocess
+
+    binary = _find_sim_binary()
+    if not binary:
+        print("fanin sim: the simulator binary is not built; run `cargo build --release -p fanin-sim` "
+              "(or put fanin-sim on PATH, or set FANIN_SIM)", file=sys.stderr)
+        return 2
+    rest = list(args.sim_args or [])
+    no_plot = args.no_plot or "--no-plot" in rest
+    rest = [a for a in rest if a != "--no-plot"]
+    argv = [binary, args.sim] + rest
+    if args.sim != "trimming":
+        return subprocess.call(argv)
+    rc = subprocess.call(argv)
+    if rc != 0 or no_plot:
+        return rc
+    out, figure = "out/sim", None
+    for i, a in enumerate(rest[:-1]):
+        if a == "--out":
+            out = rest[i + 1]
+        elif a == "--figure":
+            figure = int(rest[i + 1])
+    if figure is not None:
+        try:
+            from fanin.sim_plots import plot_figure
+
+            for path in plot_figure(figure, out):
+                print(f"fanin sim: wrote {path}", file=sys.stderr)
+        except ImportError as e:
+            print(f"fanin sim: no PNG ({e}); the CSV is in {out}", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,6 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
     common(si)
     si.set_defaults(func=_cmd_bench_straggler_iterations)
+
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
+                         description="Run the Rust simulator binary fanin-sim (build it with "
+                                     "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
+                                     "through; for `trimming` the CSV it writes is also plotted to PNG.",
+                         epilog="examples:\n  fanin sim trimming --figure 6 --quick --json\n"
+                                "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "bench-events"],
+                     help="simulator command (see `fanin-sim --help`)")
+    sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")
+    sim.set_defaults(func=_cmd_sim)
     return parser
 
 
