@@ -506,3 +506,47 @@ fn a_silent_straggler_costs_the_others_bounded_time_and_is_declared_slow() {
     // the straggler finds every block gone or partial, never corrupts
     assert!(outcomes[3].iter().all(|o| o.min_src_cnt <= 3));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Float tensors (exponent rounds, lookahead exponents) with stragglers
+    /// and loss: every allreduce completes, and the workers that got a
+    /// block's result agree on it bit for bit.
+    #[test]
+    fn float_stragglers_complete_and_agree(
+        workers in 2usize..=4,
+        lens in proptest::collection::vec(1usize..=3_000, 1..=5),
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.05,
+        block_exp_ms in 1u32..=4,
+        slow_after_windows in 0u32..=2,
+        straggles in proptest::collection::vec(prop_oneof![Just(0u64), 1_000_000u64..=30_000_000], 5),
+        seed in any::<u64>(),
+    ) {
+        let epp = 64u16;
+        let mut cfg = Run::new(workers, 1, epp, slots, slots, net(loss, 0.01, 20_000), seed);
+        cfg.block_exp_ms = block_exp_ms;
+        cfg.slow_after_windows = slow_after_windows;
+        cfg.delays = vec![Vec::new(); workers];
+        cfg.delays[workers - 1] = straggles;
+        let per_worker: Vec<Vec<Tensor>> = (0..workers)
+            .map(|w| lens.iter().enumerate().map(|(k, &l)| Tensor::F32(float_inputs(workers, l, seed + k as u64)[w].clone())).collect())
+            .collect();
+        let outcomes = run_many(&cfg, per_worker);
+        for k in 0..lens.len() {
+            let blocks = lens[k].div_ceil(epp as usize);
+            for b in 0..blocks {
+                let range = b * epp as usize..((b + 1) * epp as usize).min(lens[k]);
+                let mut seen: Option<Vec<u32>> = None;
+                for o in &outcomes {
+                    let o = &o[k];
+                    if o.src_cnt_of(b as u32, workers as u16) == 0 { continue; }
+                    let Tensor::F32(t) = &o.tensor else { panic!() };
+                    let bits: Vec<u32> = t[range.clone()].iter().map(|x| x.to_bits()).collect();
+                    match &seen { None => seen = Some(bits), Some(s) => prop_assert_eq!(s, &bits) }
+                }
+            }
+        }
+    }
+}

@@ -688,6 +688,13 @@ impl AllreduceSession {
             op.blocks[idx as usize].exp = repr.exp;
             return;
         }
+        if !repr.exp_only && repr.src_cnt == 0 && phase != BlockPhase::Done {
+            // A result summing no source carries nothing to use; the switch
+            // never emits one, but a worker must not wait forever for a
+            // block whose only answer it is: record the block as missed.
+            self.on_expired(now, repr);
+            return;
+        }
         let useful = if repr.exp_only {
             phase == BlockPhase::ExpSent
         } else {

@@ -214,9 +214,11 @@ impl Block {
         self.phase != Phase::Done
     }
 
-    /// Every source the block waits for has contributed in this phase.
+    /// Every source the block waits for has contributed in this phase, and
+    /// at least one did: a result always sums at least one source (the
+    /// sources it waited for may all have been declared slow meanwhile).
     fn satisfied(&self) -> bool {
-        self.expected_rcvd >= self.expected_count
+        self.expected_rcvd >= self.expected_count && !self.rcvd.is_empty()
     }
 
     /// Count `src` in the current phase; false if it already was.
@@ -892,11 +894,22 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
     packet: &Packet<&[u8]>,
     reply: &mut Reply<'_, A, T>,
 ) -> Outcome {
+    if block.phase == Phase::Exponent {
+        // Data carries an exponent the switch gave out already (the
+        // lookahead from block - block_cnt_max, which every worker that had
+        // that result shares): adopt it. This happens when a worker that
+        // lacks the lookahead (a straggler catching up) opened the block
+        // with an exponent-only round; the round's senders get the exponent
+        // now instead of everyone waiting for the round to age.
+        block.exp = packet.exp();
+        block.phase = Phase::Data;
+        block.negotiated = true;
+        reply.send_to_all(block, true);
+        block.rcvd.clear();
+        block.expected_rcvd = 0;
+    }
     match block.phase {
-        Phase::Exponent => {
-            reply.counters.protocol_violation += 1;
-            Outcome::default()
-        }
+        Phase::Exponent => unreachable!("left above"),
         Phase::Done => {
             if block.rcvd.contains(src) {
                 reply.counters.duplicate += 1;
@@ -988,6 +1001,13 @@ fn age_out<A: Copy>(
         scratch,
     };
     let block = job.slots[local].cur.as_mut().expect("the scanner found an open block here");
+    if block.rcvd.is_empty() {
+        // A data phase nobody has sent to yet (everyone in the exponent
+        // round was declared slow): there is nothing to emit. Keep waiting;
+        // the first data contribution re-arms the timeout.
+        block.idle_checks = 0;
+        return;
+    }
     block.aged = true;
     reply.counters.blocks_aged += 1;
     match block.phase {

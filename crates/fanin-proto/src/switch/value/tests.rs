@@ -219,11 +219,17 @@ fn exponent_round_then_data_with_the_negotiated_exponent() {
 }
 
 #[test]
-fn data_before_exponent_negotiation_is_a_violation() {
+fn data_during_an_exponent_round_ends_it_with_the_datas_exponent() {
+    // Worker 0 lacks the lookahead exponent and opens the round; worker 1
+    // has it (from the block one slot-cycle earlier) and sends data with it.
     let mut sw = switch_with(&[job(1, 2, 4)]);
     send(&mut sw, Pkt::exp_only(1, 0, 0, 3));
-    assert!(send(&mut sw, Pkt::data(1, 1, 0, &[5]).float(3, EXP_NONE)).is_empty());
-    assert_eq!(sw.counters().protocol_violation, 1);
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[5]).float(6, EXP_NONE));
+    assert!(out.iter().all(|o| o.1.exp_only && o.1.exp == 6), "the round's senders learn exponent 6");
+    assert_eq!(out.len(), 2);
+    assert_eq!(sw.counters().protocol_violation, 0);
+    let out = send(&mut sw, Pkt::data(1, 0, 0, &[2]).float(6, EXP_NONE));
+    assert_eq!((out.len(), out[0].1.exp, out[0].2.clone()), (2, 6, vec![7]));
 }
 
 #[test]
@@ -552,4 +558,37 @@ fn a_slow_source_one_step_behind_the_others_is_readmitted() {
     let out = send_at(&mut sw, at(9), Pkt::data(1, 2, 0, &[1]));
     assert!(out.iter().all(|o| o.1.msg_type != MessageType::Membership));
     assert_eq!(sw.slow_sources(1), vec![2]);
+}
+
+#[test]
+fn a_data_phase_without_contributions_is_never_emitted_empty() {
+    // Block 0's exponent round ages with only source 0; source 0 is then
+    // declared slow (missing from blocks 1 and 3). Block 0's data phase now
+    // waits for nobody, but has nothing to emit: it stays open until data
+    // arrives, and its result then sums that data.
+    let mut sw = aging_switch(aging_job(3, 2, 2, 1), 1, 1);
+    let mut all = Vec::new();
+    send_at(&mut sw, at(0), Pkt::exp_only(1, 0, 0, 4));
+    for s in 1..3 {
+        send_at(&mut sw, at(0), Pkt::data(1, s, 1, &[1]));
+    }
+    for t in [2, 4] {
+        all.extend(tick(&mut sw, at(t)));
+    }
+    for s in 1..3 {
+        all.extend(send_at(&mut sw, at(5), Pkt::data(1, s, 3, &[1])));
+    }
+    for t in [6, 8, 10] {
+        all.extend(tick(&mut sw, at(t)));
+    }
+    assert_eq!(sw.slow_sources(1), vec![0]);
+    all.extend(send_at(&mut sw, at(11), Pkt::data(1, 1, 0, &[7]).float(4, EXP_NONE)));
+    for t in [12, 14, 16] {
+        all.extend(tick(&mut sw, at(t)));
+    }
+    let results: Vec<_> = all.iter().filter(|o| o.1.msg_type == MessageType::Result && !o.1.exp_only).collect();
+    assert!(results.iter().all(|o| o.1.src_cnt > 0), "no result sums zero sources");
+    let block0: Vec<_> = results.iter().filter(|o| o.1.block_id == 0).collect();
+    assert!(!block0.is_empty(), "block 0 was emitted once data arrived");
+    assert_eq!((block0[0].1.src_cnt, block0[0].2.clone()), (1, vec![7]));
 }
