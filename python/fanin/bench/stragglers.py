@@ -262,19 +262,20 @@ def run_iterations(args: Any) -> int:
     workers = args.workers
     elements = 2_000_000 if args.quick else 25_000_000
     iters = args.iters or (10 if args.quick else 20)
-    probs = [0.16] if args.quick else [0.0, 0.04, 0.08, 0.16, 0.32]
+    probs = args.probs or ([0.16] if args.quick else [0.0, 0.04, 0.08, 0.16, 0.32])
     compute_s = args.compute_ms / 1e3
     # the ideal run first: it defines the typical iteration time
     ideal = _run_arm("ideal", 0.0, workers, elements, iters, compute_s, 1.0, args.block_exp_ms, args.seed)
     typical = ideal["iteration_s"]
     points = [ideal]
-    grid = [(arm, p) for p in probs for arm in ("mitigation", "none")]
+    arms = args.arms or ["mitigation", "none"]
+    grid = [(arm, p) for p in probs for arm in arms]
     for arm, p in _bar(grid, "straggler-iterations"):
         points.append(_run_arm(arm, p, workers, elements, iters, compute_s, typical, args.block_exp_ms, args.seed))
     for pt in points:
         pt["vs_ideal"] = pt["iteration_s"] / typical
     summary = []
-    for p in probs:
+    for p in probs if len(arms) == 2 else []:
         m = next(x for x in points if x["arm"] == "mitigation" and x["p"] == p)
         n = next(x for x in points if x["arm"] == "none" and x["p"] == p)
         summary.append({"p": p, "mitigation_vs_ideal": m["vs_ideal"], "none_vs_ideal": n["vs_ideal"],
@@ -305,8 +306,9 @@ def _plot_iterations(points: list[dict[str, Any]], probs: list[float], typical: 
     fig, ax = plt.subplots(figsize=(6, 4))
     pct = [p * 100 for p in probs]
     for arm, label in (("mitigation", "fanin, straggler mitigation"), ("none", "fanin, no mitigation (SwitchML)")):
-        ys = [next(x for x in points if x["arm"] == arm and x["p"] == p)["iteration_s"] * 1e3 for p in probs]
-        ax.plot(pct, ys, marker="o", label=label)
+        found = [next((x for x in points if x["arm"] == arm and x["p"] == p), None) for p in probs]
+        if all(found):
+            ax.plot(pct, [x["iteration_s"] * 1e3 for x in found], marker="o", label=label)
     ax.axhline(typical * 1e3, color="k", ls="--", lw=1, label="ideal (no stragglers)")
     ax.set_xlabel("straggling probability p (%)")
     ax.set_ylabel("iteration time (ms)")
