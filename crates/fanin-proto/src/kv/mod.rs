@@ -21,12 +21,13 @@
 //! `docs/kv.md` describes the formats and the machines' semantics.
 
 mod layout;
+pub mod loopback;
 mod receiver;
 mod sender;
 mod switch;
 mod window;
 
-pub use layout::{hash_index, hash_partition, KeyClass, Layout, LayoutError};
+pub use layout::{decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
 pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
 pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderStats};
 pub use switch::{KvAdmitError, KvCounters, KvSwitch, KvSwitchConfig, KvTaskSpec, TaskStats};

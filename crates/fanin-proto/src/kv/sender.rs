@@ -231,8 +231,8 @@ impl KvSender {
         }
         match p.msg_type() {
             MessageType::KvAck => self.on_ack(now, p.seq(), p.flags() & FLAG_BY_SWITCH != 0),
-            MessageType::KvFinAck => {
-                if matches!(self.state, State::FinWait { .. }) && p.seq() == self.next_seq {
+            MessageType::KvFinAck if matches!(self.state, State::FinWait { .. }) && p.seq() == self.next_seq => {
+                {
                     self.state = State::Done;
                     self.last_progress = now;
                     self.events.push_back(SenderEvent::Finished);

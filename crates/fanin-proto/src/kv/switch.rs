@@ -587,7 +587,7 @@ fn on_control<A: Copy>(c: &mut KvCounters, task: &mut Task<A>, from: A, p: &Pack
                 task.epoch = epoch;
                 task.stats.swaps += 1;
                 c.swaps += 1;
-            } else if !(!final_ && epoch == task.epoch) {
+            } else if final_ || epoch != task.epoch {
                 // Anything but a repeated swap the switch already did.
                 refuse!(NackReason::StaleEpoch, task.epoch);
             }
