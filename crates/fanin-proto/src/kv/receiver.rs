@@ -22,7 +22,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use fanin_wire::kv::{
-    FetchEntry, FetchReplyHead, FetchRequest, Nack, NackReason, Packet, Repr, FLAG_FINAL, MAX_FETCH_ENTRIES,
+    FetchEntry, FetchReplyHead, FetchRequest, Nack, NackReason, Packet, Repr, FLAG_FINAL, HEADER_LEN,
+    MAX_FETCH_ENTRIES,
 };
 use fanin_wire::MessageType;
 
@@ -180,6 +181,10 @@ impl KvReceiver {
         })
     }
 
+    #[doc(hidden)]
+    pub fn debug_phase(&self) -> String {
+        format!("{:?} epoch {} fins {:?} since_swap {}", self.phase, self.epoch, self.fins, self.since_swap)
+    }
     pub fn stats(&self) -> ReceiverStats {
         self.stats
     }
@@ -415,7 +420,7 @@ impl KvReceiver {
             // Algorithm 1, Read(): clean up the old copy after reading it.
             self.phase = Phase::Clearing { copy };
             let mut bytes = self.control(MessageType::KvClear, 0, self.epoch);
-            bytes.extend_from_slice(&[copy, 0, 0, 0]);
+            bytes[HEADER_LEN] = copy;
             self.send_request(now, bytes);
         }
     }
