@@ -29,7 +29,7 @@
 //!   (`index u32 | count u32 | key_part [8] | sum i64 | min i64 | max i64`).
 //! * `Clear`, `ClearAck`: `copy u8 | 3 reserved bytes`.
 //! * `Nack`: `reason u16 | reserved u16 | detail u32`.
-//! * `Ack`, `Fin`, `FinAck`, `Swap`, `SwapAck`, `Release`: no body.
+//! * `Ack`, `Fin`, `FinAck`, `Swap`, `SwapAck`, `Release`, `ReleaseAck`: no body.
 //!
 //! `docs/kv.md` is the specification, with the meaning of every field per
 //! message; the golden vectors in the tests pin the bytes.
@@ -107,7 +107,8 @@ fn expected_body_len(msg_type: MessageType, slot_count: u8, body: &[u8]) -> Resu
         | MessageType::KvFinAck
         | MessageType::KvSwap
         | MessageType::KvSwapAck
-        | MessageType::KvRelease => 0,
+        | MessageType::KvRelease
+        | MessageType::KvReleaseAck => 0,
         other => return Err(WireError::WrongService(other as u8)),
     })
 }

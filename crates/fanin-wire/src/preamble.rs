@@ -58,6 +58,8 @@ pub enum MessageType {
     KvRelease = 0x2B,
     /// Switch → sender or receiver: the message was refused, with a reason.
     KvNack = 0x2C,
+    /// Switch → receiver: the task's region was freed.
+    KvReleaseAck = 0x2D,
 }
 
 impl MessageType {
@@ -82,6 +84,7 @@ impl MessageType {
             0x2A => Self::KvClearAck,
             0x2B => Self::KvRelease,
             0x2C => Self::KvNack,
+            0x2D => Self::KvReleaseAck,
             other => return Err(WireError::UnknownMessageType(other)),
         })
     }

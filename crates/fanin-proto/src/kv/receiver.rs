@@ -121,7 +121,13 @@ pub struct ReceiverStats {
     /// Fetched entries that did not decode (a medium key missing a part or
     /// a bad length byte); should stay 0.
     pub undecodable: u64,
+    /// Stale-epoch / active-copy refusals (late duplicates of requests).
+    pub refusals: u64,
 }
+
+/// Refusals of control requests in a row, without progress, before the
+/// receiver gives up (it is out of step with the switch).
+const MAX_REFUSALS_IN_ROW: u32 = 64;
 
 /// The receive-side dedup window of one channel: slot `seq % W` remembers
 /// the last seq processed there. Unlike the switch's compact `seen`, it
@@ -139,6 +145,8 @@ enum Phase {
     Clearing { copy: u8 },
     /// Results complete; answering late FINs until `until`, then release.
     Lingering { until: Time },
+    /// Results complete; repeating Release until the switch confirms.
+    Releasing,
     Done,
     Failed,
 }
@@ -157,6 +165,7 @@ pub struct KvReceiver {
     staged: HashMap<(u8, u32), FetchEntry>,
     replies: VecDeque<Vec<u8>>,
     last_heard: Time,
+    refusals_in_row: u32,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
 }
@@ -176,6 +185,7 @@ impl KvReceiver {
             staged: HashMap::new(),
             replies: VecDeque::new(),
             last_heard: now,
+            refusals_in_row: 0,
             events: VecDeque::new(),
             stats: ReceiverStats::default(),
         })
@@ -190,7 +200,7 @@ impl KvReceiver {
     }
     /// The results are complete (`Finished` was reported).
     pub fn is_done(&self) -> bool {
-        matches!(self.phase, Phase::Lingering { .. } | Phase::Done)
+        matches!(self.phase, Phase::Lingering { .. } | Phase::Releasing | Phase::Done)
     }
     /// The region was released and the machine is idle for good.
     pub fn is_released(&self) -> bool {
@@ -214,6 +224,10 @@ impl KvReceiver {
         if let Phase::Lingering { until } = self.phase {
             return Some(until);
         }
+        if self.phase == Phase::Releasing {
+            let gone = self.last_heard + self.config.idle_timeout;
+            return Some(self.request.as_ref().map_or(gone, |(_, t)| (*t).min(gone)));
+        }
         let idle = self.last_heard + self.config.idle_timeout;
         Some(self.request.as_ref().map_or(idle, |(_, t)| (*t).min(idle)))
     }
@@ -224,7 +238,16 @@ impl KvReceiver {
         }
         if let Phase::Lingering { until } = self.phase {
             if now >= until {
-                self.replies.push_back(self.control(MessageType::KvRelease, 0, 0));
+                self.phase = Phase::Releasing;
+                let release = self.control(MessageType::KvRelease, 0, 0);
+                self.send_request(now, release);
+            }
+            return;
+        }
+        if self.phase == Phase::Releasing {
+            // The switch is gone; its idle timer frees the region anyway.
+            if now >= self.last_heard + self.config.idle_timeout {
+                self.request = None;
                 self.phase = Phase::Done;
             }
             return;
@@ -240,7 +263,7 @@ impl KvReceiver {
     }
 
     fn fail(&mut self, err: ReceiverError) {
-        if matches!(self.phase, Phase::Done | Phase::Failed | Phase::Lingering { .. }) {
+        if matches!(self.phase, Phase::Done | Phase::Failed | Phase::Lingering { .. } | Phase::Releasing) {
             return;
         }
         self.phase = Phase::Failed;
@@ -256,7 +279,19 @@ impl KvReceiver {
             return;
         }
         self.last_heard = now;
-        if matches!(self.phase, Phase::Lingering { .. }) {
+        if self.phase == Phase::Releasing {
+            let gone = match p.msg_type() {
+                MessageType::KvReleaseAck => true,
+                MessageType::KvNack => Nack::parse(p.body()).is_ok_and(|n| n.reason == NackReason::UnknownTask),
+                _ => false,
+            };
+            if gone {
+                self.request = None;
+                self.phase = Phase::Done;
+                return;
+            }
+        }
+        if matches!(self.phase, Phase::Lingering { .. } | Phase::Releasing) {
             if p.msg_type() == MessageType::KvFin {
                 self.replies.push_back(self.control(MessageType::KvFinAck, p.channel(), p.seq()));
             }
@@ -279,7 +314,16 @@ impl KvReceiver {
                 }
             }
             MessageType::KvNack => {
-                if let Ok(n) = Nack::parse(p.body()) {
+                let Ok(n) = Nack::parse(p.body()) else { return };
+                // A delayed duplicate of an earlier swap / fetch / clear is
+                // refused once the epoch moved on; that is no reason to fail.
+                // Only a run of refusals without progress is.
+                let benign = matches!(n.reason, NackReason::StaleEpoch | NackReason::CopyActive);
+                if benign {
+                    self.stats.refusals += 1;
+                    self.refusals_in_row += 1;
+                }
+                if !benign || self.refusals_in_row > MAX_REFUSALS_IN_ROW {
                     self.fail(ReceiverError::Refused { task_id: p.task_id(), reason: n.reason, detail: n.detail });
                 }
             }
@@ -350,6 +394,7 @@ impl KvReceiver {
     }
 
     fn send_request(&mut self, now: Time, bytes: Vec<u8>) {
+        self.refusals_in_row = 0;
         self.replies.push_back(bytes.clone());
         self.request = Some((bytes, now + self.config.rto));
     }

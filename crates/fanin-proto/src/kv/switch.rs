@@ -334,8 +334,12 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
             MessageType::KvData => on_data(c, task, from, &packet, bytes, out),
             MessageType::KvLongData => on_long(c, task, from, &packet, bytes, out),
             MessageType::KvFin => {
-                c.relayed += 1;
-                out.push_copy(task.spec.receiver, bytes);
+                // A sender without data packets is first seen here; the
+                // channel's address is needed to relay the FIN-ACK.
+                if channel(c, task, from, &packet, out).is_some() {
+                    c.relayed += 1;
+                    out.push_copy(task.spec.receiver, bytes);
+                }
             }
             MessageType::KvAck | MessageType::KvFinAck => {
                 if from != task.spec.receiver {
@@ -357,6 +361,8 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
                     c.tasks_released += 1;
                     let id = packet.task_id();
                     self.remove_task(id);
+                    let buf = out.push(from, HEADER_LEN);
+                    Repr::new(MessageType::KvReleaseAck, id, 0, 0).emit(&mut Packet::new_unchecked(&mut buf[..]));
                     return;
                 }
                 on_control(c, task, from, &packet, out)
