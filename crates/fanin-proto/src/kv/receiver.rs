@@ -141,7 +141,7 @@ struct DedupWindow {
 enum Phase {
     Idle,
     Swapping { final_: bool },
-    Fetching { copy: u8, aa: u8, start: u32, final_: bool },
+    Fetching { copy: u8, final_: bool },
     Clearing { copy: u8 },
     /// Results complete; answering late FINs until `until`, then release.
     Lingering { until: Time },
@@ -149,6 +149,23 @@ enum Phase {
     Releasing,
     Done,
     Failed,
+}
+
+/// Progress of reading one aggregator array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cursor {
+    /// A fetch from `start` is outstanding; repeat it at `deadline`.
+    Waiting { start: u32, deadline: Time },
+    Done,
+}
+
+impl Cursor {
+    fn deadline(&self) -> Time {
+        match self {
+            Cursor::Waiting { deadline, .. } => *deadline,
+            Cursor::Done => Time::ZERO,
+        }
+    }
 }
 
 pub struct KvReceiver {
@@ -163,6 +180,8 @@ pub struct KvReceiver {
     request: Option<(Vec<u8>, Time)>,
     /// Fetched aggregators of the copy being read: (aa, index) -> entry.
     staged: HashMap<(u8, u32), FetchEntry>,
+    /// Per-AA fetch progress while a copy is read.
+    cursors: Vec<Cursor>,
     replies: VecDeque<Vec<u8>>,
     last_heard: Time,
     refusals_in_row: u32,
@@ -183,6 +202,7 @@ impl KvReceiver {
             since_swap: 0,
             request: None,
             staged: HashMap::new(),
+            cursors: Vec::new(),
             replies: VecDeque::new(),
             last_heard: now,
             refusals_in_row: 0,
@@ -229,7 +249,12 @@ impl KvReceiver {
             return Some(self.request.as_ref().map_or(gone, |(_, t)| (*t).min(gone)));
         }
         let idle = self.last_heard + self.config.idle_timeout;
-        Some(self.request.as_ref().map_or(idle, |(_, t)| (*t).min(idle)))
+        let fetch = match self.phase {
+            Phase::Fetching { .. } => self.cursors.iter().filter(|c| **c != Cursor::Done).map(|c| c.deadline()).min(),
+            _ => None,
+        };
+        let request = self.request.as_ref().map(|(_, t)| *t);
+        request.into_iter().chain(fetch).chain([idle]).min()
     }
 
     pub fn handle_timeout(&mut self, now: Time) {
@@ -426,35 +451,47 @@ impl KvReceiver {
             self.stats.swaps += 1;
         }
         self.staged.clear();
-        self.fetch(now, copy, 0, 0, final_);
+        self.request = None;
+        // Every AA is read independently: one fetch per AA in flight at once,
+        // so a swap cycle takes a few round trips, not one per AA.
+        let slots = self.config.layout.slot_count();
+        self.cursors = vec![Cursor::Waiting { start: 0, deadline: now }; slots];
+        self.phase = Phase::Fetching { copy, final_ };
+        for aa in 0..slots as u8 {
+            self.fetch(now, copy, aa, 0);
+        }
     }
 
-    fn fetch(&mut self, now: Time, copy: u8, aa: u8, start: u32, final_: bool) {
-        self.phase = Phase::Fetching { copy, aa, start, final_ };
+    fn fetch(&mut self, now: Time, copy: u8, aa: u8, start: u32) {
         self.stats.fetch_requests += 1;
         let repr = Repr::new(MessageType::KvFetch, self.config.task_id, 0, self.epoch);
         let mut buf = vec![0u8; repr.buffer_len()];
         let mut p = Packet::new_unchecked(&mut buf[..]);
         repr.emit(&mut p);
         FetchRequest { copy, aa, max_entries: MAX_FETCH_ENTRIES as u16, start }.emit(p.body_mut());
-        self.send_request(now, buf);
+        self.replies.push_back(buf);
+        self.cursors[aa as usize] = Cursor::Waiting { start, deadline: now + self.config.rto };
+        self.refusals_in_row = 0;
     }
 
     fn on_fetch_reply(&mut self, now: Time, p: &Packet<&[u8]>) {
-        let Phase::Fetching { copy, aa, start, final_ } = self.phase else { return };
+        let Phase::Fetching { copy, final_ } = self.phase else { return };
         let Ok(head) = FetchReplyHead::parse(p.body()) else { return };
-        if p.seq() != self.epoch || head.copy != copy || head.aa != aa || head.start != start {
-            return; // a late answer to an earlier request
+        let aa = head.aa;
+        let waiting = self.cursors.get(aa as usize).is_some_and(|c| *c == Cursor::Waiting { start: head.start, deadline: c.deadline() });
+        if p.seq() != self.epoch || head.copy != copy || !waiting {
+            return; // a late or repeated answer
         }
         for e in FetchReplyHead::entries(p.body()) {
             self.staged.insert((aa, e.index), e);
             self.stats.entries_fetched += 1;
         }
-        if head.next < self.config.aa_size && head.next > start {
-            return self.fetch(now, copy, aa, head.next, final_);
+        if head.next < self.config.aa_size && head.next > head.start {
+            return self.fetch(now, copy, aa, head.next);
         }
-        if (aa as usize + 1) < self.config.layout.slot_count() {
-            return self.fetch(now, copy, aa + 1, 0, final_);
+        self.cursors[aa as usize] = Cursor::Done;
+        if self.cursors.iter().any(|c| *c != Cursor::Done) {
+            return;
         }
         self.merge_staged();
         if final_ {
@@ -518,6 +555,15 @@ impl KvReceiver {
                 *deadline = now + self.config.rto;
                 let b = bytes.clone();
                 self.replies.push_back(b);
+            }
+        }
+        if let Phase::Fetching { copy, .. } = self.phase {
+            for aa in 0..self.cursors.len() {
+                if let Cursor::Waiting { start, deadline } = self.cursors[aa] {
+                    if now >= deadline {
+                        self.fetch(now, copy, aa as u8, start);
+                    }
+                }
             }
         }
         let mut sent = 0;
