@@ -14,6 +14,7 @@ examples:
   fanin switch --config switch.toml            # ... or from a config file (see docs/operations.md)
   fanin bench allreduce --workers 4 --size 100MB --json
   fanin bench gloo-compare --workers 4 --size 100MB
+  fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
 """
 
 
@@ -129,6 +130,12 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
     return run_sweep(args)
 
 
+def _cmd_bench_kv(args: argparse.Namespace) -> int:
+    from fanin.bench.kv import run_kv_prioritisation
+
+    return run_kv_prioritisation(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fanin",
@@ -211,6 +218,22 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
         common(sp)
         sp.set_defaults(func=_cmd_bench_sweep, sweep=name)
+
+    kv = bsub.add_parser("kv-prioritisation", help="key-value on-switch aggregation vs memory (ASK Fig. 9)",
+                         description="On-switch aggregation ratio vs aggregator-to-distinct-key ratio, with and "
+                                     "without shadow copies, on Uniform/Zipf/Zipf-reversed streams; runs the real "
+                                     "key-value machines (cargo example kv_prioritisation) and writes CSV and PNG.")
+    kv.add_argument("--out", default="docs/figures/kv", help="directory for CSV and PNG (default %(default)s)")
+    kv.add_argument("--tuples", type=int, help="tuples per stream (default 2^24, 2^20 with --quick)")
+    kv.add_argument("--keys", type=int, help="distinct keys (default 2^16)")
+    kv.add_argument("--zipf-s", type=float, help="Zipf exponent (default 1.0)")
+    kv.add_argument("--swap-threshold", type=int, help="arrived packets per shadow-copy swap (default 64)")
+    kv.add_argument("--window", type=int, help="sender window W (default 256)")
+    kv.add_argument("--slots", type=int, help="tuple slots = aggregator arrays (default 32)")
+    kv.add_argument("--datasets", help="comma list of uniform,zipf,zipf-reverse,zipf-shuffled")
+    kv.add_argument("--verbose", action="store_true", help="show the example's progress on stderr")
+    common(kv)
+    kv.set_defaults(func=_cmd_bench_kv)
     return parser
 
 

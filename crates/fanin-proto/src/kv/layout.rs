@@ -103,7 +103,7 @@ impl Layout {
     /// the slot, so a key always uses the same AA.
     pub fn classify(&self, key: &[u8]) -> KeyClass {
         if self.short_slots > 0 && key.len() <= self.max_short_key() {
-            let part = encode_parts(key, 1)[0];
+            let part = encode_short(key);
             let slot = (hash_partition(key) % self.short_slots as u64) as u8;
             KeyClass::Short { slot, part }
         } else if self.medium_groups > 0 && key.len() <= self.max_medium_key() {
@@ -124,6 +124,26 @@ pub fn encode_parts(key: &[u8], parts: usize) -> Vec<u64> {
     bytes[..key.len()].copy_from_slice(key);
     bytes[width - 1] = key.len() as u8;
     bytes.chunks_exact(KEY_PART_LEN).map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes"))).collect()
+}
+
+/// [`encode_parts`] for one part, without allocating.
+pub fn encode_short(key: &[u8]) -> u64 {
+    debug_assert!(key.len() < KEY_PART_LEN);
+    let mut bytes = [0u8; KEY_PART_LEN];
+    bytes[..key.len()].copy_from_slice(key);
+    bytes[KEY_PART_LEN - 1] = key.len() as u8;
+    u64::from_be_bytes(bytes)
+}
+
+/// Inverse of [`encode_short`]: the key bytes live in the returned array's
+/// first `len` bytes.
+pub fn decode_short(part: u64) -> Option<([u8; KEY_PART_LEN], usize)> {
+    let bytes = part.to_be_bytes();
+    let len = bytes[KEY_PART_LEN - 1] as usize;
+    if len >= KEY_PART_LEN || bytes[len..KEY_PART_LEN - 1].iter().any(|&b| b != 0) {
+        return None;
+    }
+    Some((bytes, len))
 }
 
 /// Inverse of [`encode_parts`]; `None` if the length byte does not fit.

@@ -95,7 +95,7 @@ impl Loopback {
         self.now
     }
 
-    fn schedule(&mut self, hop: Hop, bytes: Vec<u8>) {
+    fn schedule(&mut self, hop: Hop, mut bytes: Vec<u8>) {
         let view = match hop {
             Hop::ToSwitch(n) => Direction::Up(n),
             Hop::ToHost(n) => Direction::Down(n),
@@ -109,11 +109,12 @@ impl Loopback {
             return;
         }
         let copies = if self.link.duplicate > 0.0 && self.rng.next_f64() < self.link.duplicate { 2 } else { 1 };
-        for _ in 0..copies {
+        for copy in (0..copies).rev() {
             let jitter = if self.link.jitter_ns > 0 { self.rng.below(self.link.jitter_ns) } else { 0 };
             let at = self.now.as_nanos() + self.link.delay_ns + jitter;
             self.order += 1;
-            self.queue.push(Reverse((at, self.order, hop.clone(), bytes.clone())));
+            let b = if copy == 0 { std::mem::take(&mut bytes) } else { bytes.clone() };
+            self.queue.push(Reverse((at, self.order, hop.clone(), b)));
         }
     }
 

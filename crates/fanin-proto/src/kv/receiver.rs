@@ -27,7 +27,7 @@ use fanin_wire::kv::{
 };
 use fanin_wire::MessageType;
 
-use super::layout::{decode_parts, Layout, LayoutError};
+use super::layout::{decode_parts, decode_short, Layout, LayoutError};
 use crate::time::Time;
 use crate::transmit::Transmit;
 
@@ -376,7 +376,7 @@ impl KvReceiver {
             self.stats.duplicate_packets += 1;
         } else if p.msg_type() == MessageType::KvLongData {
             for (key, value) in p.long_tuples() {
-                merge(&mut self.results, key.to_vec(), Aggregate::of(value));
+                merge(&mut self.results, key, Aggregate::of(value));
                 self.stats.tuples_local += 1;
             }
         } else {
@@ -390,8 +390,8 @@ impl KvReceiver {
         let bitmap = p.bitmap();
         for slot in 0..layout.short_slots as usize {
             if bitmap >> slot & 1 == 1 {
-                match decode_parts(&[u64::from_be_bytes(p.key_part(slot))]) {
-                    Some(key) => merge(&mut self.results, key, Aggregate::of(p.value(slot))),
+                match decode_short(u64::from_be_bytes(p.key_part(slot))) {
+                    Some((key, len)) => merge(&mut self.results, &key[..len], Aggregate::of(p.value(slot))),
                     None => self.stats.undecodable += 1,
                 }
                 self.stats.tuples_local += 1;
@@ -403,7 +403,7 @@ impl KvReceiver {
                 let n = layout.medium_parts as usize;
                 let parts: Vec<u64> = (0..n).map(|j| u64::from_be_bytes(p.key_part(first + j))).collect();
                 match decode_parts(&parts) {
-                    Some(key) => merge(&mut self.results, key, Aggregate::of(p.value(first + n - 1))),
+                    Some(key) => merge(&mut self.results, &key, Aggregate::of(p.value(first + n - 1))),
                     None => self.stats.undecodable += 1,
                 }
                 self.stats.tuples_local += 1;
@@ -515,8 +515,8 @@ impl KvReceiver {
             let aa_usize = aa as usize;
             if aa_usize < layout.short_slots as usize {
                 let agg = Aggregate { sum: e.sum, count: e.count as u64, min: e.min, max: e.max };
-                match decode_parts(&[u64::from_be_bytes(e.key_part)]) {
-                    Some(key) => merge(&mut self.results, key, agg),
+                match decode_short(u64::from_be_bytes(e.key_part)) {
+                    Some((key, len)) => merge(&mut self.results, &key[..len], agg),
                     None => self.stats.undecodable += 1,
                 }
                 continue;
@@ -531,7 +531,7 @@ impl KvReceiver {
                 (0..n as u8).map(|j| staged.get(&(first + j, index)).map(|x| u64::from_be_bytes(x.key_part))).collect();
             let agg = Aggregate { sum: e.sum, count: e.count as u64, min: e.min, max: e.max };
             match parts.as_deref().and_then(decode_parts) {
-                Some(key) => merge(&mut self.results, key, agg),
+                Some(key) => merge(&mut self.results, &key, agg),
                 None => self.stats.undecodable += 1,
             }
         }
@@ -576,6 +576,11 @@ impl KvReceiver {
     }
 }
 
-fn merge(results: &mut HashMap<Vec<u8>, Aggregate>, key: Vec<u8>, agg: Aggregate) {
-    results.entry(key).and_modify(|a| a.merge(&agg)).or_insert(agg);
+fn merge(results: &mut HashMap<Vec<u8>, Aggregate>, key: &[u8], agg: Aggregate) {
+    match results.get_mut(key) {
+        Some(a) => a.merge(&agg),
+        None => {
+            results.insert(key.to_vec(), agg);
+        }
+    }
 }
