@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--window", type=int, help="sender window W (default 256)")
     kv.add_argument("--slots", type=int, help="tuple slots = aggregator arrays (default 32)")
     kv.add_argument("--datasets", help="comma list of uniform,zipf,zipf-reverse,zipf-shuffled")
+    kv.add_argument("--ratios", help="aggregator/key ratio exponents LO..HI[:STEP] (default -12..0, "
+                                     "-12..0:2 with --quick)")
     kv.add_argument("--verbose", action="store_true", help="show the example's progress on stderr")
     common(kv)
     kv.set_defaults(func=_cmd_bench_kv)

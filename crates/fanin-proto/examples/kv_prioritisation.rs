@@ -15,7 +15,7 @@
 //! cargo run --release -p fanin-proto --example kv_prioritisation -- [--quick]
 //!     [--keys 65536] [--tuples 16777216] [--zipf-s 1.0] [--slots 32]
 //!     [--window 256] [--swap-threshold 64] [--seed 1]
-//!     [--datasets uniform,zipf,zipf-reverse,zipf-shuffled] [--ratios -12..0]
+//!     [--datasets uniform,zipf,zipf-reverse,zipf-shuffled] [--ratios -12..0[:STEP]]
 //! ```
 
 use std::collections::HashMap;
@@ -72,8 +72,9 @@ fn parse_args() -> Args {
             "--datasets" => a.datasets = next(&mut i).split(',').map(String::from).collect(),
             "--ratios" => {
                 let v = next(&mut i);
-                let (lo, hi) = v.split_once("..").unwrap_or_else(|| die("--ratios wants LO..HI exponents, e.g. -12..0"));
-                a.ratio_exps = (num::<i32>(lo)..=num::<i32>(hi)).collect();
+                let (range, step) = v.split_once(':').unwrap_or((&v, "1"));
+                let (lo, hi) = range.split_once("..").unwrap_or_else(|| die("--ratios wants LO..HI[:STEP] exponents, e.g. -12..0:2"));
+                a.ratio_exps = (num::<i32>(lo)..=num::<i32>(hi)).step_by(num::<usize>(step).max(1)).collect();
             }
             "-h" | "--help" => {
                 eprintln!("see the header of crates/fanin-proto/examples/kv_prioritisation.rs");
@@ -216,9 +217,21 @@ fn main() {
     let mut rows = Vec::new();
     for dataset in &a.datasets {
         let keys = stream(dataset, &a);
-        for shadow in [false, true] {
-            for &e in &a.ratio_exps {
-                let r = run_one(&a, dataset, &keys, shadow, e);
+        // The two modes of a point run side by side (2 threads).
+        let pairs: Vec<(Row, Row)> = a
+            .ratio_exps
+            .iter()
+            .map(|&e| {
+                std::thread::scope(|s| {
+                    let with = s.spawn(|| run_one(&a, dataset, &keys, true, e));
+                    let without = run_one(&a, dataset, &keys, false, e);
+                    (without, with.join().expect("run panicked"))
+                })
+            })
+            .collect();
+        let (without, with): (Vec<Row>, Vec<Row>) = pairs.into_iter().unzip();
+        for rows_of_mode in [without, with] {
+            for r in rows_of_mode {
                 eprintln!(
                     "{:<14} shadow={:<5} ratio=2^{:<3} aggregators={:<6} on-switch {:6.2}%  swaps {:<5} ({:.1} s)",
                     r.dataset,

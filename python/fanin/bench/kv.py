@@ -54,7 +54,8 @@ def _run_example(args: Any) -> dict[str, Any]:
         cmd.append("--quick")
     for flag, value in (("--tuples", args.tuples), ("--keys", args.keys), ("--zipf-s", args.zipf_s),
                         ("--swap-threshold", args.swap_threshold), ("--window", args.window),
-                        ("--slots", args.slots), ("--seed", args.seed), ("--datasets", args.datasets)):
+                        ("--slots", args.slots), ("--seed", args.seed), ("--datasets", args.datasets),
+                        ("--ratios", args.ratios)):
         if value is not None:
             cmd += [flag, str(value)]
     proc = subprocess.run(cmd, cwd=_REPO, stdout=subprocess.PIPE, stderr=None if args.verbose else subprocess.PIPE,
