@@ -555,3 +555,71 @@ fn final_swap_freezes_the_region() {
     let _ = Nack::parse;
 }
 
+
+/// ASK Figure 5: two AAs, three packets. pkt1 (a, b) is absorbed and acked by
+/// the switch; pkt2 (c, f) is partially aggregated: c takes a new
+/// aggregator, f collides with b and goes on to the receiver, which acks it;
+/// pkt3 (c, b) is absorbed. Finally the receiver fetches and merges.
+#[test]
+fn figure_5_example_trace() {
+    let layout = Layout::short_only(2);
+    let aa_size = 4u64;
+    let index = |k: &[u8]| match layout.classify(k) {
+        KeyClass::Short { part, .. } => hash_index(&[part]) % aa_size,
+        _ => unreachable!(),
+    };
+    let slot0: Vec<Vec<u8>> = (0..40).map(|n| key_in_slot(&layout, 0, n)).collect();
+    let slot1: Vec<Vec<u8>> = (0..40).map(|n| key_in_slot(&layout, 1, n)).collect();
+    let a = slot0[0].clone();
+    let c = slot0.iter().find(|k| index(k) != index(&a)).unwrap().clone();
+    let b = slot1[0].clone();
+    let f = slot1.iter().skip(1).find(|k| index(k) == index(&b)).unwrap().clone();
+
+    let mut sw = switch_with(layout, aa_size as u32, false);
+    let pkt = |seq, t: &[(&[u8], i64)]| data_packet(&layout, seq, t);
+    assert_eq!(feed(&mut sw, S0, &pkt(0, &[(&a, 1), (&b, 1)])), vec![(S0, MessageType::KvAck, 0, 0)]);
+    let fwd = feed(&mut sw, S0, &pkt(1, &[(&c, 1), (&f, 1)]));
+    assert_eq!(fwd, vec![(R, MessageType::KvData, 1, 0b10)]);
+    assert_eq!(feed(&mut sw, S0, &pkt(2, &[(&c, 1), (&b, 1)])), vec![(S0, MessageType::KvAck, 2, 0)]);
+
+    // The receiver aggregates (f, 1) from the forwarded packet and acks it
+    // through the switch to the sender.
+    let mut rc = ReceiverConfig::new(TASK, layout, aa_size as u32, 1);
+    rc.shadow_copies = false;
+    let mut rx = KvReceiver::new(rc, Time::ZERO).unwrap();
+    let mut forwarded = VecTransmit::new();
+    sw.handle_datagram(Time::ZERO, S0, &pkt(1, &[(&c, 1), (&f, 1)]), &mut forwarded); // a duplicate now
+    let (to, bytes) = forwarded.drain().next().unwrap();
+    assert_eq!(to, R);
+    rx.handle_datagram(t(1), &bytes);
+    let mut out = VecTransmit::new();
+    rx.poll_transmit(t(1), &mut out);
+    let (_, ack) = out.drain().next().unwrap();
+    assert_eq!(feed(&mut sw, R, &ack), vec![(S0, MessageType::KvAck, 1, 0)]);
+    assert_eq!(rx.results().len(), 1);
+
+    // FIN, final swap, fetch of both AAs, merge: a=1, b=2, c=2, f=1.
+    let mut fin = vec![0u8; HEADER_LEN];
+    Repr::new(MessageType::KvFin, TASK, 1, 3).emit(&mut Packet::new_unchecked(&mut fin[..]));
+    let mut o = VecTransmit::new();
+    sw.handle_datagram(t(2), S0, &fin, &mut o);
+    for (_, b) in o.drain() {
+        rx.handle_datagram(t(2), &b);
+    }
+    for step in 0..10 {
+        let now = t(3 + step);
+        rx.poll_transmit(now, &mut out);
+        for (_, b) in out.drain().collect::<Vec<_>>() {
+            sw.handle_datagram(now, R, &b, &mut o);
+        }
+        for (to, b) in o.drain().collect::<Vec<_>>() {
+            if to == R {
+                rx.handle_datagram(now, &b);
+            }
+        }
+    }
+    assert!(rx.is_done());
+    let sums: Vec<i64> = [&a, &b, &c, &f].iter().map(|k| rx.results()[*k].sum).collect();
+    assert_eq!(sums, vec![1, 2, 2, 1]);
+    assert_eq!(rx.stats().fetch_requests, 2, "one fetch per AA, in parallel");
+}
