@@ -14,7 +14,8 @@
 //! repeated every `rto` until answered. Each names the copy epoch, so a
 //! delayed duplicate can never clear a copy that became active again.
 //!
-//! **Calling contract**: as [`super::KvSender`]: `poll_transmit`,
+//! **Calling contract**: as [`super::KvSender`]: `poll_transmit` (until it
+//! returns 0),
 //! `poll_timeout`, `handle_datagram`, `handle_timeout`, `poll_event`;
 //! results with [`KvReceiver::results`] after `Finished`.
 

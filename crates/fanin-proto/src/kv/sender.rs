@@ -15,7 +15,8 @@
 //! receiver and is repeated until its FIN-ACK arrives.
 //!
 //! **Calling contract**: `push` / `finish` (application), then loop:
-//! `poll_transmit(now, out)` and send what it wrote to the switch; wait for
+//! `poll_transmit(now, out)` until it returns 0 (each call writes at most
+//! `max_burst` datagrams) and send what it wrote to the switch; wait for
 //! a datagram or `poll_timeout()`; `handle_datagram(now, bytes)` /
 //! `handle_timeout(now)`; `poll_event()` until `None`.
 
