@@ -77,7 +77,39 @@ SEEDS = {
     },
 }
 
+
+
+def kv_header(msg_type, *, flags=0, slot_count=0, channel=0, task_id=0, seq=0):
+    return struct.pack(">HBBBBHII", MAGIC, VERSION, msg_type, flags, slot_count, channel, task_id, seq)
+
+
+KV_DATA, KV_LONG, KV_ACK, KV_FIN, KV_FIN_ACK, KV_SWAP, KV_SWAP_ACK, KV_FETCH, KV_FETCH_REPLY, KV_CLEAR, \
+    KV_CLEAR_ACK, KV_RELEASE, KV_NACK, KV_RELEASE_ACK = range(0x20, 0x2E)
+KEY_AB = b"ab" + bytes(5) + b"\x02"
+SEEDS["kv_packet"] = {
+    # golden vectors (crates/fanin-wire/src/kv/tests.rs)
+    "golden-data": kv_header(KV_DATA, slot_count=2, channel=5, task_id=0x01020304, seq=7)
+    + struct.pack(">Q", 1) + KEY_AB + struct.pack(">q", 3) + bytes(16),
+    "golden-ack": kv_header(KV_ACK, flags=1, channel=5, task_id=0x01020304, seq=7),
+    "golden-fetch": kv_header(KV_FETCH, task_id=0x01020304, seq=9) + struct.pack(">BBHI", 1, 3, 32, 256),
+    "golden-nack": kv_header(KV_NACK, channel=5, task_id=0x01020304, seq=7) + struct.pack(">HHI", 1, 0, 0x01020304),
+    "long-data": kv_header(KV_LONG, slot_count=1, channel=1, task_id=1, seq=2)
+    + struct.pack(">Hq", 9, -1) + b"long-key!",
+    "fetch-reply": kv_header(KV_FETCH_REPLY, task_id=1, seq=3) + struct.pack(">BBHII", 0, 1, 1, 0, 18)
+    + struct.pack(">II", 17, 2) + KEY_AB + struct.pack(">qqq", -5, -7, 2),
+    "clear": kv_header(KV_CLEAR, task_id=1, seq=3) + bytes([1, 0, 0, 0]),
+    "swap-final": kv_header(KV_SWAP, flags=2, task_id=1, seq=3),
+    "fin": kv_header(KV_FIN, channel=1, task_id=1, seq=100),
+    "release": kv_header(KV_RELEASE, task_id=1),
+}
+# [len][who][datagram] records for kv_machines: a data packet from sender 0, a swap from the receiver
+SEEDS["kv_machines"] = {
+    "data-then-swap": bytes([len(SEEDS["kv_packet"]["golden-data"]) , 1]) + SEEDS["kv_packet"]["golden-data"]
+    + bytes([16, 0]) + kv_header(KV_SWAP, task_id=1, seq=1),
+}
+
 assert len(SEEDS["value_packet"]["golden-contribution"]) == 32
+assert len(SEEDS["kv_packet"]["golden-data"]) == 56
 assert len(SEEDS["value_packet"]["golden-join-ack"]) == 48
 
 for target, seeds in SEEDS.items():

@@ -15,6 +15,7 @@ examples:
   fanin bench allreduce --workers 4 --size 100MB --json
   fanin bench gloo-compare --workers 4 --size 100MB
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
+  fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
 """
 
 
@@ -140,6 +141,8 @@ def _cmd_bench_straggler_iterations(args: argparse.Namespace) -> int:
     from fanin.bench.stragglers import run_iterations
 
     return run_iterations(args)
+
+
 def _find_sim_binary() -> Optional[str]:
     """`target/release/fanin-sim` of the source tree this package lives in, else PATH."""
     import os
@@ -188,6 +191,12 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         except ImportError as e:
             print(f"fanin sim: no PNG ({e}); the CSV is in {out}", file=sys.stderr)
     return 0
+
+
+def _cmd_bench_kv(args: argparse.Namespace) -> int:
+    from fanin.bench.kv import run_kv_prioritisation
+
+    return run_kv_prioritisation(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,6 +318,24 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
     sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")
     sim.set_defaults(func=_cmd_sim)
+
+    kv = bsub.add_parser("kv-prioritisation", help="key-value on-switch aggregation vs memory (ASK Fig. 9)",
+                         description="On-switch aggregation ratio vs aggregator-to-distinct-key ratio, with and "
+                                     "without shadow copies, on Uniform/Zipf/Zipf-reversed streams; runs the real "
+                                     "key-value machines (cargo example kv_prioritisation) and writes CSV and PNG.")
+    kv.add_argument("--out", default="docs/figures/kv", help="directory for CSV and PNG (default %(default)s)")
+    kv.add_argument("--tuples", type=int, help="tuples per stream (default 2^24, 2^20 with --quick)")
+    kv.add_argument("--keys", type=int, help="distinct keys (default 2^16)")
+    kv.add_argument("--zipf-s", type=float, help="Zipf exponent (default 1.0)")
+    kv.add_argument("--swap-threshold", type=int, help="arrived packets per shadow-copy swap (default 64)")
+    kv.add_argument("--window", type=int, help="sender window W (default 256)")
+    kv.add_argument("--slots", type=int, help="tuple slots = aggregator arrays (default 32)")
+    kv.add_argument("--datasets", help="comma list of uniform,zipf,zipf-reverse,zipf-shuffled")
+    kv.add_argument("--ratios", help="aggregator/key ratio exponents LO..HI[:STEP] (default -12..0, "
+                                     "-12..0:2 with --quick)")
+    kv.add_argument("--verbose", action="store_true", help="show the example's progress on stderr")
+    common(kv)
+    kv.set_defaults(func=_cmd_bench_kv)
     return parser
 
 

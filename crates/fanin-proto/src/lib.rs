@@ -15,6 +15,7 @@ pub mod bfp;
 pub mod fault;
 pub mod host;
 pub mod job;
+pub mod kv;
 pub mod mask;
 pub mod switch;
 pub mod time;

@@ -26,6 +26,8 @@ pub enum WireError {
     ExpOnlyWithPayload(u16),
     #[error("unknown nack reason code {0}")]
     UnknownNackReason(u16),
+    #[error("bitmap 0x{bitmap:016x} names slots beyond slot_count {slot_count}")]
+    BitmapBeyondSlots { bitmap: u64, slot_count: u8 },
 }
 
 impl WireError {
@@ -43,11 +45,12 @@ impl WireError {
             Self::TooManyElements { .. } => "too_many_elements",
             Self::ExpOnlyWithPayload(_) => "unexpected_payload",
             Self::UnknownNackReason(_) => "unknown_nack_reason",
+            Self::BitmapBeyondSlots { .. } => "bitmap_beyond_slots",
         }
     }
 
     /// Every label `kind` can return, for exporting zero-valued counters.
-    pub const KINDS: [&'static str; 11] = [
+    pub const KINDS: [&'static str; 12] = [
         "truncated",
         "bad_magic",
         "bad_version",
@@ -59,5 +62,6 @@ impl WireError {
         "too_many_elements",
         "unexpected_payload",
         "unknown_nack_reason",
+        "bitmap_beyond_slots",
     ];
 }

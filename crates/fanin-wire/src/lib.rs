@@ -3,7 +3,8 @@
 //! Every fanin datagram starts with a common 4-byte [preamble](preamble): magic,
 //! version and message type. The rest depends on the service the message type
 //! belongs to; this crate currently defines the value-stream (gradient)
-//! aggregation service of Trio-ML / SwitchML in [`value`].
+//! aggregation service of Trio-ML / SwitchML in [`value`] and the key-value
+//! aggregation service of ASK in [`kv`].
 //!
 //! Each message comes in two layers, as in smoltcp's `wire` module:
 //! a zero-copy view over a byte buffer ([`value::Packet`]) whose accessors never
@@ -14,6 +15,7 @@
 //! All integers are in network byte order. `docs/protocol.md` is the
 //! specification; the golden vectors in the tests pin it.
 
+pub mod kv;
 pub mod preamble;
 pub mod value;
 

@@ -36,6 +36,35 @@ pub enum MessageType {
     /// source, `age_op` the new status, `src_cnt` the sources the job now
     /// waits for, `block_id` the block at which it took effect.
     Membership = 0x07,
+    /// Key-value sender → switch → receiver: bitmap + tuple slots (ASK).
+    KvData = 0x20,
+    /// Key-value sender → switch → receiver: tuples whose keys bypass the
+    /// switch's aggregators (long keys).
+    KvLongData = 0x21,
+    /// Switch or receiver → sender: packet `seq` of a channel is consumed.
+    KvAck = 0x22,
+    /// Sender → receiver: every packet of this channel was acknowledged.
+    KvFin = 0x23,
+    /// Receiver → sender: the FIN was received.
+    KvFinAck = 0x24,
+    /// Receiver → switch: flip the copy indicator (or freeze, if final).
+    KvSwap = 0x25,
+    /// Switch → receiver: the swap (or freeze) took effect.
+    KvSwapAck = 0x26,
+    /// Receiver → switch: read aggregators of an inactive copy.
+    KvFetch = 0x27,
+    /// Switch → receiver: aggregators read by a fetch.
+    KvFetchReply = 0x28,
+    /// Receiver → switch: reset an inactive copy after reading it.
+    KvClear = 0x29,
+    /// Switch → receiver: the copy was reset.
+    KvClearAck = 0x2A,
+    /// Receiver → switch: the task is over, free its memory region.
+    KvRelease = 0x2B,
+    /// Switch → sender or receiver: the message was refused, with a reason.
+    KvNack = 0x2C,
+    /// Switch → receiver: the task's region was freed.
+    KvReleaseAck = 0x2D,
 }
 
 impl MessageType {
@@ -48,8 +77,27 @@ impl MessageType {
             0x05 => Self::JoinAck,
             0x06 => Self::Nack,
             0x07 => Self::Membership,
+            0x20 => Self::KvData,
+            0x21 => Self::KvLongData,
+            0x22 => Self::KvAck,
+            0x23 => Self::KvFin,
+            0x24 => Self::KvFinAck,
+            0x25 => Self::KvSwap,
+            0x26 => Self::KvSwapAck,
+            0x27 => Self::KvFetch,
+            0x28 => Self::KvFetchReply,
+            0x29 => Self::KvClear,
+            0x2A => Self::KvClearAck,
+            0x2B => Self::KvRelease,
+            0x2C => Self::KvNack,
+            0x2D => Self::KvReleaseAck,
             other => return Err(WireError::UnknownMessageType(other)),
         })
+    }
+
+    /// True for the key-value aggregation service (0x20–0x3f).
+    pub fn is_kv(self) -> bool {
+        (self as u8) >= 0x20 && (self as u8) < 0x40
     }
 
     /// True for the messages that carry a block of values.

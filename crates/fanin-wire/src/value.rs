@@ -93,6 +93,8 @@ fn body_len(msg_type: MessageType, grad_cnt: u16) -> usize {
         MessageType::Join | MessageType::Membership => 0,
         MessageType::JoinAck => JoinParams::LEN,
         MessageType::Nack => Nack::LEN,
+        // Rejected as WrongService by `Packet::check` before this is asked.
+        _ => 0,
     }
 }
 
@@ -120,6 +122,9 @@ impl<T: AsRef<[u8]>> Packet<T> {
     fn check(&self) -> Result<(), WireError> {
         let bytes = self.buffer.as_ref();
         let preamble = Preamble::parse(bytes)?;
+        if preamble.msg_type.is_kv() {
+            return Err(WireError::WrongService(preamble.msg_type as u8));
+        }
         if bytes.len() < HEADER_LEN {
             return Err(WireError::Truncated { needed: HEADER_LEN, got: bytes.len() });
         }

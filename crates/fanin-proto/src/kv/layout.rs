@@ -1,0 +1,190 @@
+//! Slot layout of a task and key placement (ASK §3.2).
+//!
+//! A packet has `slot_count` tuple slots, slot i goes to aggregator array i.
+//! The first `short_slots` slots take short keys; then come `medium_groups`
+//! groups of `medium_parts` adjacent slots, each group coalescing its AAs
+//! under one unified index for medium keys (§3.2.3). Longer keys bypass the
+//! switch.
+//!
+//! Key encoding (beyond the paper, which pads keys): a key placed in a slot
+//! or group of width `w = 8 * parts` bytes is written as its bytes, zero
+//! padding, and a last byte holding the key length. The length byte makes
+//! the encoding injective ("a" and "a\0" differ), so the switch can compare
+//! key parts as opaque 64-bit words and the receiver can decode them.
+
+use fanin_wire::kv::{KEY_PART_LEN, MAX_SLOTS};
+
+/// How a task's packets are laid out. Shared by the control plane (which
+/// sizes the switch region), senders and the receiver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub short_slots: u8,
+    pub medium_groups: u8,
+    /// ASK's m: AAs coalesced per medium key (2 in ASK's implementation).
+    pub medium_parts: u8,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("layout has no slots: short_slots + medium_groups * medium_parts must be 1..=64")]
+    Empty,
+    #[error("layout needs {0} slots; a packet's bitmap has 64")]
+    TooManySlots(usize),
+    #[error("medium_groups > 0 needs medium_parts >= 2 (got {0})")]
+    BadParts(u8),
+}
+
+/// Where a key goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyClass {
+    /// Short slot `slot`, one key part.
+    Short { slot: u8, part: u64 },
+    /// Medium group `group` (slots `first_slot..first_slot + parts.len()`).
+    Medium { group: u8, first_slot: u8, parts: Vec<u64> },
+    /// Too long for the switch: goes straight to the receiver.
+    Long,
+}
+
+impl Layout {
+    /// ASK's implementation: 32 AAs of 8-byte keys... here `short` short
+    /// slots and no medium groups.
+    pub fn short_only(short_slots: u8) -> Self {
+        Self { short_slots, medium_groups: 0, medium_parts: 0 }
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.short_slots as usize + self.medium_groups as usize * self.medium_parts as usize
+    }
+
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        let n = self.slot_count();
+        if n == 0 {
+            return Err(LayoutError::Empty);
+        }
+        if n > MAX_SLOTS {
+            return Err(LayoutError::TooManySlots(n));
+        }
+        if self.medium_groups > 0 && self.medium_parts < 2 {
+            return Err(LayoutError::BadParts(self.medium_parts));
+        }
+        Ok(())
+    }
+
+    /// Longest key that a short slot holds (7 bytes + the length byte).
+    pub fn max_short_key(&self) -> usize {
+        if self.short_slots == 0 {
+            0
+        } else {
+            KEY_PART_LEN - 1
+        }
+    }
+
+    /// Longest key a medium group holds.
+    pub fn max_medium_key(&self) -> usize {
+        if self.medium_groups == 0 {
+            0
+        } else {
+            KEY_PART_LEN * self.medium_parts as usize - 1
+        }
+    }
+
+    /// First slot of medium group `g`.
+    pub fn group_first_slot(&self, g: u8) -> u8 {
+        self.short_slots + g * self.medium_parts
+    }
+
+    /// Bits of medium group `g` in a bitmap.
+    pub fn group_mask(&self, g: u8) -> u64 {
+        let parts = self.medium_parts as u32;
+        ((1u64 << parts) - 1) << self.group_first_slot(g)
+    }
+
+    /// Sender-assisted key-space partition (§3.2.2): hash(key) mod N picks
+    /// the slot, so a key always uses the same AA.
+    pub fn classify(&self, key: &[u8]) -> KeyClass {
+        if self.short_slots > 0 && key.len() <= self.max_short_key() {
+            let part = encode_short(key);
+            let slot = (hash_partition(key) % self.short_slots as u64) as u8;
+            KeyClass::Short { slot, part }
+        } else if self.medium_groups > 0 && key.len() <= self.max_medium_key() {
+            let group = (hash_partition(key) % self.medium_groups as u64) as u8;
+            KeyClass::Medium { group, first_slot: self.group_first_slot(group), parts: encode_parts(key, self.medium_parts as usize) }
+        } else {
+            KeyClass::Long
+        }
+    }
+}
+
+/// Encode `key` into `parts` 8-byte words: bytes, zero padding, length byte.
+/// `key.len()` must be below `8 * parts`.
+pub fn encode_parts(key: &[u8], parts: usize) -> Vec<u64> {
+    let width = KEY_PART_LEN * parts;
+    debug_assert!(key.len() < width && key.len() < 256);
+    let mut bytes = vec![0u8; width];
+    bytes[..key.len()].copy_from_slice(key);
+    bytes[width - 1] = key.len() as u8;
+    bytes.chunks_exact(KEY_PART_LEN).map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes"))).collect()
+}
+
+/// [`encode_parts`] for one part, without allocating.
+pub fn encode_short(key: &[u8]) -> u64 {
+    debug_assert!(key.len() < KEY_PART_LEN);
+    let mut bytes = [0u8; KEY_PART_LEN];
+    bytes[..key.len()].copy_from_slice(key);
+    bytes[KEY_PART_LEN - 1] = key.len() as u8;
+    u64::from_be_bytes(bytes)
+}
+
+/// Inverse of [`encode_short`]: the key bytes live in the returned array's
+/// first `len` bytes.
+pub fn decode_short(part: u64) -> Option<([u8; KEY_PART_LEN], usize)> {
+    let bytes = part.to_be_bytes();
+    let len = bytes[KEY_PART_LEN - 1] as usize;
+    if len >= KEY_PART_LEN || bytes[len..KEY_PART_LEN - 1].iter().any(|&b| b != 0) {
+        return None;
+    }
+    Some((bytes, len))
+}
+
+/// Inverse of [`encode_parts`]; `None` if the length byte does not fit.
+pub fn decode_parts(parts: &[u64]) -> Option<Vec<u8>> {
+    let mut bytes = Vec::with_capacity(parts.len() * KEY_PART_LEN);
+    for p in parts {
+        bytes.extend_from_slice(&p.to_be_bytes());
+    }
+    let len = *bytes.last()? as usize;
+    if len >= bytes.len() || bytes[len..bytes.len() - 1].iter().any(|&b| b != 0) {
+        return None;
+    }
+    bytes.truncate(len);
+    Some(bytes)
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The host's partition hash F(key) of §3.2.2 (over the raw key bytes).
+pub fn hash_partition(key: &[u8]) -> u64 {
+    let mut h = 0x243F_6A88_85A3_08D3u64 ^ key.len() as u64;
+    for chunk in key.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        h = mix(h ^ u64::from_be_bytes(w)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    }
+    mix(h)
+}
+
+/// The switch's aggregator index hash over a tuple's key parts: one unified
+/// index for all parts of a coalesced key (§3.2.3). Independent of
+/// [`hash_partition`] (other constants, other input), so the keys of one slot
+/// spread over the whole AA.
+pub fn hash_index(parts: &[u64]) -> u64 {
+    let mut h = 0x1319_8A2E_0370_7344u64;
+    for &p in parts {
+        h = mix(h ^ p).wrapping_add(0xD1B5_4A32_D192_ED03);
+    }
+    mix(h)
+}

@@ -1,0 +1,37 @@
+//! Asynchronous key-value aggregation (ASK, ASPLOS 2023, §3) as sans-IO
+//! machines.
+//!
+//! * [`KvSwitch`]: the switch program. Memory is organised as aggregator
+//!   arrays (AA), one per tuple slot of a packet, allocated per task by the
+//!   control plane ([`KvSwitch::add_task`]); per-channel receive windows
+//!   with the compact `seen` array, `max_seq` and `PktState` (§3.3); shadow
+//!   copies with a copy indicator (§3.4, Algorithm 1).
+//! * [`KvSender`]: sender-assisted key-space partition, coalesced medium
+//!   keys, long-key bypass (§3.2), sliding window with a fine timeout and
+//!   FIN (§3.3).
+//! * [`KvReceiver`]: deduplication, local aggregation of what the switch
+//!   could not absorb, swap / fetch / clear of shadow copies, and the final
+//!   fetch and merge.
+//!
+//! Topology as ASK has it: senders and the receiver talk only to the switch.
+//! The switch forwards data, FIN and long-key packets to the task's receiver
+//! and forwards the receiver's ACKs and FIN-ACKs to the channel's sender, so a
+//! host machine has exactly one peer and its `Transmit` destination is `()`.
+//!
+//! `docs/kv.md` describes the formats and the machines' semantics.
+
+mod layout;
+pub mod loopback;
+mod receiver;
+mod sender;
+mod switch;
+mod window;
+
+pub use layout::{decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
+pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
+pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderStats};
+pub use switch::{KvAdmitError, KvCounters, KvSwitch, KvSwitchConfig, KvTaskSpec, TaskStats};
+pub use window::{Observation, SeenWindow};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,403 @@
+//! A key-value sender (one data channel of one task), as a sans-IO machine.
+//!
+//! Tuples pushed with [`KvSender::push`] are placed by the sender-assisted
+//! key-space partition (§3.2.2): a short key into the short slot
+//! `hash(key) % short_slots`, a medium key into the coalesced group
+//! `hash(key) % medium_groups`, a long key into `LongData` packets that
+//! bypass the switch's aggregators. A packet takes the oldest queued tuple
+//! of every slot (blank slots have their bit clear).
+//!
+//! Reliability (§3.3): at most `window` (W) packets are unacknowledged; a
+//! packet is retransmitted only when its own fine timeout `rto` expires,
+//! never because a later ACK arrived first (the switch and the receiver both
+//! acknowledge, so ACKs come out of order by design). When every packet is
+//! acknowledged and [`KvSender::finish`] was called, a FIN goes to the
+//! receiver and is repeated until its FIN-ACK arrives.
+//!
+//! **Calling contract**: `push` / `finish` (application), then loop:
+//! `poll_transmit(now, out)` until it returns 0 (each call writes at most
+//! `max_burst` datagrams) and send what it wrote to the switch; wait for
+//! a datagram or `poll_timeout()`; `handle_datagram(now, bytes)` /
+//! `handle_timeout(now)`; `poll_event()` until `None`.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use fanin_wire::kv::{emit_long_tuple, Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, HEADER_LEN, LONG_TUPLE_FIXED};
+use fanin_wire::MessageType;
+
+use super::layout::{KeyClass, Layout, LayoutError};
+use crate::time::Time;
+use crate::transmit::Transmit;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SenderConfig {
+    pub task_id: u32,
+    pub channel: u16,
+    pub layout: Layout,
+    /// W: most unacknowledged packets; must not exceed the task's window.
+    pub window: u32,
+    /// The fine retransmission timeout (ASK: 100 µs).
+    pub rto: Duration,
+    /// Fail when nothing was acknowledged for this long.
+    pub dead_after: Duration,
+    /// Longest key accepted (long keys travel whole in `LongData`).
+    pub max_key_len: usize,
+    /// Target body size of a `LongData` packet.
+    pub long_packet_bytes: usize,
+    /// Most datagrams one `poll_transmit` writes.
+    pub max_burst: usize,
+}
+
+impl SenderConfig {
+    pub fn new(task_id: u32, channel: u16, layout: Layout) -> Self {
+        Self {
+            task_id,
+            channel,
+            layout,
+            window: 256,
+            rto: Duration::from_micros(100),
+            dead_after: Duration::from_secs(10),
+            max_key_len: 1024,
+            long_packet_bytes: 1200,
+            max_burst: 64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SenderError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error("window must be 1..=4096, got {0}")]
+    Window(u32),
+    #[error("key of {len} bytes exceeds the limit of {max} bytes")]
+    KeyTooLong { len: usize, max: usize },
+    #[error("push after finish(): the task's input is closed")]
+    Finished,
+    #[error("nothing was acknowledged for {0:?}: is the receiver (and the switch) still there?")]
+    PeerSilent(Duration),
+    #[error("the switch refused task {task_id}: {} (detail {detail})", reason.describe())]
+    Refused { task_id: u32, reason: NackReason, detail: u32 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum SenderEvent {
+    /// Every tuple was acknowledged and the FIN was acknowledged.
+    Finished,
+    Failed(SenderError),
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SenderStats {
+    pub tuples: u64,
+    pub long_tuples: u64,
+    pub packets: u64,
+    pub retransmissions: u64,
+    pub acks_from_switch: u64,
+    pub acks_from_receiver: u64,
+    pub duplicate_acks: u64,
+}
+
+struct InFlight {
+    seq: u32,
+    bytes: Vec<u8>,
+    deadline: Time,
+    acked: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Sending,
+    FinWait { deadline: Time },
+    Done,
+    Failed,
+}
+
+pub struct KvSender {
+    config: SenderConfig,
+    short: Vec<VecDeque<(u64, i64)>>,
+    medium: Vec<VecDeque<(Vec<u64>, i64)>>,
+    long: VecDeque<(Vec<u8>, i64)>,
+    queued: usize,
+    input_closed: bool,
+    next_seq: u32,
+    /// Unacknowledged packets in seq order; front is the window base.
+    inflight: VecDeque<InFlight>,
+    state: State,
+    last_progress: Time,
+    events: VecDeque<SenderEvent>,
+    stats: SenderStats,
+}
+
+impl KvSender {
+    pub fn new(config: SenderConfig, now: Time) -> Result<Self, SenderError> {
+        config.layout.validate()?;
+        if config.window == 0 || config.window > 4096 {
+            return Err(SenderError::Window(config.window));
+        }
+        Ok(Self {
+            short: vec![VecDeque::new(); config.layout.short_slots as usize],
+            medium: vec![VecDeque::new(); config.layout.medium_groups as usize],
+            long: VecDeque::new(),
+            queued: 0,
+            input_closed: false,
+            next_seq: 0,
+            inflight: VecDeque::new(),
+            state: State::Sending,
+            last_progress: now,
+            events: VecDeque::new(),
+            stats: SenderStats::default(),
+            config,
+        })
+    }
+
+    pub fn stats(&self) -> SenderStats {
+        self.stats
+    }
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+    /// Packets sent so far (the next seq).
+    pub fn next_seq(&self) -> u32 {
+        self.next_seq
+    }
+
+    /// Queue one tuple.
+    pub fn push(&mut self, key: &[u8], value: i64) -> Result<(), SenderError> {
+        if self.input_closed {
+            return Err(SenderError::Finished);
+        }
+        if key.len() > self.config.max_key_len || key.len() > u16::MAX as usize {
+            return Err(SenderError::KeyTooLong { len: key.len(), max: self.config.max_key_len });
+        }
+        match self.config.layout.classify(key) {
+            KeyClass::Short { slot, part } => self.short[slot as usize].push_back((part, value)),
+            KeyClass::Medium { group, parts, .. } => self.medium[group as usize].push_back((parts, value)),
+            KeyClass::Long => {
+                self.long.push_back((key.to_vec(), value));
+                self.stats.long_tuples += 1;
+            }
+        }
+        self.queued += 1;
+        self.stats.tuples += 1;
+        Ok(())
+    }
+
+    /// No more tuples: send what is queued, then FIN.
+    pub fn finish(&mut self) {
+        self.input_closed = true;
+    }
+
+    pub fn poll_event(&mut self) -> Option<SenderEvent> {
+        self.events.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Time> {
+        match self.state {
+            State::Sending => {
+                let rto = self.inflight.iter().filter(|p| !p.acked).map(|p| p.deadline).min();
+                let dead = (!self.inflight.is_empty()).then(|| self.last_progress + self.config.dead_after);
+                rto.into_iter().chain(dead).min()
+            }
+            State::FinWait { deadline } => Some(deadline.min(self.last_progress + self.config.dead_after)),
+            State::Done | State::Failed => None,
+        }
+    }
+
+    /// Fail if the peers have been silent too long. Retransmissions happen in
+    /// `poll_transmit`.
+    pub fn handle_timeout(&mut self, now: Time) {
+        let waiting = match self.state {
+            State::Sending => !self.inflight.is_empty(),
+            State::FinWait { .. } => true,
+            _ => false,
+        };
+        if waiting && now >= self.last_progress + self.config.dead_after {
+            self.fail(SenderError::PeerSilent(self.config.dead_after));
+        }
+    }
+
+    fn fail(&mut self, err: SenderError) {
+        if !matches!(self.state, State::Done | State::Failed) {
+            self.state = State::Failed;
+            self.events.push_back(SenderEvent::Failed(err));
+        }
+    }
+
+    pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
+        let Ok(p) = Packet::new_checked(bytes) else { return };
+        if p.task_id() != self.config.task_id || p.channel() != self.config.channel {
+            return;
+        }
+        match p.msg_type() {
+            MessageType::KvAck => self.on_ack(now, p.seq(), p.flags() & FLAG_BY_SWITCH != 0),
+            MessageType::KvFinAck if matches!(self.state, State::FinWait { .. }) && p.seq() == self.next_seq => {
+                {
+                    self.state = State::Done;
+                    self.last_progress = now;
+                    self.events.push_back(SenderEvent::Finished);
+                }
+            }
+            MessageType::KvNack => {
+                if let Ok(n) = Nack::parse(p.body()) {
+                    self.fail(SenderError::Refused { task_id: p.task_id(), reason: n.reason, detail: n.detail });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_ack(&mut self, now: Time, seq: u32, by_switch: bool) {
+        let Some(base) = self.inflight.front().map(|p| p.seq) else {
+            self.stats.duplicate_acks += 1;
+            return;
+        };
+        let Some(i) = seq.checked_sub(base).map(|d| d as usize).filter(|&i| i < self.inflight.len()) else {
+            self.stats.duplicate_acks += 1;
+            return;
+        };
+        let pkt = &mut self.inflight[i];
+        if pkt.acked {
+            self.stats.duplicate_acks += 1;
+            return;
+        }
+        pkt.acked = true;
+        if by_switch {
+            self.stats.acks_from_switch += 1;
+        } else {
+            self.stats.acks_from_receiver += 1;
+        }
+        self.last_progress = now;
+        while self.inflight.front().is_some_and(|p| p.acked) {
+            self.inflight.pop_front();
+        }
+    }
+
+    /// Write retransmissions, then new packets (window permitting), then the
+    /// FIN. Returns the number of datagrams written.
+    pub fn poll_transmit(&mut self, now: Time, out: &mut impl Transmit<()>) -> usize {
+        let mut sent = 0;
+        match self.state {
+            State::Sending => {}
+            State::FinWait { deadline } => {
+                if now >= deadline {
+                    self.emit_fin(out);
+                    self.state = State::FinWait { deadline: now + self.config.rto };
+                    return 1;
+                }
+                return 0;
+            }
+            _ => return 0,
+        }
+        for pkt in self.inflight.iter_mut() {
+            if sent >= self.config.max_burst {
+                return sent;
+            }
+            if !pkt.acked && now >= pkt.deadline {
+                out.push_copy((), &pkt.bytes);
+                pkt.deadline = now + self.config.rto;
+                self.stats.retransmissions += 1;
+                sent += 1;
+            }
+        }
+        while sent < self.config.max_burst && (self.next_seq - self.base()) < self.config.window {
+            let Some(bytes) = self.build_packet() else { break };
+            out.push_copy((), &bytes);
+            self.inflight.push_back(InFlight { seq: self.next_seq, bytes, deadline: now + self.config.rto, acked: false });
+            self.next_seq += 1;
+            self.stats.packets += 1;
+            sent += 1;
+        }
+        if self.input_closed && self.queued == 0 && self.inflight.is_empty() && sent < self.config.max_burst {
+            self.emit_fin(out);
+            self.state = State::FinWait { deadline: now + self.config.rto };
+            self.last_progress = now;
+            sent += 1;
+        }
+        sent
+    }
+
+    fn base(&self) -> u32 {
+        self.inflight.front().map_or(self.next_seq, |p| p.seq)
+    }
+
+    fn emit_fin(&self, out: &mut impl Transmit<()>) {
+        let buf = out.push((), HEADER_LEN);
+        Repr::new(MessageType::KvFin, self.config.task_id, self.config.channel, self.next_seq)
+            .emit(&mut Packet::new_unchecked(&mut buf[..]));
+    }
+
+    /// The next packet, if the queues hold enough: a full packet's worth of
+    /// tuples, or anything once the input is closed.
+    fn build_packet(&mut self) -> Option<Vec<u8>> {
+        let layout = self.config.layout;
+        let short_medium = self.queued - self.long.len();
+        let enough = short_medium >= layout.slot_count() || (self.input_closed && short_medium > 0);
+        if !enough {
+            return self.build_long();
+        }
+        let repr = Repr {
+            slot_count: layout.slot_count() as u8,
+            ..Repr::new(MessageType::KvData, self.config.task_id, self.config.channel, self.next_seq)
+        };
+        let mut bytes = vec![0u8; repr.buffer_len()];
+        let mut p = Packet::new_unchecked(&mut bytes[..]);
+        repr.emit(&mut p);
+        let mut bitmap = 0u64;
+        for (slot, q) in self.short.iter_mut().enumerate() {
+            if let Some((part, value)) = q.pop_front() {
+                p.set_slot(slot, part.to_be_bytes(), value);
+                bitmap |= 1 << slot;
+                self.queued -= 1;
+            }
+        }
+        for (g, q) in self.medium.iter_mut().enumerate() {
+            if let Some((parts, value)) = q.pop_front() {
+                let first = layout.group_first_slot(g as u8) as usize;
+                let last = parts.len() - 1;
+                for (j, part) in parts.iter().enumerate() {
+                    // ASK: (key, val) = {(key_1, 0), ..., (key_k, val)}
+                    p.set_slot(first + j, part.to_be_bytes(), if j == last { value } else { 0 });
+                }
+                bitmap |= layout.group_mask(g as u8);
+                self.queued -= 1;
+            }
+        }
+        p.set_bitmap(bitmap);
+        Some(bytes)
+    }
+
+    fn build_long(&mut self) -> Option<Vec<u8>> {
+        if self.long.is_empty() || !(self.input_closed || self.long_bytes_queued() >= self.config.long_packet_bytes) {
+            return None;
+        }
+        let mut take = 0usize;
+        let mut len = 0usize;
+        for (k, _) in self.long.iter() {
+            let l = LONG_TUPLE_FIXED + k.len();
+            if take > 0 && (len + l > self.config.long_packet_bytes || take == u8::MAX as usize) {
+                break;
+            }
+            take += 1;
+            len += l;
+        }
+        let repr = Repr {
+            slot_count: take as u8,
+            ..Repr::new(MessageType::KvLongData, self.config.task_id, self.config.channel, self.next_seq)
+        };
+        let mut bytes = vec![0u8; HEADER_LEN + len];
+        let mut p = Packet::new_unchecked(&mut bytes[..]);
+        repr.emit(&mut p);
+        let mut at = 0;
+        for (k, v) in self.long.drain(..take) {
+            at += emit_long_tuple(&k, v, &mut p.body_mut()[at..]);
+        }
+        self.queued -= take;
+        Some(bytes)
+    }
+
+    fn long_bytes_queued(&self) -> usize {
+        self.long.iter().map(|(k, _)| LONG_TUPLE_FIXED + k.len()).sum()
+    }
+}

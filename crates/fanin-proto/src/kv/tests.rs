@@ -1,0 +1,625 @@
+//! Exact traces of the key-value machines: every reliability case of ASK
+//! §3.3, shadow-copy swaps (§3.4), coalesced keys (§3.2.3) and bad input.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use fanin_wire::kv::{Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, FLAG_FINAL, HEADER_LEN};
+use fanin_wire::MessageType;
+
+use super::loopback::{Direction, LinkConfig, Loopback, Node, RunOutcome};
+use super::*;
+use crate::time::Time;
+use crate::transmit::VecTransmit;
+
+const TASK: u32 = 7;
+const R: Node = Node::Receiver;
+const S0: Node = Node::Sender(0);
+
+fn t(us: u64) -> Time {
+    Time::from_nanos(us * 1_000)
+}
+
+/// The `n`-th key (of the form "k<i>") that the partition puts in `slot`.
+fn key_in_slot(layout: &Layout, slot: u8, n: usize) -> Vec<u8> {
+    (0..)
+        .map(|i| format!("k{i}").into_bytes())
+        .filter(|k| matches!(layout.classify(k), KeyClass::Short { slot: s, .. } if s == slot))
+        .nth(n)
+        .unwrap()
+}
+
+fn data_packet(layout: &Layout, seq: u32, tuples: &[(&[u8], i64)]) -> Vec<u8> {
+    let repr = Repr { slot_count: layout.slot_count() as u8, ..Repr::new(MessageType::KvData, TASK, 1, seq) };
+    let mut buf = vec![0u8; repr.buffer_len()];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut p);
+    let mut bitmap = 0;
+    for (key, value) in tuples {
+        match layout.classify(key) {
+            KeyClass::Short { slot, part } => {
+                p.set_slot(slot as usize, part.to_be_bytes(), *value);
+                bitmap |= 1 << slot;
+            }
+            KeyClass::Medium { group, first_slot, parts } => {
+                for (j, part) in parts.iter().enumerate() {
+                    let v = if j + 1 == parts.len() { *value } else { 0 };
+                    p.set_slot(first_slot as usize + j, part.to_be_bytes(), v);
+                }
+                bitmap |= layout.group_mask(group);
+            }
+            KeyClass::Long => panic!("long key in a data packet"),
+        }
+    }
+    p.set_bitmap(bitmap);
+    buf
+}
+
+fn switch_with(layout: Layout, aa_size: u32, shadow: bool) -> KvSwitch<Node> {
+    let mut sw = KvSwitch::new(KvSwitchConfig::default());
+    let mut spec = KvTaskSpec::new(TASK, R, layout, aa_size);
+    spec.shadow_copies = shadow;
+    spec.window = 4;
+    sw.add_task(Time::ZERO, spec).unwrap();
+    sw
+}
+
+/// What the switch emitted for one datagram: (to, type, seq, bitmap).
+fn feed(sw: &mut KvSwitch<Node>, from: Node, bytes: &[u8]) -> Vec<(Node, MessageType, u32, u64)> {
+    let mut out = VecTransmit::new();
+    sw.handle_datagram(Time::ZERO, from, bytes, &mut out);
+    out.drain()
+        .map(|(to, b)| {
+            let p = Packet::new_checked(&b[..]).expect("switch emits valid packets");
+            let bitmap = if p.msg_type() == MessageType::KvData { p.bitmap() } else { 0 };
+            (to, p.msg_type(), p.seq(), bitmap)
+        })
+        .collect()
+}
+
+// ---- the compact `seen` (§3.3, equation 8) ----------------------------------
+
+#[test]
+fn compact_seen_even_segment_cases_1_and_2() {
+    let mut w = SeenWindow::new(4);
+    assert_eq!(w.observe(1), Observation::New); // case 1: bit 0 -> set, returns 0
+    assert!(w.seen_bit(1));
+    w.record(1, 0b10);
+    assert_eq!(w.observe(1), Observation::Duplicate { pkt_state: 0b10 }); // case 2
+    assert!(w.seen_bit(1));
+}
+
+#[test]
+fn compact_seen_odd_segment_cases_3_and_4() {
+    let mut w = SeenWindow::new(4);
+    for s in 0..4 {
+        assert_eq!(w.observe(s), Observation::New);
+    }
+    // seq 5 is in odd segment 1, offset 1: the bit is 1 from seq 1.
+    assert_eq!(w.observe(5), Observation::New); // case 3: clr_bitc returns !1 = 0
+    assert!(!w.seen_bit(1));
+    w.record(5, 0);
+    assert_eq!(w.observe(5), Observation::Duplicate { pkt_state: 0 }); // case 4
+    assert!(!w.seen_bit(1));
+    // Back in an even segment, the cleared bit means "new" again.
+    for s in [4, 6, 7, 8, 9] {
+        assert_eq!(w.observe(s), Observation::New, "seq {s}");
+    }
+}
+
+#[test]
+fn stale_packet_cannot_overwrite_seen() {
+    // The paper's corner case: window at [2W, 3W), a packet with seq W
+    // arrives late. It maps to the same bit as 3W and would flip it.
+    let mut w = SeenWindow::new(4);
+    for s in 0..=10 {
+        assert_eq!(w.observe(s), Observation::New);
+    }
+    let bit = w.seen_bit(0);
+    assert_eq!(w.observe(4), Observation::Stale); // 4 <= max_seq(10) - W
+    assert_eq!(w.seen_bit(0), bit);
+    assert_eq!(w.observe(6), Observation::Stale);
+    assert_eq!(w.observe(7), Observation::Duplicate { pkt_state: 0 }); // 7 > 10 - 4
+    // Beyond the window (not in the paper): refused, bits untouched.
+    assert_eq!(w.observe(15), Observation::BeyondWindow);
+    assert_eq!(w.observe(12), Observation::New);
+    assert_eq!(SeenWindow::new(4).observe(4), Observation::BeyondWindow);
+}
+
+// ---- §3.3's partially aggregated retransmission ----------------------------
+
+#[test]
+fn partially_aggregated_retransmission_carries_only_the_rest() {
+    let layout = Layout::short_only(2);
+    let (a, b, x) = (key_in_slot(&layout, 0, 0), key_in_slot(&layout, 1, 0), key_in_slot(&layout, 1, 1));
+    // One aggregator per AA: x takes AA1's, so b collides there.
+    let mut sw = switch_with(layout, 1, false);
+    assert_eq!(feed(&mut sw, S0, &data_packet(&layout, 0, &[(&x, 5)])), vec![(S0, MessageType::KvAck, 0, 0)]);
+    let pkt1 = data_packet(&layout, 1, &[(&a, 1), (&b, 1)]);
+    // First pass: (a,1) absorbed, (b,1) forwarded with bitmap 0b10.
+    assert_eq!(feed(&mut sw, S0, &pkt1), vec![(R, MessageType::KvData, 1, 0b10)]);
+    // ... and lost. The sender retransmits the original (bitmap 0b11); the
+    // switch must not add (a,1) again and must still carry (b,1) on.
+    assert_eq!(feed(&mut sw, S0, &pkt1), vec![(R, MessageType::KvData, 1, 0b10)]);
+    let stats = sw.task_stats(TASK).unwrap();
+    assert_eq!((stats.tuples_in, stats.tuples_aggregated), (3, 2));
+    assert_eq!(sw.counters().duplicates, 1);
+}
+
+#[test]
+fn fully_aggregated_retransmission_is_acked_not_added() {
+    let layout = Layout::short_only(2);
+    let a = key_in_slot(&layout, 0, 0);
+    let mut sw = switch_with(layout, 4, false);
+    let pkt = data_packet(&layout, 0, &[(&a, 3)]);
+    assert_eq!(feed(&mut sw, S0, &pkt), vec![(S0, MessageType::KvAck, 0, 0)]);
+    assert_eq!(feed(&mut sw, S0, &pkt), vec![(S0, MessageType::KvAck, 0, 0)]);
+    assert_eq!(sw.task_stats(TASK).unwrap().tuples_aggregated, 1);
+}
+
+#[test]
+fn receiver_dedups_and_acks_every_copy() {
+    let layout = Layout::short_only(2);
+    let b = key_in_slot(&layout, 1, 0);
+    let mut rx = KvReceiver::new(ReceiverConfig::new(TASK, layout, 1, 1), Time::ZERO).unwrap();
+    let pkt = data_packet(&layout, 3, &[(&b, 4)]);
+    rx.handle_datagram(t(1), &pkt);
+    rx.handle_datagram(t(2), &pkt);
+    let mut out = VecTransmit::new();
+    rx.poll_transmit(t(2), &mut out);
+    let acks: Vec<_> = out.drain().map(|(_, b)| Packet::new_checked(&b[..]).map(|p| (p.msg_type(), p.seq())).unwrap()).collect();
+    assert_eq!(acks, vec![(MessageType::KvAck, 3), (MessageType::KvAck, 3)]);
+    assert_eq!(rx.results()[&b], Aggregate::of(4));
+    assert_eq!(rx.stats().duplicate_packets, 1);
+}
+
+#[test]
+fn sender_does_not_retransmit_on_out_of_order_acks() {
+    let layout = Layout::short_only(1);
+    let mut cfg = SenderConfig::new(TASK, 1, layout);
+    cfg.rto = Duration::from_micros(100);
+    let mut tx = KvSender::new(cfg, Time::ZERO).unwrap();
+    for i in 0..3 {
+        tx.push(format!("k{i}").as_bytes(), 1).unwrap();
+    }
+    tx.finish();
+    let mut out = VecTransmit::new();
+    assert_eq!(tx.poll_transmit(Time::ZERO, &mut out), 3);
+    out.drain();
+    let ack = |seq: u32| {
+        let mut b = vec![0u8; HEADER_LEN];
+        Repr { flags: FLAG_BY_SWITCH, ..Repr::new(MessageType::KvAck, TASK, 1, seq) }.emit(&mut Packet::new_unchecked(&mut b[..]));
+        b
+    };
+    tx.handle_datagram(t(10), &ack(2));
+    tx.handle_datagram(t(11), &ack(1));
+    assert_eq!(tx.poll_transmit(t(50), &mut out), 0, "out-of-order ACKs trigger nothing");
+    assert_eq!(tx.poll_timeout(), Some(t(100)));
+    assert_eq!(tx.poll_transmit(t(100), &mut out), 1, "seq 0's own timeout does");
+    assert_eq!(Packet::new_checked(&out.datagrams[0].1[..]).unwrap().seq(), 0);
+    assert_eq!(tx.stats().retransmissions, 1);
+}
+
+// ---- end to end over the loopback ------------------------------------------
+
+struct Setup {
+    layout: Layout,
+    aa_size: u32,
+    shadow: bool,
+    senders: usize,
+    swap_threshold: Option<u64>,
+    window: u32,
+}
+
+impl Setup {
+    fn new(layout: Layout, aa_size: u32) -> Self {
+        Self { layout, aa_size, shadow: true, senders: 1, swap_threshold: Some(4), window: 8 }
+    }
+
+    fn build(&self, link: LinkConfig) -> Loopback {
+        let mut sw = KvSwitch::new(KvSwitchConfig::default());
+        let mut spec = KvTaskSpec::new(TASK, R, self.layout, self.aa_size);
+        spec.shadow_copies = self.shadow;
+        spec.window = self.window;
+        sw.add_task(Time::ZERO, spec).unwrap();
+        let senders = (0..self.senders)
+            .map(|i| {
+                let mut c = SenderConfig::new(TASK, i as u16 + 1, self.layout);
+                c.window = self.window;
+                c.rto = Duration::from_micros(50);
+                KvSender::new(c, Time::ZERO).unwrap()
+            })
+            .collect();
+        let mut rc = ReceiverConfig::new(TASK, self.layout, self.aa_size, self.senders as u16);
+        rc.shadow_copies = self.shadow;
+        rc.swap_threshold = self.swap_threshold;
+        rc.window = self.window;
+        rc.rto = Duration::from_micros(50);
+        rc.linger = Duration::from_millis(1);
+        Loopback::new(sw, senders, KvReceiver::new(rc, Time::ZERO).unwrap(), link)
+    }
+}
+
+fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> HashMap<Vec<u8>, Aggregate> {
+    let mut m: HashMap<Vec<u8>, Aggregate> = HashMap::new();
+    for s in streams {
+        for (k, v) in s {
+            m.entry(k.clone()).and_modify(|a| a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
+        }
+    }
+    m
+}
+
+fn run(setup: &Setup, link: LinkConfig, streams: &[Vec<(Vec<u8>, i64)>]) -> Loopback {
+    let mut lb = setup.build(link);
+    lb.wait_for_release = true;
+    for (s, stream) in lb.senders.iter_mut().zip(streams) {
+        for (k, v) in stream {
+            s.push(k, *v).unwrap();
+        }
+        s.finish();
+    }
+    assert_eq!(lb.run(Time::from_secs_f64(10.0)), RunOutcome::Finished);
+    assert_eq!(lb.receiver.results(), &reference(streams));
+    assert_eq!(lb.switch.memory_used(), 0, "the receiver released the region");
+    assert_eq!(lb.switch.counters().rx_datagrams, lb.switch.counters().outcomes());
+    lb
+}
+
+#[test]
+fn end_to_end_lossless_with_swaps_and_all_key_classes() {
+    let layout = Layout { short_slots: 3, medium_groups: 2, medium_parts: 2 };
+    let mut stream = Vec::new();
+    for i in 0..400i64 {
+        let key = match i % 5 {
+            0 | 1 => format!("s{}", i % 17),
+            2 | 3 => format!("medium-{:04}", i % 23),
+            _ => format!("a-long-key-that-bypasses-the-switch-{}", i % 7),
+        };
+        stream.push((key.into_bytes(), i - 100));
+    }
+    let lb = run(&Setup::new(layout, 4), LinkConfig::perfect(), &[stream]);
+    assert!(lb.receiver.stats().swaps >= 2, "swaps: {}", lb.receiver.stats().swaps);
+    assert!(lb.switch.counters().tuples_aggregated > 0);
+    assert_eq!(lb.receiver.stats().undecodable, 0);
+}
+
+#[test]
+fn lost_forward_of_partial_packet_end_to_end() {
+    let layout = Layout::short_only(2);
+    let (a, b, x) = (key_in_slot(&layout, 0, 0), key_in_slot(&layout, 1, 0), key_in_slot(&layout, 1, 1));
+    let mut setup = Setup::new(layout, 1);
+    setup.shadow = false;
+    let mut lb = setup.build(LinkConfig::perfect());
+    lb.wait_for_release = true;
+    // Drop the first forwarded copy of seq 1 on its way to the receiver.
+    let mut dropped = false;
+    lb.filter = Some(Box::new(move |dir, bytes| {
+        let p = Packet::new_checked(bytes).unwrap();
+        let hit = !dropped && *dir == Direction::Down(R) && p.msg_type() == MessageType::KvData && p.seq() == 1;
+        dropped |= hit;
+        hit
+    }));
+    let s = &mut lb.senders[0];
+    s.push(&x, 5).unwrap();
+    s.push(&a, 1).unwrap();
+    s.push(&b, 1).unwrap();
+    s.finish();
+    assert_eq!(lb.run(Time::from_secs_f64(1.0)), RunOutcome::Finished);
+    let r = lb.receiver.results();
+    assert_eq!((r[&a].sum, r[&b].sum, r[&x].sum), (1, 1, 5));
+    assert_eq!(lb.senders[0].stats().retransmissions, 1);
+}
+
+#[test]
+fn shadow_copy_swap_lets_a_hot_key_reclaim_the_aggregator() {
+    let layout = Layout::short_only(1);
+    let (cold, hot) = (key_in_slot(&layout, 0, 0), key_in_slot(&layout, 0, 1));
+    let mut sw = switch_with(layout, 1, true);
+    let mut seq = 0;
+    let mut send = |sw: &mut KvSwitch<Node>, k: &[u8]| {
+        let r = feed(sw, S0, &data_packet(&layout, seq, &[(k, 1)]));
+        seq += 1;
+        r[0].1
+    };
+    assert_eq!(send(&mut sw, &cold), MessageType::KvAck); // the cold key takes the only aggregator
+    assert_eq!(send(&mut sw, &hot), MessageType::KvData); // the hot key is forwarded
+    // Algorithm 1: the receiver swaps; the hot key gets the fresh copy.
+    let swap = {
+        let mut b = vec![0u8; HEADER_LEN];
+        Repr::new(MessageType::KvSwap, TASK, 0, 1).emit(&mut Packet::new_unchecked(&mut b[..]));
+        b
+    };
+    assert_eq!(feed(&mut sw, R, &swap), vec![(R, MessageType::KvSwapAck, 1, 0)]);
+    assert_eq!(feed(&mut sw, R, &swap), vec![(R, MessageType::KvSwapAck, 1, 0)], "a repeated swap is idempotent");
+    assert_eq!(send(&mut sw, &hot), MessageType::KvAck);
+    assert_eq!(send(&mut sw, &hot), MessageType::KvAck);
+    let stats = sw.task_stats(TASK).unwrap();
+    assert_eq!((stats.epoch, stats.swaps, stats.tuples_aggregated), (1, 1, 3));
+    // The active copy (1) can be neither read nor cleared; copy 0 can.
+    let clear = |copy: u8, epoch: u32| {
+        let mut b = vec![0u8; HEADER_LEN + 4];
+        let mut p = Packet::new_unchecked(&mut b[..]);
+        Repr::new(MessageType::KvClear, TASK, 0, epoch).emit(&mut p);
+        p.body_mut()[0] = copy;
+        b
+    };
+    assert_eq!(feed(&mut sw, R, &clear(1, 1))[0].1, MessageType::KvNack);
+    assert_eq!(feed(&mut sw, R, &clear(0, 0))[0].1, MessageType::KvNack, "stale epoch");
+    assert_eq!(feed(&mut sw, R, &clear(0, 1))[0].1, MessageType::KvClearAck);
+    // Only the receiver may do this.
+    assert!(feed(&mut sw, S0, &swap).is_empty());
+    assert_eq!(sw.counters().not_receiver, 1);
+}
+
+#[test]
+fn receiver_runs_algorithm_1_and_merges_old_copies() {
+    let layout = Layout::short_only(1);
+    let (cold, hot) = (key_in_slot(&layout, 0, 0), key_in_slot(&layout, 0, 1));
+    let mut setup = Setup::new(layout, 1);
+    setup.swap_threshold = Some(2);
+    setup.window = 1; // one packet at a time: an exact order
+    let mut stream = vec![(cold.clone(), 1)];
+    stream.extend(std::iter::repeat_n((hot.clone(), 2), 20));
+    let lb = run(&setup, LinkConfig::perfect(), &[stream]);
+    let stats = lb.switch.counters();
+    // Without the swap, every hot tuple would have been forwarded.
+    assert!(stats.tuples_aggregated > 10, "aggregated {}", stats.tuples_aggregated);
+    assert!(lb.receiver.stats().swaps >= 1);
+    assert_eq!(lb.receiver.results()[&hot], Aggregate { sum: 40, count: 20, min: 2, max: 2 });
+}
+
+// ---- coalesced medium keys (§3.2.3) ------------------------------------------
+
+#[test]
+fn coalesced_keys_never_match_across_keys_x1y2() {
+    let layout = Layout { short_slots: 0, medium_groups: 1, medium_parts: 2 };
+    // 15-byte keys: part 1 = bytes 0..8, part 2 = bytes 8..15 + length.
+    let (x1x2, y1y2, x1y2) = (b"XXXXXXXX1111111", b"YYYYYYYY2222222", b"XXXXXXXX2222222");
+    let y2x2 = b"YYYYYYYY1111111";
+    let mut sw = switch_with(layout, 1, false); // one unified index for all
+    let mut seq = 0;
+    let mut send = |sw: &mut KvSwitch<Node>, k: &[u8]| {
+        let r = feed(sw, S0, &data_packet(&layout, seq, &[(k, 1)]));
+        seq += 1;
+        (r[0].1, r[0].3)
+    };
+    assert_eq!(send(&mut sw, x1x2), (MessageType::KvAck, 0));
+    assert_eq!(send(&mut sw, y1y2), (MessageType::KvData, 0b11));
+    assert_eq!(send(&mut sw, x1y2), (MessageType::KvData, 0b11), "first part matches X1X2 only");
+    assert_eq!(send(&mut sw, y2x2), (MessageType::KvData, 0b11), "last part matches X1X2 only");
+    assert_eq!(send(&mut sw, x1x2), (MessageType::KvAck, 0));
+    // End to end with several groups and parts: results stay exact.
+    let layout = Layout { short_slots: 1, medium_groups: 2, medium_parts: 2 };
+    let keys: Vec<&[u8]> = vec![x1x2, y1y2, x1y2, y2x2, b"XXXXXXXX", b"XXXXXXXX\0"];
+    let stream: Vec<_> = (0..200).map(|i| (keys[i % keys.len()].to_vec(), i as i64)).collect();
+    run(&Setup::new(layout, 2), LinkConfig::perfect(), &[stream]);
+}
+
+#[test]
+fn key_encoding_is_injective() {
+    let keys: [&[u8]; 5] = [b"", b"\0", b"a", b"a\0", b"\0a"];
+    let enc: Vec<_> = keys.iter().map(|k| encode_parts(k, 1)).collect();
+    for i in 0..keys.len() {
+        assert_eq!(decode_parts(&enc[i]).unwrap(), keys[i]);
+        for j in 0..i {
+            assert_ne!(enc[i], enc[j]);
+        }
+    }
+    assert_eq!(decode_parts(&[0x0000_0000_0000_0009]), None, "length byte beyond the width");
+}
+
+// ---- bad input ---------------------------------------------------------------
+
+#[test]
+fn unknown_task_is_nacked_and_the_sender_fails_clearly() {
+    let layout = Layout::short_only(2);
+    let mut sw: KvSwitch<Node> = KvSwitch::new(KvSwitchConfig::default());
+    let out = feed(&mut sw, S0, &data_packet(&layout, 0, &[(b"a", 1)]));
+    assert_eq!(out, vec![(S0, MessageType::KvNack, 0, 0)]);
+    assert_eq!(sw.counters().unknown_task, 1);
+    let mut tx = KvSender::new(SenderConfig::new(TASK, 1, layout), Time::ZERO).unwrap();
+    let mut o = VecTransmit::new();
+    sw.handle_datagram(Time::ZERO, S0, &data_packet(&layout, 0, &[(b"a", 1)]), &mut o);
+    tx.handle_datagram(Time::ZERO, &o.datagrams[0].1);
+    let Some(SenderEvent::Failed(e)) = tx.poll_event() else { panic!("no failure") };
+    assert_eq!(e, SenderError::Refused { task_id: TASK, reason: NackReason::UnknownTask, detail: TASK });
+    assert!(e.to_string().contains("no switch memory is allocated"));
+}
+
+#[test]
+fn malformed_and_mismatched_packets_are_counted_by_reason() {
+    let layout = Layout { short_slots: 1, medium_groups: 1, medium_parts: 2 };
+    let mut sw = switch_with(layout, 4, false);
+    assert!(feed(&mut sw, S0, &[0xFA, 0x17, 0x01]).is_empty());
+    assert!(feed(&mut sw, S0, b"not a fanin packet at all").is_empty());
+    let mut pkt = data_packet(&layout, 0, &[(b"a", 1)]);
+    pkt.pop();
+    assert!(feed(&mut sw, S0, &pkt).is_empty());
+    assert_eq!(sw.counters().malformed_total(), 3);
+    // slot count of another layout
+    let out = feed(&mut sw, S0, &data_packet(&Layout::short_only(2), 0, &[(b"a", 1)]));
+    assert_eq!(out[0].1, MessageType::KvNack);
+    // half a coalesced group
+    let mut split = data_packet(&layout, 0, &[(b"medium-key-1", 1)]);
+    Packet::new_unchecked(&mut split[..]).set_bitmap(0b010);
+    assert_eq!(feed(&mut sw, S0, &split)[0].1, MessageType::KvNack);
+    // a host-bound message sent to the switch
+    let mut ack = vec![0u8; HEADER_LEN];
+    Repr::new(MessageType::KvSwapAck, TASK, 0, 0).emit(&mut Packet::new_unchecked(&mut ack[..]));
+    assert!(feed(&mut sw, S0, &ack).is_empty());
+    let c = sw.counters();
+    assert_eq!((c.layout_mismatch, c.split_group, c.protocol_violation), (1, 1, 1));
+    assert_eq!(c.rx_datagrams, c.outcomes());
+    assert_eq!(c.tuples_in, 0, "nothing was aggregated from bad packets");
+}
+
+#[test]
+fn oversized_keys_are_refused_at_push() {
+    let mut cfg = SenderConfig::new(TASK, 1, Layout::short_only(2));
+    cfg.max_key_len = 64;
+    let mut tx = KvSender::new(cfg, Time::ZERO).unwrap();
+    assert_eq!(tx.push(&[b'x'; 65], 1), Err(SenderError::KeyTooLong { len: 65, max: 64 }));
+    assert!(tx.push(&[b'x'; 64], 1).is_ok());
+    tx.finish();
+    assert_eq!(tx.push(b"late", 1), Err(SenderError::Finished));
+}
+
+#[test]
+fn admission_limits_memory_and_tenants() {
+    let layout = Layout::short_only(4);
+    let mut sw: KvSwitch<Node> = KvSwitch::new(KvSwitchConfig { memory_limit: 100, tenant_limit: 40 });
+    let spec = |id, tenant| {
+        let mut s = KvTaskSpec::new(id, R, layout, 5); // 4 * 5 * 2 = 40 aggregators
+        s.tenant = tenant;
+        s
+    };
+    sw.add_task(Time::ZERO, spec(1, 1)).unwrap();
+    assert!(matches!(sw.add_task(Time::ZERO, spec(2, 1)), Err(KvAdmitError::TenantLimit { .. })));
+    assert_eq!(sw.add_task(Time::ZERO, spec(1, 2)), Err(KvAdmitError::Duplicate(1)));
+    sw.add_task(Time::ZERO, spec(2, 2)).unwrap();
+    assert!(matches!(sw.add_task(Time::ZERO, spec(3, 3)), Err(KvAdmitError::OutOfMemory { needed: 40, free: 20 })));
+    assert_eq!(sw.memory_used(), 80);
+    assert!(sw.remove_task(1));
+    assert_eq!(sw.memory_used(), 40);
+}
+
+#[test]
+fn vanished_receiver_fails_the_sender_and_the_switch_frees_memory() {
+    let layout = Layout::short_only(2);
+    let mut lb = Setup::new(layout, 4).build(LinkConfig::perfect());
+    lb.senders[0] = {
+        let mut c = SenderConfig::new(TASK, 1, layout);
+        c.dead_after = Duration::from_millis(5);
+        KvSender::new(c, Time::ZERO).unwrap()
+    };
+    // The receiver is gone: nothing reaches it.
+    lb.filter = Some(Box::new(|dir, _| *dir == Direction::Down(R) || *dir == Direction::Up(R)));
+    lb.receiver = KvReceiver::new(
+        ReceiverConfig { idle_timeout: Duration::from_secs(3600), ..ReceiverConfig::new(TASK, layout, 4, 1) },
+        Time::ZERO,
+    )
+    .unwrap();
+    let s = &mut lb.senders[0];
+    for i in 0..50 {
+        s.push(format!("key{}", i % 40).as_bytes(), 1).unwrap();
+    }
+    s.finish();
+    let outcome = lb.run(Time::from_secs_f64(1.0));
+    assert!(matches!(outcome, RunOutcome::SenderFailed(0, SenderError::PeerSilent(_))), "{outcome:?}");
+    // The switch's idle timer releases the region.
+    assert!(lb.switch.has_task(TASK));
+    lb.switch.handle_timeout(lb.now() + Duration::from_secs(31));
+    assert!(!lb.switch.has_task(TASK));
+    assert_eq!((lb.switch.memory_used(), lb.switch.counters().tasks_expired), (0, 1));
+}
+
+#[test]
+fn vanished_sender_fails_the_receiver_which_releases_the_region() {
+    let layout = Layout::short_only(2);
+    let mut setup = Setup::new(layout, 4);
+    setup.senders = 2;
+    let mut lb = setup.build(LinkConfig::perfect());
+    lb.receiver = KvReceiver::new(
+        ReceiverConfig { idle_timeout: Duration::from_millis(20), ..ReceiverConfig::new(TASK, layout, 4, 2) },
+        Time::ZERO,
+    )
+    .unwrap();
+    lb.senders[0].push(b"a", 1).unwrap();
+    lb.senders[0].finish(); // sender 1 never finishes: it vanished
+    let outcome = lb.run(Time::from_secs_f64(1.0));
+    let RunOutcome::ReceiverFailed(e) = outcome else { panic!("{outcome:?}") };
+    assert!(matches!(e, ReceiverError::Silent { fins: 1, senders: 2, .. }), "{e}");
+    // Its Release is on the wire; let it arrive.
+    assert!(lb.switch.has_task(TASK));
+    assert_eq!(lb.run(lb.now() + Duration::from_millis(1)), RunOutcome::Stalled, "no timer left: the task is gone");
+    assert_eq!((lb.switch.memory_used(), lb.switch.counters().tasks_released), (0, 1));
+}
+
+#[test]
+fn final_swap_freezes_the_region() {
+    let layout = Layout::short_only(1);
+    let a = key_in_slot(&layout, 0, 0);
+    let mut sw = switch_with(layout, 2, true);
+    let mut fin = vec![0u8; HEADER_LEN];
+    Repr { flags: FLAG_FINAL, ..Repr::new(MessageType::KvSwap, TASK, 0, 0) }.emit(&mut Packet::new_unchecked(&mut fin[..]));
+    assert_eq!(feed(&mut sw, R, &fin), vec![(R, MessageType::KvSwapAck, 0, 0)]);
+    // A late data packet is forwarded untouched: nothing is written any more.
+    assert_eq!(feed(&mut sw, S0, &data_packet(&layout, 0, &[(&a, 1)])), vec![(R, MessageType::KvData, 0, 1)]);
+    assert_eq!(sw.task_stats(TASK).unwrap().tuples_aggregated, 0);
+    // No swap after the freeze.
+    let mut swap = vec![0u8; HEADER_LEN];
+    Repr::new(MessageType::KvSwap, TASK, 0, 1).emit(&mut Packet::new_unchecked(&mut swap[..]));
+    let out = feed(&mut sw, R, &swap);
+    assert_eq!(out[0].1, MessageType::KvNack);
+    let _ = Nack::parse;
+}
+
+
+/// ASK Figure 5: two AAs, three packets. pkt1 (a, b) is absorbed and acked by
+/// the switch; pkt2 (c, f) is partially aggregated: c takes a new
+/// aggregator, f collides with b and goes on to the receiver, which acks it;
+/// pkt3 (c, b) is absorbed. Finally the receiver fetches and merges.
+#[test]
+fn figure_5_example_trace() {
+    let layout = Layout::short_only(2);
+    let aa_size = 4u64;
+    let index = |k: &[u8]| match layout.classify(k) {
+        KeyClass::Short { part, .. } => hash_index(&[part]) % aa_size,
+        _ => unreachable!(),
+    };
+    let slot0: Vec<Vec<u8>> = (0..40).map(|n| key_in_slot(&layout, 0, n)).collect();
+    let slot1: Vec<Vec<u8>> = (0..40).map(|n| key_in_slot(&layout, 1, n)).collect();
+    let a = slot0[0].clone();
+    let c = slot0.iter().find(|k| index(k) != index(&a)).unwrap().clone();
+    let b = slot1[0].clone();
+    let f = slot1.iter().skip(1).find(|k| index(k) == index(&b)).unwrap().clone();
+
+    let mut sw = switch_with(layout, aa_size as u32, false);
+    let pkt = |seq, t: &[(&[u8], i64)]| data_packet(&layout, seq, t);
+    assert_eq!(feed(&mut sw, S0, &pkt(0, &[(&a, 1), (&b, 1)])), vec![(S0, MessageType::KvAck, 0, 0)]);
+    let fwd = feed(&mut sw, S0, &pkt(1, &[(&c, 1), (&f, 1)]));
+    assert_eq!(fwd, vec![(R, MessageType::KvData, 1, 0b10)]);
+    assert_eq!(feed(&mut sw, S0, &pkt(2, &[(&c, 1), (&b, 1)])), vec![(S0, MessageType::KvAck, 2, 0)]);
+
+    // The receiver aggregates (f, 1) from the forwarded packet and acks it
+    // through the switch to the sender.
+    let mut rc = ReceiverConfig::new(TASK, layout, aa_size as u32, 1);
+    rc.shadow_copies = false;
+    let mut rx = KvReceiver::new(rc, Time::ZERO).unwrap();
+    let mut forwarded = VecTransmit::new();
+    sw.handle_datagram(Time::ZERO, S0, &pkt(1, &[(&c, 1), (&f, 1)]), &mut forwarded); // a duplicate now
+    let (to, bytes) = forwarded.drain().next().unwrap();
+    assert_eq!(to, R);
+    rx.handle_datagram(t(1), &bytes);
+    let mut out = VecTransmit::new();
+    rx.poll_transmit(t(1), &mut out);
+    let (_, ack) = out.drain().next().unwrap();
+    assert_eq!(feed(&mut sw, R, &ack), vec![(S0, MessageType::KvAck, 1, 0)]);
+    assert_eq!(rx.results().len(), 1);
+
+    // FIN, final swap, fetch of both AAs, merge: a=1, b=2, c=2, f=1.
+    let mut fin = vec![0u8; HEADER_LEN];
+    Repr::new(MessageType::KvFin, TASK, 1, 3).emit(&mut Packet::new_unchecked(&mut fin[..]));
+    let mut o = VecTransmit::new();
+    sw.handle_datagram(t(2), S0, &fin, &mut o);
+    for (_, b) in o.drain() {
+        rx.handle_datagram(t(2), &b);
+    }
+    for step in 0..10 {
+        let now = t(3 + step);
+        rx.poll_transmit(now, &mut out);
+        for (_, b) in out.drain().collect::<Vec<_>>() {
+            sw.handle_datagram(now, R, &b, &mut o);
+        }
+        for (to, b) in o.drain().collect::<Vec<_>>() {
+            if to == R {
+                rx.handle_datagram(now, &b);
+            }
+        }
+    }
+    assert!(rx.is_done());
+    let sums: Vec<i64> = [&a, &b, &c, &f].iter().map(|k| rx.results()[*k].sum).collect();
+    assert_eq!(sums, vec![1, 2, 2, 1]);
+    assert_eq!(rx.stats().fetch_requests, 2, "one fetch per AA, in parallel");
+}
