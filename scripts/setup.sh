@@ -30,3 +30,6 @@ PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --disable-pip-version-check 
 say "building the fanin extension (release) and installing the package"
 PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 "$PY" -c "import fanin; print('setup: fanin', fanin.__version__, 'ready', flush=True)" >&2
+
+say "building the simulator (fanin sim) and the key-value benchmark (release)"
+cargo build -q --release -p fanin-sim --bin fanin-sim
