@@ -337,3 +337,28 @@ def test_train_digits_example_under_torchrun(tmp_path):
     assert "test accuracy" in out.stdout
     final = [line for line in out.stdout.splitlines() if line.startswith("final")]
     assert final and float(final[0].split()[-1]) > 0.8, out.stdout
+
+
+def _init_error(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    try:
+        dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=30))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_switch_rank_0_cannot_start_fails_every_rank_quickly():
+    reports = _spawn(_init_error, 2, env={"FANIN_SWITCH_BIND": "256.0.0.1:0"}, timeout=60)
+    assert all(r is not None for r in reports), reports
+    assert "could not set up the switch" in reports[1], reports
+
+
+def test_an_unknown_job_on_an_external_switch_is_refused():
+    with ft_local_switch(2) as sw:
+        addr = sw.data_addr
+        reports = _spawn(_init_error, 2, env={"FANIN_SWITCH": addr, "FANIN_JOB_ID": "77"}, timeout=90)
+    assert all(r is not None and "77" in r for r in reports), reports

@@ -86,26 +86,41 @@ def _embedded_bind(world: int) -> tuple[str, Optional[str]]:
     return "0.0.0.0:0", master
 
 
+def _decide(world: int, opts: ConnectOptions) -> tuple[Optional[LocalSwitch], str]:
+    """Rank 0's choice: (embedded switch or None, "addr|job|elems_per_packet")."""
+    embedded = None
+    if opts.switch:
+        addr, job_id = opts.switch, opts.job_id
+    else:
+        bind, advertise = (opts.bind, None) if opts.bind else _embedded_bind(world)
+        job_id = 1
+        job = job_config(job_id, world, block_cnt_max=opts.window, block_grad_max=opts.elems_per_packet,
+                         block_exp_ms=opts.block_exp_ms)
+        embedded = LocalSwitch(switch_config(data_addr=bind, shards=opts.shards, control_addr=None,
+                                             metrics_addr=None, memory_mb=4096, jobs=[job]))
+        addr = embedded.data_addr
+        if advertise:
+            addr = f"{advertise}:{addr.rsplit(':', 1)[1]}"
+    return embedded, f"{addr}|{job_id}|{opts.elems_per_packet}"
+
+
 def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions) -> Connection:
     """Agree on a switch and job through ``store`` and join it (all ranks call this)."""
     embedded: Optional[LocalSwitch] = None
     if rank == 0:
-        if opts.switch:
-            addr, job_id = opts.switch, opts.job_id
-        else:
-            bind, advertise = (opts.bind, None) if opts.bind else _embedded_bind(world)
-            job_id = 1
-            job = job_config(job_id, world, block_cnt_max=opts.window, block_grad_max=opts.elems_per_packet,
-                             block_exp_ms=opts.block_exp_ms)
-            embedded = LocalSwitch(switch_config(data_addr=bind, shards=opts.shards, control_addr=None,
-                                                 metrics_addr=None, memory_mb=4096, jobs=[job]))
-            addr = embedded.data_addr
-            if advertise:
-                addr = f"{advertise}:{addr.rsplit(':', 1)[1]}"
-        store.set(_KEY, f"{addr}|{job_id}|{opts.elems_per_packet}")
+        try:
+            embedded, published = _decide(world, opts)
+        except Exception as e:
+            # tell the other ranks instead of leaving them waiting for the store timeout
+            store.set(_KEY, f"!{type(e).__name__}: {e}")
+            raise
+        store.set(_KEY, published)
     else:
         store.wait([_KEY], timeout)
-    addr, job_s, epp_s = store.get(_KEY).decode().split("|")
+    answer = store.get(_KEY).decode()
+    if answer.startswith("!"):
+        raise RuntimeError(f"fanin: rank 0 could not set up the switch: {answer[1:]}")
+    addr, job_s, epp_s = answer.split("|")
     epp = int(epp_s)
     dead_after = max(10.0, timeout.total_seconds())
     session = Session(addr, int(job_s), rank, elems_per_packet=epp, window=opts.window,

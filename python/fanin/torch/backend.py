@@ -106,6 +106,7 @@ class FaninProcessGroup(dist.ProcessGroup):
             lambda: connect(store, rank, size, timeout, self._options)).wait()
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("fanin-gloo/", store), rank, size, timeout)
         self._log = StepLog(self._conn.n_sources)
+        self._closed = False
 
     # -- identity ---------------------------------------------------------
     def getBackendName(self) -> str:
@@ -136,8 +137,33 @@ class FaninProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"FaninProcessGroup(rank={self._rank}, size={self._size}, switch={self.switch_addr}, job={self.job_id})"
 
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: wait (Gloo barrier, at most
+        60 s) until every rank is done with the switch, then stop the
+        embedded switch on rank 0 and the worker thread. Without the barrier
+        rank 0 could take the switch away while another rank still waits
+        for a retransmitted result."""
+        if self._closed:
+            return
+        self._closed = True
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._gloo.barrier().wait()
+            finally:
+                done.set()
+
+        self._worker.submit(run)
+        done.wait(60.0)
+        if self._conn.embedded is not None:
+            self._conn.embedded.stop()
+        self._worker.stop()
+
     # -- the switch path --------------------------------------------------
     def _submit(self, fn: Callable[[], Any]) -> Any:
+        if self._closed:
+            raise RuntimeError("fanin: the process group was destroyed")
         return _create_work_from_future(self._worker.submit(fn))
 
     def _check_allreduce(self, tensors: list, opts: Any, what: str) -> bool:
