@@ -78,6 +78,9 @@ class _Worker:
     def stop(self) -> None:
         self._q.put(None)
 
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
 
 class FaninProcessGroup(dist.ProcessGroup):
     """A torch process group whose allreduce is aggregated by a fanin switch.
@@ -156,9 +159,10 @@ class FaninProcessGroup(dist.ProcessGroup):
 
         self._worker.submit(run)
         done.wait(60.0)
+        self._worker.stop()
+        self._worker.join(10.0)
         if self._conn.embedded is not None:
             self._conn.embedded.stop()
-        self._worker.stop()
 
     # -- the switch path --------------------------------------------------
     def _submit(self, fn: Callable[[], Any]) -> Any:
