@@ -66,7 +66,7 @@ class ConnectOptions:
 
 @dataclass
 class Connection:
-    session: Session
+    session: Optional[Session]  # None once the group is shut down
     switch_addr: str
     job_id: int
     elems_per_packet: int

@@ -155,6 +155,8 @@ class FaninProcessGroup(dist.ProcessGroup):
             try:
                 self._gloo.barrier().wait()
             finally:
+                # a Session must be dropped by the thread that made it
+                self._conn.session = None
                 done.set()
 
         self._worker.submit(run)
