@@ -236,6 +236,8 @@ def _add_torch_benches(bsub: Any, common: Any) -> None:
     ta.add_argument("--elems-per-packet", type=int, default=1024)
     ta.add_argument("--window", type=int, default=256)
     ta.add_argument("--iters", type=int, help="timed iterations per point (default 5, 3 for >=64MB or --quick)")
+    ta.add_argument("--switch-process", action="store_true",
+                    help="run the switch as its own process (FANIN_SWITCH) instead of embedded in rank 0")
     ta.add_argument("--out", default="out/bench/torch", help="directory for CSV and PNG (default %(default)s)")
     common(ta)
     ta.set_defaults(func=_cmd_bench_torch)

@@ -27,7 +27,8 @@ from typing import Any, Optional
 import numpy as np
 
 from fanin.bench.gloo import _free_port
-from fanin.proc import format_size, parse_size
+from fanin.proc import SwitchProcess, format_size, parse_size
+from fanin.switch import job_config, switch_config
 
 __all__ = ["run_torch_allreduce", "run_time_to_accuracy"]
 
@@ -44,7 +45,7 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, it
 
         torch.set_num_threads(1)
         if backend == "fanin":
-            import fanin.torch  # noqa: F401  (registers the backend)
+            import fanin.torch  # registers the backend
         dist.init_process_group(backend)
         # the same inputs for both backends: rank-dependent, exactly representable sums
         gen = torch.Generator().manual_seed(1234 + rank)
@@ -67,8 +68,10 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, it
             dist.all_reduce(buf)
             times.append(time.perf_counter() - t0)
         digest = float(buf.double().sum())
+        retrans = fanin.torch.fanin_group().total_stats().retransmissions if backend == "fanin" else 0
         dist.destroy_process_group()
-        results.put({"rank": rank, "ok": True, "times": times, "max_abs_error": err, "digest": digest})
+        results.put({"rank": rank, "ok": True, "times": times, "max_abs_error": err, "digest": digest,
+                     "retransmissions": retrans})
     except BaseException as e:
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
@@ -99,6 +102,7 @@ def _run_allreduce_point(backend: str, world: int, n: int, iters: int, env: dict
     times = [max(r["times"][i] for r in reports) for i in range(iters)]
     return {"median_s": statistics.median(times), "times_s": times,
             "max_abs_error": max(r["max_abs_error"] for r in reports),
+            "retransmissions": sum(r["retransmissions"] for r in reports),
             "identical_on_all_ranks": len({r["digest"] for r in reports}) == 1}
 
 
@@ -114,26 +118,40 @@ def run_torch_allreduce(args: Any) -> int:
             iters = args.iters or (3 if args.quick or size >= 64_000_000 else 5)
             # alternate the order so drift on a noisy machine hits both
             order = ["gloo", "fanin"] if len(points) % 2 == 0 else ["fanin", "gloo"]
-            res = {b: _run_allreduce_point(b, world, n, iters, env) for b in order}
+            res = {}
+            for b in order:
+                if b == "fanin" and args.switch_process:
+                    # the switch in its own process instead of rank 0's (FANIN_SWITCH)
+                    cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None,
+                                        memory_mb=4096, jobs=[job_config(1, world, block_cnt_max=args.window,
+                                                                         block_grad_max=args.elems_per_packet)])
+                    with SwitchProcess(cfg) as sw:
+                        res[b] = _run_allreduce_point(b, world, n, iters, {**env, "FANIN_SWITCH": sw.data_addr})
+                else:
+                    res[b] = _run_allreduce_point(b, world, n, iters, env)
             pt = {"workers": world, "size_bytes": size, "iters": iters,
                   "gloo_median_s": res["gloo"]["median_s"], "fanin_median_s": res["fanin"]["median_s"],
                   "speedup_vs_gloo": res["gloo"]["median_s"] / res["fanin"]["median_s"],
                   "gloo_max_abs_error": res["gloo"]["max_abs_error"], "fanin_max_abs_error": res["fanin"]["max_abs_error"],
                   "fanin_identical_on_all_ranks": res["fanin"]["identical_on_all_ranks"],
+                  "fanin_retransmissions": res["fanin"]["retransmissions"],
                   "gloo_times_s": res["gloo"]["times_s"], "fanin_times_s": res["fanin"]["times_s"]}
             points.append(pt)
             print(f"  {world} procs x {format_size(size)}: Gloo {pt['gloo_median_s'] * 1e3:8.1f} ms, "
-                  f"fanin {pt['fanin_median_s'] * 1e3:8.1f} ms -> {pt['speedup_vs_gloo']:.2f}x", file=sys.stderr)
+                  f"fanin {pt['fanin_median_s'] * 1e3:8.1f} ms -> {pt['speedup_vs_gloo']:.2f}x "
+                  f"({pt['fanin_retransmissions']} retransmissions)", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
-    csv_path = os.path.join(args.out, "torch-allreduce.csv")
+    stem = "torch-allreduce-switch-process" if args.switch_process else "torch-allreduce"
+    csv_path = os.path.join(args.out, f"{stem}.csv")
     cols = [k for k in points[0] if not k.endswith("times_s")]
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(points)
-    png_path = os.path.join(args.out, "torch-allreduce.png")
-    _plot_allreduce(points, png_path)
-    result = {"bench": "torch-allreduce", "testbed": "loopback (127.0.0.1, one machine); the namespace testbed does "
+    png_path = os.path.join(args.out, f"{stem}.png")
+    _plot_allreduce(points, png_path, "switch in its own process" if args.switch_process else "embedded switch")
+    result = {"bench": "torch-allreduce", "switch": "own process (FANIN_SWITCH)" if args.switch_process else
+              "embedded in rank 0 (default)", "testbed": "loopback (127.0.0.1, one machine); the namespace testbed does "
               "not exist yet", "elems_per_packet": args.elems_per_packet, "window": args.window,
               "csv": csv_path, "png": png_path, "points": points}
     human = f"torch-allreduce: {len(points)} points; wrote {csv_path} and {png_path}"
@@ -141,7 +159,7 @@ def run_torch_allreduce(args: Any) -> int:
     return 0
 
 
-def _plot_allreduce(points: list[dict[str, Any]], path: str) -> None:
+def _plot_allreduce(points: list[dict[str, Any]], path: str, where: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,7 +178,7 @@ def _plot_allreduce(points: list[dict[str, Any]], path: str) -> None:
         ax.set_ylabel("all_reduce time, median (ms)")
         ax.set_title(f"{world} processes")
         ax.legend()
-    fig.suptitle("torch.distributed all_reduce, float32, loopback")
+    fig.suptitle(f"torch.distributed all_reduce, float32, loopback ({where})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
