@@ -59,7 +59,7 @@ class StepStats:
     degraded_blocks: int = 0
     retransmissions: int = 0
     elements: int = 0
-    # (block src_cnt, elements in such blocks) histogram, for the curious
+    # src_cnt -> number of degraded blocks that summed that many workers
     sources_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -91,6 +91,10 @@ class StepLog:
                 s.min_sources = min(s.min_sources, int(stats.get("min_src_cnt", self._n)))
                 for _, cnt in stats.get("degraded_blocks", ()):
                     s.sources_histogram[int(cnt)] = s.sources_histogram.get(int(cnt), 0) + 1
+
+    def totals(self) -> StepStats:
+        with self._lock:
+            return StepStats(**{**self.total.__dict__, "sources_histogram": dict(self.total.sources_histogram)})
 
     def take(self, reset: bool = True) -> StepStats:
         with self._lock:

@@ -124,7 +124,6 @@ class FaninProcessGroup(dist.ProcessGroup):
     def job_id(self) -> int:
         return self._conn.job_id
 
-
     @property
     def elems_per_packet(self) -> int:
         return self._conn.elems_per_packet
@@ -135,7 +134,7 @@ class FaninProcessGroup(dist.ProcessGroup):
 
     def total_stats(self) -> StepStats:
         """Totals since the group was created (never reset)."""
-        return self._log.total
+        return self._log.totals()
 
     def __repr__(self) -> str:
         return f"FaninProcessGroup(rank={self._rank}, size={self._size}, switch={self.switch_addr}, job={self.job_id})"
