@@ -1,6 +1,8 @@
 //! Arbitrary datagrams into the protocol machines: the switch program (an
-//! aggregating and a forwarding job, two shards) and a joined worker session.
-//! Input: a sequence of [len: u8][from: u8][bytes...] records.
+//! aggregating job with straggler aging and a forwarding job, two shards, the
+//! scanners run as time passes) and a joined worker session.
+//! Input: a sequence of [len: u8][from: u8][bytes...] records; the high bits
+//! of `from` also advance time, so blocks age and sources are declared slow.
 //! Oracles: no panic; everything the machines emit is a valid packet;
 //! every datagram the switch saw is counted; accepted contributions never
 //! exceed what arrived.
@@ -8,15 +10,21 @@
 
 use fanin_proto::host::{AllreduceSession, SessionConfig, Tensor};
 use fanin_proto::job::{JobMode, JobSpec};
-use fanin_proto::switch::{ShardConfig, ValueSwitch, Verdict};
+use std::time::Duration;
+
+use fanin_proto::switch::{AgingConfig, ShardConfig, ValueSwitch, Verdict};
 use fanin_proto::{Time, VecTransmit};
 use fanin_wire::value::{JoinParams, Packet, Repr};
 use fanin_wire::MessageType;
 use libfuzzer_sys::fuzz_target;
 
 fn switch(shard: u16) -> ValueSwitch<u8> {
-    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24 });
-    sw.add_job(JobSpec::with_sources(1, 3, 4, 8)).unwrap();
+    let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1) };
+    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging });
+    let mut job = JobSpec::with_sources(1, 3, 4, 8);
+    job.block_exp_ms = 1;
+    job.slow_after_windows = 1;
+    sw.add_job(job).unwrap();
     let mut fwd = JobSpec::with_sources(2, 2, 4, 8);
     fwd.mode = JobMode::Forward;
     sw.add_job(fwd).unwrap();
@@ -73,8 +81,14 @@ fuzz_target!(|data: &[u8]| {
         let take = len.min(rest.len());
         let (dgram, tail) = rest.split_at(take);
         rest = tail;
-        t += 1_000;
+        t += 1_000 + (from >> 4) as u64 * 50_000;
         let now = Time::from_nanos(t);
+        for sw in shards.iter_mut() {
+            if sw.poll_timeout().is_some_and(|d| d <= now) {
+                sw.handle_timeout(now, &mut out);
+            }
+        }
+        check_emitted(&mut out);
         let target = (from & 1) as usize;
         fed += 1;
         if let Verdict::WrongShard(o) = shards[target].handle_datagram(now, from, dgram, &mut out) {

@@ -16,6 +16,7 @@ examples:
   fanin bench gloo-compare --workers 4 --size 100MB
   fanin bench torch-allreduce --quick --json   # torch.distributed: fanin backend vs Gloo
   fanin bench time-to-accuracy --quick --json  # digits MLP with stragglers (cf. Trio-ML Fig. 12)
+  fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
 """
 
 
@@ -31,14 +32,14 @@ def _job_arg(text: str) -> dict[str, Any]:
             job[k] = [int(x) for x in v.split(":") if x]
         elif k == "mode":
             job[k] = v
-        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms"):
+        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows"):
             try:
                 job[k] = int(v)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
         else:
             raise argparse.ArgumentTypeError(
-                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, mode)")
+                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode)")
     if "job_id" not in job:
         raise argparse.ArgumentTypeError("a job needs id=N")
     return job
@@ -141,6 +142,66 @@ def _cmd_bench_torch(args: argparse.Namespace) -> int:
         torch_bench.run_time_to_accuracy(args)
 
 
+def _cmd_bench_straggler_recovery(args: argparse.Namespace) -> int:
+    from fanin.bench.stragglers import run_recovery
+
+    return run_recovery(args)
+
+
+def _cmd_bench_straggler_iterations(args: argparse.Namespace) -> int:
+    from fanin.bench.stragglers import run_iterations
+
+    return run_iterations(args)
+def _find_sim_binary() -> Optional[str]:
+    """`target/release/fanin-sim` of the source tree this package lives in, else PATH."""
+    import os
+    import shutil
+
+    env = os.environ.get("FANIN_SIM")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for up in (os.path.join(here, "..", ".."), os.getcwd()):
+        cand = os.path.normpath(os.path.join(up, "target", "release", "fanin-sim"))
+        if os.access(cand, os.X_OK):
+            return cand
+    return shutil.which("fanin-sim")
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    import subprocess
+
+    binary = _find_sim_binary()
+    if not binary:
+        print("fanin sim: the simulator binary is not built; run `cargo build --release -p fanin-sim` "
+              "(or put fanin-sim on PATH, or set FANIN_SIM)", file=sys.stderr)
+        return 2
+    rest = list(args.sim_args or [])
+    no_plot = args.no_plot or "--no-plot" in rest
+    rest = [a for a in rest if a != "--no-plot"]
+    argv = [binary, args.sim] + rest
+    if args.sim != "trimming":
+        return subprocess.call(argv)
+    rc = subprocess.call(argv)
+    if rc != 0 or no_plot:
+        return rc
+    out, figure = "out/sim", None
+    for i, a in enumerate(rest[:-1]):
+        if a == "--out":
+            out = rest[i + 1]
+        elif a == "--figure":
+            figure = int(rest[i + 1])
+    if figure is not None:
+        try:
+            from fanin.sim_plots import plot_figure
+
+            for path in plot_figure(figure, out):
+                print(f"fanin sim: wrote {path}", file=sys.stderr)
+        except ImportError as e:
+            print(f"fanin sim: no PNG ({e}); the CSV is in {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fanin",
@@ -163,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--memory-mb", type=int, default=1024, help="aggregation memory for all jobs (default %(default)s)")
     sw.add_argument("--job", action="append", type=_job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
-                         "block_cnt_max, block_grad_max, block_exp_ms, mode=aggregate|forward")
+                         "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward")
     sw.add_argument("--ingress-drop", type=float, default=0.0, help="fault injection: drop probability on receive")
     sw.add_argument("--egress-drop", type=float, default=0.0, help="fault injection: drop probability on send")
     sw.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
@@ -223,6 +284,42 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
         common(sp)
         sp.set_defaults(func=_cmd_bench_sweep, sweep=name)
+
+    sr = bsub.add_parser("straggler-recovery", help="time to a partial result vs the timeout (Trio Fig. 14)",
+                         description="One member of the job never sends; for timeouts 1-50 ms the two others stream "
+                                     "20 back-to-back blocks and measure each block's time from first send to its "
+                                     "partial result, with Trio's single REF flag (checks=1) and fanin's default "
+                                     "(checks=4) side by side. Writes CSV and PNG to --out.")
+    sr.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    common(sr)
+    sr.set_defaults(func=_cmd_bench_straggler_recovery)
+
+    si = bsub.add_parser("straggler-iterations", help="iteration time under the Slow Worker Pattern (Trio Fig. 13)",
+                         description="Worker processes run iterations of compute + allreduce of a model-sized tensor "
+                                     "(25M float32; 2M with --quick); at three delay points per iteration one worker "
+                                     "straggles with probability p for U(0.5, 2) x the typical iteration time. fanin "
+                                     "with mitigation vs without (SwitchML behaviour) vs an ideal run, one run.")
+    si.add_argument("--workers", type=int, default=4)
+    si.add_argument("--iters", type=int, help="iterations per arm (default 20, 10 with --quick)")
+    si.add_argument("--compute-ms", type=float, default=100.0, help="simulated compute per iteration (default %(default)s)")
+    si.add_argument("--block-exp-ms", type=int, default=10, help="straggler timeout of the mitigation arm (default %(default)s)")
+    si.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    common(si)
+    si.set_defaults(func=_cmd_bench_straggler_iterations)
+
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
+                         description="Run the Rust simulator binary fanin-sim (build it with "
+                                     "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
+                                     "through; for `trimming` the CSV it writes is also plotted to PNG.",
+                         epilog="examples:\n  fanin sim trimming --figure 6 --quick --json\n"
+                                "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "bench-events"],
+                     help="simulator command (see `fanin-sim --help`)")
+    sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")
+    sim.set_defaults(func=_cmd_sim)
+
     _add_torch_benches(bsub, common)
     return parser
 

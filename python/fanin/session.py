@@ -80,22 +80,29 @@ class Session:
         self.job_id = job_id
         self.rank = rank
 
-    def allreduce(self, array: np.ndarray) -> np.ndarray:
+    def allreduce(self, array: np.ndarray, *, average: bool = False) -> np.ndarray:
         """Return the element-wise sum of ``array`` over every member.
 
         ``array`` must be int32 or float32 (any shape; it is not modified).
-        The GIL is released while the switch aggregates, so other Python
-        threads keep running.
+        With ``average=True`` (float32 only) the result is the mean: each
+        block is divided by the number of sources its result summed, which
+        is fewer than the job size when the switch gave up on a straggler
+        (a partial result, see :attr:`last_stats`). The GIL is released while
+        the switch aggregates, so other Python threads keep running.
         """
         if not isinstance(array, np.ndarray):
             raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")
-        return self._native.allreduce(array)
+        return self._native.allreduce(array, average=average)
 
     @property
     def last_stats(self) -> Optional[dict[str, Any]]:
         """Statistics of the last allreduce: ``retransmissions``, ``blocks``,
-        ``gen_id``, ``degraded_blocks`` (list of ``(block, src_cnt)``) and
-        ``min_src_cnt``."""
+        ``gen_id``, ``degraded_blocks`` (list of ``(block, src_cnt)``: blocks
+        whose result summed fewer than all members), ``min_src_cnt``,
+        ``missed_blocks`` (blocks this worker arrived too late for: zero,
+        ``src_cnt`` 0), ``latency_mean_ms``/``latency_max_ms`` (first send of
+        a block to its result) and ``slow_sources`` (members the switch
+        declared permanently slow)."""
         return self._native.last_stats()
 
     @property

@@ -19,6 +19,7 @@ def job_config(
     block_cnt_max: int = 256,
     block_grad_max: int = 1024,
     block_exp_ms: int = 0,
+    slow_after_windows: int = 2,
     mode: str = "aggregate",
 ) -> dict[str, Any]:
     """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
@@ -26,12 +27,18 @@ def job_config(
     Give either ``sources`` (members 0..n-1) or ``members`` (explicit ids).
     ``mode="forward"`` is the NoAggr baseline: contributions are returned to
     their sender without aggregation.
+
+    Straggler mitigation (docs/stragglers.md): ``block_exp_ms`` > 0 makes the
+    switch emit partial results for blocks that waited that long for a
+    missing source; ``slow_after_windows`` (K) declares a source missing for
+    K windows permanently slow, so blocks stop waiting for it (0 = never).
     """
     job: dict[str, Any] = {
         "job_id": job_id,
         "block_cnt_max": block_cnt_max,
         "block_grad_max": block_grad_max,
         "block_exp_ms": block_exp_ms,
+        "slow_after_windows": slow_after_windows,
         "mode": mode,
     }
     if members is not None:
@@ -52,10 +59,14 @@ def switch_config(
     egress_drop: float = 0.0,
     seed: int = 0,
     batch: int = 64,
+    scanners: int = 8,
+    checks: int = 4,
     jobs: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The daemon configuration (the same fields as the TOML config file)."""
+    """The daemon configuration (the same fields as the TOML config file).
+    ``scanners`` and ``checks`` configure the straggler detector."""
     return {
+        "aging": {"scanners": scanners, "checks": checks},
         "data_addr": data_addr,
         "shards": shards,
         "control_addr": control_addr,
@@ -114,6 +125,8 @@ def local_switch(
     shards: int = 1,
     block_cnt_max: int = 256,
     block_grad_max: int = 1024,
+    block_exp_ms: int = 0,
+    slow_after_windows: int = 2,
     ingress_drop: float = 0.0,
     egress_drop: float = 0.0,
     seed: int = 0,
@@ -121,7 +134,16 @@ def local_switch(
 ) -> LocalSwitch:
     """Start a switch on an ephemeral loopback port with one job of
     ``workers`` sources; no control API or metrics ports are opened."""
-    jobs = [job_config(job_id, workers, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max)]
+    jobs = [
+        job_config(
+            job_id,
+            workers,
+            block_cnt_max=block_cnt_max,
+            block_grad_max=block_grad_max,
+            block_exp_ms=block_exp_ms,
+            slow_after_windows=slow_after_windows,
+        )
+    ]
     jobs += list(extra_jobs)
     return LocalSwitch(
         switch_config(

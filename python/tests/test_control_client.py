@@ -146,13 +146,13 @@ def test_every_call_returns_plain_values(serve):
         }
         assert c.info()["api_version"] == API_VERSION
 
-        c.admit_job(9, members=range(3), block_cnt_max=8, block_grad_max=256, block_exp_ms=5)
+        c.admit_job(9, members=range(3), block_cnt_max=8, block_grad_max=256, block_exp_ms=5, slow_after_windows=3)
         c.admit_job(2, [3, 1], block_cnt_max=8, block_grad_max=256, mode="forward")
         assert c.list_jobs() == [
             {"job_id": 2, "members": [3, 1], "block_cnt_max": 8, "block_grad_max": 256,
-             "block_exp_ms": 0, "mode": "forward"},
+             "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward"},
             {"job_id": 9, "members": [0, 1, 2], "block_cnt_max": 8, "block_grad_max": 256,
-             "block_exp_ms": 5, "mode": "aggregate"},
+             "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate"},
         ]
         assert c.info()["memory_used"] == 2 * 8 * 256 * 4
 

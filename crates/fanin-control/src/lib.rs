@@ -84,7 +84,7 @@ impl From<AdmitError> for AdmitFailure {
     fn from(e: AdmitError) -> Self {
         let msg = e.to_string();
         match e {
-            AdmitError::Invalid(_) => AdmitFailure::Invalid(msg),
+            AdmitError::Invalid(_) | AdmitError::AgingTooFine { .. } => AdmitFailure::Invalid(msg),
             AdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
             AdmitError::OutOfMemory { .. } => AdmitFailure::OutOfMemory(msg),
         }
@@ -303,6 +303,7 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
         block_cnt_max: spec.block_cnt_max,
         block_grad_max: spec.block_grad_max,
         block_exp_ms: spec.block_exp_ms,
+        slow_after_windows: spec.slow_after_windows.unwrap_or(fanin_proto::job::DEFAULT_SLOW_AFTER_WINDOWS),
         mode,
     };
     spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -317,6 +318,7 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
         block_cnt_max: spec.block_cnt_max,
         block_grad_max: spec.block_grad_max,
         block_exp_ms: spec.block_exp_ms,
+        slow_after_windows: Some(spec.slow_after_windows),
         mode: match spec.mode {
             JobMode::Aggregate => pb::JobMode::Aggregate,
             JobMode::Forward => pb::JobMode::Forward,

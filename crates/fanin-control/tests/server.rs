@@ -102,6 +102,7 @@ fn spec(job_id: u32, members: Vec<u32>) -> pb::JobSpec {
         block_cnt_max: 8,
         block_grad_max: 256,
         block_exp_ms: 5,
+        slow_after_windows: Some(2),
         mode: PbMode::Aggregate as i32,
     }
 }

@@ -153,7 +153,7 @@ impl Session {
                         return Ok(session);
                     }
                     Event::Failed(e) => return Err(e.into()),
-                    Event::Completed(_) => {}
+                    Event::Completed(_) | Event::Membership { .. } => {}
                 }
             }
         }
@@ -167,6 +167,11 @@ impl Session {
     /// Number of sources in the job.
     pub fn n_sources(&self) -> u16 {
         self.machine.n_sources()
+    }
+
+    /// Sources the switch currently reports as permanently slow.
+    pub fn slow_sources(&self) -> &[u16] {
+        self.machine.slow_sources()
     }
 
     pub fn stats(&self) -> &SessionStats {
@@ -187,7 +192,8 @@ impl Session {
                 match ev {
                     Event::Completed(outcome) => return Ok(outcome),
                     Event::Failed(e) => return Err(e.into()),
-                    Event::Joined(_) => {}
+                    // the machine keeps the current set (slow_sources)
+                    Event::Joined(_) | Event::Membership { .. } => {}
                 }
             }
             self.step()?;

@@ -19,6 +19,7 @@ fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
         block_cnt_max: 64,
         block_grad_max: 1024,
         block_exp_ms: 0,
+        slow_after_windows: 2,
         mode,
     }
 }

@@ -10,6 +10,16 @@ use serde::{Deserialize, Serialize};
 pub const MAX_SOURCES: usize = 4096;
 /// Most concurrent blocks (slots) one job may hold.
 pub const MAX_BLOCK_CNT: u32 = 1 << 20;
+/// Longest block timeout a job may ask for (ten minutes).
+pub const MAX_BLOCK_EXP_MS: u32 = 600_000;
+/// Largest `slow_after_windows` (K) a job may ask for.
+pub const MAX_SLOW_AFTER_WINDOWS: u32 = 10_000;
+/// K used when a job does not say (see docs/stragglers.md).
+pub const DEFAULT_SLOW_AFTER_WINDOWS: u32 = 2;
+
+fn default_slow_after_windows() -> u32 {
+    DEFAULT_SLOW_AFTER_WINDOWS
+}
 
 /// What the switch does with a job's contributions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -37,9 +47,17 @@ pub struct JobSpec {
     pub block_cnt_max: u32,
     /// Most elements per block.
     pub block_grad_max: u32,
-    /// Block timeout in milliseconds for straggler aging; 0 disables aging.
+    /// Block timeout in milliseconds for straggler aging (Trio's
+    /// `block_exp`); 0 disables aging, and the job waits for every member
+    /// as SwitchML does.
     #[serde(default)]
     pub block_exp_ms: u32,
+    /// K: a source missing from the aged blocks of K consecutive windows
+    /// (K x block_cnt_max blocks) is declared permanently slow and no longer
+    /// waited for until it catches up or rejoins. 0 keeps every source
+    /// temporary (each block waits the full timeout for it).
+    #[serde(default = "default_slow_after_windows")]
+    pub slow_after_windows: u32,
     #[serde(default)]
     pub mode: JobMode,
 }
@@ -56,6 +74,10 @@ pub enum JobSpecError {
     BlockCnt { job_id: u32, value: u32 },
     #[error("job {job_id}: block_grad_max {value} is out of range (1..={MAX_GRAD_CNT}, the most elements one UDP datagram carries)")]
     BlockGrad { job_id: u32, value: u32 },
+    #[error("job {job_id}: block_exp_ms {value} is out of range (0 disables aging, at most {MAX_BLOCK_EXP_MS})")]
+    BlockExp { job_id: u32, value: u32 },
+    #[error("job {job_id}: slow_after_windows {value} is out of range (0 never declares a source permanently slow, at most {MAX_SLOW_AFTER_WINDOWS})")]
+    SlowAfter { job_id: u32, value: u32 },
 }
 
 impl JobSpec {
@@ -67,6 +89,7 @@ impl JobSpec {
             block_cnt_max,
             block_grad_max,
             block_exp_ms: 0,
+            slow_after_windows: DEFAULT_SLOW_AFTER_WINDOWS,
             mode: JobMode::Aggregate,
         }
     }
@@ -90,6 +113,12 @@ impl JobSpec {
         }
         if self.block_grad_max == 0 || self.block_grad_max as usize > MAX_GRAD_CNT {
             return Err(JobSpecError::BlockGrad { job_id, value: self.block_grad_max });
+        }
+        if self.block_exp_ms > MAX_BLOCK_EXP_MS {
+            return Err(JobSpecError::BlockExp { job_id, value: self.block_exp_ms });
+        }
+        if self.slow_after_windows > MAX_SLOW_AFTER_WINDOWS {
+            return Err(JobSpecError::SlowAfter { job_id, value: self.slow_after_windows });
         }
         Ok(())
     }
@@ -138,6 +167,12 @@ mod tests {
         spec.block_grad_max = 16;
         spec.members = vec![5000];
         assert!(matches!(spec.validate(), Err(JobSpecError::MemberTooLarge { id: 5000, .. })));
+        spec.members = vec![0, 1];
+        spec.block_exp_ms = 600_001;
+        assert!(spec.validate().unwrap_err().to_string().contains("block_exp_ms 600001"));
+        spec.block_exp_ms = 10;
+        spec.slow_after_windows = 10_001;
+        assert!(spec.validate().unwrap_err().to_string().contains("slow_after_windows 10001"));
     }
 
     #[test]

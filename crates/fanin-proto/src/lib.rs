@@ -19,6 +19,7 @@ pub mod mask;
 pub mod switch;
 pub mod time;
 pub mod transmit;
+pub mod trim;
 
 pub use job::{shard_of, JobMode, JobSpec, JobSpecError};
 pub use time::Time;

@@ -36,6 +36,18 @@ struct Run {
     slots: u32,
     net: NetParams,
     seed: u64,
+    /// Straggler mitigation: the job's block timeout (0 = off) and K.
+    block_exp_ms: u32,
+    slow_after_windows: u32,
+    /// `delays[w][k]`: worker `w` starts its `k`-th allreduce this many
+    /// nanoseconds late (a straggler); missing entries mean no delay.
+    delays: Vec<Vec<u64>>,
+}
+
+impl Run {
+    fn new(workers: usize, shards: u16, epp: u16, window: u32, slots: u32, net: NetParams, seed: u64) -> Self {
+        Run { workers, shards, epp, window, slots, net, seed, block_exp_ms: 0, slow_after_windows: 0, delays: Vec::new() }
+    }
 }
 
 fn run(cfg: &Run, inputs: Vec<Tensor>) -> Vec<Outcome> {
@@ -45,15 +57,12 @@ fn run(cfg: &Run, inputs: Vec<Tensor>) -> Vec<Outcome> {
 /// Each worker runs its list of allreduces back to back in one session.
 fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
     let mut rng = SplitMix64::new(cfg.seed);
-    let spec = JobSpec::with_sources(7, cfg.workers as u16, cfg.slots, cfg.epp as u32);
+    let mut spec = JobSpec::with_sources(7, cfg.workers as u16, cfg.slots, cfg.epp as u32);
+    spec.block_exp_ms = cfg.block_exp_ms;
+    spec.slow_after_windows = cfg.slow_after_windows;
     let mut shards: Vec<ValueSwitch<Node>> = (0..cfg.shards)
         .map(|s| {
-            let mut sw = ValueSwitch::new(ShardConfig {
-                shard: s,
-                shard_count: cfg.shards,
-                incarnation: 1,
-                memory_limit: 1 << 32,
-            });
+            let mut sw = ValueSwitch::new(ShardConfig { shard: s, shard_count: cfg.shards, ..ShardConfig::single(1 << 32) });
             sw.add_job(spec.clone()).unwrap();
             sw
         })
@@ -73,6 +82,9 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
     let total: Vec<usize> = inputs.iter().map(Vec::len).collect();
     let mut inputs: Vec<std::collections::VecDeque<Tensor>> = inputs.into_iter().map(Into::into).collect();
     let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); cfg.workers];
+    // a straggler's next allreduce, waiting for its start time
+    let mut pending: Vec<Option<(Time, Tensor)>> = vec![None; cfg.workers];
+    let delay = |w: usize, k: usize| cfg.delays.get(w).and_then(|d| d.get(k)).copied().unwrap_or(0);
     // (delivery time, sequence, from, to, bytes)
     let mut wire: BinaryHeap<Reverse<(u64, u64, Node, Node, Vec<u8>)>> = BinaryHeap::new();
     let mut seq = 0u64;
@@ -95,19 +107,29 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
         assert!(steps < 50_000_000, "no progress");
         // workers: events, then transmit
         for (w, s) in sessions.iter_mut().enumerate() {
+            if let Some((at, _)) = &pending[w] {
+                if *at <= now {
+                    let (_, t) = pending[w].take().unwrap();
+                    s.begin(now, t).unwrap();
+                }
+            }
             while let Some(ev) = s.poll_event() {
-                match ev {
-                    Event::Joined(_) => {
-                        let t = inputs[w].pop_front().expect("at least one tensor");
-                        s.begin(now, t).unwrap();
-                    }
+                let next = match ev {
+                    Event::Joined(_) => inputs[w].pop_front(),
                     Event::Completed(o) => {
                         outcomes[w].push(o);
-                        if let Some(t) = inputs[w].pop_front() {
-                            s.begin(now, t).unwrap();
-                        }
+                        inputs[w].pop_front()
                     }
+                    Event::Membership { .. } => None,
                     Event::Failed(e) => panic!("worker {w} failed: {e}"),
+                };
+                if let Some(t) = next {
+                    let d = delay(w, outcomes[w].len());
+                    if d == 0 {
+                        s.begin(now, t).unwrap();
+                    } else {
+                        pending[w] = Some((now + Duration::from_nanos(d), t));
+                    }
                 }
             }
             let mut out = VecTransmit::new();
@@ -121,7 +143,12 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
             break;
         }
         // next thing to happen: a delivery or a timer
-        let next_timer = sessions.iter().filter_map(|s| s.poll_timeout()).min();
+        let next_timer = sessions
+            .iter()
+            .filter_map(|s| s.poll_timeout())
+            .chain(shards.iter().filter_map(|sw| sw.poll_timeout()))
+            .chain(pending.iter().flatten().map(|(at, _)| *at))
+            .min();
         let next_wire = wire.peek().map(|Reverse((t, ..))| Time::from_nanos(*t));
         let next = match (next_timer, next_wire) {
             (Some(a), Some(b)) => a.min(b),
@@ -158,6 +185,15 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
         for s in sessions.iter_mut() {
             if s.poll_timeout().is_some_and(|t| t <= now) {
                 s.handle_timeout(now);
+            }
+        }
+        for (i, sw) in shards.iter_mut().enumerate() {
+            if sw.poll_timeout().is_some_and(|t| t <= now) {
+                let mut out = VecTransmit::new();
+                sw.handle_timeout(now, &mut out);
+                for (dest, b) in out.drain() {
+                    send(&mut wire, &mut rng, now, Node::Shard(i as u16), dest, b);
+                }
             }
         }
     }
@@ -237,7 +273,7 @@ proptest! {
         dup in 0.0f64..=0.1,
         seed in any::<u64>(),
     ) {
-        let cfg = Run { workers, shards, epp, window: slots, slots, net: net(loss, dup, 40_000), seed };
+        let cfg = Run::new(workers, shards, epp, slots, slots, net(loss, dup, 40_000), seed);
         let inputs = int_inputs(workers, len, seed);
         let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
         check_int(&inputs, &outcomes);
@@ -254,7 +290,7 @@ proptest! {
         dup in 0.0f64..=0.1,
         seed in any::<u64>(),
     ) {
-        let cfg = Run { workers, shards, epp, window: slots, slots, net: net(loss, dup, 40_000), seed };
+        let cfg = Run::new(workers, shards, epp, slots, slots, net(loss, dup, 40_000), seed);
         let inputs = float_inputs(workers, len, seed);
         let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::F32).collect());
         check_float(&inputs, &outcomes, epp as usize);
@@ -276,7 +312,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let epp = 64u16;
-        let cfg = Run { workers, shards: 2, epp, window: slots, slots, net: net(loss, 0.05, 30_000), seed };
+        let cfg = Run::new(workers, 2, epp, slots, slots, net(loss, 0.05, 30_000), seed);
         let mut per_worker: Vec<Vec<Tensor>> = vec![Vec::new(); workers];
         let mut refs = Vec::new();
         for (k, len) in lens.iter().enumerate() {
@@ -305,7 +341,7 @@ proptest! {
 
 #[test]
 fn ten_million_int32_elements_with_loss() {
-    let cfg = Run { workers: 2, shards: 2, epp: 1024, window: 64, slots: 64, net: net(0.05, 0.01, 20_000), seed: 3 };
+    let cfg = Run::new(2, 2, 1024, 64, 64, net(0.05, 0.01, 20_000), 3);
     let inputs = int_inputs(2, 10_000_000, 3);
     let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
     check_int(&inputs, &outcomes);
@@ -314,7 +350,7 @@ fn ten_million_int32_elements_with_loss() {
 
 #[test]
 fn ten_million_float32_elements_with_loss() {
-    let cfg = Run { workers: 3, shards: 1, epp: 1024, window: 128, slots: 128, net: net(0.05, 0.01, 20_000), seed: 4 };
+    let cfg = Run::new(3, 1, 1024, 128, 128, net(0.05, 0.01, 20_000), 4);
     let inputs = float_inputs(3, 10_000_000, 4);
     let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::F32).collect());
     check_float(&inputs, &outcomes, 1024);
@@ -323,7 +359,7 @@ fn ten_million_float32_elements_with_loss() {
 #[test]
 fn window_larger_than_slots_still_completes() {
     // The switch refuses blocks whose slot is busy; retransmission recovers.
-    let cfg = Run { workers: 4, shards: 1, epp: 64, window: 32, slots: 4, net: net(0.0, 0.0, 1_000), seed: 5 };
+    let cfg = Run::new(4, 1, 64, 32, 4, net(0.0, 0.0, 1_000), 5);
     let inputs = int_inputs(4, 3_000, 5);
     let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
     check_int(&inputs, &outcomes);
@@ -331,7 +367,7 @@ fn window_larger_than_slots_still_completes() {
 
 #[test]
 fn empty_tensor_completes_immediately() {
-    let cfg = Run { workers: 2, shards: 1, epp: 64, window: 4, slots: 4, net: net(0.0, 0.0, 0), seed: 6 };
+    let cfg = Run::new(2, 1, 64, 4, 4, net(0.0, 0.0, 0), 6);
     let outcomes = run(&cfg, vec![Tensor::I32(vec![]), Tensor::I32(vec![])]);
     assert!(outcomes.iter().all(|o| o.blocks == 0 && o.tensor.is_empty()));
 }
@@ -340,7 +376,7 @@ fn empty_tensor_completes_immediately() {
 #[ignore]
 fn diag_retransmission_rate() {
     for loss in [0.0, 0.01, 0.05] {
-        let cfg = Run { workers: 4, shards: 1, epp: 1024, window: 256, slots: 256, net: net(loss, 0.0, 0), seed: 9 };
+        let cfg = Run::new(4, 1, 1024, 256, 256, net(loss, 0.0, 0), 9);
         let inputs = float_inputs(4, 2_000_000, 9);
         let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::F32).collect());
         let r: u64 = outcomes.iter().map(|o| o.retransmissions).sum();
@@ -349,5 +385,168 @@ fn diag_retransmission_rate() {
         let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
         let r: u64 = outcomes.iter().map(|o| o.retransmissions).sum();
         println!("int loss {loss}: blocks {} retransmissions {r}", outcomes[0].blocks);
+    }
+}
+
+/// Check a run with stragglers: for every block, all workers that got a
+/// result got the same one (bit for bit), it sums exactly `src_cnt` of the
+/// inputs, it is flagged degraded iff `src_cnt` is below the job size, and a
+/// worker without it (a straggler the job left behind) has zeros and reports
+/// `src_cnt` 0. Returns (degraded blocks seen by worker 0, missed blocks).
+fn check_straggler_run(inputs: &[Vec<Vec<i32>>], outcomes: &[Vec<Outcome>], epp: usize) -> (usize, usize) {
+    let n = inputs.len();
+    let (mut degraded_seen, mut missed_seen) = (0, 0);
+    for (k, _) in inputs[0].iter().enumerate() {
+        let len = inputs[0][k].len();
+        let blocks = len.div_ceil(epp);
+        for b in 0..blocks {
+            let range = b * epp..((b + 1) * epp).min(len);
+            let mut common: Option<(u16, Vec<i32>)> = None;
+            for (w, o) in outcomes.iter().enumerate() {
+                let o = &o[k];
+                let Tensor::I32(t) = &o.tensor else { panic!("dtype") };
+                let got = t[range.clone()].to_vec();
+                let cnt = o.src_cnt_of(b as u32, n as u16);
+                if cnt == 0 {
+                    assert!(got.iter().all(|&x| x == 0), "worker {w} missed block {b} but has data");
+                    missed_seen += 1;
+                    continue;
+                }
+                match &common {
+                    None => common = Some((cnt, got)),
+                    Some((c, v)) => {
+                        assert_eq!((*c, v), (cnt, &got), "worker {w} disagrees on block {b} of allreduce {k}");
+                    }
+                }
+            }
+            let (cnt, sum) = common.expect("someone has every block: the job never waits forever");
+            if (cnt as usize) < n && k == 0 {
+                degraded_seen += 1;
+            }
+            // the result sums exactly `cnt` of the inputs
+            let found = (0u32..1 << n).filter(|m| m.count_ones() == cnt as u32).any(|mask| {
+                range.clone().zip(&sum).all(|(i, s)| {
+                    let e = (0..n).filter(|w| mask >> w & 1 == 1).fold(0i32, |a, w| a.wrapping_add(inputs[w][k][i]));
+                    e == *s
+                })
+            });
+            assert!(found, "block {b} of allreduce {k} is not a sum of {cnt} inputs");
+        }
+    }
+    (degraded_seen, missed_seen)
+}
+
+fn straggler_inputs(workers: usize, lens: &[usize], seed: u64) -> Vec<Vec<Vec<i32>>> {
+    let per_k: Vec<Vec<Vec<i32>>> = lens.iter().enumerate().map(|(k, &l)| int_inputs(workers, l, seed + k as u64)).collect();
+    (0..workers).map(|w| per_k.iter().map(|ins| ins[w].clone()).collect()).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Loss, duplication, reordering and stragglers together (the straggler
+    /// starts some allreduces up to 30 ms late; the timeout is 1-5 ms).
+    #[test]
+    fn stragglers_with_loss_never_split_or_corrupt_results(
+        workers in 2usize..=5,
+        lens in proptest::collection::vec(1usize..=2_000, 1..=4),
+        slots in 1u32..=8,
+        shards in 1u16..=2,
+        loss in 0.0f64..=0.1,
+        block_exp_ms in 1u32..=5,
+        slow_after_windows in 0u32..=2,
+        straggles in proptest::collection::vec(prop_oneof![Just(0u64), 1_000_000u64..=30_000_000], 4),
+        seed in any::<u64>(),
+    ) {
+        let epp = 64u16;
+        let mut cfg = Run::new(workers, shards, epp, slots, slots, net(loss, 0.02, 30_000), seed);
+        cfg.block_exp_ms = block_exp_ms;
+        cfg.slow_after_windows = slow_after_windows;
+        cfg.delays = vec![Vec::new(); workers];
+        cfg.delays[workers - 1] = straggles;
+        let inputs = straggler_inputs(workers, &lens, seed);
+        let tensors = inputs.iter().map(|per| per.iter().cloned().map(Tensor::I32).collect()).collect();
+        let outcomes = run_many(&cfg, tensors);
+        check_straggler_run(&inputs, &outcomes, epp as usize);
+    }
+}
+
+/// Without stragglers or loss, aging never fires: every block is complete.
+/// (With loss, a block whose contribution is lost for longer than the
+/// timeout ages like a straggler's; the property test above covers that.)
+#[test]
+fn aging_without_stragglers_changes_nothing() {
+    let mut cfg = Run::new(4, 2, 64, 8, 8, net(0.0, 0.02, 200_000), 11);
+    cfg.block_exp_ms = 5;
+    let inputs = int_inputs(4, 20_000, 11);
+    let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
+    check_int(&inputs, &outcomes);
+}
+
+#[test]
+fn a_silent_straggler_costs_the_others_bounded_time_and_is_declared_slow() {
+    // Worker 3 starts 200 ms late; the others finish their 3 allreduces
+    // without it: the first windows pay the 2 ms timeout, then worker 3 is
+    // declared permanently slow (K = 1) and the rest completes at once.
+    let mut cfg = Run::new(4, 1, 64, 8, 8, net(0.0, 0.0, 1_000), 12);
+    cfg.block_exp_ms = 2;
+    cfg.slow_after_windows = 1;
+    cfg.delays = vec![vec![], vec![], vec![], vec![200_000_000]];
+    let lens = [64 * 40, 64 * 40, 64 * 40];
+    let inputs = straggler_inputs(4, &lens, 12);
+    let tensors = inputs.iter().map(|per| per.iter().cloned().map(Tensor::I32).collect()).collect();
+    let outcomes = run_many(&cfg, tensors);
+    let (degraded, _missed) = check_straggler_run(&inputs, &outcomes, 64);
+    assert_eq!(degraded, 40, "every block of the first allreduce excluded the straggler");
+    for o in &outcomes[0] {
+        assert_eq!(o.min_src_cnt, 3);
+        // one window aged (about 2 ms), the rest completed without waiting
+        assert!(o.latency_max < Duration::from_millis(4), "{:?}", o.latency_max);
+    }
+    // the straggler finds every block gone or partial, never corrupts
+    assert!(outcomes[3].iter().all(|o| o.min_src_cnt <= 3));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Float tensors (exponent rounds, lookahead exponents) with stragglers
+    /// and loss: every allreduce completes, and the workers that got a
+    /// block's result agree on it bit for bit.
+    #[test]
+    fn float_stragglers_complete_and_agree(
+        workers in 2usize..=4,
+        lens in proptest::collection::vec(1usize..=3_000, 1..=5),
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.05,
+        block_exp_ms in 1u32..=4,
+        slow_after_windows in 0u32..=2,
+        straggles in proptest::collection::vec(prop_oneof![Just(0u64), 1_000_000u64..=30_000_000], 5),
+        seed in any::<u64>(),
+    ) {
+        let epp = 64u16;
+        let mut cfg = Run::new(workers, 1, epp, slots, slots, net(loss, 0.01, 20_000), seed);
+        cfg.block_exp_ms = block_exp_ms;
+        cfg.slow_after_windows = slow_after_windows;
+        cfg.delays = vec![Vec::new(); workers];
+        cfg.delays[workers - 1] = straggles;
+        let per_worker: Vec<Vec<Tensor>> = (0..workers)
+            .map(|w| lens.iter().enumerate().map(|(k, &l)| Tensor::F32(float_inputs(workers, l, seed + k as u64)[w].clone())).collect())
+            .collect();
+        let outcomes = run_many(&cfg, per_worker);
+        for k in 0..lens.len() {
+            let blocks = lens[k].div_ceil(epp as usize);
+            for b in 0..blocks {
+                let range = b * epp as usize..((b + 1) * epp as usize).min(lens[k]);
+                let mut seen: Option<Vec<u32>> = None;
+                for o in &outcomes {
+                    let o = &o[k];
+                    if o.src_cnt_of(b as u32, workers as u16) == 0 { continue; }
+                    let Tensor::F32(t) = &o.tensor else { panic!() };
+                    let bits: Vec<u32> = t[range.clone()].iter().map(|x| x.to_bits()).collect();
+                    match &seen { None => seen = Some(bits), Some(s) => prop_assert_eq!(s, &bits) }
+                }
+            }
+        }
     }
 }

@@ -89,9 +89,12 @@ impl Session {
     }
 
     /// Sum `array` (int32 or float32, any shape) over every member of the job.
-    /// Returns a new array of the same shape and dtype. The GIL is released
-    /// while communicating.
-    fn allreduce<'py>(&mut self, py: Python<'py>, array: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    /// Returns a new array of the same shape and dtype. With `average`, each
+    /// block is divided by the number of sources its result summed
+    /// (`src_cnt`; fewer than the job size for a partial result). The GIL is
+    /// released while communicating.
+    #[pyo3(signature = (array, average=false))]
+    fn allreduce<'py>(&mut self, py: Python<'py>, array: &Bound<'py, PyAny>, average: bool) -> PyResult<Bound<'py, PyAny>> {
         let shape: Vec<usize>;
         let tensor = if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, f32>>() {
             shape = a.shape().to_vec();
@@ -106,8 +109,25 @@ impl Session {
                 "fanin allreduce takes a numpy array of int32 or float32 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
             )));
         };
-        let outcome = py.detach(|| self.inner.allreduce(tensor)).map_err(host_err)?;
-        let Outcome { tensor, gen_id, blocks, retransmissions, degraded_blocks, min_src_cnt } = outcome;
+        if average && matches!(tensor, Tensor::I32(_)) {
+            return Err(PyTypeError::new_err("average=True needs a float32 array (an int32 mean is not an int32)"));
+        }
+        let mut outcome = py.detach(|| self.inner.allreduce(tensor)).map_err(host_err)?;
+        if average {
+            let epp = self.inner.options().session.elems_per_packet as usize;
+            outcome.average(epp, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        }
+        let Outcome {
+            tensor,
+            gen_id,
+            blocks,
+            retransmissions,
+            degraded_blocks,
+            min_src_cnt,
+            missed_blocks,
+            latency_mean,
+            latency_max,
+        } = outcome;
         // the result vector becomes the array's buffer: no copy
         let result = match tensor {
             Tensor::F32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
@@ -120,12 +140,17 @@ impl Session {
             retransmissions,
             degraded_blocks,
             min_src_cnt,
+            missed_blocks,
+            latency_mean,
+            latency_max,
         });
         Ok(result)
     }
 
     /// Statistics of the last allreduce: retransmissions, blocks, gen_id,
-    /// degraded_blocks [(block index, src_cnt)], min_src_cnt.
+    /// degraded_blocks [(block index, src_cnt)], min_src_cnt, missed_blocks,
+    /// latency_mean_ms / latency_max_ms (first send of a block to its
+    /// result) and slow_sources (sources the switch declared permanently slow).
     fn last_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(o) = &self.last else { return Ok(None) };
         let d = PyDict::new(py);
@@ -134,6 +159,10 @@ impl Session {
         d.set_item("gen_id", o.gen_id)?;
         d.set_item("degraded_blocks", o.degraded_blocks.clone())?;
         d.set_item("min_src_cnt", o.min_src_cnt)?;
+        d.set_item("missed_blocks", o.missed_blocks)?;
+        d.set_item("latency_mean_ms", o.latency_mean.as_secs_f64() * 1e3)?;
+        d.set_item("latency_max_ms", o.latency_max.as_secs_f64() * 1e3)?;
+        d.set_item("slow_sources", self.inner.slow_sources().to_vec())?;
         Ok(Some(d))
     }
 

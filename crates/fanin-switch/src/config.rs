@@ -3,7 +3,10 @@
 
 use std::net::SocketAddr;
 
-use fanin_proto::job::{JobMode, JobSpec};
+use std::time::Duration;
+
+use fanin_proto::job::{JobMode, JobSpec, DEFAULT_SLOW_AFTER_WINDOWS};
+use fanin_proto::switch::AgingConfig;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -36,7 +39,49 @@ pub struct DaemonConfig {
     #[serde(default)]
     pub faults: FaultConfig,
     #[serde(default)]
+    pub aging: AgingSection,
+    #[serde(default)]
     pub jobs: Vec<JobConfig>,
+}
+
+/// The straggler detector (docs/stragglers.md): each job with a
+/// `block_exp_ms` is scanned by `scanners` timer scans per visit period,
+/// and a block ages after `checks` visits without a new contribution.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgingSection {
+    #[serde(default = "default_scanners")]
+    pub scanners: u16,
+    #[serde(default = "default_checks")]
+    pub checks: u8,
+    /// Finest scan tick allowed, in microseconds (software timers).
+    #[serde(default = "default_min_tick_us")]
+    pub min_tick_us: u64,
+}
+
+impl Default for AgingSection {
+    fn default() -> Self {
+        Self { scanners: default_scanners(), checks: default_checks(), min_tick_us: default_min_tick_us() }
+    }
+}
+
+impl AgingSection {
+    pub fn to_config(&self) -> AgingConfig {
+        AgingConfig { scanners: self.scanners, checks: self.checks, min_tick: Duration::from_micros(self.min_tick_us) }
+    }
+}
+
+fn default_scanners() -> u16 {
+    AgingConfig::default().scanners
+}
+fn default_checks() -> u8 {
+    AgingConfig::default().checks
+}
+fn default_min_tick_us() -> u64 {
+    AgingConfig::default().min_tick.as_micros() as u64
+}
+fn default_slow_after_windows() -> u32 {
+    DEFAULT_SLOW_AFTER_WINDOWS
 }
 
 /// Seeded fault injection on the switch's own ports.
@@ -70,6 +115,8 @@ pub struct JobConfig {
     pub block_grad_max: u32,
     #[serde(default)]
     pub block_exp_ms: u32,
+    #[serde(default = "default_slow_after_windows")]
+    pub slow_after_windows: u32,
     #[serde(default)]
     pub mode: JobMode,
 }
@@ -160,6 +207,10 @@ impl DaemonConfig {
                 return bad(format!("{name} = {p} is not a probability (0.0..=1.0)"));
             }
         }
+        self.aging.to_config().validate().map_err(ConfigError::Invalid)?;
+        if self.aging.min_tick_us == 0 {
+            return bad("aging.min_tick_us must be at least 1".into());
+        }
         let mut seen = std::collections::BTreeSet::new();
         for (i, job) in self.jobs.iter().enumerate() {
             let spec = job.to_spec().map_err(|m| ConfigError::Invalid(format!("jobs[{i}]: {m}")))?;
@@ -186,6 +237,7 @@ impl JobConfig {
             block_cnt_max: self.block_cnt_max,
             block_grad_max: self.block_grad_max,
             block_exp_ms: self.block_exp_ms,
+            slow_after_windows: self.slow_after_windows,
             mode: self.mode,
         })
     }
@@ -233,6 +285,10 @@ mod tests {
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nblock_grad_max = 99999").contains("jobs[0]: job 1: block_grad_max 99999"));
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\n[[jobs]]\njob_id = 1\nsources = 2").contains("defined twice"));
         assert!(err("[faults]\ningress_drop = 1.5").contains("not a probability"));
+        assert!(err("[aging]\nscanners = 0").contains("aging.scanners 0 is out of range"));
+        assert!(err("[aging]\nchecks = 20").contains("aging.checks 20 is out of range"));
+        assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nblock_exp_ms = 700000").contains("block_exp_ms 700000"));
+        assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nslow_after_windows = 20000").contains("slow_after_windows 20000"));
     }
 }
 

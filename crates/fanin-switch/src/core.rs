@@ -224,6 +224,7 @@ impl SwitchHandle {
                     shard_count: config.shards,
                     incarnation,
                     memory_limit: per_shard,
+                    aging: config.aging.to_config(),
                 }),
                 socket,
                 commands: rx,

@@ -106,6 +106,26 @@ impl BatchSocket {
         self.socket.set_read_timeout(timeout)
     }
 
+    /// Waits until a datagram is queued or `timeout` passes, with the
+    /// kernel's high-resolution timers (`ppoll`). `SO_RCVTIMEO`, which bounds
+    /// [`recv_batch`](Self::recv_batch), counts in scheduler ticks (1-4 ms),
+    /// too coarse for timers of tens of microseconds. Returns whether a
+    /// datagram is ready; a signal counts as "not ready".
+    pub fn wait_readable(&self, timeout: Duration) -> io::Result<bool> {
+        let mut pfd = libc::pollfd { fd: self.socket.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: one valid pollfd, a valid timespec, no signal mask.
+        let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            return if err.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(err) };
+        }
+        Ok(n > 0)
+    }
+
     /// Switches non-blocking mode: receives return 0 at once when nothing
     /// is queued (for use under epoll or a busy-poll loop).
     pub fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {

@@ -31,6 +31,11 @@ pub enum MessageType {
     JoinAck = 0x05,
     /// Switch → worker: the request was refused, with a reason.
     Nack = 0x06,
+    /// Switch → members: a source's straggler status changed (declared
+    /// permanently slow, or re-admitted). Header only: `src_id` names the
+    /// source, `age_op` the new status, `src_cnt` the sources the job now
+    /// waits for, `block_id` the block at which it took effect.
+    Membership = 0x07,
 }
 
 impl MessageType {
@@ -42,6 +47,7 @@ impl MessageType {
             0x04 => Self::Join,
             0x05 => Self::JoinAck,
             0x06 => Self::Nack,
+            0x07 => Self::Membership,
             other => return Err(WireError::UnknownMessageType(other)),
         })
     }

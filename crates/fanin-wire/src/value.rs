@@ -90,7 +90,7 @@ fn body_len(msg_type: MessageType, grad_cnt: u16) -> usize {
         MessageType::Contribution | MessageType::Retransmission | MessageType::Result => {
             grad_cnt as usize * ELEM_LEN
         }
-        MessageType::Join => 0,
+        MessageType::Join | MessageType::Membership => 0,
         MessageType::JoinAck => JoinParams::LEN,
         MessageType::Nack => Nack::LEN,
     }
@@ -452,6 +452,10 @@ pub enum NackReason {
     /// grad_cnt differs from the other contributions to this block
     /// (detail = the block's grad_cnt): workers disagree on the tensor layout.
     ShapeMismatch = 8,
+    /// The block's result is no longer held: the job moved on without this
+    /// source (a straggler) and the slot was reused (detail = the block the
+    /// slot holds now). Not fatal: the worker records the block as missed.
+    BlockExpired = 9,
 }
 
 impl NackReason {
@@ -465,6 +469,7 @@ impl NackReason {
             6 => Self::BlockOutOfWindow,
             7 => Self::WrongMode,
             8 => Self::ShapeMismatch,
+            9 => Self::BlockExpired,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -479,9 +484,17 @@ impl NackReason {
             Self::BlockOutOfWindow => "block lies outside the job's window",
             Self::WrongMode => "message not valid for the job's mode",
             Self::ShapeMismatch => "grad_cnt differs from the other contributions to this block",
+            Self::BlockExpired => "the block's result expired: the job moved on without this source",
         }
     }
 }
+
+/// Status carried in `age_op` of a [`MessageType::Membership`] notice.
+pub const MEMBERSHIP_SLOW: u8 = 1;
+/// See [`MEMBERSHIP_SLOW`].
+pub const MEMBERSHIP_READMITTED: u8 = 2;
+/// `age_op` of a result the switch emitted because the block aged out.
+pub const AGE_OP_AGED: u8 = 1;
 
 /// Body of a `Nack`: `reason u16 | reserved u16 | detail u32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

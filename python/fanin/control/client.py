@@ -100,6 +100,7 @@ class ControlClient:
         block_grad_max: int = 1024,
         block_exp_ms: int = 0,
         mode: str = "aggregate",
+        slow_after_windows: int = 2,
     ) -> None:
         """Admit a job; ``members`` are the source ids (ranks) of its workers.
 
@@ -107,7 +108,8 @@ class ControlClient:
         size), ``block_grad_max`` the most elements per block (defaults as in
         the switch config file), ``block_exp_ms``
         the straggler timeout (0 disables aging), ``mode`` ``"aggregate"`` or
-        ``"forward"`` (the NoAggr baseline).
+        ``"forward"`` (the NoAggr baseline), ``slow_after_windows`` (K) the
+        windows a source may miss before it is declared permanently slow.
         """
         try:
             mode_value = MODES[mode]
@@ -116,6 +118,7 @@ class ControlClient:
         members = [int(m) for m in members]
         for value, what in [(job_id, "job_id"), (block_cnt_max, "block_cnt_max"),
                             (block_grad_max, "block_grad_max"), (block_exp_ms, "block_exp_ms"),
+                            (slow_after_windows, "slow_after_windows"),
                             *((m, "member id") for m in members)]:
             _check_u32(value, what)
         spec = pb.JobSpec(
@@ -124,6 +127,7 @@ class ControlClient:
             block_cnt_max=block_cnt_max,
             block_grad_max=block_grad_max,
             block_exp_ms=block_exp_ms,
+            slow_after_windows=slow_after_windows,
             mode=mode_value,
         )
         self._call("AdmitJob", pb.AdmitJobRequest(spec=spec))
@@ -172,5 +176,6 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         "block_cnt_max": j.block_cnt_max,
         "block_grad_max": j.block_grad_max,
         "block_exp_ms": j.block_exp_ms,
+        "slow_after_windows": j.slow_after_windows if j.HasField("slow_after_windows") else 2,
         "mode": _MODE_NAMES.get(j.mode, f"unknown({j.mode})"),
     }

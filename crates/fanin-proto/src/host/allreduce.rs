@@ -39,7 +39,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, EXP_NONE, MAX_GRAD_CNT,
+    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, MAX_GRAD_CNT, MEMBERSHIP_READMITTED,
+    MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
@@ -69,6 +70,10 @@ pub struct SessionConfig {
     /// Most datagrams one `poll_transmit` call writes, so receiving is never
     /// starved by sending.
     pub max_burst: usize,
+    /// Bytes of results for *later* allreduces kept until they begin. A
+    /// straggler that fell behind finds the partial results the switch
+    /// pushed to every member while it was busy, instead of missing them.
+    pub stash_bytes: usize,
 }
 
 impl SessionConfig {
@@ -84,6 +89,7 @@ impl SessionConfig {
             join_timeout: Duration::from_secs(5),
             dead_after: Duration::from_secs(10),
             max_burst: 64,
+            stash_bytes: 64 << 20,
         }
     }
 
@@ -166,12 +172,51 @@ pub struct Outcome {
     pub degraded_blocks: Vec<(u32, u16)>,
     /// Smallest `src_cnt` over all blocks (the job size if none degraded).
     pub min_src_cnt: u16,
+    /// Blocks whose result the switch no longer held when this worker asked
+    /// (it straggled behind the job): their elements are zero, reported in
+    /// `degraded_blocks` with `src_cnt` 0.
+    pub missed_blocks: u32,
+    /// From a block's first transmission to its result, over the blocks
+    /// this worker sent (mean and maximum).
+    pub latency_mean: Duration,
+    pub latency_max: Duration,
+}
+
+impl Outcome {
+    /// Sources summed in block `idx` of the tensor.
+    pub fn src_cnt_of(&self, idx: u32, n_sources: u16) -> u16 {
+        // degraded_blocks is sorted by completion, not index: search it all
+        self.degraded_blocks.iter().find(|(b, _)| *b == idx).map_or(n_sources, |(_, c)| *c)
+    }
+
+    /// Turn the sum into a mean: each block is divided by the number of
+    /// sources its result summed (`src_cnt`), not by the job size, so a
+    /// partial result averages the contributions it has. Blocks that summed
+    /// no source stay zero. Float tensors only.
+    pub fn average(&mut self, elems_per_packet: usize, n_sources: u16) -> Result<(), SessionError> {
+        let Tensor::F32(values) = &mut self.tensor else {
+            return Err(SessionError::Config("averaging needs a float tensor".into()));
+        };
+        let scale = 1.0 / n_sources.max(1) as f32;
+        values.iter_mut().for_each(|v| *v *= scale);
+        for &(idx, cnt) in &self.degraded_blocks {
+            let start = idx as usize * elems_per_packet;
+            let end = (start + elems_per_packet).min(values.len());
+            // undo the job-size division, apply the block's own
+            let fix = if cnt == 0 { 0.0 } else { n_sources as f32 / cnt as f32 };
+            values[start..end].iter_mut().for_each(|v| *v *= fix);
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// The switch accepted this worker; `begin` may be called.
     Joined(JoinParams),
+    /// The switch declared `source` permanently slow (`slow`) or re-admitted
+    /// it; blocks now wait for `waiting_for` sources.
+    Membership { source: u16, slow: bool, waiting_for: u16 },
     Completed(Outcome),
     Failed(SessionError),
 }
@@ -186,6 +231,9 @@ enum BlockPhase {
     DataSent,
     Done,
 }
+
+/// How many allreduces ahead of this worker the stash keeps results for.
+const STASH_GENERATIONS: u16 = 4;
 
 /// Results of later same-shard blocks that make a missing one count as lost.
 pub const DUP_THRESH: u8 = 3;
@@ -205,6 +253,8 @@ struct BlockState {
     queued: bool,
     /// Order of the last transmission among all of this session's sends.
     send_seq: u64,
+    /// First transmission (for the latency statistics).
+    first_sent: Option<Time>,
 }
 
 struct Op {
@@ -219,6 +269,13 @@ struct Op {
     /// Next block index never sent.
     next_new: u32,
     done: u32,
+    /// Blocks at or beyond `next_new` that are done already (a straggler
+    /// finds results the switch pushed to it before it sent anything).
+    done_ahead: u32,
+    missed: u32,
+    latency_sum: Duration,
+    latency_max: Duration,
+    latency_samples: u32,
     ready: VecDeque<u32>,
     retransmit: VecDeque<u32>,
     /// Last time a result (data or exponent) arrived for this allreduce.
@@ -255,6 +312,11 @@ pub struct AllreduceSession {
     events: VecDeque<Event>,
     /// Join must be (re)sent at the next poll_transmit.
     join_due: bool,
+    /// Sources the switch told us it declared permanently slow.
+    slow_sources: Vec<u16>,
+    /// Results of later generations (header, body), oldest first.
+    stash: VecDeque<(Repr, Vec<u8>)>,
+    stash_len: usize,
 }
 
 impl AllreduceSession {
@@ -277,6 +339,9 @@ impl AllreduceSession {
             rttvar: Duration::ZERO,
             events: VecDeque::new(),
             join_due: true,
+            slow_sources: Vec::new(),
+            stash: VecDeque::new(),
+            stash_len: 0,
         };
         if let State::Failed(e) = &session.state {
             session.events.push_back(Event::Failed(e.clone()));
@@ -294,6 +359,11 @@ impl AllreduceSession {
 
     pub fn n_sources(&self) -> u16 {
         self.n_sources
+    }
+
+    /// Sources the switch currently reports as permanently slow.
+    pub fn slow_sources(&self) -> &[u16] {
+        &self.slow_sources
     }
 
     pub fn is_ready(&self) -> bool {
@@ -340,6 +410,7 @@ impl AllreduceSession {
             later_results: 0,
             queued: false,
             send_seq: 0,
+            first_sent: None,
         };
         let blocks = vec![fresh; n_blocks as usize];
         self.op = Some(Op {
@@ -350,6 +421,11 @@ impl AllreduceSession {
             low: 0,
             next_new: 0,
             done: 0,
+            done_ahead: 0,
+            missed: 0,
+            latency_sum: Duration::ZERO,
+            latency_max: Duration::ZERO,
+            latency_samples: 0,
             ready: VecDeque::new(),
             retransmit: VecDeque::new(),
             last_progress: now,
@@ -360,6 +436,17 @@ impl AllreduceSession {
             min_src_cnt: self.n_sources,
         });
         self.last_heard = now;
+        // Results the switch pushed for this allreduce before it began.
+        let stash = std::mem::take(&mut self.stash);
+        self.stash_len = 0;
+        for (repr, body) in stash {
+            let ahead = repr.gen_id.wrapping_sub(self.gen_id);
+            if ahead == 0 {
+                self.on_result(now, &repr, &body);
+            } else if (1..=STASH_GENERATIONS).contains(&ahead) {
+                self.stash_result(&repr, &body);
+            }
+        }
         if n_blocks == 0 {
             self.finish_op();
         }
@@ -378,7 +465,7 @@ impl AllreduceSession {
             State::Ready => {
                 let op = self.op.as_ref()?;
                 let dead = self.last_heard + self.config.dead_after;
-                if op.next_new == op.done {
+                if op.outstanding() == 0 {
                     return Some(dead); // nothing outstanding
                 }
                 Some(self.stall_deadline(op).min(dead))
@@ -400,7 +487,7 @@ impl AllreduceSession {
             State::Ready => {
                 let rto = self.rto();
                 let Some(op) = self.op.as_ref() else { return };
-                let stalled = op.next_new > op.done && now >= self.stall_deadline(op);
+                let stalled = op.outstanding() > 0 && now >= self.stall_deadline(op);
                 let op = self.op.as_mut().expect("checked above");
                 if stalled {
                     // Nothing moved for an RTO. Usually a peer is slow rather
@@ -432,7 +519,7 @@ impl AllreduceSession {
                     op.backoff = (op.backoff + 1).min(6);
                     op.last_progress = now;
                 }
-                let outstanding = op.next_new - op.done;
+                let outstanding = op.outstanding();
                 if outstanding > 0 && now >= self.last_heard + self.config.dead_after {
                     let waited = now.saturating_since(self.last_heard);
                     self.fail(SessionError::SwitchSilent { waited, outstanding: outstanding as usize });
@@ -473,6 +560,10 @@ impl AllreduceSession {
                 (i, false)
             } else if op.next_new < op.blocks.len() as u32 && op.next_new < op.low + self.window {
                 op.next_new += 1;
+                if op.blocks[op.next_new as usize - 1].phase == BlockPhase::Done {
+                    op.done_ahead -= 1; // its result came before we sent it
+                    continue;
+                }
                 (op.next_new - 1, false)
             } else {
                 break;
@@ -502,6 +593,7 @@ impl AllreduceSession {
             b.later_results = 0;
             b.queued = false;
             b.sent_at = now;
+            b.first_sent.get_or_insert(now);
             op.send_seq += 1;
             b.send_seq = op.send_seq;
             sent += 1;
@@ -519,8 +611,24 @@ impl AllreduceSession {
             MessageType::JoinAck => self.on_join_ack(now, &repr, packet.payload()),
             MessageType::Nack => {
                 if let Ok(nack) = Nack::parse(packet.payload()) {
-                    // Nacks name a problem no retransmission can fix.
-                    self.fail(SessionError::Refused { job_id: repr.job_id, reason: nack.reason, detail: nack.detail });
+                    if nack.reason == NackReason::BlockExpired {
+                        self.last_heard = now;
+                        self.on_expired(now, &repr);
+                    } else {
+                        // Other nacks name a problem no retransmission can fix.
+                        self.fail(SessionError::Refused { job_id: repr.job_id, reason: nack.reason, detail: nack.detail });
+                    }
+                }
+            }
+            MessageType::Membership => {
+                self.last_heard = now;
+                let slow = repr.age_op == MEMBERSHIP_SLOW;
+                if repr.age_op == MEMBERSHIP_SLOW || repr.age_op == MEMBERSHIP_READMITTED {
+                    self.slow_sources.retain(|&s| s != repr.src_id);
+                    if slow {
+                        self.slow_sources.push(repr.src_id);
+                    }
+                    self.events.push_back(Event::Membership { source: repr.src_id, slow, waiting_for: repr.src_cnt });
                 }
             }
             MessageType::Result => {
@@ -549,7 +657,22 @@ impl AllreduceSession {
         self.events.push_back(Event::Joined(params));
     }
 
+    /// Keep a result of a later allreduce (bounded by `stash_bytes`).
+    fn stash_result(&mut self, repr: &Repr, payload: &[u8]) {
+        if self.stash_len + payload.len() > self.config.stash_bytes {
+            return;
+        }
+        self.stash_len += payload.len();
+        self.stash.push_back((*repr, payload.to_vec()));
+    }
+
     fn on_result(&mut self, now: Time, repr: &Repr, payload: &[u8]) {
+        // A later generation: the job is ahead of this worker (it straggled).
+        let ahead = repr.gen_id.wrapping_sub(self.gen_id);
+        if (1..=STASH_GENERATIONS).contains(&ahead) {
+            self.stash_result(repr, payload);
+            return;
+        }
         let (Some(params), Some(op)) = (self.params, self.op.as_mut()) else { return };
         let idx = repr.block_id.wrapping_sub(op.base_block);
         if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
@@ -559,17 +682,36 @@ impl AllreduceSession {
         let start = idx as usize * per;
         let count = (op.tensor.len() - start).min(per);
         let phase = op.blocks[idx as usize].phase;
+        if repr.exp_only && phase == BlockPhase::Unsent {
+            // Pushed to a straggler before it sent anything: use the
+            // negotiated exponent when the block goes out.
+            op.blocks[idx as usize].exp = repr.exp;
+            return;
+        }
+        if !repr.exp_only && repr.src_cnt == 0 && phase != BlockPhase::Done {
+            // A result summing no source carries nothing to use; the switch
+            // never emits one, but a worker must not wait forever for a
+            // block whose only answer it is: record the block as missed.
+            self.on_expired(now, repr);
+            return;
+        }
         let useful = if repr.exp_only {
             phase == BlockPhase::ExpSent
         } else {
-            phase == BlockPhase::DataSent && repr.grad_cnt as usize == count
+            // Any phase but done: a straggler may find the result of a block
+            // it has not sent (or finished negotiating) yet.
+            phase != BlockPhase::Done && repr.grad_cnt as usize == count
         };
         if !useful {
             return; // duplicate, or an answer to an earlier phase
         }
         op.last_progress = now;
         op.backoff = 0;
-        note_later_result(op, idx, &params, self.config.job_id);
+        // An aged result says nothing about loss: the scanners emit blocks
+        // in slice order, not block order.
+        if repr.age_op != AGE_OP_AGED {
+            note_later_result(op, idx, &params, self.config.job_id);
+        }
         let block = &mut op.blocks[idx as usize];
         if repr.exp_only {
             block.exp = repr.exp;
@@ -584,7 +726,13 @@ impl AllreduceSession {
                 bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, &mut v[start..start + count])
             }
         }
-        if block.attempt == 0 {
+        if let Some(first) = block.first_sent {
+            let latency = now.saturating_since(first);
+            op.latency_sum += latency;
+            op.latency_max = op.latency_max.max(latency);
+            op.latency_samples += 1;
+        }
+        if block.attempt == 0 && phase == BlockPhase::DataSent {
             let sample = now.saturating_since(block.sent_at);
             self.srtt = Some(match self.srtt {
                 None => {
@@ -600,6 +748,9 @@ impl AllreduceSession {
         }
         block.phase = BlockPhase::Done;
         op.done += 1;
+        if idx >= op.next_new {
+            op.done_ahead += 1;
+        }
         if repr.degraded || repr.src_cnt < self.n_sources {
             op.degraded.push((idx, repr.src_cnt));
         }
@@ -613,6 +764,43 @@ impl AllreduceSession {
                 }
             }
         }
+        while op.low < op.blocks.len() as u32 && op.blocks[op.low as usize].phase == BlockPhase::Done {
+            op.low += 1;
+        }
+        if op.done == op.blocks.len() as u32 {
+            self.finish_op();
+        }
+    }
+
+    /// The switch no longer holds the result of a block this worker asked
+    /// for: the job moved on without it. Record the block as missed (zero,
+    /// `src_cnt` 0) and move on, so a straggler catches up with the job.
+    fn on_expired(&mut self, now: Time, repr: &Repr) {
+        let Some(op) = self.op.as_mut() else { return };
+        let idx = repr.block_id.wrapping_sub(op.base_block);
+        if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
+            return;
+        }
+        if op.blocks[idx as usize].phase == BlockPhase::Done {
+            return;
+        }
+        let per = self.config.elems_per_packet as usize;
+        let start = idx as usize * per;
+        let end = (start + per).min(op.tensor.len());
+        match &mut op.tensor {
+            Tensor::I32(v) => v[start..end].fill(0),
+            Tensor::F32(v) => v[start..end].fill(0.0),
+        }
+        op.blocks[idx as usize].phase = BlockPhase::Done;
+        op.done += 1;
+        if idx >= op.next_new {
+            op.done_ahead += 1;
+        }
+        op.missed += 1;
+        op.degraded.push((idx, 0));
+        op.min_src_cnt = 0;
+        op.last_progress = now;
+        op.backoff = 0;
         while op.low < op.blocks.len() as u32 && op.blocks[op.low as usize].phase == BlockPhase::Done {
             op.low += 1;
         }
@@ -636,6 +824,9 @@ impl AllreduceSession {
             retransmissions: op.retransmissions,
             degraded_blocks: op.degraded,
             min_src_cnt: op.min_src_cnt,
+            missed_blocks: op.missed,
+            latency_mean: if op.latency_samples == 0 { Duration::ZERO } else { op.latency_sum / op.latency_samples },
+            latency_max: op.latency_max,
         }));
     }
 
@@ -650,6 +841,13 @@ impl AllreduceSession {
 
     fn join_request(&self) -> Repr {
         Repr { gen_id: self.gen_id, ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id) }
+    }
+}
+
+impl Op {
+    /// Blocks sent (at least once) whose result has not arrived.
+    fn outstanding(&self) -> u32 {
+        self.next_new - (self.done - self.done_ahead)
     }
 }
 
@@ -827,5 +1025,31 @@ mod tests {
         assert_eq!(s.poll_transmit(deadline, &mut out), 1);
         deliver(&mut s, &mut sw, deadline, out.drain().collect());
         assert!(matches!(s.poll_event(), Some(Event::Completed(_))));
+    }
+}
+
+#[cfg(test)]
+mod averaging_tests {
+    use super::*;
+
+    #[test]
+    fn average_divides_each_block_by_its_own_src_cnt() {
+        let mut o = Outcome {
+            tensor: Tensor::F32(vec![8.0, 8.0, 6.0, 6.0, 4.0]),
+            gen_id: 1,
+            blocks: 3,
+            retransmissions: 0,
+            degraded_blocks: vec![(1, 3), (2, 0)],
+            min_src_cnt: 0,
+            missed_blocks: 1,
+            latency_mean: Duration::ZERO,
+            latency_max: Duration::ZERO,
+        };
+        assert_eq!(o.src_cnt_of(0, 4), 4);
+        assert_eq!(o.src_cnt_of(1, 4), 3);
+        o.average(2, 4).unwrap();
+        assert_eq!(o.tensor, Tensor::F32(vec![2.0, 2.0, 2.0, 2.0, 0.0]));
+        let mut ints = Outcome { tensor: Tensor::I32(vec![1]), ..o };
+        assert!(ints.average(2, 4).is_err());
     }
 }

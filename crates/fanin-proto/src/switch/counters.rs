@@ -25,8 +25,9 @@ pub struct Counters {
     pub slot_busy: u64,
     /// Block beyond the job's window.
     pub out_of_window: u64,
-    /// Block older than anything the switch still holds for the job.
-    pub stale: u64,
+    /// Contribution for a block whose result the switch no longer holds (a
+    /// straggler behind the job); answered with a `BlockExpired` nack.
+    pub expired: u64,
     /// dtype, grad_cnt or exponent inconsistent with the block.
     pub mismatch: u64,
     /// Messages a switch never accepts in that state (data before the
@@ -37,6 +38,17 @@ pub struct Counters {
     /// Datagram for a block another shard owns (handed over by the runtime).
     pub wrong_shard: u64,
     pub blocks_completed: u64,
+    /// Completed blocks whose result summed fewer sources than the job has.
+    pub blocks_degraded: u64,
+    /// Blocks (exponent rounds included) the scanners aged out.
+    pub blocks_aged: u64,
+    /// Scanner ticks run (each visits one slice of one job's slots).
+    pub scans: u64,
+    /// Sources declared permanently slow / re-admitted.
+    pub declared_slow: u64,
+    pub readmitted: u64,
+    /// Membership notices sent (one per member per status change).
+    pub notices_sent: u64,
     /// Result datagrams sent when a block completed (one per member).
     pub results_sent: u64,
     /// Results sent again in answer to a retransmission.
@@ -73,12 +85,18 @@ impl Counters {
         f("over_cap", None, self.over_cap);
         f("slot_busy", None, self.slot_busy);
         f("out_of_window", None, self.out_of_window);
-        f("stale", None, self.stale);
+        f("expired", None, self.expired);
         f("mismatch", None, self.mismatch);
         f("protocol_violation", None, self.protocol_violation);
         f("late", None, self.late);
         f("wrong_shard", None, self.wrong_shard);
         f("blocks_completed", None, self.blocks_completed);
+        f("blocks_degraded", None, self.blocks_degraded);
+        f("blocks_aged", None, self.blocks_aged);
+        f("scans", None, self.scans);
+        f("declared_slow", None, self.declared_slow);
+        f("readmitted", None, self.readmitted);
+        f("notices_sent", None, self.notices_sent);
         f("results_sent", None, self.results_sent);
         f("results_resent", None, self.results_resent);
         f("joins", None, self.joins);
@@ -93,8 +111,8 @@ impl Counters {
         }
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
-            slot_busy, out_of_window, stale, mismatch, protocol_violation, late, wrong_shard,
-            blocks_completed, results_sent, results_resent, joins, nacks_sent, forwarded
+            slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
+            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

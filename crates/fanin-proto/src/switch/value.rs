@@ -20,15 +20,34 @@
 //! sender's exponent for block `b + block_cnt_max` in `next_exp`, and the
 //! switch returns the maximum with `b`'s result (SwitchML's pipelining).
 //!
+//! **Stragglers** (Trio §5, docs/stragglers.md). A job with a block timeout
+//! `block_exp` is scanned by N scanners, started `1/N` of a visit period
+//! apart, each visiting `1/N` of the job's slots. A block record carries
+//! Trio's recently-referenced (REF) flag, set when the record is created and
+//! whenever a contribution is added to it; a visit clears the flag, and a
+//! block found unreferenced on `checks` consecutive visits (visit period
+//! `block_exp / checks`) ages out: its partial result goes to every member
+//! with `degraded` set and `src_cnt` = the sources in it. `checks = 1` is
+//! exactly Trio (a block ages between `block_exp` and `2 * block_exp` after
+//! its last contribution); larger values tighten that to
+//! `block_exp * (1 + 1/checks)`. A source missing from the aged blocks of
+//! `slow_after_windows` consecutive windows is declared permanently slow:
+//! members are notified and blocks stop waiting for it, until it contributes
+//! to an open block again (it caught up) or rejoins.
+//!
 //! **Calling contract.** Admit jobs with [`ValueSwitch::add_job`]; feed every
 //! datagram to [`ValueSwitch::handle_datagram`] with the current time and the
-//! sender's address; send what it wrote into the [`Transmit`] sink. A
-//! [`Verdict::WrongShard`] datagram belongs to another shard of the same switch.
+//! sender's address; call [`ValueSwitch::handle_timeout`] when
+//! [`ValueSwitch::poll_timeout`] has passed; send what both wrote into the
+//! [`Transmit`] sink. A [`Verdict::WrongShard`] datagram belongs to another
+//! shard of the same switch.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use fanin_wire::value::{
-    Dtype, JoinParams, Nack, NackReason, Packet, Repr, ELEM_LEN, EXP_NONE, HEADER_LEN,
+    Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, ELEM_LEN, EXP_NONE, HEADER_LEN,
+    MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
@@ -47,12 +66,53 @@ pub struct ShardConfig {
     pub incarnation: u32,
     /// Aggregation memory this shard may hand out to jobs, in bytes.
     pub memory_limit: u64,
+    pub aging: AgingConfig,
 }
 
 impl ShardConfig {
     /// A single-shard switch with `memory_limit` bytes.
     pub fn single(memory_limit: u64) -> Self {
-        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit }
+        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit, aging: AgingConfig::default() }
+    }
+}
+
+/// The straggler detector's timer threads (Trio §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgingConfig {
+    /// N: scanners per job; scanner `i` visits slice `i` of the job's slots.
+    pub scanners: u16,
+    /// Consecutive unreferenced visits before a block ages (1 = Trio).
+    pub checks: u8,
+    /// Finest scan tick (`block_exp / (scanners * checks)`) the runtime's
+    /// timers keep; a job asking for a finer one is refused at admission.
+    pub min_tick: Duration,
+}
+
+impl Default for AgingConfig {
+    fn default() -> Self {
+        Self { scanners: 8, checks: 4, min_tick: Duration::from_micros(20) }
+    }
+}
+
+/// Most scanners per job.
+pub const MAX_SCANNERS: u16 = 1024;
+/// Most checks: the count lives in Trio's 4-bit `age_op` field.
+pub const MAX_CHECKS: u8 = 15;
+
+impl AgingConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.scanners == 0 || self.scanners > MAX_SCANNERS {
+            return Err(format!("aging.scanners {} is out of range (1..={MAX_SCANNERS})", self.scanners));
+        }
+        if self.checks == 0 || self.checks > MAX_CHECKS {
+            return Err(format!("aging.checks {} is out of range (1..={MAX_CHECKS})", self.checks));
+        }
+        Ok(())
+    }
+
+    /// The scan tick for a timeout of `block_exp_ms`.
+    pub fn tick(&self, block_exp_ms: u32) -> Duration {
+        Duration::from_millis(block_exp_ms as u64) / (self.scanners as u32 * self.checks as u32)
     }
 }
 
@@ -65,6 +125,8 @@ pub enum AdmitError {
     Duplicate(u32),
     #[error("job {job_id} needs {needed} bytes of aggregation memory but only {available} of {limit} are free")]
     OutOfMemory { job_id: u32, needed: u64, available: u64, limit: u64 },
+    #[error("job {job_id}: block_exp_ms {block_exp_ms} with {scanners} scanners x {checks} checks needs a scan every {tick:?}, finer than this switch's timers keep ({min_tick:?}); use a longer block_exp_ms or fewer aging.scanners/aging.checks")]
+    AgingTooFine { job_id: u32, block_exp_ms: u32, scanners: u16, checks: u8, tick: Duration, min_tick: Duration },
 }
 
 /// What the runtime must do with a datagram after the program saw it.
@@ -108,6 +170,19 @@ struct Block {
     sum: Vec<i32>,
     /// Trio's block_start_time: when the first packet arrived.
     start_time: Time,
+    /// Sources this block waits for: the job's active sources when it was
+    /// created (after an aged exponent round, the sources in that round).
+    expected: SourceMask,
+    expected_count: u16,
+    /// How many of `expected` are in `rcvd`.
+    expected_rcvd: u16,
+    /// Trio's recently-referenced flag: set on creation and on every
+    /// contribution added; cleared by the scanner.
+    referenced: bool,
+    /// Consecutive scanner visits that found the flag clear.
+    idle_checks: u8,
+    /// The block aged out (in either phase): its result is partial.
+    aged: bool,
 }
 
 impl Block {
@@ -126,10 +201,50 @@ impl Block {
             rcvd: SourceMask::with_capacity(source_capacity),
             sum: Vec::new(),
             start_time: Time::ZERO,
+            expected: SourceMask::with_capacity(source_capacity),
+            expected_count: 0,
+            expected_rcvd: 0,
+            referenced: false,
+            idle_checks: 0,
+            aged: false,
         }
     }
 
-    fn reset(&mut self, block_id: u32, gen_id: u16, dtype: Dtype, exp_only: bool, now: Time) {
+    fn is_open(&self) -> bool {
+        self.phase != Phase::Done
+    }
+
+    /// Every source the block waits for has contributed in this phase, and
+    /// at least one did: a result always sums at least one source (the
+    /// sources it waited for may all have been declared slow meanwhile).
+    fn satisfied(&self) -> bool {
+        self.expected_rcvd >= self.expected_count && !self.rcvd.is_empty()
+    }
+
+    /// Count `src` in the current phase; false if it already was.
+    fn receive(&mut self, src: usize) -> bool {
+        if !self.rcvd.insert(src) {
+            return false;
+        }
+        if self.expected.contains(src) {
+            self.expected_rcvd += 1;
+        }
+        self.referenced = true;
+        self.idle_checks = 0;
+        true
+    }
+
+    /// Stop waiting for `src` (declared permanently slow).
+    fn forget(&mut self, src: usize) {
+        if self.expected.remove(src) {
+            self.expected_count -= 1;
+            if self.rcvd.contains(src) {
+                self.expected_rcvd -= 1;
+            }
+        }
+    }
+
+    fn reset(&mut self, block_id: u32, gen_id: u16, dtype: Dtype, exp_only: bool, now: Time, active: &SourceMask) {
         self.block_id = block_id;
         self.gen_id = gen_id;
         self.dtype = dtype;
@@ -142,15 +257,21 @@ impl Block {
         self.next_exp = EXP_NONE;
         self.rcvd.clear();
         self.start_time = now;
+        self.expected.clone_from(active);
+        self.expected_count = active.count() as u16;
+        self.expected_rcvd = 0;
+        self.referenced = true;
+        self.idle_checks = 0;
+        self.aged = false;
     }
 
     /// Header of this block's result (exponent-only while negotiating).
-    fn result_repr(&self, job_id: u32, exp_only: bool) -> Repr {
+    fn result_repr(&self, job_id: u32, exp_only: bool, member_count: u16) -> Repr {
         Repr {
             msg_type: MessageType::Result,
-            age_op: 0,
+            age_op: if self.aged { AGE_OP_AGED } else { 0 },
             final_block: self.final_block,
-            degraded: false,
+            degraded: !exp_only && (self.aged || (self.rcvd.count() as u16) < member_count),
             exp_only,
             dtype: self.dtype,
             src_id: 0,
@@ -187,6 +308,33 @@ struct Job<A> {
     memory: u64,
     /// First block id of the job's stream (the SwitchML++ sync offset).
     start_block: u32,
+    /// Sources new blocks wait for: members minus the permanently slow.
+    active: SourceMask,
+    /// Per source: aged blocks it was missing from since it last contributed.
+    missed_streak: Vec<u32>,
+    /// Blocks still aggregating on this shard (the scanners idle at zero).
+    open_blocks: usize,
+    aging: Option<JobAging>,
+}
+
+/// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
+/// tick `k` (counted from time zero) visits slice `k mod N`, so scanner `i`
+/// fires at `i * period / N + j * period` with `period = block_exp / checks`.
+#[derive(Debug)]
+struct JobAging {
+    tick: u64,
+    slices: u64,
+    checks: u8,
+    next_tick: Time,
+    /// Aged blocks a source may miss in a row before it is declared
+    /// permanently slow (K windows of this shard's slots); 0 = never.
+    slow_after_blocks: u64,
+}
+
+impl<A> Job<A> {
+    fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {
+        (block_id % self.spec.block_cnt_max) as usize / shard_count.max(1) as usize
+    }
 }
 
 /// Value-stream aggregation for one shard. `A` is the address type of the
@@ -227,6 +375,12 @@ impl<A: Copy> ValueSwitch<A> {
         self.jobs.get(&job_id).map(|j| &j.spec)
     }
 
+    /// Sources of `job_id` this shard has declared permanently slow.
+    pub fn slow_sources(&self, job_id: u32) -> Vec<u16> {
+        let Some(job) = self.jobs.get(&job_id) else { return Vec::new() };
+        job.members.iter().filter(|&m| !job.active.contains(m)).map(|m| m as u16).collect()
+    }
+
     /// Number of slots of `spec` this shard owns.
     fn local_slot_count(&self, spec: &JobSpec) -> usize {
         let (shard, count) = (self.config.shard, self.config.shard_count);
@@ -254,6 +408,29 @@ impl<A: Copy> ValueSwitch<A> {
                 limit: self.config.memory_limit,
             });
         }
+        let aging = if spec.block_exp_ms > 0 && spec.mode == JobMode::Aggregate {
+            let cfg = self.config.aging;
+            let tick = cfg.tick(spec.block_exp_ms);
+            if tick < cfg.min_tick || tick.is_zero() {
+                return Err(AdmitError::AgingTooFine {
+                    job_id: spec.job_id,
+                    block_exp_ms: spec.block_exp_ms,
+                    scanners: cfg.scanners,
+                    checks: cfg.checks,
+                    tick,
+                    min_tick: cfg.min_tick,
+                });
+            }
+            Some(JobAging {
+                tick: tick.as_nanos() as u64,
+                slices: cfg.scanners as u64,
+                checks: cfg.checks,
+                next_tick: Time::ZERO,
+                slow_after_blocks: spec.slow_after_windows as u64 * local_slots as u64,
+            })
+        } else {
+            None
+        };
         let capacity = spec.source_capacity();
         let mut members = SourceMask::with_capacity(capacity);
         for &m in &spec.members {
@@ -270,11 +447,15 @@ impl<A: Copy> ValueSwitch<A> {
             spec.job_id,
             Job {
                 member_count: spec.members.len() as u16,
+                active: members.clone(),
                 members,
                 addrs: vec![None; capacity],
                 slots: (0..slot_count).map(|_| Slot::default()).collect(),
                 memory,
                 start_block: 0,
+                missed_streak: vec![0; capacity],
+                open_blocks: 0,
+                aging,
                 spec,
             },
         );
@@ -289,6 +470,66 @@ impl<A: Copy> ValueSwitch<A> {
                 true
             }
             None => false,
+        }
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must run next: the next
+    /// scanner tick of a job with blocks still aggregating.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        self.jobs
+            .values()
+            .filter(|j| j.open_blocks > 0)
+            .filter_map(|j| j.aging.as_ref().map(|a| a.next_tick))
+            .min()
+    }
+
+    /// Run every scanner tick that is due: visit the tick's slice of the
+    /// job's slots, clear REF flags, and age out blocks left unreferenced for
+    /// `checks` visits (their partial results go out through `out`).
+    pub fn handle_timeout(&mut self, now: Time, out: &mut impl Transmit<A>) {
+        for job in self.jobs.values_mut() {
+            let Some(aging) = job.aging.as_mut() else { continue };
+            if job.open_blocks == 0 {
+                continue;
+            }
+            // A runtime that fell behind (a long batch, a descheduled thread)
+            // runs at most one round of the N scanners now: visiting a slice
+            // twice at one instant would age blocks early.
+            let (tick, slices) = (aging.tick, aging.slices);
+            let late = now.as_nanos().saturating_sub(aging.next_tick.as_nanos()) / tick;
+            if late >= slices {
+                aging.next_tick = Time::from_nanos(aging.next_tick.as_nanos() + (late + 1 - slices) * tick);
+            }
+            let checks = aging.checks;
+            let mut newly_slow = Vec::new();
+            while job.open_blocks > 0 {
+                let aging = job.aging.as_mut().expect("checked above");
+                if aging.next_tick > now {
+                    break;
+                }
+                let k = aging.next_tick.as_nanos() / tick;
+                aging.next_tick = Time::from_nanos(aging.next_tick.as_nanos() + tick);
+                let slice = (k % slices) as usize;
+                self.counters.scans += 1;
+                let n = job.slots.len();
+                let (lo, hi) = (slice * n / slices as usize, (slice + 1) * n / slices as usize);
+                for local in lo..hi {
+                    let Some(block) = job.slots[local].cur.as_mut() else { continue };
+                    if !block.is_open() {
+                        continue;
+                    }
+                    if block.referenced {
+                        block.referenced = false;
+                        block.idle_checks = 0;
+                        continue;
+                    }
+                    block.idle_checks += 1;
+                    if block.idle_checks >= checks {
+                        age_out(job, local, &mut self.counters, out, &mut self.scratch, &mut newly_slow);
+                    }
+                }
+                settle_slow_sources(job, &mut newly_slow, &mut self.counters, out, &mut self.scratch);
+            }
         }
     }
 
@@ -334,6 +575,10 @@ impl<A: Copy> ValueSwitch<A> {
             return;
         }
         job.addrs[src as usize] = Some(from);
+        // A permanently slow source that rejoins is waited for again.
+        if !job.active.contains(src as usize) {
+            readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
+        }
         let repr = Repr { src_cnt: job.member_count, ..Repr::new(MessageType::JoinAck, job.spec.job_id, src) };
         let params = JoinParams {
             block_cnt_max: job.spec.block_cnt_max,
@@ -373,7 +618,8 @@ impl<A: Copy> ValueSwitch<A> {
         }
         let block_id = packet.block_id();
         let s = job.spec.block_cnt_max;
-        let owner = shard_of(job.spec.job_id, block_id, s, self.config.shard_count);
+        let shard_count = self.config.shard_count;
+        let owner = shard_of(job.spec.job_id, block_id, s, shard_count);
         if owner != self.config.shard {
             counters.wrong_shard += 1;
             return Verdict::WrongShard(owner);
@@ -391,22 +637,25 @@ impl<A: Copy> ValueSwitch<A> {
         }
         job.addrs[src] = Some(from);
 
-        let local = (block_id % s) as usize / self.config.shard_count.max(1) as usize;
+        let local = job.slot_of(block_id, shard_count);
         let slot = &mut job.slots[local];
         // Find the record this packet belongs to, creating it if the packet
         // opens the next use of the slot.
         let is_prev = match &slot.cur {
             None => {
-                let offset = block_id.wrapping_sub(job.start_block);
                 if block_id < job.start_block {
-                    counters.stale += 1;
+                    expired(counters, out, from, packet, job.start_block);
                     return Verdict::Consumed;
                 }
-                if offset >= s {
+                if block_id - job.start_block >= s {
                     counters.out_of_window += 1;
                     return Verdict::Consumed;
                 }
-                open_block(slot, job.members.capacity(), block_id, packet, exp_only, now);
+                open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active);
+                job.open_blocks += 1;
+                if let Some(aging) = job.aging.as_mut() {
+                    realign_scanners(aging, now, job.open_blocks);
+                }
                 false
             }
             Some(cur) if cur.block_id == block_id => false,
@@ -415,14 +664,21 @@ impl<A: Copy> ValueSwitch<A> {
                     counters.slot_busy += 1;
                     return Verdict::Consumed;
                 }
-                open_block(slot, job.members.capacity(), block_id, packet, exp_only, now);
+                open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active);
+                job.open_blocks += 1;
+                if let Some(aging) = job.aging.as_mut() {
+                    realign_scanners(aging, now, job.open_blocks);
+                }
                 false
             }
             Some(cur) => {
                 if slot.prev.as_ref().is_some_and(|p| p.block_id == block_id) {
                     true
                 } else if block_id < cur.block_id {
-                    counters.stale += 1;
+                    // The job moved on without this source and the slot was
+                    // reused: tell it, so it stops asking (a straggler).
+                    let now_held = cur.block_id;
+                    expired(counters, out, from, packet, now_held);
                     return Verdict::Consumed;
                 } else {
                     counters.out_of_window += 1;
@@ -430,7 +686,7 @@ impl<A: Copy> ValueSwitch<A> {
                 }
             }
         };
-        let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
+        let block = if is_prev { slot.prev.as_ref() } else { slot.cur.as_ref() }.expect("located above");
         if block.gen_id != packet.gen_id() || block.dtype != dtype {
             counters.mismatch += 1;
             if block.dtype != dtype {
@@ -438,38 +694,74 @@ impl<A: Copy> ValueSwitch<A> {
             }
             return Verdict::Consumed;
         }
-        let member_count = job.member_count as usize;
-        let mut reply = Reply {
-            job_id: job.spec.job_id,
-            members: &job.members,
-            addrs: &job.addrs,
-            counters,
-            from,
-            out,
-            scratch: &mut self.scratch,
+        let outcome = {
+            let mut reply = Reply {
+                job_id: job.spec.job_id,
+                members: &job.members,
+                member_count: job.member_count,
+                addrs: &job.addrs,
+                counters: &mut *counters,
+                from: Some(from),
+                out: &mut *out,
+                scratch: &mut self.scratch,
+            };
+            let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
+            if exp_only {
+                contribute_exponent(block, src, packet.exp(), &mut reply)
+            } else {
+                contribute_data(block, src, packet, &mut reply)
+            }
         };
-        let completed = if exp_only {
-            contribute_exponent(block, src, packet.exp(), member_count, &mut reply)
-        } else {
-            contribute_data(block, src, packet, member_count, &mut reply)
-        };
-        if completed && !is_prev {
+        if outcome.accepted {
+            job.missed_streak[src] = 0;
+        }
+        let mut newly_slow = Vec::new();
+        if outcome.completed {
+            job.open_blocks -= 1;
+            let block = slot.cur.as_ref().expect("only an open block completes, and it is current");
+            account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), &mut newly_slow);
             // Every member contributed to the newer block, so every member had
-            // the shadow's result: free it.
-            if let Some(old) = slot.prev.take() {
-                slot.spare = Some(old);
+            // the shadow's result: free it. After a partial result the shadow
+            // stays until the slot is reused, for the stragglers that lack it.
+            if block.rcvd.count() == job.member_count as usize {
+                if let Some(old) = slot.prev.take() {
+                    slot.spare = Some(old);
+                }
             }
         }
+        // A permanently slow source has caught up when it adds to an open
+        // block, or sends the current block of a slot (not its shadow) even
+        // if the others just completed it: it is within one window of them.
+        if (outcome.accepted || (outcome.late && !is_prev)) && !job.active.contains(src) {
+            readmit(job, src, block_id, counters, out, &mut self.scratch);
+        }
+        settle_slow_sources(job, &mut newly_slow, counters, out, &mut self.scratch);
         Verdict::Consumed
+    }
+}
+
+/// Tick `k` of a job's scanners falls at `k * tick`; when blocks open after
+/// the job was idle, the schedule resumes at the next tick after `now`.
+fn realign_scanners(aging: &mut JobAging, now: Time, open_blocks: usize) {
+    if open_blocks == 1 && aging.next_tick <= now {
+        aging.next_tick = Time::from_nanos((now.as_nanos() / aging.tick + 1) * aging.tick);
     }
 }
 
 /// Start a new block in `slot`: the current block becomes the shadow copy
 /// and the old shadow's storage is reused.
-fn open_block(slot: &mut Slot, capacity: usize, block_id: u32, packet: &Packet<&[u8]>, exp_only: bool, now: Time) {
+fn open_block(
+    slot: &mut Slot,
+    capacity: usize,
+    block_id: u32,
+    packet: &Packet<&[u8]>,
+    exp_only: bool,
+    now: Time,
+    active: &SourceMask,
+) {
     let mut block = slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity));
     let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
-    block.reset(block_id, packet.gen_id(), dtype, exp_only, now);
+    block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
     slot.prev = slot.cur.take();
     slot.cur = Some(block);
 }
@@ -479,9 +771,11 @@ fn open_block(slot: &mut Slot, capacity: usize, block_id: u32, packet: &Packet<&
 struct Reply<'a, A, T> {
     job_id: u32,
     members: &'a SourceMask,
+    member_count: u16,
     addrs: &'a [Option<A>],
     counters: &'a mut Counters,
-    from: A,
+    /// The sender of the datagram being handled (none for timer work).
+    from: Option<A>,
     out: &'a mut T,
     /// The result is built once here and copied to each destination.
     scratch: &'a mut Vec<u8>,
@@ -491,29 +785,42 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     /// Send the result to every member with a known address (members that
     /// never sent anything fetch it by retransmitting).
     fn send_to_all(&mut self, block: &Block, exp_only: bool) {
-        build_result(block, self.job_id, exp_only, self.scratch);
-        for id in self.members.iter() {
-            if let Some(addr) = self.addrs.get(id).copied().flatten() {
-                self.out.push_copy(addr, self.scratch);
-                self.counters.results_sent += 1;
-            }
-        }
+        build_result(block, self.job_id, exp_only, self.member_count, self.scratch);
+        broadcast(self.members, self.addrs, self.out, self.scratch, &mut self.counters.results_sent);
     }
 
     /// Send the result again to the sender only.
     fn send_to_sender(&mut self, block: &Block, exp_only: bool) {
-        build_result(block, self.job_id, exp_only, self.scratch);
-        self.out.push_copy(self.from, self.scratch);
+        let Some(from) = self.from else { return };
+        build_result(block, self.job_id, exp_only, self.member_count, self.scratch);
+        self.out.push_copy(from, self.scratch);
         self.counters.results_resent += 1;
     }
 
     fn nack(&mut self, request: &Packet<&[u8]>, reason: NackReason, detail: u32) {
-        send_nack(self.counters, self.out, self.from, request, reason, detail);
+        let Some(from) = self.from else { return };
+        send_nack(self.counters, self.out, from, request, reason, detail);
     }
 }
 
-fn build_result(block: &Block, job_id: u32, exp_only: bool, scratch: &mut Vec<u8>) {
-    let repr = block.result_repr(job_id, exp_only);
+/// Copy the datagram in `scratch` to every member with a known address.
+fn broadcast<A: Copy>(
+    members: &SourceMask,
+    addrs: &[Option<A>],
+    out: &mut impl Transmit<A>,
+    scratch: &[u8],
+    sent: &mut u64,
+) {
+    for id in members.iter() {
+        if let Some(addr) = addrs.get(id).copied().flatten() {
+            out.push_copy(addr, scratch);
+            *sent += 1;
+        }
+    }
+}
+
+fn build_result(block: &Block, job_id: u32, exp_only: bool, member_count: u16, scratch: &mut Vec<u8>) {
+    let repr = block.result_repr(job_id, exp_only, member_count);
     scratch.clear();
     scratch.resize(repr.buffer_len(), 0);
     let mut packet = Packet::new_unchecked(&mut scratch[..]);
@@ -523,60 +830,98 @@ fn build_result(block: &Block, job_id: u32, exp_only: bool, scratch: &mut Vec<u8
     }
 }
 
-/// An exponent-only contribution. Returns true if it completed the block.
+/// What a contribution did to its block.
+#[derive(Debug, Default, Clone, Copy)]
+struct Outcome {
+    /// It was counted (not a duplicate, not refused).
+    accepted: bool,
+    /// It completed the block: the final result went out.
+    completed: bool,
+    /// A data contribution to a block already emitted without its source.
+    late: bool,
+}
+
+/// An exponent-only contribution.
 fn contribute_exponent<A: Copy, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
     exp: i8,
-    member_count: usize,
     reply: &mut Reply<'_, A, T>,
-) -> bool {
+) -> Outcome {
     match block.phase {
         Phase::Exponent => {
-            if !block.rcvd.insert(src) {
+            if !block.receive(src) {
                 reply.counters.duplicate += 1;
-                return false;
+                return Outcome::default();
             }
             reply.counters.accepted += 1;
             block.exp = block.exp.max(exp);
-            if block.rcvd.count() == member_count {
-                block.phase = Phase::Data;
-                block.negotiated = true;
-                reply.send_to_all(block, true);
-                block.rcvd.clear();
+            if block.satisfied() {
+                finish_exponent_round(block, reply);
             }
-            false
+            Outcome { accepted: true, completed: false, late: false }
         }
         // The sender missed the negotiated exponent: tell it again.
         Phase::Data | Phase::Done => {
             reply.counters.duplicate += 1;
             reply.send_to_sender(block, true);
-            false
+            Outcome::default()
         }
     }
 }
 
-/// A data contribution. Returns true if it completed the block.
+/// The exponent round is over (everyone expected sent one, or it aged):
+/// announce the exponent and collect data from the sources that took part.
+fn finish_exponent_round<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+    block.phase = Phase::Data;
+    block.negotiated = true;
+    reply.send_to_all(block, true);
+    if block.aged {
+        // Sources that sent no exponent are not waited for with data either.
+        block.expected.clone_from(&block.rcvd);
+        block.expected_count = block.rcvd.count() as u16;
+    }
+    block.rcvd.clear();
+    block.expected_rcvd = 0;
+    block.referenced = true;
+    block.idle_checks = 0;
+}
+
+/// A data contribution.
 fn contribute_data<A: Copy, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
     packet: &Packet<&[u8]>,
-    member_count: usize,
     reply: &mut Reply<'_, A, T>,
-) -> bool {
+) -> Outcome {
+    if block.phase == Phase::Exponent {
+        // Data carries an exponent the switch gave out already (the
+        // lookahead from block - block_cnt_max, which every worker that had
+        // that result shares): adopt it. This happens when a worker that
+        // lacks the lookahead (a straggler catching up) opened the block
+        // with an exponent-only round; the round's senders get the exponent
+        // now instead of everyone waiting for the round to age.
+        block.exp = packet.exp();
+        block.phase = Phase::Data;
+        block.negotiated = true;
+        reply.send_to_all(block, true);
+        block.rcvd.clear();
+        block.expected_rcvd = 0;
+    }
     match block.phase {
-        Phase::Exponent => {
-            reply.counters.protocol_violation += 1;
-            false
-        }
+        Phase::Exponent => unreachable!("left above"),
         Phase::Done => {
             if block.rcvd.contains(src) {
                 reply.counters.duplicate += 1;
             } else {
+                // A straggler's contribution to a block emitted without it:
+                // never added anywhere; it gets the partial result instead.
                 reply.counters.late += 1;
+                reply.send_to_sender(block, false);
+                return Outcome { late: true, ..Outcome::default() };
             }
             reply.send_to_sender(block, false);
-            false
+            Outcome::default()
         }
         Phase::Data => {
             let grad_cnt = packet.grad_cnt();
@@ -585,21 +930,21 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
                 if grad_cnt != block.grad_cnt {
                     reply.counters.mismatch += 1;
                     reply.nack(packet, NackReason::ShapeMismatch, block.grad_cnt as u32);
-                    return false;
+                    return Outcome::default();
                 }
                 if float && packet.exp() != block.exp {
                     reply.counters.mismatch += 1;
                     reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
-                    return false;
+                    return Outcome::default();
                 }
             } else if float && block.negotiated && packet.exp() != block.exp {
                 reply.counters.mismatch += 1;
                 reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
-                return false;
+                return Outcome::default();
             }
-            if !block.rcvd.insert(src) {
+            if !block.receive(src) {
                 reply.counters.duplicate += 1;
-                return false;
+                return Outcome::default();
             }
             reply.counters.accepted += 1;
             let payload = packet.payload();
@@ -615,15 +960,198 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
             }
             block.next_exp = block.next_exp.max(packet.next_exp());
             block.final_block |= packet.final_block();
-            if block.rcvd.count() == member_count {
-                block.phase = Phase::Done;
-                reply.counters.blocks_completed += 1;
-                reply.send_to_all(block, false);
-                return true;
+            let completed = block.satisfied();
+            if completed {
+                finish_block(block, reply);
             }
-            false
+            Outcome { accepted: true, completed, late: false }
         }
     }
+}
+
+/// Emit a block's final result to every member.
+fn finish_block<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+    block.phase = Phase::Done;
+    reply.counters.blocks_completed += 1;
+    if (block.rcvd.count() as u16) < reply.member_count || block.aged {
+        reply.counters.blocks_degraded += 1;
+    }
+    reply.send_to_all(block, false);
+}
+
+/// Block `local` of `job` was unreferenced for the job's `checks` visits:
+/// give up on the missing sources. An exponent round moves on with the
+/// exponents it has; a data block emits its partial sum.
+fn age_out<A: Copy>(
+    job: &mut Job<A>,
+    local: usize,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+    newly_slow: &mut Vec<usize>,
+) {
+    let mut reply = Reply {
+        job_id: job.spec.job_id,
+        members: &job.members,
+        member_count: job.member_count,
+        addrs: &job.addrs,
+        counters,
+        from: None,
+        out,
+        scratch,
+    };
+    let block = job.slots[local].cur.as_mut().expect("the scanner found an open block here");
+    if block.rcvd.is_empty() {
+        // A data phase nobody has sent to yet (everyone in the exponent
+        // round was declared slow): there is nothing to emit. Keep waiting;
+        // the first data contribution re-arms the timeout.
+        block.idle_checks = 0;
+        return;
+    }
+    block.aged = true;
+    reply.counters.blocks_aged += 1;
+    match block.phase {
+        Phase::Exponent => finish_exponent_round(block, &mut reply),
+        Phase::Data => {
+            finish_block(block, &mut reply);
+            job.open_blocks -= 1;
+            let block = job.slots[local].cur.as_ref().expect("still there");
+            account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
+        }
+        Phase::Done => unreachable!("the scanner skips finished blocks"),
+    }
+}
+
+/// After a partial result: every active source missing from it moves one
+/// block closer to being declared permanently slow.
+fn account_missing(
+    block: &Block,
+    members: &SourceMask,
+    active: &SourceMask,
+    streak: &mut [u32],
+    aging: Option<&JobAging>,
+    newly_slow: &mut Vec<usize>,
+) {
+    if block.rcvd.count() == members.count() {
+        return;
+    }
+    let limit = aging.map_or(0, |a| a.slow_after_blocks);
+    for m in members.iter() {
+        if active.contains(m) && !block.rcvd.contains(m) {
+            streak[m] = streak[m].saturating_add(1);
+            if limit > 0 && streak[m] as u64 >= limit && !newly_slow.contains(&m) {
+                newly_slow.push(m);
+            }
+        }
+    }
+}
+
+/// Declare the sources in `newly_slow` permanently slow: notify every
+/// member, and stop waiting for them in every open block of this shard
+/// (which may complete blocks, and so declare more sources slow).
+fn settle_slow_sources<A: Copy>(
+    job: &mut Job<A>,
+    newly_slow: &mut Vec<usize>,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+) {
+    while let Some(src) = newly_slow.pop() {
+        // The job always waits for someone: the last active source stays.
+        if !job.active.contains(src) || job.active.count() <= 1 {
+            continue;
+        }
+        job.active.remove(src);
+        job.missed_streak[src] = 0;
+        counters.declared_slow += 1;
+        let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);
+        notify_membership(job, src, MEMBERSHIP_SLOW, block_id, counters, out, scratch);
+        for local in 0..job.slots.len() {
+            let mut reply = Reply {
+                job_id: job.spec.job_id,
+                members: &job.members,
+                member_count: job.member_count,
+                addrs: &job.addrs,
+                counters: &mut *counters,
+                from: None,
+                out: &mut *out,
+                scratch: &mut *scratch,
+            };
+            let Some(block) = job.slots[local].cur.as_mut() else { continue };
+            if !block.is_open() {
+                continue;
+            }
+            block.forget(src);
+            if !block.satisfied() {
+                continue;
+            }
+            match block.phase {
+                Phase::Exponent => finish_exponent_round(block, &mut reply),
+                Phase::Data => {
+                    finish_block(block, &mut reply);
+                    job.open_blocks -= 1;
+                    let block = job.slots[local].cur.as_ref().expect("still there");
+                    account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
+                }
+                Phase::Done => {}
+            }
+        }
+    }
+}
+
+/// A permanently slow source caught up (or rejoined): wait for it again, in
+/// the open blocks and in every block created from now on.
+fn readmit<A: Copy>(
+    job: &mut Job<A>,
+    src: usize,
+    block_id: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+) {
+    job.active.insert(src);
+    job.missed_streak[src] = 0;
+    counters.readmitted += 1;
+    // It caught up: the open blocks wait for it too (it is about to send
+    // them), so it is not left out of the rest of the current window.
+    for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.is_open()) {
+        if block.expected.insert(src) {
+            block.expected_count += 1;
+            if block.rcvd.contains(src) {
+                block.expected_rcvd += 1;
+            }
+        }
+    }
+    notify_membership(job, src, MEMBERSHIP_READMITTED, block_id, counters, out, scratch);
+}
+
+/// Tell every member that `src`'s status changed.
+fn notify_membership<A: Copy>(
+    job: &Job<A>,
+    src: usize,
+    status: u8,
+    block_id: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+) {
+    let repr = Repr {
+        age_op: status,
+        src_cnt: job.active.count() as u16,
+        block_id,
+        ..Repr::new(MessageType::Membership, job.spec.job_id, src as u16)
+    };
+    scratch.clear();
+    scratch.resize(repr.buffer_len(), 0);
+    repr.emit(&mut Packet::new_unchecked(&mut scratch[..]));
+    broadcast(&job.members, &job.addrs, out, scratch, &mut counters.notices_sent);
+}
+
+/// A contribution for a block whose result is gone: count it and tell the
+/// sender which block the slot holds now.
+fn expired<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, packet: &Packet<&[u8]>, held: u32) {
+    counters.expired += 1;
+    send_nack(counters, out, from, packet, NackReason::BlockExpired, held);
 }
 
 /// The aggregation loop: wrapping int32 adds of a big-endian payload, written

@@ -301,3 +301,46 @@ proptest! {
         }
     }
 }
+
+/// Membership notice for job 5: source 3 declared permanently slow at block
+/// 0x100, the job now waits for 7 sources.
+const MEMBERSHIP: [u8; 24] = [
+    0xFA, 0x17, 0x01, 0x07, // Membership
+    0x10, 0x00, 0x00, 0x03, // age_op 1 (slow); int32; src_id 3
+    0x00, 0x07, 0x00, 0x02, // src_cnt 7; gen_id 2
+    0x00, 0x00, 0x00, 0x05, // job_id 5
+    0x00, 0x00, 0x01, 0x00, // block_id 256
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+];
+
+#[test]
+fn membership_parse_and_emit() {
+    let p = Packet::new_checked(&MEMBERSHIP[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    assert_eq!(repr.msg_type, MessageType::Membership);
+    assert_eq!((repr.age_op, repr.src_id, repr.src_cnt), (MEMBERSHIP_SLOW, 3, 7));
+    assert_eq!((repr.job_id, repr.block_id, repr.gen_id), (5, 256, 2));
+    let expected = Repr {
+        age_op: MEMBERSHIP_SLOW,
+        src_cnt: 7,
+        gen_id: 2,
+        block_id: 256,
+        ..Repr::new(MessageType::Membership, 5, 3)
+    };
+    assert_eq!(repr, expected);
+    let mut buf = [MARKER; 24];
+    expected.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    assert_eq!(buf, MEMBERSHIP);
+    // a Membership notice carries no body
+    let mut long = MEMBERSHIP.to_vec();
+    long.push(0);
+    assert!(Packet::new_checked(&long[..]).is_err());
+}
+
+#[test]
+fn block_expired_nack_round_trips() {
+    let mut body = [0u8; Nack::LEN];
+    Nack { reason: NackReason::BlockExpired, detail: 77 }.emit(&mut body);
+    assert_eq!(body, [0, 9, 0, 0, 0, 0, 0, 77]);
+    assert_eq!(Nack::parse(&body).unwrap(), Nack { reason: NackReason::BlockExpired, detail: 77 });
+}

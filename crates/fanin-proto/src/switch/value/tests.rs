@@ -141,8 +141,12 @@ fn shadow_copy_serves_a_member_whose_result_was_lost() {
     // Once block 2 completes, block 0's copy is freed: everyone had it.
     let out = send(&mut sw, Pkt::data(1, 1, 2, &[4]));
     assert_eq!(out.len(), 2);
-    assert!(send(&mut sw, Pkt::data(1, 1, 0, &[2]).retransmission()).is_empty());
-    assert_eq!(sw.counters().stale, 1);
+    // a request for it now is told the block expired (and which block the
+    // slot holds), so a straggler stops asking
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[2]).retransmission());
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].1.msg_type, MessageType::Nack);
+    assert_eq!(sw.counters().expired, 1);
 }
 
 #[test]
@@ -215,11 +219,17 @@ fn exponent_round_then_data_with_the_negotiated_exponent() {
 }
 
 #[test]
-fn data_before_exponent_negotiation_is_a_violation() {
+fn data_during_an_exponent_round_ends_it_with_the_datas_exponent() {
+    // Worker 0 lacks the lookahead exponent and opens the round; worker 1
+    // has it (from the block one slot-cycle earlier) and sends data with it.
     let mut sw = switch_with(&[job(1, 2, 4)]);
     send(&mut sw, Pkt::exp_only(1, 0, 0, 3));
-    assert!(send(&mut sw, Pkt::data(1, 1, 0, &[5]).float(3, EXP_NONE)).is_empty());
-    assert_eq!(sw.counters().protocol_violation, 1);
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[5]).float(6, EXP_NONE));
+    assert!(out.iter().all(|o| o.1.exp_only && o.1.exp == 6), "the round's senders learn exponent 6");
+    assert_eq!(out.len(), 2);
+    assert_eq!(sw.counters().protocol_violation, 0);
+    let out = send(&mut sw, Pkt::data(1, 0, 0, &[2]).float(6, EXP_NONE));
+    assert_eq!((out.len(), out[0].1.exp, out[0].2.clone()), (2, 6, vec![7]));
 }
 
 #[test]
@@ -256,7 +266,7 @@ fn forward_mode_reflects_without_state() {
 
 #[test]
 fn blocks_of_other_shards_are_handed_over() {
-    let cfg = ShardConfig { shard: 0, shard_count: 2, incarnation: 1, memory_limit: 1 << 20 };
+    let cfg = ShardConfig { shard: 0, shard_count: 2, ..ShardConfig::single(1 << 20) };
     let mut sw = ValueSwitch::<Addr>::new(cfg);
     sw.add_job(job(1, 2, 4)).unwrap();
     let theirs = (0..4).find(|&b| shard_of(1, b, 4, 2) == 1).unwrap();
@@ -300,4 +310,285 @@ fn a_job_of_300_sources_completes_only_with_all_of_them() {
     assert_eq!(out.len(), 300, "the result goes to all 300 members");
     assert_eq!(out[0].2, vec![(0..300).sum::<i32>(), 300]);
     assert_eq!(out[0].1.src_cnt, 300);
+}
+
+// ---- straggler mitigation: aging, partial results, classification ----
+
+const MS: u64 = 1_000_000;
+
+fn at(ms: u64) -> Time {
+    Time::from_nanos(ms * MS)
+}
+
+/// A switch whose scanners tick every `block_exp / (scanners * checks)`.
+fn aging_switch(spec: JobSpec, scanners: u16, checks: u8) -> ValueSwitch<Addr> {
+    let mut cfg = ShardConfig::single(1 << 30);
+    cfg.aging = AgingConfig { scanners, checks, min_tick: Duration::from_micros(1) };
+    let mut sw = ValueSwitch::new(cfg);
+    sw.add_job(spec).unwrap();
+    sw
+}
+
+fn send_at(sw: &mut ValueSwitch<Addr>, now: Time, p: Pkt) -> Vec<(Addr, Repr, Vec<i32>)> {
+    let mut out = VecTransmit::new();
+    let from = 100 + p.repr.src_id as u32;
+    assert_eq!(sw.handle_datagram(now, from, &p.bytes(), &mut out), Verdict::Consumed);
+    decode(out)
+}
+
+fn tick(sw: &mut ValueSwitch<Addr>, now: Time) -> Vec<(Addr, Repr, Vec<i32>)> {
+    let mut out = VecTransmit::new();
+    sw.handle_timeout(now, &mut out);
+    decode(out)
+}
+
+fn aging_job(n: u16, slots: u32, exp_ms: u32, k: u32) -> JobSpec {
+    let mut spec = job(1, n, slots);
+    spec.block_exp_ms = exp_ms;
+    spec.slow_after_windows = k;
+    spec
+}
+
+#[test]
+fn blocks_age_at_the_second_visit_of_their_slice_with_trios_single_flag() {
+    // 2 scanners, 1 check, block_exp 10 ms: a tick every 5 ms; tick k visits
+    // slice k mod 2; slice 0 = slots 0-1, slice 1 = slots 2-3.
+    let mut sw = aging_switch(aging_job(3, 4, 10, 0), 2, 1);
+    assert_eq!(sw.poll_timeout(), None, "no open block, no scanning");
+    for src in 0..2 {
+        send_at(&mut sw, at(1), Pkt::data(1, src, 0, &[1, 2]));
+        send_at(&mut sw, at(1), Pkt::data(1, src, 2, &[10]));
+    }
+    assert_eq!(sw.poll_timeout(), Some(at(5)));
+    assert!(tick(&mut sw, at(5)).is_empty(), "slice 1: block 2's flag is cleared");
+    assert!(tick(&mut sw, at(10)).is_empty(), "slice 0: block 0's flag is cleared");
+    let out = tick(&mut sw, at(15));
+    assert_eq!(out.len(), 2, "slice 1 again: block 2 ages, result to the two known members");
+    for (dest, repr, vals) in &out {
+        assert!(*dest == 100 || *dest == 101);
+        assert_eq!((repr.block_id, repr.src_cnt, repr.degraded, repr.age_op), (2, 2, true, AGE_OP_AGED));
+        assert_eq!(vals, &vec![20]);
+    }
+    let out = tick(&mut sw, at(20));
+    assert_eq!((out.len(), out[0].1.block_id, out[0].2.clone()), (2, 0, vec![2, 4]));
+    assert_eq!(sw.poll_timeout(), None);
+    let c = sw.counters();
+    assert_eq!((c.blocks_aged, c.blocks_degraded, c.blocks_completed, c.scans), (2, 2, 2, 4));
+}
+
+#[test]
+fn a_contribution_refreshes_the_flag_and_delays_aging() {
+    let mut sw = aging_switch(aging_job(3, 4, 10, 0), 2, 1);
+    send_at(&mut sw, at(1), Pkt::data(1, 0, 0, &[1]));
+    assert!(tick(&mut sw, at(10)).is_empty()); // ticks 5 (slice 1), 10 (slice 0: clear)
+    send_at(&mut sw, at(12), Pkt::data(1, 1, 0, &[1])); // referenced again
+    assert!(tick(&mut sw, at(20)).is_empty(), "flag was set again: cleared, not aged");
+    // a duplicate does not refresh it: waiting members' retransmissions
+    // must not keep a straggler's block alive forever
+    send_at(&mut sw, at(22), Pkt::data(1, 1, 0, &[1]).retransmission());
+    let out = tick(&mut sw, at(30));
+    assert_eq!(out.len(), 2);
+    assert_eq!((out[0].1.src_cnt, out[0].1.degraded), (2, true));
+}
+
+#[test]
+fn more_checks_age_within_a_fraction_of_the_timeout() {
+    // 1 scanner, 4 checks, 8 ms: a visit every 2 ms; a block ages between 8
+    // and 10 ms after its last contribution.
+    let mut sw = aging_switch(aging_job(2, 1, 8, 0), 1, 4);
+    send_at(&mut sw, at(1), Pkt::data(1, 0, 0, &[5]));
+    for t in [2, 4, 6, 8] {
+        assert!(tick(&mut sw, at(t)).is_empty(), "t = {t} ms");
+    }
+    let out = tick(&mut sw, at(10));
+    assert_eq!((out.len(), out[0].1.src_cnt), (1, 1), "aged 9 ms after the contribution");
+}
+
+#[test]
+fn a_late_contribution_gets_the_partial_result_and_is_never_added() {
+    let mut sw = aging_switch(aging_job(3, 2, 4, 0), 1, 1);
+    send_at(&mut sw, at(0), Pkt::data(1, 0, 0, &[1]));
+    send_at(&mut sw, at(0), Pkt::data(1, 1, 0, &[2]));
+    tick(&mut sw, at(4));
+    assert_eq!(tick(&mut sw, at(8)).len(), 2, "aged with sources 0 and 1");
+    // the straggler arrives: answered with the partial result, not added
+    let out = send_at(&mut sw, at(9), Pkt::data(1, 2, 0, &[100]));
+    assert_eq!(out.len(), 1);
+    assert_eq!((out[0].0, out[0].1.src_cnt, out[0].1.degraded, out[0].2.clone()), (102, 2, true, vec![3]));
+    assert_eq!(sw.counters().late, 1);
+    // the next use of the slot (block 2) starts clean
+    send_at(&mut sw, at(10), Pkt::data(1, 0, 2, &[1]));
+    send_at(&mut sw, at(10), Pkt::data(1, 1, 2, &[1]));
+    let out = send_at(&mut sw, at(10), Pkt::data(1, 2, 2, &[1]));
+    assert_eq!((out.len(), out[0].1.src_cnt, out[0].1.degraded, out[0].2.clone()), (3, 3, false, vec![3]));
+    // every member had block 0's result before contributing to block 2 (the
+    // straggler got it with its late reply), so the shadow was freed: a
+    // request for block 0 now learns it expired
+    let out = send_at(&mut sw, at(12), Pkt::data(1, 2, 0, &[100]).retransmission());
+    assert_eq!(out[0].1.msg_type, MessageType::Nack);
+    let p = out[0].1;
+    assert_eq!((p.block_id, sw.counters().expired), (0, 1));
+}
+
+#[test]
+fn an_aged_exponent_round_moves_on_with_the_exponents_it_has() {
+    let mut sw = aging_switch(aging_job(3, 1, 2, 0), 1, 1);
+    send_at(&mut sw, at(0), Pkt::exp_only(1, 0, 0, 3));
+    send_at(&mut sw, at(0), Pkt::exp_only(1, 1, 0, 5));
+    tick(&mut sw, at(2));
+    let out = tick(&mut sw, at(4));
+    assert_eq!(out.len(), 2);
+    assert!(out[0].1.exp_only && out[0].1.exp == 5);
+    // data from the two sources of the round completes the block
+    send_at(&mut sw, at(5), Pkt::data(1, 0, 0, &[1]).float(5, EXP_NONE));
+    let out = send_at(&mut sw, at(5), Pkt::data(1, 1, 0, &[2]).float(5, EXP_NONE));
+    assert_eq!(out.len(), 2);
+    assert_eq!((out[0].1.src_cnt, out[0].1.degraded, out[0].1.age_op, out[0].2.clone()), (2, true, AGE_OP_AGED, vec![3]));
+}
+
+#[test]
+fn a_source_missing_for_k_windows_is_declared_slow_then_readmitted() {
+    // K = 1 window of 2 slots: missing from 2 aged blocks in a row.
+    let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
+    for b in 0..2 {
+        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
+        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
+    }
+    tick(&mut sw, at(4));
+    let out = tick(&mut sw, at(8));
+    let notices: Vec<_> = out.iter().filter(|o| o.1.msg_type == MessageType::Membership).collect();
+    assert_eq!(notices.len(), 2, "both known members are told");
+    assert_eq!((notices[0].1.src_id, notices[0].1.age_op, notices[0].1.src_cnt), (2, MEMBERSHIP_SLOW, 2));
+    assert_eq!(sw.slow_sources(1), vec![2]);
+    // new blocks no longer wait for source 2
+    send_at(&mut sw, at(9), Pkt::data(1, 0, 2, &[1]));
+    let out = send_at(&mut sw, at(9), Pkt::data(1, 1, 2, &[1]));
+    assert_eq!(out.len(), 2, "completed at once, without waiting for the timeout");
+    assert_eq!((out[0].1.src_cnt, out[0].1.degraded, out[0].1.age_op), (2, true, 0));
+    // source 2 catches up: it adds to an open block and is waited for again
+    send_at(&mut sw, at(10), Pkt::data(1, 0, 3, &[1]));
+    let out = send_at(&mut sw, at(10), Pkt::data(1, 2, 3, &[5]));
+    let notice = out.iter().find(|o| o.1.msg_type == MessageType::Membership).expect("re-admission notice");
+    assert_eq!((notice.1.src_id, notice.1.age_op, notice.1.src_cnt), (2, MEMBERSHIP_READMITTED, 3));
+    assert!(sw.slow_sources(1).is_empty());
+    let out = send_at(&mut sw, at(10), Pkt::data(1, 1, 3, &[1]));
+    assert_eq!((out.len(), out[0].1.src_cnt, out[0].1.degraded, out[0].2.clone()), (3, 3, false, vec![7]));
+    let c = sw.counters();
+    assert_eq!((c.declared_slow, c.readmitted), (1, 1));
+}
+
+#[test]
+fn declaring_a_source_slow_completes_the_blocks_waiting_only_for_it() {
+    // K = 1 window of 4 slots; blocks 0-1 age, blocks 2-3 are open with
+    // sources 0 and 1 in them when source 2 is declared slow.
+    let mut sw = aging_switch(aging_job(3, 4, 4, 1), 1, 1);
+    for b in 0..4 {
+        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
+        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
+    }
+    tick(&mut sw, at(4));
+    let out = tick(&mut sw, at(8));
+    // all four age in this visit (one scanner), source 2 reaches the limit
+    // at the fourth; every result went out
+    let results = out.iter().filter(|o| o.1.msg_type == MessageType::Result).count();
+    assert_eq!(results, 8);
+    assert_eq!(sw.slow_sources(1), vec![2]);
+}
+
+#[test]
+fn a_rejoining_slow_source_is_readmitted() {
+    let mut sw = aging_switch(aging_job(2, 1, 2, 1), 1, 1);
+    send_at(&mut sw, at(0), Pkt::data(1, 0, 0, &[1]));
+    tick(&mut sw, at(2));
+    tick(&mut sw, at(4));
+    assert_eq!(sw.slow_sources(1), vec![1]);
+    let mut join = Pkt::data(1, 1, 0, &[]);
+    join.repr.msg_type = MessageType::Join;
+    let out = send_at(&mut sw, at(5), join);
+    assert!(out.iter().any(|o| o.1.msg_type == MessageType::Membership && o.1.age_op == MEMBERSHIP_READMITTED));
+    assert!(out.iter().any(|o| o.1.msg_type == MessageType::JoinAck));
+    assert!(sw.slow_sources(1).is_empty());
+}
+
+#[test]
+fn aging_configuration_is_validated() {
+    let ok = AgingConfig::default();
+    assert!(ok.validate().is_ok());
+    let bad = AgingConfig { scanners: 0, ..ok };
+    assert!(bad.validate().unwrap_err().contains("aging.scanners 0"));
+    let bad = AgingConfig { checks: 16, ..ok };
+    assert!(bad.validate().unwrap_err().contains("aging.checks 16"));
+    // 1 ms with 100 scanners x 4 checks is a 2.5 us tick: refused, clearly
+    let mut cfg = ShardConfig::single(1 << 30);
+    cfg.aging = AgingConfig { scanners: 100, checks: 4, min_tick: Duration::from_micros(20) };
+    let mut sw = ValueSwitch::<Addr>::new(cfg);
+    let err = sw.add_job(aging_job(2, 4, 1, 1)).unwrap_err();
+    assert!(matches!(err, AdmitError::AgingTooFine { .. }));
+    assert!(err.to_string().contains("block_exp_ms 1 with 100 scanners x 4 checks"), "{err}");
+}
+
+#[test]
+fn a_slow_source_one_step_behind_the_others_is_readmitted() {
+    // Declared slow, it then sends the current block of its slot just after
+    // the others completed it: it is within a window, so it caught up.
+    let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
+    for b in 0..2 {
+        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
+        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
+    }
+    tick(&mut sw, at(4));
+    tick(&mut sw, at(8));
+    assert_eq!(sw.slow_sources(1), vec![2]);
+    send_at(&mut sw, at(9), Pkt::data(1, 0, 2, &[1]));
+    send_at(&mut sw, at(9), Pkt::data(1, 1, 2, &[1])); // block 2 done without source 2
+    let out = send_at(&mut sw, at(9), Pkt::data(1, 2, 2, &[1]));
+    assert!(out.iter().any(|o| o.1.msg_type == MessageType::Result && o.1.src_cnt == 2), "late: the partial result");
+    assert!(out.iter().any(|o| o.1.msg_type == MessageType::Membership && o.1.age_op == MEMBERSHIP_READMITTED));
+    // but a contribution for a shadow (two steps behind) does not re-admit
+    let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
+    for b in 0..2 {
+        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
+        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
+    }
+    tick(&mut sw, at(4));
+    tick(&mut sw, at(8));
+    for s in 0..2 {
+        send_at(&mut sw, at(9), Pkt::data(1, s, 2, &[1]));
+    }
+    let out = send_at(&mut sw, at(9), Pkt::data(1, 2, 0, &[1]));
+    assert!(out.iter().all(|o| o.1.msg_type != MessageType::Membership));
+    assert_eq!(sw.slow_sources(1), vec![2]);
+}
+
+#[test]
+fn a_data_phase_without_contributions_is_never_emitted_empty() {
+    // Block 0's exponent round ages with only source 0; source 0 is then
+    // declared slow (missing from blocks 1 and 3). Block 0's data phase now
+    // waits for nobody, but has nothing to emit: it stays open until data
+    // arrives, and its result then sums that data.
+    let mut sw = aging_switch(aging_job(3, 2, 2, 1), 1, 1);
+    let mut all = Vec::new();
+    send_at(&mut sw, at(0), Pkt::exp_only(1, 0, 0, 4));
+    for s in 1..3 {
+        send_at(&mut sw, at(0), Pkt::data(1, s, 1, &[1]));
+    }
+    for t in [2, 4] {
+        all.extend(tick(&mut sw, at(t)));
+    }
+    for s in 1..3 {
+        all.extend(send_at(&mut sw, at(5), Pkt::data(1, s, 3, &[1])));
+    }
+    for t in [6, 8, 10] {
+        all.extend(tick(&mut sw, at(t)));
+    }
+    assert_eq!(sw.slow_sources(1), vec![0]);
+    all.extend(send_at(&mut sw, at(11), Pkt::data(1, 1, 0, &[7]).float(4, EXP_NONE)));
+    for t in [12, 14, 16] {
+        all.extend(tick(&mut sw, at(t)));
+    }
+    let results: Vec<_> = all.iter().filter(|o| o.1.msg_type == MessageType::Result && !o.1.exp_only).collect();
+    assert!(results.iter().all(|o| o.1.src_cnt > 0), "no result sums zero sources");
+    let block0: Vec<_> = results.iter().filter(|o| o.1.block_id == 0).collect();
+    assert!(!block0.is_empty(), "block 0 was emitted once data arrived");
+    assert_eq!((block0[0].1.src_cnt, block0[0].2.clone()), (1, vec![7]));
 }

@@ -1,0 +1,316 @@
+//! `fanin-sim`: the simulator's command line.
+//!
+//! JSON on stdout (with --json), a human summary on stderr, CSV files in --out.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use fanin_sim::trimming::{fig6_pairs, figure, Design, RunSpec, Study, Variant};
+
+const USAGE: &str = "\
+usage:
+  fanin-sim trimming --figure N [--quick] [--json] [--out DIR] [--seed S]
+                     [--duration-us US] [--t0-us US] [--link-delay-ns NS]
+                     [--burst PKTS (Fig. 5)] [--initial-window PKTS] [--notify-latency-ns NS]
+      the simulation study of 'Packet trimming in programmable switches'
+      (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
+  fanin-sim incast [--senders N] [--pkts P] [--design ideal|tofino|mod|dod-only] [--json]
+      N-to-1 incast of P-packet flows: last completion vs the optimum
+  fanin-sim permutation [--topology single|leaf-spine|fat-tree] [--k K] [--leaves L --spines S
+                        --hosts-per-leaf H] [--ports P] [--model ideal|droptail|mod|dod-only|tofino]
+                        [--lb spray|ecmp] [--pkts P] [--initial-window W] [--rate-gbps R]
+                        [--delay-ns D] [--seed S] [--json]
+      host i -> host (i + n/2) mod n, one NDP flow each: completion times, trims, drops
+  fanin-sim allreduce [--workers N] [--elements E] [--elems-per-packet P] [--window W]
+                      [--loss P] [--rate-gbps R] [--seed S] [--json]
+      one ValueSwitch and N AllreduceSession workers (fanin-proto's machines), int32, checked
+  fanin-sim bench-events [--runs R] [--json]
+      event rate of the 64-sender Fig. 6 run (Tofino design), median of R runs
+";
+
+struct Args {
+    rest: Vec<String>,
+}
+
+impl Args {
+    fn flag(&mut self, name: &str) -> bool {
+        if let Some(i) = self.rest.iter().position(|a| a == name) {
+            self.rest.remove(i);
+            true
+        } else {
+            false
+        }
+    }
+    fn value<T: std::str::FromStr>(&mut self, name: &str) -> Result<Option<T>, String> {
+        let Some(i) = self.rest.iter().position(|a| a == name) else { return Ok(None) };
+        if i + 1 >= self.rest.len() {
+            return Err(format!("{name} needs a value"));
+        }
+        let v = self.rest.remove(i + 1);
+        self.rest.remove(i);
+        v.parse().map(Some).map_err(|_| format!("{name}: cannot parse {v:?}"))
+    }
+    fn finish(&self) -> Result<(), String> {
+        match self.rest.first() {
+            Some(a) => Err(format!("unexpected argument {a:?}")),
+            None => Ok(()),
+        }
+    }
+}
+
+fn progress_bar(label: String) -> impl FnMut(usize, usize) {
+    let tty = std::io::stderr().is_terminal();
+    let start = Instant::now();
+    move |done, total| {
+        let width = 30;
+        let filled = done * width / total.max(1);
+        let line = format!(
+            "{label} [{}{}] {done}/{total} {:.0} s",
+            "#".repeat(filled),
+            " ".repeat(width - filled),
+            start.elapsed().as_secs_f64()
+        );
+        if tty {
+            eprint!("\r{line}");
+            if done == total {
+                eprintln!();
+            }
+        } else if done == total || done % 10 == 0 {
+            eprintln!("{line}");
+        }
+        let _ = std::io::stderr().flush();
+    }
+}
+
+fn study_from(args: &mut Args) -> Result<Study, String> {
+    let mut s = Study::default();
+    if let Some(v) = args.value("--seed")? {
+        s.seed = v;
+    }
+    if let Some(v) = args.value("--duration-us")? {
+        s.duration_us = v;
+    }
+    if let Some(v) = args.value("--t0-us")? {
+        s.t0_us = v;
+    }
+    if let Some(v) = args.value("--link-delay-ns")? {
+        s.link_delay_ns = v;
+    }
+    if let Some(v) = args.value("--notify-latency-ns")? {
+        s.notify_latency_ns = v;
+    }
+    if let Some(v) = args.value("--burst")? {
+        s.fig5_burst_pkts = v;
+    }
+    if let Some(v) = args.value("--initial-window")? {
+        s.initial_window = v;
+    }
+    Ok(s)
+}
+
+fn trimming(mut args: Args) -> Result<(), String> {
+    let n: u32 = args.value("--figure")?.ok_or("trimming needs --figure N (5-9)")?;
+    let quick = args.flag("--quick");
+    let as_json = args.flag("--json");
+    let out: PathBuf = args.value::<String>("--out")?.unwrap_or_else(|| "out/sim".into()).into();
+    let study = study_from(&mut args)?;
+    args.finish()?;
+    let mut bar = progress_bar(format!("fig{n}"));
+    let t = Instant::now();
+    let fig = figure(n, &study, quick, &mut bar).ok_or(format!("no figure {n}: choose 5, 6, 7, 8 or 9"))?;
+    std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let mut files = Vec::new();
+    for (name, text) in &fig.csv {
+        let path = out.join(name);
+        std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        files.push(path.display().to_string());
+    }
+    let mut json = fig.json;
+    json["csv"] = serde_json::json!(files);
+    json["quick"] = serde_json::json!(quick);
+    json["wall_s"] = serde_json::json!(t.elapsed().as_secs_f64());
+    let json_path = out.join(format!("{}.json", fig.name));
+    std::fs::write(&json_path, serde_json::to_string_pretty(&json).expect("json")).map_err(|e| format!("{}: {e}", json_path.display()))?;
+    if as_json {
+        println!("{}", serde_json::to_string(&json).expect("json"));
+    }
+    eprint!("{}", fig.summary);
+    eprintln!("wrote {} and {} ({:.1} s)", files.join(", "), json_path.display(), t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn bench_events(mut args: Args) -> Result<(), String> {
+    let runs: usize = args.value("--runs")?.unwrap_or(3);
+    let as_json = args.flag("--json");
+    let study = study_from(&mut args)?;
+    args.finish()?;
+    let spec = RunSpec { design: Design::Tofino, variant: Variant::Full, pairs: fig6_pairs(64), flow_pkts: u32::MAX, t0_us: study.t0_us, record: false };
+    let mut rates = Vec::new();
+    let mut wall_rates = Vec::new();
+    let mut events = 0;
+    for _ in 0..runs.max(1) {
+        let r = study.run(&spec);
+        events = r.stats.events;
+        rates.push(r.events_per_cpu_s);
+        wall_rates.push(r.events_per_s);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    let (cpu_median, wall_median) = (median(&mut rates), median(&mut wall_rates));
+    let out = serde_json::json!({"experiment": "fig6 64 senders, tofino", "events_per_run": events,
+        "runs": rates.len(), "events_per_cpu_s_median": cpu_median, "events_per_cpu_s_all": rates,
+        "events_per_wall_s_median": wall_median, "target_events_per_s": 5e6, "target_met": cpu_median >= 5e6});
+    if as_json {
+        println!("{out}");
+    }
+    eprintln!(
+        "bench-events: {events} events per run, median {:.2} M events per CPU second ({:.2} M per wall second) over {} runs (target 5 M/s on one core: {})",
+        cpu_median / 1e6,
+        wall_median / 1e6,
+        rates.len(),
+        if cpu_median >= 5e6 { "met" } else { "NOT met" }
+    );
+    Ok(())
+}
+
+fn incast(mut args: Args) -> Result<(), String> {
+    let senders: usize = args.value("--senders")?.unwrap_or(64);
+    let pkts: u32 = args.value("--pkts")?.unwrap_or(100);
+    let as_json = args.flag("--json");
+    let design = match args.value::<String>("--design")?.as_deref().unwrap_or("ideal") {
+        "ideal" => Design::Ideal,
+        "tofino" => Design::Tofino,
+        "mod" => Design::Mod,
+        "dod-only" => Design::DodOnly,
+        d => return Err(format!("unknown design {d:?} (ideal, tofino, mod, dod-only)")),
+    };
+    let study = study_from(&mut args)?;
+    args.finish()?;
+    let r = fanin_sim::trimming::incast_check(&study, design, senders, pkts);
+    if as_json {
+        println!("{r}");
+    }
+    eprintln!(
+        "incast {senders} x {pkts} packets -> 1 ({}): last flow done at {:.1} µs, optimum {:.1} µs (x{:.3}), first at {:.1} µs; {} trims, {} returned to sender, {} timeouts",
+        r["design"].as_str().unwrap_or(""),
+        r["last_completion_us"].as_f64().unwrap_or(f64::NAN),
+        r["optimal_us"].as_f64().unwrap_or(f64::NAN),
+        r["last_over_optimal"].as_f64().unwrap_or(f64::NAN),
+        r["first_completion_us"].as_f64().unwrap_or(f64::NAN),
+        r["trims"],
+        r["returned_to_sender"],
+        r["timeouts"]
+    );
+    Ok(())
+}
+
+fn allreduce(mut args: Args) -> Result<(), String> {
+    let mut c = fanin_sim::allreduce::AllreduceConfig::default();
+    if let Some(v) = args.value("--workers")? {
+        c.workers = v;
+    }
+    if let Some(v) = args.value("--elements")? {
+        c.elements = v;
+    }
+    if let Some(v) = args.value("--elems-per-packet")? {
+        c.elems_per_packet = v;
+    }
+    if let Some(v) = args.value("--window")? {
+        c.window = v;
+    }
+    if let Some(v) = args.value("--loss")? {
+        c.loss = v;
+    }
+    if let Some(v) = args.value("--rate-gbps")? {
+        c.rate_gbps = v;
+    }
+    if let Some(v) = args.value("--seed")? {
+        c.seed = v;
+    }
+    let as_json = args.flag("--json");
+    args.finish()?;
+    let r = fanin_sim::allreduce::run(&c)?;
+    if as_json {
+        println!("{}", serde_json::to_string(&r).expect("json"));
+    }
+    eprintln!(
+        "allreduce {} workers x {} int32 ({} per packet, window {}, loss {}): {:.1} µs (bound {:.1} µs), {:.1} Gbit/s per worker, {} retransmissions, {} link drops, {} queue drops, verified={}",
+        c.workers, c.elements, c.elems_per_packet, c.window, c.loss, r.completion_us, r.bound_us, r.goodput_gbps_per_worker,
+        r.retransmissions, r.link_drops, r.queue_drops, r.verified
+    );
+    if r.verified {
+        Ok(())
+    } else {
+        Err("a worker's result differs from the reference sum".into())
+    }
+}
+
+fn permutation(mut args: Args) -> Result<(), String> {
+    use fanin_sim::permutation::{run, PermutationConfig, Topology};
+    let topo: String = args.value("--topology")?.unwrap_or_else(|| "fat-tree".into());
+    let topology = match topo.as_str() {
+        "single" => Topology::Single { ports: args.value("--ports")?.unwrap_or(16) },
+        "leaf-spine" => Topology::LeafSpine {
+            leaves: args.value("--leaves")?.unwrap_or(4),
+            spines: args.value("--spines")?.unwrap_or(4),
+            hosts_per_leaf: args.value("--hosts-per-leaf")?.unwrap_or(4),
+        },
+        "fat-tree" => Topology::FatTree { k: args.value("--k")?.unwrap_or(4) },
+        t => return Err(format!("unknown topology {t:?} (single, leaf-spine, fat-tree)")),
+    };
+    let lb: String = args.value("--lb")?.unwrap_or_else(|| "spray".into());
+    if lb != "spray" && lb != "ecmp" {
+        return Err(format!("--lb must be spray or ecmp, got {lb:?}"));
+    }
+    let cfg = PermutationConfig {
+        topology,
+        model: args.value("--model")?.unwrap_or_else(|| "ideal".into()),
+        spray: lb == "spray",
+        rate_gbps: args.value("--rate-gbps")?.unwrap_or(100),
+        link_delay_ns: args.value("--delay-ns")?.unwrap_or(500),
+        pkts_per_flow: args.value("--pkts")?.unwrap_or(1000),
+        initial_window: args.value("--initial-window")?.unwrap_or(100),
+        seed: args.value("--seed")?.unwrap_or(1),
+    };
+    let as_json = args.flag("--json");
+    args.finish()?;
+    let r = run(&cfg)?;
+    if as_json {
+        println!("{}", serde_json::to_string(&r).expect("json"));
+    }
+    eprintln!(
+        "permutation on {topo} ({} hosts, {}, {lb}): {}/{} flows done, FCT mean {:.1} µs p99 {:.1} µs max {:.1} µs, goodput {:.1} Gbit/s per flow, {} trims, {} drops, {:.1} M events per CPU second",
+        r.hosts, cfg.model, r.finished, r.hosts, r.fct_mean_us, r.fct_p99_us, r.fct_max_us, r.goodput_mean_gbps,
+        r.stats.trims(), r.stats.data_drops(), r.events_per_cpu_s / 1e6
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let mut argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.is_empty() || argv[0] == "-h" || argv[0] == "--help" {
+        eprint!("{USAGE}");
+        return if argv.is_empty() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+    }
+    let cmd = argv.remove(0);
+    let args = Args { rest: argv };
+    let r = match cmd.as_str() {
+        "trimming" => trimming(args),
+        "bench-events" => bench_events(args),
+        "incast" => incast(args),
+        "allreduce" => allreduce(args),
+        "permutation" => permutation(args),
+        _ => Err(format!("unknown command {cmd:?}\n{USAGE}")),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fanin-sim: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,124 @@
+"""Straggler mitigation end to end: the daemon's scanners, real UDP sockets,
+the Python API (docs/stragglers.md)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin.proc import worker_inputs
+from fanin.switch import LocalSwitch, job_config, switch_config
+
+
+def straggler_switch(members, block_exp_ms, slow_after_windows=2, block_cnt_max=16, checks=4):
+    job = job_config(1, members=members, block_cnt_max=block_cnt_max, block_grad_max=256,
+                     block_exp_ms=block_exp_ms, slow_after_windows=slow_after_windows)
+    return LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, checks=checks,
+                                     jobs=[job]))
+
+
+def in_threads(n, fn):
+    out, errors = [None] * n, []
+
+    def body(i):
+        try:
+            out[i] = fn(i)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_a_silent_member_yields_partial_results_within_the_timeout():
+    with straggler_switch([0, 1, 2], block_exp_ms=20, slow_after_windows=0) as sw:
+        blocks = 10
+
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=256)
+            x = worker_inputs(rank, blocks * 256, "float32")
+            t0 = time.perf_counter()
+            total = s.allreduce(x)
+            elapsed = time.perf_counter() - t0
+            mean = s.allreduce(x, average=True)
+            return total, mean, elapsed, s.last_stats
+
+        (t0, m0, e0, st0), (t1, m1, e1, st1) = in_threads(2, work)
+        counters = sw.counters()
+    assert t0.tobytes() == t1.tobytes() and m0.tobytes() == m1.tobytes()
+    x0, x1 = worker_inputs(0, 2560, "float32"), worker_inputs(1, 2560, "float32")
+    exact = x0.astype(np.float64) + x1
+    assert np.allclose(t0, exact, rtol=1e-5, atol=1e-6), "the partial sum is the sum of the two active workers"
+    # averaging divides by src_cnt (2), not by the job size (3)
+    assert np.allclose(m0, exact / 2, rtol=1e-5, atol=1e-6)
+    assert st0["min_src_cnt"] == 2 and len(st0["degraded_blocks"]) == blocks
+    assert all(cnt == 2 for _, cnt in st0["degraded_blocks"])
+    # the exponent round and the data round each age once: about 2 timeouts,
+    # well under a second
+    assert e0 < 0.5, e0
+    assert counters["blocks_aged"] >= blocks and counters["blocks_degraded"] >= blocks
+
+
+def test_a_late_worker_gets_what_the_switch_still_has_then_rejoins_the_job():
+    n_elems = 4 * 256
+    with straggler_switch([0, 1, 2], block_exp_ms=50, slow_after_windows=1, block_cnt_max=4) as sw:
+        barrier = threading.Barrier(3)
+
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=256, window=4)
+            x = np.full(n_elems, rank + 1, dtype=np.int32)
+            if rank == 2:
+                time.sleep(0.5)  # straggles through the first allreduce
+            first = s.allreduce(x)
+            st_first = s.last_stats
+            barrier.wait()  # from here on everyone is on time
+            if rank != 2:
+                # the former straggler opens the blocks (it has caught up); the
+                # others follow well within the 50 ms timeout
+                time.sleep(0.005)
+            second = s.allreduce(x)
+            return first, st_first, second, s.last_stats
+
+        results = in_threads(3, work)
+        counters = sw.counters()
+    (f0, st0, s0, _), (f1, _, s1, _), (f2, st2, s2, st2b) = results
+    # the punctual workers got the partial sum 1 + 2 without worker 2
+    assert np.array_equal(f0, np.full(n_elems, 3, dtype=np.int32)) and np.array_equal(f0, f1)
+    assert st0["min_src_cnt"] == 2
+    # the straggler got, per block, the same partial result or a missed block (zeros)
+    for b in range(4):
+        block = f2[b * 256:(b + 1) * 256]
+        assert np.array_equal(block, f0[b * 256:(b + 1) * 256]) or not block.any()
+    assert st2["missed_blocks"] == sum(1 for _, c in st2["degraded_blocks"] if c == 0)
+    # it caught up: the next allreduce includes everyone again
+    assert counters["declared_slow"] >= 1
+    full = np.full(n_elems, 6, dtype=np.int32)
+    assert np.array_equal(s0, full) and np.array_equal(s1, full) and np.array_equal(s2, full)
+    assert st2b["min_src_cnt"] == 3
+
+
+def test_averaging_an_int32_tensor_is_refused():
+    with fanin.local_switch(workers=1) as sw:
+        s = fanin.Session(sw.data_addr, 1, 0)
+        with pytest.raises(TypeError, match="average=True needs a float32 array"):
+            s.allreduce(np.ones(4, dtype=np.int32), average=True)
+
+
+def test_aging_configuration_errors_name_the_field():
+    with pytest.raises(ValueError, match="aging.checks 0 is out of range"):
+        LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, checks=0))
+    with pytest.raises(ValueError, match="slow_after_windows 20000 is out of range"):
+        LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None,
+                                  jobs=[job_config(1, 2, block_exp_ms=5, slow_after_windows=20000)]))
+    # 1 ms over 100 scanners x 4 checks is a 2.5 us tick: refused at admission
+    with pytest.raises(Exception, match="block_exp_ms 1 with 100 scanners x 4 checks"):
+        LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, scanners=100,
+                                  jobs=[job_config(1, 2, block_exp_ms=1)]))
