@@ -250,6 +250,8 @@ def run_time_to_accuracy(args: Any) -> int:
             "degraded_blocks": sum(r.get("degraded_blocks", 0) for r in runs),
             "steps_with_fewer_sources": sum(r.get("steps_with_fewer_sources", 0) for r in runs),
             "params_identical_on_all_ranks": all(r["max_param_diff_across_ranks"] == 0 for r in runs),
+            "max_param_diff_across_ranks": max(r["max_param_diff_across_ranks"] for r in runs),
+            "missed_blocks": sum(sum(r.get("missed_blocks_per_rank") or [0]) for r in runs),
         }
     mit = summary["fanin_mitigation"]
     # The switch accepts block_exp_ms today; whether it ages blocks out is
@@ -278,11 +280,12 @@ def run_time_to_accuracy(args: Any) -> int:
     with open(summary_csv, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["arm", "runs", "time_to_target_median_s", "final_acc_median", "median_iter_ms",
-                    "straggle_events", "degraded_blocks", "speedup_vs_no_mitigation"])
+                    "straggle_events", "degraded_blocks", "missed_blocks", "params_identical_on_all_ranks",
+                    "speedup_vs_no_mitigation"])
         for arm, s in summary.items():
             w.writerow([arm, s["runs"], _fmt(s["time_to_target_median_s"]), f"{s['final_acc_median']:.4f}",
                         f"{s['median_iter_s'] * 1e3:.2f}", s["straggle_events"], s["degraded_blocks"],
-                        _fmt(s["speedup_vs_no_mitigation"])])
+                        s["missed_blocks"], s["params_identical_on_all_ranks"], _fmt(s["speedup_vs_no_mitigation"])])
     png = os.path.join(args.out, "time-to-accuracy.png")
     _plot_tta(arms, target, args.straggler_p, args.workers, png, mit["mitigation_active"])
     result = {"bench": "time-to-accuracy", "workers": args.workers, "straggler_p": args.straggler_p,

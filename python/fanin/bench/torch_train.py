@@ -130,6 +130,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     max_param_diff = max(float((g - flat).abs().max()) for g in gathered)
+    missed_all = None
+    if args.backend == "fanin":
+        mine = torch.tensor([float(ft.fanin_group().total_stats().missed_blocks)])
+        every = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(every, mine)
+        missed_all = [int(x.item()) for x in every]
     result = {
         "backend": args.backend, "workers": world, "straggler_p": args.straggler_p,
         "typical_iter_s": args.typical_iter_s, "block_exp_ms": int(os.environ.get("FANIN_BLOCK_EXP_MS", "0") or 0),
@@ -142,6 +148,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         result["min_sources_seen"] = min(sources)
         st = ft.fanin_group().total_stats()
         result["degraded_blocks"] = st.degraded_blocks
+        result["missed_blocks_per_rank"] = missed_all
         result["retransmissions"] = st.retransmissions
     dist.destroy_process_group()
     return result if rank == 0 else {}

@@ -48,8 +48,9 @@ class StepStats:
     ``min_sources`` is the fewest workers any block of any of those
     allreduces included (``n_sources`` when nothing was degraded); with
     straggler mitigation it is below ``n_sources`` when the switch aged out
-    a slow worker's contribution. ``degraded_blocks`` counts blocks that
-    summed fewer than ``n_sources`` workers.
+    a slow worker's contribution, and 0 on a straggler that missed a block
+    altogether (see ``missed_blocks``). ``degraded_blocks`` counts blocks
+    that summed fewer than ``n_sources`` workers.
     """
 
     n_sources: int
@@ -57,6 +58,10 @@ class StepStats:
     allreduces: int = 0
     blocks: int = 0
     degraded_blocks: int = 0
+    # blocks this worker arrived too late for: zero in its result (src_cnt 0);
+    # the other workers applied a partial result there, so this replica
+    # diverged and should be resynchronised (docs/stragglers.md)
+    missed_blocks: int = 0
     retransmissions: int = 0
     elements: int = 0
     # src_cnt -> number of degraded blocks that summed that many workers
@@ -86,6 +91,7 @@ class StepLog:
                 s.allreduces += 1
                 s.blocks += int(stats.get("blocks", 0))
                 s.degraded_blocks += len(stats.get("degraded_blocks", ()))
+                s.missed_blocks += int(stats.get("missed_blocks", 0))
                 s.retransmissions += int(stats.get("retransmissions", 0))
                 s.elements += elements
                 s.min_sources = min(s.min_sources, int(stats.get("min_src_cnt", self._n)))
