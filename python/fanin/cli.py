@@ -14,6 +14,8 @@ examples:
   fanin switch --config switch.toml            # ... or from a config file (see docs/operations.md)
   fanin bench allreduce --workers 4 --size 100MB --json
   fanin bench gloo-compare --workers 4 --size 100MB
+  fanin bench torch-allreduce --quick --json   # torch.distributed: fanin backend vs Gloo
+  fanin bench time-to-accuracy --quick --json  # digits MLP with stragglers (cf. Trio-ML Fig. 12)
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
 """
@@ -129,6 +131,16 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
     from fanin.bench.sweeps import run_sweep
 
     return run_sweep(args)
+
+
+def _cmd_bench_torch(args: argparse.Namespace) -> int:
+    try:
+        from fanin.bench import torch_bench
+    except ImportError as e:
+        print(f"fanin bench {args.bench}: {e} (pip install -r requirements-bench.txt)", file=sys.stderr)
+        return 2
+    return torch_bench.run_torch_allreduce(args) if args.bench == "torch-allreduce" else \
+        torch_bench.run_time_to_accuracy(args)
 
 
 def _cmd_bench_straggler_recovery(args: argparse.Namespace) -> int:
@@ -336,7 +348,41 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--verbose", action="store_true", help="show the example's progress on stderr")
     common(kv)
     kv.set_defaults(func=_cmd_bench_kv)
+
+    _add_torch_benches(bsub, common)
     return parser
+
+
+def _add_torch_benches(bsub: Any, common: Any) -> None:
+    ta = bsub.add_parser("torch-allreduce", help="torch.distributed all_reduce: fanin backend vs Gloo, side by side",
+                         description="dist.all_reduce through the 'fanin' backend and through 'gloo' at each process "
+                                     "count and size, alternating, on loopback; writes CSV and PNG to --out.")
+    ta.add_argument("--workers", help="comma-separated process counts (default 2,4,8; 2,4 with --quick)")
+    ta.add_argument("--sizes", help="comma-separated sizes (default 1MB,16MB,64MB,256MB; 1MB,16MB with --quick)")
+    ta.add_argument("--elems-per-packet", type=int, default=1024)
+    ta.add_argument("--window", type=int, default=256)
+    ta.add_argument("--iters", type=int, help="timed iterations per point (default 5, 3 for >=64MB or --quick)")
+    ta.add_argument("--switch-process", action="store_true",
+                    help="run the switch as its own process (FANIN_SWITCH) instead of embedded in rank 0")
+    ta.add_argument("--out", default="out/bench/torch", help="directory for CSV and PNG (default %(default)s)")
+    common(ta)
+    ta.set_defaults(func=_cmd_bench_torch)
+
+    tt = bsub.add_parser("time-to-accuracy", help="digits MLP training with stragglers (cf. Trio-ML Fig. 12)",
+                         description="Train an MLP on scikit-learn's digits with torchrun: fanin with straggler "
+                                     "mitigation (block_exp_ms), fanin without it, and Gloo without stragglers "
+                                     "(the ideal), under the Slow Worker Pattern; writes CSV and PNG to --out.")
+    tt.add_argument("--workers", type=int, default=4)
+    tt.add_argument("--straggler-p", type=float, default=0.16)
+    tt.add_argument("--block-exp-ms", type=int, default=10, help="block aging of the mitigation arm (default 10)")
+    tt.add_argument("--typical-iter-s", type=float, help="straggler scale (default: Gloo's median iteration time)")
+    tt.add_argument("--target-acc", type=float, default=0.95)
+    tt.add_argument("--epochs", type=int, help="epochs per run (default 30, 10 with --quick)")
+    tt.add_argument("--eval-every", type=int, default=5)
+    tt.add_argument("--repeats", type=int, help="runs per arm (default 3, 1 with --quick)")
+    tt.add_argument("--out", default="out/bench/torch", help="directory for CSV and PNG (default %(default)s)")
+    common(tt)
+    tt.set_defaults(func=_cmd_bench_torch)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -232,8 +232,12 @@ enum BlockPhase {
     Done,
 }
 
-/// How many allreduces ahead of this worker the stash keeps results for.
-const STASH_GENERATIONS: u16 = 4;
+/// How many allreduces ahead of this worker the stash keeps results for
+/// (bounded in bytes by `stash_bytes`). A PyTorch step is several
+/// allreduces (one per gradient bucket), so a straggler that sleeps through
+/// a few steps is dozens of generations behind. Anything further ahead than
+/// this, in the 16-bit generation space, is an old duplicate.
+const STASH_GENERATIONS: u16 = 1024;
 
 /// Results of later same-shard blocks that make a missing one count as lost.
 pub const DUP_THRESH: u8 = 3;

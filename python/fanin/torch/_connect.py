@@ -1,0 +1,132 @@
+"""Rendezvous: which switch and which job a group of torch ranks uses.
+
+Rank 0 of the group decides and publishes the answer through the c10d store
+that ``init_process_group`` already created; the other ranks wait for it
+there. Either
+
+* ``FANIN_SWITCH=HOST:PORT`` names a running switch on which the job
+  ``FANIN_JOB_ID`` (default 1) is admitted with the group's size, or
+* by default rank 0 starts a switch inside its own process (the embedded
+  default: the real daemon on background threads) with one job for the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fanin.session import Session
+from fanin.switch import LocalSwitch, job_config, switch_config
+
+__all__ = ["Connection", "ConnectOptions", "connect"]
+
+_KEY = "fanin/switch"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclass
+class ConnectOptions:
+    """How a group reaches its switch; every field has an environment variable."""
+
+    switch: Optional[str] = None      # FANIN_SWITCH: HOST:PORT of a running switch; None = embedded
+    job_id: int = 1                   # FANIN_JOB_ID: the job on an external switch
+    elems_per_packet: int = 1024      # FANIN_ELEMS_PER_PACKET
+    window: int = 256                 # FANIN_WINDOW: blocks in flight (= the embedded job's block_cnt_max)
+    block_exp_ms: int = 0             # FANIN_BLOCK_EXP_MS: straggler aging of the embedded job; 0 = off
+    bind: Optional[str] = None        # FANIN_SWITCH_BIND: where the embedded switch listens
+    shards: int = 1                   # FANIN_SWITCH_SHARDS: processing threads of the embedded switch
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ConnectOptions":
+        opts = cls(
+            switch=os.environ.get("FANIN_SWITCH") or None,
+            job_id=_env_int("FANIN_JOB_ID", 1),
+            elems_per_packet=_env_int("FANIN_ELEMS_PER_PACKET", 1024),
+            window=_env_int("FANIN_WINDOW", 256),
+            block_exp_ms=_env_int("FANIN_BLOCK_EXP_MS", 0),
+            bind=os.environ.get("FANIN_SWITCH_BIND") or None,
+            shards=_env_int("FANIN_SWITCH_SHARDS", 1),
+        )
+        for k, v in overrides.items():
+            if v is not None:
+                setattr(opts, k, v)
+        return opts
+
+
+@dataclass
+class Connection:
+    session: Optional[Session]  # None once the group is shut down
+    switch_addr: str
+    job_id: int
+    elems_per_packet: int
+    n_sources: int
+    embedded: Optional[LocalSwitch]  # set on the rank that runs the embedded switch
+
+
+def _embedded_bind(world: int) -> tuple[str, Optional[str]]:
+    """(bind address, address to advertise) for the embedded switch."""
+    local = _env_int("LOCAL_WORLD_SIZE", world)
+    if local >= world:
+        return "127.0.0.1:0", None  # every rank is on this machine
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        raise RuntimeError("fanin: ranks span several machines but MASTER_ADDR is unset; set FANIN_SWITCH "
+                           "to a running switch or FANIN_SWITCH_BIND to an address the other machines reach")
+    return "0.0.0.0:0", master
+
+
+def _decide(world: int, opts: ConnectOptions) -> tuple[Optional[LocalSwitch], str]:
+    """Rank 0's choice: (embedded switch or None, "addr|job|elems_per_packet")."""
+    embedded = None
+    if opts.switch:
+        addr, job_id = opts.switch, opts.job_id
+    else:
+        bind, advertise = (opts.bind, None) if opts.bind else _embedded_bind(world)
+        job_id = 1
+        job = job_config(job_id, world, block_cnt_max=opts.window, block_grad_max=opts.elems_per_packet,
+                         block_exp_ms=opts.block_exp_ms)
+        embedded = LocalSwitch(switch_config(data_addr=bind, shards=opts.shards, control_addr=None,
+                                             metrics_addr=None, memory_mb=4096, jobs=[job]))
+        addr = embedded.data_addr
+        if advertise:
+            addr = f"{advertise}:{addr.rsplit(':', 1)[1]}"
+    return embedded, f"{addr}|{job_id}|{opts.elems_per_packet}"
+
+
+def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions) -> Connection:
+    """Agree on a switch and job through ``store`` and join it (all ranks call this)."""
+    embedded: Optional[LocalSwitch] = None
+    if rank == 0:
+        try:
+            embedded, published = _decide(world, opts)
+        except Exception as e:
+            # tell the other ranks instead of leaving them waiting for the store timeout
+            store.set(_KEY, f"!{type(e).__name__}: {e}")
+            raise
+        store.set(_KEY, published)
+    else:
+        store.wait([_KEY], timeout)
+    answer = store.get(_KEY).decode()
+    if answer.startswith("!"):
+        raise RuntimeError(f"fanin: rank 0 could not set up the switch: {answer[1:]}")
+    addr, job_s, epp_s = answer.split("|")
+    epp = int(epp_s)
+    dead_after = max(10.0, timeout.total_seconds())
+    session = Session(addr, int(job_s), rank, elems_per_packet=epp, window=opts.window,
+                      join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after)
+    if session.n_sources != world:
+        raise RuntimeError(f"fanin: job {job_s} on {addr} has {session.n_sources} members but the process group "
+                           f"has {world} ranks; admit it with sources={world}")
+    return Connection(session=session, switch_addr=addr, job_id=int(job_s), elems_per_packet=epp,
+                      n_sources=session.n_sources, embedded=embedded)

@@ -1,0 +1,160 @@
+"""Tensor <-> switch plumbing shared by the process group and the DDP hook:
+dtype checks, one switch allreduce, averaging by each block's ``src_cnt``,
+and the per-step record of how many workers each allreduce included."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from fanin.session import Session
+
+__all__ = ["SUPPORTED_DTYPES", "StepStats", "StepLog", "check_tensor", "switch_allreduce"]
+
+# dtype -> the dtype that travels through the switch. float16/bfloat16 are
+# widened to float32 (block floating point on the wire either way), so the
+# sum is never accumulated at half precision.
+SUPPORTED_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.float32: torch.float32,
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.int32: torch.int32,
+}
+
+
+def check_tensor(t: Any, what: str = "allreduce") -> None:
+    """Raise a clear error for a tensor the switch cannot reduce."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fanin {what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"fanin {what}: dtype {str(t.dtype).replace('torch.', '')} is not supported "
+                        f"(the switch sums {names}); cast the tensor or use a Gloo group for it")
+    if t.device.type != "cpu":
+        raise ValueError(f"fanin {what}: tensors must be on the CPU, this one is on {t.device} "
+                         "(copy it with .cpu(), or use NCCL for device tensors)")
+    if t.is_sparse:
+        raise ValueError(f"fanin {what}: sparse tensors are not supported")
+
+
+@dataclass
+class StepStats:
+    """What the switch reported for the allreduces since the last reset.
+
+    ``min_sources`` is the fewest workers any block of any of those
+    allreduces included (``n_sources`` when nothing was degraded); with
+    straggler mitigation it is below ``n_sources`` when the switch aged out
+    a slow worker's contribution, and 0 on a straggler that missed a block
+    altogether (see ``missed_blocks``). ``degraded_blocks`` counts blocks
+    that summed fewer than ``n_sources`` workers.
+    """
+
+    n_sources: int
+    min_sources: int
+    allreduces: int = 0
+    blocks: int = 0
+    degraded_blocks: int = 0
+    # blocks this worker arrived too late for: zero in its result (src_cnt 0);
+    # the other workers applied a partial result there, so this replica
+    # diverged and should be resynchronised (docs/stragglers.md)
+    missed_blocks: int = 0
+    retransmissions: int = 0
+    elements: int = 0
+    # src_cnt -> number of degraded blocks that summed that many workers
+    sources_histogram: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        """True when every block summed every worker."""
+        return self.min_sources >= self.n_sources
+
+
+class StepLog:
+    """Accumulates switch statistics between two ``take()`` calls (thread safe:
+    allreduces finish on the process group's worker thread)."""
+
+    def __init__(self, n_sources: int) -> None:
+        self._n = n_sources
+        self._lock = threading.Lock()
+        self._cur = StepStats(n_sources=n_sources, min_sources=n_sources)
+        self.total = StepStats(n_sources=n_sources, min_sources=n_sources)
+
+    def record(self, stats: Optional[dict[str, Any]], elements: int) -> None:
+        if not stats:
+            return
+        with self._lock:
+            for s in (self._cur, self.total):
+                s.allreduces += 1
+                s.blocks += int(stats.get("blocks", 0))
+                s.degraded_blocks += len(stats.get("degraded_blocks", ()))
+                s.missed_blocks += int(stats.get("missed_blocks", 0))
+                s.retransmissions += int(stats.get("retransmissions", 0))
+                s.elements += elements
+                s.min_sources = min(s.min_sources, int(stats.get("min_src_cnt", self._n)))
+                for _, cnt in stats.get("degraded_blocks", ()):
+                    s.sources_histogram[int(cnt)] = s.sources_histogram.get(int(cnt), 0) + 1
+
+    def totals(self) -> StepStats:
+        with self._lock:
+            return StepStats(**{**self.total.__dict__, "sources_histogram": dict(self.total.sources_histogram)})
+
+    def take(self, reset: bool = True) -> StepStats:
+        with self._lock:
+            cur = self._cur
+            if reset:
+                self._cur = StepStats(n_sources=self._n, min_sources=self._n)
+            else:
+                cur = StepStats(**{**cur.__dict__, "sources_histogram": dict(cur.sources_histogram)})
+            return cur
+
+
+def block_divisors(length: int, n_sources: int, degraded: list[tuple[int, int]], elems_per_packet: int) -> np.ndarray:
+    """Per-element divisor for an average: ``n_sources`` except in degraded
+    blocks, where it is that block's ``src_cnt``. Block ``b`` of an allreduce
+    covers elements ``[b*epp, (b+1)*epp)`` of the flattened tensor (block
+    indices are relative to the allreduce; see fanin-proto host/allreduce.rs)."""
+    div = np.full(length, n_sources, dtype=np.float32)
+    for block, cnt in degraded:
+        start = int(block) * elems_per_packet
+        div[start:start + elems_per_packet] = max(int(cnt), 1)
+    return div
+
+
+def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log: Optional[StepLog],
+                     elems_per_packet: int) -> None:
+    """Sum (or average) ``tensor`` in place over the job's members through the switch.
+
+    Averages divide each element by the number of workers its block actually
+    summed (``src_cnt``), so a block the switch emitted without a straggler is
+    the mean of the workers it included, not a sum scaled by the wrong count.
+    int32 averages truncate toward zero (like NCCL's AVG on integers).
+    """
+    wire = SUPPORTED_DTYPES[tensor.dtype]
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return
+    src = flat if flat.dtype == wire else flat.to(wire)
+    out = session.allreduce(src.contiguous().numpy())
+    stats = session.last_stats
+    if log is not None:
+        log.record(stats, flat.numel())
+    degraded = list(stats.get("degraded_blocks", ())) if stats else []
+    n = session.n_sources
+    result = torch.from_numpy(out)
+    if average:
+        if wire == torch.int32:
+            if degraded:
+                div = torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet).astype(np.int32))
+                result = torch.div(result, div, rounding_mode="trunc")
+            else:
+                result = torch.div(result, n, rounding_mode="trunc")
+        elif degraded:
+            result = result / torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet))
+        else:
+            result = result / n
+    with torch.no_grad():
+        tensor.copy_(result.reshape(tensor.shape))

@@ -1,0 +1,308 @@
+"""The ``fanin`` torch.distributed backend: a Python ``ProcessGroup`` whose
+allreduce goes through a fanin switch.
+
+What goes where (see docs/torch.md):
+
+* ``allreduce`` (SUM, AVG; float32, float16, bfloat16, int32, CPU tensors)
+  and ``allreduce_coalesced``: through the switch.
+* ``broadcast``, ``allgather``, ``all_gather_single`` (all_gather_into_tensor,
+  all_gather_object),
+  ``barrier``: through a Gloo group built on the same c10d store under the
+  prefix ``fanin-gloo/`` (the documented fallback: these carry no gradient
+  volume, and Gloo does them correctly and efficiently).
+* anything else raises ``NotImplementedError`` naming the call.
+
+Every collective runs on one worker thread per group, in the order the
+caller issued them, so ranks that issue the same sequence of collectives
+agree on it on both channels (switch and Gloo) and ``barrier`` follows
+every allreduce issued before it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from fanin.torch._connect import Connection, ConnectOptions, connect
+from fanin.torch._reduce import StepLog, StepStats, check_tensor, switch_allreduce
+
+__all__ = ["FaninProcessGroup", "create_backend"]
+
+_SWITCH_OPS = {dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
+
+
+def _op_kind(op: Any) -> Any:
+    """The RedOpType of a ReduceOp (options carry a ReduceOp wrapper, users pass RedOpType)."""
+    return getattr(op, "op", op)
+
+
+def _op_name(op: Any) -> str:
+    return str(getattr(_op_kind(op), "name", op))
+
+
+class _Worker:
+    """One thread that runs a group's collectives in issue order."""
+
+    def __init__(self, name: str) -> None:
+        self._q: "queue.Queue[Optional[tuple[Callable[[], Any], Future]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                value = fn()
+            except Exception as e:  # delivered to whoever waits on the work
+                fut.set_exception(e)
+            except BaseException as e:  # a Rust panic: keep the thread alive, fail the work
+                fut.set_exception(RuntimeError(f"fanin: {type(e).__name__}: {e}"))
+            else:
+                fut.set_result(value)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+class FaninProcessGroup(dist.ProcessGroup):
+    """A torch process group whose allreduce is aggregated by a fanin switch.
+
+    Created by ``torch.distributed.init_process_group("fanin")`` (or
+    ``new_group(backend="fanin")``) after ``import fanin.torch``; see
+    :func:`create_backend` for how it finds its switch.
+
+    Guarantee: every rank receives the same allreduce result, bit for bit.
+    float32/float16/bfloat16 travel as float32 block floating point (error
+    bound in :class:`fanin.Session`); int32 sums are exact. AVG divides each
+    element by the number of workers its block summed (``src_cnt``); SUM of a
+    block that straggler mitigation emitted without a slow worker is the sum
+    over the workers it included (read :meth:`step_stats` to see it).
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
+                 options: Optional[ConnectOptions] = None) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._options = options or ConnectOptions.from_env()
+        # A fanin Session belongs to the thread that made it, so the worker
+        # thread that runs every collective also joins the switch.
+        self._worker = _Worker(f"fanin-pg-{rank}")
+        self._conn: Connection = self._worker.submit(
+            lambda: connect(store, rank, size, timeout, self._options)).wait()
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("fanin-gloo/", store), rank, size, timeout)
+        self._log = StepLog(self._conn.n_sources)
+        self._closed = False
+
+    # -- identity ---------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "fanin"
+
+    @property
+    def switch_addr(self) -> str:
+        """``HOST:PORT`` of the switch this group aggregates on."""
+        return self._conn.switch_addr
+
+    @property
+    def job_id(self) -> int:
+        return self._conn.job_id
+
+    @property
+    def elems_per_packet(self) -> int:
+        return self._conn.elems_per_packet
+
+    def step_stats(self, reset: bool = True) -> StepStats:
+        """Workers included by the allreduces since the last reset (see :class:`StepStats`)."""
+        return self._log.take(reset)
+
+    def total_stats(self) -> StepStats:
+        """Totals since the group was created (never reset)."""
+        return self._log.totals()
+
+    def __repr__(self) -> str:
+        return f"FaninProcessGroup(rank={self._rank}, size={self._size}, switch={self.switch_addr}, job={self.job_id})"
+
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: wait (Gloo barrier, at most
+        60 s) until every rank is done with the switch, then stop the
+        embedded switch on rank 0 and the worker thread. Without the barrier
+        rank 0 could take the switch away while another rank still waits
+        for a retransmitted result."""
+        if self._closed:
+            return
+        self._closed = True
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._gloo.barrier().wait()
+            finally:
+                # a Session must be dropped by the thread that made it
+                self._conn.session = None
+                done.set()
+
+        self._worker.submit(run)
+        done.wait(60.0)
+        self._worker.stop()
+        self._worker.join(10.0)
+        if self._conn.embedded is not None:
+            self._conn.embedded.stop()
+
+    # -- the switch path --------------------------------------------------
+    def _submit(self, fn: Callable[[], Any]) -> Any:
+        if self._closed:
+            raise RuntimeError("fanin: the process group was destroyed")
+        return _create_work_from_future(self._worker.submit(fn))
+
+    def _check_allreduce(self, tensors: list, opts: Any, what: str) -> bool:
+        op = _op_kind(getattr(opts, "reduceOp", dist.ReduceOp.SUM))
+        if op not in _SWITCH_OPS:
+            raise NotImplementedError(f"fanin {what}: reduce op {_op_name(op)} is not supported "
+                                      "(the switch sums; use SUM or AVG, or a Gloo group for MIN/MAX/PRODUCT)")
+        if not tensors:
+            raise ValueError(f"fanin {what}: no tensors given")
+        for t in tensors:
+            check_tensor(t, what)
+        return _SWITCH_OPS[op]
+
+    def allreduce(self, tensors: list, opts: Any = None) -> Any:
+        if opts is None or not hasattr(opts, "reduceOp"):
+            o = dist.AllreduceOptions()
+            o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
+            opts = o
+        average = self._check_allreduce(tensors, opts, "allreduce")
+        session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
+
+        def run() -> list:
+            for t in tensors:
+                switch_allreduce(session, t, average, log, epp)
+            return tensors
+
+        return self._submit(run)
+
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
+        if opts is None:
+            opts = dist.AllreduceCoalescedOptions()
+        average = self._check_allreduce(tensors, opts, "allreduce_coalesced")
+        if len({t.dtype for t in tensors}) != 1:
+            raise TypeError("fanin allreduce_coalesced: all tensors must have one dtype")
+        session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
+
+        def run() -> list:
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            switch_allreduce(session, flat, average, log, epp)
+            offset = 0
+            with torch.no_grad():
+                for t in tensors:
+                    t.copy_(flat[offset:offset + t.numel()].reshape(t.shape))
+                    offset += t.numel()
+            return tensors
+
+        return self._submit(run)
+
+    # -- the Gloo fallback ------------------------------------------------
+    def _via_gloo(self, call: Callable[[], Any], result: Any) -> Any:
+        def run() -> Any:
+            call().wait()
+            return result
+
+        return self._submit(run)
+
+    def broadcast(self, tensors: list, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._via_gloo(lambda: self._gloo.broadcast(tensors, opts), tensors)
+
+    def allgather(self, output_tensors: list, input_tensors: list, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._via_gloo(lambda: self._gloo.allgather(output_tensors, input_tensors, opts), output_tensors)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._via_gloo(lambda: self._gloo.all_gather_single(output, input, opts), [output])
+
+    _allgather_base = all_gather_single
+
+    def barrier(self, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._via_gloo(lambda: self._gloo.barrier(opts), [])
+
+    # -- everything else --------------------------------------------------
+    def _unsupported(self, name: str) -> Any:
+        raise NotImplementedError(
+            f"fanin process group: {name} is not supported (supported: all_reduce SUM/AVG through the switch; "
+            "broadcast, all_gather, all_gather_into_tensor and barrier through Gloo). "
+            "Create a Gloo group for it: torch.distributed.new_group(backend='gloo')")
+
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("reduce")
+
+    def gather(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("gather")
+
+    def scatter(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("scatter")
+
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("reduce_scatter")
+
+    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("reduce_scatter_tensor")
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_to_all")
+
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_to_all_single")
+
+    all_to_all_single = alltoall_base
+
+    def gather_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("gather")
+
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("reduce_scatter_tensor")
+
+    def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("reduce_scatter_tensor (coalesced)")
+
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_gather_coalesced")
+
+    def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_gather_into_tensor (coalesced)")
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("send")
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("recv")
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("recv from any source")
+
+
+def create_backend(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> FaninProcessGroup:
+    """The creator torch calls for ``init_process_group("fanin")``.
+
+    The switch comes from ``FANIN_SWITCH`` (``HOST:PORT``, with job
+    ``FANIN_JOB_ID``) or, by default, is started inside rank 0's process
+    with one job for ``size`` workers; the address travels through ``store``.
+    """
+    return FaninProcessGroup(store, rank, size, timeout)

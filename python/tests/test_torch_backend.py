@@ -1,0 +1,364 @@
+"""The torch.distributed backend and the DDP hook: registration, every
+supported dtype and op against Gloo, DDP parameters against Gloo, src_cnt
+averaging of degraded blocks, error paths, and torchrun end to end."""
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import subprocess
+import sys
+import traceback
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import fanin.torch as ft  # noqa: E402
+from fanin.torch._reduce import StepLog, block_divisors, switch_allreduce  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(target, world, env=None, timeout=180):
+    """Run target(rank, world) in `world` spawned processes with env:// rendezvous;
+    return each rank's report (a dict), failing the test on any error."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, env or {}, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports = {}
+    try:
+        while len(reports) < world:
+            rank, ok, payload = q.get(timeout=timeout)
+            if not ok:
+                pytest.fail(f"rank {rank}: {payload}")
+            reports[rank] = payload
+    except queue_mod.Empty:
+        pytest.fail(f"timeout; got reports from {sorted(reports)}")
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    return [reports[r] for r in range(world)]
+
+
+def _entry(target, rank, world, port, env, q):
+    try:
+        os.environ.update(env)
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
+        torch.set_num_threads(1)
+        q.put((rank, True, target(rank, world)))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+
+
+# ------------------------------------------------------------------ in-process
+def test_backend_is_registered():
+    assert "fanin" in dist.Backend.backend_list
+    assert dist.Backend("fanin") == "fanin"
+    assert "FANIN" in dist.Backend._plugins
+    assert dist.Backend.backend_capability["fanin"] == ["cpu"]
+    ft.register()  # idempotent
+
+
+def test_block_divisors_map_degraded_blocks_to_their_elements():
+    div = block_divisors(10, 4, [(1, 3), (2, 1)], 4)
+    assert div.tolist() == [4, 4, 4, 4, 3, 3, 3, 3, 1, 1]
+    assert block_divisors(5, 4, [(0, 0)], 4).tolist() == [1, 1, 1, 1, 4]  # never divide by zero
+
+
+class _FakeSession:
+    """A session whose switch left worker(s) out of some blocks."""
+
+    n_sources = 4
+
+    def __init__(self, degraded, scale):
+        self._degraded, self._scale = degraded, scale
+        self.last_stats = None
+
+    def allreduce(self, a):
+        self.last_stats = {"retransmissions": 0, "blocks": -(-len(a) // 4), "gen_id": 1,
+                           "degraded_blocks": self._degraded, "min_src_cnt": min([4] + [c for _, c in self._degraded])}
+        return a * self._scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
+def test_average_divides_each_block_by_its_src_cnt(dtype):
+    # 4 workers; block 1 (elements 4..7) only summed 3 of them, block 2 two.
+    t = torch.full((10,), 6, dtype=dtype)
+    sess = _FakeSession([(1, 3), (2, 2)], scale=np.array([4] * 4 + [3] * 4 + [2] * 2, dtype=np.float32)
+                        if dtype != torch.int32 else np.array([4] * 4 + [3] * 4 + [2] * 2, dtype=np.int32))
+    log = StepLog(4)
+    switch_allreduce(sess, t, average=True, log=log, elems_per_packet=4)
+    assert t.tolist() == [6] * 10  # the mean of the workers each block included
+    st = log.take()
+    assert (st.min_sources, st.degraded_blocks, st.allreduces, st.complete) == (2, 2, 1, False)
+    assert log.take().min_sources == 4  # reset
+
+
+def test_sum_of_a_degraded_block_is_the_partial_sum():
+    t = torch.ones(8)
+    sess = _FakeSession([(1, 3)], scale=np.array([4] * 4 + [3] * 4, dtype=np.float32))
+    switch_allreduce(sess, t, average=False, log=None, elems_per_packet=4)
+    assert t.tolist() == [4] * 4 + [3] * 4
+
+
+# ------------------------------------------------------------------ multi-process
+def _collectives_vs_gloo(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("fanin")
+    gloo = dist.new_group(backend="gloo")
+    pg = ft.fanin_group()
+    out = {"backend": dist.get_backend(), "repr": repr(pg)}
+    gen = torch.Generator().manual_seed(rank)
+    checks = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32):
+        for n in (1, 1000, 5000):  # one element, one partial block, several blocks
+            if dtype == torch.int32:
+                x = torch.randint(-1000, 1000, (n,), generator=gen, dtype=torch.int32)
+            else:
+                x = (torch.randn(n, generator=gen) * 10).to(dtype)
+            for op in ("sum", "avg"):
+                a = x.clone()
+                dist.all_reduce(a, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG)
+                # Gloo has no AVG: sum in float64 (int64), then divide
+                b = x.double() if dtype != torch.int32 else x.long()
+                dist.all_reduce(b, group=gloo)
+                if op == "avg":
+                    b = b / world if dtype != torch.int32 else torch.div(b, world, rounding_mode="trunc")
+                diff = (a.double() - b.double()).abs().max().item()
+                scale = b.double().abs().max().item() or 1.0
+                checks[f"{dtype}-{n}-{op}"] = (a.dtype == dtype, diff, scale)
+    out["checks"] = checks
+    # a 2-D, non-contiguous tensor keeps its shape
+    m = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    dist.all_reduce(m)
+    out["noncontig"] = m.tolist()
+    # async work
+    w = dist.all_reduce(torch.ones(10), async_op=True)
+    w.wait()
+    # the documented fallback collectives
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=world - 1)
+    out["broadcast"] = b.item()
+    outs = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(outs, torch.full((2,), float(rank)))
+    out["all_gather"] = [o.tolist() for o in outs]
+    big = torch.zeros(world * 3)
+    dist.all_gather_into_tensor(big, torch.full((3,), float(rank)))
+    out["all_gather_into_tensor"] = big.tolist()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    out["all_gather_object"] = objs
+    dist.barrier()
+    st = ft.step_stats()
+    out["stats"] = (st.n_sources, st.min_sources, st.allreduces > 0)
+    # error paths
+    errors = {}
+    for name, call in {
+        "max": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.MAX),
+        "float64": lambda: dist.all_reduce(torch.ones(3, dtype=torch.float64)),
+        "int64": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64)),
+        "reduce": lambda: dist.reduce(torch.ones(3), dst=0),
+        "all_to_all": lambda: dist.all_to_all_single(torch.zeros(world), torch.ones(world)),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.ones(world)),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except (NotImplementedError, TypeError, ValueError, RuntimeError) as e:
+            errors[name] = (type(e).__name__, str(e))
+    out["errors"] = errors
+    # the group still works after the errors
+    z = torch.ones(4)
+    dist.all_reduce(z)
+    out["after_errors"] = z.tolist()
+    dist.destroy_process_group()
+    return out
+
+
+def test_collectives_match_gloo_and_errors_are_clear():
+    world = 3
+    reports = _spawn(_collectives_vs_gloo, world)
+    for rank, r in enumerate(reports):
+        assert r["backend"] == "fanin"
+        for key, (same_dtype, diff, scale) in r["checks"].items():
+            assert same_dtype, key
+            if "int32" in key:
+                assert diff == 0, key
+            elif "float32" in key:
+                assert diff <= 1e-5 * scale + 1e-6, (key, diff, scale)
+            elif "bfloat16" in key:
+                assert diff <= 1e-2 * scale, (key, diff, scale)
+            else:
+                assert diff <= 1e-3 * scale, (key, diff, scale)
+        assert r["noncontig"] == (torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * world).tolist()
+        assert r["broadcast"] == world - 1
+        assert r["all_gather"] == [[float(i)] * 2 for i in range(world)]
+        assert r["all_gather_into_tensor"] == [float(i) for i in range(world) for _ in range(3)]
+        assert r["all_gather_object"] == [{"rank": i} for i in range(world)]
+        assert r["stats"] == (world, world, True)
+        e = r["errors"]
+        assert e["max"][0] == "NotImplementedError" and "MAX" in e["max"][1] and "SUM or AVG" in e["max"][1]
+        assert e["float64"][0] == "TypeError" and "float64" in e["float64"][1]
+        assert e["int64"][0] == "TypeError"
+        for name in ("reduce", "all_to_all", "reduce_scatter"):
+            assert e[name] is not None and "not supported" in e[name][1], (name, e[name])
+        assert r["after_errors"] == [float(world)] * 4
+    # every rank got the same bits
+    assert len({repr(r["checks"]) for r in reports}) == 1
+
+
+def _ddp_steps(model, group, hook, hook_state, steps, rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, process_group=group)
+    if hook is not None:
+        ddp.register_comm_hook(hook_state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(8, 20, generator=gen)
+        y = torch.randint(0, 5, (8,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _net(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+
+
+def _ddp_fanin_default(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("fanin")
+    gloo = dist.new_group(backend="gloo")
+    # ranks start from different parameters: DDP's broadcast must align them
+    ref = _ddp_steps(_net(0), gloo, None, None, 5, rank)
+    with_hook = _ddp_steps(_net(rank), None, ft.allreduce_hook, None, 5, rank)
+    plain = _ddp_steps(_net(rank), None, None, None, 5, rank)  # DDP's own reducer on the fanin group
+    sources = ft.last_step_sources()
+    dist.destroy_process_group()
+    return {"hook": (with_hook - ref).abs().max().item(), "plain": (plain - ref).abs().max().item(),
+            "sources": sources, "digest": with_hook.sum().item()}
+
+
+def test_ddp_on_the_fanin_backend_matches_gloo():
+    reports = _spawn(_ddp_fanin_default, 2)
+    for r in reports:
+        assert r["hook"] < 1e-4, r
+        assert r["plain"] < 1e-4, r
+        assert r["sources"] == 2
+    assert reports[0]["digest"] == reports[1]["digest"]
+
+
+def _ddp_hook_on_gloo(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("gloo")
+    state = ft.FaninHookState()
+    ref = _ddp_steps(_net(0), None, None, None, 4, rank)
+    fan = _ddp_steps(_net(0), None, ft.allreduce_hook, state, 4, rank)
+    st = state.step_stats()
+    out = {"diff": (fan - ref).abs().max().item(), "switch": state.group.switch_addr,
+           "sources": (st.n_sources, st.min_sources, st.allreduces)}
+    dist.destroy_process_group()
+    return out
+
+
+def test_ddp_hook_with_gloo_default_group_and_an_external_switch():
+    with ft_local_switch(2) as sw:
+        addr = sw.data_addr
+        reports = _spawn(_ddp_hook_on_gloo, 2, env={"FANIN_SWITCH": addr, "FANIN_JOB_ID": "1"})
+    for r in reports:
+        assert r["diff"] < 1e-4, r
+        assert r["switch"] == addr
+        assert r["sources"][:2] == (2, 2) and r["sources"][2] >= 4
+
+
+def ft_local_switch(workers):
+    import fanin
+
+    return fanin.local_switch(workers=workers)
+
+
+def _wrong_job_size(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    try:
+        dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=20))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_external_switch_with_a_job_of_the_wrong_size_is_refused():
+    with ft_local_switch(3) as sw:
+        reports = _spawn(_wrong_job_size, 2, env={"FANIN_SWITCH": sw.data_addr})
+    assert all(r and "3 members" in r and "2 ranks" in r for r in reports), reports
+
+
+@pytest.mark.skipif(pytest.importorskip("importlib").util.find_spec("sklearn") is None,
+                    reason="scikit-learn is not installed")
+def test_train_digits_example_under_torchrun(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), os.path.join(ROOT, "examples", "train_digits.py"),
+                          "--epochs", "3"], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "test accuracy" in out.stdout
+    final = [line for line in out.stdout.splitlines() if line.startswith("final")]
+    assert final and float(final[0].split()[-1]) > 0.8, out.stdout
+
+
+def _init_error(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    try:
+        dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=30))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_switch_rank_0_cannot_start_fails_every_rank_quickly():
+    reports = _spawn(_init_error, 2, env={"FANIN_SWITCH_BIND": "256.0.0.1:0"}, timeout=60)
+    assert all(r is not None for r in reports), reports
+    assert "could not set up the switch" in reports[1], reports
+
+
+def test_an_unknown_job_on_an_external_switch_is_refused():
+    with ft_local_switch(2) as sw:
+        addr = sw.data_addr
+        reports = _spawn(_init_error, 2, env={"FANIN_SWITCH": addr, "FANIN_JOB_ID": "77"}, timeout=90)
+    assert all(r is not None and "77" in r for r in reports), reports
