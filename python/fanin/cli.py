@@ -311,9 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--workers", type=int, default=4)
     si.add_argument("--iters", type=int, help="iterations per arm (default 20, 10 with --quick)")
     si.add_argument("--compute-ms", type=float, default=100.0, help="simulated compute per iteration (default %(default)s)")
-    si.add_argument("--block-exp-ms", type=int, default=100,
+    si.add_argument("--block-exp-ms", type=int, default=50,
                     help="straggler timeout of the mitigation arm (default %(default)s; Trio uses 10 ms on dedicated "
                          "hosts, but 5 processes sharing 2 cores are descheduled for longer than that)")
+    si.add_argument("--slow-after-windows", type=int, default=1,
+                    help="K of the mitigation arm: windows a worker may miss before it is declared slow (default %(default)s)")
     si.add_argument("--probs", type=float, nargs="+", help="straggling probabilities (default 0 0.04 0.08 0.16 0.32)")
     si.add_argument("--arms", nargs="+", choices=["mitigation", "none"], help="arms besides ideal (default both)")
     si.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
