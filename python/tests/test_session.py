@@ -10,25 +10,11 @@ import pytest
 import fanin
 from fanin.proc import check_result, worker_inputs
 from fanin.switch import job_config, switch_config
+from threads import in_threads
 
 
 def run_workers(addr, n, fn):
-    out, errors = [None] * n, []
-
-    def body(rank):
-        try:
-            out[rank] = fn(rank)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
+    return in_threads(n, fn)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int32"])

@@ -10,6 +10,7 @@ import pytest
 import fanin
 from fanin.proc import worker_inputs
 from fanin.switch import LocalSwitch, job_config, switch_config
+from threads import in_threads
 
 
 def straggler_switch(members, block_exp_ms, slow_after_windows=2, block_cnt_max=16, checks=4):
@@ -17,25 +18,6 @@ def straggler_switch(members, block_exp_ms, slow_after_windows=2, block_cnt_max=
                      block_exp_ms=block_exp_ms, slow_after_windows=slow_after_windows)
     return LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, checks=checks,
                                      jobs=[job]))
-
-
-def in_threads(n, fn):
-    out, errors = [None] * n, []
-
-    def body(i):
-        try:
-            out[i] = fn(i)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
 
 
 def test_a_silent_member_yields_partial_results_within_the_timeout():

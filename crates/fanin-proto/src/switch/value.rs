@@ -990,6 +990,30 @@ fn age_out<A: Copy>(
     scratch: &mut Vec<u8>,
     newly_slow: &mut Vec<usize>,
 ) {
+    let block = job.slots[local].cur.as_mut().expect("the scanner found an open block here");
+    if block.rcvd.is_empty() {
+        // A data phase nobody has sent to yet (everyone in the exponent
+        // round was declared slow): there is nothing to emit. Keep waiting;
+        // the first data contribution re-arms the timeout.
+        block.idle_checks = 0;
+        return;
+    }
+    block.aged = true;
+    counters.blocks_aged += 1;
+    close_phase(job, local, counters, out, scratch, newly_slow);
+}
+
+/// End the current phase of the open block in slot `local` with what it
+/// has: an exponent round announces its exponent, a data phase emits its
+/// result (and counts the sources missing from it).
+fn close_phase<A: Copy>(
+    job: &mut Job<A>,
+    local: usize,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+    newly_slow: &mut Vec<usize>,
+) {
     let mut reply = Reply {
         job_id: job.spec.job_id,
         members: &job.members,
@@ -1000,16 +1024,7 @@ fn age_out<A: Copy>(
         out,
         scratch,
     };
-    let block = job.slots[local].cur.as_mut().expect("the scanner found an open block here");
-    if block.rcvd.is_empty() {
-        // A data phase nobody has sent to yet (everyone in the exponent
-        // round was declared slow): there is nothing to emit. Keep waiting;
-        // the first data contribution re-arms the timeout.
-        block.idle_checks = 0;
-        return;
-    }
-    block.aged = true;
-    reply.counters.blocks_aged += 1;
+    let block = job.slots[local].cur.as_mut().expect("an open block");
     match block.phase {
         Phase::Exponent => finish_exponent_round(block, &mut reply),
         Phase::Data => {
@@ -1018,7 +1033,7 @@ fn age_out<A: Copy>(
             let block = job.slots[local].cur.as_ref().expect("still there");
             account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
         }
-        Phase::Done => unreachable!("the scanner skips finished blocks"),
+        Phase::Done => {}
     }
 }
 
@@ -1067,33 +1082,13 @@ fn settle_slow_sources<A: Copy>(
         let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);
         notify_membership(job, src, MEMBERSHIP_SLOW, block_id, counters, out, scratch);
         for local in 0..job.slots.len() {
-            let mut reply = Reply {
-                job_id: job.spec.job_id,
-                members: &job.members,
-                member_count: job.member_count,
-                addrs: &job.addrs,
-                counters: &mut *counters,
-                from: None,
-                out: &mut *out,
-                scratch: &mut *scratch,
-            };
             let Some(block) = job.slots[local].cur.as_mut() else { continue };
             if !block.is_open() {
                 continue;
             }
             block.forget(src);
-            if !block.satisfied() {
-                continue;
-            }
-            match block.phase {
-                Phase::Exponent => finish_exponent_round(block, &mut reply),
-                Phase::Data => {
-                    finish_block(block, &mut reply);
-                    job.open_blocks -= 1;
-                    let block = job.slots[local].cur.as_ref().expect("still there");
-                    account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
-                }
-                Phase::Done => {}
+            if block.satisfied() {
+                close_phase(job, local, counters, out, scratch, newly_slow);
             }
         }
     }
