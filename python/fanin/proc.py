@@ -162,5 +162,9 @@ def check_result(result: np.ndarray, workers: int, dtype: str, elems_per_packet:
     bound = float_error_bound(workers, n, elems_per_packet, iteration)
     err = np.abs(result.astype(np.float64) - ref)
     ulp = np.abs(result).astype(np.float64) * np.finfo(np.float32).eps
-    ok = bool(np.all(err <= bound + ulp))
-    return {"ok": ok, "max_abs_error": float(err.max()) if n else 0.0, "max_bound": float(bound.max()) if n else 0.0}
+    allowed = bound + ulp
+    ok = bool(np.all(err <= allowed))
+    # the worst element's error as a fraction of its own allowance (<= 1 when ok)
+    worst = float(np.max(np.where(allowed > 0, err / np.where(allowed > 0, allowed, 1), np.where(err > 0, np.inf, 0.0)))) if n else 0.0
+    return {"ok": ok, "max_abs_error": float(err.max()) if n else 0.0, "max_bound": float(bound.max()) if n else 0.0,
+            "worst_fraction_of_bound": worst}
