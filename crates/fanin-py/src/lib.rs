@@ -117,33 +117,13 @@ impl Session {
             let epp = self.inner.options().session.elems_per_packet as usize;
             outcome.average(epp, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
         }
-        let Outcome {
-            tensor,
-            gen_id,
-            blocks,
-            retransmissions,
-            degraded_blocks,
-            min_src_cnt,
-            missed_blocks,
-            latency_mean,
-            latency_max,
-        } = outcome;
-        // the result vector becomes the array's buffer: no copy
-        let result = match tensor {
+        // the result vector becomes the array's buffer: no copy; the rest of
+        // the outcome stays for last_stats
+        let result = match std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new())) {
             Tensor::F32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
             Tensor::I32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
         };
-        self.last = Some(Outcome {
-            tensor: Tensor::I32(Vec::new()),
-            gen_id,
-            blocks,
-            retransmissions,
-            degraded_blocks,
-            min_src_cnt,
-            missed_blocks,
-            latency_mean,
-            latency_max,
-        });
+        self.last = Some(outcome);
         Ok(result)
     }
 

@@ -750,15 +750,7 @@ impl AllreduceSession {
                 }
             });
         }
-        block.phase = BlockPhase::Done;
-        op.done += 1;
-        if idx >= op.next_new {
-            op.done_ahead += 1;
-        }
-        if repr.degraded || repr.src_cnt < self.n_sources {
-            op.degraded.push((idx, repr.src_cnt));
-        }
-        op.min_src_cnt = op.min_src_cnt.min(repr.src_cnt);
+        let all_done = op.record_done(idx, repr.src_cnt, repr.degraded || repr.src_cnt < self.n_sources);
         // The exponent announced for the block one slot-cycle ahead.
         let ahead = idx as usize + params.block_cnt_max as usize;
         if repr.next_exp != EXP_NONE {
@@ -768,10 +760,7 @@ impl AllreduceSession {
                 }
             }
         }
-        while op.low < op.blocks.len() as u32 && op.blocks[op.low as usize].phase == BlockPhase::Done {
-            op.low += 1;
-        }
-        if op.done == op.blocks.len() as u32 {
+        if all_done {
             self.finish_op();
         }
     }
@@ -795,20 +784,10 @@ impl AllreduceSession {
             Tensor::I32(v) => v[start..end].fill(0),
             Tensor::F32(v) => v[start..end].fill(0.0),
         }
-        op.blocks[idx as usize].phase = BlockPhase::Done;
-        op.done += 1;
-        if idx >= op.next_new {
-            op.done_ahead += 1;
-        }
         op.missed += 1;
-        op.degraded.push((idx, 0));
-        op.min_src_cnt = 0;
         op.last_progress = now;
         op.backoff = 0;
-        while op.low < op.blocks.len() as u32 && op.blocks[op.low as usize].phase == BlockPhase::Done {
-            op.low += 1;
-        }
-        if op.done == op.blocks.len() as u32 {
+        if op.record_done(idx, 0, true) {
             self.finish_op();
         }
     }
@@ -849,6 +828,24 @@ impl AllreduceSession {
 }
 
 impl Op {
+    /// Block `idx` has its result (summing `src_cnt` sources; `degraded`
+    /// when fewer than the job has). Returns true when every block has one.
+    fn record_done(&mut self, idx: u32, src_cnt: u16, degraded: bool) -> bool {
+        self.blocks[idx as usize].phase = BlockPhase::Done;
+        self.done += 1;
+        if idx >= self.next_new {
+            self.done_ahead += 1;
+        }
+        if degraded {
+            self.degraded.push((idx, src_cnt));
+        }
+        self.min_src_cnt = self.min_src_cnt.min(src_cnt);
+        while self.low < self.blocks.len() as u32 && self.blocks[self.low as usize].phase == BlockPhase::Done {
+            self.low += 1;
+        }
+        self.done == self.blocks.len() as u32
+    }
+
     /// Blocks sent (at least once) whose result has not arrived.
     fn outstanding(&self) -> u32 {
         self.next_new - (self.done - self.done_ahead)

@@ -639,9 +639,10 @@ impl<A: Copy> ValueSwitch<A> {
 
         let local = job.slot_of(block_id, shard_count);
         let slot = &mut job.slots[local];
-        // Find the record this packet belongs to, creating it if the packet
-        // opens the next use of the slot.
-        let is_prev = match &slot.cur {
+        // Find the record this packet belongs to: the slot's current block,
+        // its shadow, or a new block if the packet opens the next use of the
+        // slot.
+        let (is_prev, opens) = match &slot.cur {
             None => {
                 if block_id < job.start_block {
                     expired(counters, out, from, packet, job.start_block);
@@ -651,29 +652,19 @@ impl<A: Copy> ValueSwitch<A> {
                     counters.out_of_window += 1;
                     return Verdict::Consumed;
                 }
-                open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active);
-                job.open_blocks += 1;
-                if let Some(aging) = job.aging.as_mut() {
-                    realign_scanners(aging, now, job.open_blocks);
-                }
-                false
+                (false, true)
             }
-            Some(cur) if cur.block_id == block_id => false,
+            Some(cur) if cur.block_id == block_id => (false, false),
             Some(cur) if cur.block_id.checked_add(s) == Some(block_id) => {
                 if cur.phase != Phase::Done {
                     counters.slot_busy += 1;
                     return Verdict::Consumed;
                 }
-                open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active);
-                job.open_blocks += 1;
-                if let Some(aging) = job.aging.as_mut() {
-                    realign_scanners(aging, now, job.open_blocks);
-                }
-                false
+                (false, true)
             }
             Some(cur) => {
                 if slot.prev.as_ref().is_some_and(|p| p.block_id == block_id) {
-                    true
+                    (true, false)
                 } else if block_id < cur.block_id {
                     // The job moved on without this source and the slot was
                     // reused: tell it, so it stops asking (a straggler).
@@ -686,6 +677,13 @@ impl<A: Copy> ValueSwitch<A> {
                 }
             }
         };
+        if opens {
+            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active);
+            job.open_blocks += 1;
+            if let Some(aging) = job.aging.as_mut() {
+                realign_scanners(aging, now, job.open_blocks);
+            }
+        }
         let block = if is_prev { slot.prev.as_ref() } else { slot.cur.as_ref() }.expect("located above");
         if block.gen_id != packet.gen_id() || block.dtype != dtype {
             counters.mismatch += 1;
