@@ -227,7 +227,7 @@ impl Switch {
             serde_json::from_str(job_json).map_err(|e| PyValueError::new_err(format!("invalid job: {e}")))?;
         let spec = job.to_spec().map_err(|m| PyValueError::new_err(format!("invalid job: {m}")))?;
         let core = self.handle()?.core().clone();
-        py.detach(|| core.admit_job(spec)).map_err(|e| FaninRefused::new_err(e.to_string()))
+        py.detach(|| core.admit_job(fanin_switch::JobEntry { spec, tree: None })).map_err(|e| FaninRefused::new_err(e.to_string()))
     }
 
     fn remove_job(&self, py: Python<'_>, job_id: u32) -> PyResult<()> {

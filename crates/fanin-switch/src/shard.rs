@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 
 use fanin_proto::fault::DropInjector;
 use fanin_proto::job::JobSpec;
-use fanin_proto::switch::{AdmitError, Counters, ValueSwitch, Verdict};
+use fanin_proto::switch::{AdmitError, Counters, Uplink, ValueSwitch, Verdict};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 
 /// Requests from the control plane and from sibling shards.
 pub(crate) enum Command {
-    AddJob(JobSpec, SyncSender<Result<(), AdmitError>>),
+    AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
+    UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
     RemoveJob(u32, SyncSender<bool>),
     /// A datagram received by another shard for a block this shard owns.
     Handover(SocketAddr, Vec<u8>),
@@ -142,8 +143,26 @@ impl ShardThread {
     fn drain_commands(&mut self, tx: &mut SendBatch, discard: &mut Vec<u8>) {
         loop {
             match self.commands.try_recv() {
-                Ok(Command::AddJob(spec, reply)) => {
-                    let _ = reply.send(self.switch.add_job(spec));
+                Ok(Command::AddJob(spec, uplink, reply)) => {
+                    let job_id = spec.job_id;
+                    let result = self.switch.add_job(spec).and_then(|()| {
+                        self.switch.set_uplink(job_id, uplink).inspect_err(|_| {
+                            self.switch.remove_job(job_id);
+                        })
+                    });
+                    let _ = reply.send(result);
+                }
+                Ok(Command::UpdateJob(spec, uplink, reply)) => {
+                    let now = self.now();
+                    let mut out = SocketTx {
+                        socket: &self.socket,
+                        batch: tx,
+                        egress: &mut self.egress,
+                        discard,
+                        stats: &self.stats,
+                    };
+                    let _ = reply.send(self.switch.update_job(now, spec, uplink, &mut out));
+                    flush(&self.socket, tx, &self.stats);
                 }
                 Ok(Command::RemoveJob(id, reply)) => {
                     let _ = reply.send(self.switch.remove_job(id));

@@ -344,3 +344,30 @@ fn block_expired_nack_round_trips() {
     assert_eq!(body, [0, 9, 0, 0, 0, 0, 0, 77]);
     assert_eq!(Nack::parse(&body).unwrap(), Nack { reason: NackReason::BlockExpired, detail: 77 });
 }
+
+/// Sync request for job 5: switch rank 2048 forwards the join of worker 3
+/// toward the root.
+const SYNC: [u8; 28] = [
+    0xFA, 0x17, 0x01, 0x08, // Sync
+    0x00, 0x00, 0x08, 0x00, // flags 0; int32; src_id 2048 (the forwarding switch)
+    0x00, 0x00, 0x00, 0x00, // src_cnt 0; gen_id 0
+    0x00, 0x00, 0x00, 0x05, // job_id 5
+    0x00, 0x00, 0x00, 0x00, // block_id 0
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+    0x00, 0x03, 0x00, 0x00, // origin 3; reserved
+];
+
+#[test]
+fn sync_parse_and_emit() {
+    let p = Packet::new_checked(&SYNC[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    assert_eq!(repr, Repr::new(MessageType::Sync, 5, 2048));
+    assert_eq!(SyncRequest::parse(p.payload()).unwrap(), SyncRequest { origin: 3 });
+    let mut buf = [MARKER; 28];
+    let mut packet = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut packet);
+    SyncRequest { origin: 3 }.emit(packet.payload_mut());
+    assert_eq!(buf, SYNC);
+    // the body is fixed-size: a short one is refused
+    assert!(Packet::new_checked(&SYNC[..26]).is_err());
+}

@@ -15,7 +15,7 @@ JOB_MODE_AGGREGATE: JobMode
 JOB_MODE_FORWARD: JobMode
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows")
+    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class JobSpec(_message.Message):
     BLOCK_EXP_MS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SLOW_AFTER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     block_cnt_max: int
@@ -30,7 +32,19 @@ class JobSpec(_message.Message):
     block_exp_ms: int
     mode: JobMode
     slow_after_windows: int
-    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ...) -> None: ...
+    workers: int
+    tree: TreeRole
+    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ...) -> None: ...
+
+class TreeRole(_message.Message):
+    __slots__ = ("parent_addr", "parent_shards", "rank")
+    PARENT_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    parent_addr: str
+    parent_shards: int
+    rank: int
+    def __init__(self, parent_addr: _Optional[str] = ..., parent_shards: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -83,6 +97,16 @@ class ListJobsResponse(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobSpec]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobSpec, _Mapping]]] = ...) -> None: ...
+
+class UpdateJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class UpdateJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetCountersRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,11 @@ class ControlStub:
                 request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.SerializeToString,
                 response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.FromString,
                 _registered_method=True)
+        self.UpdateJob = channel.unary_unary(
+                '/fanin.control.v1.Control/UpdateJob',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -99,6 +104,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateJob(self, request, context):
+        """Change an admitted job while it runs (SwitchML++ runtime scaling): its
+        members, worker count and tree role. Open blocks stop waiting for
+        members that left; new blocks wait for members that joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetCounters,
                     request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.FromString,
                     response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.SerializeToString,
+            ),
+            'UpdateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateJob,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,33 @@ class Control:
             '/fanin.control.v1.Control/GetCounters',
             fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.SerializeToString,
             fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/UpdateJob',
+            fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
