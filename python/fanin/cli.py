@@ -404,7 +404,7 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
                 tb = testbed.Testbed.attach(name)
                 _emit(tb.status(), _describe_testbed(tb), args.json)
         elif args.action == "exec":
-            cmd = [a for a in args.cmd if a != "--"] if args.cmd[:1] == ["--"] else args.cmd
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 print("fanin testbed exec: give a command after --", file=sys.stderr)
                 return 2

@@ -99,15 +99,19 @@ class _End:
     addr: str
 
 
-def check_privileges() -> None:
-    """Raise TestbedError unless this process may create namespaces and links."""
-    caps = 0
+def _effective_caps() -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:"):
-                caps = int(line.split()[1], 16)
+                return int(line.split()[1], 16)
     except OSError:
         pass
+    return 0
+
+
+def check_privileges() -> None:
+    """Raise TestbedError unless this process may create namespaces and links."""
+    caps = _effective_caps()
     missing = [name for bit, name in ((12, "CAP_NET_ADMIN"), (21, "CAP_SYS_ADMIN")) if not caps >> bit & 1]
     if missing:
         raise TestbedError(f"the testbed needs root: {' and '.join(missing)} missing (creating network namespaces "
@@ -205,6 +209,8 @@ class Testbed:
     ``down()`` is called.
     """
 
+    __test__ = False  # not a pytest test class despite the name
+
     SWITCH_DATA_PORT = 9000
     SWITCH_CONTROL_PORT = 9100
     SWITCH_METRICS_PORT = 9101
@@ -216,6 +222,7 @@ class Testbed:
         self._state_dir = state_dir
         self._owned = owned
         self._procs: list[subprocess.Popen] = []
+        self._switches: list[Any] = []  # SwitchProcess: stop() also removes its config file
         self._ends: dict[tuple[str, str], tuple[_End, _End]] = {}
         for link in state["links"]:
             a = _End(link["a"], link["a_if"], link["a_addr"])
@@ -275,8 +282,11 @@ class Testbed:
 
     def down(self) -> None:
         """Stop processes started inside, remove namespaces, links, bridge and state file."""
+        for sw in self._switches:
+            sw.stop()
         for p in self._procs:
             _stop(p)
+        self._switches.clear()
         self._procs.clear()
         down(self.name, self._state_dir)
 
@@ -362,7 +372,7 @@ class Testbed:
         config.setdefault("control_addr", f"{mgmt}:{self.SWITCH_CONTROL_PORT}")
         config.setdefault("metrics_addr", f"{mgmt}:{self.SWITCH_METRICS_PORT}")
         sw = SwitchProcess(switch_config(jobs=jobs, **config), quiet=quiet, netns=self.namespace(node))
-        self._procs.append(sw.proc)
+        self._switches.append(sw)
         return sw
 
     # -- measurements ----------------------------------------------------------------
