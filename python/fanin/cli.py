@@ -404,7 +404,10 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
                 tb = testbed.Testbed.attach(name)
                 _emit(tb.status(), _describe_testbed(tb), args.json)
         elif args.action == "exec":
-            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            cmd = list(args.cmd)
+            if cmd[:1] == ["--name"] and len(cmd) > 1:  # `exec NODE --name X -- CMD`: REMAINDER took it
+                args.name, cmd = cmd[1], cmd[2:]
+            cmd = cmd[1:] if cmd[:1] == ["--"] else cmd
             if not cmd:
                 print("fanin testbed exec: give a command after --", file=sys.stderr)
                 return 2
@@ -458,8 +461,8 @@ def _add_testbed(sub: Any) -> None:
     ex = tsub.add_parser("exec", help="run a command inside a node's namespace",
                          description="Run CMD inside NODE's network namespace (like `ip netns exec`).",
                          epilog="example: fanin testbed exec h0 -- ping -c1 10.1.0.2")
-    ex.add_argument("node")
-    ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    ex.add_argument("node", metavar="NODE", help="a switch or host of the topology")
+    ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command and its arguments")
     named(ex)
     tb.set_defaults(func=_cmd_testbed)
 
