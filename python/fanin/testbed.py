@@ -280,21 +280,30 @@ class Testbed:
             raise TestbedError(f"{path} is corrupt ({e}); `fanin testbed down --name {name}` still cleans up") from None
         return cls(state, state_dir)
 
-    def down(self) -> None:
-        """Stop processes started inside, remove namespaces, links, bridge and state file."""
+    def stop_processes(self) -> None:
+        """Stop the switches and processes started through this object."""
         for sw in self._switches:
             sw.stop()
         for p in self._procs:
             _stop(p)
         self._switches.clear()
         self._procs.clear()
+
+    def down(self) -> None:
+        """Stop processes started inside, remove namespaces, links, bridge and state file."""
+        self.stop_processes()
         down(self.name, self._state_dir)
 
     def __enter__(self) -> "Testbed":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.down()
+        # What `up` built goes down; an attached testbed belongs to whoever
+        # ran `fanin testbed up`, so only our own processes are stopped.
+        if self._owned:
+            self.down()
+        else:
+            self.stop_processes()
 
     # -- names and addresses ---------------------------------------------------------
 
@@ -374,6 +383,19 @@ class Testbed:
         sw = SwitchProcess(switch_config(jobs=jobs, **config), quiet=quiet, netns=self.namespace(node))
         self._switches.append(sw)
         return sw
+
+    def switches(self, nodes: Optional[Iterable[str]] = None, jobs: Iterable[dict[str, Any]] = (),
+                 **config: Any) -> dict[str, Any]:
+        """:meth:`switch` on every switch of the topology (or on `nodes`),
+        started concurrently (each waits for its daemon to bind its ports);
+        returns {node: SwitchProcess}."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        names = list(nodes) if nodes is not None else [s.name for s in self.topology.switches]
+        jobs = list(jobs)
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
+            started = {n: pool.submit(self.switch, n, jobs, **config) for n in names}
+        return {n: f.result() for n, f in started.items()}
 
     # -- measurements ----------------------------------------------------------------
 

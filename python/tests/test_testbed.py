@@ -115,6 +115,14 @@ def test_deep_tree_switch_to_switch(state_dir):
         # data addresses are connected routes only: a host does not reach a switch two hops away
         r = tb.run("h0", ["ping", "-c1", "-W1", tb.addr("s0", toward="s1_0")], check=False)
         assert r.returncode != 0
+        # a daemon on every switch; each control API answers from the root namespace
+        from fanin.control.client import ControlClient
+
+        daemons = tb.switches()
+        assert sorted(daemons) == ["s0", "s1_0", "s1_1"]
+        for node, sw in daemons.items():
+            with ControlClient(sw.control_addr) as ctl:
+                assert ctl.info()["api_version"] == "v1"
 
 
 def test_fat_tree_4_thesis_topology(state_dir):
@@ -133,9 +141,10 @@ def test_fat_tree_4_thesis_topology(state_dir):
         ping_from_root(tb.mgmt_addr("h3_1_1"))
         qdisc = tb.run("edge0_0", ["tc", "qdisc", "show", "dev", tb.interface("edge0_0", toward="h0_0_0")]).stdout
         assert "tbf" in qdisc and "1Gbit" in qdisc, qdisc
-        # the state file lets another process attach
-        again = Testbed.attach("fbtf", state_dir)
-        assert again.addr("core0", toward="agg0_0") == tb.addr("core0", toward="agg0_0")
+        # the state file lets another process attach; leaving its `with` does not take the testbed down
+        with Testbed.attach("fbtf", state_dir) as again:
+            assert again.addr("core0", toward="agg0_0") == tb.addr("core0", toward="agg0_0")
+        assert len(namespaces("fbtf-")) == 36
     assert built < 20, f"fat-tree:4 took {built:.1f} s to build"
     assert not namespaces("fbtf-") and not root_links("fbtf-")
 
