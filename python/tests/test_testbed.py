@@ -8,6 +8,7 @@ testbed someone else has up (the default name is fb)."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def _probe() -> str:
         check_privileges()
     except TestbedError as e:
         return str(e)
-    ns = "fbtprobe-x"
+    ns = f"fbt-probe{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     return "" if r.returncode == 0 else f"`ip netns add` fails here: {r.stderr.strip()}"
@@ -33,6 +34,33 @@ def _probe() -> str:
 
 _WHY_NOT = _probe()
 pytestmark = pytest.mark.skipif(bool(_WHY_NOT), reason=f"no network namespaces: {_WHY_NOT}")
+
+# Testbed names: fbt + a letter per test + this process's pid in base 36, so
+# that two test runs on one machine (two worktrees) never take down each
+# other's testbeds.
+_B36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+_TAG_MOD = 36**4
+
+
+def _tag(pid: int) -> str:
+    n = pid % _TAG_MOD
+    return "".join(_B36[n // 36**i % 36] for i in (3, 2, 1, 0))
+
+
+S, D, F, R, A, X, E, C = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxec")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remove_testbeds_of_dead_test_runs():
+    """Testbeds left by a test run that was killed: their owner pid is gone."""
+    if _WHY_NOT:
+        return
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    stale = {m.group(1) for ns in namespaces("fbt") if (m := re.match(r"^(fbt[a-z]([0-9a-z]{4}))-", ns))}
+    for name in stale:
+        n = int(name[4:], 36)
+        if not any(os.path.exists(f"/proc/{pid}") for pid in range(n, pid_max + 1, _TAG_MOD)):
+            down(name)
 
 
 @pytest.fixture
@@ -79,9 +107,9 @@ print(sent, time.perf_counter() - t0)
 
 
 def test_star_links_addresses_management_and_byte_counts(state_dir):
-    with up("star:2", "fbts", state_dir) as tb:
-        assert namespaces("fbts-") == {"fbts-s0", "fbts-h0", "fbts-h1"}
-        assert tb.namespace("h0") == "fbts-h0"
+    with up("star:2", S, state_dir) as tb:
+        assert namespaces(S + "-") == {S + "-s0", S + "-h0", S + "-h1"}
+        assert tb.namespace("h0") == S + "-h0"
         for h in ("h0", "h1"):
             # each end of each link is a /30 of its own; the interface exists where the state says
             ifname = tb.interface(h, toward="s0")
@@ -107,9 +135,9 @@ def test_star_links_addresses_management_and_byte_counts(state_dir):
 
 
 def test_deep_tree_switch_to_switch(state_dir):
-    with up("deep-tree:2,2", "fbtd", state_dir) as tb:
+    with up("deep-tree:2,2", D, state_dir) as tb:
         topo = tb.topology
-        assert len(namespaces("fbtd-")) == len(topo.nodes) == 5
+        assert len(namespaces(D + "-")) == len(topo.nodes) == 5
         for link in topo.links:
             ping(tb, link.a, tb.addr(link.b, toward=link.a))
         # data addresses are connected routes only: a host does not reach a switch two hops away
@@ -127,12 +155,12 @@ def test_deep_tree_switch_to_switch(state_dir):
 
 def test_fat_tree_4_thesis_topology(state_dir):
     t0 = time.monotonic()
-    with up("fat-tree:4", "fbtf", state_dir, rate_mbit=1000) as tb:
+    with up("fat-tree:4", F, state_dir, rate_mbit=1000) as tb:
         built = time.monotonic() - t0
         topo = tb.topology
         assert (len(topo.switches), len(topo.hosts), len(topo.links)) == (20, 16, 48)
-        assert len(namespaces("fbtf-")) == 36
-        assert len(root_links("fbtf-m")) == 36
+        assert len(namespaces(F + "-")) == 36
+        assert len(root_links(F + "-m")) == 36
         for h in topo.workers():
             ping(tb, h, tb.addr(topo.attachment(h), toward=h))
         for link in topo.links[:4]:  # a few switch-switch links (core-agg)
@@ -142,15 +170,15 @@ def test_fat_tree_4_thesis_topology(state_dir):
         qdisc = tb.run("edge0_0", ["tc", "qdisc", "show", "dev", tb.interface("edge0_0", toward="h0_0_0")]).stdout
         assert "tbf" in qdisc and "1Gbit" in qdisc, qdisc
         # the state file lets another process attach; leaving its `with` does not take the testbed down
-        with Testbed.attach("fbtf", state_dir) as again:
+        with Testbed.attach(F, state_dir) as again:
             assert again.addr("core0", toward="agg0_0") == tb.addr("core0", toward="agg0_0")
-        assert len(namespaces("fbtf-")) == 36
+        assert len(namespaces(F + "-")) == 36
     assert built < 20, f"fat-tree:4 took {built:.1f} s to build"
-    assert not namespaces("fbtf-") and not root_links("fbtf-")
+    assert not namespaces(F + "-") and not root_links(F + "-")
 
 
 def test_tbf_limits_throughput(state_dir):
-    with up("star:1", "fbtr", state_dir, rate_mbit=20) as tb:
+    with up("star:1", R, state_dir, rate_mbit=20) as tb:
         before = tb.link_bytes("h0", "s0")
         out = tb.run("h0", [sys.executable, "-c", UDP_SEND, tb.addr("s0", toward="h0"), "9", "1400", "0", "1.5"]).stdout
         sent, seconds = out.split()
@@ -175,7 +203,7 @@ def test_allreduce_switch_daemon_and_workers_in_namespaces(state_dir):
     from fanin.control.client import ControlClient
 
     n = 100_000
-    with up("star:2", "fbta", state_dir) as tb:
+    with up("star:2", A, state_dir) as tb:
         sw = tb.switch("s0")
         assert sw.control_addr == f"{tb.mgmt_addr('s0')}:{tb.SWITCH_CONTROL_PORT}"
         # a controller in the root namespace programs the switch over the management network
@@ -202,23 +230,23 @@ def test_allreduce_switch_daemon_and_workers_in_namespaces(state_dir):
 
 
 def test_down_removes_everything_even_without_state_file(state_dir):
-    tb = up("star:2", "fbtx", state_dir)
+    tb = up("star:2", X, state_dir)
     started = tb.popen("h0", ["sleep", "300"])
     # a process started behind the testbed's back, in one of its namespaces
     stray = subprocess.Popen(["ip", "netns", "exec", tb.namespace("s0"), "sleep", "300"])
-    (state_dir / "testbed-fbtx.json").unlink()
-    removed = down("fbtx", state_dir)
+    (state_dir / f"testbed-{X}.json").unlink()
+    removed = down(X, state_dir)
     assert removed["namespaces"] == 3 and removed["processes"] >= 2
     assert started.wait(timeout=5) is not None and stray.wait(timeout=5) is not None
-    assert not namespaces("fbtx-") and not root_links("fbtx-")
-    assert down("fbtx", state_dir) == {"processes": 0, "namespaces": 0, "root_links": 0}  # idempotent
+    assert not namespaces(X + "-") and not root_links(X + "-")
+    assert down(X, state_dir) == {"processes": 0, "namespaces": 0, "root_links": 0}  # idempotent
     tb.down()  # and through the object as well
 
 
 def test_clear_errors(state_dir, monkeypatch):
-    with up("star:1", "fbte", state_dir) as tb:
+    with up("star:1", E, state_dir) as tb:
         with pytest.raises(TestbedError, match="already up"):
-            Testbed.up(topology.load("star:1"), name="fbte", state_dir=state_dir)
+            Testbed.up(topology.load("star:1"), name=E, state_dir=state_dir)
         with pytest.raises(TestbedError, match="no link between 'h0' and 'nowhere'"):
             tb.addr("h0", toward="nowhere")
         with pytest.raises(TestbedError, match="no node 'x'"):
@@ -229,12 +257,12 @@ def test_clear_errors(state_dir, monkeypatch):
         Testbed.attach("fbtnone", state_dir)
     bad = topology.Topology("bad", [topology.Switch("s0")], [topology.Host("h0")], [])
     with pytest.raises(topology.TopologyError, match="host h0 has 0 links"):
-        Testbed.up(bad, name="fbte", state_dir=state_dir)
+        Testbed.up(bad, name=E, state_dir=state_dir)
     import fanin.testbed as testbed_mod
     monkeypatch.setattr(testbed_mod, "_effective_caps", lambda: 0)
     with pytest.raises(TestbedError, match="needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN missing"):
-        Testbed.up(topology.load("star:1"), name="fbte", state_dir=state_dir)
-    assert not namespaces("fbte-")
+        Testbed.up(topology.load("star:1"), name=E, state_dir=state_dir)
+    assert not namespaces(E + "-")
 
 
 def test_cli_up_status_exec_down(tmp_path):
@@ -244,19 +272,19 @@ def test_cli_up_status_exec_down(tmp_path):
         return subprocess.run([sys.executable, "-m", "fanin", "testbed", *args], capture_output=True, text=True,
                               env=env, timeout=60)
 
-    cli("down", "--name", "fbtc")
-    r = cli("up", "star:1", "--name", "fbtc", "--rate-mbit", "100", "--json")
+    cli("down", "--name", C)
+    r = cli("up", "star:1", "--name", C, "--rate-mbit", "100", "--json")
     assert r.returncode == 0, r.stderr
     state = json.loads(r.stdout)
     assert state["links"][0]["rate_mbit"] == 100 and state["missing_namespaces"] == []
-    r = cli("up", "star:1", "--name", "fbtc")
+    r = cli("up", "star:1", "--name", C)
     assert r.returncode == 1 and "already up" in r.stderr
-    r = cli("status", "--name", "fbtc")
-    assert r.returncode == 0 and "fbtc-h0" in r.stdout, r.stderr
-    r = cli("exec", "--name", "fbtc", "h0", "--", "ip", "-o", "-4", "addr", "show", "dev", "eth0")
+    r = cli("status", "--name", C)
+    assert r.returncode == 0 and C + "-h0" in r.stdout, r.stderr
+    r = cli("exec", "--name", C, "h0", "--", "ip", "-o", "-4", "addr", "show", "dev", "eth0")
     assert r.returncode == 0 and state["links"][0]["a_addr"] in r.stdout, r.stdout + r.stderr
-    r = cli("down", "--name", "fbtc")
+    r = cli("down", "--name", C)
     assert r.returncode == 0 and "2 namespaces" in r.stdout, r.stdout + r.stderr
-    assert not namespaces("fbtc-")
-    r = cli("up", "no-such-file.toml", "--name", "fbtc")
+    assert not namespaces(C + "-")
+    r = cli("up", "no-such-file.toml", "--name", C)
     assert r.returncode == 1 and "no such file" in r.stderr
