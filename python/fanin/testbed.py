@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
-from fanin.topology import Topology, TopologyError
+from fanin.topology import Topology
 
 __all__ = [
     "Testbed",

@@ -9,7 +9,6 @@ testbed someone else has up (the default name is fb)."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
