@@ -18,6 +18,8 @@ examples:
   fanin bench time-to-accuracy --quick --json  # digits MLP with stragglers (cf. Trio-ML Fig. 12)
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
+  fanin plan goat --topology fat-tree:8,6 --programmable 0.2 --memory-mb 64 --ps h0_0_0 --even 221,111
+  fanin bench goat --quick --json              # GOAT §VII-D: GOAT vs Geryon, ATP, ESA (CSV + PNG in out/goat)
 """
 
 
@@ -354,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.set_defaults(func=_cmd_bench_kv)
 
     _add_torch_benches(bsub, common)
+
+    from fanin.bench.goat import add_bench_parser
+    from fanin.goat.command import add_plan_parser
+
+    add_bench_parser(bsub, common)
+    add_plan_parser(sub)
     return parser
 
 
@@ -393,8 +401,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        if getattr(args, "command", None) == "bench":
-            parser.parse_args(["bench", "--help"])
+        if getattr(args, "command", None) in ("bench", "plan"):
+            parser.parse_args([args.command, "--help"])
         parser.print_help()
         return 2
     try:

@@ -1,0 +1,251 @@
+"""`fanin bench goat`: GOAT's simulation study (§VII-D, Figs. 13-16) at
+flow level, GOAT against Geryon, ATP and ESA in one evaluator, plus the
+asynchronous comparison (§VII-C: GOAT-Async vs K-SGD vs synchronous) and
+the planning time of the full fat-tree instance."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["add_bench_parser", "run_bench_goat"]
+
+TOPOLOGIES = {
+    # name: (generator spec, worker counts, fixed worker count for the sigma sweep)
+    "leaf-spine": ("leaf-spine:10,10,5", [5, 15, 25, 35, 45], 35),
+    "fat-tree": ("fat-tree:8,6", [20, 40, 80, 120, 160, 191], 40),
+}
+SIGMAS = [0.0, 0.2, 0.4, 0.6, 0.8]
+SCHEMES = ["goat", "esa", "atp", "geryon"]
+GRADIENT_MB = 221.0
+
+
+def add_bench_parser(bsub, common) -> None:
+    b = bsub.add_parser("goat", help="GOAT §VII-D: PS overhead, in-network aggregation, communication vs workers",
+                        description="GOAT's simulation study at flow level: leaf-spine (10+10 switches, 50 servers) "
+                                    "and fat-tree (80 switches, 192 servers), 20%% of switches programmable with "
+                                    "64 MB, 221 MB of gradients per worker in equal sub-models, sending rates "
+                                    "ratio x 10 Gbit/s with ratio ~ Normal(1, sigma). GOAT (LP + KRGS), Geryon, ATP "
+                                    "and ESA in one evaluator; plus GOAT-Async vs K-SGD (Algorithm 2) and the "
+                                    "planning time of the full fat-tree. Writes CSV and PNG to --out.")
+    b.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
+    b.add_argument("--repeats", type=int, help="random instances per point (default 3, 1 with --quick)")
+    b.add_argument("--submodels", type=int, default=111, help="sub-models of the 221 MB gradient (default %(default)s)")
+    b.add_argument("--chunk-mb", type=float, default=1.0,
+                   help="fragment size of the ATP/ESA memory-sharing model (default %(default)s)")
+    b.add_argument("--sigma", type=float, default=0.2, help="sigma of the worker sweep (default %(default)s)")
+    b.add_argument("--no-plot", action="store_true", help="CSV and JSON only")
+    common(b)
+    b.set_defaults(func=run_bench_goat)
+
+
+def _scenario(spec: str, n_workers: int, sigma: float, seed: int, submodels):
+    from fanin import topology as T
+    from fanin.goat.evaluate import Scenario, draw_rates
+
+    rng = np.random.default_rng(seed)
+    topo = T.with_programmable(T.load(spec), 0.2, seed, 64.0)
+    hosts = sorted(h.name for h in topo.hosts)
+    ps = hosts[int(rng.integers(len(hosts)))]
+    topo = T.with_ps(topo, ps)
+    pool = [h for h in hosts if h != ps]
+    workers = sorted(rng.choice(pool, n_workers, replace=False).tolist())
+    return Scenario(topo, ps, workers, draw_rates(n_workers, sigma, rng), submodels)
+
+
+def _evaluate_all(scn, seed: int, chunk_mb: float) -> dict:
+    from fanin.goat.baselines import evaluate_atp, evaluate_esa
+    from fanin.goat.evaluate import evaluate_geryon, evaluate_plan
+    from fanin.goat.krgs import plan
+
+    t0 = time.perf_counter()
+    p = plan(scn.instance(), seed=seed)
+    plan_s = time.perf_counter() - t0
+    out = {m.scheme: m for m in (evaluate_plan(scn, p), evaluate_esa(scn, chunk_mb), evaluate_atp(scn, chunk_mb),
+                                 evaluate_geryon(scn))}
+    out["goat"].extra.update(plan_s=plan_s, repaired=len(p.repaired), overrun_before_repair=p.overrun_before_repair)
+    return out
+
+
+def _median_rows(points: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """One row per (keys..., scheme) with the medians over repeats."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in points:
+        groups.setdefault(tuple(row[k] for k in keys) + (row["scheme"],), []).append(row)
+    rows = []
+    for key, rs in groups.items():
+        row = dict(zip(keys + ("scheme",), key))
+        for metric in ("ps_mb", "ina_mb", "comm_mb"):
+            row[metric] = statistics.median(r[metric] for r in rs)
+        row["repeats"] = len(rs)
+        rows.append(row)
+    return rows
+
+
+def _ordering(rows: list[dict], keys: tuple[str, ...]) -> tuple[list[dict], dict]:
+    """Where a baseline beats GOAT, and GOAT's median reduction vs each."""
+    by = {tuple(r[k] for k in keys) + (r["scheme"],): r for r in rows}
+    violations, reductions = [], {}
+    for key in sorted({tuple(r[k] for k in keys) for r in rows}):
+        goat = by[key + ("goat",)]
+        for base in SCHEMES[1:]:
+            other = by[key + (base,)]
+            for metric, better in (("ps_mb", "lower"), ("comm_mb", "lower"), ("ina_mb", "higher")):
+                if base == "geryon" and metric == "ina_mb":
+                    continue
+                worse = goat[metric] > other[metric] + 1e-6 if better == "lower" else goat[metric] < other[metric] - 1e-6
+                if worse:
+                    violations.append({**dict(zip(keys, key)), "metric": metric, "baseline": base,
+                                       "goat": goat[metric], "baseline_value": other[metric]})
+                if metric != "ina_mb" and other[metric] > 0:
+                    reductions.setdefault(f"{metric}_vs_{base}", []).append(1 - goat[metric] / other[metric])
+    summary = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in reductions.items()}
+    return violations, summary
+
+
+def _async_study(seed: int) -> dict:
+    """§VII-C: 16 workers; interval = 0.2 s compute + 221 MB at ratio x 10
+    Gbit/s + a ratio-second straggler delay (ratio ~ Normal(0.5, 0.2) in [0, 1])."""
+    from fanin.goat.async_ import Convergence, compare_async
+
+    rng = np.random.default_rng(seed)
+    n = 16
+    rates = np.clip(rng.normal(1.0, 0.2, n), 0.1, 1.9) * 10.0
+    delay = np.clip(rng.normal(0.5, 0.2, n), 0.0, 1.0)
+    base = 0.2 + GRADIENT_MB * 8 / (rates * 1000) + delay
+    # Assumed convergence constants (the paper gives none): sigma^2 / epsilon = n/4, so fewer than 4 of 16
+    # participants cannot reach the target, and sync needs ~200 epochs.
+    conv = Convergence(f_gap=5.3, epsilon=1.0, sigma2=n / 4, n=1)
+    result = compare_async(base, conv, seed=seed, h_alpha=0.01, ksgd=(4, 8, 12))
+    return {"workers": n, "convergence": conv.__dict__, "arms": result}
+
+
+def run_bench_goat(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from fanin.goat.model import submodels_even
+
+    repeats = args.repeats or (1 if args.quick else 3)
+    if repeats < 1 or args.submodels < 1:
+        print("fanin bench goat: --repeats and --submodels must be >= 1", file=sys.stderr)
+        return 2
+    subs = submodels_even(GRADIENT_MB, args.submodels)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for name, (spec, counts, fixed) in TOPOLOGIES.items():
+        if args.quick:
+            counts = [counts[0], counts[len(counts) // 2], counts[-1]]
+        for n in counts:
+            for r in range(repeats):
+                jobs.append(("workers", name, spec, n, args.sigma, args.seed + r))
+        for sigma in (SIGMAS[::2] if args.quick else SIGMAS):
+            for r in range(repeats):
+                jobs.append(("sigma", name, spec, fixed, sigma, args.seed + r))
+    points = []
+    plan_times = []
+    for study, name, spec, n, sigma, seed in tqdm(jobs, desc="bench goat", file=sys.stderr, disable=None):
+        scn = _scenario(spec, n, sigma, seed, subs)
+        for scheme, m in _evaluate_all(scn, seed, args.chunk_mb).items():
+            points.append({"study": study, "topology": name, "workers": n, "sigma": sigma, "seed": seed, **m.as_dict()})
+            if scheme == "goat" and name == "fat-tree" and n == max(TOPOLOGIES["fat-tree"][1]):
+                plan_times.append(m.extra["plan_s"])
+
+    # the performance target: the full fat-tree (191 workers + PS, 111 sub-models) planned in < 10 s
+    if not plan_times:
+        scn = _scenario(TOPOLOGIES["fat-tree"][0], 191, args.sigma, args.seed, subs)
+        plan_times.append(_evaluate_all(scn, args.seed, args.chunk_mb)["goat"].extra["plan_s"])
+
+    worker_rows = _median_rows([p for p in points if p["study"] == "workers"], ("topology", "workers"))
+    sigma_rows = _median_rows([p for p in points if p["study"] == "sigma"], ("topology", "sigma"))
+    v_workers, red_workers = _ordering(worker_rows, ("topology", "workers"))
+    v_sigma, red_sigma = _ordering(sigma_rows, ("topology", "sigma"))
+    _write_csv(out / "goat_points.csv", points)
+    _write_csv(out / "goat_workers.csv", worker_rows)
+    _write_csv(out / "goat_sigma.csv", sigma_rows)
+    pngs = [] if args.no_plot else _plot(worker_rows, sigma_rows, out)
+    result = {
+        "bench": "goat", "quick": bool(args.quick), "repeats": repeats, "submodels": args.submodels,
+        "gradient_mb": GRADIENT_MB, "chunk_mb": args.chunk_mb, "sigma": args.sigma,
+        "planning_s_fat_tree_191_workers": {"median": statistics.median(plan_times), "max": max(plan_times),
+                                            "runs": len(plan_times)},
+        "workers_sweep": worker_rows, "sigma_sweep": sigma_rows,
+        "ordering_violations": {"workers_sweep": v_workers, "sigma_sweep": v_sigma},
+        "goat_reduction": {"workers_sweep": red_workers, "sigma_sweep": red_sigma},
+        "async": _async_study(args.seed),
+        "files": [str(out / f) for f in ("goat_points.csv", "goat_workers.csv", "goat_sigma.csv")] + pngs,
+    }
+    human = _human(result)
+    if args.json:
+        print(json.dumps(result))
+        print(human, file=sys.stderr)
+    else:
+        print(human)
+    return 0
+
+
+def _human(r: dict) -> str:
+    lines = [f"fanin bench goat: planning the fat-tree (191 workers, {r['submodels']} sub-models): median "
+             f"{r['planning_s_fat_tree_191_workers']['median']:.2f} s"]
+    for study in ("workers_sweep", "sigma_sweep"):
+        red = r["goat_reduction"][study]
+        lines.append(f"  {study}: GOAT's median reduction " + ", ".join(
+            f"{k} {100 * v['median']:.1f}% [{100 * v['min']:.1f}..{100 * v['max']:.1f}]" for k, v in sorted(red.items())))
+        viol = r["ordering_violations"][study]
+        lines.append(f"  {study}: {len(viol)} points where a baseline beats GOAT"
+                     + "".join(f"\n    {v}" for v in viol[:8]))
+    arms = r["async"]["arms"]
+    lines.append("  async (16 workers): " + ", ".join(
+        f"{k} {v['time_s']:.1f} s/{v['epochs']} epochs" + ("" if v["converged"] else " (never converges)")
+        for k, v in arms.items()))
+    return "\n".join(lines)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _plot(worker_rows: list[dict], sigma_rows: list[dict], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"fanin bench goat: no PNG ({e})", file=sys.stderr)
+        return []
+    paths = []
+    figures = [("fig13_ps_overhead", worker_rows, "workers", "ps_mb", "PS aggregation overhead (GB)", SCHEMES),
+               ("fig14_ina_amount", worker_rows, "workers", "ina_mb", "in-network aggregation amount (GB)",
+                SCHEMES[:3]),
+               ("fig15_comm_overhead", worker_rows, "workers", "comm_mb", "communication overhead (GB x hop)", SCHEMES),
+               ("fig16_comm_vs_sigma", sigma_rows, "sigma", "comm_mb", "communication overhead (GB x hop)", SCHEMES)]
+    for name, rows, xkey, metric, ylabel, schemes in figures:
+        fig, axes = plt.subplots(1, len(TOPOLOGIES), figsize=(10, 3.6))
+        for ax, topo in zip(axes, TOPOLOGIES):
+            for scheme in schemes:
+                pts = sorted((r[xkey], r[metric]) for r in rows if r["topology"] == topo and r["scheme"] == scheme)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] / 1000 for p in pts], marker="o", label=scheme)
+            ax.set_title(topo)
+            ax.set_xlabel("number of workers" if xkey == "workers" else "sigma of the rate ratio")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
