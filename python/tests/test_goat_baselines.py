@@ -108,3 +108,17 @@ def test_ksgd_fixed_k_and_goat_async_reach_the_target():
     for arm in ("goat_async", "sync", "ksgd_6"):
         assert r[arm]["converged"]
     assert r["goat_async"]["time_s"] < r["sync"]["time_s"]  # the two stragglers are left out
+
+
+def test_stragglers_keep_working_in_goat_async_but_restart_in_ksgd():
+    from fanin.goat.async_ import run_epochs
+
+    conv = Convergence(f_gap=1.0, epsilon=1.0, sigma2=0.0, n=1)        # psi(K) = 4 epochs for every K
+    base = np.array([1.0, 2.0, 3.0])
+    kw = dict(conv=conv, h_alpha=0.0, jitter=0.0)
+    # K = 2 with intervals 1, 2, 3 and no jitter. Kept work: epochs end at 2, 1, 1, 2 (the slow worker's
+    # leftover makes it one of the two fastest every other epoch) = 6 s; restarted (K-SGD): 2 s each = 8 s.
+    keep = run_epochs(base, lambda h: 2, rng=np.random.default_rng(0), **kw)
+    drop = run_epochs(base, lambda h: 2, rng=np.random.default_rng(0), discard_stragglers=True, **kw)
+    assert keep["epochs"] == drop["epochs"] == 4
+    assert keep["time_s"] == pytest.approx(6.0) and drop["time_s"] == pytest.approx(8.0)

@@ -75,10 +75,14 @@ def per_switch_k(node: np.ndarray, participating: Sequence[int], alpha: int) -> 
 
 def run_epochs(base: np.ndarray, choose_k: Callable[[np.ndarray], int], conv: Convergence,
                rng: np.random.Generator, h_alpha: float = 0.0, jitter: float = 0.1,
-               max_epochs: int = 10_000) -> dict:
+               max_epochs: int = 10_000, on_epoch: Optional[Callable[[np.ndarray], None]] = None,
+               discard_stragglers: bool = False) -> dict:
     """Simulate epochs until T = ψ(K_m) epochs are done. `base[w]` is worker
     w's mean interval; each new interval is base · (1 + jitter · N(0,1)),
-    at least 10% of base. `choose_k(history)` picks K_t."""
+    at least 10% of base. `choose_k(history)` picks K_t. With
+    `discard_stragglers` (K-SGD), workers left out drop their work and
+    restart on the new model; otherwise (GOAT-Async, Algorithm 2's model)
+    they keep working and deliver later."""
     n = len(base)
 
     def draw() -> np.ndarray:
@@ -95,13 +99,19 @@ def run_epochs(base: np.ndarray, choose_k: Callable[[np.ndarray], int], conv: Co
         k_min = min(k_min, k)
         h_t = float(np.partition(remaining, k - 1)[k - 1])
         joined = remaining <= h_t
+        if on_epoch is not None:
+            on_epoch(np.flatnonzero(joined))
         elapsed += h_t + h_alpha
         epochs += 1
         ks.append(k)
         fresh = draw()
         history = np.where(joined, interval, history)
         interval = np.where(joined, fresh, interval)
-        remaining = np.where(joined, fresh, remaining - h_t)        # stragglers keep working
+        if discard_stragglers:
+            interval = fresh
+            remaining = fresh.copy()
+        else:
+            remaining = np.where(joined, fresh, remaining - h_t)    # stragglers keep working
         target = conv.psi(k_min)
         if epochs >= target or epochs >= max_epochs:
             break
@@ -110,12 +120,29 @@ def run_epochs(base: np.ndarray, choose_k: Callable[[np.ndarray], int], conv: Co
 
 
 def compare_async(base: np.ndarray, conv: Convergence, seed: int = 0, h_alpha: float = 0.0,
-                  ksgd: Sequence[int] = ()) -> dict:
+                  ksgd: Sequence[int] = (), node: Optional[np.ndarray] = None, node_names: Sequence[str] = (),
+                  record_epochs: int = 3) -> dict:
     """GOAT-Async (Algorithm 2 each epoch) vs K-SGD for each fixed K in
-    `ksgd` vs synchronous training (K = |W|), same seed for every arm."""
+    `ksgd` (stragglers' work discarded each epoch, as K-SGD does) vs
+    synchronous training (K = |W|), same seed for every arm. With a
+    plan's `node` matrix (|W| x |G|, last node = α), GOAT-Async's result also
+    lists K_t^s for the first `record_epochs` epochs: what the PS publishes
+    to each switch."""
     n = len(base)
     arms = {"goat_async": lambda h: algorithm2(h, conv, h_alpha=h_alpha)[0], "sync": lambda h: n}
     for k in ksgd:
         arms[f"ksgd_{k}"] = (lambda kk: (lambda h: kk))(k)
-    return {name: run_epochs(base, fn, conv, np.random.default_rng(seed), h_alpha=h_alpha)
-            for name, fn in arms.items()}
+    out = {}
+    for name, fn in arms.items():
+        published: list[dict] = []
+
+        def record(joined: np.ndarray) -> None:
+            if node is not None and name == "goat_async" and len(published) < record_epochs:
+                counts = per_switch_k(node, joined, len(node_names) - 1)
+                published.append({node_names[s]: c for s, c in sorted(counts.items())})
+
+        out[name] = run_epochs(base, fn, conv, np.random.default_rng(seed), h_alpha=h_alpha, on_epoch=record,
+                               discard_stragglers=name.startswith("ksgd_"))
+        if published:
+            out[name]["k_t_s_first_epochs"] = published
+    return out
