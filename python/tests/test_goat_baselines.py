@@ -122,3 +122,20 @@ def test_stragglers_keep_working_in_goat_async_but_restart_in_ksgd():
     drop = run_epochs(base, lambda h: 2, rng=np.random.default_rng(0), discard_stragglers=True, **kw)
     assert keep["epochs"] == drop["epochs"] == 4
     assert keep["time_s"] == pytest.approx(6.0) and drop["time_s"] == pytest.approx(8.0)
+
+
+def test_bench_ordering_reports_where_a_baseline_wins():
+    from fanin.bench.goat import _instance_wins, _ordering
+
+    def row(scheme, ps, comm, ina=0.0):
+        return {"topology": "t", "workers": 4, "scheme": scheme, "ps_mb": ps, "comm_mb": comm, "ina_mb": ina}
+
+    rows = [row("goat", 1.0, 10.0, 7.0), row("esa", 2.0, 9.0, 6.0), row("atp", 2.0, 12.0, 6.0),
+            row("geryon", 8.0, 20.0)]
+    violations, reductions = _ordering(rows, ("topology", "workers"))
+    assert [(v["baseline"], v["metric"]) for v in violations] == [("esa", "comm_mb")]
+    assert reductions["ps_mb_vs_geryon"]["median"] == pytest.approx(1 - 1 / 8)
+    points = [dict(r, study="workers", sigma=0.2, seed=1) for r in rows]
+    wins = _instance_wins(points)
+    assert wins["comm_mb_vs_esa"] == {"goat_at_least_as_good": 0, "instances": 1}
+    assert wins["comm_mb_vs_atp"] == {"goat_at_least_as_good": 1, "instances": 1}
