@@ -174,3 +174,57 @@ def test_plan_json_schema(tmp_path):
         for g, node in enumerate(wk["aggregation_node"]):
             assert seen[(wk["name"], g)] == node
     assert len(seen) == len(inst.workers) * len(inst.submodels)
+
+
+def _naive_lp_objective(inst: Instance) -> float:
+    """Eq. (1) relaxed with one y per worker and every (w, s) kept: the LP
+    before lp.py's two reductions."""
+    from scipy.optimize import linprog
+    from scipy.sparse import lil_matrix
+
+    nW, nG, nS = len(inst.workers), len(inst.submodels), inst.alpha
+    b = inst.sizes
+    nx, ny = nG * nS, nW * nG * (nS + 1)
+    xi = lambda g, s: g * nS + s                                   # noqa: E731
+    yi = lambda w, g, s: nx + (w * nG + g) * (nS + 1) + s          # noqa: E731
+    cost = np.zeros(nx + ny)
+    for g in range(nG):
+        for s in range(nS):
+            cost[xi(g, s)] = b[g] * inst.dist_sa[s]
+        for w in range(nW):
+            for s in range(nS + 1):
+                cost[yi(w, g, s)] = b[g] * inst.dist_ws[w, s]
+    A_eq = lil_matrix((nW * nG, nx + ny))
+    A_ub = lil_matrix((nW * nG * nS + nS, nx + ny))
+    r = 0
+    for w in range(nW):
+        for g in range(nG):
+            for s in range(nS + 1):
+                A_eq[w * nG + g, yi(w, g, s)] = 1
+            for s in range(nS):
+                A_ub[r, yi(w, g, s)], A_ub[r, xi(g, s)] = 1, -1
+                r += 1
+    for s in range(nS):
+        for g in range(nG):
+            A_ub[r + s, xi(g, s)] = b[g]
+    b_ub = np.concatenate([np.zeros(r), inst.memory_mb])
+    res = linprog(cost, A_ub=A_ub.tocsr(), b_ub=b_ub, A_eq=A_eq.tocsr(), b_eq=np.ones(nW * nG), bounds=(0, 1),
+                  method="highs")
+    assert res.status == 0
+    return float(res.fun)
+
+
+@pytest.mark.parametrize("seed, mem", [(1, 2.0), (2, 8.0), (5, 64.0)])
+def test_lp_reductions_keep_the_optimum(seed, mem):
+    inst = _random_instance(seed, 10, 5, mem)
+    assert solve_lp(inst).objective == pytest.approx(_naive_lp_objective(inst), rel=1e-7, abs=1e-6)
+
+
+def test_submodels_from_a_real_pytorch_model():
+    from fanin.goat.model import submodels_from_torch
+
+    subs = submodels_from_torch("resnet18", max_mb=2.0)
+    # ResNet-18 has 11,689,512 parameters: 46.76 MB of float32 gradients
+    assert sum(s.size_mb for s in subs) == pytest.approx(11_689_512 * 4 / 1e6)
+    assert max(s.size_mb for s in subs) <= 2.0
+    assert any("#" in s.name for s in subs)                         # the 2.05 MB fc weight was cut into pieces
