@@ -111,8 +111,9 @@ def round_switches(x: np.ndarray, rng: np.random.Generator) -> tuple[list[list[i
     """Step 2: S(g), k(g) and the knapsacks for every sub-model."""
     responsible, ks, sacks = [], [], []
     for g in range(x.shape[0]):
-        k = k_of(x[g])
         values = {s: float(v) for s, v in enumerate(x[g]) if v > EPS}
+        # each x̃ ≤ 1, so k(g) ≤ the number of non-zero x̃; min() only guards the solver's tolerance
+        k = min(k_of(x[g]), len(values))
         bins = minmax_knapsacks(values, k)
         chosen = []
         for members in bins:
