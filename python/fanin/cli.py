@@ -357,8 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_torch_benches(bsub, common)
 
-    from fanin.bench.goat import add_bench_parser
-    from fanin.goat.command import add_plan_parser
+    from fanin.goat.command import add_bench_parser, add_plan_parser
 
     add_bench_parser(bsub, common)
     add_plan_parser(sub)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["add_bench_parser", "run_bench_goat"]
+__all__ = ["run_bench_goat"]
 
 TOPOLOGIES = {
     # name: (generator spec, worker counts, fixed worker count for the sigma sweep)
@@ -24,25 +24,6 @@ TOPOLOGIES = {
 SIGMAS = [0.0, 0.2, 0.4, 0.6, 0.8]
 SCHEMES = ["goat", "esa", "atp", "geryon"]
 GRADIENT_MB = 221.0
-
-
-def add_bench_parser(bsub, common) -> None:
-    b = bsub.add_parser("goat", help="GOAT §VII-D: PS overhead, in-network aggregation, communication vs workers",
-                        description="GOAT's simulation study at flow level: leaf-spine (10+10 switches, 50 servers) "
-                                    "and fat-tree (80 switches, 192 servers), 20%% of switches programmable with "
-                                    "64 MB, 221 MB of gradients per worker in equal sub-models, sending rates "
-                                    "ratio x 10 Gbit/s with ratio ~ Normal(1, sigma). GOAT (LP + KRGS), Geryon, ATP "
-                                    "and ESA in one evaluator; plus GOAT-Async vs K-SGD (Algorithm 2) and the "
-                                    "planning time of the full fat-tree. Writes CSV and PNG to --out.")
-    b.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
-    b.add_argument("--repeats", type=int, help="random instances per point (default 3, 1 with --quick)")
-    b.add_argument("--submodels", type=int, default=111, help="sub-models of the 221 MB gradient (default %(default)s)")
-    b.add_argument("--chunk-mb", type=float, default=1.0,
-                   help="fragment size of the ATP/ESA memory-sharing model (default %(default)s)")
-    b.add_argument("--sigma", type=float, default=0.2, help="sigma of the worker sweep (default %(default)s)")
-    b.add_argument("--no-plot", action="store_true", help="CSV and JSON only")
-    common(b)
-    b.set_defaults(func=run_bench_goat)
 
 
 def _scenario(spec: str, n_workers: int, sigma: float, seed: int, submodels):
