@@ -19,6 +19,8 @@ examples:
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
   fanin testbed up fat-tree:4                  # namespaces + veth links (root; see fanin testbed --help)
+  fanin plan goat --topology fat-tree:8,6 --programmable 0.2 --memory-mb 64 --ps h0_0_0 --even 221,111
+  fanin bench goat --quick --json              # GOAT §VII-D: GOAT vs Geryon, ATP, ESA (CSV + PNG in out/goat)
 """
 
 
@@ -356,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_torch_benches(bsub, common)
     _add_testbed(sub)
+
+    from fanin.goat.command import add_bench_parser, add_plan_parser
+
+    add_bench_parser(bsub, common)
+    add_plan_parser(sub)
     return parser
 
 
@@ -503,8 +510,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        if getattr(args, "command", None) == "bench":
-            parser.parse_args(["bench", "--help"])
+        if getattr(args, "command", None) in ("bench", "plan"):
+            parser.parse_args([args.command, "--help"])
         parser.print_help()
         return 2
     try:

@@ -47,6 +47,8 @@ __all__ = [
     "deep_tree",
     "generate",
     "GENERATORS",
+    "with_programmable",
+    "with_ps",
 ]
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,30}$")
@@ -315,13 +317,22 @@ def load(spec: str | Path) -> Topology:
 # -- generators ----------------------------------------------------------------------
 
 
-def fat_tree(k: int, rate_mbit: Optional[float] = None, memory_mb: float = 64.0) -> Topology:
+def fat_tree(k: int, rate_mbit: Optional[float] = None, memory_mb: float = 64.0, *,
+             hosts_per_edge: Optional[int] = None) -> Topology:
     """The k-ary fat tree (Al-Fares et al.): (k/2)^2 core switches, k pods of
     k/2 aggregation and k/2 edge switches, k/2 hosts per edge switch, k^3/4
-    hosts. k=4 is the SwitchML++ thesis topology (20 switches, 16 hosts)."""
+    hosts. k=4 is the SwitchML++ thesis topology (20 switches, 16 hosts).
+
+    `hosts_per_edge` overrides the k/2 hosts under each edge switch (an
+    oversubscribed tree): `fat-tree:8,6` is GOAT's §VII-D instance, 80
+    switches and 192 servers."""
     if not isinstance(k, int) or k < 2 or k % 2:
         raise TopologyError(f"fat-tree k={k!r} must be an even integer >= 2")
     half = k // 2
+    if hosts_per_edge is None:
+        hosts_per_edge = half
+    if not isinstance(hosts_per_edge, int) or hosts_per_edge < 1:
+        raise TopologyError(f"fat-tree hosts_per_edge={hosts_per_edge!r} must be an integer >= 1")
     switches, hosts, links = [], [], []
     core = [f"core{i}" for i in range(half * half)]
     switches += [Switch(c, memory_mb) for c in core]
@@ -336,11 +347,12 @@ def fat_tree(k: int, rate_mbit: Optional[float] = None, memory_mb: float = 64.0)
             for edge in edges:
                 links.append(Link(agg, edge, rate_mbit))
         for e, edge in enumerate(edges):
-            for h in range(half):
+            for h in range(hosts_per_edge):
                 name = f"h{pod}_{e}_{h}"
                 hosts.append(Host(name))
                 links.append(Link(name, edge, rate_mbit))
-    return Topology(f"fat-tree-{k}", switches, hosts, links).validate()
+    name = f"fat-tree-{k}" if hosts_per_edge == half else f"fat-tree-{k}-{hosts_per_edge}"
+    return Topology(name, switches, hosts, links).validate()
 
 
 def leaf_spine(spines: int, leaves: int, hosts_per_leaf: int, rate_mbit: Optional[float] = None,
@@ -394,11 +406,13 @@ def deep_tree(levels: int, hosts: int = 2, rate_mbit: Optional[float] = None, me
 
 
 GENERATORS = {
-    "fat-tree": (fat_tree, "K"),
+    "fat-tree": (fat_tree, "K[,HOSTS_PER_EDGE]"),
     "leaf-spine": (leaf_spine, "SPINES,LEAVES,HOSTS_PER_LEAF"),
     "star": (star, "HOSTS"),
     "deep-tree": (deep_tree, "LEVELS[,HOSTS]"),
 }
+
+_SPEC_KEYWORDS = {"fat-tree": ("hosts_per_edge",)}
 
 
 def generate(spec: str, rate_mbit: Optional[float] = None) -> Topology:
@@ -412,7 +426,46 @@ def generate(spec: str, rate_mbit: Optional[float] = None) -> Topology:
         values = [int(a) for a in args.split(",") if a.strip()]
     except ValueError:
         raise TopologyError(f"{spec!r}: arguments must be integers ({name}:{usage})") from None
+    # Optional trailing spec arguments that are keyword-only in Python (so the
+    # existing positional signatures stay as they were).
+    extra = _SPEC_KEYWORDS.get(name, ())
+    if extra and len(values) > 1 + len(extra):
+        raise TopologyError(f"{spec!r}: wrong number of arguments ({name}:{usage})")
+    keywords = dict(zip(extra, values[1:]))
+    if keywords:
+        values = values[:1]
     try:
-        return fn(*values, rate_mbit=rate_mbit)
+        return fn(*values, rate_mbit=rate_mbit, **keywords)
     except TypeError:
         raise TopologyError(f"{spec!r}: wrong number of arguments ({name}:{usage})") from None
+
+
+# -- derived topologies (GOAT's §VII-D setting) ------------------------------------------
+
+
+def with_programmable(topo: Topology, fraction: float, seed: int = 0,
+                      memory_mb: Optional[float] = None) -> Topology:
+    """A copy of `topo` where a seeded random `fraction` of the switches
+    (rounded, at least one) is programmable and the others are not; with
+    `memory_mb`, the programmable ones get that memory B(s). GOAT §VII-D
+    makes 20% of the switches programmable with 64 MB."""
+    import random
+
+    if not (0.0 < fraction <= 1.0):
+        raise TopologyError(f"programmable fraction {fraction!r} must be in (0, 1]")
+    if memory_mb is not None and not (memory_mb >= 0):
+        raise TopologyError(f"memory_mb {memory_mb!r} must be >= 0")
+    names = sorted(s.name for s in topo.switches)
+    count = max(1, round(fraction * len(names)))
+    chosen = set(random.Random(seed).sample(names, count))
+    switches = [Switch(s.name, s.memory_mb if memory_mb is None or s.name not in chosen else float(memory_mb),
+                       s.name in chosen) for s in topo.switches]
+    return Topology(topo.name, switches, list(topo.hosts), list(topo.links)).validate()
+
+
+def with_ps(topo: Topology, host: str) -> Topology:
+    """A copy of `topo` where `host` is the parameter server and every other
+    host a worker."""
+    topo.host(host)
+    hosts = [Host(h.name, "ps" if h.name == host else "worker") for h in topo.hosts]
+    return Topology(topo.name, list(topo.switches), hosts, list(topo.links)).validate()
