@@ -153,8 +153,9 @@ pub trait ControlPlane: Send + Sync + 'static {
     /// Admit a job. The spec has already passed [`JobSpec::validate`].
     /// `fanin_proto::switch::AdmitError` converts with `?` / `.into()`.
     fn admit_job(&self, job: JobEntry) -> Result<(), AdmitFailure>;
-    /// Change an admitted job in place (members, workers, tree role).
-    fn update_job(&self, job: JobEntry) -> Result<(), AdmitFailure>;
+    /// Change an admitted job in place (members, workers, tree role);
+    /// new members in `awaiting` join a running job (see UpdateJobRequest).
+    fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure>;
     /// Remove a job; `Err` (with a human message) if the switch does not hold
     /// it, reported as NOT_FOUND.
     fn remove_job(&self, job_id: u32) -> Result<(), String>;
@@ -474,10 +475,15 @@ impl pb::control_server::Control for Service {
         &self,
         request: Request<pb::UpdateJobRequest>,
     ) -> Result<Response<pb::UpdateJobResponse>, Status> {
-        let spec =
-            request.into_inner().spec.ok_or_else(|| Status::invalid_argument("UpdateJob needs a spec"))?;
+        let request = request.into_inner();
+        let spec = request.spec.ok_or_else(|| Status::invalid_argument("UpdateJob needs a spec"))?;
         let job = job_entry_from_pb(spec)?;
-        self.call(move |p| p.update_job(job)).await??;
+        let awaiting = request
+            .awaiting
+            .iter()
+            .map(|&m| u16::try_from(m).map_err(|_| Status::invalid_argument(format!("awaiting member {m} is too large"))))
+            .collect::<Result<Vec<u16>, Status>>()?;
+        self.call(move |p| p.update_job(job, awaiting)).await??;
         Ok(Response::new(pb::UpdateJobResponse {}))
     }
 

@@ -52,7 +52,7 @@ impl ControlPlane for FakePlane {
         Ok(())
     }
 
-    fn update_job(&self, job: JobEntry) -> Result<(), AdmitFailure> {
+    fn update_job(&self, job: JobEntry, _awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
         let mut jobs = self.jobs.lock().unwrap();
         let Some(entry) = jobs.get_mut(&job.spec.job_id) else {
             return Err(AdmitError::Unknown(job.spec.job_id).into());
@@ -337,14 +337,14 @@ async fn tree_roles_are_checked_kept_and_updated() {
     let mut grown = leaf.clone();
     grown.members = vec![0, 1, 2];
     grown.tree = None;
-    c.update_job(pb::UpdateJobRequest { spec: Some(grown.clone()) }).await.unwrap();
+    c.update_job(pb::UpdateJobRequest { spec: Some(grown.clone()), awaiting: vec![2] }).await.unwrap();
     let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
     assert_eq!(jobs, vec![grown.clone()]);
     let mut resized = grown.clone();
     resized.block_cnt_max = 16;
-    let err = c.update_job(pb::UpdateJobRequest { spec: Some(resized) }).await.unwrap_err();
+    let err = c.update_job(pb::UpdateJobRequest { spec: Some(resized), awaiting: vec![] }).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
-    let err = c.update_job(pb::UpdateJobRequest { spec: Some(spec(99, vec![0])) }).await.unwrap_err();
+    let err = c.update_job(pb::UpdateJobRequest { spec: Some(spec(99, vec![0])), awaiting: vec![] }).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
     stop(server).await;
 }

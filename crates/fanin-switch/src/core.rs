@@ -93,7 +93,7 @@ impl SwitchCore {
     /// Change a job on every shard (members, workers, tree role). The spec
     /// is checked against the admitted one first, so either every shard
     /// takes the change or none does.
-    pub fn update_job(&self, job: JobEntry) -> Result<(), AdmitFailure> {
+    pub fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
         let JobEntry { spec, tree } = job;
         spec.validate().map_err(|e| AdmitFailure::Invalid(e.to_string()))?;
         let mut jobs = self.jobs.lock().expect("jobs lock");
@@ -116,7 +116,7 @@ impl SwitchCore {
             let (reply, answer) = mpsc::sync_channel(1);
             let result = shard
                 .commands
-                .send(Command::UpdateJob(spec.clone(), uplink(tree), reply))
+                .send(Command::UpdateJob(spec.clone(), uplink(tree), awaiting.clone(), reply))
                 .ok()
                 .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
             match result {
@@ -213,8 +213,8 @@ impl ControlPlane for SwitchCore {
     fn admit_job(&self, job: JobEntry) -> Result<(), AdmitFailure> {
         SwitchCore::admit_job(self, job)
     }
-    fn update_job(&self, job: JobEntry) -> Result<(), AdmitFailure> {
-        SwitchCore::update_job(self, job)
+    fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
+        SwitchCore::update_job(self, job, awaiting)
     }
     fn remove_job(&self, job_id: u32) -> Result<(), String> {
         SwitchCore::remove_job(self, job_id)

@@ -16,7 +16,7 @@ use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 /// Requests from the control plane and from sibling shards.
 pub(crate) enum Command {
     AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
-    UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
+    UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     RemoveJob(u32, SyncSender<bool>),
     /// A datagram received by another shard for a block this shard owns.
     Handover(SocketAddr, Vec<u8>),
@@ -152,7 +152,7 @@ impl ShardThread {
                     });
                     let _ = reply.send(result);
                 }
-                Ok(Command::UpdateJob(spec, uplink, reply)) => {
+                Ok(Command::UpdateJob(spec, uplink, awaiting, reply)) => {
                     let now = self.now();
                     let mut out = SocketTx {
                         socket: &self.socket,
@@ -161,7 +161,7 @@ impl ShardThread {
                         discard,
                         stats: &self.stats,
                     };
-                    let _ = reply.send(self.switch.update_job(now, spec, uplink, &mut out));
+                    let _ = reply.send(self.switch.update_job(now, spec, uplink, &awaiting, &mut out));
                     flush(&self.socket, tx, &self.stats);
                 }
                 Ok(Command::RemoveJob(id, reply)) => {

@@ -848,6 +848,8 @@ impl AllreduceSession {
         Repr {
             gen_id: self.gen_id,
             age_op: if self.config.sync_join { JOIN_SYNC } else { 0 },
+            // the root answers an allreduce boundary of this many blocks
+            block_id: if self.config.sync_join { self.config.align_blocks } else { 0 },
             ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
         }
     }

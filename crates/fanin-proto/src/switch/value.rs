@@ -389,6 +389,15 @@ struct Job<A> {
     /// Sync requests forwarded toward the root: requesting worker -> the
     /// child it came through, so the root's answer finds its way down.
     pending_sync: HashMap<u16, u16>,
+    /// Members added to a running job that are not waited for until their
+    /// sync answer passes this switch (it tells where they start).
+    awaiting: SourceMask,
+    /// Members that start at a later block than the stream: blocks before
+    /// it do not wait for them.
+    start_of: HashMap<u16, u32>,
+    /// Root: the start block answered to each syncing worker, answered
+    /// again to a repeated request so every switch on its path agrees.
+    sync_answers: HashMap<u16, u32>,
 }
 
 /// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
@@ -533,6 +542,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 spec,
                 uplink: None,
                 pending_sync: HashMap::new(),
+                awaiting: SourceMask::with_capacity(capacity),
+                start_of: HashMap::new(),
+                sync_answers: HashMap::new(),
             },
         );
         Ok(())
@@ -557,14 +569,18 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// Change an admitted job while it runs (SwitchML++ runtime scaling):
     /// its members (in a tree: its children), its worker count and its
     /// tree role. Caps, timeout and mode cannot change. Open blocks stop
-    /// waiting for members that left (which may complete them now); new
-    /// blocks wait for members that joined. A switch that becomes the root
-    /// finishes the blocks it had sent up with what it has.
+    /// waiting for members that left (which may complete them now). New
+    /// members are waited for in new blocks, except those listed in
+    /// `awaiting` (joining a running job): they are waited for only from
+    /// the start block their sync answer names, once it passes this switch.
+    /// A switch that becomes the root finishes the blocks it had sent up
+    /// with what it has.
     pub fn update_job(
         &mut self,
         now: Time,
         spec: JobSpec,
         uplink: Option<Uplink<A>>,
+        awaiting: &[u16],
         out: &mut impl Transmit<A>,
     ) -> Result<(), AdmitError> {
         spec.validate()?;
@@ -590,6 +606,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let capacity = spec.source_capacity().max(job.members.capacity());
         job.members.grow(capacity);
         job.active.grow(capacity);
+        job.awaiting.grow(capacity);
         if job.addrs.len() < capacity {
             job.addrs.resize(capacity, None);
             job.missed_streak.resize(capacity, 0);
@@ -607,11 +624,17 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let left: Vec<usize> = job.members.iter().filter(|&m| !new_members.contains(m)).collect();
         let joined: Vec<usize> = new_members.iter().filter(|&m| !job.members.contains(m)).collect();
         for &m in &joined {
-            job.active.insert(m);
+            if awaiting.contains(&(m as u16)) {
+                job.awaiting.insert(m);
+            } else {
+                job.active.insert(m);
+            }
             job.missed_streak[m] = 0;
         }
         for &m in &left {
             job.active.remove(m);
+            job.awaiting.remove(m);
+            job.start_of.remove(&(m as u16));
             job.addrs[m] = None;
             job.pending_sync.retain(|_, via| *via as usize != m);
         }
@@ -768,19 +791,23 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         job.addrs[src as usize] = Some(from);
         // A permanently slow source that rejoins is waited for again.
-        if !job.active.contains(src as usize) {
+        if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
             readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
         }
         if packet.age_op() != JOIN_SYNC {
             // Joining with the others: the stream's start, which every
             // switch of the tree knows.
-            answer_join(job, &self.config, src, from, job.start_block, out);
+            let start = job.start_block;
+            admit_joiner(job, src, start);
+            answer_join(job, &self.config, src, from, start, out);
         } else if job.uplink.is_some() {
             // Only the root knows the current block offset: ask it.
             job.pending_sync.insert(src, src);
-            forward_sync(job, src, &mut self.counters, out);
+            forward_sync(job, src, packet.block_id(), &mut self.counters, out);
         } else {
-            answer_join(job, &self.config, src, from, sync_offset(job, &self.config), out);
+            let start = sync_start(job, &self.config, src, packet.block_id());
+            admit_joiner(job, src, start);
+            answer_join(job, &self.config, src, from, start, out);
         }
     }
 
@@ -802,9 +829,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.addrs[via as usize] = Some(from);
         job.pending_sync.insert(request.origin, via);
         if job.uplink.is_some() {
-            forward_sync(job, request.origin, &mut self.counters, out);
+            forward_sync(job, request.origin, request.align_blocks, &mut self.counters, out);
         } else {
-            answer_join(job, &self.config, request.origin, from, sync_offset(job, &self.config), out);
+            let start = sync_start(job, &self.config, request.origin, request.align_blocks);
+            admit_joiner(job, via, start);
+            answer_join(job, &self.config, request.origin, from, start, out);
         }
     }
 
@@ -843,6 +872,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // The worker talks to this switch's shards, not the root's.
                 params.incarnation = self.config.incarnation;
                 params.shard_count = self.config.shard_count;
+                admit_joiner(job, via, params.next_block);
                 let buf = out.push(dest, repr.buffer_len());
                 let mut reply = Packet::new_unchecked(&mut buf[..]);
                 repr.emit(&mut reply);
@@ -1023,7 +1053,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         };
         if opens {
-            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active);
+            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of);
             job.open_blocks += 1;
             if let Some(aging) = job.aging.as_mut() {
                 realign_scanners(aging, now, job.open_blocks);
@@ -1079,7 +1109,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // A permanently slow source has caught up when it adds to an open
         // block, or sends the current block of a slot (not its shadow) even
         // if the others just completed it: it is within one window of them.
-        if (outcome.accepted || (outcome.late && !is_prev)) && !job.active.contains(src) {
+        if (outcome.accepted || (outcome.late && !is_prev)) && !job.active.contains(src) && !job.awaiting.contains(src) {
             readmit(job, src, block_id, counters, out, &mut self.scratch);
         }
         settle_slow_sources(job, &mut newly_slow, counters, out, &mut self.scratch);
@@ -1088,13 +1118,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
 }
 
 /// Forward a worker's join toward the root as a Sync request.
-fn forward_sync<A: Copy>(job: &Job<A>, origin: u16, counters: &mut Counters, out: &mut impl Transmit<A>) {
+fn forward_sync<A: Copy>(job: &Job<A>, origin: u16, align_blocks: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
     let Some(up) = job.uplink.as_ref() else { return };
     let repr = Repr::new(MessageType::Sync, job.spec.job_id, up.rank);
     let buf = out.push(up.parent[0], repr.buffer_len());
     let mut packet = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut packet);
-    SyncRequest { origin }.emit(packet.payload_mut());
+    SyncRequest { origin, align_blocks }.emit(packet.payload_mut());
     counters.syncs_forwarded += 1;
 }
 
@@ -1121,6 +1151,42 @@ fn answer_join<A: Copy>(
     let mut reply = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut reply);
     params.emit(reply.payload_mut());
+}
+
+/// The root's answer to a sync: the first allreduce boundary (multiples of
+/// `align_blocks`) at or after the sync offset. A repeated request (its
+/// answer was lost) gets the same start while the job is within a window
+/// of it, so every switch on the worker's path agrees on it.
+fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, align_blocks: u32) -> u32 {
+    let offset = sync_offset(job, config);
+    if let Some(&start) = job.sync_answers.get(&origin) {
+        if start.saturating_add(job.spec.block_cnt_max) > offset {
+            return start;
+        }
+    }
+    let align = align_blocks.max(1);
+    let start = offset.div_ceil(align).saturating_mul(align);
+    job.sync_answers.insert(origin, start);
+    start
+}
+
+/// Member `src` (a joining worker, or the child switch it joins through)
+/// starts at block `start`: open blocks from there on wait for it, earlier
+/// ones never do.
+fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
+    if !job.awaiting.remove(src as usize) {
+        return;
+    }
+    job.active.insert(src as usize);
+    job.start_of.insert(src, start);
+    for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
+        if block.block_id >= start && block.expected.insert(src as usize) {
+            block.expected_count += 1;
+            if block.rcvd.contains(src as usize) {
+                block.expected_rcvd += 1;
+            }
+        }
+    }
 }
 
 /// The SwitchML++ sync offset: the lowest block this shard still needs,
@@ -1159,6 +1225,7 @@ fn realign_scanners(aging: &mut JobAging, now: Time, open_blocks: usize) {
 
 /// Start a new block in `slot`: the current block becomes the shadow copy
 /// and the old shadow's storage is reused.
+#[allow(clippy::too_many_arguments)]
 fn open_block(
     slot: &mut Slot,
     capacity: usize,
@@ -1167,10 +1234,17 @@ fn open_block(
     exp_only: bool,
     now: Time,
     active: &SourceMask,
+    start_of: &HashMap<u16, u32>,
 ) {
     let mut block = slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity));
     let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
     block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
+    // members that joined later are not waited for before their start
+    for (&m, &start) in start_of {
+        if block_id < start && block.expected.remove(m as usize) {
+            block.expected_count -= 1;
+        }
+    }
     slot.prev = slot.cur.take();
     slot.cur = Some(block);
 }

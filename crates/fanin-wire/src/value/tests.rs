@@ -347,7 +347,7 @@ fn block_expired_nack_round_trips() {
 
 /// Sync request for job 5: switch rank 2048 forwards the join of worker 3
 /// toward the root.
-const SYNC: [u8; 28] = [
+const SYNC: [u8; 32] = [
     0xFA, 0x17, 0x01, 0x08, // Sync
     0x00, 0x00, 0x08, 0x00, // flags 0; int32; src_id 2048 (the forwarding switch)
     0x00, 0x00, 0x00, 0x00, // src_cnt 0; gen_id 0
@@ -355,6 +355,7 @@ const SYNC: [u8; 28] = [
     0x00, 0x00, 0x00, 0x00, // block_id 0
     0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
     0x00, 0x03, 0x00, 0x00, // origin 3; reserved
+    0x00, 0x00, 0x00, 0x2A, // align_blocks 42
 ];
 
 #[test]
@@ -362,12 +363,13 @@ fn sync_parse_and_emit() {
     let p = Packet::new_checked(&SYNC[..]).unwrap();
     let repr = Repr::parse(&p).unwrap();
     assert_eq!(repr, Repr::new(MessageType::Sync, 5, 2048));
-    assert_eq!(SyncRequest::parse(p.payload()).unwrap(), SyncRequest { origin: 3 });
-    let mut buf = [MARKER; 28];
+    let body = SyncRequest { origin: 3, align_blocks: 42 };
+    assert_eq!(SyncRequest::parse(p.payload()).unwrap(), body);
+    let mut buf = [MARKER; 32];
     let mut packet = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut packet);
-    SyncRequest { origin: 3 }.emit(packet.payload_mut());
+    body.emit(packet.payload_mut());
     assert_eq!(buf, SYNC);
     // the body is fixed-size: a short one is refused
-    assert!(Packet::new_checked(&SYNC[..26]).is_err());
+    assert!(Packet::new_checked(&SYNC[..30]).is_err());
 }

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x61nin/control/v1/control.proto\x12\x10\x66\x61nin.control.v1\"\xaa\x02\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\x15\n\rblock_cnt_max\x18\x03 \x01(\r\x12\x16\n\x0e\x62lock_grad_max\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_exp_ms\x18\x05 \x01(\r\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.fanin.control.v1.JobMode\x12\x1f\n\x12slow_after_windows\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07workers\x18\x08 \x01(\rH\x01\x88\x01\x01\x12-\n\x04tree\x18\t \x01(\x0b\x32\x1a.fanin.control.v1.TreeRoleH\x02\x88\x01\x01\x42\x15\n\x13_slow_after_windowsB\n\n\x08_workersB\x07\n\x05_tree\"D\n\x08TreeRole\x12\x13\n\x0bparent_addr\x18\x01 \x01(\t\x12\x15\n\rparent_shards\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x10\n\x0eGetInfoRequest\"\x9f\x01\n\x0fGetInfoResponse\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\r\x12\x14\n\x0cmemory_limit\x18\x06 \x01(\x04\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\":\n\x0f\x41\x64mitJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x12\n\x10\x41\x64mitJobResponse\"\"\n\x10RemoveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\x13\n\x11RemoveJobResponse\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.JobSpec\";\n\x10UpdateJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x13\n\x11UpdateJobResponse\"\x14\n\x12GetCountersRequest\"F\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x04\x42\t\n\x07_reason\"B\n\x13GetCountersResponse\x12+\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.Counter*7\n\x07JobMode\x12\x16\n\x12JOB_MODE_AGGREGATE\x10\x00\x12\x14\n\x10JOB_MODE_FORWARD\x10\x01\x32\x87\x04\n\x07\x43ontrol\x12N\n\x07GetInfo\x12 .fanin.control.v1.GetInfoRequest\x1a!.fanin.control.v1.GetInfoResponse\x12Q\n\x08\x41\x64mitJob\x12!.fanin.control.v1.AdmitJobRequest\x1a\".fanin.control.v1.AdmitJobResponse\x12T\n\tRemoveJob\x12\".fanin.control.v1.RemoveJobRequest\x1a#.fanin.control.v1.RemoveJobResponse\x12Q\n\x08ListJobs\x12!.fanin.control.v1.ListJobsRequest\x1a\".fanin.control.v1.ListJobsResponse\x12Z\n\x0bGetCounters\x12$.fanin.control.v1.GetCountersRequest\x1a%.fanin.control.v1.GetCountersResponse\x12T\n\tUpdateJob\x12\".fanin.control.v1.UpdateJobRequest\x1a#.fanin.control.v1.UpdateJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x61nin/control/v1/control.proto\x12\x10\x66\x61nin.control.v1\"\xaa\x02\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\x15\n\rblock_cnt_max\x18\x03 \x01(\r\x12\x16\n\x0e\x62lock_grad_max\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_exp_ms\x18\x05 \x01(\r\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.fanin.control.v1.JobMode\x12\x1f\n\x12slow_after_windows\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07workers\x18\x08 \x01(\rH\x01\x88\x01\x01\x12-\n\x04tree\x18\t \x01(\x0b\x32\x1a.fanin.control.v1.TreeRoleH\x02\x88\x01\x01\x42\x15\n\x13_slow_after_windowsB\n\n\x08_workersB\x07\n\x05_tree\"D\n\x08TreeRole\x12\x13\n\x0bparent_addr\x18\x01 \x01(\t\x12\x15\n\rparent_shards\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x10\n\x0eGetInfoRequest\"\x9f\x01\n\x0fGetInfoResponse\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\r\x12\x14\n\x0cmemory_limit\x18\x06 \x01(\x04\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\":\n\x0f\x41\x64mitJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x12\n\x10\x41\x64mitJobResponse\"\"\n\x10RemoveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\x13\n\x11RemoveJobResponse\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.JobSpec\"M\n\x10UpdateJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\x12\x10\n\x08\x61waiting\x18\x02 \x03(\r\"\x13\n\x11UpdateJobResponse\"\x14\n\x12GetCountersRequest\"F\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x04\x42\t\n\x07_reason\"B\n\x13GetCountersResponse\x12+\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.Counter*7\n\x07JobMode\x12\x16\n\x12JOB_MODE_AGGREGATE\x10\x00\x12\x14\n\x10JOB_MODE_FORWARD\x10\x01\x32\x87\x04\n\x07\x43ontrol\x12N\n\x07GetInfo\x12 .fanin.control.v1.GetInfoRequest\x1a!.fanin.control.v1.GetInfoResponse\x12Q\n\x08\x41\x64mitJob\x12!.fanin.control.v1.AdmitJobRequest\x1a\".fanin.control.v1.AdmitJobResponse\x12T\n\tRemoveJob\x12\".fanin.control.v1.RemoveJobRequest\x1a#.fanin.control.v1.RemoveJobResponse\x12Q\n\x08ListJobs\x12!.fanin.control.v1.ListJobsRequest\x1a\".fanin.control.v1.ListJobsResponse\x12Z\n\x0bGetCounters\x12$.fanin.control.v1.GetCountersRequest\x1a%.fanin.control.v1.GetCountersResponse\x12T\n\tUpdateJob\x12\".fanin.control.v1.UpdateJobRequest\x1a#.fanin.control.v1.UpdateJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fanin.control.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBMODE']._serialized_start=1064
-  _globals['_JOBMODE']._serialized_end=1119
+  _globals['_JOBMODE']._serialized_start=1082
+  _globals['_JOBMODE']._serialized_end=1137
   _globals['_JOBSPEC']._serialized_start=53
   _globals['_JOBSPEC']._serialized_end=351
   _globals['_TREEROLE']._serialized_start=353
@@ -54,15 +54,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSRESPONSE']._serialized_start=759
   _globals['_LISTJOBSRESPONSE']._serialized_end=818
   _globals['_UPDATEJOBREQUEST']._serialized_start=820
-  _globals['_UPDATEJOBREQUEST']._serialized_end=879
-  _globals['_UPDATEJOBRESPONSE']._serialized_start=881
-  _globals['_UPDATEJOBRESPONSE']._serialized_end=900
-  _globals['_GETCOUNTERSREQUEST']._serialized_start=902
-  _globals['_GETCOUNTERSREQUEST']._serialized_end=922
-  _globals['_COUNTER']._serialized_start=924
-  _globals['_COUNTER']._serialized_end=994
-  _globals['_GETCOUNTERSRESPONSE']._serialized_start=996
-  _globals['_GETCOUNTERSRESPONSE']._serialized_end=1062
-  _globals['_CONTROL']._serialized_start=1122
-  _globals['_CONTROL']._serialized_end=1641
+  _globals['_UPDATEJOBREQUEST']._serialized_end=897
+  _globals['_UPDATEJOBRESPONSE']._serialized_start=899
+  _globals['_UPDATEJOBRESPONSE']._serialized_end=918
+  _globals['_GETCOUNTERSREQUEST']._serialized_start=920
+  _globals['_GETCOUNTERSREQUEST']._serialized_end=940
+  _globals['_COUNTER']._serialized_start=942
+  _globals['_COUNTER']._serialized_end=1012
+  _globals['_GETCOUNTERSRESPONSE']._serialized_start=1014
+  _globals['_GETCOUNTERSRESPONSE']._serialized_end=1080
+  _globals['_CONTROL']._serialized_start=1140
+  _globals['_CONTROL']._serialized_end=1659
 # @@protoc_insertion_point(module_scope)

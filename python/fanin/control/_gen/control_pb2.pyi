@@ -99,10 +99,12 @@ class ListJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobSpec, _Mapping]]] = ...) -> None: ...
 
 class UpdateJobRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "awaiting")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    awaiting: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., awaiting: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateJobResponse(_message.Message):
     __slots__ = ()

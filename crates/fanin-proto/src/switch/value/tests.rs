@@ -736,21 +736,21 @@ fn a_member_that_leaves_is_not_waited_for() {
     send(&mut sw, Pkt::data(1, 0, 0, &[1]));
     send(&mut sw, Pkt::data(1, 1, 0, &[2]));
     let mut out = VecTransmit::new();
-    sw.update_job(T0, JobSpec { members: vec![0, 1], ..job(1, 3, 4) }, None, &mut out).unwrap();
+    sw.update_job(T0, JobSpec { members: vec![0, 1], ..job(1, 3, 4) }, None, &[], &mut out).unwrap();
     let out = decode(out);
     assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101]);
     assert!(out.iter().all(|o| o.1.src_cnt == 2 && o.2 == vec![3]));
     // a new member is waited for in new blocks
     let mut out = VecTransmit::new();
-    sw.update_job(T0, JobSpec { members: vec![0, 1, 7], ..job(1, 3, 4) }, None, &mut out).unwrap();
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 7], ..job(1, 3, 4) }, None, &[], &mut out).unwrap();
     send(&mut sw, Pkt::data(1, 0, 1, &[1]));
     assert!(send(&mut sw, Pkt::data(1, 1, 1, &[1])).is_empty());
     assert_eq!(send(&mut sw, Pkt::data(1, 7, 1, &[1])).len(), 3);
     // caps cannot change under a running job
     let mut out = VecTransmit::new();
-    let err = sw.update_job(T0, job(1, 3, 8), None, &mut out).unwrap_err();
+    let err = sw.update_job(T0, job(1, 3, 8), None, &[], &mut out).unwrap_err();
     assert_eq!(err.to_string(), "job 1: block_cnt_max cannot change while the job runs (remove and re-admit it)");
-    assert!(matches!(sw.update_job(T0, job(2, 3, 4), None, &mut out), Err(AdmitError::Unknown(2))));
+    assert!(matches!(sw.update_job(T0, job(2, 3, 4), None, &[], &mut out), Err(AdmitError::Unknown(2))));
 }
 
 #[test]
@@ -759,7 +759,7 @@ fn a_switch_that_becomes_the_root_finishes_what_it_sent_up() {
     send(&mut sw, Pkt::data(1, 0, 0, &[1]));
     assert_eq!(send(&mut sw, Pkt::data(1, 1, 0, &[2]))[0].0, PARENT);
     let mut out = VecTransmit::new();
-    sw.update_job(T0, JobSpec { workers: 2, ..job(1, 2, 4) }, None, &mut out).unwrap();
+    sw.update_job(T0, JobSpec { workers: 2, ..job(1, 2, 4) }, None, &[], &mut out).unwrap();
     let out = decode(out);
     assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101]);
     assert!(out.iter().all(|o| o.1.msg_type == MessageType::Result && o.2 == vec![3] && o.1.src_cnt == 2));
@@ -782,4 +782,45 @@ fn an_expired_block_at_the_parent_is_passed_down() {
     assert_eq!(out[0].1.msg_type, MessageType::Nack);
     assert!(send(&mut sw, Pkt::data(1, 0, 4, &[1])).is_empty());
     assert_eq!(sw.counters().slot_busy, 0);
+}
+
+#[test]
+fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
+    let mut sw = switch_with(&[job(1, 2, 4)]);
+    for b in 0..4 {
+        send(&mut sw, Pkt::data(1, 0, b, &[1]));
+        send(&mut sw, Pkt::data(1, 1, b, &[1]));
+    }
+    send(&mut sw, Pkt::data(1, 0, 4, &[1])); // block 4 open
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 2], ..job(1, 2, 4) }, None, &[2], &mut out).unwrap();
+    // before its sync, the new member is waited for nowhere
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 4, &[1])).len(), 2);
+    // it syncs on allreduces of 8 blocks: the next boundary after block 5
+    let join = Repr { age_op: JOIN_SYNC, block_id: 8, ..Repr::new(MessageType::Join, 1, 2) };
+    let mut buf = vec![0; join.buffer_len()];
+    join.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    let mut out = VecTransmit::new();
+    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Consumed);
+    let (_, ack) = out.drain().next().unwrap();
+    let p = Packet::new_checked(&ack[..]).unwrap();
+    assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 8);
+    // the same request again (its answer was lost) gets the same start
+    let mut out = VecTransmit::new();
+    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Consumed);
+    let (_, again) = out.drain().next().unwrap();
+    assert_eq!(again, ack);
+    // blocks before its start complete without it ...
+    send(&mut sw, Pkt::data(1, 0, 5, &[1]));
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 5, &[1])).len(), 3);
+    for b in 6..8 {
+        send(&mut sw, Pkt::data(1, 0, b, &[1]));
+        send(&mut sw, Pkt::data(1, 1, b, &[1]));
+    }
+    // ... blocks from its start wait for it
+    send(&mut sw, Pkt::data(1, 0, 8, &[1]));
+    assert!(send(&mut sw, Pkt::data(1, 1, 8, &[1])).is_empty());
+    let out = send(&mut sw, Pkt::data(1, 2, 8, &[1]));
+    assert_eq!(out.len(), 3);
+    assert!(out.iter().all(|o| o.1.src_cnt == 3 && o.2 == vec![3]));
 }
