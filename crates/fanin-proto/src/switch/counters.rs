@@ -71,6 +71,9 @@ pub struct Counters {
     pub parent_stale: u64,
     /// Sync requests forwarded toward the root.
     pub syncs_forwarded: u64,
+    /// Sync requests a root left unanswered because it has not seen the
+    /// job's position yet (the worker asks again).
+    pub sync_deferred: u64,
 }
 
 impl Counters {
@@ -122,6 +125,7 @@ impl Counters {
         f("relayed_down", None, self.relayed_down);
         f("parent_stale", None, self.parent_stale);
         f("syncs_forwarded", None, self.syncs_forwarded);
+        f("sync_deferred", None, self.sync_deferred);
     }
 
     /// Add another shard's counters into these.
@@ -133,7 +137,7 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

@@ -804,10 +804,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // Only the root knows the current block offset: ask it.
             job.pending_sync.insert(src, src);
             forward_sync(job, src, packet.block_id(), &mut self.counters, out);
-        } else {
-            let start = sync_start(job, &self.config, src, packet.block_id());
+        } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id()) {
             admit_joiner(job, src, start);
             answer_join(job, &self.config, src, from, start, out);
+        } else {
+            self.counters.sync_deferred += 1;
         }
     }
 
@@ -830,10 +831,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.pending_sync.insert(request.origin, via);
         if job.uplink.is_some() {
             forward_sync(job, request.origin, request.align_blocks, &mut self.counters, out);
-        } else {
-            let start = sync_start(job, &self.config, request.origin, request.align_blocks);
+        } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks) {
             admit_joiner(job, via, start);
             answer_join(job, &self.config, request.origin, from, start, out);
+        } else {
+            self.counters.sync_deferred += 1;
         }
     }
 
@@ -1157,17 +1159,27 @@ fn answer_join<A: Copy>(
 /// `align_blocks`) at or after the sync offset. A repeated request (its
 /// answer was lost) gets the same start while the job is within a window
 /// of it, so every switch on the worker's path agrees on it.
-fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, align_blocks: u32) -> u32 {
+///
+/// None (no answer yet; the worker asks again) while this shard has seen no
+/// block but other members are active: a root that just took over (the
+/// tree grew above the old one) does not know the job's position until the
+/// old root's first partial arrives (SwitchML++ answers with an error flag
+/// in that case, for the same reason).
+fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, via: u16, align_blocks: u32) -> Option<u32> {
+    let fresh = job.slots.iter().all(|s| s.cur.is_none());
+    if fresh && job.active.iter().any(|m| m != via as usize) {
+        return None;
+    }
     let offset = sync_offset(job, config);
     if let Some(&start) = job.sync_answers.get(&origin) {
         if start.saturating_add(job.spec.block_cnt_max) > offset {
-            return start;
+            return Some(start);
         }
     }
     let align = align_blocks.max(1);
     let start = offset.div_ceil(align).saturating_mul(align);
     job.sync_answers.insert(origin, start);
-    start
+    Some(start)
 }
 
 /// Member `src` (a joining worker, or the child switch it joins through)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x61nin/control/v1/control.proto\x12\x10\x66\x61nin.control.v1\"\xaa\x02\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\x15\n\rblock_cnt_max\x18\x03 \x01(\r\x12\x16\n\x0e\x62lock_grad_max\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_exp_ms\x18\x05 \x01(\r\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.fanin.control.v1.JobMode\x12\x1f\n\x12slow_after_windows\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07workers\x18\x08 \x01(\rH\x01\x88\x01\x01\x12-\n\x04tree\x18\t \x01(\x0b\x32\x1a.fanin.control.v1.TreeRoleH\x02\x88\x01\x01\x42\x15\n\x13_slow_after_windowsB\n\n\x08_workersB\x07\n\x05_tree\"D\n\x08TreeRole\x12\x13\n\x0bparent_addr\x18\x01 \x01(\t\x12\x15\n\rparent_shards\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x10\n\x0eGetInfoRequest\"\x9f\x01\n\x0fGetInfoResponse\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\r\x12\x14\n\x0cmemory_limit\x18\x06 \x01(\x04\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\":\n\x0f\x41\x64mitJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x12\n\x10\x41\x64mitJobResponse\"\"\n\x10RemoveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\x13\n\x11RemoveJobResponse\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.JobSpec\"M\n\x10UpdateJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\x12\x10\n\x08\x61waiting\x18\x02 \x03(\r\"\x13\n\x11UpdateJobResponse\"\x14\n\x12GetCountersRequest\"F\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x04\x42\t\n\x07_reason\"B\n\x13GetCountersResponse\x12+\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.Counter*7\n\x07JobMode\x12\x16\n\x12JOB_MODE_AGGREGATE\x10\x00\x12\x14\n\x10JOB_MODE_FORWARD\x10\x01\x32\x87\x04\n\x07\x43ontrol\x12N\n\x07GetInfo\x12 .fanin.control.v1.GetInfoRequest\x1a!.fanin.control.v1.GetInfoResponse\x12Q\n\x08\x41\x64mitJob\x12!.fanin.control.v1.AdmitJobRequest\x1a\".fanin.control.v1.AdmitJobResponse\x12T\n\tRemoveJob\x12\".fanin.control.v1.RemoveJobRequest\x1a#.fanin.control.v1.RemoveJobResponse\x12Q\n\x08ListJobs\x12!.fanin.control.v1.ListJobsRequest\x1a\".fanin.control.v1.ListJobsResponse\x12Z\n\x0bGetCounters\x12$.fanin.control.v1.GetCountersRequest\x1a%.fanin.control.v1.GetCountersResponse\x12T\n\tUpdateJob\x12\".fanin.control.v1.UpdateJobRequest\x1a#.fanin.control.v1.UpdateJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x61nin/control/v1/control.proto\x12\x10\x66\x61nin.control.v1\"\xaa\x02\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\x15\n\rblock_cnt_max\x18\x03 \x01(\r\x12\x16\n\x0e\x62lock_grad_max\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_exp_ms\x18\x05 \x01(\r\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.fanin.control.v1.JobMode\x12\x1f\n\x12slow_after_windows\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07workers\x18\x08 \x01(\rH\x01\x88\x01\x01\x12-\n\x04tree\x18\t \x01(\x0b\x32\x1a.fanin.control.v1.TreeRoleH\x02\x88\x01\x01\x42\x15\n\x13_slow_after_windowsB\n\n\x08_workersB\x07\n\x05_tree\"D\n\x08TreeRole\x12\x13\n\x0bparent_addr\x18\x01 \x01(\t\x12\x15\n\rparent_shards\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x10\n\x0eGetInfoRequest\"\x9f\x01\n\x0fGetInfoResponse\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\r\x12\x14\n\x0cmemory_limit\x18\x06 \x01(\x04\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\":\n\x0f\x41\x64mitJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x12\n\x10\x41\x64mitJobResponse\"\"\n\x10RemoveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\x13\n\x11RemoveJobResponse\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.JobSpec\"M\n\x10UpdateJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\x12\x10\n\x08\x61waiting\x18\x02 \x03(\r\"\x13\n\x11UpdateJobResponse\"\x14\n\x12GetCountersRequest\"F\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x04\x42\t\n\x07_reason\"B\n\x13GetCountersResponse\x12+\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.Counter\"\xb4\x01\n\x10\x43reateJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x15\n\rblock_cnt_max\x18\x02 \x01(\r\x12\x16\n\x0e\x62lock_grad_max\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_exp_ms\x18\x04 \x01(\r\x12\x1f\n\x12slow_after_windows\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bmax_workers\x18\x06 \x01(\rB\x15\n\x13_slow_after_windows\"\x13\n\x11\x43reateJobResponse\"\"\n\x10\x44\x65leteJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\x13\n\x11\x44\x65leteJobResponse\"L\n\x10SubscribeRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0c\n\x04sync\x18\x04 \x01(\x08\":\n\x11SubscribeResponse\x12\x11\n\tdata_addr\x18\x01 \x01(\t\x12\x12\n\nprogrammed\x18\x02 \x03(\t\"2\n\x12UnsubscribeRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\")\n\x13UnsubscribeResponse\x12\x12\n\nprogrammed\x18\x01 \x03(\t\" \n\x0eGetTreeRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"$\n\x0fGetTreeResponse\x12\x11\n\ttree_json\x18\x01 \x01(\t*7\n\x07JobMode\x12\x16\n\x12JOB_MODE_AGGREGATE\x10\x00\x12\x14\n\x10JOB_MODE_FORWARD\x10\x01\x32\x87\x04\n\x07\x43ontrol\x12N\n\x07GetInfo\x12 .fanin.control.v1.GetInfoRequest\x1a!.fanin.control.v1.GetInfoResponse\x12Q\n\x08\x41\x64mitJob\x12!.fanin.control.v1.AdmitJobRequest\x1a\".fanin.control.v1.AdmitJobResponse\x12T\n\tRemoveJob\x12\".fanin.control.v1.RemoveJobRequest\x1a#.fanin.control.v1.RemoveJobResponse\x12Q\n\x08ListJobs\x12!.fanin.control.v1.ListJobsRequest\x1a\".fanin.control.v1.ListJobsResponse\x12Z\n\x0bGetCounters\x12$.fanin.control.v1.GetCountersRequest\x1a%.fanin.control.v1.GetCountersResponse\x12T\n\tUpdateJob\x12\".fanin.control.v1.UpdateJobRequest\x1a#.fanin.control.v1.UpdateJobResponse2\xba\x03\n\nController\x12T\n\tCreateJob\x12\".fanin.control.v1.CreateJobRequest\x1a#.fanin.control.v1.CreateJobResponse\x12T\n\tDeleteJob\x12\".fanin.control.v1.DeleteJobRequest\x1a#.fanin.control.v1.DeleteJobResponse\x12T\n\tSubscribe\x12\".fanin.control.v1.SubscribeRequest\x1a#.fanin.control.v1.SubscribeResponse\x12Z\n\x0bUnsubscribe\x12$.fanin.control.v1.UnsubscribeRequest\x1a%.fanin.control.v1.UnsubscribeResponse\x12N\n\x07GetTree\x12 .fanin.control.v1.GetTreeRequest\x1a!.fanin.control.v1.GetTreeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fanin.control.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBMODE']._serialized_start=1082
-  _globals['_JOBMODE']._serialized_end=1137
+  _globals['_JOBMODE']._serialized_start=1648
+  _globals['_JOBMODE']._serialized_end=1703
   _globals['_JOBSPEC']._serialized_start=53
   _globals['_JOBSPEC']._serialized_end=351
   _globals['_TREEROLE']._serialized_start=353
@@ -63,6 +63,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COUNTER']._serialized_end=1012
   _globals['_GETCOUNTERSRESPONSE']._serialized_start=1014
   _globals['_GETCOUNTERSRESPONSE']._serialized_end=1080
-  _globals['_CONTROL']._serialized_start=1140
-  _globals['_CONTROL']._serialized_end=1659
+  _globals['_CREATEJOBREQUEST']._serialized_start=1083
+  _globals['_CREATEJOBREQUEST']._serialized_end=1263
+  _globals['_CREATEJOBRESPONSE']._serialized_start=1265
+  _globals['_CREATEJOBRESPONSE']._serialized_end=1284
+  _globals['_DELETEJOBREQUEST']._serialized_start=1286
+  _globals['_DELETEJOBREQUEST']._serialized_end=1320
+  _globals['_DELETEJOBRESPONSE']._serialized_start=1322
+  _globals['_DELETEJOBRESPONSE']._serialized_end=1341
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1343
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1419
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=1421
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=1479
+  _globals['_UNSUBSCRIBEREQUEST']._serialized_start=1481
+  _globals['_UNSUBSCRIBEREQUEST']._serialized_end=1531
+  _globals['_UNSUBSCRIBERESPONSE']._serialized_start=1533
+  _globals['_UNSUBSCRIBERESPONSE']._serialized_end=1574
+  _globals['_GETTREEREQUEST']._serialized_start=1576
+  _globals['_GETTREEREQUEST']._serialized_end=1608
+  _globals['_GETTREERESPONSE']._serialized_start=1610
+  _globals['_GETTREERESPONSE']._serialized_end=1646
+  _globals['_CONTROL']._serialized_start=1706
+  _globals['_CONTROL']._serialized_end=2225
+  _globals['_CONTROLLER']._serialized_start=2228
+  _globals['_CONTROLLER']._serialized_end=2670
 # @@protoc_insertion_point(module_scope)

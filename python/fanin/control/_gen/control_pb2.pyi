@@ -129,3 +129,79 @@ class GetCountersResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.RepeatedCompositeFieldContainer[Counter]
     def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ...) -> None: ...
+
+class CreateJobRequest(_message.Message):
+    __slots__ = ("job_id", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows", "max_workers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_GRAD_MAX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EXP_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_AFTER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    block_cnt_max: int
+    block_grad_max: int
+    block_exp_ms: int
+    slow_after_windows: int
+    max_workers: int
+    def __init__(self, job_id: _Optional[int] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., slow_after_windows: _Optional[int] = ..., max_workers: _Optional[int] = ...) -> None: ...
+
+class CreateJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "host", "sync")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    rank: int
+    host: str
+    sync: bool
+    def __init__(self, job_id: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., sync: _Optional[bool] = ...) -> None: ...
+
+class SubscribeResponse(_message.Message):
+    __slots__ = ("data_addr", "programmed")
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMMED_FIELD_NUMBER: _ClassVar[int]
+    data_addr: str
+    programmed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, data_addr: _Optional[str] = ..., programmed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnsubscribeRequest(_message.Message):
+    __slots__ = ("job_id", "rank")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    rank: int
+    def __init__(self, job_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class UnsubscribeResponse(_message.Message):
+    __slots__ = ("programmed",)
+    PROGRAMMED_FIELD_NUMBER: _ClassVar[int]
+    programmed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, programmed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetTreeRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class GetTreeResponse(_message.Message):
+    __slots__ = ("tree_json",)
+    TREE_JSON_FIELD_NUMBER: _ClassVar[int]
+    tree_json: str
+    def __init__(self, tree_json: _Optional[str] = ...) -> None: ...
