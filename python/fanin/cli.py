@@ -19,6 +19,7 @@ examples:
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
   fanin testbed up fat-tree:4                  # namespaces + veth links (root; see fanin testbed --help)
+  fanin controller serve --topology deep-tree:3,2 --loopback   # aggregation trees (see fanin controller --help)
   fanin plan goat --topology fat-tree:8,6 --programmable 0.2 --memory-mb 64 --ps h0_0_0 --even 221,111
   fanin bench goat --quick --json              # GOAT §VII-D: GOAT vs Geryon, ATP, ESA (CSV + PNG in out/goat)
 """
@@ -358,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_torch_benches(bsub, common)
     _add_testbed(sub)
+
+    from fanin.controller.command import add_parser as add_controller_parser
+
+    add_controller_parser(sub)
 
     from fanin.goat.command import add_bench_parser, add_plan_parser
 

@@ -20,6 +20,8 @@ pub(crate) enum Command {
     RemoveJob(u32, SyncSender<bool>),
     /// A datagram received by another shard for a block this shard owns.
     Handover(SocketAddr, Vec<u8>),
+    /// Another shard passed on a joiner's sync answer: (job, member, start).
+    AdmitJoiner(u32, u16, u32),
 }
 
 /// What a shard publishes for metrics and the control API.
@@ -117,9 +119,20 @@ impl ShardThread {
                     if self.ingress.should_drop() {
                         continue;
                     }
-                    if let Verdict::WrongShard(owner) = self.switch.handle_datagram(now, from, bytes, &mut out) {
-                        if let Some(peer) = self.peers.get(owner as usize) {
-                            let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                    match self.switch.handle_datagram(now, from, bytes, &mut out) {
+                        Verdict::Consumed => {}
+                        Verdict::WrongShard(owner) => {
+                            if let Some(peer) = self.peers.get(owner as usize) {
+                                let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                            }
+                        }
+                        // A joiner's start: every shard holds some of its blocks.
+                        Verdict::Joined { job_id, member, start } => {
+                            for (i, peer) in self.peers.iter().enumerate() {
+                                if i != self.switch.config().shard as usize {
+                                    let _ = peer.send(Command::AdmitJoiner(job_id, member, start));
+                                }
+                            }
                         }
                     }
                 }
@@ -166,6 +179,9 @@ impl ShardThread {
                 }
                 Ok(Command::RemoveJob(id, reply)) => {
                     let _ = reply.send(self.switch.remove_job(id));
+                }
+                Ok(Command::AdmitJoiner(job_id, member, start)) => {
+                    self.switch.admit_joiner(job_id, member, start);
                 }
                 Ok(Command::Handover(from, bytes)) => {
                     let now = Time::from_nanos(self.epoch.elapsed().as_nanos() as u64);

@@ -155,6 +155,10 @@ pub enum Verdict {
     Consumed,
     /// The block belongs to shard `n`; hand the datagram to it unchanged.
     WrongShard(u16),
+    /// Handled, and a member joining a running job now starts at block
+    /// `start`: every other shard of this switch must learn it too
+    /// ([`ValueSwitch::admit_joiner`]), since each holds its own blocks.
+    Joined { job_id: u32, member: u16, start: u32 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -668,6 +672,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         Ok(())
     }
 
+    /// A member added to a running job starts at block `start` (another
+    /// shard relayed its sync answer, see [`Verdict::Joined`]).
+    pub fn admit_joiner(&mut self, job_id: u32, member: u16, start: u32) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            admit_joiner(job, member, start);
+        }
+    }
+
     /// Set the tree role of an admitted job (at admission: the controller
     /// admits, then places the job in its tree).
     pub fn set_uplink(&mut self, job_id: u32, uplink: Option<Uplink<A>>) -> Result<(), AdmitError> {
@@ -752,20 +764,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         };
         match MessageType::from_u8(packet.msg_type_code()) {
-            Ok(MessageType::Join) => {
-                self.handle_join(from, &packet, out);
-                Verdict::Consumed
-            }
+            Ok(MessageType::Join) => self.handle_join(from, &packet, out),
             Ok(t @ (MessageType::Contribution | MessageType::Retransmission)) => {
                 if t == MessageType::Retransmission {
                     self.counters.retransmissions += 1;
                 }
                 self.handle_contribution(now, from, &packet, out)
             }
-            Ok(MessageType::Sync) => {
-                self.handle_sync(from, &packet, out);
-                Verdict::Consumed
-            }
+            Ok(MessageType::Sync) => self.handle_sync(from, &packet, out),
             Ok(MessageType::Result | MessageType::Nack | MessageType::Membership | MessageType::JoinAck) => {
                 self.handle_from_parent(from, &packet, out)
             }
@@ -776,18 +782,18 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
     }
 
-    fn handle_join(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) {
+    fn handle_join(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
         self.counters.joins += 1;
         let src = packet.src_id();
         let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
             self.counters.unknown_job += 1;
             send_nack(&mut self.counters, out, from, packet, NackReason::UnknownJob, packet.job_id());
-            return;
+            return Verdict::Consumed;
         };
         if !job.members.contains(src as usize) {
             self.counters.non_member += 1;
             send_nack(&mut self.counters, out, from, packet, NackReason::NotMember, src as u32);
-            return;
+            return Verdict::Consumed;
         }
         job.addrs[src as usize] = Some(from);
         // A permanently slow source that rejoins is waited for again.
@@ -798,45 +804,47 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // Joining with the others: the stream's start, which every
             // switch of the tree knows.
             let start = job.start_block;
-            admit_joiner(job, src, start);
             answer_join(job, &self.config, src, from, start, out);
+            return joined(job, src, start);
         } else if job.uplink.is_some() {
             // Only the root knows the current block offset: ask it.
             job.pending_sync.insert(src, src);
             forward_sync(job, src, packet.block_id(), &mut self.counters, out);
         } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id()) {
-            admit_joiner(job, src, start);
             answer_join(job, &self.config, src, from, start, out);
+            return joined(job, src, start);
         } else {
             self.counters.sync_deferred += 1;
         }
+        Verdict::Consumed
     }
 
     /// A child switch forwards a worker's join toward the root.
-    fn handle_sync(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) {
+    fn handle_sync(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
         let Ok(request) = SyncRequest::parse(packet.payload()) else {
             self.counters.protocol_violation += 1;
-            return;
+            return Verdict::Consumed;
         };
         let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
             self.counters.unknown_job += 1;
-            return;
+            return Verdict::Consumed;
         };
         let via = packet.src_id();
         if !job.members.contains(via as usize) || via < SWITCH_RANK_BASE {
             self.counters.non_member += 1;
-            return;
+            return Verdict::Consumed;
         }
         job.addrs[via as usize] = Some(from);
         job.pending_sync.insert(request.origin, via);
         if job.uplink.is_some() {
             forward_sync(job, request.origin, request.align_blocks, &mut self.counters, out);
         } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks) {
-            admit_joiner(job, via, start);
             answer_join(job, &self.config, request.origin, from, start, out);
+            return joined(job, via, start);
         } else {
             self.counters.sync_deferred += 1;
         }
+        Verdict::Consumed
     }
 
     /// A datagram only a parent sends: a result, a refusal, a membership
@@ -874,11 +882,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // The worker talks to this switch's shards, not the root's.
                 params.incarnation = self.config.incarnation;
                 params.shard_count = self.config.shard_count;
-                admit_joiner(job, via, params.next_block);
                 let buf = out.push(dest, repr.buffer_len());
                 let mut reply = Packet::new_unchecked(&mut buf[..]);
                 repr.emit(&mut reply);
                 params.emit(reply.payload_mut());
+                return joined(job, via, params.next_block);
             }
             MessageType::Membership => {
                 broadcast(&job.members, &job.addrs, out, packet.into_inner(), &mut counters.notices_sent);
@@ -1180,6 +1188,17 @@ fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, via: u16, 
     let start = offset.div_ceil(align).saturating_mul(align);
     job.sync_answers.insert(origin, start);
     Some(start)
+}
+
+/// Admit `src` from `start` here, and tell the runtime so the other shards
+/// do too (only if it was waiting: the common join of a member that is
+/// already active needs nothing).
+fn joined<A>(job: &mut Job<A>, src: u16, start: u32) -> Verdict {
+    if !job.awaiting.contains(src as usize) {
+        return Verdict::Consumed;
+    }
+    admit_joiner(job, src, start);
+    Verdict::Joined { job_id: job.spec.job_id, member: src, start }
 }
 
 /// Member `src` (a joining worker, or the child switch it joins through)
