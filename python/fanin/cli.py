@@ -358,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.set_defaults(func=_cmd_bench_kv)
 
     _add_torch_benches(bsub, common)
+    _add_tree_benches(bsub, common)
     _add_testbed(sub)
 
     from fanin.controller.command import add_parser as add_controller_parser
@@ -477,6 +478,35 @@ def _add_testbed(sub: Any) -> None:
     ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command and its arguments")
     named(ex)
     tb.set_defaults(func=_cmd_testbed)
+
+
+def _add_tree_benches(bsub: Any, common: Any) -> None:
+    tl = bsub.add_parser("tree-levels", help="trees of 1, 2, 3 levels vs one switch on the testbed (SwitchML++ thesis)",
+                         description="2 workers, CHUNKS blocks, loss in each worker-switch direction, rate-limited "
+                                     "links: one switch (job admitted directly) and trees of 1, 2 and 3 levels "
+                                     "built by the controller, interleaved; means, quartiles, Mann-Whitney U vs 1 "
+                                     "level; CSV + PNG to --out. Needs root (network namespaces).")
+    tl.add_argument("--reps", type=int, help="allreduces per configuration (default 50, 10 with --quick)")
+    tl.add_argument("--chunks", type=int, default=42, help="blocks per allreduce (default %(default)s, as the thesis)")
+    tl.add_argument("--elems-per-packet", type=int, default=256)
+    tl.add_argument("--window", type=int, default=64)
+    tl.add_argument("--loss", type=float, default=0.3, help="drop probability in each worker-switch direction")
+    tl.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf limit on every link (default 1 Gbit/s)")
+    tl.add_argument("--out", default="out/trees")
+    common(tl)
+    tl.set_defaults(func=lambda a: __import__("fanin.bench.trees", fromlist=["x"]).run_tree_levels(a))
+    ts = bsub.add_parser("tree-scaling", help="8 workers: 2-level tree vs one switch, bytes on the veth links",
+                         description="8 workers over a 2-level tree (1 spine, 2 leaves) built by the controller vs "
+                                     "one switch (star:8), interleaved on the testbed; completion time and the "
+                                     "bytes measured on every veth link. Needs root.")
+    ts.add_argument("--size", help="tensor per worker (default 8MB, 1MB with --quick)")
+    ts.add_argument("--reps", type=int, help="allreduces per configuration (default 10, 3 with --quick)")
+    ts.add_argument("--elems-per-packet", type=int, default=1024)
+    ts.add_argument("--window", type=int, default=64)
+    ts.add_argument("--rate-mbit", type=float, default=1000.0)
+    ts.add_argument("--out", default="out/trees")
+    common(ts)
+    ts.set_defaults(func=lambda a: __import__("fanin.bench.trees", fromlist=["x"]).run_tree_scaling(a))
 
 
 def _add_torch_benches(bsub: Any, common: Any) -> None:

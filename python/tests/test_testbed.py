@@ -287,3 +287,34 @@ def test_cli_up_status_exec_down(tmp_path):
     assert not namespaces(C + "-")
     r = cli("up", "no-such-file.toml", "--name", C)
     assert r.returncode == 1 and "no such file" in r.stderr
+
+
+T = f"fbtt{_tag(os.getpid())}"
+
+
+def test_controller_builds_a_three_level_tree_on_a_fat_tree_and_traffic_shrinks_upward():
+    """The thesis topology: 4 workers in two pods of a fat-tree k=4; the
+    controller roots the tree at a core switch (3 levels), the real daemons
+    aggregate on the way up, every worker checks its exact sum, and the
+    core root receives two partial streams instead of four."""
+    from contextlib import ExitStack
+
+    from fanin.bench.trees import TestbedJob
+
+    topo = topology.fat_tree(4)
+    hosts = {0: "h0_0_0", 1: "h0_1_0", 2: "h1_0_0", 3: "h1_1_1"}
+    with ExitStack() as stack:
+        job = TestbedJob(stack, "fat-tree", T, topo, controller=True, rate_mbit=None, workers=hosts,
+                         elements=64 * 1024, epp=1024, window=32, send_drop=0.0, recv_drop=0.0, seed=1)
+        stack.callback(job.stop)
+        assert job.tree["levels"] == 3 and job.tree["root"].startswith("core")
+        root = job.tree["root"]
+        into_root = lambda: sum(job.tb.link_bytes(c, root).a_to_b
+                                for c, p in job.tree["parent"].items() if p == root)
+        from_workers = lambda: sum(job.tb.link_bytes(h, topo.attachment(h)).a_to_b for h in hosts.values())
+        root0, workers0 = into_root(), from_workers()
+        for _ in range(3):
+            job.run_once()  # raises unless every worker's sum is exact
+        into, sent = into_root() - root0, from_workers() - workers0
+        # two pods send one partial stream each: half of what the workers sent
+        assert 0.4 * sent < into < 0.6 * sent, (into, sent)

@@ -1,0 +1,68 @@
+"""A long-lived worker for the tree benchmarks: it joins once, then runs
+one allreduce per line it reads on stdin and answers with one JSON line
+(seconds, whether the sum was exact, the smallest source count). Run
+inside a testbed namespace so the driver can interleave configurations
+allreduce by allreduce without paying a process start each time.
+
+    python -m fanin.bench.tree_worker --addr 10.1.0.2:9000 --job 1 --rank 0 --workers 2 --elements 10752
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import fanin
+
+
+def contribution(rank: int, elements: int, step: int) -> np.ndarray:
+    """Deterministic int32 data of worker `rank` at `step`, so the driver-free
+    check below knows every worker's input."""
+    return (np.arange(elements, dtype=np.int64) * (rank + 1) + step * 7919 + rank).astype(np.int32)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--addr", required=True)
+    p.add_argument("--job", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True, help="ranks 0..workers-1 take part")
+    p.add_argument("--elements", type=int, required=True)
+    p.add_argument("--elems-per-packet", type=int, default=256)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--send-drop", type=float, default=0.0)
+    p.add_argument("--recv-drop", type=float, default=0.0)
+    p.add_argument("--rto-ms", type=float, default=5.0)
+    p.add_argument("--rto-min-ms", type=float, default=2.0)
+    p.add_argument("--rto-max-ms", type=float, default=10.0,
+                   help="backoff cap: with 30%% loss each way a block often fails several times in a row, and "
+                        "an uncapped exponential backoff would measure the backoff, not the tree")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    s = fanin.Session(a.addr, a.job, a.rank, elems_per_packet=a.elems_per_packet, window=a.window,
+                      send_drop=a.send_drop, recv_drop=a.recv_drop, seed=a.seed, rto_ms=a.rto_ms,
+                      rto_min_ms=a.rto_min_ms, rto_max_ms=a.rto_max_ms, dead_after_s=60)
+    print(json.dumps({"ready": True}), flush=True)
+    step = 0
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        x = contribution(a.rank, a.elements, step)
+        t0 = time.perf_counter()
+        out = s.allreduce(x)
+        dt = time.perf_counter() - t0
+        expected = sum(contribution(r, a.elements, step).astype(np.int64) for r in range(a.workers)).astype(np.int32)
+        stats = s.last_stats or {}
+        print(json.dumps({"s": dt, "exact": bool(np.array_equal(out, expected)),
+                          "min_src_cnt": stats.get("min_src_cnt"),
+                          "retransmissions": stats.get("retransmissions")}), flush=True)
+        step += 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
