@@ -1,6 +1,8 @@
 //! Arbitrary datagrams into the protocol machines: the switch program (an
-//! aggregating job with straggler aging and a forwarding job, two shards, the
-//! scanners run as time passes) and a joined worker session.
+//! aggregating job with straggler aging, a forwarding job, and a job in which
+//! the switch is a non-root tree node whose parent is address 7, with a
+//! member awaiting its sync; two shards, the scanners run as time passes)
+//! and a joined worker session.
 //! Input: a sequence of [len: u8][from: u8][bytes...] records; the high bits
 //! of `from` also advance time, so blocks age and sources are declared slow.
 //! Oracles: no panic; everything the machines emit is a valid packet;
@@ -12,7 +14,8 @@ use fanin_proto::host::{AllreduceSession, SessionConfig, Tensor};
 use fanin_proto::job::{JobMode, JobSpec};
 use std::time::Duration;
 
-use fanin_proto::switch::{AgingConfig, ShardConfig, ValueSwitch, Verdict};
+use fanin_proto::job::SWITCH_RANK_BASE;
+use fanin_proto::switch::{AgingConfig, ShardConfig, Uplink, ValueSwitch, Verdict};
 use fanin_proto::{Time, VecTransmit};
 use fanin_wire::value::{JoinParams, Packet, Repr};
 use fanin_wire::MessageType;
@@ -28,6 +31,18 @@ fn switch(shard: u16) -> ValueSwitch<u8> {
     let mut fwd = JobSpec::with_sources(2, 2, 4, 8);
     fwd.mode = JobMode::Forward;
     sw.add_job(fwd).unwrap();
+    // a tree node: children 0, 1 and a child switch; parent at address 7
+    let mut tree = JobSpec::with_sources(3, 2, 4, 8);
+    tree.members.push(SWITCH_RANK_BASE + 1);
+    tree.workers = 6;
+    tree.block_exp_ms = 1;
+    sw.add_job(tree.clone()).unwrap();
+    sw.set_uplink(3, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE })).unwrap();
+    // member 2 joins the running job: waited for only after its sync
+    tree.members.push(2);
+    let mut out = VecTransmit::new();
+    sw.update_job(Time::ZERO, tree, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE }), &[2], &mut out)
+        .unwrap();
     sw
 }
 
@@ -91,11 +106,15 @@ fuzz_target!(|data: &[u8]| {
         check_emitted(&mut out);
         let target = (from & 1) as usize;
         fed += 1;
-        if let Verdict::WrongShard(o) = shards[target].handle_datagram(now, from, dgram, &mut out) {
-            assert!(o < 2);
-            fed += 1;
-            let again = shards[o as usize].handle_datagram(now, from, dgram, &mut out);
-            assert_eq!(again, Verdict::Consumed, "the owner shard consumes what it owns");
+        match shards[target].handle_datagram(now, from, dgram, &mut out) {
+            Verdict::Consumed => {}
+            Verdict::WrongShard(o) => {
+                assert!(o < 2);
+                fed += 1;
+                let again = shards[o as usize].handle_datagram(now, from, dgram, &mut out);
+                assert_eq!(again, Verdict::Consumed, "the owner shard consumes what it owns");
+            }
+            Verdict::Joined { job_id, member, start } => shards[1 - target].admit_joiner(job_id, member, start),
         }
         check_emitted(&mut out);
         worker.handle_datagram(now, dgram);
