@@ -150,9 +150,9 @@ def test_every_call_returns_plain_values(serve):
         c.admit_job(2, [3, 1], block_cnt_max=8, block_grad_max=256, mode="forward")
         assert c.list_jobs() == [
             {"job_id": 2, "members": [3, 1], "block_cnt_max": 8, "block_grad_max": 256,
-             "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward"},
+             "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward", "workers": 0, "tree": None},
             {"job_id": 9, "members": [0, 1, 2], "block_cnt_max": 8, "block_grad_max": 256,
-             "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate"},
+             "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate", "workers": 0, "tree": None},
         ]
         assert c.info()["memory_used"] == 2 * 8 * 256 * 4
 

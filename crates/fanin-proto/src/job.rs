@@ -151,6 +151,21 @@ impl JobSpec {
     }
 
     /// One more than the largest member id: the width of the job's masks.
+    /// The first field fixed at admission that `new` changes, if any: a
+    /// running job may change only its members, worker count (and, on a
+    /// switch, its tree role).
+    pub fn fixed_field_changed(&self, new: &JobSpec) -> Option<&'static str> {
+        [
+            ("block_cnt_max", self.block_cnt_max == new.block_cnt_max),
+            ("block_grad_max", self.block_grad_max == new.block_grad_max),
+            ("block_exp_ms", self.block_exp_ms == new.block_exp_ms),
+            ("slow_after_windows", self.slow_after_windows == new.slow_after_windows),
+            ("mode", self.mode == new.mode),
+        ]
+        .into_iter()
+        .find_map(|(field, same)| (!same).then_some(field))
+    }
+
     /// The job's worker count (see [`JobSpec::workers`]).
     pub fn worker_count(&self) -> u16 {
         if self.workers == 0 { self.members.len() as u16 } else { self.workers }

@@ -100,17 +100,8 @@ impl SwitchCore {
         let Some(entry) = jobs.get_mut(&spec.job_id) else {
             return Err(AdmitFailure::NotFound(format!("job {} does not exist", spec.job_id)));
         };
-        let old = &entry.spec;
-        for (field, same) in [
-            ("block_cnt_max", old.block_cnt_max == spec.block_cnt_max),
-            ("block_grad_max", old.block_grad_max == spec.block_grad_max),
-            ("block_exp_ms", old.block_exp_ms == spec.block_exp_ms),
-            ("slow_after_windows", old.slow_after_windows == spec.slow_after_windows),
-            ("mode", old.mode == spec.mode),
-        ] {
-            if !same {
-                return Err(AdmitError::Immutable { job_id: spec.job_id, field }.into());
-            }
+        if let Some(field) = entry.spec.fixed_field_changed(&spec) {
+            return Err(AdmitError::Immutable { job_id: spec.job_id, field }.into());
         }
         for (i, shard) in self.shards.iter().enumerate() {
             let (reply, answer) = mpsc::sync_channel(1);

@@ -166,16 +166,9 @@ impl ShardThread {
                     let _ = reply.send(result);
                 }
                 Ok(Command::UpdateJob(spec, uplink, awaiting, reply)) => {
-                    let now = self.now();
-                    let mut out = SocketTx {
-                        socket: &self.socket,
-                        batch: tx,
-                        egress: &mut self.egress,
-                        discard,
-                        stats: &self.stats,
-                    };
-                    let _ = reply.send(self.switch.update_job(now, spec, uplink, &awaiting, &mut out));
-                    flush(&self.socket, tx, &self.stats);
+                    let result =
+                        self.with_out(tx, discard, |sw, now, out| sw.update_job(now, spec, uplink, &awaiting, out));
+                    let _ = reply.send(result);
                 }
                 Ok(Command::RemoveJob(id, reply)) => {
                     let _ = reply.send(self.switch.remove_job(id));
@@ -184,22 +177,28 @@ impl ShardThread {
                     self.switch.admit_joiner(job_id, member, start);
                 }
                 Ok(Command::Handover(from, bytes)) => {
-                    let now = Time::from_nanos(self.epoch.elapsed().as_nanos() as u64);
-                    let mut out = SocketTx {
-                        socket: &self.socket,
-                        batch: tx,
-                        egress: &mut self.egress,
-                        discard,
-                        stats: &self.stats,
-                    };
                     // A handed-over datagram is ours by construction; a second
                     // hop cannot happen, so any verdict ends here.
-                    let _ = self.switch.handle_datagram(now, from, &bytes, &mut out);
-                    flush(&self.socket, tx, &self.stats);
+                    let _ = self.with_out(tx, discard, |sw, now, out| sw.handle_datagram(now, from, &bytes, out));
                 }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return,
             }
         }
+    }
+
+    /// Run `f` on the switch with a sink into the send batch, then flush it.
+    fn with_out<R>(
+        &mut self,
+        tx: &mut SendBatch,
+        discard: &mut Vec<u8>,
+        f: impl FnOnce(&mut ValueSwitch<SocketAddr>, Time, &mut SocketTx<'_>) -> R,
+    ) -> R {
+        let now = self.now();
+        let mut out =
+            SocketTx { socket: &self.socket, batch: tx, egress: &mut self.egress, discard, stats: &self.stats };
+        let result = f(&mut self.switch, now, &mut out);
+        flush(&self.socket, tx, &self.stats);
+        result
     }
 
     fn publish(&self) {

@@ -595,17 +595,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         }
         let Some(job) = self.jobs.get_mut(&job_id) else { return Err(AdmitError::Unknown(job_id)) };
-        let old = &job.spec;
-        for (field, same) in [
-            ("block_cnt_max", old.block_cnt_max == spec.block_cnt_max),
-            ("block_grad_max", old.block_grad_max == spec.block_grad_max),
-            ("block_exp_ms", old.block_exp_ms == spec.block_exp_ms),
-            ("slow_after_windows", old.slow_after_windows == spec.slow_after_windows),
-            ("mode", old.mode == spec.mode),
-        ] {
-            if !same {
-                return Err(AdmitError::Immutable { job_id, field });
-            }
+        if let Some(field) = job.spec.fixed_field_changed(&spec) {
+            return Err(AdmitError::Immutable { job_id, field });
         }
         let capacity = spec.source_capacity().max(job.members.capacity());
         job.members.grow(capacity);
