@@ -234,11 +234,13 @@ class Testbed:
 
     @classmethod
     def up(cls, topology: Topology, *, name: str = DEFAULT_NAME, rate_mbit: Optional[float] = None,
-           state_dir: Optional[Path] = None) -> "Testbed":
+           state_dir: Optional[Path] = None, routing: bool = False) -> "Testbed":
         """Build `topology` as namespaces and veth links and return it.
 
         ``rate_mbit`` overrides every link's own ``rate_mbit`` (None: use the
-        links' values; a link without one is unlimited). Raises TestbedError
+        links' values; a link without one is unlimited). ``routing`` also
+        installs static routes along shortest paths (:meth:`enable_routing`).
+        Raises TestbedError
         when not privileged or when a testbed called `name` is already up, and
         TopologyError for an unsound topology. On any failure everything
         created so far is removed again.
@@ -257,6 +259,8 @@ class Testbed:
         state = _plan(topology, name, rate_mbit)
         try:
             _build(state)
+            if routing:
+                _build_routes(state)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(state, indent=1) + "\n")
@@ -338,6 +342,34 @@ class Testbed:
         """The management address of `node`, or of the root namespace (the bridge) when None."""
         return self.state["root_mgmt_addr"] if node is None else self._node(node)["mgmt_addr"]
 
+    def reach_addr(self, node: str, source: str) -> str:
+        """The address `source` sends to in order to reach `node`: `node`'s
+        address on its link toward `source` when they are neighbours,
+        otherwise on its link toward the next hop of the shortest path to
+        `source` (the path the routes of :meth:`enable_routing` take back,
+        so a reply leaves from the address that was addressed). Two hops or
+        more away this needs routing."""
+        if source in self.topology.neighbours(node):
+            return self.addr(node, toward=source)
+        hop = self.topology.bfs(source).get(node)
+        if hop is None:
+            raise TestbedError(f"no path from {source!r} to {node!r} in testbed {self.name}")
+        return self.addr(node, toward=hop)
+
+    def enable_routing(self) -> None:
+        """Static IP routing along shortest paths (hop count, ties by name;
+        hosts are never transit): IP forwarding on in every switch namespace
+        and, in every namespace, a /32 route to every data address of every
+        other node via the next hop toward it. The switch daemon still only
+        receives what is addressed to its own addresses; packets for others
+        are forwarded by the kernel, as a non-programmable switch would.
+        Idempotent (``ip route replace``)."""
+        if not self.state.get("routing"):
+            _build_routes(self.state)
+            path = _state_path(self.name, self._state_dir)
+            if path.exists():
+                path.write_text(json.dumps(self.state, indent=1) + "\n")
+
     @property
     def root_mgmt_addr(self) -> str:
         return self.state["root_mgmt_addr"]
@@ -372,10 +404,22 @@ class Testbed:
         :func:`fanin.switch.switch_config`. Returns a started
         :class:`fanin.proc.SwitchProcess`; ``down()`` stops it if you don't.
         """
+        self.topology.switch(node)
+        return self._daemon(node, jobs, quiet, config)
+
+    def host_aggregator(self, node: str, jobs: Iterable[dict[str, Any]] = (), *, quiet: bool = True,
+                        **config: Any) -> Any:
+        """The same daemon as :meth:`switch` on *host* `node`: a host
+        aggregator, e.g. a parameter server that completes what the switches
+        did not aggregate (GOAT deployment, docs/goat.md). Data plane on
+        0.0.0.0:SWITCH_DATA_PORT, reached at ``reach_addr(node, source)``."""
+        self.topology.host(node)
+        return self._daemon(node, jobs, quiet, config)
+
+    def _daemon(self, node: str, jobs: Iterable[dict[str, Any]], quiet: bool, config: dict[str, Any]) -> Any:
         from fanin.proc import SwitchProcess
         from fanin.switch import switch_config
 
-        self.topology.switch(node)
         mgmt = self.mgmt_addr(node)
         config.setdefault("data_addr", f"0.0.0.0:{self.SWITCH_DATA_PORT}")
         config.setdefault("control_addr", f"{mgmt}:{self.SWITCH_CONTROL_PORT}")
@@ -507,6 +551,41 @@ def _build(state: dict[str, Any]) -> None:
         state["offloads"] = "off (" + " ".join(_OFFLOADS[::2]) + ")"
     else:
         state["offloads"] = "unchanged: ethtool is not installed (apt-get install ethtool)"
+
+
+def _build_routes(state: dict[str, Any]) -> None:
+    """Shortest-path static routes in every namespace, forwarding in switches.
+
+    For every node t and every data address of t, each other node n that is
+    not on that address's link routes it (/32) via its BFS parent toward t
+    (one BFS per t, neighbours in name order, hosts never transit, as
+    ``Topology.bfs``), so following next hops always ends at t. rp_filter is
+    turned off: a reply may come back over another link than the request
+    went (t owns all its addresses, Linux's weak host model accepts them).
+    """
+    topo = Topology.from_dict(state["topology"], source=f"testbed {state['name']}")
+    nodes, links = state["nodes"], state["links"]
+    addr_of: dict[tuple[str, str], str] = {}
+    for link in links:
+        addr_of[(link["a"], link["b"])] = link["a_addr"]
+        addr_of[(link["b"], link["a"])] = link["b_addr"]
+    routes: dict[str, list[str]] = {n: [] for n in nodes}
+    for t in nodes:
+        parent = topo.bfs(t)
+        for (owner, peer), addr in addr_of.items():
+            if owner != t:
+                continue
+            for n, hop in parent.items():
+                if hop is None or n == peer:
+                    continue  # t itself, or on the address's own (connected) link
+                routes[n].append(f"route replace {addr}/32 via {addr_of[(hop, n)]}")
+    for node, info in nodes.items():
+        forward = "1" if info["kind"] == "switch" else "0"
+        _sh(["ip", "netns", "exec", info["netns"], "sh", "-c",
+             "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done; "
+             f"echo {forward} > /proc/sys/net/ipv4/ip_forward"])
+        _ip_batch(routes[node], netns=info["netns"])
+    state["routing"] = "static shortest paths (hop count, ties by name)"
 
 
 # -- taking down ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def _tag(pid: int) -> str:
     return "".join(_B36[n // 36**i % 36] for i in (3, 2, 1, 0))
 
 
-S, D, F, R, A, X, E, C = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxec")
+S, D, F, R, A, X, E, C, P = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxecp")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -150,6 +150,43 @@ def test_deep_tree_switch_to_switch(state_dir):
         for node, sw in daemons.items():
             with ControlClient(sw.control_addr) as ctl:
                 assert ctl.info()["api_version"] == "v1"
+
+
+def test_static_routing_along_shortest_paths(state_dir):
+    """routing=True: hosts reach every node over shortest paths; the switches
+    on the way forward in the kernel (transit bytes appear on their links),
+    and a host daemon receives what is sent to its address from afar."""
+    with up("leaf-spine:1,2,2", P, state_dir, routing=True) as tb:
+        assert tb.state["routing"]
+        # h0_0 (leaf0) -> h1_1 (leaf1): via leaf0, spine0, leaf1
+        far = tb.reach_addr("h1_1", "h0_0")
+        assert far == tb.addr("h1_1", toward="leaf1")
+        ping(tb, "h0_0", far)
+        # a switch two hops away: its address on the link toward the next hop to the source
+        assert tb.reach_addr("spine0", "h0_0") == tb.addr("spine0", toward="leaf0")
+        ping(tb, "h0_0", tb.reach_addr("spine0", "h0_0"))
+        ping(tb, "h0_0", tb.reach_addr("leaf1", "h0_0"))
+        for host in tb.topology.workers():      # every host reaches every node
+            for other in tb.topology.nodes:
+                if other != host:
+                    ping(tb, host, tb.reach_addr(other, host))
+        # 100 datagrams h0_0 -> h1_1 cross spine0 -> leaf1 (transit) and arrive
+        before = tb.link_bytes("spine0", "leaf1").a_to_b
+        tb.run("h0_0", [sys.executable, "-c", UDP_SEND, far, "9", "1000", "100", "0"])
+        assert tb.link_bytes("spine0", "leaf1").a_to_b - before >= 100 * 1042
+        # the daemon on a host (a host aggregator) answers a worker two switches away
+        from fanin.switch import job_config
+
+        tb.host_aggregator("h1_1", jobs=[job_config(1, members=[0])])
+        code = ("import numpy as np, fanin, sys; s = fanin.Session(sys.argv[1], 1, 0, elems_per_packet=64, "
+                "rto_ms=5, rto_min_ms=2); x = np.arange(1000, dtype=np.int32); "
+                "assert (s.allreduce(x) == x).all(); print('ok')")
+        r = tb.run("h0_0", [sys.executable, "-c", code, f"{far}:{tb.SWITCH_DATA_PORT}"], check=False)
+        assert r.stdout.strip() == "ok", r.stderr
+    with up("leaf-spine:1,2,2", P, state_dir) as tb:
+        # without routing: connected subnets only, as before
+        r = tb.run("h0_0", ["ping", "-c1", "-W1", tb.addr("h1_1", toward="leaf1")], check=False)
+        assert r.returncode != 0
 
 
 def test_fat_tree_4_thesis_topology(state_dir):

@@ -87,6 +87,37 @@ def add_bench_parser(bsub, common) -> None:
     common(b)
     b.set_defaults(func=_run_bench_goat)
 
+    d = bsub.add_parser("goat-deploy", help="a GOAT plan installed on the testbed (3 switches, 8 workers, PS) vs PS-only",
+                        description="Plan GOAT on the topology (default examples/goat-testbed.toml: 3 switches, 8 "
+                                    "workers and a PS, GOAT's testbed), install it on the namespace testbed (switch "
+                                    "jobs as responsibility filters, the PS a host aggregator, static routing), and "
+                                    "run allreduces of every sub-model on every worker, interleaved with the PS-only "
+                                    "baseline (every sub-model straight to the PS). Every sum is checked exactly; "
+                                    "the PS's ingress bytes are measured on its veth link. CSV + PNG to --out. "
+                                    "Needs root.")
+    d.add_argument("--topology", help="topology file or generator with one host of role ps (or --ps)")
+    d.add_argument("--ps", help="host that is the parameter server")
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--even", metavar="TOTAL_MB,PARTS", help="sub-models (default 12,6)")
+    src.add_argument("--model", help="a PyTorch model's parameter tensors (alexnet, resnet18, ...)")
+    src.add_argument("--submodels", metavar="FILE.json")
+    d.add_argument("--max-submodel-mb", type=float, help="with --model: cut tensors above this size")
+    d.add_argument("--bytes-per-mb", type=float,
+                   help="testbed bytes per planned MB (default 131072, 16384 with --quick)")
+    d.add_argument("--reps", type=int, help="allreduces of the whole model per arm (default 10, 3 with --quick)")
+    d.add_argument("--elems-per-packet", type=int, default=256)
+    d.add_argument("--window", type=int, default=64)
+    d.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf limit on every link (default 1 Gbit/s)")
+    d.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
+    common(d)
+    d.set_defaults(func=_run_bench_goat_deploy)
+
+
+def _run_bench_goat_deploy(args: argparse.Namespace) -> int:
+    from fanin.bench.goat_deploy import run_goat_deploy
+
+    return run_goat_deploy(args)
+
 
 def _run_bench_goat(args: argparse.Namespace) -> int:
     from fanin.bench.goat import run_bench_goat

@@ -1,0 +1,205 @@
+"""`fanin bench goat-deploy`: a GOAT plan installed on the namespace testbed
+(issue 8 item 6; docs/goat.md, "Deployment").
+
+3 switches, 8 workers and a parameter server (examples/goat-testbed.toml,
+GOAT's hardware testbed in miniature), static routing on. The plan comes
+from the planner (`fanin.goat.plan`, as `fanin plan goat`); its sub-model
+sizes are scaled to the testbed (``--bytes-per-mb``). Two arms run side by
+side in one testbed, allreduce by allreduce, with the same workers' data:
+
+* **goat**: the plan installed by `install_goat_plan` (switch jobs as
+  responsibility filters, the PS daemon completing the rest);
+* **ps-only**: every sub-model straight to the PS, the switches only
+  forwarding (Geryon without aggregation).
+
+Every worker checks every sub-model's sum exactly (int32). Measured: the
+PS's ingress bytes on its veth link (per allreduce of the whole model),
+next to what the plan predicts (``ps_mb`` scaled) and the time of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from fanin import topology
+from fanin.bench.trees import _write_csv
+
+DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[3] / "examples" / "goat-testbed.toml"
+
+
+def make_plan(topo: topology.Topology, args) -> dict[str, Any]:
+    from fanin.goat import instance_from_topology, plan, plan_to_json
+    from fanin.goat.command import _submodels
+
+    return plan_to_json(plan(instance_from_topology(topo, _submodels(args)), seed=args.seed))
+
+
+class Arm:
+    """One installed plan and its worker processes."""
+
+    def __init__(self, stack: ExitStack, tb, label: str, plan: dict[str, Any], *, job_base: int,
+                 bytes_per_mb: float, epp: int, window: int, seed: int):
+        from fanin.goat.deploy import install_goat_plan
+
+        self.label, self.plan, self.tb = label, plan, tb
+        port = tb.SWITCH_DATA_PORT
+        self.dep = install_goat_plan(
+            plan, tb.topology, job_base=job_base, block_cnt_max=window, block_grad_max=epp,
+            control_addr=lambda n: f"{tb.mgmt_addr(n)}:{tb.SWITCH_CONTROL_PORT}",
+            data_addr=lambda n, src: f"{tb.reach_addr(n, src)}:{port}")
+        stack.callback(self.dep.close)
+        stack.callback(self.dep.remove)
+        self.elements = [max(1, round(s["size_mb"] * bytes_per_mb / 4)) for s in plan["submodels"]]
+        n = len(self.dep.jobs.ranks)
+        self.procs = []
+        for w, targets in self.dep.addrs.items():
+            spec = [[t.job_id, addr, self.elements[t.submodel]] for t, addr in targets]
+            argv = [sys.executable, "-m", "fanin.bench.goat_worker", "--rank", str(self.dep.jobs.ranks[w]),
+                    "--workers", str(n), "--targets", json.dumps(spec), "--elems-per-packet", str(epp),
+                    "--window", str(window), "--seed", str(seed)]
+            self.procs.append(tb.popen(w, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        stack.callback(self.stop)
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            if not line or not json.loads(line).get("ready"):
+                raise RuntimeError(f"{label}: a worker did not start (exit {proc.poll()})")
+        # what the PS must receive per allreduce: one contribution per source of each sub-model
+        self.ps_sources = [len(j.members) for j in self.dep.jobs.on(self.dep.jobs.ps)]
+        self.payload = sum(src * e * 4 for src, e in zip(self.ps_sources, self.elements))
+
+    def run_once(self) -> dict[str, Any]:
+        ps = self.dep.jobs.ps
+        (peer,) = self.tb.topology.neighbours(ps)
+        before = self.tb.link_bytes(peer, ps)
+        for proc in self.procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        answers = []
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.label}: a worker died (exit {proc.poll()})")
+            answers.append(json.loads(line))
+        after = self.tb.link_bytes(peer, ps)
+        return {"s": max(a["s"] for a in answers), "exact": all(a["exact"] for a in answers),
+                "retransmissions": sum(a["retransmissions"] for a in answers),
+                "ps_ingress_bytes": after.a_to_b - before.a_to_b, "ps_egress_bytes": after.b_to_a - before.b_to_a}
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=10)
+            except Exception:
+                proc.kill()
+        self.procs = []
+
+
+def deploy_and_run(topo: topology.Topology, plan: dict[str, Any], *, name: str, reps: int, bytes_per_mb: float,
+                   epp: int = 256, window: int = 64, rate_mbit=None, seed: int = 1) -> dict[str, list[dict]]:
+    """The two arms on one testbed, interleaved; {arm: [run_once() ...]}."""
+    from fanin.goat.deploy import ps_only_plan
+    from fanin.testbed import Testbed, down
+
+    down(name)  # leftovers of an interrupted earlier run of the same name
+    runs: dict[str, list[dict]] = {"goat": [], "ps-only": []}
+    with ExitStack() as stack:
+        tb = stack.enter_context(Testbed.up(topo, name=name, rate_mbit=rate_mbit, routing=True))
+        tb.switches()
+        tb.host_aggregator(plan["parameter_server"]["name"])
+        arms = [Arm(stack, tb, "goat", plan, job_base=100, bytes_per_mb=bytes_per_mb, epp=epp, window=window,
+                    seed=seed),
+                Arm(stack, tb, "ps-only", ps_only_plan(plan), job_base=100 + 2 * len(plan["submodels"]),
+                    bytes_per_mb=bytes_per_mb, epp=epp, window=window, seed=seed)]
+        for rep in range(reps):
+            for k in range(len(arms)):
+                arm = arms[(rep + k) % len(arms)]
+                r = arm.run_once()
+                r.update(payload_bytes=arm.payload, ps_sources=sum(arm.ps_sources))
+                runs[arm.label].append(r)
+    return runs
+
+
+def run_goat_deploy(args) -> int:
+    from fanin.testbed import check_privileges
+
+    check_privileges()
+    topo = topology.load(args.topology or str(DEFAULT_TOPOLOGY))
+    if args.ps:
+        topo = topology.with_ps(topo, args.ps)
+    if not (args.even or args.model or args.submodels):
+        args.even = "12,6"
+    plan = make_plan(topo, args)
+    reps = args.reps or (3 if args.quick else 10)
+    bytes_per_mb = args.bytes_per_mb or (16384 if args.quick else 131072)
+    runs = deploy_and_run(topo, plan, name=f"gd{os.getpid() % 100000}", reps=reps, bytes_per_mb=bytes_per_mb,
+                          epp=args.elems_per_packet, window=args.window, rate_mbit=args.rate_mbit, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"arm": arm, "rep": i, **{k: v for k, v in r.items()}} for arm, rs in runs.items() for i, r in enumerate(rs)]
+    _write_csv(out / "goat_deploy.csv", rows)
+    total_mb = sum(s["size_mb"] for s in plan["submodels"])
+    n_workers = len(plan["workers"])
+    summary = {}
+    for arm, rs in runs.items():
+        ingress = statistics.median(r["ps_ingress_bytes"] for r in rs)
+        summary[arm] = {"exact": all(r["exact"] for r in rs), "ps_ingress_bytes_median": ingress,
+                        "ps_payload_bytes": rs[0]["payload_bytes"], "ps_sources": rs[0]["ps_sources"],
+                        "ps_egress_bytes_median": statistics.median(r["ps_egress_bytes"] for r in rs),
+                        "step_ms_median": 1e3 * statistics.median(r["s"] for r in rs),
+                        "retransmissions": sum(r["retransmissions"] for r in rs)}
+    measured = summary["ps-only"]["ps_ingress_bytes_median"] / summary["goat"]["ps_ingress_bytes_median"]
+    planned = total_mb * n_workers / plan["ps_mb"]
+    _plot(summary, planned, out / "goat_deploy.png", plan)
+    result = {
+        "bench": "goat-deploy", "topology": topo.name, "workers": n_workers, "submodels": len(plan["submodels"]),
+        "model_mb": total_mb, "bytes_per_mb": bytes_per_mb, "reps": reps, "rate_mbit": args.rate_mbit,
+        "plan": {"ps_mb": plan["ps_mb"], "ps_only_mb": total_mb * n_workers,
+                 "switch_filters": {s["name"]: [f["submodel"] for f in s["filters"] if f["workers"]]
+                                    for s in plan["switches"]}},
+        "arms": summary, "ps_ingress_reduction_measured": measured, "ps_ingress_reduction_planned": planned,
+        "all_exact": all(s["exact"] for s in summary.values()),
+        "csv": str(out / "goat_deploy.csv"), "png": str(out / "goat_deploy.png"),
+    }
+    human = (f"goat-deploy: {n_workers} workers, {len(plan['submodels'])} sub-models, {reps} allreduces per arm, "
+             f"every sum exact: {result['all_exact']}\n" + "\n".join(
+                 f"{arm:>8}: PS ingress {s['ps_ingress_bytes_median'] / 1e6:.2f} MB per step (payload "
+                 f"{s['ps_payload_bytes'] / 1e6:.2f} MB from {s['ps_sources']} sources), step {s['step_ms_median']:.0f} ms"
+                 for arm, s in summary.items())
+             + f"\nPS ingress reduction: measured {measured:.2f}x, planned {planned:.2f}x")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        print(human, file=sys.stderr)
+    else:
+        print(human)
+    return 0 if result["all_exact"] else 1
+
+
+def _plot(summary: dict[str, Any], planned: float, path: Path, plan: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(summary)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    x = range(len(arms))
+    ax.bar([i - 0.2 for i in x], [summary[a]["ps_ingress_bytes_median"] / 1e6 for a in arms], 0.4,
+           label="measured (veth, frames)")
+    ax.bar([i + 0.2 for i in x], [summary[a]["ps_payload_bytes"] / 1e6 for a in arms], 0.4,
+           label="gradient payload (plan)")
+    ax.set_xticks(list(x), arms)
+    ax.set_ylabel("PS ingress per step (MB)")
+    ax.set_title(f"GOAT on the testbed: {len(plan['workers'])} workers, {len(plan['switches'])} switches "
+                 f"(planned {planned:.2f}x less)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

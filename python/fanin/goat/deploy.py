@@ -1,0 +1,220 @@
+"""Installing a GOAT plan on fanin switches (issue 8 item 6; docs/goat.md,
+"Deployment").
+
+A plan (schema ``fanin.goat.plan/1``) becomes one fanin job per sub-model g
+(job id ``job_base + g``):
+
+* the parameter server runs the fanin daemon as a *host aggregator* and is
+  the **root** of every job; its members are the ranks of the switches
+  that aggregate g (``2048 + index in the topology``, as the controller
+  ranks switches) and the ranks of the workers that send g to it directly;
+* a switch responsible for (g, workers W) gets job g with members W and a
+  tree role whose parent is the PS: it aggregates W's fragments of g and
+  sends one partial, counting ``|W|`` sources, to the PS. That job table
+  *is* the responsibility filter: a switch only aggregates packets of its
+  jobs addressed to it; everything else (other sub-models, fragments for
+  another node) is addressed elsewhere and the switch forwards it at the IP
+  level like any switch (the testbed's ``routing``);
+* worker ranks are their index in the plan's ``workers`` list; each worker
+  runs one session per sub-model, to its aggregation node for that g.
+
+`plan_jobs` is the pure translation (tested on a hand-checked plan);
+`install_goat_plan` admits the jobs through the control APIs and returns a
+`Deployment` that tells every worker where to send and removes the jobs.
+`ps_only_plan` turns a plan into the no-aggregation baseline (every
+sub-model straight to the PS, Geryon without in-network aggregation).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..controller.tree import SWITCH_RANK_BASE, switch_rank
+from ..topology import Topology
+from .model import GoatError
+
+__all__ = ["AggregatorJob", "JobPlan", "WorkerTarget", "Deployment", "plan_jobs", "install_goat_plan",
+           "ps_only_plan"]
+
+PLAN_SCHEMA = "fanin.goat.plan/1"
+
+
+@dataclass(frozen=True)
+class AggregatorJob:
+    """One job on one aggregation node (a switch, or the PS as root)."""
+
+    node: str
+    submodel: int
+    job_id: int
+    members: tuple[int, ...]
+    #: None on the PS (the root); the PS's name on a switch.
+    parent: Optional[str] = None
+    #: this node's rank at its parent (switches only)
+    rank: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class WorkerTarget:
+    """Where one worker sends one sub-model."""
+
+    submodel: int
+    job_id: int
+    rank: int
+    node: str
+
+
+@dataclass
+class JobPlan:
+    ps: str
+    jobs: list[AggregatorJob]
+    #: worker -> its targets, in sub-model order
+    targets: dict[str, list[WorkerTarget]]
+    ranks: dict[str, int]
+
+    def on(self, node: str) -> list[AggregatorJob]:
+        return [j for j in self.jobs if j.node == node]
+
+
+def plan_jobs(plan: dict[str, Any], topo: Topology, *, job_base: int = 100) -> JobPlan:
+    """The jobs that realise `plan` on `topo`: PS jobs first (roots), then
+    switch jobs; filters with no worker (``expected_sources`` 0) are not
+    installed. Raises GoatError when the plan does not fit the topology or
+    is inconsistent (a worker's node disagrees with the filters)."""
+    if plan.get("schema") != PLAN_SCHEMA:
+        raise GoatError(f"plan schema {plan.get('schema')!r} is not {PLAN_SCHEMA}")
+    ps = plan["parameter_server"]["name"]
+    if not topo.is_host(ps):
+        raise GoatError(f"the plan's parameter server {ps!r} is not a host of topology {topo.name}")
+    ranks = {w["name"]: r for r, w in enumerate(plan["workers"])}
+    if len(ranks) > SWITCH_RANK_BASE:
+        raise GoatError(f"{len(ranks)} workers: worker ranks must stay below {SWITCH_RANK_BASE}")
+    n_sub = len(plan["submodels"])
+
+    def job_id(g: int) -> int:
+        return job_base + g
+
+    switch_jobs: list[AggregatorJob] = []
+    filtered: dict[tuple[str, int], str] = {}  # (worker, g) -> switch
+    for sw in plan["switches"]:
+        if not topo.is_switch(sw["name"]):
+            raise GoatError(f"the plan's switch {sw['name']!r} is not a switch of topology {topo.name}")
+        for f in sw["filters"]:
+            if not f["workers"]:
+                continue
+            g = int(f["submodel"])
+            for w in f["workers"]:
+                filtered[(w, g)] = sw["name"]
+            switch_jobs.append(AggregatorJob(sw["name"], g, job_id(g), tuple(sorted(ranks[w] for w in f["workers"])),
+                                             parent=ps, rank=switch_rank(topo, sw["name"])))
+    ps_jobs = []
+    for e in plan["parameter_server"]["expect"]:
+        g = int(e["submodel"])
+        members = [switch_rank(topo, s) for s in e["from_switches"]] + [ranks[w] for w in e["direct_workers"]]
+        ps_jobs.append(AggregatorJob(ps, g, job_id(g), tuple(sorted(members))))
+    targets: dict[str, list[WorkerTarget]] = {}
+    for w in plan["workers"]:
+        nodes = w["aggregation_node"]
+        if len(nodes) != n_sub:
+            raise GoatError(f"worker {w['name']}: {len(nodes)} aggregation nodes for {n_sub} sub-models")
+        out = []
+        for g, node in enumerate(nodes):
+            expected = filtered.get((w["name"], g), ps)
+            if node != expected:
+                raise GoatError(f"worker {w['name']} sends sub-model {g} to {node!r}, but the filters say {expected!r}")
+            out.append(WorkerTarget(g, job_id(g), ranks[w["name"]], node))
+        targets[w["name"]] = out
+    return JobPlan(ps, ps_jobs + switch_jobs, targets, ranks)
+
+
+def ps_only_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """The same instance without in-network aggregation: no switch filters,
+    every worker sends every sub-model to the PS."""
+    out = copy.deepcopy(plan)
+    ps = out["parameter_server"]["name"]
+    names = [w["name"] for w in out["workers"]]
+    for sw in out["switches"]:
+        sw["filters"], sw["memory_used_mb"] = [], 0.0
+    for w in out["workers"]:
+        w["aggregation_node"] = [ps] * len(out["submodels"])
+    out["parameter_server"]["expect"] = [
+        {"submodel": s["id"], "from_switches": [], "direct_workers": list(names), "expected_sources": len(names)}
+        for s in out["submodels"]]
+    return out
+
+
+@dataclass
+class Deployment:
+    """Installed jobs: where workers send (`targets`, with `data_addr`), and
+    `remove()` (children first, then the PS)."""
+
+    jobs: JobPlan
+    #: worker -> [(target, "ip:port" of its node as the worker reaches it)]
+    addrs: dict[str, list[tuple[WorkerTarget, str]]]
+    installed: list[AggregatorJob] = field(default_factory=list)
+    _client: Callable[[str], Any] = field(default=None, repr=False)
+    _clients: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def close(self) -> None:
+        """Close the control connections (the jobs stay installed)."""
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+
+    def remove(self) -> None:
+        from ..control import ControlError
+
+        errors = []
+        for j in reversed(self.installed):
+            try:
+                self._client(j.node).remove_job(j.job_id)
+            except ControlError as e:
+                if e.code != "NOT_FOUND":
+                    errors.append(f"{j.node} job {j.job_id}: {e}")
+        self.installed.clear()
+        if errors:
+            raise GoatError("removing the plan's jobs failed: " + "; ".join(errors))
+
+
+def install_goat_plan(plan: dict[str, Any], topo: Topology, *, control_addr: Callable[[str], str],
+                      data_addr: Callable[[str, str], str], job_base: int = 100, block_cnt_max: int = 64,
+                      block_grad_max: int = 256, client_factory: Optional[Callable[[str], Any]] = None) -> Deployment:
+    """Admit `plan`'s jobs on the PS's host aggregator and the switches.
+
+    ``control_addr(node)`` is a node's control API, ``data_addr(node,
+    source)`` the ``ip:port`` at which `source` reaches `node`'s data plane
+    (``Testbed.reach_addr`` + port on the testbed). Every job gets
+    ``workers`` = the plan's worker count (block floating point is scaled for
+    all of them). On a failure the jobs admitted so far are removed again.
+    """
+    from ..control import ControlClient
+
+    jp = plan_jobs(plan, topo, job_base=job_base)
+    clients: dict[str, Any] = {}
+    factory = client_factory or (lambda addr: ControlClient(addr))
+
+    def client(node: str):
+        if node not in clients:
+            clients[node] = factory(control_addr(node))
+        return clients[node]
+
+    dep = Deployment(jp, {}, _client=client, _clients=clients)
+    shards: dict[str, int] = {}
+    try:
+        for j in jp.jobs:  # roots (the PS) first: no partial reaches a parent that does not know the job
+            tree = None
+            if j.parent is not None:
+                if j.parent not in shards:
+                    shards[j.parent] = int(client(j.parent).info()["shard_count"])
+                tree = {"parent_addr": data_addr(j.parent, j.node), "parent_shards": shards[j.parent],
+                        "rank": j.rank}
+            client(j.node).admit_job(j.job_id, list(j.members), block_cnt_max=block_cnt_max,
+                                     block_grad_max=block_grad_max, workers=len(jp.ranks), tree=tree)
+            dep.installed.append(j)
+    except Exception:
+        dep.remove()
+        dep.close()
+        raise
+    dep.addrs = {w: [(t, data_addr(t.node, w)) for t in ts] for w, ts in jp.targets.items()}
+    return dep

@@ -1,0 +1,182 @@
+"""GOAT deployment (issue 8 item 6): the plan -> jobs translation on a
+hand-checked plan, installation through (fake) control APIs, and the end to
+end run on the namespace testbed (root only; skipped with the reason
+otherwise)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fanin import topology
+from fanin.goat.deploy import AggregatorJob, WorkerTarget, install_goat_plan, plan_jobs, ps_only_plan
+from fanin.goat.model import GoatError
+
+TOPO = Path(__file__).resolve().parents[2] / "examples" / "goat-testbed.toml"
+WORKERS = [f"w{i}" for i in range(8)]
+AGG, TOR0, TOR1 = 2048, 2049, 2050  # switch ranks: 2048 + index in the file (agg, tor0, tor1)
+
+
+def hand_plan():
+    """g0: agg for everyone; g1: tor0 for w0-w3, w4-w7 straight to the PS;
+    g2: nobody aggregates (tor1 reserved it, no worker chose it)."""
+    return {
+        "schema": "fanin.goat.plan/1",
+        "submodels": [{"id": g, "name": f"g{g}", "size_mb": 1.0} for g in range(3)],
+        "switches": [
+            {"name": "agg", "memory_mb": 4, "memory_used_mb": 1,
+             "filters": [{"submodel": 0, "expected_sources": 8, "workers": WORKERS}]},
+            {"name": "tor0", "memory_mb": 4, "memory_used_mb": 1,
+             "filters": [{"submodel": 1, "expected_sources": 4, "workers": WORKERS[:4]}]},
+            {"name": "tor1", "memory_mb": 4, "memory_used_mb": 1,
+             "filters": [{"submodel": 2, "expected_sources": 0, "workers": []}]},
+        ],
+        "workers": [{"name": w, "aggregation_node": ["agg", "tor0" if i < 4 else "ps", "ps"]}
+                    for i, w in enumerate(WORKERS)],
+        "parameter_server": {"name": "ps", "expect": [
+            {"submodel": 0, "from_switches": ["agg"], "direct_workers": [], "expected_sources": 1},
+            {"submodel": 1, "from_switches": ["tor0"], "direct_workers": WORKERS[4:], "expected_sources": 5},
+            {"submodel": 2, "from_switches": [], "direct_workers": WORKERS, "expected_sources": 8},
+        ]},
+    }
+
+
+def test_plan_to_jobs_on_a_hand_checked_plan():
+    jp = plan_jobs(hand_plan(), topology.load(str(TOPO)), job_base=10)
+    assert jp.ps == "ps"
+    assert jp.ranks == {w: i for i, w in enumerate(WORKERS)}
+    assert jp.jobs == [
+        AggregatorJob("ps", 0, 10, (AGG,)),
+        AggregatorJob("ps", 1, 11, (4, 5, 6, 7, TOR0)),
+        AggregatorJob("ps", 2, 12, tuple(range(8))),
+        AggregatorJob("agg", 0, 10, tuple(range(8)), parent="ps", rank=AGG),
+        AggregatorJob("tor0", 1, 11, (0, 1, 2, 3), parent="ps", rank=TOR0),
+        # tor1's empty filter is not installed
+    ]
+    assert jp.targets["w1"] == [WorkerTarget(0, 10, 1, "agg"), WorkerTarget(1, 11, 1, "tor0"),
+                                WorkerTarget(2, 12, 1, "ps")]
+    assert [t.node for t in jp.targets["w5"]] == ["agg", "ps", "ps"]
+    # every (worker, sub-model) is counted once: the PS's sources sum the workers behind each switch
+    for g in range(3):
+        behind = sum(len(j.members) for j in jp.jobs if j.node != "ps" and j.submodel == g)
+        direct = sum(1 for m in jp.on("ps")[g].members if m < 2048)
+        assert behind + direct == 8
+
+
+def test_inconsistent_plans_are_refused():
+    topo = topology.load(str(TOPO))
+    bad = hand_plan()
+    bad["workers"][5]["aggregation_node"][1] = "tor0"   # tor0's filter does not list w5
+    with pytest.raises(GoatError, match="w5 sends sub-model 1 to 'tor0'"):
+        plan_jobs(bad, topo)
+    bad = hand_plan()
+    bad["switches"][0]["name"] = "nowhere"
+    with pytest.raises(GoatError, match="not a switch"):
+        plan_jobs(bad, topo)
+    with pytest.raises(GoatError, match="schema"):
+        plan_jobs({**hand_plan(), "schema": "x"}, topo)
+
+
+def test_ps_only_baseline_sends_everything_to_the_ps():
+    jp = plan_jobs(ps_only_plan(hand_plan()), topology.load(str(TOPO)))
+    assert [(j.node, j.members) for j in jp.jobs] == [("ps", tuple(range(8)))] * 3
+    assert all(t.node == "ps" for ts in jp.targets.values() for t in ts)
+
+
+class FakeSwitch:
+    def __init__(self, log, addr, fail_on=None):
+        self.log, self.addr, self.fail_on = log, addr, fail_on
+
+    def info(self):
+        return {"shard_count": 2}
+
+    def admit_job(self, job_id, members, **kw):
+        from fanin.control import ControlError
+
+        if self.fail_on == job_id:
+            raise ControlError("RESOURCE_EXHAUSTED", "full")
+        self.log.append(("admit", self.addr, job_id, tuple(members), kw["workers"], kw["tree"]))
+
+    def remove_job(self, job_id):
+        self.log.append(("remove", self.addr, job_id))
+
+    def close(self):
+        pass
+
+
+def _install(plan, log, fail=None):
+    return install_goat_plan(
+        plan, topology.load(str(TOPO)), job_base=10,
+        control_addr=lambda n: n, data_addr=lambda n, src: f"{n}@{src}",
+        client_factory=lambda addr: FakeSwitch(log, addr, fail_on=fail.get(addr) if fail else None))
+
+
+def test_install_programs_the_ps_first_and_removes_in_reverse():
+    log = []
+    dep = _install(hand_plan(), log)
+    assert log == [
+        ("admit", "ps", 10, (AGG,), 8, None),
+        ("admit", "ps", 11, (4, 5, 6, 7, TOR0), 8, None),
+        ("admit", "ps", 12, tuple(range(8)), 8, None),
+        ("admit", "agg", 10, tuple(range(8)), 8, {"parent_addr": "ps@agg", "parent_shards": 2, "rank": AGG}),
+        ("admit", "tor0", 11, (0, 1, 2, 3), 8, {"parent_addr": "ps@tor0", "parent_shards": 2, "rank": TOR0}),
+    ]
+    assert [(t.job_id, addr) for t, addr in dep.addrs["w6"]] == [(10, "agg@w6"), (11, "ps@w6"), (12, "ps@w6")]
+    log.clear()
+    dep.remove()
+    assert log == [("remove", "tor0", 11), ("remove", "agg", 10), ("remove", "ps", 12), ("remove", "ps", 11),
+                   ("remove", "ps", 10)]
+
+
+def test_a_failed_install_removes_what_it_admitted():
+    from fanin.control import ControlError
+
+    log = []
+    with pytest.raises(ControlError):
+        _install(hand_plan(), log, fail={"tor0": 11})
+    assert [e[0] for e in log] == ["admit"] * 4 + ["remove"] * 4
+    assert log[-1] == ("remove", "ps", 10)
+
+
+# -- end to end on the namespace testbed ------------------------------------------------------
+
+
+def _probe() -> str:
+    from fanin.testbed import TestbedError, check_privileges
+
+    try:
+        check_privileges()
+    except TestbedError as e:
+        return str(e)
+    ns = f"fbtg-probe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    return "" if r.returncode == 0 else f"`ip netns add` fails here: {r.stderr.strip()}"
+
+
+def test_goat_plan_end_to_end_on_the_testbed():
+    """3 switches, 8 workers, a PS: the planner's plan installed, every
+    worker's every sub-model exact, and the PS's ingress shrinks as the plan
+    says against PS-only (frames on the veth, headers included)."""
+    why = _probe()
+    if why:
+        pytest.skip(f"no network namespaces: {why}")
+    from argparse import Namespace
+
+    from fanin.bench.goat_deploy import deploy_and_run, make_plan
+
+    topo = topology.load(str(TOPO))
+    plan = make_plan(topo, Namespace(even="12,6", model=None, submodels=None, max_submodel_mb=None, seed=1))
+    nodes = {n for w in plan["workers"] for n in w["aggregation_node"]}
+    assert {"agg", "tor0", "tor1", "ps"} <= nodes  # switches one and two hops away, and direct to the PS
+    from test_testbed import _tag  # fbt<letter><pid tag>: the stale-testbed cleanup there knows the owner
+
+    runs = deploy_and_run(topo, plan, name=f"fbtg{_tag(os.getpid())}", reps=1, bytes_per_mb=8192)
+    for arm in ("goat", "ps-only"):
+        (r,) = runs[arm]
+        assert r["exact"], arm
+        assert r["payload_bytes"] <= r["ps_ingress_bytes"] < 1.15 * r["payload_bytes"], (arm, r)
+    measured = runs["ps-only"][0]["ps_ingress_bytes"] / runs["goat"][0]["ps_ingress_bytes"]
+    planned = 12 * 8 / plan["ps_mb"]
+    assert measured == pytest.approx(planned, rel=0.05)
