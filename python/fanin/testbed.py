@@ -51,6 +51,7 @@ __all__ = [
     "STATE_DIR",
     "down",
     "check_privileges",
+    "why_unavailable",
     "list_testbeds",
 ]
 
@@ -118,6 +119,20 @@ def check_privileges() -> None:
                            "and veth links is privileged); run as root, e.g. with sudo")
     if not shutil.which("ip"):
         raise TestbedError("iproute2 (`ip`) is not installed: apt-get install iproute2 (scripts/setup.sh does this)")
+
+
+def why_unavailable(probe: str = "fbprobe") -> str:
+    """Why network namespaces cannot be used here ('' when they can): the
+    privilege check, then creating and deleting a namespace ``<probe><pid>``.
+    Tests skip with this reason."""
+    try:
+        check_privileges()
+    except TestbedError as e:
+        return str(e)
+    ns = f"{probe}{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    return "" if r.returncode == 0 else f"`ip netns add` fails here: {r.stderr.strip()}"
 
 
 def _check_name(name: str) -> str:

@@ -4,7 +4,6 @@ end run on the namespace testbed (root only; skipped with the reason
 otherwise)."""
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -142,24 +141,13 @@ def test_a_failed_install_removes_what_it_admitted():
 # -- end to end on the namespace testbed ------------------------------------------------------
 
 
-def _probe() -> str:
-    from fanin.testbed import TestbedError, check_privileges
-
-    try:
-        check_privileges()
-    except TestbedError as e:
-        return str(e)
-    ns = f"fbtg-probe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    return "" if r.returncode == 0 else f"`ip netns add` fails here: {r.stderr.strip()}"
-
-
 def test_goat_plan_end_to_end_on_the_testbed():
     """3 switches, 8 workers, a PS: the planner's plan installed, every
     worker's every sub-model exact, and the PS's ingress shrinks as the plan
     says against PS-only (frames on the veth, headers included)."""
-    why = _probe()
+    from fanin.testbed import why_unavailable
+
+    why = why_unavailable("fbtg-probe")
     if why:
         pytest.skip(f"no network namespaces: {why}")
     from argparse import Namespace

@@ -16,22 +16,9 @@ import time
 import pytest
 
 from fanin import topology
-from fanin.testbed import Testbed, TestbedError, check_privileges, down
+from fanin.testbed import Testbed, TestbedError, down, why_unavailable
 
-
-def _probe() -> str:
-    """Why namespaces cannot be used here, or '' when they can."""
-    try:
-        check_privileges()
-    except TestbedError as e:
-        return str(e)
-    ns = f"fbt-probe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    return "" if r.returncode == 0 else f"`ip netns add` fails here: {r.stderr.strip()}"
-
-
-_WHY_NOT = _probe()
+_WHY_NOT = why_unavailable("fbt-probe")
 pytestmark = pytest.mark.skipif(bool(_WHY_NOT), reason=f"no network namespaces: {_WHY_NOT}")
 
 # Testbed names: fbt + a letter per test + this process's pid in base 36, so

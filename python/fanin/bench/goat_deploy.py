@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fanin import topology
-from fanin.bench.trees import _write_csv
+from fanin.bench.trees import _write_csv, step_workers, stop_workers, wait_ready
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[3] / "examples" / "goat-testbed.toml"
 
@@ -66,10 +66,7 @@ class Arm:
                     "--window", str(window), "--seed", str(seed)]
             self.procs.append(tb.popen(w, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         stack.callback(self.stop)
-        for proc in self.procs:
-            line = proc.stdout.readline()
-            if not line or not json.loads(line).get("ready"):
-                raise RuntimeError(f"{label}: a worker did not start (exit {proc.poll()})")
+        wait_ready(self.procs, label)
         # what the PS must receive per allreduce: one contribution per source of each sub-model
         self.ps_sources = [len(j.members) for j in self.dep.jobs.on(self.dep.jobs.ps)]
         self.payload = sum(src * e * 4 for src, e in zip(self.ps_sources, self.elements))
@@ -78,27 +75,14 @@ class Arm:
         ps = self.dep.jobs.ps
         (peer,) = self.tb.topology.neighbours(ps)
         before = self.tb.link_bytes(peer, ps)
-        for proc in self.procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        answers = []
-        for proc in self.procs:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.label}: a worker died (exit {proc.poll()})")
-            answers.append(json.loads(line))
+        answers = step_workers(self.procs, self.label)
         after = self.tb.link_bytes(peer, ps)
         return {"s": max(a["s"] for a in answers), "exact": all(a["exact"] for a in answers),
                 "retransmissions": sum(a["retransmissions"] for a in answers),
                 "ps_ingress_bytes": after.a_to_b - before.a_to_b, "ps_egress_bytes": after.b_to_a - before.b_to_a}
 
     def stop(self) -> None:
-        for proc in self.procs:
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=10)
-            except Exception:
-                proc.kill()
+        stop_workers(self.procs)
         self.procs = []
 
 

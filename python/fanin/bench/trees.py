@@ -66,33 +66,50 @@ class TestbedJob:
                     "--recv-drop", str(recv_drop), "--seed", str(seed * 1000 + r)]
             proc = self.tb.popen(h, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self.procs.append(proc)
-        for proc in self.procs:
-            line = proc.stdout.readline()
-            if not line or not json.loads(line).get("ready"):
-                raise RuntimeError(f"{label}: a worker did not start (exit {proc.poll()})")
+        wait_ready(self.procs, label)
 
     def run_once(self) -> dict[str, Any]:
         """One allreduce on every worker at once: the slowest worker's time."""
-        for proc in self.procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        answers = []
-        for proc in self.procs:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.label}: a worker died (exit {proc.poll()})")
-            answers.append(json.loads(line))
+        answers = step_workers(self.procs, self.label)
         if not all(a["exact"] for a in answers):
             raise RuntimeError(f"{self.label}: a worker got a wrong sum")
         return {"s": max(a["s"] for a in answers), "retransmissions": sum(a["retransmissions"] or 0 for a in answers)}
 
     def stop(self) -> None:
-        for proc in self.procs:
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=10)
-            except Exception:
-                proc.kill()
+        stop_workers(self.procs)
+
+
+# Long-lived worker processes (tree_worker, goat_worker): a JSON line
+# {"ready": true} once joined, then one JSON line per "go" line on stdin.
+
+def wait_ready(procs: list[subprocess.Popen], label: str) -> None:
+    for proc in procs:
+        line = proc.stdout.readline()
+        if not line or not json.loads(line).get("ready"):
+            raise RuntimeError(f"{label}: a worker did not start (exit {proc.poll()})")
+
+
+def step_workers(procs: list[subprocess.Popen], label: str) -> list[dict[str, Any]]:
+    """Start one step on every worker at once; their answers."""
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    answers = []
+    for proc in procs:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{label}: a worker died (exit {proc.poll()})")
+        answers.append(json.loads(line))
+    return answers
+
+
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except Exception:
+            proc.kill()
 
 
 def _quartiles(xs: list[float]) -> dict[str, float]:
