@@ -118,6 +118,8 @@ def run_goat_deploy(args) -> int:
     topo = topology.load(args.topology or str(DEFAULT_TOPOLOGY))
     if args.ps:
         topo = topology.with_ps(topo, args.ps)
+    if args.memory_mb is not None:
+        topo = topology.with_programmable(topo, 1.0, args.seed, args.memory_mb)
     if not (args.even or args.model or args.submodels):
         args.even = "12,6"
     plan = make_plan(topo, args)
@@ -144,7 +146,7 @@ def run_goat_deploy(args) -> int:
     _plot(summary, planned, out / "goat_deploy.png", plan)
     result = {
         "bench": "goat-deploy", "topology": topo.name, "workers": n_workers, "submodels": len(plan["submodels"]),
-        "model_mb": total_mb, "bytes_per_mb": bytes_per_mb, "reps": reps, "rate_mbit": args.rate_mbit,
+        "model": args.model or args.submodels or f"even {args.even}", "model_mb": total_mb, "bytes_per_mb": bytes_per_mb, "reps": reps, "rate_mbit": args.rate_mbit,
         "plan": {"ps_mb": plan["ps_mb"], "ps_only_mb": total_mb * n_workers,
                  "switch_filters": {s["name"]: [f["submodel"] for f in s["filters"] if f["workers"]]
                                     for s in plan["switches"]}},
@@ -181,8 +183,9 @@ def _plot(summary: dict[str, Any], planned: float, path: Path, plan: dict[str, A
            label="gradient payload (plan)")
     ax.set_xticks(list(x), arms)
     ax.set_ylabel("PS ingress per step (MB)")
-    ax.set_title(f"GOAT on the testbed: {len(plan['workers'])} workers, {len(plan['switches'])} switches "
-                 f"(planned {planned:.2f}x less)")
+    ax.set_title(f"GOAT plan on the testbed: {len(plan['workers'])} workers, {len(plan['switches'])} switches, "
+                 f"{len(plan['submodels'])} sub-models\nPS ingress planned {planned:.2f}x less than PS-only",
+                 fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

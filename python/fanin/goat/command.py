@@ -97,6 +97,8 @@ def add_bench_parser(bsub, common) -> None:
                                     "Needs root.")
     d.add_argument("--topology", help="topology file or generator with one host of role ps (or --ps)")
     d.add_argument("--ps", help="host that is the parameter server")
+    d.add_argument("--memory-mb", type=float, help="B(s) of every switch (default: as the topology says, 4 MB in "
+                                                  "examples/goat-testbed.toml, sized for the default 12 MB model)")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--even", metavar="TOTAL_MB,PARTS", help="sub-models (default 12,6)")
     src.add_argument("--model", help="a PyTorch model's parameter tensors (alexnet, resnet18, ...)")
