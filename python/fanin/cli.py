@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
 EPILOG_TESTBED = """\
 Every node of the topology (switch or host) gets a network namespace
 <name>-<node>; every link a veth pair with its own /30 (hosts talk to their
-switch, switches to their neighbours: no routing beyond the link); a bridge
+switch, switches to their neighbours; --routing adds shortest-path routes); a bridge
 <name>-br in the root namespace reaches every node's management address.
 Needs root. See docs/testbed.md (addressing, rate limits) and
 docs/topology.md (file format, generators).
@@ -399,7 +399,7 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
     try:
         if args.action == "up":
             topo = topology.load(args.topology)
-            tb = testbed.Testbed.up(topo, name=args.name, rate_mbit=args.rate_mbit)
+            tb = testbed.Testbed.up(topo, name=args.name, rate_mbit=args.rate_mbit, routing=args.routing)
             st = tb.state
             _emit(tb.status(), f"fanin testbed {tb.name}: {topo.name} up, {len(st['nodes'])} namespaces "
                                f"({tb.name}-*), {len(st['links'])} links, management {st['mgmt_net']} "
@@ -466,6 +466,9 @@ def _add_testbed(sub: Any) -> None:
     up.add_argument("topology", help="topology file or generator spec, e.g. fat-tree:4")
     up.add_argument("--rate-mbit", type=float, help="tc tbf limit on every link, both directions "
                                                     "(default: each link's rate_mbit; none = unlimited)")
+    up.add_argument("--routing", action="store_true",
+                    help="static routes along shortest paths, IP forwarding in switches (every node reaches every "
+                         "data address; docs/testbed.md)")
     named(up)
     down = tsub.add_parser("down", help="remove a testbed (idempotent; works without its state file)")
     named(down)
