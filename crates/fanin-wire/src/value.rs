@@ -461,6 +461,12 @@ pub enum NackReason {
     /// source (a straggler) and the slot was reused (detail = the block the
     /// slot holds now). Not fatal: the worker records the block as missed.
     BlockExpired = 9,
+    /// Back-pressure, NDP's return-to-sender: the switch did not process the
+    /// contribution because it is overloaded (detail = a [`TrimCause`] code).
+    /// Not fatal: the worker sends the block again at once and shrinks its
+    /// window. The header echoes the trimmed contribution's `exp_only` flag
+    /// so the worker can tell which phase was cut.
+    Trimmed = 10,
 }
 
 impl NackReason {
@@ -475,6 +481,7 @@ impl NackReason {
             7 => Self::WrongMode,
             8 => Self::ShapeMismatch,
             9 => Self::BlockExpired,
+            10 => Self::Trimmed,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -490,6 +497,33 @@ impl NackReason {
             Self::WrongMode => "message not valid for the job's mode",
             Self::ShapeMismatch => "grad_cnt differs from the other contributions to this block",
             Self::BlockExpired => "the block's result expired: the job moved on without this source",
+            Self::Trimmed => "the switch is overloaded and returned the contribution unprocessed (send it again, slower)",
+        }
+    }
+}
+
+/// Why the switch trimmed a contribution: the `detail` of a
+/// [`NackReason::Trimmed`] nack. Workers react to every cause the same way
+/// (retransmit, shrink the window); the cause is for counters and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum TrimCause {
+    /// The shard's processing queue (its socket receive queue) is above the
+    /// configured watermark.
+    ProcessingQueue = 1,
+    /// Aggregation memory (block table, per-job memory) is exhausted.
+    /// Reserved for overload handling of the block table; not sent yet.
+    MemoryExhausted = 2,
+}
+
+impl TrimCause {
+    /// The cause of a `Trimmed` nack's detail; unknown codes are kept as
+    /// `None` rather than rejected so a newer switch can add causes.
+    pub fn from_detail(detail: u32) -> Option<Self> {
+        match detail {
+            1 => Some(Self::ProcessingQueue),
+            2 => Some(Self::MemoryExhausted),
+            _ => None,
         }
     }
 }
