@@ -57,6 +57,12 @@ pub struct Counters {
     pub nacks_sent: u64,
     /// NoAggr jobs: contributions returned to their sender unaggregated.
     pub forwarded: u64,
+    /// Daemon, overload: data contributions answered with a Trimmed nack
+    /// before they reached the program (so not in `rx_datagrams`).
+    pub trimmed: u64,
+    /// Daemon: datagrams the kernel dropped on the shard's full receive
+    /// queue (never seen by the switch; silent loss).
+    pub socket_drops: u64,
 }
 
 impl Counters {
@@ -102,6 +108,8 @@ impl Counters {
         f("joins", None, self.joins);
         f("nacks_sent", None, self.nacks_sent);
         f("forwarded", None, self.forwarded);
+        f("trimmed", None, self.trimmed);
+        f("socket_drops", None, self.socket_drops);
     }
 
     /// Add another shard's counters into these.
@@ -112,7 +120,7 @@ impl Counters {
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
-            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded
+            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded, trimmed, socket_drops
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

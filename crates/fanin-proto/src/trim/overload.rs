@@ -1,0 +1,167 @@
+//! Trimming in the switch daemon: when a shard's processing queue is above
+//! its watermark, contributions are answered with a header-only
+//! [`NackReason::Trimmed`] nack instead of being aggregated (NDP's
+//! return-to-sender, done by the switch itself).
+//!
+//! Why not [`PortQueue`](super::PortQueue): in the daemon the queue that
+//! overflows is the kernel's socket receive queue, in front of the shard
+//! thread. The daemon cannot cut a payload on enqueue or serve headers ahead
+//! of data; it sees a datagram only when it dequeues it. What it can do is
+//! measure the backlog behind each batch and, above the watermark, spend as
+//! little as possible on the datagrams it holds and tell their senders at
+//! once, so they slow down before the kernel starts dropping silently.
+//! docs/trimming-daemon.md explains the choice and what a hardware switch
+//! does instead.
+//!
+//! The same reply serves any back-pressure cause ([`TrimCause`]): block-table
+//! or memory exhaustion can answer with `TrimCause::MemoryExhausted` through
+//! [`return_to_sender`] unchanged.
+
+use fanin_wire::value::{Dtype, Nack, NackReason, Packet, Repr, HEADER_LEN};
+pub use fanin_wire::value::TrimCause;
+use fanin_wire::MessageType;
+
+use crate::transmit::Transmit;
+
+/// The level of a processing queue above which the switch trims, as a
+/// fraction of the queue's capacity (the socket receive buffer the kernel
+/// granted, so it follows the `net.core.rmem_max` cap automatically).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Watermark {
+    fraction: f64,
+}
+
+impl Watermark {
+    /// `fraction` in `0.0..1.0`: at 1.0 the kernel drops before the switch
+    /// would ever trim. 0.0 trims whenever anything waits behind a batch
+    /// (useful to force trimming in tests).
+    pub fn new(fraction: f64) -> Result<Self, String> {
+        if !(0.0..1.0).contains(&fraction) {
+            return Err(format!(
+                "trim.watermark = {fraction} is out of range: give a fraction of the receive buffer in 0.0..1.0 \
+                 (at 1.0 or above the kernel drops before the switch trims)"
+            ));
+        }
+        Ok(Self { fraction })
+    }
+
+    pub fn fraction(&self) -> f64 {
+        self.fraction
+    }
+
+    /// Whether `queued` bytes waiting in a queue of `capacity` bytes are
+    /// above the watermark.
+    pub fn exceeded(&self, queued: usize, capacity: usize) -> bool {
+        queued as f64 > self.fraction * capacity as f64
+    }
+}
+
+/// Outcome of [`return_to_sender`].
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrimVerdict {
+    /// Answered with a Trimmed nack; the datagram must not be processed.
+    Trimmed,
+    /// Not a data contribution (or not a valid one): process it as usual.
+    /// Joins, exponent-only rounds and anything malformed are never trimmed:
+    /// they carry no payload to save, and the program counts what it refuses.
+    Process,
+}
+
+/// If `bytes` is a data contribution (or retransmission), write the Trimmed
+/// nack for it to `from` and return [`TrimVerdict::Trimmed`]. Reads only the
+/// header: the payload is never touched.
+pub fn return_to_sender<A: Copy>(from: A, bytes: &[u8], cause: TrimCause, out: &mut impl Transmit<A>) -> TrimVerdict {
+    let Ok(packet) = Packet::new_checked(bytes) else { return TrimVerdict::Process };
+    let is_data = matches!(
+        MessageType::from_u8(packet.msg_type_code()),
+        Ok(MessageType::Contribution | MessageType::Retransmission)
+    ) && !packet.exp_only()
+        && packet.grad_cnt() > 0;
+    if !is_data {
+        return TrimVerdict::Process;
+    }
+    emit_trim_nack(from, &packet, cause, out);
+    TrimVerdict::Trimmed
+}
+
+/// The Trimmed nack: the request's identity (job, source, generation,
+/// block, dtype, `exp_only`) with the cause as detail (docs/protocol.md §2).
+pub fn emit_trim_nack<A: Copy>(dest: A, request: &Packet<&[u8]>, cause: TrimCause, out: &mut impl Transmit<A>) {
+    let repr = Repr {
+        exp_only: request.exp_only(),
+        dtype: Dtype::from_u8(request.dtype_code()).unwrap_or(Dtype::Int32),
+        gen_id: request.gen_id(),
+        block_id: request.block_id(),
+        ..Repr::new(MessageType::Nack, request.job_id(), request.src_id())
+    };
+    let buf = out.push(dest, HEADER_LEN + Nack::LEN);
+    let mut reply = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut reply);
+    Nack { reason: NackReason::Trimmed, detail: cause as u32 }.emit(reply.payload_mut());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transmit::VecTransmit;
+
+    fn contribution(msg_type: MessageType, grad_cnt: u16, exp_only: bool) -> Vec<u8> {
+        let repr = Repr {
+            exp_only,
+            grad_cnt,
+            gen_id: 4,
+            block_id: 77,
+            dtype: Dtype::Float32,
+            exp: 3,
+            ..Repr::new(msg_type, 9, 2)
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+        buf
+    }
+
+    #[test]
+    fn a_data_contribution_comes_back_as_a_header_only_trimmed_nack() {
+        for t in [MessageType::Contribution, MessageType::Retransmission] {
+            let mut out = VecTransmit::new();
+            let bytes = contribution(t, 256, false);
+            assert_eq!(return_to_sender(5u8, &bytes, TrimCause::ProcessingQueue, &mut out), TrimVerdict::Trimmed);
+            let sent: Vec<_> = out.drain().collect();
+            assert_eq!(sent.len(), 1);
+            let (dest, reply) = &sent[0];
+            assert_eq!((*dest, reply.len()), (5, HEADER_LEN + Nack::LEN), "header-only, back to the sender");
+            let p = Packet::new_checked(&reply[..]).unwrap();
+            let r = Repr::parse(&p).unwrap();
+            assert_eq!((r.msg_type, r.job_id, r.src_id, r.gen_id, r.block_id), (MessageType::Nack, 9, 2, 4, 77));
+            assert_eq!((r.dtype, r.exp_only, r.grad_cnt), (Dtype::Float32, false, 0));
+            let nack = Nack::parse(p.payload()).unwrap();
+            assert_eq!(nack, Nack { reason: NackReason::Trimmed, detail: 1 });
+        }
+    }
+
+    #[test]
+    fn joins_exponent_rounds_results_and_garbage_are_processed_not_trimmed() {
+        let mut out = VecTransmit::new();
+        let join = contribution(MessageType::Join, 0, false);
+        let exp_only = contribution(MessageType::Contribution, 0, true);
+        let result = contribution(MessageType::Result, 4, false);
+        for bytes in [&join[..], &exp_only[..], &result[..], &[0xFA, 0x17, 1][..], &[][..]] {
+            assert_eq!(return_to_sender(1u8, bytes, TrimCause::ProcessingQueue, &mut out), TrimVerdict::Process);
+        }
+        assert_eq!(out.drain().count(), 0);
+    }
+
+    #[test]
+    fn watermark_is_a_fraction_of_capacity_and_rejects_nonsense() {
+        let w = Watermark::new(0.5).unwrap();
+        assert!(!w.exceeded(500, 1000));
+        assert!(w.exceeded(501, 1000));
+        assert!(Watermark::new(0.0).unwrap().exceeded(1, 1000));
+        assert!(!Watermark::new(0.0).unwrap().exceeded(0, 1000));
+        for bad in [1.0, 1.5, -0.1, f64::NAN] {
+            let e = Watermark::new(bad).unwrap_err();
+            assert!(e.contains("trim.watermark") && e.contains("0.0..1.0"), "{e}");
+        }
+    }
+}
