@@ -54,6 +54,50 @@ impl Watermark {
     pub fn exceeded(&self, queued: usize, capacity: usize) -> bool {
         queued as f64 > self.fraction * capacity as f64
     }
+
+    /// Which datagrams of a receive batch sat beyond the watermark.
+    ///
+    /// `before` and `after` are the queue's bytes just before and just after
+    /// the batch was read, `batch_len` the batch's datagram bytes. The batch
+    /// is the head of the queue in FIFO order and covered about
+    /// `before - after` queue bytes; a datagram whose end lies beyond the
+    /// watermark arrived to a queue at least that deep, exactly the packets
+    /// NDP trims on arrival. Arrivals during the read make `after` larger,
+    /// so the estimate errs towards trimming less.
+    pub fn plan(&self, before: usize, after: usize, capacity: usize, batch_len: usize) -> TrimPlan {
+        let threshold = self.fraction * capacity as f64;
+        if before as f64 <= threshold || batch_len == 0 {
+            return TrimPlan::NEVER;
+        }
+        let covered = match before.saturating_sub(after) {
+            0 => before, // the queue refilled as fast as it drained
+            c => c,
+        };
+        TrimPlan { scale: covered as f64 / batch_len as f64, cursor: 0.0, threshold }
+    }
+}
+
+/// A cursor over one batch, from [`Watermark::plan`]: ask [`TrimPlan::trims`]
+/// for each datagram in order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrimPlan {
+    /// Queue bytes per datagram byte (the kernel's per-datagram overhead).
+    scale: f64,
+    /// Queue position of the next datagram's start.
+    cursor: f64,
+    threshold: f64,
+}
+
+impl TrimPlan {
+    /// Trims nothing (trimming off, or the queue below the watermark).
+    pub const NEVER: Self = Self { scale: 0.0, cursor: 0.0, threshold: f64::INFINITY };
+
+    /// Whether the next datagram of the batch, `len` bytes long, ends beyond
+    /// the watermark.
+    pub fn trims(&mut self, len: usize) -> bool {
+        self.cursor += len as f64 * self.scale;
+        self.cursor > self.threshold
+    }
 }
 
 /// Outcome of [`return_to_sender`].
@@ -159,6 +203,16 @@ mod tests {
         assert!(w.exceeded(501, 1000));
         assert!(Watermark::new(0.0).unwrap().exceeded(1, 1000));
         assert!(!Watermark::new(0.0).unwrap().exceeded(0, 1000));
+        // the batch drained 10 000 of 12 000 queued bytes in five 1 000-byte
+        // datagrams (2 000 queue bytes each); watermark at 5 000 of 10 000
+        let mut plan = w.plan(12_000, 2_000, 10_000, 5_000);
+        let trimmed: Vec<bool> = (0..5).map(|_| plan.trims(1_000)).collect();
+        assert_eq!(trimmed, [false, false, true, true, true], "the datagrams beyond 5 000 queue bytes");
+        let mut below = w.plan(5_000, 0, 10_000, 5_000);
+        assert!((0..5).all(|_| !below.trims(1_000)), "a queue at the watermark is not trimmed");
+        let mut refilled = w.plan(8_000, 9_000, 10_000, 4_000);
+        let trimmed: Vec<bool> = (0..4).map(|_| refilled.trims(1_000)).collect();
+        assert_eq!(trimmed, [false, false, true, true], "refilled queue: positions span `before`");
         for bad in [1.0, 1.5, -0.1, f64::NAN] {
             let e = Watermark::new(bad).unwrap_err();
             assert!(e.contains("trim.watermark") && e.contains("0.0..1.0"), "{e}");
