@@ -555,6 +555,26 @@ impl Nack {
         })
     }
 
+    /// Length of a whole Nack datagram (header and body).
+    pub const DATAGRAM_LEN: usize = HEADER_LEN + Self::LEN;
+
+    /// Write the whole Nack answering `request` into `buf` (exactly
+    /// [`Nack::DATAGRAM_LEN`] bytes): the header copies the request's
+    /// `dtype`, `src_id`, `gen_id`, `job_id` and `block_id` (docs/protocol.md
+    /// §2.3), plus its `exp_only` flag when `echo_exp_only` (Trimmed nacks).
+    pub fn emit_reply(&self, request: &Packet<&[u8]>, echo_exp_only: bool, buf: &mut [u8]) {
+        let repr = Repr {
+            exp_only: echo_exp_only && request.exp_only(),
+            dtype: Dtype::from_u8(request.dtype_code()).unwrap_or(Dtype::Int32),
+            gen_id: request.gen_id(),
+            block_id: request.block_id(),
+            ..Repr::new(MessageType::Nack, request.job_id(), request.src_id())
+        };
+        let mut reply = Packet::new_unchecked(buf);
+        repr.emit(&mut reply);
+        self.emit(reply.payload_mut());
+    }
+
     pub fn emit(&self, body: &mut [u8]) {
         body[0..2].copy_from_slice(&(self.reason as u16).to_be_bytes());
         body[2..4].copy_from_slice(&[0, 0]);

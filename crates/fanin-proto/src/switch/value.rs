@@ -46,7 +46,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, ELEM_LEN, EXP_NONE, HEADER_LEN,
+    Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, ELEM_LEN, EXP_NONE,
     MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
@@ -1175,16 +1175,8 @@ fn send_nack<A: Copy>(
     reason: NackReason,
     detail: u32,
 ) {
-    let repr = Repr {
-        dtype: Dtype::from_u8(request.dtype_code()).unwrap_or(Dtype::Int32),
-        gen_id: request.gen_id(),
-        block_id: request.block_id(),
-        ..Repr::new(MessageType::Nack, request.job_id(), request.src_id())
-    };
-    let buf = out.push(dest, HEADER_LEN + Nack::LEN);
-    let mut reply = Packet::new_unchecked(&mut buf[..]);
-    repr.emit(&mut reply);
-    Nack { reason, detail }.emit(reply.payload_mut());
+    let buf = out.push(dest, Nack::DATAGRAM_LEN);
+    Nack { reason, detail }.emit_reply(request, false, buf);
     counters.nacks_sent += 1;
 }
 

@@ -17,7 +17,9 @@
 //! or memory exhaustion can answer with `TrimCause::MemoryExhausted` through
 //! [`return_to_sender`] unchanged.
 
-use fanin_wire::value::{Dtype, Nack, NackReason, Packet, Repr, HEADER_LEN};
+use fanin_wire::value::{Nack, NackReason, Packet};
+#[cfg(test)]
+use fanin_wire::value::{Dtype, Repr, HEADER_LEN};
 pub use fanin_wire::value::TrimCause;
 use fanin_wire::MessageType;
 
@@ -132,17 +134,8 @@ pub fn return_to_sender<A: Copy>(from: A, bytes: &[u8], cause: TrimCause, out: &
 /// The Trimmed nack: the request's identity (job, source, generation,
 /// block, dtype, `exp_only`) with the cause as detail (docs/protocol.md §2).
 pub fn emit_trim_nack<A: Copy>(dest: A, request: &Packet<&[u8]>, cause: TrimCause, out: &mut impl Transmit<A>) {
-    let repr = Repr {
-        exp_only: request.exp_only(),
-        dtype: Dtype::from_u8(request.dtype_code()).unwrap_or(Dtype::Int32),
-        gen_id: request.gen_id(),
-        block_id: request.block_id(),
-        ..Repr::new(MessageType::Nack, request.job_id(), request.src_id())
-    };
-    let buf = out.push(dest, HEADER_LEN + Nack::LEN);
-    let mut reply = Packet::new_unchecked(&mut buf[..]);
-    repr.emit(&mut reply);
-    Nack { reason: NackReason::Trimmed, detail: cause as u32 }.emit(reply.payload_mut());
+    let buf = out.push(dest, Nack::DATAGRAM_LEN);
+    Nack { reason: NackReason::Trimmed, detail: cause as u32 }.emit_reply(request, true, buf);
 }
 
 #[cfg(test)]
