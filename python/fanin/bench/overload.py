@@ -207,10 +207,11 @@ def _plot(points: list[dict[str, Any]], path: str) -> None:
         ax2.bar(xs + (k - 0.5) * 0.4, [p[arm]["socket_drops"] for p in points], 0.4, color=colour,
                 label=f"{arm}: kernel drops")
     ax2.bar(xs + 0.2, [p["trim"]["trimmed"] for p in points], 0.4, color="none", edgecolor="black", hatch="//",
-            label="trim: trimmed (stacked view: see CSV)")
+            label="trim: trimmed (returned to sender)")
     for ax in (ax1, ax2):
         ax.set_xticks(xs, labels)
-    ax1.set_ylabel("allreduce completion (ms; median, bar = min..max)")
+    ax1.set_yscale("log")  # the drop arm's tail is orders of magnitude longer
+    ax1.set_ylabel("allreduce completion (ms, log; median, bar = min..max)", fontsize=8)
     ax2.set_ylabel("datagrams over the run")
     w = points[0]["workers"]
     ax1.set_title(f"{w} workers, one shard; smaller buffer = more overload", fontsize=9)
