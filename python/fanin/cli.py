@@ -333,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Two switches, identical but for [trim] enabled, one overloaded shard each "
                                      "(small receive buffer, full windows from every worker); each worker "
                                      "alternates between them. Completion time, kernel drops, trims and "
-                                     "retransmissions per arm, and trim/drop ratios. Writes CSV and PNG to --out.")
+                                     "retransmissions per arm, and trim/drop ratios. Writes CSV and PNG to --out. "
+                                     "Under overload the drop arm's allreduces have a long tail (seconds, "
+                                     "occasionally minutes): --quick usually takes well under a minute, not always.")
     ov.add_argument("--workers", type=int, default=4)
     ov.add_argument("--windows", type=int, nargs="+", help="worker windows (default 256)")
     ov.add_argument("--socket-buffers", type=int, nargs="+",
