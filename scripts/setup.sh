@@ -11,10 +11,14 @@ command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (rus
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null || { echo "setup: $PY not found" >&2; exit 1; }
 
-# System packages: a C++ compiler (libFuzzer) and iproute2 (network-namespace tests).
+# System packages: a C++ compiler (libFuzzer), iproute2 (network-namespace
+# testbed: ip, tc), ethtool (the testbed turns off veth segmentation offloads
+# so tbf and byte counters see real frames) and ping (testbed tests, docs).
 missing=()
 command -v c++ >/dev/null || missing+=(g++)
 command -v ip >/dev/null || missing+=(iproute2)
+command -v ethtool >/dev/null || missing+=(ethtool)
+command -v ping >/dev/null || missing+=(iputils-ping)
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         say "apt-get install ${missing[*]}"

@@ -50,14 +50,21 @@ def format_size(n: int) -> str:
 
 
 class SwitchProcess:
-    """`fanin switch` in a child process, stopped with SIGTERM on exit."""
+    """`fanin switch` in a child process, stopped with SIGTERM on exit.
 
-    def __init__(self, config: dict[str, Any], *, quiet: bool = True) -> None:
+    ``netns`` runs it inside that network namespace (`ip netns exec NS`,
+    which execs, so ``proc`` is still the daemon itself); the testbed uses it
+    (``fanin.testbed.Testbed.switch``).
+    """
+
+    def __init__(self, config: dict[str, Any], *, quiet: bool = True, netns: Optional[str] = None) -> None:
         fd, self.config_path = tempfile.mkstemp(prefix="fanin-switch-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
+        self.netns = netns
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fanin", "switch", "--config", self.config_path, "--print-ready"],
+            (["ip", "netns", "exec", netns] if netns else [])
+            + [sys.executable, "-m", "fanin", "switch", "--config", self.config_path, "--print-ready"],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL if quiet else None,
             text=True,

@@ -34,6 +34,13 @@ class Session:
         window: blocks in flight (clamped to the job's block_cnt_max).
         send_drop: probability of dropping each datagram this worker sends
             (fault injection for tests and benchmarks), with ``seed``.
+        recv_drop: the same for datagrams this worker receives.
+        sync_join: join a job that is already running (SwitchML++ runtime
+            scaling): the tree's root tells the current block offset and the
+            first allreduce starts at the next allreduce boundary from there.
+        align_blocks: blocks per allreduce of the job's stream (every step
+            reduces the same tensor: ``ceil(size / elems_per_packet)``);
+            needed with ``sync_join`` to line up with the others.
         rto_ms, rto_min_ms, rto_max_ms: retransmission timeout (initial, bounds).
         join_timeout_s: give up joining after this long.
         dead_after_s: fail an allreduce when the switch is silent this long.
@@ -60,6 +67,9 @@ class Session:
         join_timeout_s: float = 5.0,
         dead_after_s: float = 10.0,
         offload: bool = True,
+        recv_drop: float = 0.0,
+        sync_join: bool = False,
+        align_blocks: int = 0,
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -75,6 +85,9 @@ class Session:
             join_timeout_s=join_timeout_s,
             dead_after_s=dead_after_s,
             offload=offload,
+            recv_drop=recv_drop,
+            sync_join=sync_join,
+            align_blocks=align_blocks,
         )
         self.switch = switch
         self.job_id = job_id

@@ -21,7 +21,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use fanin_proto::job::{JobMode, JobSpec, JobSpecError, MAX_SOURCES};
+use fanin_proto::job::{JobMode, JobSpec, JobSpecError, MAX_SOURCES, SWITCH_RANK_BASE};
 use fanin_proto::switch::{AdmitError, Counters};
 use tonic::metadata::MetadataMap;
 use tonic::transport::server::TcpIncoming;
@@ -62,6 +62,31 @@ pub struct SwitchInfo {
     pub version: String,
 }
 
+/// A non-root switch's place in a job's aggregation tree, as the control
+/// API carries it (`TreeRole` in the .proto).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TreeRole {
+    /// The parent's shard-0 data-plane address; shard `k` listens on port + k.
+    pub parent: SocketAddr,
+    pub parent_shards: u16,
+    /// This switch's source id at the parent.
+    pub rank: u16,
+}
+
+impl TreeRole {
+    /// The parent's data-plane address of each shard.
+    pub fn parent_addrs(&self) -> Vec<SocketAddr> {
+        (0..self.parent_shards).map(|k| SocketAddr::new(self.parent.ip(), self.parent.port() + k)).collect()
+    }
+}
+
+/// A job as the switch holds it: the spec and, off the root, its tree role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobEntry {
+    pub spec: JobSpec,
+    pub tree: Option<TreeRole>,
+}
+
 /// Why a switch refused a job. Each variant maps to one gRPC status code;
 /// the string is the human message sent to the caller unchanged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -75,6 +100,12 @@ pub enum AdmitFailure {
     /// The job does not fit the switch's free memory (RESOURCE_EXHAUSTED).
     #[error("{0}")]
     OutOfMemory(String),
+    /// UpdateJob of a job the switch does not hold (NOT_FOUND).
+    #[error("{0}")]
+    NotFound(String),
+    /// UpdateJob changing a field fixed at admission (FAILED_PRECONDITION).
+    #[error("{0}")]
+    Immutable(String),
     /// Anything else, e.g. a shard thread is gone (INTERNAL).
     #[error("{0}")]
     Internal(String),
@@ -84,9 +115,13 @@ impl From<AdmitError> for AdmitFailure {
     fn from(e: AdmitError) -> Self {
         let msg = e.to_string();
         match e {
-            AdmitError::Invalid(_) | AdmitError::AgingTooFine { .. } => AdmitFailure::Invalid(msg),
+            AdmitError::Invalid(_) | AdmitError::AgingTooFine { .. } | AdmitError::BadUplink { .. } => {
+                AdmitFailure::Invalid(msg)
+            }
             AdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
             AdmitError::OutOfMemory { .. } => AdmitFailure::OutOfMemory(msg),
+            AdmitError::Unknown(_) => AdmitFailure::NotFound(msg),
+            AdmitError::Immutable { .. } => AdmitFailure::Immutable(msg),
         }
     }
 }
@@ -103,6 +138,8 @@ impl From<AdmitFailure> for Status {
             AdmitFailure::Invalid(m) => Status::invalid_argument(m),
             AdmitFailure::Duplicate(m) => Status::already_exists(m),
             AdmitFailure::OutOfMemory(m) => Status::resource_exhausted(m),
+            AdmitFailure::NotFound(m) => Status::not_found(m),
+            AdmitFailure::Immutable(m) => Status::failed_precondition(m),
             AdmitFailure::Internal(m) => Status::internal(m),
         }
     }
@@ -115,12 +152,15 @@ impl From<AdmitFailure> for Status {
 pub trait ControlPlane: Send + Sync + 'static {
     /// Admit a job. The spec has already passed [`JobSpec::validate`].
     /// `fanin_proto::switch::AdmitError` converts with `?` / `.into()`.
-    fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure>;
+    fn admit_job(&self, job: JobEntry) -> Result<(), AdmitFailure>;
+    /// Change an admitted job in place (members, workers, tree role);
+    /// new members in `awaiting` join a running job (see UpdateJobRequest).
+    fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure>;
     /// Remove a job; `Err` (with a human message) if the switch does not hold
     /// it, reported as NOT_FOUND.
     fn remove_job(&self, job_id: u32) -> Result<(), String>;
     /// The admitted jobs, in any order (the API sorts them by job_id).
-    fn list_jobs(&self) -> Vec<JobSpec>;
+    fn list_jobs(&self) -> Vec<JobEntry>;
     fn info(&self) -> SwitchInfo;
     /// Counters merged over all shards.
     fn counters(&self) -> Counters;
@@ -279,6 +319,50 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// Convert a wire job spec, rejecting what the Rust type cannot hold
 /// (member ids above 65535, unknown modes) instead of truncating, then
 /// validate it.
+/// The tree role of a wire job spec, checked.
+pub fn tree_role_from_pb(spec: &pb::JobSpec) -> Result<Option<TreeRole>, Status> {
+    let Some(tree) = &spec.tree else { return Ok(None) };
+    let job_id = spec.job_id;
+    let parent: SocketAddr = tree.parent_addr.parse().map_err(|_| {
+        Status::invalid_argument(format!("job {job_id}: tree.parent_addr {:?} is not ip:port", tree.parent_addr))
+    })?;
+    let shards = u16::try_from(tree.parent_shards)
+        .ok()
+        .filter(|&n| n >= 1 && parent.port() as u32 + n as u32 <= 65536)
+        .ok_or_else(|| {
+            Status::invalid_argument(format!("job {job_id}: tree.parent_shards {} is out of range", tree.parent_shards))
+        })?;
+    let rank = u16::try_from(tree.rank)
+        .ok()
+        .filter(|&r| r >= SWITCH_RANK_BASE && (r as usize) < MAX_SOURCES)
+        .ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "job {job_id}: tree.rank {} must lie in {SWITCH_RANK_BASE}..{} (lower ranks name workers)",
+                tree.rank,
+                MAX_SOURCES
+            ))
+        })?;
+    Ok(Some(TreeRole { parent, parent_shards: shards, rank }))
+}
+
+/// A wire job spec with its tree role, checked.
+pub fn job_entry_from_pb(spec: pb::JobSpec) -> Result<JobEntry, Status> {
+    let tree = tree_role_from_pb(&spec)?;
+    Ok(JobEntry { spec: job_spec_from_pb(spec)?, tree })
+}
+
+/// The wire form of a job entry.
+pub fn job_entry_to_pb(job: &JobEntry) -> pb::JobSpec {
+    pb::JobSpec {
+        tree: job.tree.map(|t| pb::TreeRole {
+            parent_addr: t.parent.to_string(),
+            parent_shards: t.parent_shards.into(),
+            rank: t.rank.into(),
+        }),
+        ..job_spec_to_pb(&job.spec)
+    }
+}
+
 pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
     let job_id = spec.job_id;
     let members = spec
@@ -305,6 +389,9 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
         block_exp_ms: spec.block_exp_ms,
         slow_after_windows: spec.slow_after_windows.unwrap_or(fanin_proto::job::DEFAULT_SLOW_AFTER_WINDOWS),
         mode,
+        workers: u16::try_from(spec.workers.unwrap_or(0)).map_err(|_| {
+            Status::invalid_argument(format!("job {job_id}: workers {} is too large", spec.workers.unwrap_or(0)))
+        })?,
     };
     spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(spec)
@@ -319,6 +406,8 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
         block_grad_max: spec.block_grad_max,
         block_exp_ms: spec.block_exp_ms,
         slow_after_windows: Some(spec.slow_after_windows),
+        workers: (spec.workers != 0).then_some(spec.workers.into()),
+        tree: None,
         mode: match spec.mode {
             JobMode::Aggregate => pb::JobMode::Aggregate,
             JobMode::Forward => pb::JobMode::Forward,
@@ -377,9 +466,25 @@ impl pb::control_server::Control for Service {
     ) -> Result<Response<pb::AdmitJobResponse>, Status> {
         let spec =
             request.into_inner().spec.ok_or_else(|| Status::invalid_argument("AdmitJob needs a spec"))?;
-        let spec = job_spec_from_pb(spec)?;
-        self.call(move |p| p.admit_job(spec)).await??;
+        let job = job_entry_from_pb(spec)?;
+        self.call(move |p| p.admit_job(job)).await??;
         Ok(Response::new(pb::AdmitJobResponse {}))
+    }
+
+    async fn update_job(
+        &self,
+        request: Request<pb::UpdateJobRequest>,
+    ) -> Result<Response<pb::UpdateJobResponse>, Status> {
+        let request = request.into_inner();
+        let spec = request.spec.ok_or_else(|| Status::invalid_argument("UpdateJob needs a spec"))?;
+        let job = job_entry_from_pb(spec)?;
+        let awaiting = request
+            .awaiting
+            .iter()
+            .map(|&m| u16::try_from(m).map_err(|_| Status::invalid_argument(format!("awaiting member {m} is too large"))))
+            .collect::<Result<Vec<u16>, Status>>()?;
+        self.call(move |p| p.update_job(job, awaiting)).await??;
+        Ok(Response::new(pb::UpdateJobResponse {}))
     }
 
     async fn remove_job(
@@ -396,8 +501,8 @@ impl pb::control_server::Control for Service {
         _request: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
         let mut jobs = self.call(|p| p.list_jobs()).await?;
-        jobs.sort_by_key(|j| j.job_id);
-        Ok(Response::new(pb::ListJobsResponse { jobs: jobs.iter().map(job_spec_to_pb).collect() }))
+        jobs.sort_by_key(|j| j.spec.job_id);
+        Ok(Response::new(pb::ListJobsResponse { jobs: jobs.iter().map(job_entry_to_pb).collect() }))
     }
 
     async fn get_counters(

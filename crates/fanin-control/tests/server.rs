@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use fanin_control::pb::{self, JobMode as PbMode};
 use fanin_control::{
-    spawn, AdmitFailure, ControlClient, ControlError, ControlPlane, ControlServerHandle, SwitchInfo,
+    spawn, AdmitFailure, ControlClient, ControlError, ControlPlane, ControlServerHandle, JobEntry, SwitchInfo,
     API_VERSION,
 };
 use fanin_proto::job::JobSpec;
@@ -21,17 +21,18 @@ const MEMORY_LIMIT: u64 = 1 << 20;
 /// (duplicates, memory cap) and errors.
 #[derive(Default)]
 struct FakePlane {
-    jobs: Mutex<BTreeMap<u32, JobSpec>>,
+    jobs: Mutex<BTreeMap<u32, JobEntry>>,
 }
 
 impl FakePlane {
-    fn used(jobs: &BTreeMap<u32, JobSpec>) -> u64 {
-        jobs.values().map(JobSpec::memory_bytes).sum()
+    fn used(jobs: &BTreeMap<u32, JobEntry>) -> u64 {
+        jobs.values().map(|j| j.spec.memory_bytes()).sum()
     }
 }
 
 impl ControlPlane for FakePlane {
-    fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure> {
+    fn admit_job(&self, job: JobEntry) -> Result<(), AdmitFailure> {
+        let spec = &job.spec;
         spec.validate()?;
         let mut jobs = self.jobs.lock().unwrap();
         if jobs.contains_key(&spec.job_id) {
@@ -47,7 +48,19 @@ impl ControlPlane for FakePlane {
             }
             .into());
         }
-        jobs.insert(spec.job_id, spec);
+        jobs.insert(spec.job_id, job);
+        Ok(())
+    }
+
+    fn update_job(&self, job: JobEntry, _awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
+        let mut jobs = self.jobs.lock().unwrap();
+        let Some(entry) = jobs.get_mut(&job.spec.job_id) else {
+            return Err(AdmitError::Unknown(job.spec.job_id).into());
+        };
+        if entry.spec.block_cnt_max != job.spec.block_cnt_max {
+            return Err(AdmitError::Immutable { job_id: job.spec.job_id, field: "block_cnt_max" }.into());
+        }
+        *entry = job;
         Ok(())
     }
 
@@ -58,7 +71,7 @@ impl ControlPlane for FakePlane {
         }
     }
 
-    fn list_jobs(&self) -> Vec<JobSpec> {
+    fn list_jobs(&self) -> Vec<JobEntry> {
         // reversed on purpose: the API must sort
         self.jobs.lock().unwrap().values().rev().cloned().collect()
     }
@@ -104,6 +117,8 @@ fn spec(job_id: u32, members: Vec<u32>) -> pb::JobSpec {
         block_exp_ms: 5,
         slow_after_windows: Some(2),
         mode: PbMode::Aggregate as i32,
+        workers: None,
+        tree: None,
     }
 }
 
@@ -299,4 +314,37 @@ async fn serve_runs_inside_a_callers_runtime() {
     assert!(matches!(err, ControlError::Bind { .. }), "{err:?}");
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn tree_roles_are_checked_kept_and_updated() {
+    let server = start(None);
+    let mut c = client(server.local_addr()).await;
+    let tree = |addr: &str, rank: u32| pb::TreeRole { parent_addr: addr.into(), parent_shards: 2, rank };
+    let mut leaf = spec(3, vec![0, 1]);
+    leaf.workers = Some(4);
+    leaf.tree = Some(tree("10.1.0.1:9000", 2048));
+    c.admit_job(admit(leaf.clone())).await.unwrap();
+    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    assert_eq!(jobs, vec![leaf.clone()]);
+    // a worker rank for a switch, or an address that is not one: refused
+    for bad in [tree("10.1.0.1:9000", 5), tree("nowhere", 2048)] {
+        let mut s = spec(4, vec![0]);
+        s.tree = Some(bad);
+        assert_eq!(c.admit_job(admit(s)).await.unwrap_err().code(), Code::InvalidArgument);
+    }
+    // membership changes in place; fixed fields do not
+    let mut grown = leaf.clone();
+    grown.members = vec![0, 1, 2];
+    grown.tree = None;
+    c.update_job(pb::UpdateJobRequest { spec: Some(grown.clone()), awaiting: vec![2] }).await.unwrap();
+    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    assert_eq!(jobs, vec![grown.clone()]);
+    let mut resized = grown.clone();
+    resized.block_cnt_max = 16;
+    let err = c.update_job(pb::UpdateJobRequest { spec: Some(resized), awaiting: vec![] }).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    let err = c.update_job(pb::UpdateJobRequest { spec: Some(spec(99, vec![0])), awaiting: vec![] }).await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    stop(server).await;
 }

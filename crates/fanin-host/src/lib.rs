@@ -27,6 +27,9 @@ pub struct SessionOptions {
     pub session: SessionConfig,
     /// Probability of dropping each datagram this worker sends (fault injection).
     pub send_drop: f64,
+    /// Probability of dropping each datagram this worker receives (fault
+    /// injection for the switch-to-worker direction).
+    pub recv_drop: f64,
     pub seed: u64,
     /// Socket buffer size requested, in bytes.
     pub socket_buffer: usize,
@@ -40,6 +43,7 @@ impl SessionOptions {
             switch,
             session: SessionConfig::new(job_id, src_id),
             send_drop: 0.0,
+            recv_drop: 0.0,
             seed: 0,
             socket_buffer: 32 << 20,
             offload: true,
@@ -73,6 +77,7 @@ pub struct Session {
     rx: RecvBatch,
     tx: SendBatch,
     faults: DropInjector,
+    recv_faults: DropInjector,
     epoch: Instant,
     params: JoinParams,
     stats: SessionStats,
@@ -108,8 +113,10 @@ impl Session {
     /// Bind a socket, join the job and wait for the switch's answer (bounded
     /// by `session.join_timeout`).
     pub fn connect(options: SessionOptions) -> Result<Self, HostError> {
-        if !(0.0..=1.0).contains(&options.send_drop) {
-            return Err(HostError::Option(format!("send_drop {} is not a probability (0.0..=1.0)", options.send_drop)));
+        for (name, p) in [("send_drop", options.send_drop), ("recv_drop", options.recv_drop)] {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(HostError::Option(format!("{name} {p} is not a probability (0.0..=1.0)")));
+            }
         }
         let bind_ip: IpAddr = match options.switch.ip() {
             IpAddr::V4(ip) if ip.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -128,6 +135,8 @@ impl Session {
         let machine = AllreduceSession::new(options.session.clone(), Time::ZERO);
         let mut session = Self {
             faults: DropInjector::new(options.send_drop, options.seed),
+            // a different stream than the send side's, same seed
+            recv_faults: DropInjector::new(options.recv_drop, options.seed ^ 0x5eed_0f_4ecf),
             rx: RecvBatch::new(64, fanin_udp::GRO_SLOT_SIZE),
             tx,
             socket,
@@ -223,7 +232,7 @@ impl Session {
             self.socket.send_batch(&mut self.tx)?;
         }
         self.stats.datagrams_sent += sent;
-        self.stats.dropped_by_fault_injection = self.faults.dropped();
+        self.stats.dropped_by_fault_injection = self.faults.dropped() + self.recv_faults.dropped();
 
         let timeout = match self.machine.poll_timeout() {
             Some(deadline) => deadline.saturating_since(self.now()),
@@ -236,6 +245,9 @@ impl Session {
             let now = self.now();
             for (_, bytes) in self.rx.iter() {
                 self.stats.datagrams_received += 1;
+                if self.recv_faults.should_drop() {
+                    continue;
+                }
                 self.machine.handle_datagram(now, bytes);
             }
         }

@@ -21,6 +21,7 @@ fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
         block_exp_ms: 0,
         slow_after_windows: 2,
         mode,
+        workers: 0,
     }
 }
 

@@ -30,6 +30,7 @@ fn start(trim: bool) -> SwitchHandle {
             block_exp_ms: 0,
             slow_after_windows: 2,
             mode: JobMode::Aggregate,
+            workers: 0,
         }],
         ..DaemonConfig::default()
     };

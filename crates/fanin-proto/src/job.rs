@@ -14,6 +14,11 @@ pub const MAX_BLOCK_CNT: u32 = 1 << 20;
 pub const MAX_BLOCK_EXP_MS: u32 = 600_000;
 /// Largest `slow_after_windows` (K) a job may ask for.
 pub const MAX_SLOW_AFTER_WINDOWS: u32 = 10_000;
+/// Source ids from here up name switches in an aggregation tree (their rank
+/// at the parent); ids below name workers. A switch child's contribution
+/// counts the workers it sums (`src_cnt`); a worker always counts one, so a
+/// worker cannot inflate a result's source count.
+pub const SWITCH_RANK_BASE: u16 = 2048;
 /// K used when a job does not say (see docs/stragglers.md).
 pub const DEFAULT_SLOW_AFTER_WINDOWS: u32 = 2;
 
@@ -60,6 +65,13 @@ pub struct JobSpec {
     pub slow_after_windows: u32,
     #[serde(default)]
     pub mode: JobMode,
+    /// Workers in the whole job, 0 = `members.len()`. In an aggregation
+    /// tree a switch's members are its children (workers and switches), so
+    /// the controller tells every switch the job's worker count: workers
+    /// scale block floating point for it (JoinAck's `src_cnt`), and it is
+    /// the most a tree can ever sum, so joins up to it cannot overflow.
+    #[serde(default)]
+    pub workers: u16,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -78,6 +90,8 @@ pub enum JobSpecError {
     BlockExp { job_id: u32, value: u32 },
     #[error("job {job_id}: slow_after_windows {value} is out of range (0 never declares a source permanently slow, at most {MAX_SLOW_AFTER_WINDOWS})")]
     SlowAfter { job_id: u32, value: u32 },
+    #[error("job {job_id}: workers {value} is out of range (0 = the member count, at most {SWITCH_RANK_BASE})")]
+    Workers { job_id: u32, value: u16 },
 }
 
 impl JobSpec {
@@ -91,6 +105,7 @@ impl JobSpec {
             block_exp_ms: 0,
             slow_after_windows: DEFAULT_SLOW_AFTER_WINDOWS,
             mode: JobMode::Aggregate,
+            workers: 0,
         }
     }
 
@@ -120,6 +135,9 @@ impl JobSpec {
         if self.slow_after_windows > MAX_SLOW_AFTER_WINDOWS {
             return Err(JobSpecError::SlowAfter { job_id, value: self.slow_after_windows });
         }
+        if self.workers > SWITCH_RANK_BASE {
+            return Err(JobSpecError::Workers { job_id, value: self.workers });
+        }
         Ok(())
     }
 
@@ -133,6 +151,11 @@ impl JobSpec {
     }
 
     /// One more than the largest member id: the width of the job's masks.
+    /// The job's worker count (see [`JobSpec::workers`]).
+    pub fn worker_count(&self) -> u16 {
+        if self.workers == 0 { self.members.len() as u16 } else { self.workers }
+    }
+
     pub fn source_capacity(&self) -> usize {
         self.members.iter().map(|&m| m as usize + 1).max().unwrap_or(1)
     }

@@ -12,6 +12,14 @@ impl SourceMask {
         Self { words: vec![0; capacity.div_ceil(64).max(1)] }
     }
 
+    /// Make room for ids `0..capacity` (never shrinks), keeping the bits set.
+    pub fn grow(&mut self, capacity: usize) {
+        let words = capacity.div_ceil(64).max(1);
+        if words > self.words.len() {
+            self.words.resize(words, 0);
+        }
+    }
+
     pub fn capacity(&self) -> usize {
         self.words.len() * 64
     }

@@ -10,14 +10,16 @@ use std::time::Duration;
 use fanin_proto::bfp;
 use fanin_proto::fault::SplitMix64;
 use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, Tensor};
-use fanin_proto::switch::{ShardConfig, ValueSwitch, Verdict};
+use fanin_proto::job::SWITCH_RANK_BASE;
+use fanin_proto::switch::{ShardConfig, Uplink, ValueSwitch, Verdict};
 use fanin_proto::{JobSpec, Time, VecTransmit};
 use proptest::prelude::*;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Node {
     Worker(usize),
-    Shard(u16),
+    /// Shard `.1` of switch `.0`.
+    Shard(usize, u16),
 }
 
 #[derive(Clone, Debug)]
@@ -42,11 +44,33 @@ struct Run {
     /// `delays[w][k]`: worker `w` starts its `k`-th allreduce this many
     /// nanoseconds late (a straggler); missing entries mean no delay.
     delays: Vec<Vec<u64>>,
+    /// Aggregation tree: `parents[i]` is switch `i`'s parent (None: the
+    /// root); worker `w` hangs off switch `attach[w % attach.len()]`. The
+    /// default is one switch.
+    parents: Vec<Option<usize>>,
+    attach: Vec<usize>,
 }
 
 impl Run {
     fn new(workers: usize, shards: u16, epp: u16, window: u32, slots: u32, net: NetParams, seed: u64) -> Self {
-        Run { workers, shards, epp, window, slots, net, seed, block_exp_ms: 0, slow_after_windows: 0, delays: Vec::new() }
+        Run {
+            workers,
+            shards,
+            epp,
+            window,
+            slots,
+            net,
+            seed,
+            block_exp_ms: 0,
+            slow_after_windows: 0,
+            delays: Vec::new(),
+            parents: vec![None],
+            attach: vec![0],
+        }
+    }
+
+    fn leaf(&self, w: usize) -> usize {
+        self.attach[w % self.attach.len()]
     }
 }
 
@@ -60,11 +84,27 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
     let mut spec = JobSpec::with_sources(7, cfg.workers as u16, cfg.slots, cfg.epp as u32);
     spec.block_exp_ms = cfg.block_exp_ms;
     spec.slow_after_windows = cfg.slow_after_windows;
-    let mut shards: Vec<ValueSwitch<Node>> = (0..cfg.shards)
-        .map(|s| {
-            let mut sw = ValueSwitch::new(ShardConfig { shard: s, shard_count: cfg.shards, ..ShardConfig::single(1 << 32) });
-            sw.add_job(spec.clone()).unwrap();
-            sw
+    spec.workers = cfg.workers as u16;
+    // every switch of the tree: its children are its workers and the ranks
+    // of its child switches; all but the root send up
+    let mut switches: Vec<Vec<ValueSwitch<Node>>> = (0..cfg.parents.len())
+        .map(|i| {
+            let mut members: Vec<u16> = (0..cfg.workers).filter(|&w| cfg.leaf(w) == i).map(|w| w as u16).collect();
+            members.extend((0..cfg.parents.len()).filter(|&c| cfg.parents[c] == Some(i)).map(|c| SWITCH_RANK_BASE + c as u16));
+            let spec = JobSpec { members, ..spec.clone() };
+            (0..cfg.shards)
+                .map(|s| {
+                    let mut sw =
+                        ValueSwitch::new(ShardConfig { shard: s, shard_count: cfg.shards, ..ShardConfig::single(1 << 32) });
+                    sw.add_job(spec.clone()).unwrap();
+                    let uplink = cfg.parents[i].map(|p| Uplink {
+                        parent: (0..cfg.shards).map(|k| Node::Shard(p, k)).collect(),
+                        rank: SWITCH_RANK_BASE + i as u16,
+                    });
+                    sw.set_uplink(7, uplink).unwrap();
+                    sw
+                })
+                .collect()
         })
         .collect();
     let mut sessions: Vec<AllreduceSession> = (0..cfg.workers)
@@ -135,7 +175,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
             let mut out = VecTransmit::new();
             while s.poll_transmit(now, &mut out) > 0 {}
             for (shard, bytes) in out.drain() {
-                send(&mut wire, &mut rng, now, Node::Worker(w), Node::Shard(shard), bytes);
+                send(&mut wire, &mut rng, now, Node::Worker(w), Node::Shard(cfg.leaf(w), shard), bytes);
             }
         }
         // Re-poll events produced by begin() finishing instantly (empty tensors).
@@ -146,7 +186,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
         let next_timer = sessions
             .iter()
             .filter_map(|s| s.poll_timeout())
-            .chain(shards.iter().filter_map(|sw| sw.poll_timeout()))
+            .chain(switches.iter().flatten().filter_map(|sw| sw.poll_timeout()))
             .chain(pending.iter().flatten().map(|(at, _)| *at))
             .min();
         let next_wire = wire.peek().map(|Reverse((t, ..))| Time::from_nanos(*t));
@@ -166,17 +206,25 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
             }
             let Reverse((_, _, from, to, bytes)) = wire.pop().unwrap();
             match to {
-                Node::Shard(s) => {
+                Node::Shard(i, s) => {
                     let mut out = VecTransmit::new();
                     let mut target = s;
                     loop {
-                        match shards[target as usize].handle_datagram(now, from, &bytes, &mut out) {
+                        match switches[i][target as usize].handle_datagram(now, from, &bytes, &mut out) {
                             Verdict::Consumed => break,
                             Verdict::WrongShard(o) => target = o,
+                            Verdict::Joined { job_id, member, start } => {
+                                for (k, sw) in switches[i].iter_mut().enumerate() {
+                                    if k != target as usize {
+                                        sw.admit_joiner(job_id, member, start);
+                                    }
+                                }
+                                break;
+                            }
                         }
                     }
                     for (dest, b) in out.drain() {
-                        send(&mut wire, &mut rng, now, Node::Shard(target), dest, b);
+                        send(&mut wire, &mut rng, now, Node::Shard(i, target), dest, b);
                     }
                 }
                 Node::Worker(w) => sessions[w].handle_datagram(now, &bytes),
@@ -187,12 +235,14 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
                 s.handle_timeout(now);
             }
         }
-        for (i, sw) in shards.iter_mut().enumerate() {
-            if sw.poll_timeout().is_some_and(|t| t <= now) {
-                let mut out = VecTransmit::new();
-                sw.handle_timeout(now, &mut out);
-                for (dest, b) in out.drain() {
-                    send(&mut wire, &mut rng, now, Node::Shard(i as u16), dest, b);
+        for (i, shards) in switches.iter_mut().enumerate() {
+            for (k, sw) in shards.iter_mut().enumerate() {
+                if sw.poll_timeout().is_some_and(|t| t <= now) {
+                    let mut out = VecTransmit::new();
+                    sw.handle_timeout(now, &mut out);
+                    for (dest, b) in out.drain() {
+                        send(&mut wire, &mut rng, now, Node::Shard(i, k as u16), dest, b);
+                    }
                 }
             }
         }
@@ -548,5 +598,65 @@ proptest! {
                 }
             }
         }
+    }
+}
+
+/// Tree shapes for the multi-level tests: `(parents, attach)`.
+fn tree_shape(kind: u8) -> (Vec<Option<usize>>, Vec<usize>) {
+    match kind {
+        // root with two leaves
+        0 => (vec![None, Some(0), Some(0)], vec![1, 2]),
+        // three levels: root 0, middles 1 and 2, leaves 3, 4 (under 1) and 5 (under 2)
+        1 => (vec![None, Some(0), Some(0), Some(1), Some(1), Some(2)], vec![3, 4, 5]),
+        // mixed children: workers on the root, a middle and a leaf
+        2 => (vec![None, Some(0), Some(1)], vec![0, 1, 2]),
+        // a chain of three switches with every worker at the bottom
+        _ => (vec![None, Some(0), Some(1)], vec![2]),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Multi-level aggregation with loss, duplication and reordering on
+    /// every hop, switch to switch included: exact sums, no block degraded,
+    /// nothing counted twice at any level.
+    #[test]
+    fn tree_int32_exact_under_loss_on_every_hop(
+        workers in 3usize..=12, // every leaf of every shape gets a worker
+        len in prop_oneof![1usize..=10, 1usize..=3_000],
+        shape in 0u8..=3,
+        shards in 1u16..=2,
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.3,
+        dup in 0.0f64..=0.1,
+        seed in any::<u64>(),
+    ) {
+        let mut cfg = Run::new(workers, shards, 64, slots, slots, net(loss, dup, 40_000), seed);
+        (cfg.parents, cfg.attach) = tree_shape(shape);
+        let inputs = int_inputs(workers, len, seed);
+        let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
+        check_int(&inputs, &outcomes);
+        for o in &outcomes {
+            prop_assert_eq!(o.min_src_cnt as usize, workers, "every block sums every worker");
+        }
+    }
+
+    /// Float blocks negotiate their exponent through the tree (exponent
+    /// rounds go up and come down, lookahead exponents ride on results).
+    #[test]
+    fn tree_float32_within_bound_under_loss(
+        workers in 3usize..=8,
+        len in 1usize..=3_000,
+        shape in 0u8..=3,
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.2,
+        seed in any::<u64>(),
+    ) {
+        let mut cfg = Run::new(workers, 2, 64, slots, slots, net(loss, 0.05, 40_000), seed);
+        (cfg.parents, cfg.attach) = tree_shape(shape);
+        let inputs = float_inputs(workers, len, seed);
+        let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::F32).collect());
+        check_float(&inputs, &outcomes, 64);
     }
 }

@@ -45,7 +45,8 @@ struct Session {
 impl Session {
     #[new]
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
-                        rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true))]
+                        rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true,
+                        recv_drop=0.0, sync_join=false, align_blocks=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -62,6 +63,9 @@ impl Session {
         join_timeout_s: f64,
         dead_after_s: f64,
         offload: bool,
+        recv_drop: f64,
+        sync_join: bool,
+        align_blocks: u32,
     ) -> PyResult<Self> {
         let addr: SocketAddr = switch
             .parse()
@@ -82,6 +86,9 @@ impl Session {
         o.session.join_timeout = secs("join_timeout_s", join_timeout_s)?;
         o.session.dead_after = secs("dead_after_s", dead_after_s)?;
         o.send_drop = send_drop;
+        o.recv_drop = recv_drop;
+        o.session.sync_join = sync_join;
+        o.session.align_blocks = align_blocks;
         o.seed = seed;
         o.offload = offload;
         let inner = py.detach(|| HostSession::connect(o)).map_err(host_err)?;
@@ -229,7 +236,7 @@ impl Switch {
             serde_json::from_str(job_json).map_err(|e| PyValueError::new_err(format!("invalid job: {e}")))?;
         let spec = job.to_spec().map_err(|m| PyValueError::new_err(format!("invalid job: {m}")))?;
         let core = self.handle()?.core().clone();
-        py.detach(|| core.admit_job(spec)).map_err(|e| FaninRefused::new_err(e.to_string()))
+        py.detach(|| core.admit_job(fanin_switch::JobEntry { spec, tree: None })).map_err(|e| FaninRefused::new_err(e.to_string()))
     }
 
     fn remove_job(&self, py: Python<'_>, job_id: u32) -> PyResult<()> {

@@ -154,6 +154,9 @@ pub struct JobConfig {
     pub slow_after_windows: u32,
     #[serde(default)]
     pub mode: JobMode,
+    /// Workers in the whole job (aggregation trees); 0 = the member count.
+    #[serde(default)]
+    pub workers: u16,
 }
 
 fn default_data_addr() -> SocketAddr {
@@ -275,6 +278,7 @@ impl JobConfig {
             block_exp_ms: self.block_exp_ms,
             slow_after_windows: self.slow_after_windows,
             mode: self.mode,
+            workers: self.workers,
         })
     }
 }

@@ -9,11 +9,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::DropInjector;
-use fanin_proto::job::JobSpec;
 use fanin_proto::switch::{AdmitError, Counters, ShardConfig, ValueSwitch};
 use fanin_udp::BatchSocket;
 
-use fanin_control::{AdmitFailure, ControlPlane, ControlServerHandle, SwitchInfo};
+use fanin_control::{AdmitFailure, ControlPlane, ControlServerHandle, JobEntry, SwitchInfo, TreeRole};
+use fanin_proto::switch::Uplink;
 
 use crate::config::DaemonConfig;
 use crate::metrics;
@@ -42,7 +42,7 @@ struct ShardLink {
 pub struct SwitchCore {
     data_addr: SocketAddr,
     shards: Vec<ShardLink>,
-    jobs: Mutex<BTreeMap<u32, JobSpec>>,
+    jobs: Mutex<BTreeMap<u32, JobEntry>>,
     incarnation: u32,
     memory_limit: u64,
     started: Instant,
@@ -50,7 +50,8 @@ pub struct SwitchCore {
 
 impl SwitchCore {
     /// Admit a job on every shard, or on none.
-    pub fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure> {
+    pub fn admit_job(&self, job: JobEntry) -> Result<(), AdmitFailure> {
+        let JobEntry { spec, tree } = job;
         spec.validate().map_err(|e| AdmitFailure::Invalid(e.to_string()))?;
         let mut jobs = self.jobs.lock().expect("jobs lock");
         if jobs.contains_key(&spec.job_id) {
@@ -61,7 +62,7 @@ impl SwitchCore {
             let (reply, answer) = mpsc::sync_channel(1);
             let result = shard
                 .commands
-                .send(Command::AddJob(spec.clone(), reply))
+                .send(Command::AddJob(spec.clone(), uplink(tree), reply))
                 .ok()
                 .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
             match result {
@@ -85,7 +86,46 @@ impl SwitchCore {
                 }
             }
         }
-        jobs.insert(spec.job_id, spec);
+        jobs.insert(spec.job_id, JobEntry { spec, tree });
+        Ok(())
+    }
+
+    /// Change a job on every shard (members, workers, tree role). The spec
+    /// is checked against the admitted one first, so either every shard
+    /// takes the change or none does.
+    pub fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
+        let JobEntry { spec, tree } = job;
+        spec.validate().map_err(|e| AdmitFailure::Invalid(e.to_string()))?;
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        let Some(entry) = jobs.get_mut(&spec.job_id) else {
+            return Err(AdmitFailure::NotFound(format!("job {} does not exist", spec.job_id)));
+        };
+        let old = &entry.spec;
+        for (field, same) in [
+            ("block_cnt_max", old.block_cnt_max == spec.block_cnt_max),
+            ("block_grad_max", old.block_grad_max == spec.block_grad_max),
+            ("block_exp_ms", old.block_exp_ms == spec.block_exp_ms),
+            ("slow_after_windows", old.slow_after_windows == spec.slow_after_windows),
+            ("mode", old.mode == spec.mode),
+        ] {
+            if !same {
+                return Err(AdmitError::Immutable { job_id: spec.job_id, field }.into());
+            }
+        }
+        for (i, shard) in self.shards.iter().enumerate() {
+            let (reply, answer) = mpsc::sync_channel(1);
+            let result = shard
+                .commands
+                .send(Command::UpdateJob(spec.clone(), uplink(tree), awaiting.clone(), reply))
+                .ok()
+                .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
+            match result {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(AdmitFailure::Internal(format!("shard {i} did not answer"))),
+            }
+        }
+        *entry = JobEntry { spec, tree };
         Ok(())
     }
 
@@ -103,7 +143,7 @@ impl SwitchCore {
         Ok(())
     }
 
-    pub fn list_jobs(&self) -> Vec<JobSpec> {
+    pub fn list_jobs(&self) -> Vec<JobEntry> {
         self.jobs.lock().expect("jobs lock").values().cloned().collect()
     }
 
@@ -170,13 +210,16 @@ impl SwitchCore {
 /// The gRPC control API drives the switch through the same methods the
 /// config file and the Python bindings use.
 impl ControlPlane for SwitchCore {
-    fn admit_job(&self, spec: JobSpec) -> Result<(), AdmitFailure> {
-        SwitchCore::admit_job(self, spec)
+    fn admit_job(&self, job: JobEntry) -> Result<(), AdmitFailure> {
+        SwitchCore::admit_job(self, job)
+    }
+    fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
+        SwitchCore::update_job(self, job, awaiting)
     }
     fn remove_job(&self, job_id: u32) -> Result<(), String> {
         SwitchCore::remove_job(self, job_id)
     }
-    fn list_jobs(&self) -> Vec<JobSpec> {
+    fn list_jobs(&self) -> Vec<JobEntry> {
         SwitchCore::list_jobs(self)
     }
     fn info(&self) -> SwitchInfo {
@@ -259,7 +302,7 @@ impl SwitchHandle {
             Self { core: core.clone(), shutdown: shutdown.clone(), threads, metrics_addr: None, control: None };
         for job in &config.jobs {
             let spec = job.to_spec().map_err(|m| StartError::Job(AdmitFailure::Invalid(m)))?;
-            if let Err(e) = core.admit_job(spec) {
+            if let Err(e) = core.admit_job(JobEntry { spec, tree: None }) {
                 handle.stop();
                 return Err(StartError::Job(e));
             }
@@ -368,6 +411,11 @@ fn bind_data_ports(base: SocketAddr, shards: u16) -> Result<Vec<BatchSocket>, St
         }
     }
     Err(last_err.expect("at least one attempt failed"))
+}
+
+/// The shard programs' form of a tree role: one parent address per shard.
+fn uplink(tree: Option<TreeRole>) -> Option<Uplink<SocketAddr>> {
+    tree.map(|t| Uplink { parent: t.parent_addrs(), rank: t.rank })
 }
 
 fn new_incarnation() -> u32 {

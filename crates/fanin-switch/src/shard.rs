@@ -17,17 +17,20 @@ use std::time::{Duration, Instant};
 
 use fanin_proto::fault::DropInjector;
 use fanin_proto::job::JobSpec;
-use fanin_proto::switch::{AdmitError, Counters, ValueSwitch, Verdict};
+use fanin_proto::switch::{AdmitError, Counters, Uplink, ValueSwitch, Verdict};
 use fanin_proto::trim::{return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 
 /// Requests from the control plane and from sibling shards.
 pub(crate) enum Command {
-    AddJob(JobSpec, SyncSender<Result<(), AdmitError>>),
+    AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
+    UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     RemoveJob(u32, SyncSender<bool>),
     /// A datagram received by another shard for a block this shard owns.
     Handover(SocketAddr, Vec<u8>),
+    /// Another shard passed on a joiner's sync answer: (job, member, start).
+    AdmitJoiner(u32, u16, u32),
 }
 
 /// What a shard publishes for metrics and the control API.
@@ -147,9 +150,20 @@ impl ShardThread {
                         self.trimmed += 1;
                         continue;
                     }
-                    if let Verdict::WrongShard(owner) = self.switch.handle_datagram(now, from, bytes, &mut out) {
-                        if let Some(peer) = self.peers.get(owner as usize) {
-                            let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                    match self.switch.handle_datagram(now, from, bytes, &mut out) {
+                        Verdict::Consumed => {}
+                        Verdict::WrongShard(owner) => {
+                            if let Some(peer) = self.peers.get(owner as usize) {
+                                let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                            }
+                        }
+                        // A joiner's start: every shard holds some of its blocks.
+                        Verdict::Joined { job_id, member, start } => {
+                            for (i, peer) in self.peers.iter().enumerate() {
+                                if i != self.switch.config().shard as usize {
+                                    let _ = peer.send(Command::AdmitJoiner(job_id, member, start));
+                                }
+                            }
                         }
                     }
                 }
@@ -177,11 +191,32 @@ impl ShardThread {
     fn drain_commands(&mut self, tx: &mut SendBatch, discard: &mut Vec<u8>) {
         loop {
             match self.commands.try_recv() {
-                Ok(Command::AddJob(spec, reply)) => {
-                    let _ = reply.send(self.switch.add_job(spec));
+                Ok(Command::AddJob(spec, uplink, reply)) => {
+                    let job_id = spec.job_id;
+                    let result = self.switch.add_job(spec).and_then(|()| {
+                        self.switch.set_uplink(job_id, uplink).inspect_err(|_| {
+                            self.switch.remove_job(job_id);
+                        })
+                    });
+                    let _ = reply.send(result);
+                }
+                Ok(Command::UpdateJob(spec, uplink, awaiting, reply)) => {
+                    let now = self.now();
+                    let mut out = SocketTx {
+                        socket: &self.socket,
+                        batch: tx,
+                        egress: &mut self.egress,
+                        discard,
+                        stats: &self.stats,
+                    };
+                    let _ = reply.send(self.switch.update_job(now, spec, uplink, &awaiting, &mut out));
+                    flush(&self.socket, tx, &self.stats);
                 }
                 Ok(Command::RemoveJob(id, reply)) => {
                     let _ = reply.send(self.switch.remove_job(id));
+                }
+                Ok(Command::AdmitJoiner(job_id, member, start)) => {
+                    self.switch.admit_joiner(job_id, member, start);
                 }
                 Ok(Command::Handover(from, bytes)) => {
                     let now = Time::from_nanos(self.epoch.elapsed().as_nanos() as u64);

@@ -36,6 +36,12 @@ pub enum MessageType {
     /// source, `age_op` the new status, `src_cnt` the sources the job now
     /// waits for, `block_id` the block at which it took effect.
     Membership = 0x07,
+    /// Switch → parent switch: a worker below asks the tree's root for the
+    /// current block offset (the SwitchML++ sync message). `src_id` is the
+    /// forwarding switch's rank at its parent; the body names the worker
+    /// that asked. The root answers with a `JoinAck` whose `src_id` is that
+    /// worker, relayed down hop by hop.
+    Sync = 0x08,
     /// Key-value sender → switch → receiver: bitmap + tuple slots (ASK).
     KvData = 0x20,
     /// Key-value sender → switch → receiver: tuples whose keys bypass the
@@ -77,6 +83,7 @@ impl MessageType {
             0x05 => Self::JoinAck,
             0x06 => Self::Nack,
             0x07 => Self::Membership,
+            0x08 => Self::Sync,
             0x20 => Self::KvData,
             0x21 => Self::KvLongData,
             0x22 => Self::KvAck,

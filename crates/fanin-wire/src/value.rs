@@ -92,6 +92,7 @@ fn body_len(msg_type: MessageType, grad_cnt: u16) -> usize {
         }
         MessageType::Join | MessageType::Membership => 0,
         MessageType::JoinAck => JoinParams::LEN,
+        MessageType::Sync => SyncRequest::LEN,
         MessageType::Nack => Nack::LEN,
         // Rejected as WrongService by `Packet::check` before this is asked.
         _ => 0,
@@ -528,10 +529,45 @@ impl TrimCause {
     }
 }
 
+/// Body of a `Sync`: `origin u16 | reserved u16 | align_blocks u32`: the
+/// worker whose join the request forwards, and the blocks per allreduce of
+/// the job's stream, so the root answers an allreduce boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncRequest {
+    pub origin: u16,
+    pub align_blocks: u32,
+}
+
+impl SyncRequest {
+    pub const LEN: usize = 8;
+
+    pub fn parse(body: &[u8]) -> Result<Self, WireError> {
+        if body.len() < Self::LEN {
+            return Err(WireError::Truncated { needed: Self::LEN, got: body.len() });
+        }
+        Ok(Self {
+            origin: u16::from_be_bytes([body[0], body[1]]),
+            align_blocks: u32::from_be_bytes([body[4], body[5], body[6], body[7]]),
+        })
+    }
+
+    pub fn emit(&self, body: &mut [u8]) {
+        body[0..2].copy_from_slice(&self.origin.to_be_bytes());
+        body[2..4].copy_from_slice(&[0, 0]);
+        body[4..8].copy_from_slice(&self.align_blocks.to_be_bytes());
+    }
+}
+
 /// Status carried in `age_op` of a [`MessageType::Membership`] notice.
 pub const MEMBERSHIP_SLOW: u8 = 1;
 /// See [`MEMBERSHIP_SLOW`].
 pub const MEMBERSHIP_READMITTED: u8 = 2;
+/// `age_op` of a `Join` from a worker joining a running job: it asks for the
+/// job's current block offset (the SwitchML++ sync, answered by the tree's
+/// root) instead of the start of the stream (0: joining with the others).
+/// Its `block_id` carries the blocks per allreduce of the job's stream, so
+/// the answer is an allreduce boundary.
+pub const JOIN_SYNC: u8 = 1;
 /// `age_op` of a result the switch emitted because the block aged out.
 pub const AGE_OP_AGED: u8 = 1;
 

@@ -101,6 +101,8 @@ class ControlClient:
         block_exp_ms: int = 0,
         mode: str = "aggregate",
         slow_after_windows: int = 2,
+        workers: int = 0,
+        tree: Optional[Dict[str, Any]] = None,
     ) -> None:
         """Admit a job; ``members`` are the source ids (ranks) of its workers.
 
@@ -110,27 +112,29 @@ class ControlClient:
         the straggler timeout (0 disables aging), ``mode`` ``"aggregate"`` or
         ``"forward"`` (the NoAggr baseline), ``slow_after_windows`` (K) the
         windows a source may miss before it is declared permanently slow.
+
+        In an aggregation tree (SwitchML++), ``members`` are the switch's
+        children (worker ranks, and child switches' ranks from 2048 up),
+        ``workers`` the job's worker count (0 = len(members)) and ``tree``
+        the non-root role ``{"parent_addr": "ip:port", "parent_shards": n,
+        "rank": r}`` (None: the root, or the only switch).
         """
-        try:
-            mode_value = MODES[mode]
-        except KeyError:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}") from None
-        members = [int(m) for m in members]
-        for value, what in [(job_id, "job_id"), (block_cnt_max, "block_cnt_max"),
-                            (block_grad_max, "block_grad_max"), (block_exp_ms, "block_exp_ms"),
-                            (slow_after_windows, "slow_after_windows"),
-                            *((m, "member id") for m in members)]:
-            _check_u32(value, what)
-        spec = pb.JobSpec(
-            job_id=job_id,
-            members=members,
-            block_cnt_max=block_cnt_max,
-            block_grad_max=block_grad_max,
-            block_exp_ms=block_exp_ms,
-            slow_after_windows=slow_after_windows,
-            mode=mode_value,
-        )
-        self._call("AdmitJob", pb.AdmitJobRequest(spec=spec))
+        self._call("AdmitJob", pb.AdmitJobRequest(spec=_job_spec(
+            job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows, workers, tree)))
+
+    def update_job(self, job: Dict[str, Any], awaiting: Iterable[int] = ()) -> None:
+        """Change a running job in place: ``job`` as :meth:`list_jobs` gives
+        it, with new ``members``, ``workers`` or ``tree`` (the other fields
+        must stay as admitted: ``FAILED_PRECONDITION`` otherwise). New
+        members listed in ``awaiting`` join a running job: blocks wait for
+        them only from the start block their sync names."""
+        spec = _job_spec(job["job_id"], job["members"], job["block_cnt_max"], job["block_grad_max"],
+                         job["block_exp_ms"], job["mode"], job["slow_after_windows"], job.get("workers", 0),
+                         job.get("tree"))
+        awaiting = [int(m) for m in awaiting]
+        for m in awaiting:
+            _check_u32(m, "awaiting member")
+        self._call("UpdateJob", pb.UpdateJobRequest(spec=spec, awaiting=awaiting))
 
     def remove_job(self, job_id: int) -> None:
         """Remove a job and free its memory (``NOT_FOUND`` if unknown)."""
@@ -169,6 +173,38 @@ def _check_u32(value: int, what: str) -> None:
         raise ValueError(f"{what} must be an integer in 0..2**32, not {value!r}")
 
 
+def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows,
+              workers, tree) -> "pb.JobSpec":
+    try:
+        mode_value = MODES[mode]
+    except KeyError:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}") from None
+    members = [int(m) for m in members]
+    for value, what in [(job_id, "job_id"), (block_cnt_max, "block_cnt_max"),
+                        (block_grad_max, "block_grad_max"), (block_exp_ms, "block_exp_ms"),
+                        (slow_after_windows, "slow_after_windows"), (workers, "workers"),
+                        *((m, "member id") for m in members)]:
+        _check_u32(value, what)
+    spec = pb.JobSpec(
+        job_id=job_id,
+        members=members,
+        block_cnt_max=block_cnt_max,
+        block_grad_max=block_grad_max,
+        block_exp_ms=block_exp_ms,
+        slow_after_windows=slow_after_windows,
+        mode=mode_value,
+    )
+    if workers:
+        spec.workers = workers
+    if tree is not None:
+        unknown = set(tree) - {"parent_addr", "parent_shards", "rank"}
+        if unknown:
+            raise ValueError(f"tree has unknown keys {sorted(unknown)} (parent_addr, parent_shards, rank)")
+        spec.tree.CopyFrom(pb.TreeRole(parent_addr=str(tree["parent_addr"]),
+                                       parent_shards=int(tree.get("parent_shards", 1)), rank=int(tree["rank"])))
+    return spec
+
+
 def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
     return {
         "job_id": j.job_id,
@@ -178,4 +214,7 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         "block_exp_ms": j.block_exp_ms,
         "slow_after_windows": j.slow_after_windows if j.HasField("slow_after_windows") else 2,
         "mode": _MODE_NAMES.get(j.mode, f"unknown({j.mode})"),
+        "workers": j.workers if j.HasField("workers") else 0,
+        "tree": ({"parent_addr": j.tree.parent_addr, "parent_shards": j.tree.parent_shards, "rank": j.tree.rank}
+                 if j.HasField("tree") else None),
     }

@@ -47,7 +47,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, MAX_GRAD_CNT, MEMBERSHIP_READMITTED,
+    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_SYNC, MAX_GRAD_CNT, MEMBERSHIP_READMITTED,
     MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
@@ -82,6 +82,15 @@ pub struct SessionConfig {
     /// straggler that fell behind finds the partial results the switch
     /// pushed to every member while it was busy, instead of missing them.
     pub stash_bytes: usize,
+    /// Join a job that is already running (SwitchML++ runtime scaling): ask
+    /// the tree's root for the current block offset and start at the next
+    /// allreduce from there, instead of at the stream's start.
+    pub sync_join: bool,
+    /// Blocks per allreduce of the job's stream (every member reduces the
+    /// same tensor each step, so allreduce `k` covers blocks `[k*n, (k+1)*n)`
+    /// and is generation `k + 1`). A syncing worker needs it to line up with
+    /// the others; 0 = unknown (only valid without `sync_join`).
+    pub align_blocks: u32,
 }
 
 impl SessionConfig {
@@ -98,11 +107,16 @@ impl SessionConfig {
             dead_after: Duration::from_secs(10),
             max_burst: 64,
             stash_bytes: 64 << 20,
+            sync_join: false,
+            align_blocks: 0,
         }
     }
 
     pub fn validate(&self) -> Result<(), SessionError> {
         let bad = |msg: String| Err(SessionError::Config(msg));
+        if self.sync_join && self.align_blocks == 0 {
+            return bad("sync_join needs align_blocks (the blocks of one allreduce) to line up with the running job".into());
+        }
         if self.elems_per_packet == 0 || self.elems_per_packet as usize > MAX_GRAD_CNT {
             return bad(format!(
                 "elems_per_packet {} is out of range (1..={MAX_GRAD_CNT}, the most one UDP datagram carries)",
@@ -688,6 +702,14 @@ impl AllreduceSession {
         self.params = Some(params);
         self.n_sources = repr.src_cnt.max(1);
         self.next_block = params.next_block;
+        if self.config.sync_join {
+            // Start at the first allreduce boundary at or after the offset,
+            // as the generation the others use there.
+            let n = self.config.align_blocks;
+            let step = params.next_block.div_ceil(n);
+            self.next_block = step.wrapping_mul(n);
+            self.gen_id = step as u16; // begin() moves to step + 1
+        }
         self.window_max = self.config.window.min(params.block_cnt_max).max(1);
         self.window = self.window_max;
         self.last_heard = now;
@@ -899,7 +921,13 @@ impl AllreduceSession {
     }
 
     fn join_request(&self) -> Repr {
-        Repr { gen_id: self.gen_id, ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id) }
+        Repr {
+            gen_id: self.gen_id,
+            age_op: if self.config.sync_join { JOIN_SYNC } else { 0 },
+            // the root answers an allreduce boundary of this many blocks
+            block_id: if self.config.sync_join { self.config.align_blocks } else { 0 },
+            ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
+        }
     }
 }
 

@@ -57,6 +57,23 @@ pub struct Counters {
     pub nacks_sent: u64,
     /// NoAggr jobs: contributions returned to their sender unaggregated.
     pub forwarded: u64,
+    /// Aggregation trees: partial results (data or exponent) sent to the parent.
+    pub sent_up: u64,
+    /// Cached partial results sent to the parent again, because a child
+    /// retransmitted while the parent's answer was outstanding.
+    pub resent_up: u64,
+    /// Results (and notices, join answers) received from the parent.
+    pub from_parent: u64,
+    /// Results relayed from the parent to the children (one per child).
+    pub relayed_down: u64,
+    /// Parent datagrams for blocks this switch no longer holds, or refusals
+    /// from the parent (dropped: the children's retransmissions retry).
+    pub parent_stale: u64,
+    /// Sync requests forwarded toward the root.
+    pub syncs_forwarded: u64,
+    /// Sync requests a root left unanswered because it has not seen the
+    /// job's position yet (the worker asks again).
+    pub sync_deferred: u64,
     /// Daemon, overload: data contributions answered with a Trimmed nack
     /// before they reached the program (so not in `rx_datagrams`).
     pub trimmed: u64,
@@ -108,6 +125,13 @@ impl Counters {
         f("joins", None, self.joins);
         f("nacks_sent", None, self.nacks_sent);
         f("forwarded", None, self.forwarded);
+        f("sent_up", None, self.sent_up);
+        f("resent_up", None, self.resent_up);
+        f("from_parent", None, self.from_parent);
+        f("relayed_down", None, self.relayed_down);
+        f("parent_stale", None, self.parent_stale);
+        f("syncs_forwarded", None, self.syncs_forwarded);
+        f("sync_deferred", None, self.sync_deferred);
         f("trimmed", None, self.trimmed);
         f("socket_drops", None, self.socket_drops);
     }
@@ -120,7 +144,8 @@ impl Counters {
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
-            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded, trimmed, socket_drops
+            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

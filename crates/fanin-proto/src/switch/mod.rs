@@ -4,4 +4,4 @@ mod counters;
 mod value;
 
 pub use counters::Counters;
-pub use value::{AdmitError, AgingConfig, ShardConfig, ValueSwitch, Verdict, MAX_CHECKS, MAX_SCANNERS};
+pub use value::{AdmitError, AgingConfig, ShardConfig, Uplink, ValueSwitch, Verdict, MAX_CHECKS, MAX_SCANNERS};

@@ -46,13 +46,13 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, ELEM_LEN, EXP_NONE,
+    Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, AGE_OP_AGED, JOIN_SYNC, ELEM_LEN, EXP_NONE, HEADER_LEN,
     MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
 use super::Counters;
-use crate::job::{shard_of, JobMode, JobSpec, JobSpecError};
+use crate::job::{shard_of, JobMode, JobSpec, JobSpecError, SWITCH_RANK_BASE};
 use crate::mask::SourceMask;
 use crate::time::Time;
 use crate::transmit::Transmit;
@@ -116,6 +116,18 @@ impl AgingConfig {
     }
 }
 
+/// A non-root switch's place in a job's aggregation tree (SwitchML++): where
+/// its partial results go. A switch without one is the root (or the only
+/// switch) and sends results down to its members.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Uplink<A> {
+    /// The parent's data-plane address of each of its shards: the partial
+    /// of block `b` goes to `parent[shard_of(job, b, block_cnt_max, parent.len())]`.
+    pub parent: Vec<A>,
+    /// This switch's source id at the parent (at least `SWITCH_RANK_BASE`).
+    pub rank: u16,
+}
+
 /// Why a job was not admitted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdmitError {
@@ -127,6 +139,12 @@ pub enum AdmitError {
     OutOfMemory { job_id: u32, needed: u64, available: u64, limit: u64 },
     #[error("job {job_id}: block_exp_ms {block_exp_ms} with {scanners} scanners x {checks} checks needs a scan every {tick:?}, finer than this switch's timers keep ({min_tick:?}); use a longer block_exp_ms or fewer aging.scanners/aging.checks")]
     AgingTooFine { job_id: u32, block_exp_ms: u32, scanners: u16, checks: u8, tick: Duration, min_tick: Duration },
+    #[error("job {0} does not exist")]
+    Unknown(u32),
+    #[error("job {job_id}: {field} cannot change while the job runs (remove and re-admit it)")]
+    Immutable { job_id: u32, field: &'static str },
+    #[error("job {job_id}: tree rank {rank} must be at least {SWITCH_RANK_BASE} (ranks below name workers), and the parent needs at least one address")]
+    BadUplink { job_id: u32, rank: u16 },
 }
 
 /// What the runtime must do with a datagram after the program saw it.
@@ -137,6 +155,10 @@ pub enum Verdict {
     Consumed,
     /// The block belongs to shard `n`; hand the datagram to it unchanged.
     WrongShard(u16),
+    /// Handled, and a member joining a running job now starts at block
+    /// `start`: every other shard of this switch must learn it too
+    /// ([`ValueSwitch::admit_joiner`]), since each holds its own blocks.
+    Joined { job_id: u32, member: u16, start: u32 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +167,12 @@ enum Phase {
     Exponent,
     /// Collecting data contributions.
     Data,
+    /// Non-root switch: the exponent partial went to the parent; waiting
+    /// for the parent's exponent.
+    ExponentUp,
+    /// Non-root switch: the data partial went to the parent; waiting for the
+    /// parent's result.
+    DataUp,
     /// Result emitted; kept for retransmissions.
     Done,
 }
@@ -183,6 +211,16 @@ struct Block {
     idle_checks: u8,
     /// The block aged out (in either phase): its result is partial.
     aged: bool,
+    /// Workers summed in the current phase: one per worker, a child
+    /// switch's `src_cnt` per switch.
+    workers: u16,
+    /// A child switch's partial was itself partial.
+    child_degraded: bool,
+    /// Non-root switch: `(src_cnt, degraded)` of the parent's result, which
+    /// is what the children get.
+    parent_result: Option<(u16, bool)>,
+    /// The parent refused the block as expired: the children are told so.
+    expired_up: bool,
 }
 
 impl Block {
@@ -207,11 +245,29 @@ impl Block {
             referenced: false,
             idle_checks: 0,
             aged: false,
+            workers: 0,
+            child_degraded: false,
+            parent_result: None,
+            expired_up: false,
         }
     }
 
     fn is_open(&self) -> bool {
         self.phase != Phase::Done
+    }
+
+    /// Collecting from the children (not waiting for the parent, not done):
+    /// the phases the scanners age and slow-source declarations close.
+    fn aggregating(&self) -> bool {
+        matches!(self.phase, Phase::Exponent | Phase::Data)
+    }
+
+    /// Start a phase's collection afresh (the exponent round ended).
+    fn restart_collection(&mut self) {
+        self.rcvd.clear();
+        self.expected_rcvd = 0;
+        self.workers = 0;
+        self.child_degraded = false;
     }
 
     /// Every source the block waits for has contributed in this phase, and
@@ -221,11 +277,13 @@ impl Block {
         self.expected_rcvd >= self.expected_count && !self.rcvd.is_empty()
     }
 
-    /// Count `src` in the current phase; false if it already was.
-    fn receive(&mut self, src: usize) -> bool {
+    /// Count `src` (summing `weight` workers) in the current phase; false
+    /// if it already was.
+    fn receive(&mut self, src: usize, weight: u16) -> bool {
         if !self.rcvd.insert(src) {
             return false;
         }
+        self.workers = self.workers.saturating_add(weight);
         if self.expected.contains(src) {
             self.expected_rcvd += 1;
         }
@@ -255,6 +313,10 @@ impl Block {
         self.grad_cnt = 0;
         self.exp = EXP_NONE;
         self.next_exp = EXP_NONE;
+        if self.rcvd.capacity() < active.capacity() {
+            // the job grew (a member with a larger id joined)
+            self.rcvd = SourceMask::with_capacity(active.capacity());
+        }
         self.rcvd.clear();
         self.start_time = now;
         self.expected.clone_from(active);
@@ -263,19 +325,30 @@ impl Block {
         self.referenced = true;
         self.idle_checks = 0;
         self.aged = false;
+        self.workers = 0;
+        self.child_degraded = false;
+        self.parent_result = None;
+        self.expired_up = false;
     }
 
     /// Header of this block's result (exponent-only while negotiating).
     fn result_repr(&self, job_id: u32, exp_only: bool, member_count: u16) -> Repr {
+        let (src_cnt, degraded) = match self.parent_result {
+            Some(from_parent) => from_parent,
+            None => (
+                self.workers,
+                self.aged || self.child_degraded || (self.rcvd.count() as u16) < member_count,
+            ),
+        };
         Repr {
             msg_type: MessageType::Result,
             age_op: if self.aged { AGE_OP_AGED } else { 0 },
             final_block: self.final_block,
-            degraded: !exp_only && (self.aged || (self.rcvd.count() as u16) < member_count),
+            degraded: !exp_only && degraded,
             exp_only,
             dtype: self.dtype,
             src_id: 0,
-            src_cnt: self.rcvd.count() as u16,
+            src_cnt,
             gen_id: self.gen_id,
             job_id,
             block_id: self.block_id,
@@ -315,6 +388,20 @@ struct Job<A> {
     /// Blocks still aggregating on this shard (the scanners idle at zero).
     open_blocks: usize,
     aging: Option<JobAging>,
+    /// Where partial results go; none at the root.
+    uplink: Option<Uplink<A>>,
+    /// Sync requests forwarded toward the root: requesting worker -> the
+    /// child it came through, so the root's answer finds its way down.
+    pending_sync: HashMap<u16, u16>,
+    /// Members added to a running job that are not waited for until their
+    /// sync answer passes this switch (it tells where they start).
+    awaiting: SourceMask,
+    /// Members that start at a later block than the stream: blocks before
+    /// it do not wait for them.
+    start_of: HashMap<u16, u32>,
+    /// Root: the start block answered to each syncing worker, answered
+    /// again to a repeated request so every switch on its path agrees.
+    sync_answers: HashMap<u16, u32>,
 }
 
 /// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
@@ -349,7 +436,7 @@ pub struct ValueSwitch<A> {
     scratch: Vec<u8>,
 }
 
-impl<A: Copy> ValueSwitch<A> {
+impl<A: Copy + PartialEq> ValueSwitch<A> {
     pub fn new(config: ShardConfig) -> Self {
         Self { config, jobs: HashMap::new(), memory_used: 0, counters: Counters::default(), scratch: Vec::new() }
     }
@@ -457,6 +544,11 @@ impl<A: Copy> ValueSwitch<A> {
                 open_blocks: 0,
                 aging,
                 spec,
+                uplink: None,
+                pending_sync: HashMap::new(),
+                awaiting: SourceMask::with_capacity(capacity),
+                start_of: HashMap::new(),
+                sync_answers: HashMap::new(),
             },
         );
         Ok(())
@@ -471,6 +563,134 @@ impl<A: Copy> ValueSwitch<A> {
             }
             None => false,
         }
+    }
+
+    /// This shard's tree role for `job_id` (none: root or single switch).
+    pub fn uplink(&self, job_id: u32) -> Option<&Uplink<A>> {
+        self.jobs.get(&job_id).and_then(|j| j.uplink.as_ref())
+    }
+
+    /// Change an admitted job while it runs (SwitchML++ runtime scaling):
+    /// its members (in a tree: its children), its worker count and its
+    /// tree role. Caps, timeout and mode cannot change. Open blocks stop
+    /// waiting for members that left (which may complete them now). New
+    /// members are waited for in new blocks, except those listed in
+    /// `awaiting` (joining a running job): they are waited for only from
+    /// the start block their sync answer names, once it passes this switch.
+    /// A switch that becomes the root finishes the blocks it had sent up
+    /// with what it has.
+    pub fn update_job(
+        &mut self,
+        now: Time,
+        spec: JobSpec,
+        uplink: Option<Uplink<A>>,
+        awaiting: &[u16],
+        out: &mut impl Transmit<A>,
+    ) -> Result<(), AdmitError> {
+        spec.validate()?;
+        let job_id = spec.job_id;
+        if let Some(up) = &uplink {
+            if up.rank < SWITCH_RANK_BASE || up.parent.is_empty() {
+                return Err(AdmitError::BadUplink { job_id, rank: up.rank });
+            }
+        }
+        let Some(job) = self.jobs.get_mut(&job_id) else { return Err(AdmitError::Unknown(job_id)) };
+        let old = &job.spec;
+        for (field, same) in [
+            ("block_cnt_max", old.block_cnt_max == spec.block_cnt_max),
+            ("block_grad_max", old.block_grad_max == spec.block_grad_max),
+            ("block_exp_ms", old.block_exp_ms == spec.block_exp_ms),
+            ("slow_after_windows", old.slow_after_windows == spec.slow_after_windows),
+            ("mode", old.mode == spec.mode),
+        ] {
+            if !same {
+                return Err(AdmitError::Immutable { job_id, field });
+            }
+        }
+        let capacity = spec.source_capacity().max(job.members.capacity());
+        job.members.grow(capacity);
+        job.active.grow(capacity);
+        job.awaiting.grow(capacity);
+        if job.addrs.len() < capacity {
+            job.addrs.resize(capacity, None);
+            job.missed_streak.resize(capacity, 0);
+        }
+        for slot in &mut job.slots {
+            for block in [&mut slot.cur, &mut slot.prev, &mut slot.spare].into_iter().flatten() {
+                block.rcvd.grow(capacity);
+                block.expected.grow(capacity);
+            }
+        }
+        let mut new_members = SourceMask::with_capacity(capacity);
+        for &m in &spec.members {
+            new_members.insert(m as usize);
+        }
+        let left: Vec<usize> = job.members.iter().filter(|&m| !new_members.contains(m)).collect();
+        let joined: Vec<usize> = new_members.iter().filter(|&m| !job.members.contains(m)).collect();
+        for &m in &joined {
+            if awaiting.contains(&(m as u16)) {
+                job.awaiting.insert(m);
+            } else {
+                job.active.insert(m);
+            }
+            job.missed_streak[m] = 0;
+        }
+        for &m in &left {
+            job.active.remove(m);
+            job.awaiting.remove(m);
+            job.start_of.remove(&(m as u16));
+            job.addrs[m] = None;
+            job.pending_sync.retain(|_, via| *via as usize != m);
+        }
+        job.members = new_members;
+        job.member_count = job.members.count() as u16;
+        job.spec = spec;
+        let became_root = job.uplink.is_some() && uplink.is_none();
+        job.uplink = uplink;
+        let _ = now;
+        // No block waits for a member that left.
+        let mut newly_slow = Vec::new();
+        for local in 0..job.slots.len() {
+            let Some(block) = job.slots[local].cur.as_mut() else { continue };
+            if block.aggregating() {
+                for &m in &left {
+                    block.forget(m);
+                }
+                if block.satisfied() {
+                    close_phase(job, local, &mut self.counters, out, &mut self.scratch, &mut newly_slow);
+                }
+            } else if became_root && matches!(block.phase, Phase::ExponentUp | Phase::DataUp) {
+                // The parent is gone: this switch completes what it sent up.
+                if block.phase == Phase::DataUp {
+                    job.open_blocks += 1; // close_phase counts it done again
+                }
+                block.phase = if block.phase == Phase::ExponentUp { Phase::Exponent } else { Phase::Data };
+                close_phase(job, local, &mut self.counters, out, &mut self.scratch, &mut newly_slow);
+            }
+        }
+        settle_slow_sources(job, &mut newly_slow, &mut self.counters, out, &mut self.scratch);
+        Ok(())
+    }
+
+    /// A member added to a running job starts at block `start` (another
+    /// shard relayed its sync answer, see [`Verdict::Joined`]).
+    pub fn admit_joiner(&mut self, job_id: u32, member: u16, start: u32) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            admit_joiner(job, member, start);
+        }
+    }
+
+    /// Set the tree role of an admitted job (at admission: the controller
+    /// admits, then places the job in its tree).
+    pub fn set_uplink(&mut self, job_id: u32, uplink: Option<Uplink<A>>) -> Result<(), AdmitError> {
+        if let Some(up) = &uplink {
+            if up.rank < SWITCH_RANK_BASE || up.parent.is_empty() {
+                return Err(AdmitError::BadUplink { job_id, rank: up.rank });
+            }
+        }
+        let job = self.jobs.get_mut(&job_id).ok_or(AdmitError::Unknown(job_id))?;
+        job.uplink = uplink;
+        Ok(())
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must run next: the next
@@ -515,7 +735,7 @@ impl<A: Copy> ValueSwitch<A> {
                 let (lo, hi) = (slice * n / slices as usize, (slice + 1) * n / slices as usize);
                 for local in lo..hi {
                     let Some(block) = job.slots[local].cur.as_mut() else { continue };
-                    if !block.is_open() {
+                    if !block.aggregating() {
                         continue;
                     }
                     if block.referenced {
@@ -544,15 +764,16 @@ impl<A: Copy> ValueSwitch<A> {
             }
         };
         match MessageType::from_u8(packet.msg_type_code()) {
-            Ok(MessageType::Join) => {
-                self.handle_join(from, &packet, out);
-                Verdict::Consumed
-            }
+            Ok(MessageType::Join) => self.handle_join(from, &packet, out),
             Ok(t @ (MessageType::Contribution | MessageType::Retransmission)) => {
                 if t == MessageType::Retransmission {
                     self.counters.retransmissions += 1;
                 }
                 self.handle_contribution(now, from, &packet, out)
+            }
+            Ok(MessageType::Sync) => self.handle_sync(from, &packet, out),
+            Ok(MessageType::Result | MessageType::Nack | MessageType::Membership | MessageType::JoinAck) => {
+                self.handle_from_parent(from, &packet, out)
             }
             _ => {
                 self.counters.protocol_violation += 1;
@@ -561,37 +782,202 @@ impl<A: Copy> ValueSwitch<A> {
         }
     }
 
-    fn handle_join(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) {
+    fn handle_join(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
         self.counters.joins += 1;
         let src = packet.src_id();
         let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
             self.counters.unknown_job += 1;
             send_nack(&mut self.counters, out, from, packet, NackReason::UnknownJob, packet.job_id());
-            return;
+            return Verdict::Consumed;
         };
         if !job.members.contains(src as usize) {
             self.counters.non_member += 1;
             send_nack(&mut self.counters, out, from, packet, NackReason::NotMember, src as u32);
-            return;
+            return Verdict::Consumed;
         }
         job.addrs[src as usize] = Some(from);
         // A permanently slow source that rejoins is waited for again.
-        if !job.active.contains(src as usize) {
+        if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
             readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
         }
-        let repr = Repr { src_cnt: job.member_count, ..Repr::new(MessageType::JoinAck, job.spec.job_id, src) };
-        let params = JoinParams {
-            block_cnt_max: job.spec.block_cnt_max,
-            block_grad_max: job.spec.block_grad_max,
-            block_exp_ms: job.spec.block_exp_ms,
-            incarnation: self.config.incarnation,
-            shard_count: self.config.shard_count,
-            next_block: job.start_block,
+        if packet.age_op() != JOIN_SYNC {
+            // Joining with the others: the stream's start, which every
+            // switch of the tree knows.
+            let start = job.start_block;
+            answer_join(job, &self.config, src, from, start, out);
+            return joined(job, src, start);
+        } else if job.uplink.is_some() {
+            // Only the root knows the current block offset: ask it.
+            job.pending_sync.insert(src, src);
+            forward_sync(job, src, packet.block_id(), &mut self.counters, out);
+        } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id()) {
+            answer_join(job, &self.config, src, from, start, out);
+            return joined(job, src, start);
+        } else {
+            self.counters.sync_deferred += 1;
+        }
+        Verdict::Consumed
+    }
+
+    /// A child switch forwards a worker's join toward the root.
+    fn handle_sync(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
+        let Ok(request) = SyncRequest::parse(packet.payload()) else {
+            self.counters.protocol_violation += 1;
+            return Verdict::Consumed;
         };
-        let buf = out.push(from, repr.buffer_len());
-        let mut reply = Packet::new_unchecked(&mut buf[..]);
-        repr.emit(&mut reply);
-        params.emit(reply.payload_mut());
+        let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
+            self.counters.unknown_job += 1;
+            return Verdict::Consumed;
+        };
+        let via = packet.src_id();
+        if !job.members.contains(via as usize) || via < SWITCH_RANK_BASE {
+            self.counters.non_member += 1;
+            return Verdict::Consumed;
+        }
+        job.addrs[via as usize] = Some(from);
+        job.pending_sync.insert(request.origin, via);
+        if job.uplink.is_some() {
+            forward_sync(job, request.origin, request.align_blocks, &mut self.counters, out);
+        } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks) {
+            answer_join(job, &self.config, request.origin, from, start, out);
+            return joined(job, via, start);
+        } else {
+            self.counters.sync_deferred += 1;
+        }
+        Verdict::Consumed
+    }
+
+    /// A datagram only a parent sends: a result, a refusal, a membership
+    /// notice or the answer to a sync request. Relayed down the tree.
+    fn handle_from_parent(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
+        let counters = &mut self.counters;
+        let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
+            counters.unknown_job += 1;
+            return Verdict::Consumed;
+        };
+        if !job.uplink.as_ref().is_some_and(|up| up.parent.contains(&from)) {
+            // Workers never send these; and a root has no parent.
+            counters.protocol_violation += 1;
+            return Verdict::Consumed;
+        }
+        counters.from_parent += 1;
+        let Ok(repr) = Repr::parse(packet) else {
+            counters.protocol_violation += 1;
+            return Verdict::Consumed;
+        };
+        match repr.msg_type {
+            MessageType::JoinAck => {
+                let Some(via) = job.pending_sync.remove(&repr.src_id) else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                let Some(dest) = job.addrs.get(via as usize).copied().flatten() else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                let Ok(mut params) = JoinParams::parse(packet.payload()) else {
+                    counters.protocol_violation += 1;
+                    return Verdict::Consumed;
+                };
+                // The worker talks to this switch's shards, not the root's.
+                params.incarnation = self.config.incarnation;
+                params.shard_count = self.config.shard_count;
+                let buf = out.push(dest, repr.buffer_len());
+                let mut reply = Packet::new_unchecked(&mut buf[..]);
+                repr.emit(&mut reply);
+                params.emit(reply.payload_mut());
+                return joined(job, via, params.next_block);
+            }
+            MessageType::Membership => {
+                broadcast(&job.members, &job.addrs, out, packet.into_inner(), &mut counters.notices_sent);
+            }
+            MessageType::Nack => {
+                let expired = Nack::parse(packet.payload()).is_ok_and(|n| n.reason == NackReason::BlockExpired);
+                let local = job.slot_of(repr.block_id, self.config.shard_count);
+                let slot = job.slots.get_mut(local);
+                let block = slot.and_then(|s| {
+                    [s.cur.as_mut(), s.prev.as_mut()].into_iter().flatten().find(|b| b.block_id == repr.block_id)
+                });
+                match block {
+                    Some(block) if expired && block.is_open() => {
+                        // The tree moved on without this subtree: the
+                        // children record the block as missed.
+                        if block.phase != Phase::DataUp {
+                            job.open_blocks -= 1; // still counted as aggregating
+                        }
+                        block.phase = Phase::Done;
+                        block.expired_up = true;
+                        broadcast(&job.members, &job.addrs, out, packet.into_inner(), &mut counters.relayed_down);
+                    }
+                    // Other refusals (e.g. the parent is being reprogrammed):
+                    // the children's retransmissions try again.
+                    _ => counters.parent_stale += 1,
+                }
+            }
+            MessageType::Result => {
+                let owner = shard_of(job.spec.job_id, repr.block_id, job.spec.block_cnt_max, self.config.shard_count);
+                if owner != self.config.shard {
+                    counters.wrong_shard += 1;
+                    return Verdict::WrongShard(owner);
+                }
+                let local = job.slot_of(repr.block_id, self.config.shard_count);
+                let Some(slot) = job.slots.get_mut(local) else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                let Some(block) = slot.cur.as_mut().filter(|b| b.block_id == repr.block_id && b.gen_id == repr.gen_id)
+                else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                let mut reply = Reply {
+                    job_id: job.spec.job_id,
+                    block_cnt_max: job.spec.block_cnt_max,
+                    members: &job.members,
+                    member_count: job.member_count,
+                    addrs: &job.addrs,
+                    uplink: None, // what the parent says goes down, never up again
+                    counters,
+                    from: None,
+                    out,
+                    scratch: &mut self.scratch,
+                };
+                if repr.exp_only {
+                    if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
+                        block.exp = repr.exp;
+                        announce_exponent(block, &mut reply);
+                    } else {
+                        reply.counters.parent_stale += 1;
+                    }
+                    return Verdict::Consumed;
+                }
+                match block.phase {
+                    Phase::Done => {
+                        reply.counters.parent_stale += 1;
+                        return Verdict::Consumed;
+                    }
+                    Phase::DataUp => {}
+                    // The parent completed (aged) the block before this
+                    // subtree's partial reached it.
+                    Phase::Exponent | Phase::ExponentUp | Phase::Data => job.open_blocks -= 1,
+                }
+                let n = repr.grad_cnt as usize;
+                block.sum.resize(n, 0);
+                fanin_wire::value::read_elements(packet.payload(), &mut block.sum[..n]);
+                block.grad_cnt = repr.grad_cnt;
+                block.has_data = true;
+                block.exp = repr.exp;
+                block.next_exp = repr.next_exp;
+                block.final_block = repr.final_block;
+                block.aged |= repr.age_op == AGE_OP_AGED;
+                block.parent_result = Some((repr.src_cnt, repr.degraded));
+                block.phase = Phase::Done;
+                reply.send_to_all(block, false);
+                reply.counters.relayed_down += job.member_count as u64;
+            }
+            _ => counters.protocol_violation += 1,
+        }
+        Verdict::Consumed
     }
 
     fn handle_contribution(
@@ -648,10 +1034,9 @@ impl<A: Copy> ValueSwitch<A> {
                     expired(counters, out, from, packet, job.start_block);
                     return Verdict::Consumed;
                 }
-                if block_id - job.start_block >= s {
-                    counters.out_of_window += 1;
-                    return Verdict::Consumed;
-                }
+                // The slot's first use may be any block: a worker that
+                // joined a running job (or a switch added to its tree)
+                // starts at the job's current offset, not at its start.
                 (false, true)
             }
             Some(cur) if cur.block_id == block_id => (false, false),
@@ -678,7 +1063,7 @@ impl<A: Copy> ValueSwitch<A> {
             }
         };
         if opens {
-            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active);
+            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of);
             job.open_blocks += 1;
             if let Some(aging) = job.aging.as_mut() {
                 realign_scanners(aging, now, job.open_blocks);
@@ -692,12 +1077,16 @@ impl<A: Copy> ValueSwitch<A> {
             }
             return Verdict::Consumed;
         }
+        // A child switch's partial sums `src_cnt` workers; a worker is one.
+        let weight = if src >= SWITCH_RANK_BASE as usize { packet.src_cnt().max(1) } else { 1 };
         let outcome = {
             let mut reply = Reply {
                 job_id: job.spec.job_id,
+                block_cnt_max: job.spec.block_cnt_max,
                 members: &job.members,
                 member_count: job.member_count,
                 addrs: &job.addrs,
+                uplink: job.uplink.as_ref(),
                 counters: &mut *counters,
                 from: Some(from),
                 out: &mut *out,
@@ -705,9 +1094,9 @@ impl<A: Copy> ValueSwitch<A> {
             };
             let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
             if exp_only {
-                contribute_exponent(block, src, packet.exp(), &mut reply)
+                contribute_exponent(block, src, weight, packet.exp(), &mut reply)
             } else {
-                contribute_data(block, src, packet, &mut reply)
+                contribute_data(block, src, weight, packet, &mut reply)
             }
         };
         if outcome.accepted {
@@ -730,12 +1119,131 @@ impl<A: Copy> ValueSwitch<A> {
         // A permanently slow source has caught up when it adds to an open
         // block, or sends the current block of a slot (not its shadow) even
         // if the others just completed it: it is within one window of them.
-        if (outcome.accepted || (outcome.late && !is_prev)) && !job.active.contains(src) {
+        if (outcome.accepted || (outcome.late && !is_prev)) && !job.active.contains(src) && !job.awaiting.contains(src) {
             readmit(job, src, block_id, counters, out, &mut self.scratch);
         }
         settle_slow_sources(job, &mut newly_slow, counters, out, &mut self.scratch);
         Verdict::Consumed
     }
+}
+
+/// Forward a worker's join toward the root as a Sync request.
+fn forward_sync<A: Copy>(job: &Job<A>, origin: u16, align_blocks: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
+    let Some(up) = job.uplink.as_ref() else { return };
+    let repr = Repr::new(MessageType::Sync, job.spec.job_id, up.rank);
+    let buf = out.push(up.parent[0], repr.buffer_len());
+    let mut packet = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut packet);
+    SyncRequest { origin, align_blocks }.emit(packet.payload_mut());
+    counters.syncs_forwarded += 1;
+}
+
+/// Answer a join (direct, or forwarded as a Sync) with the job's parameters
+/// and the block offset the worker starts at.
+fn answer_join<A: Copy>(
+    job: &Job<A>,
+    config: &ShardConfig,
+    origin: u16,
+    dest: A,
+    next_block: u32,
+    out: &mut impl Transmit<A>,
+) {
+    let repr = Repr { src_cnt: job.spec.worker_count(), ..Repr::new(MessageType::JoinAck, job.spec.job_id, origin) };
+    let params = JoinParams {
+        block_cnt_max: job.spec.block_cnt_max,
+        block_grad_max: job.spec.block_grad_max,
+        block_exp_ms: job.spec.block_exp_ms,
+        incarnation: config.incarnation,
+        shard_count: config.shard_count,
+        next_block,
+    };
+    let buf = out.push(dest, repr.buffer_len());
+    let mut reply = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut reply);
+    params.emit(reply.payload_mut());
+}
+
+/// The root's answer to a sync: the first allreduce boundary (multiples of
+/// `align_blocks`) at or after the sync offset. A repeated request (its
+/// answer was lost) gets the same start while the job is within a window
+/// of it, so every switch on the worker's path agrees on it.
+///
+/// None (no answer yet; the worker asks again) while this shard has seen no
+/// block but other members are active: a root that just took over (the
+/// tree grew above the old one) does not know the job's position until the
+/// old root's first partial arrives (SwitchML++ answers with an error flag
+/// in that case, for the same reason).
+fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, via: u16, align_blocks: u32) -> Option<u32> {
+    let fresh = job.slots.iter().all(|s| s.cur.is_none());
+    if fresh && job.active.iter().any(|m| m != via as usize) {
+        return None;
+    }
+    let offset = sync_offset(job, config);
+    if let Some(&start) = job.sync_answers.get(&origin) {
+        if start.saturating_add(job.spec.block_cnt_max) > offset {
+            return Some(start);
+        }
+    }
+    let align = align_blocks.max(1);
+    let start = offset.div_ceil(align).saturating_mul(align);
+    job.sync_answers.insert(origin, start);
+    Some(start)
+}
+
+/// Admit `src` from `start` here, and tell the runtime so the other shards
+/// do too (only if it was waiting: the common join of a member that is
+/// already active needs nothing).
+fn joined<A>(job: &mut Job<A>, src: u16, start: u32) -> Verdict {
+    if !job.awaiting.contains(src as usize) {
+        return Verdict::Consumed;
+    }
+    admit_joiner(job, src, start);
+    Verdict::Joined { job_id: job.spec.job_id, member: src, start }
+}
+
+/// Member `src` (a joining worker, or the child switch it joins through)
+/// starts at block `start`: open blocks from there on wait for it, earlier
+/// ones never do.
+fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
+    if !job.awaiting.remove(src as usize) {
+        return;
+    }
+    job.active.insert(src as usize);
+    job.start_of.insert(src, start);
+    for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
+        if block.block_id >= start && block.expected.insert(src as usize) {
+            block.expected_count += 1;
+            if block.rcvd.contains(src as usize) {
+                block.expected_rcvd += 1;
+            }
+        }
+    }
+}
+
+/// The SwitchML++ sync offset: the lowest block this shard still needs,
+/// over its slots (an unused slot needs its first block at or after the
+/// job's start). At the start of a job it is the start block, so workers
+/// joining together agree; later, a joiner starts at the job's current
+/// position instead of at blocks the others completed long ago. Only this
+/// shard's slots are looked at; another shard may be up to a window away,
+/// which a joiner sees as a few blocks completed without it (or completes
+/// with it), never as a wrong sum.
+fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
+    let s = job.spec.block_cnt_max;
+    let mut lowest: Option<u32> = None;
+    for k in 0..s {
+        if shard_of(job.spec.job_id, k, s, config.shard_count) != config.shard {
+            continue;
+        }
+        let needed = match job.slots.get(job.slot_of(k, config.shard_count)).and_then(|slot| slot.cur.as_ref()) {
+            Some(block) if block.is_open() => block.block_id,
+            Some(block) => block.block_id.saturating_add(s),
+            // first block >= start_block that maps to global slot k
+            None => job.start_block + (k + s - job.start_block % s) % s,
+        };
+        lowest = Some(lowest.map_or(needed, |l| l.min(needed)));
+    }
+    lowest.unwrap_or(job.start_block)
 }
 
 /// Tick `k` of a job's scanners falls at `k * tick`; when blocks open after
@@ -748,6 +1256,7 @@ fn realign_scanners(aging: &mut JobAging, now: Time, open_blocks: usize) {
 
 /// Start a new block in `slot`: the current block becomes the shadow copy
 /// and the old shadow's storage is reused.
+#[allow(clippy::too_many_arguments)]
 fn open_block(
     slot: &mut Slot,
     capacity: usize,
@@ -756,10 +1265,17 @@ fn open_block(
     exp_only: bool,
     now: Time,
     active: &SourceMask,
+    start_of: &HashMap<u16, u32>,
 ) {
     let mut block = slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity));
     let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
     block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
+    // members that joined later are not waited for before their start
+    for (&m, &start) in start_of {
+        if block_id < start && block.expected.remove(m as usize) {
+            block.expected_count -= 1;
+        }
+    }
     slot.prev = slot.cur.take();
     slot.cur = Some(block);
 }
@@ -768,9 +1284,12 @@ fn open_block(
 /// addresses, the sender, the counters and the output sink.
 struct Reply<'a, A, T> {
     job_id: u32,
+    block_cnt_max: u32,
     members: &'a SourceMask,
     member_count: u16,
     addrs: &'a [Option<A>],
+    /// A non-root switch sends completed phases to its parent.
+    uplink: Option<&'a Uplink<A>>,
     counters: &'a mut Counters,
     /// The sender of the datagram being handled (none for timer work).
     from: Option<A>,
@@ -793,6 +1312,41 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
         build_result(block, self.job_id, exp_only, self.member_count, self.scratch);
         self.out.push_copy(from, self.scratch);
         self.counters.results_resent += 1;
+    }
+
+    /// Send this switch's partial (exponent or data) to the parent, as one
+    /// source summing `block.workers` workers. `again` marks a resend from
+    /// the cached partial, answering a child's retransmission.
+    fn send_up(&mut self, block: &Block, exp_only: bool, again: bool) {
+        let Some(up) = self.uplink else { return };
+        let repr = Repr {
+            msg_type: if again { MessageType::Retransmission } else { MessageType::Contribution },
+            src_id: up.rank,
+            ..block.result_repr(self.job_id, exp_only, self.member_count)
+        };
+        let shard = shard_of(self.job_id, block.block_id, self.block_cnt_max, up.parent.len() as u16);
+        let buf = self.out.push(up.parent[shard as usize], repr.buffer_len());
+        let mut packet = Packet::new_unchecked(&mut buf[..]);
+        repr.emit(&mut packet);
+        if !exp_only {
+            fanin_wire::value::write_elements(&block.sum[..block.grad_cnt as usize], packet.payload_mut());
+        }
+        if again {
+            self.counters.resent_up += 1;
+        } else {
+            self.counters.sent_up += 1;
+        }
+    }
+
+    /// The parent refused this block as expired: pass that on to the sender.
+    fn nack_expired(&mut self, block_id: u32) {
+        let Some(from) = self.from else { return };
+        let repr = Repr { block_id, ..Repr::new(MessageType::Nack, self.job_id, 0) };
+        let buf = self.out.push(from, HEADER_LEN + Nack::LEN);
+        let mut reply = Packet::new_unchecked(&mut buf[..]);
+        repr.emit(&mut reply);
+        Nack { reason: NackReason::BlockExpired, detail: block_id }.emit(reply.payload_mut());
+        self.counters.nacks_sent += 1;
     }
 
     fn nack(&mut self, request: &Packet<&[u8]>, reason: NackReason, detail: u32) {
@@ -843,12 +1397,13 @@ struct Outcome {
 fn contribute_exponent<A: Copy, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
+    weight: u16,
     exp: i8,
     reply: &mut Reply<'_, A, T>,
 ) -> Outcome {
     match block.phase {
         Phase::Exponent => {
-            if !block.receive(src) {
+            if !block.receive(src, weight) {
                 reply.counters.duplicate += 1;
                 return Outcome::default();
             }
@@ -859,8 +1414,19 @@ fn contribute_exponent<A: Copy, T: Transmit<A>>(
             }
             Outcome { accepted: true, completed: false, late: false }
         }
+        // The parent's exponent is outstanding: a child retransmitting
+        // means the answer may be lost; resend the cached partial.
+        Phase::ExponentUp => {
+            reply.counters.duplicate += 1;
+            reply.send_up(block, true, true);
+            Outcome::default()
+        }
+        Phase::Done if block.expired_up => {
+            reply.nack_expired(block.block_id);
+            Outcome::default()
+        }
         // The sender missed the negotiated exponent: tell it again.
-        Phase::Data | Phase::Done => {
+        Phase::Data | Phase::DataUp | Phase::Done => {
             reply.counters.duplicate += 1;
             reply.send_to_sender(block, true);
             Outcome::default()
@@ -868,9 +1434,21 @@ fn contribute_exponent<A: Copy, T: Transmit<A>>(
     }
 }
 
-/// The exponent round is over (everyone expected sent one, or it aged):
-/// announce the exponent and collect data from the sources that took part.
+/// The exponent round is over (everyone expected sent one, or it aged): the
+/// root announces the exponent; a non-root switch sends its maximum up and
+/// waits for the parent's.
 fn finish_exponent_round<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+    if reply.uplink.is_some() {
+        block.phase = Phase::ExponentUp;
+        reply.send_up(block, true, false);
+    } else {
+        announce_exponent(block, reply);
+    }
+}
+
+/// Tell the members the block's exponent and collect data from the sources
+/// that took part in the exponent round.
+fn announce_exponent<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
     block.phase = Phase::Data;
     block.negotiated = true;
     reply.send_to_all(block, true);
@@ -879,8 +1457,7 @@ fn finish_exponent_round<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut
         block.expected.clone_from(&block.rcvd);
         block.expected_count = block.rcvd.count() as u16;
     }
-    block.rcvd.clear();
-    block.expected_rcvd = 0;
+    block.restart_collection();
     block.referenced = true;
     block.idle_checks = 0;
 }
@@ -889,25 +1466,43 @@ fn finish_exponent_round<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut
 fn contribute_data<A: Copy, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
+    weight: u16,
     packet: &Packet<&[u8]>,
     reply: &mut Reply<'_, A, T>,
 ) -> Outcome {
-    if block.phase == Phase::Exponent {
+    if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
         // Data carries an exponent the switch gave out already (the
         // lookahead from block - block_cnt_max, which every worker that had
         // that result shares): adopt it. This happens when a worker that
         // lacks the lookahead (a straggler catching up) opened the block
         // with an exponent-only round; the round's senders get the exponent
         // now instead of everyone waiting for the round to age.
+        // (In a tree the parent adopts it the same way when this switch's
+        // data partial arrives.)
         block.exp = packet.exp();
         block.phase = Phase::Data;
         block.negotiated = true;
         reply.send_to_all(block, true);
-        block.rcvd.clear();
-        block.expected_rcvd = 0;
+        block.restart_collection();
     }
     match block.phase {
-        Phase::Exponent => unreachable!("left above"),
+        Phase::Exponent | Phase::ExponentUp => unreachable!("left above"),
+        Phase::Done if block.expired_up => {
+            reply.nack_expired(block.block_id);
+            Outcome::default()
+        }
+        Phase::DataUp => {
+            // The parent's result is outstanding: answer a child's
+            // retransmission by resending the cached partial, never by
+            // adding anything (a late child's data is not in it).
+            if block.rcvd.contains(src) {
+                reply.counters.duplicate += 1;
+            } else {
+                reply.counters.late += 1;
+            }
+            reply.send_up(block, false, true);
+            Outcome::default()
+        }
         Phase::Done => {
             if block.rcvd.contains(src) {
                 reply.counters.duplicate += 1;
@@ -940,11 +1535,12 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
                 reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
                 return Outcome::default();
             }
-            if !block.receive(src) {
+            if !block.receive(src, weight) {
                 reply.counters.duplicate += 1;
                 return Outcome::default();
             }
             reply.counters.accepted += 1;
+            block.child_degraded |= src >= SWITCH_RANK_BASE as usize && packet.degraded();
             let payload = packet.payload();
             let n = grad_cnt as usize;
             if block.has_data {
@@ -967,11 +1563,17 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
     }
 }
 
-/// Emit a block's final result to every member.
+/// The data phase is over: the root emits the block's final result to
+/// every member; a non-root switch sends its partial up and waits.
 fn finish_block<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+    if reply.uplink.is_some() {
+        block.phase = Phase::DataUp;
+        reply.send_up(block, false, false);
+        return;
+    }
     block.phase = Phase::Done;
     reply.counters.blocks_completed += 1;
-    if (block.rcvd.count() as u16) < reply.member_count || block.aged {
+    if (block.rcvd.count() as u16) < reply.member_count || block.aged || block.child_degraded {
         reply.counters.blocks_degraded += 1;
     }
     reply.send_to_all(block, false);
@@ -1014,9 +1616,11 @@ fn close_phase<A: Copy>(
 ) {
     let mut reply = Reply {
         job_id: job.spec.job_id,
+        block_cnt_max: job.spec.block_cnt_max,
         members: &job.members,
         member_count: job.member_count,
         addrs: &job.addrs,
+        uplink: job.uplink.as_ref(),
         counters,
         from: None,
         out,
@@ -1031,7 +1635,7 @@ fn close_phase<A: Copy>(
             let block = job.slots[local].cur.as_ref().expect("still there");
             account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
         }
-        Phase::Done => {}
+        Phase::ExponentUp | Phase::DataUp | Phase::Done => {}
     }
 }
 
@@ -1081,7 +1685,7 @@ fn settle_slow_sources<A: Copy>(
         notify_membership(job, src, MEMBERSHIP_SLOW, block_id, counters, out, scratch);
         for local in 0..job.slots.len() {
             let Some(block) = job.slots[local].cur.as_mut() else { continue };
-            if !block.is_open() {
+            if !block.aggregating() {
                 continue;
             }
             block.forget(src);
@@ -1107,7 +1711,7 @@ fn readmit<A: Copy>(
     counters.readmitted += 1;
     // It caught up: the open blocks wait for it too (it is about to send
     // them), so it is not left out of the rest of the current window.
-    for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.is_open()) {
+    for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
         if block.expected.insert(src) {
             block.expected_count += 1;
             if block.rcvd.contains(src) {

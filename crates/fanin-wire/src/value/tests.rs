@@ -388,3 +388,32 @@ fn trim_nack_four_ways() {
     bad[25] = 11;
     assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(11));
 }
+
+/// Sync request for job 5: switch rank 2048 forwards the join of worker 3
+/// toward the root.
+const SYNC: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0x08, // Sync
+    0x00, 0x00, 0x08, 0x00, // flags 0; int32; src_id 2048 (the forwarding switch)
+    0x00, 0x00, 0x00, 0x00, // src_cnt 0; gen_id 0
+    0x00, 0x00, 0x00, 0x05, // job_id 5
+    0x00, 0x00, 0x00, 0x00, // block_id 0
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+    0x00, 0x03, 0x00, 0x00, // origin 3; reserved
+    0x00, 0x00, 0x00, 0x2A, // align_blocks 42
+];
+
+#[test]
+fn sync_parse_and_emit() {
+    let p = Packet::new_checked(&SYNC[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    assert_eq!(repr, Repr::new(MessageType::Sync, 5, 2048));
+    let body = SyncRequest { origin: 3, align_blocks: 42 };
+    assert_eq!(SyncRequest::parse(p.payload()).unwrap(), body);
+    let mut buf = [MARKER; 32];
+    let mut packet = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut packet);
+    body.emit(packet.payload_mut());
+    assert_eq!(buf, SYNC);
+    // the body is fixed-size: a short one is refused
+    assert!(Packet::new_checked(&SYNC[..30]).is_err());
+}

@@ -15,7 +15,7 @@ JOB_MODE_AGGREGATE: JobMode
 JOB_MODE_FORWARD: JobMode
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows")
+    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class JobSpec(_message.Message):
     BLOCK_EXP_MS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SLOW_AFTER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     block_cnt_max: int
@@ -30,7 +32,19 @@ class JobSpec(_message.Message):
     block_exp_ms: int
     mode: JobMode
     slow_after_windows: int
-    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ...) -> None: ...
+    workers: int
+    tree: TreeRole
+    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ...) -> None: ...
+
+class TreeRole(_message.Message):
+    __slots__ = ("parent_addr", "parent_shards", "rank")
+    PARENT_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    parent_addr: str
+    parent_shards: int
+    rank: int
+    def __init__(self, parent_addr: _Optional[str] = ..., parent_shards: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -84,6 +98,18 @@ class ListJobsResponse(_message.Message):
     jobs: _containers.RepeatedCompositeFieldContainer[JobSpec]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobSpec, _Mapping]]] = ...) -> None: ...
 
+class UpdateJobRequest(_message.Message):
+    __slots__ = ("spec", "awaiting")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    awaiting: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., awaiting: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpdateJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetCountersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -103,3 +129,79 @@ class GetCountersResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.RepeatedCompositeFieldContainer[Counter]
     def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ...) -> None: ...
+
+class CreateJobRequest(_message.Message):
+    __slots__ = ("job_id", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows", "max_workers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_GRAD_MAX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EXP_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_AFTER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    block_cnt_max: int
+    block_grad_max: int
+    block_exp_ms: int
+    slow_after_windows: int
+    max_workers: int
+    def __init__(self, job_id: _Optional[int] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., slow_after_windows: _Optional[int] = ..., max_workers: _Optional[int] = ...) -> None: ...
+
+class CreateJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "host", "sync")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    rank: int
+    host: str
+    sync: bool
+    def __init__(self, job_id: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., sync: _Optional[bool] = ...) -> None: ...
+
+class SubscribeResponse(_message.Message):
+    __slots__ = ("data_addr", "programmed")
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMMED_FIELD_NUMBER: _ClassVar[int]
+    data_addr: str
+    programmed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, data_addr: _Optional[str] = ..., programmed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnsubscribeRequest(_message.Message):
+    __slots__ = ("job_id", "rank")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    rank: int
+    def __init__(self, job_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class UnsubscribeResponse(_message.Message):
+    __slots__ = ("programmed",)
+    PROGRAMMED_FIELD_NUMBER: _ClassVar[int]
+    programmed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, programmed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetTreeRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class GetTreeResponse(_message.Message):
+    __slots__ = ("tree_json",)
+    TREE_JSON_FIELD_NUMBER: _ClassVar[int]
+    tree_json: str
+    def __init__(self, tree_json: _Optional[str] = ...) -> None: ...

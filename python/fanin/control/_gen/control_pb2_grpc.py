@@ -59,6 +59,11 @@ class ControlStub:
                 request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.SerializeToString,
                 response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.FromString,
                 _registered_method=True)
+        self.UpdateJob = channel.unary_unary(
+                '/fanin.control.v1.Control/UpdateJob',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -99,6 +104,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateJob(self, request, context):
+        """Change an admitted job while it runs (SwitchML++ runtime scaling): its
+        members, worker count and tree role. Open blocks stop waiting for
+        members that left; new blocks wait for members that joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetCounters,
                     request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.FromString,
                     response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.SerializeToString,
+            ),
+            'UpdateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateJob,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,317 @@ class Control:
             '/fanin.control.v1.Control/GetCounters',
             fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.SerializeToString,
             fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/UpdateJob',
+            fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ControllerStub:
+    """The controller (`fanin controller`): it holds the topology, keeps one
+    aggregation tree per job (a Steiner tree over the switches spanning the
+    job's workers, rooted at their lowest common ancestor, SwitchML++) and
+    programs every switch of the tree through the Control service above.
+    Workers subscribe and unsubscribe here.
+
+    Status codes: NOT_FOUND (unknown job, or a rank that is not subscribed),
+    ALREADY_EXISTS (a job id created twice, a rank subscribed twice),
+    INVALID_ARGUMENT (unknown host, a host that is not a worker host, no path
+    between the job's switches, bad parameters), UNAVAILABLE (a switch could
+    not be programmed; the job keeps its previous tree).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreateJob = channel.unary_unary(
+                '/fanin.control.v1.Controller/CreateJob',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.CreateJobRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.CreateJobResponse.FromString,
+                _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/fanin.control.v1.Controller/DeleteJob',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
+        self.Subscribe = channel.unary_unary(
+                '/fanin.control.v1.Controller/Subscribe',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.SubscribeResponse.FromString,
+                _registered_method=True)
+        self.Unsubscribe = channel.unary_unary(
+                '/fanin.control.v1.Controller/Unsubscribe',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UnsubscribeRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UnsubscribeResponse.FromString,
+                _registered_method=True)
+        self.GetTree = channel.unary_unary(
+                '/fanin.control.v1.Controller/GetTree',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetTreeRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetTreeResponse.FromString,
+                _registered_method=True)
+
+
+class ControllerServicer:
+    """The controller (`fanin controller`): it holds the topology, keeps one
+    aggregation tree per job (a Steiner tree over the switches spanning the
+    job's workers, rooted at their lowest common ancestor, SwitchML++) and
+    programs every switch of the tree through the Control service above.
+    Workers subscribe and unsubscribe here.
+
+    Status codes: NOT_FOUND (unknown job, or a rank that is not subscribed),
+    ALREADY_EXISTS (a job id created twice, a rank subscribed twice),
+    INVALID_ARGUMENT (unknown host, a host that is not a worker host, no path
+    between the job's switches, bad parameters), UNAVAILABLE (a switch could
+    not be programmed; the job keeps its previous tree).
+    """
+
+    def CreateJob(self, request, context):
+        """Create a job: its parameters, before any worker subscribes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Remove a job from every switch of its tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """A worker joins: the tree is recomputed and the switches whose role
+        changed are programmed; the answer says where the worker sends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unsubscribe(self, request, context):
+        """A worker leaves: the same, the other way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTree(self, request, context):
+        """The job's current tree (JSON: root, levels, parent of every switch,
+        each worker's host and switch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ControllerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJob,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.CreateJobRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.CreateJobResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.DeleteJobRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.DeleteJobResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.SubscribeRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.SubscribeResponse.SerializeToString,
+            ),
+            'Unsubscribe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unsubscribe,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UnsubscribeRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UnsubscribeResponse.SerializeToString,
+            ),
+            'GetTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTree,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetTreeRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetTreeResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fanin.control.v1.Controller', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fanin.control.v1.Controller', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Controller:
+    """The controller (`fanin controller`): it holds the topology, keeps one
+    aggregation tree per job (a Steiner tree over the switches spanning the
+    job's workers, rooted at their lowest common ancestor, SwitchML++) and
+    programs every switch of the tree through the Control service above.
+    Workers subscribe and unsubscribe here.
+
+    Status codes: NOT_FOUND (unknown job, or a rank that is not subscribed),
+    ALREADY_EXISTS (a job id created twice, a rank subscribed twice),
+    INVALID_ARGUMENT (unknown host, a host that is not a worker host, no path
+    between the job's switches, bad parameters), UNAVAILABLE (a switch could
+    not be programmed; the job keeps its previous tree).
+    """
+
+    @staticmethod
+    def CreateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Controller/CreateJob',
+            fanin_dot_control_dot_v1_dot_control__pb2.CreateJobRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.CreateJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Controller/DeleteJob',
+            fanin_dot_control_dot_v1_dot_control__pb2.DeleteJobRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.DeleteJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Controller/Subscribe',
+            fanin_dot_control_dot_v1_dot_control__pb2.SubscribeRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.SubscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unsubscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Controller/Unsubscribe',
+            fanin_dot_control_dot_v1_dot_control__pb2.UnsubscribeRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.UnsubscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Controller/GetTree',
+            fanin_dot_control_dot_v1_dot_control__pb2.GetTreeRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.GetTreeResponse.FromString,
             options,
             channel_credentials,
             insecure,

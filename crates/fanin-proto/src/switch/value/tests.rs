@@ -78,7 +78,7 @@ fn decode(mut out: VecTransmit<Addr>) -> Vec<(Addr, Repr, Vec<i32>)> {
         .map(|(a, bytes)| {
             let p = Packet::new_checked(&bytes[..]).expect("switch emits valid packets");
             let repr = Repr::parse(&p).unwrap();
-            let mut vals = vec![0; if repr.msg_type == MessageType::Result { repr.grad_cnt as usize } else { 0 }];
+            let mut vals = vec![0; if repr.msg_type.carries_block() { repr.grad_cnt as usize } else { 0 }];
             read_elements(p.payload(), &mut vals);
             (a, repr, vals)
         })
@@ -156,7 +156,11 @@ fn sender_ahead_of_the_slots_is_refused_until_the_slot_frees() {
     // block 2 needs slot 0, whose block 0 is still aggregating
     assert!(send(&mut sw, Pkt::data(1, 0, 2, &[1])).is_empty());
     assert_eq!(sw.counters().slot_busy, 1);
-    // far beyond the window
+    // far beyond the window of a slot in use
+    assert!(send(&mut sw, Pkt::data(1, 0, 8, &[1])).is_empty());
+    assert_eq!(sw.counters().out_of_window, 1);
+    // an unused slot takes any block at or after the job's start: a worker
+    // that joined a running job starts at the job's current offset
     assert!(send(&mut sw, Pkt::data(1, 0, 9, &[1])).is_empty());
     assert_eq!(sw.counters().out_of_window, 1);
     // the job still works
@@ -591,4 +595,233 @@ fn a_data_phase_without_contributions_is_never_emitted_empty() {
     let block0: Vec<_> = results.iter().filter(|o| o.1.block_id == 0).collect();
     assert!(!block0.is_empty(), "block 0 was emitted once data arrived");
     assert_eq!((block0[0].1.src_cnt, block0[0].2.clone()), (1, vec![7]));
+}
+
+// ---- aggregation trees (SwitchML++): a switch with a parent ----
+
+const PARENT: Addr = 1;
+const RANK: u16 = SWITCH_RANK_BASE;
+
+fn send_from(sw: &mut ValueSwitch<Addr>, from: Addr, bytes: &[u8]) -> Vec<(Addr, Repr, Vec<i32>)> {
+    let mut out = VecTransmit::new();
+    assert_eq!(sw.handle_datagram(T0, from, bytes, &mut out), Verdict::Consumed);
+    decode(out)
+}
+
+/// A leaf of job 1 with workers 0 and 1 under parent address 1.
+fn leaf() -> ValueSwitch<Addr> {
+    let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
+    sw
+}
+
+fn parent_result(block: u32, src_cnt: u16, values: &[i32]) -> Vec<u8> {
+    let mut p = Pkt::data(1, 0, block, values);
+    p.repr.msg_type = MessageType::Result;
+    p.repr.src_cnt = src_cnt;
+    p.bytes()
+}
+
+#[test]
+fn leaf_sends_one_partial_up_and_relays_the_result_down() {
+    let mut sw = leaf();
+    assert!(send(&mut sw, Pkt::data(1, 0, 0, &[1, 2])).is_empty());
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[10, 20]));
+    assert_eq!(out.len(), 1, "one partial, to the parent only");
+    let (dest, repr, vals) = &out[0];
+    assert_eq!((*dest, repr.msg_type, repr.src_id, repr.src_cnt), (PARENT, MessageType::Contribution, RANK, 2));
+    assert_eq!(vals, &vec![11, 22]);
+    // a child's retransmission while the parent's answer is outstanding:
+    // the cached partial goes up again, nothing is added
+    let out = send(&mut sw, Pkt::data(1, 0, 0, &[1, 2]).retransmission());
+    assert_eq!(out.len(), 1);
+    assert_eq!((out[0].0, out[0].1.msg_type, out[0].2.clone()), (PARENT, MessageType::Retransmission, vec![11, 22]));
+    assert_eq!(sw.counters().resent_up, 1);
+    assert_eq!(sw.counters().accepted, 2);
+    // the parent's result goes to every child, with the tree's source count
+    let out = send_from(&mut sw, PARENT, &parent_result(0, 5, &[111, 222]));
+    assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101]);
+    assert!(out.iter().all(|o| o.1.msg_type == MessageType::Result && o.1.src_cnt == 5 && o.2 == vec![111, 222]));
+    // a lost result is answered from the cache, without the parent
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[10, 20]).retransmission());
+    assert_eq!(out.len(), 1);
+    assert_eq!((out[0].0, out[0].2.clone()), (101, vec![111, 222]));
+    // the parent's duplicate answer changes nothing
+    assert!(send_from(&mut sw, PARENT, &parent_result(0, 5, &[111, 222])).is_empty());
+    assert_eq!(sw.counters().parent_stale, 1);
+    // results from anyone but the parent are refused
+    assert!(send_from(&mut sw, 77, &parent_result(1, 5, &[1, 1])).is_empty());
+    assert_eq!(sw.counters().protocol_violation, 1);
+}
+
+#[test]
+fn root_counts_a_child_switch_as_the_workers_it_sums_and_never_twice() {
+    let spec = JobSpec { members: vec![0, RANK], workers: 4, ..job(1, 2, 4) };
+    let mut sw = switch_with(&[spec]);
+    // a worker claiming to sum 100 sources counts as one
+    let mut p = Pkt::data(1, 0, 0, &[1]);
+    p.repr.src_cnt = 100;
+    assert!(send(&mut sw, p).is_empty());
+    let mut partial = Pkt::data(1, RANK, 0, &[5]);
+    partial.repr.src_cnt = 3;
+    let bytes = partial.bytes();
+    let out = send_from(&mut sw, 7, &bytes);
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|o| o.1.src_cnt == 4 && o.2 == vec![6] && !o.1.degraded));
+    // the child's partial again (its result was lost): answered, not added
+    let out = send_from(&mut sw, 7, &bytes);
+    assert_eq!(out.len(), 1);
+    assert_eq!((out[0].0, out[0].2.clone()), (7, vec![6]));
+    assert_eq!(sw.counters().accepted, 2);
+    assert_eq!(sw.counters().duplicate, 1);
+}
+
+#[test]
+fn a_degraded_partial_makes_the_root_result_degraded() {
+    let spec = JobSpec { members: vec![0, RANK], workers: 4, ..job(1, 2, 4) };
+    let mut sw = switch_with(&[spec]);
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    let mut partial = Pkt::data(1, RANK, 0, &[5]);
+    partial.repr.src_cnt = 2;
+    partial.repr.degraded = true;
+    let out = send_from(&mut sw, 7, &partial.bytes());
+    assert!(out.iter().all(|o| o.1.degraded && o.1.src_cnt == 3));
+}
+
+#[test]
+fn sync_goes_to_the_root_and_its_answer_comes_back_down() {
+    let mut leaf = leaf();
+    // a worker joining with the others is answered by its own switch
+    let join = Repr::new(MessageType::Join, 1, 0);
+    let mut buf = vec![0; join.buffer_len()];
+    join.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    let out = send_from(&mut leaf, 100, &buf);
+    assert_eq!((out[0].0, out[0].1.msg_type, out[0].1.src_cnt), (100, MessageType::JoinAck, 5));
+    // a worker joining a running job asks the root, through the leaf
+    let join = Repr { age_op: JOIN_SYNC, ..Repr::new(MessageType::Join, 1, 1) };
+    let mut buf = vec![0; join.buffer_len()];
+    join.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    let mut out = VecTransmit::new();
+    assert_eq!(leaf.handle_datagram(T0, 101, &buf, &mut out), Verdict::Consumed);
+    let (dest, sync) = out.drain().next().unwrap();
+    assert_eq!(dest, PARENT);
+    let p = Packet::new_checked(&sync[..]).unwrap();
+    assert_eq!((p.msg_type_code(), p.src_id()), (MessageType::Sync as u8, RANK));
+    assert_eq!(SyncRequest::parse(p.payload()).unwrap().origin, 1);
+    // the root has completed blocks 0..3 of its 4 slots: the offset is 4
+    let spec = JobSpec { members: vec![9, RANK], workers: 5, ..job(1, 2, 4) };
+    let mut root = switch_with(&[spec]);
+    for b in 0..4 {
+        send(&mut root, Pkt::data(1, 9, b, &[1]));
+        let mut partial = Pkt::data(1, RANK, b, &[1]);
+        partial.repr.src_cnt = 2;
+        send_from(&mut root, 50, &partial.bytes());
+    }
+    let mut out = VecTransmit::new();
+    assert_eq!(root.handle_datagram(T0, 50, &sync, &mut out), Verdict::Consumed);
+    let (dest, ack) = out.drain().next().unwrap();
+    assert_eq!(dest, 50);
+    let p = Packet::new_checked(&ack[..]).unwrap();
+    assert_eq!((p.msg_type_code(), p.src_id()), (MessageType::JoinAck as u8, 1));
+    assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 4);
+    // the leaf relays the answer to the worker that asked
+    let out = send_from(&mut leaf, PARENT, &ack);
+    assert_eq!((out[0].0, out[0].1.msg_type, out[0].1.src_id), (101, MessageType::JoinAck, 1));
+    assert_eq!(leaf.counters().syncs_forwarded, 1);
+}
+
+#[test]
+fn a_member_that_leaves_is_not_waited_for() {
+    let mut sw = switch_with(&[job(1, 3, 4)]);
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    send(&mut sw, Pkt::data(1, 1, 0, &[2]));
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1], ..job(1, 3, 4) }, None, &[], &mut out).unwrap();
+    let out = decode(out);
+    assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101]);
+    assert!(out.iter().all(|o| o.1.src_cnt == 2 && o.2 == vec![3]));
+    // a new member is waited for in new blocks
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 7], ..job(1, 3, 4) }, None, &[], &mut out).unwrap();
+    send(&mut sw, Pkt::data(1, 0, 1, &[1]));
+    assert!(send(&mut sw, Pkt::data(1, 1, 1, &[1])).is_empty());
+    assert_eq!(send(&mut sw, Pkt::data(1, 7, 1, &[1])).len(), 3);
+    // caps cannot change under a running job
+    let mut out = VecTransmit::new();
+    let err = sw.update_job(T0, job(1, 3, 8), None, &[], &mut out).unwrap_err();
+    assert_eq!(err.to_string(), "job 1: block_cnt_max cannot change while the job runs (remove and re-admit it)");
+    assert!(matches!(sw.update_job(T0, job(2, 3, 4), None, &[], &mut out), Err(AdmitError::Unknown(2))));
+}
+
+#[test]
+fn a_switch_that_becomes_the_root_finishes_what_it_sent_up() {
+    let mut sw = leaf();
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 0, &[2]))[0].0, PARENT);
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { workers: 2, ..job(1, 2, 4) }, None, &[], &mut out).unwrap();
+    let out = decode(out);
+    assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101]);
+    assert!(out.iter().all(|o| o.1.msg_type == MessageType::Result && o.2 == vec![3] && o.1.src_cnt == 2));
+}
+
+#[test]
+fn an_expired_block_at_the_parent_is_passed_down() {
+    let mut sw = leaf();
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    send(&mut sw, Pkt::data(1, 1, 0, &[2]));
+    let nack = Repr { block_id: 0, ..Repr::new(MessageType::Nack, 1, RANK) };
+    let mut buf = vec![0; HEADER_LEN + Nack::LEN];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    nack.emit(&mut p);
+    Nack { reason: NackReason::BlockExpired, detail: 4 }.emit(p.payload_mut());
+    let out = send_from(&mut sw, PARENT, &buf);
+    assert_eq!(out.iter().map(|o| (o.0, o.1.msg_type)).collect::<Vec<_>>(), vec![(100, MessageType::Nack), (101, MessageType::Nack)]);
+    // a child asking again is told the same, and the slot moves on
+    let out = send(&mut sw, Pkt::data(1, 0, 0, &[1]).retransmission());
+    assert_eq!(out[0].1.msg_type, MessageType::Nack);
+    assert!(send(&mut sw, Pkt::data(1, 0, 4, &[1])).is_empty());
+    assert_eq!(sw.counters().slot_busy, 0);
+}
+
+#[test]
+fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
+    let mut sw = switch_with(&[job(1, 2, 4)]);
+    for b in 0..4 {
+        send(&mut sw, Pkt::data(1, 0, b, &[1]));
+        send(&mut sw, Pkt::data(1, 1, b, &[1]));
+    }
+    send(&mut sw, Pkt::data(1, 0, 4, &[1])); // block 4 open
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 2], ..job(1, 2, 4) }, None, &[2], &mut out).unwrap();
+    // before its sync, the new member is waited for nowhere
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 4, &[1])).len(), 2);
+    // it syncs on allreduces of 8 blocks: the next boundary after block 5
+    let join = Repr { age_op: JOIN_SYNC, block_id: 8, ..Repr::new(MessageType::Join, 1, 2) };
+    let mut buf = vec![0; join.buffer_len()];
+    join.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    let mut out = VecTransmit::new();
+    // the runtime is told, so its other shards admit the joiner too
+    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Joined { job_id: 1, member: 2, start: 8 });
+    let (_, ack) = out.drain().next().unwrap();
+    let p = Packet::new_checked(&ack[..]).unwrap();
+    assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 8);
+    // the same request again (its answer was lost) gets the same start
+    let mut out = VecTransmit::new();
+    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Consumed);
+    let (_, again) = out.drain().next().unwrap();
+    assert_eq!(again, ack);
+    // blocks before its start complete without it ...
+    send(&mut sw, Pkt::data(1, 0, 5, &[1]));
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 5, &[1])).len(), 3);
+    for b in 6..8 {
+        send(&mut sw, Pkt::data(1, 0, b, &[1]));
+        send(&mut sw, Pkt::data(1, 1, b, &[1]));
+    }
+    // ... blocks from its start wait for it
+    send(&mut sw, Pkt::data(1, 0, 8, &[1]));
+    assert!(send(&mut sw, Pkt::data(1, 1, 8, &[1])).is_empty());
+    let out = send(&mut sw, Pkt::data(1, 2, 8, &[1]));
+    assert_eq!(out.len(), 3);
+    assert!(out.iter().all(|o| o.1.src_cnt == 3 && o.2 == vec![3]));
 }

@@ -1,0 +1,138 @@
+"""`fanin controller ...`: serve the controller, and talk to one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from typing import Any
+
+EPILOG = """\
+examples:
+  # a switch daemon per switch of a 3-level tree on 127.0.0.1, and the controller
+  fanin controller serve --topology deep-tree:3,2 --loopback --listen 127.0.0.1:9200
+  # the same on the namespace testbed (switch daemons already running inside it)
+  fanin controller serve --topology fat-tree:4 --testbed fb --listen 10.200.0.1:9200
+  # ... or switches described by a fabric file (docs/trees.md)
+  fanin controller serve --topology topo.toml --fabric fabric.json
+
+  fanin controller create-job 1 --max-workers 8 --block-cnt-max 64
+  fanin controller subscribe 1 --rank 0 --host h0     # prints the data address the worker uses
+  fanin controller tree 1                            # root, levels, every switch's parent
+  fanin controller unsubscribe 1 --rank 0
+
+The tree of a job is a Steiner tree over the switches spanning its workers,
+rooted at their lowest common ancestor (docs/trees.md gives the exact rule).
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("controller", help="the controller: aggregation trees over a topology, workers join and leave",
+                       description="Keep one aggregation tree per job over a topology and program the switches "
+                                   "on it (SwitchML++); workers subscribe and unsubscribe while jobs run.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    csub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    serve = csub.add_parser("serve", help="run the controller (gRPC) in the foreground")
+    serve.add_argument("--topology", required=True, help="topology file or generator spec (docs/topology.md)")
+    where = serve.add_mutually_exclusive_group(required=True)
+    where.add_argument("--testbed", metavar="NAME", help="switches run in this namespace testbed (fanin testbed up)")
+    where.add_argument("--fabric", metavar="FILE", help="JSON: each switch's control and data addresses")
+    where.add_argument("--loopback", action="store_true",
+                       help="start a switch daemon per topology switch on 127.0.0.1 (demo, tests)")
+    serve.add_argument("--listen", default="127.0.0.1:9200", help="controller address (default 127.0.0.1:9200)")
+    serve.add_argument("--shards", type=int, default=1, help="with --loopback: shards per switch")
+    serve.add_argument("--token", help="bearer token the switches' control APIs require (and this one)")
+    serve.set_defaults(func=_serve)
+
+    def client(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--addr", default="127.0.0.1:9200", help="controller address (default 127.0.0.1:9200)")
+        q.add_argument("--token", help="bearer token")
+
+    cj = csub.add_parser("create-job", help="create a job (before workers subscribe)")
+    cj.add_argument("job_id", type=int)
+    cj.add_argument("--block-cnt-max", type=int, default=256)
+    cj.add_argument("--block-grad-max", type=int, default=1024)
+    cj.add_argument("--block-exp-ms", type=int, default=0, help="straggler timeout (0: wait for every member)")
+    cj.add_argument("--max-workers", type=int, default=64, help="most workers at once (block floating point scales for it)")
+    client(cj)
+    cj.set_defaults(func=_create_job)
+    dj = csub.add_parser("delete-job", help="remove a job from every switch of its tree")
+    dj.add_argument("job_id", type=int)
+    client(dj)
+    dj.set_defaults(func=lambda a: _call(a, lambda c: c.delete_job(a.job_id)))
+    su = csub.add_parser("subscribe", help="add a worker (prints the data address it sends to)")
+    su.add_argument("job_id", type=int)
+    su.add_argument("--rank", type=int, required=True)
+    su.add_argument("--host", required=True, help="the topology host the worker runs on")
+    su.add_argument("--sync", action="store_true", help="the job is running: the worker syncs on the current block")
+    client(su)
+    su.set_defaults(func=lambda a: _call(a, lambda c: c.subscribe(a.job_id, a.rank, a.host, sync=a.sync)))
+    un = csub.add_parser("unsubscribe", help="remove a worker")
+    un.add_argument("job_id", type=int)
+    un.add_argument("--rank", type=int, required=True)
+    client(un)
+    un.set_defaults(func=lambda a: _call(a, lambda c: c.unsubscribe(a.job_id, a.rank)))
+    tr = csub.add_parser("tree", help="a job's current tree as JSON")
+    tr.add_argument("job_id", type=int)
+    client(tr)
+    tr.set_defaults(func=lambda a: _call(a, lambda c: c.tree(a.job_id)))
+
+
+def _call(args: argparse.Namespace, fn) -> int:
+    from ..control import ControlError
+    from .server import ControllerClient
+
+    with ControllerClient(args.addr, token=args.token) as c:
+        try:
+            result = fn(c)
+        except ControlError as e:
+            print(f"fanin controller: {e}", file=sys.stderr)
+            return 1
+    if result is not None:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def _create_job(args: argparse.Namespace) -> int:
+    return _call(args, lambda c: c.create_job(args.job_id, block_cnt_max=args.block_cnt_max,
+                                              block_grad_max=args.block_grad_max, block_exp_ms=args.block_exp_ms,
+                                              max_workers=args.max_workers))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .. import topology
+    from .fabric import StaticFabric, TestbedFabric
+    from .server import ControllerServer
+    from .service import Controller
+
+    try:
+        topo = topology.load(args.topology)
+    except topology.TopologyError as e:
+        print(f"fanin controller: {e}", file=sys.stderr)
+        return 2
+    loopback = None
+    if args.testbed:
+        from ..testbed import Testbed
+
+        fabric = TestbedFabric(Testbed.attach(args.testbed))
+    elif args.fabric:
+        fabric = StaticFabric.load(args.fabric)
+    else:
+        from .loopback import LoopbackSwitches
+
+        loopback = LoopbackSwitches(topo, shards=args.shards)
+        fabric = loopback.fabric
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        with ControllerServer(Controller(topo, fabric, token=args.token), args.listen, token=args.token) as srv:
+            print(json.dumps({"controller": srv.addr, "topology": topo.name,
+                              "switches": len(topo.switches), "hosts": len(topo.hosts)}), flush=True)
+            stop.wait()
+    finally:
+        if loopback is not None:
+            loopback.stop()
+    return 0

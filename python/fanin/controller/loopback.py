@@ -1,0 +1,61 @@
+"""A switch daemon per topology switch, all on 127.0.0.1 (different ports):
+the quickest way to run a tree without the namespace testbed (tests, the
+tree demo). Links are not emulated here: every switch reaches every other."""
+
+from __future__ import annotations
+
+import random
+from contextlib import ExitStack
+from typing import Optional
+
+from ..proc import SwitchProcess
+from ..switch import switch_config
+from ..topology import Topology
+from .fabric import StaticFabric
+
+__all__ = ["LoopbackSwitches"]
+
+
+class LoopbackSwitches:
+    """Start one `fanin switch` per switch of `topo`; `fabric` describes them."""
+
+    def __init__(self, topo: Topology, *, shards: int = 1, seed: Optional[int] = None, **config_kw):
+        self.topo = topo
+        self.procs: dict[str, SwitchProcess] = {}
+        self._stack = ExitStack()
+        rng = random.Random(seed)
+        table = {}
+        try:
+            for sw in topo.switches:
+                proc = self._start(rng, shards, config_kw)
+                self.procs[sw.name] = proc
+                table[sw.name] = {"control": proc.control_addr, "data": proc.data_addr}
+        except BaseException:
+            self.stop()
+            raise
+        self.fabric = StaticFabric(table)
+
+    def _start(self, rng: random.Random, shards: int, config_kw: dict) -> SwitchProcess:
+        # shard n listens on port + n, so pick a free-looking range and retry
+        last: Optional[Exception] = None
+        for _ in range(20):
+            base = rng.randrange(20000, 60000 - shards - 2)
+            cfg = switch_config(data_addr=f"127.0.0.1:{base}", shards=shards,
+                                control_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0", **config_kw)
+            try:
+                return self._stack.enter_context(SwitchProcess(cfg))
+            except RuntimeError as e:  # the port range was taken
+                last = e
+        raise RuntimeError(f"could not start a switch on 127.0.0.1: {last}")
+
+    def counters(self, switch: str) -> dict[str, int]:
+        return self.procs[switch].counters()
+
+    def stop(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "LoopbackSwitches":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,153 @@
+"""The controller over gRPC (`fanin.control.v1.Controller`), and the client
+workers use to subscribe."""
+
+from __future__ import annotations
+
+import json
+from concurrent import futures
+from typing import Any, Optional
+
+import grpc
+
+from ..control._gen import control_pb2 as pb
+from ..control._gen import control_pb2_grpc as pb_grpc
+from ..control.client import ControlError
+from .service import Controller, ControllerError, JobParams
+
+__all__ = ["ControllerServer", "ControllerClient", "serve"]
+
+
+class _Servicer(pb_grpc.ControllerServicer):
+    def __init__(self, controller: Controller, token: Optional[str]):
+        self.c = controller
+        self.token = token
+
+    def _run(self, context, fn):
+        if self.token is not None:
+            md = dict(context.invocation_metadata())
+            if md.get("authorization") != f"Bearer {self.token}":
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        try:
+            return fn()
+        except ControllerError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+
+    def CreateJob(self, request, context):
+        def go():
+            self.c.create_job(JobParams(
+                job_id=request.job_id,
+                block_cnt_max=request.block_cnt_max or 256,
+                block_grad_max=request.block_grad_max or 1024,
+                block_exp_ms=request.block_exp_ms,
+                slow_after_windows=request.slow_after_windows if request.HasField("slow_after_windows") else 2,
+                max_workers=request.max_workers or 64,
+            ))
+            return pb.CreateJobResponse()
+        return self._run(context, go)
+
+    def DeleteJob(self, request, context):
+        return self._run(context, lambda: (self.c.delete_job(request.job_id), pb.DeleteJobResponse())[1])
+
+    def Subscribe(self, request, context):
+        def go():
+            r = self.c.subscribe(request.job_id, request.rank, request.host, sync=request.sync)
+            return pb.SubscribeResponse(data_addr=r["data_addr"], programmed=r["programmed"])
+        return self._run(context, go)
+
+    def Unsubscribe(self, request, context):
+        def go():
+            r = self.c.unsubscribe(request.job_id, request.rank)
+            return pb.UnsubscribeResponse(programmed=r["programmed"])
+        return self._run(context, go)
+
+    def GetTree(self, request, context):
+        def go():
+            tree = self.c.tree(request.job_id)
+            return pb.GetTreeResponse(tree_json=json.dumps(tree.to_dict() if tree else None))
+        return self._run(context, go)
+
+
+class ControllerServer:
+    """A running gRPC server around a :class:`Controller`."""
+
+    def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None):
+        self.controller = controller
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pb_grpc.add_ControllerServicer_to_server(_Servicer(controller, token), self._server)
+        port = self._server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"controller: cannot listen on {listen}")
+        host = listen.rsplit(":", 1)[0]
+        self.addr = f"{host}:{port}"
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(grace=1).wait()
+        self.controller.close()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def __enter__(self) -> "ControllerServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(controller: Controller, listen: str, token: Optional[str] = None) -> ControllerServer:
+    return ControllerServer(controller, listen, token)
+
+
+class ControllerClient:
+    """What a worker (or an operator) uses to talk to `fanin controller`.
+
+        >>> c = ControllerClient("127.0.0.1:9200")
+        >>> c.create_job(1, max_workers=8)
+        >>> addr = c.subscribe(1, rank=0, host="h0_0_0")["data_addr"]
+        >>> s = fanin.Session(addr, job_id=1, rank=0)
+    """
+
+    def __init__(self, addr: str, token: Optional[str] = None, timeout: float = 10.0):
+        self.addr = addr
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(addr)
+        self._stub = pb_grpc.ControllerStub(self._channel)
+        self._metadata = [("authorization", f"Bearer {token}")] if token else None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ControllerClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            code = e.code().name if hasattr(e, "code") and e.code() is not None else "UNKNOWN"
+            details = e.details() if hasattr(e, "details") else str(e)
+            raise ControlError(code, f"{method} on {self.addr}: {details}") from None
+
+    def create_job(self, job_id: int, *, block_cnt_max: int = 256, block_grad_max: int = 1024,
+                   block_exp_ms: int = 0, slow_after_windows: int = 2, max_workers: int = 64) -> None:
+        self._call("CreateJob", pb.CreateJobRequest(
+            job_id=job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max, block_exp_ms=block_exp_ms,
+            slow_after_windows=slow_after_windows, max_workers=max_workers))
+
+    def delete_job(self, job_id: int) -> None:
+        self._call("DeleteJob", pb.DeleteJobRequest(job_id=job_id))
+
+    def subscribe(self, job_id: int, rank: int, host: str, sync: bool = False) -> dict:
+        r = self._call("Subscribe", pb.SubscribeRequest(job_id=job_id, rank=rank, host=host, sync=sync))
+        return {"data_addr": r.data_addr, "programmed": list(r.programmed)}
+
+    def unsubscribe(self, job_id: int, rank: int) -> dict:
+        r = self._call("Unsubscribe", pb.UnsubscribeRequest(job_id=job_id, rank=rank))
+        return {"programmed": list(r.programmed)}
+
+    def tree(self, job_id: int) -> Optional[dict]:
+        return json.loads(self._call("GetTree", pb.GetTreeRequest(job_id=job_id)).tree_json)

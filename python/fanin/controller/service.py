@@ -1,0 +1,218 @@
+"""The controller's logic: jobs, subscriptions, trees, and programming the
+switches whose role changed. Transport-free: `fanin controller` serves it
+over gRPC (server.py); tests and benchmarks may call it directly.
+
+Programming order on every change (docs/trees.md):
+
+1. switches new to the tree are admitted first (no traffic reaches them
+   before their parent knows them as a child),
+2. switches whose role changed are updated in place (members, parent),
+   parents with a new child learn it as *awaiting* when the worker syncs
+   into a running job, so no block waits for it before its start block,
+3. switches that left the tree lose the job last (their parents already
+   stopped waiting for them).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ..control import ControlClient
+from ..topology import Topology
+from .fabric import Fabric
+from .tree import SWITCH_RANK_BASE, Role, Tree, TreeError, build_tree, diff_roles, roles, switch_rank
+
+__all__ = ["Controller", "JobParams", "ControllerError"]
+
+
+class ControllerError(Exception):
+    """A request the controller refuses; ``code`` is the gRPC status name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class JobParams:
+    job_id: int
+    block_cnt_max: int = 256
+    block_grad_max: int = 1024
+    block_exp_ms: int = 0
+    slow_after_windows: int = 2
+    #: Most workers at once; workers scale block floating point for it.
+    max_workers: int = 64
+
+    def validate(self) -> None:
+        if not 0 <= self.job_id < 2**32:
+            raise ControllerError("INVALID_ARGUMENT", f"job_id {self.job_id} is out of range")
+        if not 1 <= self.max_workers <= SWITCH_RANK_BASE:
+            raise ControllerError("INVALID_ARGUMENT",
+                                  f"job {self.job_id}: max_workers {self.max_workers} is out of range (1..{SWITCH_RANK_BASE})")
+
+
+@dataclass
+class _Job:
+    params: JobParams
+    workers: dict[int, str] = field(default_factory=dict)
+    tree: Optional[Tree] = None
+    roles: dict[str, Role] = field(default_factory=dict)
+
+
+class Controller:
+    """One controller over one topology. Thread-safe: requests are
+    serialised, since each recomputes and reprograms a tree."""
+
+    def __init__(self, topo: Topology, fabric: Fabric, *, token: Optional[str] = None, timeout: float = 5.0,
+                 client_factory: Optional[Callable[[str], ControlClient]] = None):
+        self.topo = topo
+        self.fabric = fabric
+        self._clients: dict[str, ControlClient] = {}
+        self._shards: dict[str, int] = {}
+        self._factory = client_factory or (lambda addr: ControlClient(addr, token=token, timeout=timeout))
+        self._jobs: dict[int, _Job] = {}
+        self._lock = threading.Lock()
+
+    # -- requests ----------------------------------------------------------------
+
+    def create_job(self, params: JobParams) -> None:
+        params.validate()
+        with self._lock:
+            if params.job_id in self._jobs:
+                raise ControllerError("ALREADY_EXISTS", f"job {params.job_id} already exists")
+            self._jobs[params.job_id] = _Job(params)
+
+    def delete_job(self, job_id: int) -> None:
+        with self._lock:
+            job = self._job(job_id)
+            self._apply(job, {}, set())
+            del self._jobs[job_id]
+
+    def subscribe(self, job_id: int, rank: int, host: str, sync: bool = False) -> dict:
+        with self._lock:
+            job = self._job(job_id)
+            if rank in job.workers:
+                raise ControllerError("ALREADY_EXISTS",
+                                      f"job {job_id}: rank {rank} is already subscribed (from host {job.workers[rank]})")
+            if not self.topo.is_host(host):
+                raise ControllerError("INVALID_ARGUMENT", f"host {host!r} is not a host of topology {self.topo.name}")
+            if len(job.workers) >= job.params.max_workers:
+                raise ControllerError("INVALID_ARGUMENT",
+                                      f"job {job_id} already has max_workers={job.params.max_workers} workers")
+            workers = {**job.workers, rank: host}
+            tree = self._tree(workers)
+            new_roles = roles(self.topo, tree)
+            awaiting = self._joining(tree, new_roles, job.roles, rank) if sync else {}
+            programmed = self._apply(job, new_roles, awaiting)
+            job.workers, job.tree = workers, tree
+            switch = tree.attach[rank]
+            return {"data_addr": self.fabric.data_addr(switch, toward=host), "programmed": programmed}
+
+    def unsubscribe(self, job_id: int, rank: int) -> dict:
+        with self._lock:
+            job = self._job(job_id)
+            if rank not in job.workers:
+                raise ControllerError("NOT_FOUND", f"job {job_id}: rank {rank} is not subscribed")
+            workers = {r: h for r, h in job.workers.items() if r != rank}
+            tree = self._tree(workers) if workers else None
+            new_roles = roles(self.topo, tree) if tree else {}
+            programmed = self._apply(job, new_roles, {})
+            job.workers, job.tree = workers, tree
+            return {"programmed": programmed}
+
+    def tree(self, job_id: int) -> Optional[Tree]:
+        with self._lock:
+            return self._job(job_id).tree
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _job(self, job_id: int) -> _Job:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise ControllerError("NOT_FOUND", f"job {job_id} does not exist (create it first)") from None
+
+    def _tree(self, workers: dict[int, str]) -> Tree:
+        try:
+            return build_tree(self.topo, workers)
+        except TreeError as e:
+            raise ControllerError("INVALID_ARGUMENT", str(e)) from None
+
+    def _joining(self, tree: Tree, new: dict[str, Role], old: dict[str, Role], rank: int) -> dict[str, set[int]]:
+        """Members that join a running job with worker `rank`: the worker at
+        its switch, and every switch added for it alone at its parent."""
+        awaiting: dict[str, set[int]] = {}
+        node = tree.attach[rank]
+        awaiting.setdefault(node, set()).add(rank)
+        # walk up while the switch is new to the tree and carries only this worker
+        while node not in old and tree.parent[node] is not None:
+            parent = tree.parent[node]
+            awaiting.setdefault(parent, set()).add(switch_rank(self.topo, node))
+            node = parent
+        return awaiting
+
+    def _client(self, switch: str) -> ControlClient:
+        if switch not in self._clients:
+            self._clients[switch] = self._factory(self.fabric.control_addr(switch))
+        return self._clients[switch]
+
+    def _parent_shards(self, switch: str) -> int:
+        if switch not in self._shards:
+            self._shards[switch] = int(self._client(switch).info()["shard_count"])
+        return self._shards[switch]
+
+    def _spec(self, job: _Job, switch: str, role: Role) -> dict:
+        p = job.params
+        tree = None
+        if role.parent is not None:
+            tree = {
+                "parent_addr": self.fabric.data_addr(role.parent, toward=switch),
+                "parent_shards": self._parent_shards(role.parent),
+                "rank": role.rank,
+            }
+        return {
+            "job_id": p.job_id,
+            "members": list(role.members),
+            "block_cnt_max": p.block_cnt_max,
+            "block_grad_max": p.block_grad_max,
+            "block_exp_ms": p.block_exp_ms,
+            "slow_after_windows": p.slow_after_windows,
+            "mode": "aggregate",
+            "workers": p.max_workers,
+            "tree": tree,
+        }
+
+    def _apply(self, job: _Job, new_roles: dict[str, Role], awaiting: dict[str, set[int]]) -> list[str]:
+        """Program the switches whose role differs between the job's current
+        roles and `new_roles`; returns their names in programming order."""
+        from ..control import ControlError
+
+        diff = diff_roles(job.roles, new_roles)
+        done: list[str] = []
+        try:
+            for s, role in diff.added.items():
+                spec = self._spec(job, s, role)
+                self._client(s).admit_job(**spec)
+                job.roles[s] = role
+                done.append(s)
+            for s, role in diff.changed.items():
+                old = job.roles[s]
+                joined = set(role.members) - set(old.members)
+                self._client(s).update_job(self._spec(job, s, role), awaiting=sorted(joined & awaiting.get(s, set())))
+                job.roles[s] = role
+                done.append(s)
+            for s in diff.removed:
+                self._client(s).remove_job(job.params.job_id)
+                del job.roles[s]
+                done.append(s)
+        except ControlError as e:
+            raise ControllerError("UNAVAILABLE",
+                                  f"job {job.params.job_id}: programming the tree failed after {done or 'no switch'}: {e}") from None
+        return done

@@ -1,0 +1,162 @@
+"""`fanin plan goat`: the command-line planner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["add_plan_parser", "add_bench_parser", "run_plan_goat"]
+
+DESCRIPTION = """\
+Plan GOAT's gradient scheduling (Fang et al., ToN 2024, §IV): which
+programmable switch aggregates which sub-model gradient for which worker, and
+what the parameter server (PS) aggregates itself.
+
+The planner solves the LP relaxation of GINA (Eq. 1: minimise MB x distance
+sent by workers to their aggregation nodes plus one aggregate per used switch
+to the PS, under the switch memories B(s)) with HiGHS, then runs KRGS
+(Algorithm 1): k(g) = floor(sum_s x_g^s) switches per sub-model, min-max
+knapsacks, randomized rounding to switches S(g), and each worker's random
+choice among S(g) and the PS. A rounded plan may overrun a switch memory by
+Theorem 5's factor; by default the overrun is repaired (sub-models dropped
+from the full switch go to the PS) so the plan can be installed.
+
+Input: a topology (file or generator) in which programmable switches carry
+memory_mb = B(s) and one host has role "ps" (or --ps), and the sub-model
+sizes b(g). Output: one JSON plan (schema fanin.goat.plan/1, docs/goat.md):
+per switch its responsibility filters (sub-model, expected sources), per
+worker the aggregation node of each sub-model, and what the PS expects."""
+
+EPILOG = """\
+examples:
+  # the §VII-D fat tree: 80 switches (20% programmable, 64 MB), 192 servers, 221 MB in 111 sub-models
+  fanin plan goat --topology fat-tree:8,6 --programmable 0.2 --memory-mb 64 --ps h0_0_0 --even 221,111
+  # a real model's parameters (one sub-model per tensor, big tensors cut to <= 2 MB)
+  fanin plan goat --topology leaf-spine:2,3,3 --ps h0_0 --model resnet18 --max-submodel-mb 2 --summary
+  # sizes from a file: [2.0, 1.5, ...] or [{"name": "fc", "size_mb": 16.8}, ...]
+  fanin plan goat --topology my-dc.toml --submodels sizes.json --out plan.json
+"""
+
+
+def add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="control-plane planners (goat: gradient scheduling across switches)",
+                          description="Control-plane planners. `fanin plan goat --help` explains GOAT's.")
+    psub = plan.add_subparsers(dest="planner", metavar="PLANNER")
+    g = psub.add_parser("goat", help="GOAT: which switch aggregates which sub-model for which worker",
+                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("--topology", required=True,
+                   help="topology file (.toml/.json, docs/topology.md) or generator: fat-tree:K[,HOSTS_PER_EDGE], "
+                        "leaf-spine:SPINES,LEAVES,HOSTS_PER_LEAF, star:N, deep-tree:L[,H]")
+    g.add_argument("--programmable", type=float, metavar="FRACTION",
+                   help="make a seeded random FRACTION of the switches programmable, the rest not "
+                        "(GOAT §VII-D: 0.2); default: as the topology says")
+    g.add_argument("--memory-mb", type=float, help="B(s) of the programmable switches chosen by --programmable")
+    g.add_argument("--ps", help="host that is the parameter server (default: the host with role 'ps')")
+    g.add_argument("--workers", type=int, help="use a seeded random subset of N workers (default: all other hosts)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--submodels", metavar="FILE.json", help="JSON list of sizes in MB or of {name, size_mb}")
+    src.add_argument("--model", help="a PyTorch model's parameter tensors (alexnet, resnet18, resnet34, or any "
+                                     "torchvision name when torchvision is installed)")
+    src.add_argument("--even", metavar="TOTAL_MB,PARTS", help="TOTAL_MB split into PARTS equal sub-models")
+    g.add_argument("--max-submodel-mb", type=float, help="with --model: cut tensors above this size into pieces")
+    g.add_argument("--seed", type=int, default=0, help="seed of the topology choices and of the rounding")
+    g.add_argument("--no-repair", action="store_true", help="keep the rounded plan even where it overruns B(s)")
+    g.add_argument("--out", help="write the plan JSON to this file instead of stdout")
+    g.add_argument("--summary", action="store_true", help="also print a short human summary on stderr")
+    g.set_defaults(func=run_plan_goat)
+
+
+def add_bench_parser(bsub, common) -> None:
+    """`fanin bench goat` (its code is fanin.bench.goat, imported when run)."""
+    b = bsub.add_parser("goat", help="GOAT §VII-D: PS overhead, in-network aggregation, communication vs workers",
+                        description="GOAT's simulation study at flow level: leaf-spine (10+10 switches, 50 servers) "
+                                    "and fat-tree (80 switches, 192 servers), 20%% of switches programmable with "
+                                    "64 MB, 221 MB of gradients per worker in equal sub-models, sending rates "
+                                    "ratio x 10 Gbit/s with ratio ~ Normal(1, sigma). GOAT (LP + KRGS), Geryon, ATP "
+                                    "and ESA in one evaluator; plus GOAT-Async vs K-SGD (Algorithm 2) and the "
+                                    "planning time of the full fat-tree. Writes CSV and PNG to --out.")
+    b.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
+    b.add_argument("--repeats", type=int, help="random instances per point (default 3, 1 with --quick)")
+    b.add_argument("--submodels", type=int, default=111, help="sub-models of the 221 MB gradient (default %(default)s)")
+    b.add_argument("--chunk-mb", type=float, default=1.0,
+                   help="fragment size of the ATP/ESA memory-sharing model (default %(default)s)")
+    b.add_argument("--sigma", type=float, default=0.2, help="sigma of the worker sweep (default %(default)s)")
+    b.add_argument("--no-plot", action="store_true", help="CSV and JSON only")
+    common(b)
+    b.set_defaults(func=_run_bench_goat)
+
+
+def _run_bench_goat(args: argparse.Namespace) -> int:
+    from fanin.bench.goat import run_bench_goat
+
+    return run_bench_goat(args)
+
+
+def _submodels(args):
+    from fanin.goat.model import GoatError, submodels_even, submodels_from_json, submodels_from_torch
+
+    if args.max_submodel_mb is not None and not args.model:
+        raise GoatError("--max-submodel-mb applies to --model only")
+    if args.max_submodel_mb is not None and not (args.max_submodel_mb > 0):
+        raise GoatError(f"--max-submodel-mb {args.max_submodel_mb} must be > 0")
+    if args.submodels:
+        return submodels_from_json(args.submodels)
+    if args.model:
+        return submodels_from_torch(args.model, args.max_submodel_mb)
+    try:
+        total, parts = args.even.split(",")
+        return submodels_even(float(total), int(parts))
+    except ValueError:
+        raise GoatError(f"--even {args.even!r}: expected TOTAL_MB,PARTS, e.g. 221,111") from None
+
+
+def run_plan_goat(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fanin import topology as topo_mod
+    from fanin.goat.krgs import plan
+    from fanin.goat.model import GoatError, instance_from_topology
+    from fanin.goat.schema import plan_to_json
+
+    t0 = time.perf_counter()
+    try:
+        topo = topo_mod.load(args.topology)
+        if args.programmable is not None:
+            topo = topo_mod.with_programmable(topo, args.programmable, args.seed, args.memory_mb)
+        elif args.memory_mb is not None:
+            raise GoatError("--memory-mb needs --programmable (it sets B(s) of the switches that choice marks)")
+        if args.ps:
+            topo = topo_mod.with_ps(topo, args.ps)
+        workers = None
+        if args.workers is not None:
+            pool = [h.name for h in topo.hosts if h.role == "worker"]
+            if not 1 <= args.workers <= len(pool):
+                raise GoatError(f"--workers {args.workers}: the topology has {len(pool)} worker hosts")
+            rng = np.random.default_rng(args.seed)
+            workers = sorted(rng.choice(pool, args.workers, replace=False).tolist())
+        inst = instance_from_topology(topo, _submodels(args), workers=workers)
+        if inst.alpha == 0:
+            raise GoatError("the topology has no programmable switch (use --programmable FRACTION)")
+        p = plan(inst, seed=args.seed, repair=not args.no_repair)
+    except (GoatError, topo_mod.TopologyError) as e:
+        print(f"fanin plan goat: {e}", file=sys.stderr)
+        return 2
+    doc = plan_to_json(p)
+    doc["seconds"]["total"] = round(time.perf_counter() - t0, 4)
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    if args.summary or args.out:
+        total = inst.sizes.sum() * len(inst.workers)
+        print(f"fanin plan goat: {len(inst.workers)} workers, {len(inst.submodels)} sub-models "
+              f"({inst.sizes.sum():.1f} MB), {inst.alpha} programmable switches; PS receives "
+              f"{doc['ps_mb']:.1f} of {total:.1f} MB; objective {doc['objective']['rounded']:.0f} MB·hop "
+              f"(LP bound {doc['objective']['lp_bound']:.0f}); {len(p.repaired)} (sub-model, switch) pairs "
+              f"repaired; {doc['seconds']['total']:.2f} s" + (f"; wrote {args.out}" if args.out else ""),
+              file=sys.stderr)
+    return 0

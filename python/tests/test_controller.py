@@ -1,0 +1,217 @@
+"""The controller: Steiner trees with an LCA root, incremental programming,
+errors; and real multi-level aggregation through real switch daemons on
+loopback, with loss on every hop and workers joining and leaving."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin import topology
+from fanin.controller import (
+    SWITCH_RANK_BASE, Controller, ControllerClient, ControllerError, ControllerServer, JobParams, StaticFabric,
+    TreeError, build_tree, diff_roles, roles, switch_rank,
+)
+from fanin.controller.loopback import LoopbackSwitches
+from fanin.topology import Host, Link, Switch, Topology
+
+from threads import in_threads
+
+
+# -- trees --------------------------------------------------------------------------
+
+
+def test_root_is_the_lowest_common_ancestor_in_a_fat_tree():
+    ft = topology.fat_tree(4)
+    same_edge = build_tree(ft, {0: "h0_0_0", 1: "h0_0_1"})
+    assert (same_edge.root, same_edge.depth(), sorted(same_edge.parent)) == ("edge0_0", 1, ["edge0_0"])
+    same_pod = build_tree(ft, {0: "h0_0_0", 1: "h0_1_0"})
+    assert same_pod.root.startswith("agg0_") and same_pod.depth() == 2
+    assert set(same_pod.parent) == {same_pod.root, "edge0_0", "edge0_1"}
+    two_pods = build_tree(ft, {0: "h0_0_0", 1: "h3_1_1"})
+    assert two_pods.root.startswith("core") and two_pods.depth() == 3
+    # every path is a shortest path: 5 switches for two workers in two pods
+    assert len(two_pods.parent) == 5
+    everyone = build_tree(ft, {i: h.name for i, h in enumerate(ft.hosts)})
+    assert everyone.root.startswith("core") and everyone.depth() == 3
+    # a Steiner tree: every switch has a worker below it
+    assert all(any(_below(everyone, a, s) for a in everyone.attach.values()) for s in everyone.parent)
+
+
+def _below(tree, node, switch):
+    while node is not None:
+        if node == switch:
+            return True
+        node = tree.parent[node]
+    return False
+
+
+def test_deep_tree_has_the_levels_it_names_and_switch_ranks_are_stable():
+    for levels in (1, 2, 3):
+        topo = topology.deep_tree(levels, 2)
+        tree = build_tree(topo, {0: "h0", 1: "h1"})
+        assert tree.depth() == levels
+        r = roles(topo, tree)
+        assert r[tree.root].parent is None and r[tree.root].rank is None
+        for s, role in r.items():
+            if role.parent is not None:
+                assert role.rank == switch_rank(topo, s) >= SWITCH_RANK_BASE
+                assert role.rank in r[role.parent].members
+
+
+def test_a_new_worker_reprograms_only_the_switches_whose_role_changes():
+    ft = topology.fat_tree(4)
+    before = roles(ft, build_tree(ft, {0: "h0_0_0", 1: "h0_1_0"}))
+    # same edge switch as worker 0: only that edge switch changes
+    d = diff_roles(before, roles(ft, build_tree(ft, {0: "h0_0_0", 1: "h0_1_0", 2: "h0_0_1"})))
+    assert (set(d.added), set(d.changed), d.removed) == (set(), {"edge0_0"}, [])
+    # another pod: a core root and that pod's path are added, the old root gets a parent
+    d = diff_roles(before, roles(ft, build_tree(ft, {0: "h0_0_0", 1: "h0_1_0", 2: "h2_0_0"})))
+    assert any(s.startswith("core") for s in d.added) and "edge2_0" in d.added
+    assert set(d.changed) == {"agg0_0"} and d.removed == []
+    # the worker leaves again: exactly the reverse
+    after = roles(ft, build_tree(ft, {0: "h0_0_0", 1: "h0_1_0", 2: "h2_0_0"}))
+    back = diff_roles(after, before)
+    assert set(back.removed) == set(d.added) and set(back.changed) == {"agg0_0"}
+
+
+def test_no_path_unknown_host_and_bad_ranks_are_clear_errors():
+    islands = Topology("islands", [Switch("a"), Switch("b")], [Host("h0"), Host("h1")],
+                       [Link("h0", "a"), Link("h1", "b")]).validate()
+    with pytest.raises(TreeError, match="no path"):
+        build_tree(islands, {0: "h0", 1: "h1"})
+    with pytest.raises(TreeError, match="no host named 'h9'"):
+        build_tree(islands, {0: "h9"})
+    with pytest.raises(TreeError, match="rank 2048 is out of range"):
+        build_tree(islands, {2048: "h0"})
+
+
+def test_controller_refuses_unknown_jobs_duplicate_ranks_and_foreign_hosts():
+    topo = topology.star(2)
+    ctl = Controller(topo, StaticFabric({"s0": {"control": "127.0.0.1:1", "data": "127.0.0.1:2"}}))
+    with pytest.raises(ControllerError, match="job 3 does not exist") as e:
+        ctl.subscribe(3, 0, "h0")
+    assert e.value.code == "NOT_FOUND"
+    ctl.create_job(JobParams(3, max_workers=2))
+    with pytest.raises(ControllerError, match="already exists"):
+        ctl.create_job(JobParams(3))
+    with pytest.raises(ControllerError, match="not a host") as e:
+        ctl.subscribe(3, 0, "s0")
+    assert e.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(ControllerError, match="rank 1 is not subscribed"):
+        ctl.unsubscribe(3, 1)
+    with pytest.raises(ControllerError, match="max_workers 0 is out of range"):
+        ctl.create_job(JobParams(4, max_workers=0))
+
+
+# -- real daemons on loopback -------------------------------------------------------
+
+
+def _allreduce_all(addrs, job_id, tensors, **kw):
+    def work(r):
+        s = fanin.Session(addrs[r], job_id, r, **kw)
+        return [s.allreduce(t[r]) for t in tensors] + [s.last_stats]
+
+    return in_threads(len(addrs), work)
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+def test_multi_level_tree_is_exact_with_loss_on_every_hop(levels):
+    topo = topology.deep_tree(levels, 2)
+    # ingress and egress loss on every switch: worker-switch and switch-switch hops
+    with LoopbackSwitches(topo, shards=2, ingress_drop=0.03, egress_drop=0.03, seed=levels) as sws:
+        ctl = Controller(topo, sws.fabric)
+        with ControllerServer(ctl, "127.0.0.1:0") as srv, ControllerClient(srv.addr) as c:
+            c.create_job(1, block_cnt_max=16, block_grad_max=256, max_workers=2)
+            addrs = [c.subscribe(1, r, f"h{r}")["data_addr"] for r in range(2)]
+            assert c.tree(1)["levels"] == levels
+            rng = np.random.default_rng(levels)
+            ints = [rng.integers(-2**31, 2**31, 20_000, dtype=np.int64).astype(np.int32) for _ in range(2)]
+            floats = [rng.standard_normal(7_000).astype(np.float32) for _ in range(2)]
+            out = _allreduce_all(addrs, 1, [ints, floats], elems_per_packet=256, rto_ms=5, rto_min_ms=2)
+            assert np.array_equal(out[0][0], ints[0] + ints[1])
+            assert np.array_equal(out[1][0], out[0][0])
+            assert np.array_equal(out[0][1], out[1][1])  # bit-identical floats
+            np.testing.assert_allclose(out[0][1], floats[0] + floats[1], rtol=0, atol=1e-5)
+            assert out[0][2]["degraded_blocks"] == [] and out[0][2]["min_src_cnt"] == 2
+            root = c.tree(1)["root"]
+            counters = {s: sws.counters(s) for s in sws.procs}
+            # one partial per block goes up from every non-root; the root sends none
+            assert counters[root]["sent_up"] == 0
+            for s, cn in counters.items():
+                if s != root:
+                    assert cn["sent_up"] > 0 and cn["relayed_down"] > 0
+            # loss between switches was recovered from caches on the way up
+            assert sum(cn["resent_up"] for cn in counters.values()) > 0
+
+
+def test_workers_join_and_leave_while_allreduces_stream():
+    """Worker r adds 2**r to every element, so each block's sum names the
+    workers it summed. Worker 2 joins a running job (sync) and leaves again,
+    worker 1 leaves; every block is a sum over workers subscribed while it
+    ran, the same for every worker that got it, and nothing hangs."""
+    topo = topology.leaf_spine(1, 2, 2)  # spine0; leaf0: h0_0 h0_1; leaf1: h1_0 h1_1
+    n_elems, epp = 4096, 256
+    align = n_elems // epp
+    with LoopbackSwitches(topo, shards=2) as sws:
+        ctl = Controller(topo, sws.fabric)
+        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=4))
+        hosts = {0: "h0_0", 1: "h1_0", 2: "h0_1"}
+        addrs = {r: ctl.subscribe(1, r, hosts[r])["data_addr"] for r in (0, 1)}
+        results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}  # allreduce index -> block sums
+        join_now, one_left, joiner_left = threading.Event(), threading.Event(), threading.Event()
+        start_together = threading.Barrier(2)
+
+        def stream(r, sync, until):
+            s = fanin.Session(addrs[r], 1, r, elems_per_packet=epp, window=8, sync_join=sync,
+                              align_blocks=align if sync else 0, rto_ms=20, rto_min_ms=5)
+            if not sync:
+                start_together.wait()
+            first = s.params["next_block"] // align  # the allreduce this worker starts at
+            assert first == 0 or sync
+            k = 0
+            while not until(k) and k < 300:
+                out = s.allreduce(np.full(n_elems, 1 << r, dtype=np.int32))
+                # every element of a block holds the same sum; keep one per block
+                assert all((out[i:i + epp] == out[i]).all() for i in range(0, n_elems, epp))
+                results[r][first + k] = out[::epp].copy()
+                k += 1
+                if r == 0 and k == 5:
+                    join_now.set()
+
+        def worker0():
+            stream(0, False, lambda k: joiner_left.is_set() and k >= max(results[2], default=0) + 3)
+
+        def worker1():
+            stream(1, False, lambda k: k >= 12 and 2 in results and len(results[2]) >= 2)
+            ctl.unsubscribe(1, 1)  # leaves: the others stop waiting for it
+            one_left.set()
+
+        def joiner():
+            assert join_now.wait(30)
+            addrs[2] = ctl.subscribe(1, 2, hosts[2], sync=True)["data_addr"]
+            after = []
+            stream(2, True, lambda k: one_left.is_set() and (after.append(k) or len(after) > 3))
+            ctl.unsubscribe(1, 2)
+            joiner_left.set()
+
+        tasks = [worker0, worker1, joiner]
+        in_threads(3, lambda i: tasks[i](), timeout=120)
+        for r, runs in results.items():
+            for blocks in runs.values():
+                for v in blocks:
+                    assert 0 < v and v & ~0b111 == 0, (r, v)  # sums of 1, 2, 4 only
+        sets0 = [frozenset(b for b in range(3) if v >> b & 1) for k in sorted(results[0]) for v in results[0][k]]
+        assert sets0[0] == frozenset({0, 1}) and sets0[-1] == frozenset({0})
+        assert frozenset({0, 1, 2}) in sets0 and frozenset({0, 2}) in sets0
+        # the joiner lined up with the others (same allreduce, same sums) and
+        # was in every block from its start block on
+        assert results[2] and min(results[2]) > 0
+        for k, blocks in results[2].items():
+            assert np.array_equal(blocks, results[0][k]), k
+            assert all(v >> 2 & 1 for v in blocks), (k, blocks)
+        for k, blocks in results[1].items():
+            assert np.array_equal(blocks, results[0][k]), k

@@ -1,0 +1,289 @@
+"""The network-namespace testbed, for real: namespaces, veth links, tbf
+limits, the management bridge, the switch daemon inside a namespace and
+workers in host namespaces. Needs root; skipped (with the reason) only where
+network namespaces cannot be created at all.
+
+Every testbed here is named fbt<something> so that these tests never touch a
+testbed someone else has up (the default name is fb)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fanin import topology
+from fanin.testbed import Testbed, TestbedError, check_privileges, down
+
+
+def _probe() -> str:
+    """Why namespaces cannot be used here, or '' when they can."""
+    try:
+        check_privileges()
+    except TestbedError as e:
+        return str(e)
+    ns = f"fbt-probe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    return "" if r.returncode == 0 else f"`ip netns add` fails here: {r.stderr.strip()}"
+
+
+_WHY_NOT = _probe()
+pytestmark = pytest.mark.skipif(bool(_WHY_NOT), reason=f"no network namespaces: {_WHY_NOT}")
+
+# Testbed names: fbt + a letter per test + this process's pid in base 36, so
+# that two test runs on one machine (two worktrees) never take down each
+# other's testbeds.
+_B36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+_TAG_MOD = 36**4
+
+
+def _tag(pid: int) -> str:
+    n = pid % _TAG_MOD
+    return "".join(_B36[n // 36**i % 36] for i in (3, 2, 1, 0))
+
+
+S, D, F, R, A, X, E, C = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxec")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remove_testbeds_of_dead_test_runs():
+    """Testbeds left by a test run that was killed: their owner pid is gone."""
+    if _WHY_NOT:
+        return
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    stale = {m.group(1) for ns in namespaces("fbt") if (m := re.match(r"^(fbt[a-z]([0-9a-z]{4}))-", ns))}
+    for name in stale:
+        n = int(name[4:], 36)
+        if not any(os.path.exists(f"/proc/{pid}") for pid in range(n, pid_max + 1, _TAG_MOD)):
+            down(name)
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    return tmp_path
+
+
+def up(spec, name, state_dir, **kw):
+    down(name, state_dir)  # leftovers of an interrupted earlier run
+    return Testbed.up(topology.load(spec), name=name, state_dir=state_dir, **kw)
+
+
+def ping(tb, node, addr):
+    r = tb.run(node, ["ping", "-c1", "-W2", addr], check=False)
+    assert r.returncode == 0, f"{node} cannot ping {addr}: {r.stdout}{r.stderr}"
+
+
+def ping_from_root(addr):
+    r = subprocess.run(["ping", "-c1", "-W2", addr], capture_output=True, text=True)
+    assert r.returncode == 0, f"root namespace cannot ping {addr}: {r.stdout}{r.stderr}"
+
+
+def namespaces(prefix):
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.startswith(prefix)}
+
+
+def root_links(prefix):
+    links = json.loads(subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True).stdout)
+    return {link["ifname"] for link in links if link["ifname"].startswith(prefix)}
+
+
+UDP_SEND = """
+import socket, sys, time
+addr, port, size, count, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+payload = bytes(size)
+sent, t0 = 0, time.perf_counter()
+while (count and sent < count) or (not count and time.perf_counter() - t0 < seconds):
+    s.sendto(payload, (addr, port))
+    sent += 1
+print(sent, time.perf_counter() - t0)
+"""
+
+
+def test_star_links_addresses_management_and_byte_counts(state_dir):
+    with up("star:2", S, state_dir) as tb:
+        assert namespaces(S + "-") == {S + "-s0", S + "-h0", S + "-h1"}
+        assert tb.namespace("h0") == S + "-h0"
+        for h in ("h0", "h1"):
+            # each end of each link is a /30 of its own; the interface exists where the state says
+            ifname = tb.interface(h, toward="s0")
+            assert len(ifname) <= 15
+            show = tb.run(h, ["ip", "-4", "-o", "addr", "show", "dev", ifname]).stdout
+            assert f"{tb.addr(h, toward='s0')}/30" in show
+            ping(tb, h, tb.addr("s0", toward=h))          # host reaches its switch
+            ping(tb, "s0", tb.addr(h, toward="s0"))        # and back
+            ping_from_root(tb.mgmt_addr(h))                # management from the root namespace
+        ping_from_root(tb.mgmt_addr("s0"))
+        ping(tb, "h0", tb.mgmt_addr())                     # workers reach a controller in the root namespace
+
+        # byte counters: 100 datagrams of 1000 bytes = 100 frames of 1042 bytes (UDP 8 + IP 20 + Ethernet 14)
+        before = tb.link_bytes("h0", "s0")
+        tb.run("h0", [sys.executable, "-c", UDP_SEND, tb.addr("s0", toward="h0"), "9", "1000", "100", "0"])
+        after = tb.link_bytes("h0", "s0")
+        sent = after.a_to_b - before.a_to_b
+        assert 100 * 1042 <= sent < 100 * 1042 + 2000, sent   # + an ARP exchange at most
+        # back: only ARP and a few (rate-limited) ICMP port-unreachable replies, ~590 bytes each
+        assert after.b_to_a - before.b_to_a < 10_000
+        # Reversing the arguments reverses the directions.
+        assert tb.link_bytes("s0", "h0").b_to_a >= after.a_to_b
+
+
+def test_deep_tree_switch_to_switch(state_dir):
+    with up("deep-tree:2,2", D, state_dir) as tb:
+        topo = tb.topology
+        assert len(namespaces(D + "-")) == len(topo.nodes) == 5
+        for link in topo.links:
+            ping(tb, link.a, tb.addr(link.b, toward=link.a))
+        # data addresses are connected routes only: a host does not reach a switch two hops away
+        r = tb.run("h0", ["ping", "-c1", "-W1", tb.addr("s0", toward="s1_0")], check=False)
+        assert r.returncode != 0
+        # a daemon on every switch; each control API answers from the root namespace
+        from fanin.control.client import ControlClient
+
+        daemons = tb.switches()
+        assert sorted(daemons) == ["s0", "s1_0", "s1_1"]
+        for node, sw in daemons.items():
+            with ControlClient(sw.control_addr) as ctl:
+                assert ctl.info()["api_version"] == "v1"
+
+
+def test_fat_tree_4_thesis_topology(state_dir):
+    t0 = time.monotonic()
+    with up("fat-tree:4", F, state_dir, rate_mbit=1000) as tb:
+        built = time.monotonic() - t0
+        topo = tb.topology
+        assert (len(topo.switches), len(topo.hosts), len(topo.links)) == (20, 16, 48)
+        assert len(namespaces(F + "-")) == 36
+        assert len(root_links(F + "-m")) == 36
+        for h in topo.workers():
+            ping(tb, h, tb.addr(topo.attachment(h), toward=h))
+        for link in topo.links[:4]:  # a few switch-switch links (core-agg)
+            ping(tb, link.a, tb.addr(link.b, toward=link.a))
+        ping_from_root(tb.mgmt_addr("core0"))
+        ping_from_root(tb.mgmt_addr("h3_1_1"))
+        qdisc = tb.run("edge0_0", ["tc", "qdisc", "show", "dev", tb.interface("edge0_0", toward="h0_0_0")]).stdout
+        assert "tbf" in qdisc and "1Gbit" in qdisc, qdisc
+        # the state file lets another process attach; leaving its `with` does not take the testbed down
+        with Testbed.attach(F, state_dir) as again:
+            assert again.addr("core0", toward="agg0_0") == tb.addr("core0", toward="agg0_0")
+        assert len(namespaces(F + "-")) == 36
+    assert built < 20, f"fat-tree:4 took {built:.1f} s to build"
+    assert not namespaces(F + "-") and not root_links(F + "-")
+
+
+def test_tbf_limits_throughput(state_dir):
+    with up("star:1", R, state_dir, rate_mbit=20) as tb:
+        before = tb.link_bytes("h0", "s0")
+        out = tb.run("h0", [sys.executable, "-c", UDP_SEND, tb.addr("s0", toward="h0"), "9", "1400", "0", "1.5"]).stdout
+        sent, seconds = out.split()
+        passed = tb.link_bytes("h0", "s0").a_to_b - before.a_to_b
+        mbit = passed * 8 / float(seconds) / 1e6
+        # tbf counts whole frames; the bucket (16 KiB) adds < 0.1 Mbit/s over 1.5 s
+        assert 16 <= mbit <= 22, f"{mbit:.1f} Mbit/s through a 20 Mbit/s link ({sent} datagrams offered)"
+
+
+WORKER = """
+import hashlib, json, sys
+import fanin
+from fanin.proc import check_result, worker_inputs
+addr, rank, workers, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = fanin.Session(addr, 1, rank, join_timeout_s=10)
+y = s.allreduce(worker_inputs(rank, n, "float32"))
+print(json.dumps({"ok": check_result(y, workers, "float32", 1024)["ok"], "digest": hashlib.sha256(y.tobytes()).hexdigest()}))
+"""
+
+
+def test_allreduce_switch_daemon_and_workers_in_namespaces(state_dir):
+    from fanin.control.client import ControlClient
+
+    n = 100_000
+    with up("star:2", A, state_dir) as tb:
+        sw = tb.switch("s0")
+        assert sw.control_addr == f"{tb.mgmt_addr('s0')}:{tb.SWITCH_CONTROL_PORT}"
+        # a controller in the root namespace programs the switch over the management network
+        with ControlClient(sw.control_addr) as ctl:
+            ctl.admit_job(1, members=[0, 1])
+            assert [j["job_id"] for j in ctl.list_jobs()] == [1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        workers = [tb.popen(h, [sys.executable, "-c", WORKER, f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}",
+                                str(rank), "2", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+                   for rank, h in enumerate(("h0", "h1"))]
+        reports = []
+        for p in workers:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            reports.append(json.loads(out))
+        assert all(r["ok"] for r in reports), reports
+        assert reports[0]["digest"] == reports[1]["digest"]
+        # the data really crossed the veth links: 4 bytes per element up, and the result back down
+        for h in ("h0", "h1"):
+            up_bytes, down_bytes = tb.link_bytes(h, "s0")
+            assert up_bytes >= 4 * n and down_bytes >= 4 * n, (h, up_bytes, down_bytes)
+        assert sw.counters()["blocks_completed"] >= n // 1024  # metrics from the root namespace too
+
+
+def test_down_removes_everything_even_without_state_file(state_dir):
+    tb = up("star:2", X, state_dir)
+    started = tb.popen("h0", ["sleep", "300"])
+    # a process started behind the testbed's back, in one of its namespaces
+    stray = subprocess.Popen(["ip", "netns", "exec", tb.namespace("s0"), "sleep", "300"])
+    (state_dir / f"testbed-{X}.json").unlink()
+    removed = down(X, state_dir)
+    assert removed["namespaces"] == 3 and removed["processes"] >= 2
+    assert started.wait(timeout=5) is not None and stray.wait(timeout=5) is not None
+    assert not namespaces(X + "-") and not root_links(X + "-")
+    assert down(X, state_dir) == {"processes": 0, "namespaces": 0, "root_links": 0}  # idempotent
+    tb.down()  # and through the object as well
+
+
+def test_clear_errors(state_dir, monkeypatch):
+    with up("star:1", E, state_dir) as tb:
+        with pytest.raises(TestbedError, match="already up"):
+            Testbed.up(topology.load("star:1"), name=E, state_dir=state_dir)
+        with pytest.raises(TestbedError, match="no link between 'h0' and 'nowhere'"):
+            tb.addr("h0", toward="nowhere")
+        with pytest.raises(TestbedError, match="no node 'x'"):
+            tb.namespace("x")
+    with pytest.raises(TestbedError, match="testbed name 'fb-1' is invalid"):
+        Testbed.up(topology.load("star:1"), name="fb-1", state_dir=state_dir)
+    with pytest.raises(TestbedError, match="no testbed named 'fbtnone' is up"):
+        Testbed.attach("fbtnone", state_dir)
+    bad = topology.Topology("bad", [topology.Switch("s0")], [topology.Host("h0")], [])
+    with pytest.raises(topology.TopologyError, match="host h0 has 0 links"):
+        Testbed.up(bad, name=E, state_dir=state_dir)
+    import fanin.testbed as testbed_mod
+    monkeypatch.setattr(testbed_mod, "_effective_caps", lambda: 0)
+    with pytest.raises(TestbedError, match="needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN missing"):
+        Testbed.up(topology.load("star:1"), name=E, state_dir=state_dir)
+    assert not namespaces(E + "-")
+
+
+def test_cli_up_status_exec_down(tmp_path):
+    env = {**os.environ, "FANIN_TESTBED_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "fanin", "testbed", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    cli("down", "--name", C)
+    r = cli("up", "star:1", "--name", C, "--rate-mbit", "100", "--json")
+    assert r.returncode == 0, r.stderr
+    state = json.loads(r.stdout)
+    assert state["links"][0]["rate_mbit"] == 100 and state["missing_namespaces"] == []
+    r = cli("up", "star:1", "--name", C)
+    assert r.returncode == 1 and "already up" in r.stderr
+    r = cli("status", "--name", C)
+    assert r.returncode == 0 and C + "-h0" in r.stdout, r.stderr
+    r = cli("exec", "--name", C, "h0", "--", "ip", "-o", "-4", "addr", "show", "dev", "eth0")
+    assert r.returncode == 0 and state["links"][0]["a_addr"] in r.stdout, r.stdout + r.stderr
+    r = cli("down", "--name", C)
+    assert r.returncode == 0 and "2 namespaces" in r.stdout, r.stdout + r.stderr
+    assert not namespaces(C + "-")
+    r = cli("up", "no-such-file.toml", "--name", C)
+    assert r.returncode == 1 and "no such file" in r.stderr
