@@ -47,6 +47,8 @@ SEEDS = {
                                 job_id=42, block_id=0xFFFFFFFF, grad_cnt=1) + elements(0x7FFFFFFF),
         "golden-join-ack": header(JOIN_ACK, src_id=2, src_cnt=4, job_id=9) + JOIN_ACK_BODY,
         "golden-nack": header(NACK, src_id=17, job_id=9) + NACK_BODY,
+        "golden-trim-nack": header(NACK, flags=EXP_ONLY, dtype=1, src_id=3, gen_id=7, job_id=9,
+                                   block_id=0x0A0B0C0D) + nack(10, 1),
         # one of every other shape
         "join": header(JOIN, src_id=1, src_cnt=4, job_id=9),
         "retransmission-exp-only": header(RETRANSMISSION, flags=EXP_ONLY, dtype=3, src_id=1,
@@ -66,6 +68,7 @@ SEEDS = {
         "too-many-elements": nack(3, 1024),
         "block-out-of-window": nack(6, 0xFFFFFFFF),
         "shape-mismatch": nack(8, 256),
+        "trimmed-processing-queue": nack(10, 1),
     },
     "preamble": {
         "contribution": struct.pack(">HBB", MAGIC, VERSION, CONTRIBUTION),

@@ -5,9 +5,12 @@
 //! and a joined worker session.
 //! Input: a sequence of [len: u8][from: u8][bytes...] records; the high bits
 //! of `from` also advance time, so blocks age and sources are declared slow.
+//! Every datagram also goes through the overloaded daemon's trimming
+//! (`trim::return_to_sender`), and the Trimmed nack, if any, to the worker.
 //! Oracles: no panic; everything the machines emit is a valid packet;
 //! every datagram the switch saw is counted; accepted contributions never
-//! exceed what arrived.
+//! exceed what arrived; trimming answers with exactly one Trimmed nack for
+//! the same job, source and block, or with nothing.
 #![no_main]
 
 use fanin_proto::host::{AllreduceSession, SessionConfig, Tensor};
@@ -16,8 +19,9 @@ use std::time::Duration;
 
 use fanin_proto::job::SWITCH_RANK_BASE;
 use fanin_proto::switch::{AgingConfig, ShardConfig, Uplink, ValueSwitch, Verdict};
+use fanin_proto::trim::{return_to_sender, TrimCause, TrimVerdict};
 use fanin_proto::{Time, VecTransmit};
-use fanin_wire::value::{JoinParams, Packet, Repr};
+use fanin_wire::value::{JoinParams, Nack, NackReason, Packet, Repr};
 use fanin_wire::MessageType;
 use libfuzzer_sys::fuzz_target;
 
@@ -118,6 +122,17 @@ fuzz_target!(|data: &[u8]| {
         }
         check_emitted(&mut out);
         worker.handle_datagram(now, dgram);
+        let mut tout = VecTransmit::new();
+        let verdict = return_to_sender(from, dgram, TrimCause::ProcessingQueue, &mut tout);
+        let trims: Vec<_> = tout.drain().collect();
+        assert_eq!(trims.len(), usize::from(verdict == TrimVerdict::Trimmed));
+        for (dest, nack) in &trims {
+            let (p, q) = (Packet::new_checked(&nack[..]).expect("a valid Trimmed nack"), Packet::new_checked(dgram).unwrap());
+            assert_eq!(*dest, from, "return to sender");
+            assert_eq!((p.job_id(), p.src_id(), p.block_id(), p.gen_id()), (q.job_id(), q.src_id(), q.block_id(), q.gen_id()));
+            assert_eq!(Nack::parse(p.payload()).unwrap().reason, NackReason::Trimmed);
+            worker.handle_datagram(now, nack);
+        }
         worker.handle_timeout(now);
         let mut wout = VecTransmit::new();
         worker.poll_transmit(now, &mut wout);

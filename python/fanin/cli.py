@@ -18,6 +18,7 @@ examples:
   fanin bench time-to-accuracy --quick --json  # digits MLP with stragglers (cf. Trio-ML Fig. 12)
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
+  fanin bench overload --quick --json          # overloaded switch: trimming vs silent drops
   fanin testbed up fat-tree:4                  # namespaces + veth links (root; see fanin testbed --help)
   fanin controller serve --topology deep-tree:3,2 --loopback   # aggregation trees (see fanin controller --help)
   fanin plan goat --topology fat-tree:8,6 --programmable 0.2 --memory-mb 64 --ps h0_0_0 --even 221,111
@@ -157,6 +158,12 @@ def _cmd_bench_straggler_iterations(args: argparse.Namespace) -> int:
     from fanin.bench.stragglers import run_iterations
 
     return run_iterations(args)
+
+
+def _cmd_bench_overload(args: argparse.Namespace) -> int:
+    from fanin.bench.overload import run_overload
+
+    return run_overload(args)
 
 
 def _find_sim_binary() -> Optional[str]:
@@ -325,6 +332,26 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
     common(si)
     si.set_defaults(func=_cmd_bench_straggler_iterations)
+
+    ov = bsub.add_parser("overload", help="allreduce through an overloaded switch, trimming on vs off (NDP return-to-sender)",
+                         description="Two switches, identical but for [trim] enabled, one overloaded shard each "
+                                     "(small receive buffer, full windows from every worker); each worker "
+                                     "alternates between them. Completion time, kernel drops, trims and "
+                                     "retransmissions per arm, and trim/drop ratios. Writes CSV and PNG to --out. "
+                                     "Under overload the drop arm's allreduces have a long tail (seconds, "
+                                     "occasionally minutes): --quick usually takes well under a minute, not always.")
+    ov.add_argument("--workers", type=int, default=4)
+    ov.add_argument("--windows", type=int, nargs="+", help="worker windows (default 256)")
+    ov.add_argument("--socket-buffers", type=int, nargs="+",
+                    help="receive buffers requested per switch socket, bytes, one point each (the kernel doubles "
+                         "them; default 4194304 1048576 524288, 1048576 with --quick)")
+    ov.add_argument("--size", type=int, help="bytes per worker (default 4000000)")
+    ov.add_argument("--iters", type=int, help="timed allreduces per arm and point (default 7; 3 with --quick)")
+    ov.add_argument("--watermark", type=float, default=0.5,
+                    help="trim arm: fraction of the receive buffer above which it trims (default %(default)s)")
+    ov.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    common(ov)
+    ov.set_defaults(func=_cmd_bench_overload)
 
     sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "

@@ -109,7 +109,9 @@ class Session:
 
     @property
     def last_stats(self) -> Optional[dict[str, Any]]:
-        """Statistics of the last allreduce: ``retransmissions``, ``blocks``,
+        """Statistics of the last allreduce: ``retransmissions``, ``trimmed``
+        (Trimmed nacks from an overloaded switch that made this worker resend
+        a block and shrink its window), ``blocks``,
         ``gen_id``, ``degraded_blocks`` (list of ``(block, src_cnt)``: blocks
         whose result summed fewer than all members), ``min_src_cnt``,
         ``missed_blocks`` (blocks this worker arrived too late for: zero,

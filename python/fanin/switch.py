@@ -61,12 +61,19 @@ def switch_config(
     batch: int = 64,
     scanners: int = 8,
     checks: int = 4,
+    trim: bool = False,
+    trim_watermark: float = 0.5,
+    socket_buffer: Optional[int] = None,
     jobs: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The daemon configuration (the same fields as the TOML config file).
-    ``scanners`` and ``checks`` configure the straggler detector."""
-    return {
+    ``scanners`` and ``checks`` configure the straggler detector; ``trim``
+    and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
+    ``socket_buffer`` the receive buffer per data socket in bytes (default
+    the daemon's)."""
+    cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks},
+        "trim": {"enabled": trim, "watermark": trim_watermark},
         "data_addr": data_addr,
         "shards": shards,
         "control_addr": control_addr,
@@ -76,6 +83,9 @@ def switch_config(
         "faults": {"ingress_drop": ingress_drop, "egress_drop": egress_drop, "seed": seed},
         "jobs": list(jobs),
     }
+    if socket_buffer is not None:
+        cfg["socket_buffer"] = socket_buffer
+    return cfg
 
 
 class LocalSwitch:

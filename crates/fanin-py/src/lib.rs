@@ -134,7 +134,8 @@ impl Session {
         Ok(result)
     }
 
-    /// Statistics of the last allreduce: retransmissions, blocks, gen_id,
+    /// Statistics of the last allreduce: retransmissions, trimmed (Trimmed
+    /// nacks that made this worker resend a block), blocks, gen_id,
     /// degraded_blocks [(block index, src_cnt)], min_src_cnt, missed_blocks,
     /// latency_mean_ms / latency_max_ms (first send of a block to its
     /// result) and slow_sources (sources the switch declared permanently slow).
@@ -142,6 +143,7 @@ impl Session {
         let Some(o) = &self.last else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("retransmissions", o.retransmissions)?;
+        d.set_item("trimmed", o.trimmed)?;
         d.set_item("blocks", o.blocks)?;
         d.set_item("gen_id", o.gen_id)?;
         d.set_item("degraded_blocks", o.degraded_blocks.clone())?;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use fanin_proto::job::{JobMode, JobSpec, DEFAULT_SLOW_AFTER_WINDOWS};
 use fanin_proto::switch::AgingConfig;
+use fanin_proto::trim::Watermark;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -41,6 +42,8 @@ pub struct DaemonConfig {
     #[serde(default)]
     pub aging: AgingSection,
     #[serde(default)]
+    pub trim: TrimSection,
+    #[serde(default)]
     pub jobs: Vec<JobConfig>,
 }
 
@@ -69,6 +72,38 @@ impl AgingSection {
     pub fn to_config(&self) -> AgingConfig {
         AgingConfig { scanners: self.scanners, checks: self.checks, min_tick: Duration::from_micros(self.min_tick_us) }
     }
+}
+
+/// Trimming on overload (docs/trimming-daemon.md): when a shard's receive
+/// queue holds more than `watermark` of its buffer behind a batch, the data
+/// contributions of that batch are answered with a header-only Trimmed nack
+/// instead of being aggregated. Off by default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrimSection {
+    #[serde(default)]
+    pub enabled: bool,
+    /// Fraction of the socket receive buffer (as granted by the kernel).
+    #[serde(default = "default_watermark")]
+    pub watermark: f64,
+}
+
+impl Default for TrimSection {
+    fn default() -> Self {
+        Self { enabled: false, watermark: default_watermark() }
+    }
+}
+
+impl TrimSection {
+    /// The watermark, if trimming is on.
+    pub fn watermark(&self) -> Result<Option<Watermark>, ConfigError> {
+        let w = Watermark::new(self.watermark).map_err(ConfigError::Invalid)?;
+        Ok(self.enabled.then_some(w))
+    }
+}
+
+fn default_watermark() -> f64 {
+    0.5
 }
 
 fn default_scanners() -> u16 {
@@ -214,6 +249,7 @@ impl DaemonConfig {
         if self.aging.min_tick_us == 0 {
             return bad("aging.min_tick_us must be at least 1".into());
         }
+        self.trim.watermark()?;
         let mut seen = std::collections::BTreeSet::new();
         for (i, job) in self.jobs.iter().enumerate() {
             let spec = job.to_spec().map_err(|m| ConfigError::Invalid(format!("jobs[{i}]: {m}")))?;
@@ -258,6 +294,9 @@ mod tests {
             data_addr = "127.0.0.1:9500"
             shards = 2
             memory_mb = 64
+            [trim]
+            enabled = true
+            watermark = 0.25
             [faults]
             ingress_drop = 0.05
             seed = 3
@@ -273,6 +312,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(cfg.shards, 2);
+        assert_eq!(cfg.trim.watermark().unwrap().map(|w| w.fraction()), Some(0.25));
+        assert_eq!(DaemonConfig::default().trim.watermark().unwrap(), None, "off by default");
         assert_eq!(cfg.jobs[0].to_spec().unwrap().members, vec![0, 1, 2, 3]);
         assert_eq!(cfg.jobs[1].mode, JobMode::Forward);
         assert_eq!(DaemonConfig::default().data_addr.port(), 9000);
@@ -290,6 +331,9 @@ mod tests {
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\n[[jobs]]\njob_id = 1\nsources = 2").contains("defined twice"));
         assert!(err("[faults]\ningress_drop = 1.5").contains("not a probability"));
         assert!(err("[aging]\nscanners = 0").contains("aging.scanners 0 is out of range"));
+        assert!(err("[trim]\nenabled = true\nwatermark = 1.0").contains("trim.watermark = 1 is out of range"));
+        assert!(err("[trim]\nwatermark = -0.5").contains("trim.watermark = -0.5 is out of range"));
+        assert!(err("[trim]\nenable = true").contains("unknown field `enable`"));
         assert!(err("[aging]\nchecks = 20").contains("aging.checks 20 is out of range"));
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nblock_exp_ms = 700000").contains("block_exp_ms 700000"));
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nslow_after_windows = 20000").contains("slow_after_windows 20000"));

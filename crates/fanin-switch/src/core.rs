@@ -269,6 +269,9 @@ impl SwitchHandle {
                 batch: config.batch,
                 ingress: DropInjector::new(config.faults.ingress_drop, seed),
                 egress: DropInjector::new(config.faults.egress_drop, seed ^ 0x5555),
+                trim: config.trim.watermark()?,
+                trimmed: 0,
+                socket_drops: 0,
             };
             threads.push(
                 std::thread::Builder::new()

@@ -1,5 +1,13 @@
 //! One run-to-completion shard thread: receive a batch, run every datagram
 //! through the shard's `ValueSwitch`, send the batch of replies.
+//!
+//! With trimming on, the thread reads its socket's receive queue just before
+//! and after each batch (`SO_MEMINFO`, one syscall each): the datagrams that
+//! sat beyond the watermark in that queue (`Watermark::plan`) go back to
+//! their senders as Trimmed nacks (`fanin_proto::trim::return_to_sender`)
+//! instead of into the program, so senders slow down before the kernel
+//! drops silently. (One look after the batch is not enough: with GRO a batch
+//! can hold more than the whole buffer, so the queue is empty behind it.)
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -10,6 +18,7 @@ use std::time::{Duration, Instant};
 use fanin_proto::fault::DropInjector;
 use fanin_proto::job::JobSpec;
 use fanin_proto::switch::{AdmitError, Counters, Uplink, ValueSwitch, Verdict};
+use fanin_proto::trim::{return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 
@@ -46,6 +55,12 @@ pub(crate) struct ShardThread {
     pub batch: usize,
     pub ingress: DropInjector,
     pub egress: DropInjector,
+    /// Trimming on overload, if enabled.
+    pub trim: Option<Watermark>,
+    /// Data contributions answered with a Trimmed nack.
+    pub trimmed: u64,
+    /// The kernel's drop count on this shard's socket.
+    pub socket_drops: u64,
 }
 
 /// Sends through the batch, flushing when it fills; egress faults drop here.
@@ -104,6 +119,8 @@ impl ShardThread {
                 }
                 None => true,
             };
+            // The backlog the batch is taken from (only needed to trim).
+            let before = if ready && self.trim.is_some() { self.queued_bytes() } else { 0 };
             // A receive error (e.g. ICMP feedback) is not fatal: try again.
             let n = if ready { self.socket.recv_batch(&mut rx).unwrap_or_default() } else { 0 };
             let now = self.now();
@@ -115,8 +132,22 @@ impl ShardThread {
                 stats: &self.stats,
             };
             if n > 0 {
+                let mut plan = match (self.socket.receive_queue(), self.trim) {
+                    (Ok(q), trim) => {
+                        self.socket_drops = q.drops;
+                        let batch_len = || rx.iter().map(|(_, b)| b.len()).sum();
+                        trim.map_or(TrimPlan::NEVER, |w| w.plan(before, q.queued_bytes, q.limit_bytes, batch_len()))
+                    }
+                    (Err(_), _) => TrimPlan::NEVER,
+                };
                 for (from, bytes) in rx.iter() {
                     if self.ingress.should_drop() {
+                        continue;
+                    }
+                    if plan.trims(bytes.len())
+                        && return_to_sender(from, bytes, TrimCause::ProcessingQueue, &mut out) == TrimVerdict::Trimmed
+                    {
+                        self.trimmed += 1;
                         continue;
                     }
                     match self.switch.handle_datagram(now, from, bytes, &mut out) {
@@ -147,6 +178,10 @@ impl ShardThread {
             self.publish();
         }
         self.publish();
+    }
+
+    fn queued_bytes(&self) -> usize {
+        self.socket.receive_queue().map_or(0, |q| q.queued_bytes)
     }
 
     fn now(&self) -> Time {
@@ -204,6 +239,8 @@ impl ShardThread {
     fn publish(&self) {
         if let Ok(mut c) = self.stats.counters.lock() {
             c.clone_from(self.switch.counters());
+            c.trimmed = self.trimmed;
+            c.socket_drops = self.socket_drops;
         }
         self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
         self.stats.fault_ingress_dropped.store(self.ingress.dropped(), Ordering::Relaxed);

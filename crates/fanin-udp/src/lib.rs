@@ -46,7 +46,7 @@ mod socket;
 
 pub use recv::{RecvBatch, RecvIter, GRO_SLOT_SIZE};
 pub use send::{SendBatch, MAX_GSO_BYTES, MAX_GSO_SEGMENTS};
-pub use socket::BatchSocket;
+pub use socket::{BatchSocket, ReceiveQueue};
 
 #[cfg(test)]
 mod tests {

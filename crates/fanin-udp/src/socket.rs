@@ -11,6 +11,18 @@ use std::time::Duration;
 use crate::recv::{RecvBatch, GRO_SLOT_SIZE};
 use crate::send::{GsoState, SendBatch};
 
+/// Occupancy of a socket's receive queue; see [`BatchSocket::receive_queue`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReceiveQueue {
+    /// Bytes the kernel holds for datagrams not yet read.
+    pub queued_bytes: usize,
+    /// The receive buffer: above it, arriving datagrams are dropped.
+    pub limit_bytes: usize,
+    /// Datagrams the kernel dropped on this socket since it was opened
+    /// (full queue, checksum errors), as the `drops` column of /proc/net/udp.
+    pub drops: u64,
+}
+
 /// A UDP socket (IPv4 or IPv6) that receives and sends in batches.
 ///
 /// All methods take `&self`, so one socket can be shared (e.g. in an `Arc`)
@@ -97,6 +109,39 @@ impl BatchSocket {
         let recv = getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF)?;
         let send = getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF)?;
         Ok((recv.max(0) as usize, send.max(0) as usize))
+    }
+
+    /// The kernel's view of the receive queue (`SO_MEMINFO`): bytes queued,
+    /// the limit at which the kernel starts dropping, and how many datagrams
+    /// it dropped so far. One `getsockopt`, cheap enough to call per batch.
+    ///
+    /// This is the daemon's processing queue: datagrams wait here until the
+    /// shard thread reads them. Bytes are the kernel's accounting (each
+    /// datagram's buffer "truesize", roughly its length rounded up to a page
+    /// fragment plus ~0.5 KiB of metadata), the same unit as the limit.
+    pub fn receive_queue(&self) -> io::Result<ReceiveQueue> {
+        // SO_MEMINFO (asm-generic/socket.h; the libc crate does not export it).
+        const SO_MEMINFO: libc::c_int = 55;
+        let mut info = [0u32; libc::SK_MEMINFO_DROPS as usize + 1];
+        let mut len = mem::size_of_val(&info) as libc::socklen_t;
+        // SAFETY: `info` and `len` are live locals; `len` bounds the write.
+        let r = unsafe {
+            libc::getsockopt(
+                self.socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_MEMINFO,
+                info.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(ReceiveQueue {
+            queued_bytes: info[libc::SK_MEMINFO_RMEM_ALLOC as usize] as usize,
+            limit_bytes: info[libc::SK_MEMINFO_RCVBUF as usize] as usize,
+            drops: info[libc::SK_MEMINFO_DROPS as usize] as u64,
+        })
     }
 
     /// Bounds how long [`recv_batch`](Self::recv_batch) waits for the first

@@ -342,3 +342,26 @@ fn from_std_keeps_the_socket() {
     let (r, w) = s.buffer_sizes().unwrap();
     assert!(r >= 1 << 20 && w >= 1 << 20, "got {r}/{w}");
 }
+
+/// SO_MEMINFO sees datagrams waiting, and the kernel's drops once the
+/// (small) receive buffer is full: the two signals the switch daemon uses.
+#[test]
+fn receive_queue_reports_backlog_and_drops() {
+    let rx = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    rx.set_buffer_sizes(64 * 1024, 64 * 1024).unwrap();
+    let empty = rx.receive_queue().unwrap();
+    assert_eq!((empty.queued_bytes, empty.drops), (0, 0));
+    assert!(empty.limit_bytes >= 4096, "{empty:?}");
+    let tx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let dest = rx.local_addr().unwrap();
+    tx.send_to(&[7u8; 1000], dest).unwrap();
+    let one = rx.receive_queue().unwrap();
+    assert!(one.queued_bytes >= 1000, "{one:?}");
+    // far more than the buffer holds: the kernel must drop some
+    for _ in 0..(empty.limit_bytes / 1000 + 64) {
+        tx.send_to(&[7u8; 1000], dest).unwrap();
+    }
+    let full = rx.receive_queue().unwrap();
+    assert!(full.drops > 0, "{full:?}");
+    assert!(full.queued_bytes <= full.limit_bytes + 4096, "{full:?}");
+}

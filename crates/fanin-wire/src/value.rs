@@ -462,6 +462,12 @@ pub enum NackReason {
     /// source (a straggler) and the slot was reused (detail = the block the
     /// slot holds now). Not fatal: the worker records the block as missed.
     BlockExpired = 9,
+    /// Back-pressure, NDP's return-to-sender: the switch did not process the
+    /// contribution because it is overloaded (detail = a [`TrimCause`] code).
+    /// Not fatal: the worker sends the block again at once and shrinks its
+    /// window. The header echoes the trimmed contribution's `exp_only` flag
+    /// so the worker can tell which phase was cut.
+    Trimmed = 10,
 }
 
 impl NackReason {
@@ -476,6 +482,7 @@ impl NackReason {
             7 => Self::WrongMode,
             8 => Self::ShapeMismatch,
             9 => Self::BlockExpired,
+            10 => Self::Trimmed,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -491,6 +498,33 @@ impl NackReason {
             Self::WrongMode => "message not valid for the job's mode",
             Self::ShapeMismatch => "grad_cnt differs from the other contributions to this block",
             Self::BlockExpired => "the block's result expired: the job moved on without this source",
+            Self::Trimmed => "the switch is overloaded and returned the contribution unprocessed (send it again, slower)",
+        }
+    }
+}
+
+/// Why the switch trimmed a contribution: the `detail` of a
+/// [`NackReason::Trimmed`] nack. Workers react to every cause the same way
+/// (retransmit, shrink the window); the cause is for counters and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum TrimCause {
+    /// The shard's processing queue (its socket receive queue) is above the
+    /// configured watermark.
+    ProcessingQueue = 1,
+    /// Aggregation memory (block table, per-job memory) is exhausted.
+    /// Reserved for overload handling of the block table; not sent yet.
+    MemoryExhausted = 2,
+}
+
+impl TrimCause {
+    /// The cause of a `Trimmed` nack's detail; unknown codes are kept as
+    /// `None` rather than rejected so a newer switch can add causes.
+    pub fn from_detail(detail: u32) -> Option<Self> {
+        match detail {
+            1 => Some(Self::ProcessingQueue),
+            2 => Some(Self::MemoryExhausted),
+            _ => None,
         }
     }
 }
@@ -555,6 +589,26 @@ impl Nack {
             reason: NackReason::from_u16(u16::from_be_bytes([body[0], body[1]]))?,
             detail: u32::from_be_bytes([body[4], body[5], body[6], body[7]]),
         })
+    }
+
+    /// Length of a whole Nack datagram (header and body).
+    pub const DATAGRAM_LEN: usize = HEADER_LEN + Self::LEN;
+
+    /// Write the whole Nack answering `request` into `buf` (exactly
+    /// [`Nack::DATAGRAM_LEN`] bytes): the header copies the request's
+    /// `dtype`, `src_id`, `gen_id`, `job_id` and `block_id` (docs/protocol.md
+    /// §2.3), plus its `exp_only` flag when `echo_exp_only` (Trimmed nacks).
+    pub fn emit_reply(&self, request: &Packet<&[u8]>, echo_exp_only: bool, buf: &mut [u8]) {
+        let repr = Repr {
+            exp_only: echo_exp_only && request.exp_only(),
+            dtype: Dtype::from_u8(request.dtype_code()).unwrap_or(Dtype::Int32),
+            gen_id: request.gen_id(),
+            block_id: request.block_id(),
+            ..Repr::new(MessageType::Nack, request.job_id(), request.src_id())
+        };
+        let mut reply = Packet::new_unchecked(buf);
+        repr.emit(&mut reply);
+        self.emit(reply.payload_mut());
     }
 
     pub fn emit(&self, body: &mut [u8]) {

@@ -34,6 +34,14 @@
 //!   than mass loss), doubling the RTO each time nothing moves. The timer
 //!   restarts on progress, so a long queue in front of a block (a full
 //!   window) never causes spurious retransmissions.
+//!
+//! **Back-pressure (trimming).** An overloaded switch answers a contribution
+//! with a header-only `Trimmed` nack instead of dropping it silently (NDP's
+//! return-to-sender). The block is queued for retransmission at once, and
+//! the window is halved, at most once per round trip, so one burst of trims
+//! counts as one congestion signal. Each window's worth of accepted results
+//! then grows the window by one block again, up to the configured window
+//! (AIMD, as TCP's congestion avoidance).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -179,8 +187,12 @@ pub struct Outcome {
     pub tensor: Tensor,
     pub gen_id: u16,
     pub blocks: u32,
-    /// Contributions this worker sent again after a timeout.
+    /// Contributions this worker sent again (after a timeout, fast
+    /// retransmit or a trim).
     pub retransmissions: u64,
+    /// Trimmed nacks that made this worker resend a block (each counted once;
+    /// stale or duplicate trims are ignored).
+    pub trimmed: u64,
     /// Blocks whose result summed fewer sources than the job has:
     /// (block index within the tensor, `src_cnt`).
     pub degraded_blocks: Vec<(u32, u16)>,
@@ -303,6 +315,7 @@ struct Op {
     /// Transmissions so far (orders blocks for fast retransmit).
     send_seq: u64,
     retransmissions: u64,
+    trimmed: u64,
     degraded: Vec<(u32, u16)>,
     min_src_cnt: u16,
 }
@@ -323,7 +336,15 @@ pub struct AllreduceSession {
     next_block: u32,
     gen_id: u16,
     op: Option<Op>,
+    /// Current window (blocks outstanding): shrunk by trims, regrown by
+    /// results, never above `window_max`.
     window: u32,
+    /// The configured window clamped to the job's `block_cnt_max`.
+    window_max: u32,
+    /// Results since the window last grew (additive increase).
+    window_credit: u32,
+    /// When a trim last halved the window (one decrease per round trip).
+    last_decrease: Option<Time>,
     last_heard: Time,
     srtt: Option<Duration>,
     rttvar: Duration,
@@ -345,6 +366,9 @@ impl AllreduceSession {
         };
         let mut session = Self {
             window: config.window,
+            window_max: config.window,
+            window_credit: 0,
+            last_decrease: None,
             config,
             state,
             params: None,
@@ -393,6 +417,11 @@ impl AllreduceSession {
             State::Failed(e) => Some(e),
             _ => None,
         }
+    }
+
+    /// Current window: blocks this worker may have outstanding.
+    pub fn window(&self) -> u32 {
+        self.window
     }
 
     /// Current retransmission timeout (before per-block backoff).
@@ -450,6 +479,7 @@ impl AllreduceSession {
             backoff: 0,
             send_seq: 0,
             retransmissions: 0,
+            trimmed: 0,
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,
         });
@@ -632,6 +662,9 @@ impl AllreduceSession {
                     if nack.reason == NackReason::BlockExpired {
                         self.last_heard = now;
                         self.on_expired(now, &repr);
+                    } else if nack.reason == NackReason::Trimmed {
+                        self.last_heard = now;
+                        self.on_trimmed(now, &repr);
                     } else {
                         // Other nacks name a problem no retransmission can fix.
                         self.fail(SessionError::Refused { job_id: repr.job_id, reason: nack.reason, detail: nack.detail });
@@ -677,7 +710,8 @@ impl AllreduceSession {
             self.next_block = step.wrapping_mul(n);
             self.gen_id = step as u16; // begin() moves to step + 1
         }
-        self.window = self.config.window.min(params.block_cnt_max).max(1);
+        self.window_max = self.config.window.min(params.block_cnt_max).max(1);
+        self.window = self.window_max;
         self.last_heard = now;
         self.state = State::Ready;
         self.events.push_back(Event::Joined(params));
@@ -772,6 +806,14 @@ impl AllreduceSession {
                 }
             });
         }
+        // Additive increase: one block more per window of results.
+        if self.window < self.window_max {
+            self.window_credit += 1;
+            if self.window_credit >= self.window {
+                self.window += 1;
+                self.window_credit = 0;
+            }
+        }
         let all_done = op.record_done(idx, repr.src_cnt, repr.degraded || repr.src_cnt < self.n_sources);
         // The exponent announced for the block one slot-cycle ahead.
         let ahead = idx as usize + params.block_cnt_max as usize;
@@ -814,6 +856,39 @@ impl AllreduceSession {
         }
     }
 
+    /// The switch returned a contribution unprocessed (overload): resend it
+    /// at once and halve the window, at most once per round trip. Ignored
+    /// unless the block still waits for an answer to that very phase and is
+    /// not queued already, so a trim is never acted on twice.
+    fn on_trimmed(&mut self, now: Time, repr: &Repr) {
+        let Some(op) = self.op.as_mut() else { return };
+        let idx = repr.block_id.wrapping_sub(op.base_block);
+        if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
+            return;
+        }
+        let block = &mut op.blocks[idx as usize];
+        let expected = if repr.exp_only { BlockPhase::ExpSent } else { BlockPhase::DataSent };
+        if block.phase != expected {
+            return; // answered already, or a trim of an earlier phase
+        }
+        // Before any RTT sample, the trim itself measures one: it answers
+        // the block's last transmission.
+        let round_trip = self.srtt.unwrap_or_else(|| now.saturating_since(block.sent_at));
+        if !block.queued {
+            // Fast retransmit may have queued it already: resend once.
+            block.queued = true;
+            op.retransmit.push_back(idx);
+            op.trimmed += 1;
+        }
+        // The packet's fate is known: not a stall.
+        op.last_progress = now;
+        if self.last_decrease.is_none_or(|t| now.saturating_since(t) >= round_trip) {
+            self.window = (self.window / 2).max(1);
+            self.window_credit = 0;
+            self.last_decrease = Some(now);
+        }
+    }
+
     /// When the stall timer fires: one (backed-off) RTO after the last progress.
     fn stall_deadline(&self, op: &Op) -> Time {
         let rto = (self.rto() * 2u32.pow(op.backoff)).min(self.config.rto_max);
@@ -827,6 +902,7 @@ impl AllreduceSession {
             tensor: op.tensor,
             gen_id: self.gen_id,
             retransmissions: op.retransmissions,
+            trimmed: op.trimmed,
             degraded_blocks: op.degraded,
             min_src_cnt: op.min_src_cnt,
             missed_blocks: op.missed,
@@ -1068,6 +1144,7 @@ mod averaging_tests {
             gen_id: 1,
             blocks: 3,
             retransmissions: 0,
+            trimmed: 0,
             degraded_blocks: vec![(1, 3), (2, 0)],
             min_src_cnt: 0,
             missed_blocks: 1,

@@ -1,5 +1,7 @@
 //! Host-side machines.
 
 mod allreduce;
+#[cfg(test)]
+mod trim_tests;
 
 pub use allreduce::{AllreduceSession, Event, Outcome, SessionConfig, SessionError, Tensor};

@@ -74,6 +74,12 @@ pub struct Counters {
     /// Sync requests a root left unanswered because it has not seen the
     /// job's position yet (the worker asks again).
     pub sync_deferred: u64,
+    /// Daemon, overload: data contributions answered with a Trimmed nack
+    /// before they reached the program (so not in `rx_datagrams`).
+    pub trimmed: u64,
+    /// Daemon: datagrams the kernel dropped on the shard's full receive
+    /// queue (never seen by the switch; silent loss).
+    pub socket_drops: u64,
 }
 
 impl Counters {
@@ -126,6 +132,8 @@ impl Counters {
         f("parent_stale", None, self.parent_stale);
         f("syncs_forwarded", None, self.syncs_forwarded);
         f("sync_deferred", None, self.sync_deferred);
+        f("trimmed", None, self.trimmed);
+        f("socket_drops", None, self.socket_drops);
     }
 
     /// Add another shard's counters into these.
@@ -137,7 +145,7 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

@@ -1770,16 +1770,8 @@ fn send_nack<A: Copy>(
     reason: NackReason,
     detail: u32,
 ) {
-    let repr = Repr {
-        dtype: Dtype::from_u8(request.dtype_code()).unwrap_or(Dtype::Int32),
-        gen_id: request.gen_id(),
-        block_id: request.block_id(),
-        ..Repr::new(MessageType::Nack, request.job_id(), request.src_id())
-    };
-    let buf = out.push(dest, HEADER_LEN + Nack::LEN);
-    let mut reply = Packet::new_unchecked(&mut buf[..]);
-    repr.emit(&mut reply);
-    Nack { reason, detail }.emit(reply.payload_mut());
+    let buf = out.push(dest, Nack::DATAGRAM_LEN);
+    Nack { reason, detail }.emit_reply(request, false, buf);
     counters.nacks_sent += 1;
 }
 

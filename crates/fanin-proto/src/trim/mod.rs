@@ -13,12 +13,17 @@
 //!   and `T1`, congestion notifications from the deflect-on-drop (DoD)
 //!   recirculation port to one or all pipelines.
 //!
+//! * [`overload`]: the switch daemon's trimming: a watermark on a shard's
+//!   processing queue and the return-to-sender reply (a Trimmed nack).
+//!
 //! Nothing here owns a clock or a socket: every call takes `now`, packets are
 //! values of a caller type implementing [`queue::Trimmable`]. The simulator
 //! (`fanin-sim`) drives these types; the switch daemon can use them as is.
 
 pub mod meter;
+pub mod overload;
 pub mod queue;
 
 pub use meter::{Color, IngressTrimmer, IngressVerdict, Meter, MeterMode, NotifyScope, PortModeState, TrimControlConfig};
+pub use overload::{return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
 pub use queue::{Class, NdpVerdict, PortQueue, QueueConfig, QueueStats, Trimmable};

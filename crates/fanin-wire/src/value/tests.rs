@@ -345,6 +345,50 @@ fn block_expired_nack_round_trips() {
     assert_eq!(Nack::parse(&body).unwrap(), Nack { reason: NackReason::BlockExpired, detail: 77 });
 }
 
+/// Trimmed nack (return-to-sender): job 9, src 3, gen 7, block 0x0A0B0C0D,
+/// float32, echoing the trimmed exponent-only contribution's `exp_only` flag;
+/// reason 10 Trimmed, detail 1 (TrimCause::ProcessingQueue).
+const TRIM_NACK: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0x06, // Nack
+    0x02, 0x01, 0x00, 0x03, // flags: exp_only; float32; src_id 3
+    0x00, 0x00, 0x00, 0x07, // src_cnt 0; gen_id 7
+    0x00, 0x00, 0x00, 0x09, // job_id 9
+    0x0A, 0x0B, 0x0C, 0x0D, // block_id
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+    0x00, 0x0A, 0x00, 0x00, // reason 10 Trimmed; reserved
+    0x00, 0x00, 0x00, 0x01, // detail: cause 1, processing queue
+];
+
+#[test]
+fn trim_nack_four_ways() {
+    let p = Packet::new_checked(&TRIM_NACK[..]).unwrap();
+    assert_eq!((p.msg_type_code(), p.src_id(), p.gen_id(), p.job_id()), (0x06, 3, 7, 9));
+    assert_eq!((p.block_id(), p.grad_cnt()), (0x0A0B_0C0D, 0));
+    assert!(p.exp_only() && !p.final_block() && !p.degraded());
+    let repr = Repr::parse(&p).unwrap();
+    let expected = Repr {
+        exp_only: true,
+        dtype: Dtype::Float32,
+        gen_id: 7,
+        block_id: 0x0A0B_0C0D,
+        ..Repr::new(MessageType::Nack, 9, 3)
+    };
+    assert_eq!(repr, expected);
+    let nack = Nack::parse(p.payload()).unwrap();
+    assert_eq!(nack, Nack { reason: NackReason::Trimmed, detail: TrimCause::ProcessingQueue as u32 });
+    assert_eq!(TrimCause::from_detail(nack.detail), Some(TrimCause::ProcessingQueue));
+    assert_eq!(TrimCause::from_detail(77), None, "unknown causes are tolerated");
+    let mut buf = [MARKER; 32];
+    let mut q = Packet::new_unchecked(&mut buf[..]);
+    expected.emit(&mut q);
+    nack.emit(q.payload_mut());
+    assert_eq!(buf, TRIM_NACK);
+    // one past the last reason is still malformed
+    let mut bad = TRIM_NACK;
+    bad[25] = 11;
+    assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(11));
+}
+
 /// Sync request for job 5: switch rank 2048 forwards the join of worker 3
 /// toward the root.
 const SYNC: [u8; 32] = [

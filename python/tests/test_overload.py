@@ -1,0 +1,58 @@
+"""Trimming on overload through the real daemon, and `fanin bench overload`
+on a tiny load (docs/trimming-daemon.md)."""
+
+import json
+import subprocess
+import sys
+import os
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin.bench.overload import run_point
+from fanin.proc import reference_sum, worker_inputs
+from fanin.switch import LocalSwitch, job_config, switch_config
+from threads import in_threads
+
+
+def test_an_invalid_watermark_is_refused_with_the_field_named():
+    with pytest.raises(ValueError, match=r"trim.watermark = 1.5 is out of range"):
+        LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, trim=True,
+                                  trim_watermark=1.5))
+
+
+def test_python_workers_see_trims_and_still_get_the_exact_sum():
+    job = job_config(1, 3, block_cnt_max=128, block_grad_max=1024)
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", trim=True,
+                        trim_watermark=0.05, socket_buffer=256 << 10, jobs=[job])
+    n = 128 * 1024 * 2
+    with LocalSwitch(cfg) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, window=128)
+            return s.allreduce(worker_inputs(rank, n, "int32")), s.last_stats
+
+        outs = in_threads(3, work)
+        counters = sw.counters()
+    for out, _ in outs:
+        assert np.array_equal(out, reference_sum(3, n, "int32"))
+    assert counters["trimmed"] > 0, counters
+    assert 0 < sum(st["trimmed"] for _, st in outs) <= counters["trimmed"]
+
+
+def test_overload_bench_point_reports_both_arms_side_by_side():
+    point = {"workers": 2, "window": 128, "elements": 262_144, "elems_per_packet": 1024,
+             "socket_buffer": 128 << 10, "watermark": 0.3}
+    r = run_point(point, iters=1)
+    assert r["verified"]
+    assert r["drop"]["trimmed"] == 0, "the drop arm never trims"
+    for arm in ("drop", "trim"):
+        assert len(r[arm]["times_s"]) == 1 and r[arm]["median_s"] > 0
+    assert r["ratio_time_trim_vs_drop"] == pytest.approx(r["trim"]["median_s"] / r["drop"]["median_s"])
+
+
+def test_cli_lists_the_overload_bench():
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(fanin.__file__)))
+    out = subprocess.run([sys.executable, "-m", "fanin", "bench", "overload", "--help"], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    assert "--watermark" in out and "--socket-buffers" in out
