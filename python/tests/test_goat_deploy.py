@@ -104,10 +104,17 @@ class FakeSwitch:
         pass
 
 
+class NamesFabric:
+    def control_addr(self, node):
+        return node
+
+    def data_addr(self, node, toward):
+        return f"{node}@{toward}"
+
+
 def _install(plan, log, fail=None):
     return install_goat_plan(
-        plan, topology.load(str(TOPO)), job_base=10,
-        control_addr=lambda n: n, data_addr=lambda n, src: f"{n}@{src}",
+        plan, topology.load(str(TOPO)), NamesFabric(), job_base=10,
         client_factory=lambda addr: FakeSwitch(log, addr, fail_on=fail.get(addr) if fail else None))
 
 

@@ -46,14 +46,12 @@ class Arm:
 
     def __init__(self, stack: ExitStack, tb, label: str, plan: dict[str, Any], *, job_base: int,
                  bytes_per_mb: float, epp: int, window: int, seed: int):
+        from fanin.controller import TestbedFabric
         from fanin.goat.deploy import install_goat_plan
 
         self.label, self.plan, self.tb = label, plan, tb
-        port = tb.SWITCH_DATA_PORT
-        self.dep = install_goat_plan(
-            plan, tb.topology, job_base=job_base, block_cnt_max=window, block_grad_max=epp,
-            control_addr=lambda n: f"{tb.mgmt_addr(n)}:{tb.SWITCH_CONTROL_PORT}",
-            data_addr=lambda n, src: f"{tb.reach_addr(n, src)}:{port}")
+        self.dep = install_goat_plan(plan, tb.topology, TestbedFabric(tb), job_base=job_base,
+                                     block_cnt_max=window, block_grad_max=epp)
         stack.callback(self.dep.close)
         stack.callback(self.dep.remove)
         self.elements = [max(1, round(s["size_mb"] * bytes_per_mb / 4)) for s in plan["submodels"]]

@@ -63,7 +63,9 @@ class StaticFabric:
 
 class TestbedFabric:
     """The namespace testbed's addressing: control API on the management
-    network, data on the point-to-point link address toward each neighbour."""
+    network, data on the point-to-point link address toward each neighbour
+    (``Testbed.reach_addr``: for a node further away, the address on the
+    link toward it, which needs the testbed's routing)."""
 
     def __init__(self, testbed):
         self.tb = testbed
@@ -72,4 +74,4 @@ class TestbedFabric:
         return f"{self.tb.mgmt_addr(switch)}:{self.tb.SWITCH_CONTROL_PORT}"
 
     def data_addr(self, switch: str, toward: str) -> str:
-        return f"{self.tb.addr(switch, toward=toward)}:{self.tb.SWITCH_DATA_PORT}"
+        return f"{self.tb.reach_addr(switch, toward)}:{self.tb.SWITCH_DATA_PORT}"

@@ -31,6 +31,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..controller.fabric import Fabric
 from ..controller.tree import SWITCH_RANK_BASE, switch_rank
 from ..topology import Topology
 from .model import GoatError
@@ -177,14 +178,17 @@ class Deployment:
             raise GoatError("removing the plan's jobs failed: " + "; ".join(errors))
 
 
-def install_goat_plan(plan: dict[str, Any], topo: Topology, *, control_addr: Callable[[str], str],
-                      data_addr: Callable[[str, str], str], job_base: int = 100, block_cnt_max: int = 64,
-                      block_grad_max: int = 256, client_factory: Optional[Callable[[str], Any]] = None) -> Deployment:
+def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, job_base: int = 100,
+                      block_cnt_max: int = 64, block_grad_max: int = 256,
+                      client_factory: Optional[Callable[[str], Any]] = None) -> Deployment:
     """Admit `plan`'s jobs on the PS's host aggregator and the switches.
 
-    ``control_addr(node)`` is a node's control API, ``data_addr(node,
-    source)`` the ``ip:port`` at which `source` reaches `node`'s data plane
-    (``Testbed.reach_addr`` + port on the testbed). Every job gets
+    `fabric` says where nodes are, as for the controller
+    (``fanin.controller.fabric``): ``control_addr(node)`` for switches and
+    the PS alike, ``data_addr(node, toward=source)`` the ``ip:port`` at
+    which `source` reaches `node`'s data plane (on the testbed,
+    ``TestbedFabric``; workers or the PS two hops away need the testbed's
+    routing). Every job gets
     ``workers`` = the plan's worker count (block floating point is scaled for
     all of them). On a failure the jobs admitted so far are removed again.
     """
@@ -196,7 +200,7 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, *, control_addr: Cal
 
     def client(node: str):
         if node not in clients:
-            clients[node] = factory(control_addr(node))
+            clients[node] = factory(fabric.control_addr(node))
         return clients[node]
 
     dep = Deployment(jp, {}, _client=client, _clients=clients)
@@ -207,7 +211,7 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, *, control_addr: Cal
             if j.parent is not None:
                 if j.parent not in shards:
                     shards[j.parent] = int(client(j.parent).info()["shard_count"])
-                tree = {"parent_addr": data_addr(j.parent, j.node), "parent_shards": shards[j.parent],
+                tree = {"parent_addr": fabric.data_addr(j.parent, toward=j.node), "parent_shards": shards[j.parent],
                         "rank": j.rank}
             client(j.node).admit_job(j.job_id, list(j.members), block_cnt_max=block_cnt_max,
                                      block_grad_max=block_grad_max, workers=len(jp.ranks), tree=tree)
@@ -216,5 +220,5 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, *, control_addr: Cal
         dep.remove()
         dep.close()
         raise
-    dep.addrs = {w: [(t, data_addr(t.node, w)) for t in ts] for w, ts in jp.targets.items()}
+    dep.addrs = {w: [(t, fabric.data_addr(t.node, toward=w)) for t in ts] for w, ts in jp.targets.items()}
     return dep
