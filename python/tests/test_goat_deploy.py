@@ -145,7 +145,61 @@ def test_a_failed_install_removes_what_it_admitted():
     assert log[-1] == ("remove", "ps", 10)
 
 
-# -- end to end on the namespace testbed ------------------------------------------------------
+# -- end to end on loopback (no privileges) and on the namespace testbed --------------------------
+
+
+def _testbed_plan(seed=1):
+    from argparse import Namespace
+
+    from fanin.bench.goat_deploy import make_plan
+
+    topo = topology.load(str(TOPO))
+    return topo, make_plan(topo, Namespace(even="12,6", model=None, submodels=None, max_submodel_mb=None, seed=seed))
+
+
+def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_path):
+    """`fanin controller install-goat --fabric` on one daemon per switch and
+    one for the PS (all on 127.0.0.1), then 8 worker processes: every
+    sub-model's sum exact on every worker; --remove empties the daemons."""
+    import json
+    import subprocess
+    import sys
+
+    from fanin.bench.trees import step_workers, stop_workers, wait_ready
+    from fanin.control import ControlClient
+    from fanin.controller.loopback import LoopbackSwitches
+
+    topo, plan = _testbed_plan()
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with LoopbackSwitches(topo, hosts=("ps",), seed=os.getpid()) as daemons:
+        (tmp_path / "fabric.json").write_text(json.dumps(daemons.fabric.table))
+        cli = [sys.executable, "-m", "fanin", "controller", "install-goat", str(tmp_path / "plan.json"),
+               "--fabric", str(tmp_path / "fabric.json"), "--topology", str(TOPO)]
+        r = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        targets = json.loads(r.stdout)
+        assert sorted(targets) == WORKERS
+        with ControlClient(daemons.fabric.control_addr("agg")) as c:
+            agg_jobs = c.list_jobs()
+        assert agg_jobs and all(j["tree"]["parent_addr"] == daemons.fabric.data_addr("ps", "agg") for j in agg_jobs)
+        procs = []
+        try:
+            for w, ts in targets.items():
+                spec = [[t["job_id"], t["data_addr"], 1000 + 37 * t["submodel"]] for t in ts]
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "fanin.bench.goat_worker", "--rank", str(ts[0]["rank"]), "--workers", "8",
+                     "--targets", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+            wait_ready(procs, "loopback")
+            for _ in range(2):
+                assert all(a["exact"] for a in step_workers(procs, "loopback"))
+        finally:
+            stop_workers(procs)
+        r = subprocess.run(cli + ["--remove"], capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        for node in ("agg", "tor0", "tor1", "ps"):
+            with ControlClient(daemons.fabric.control_addr(node)) as c:
+                assert c.list_jobs() == []
 
 
 def test_goat_plan_end_to_end_on_the_testbed():
@@ -157,12 +211,9 @@ def test_goat_plan_end_to_end_on_the_testbed():
     why = why_unavailable("fbtg-probe")
     if why:
         pytest.skip(f"no network namespaces: {why}")
-    from argparse import Namespace
+    from fanin.bench.goat_deploy import deploy_and_run
 
-    from fanin.bench.goat_deploy import deploy_and_run, make_plan
-
-    topo = topology.load(str(TOPO))
-    plan = make_plan(topo, Namespace(even="12,6", model=None, submodels=None, max_submodel_mb=None, seed=1))
+    topo, plan = _testbed_plan()
     nodes = {n for w in plan["workers"] for n in w["aggregation_node"]}
     assert {"agg", "tor0", "tor1", "ps"} <= nodes  # switches one and two hops away, and direct to the PS
     from test_testbed import _tag  # fbt<letter><pid tag>: the stale-testbed cleanup there knows the owner

@@ -23,6 +23,10 @@ examples:
   fanin controller tree 1                            # root, levels, every switch's parent
   fanin controller unsubscribe 1 --rank 0
 
+  # a GOAT plan (fanin plan goat) installed on the testbed's switches and PS (docs/goat.md, Deployment)
+  fanin controller install-goat plan.json --testbed gt      # prints where every worker sends each sub-model
+  fanin controller install-goat plan.json --testbed gt --remove
+
 The tree of a job is a Steiner tree over the switches spanning its workers,
 rooted at their lowest common ancestor (docs/trees.md gives the exact rule).
 """
@@ -78,6 +82,23 @@ def add_parser(sub: Any) -> None:
     tr.add_argument("job_id", type=int)
     client(tr)
     tr.set_defaults(func=lambda a: _call(a, lambda c: c.tree(a.job_id)))
+    ig = csub.add_parser("install-goat", help="install a GOAT plan: switch jobs (responsibility filters) + PS jobs",
+                         description="Admit a GOAT plan (fanin plan goat) on the switches and the parameter server's "
+                                     "daemon (started with Testbed.host_aggregator, or any fanin switch on the PS "
+                                     "host) through their control APIs: one job per sub-model, the PS the root "
+                                     "(docs/goat.md, Deployment). Prints, per worker, the job, rank and data "
+                                     "address of each sub-model. Workers two hops away need routing "
+                                     "(fanin testbed up --routing).")
+    ig.add_argument("plan", help="plan JSON (schema fanin.goat.plan/1)")
+    where = ig.add_mutually_exclusive_group(required=True)
+    where.add_argument("--testbed", metavar="NAME", help="the namespace testbed the plan's nodes run in")
+    where.add_argument("--fabric", metavar="FILE", help="JSON: control and data addresses of the switches and the PS")
+    ig.add_argument("--topology", help="with --fabric: the topology the plan was made for")
+    ig.add_argument("--job-base", type=int, default=100, help="job id of sub-model 0 (default %(default)s)")
+    ig.add_argument("--block-cnt-max", type=int, default=64)
+    ig.add_argument("--block-grad-max", type=int, default=256)
+    ig.add_argument("--remove", action="store_true", help="remove the plan's jobs instead")
+    ig.set_defaults(func=_install_goat)
 
 
 def _call(args: argparse.Namespace, fn) -> int:
@@ -99,6 +120,40 @@ def _create_job(args: argparse.Namespace) -> int:
     return _call(args, lambda c: c.create_job(args.job_id, block_cnt_max=args.block_cnt_max,
                                               block_grad_max=args.block_grad_max, block_exp_ms=args.block_exp_ms,
                                               max_workers=args.max_workers))
+
+
+def _install_goat(args: argparse.Namespace) -> int:
+    from .. import topology
+    from ..control import ControlError
+    from ..goat.deploy import install_goat_plan, remove_goat_plan
+    from ..testbed import TestbedError
+    from ..goat.model import GoatError
+    from .fabric import FabricError, StaticFabric, TestbedFabric
+
+    try:
+        plan = json.loads(open(args.plan).read())
+        if args.testbed:
+            from ..testbed import Testbed
+
+            tb = Testbed.attach(args.testbed)
+            topo, fabric = tb.topology, TestbedFabric(tb)
+        else:
+            if not args.topology:
+                raise GoatError("--fabric needs --topology")
+            topo, fabric = topology.load(args.topology), StaticFabric.load(args.fabric)
+        if args.remove:
+            done = remove_goat_plan(plan, topo, fabric, job_base=args.job_base)
+            print(json.dumps({"removed": [{"node": j.node, "job_id": j.job_id} for j in done]}, indent=1))
+            return 0
+        dep = install_goat_plan(plan, topo, fabric, job_base=args.job_base, block_cnt_max=args.block_cnt_max,
+                                block_grad_max=args.block_grad_max)
+        dep.close()
+    except (OSError, ValueError, GoatError, FabricError, ControlError, TestbedError, topology.TopologyError) as e:
+        print(f"fanin controller install-goat: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({w: [{"submodel": t.submodel, "job_id": t.job_id, "rank": t.rank, "node": t.node,
+                           "data_addr": addr} for t, addr in targets] for w, targets in dep.addrs.items()}, indent=1))
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

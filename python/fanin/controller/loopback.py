@@ -17,19 +17,22 @@ __all__ = ["LoopbackSwitches"]
 
 
 class LoopbackSwitches:
-    """Start one `fanin switch` per switch of `topo`; `fabric` describes them."""
+    """Start one `fanin switch` per switch of `topo` (and per node of
+    `hosts`: host aggregators, e.g. GOAT's parameter server); `fabric`
+    describes them."""
 
-    def __init__(self, topo: Topology, *, shards: int = 1, seed: Optional[int] = None, **config_kw):
+    def __init__(self, topo: Topology, *, shards: int = 1, seed: Optional[int] = None, hosts: tuple[str, ...] = (),
+                 **config_kw):
         self.topo = topo
         self.procs: dict[str, SwitchProcess] = {}
         self._stack = ExitStack()
         rng = random.Random(seed)
         table = {}
         try:
-            for sw in topo.switches:
+            for node in [sw.name for sw in topo.switches] + [topo.host(h).name for h in hosts]:
                 proc = self._start(rng, shards, config_kw)
-                self.procs[sw.name] = proc
-                table[sw.name] = {"control": proc.control_addr, "data": proc.data_addr}
+                self.procs[node] = proc
+                table[node] = {"control": proc.control_addr, "data": proc.data_addr}
         except BaseException:
             self.stop()
             raise

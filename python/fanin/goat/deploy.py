@@ -37,7 +37,7 @@ from ..topology import Topology
 from .model import GoatError
 
 __all__ = ["AggregatorJob", "JobPlan", "WorkerTarget", "Deployment", "plan_jobs", "install_goat_plan",
-           "ps_only_plan"]
+           "remove_goat_plan", "ps_only_plan"]
 
 PLAN_SCHEMA = "fanin.goat.plan/1"
 
@@ -164,18 +164,53 @@ class Deployment:
         self._clients.clear()
 
     def remove(self) -> None:
-        from ..control import ControlError
-
-        errors = []
-        for j in reversed(self.installed):
-            try:
-                self._client(j.node).remove_job(j.job_id)
-            except ControlError as e:
-                if e.code != "NOT_FOUND":
-                    errors.append(f"{j.node} job {j.job_id}: {e}")
+        _remove_jobs(self.installed, self._client)
         self.installed.clear()
-        if errors:
-            raise GoatError("removing the plan's jobs failed: " + "; ".join(errors))
+
+
+def _remove_jobs(jobs: list[AggregatorJob], client: Callable[[str], Any]) -> list[AggregatorJob]:
+    """Remove `jobs` in reverse order (switches before the PS); a job already
+    gone is not an error. Returns the jobs that were removed."""
+    from ..control import ControlError
+
+    errors, removed = [], []
+    for j in reversed(jobs):
+        try:
+            client(j.node).remove_job(j.job_id)
+            removed.append(j)
+        except ControlError as e:
+            if e.code != "NOT_FOUND":
+                errors.append(f"{j.node} job {j.job_id}: {e}")
+    if errors:
+        raise GoatError("removing the plan's jobs failed: " + "; ".join(errors))
+    return removed
+
+
+def remove_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, job_base: int = 100,
+                     client_factory: Optional[Callable[[str], Any]] = None) -> list[AggregatorJob]:
+    """Remove what :func:`install_goat_plan` admitted for `plan` (e.g. from
+    another process); jobs already gone are skipped. Returns the removed."""
+    clients, client = _clients(fabric, client_factory)
+    try:
+        return _remove_jobs(plan_jobs(plan, topo, job_base=job_base).jobs, client)
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def _clients(fabric: Fabric, factory: Optional[Callable[[str], Any]]):
+    """A cache of control clients by node and the function that fills it."""
+    from ..control import ControlClient
+
+    clients: dict[str, Any] = {}
+    factory = factory or (lambda addr: ControlClient(addr))
+
+    def client(node: str):
+        if node not in clients:
+            clients[node] = factory(fabric.control_addr(node))
+        return clients[node]
+
+    return clients, client
 
 
 def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, job_base: int = 100,
@@ -192,17 +227,8 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
     ``workers`` = the plan's worker count (block floating point is scaled for
     all of them). On a failure the jobs admitted so far are removed again.
     """
-    from ..control import ControlClient
-
     jp = plan_jobs(plan, topo, job_base=job_base)
-    clients: dict[str, Any] = {}
-    factory = client_factory or (lambda addr: ControlClient(addr))
-
-    def client(node: str):
-        if node not in clients:
-            clients[node] = factory(fabric.control_addr(node))
-        return clients[node]
-
+    clients, client = _clients(fabric, client_factory)
     dep = Deployment(jp, {}, _client=client, _clients=clients)
     shards: dict[str, int] = {}
     try:
