@@ -45,7 +45,7 @@ class Arm:
     """One installed plan and its worker processes."""
 
     def __init__(self, stack: ExitStack, tb, label: str, plan: dict[str, Any], *, job_base: int,
-                 bytes_per_mb: float, epp: int, window: int, seed: int):
+                 bytes_per_mb: float, epp: int, window: int, seed: int, parallel: int = 0):
         from fanin.controller import TestbedFabric
         from fanin.goat.deploy import install_goat_plan
 
@@ -61,7 +61,7 @@ class Arm:
             spec = [[t.job_id, addr, self.elements[t.submodel]] for t, addr in targets]
             argv = [sys.executable, "-m", "fanin.bench.goat_worker", "--rank", str(self.dep.jobs.ranks[w]),
                     "--workers", str(n), "--targets", json.dumps(spec), "--elems-per-packet", str(epp),
-                    "--window", str(window), "--seed", str(seed)]
+                    "--window", str(window), "--seed", str(seed), "--parallel", str(parallel)]
             self.procs.append(tb.popen(w, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         stack.callback(self.stop)
         wait_ready(self.procs, label)
@@ -85,7 +85,8 @@ class Arm:
 
 
 def deploy_and_run(topo: topology.Topology, plan: dict[str, Any], *, name: str, reps: int, bytes_per_mb: float,
-                   epp: int = 256, window: int = 64, rate_mbit=None, seed: int = 1) -> dict[str, list[dict]]:
+                   epp: int = 256, window: int = 64, rate_mbit=None, seed: int = 1,
+                   parallel: int = 0) -> dict[str, list[dict]]:
     """The two arms on one testbed, interleaved; {arm: [run_once() ...]}."""
     from fanin.goat.deploy import ps_only_plan
     from fanin.testbed import Testbed, down
@@ -96,10 +97,9 @@ def deploy_and_run(topo: topology.Topology, plan: dict[str, Any], *, name: str, 
         tb = stack.enter_context(Testbed.up(topo, name=name, rate_mbit=rate_mbit, routing=True))
         tb.switches()
         tb.host_aggregator(plan["parameter_server"]["name"])
-        arms = [Arm(stack, tb, "goat", plan, job_base=100, bytes_per_mb=bytes_per_mb, epp=epp, window=window,
-                    seed=seed),
-                Arm(stack, tb, "ps-only", ps_only_plan(plan), job_base=100 + 2 * len(plan["submodels"]),
-                    bytes_per_mb=bytes_per_mb, epp=epp, window=window, seed=seed)]
+        kw = dict(bytes_per_mb=bytes_per_mb, epp=epp, window=window, seed=seed, parallel=parallel)
+        arms = [Arm(stack, tb, "goat", plan, job_base=100, **kw),
+                Arm(stack, tb, "ps-only", ps_only_plan(plan), job_base=100 + 2 * len(plan["submodels"]), **kw)]
         for rep in range(reps):
             for k in range(len(arms)):
                 arm = arms[(rep + k) % len(arms)]
@@ -124,7 +124,8 @@ def run_goat_deploy(args) -> int:
     reps = args.reps or (3 if args.quick else 10)
     bytes_per_mb = args.bytes_per_mb or (16384 if args.quick else 131072)
     runs = deploy_and_run(topo, plan, name=f"gd{os.getpid() % 100000}", reps=reps, bytes_per_mb=bytes_per_mb,
-                          epp=args.elems_per_packet, window=args.window, rate_mbit=args.rate_mbit, seed=args.seed)
+                          epp=args.elems_per_packet, window=args.window, rate_mbit=args.rate_mbit, seed=args.seed,
+                          parallel=args.parallel)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"arm": arm, "rep": i, **{k: v for k, v in r.items()}} for arm, rs in runs.items() for i, r in enumerate(rs)]
@@ -145,6 +146,7 @@ def run_goat_deploy(args) -> int:
     result = {
         "bench": "goat-deploy", "topology": topo.name, "workers": n_workers, "submodels": len(plan["submodels"]),
         "model": args.model or args.submodels or f"even {args.even}", "model_mb": total_mb, "bytes_per_mb": bytes_per_mb, "reps": reps, "rate_mbit": args.rate_mbit,
+        "parallel_submodels": args.parallel,
         "plan": {"ps_mb": plan["ps_mb"], "ps_only_mb": total_mb * n_workers,
                  "switch_filters": {s["name"]: [f["submodel"] for f in s["filters"] if f["workers"]]
                                     for s in plan["switches"]}},

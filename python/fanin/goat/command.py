@@ -109,6 +109,8 @@ def add_bench_parser(bsub, common) -> None:
     d.add_argument("--reps", type=int, help="allreduces of the whole model per arm (default 10, 3 with --quick)")
     d.add_argument("--elems-per-packet", type=int, default=256)
     d.add_argument("--window", type=int, default=64)
+    d.add_argument("--parallel", type=int, default=0, metavar="N",
+                   help="each worker allreduces up to N sub-models at once (default 0: one after the other)")
     d.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf limit on every link (default 1 Gbit/s)")
     d.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
     common(d)
