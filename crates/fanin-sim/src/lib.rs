@@ -16,6 +16,7 @@
 //! * [`allreduce`]: one `ValueSwitch` and N `AllreduceSession` workers.
 
 pub mod allreduce;
+pub mod fabric;
 pub mod kernel;
 pub mod ndp;
 pub mod net;
