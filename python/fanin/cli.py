@@ -182,6 +182,14 @@ def _find_sim_binary() -> Optional[str]:
     return shutil.which("fanin-sim")
 
 
+def _minimal_allreduce(rest: list) -> bool:
+    """`fanin sim allreduce --star ...` runs the one-switch experiment (fanin-sim's own flags)."""
+    if "--star" in rest:
+        rest.remove("--star")
+        return True
+    return False
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -193,6 +201,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     rest = list(args.sim_args or [])
     no_plot = args.no_plot or "--no-plot" in rest
     rest = [a for a in rest if a != "--no-plot"]
+    if args.sim == "allreduce" and not _minimal_allreduce(rest):
+        from fanin.sim_allreduce import main as sim_allreduce
+
+        return sim_allreduce(binary, rest + (["--no-plot"] if no_plot else []))
     argv = [binary, args.sim] + rest
     if args.sim != "trimming":
         return subprocess.call(argv)

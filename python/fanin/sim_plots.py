@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 from typing import Callable, Dict, List
 
-__all__ = ["plot_figure"]
+__all__ = ["plot_figure", "plot_allreduce"]
 
 DESIGN_LABEL = {"ideal": "Ideal", "mod": "MoD", "dod-only": "DoD only", "tofino": "Tofino (full)"}
 
@@ -145,6 +145,54 @@ def plot_figure(n: int, out_dir: str) -> List[str]:
     if n not in _PLOTTERS:
         raise ValueError(f"no plot for figure {n}")
     return _PLOTTERS[n](out_dir)
+
+
+def plot_allreduce(out: str) -> List[str]:
+    """`fanin sim allreduce`: completion time per scenario and algorithm, and
+    bytes per link layer / per link (first scenario)."""
+    plt = _plt()
+    rows = _rows(os.path.join(out, "allreduce_summary.csv"))
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    paths = []
+    fig, ax = plt.subplots(figsize=(1.8 * len(scenarios) * len(algorithms) + 2, 4))
+    width = 0.8 / len(algorithms)
+    for k, alg in enumerate(algorithms):
+        ys = [next((float(r["completion_us"]) for r in rows if r["scenario"] == s and r["algorithm"] == alg), 0.0) for s in scenarios]
+        bars = ax.bar([i + k * width for i in range(len(scenarios))], ys, width, label=alg)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks([i + width * (len(algorithms) - 1) / 2 for i in range(len(scenarios))], scenarios)
+    ax.set_ylabel("completion time (µs, last worker)")
+    ax.set_title("allreduce completion time")
+    ax.legend()
+    paths.append(os.path.join(out, "allreduce_completion.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    links = [r for r in _rows(os.path.join(out, "allreduce_links.csv")) if r["scenario"] == scenarios[0]]
+    layers = sorted({r["layer"] for r in links}, key=lambda n: (n != "host", n))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(algorithms)
+    for k, alg in enumerate(algorithms):
+        mine = [r for r in links if r["algorithm"] == alg]
+        ys = [sum(int(r["bytes"]) for r in mine if r["layer"] == layer) / 1e6 for layer in layers]
+        a1.bar([i + k * width for i in range(len(layers))], ys, width, label=alg)
+        per_link = sorted((int(r["bytes"]) / 1e6 for r in mine), reverse=True)
+        a2.plot(range(len(per_link)), per_link, label=alg)
+    a1.set_xticks([i + width * (len(algorithms) - 1) / 2 for i in range(len(layers))], layers)
+    a1.set_ylabel("MB on the layer's links (both directions)")
+    a1.set_title(f"bytes per layer ({scenarios[0]})")
+    a1.legend()
+    a2.set_xlabel("link (sorted by bytes)")
+    a2.set_ylabel("MB on the link (both directions)")
+    a2.set_title("per-link bytes")
+    a2.legend()
+    paths.append(os.path.join(out, "allreduce_layers.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
 
 
 if __name__ == "__main__":

@@ -22,5 +22,6 @@ pub mod ndp;
 pub mod net;
 pub mod packet;
 pub mod permutation;
+pub mod scale;
 pub mod topo;
 pub mod trimming;
