@@ -695,6 +695,7 @@ impl<'a> RingRun<'a> {
     }
 
     fn on_ack(&mut self, j: usize, step: u32, seq: u32, now: Ps) {
+
         let w = &mut self.workers[j];
         if let Some((sent, retransmitted)) = w.unacked.remove(&(step, seq)) {
             if !retransmitted {
@@ -763,7 +764,10 @@ impl<'a> RingRun<'a> {
             }
             w.rtx.pop_front();
         }
+        // deadlines are armed in order but the RTO moves, so the front may
+        // already be due
         if let Some(&(at, ..)) = w.rtx.front() {
+            let at = at.max(self.c.ev.now());
             if w.armed != Some(at) {
                 w.armed = Some(at);
                 self.c.ev.schedule(at, REv::Timer(j as u32));
