@@ -18,7 +18,7 @@ use fanin_proto::{JobSpec, Time, VecTransmit};
 use fanin_wire::value::{ELEM_LEN, HEADER_LEN};
 use serde::Serialize;
 
-use crate::fabric::{ChannelConfig, Fabric, NetEv};
+use crate::fabric::{Fabric, LinkParams, NetEv};
 pub use crate::fabric::WIRE_OVERHEAD;
 use crate::kernel::{tx_time, EventQueue, Ps, PS_PER_NS};
 
@@ -30,18 +30,14 @@ pub struct AllreduceConfig {
     pub elems_per_packet: u16,
     /// Blocks in flight per worker (= the job's slots).
     pub window: u32,
-    pub rate_gbps: u64,
-    pub link_delay_ns: u64,
-    /// Capacity of every link queue, in datagrams of the largest size.
-    pub queue_pkts: u64,
-    /// Independent loss probability on every link.
-    pub loss: f64,
+    #[serde(flatten)]
+    pub links: LinkParams,
     pub seed: u64,
 }
 
 impl Default for AllreduceConfig {
     fn default() -> Self {
-        AllreduceConfig { workers: 8, elements: 1 << 20, elems_per_packet: 256, window: 128, rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0, seed: 1 }
+        AllreduceConfig { workers: 8, elements: 1 << 20, elems_per_packet: 256, window: 128, links: LinkParams::default(), seed: 1 }
     }
 }
 
@@ -107,9 +103,9 @@ pub fn run(cfg: &AllreduceConfig) -> Result<AllreduceResult, String> {
     let mut is_switch = vec![false; n + 1];
     is_switch[n] = true;
     let links: Vec<(u32, u32)> = (0..n as u32).map(|w| (w, n as u32)).collect();
-    let rate_bps = cfg.rate_gbps * 1_000_000_000;
-    let delay = cfg.link_delay_ns * PS_PER_NS;
-    let mut net = Fabric::new(&is_switch, &links, ChannelConfig { rate_bps, delay, cap_bytes: cfg.queue_pkts * max_dgram, loss: cfg.loss, seed: cfg.seed });
+    let chans = cfg.links.channel_config(max_dgram, cfg.seed);
+    let (rate_bps, delay) = (chans.rate_bps, chans.delay);
+    let mut net = Fabric::new(&is_switch, &links, chans);
     let mut ev: EventQueue<Ev> = EventQueue::new();
     let mut armed: Vec<Option<Ps>> = vec![None; n];
     let mut done_at: Vec<Option<Ps>> = vec![None; n];

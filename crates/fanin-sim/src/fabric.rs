@@ -26,6 +26,36 @@ pub enum NetEv {
     TxDone { chan: u32 },
 }
 
+/// The links of an experiment, as its configuration states them.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LinkParams {
+    pub rate_gbps: u64,
+    pub link_delay_ns: u64,
+    /// Capacity of every link queue, in datagrams of the largest size.
+    pub queue_pkts: u64,
+    /// Independent loss probability on every link.
+    pub loss: f64,
+}
+
+impl Default for LinkParams {
+    fn default() -> Self {
+        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0 }
+    }
+}
+
+impl LinkParams {
+    /// Channels for datagrams of at most `max_dgram` bytes (overhead included).
+    pub fn channel_config(&self, max_dgram: u64, seed: u64) -> ChannelConfig {
+        ChannelConfig {
+            rate_bps: self.rate_gbps * 1_000_000_000,
+            delay: self.link_delay_ns * crate::kernel::PS_PER_NS,
+            cap_bytes: self.queue_pkts * max_dgram,
+            loss: self.loss,
+            seed,
+        }
+    }
+}
+
 /// Every channel's parameters.
 #[derive(Debug, Clone, Copy)]
 pub struct ChannelConfig {

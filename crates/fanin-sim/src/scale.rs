@@ -34,7 +34,7 @@ use fanin_proto::{JobSpec, Time, VecTransmit};
 use fanin_wire::value::{ELEM_LEN, HEADER_LEN};
 use serde::{Deserialize, Serialize};
 
-use crate::fabric::{ChannelConfig, ChannelStats, Fabric, NetEv, WIRE_OVERHEAD};
+use crate::fabric::{ChannelStats, Fabric, LinkParams, NetEv, WIRE_OVERHEAD};
 use crate::kernel::{EventQueue, Ps, PS_PER_NS};
 
 /// The network and the aggregation tree (written by `fanin sim allreduce`).
@@ -104,11 +104,8 @@ pub struct ScaleConfig {
     pub elems_per_packet: u16,
     /// Packets (fanin: blocks) in flight per worker.
     pub window: u32,
-    pub rate_gbps: u64,
-    pub link_delay_ns: u64,
-    /// Queue capacity of every channel, in full-size datagrams.
-    pub queue_pkts: u64,
-    pub loss: f64,
+    #[serde(flatten)]
+    pub links: LinkParams,
     /// Fraction of workers that start late, by `straggler_delay_us`.
     pub stragglers: f64,
     pub straggler_delay_us: u64,
@@ -125,10 +122,7 @@ impl Default for ScaleConfig {
             elements: 1 << 18,
             elems_per_packet: 256,
             window: 128,
-            rate_gbps: 100,
-            link_delay_ns: 500,
-            queue_pkts: 1000,
-            loss: 0.0,
+            links: LinkParams::default(),
             stragglers: 0.0,
             straggler_delay_us: 0,
             block_exp_ms: 0,
@@ -232,17 +226,7 @@ fn fabric(spec: &Spec, cfg: &ScaleConfig) -> Fabric {
     let is_switch: Vec<bool> = spec.nodes.iter().map(|n| n.switch).collect();
     let links: Vec<(u32, u32)> = spec.links.iter().map(|l| (l[0], l[1])).collect();
     let max_dgram = (HEADER_LEN + ELEM_LEN * cfg.elems_per_packet as usize) as u64 + WIRE_OVERHEAD as u64;
-    Fabric::new(
-        &is_switch,
-        &links,
-        ChannelConfig {
-            rate_bps: cfg.rate_gbps * 1_000_000_000,
-            delay: cfg.link_delay_ns * PS_PER_NS,
-            cap_bytes: cfg.queue_pkts * max_dgram,
-            loss: cfg.loss,
-            seed: cfg.seed,
-        },
-    )
+    Fabric::new(&is_switch, &links, cfg.links.channel_config(max_dgram, cfg.seed))
 }
 
 /// Run one allreduce of `cfg.elements` int32 values per worker.

@@ -4,6 +4,7 @@
 //! `fanin.controller.tree`); regenerate it with
 //! `python3 -c "import json; from fanin.topology import generate; from fanin.sim_allreduce import build_spec; json.dump(build_spec(generate('fat-tree:4'), 16), open('crates/fanin-sim/tests/golden/fat_tree_4_allreduce_spec.json', 'w'))"`.
 
+use fanin_sim::fabric::LinkParams;
 use fanin_sim::scale::{run, Algorithm, ScaleConfig, ScaleResult, Spec};
 
 fn spec() -> Spec {
@@ -11,7 +12,7 @@ fn spec() -> Spec {
 }
 
 fn config(loss: f64) -> ScaleConfig {
-    ScaleConfig { elements: 5_000, loss, seed: 7, ..ScaleConfig::default() }
+    ScaleConfig { elements: 5_000, links: LinkParams { loss, ..LinkParams::default() }, seed: 7, ..ScaleConfig::default() }
 }
 
 fn go(spec: &Spec, cfg: &ScaleConfig, a: Algorithm) -> ScaleResult {
@@ -63,7 +64,8 @@ fn same_seed_same_result_other_seed_other_losses() {
 fn every_byte_is_delivered_lost_or_dropped() {
     let s = spec();
     // small queues so drop-tail drops happen too
-    let cfg = ScaleConfig { queue_pkts: 4, ..config(0.01) };
+    let mut cfg = config(0.01);
+    cfg.links.queue_pkts = 4;
     for a in [Algorithm::Fanin, Algorithm::Ring] {
         let r = go(&s, &cfg, a);
         assert!(r.exact);

@@ -232,10 +232,10 @@ fn allreduce(mut args: Args) -> Result<(), String> {
         c.window = v;
     }
     if let Some(v) = args.value("--loss")? {
-        c.loss = v;
+        c.links.loss = v;
     }
     if let Some(v) = args.value("--rate-gbps")? {
-        c.rate_gbps = v;
+        c.links.rate_gbps = v;
     }
     if let Some(v) = args.value("--seed")? {
         c.seed = v;
@@ -248,7 +248,7 @@ fn allreduce(mut args: Args) -> Result<(), String> {
     }
     eprintln!(
         "allreduce {} workers x {} int32 ({} per packet, window {}, loss {}): {:.1} µs (bound {:.1} µs), {:.1} Gbit/s per worker, {} retransmissions, {} link drops, {} queue drops, verified={}",
-        c.workers, c.elements, c.elems_per_packet, c.window, c.loss, r.completion_us, r.bound_us, r.goodput_gbps_per_worker,
+        c.workers, c.elements, c.elems_per_packet, c.window, c.links.loss, r.completion_us, r.bound_us, r.goodput_gbps_per_worker,
         r.retransmissions, r.link_drops, r.queue_drops, r.verified
     );
     if r.verified {
@@ -264,19 +264,19 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
     let spec: Spec = serde_json::from_str(&text).map_err(|e| format!("{spec_path}: {e}"))?;
     let mut c = ScaleConfig::default();
     macro_rules! opt {
-        ($flag:literal, $field:ident) => {
+        ($flag:literal, $($field:ident).+) => {
             if let Some(v) = args.value($flag)? {
-                c.$field = v;
+                c.$($field).+ = v;
             }
         };
     }
     opt!("--elements", elements);
     opt!("--elems-per-packet", elems_per_packet);
     opt!("--window", window);
-    opt!("--loss", loss);
-    opt!("--rate-gbps", rate_gbps);
-    opt!("--delay-ns", link_delay_ns);
-    opt!("--queue-pkts", queue_pkts);
+    opt!("--loss", links.loss);
+    opt!("--rate-gbps", links.rate_gbps);
+    opt!("--delay-ns", links.link_delay_ns);
+    opt!("--queue-pkts", links.queue_pkts);
     opt!("--stragglers", stragglers);
     opt!("--straggler-delay-us", straggler_delay_us);
     opt!("--block-exp-ms", block_exp_ms);
@@ -291,7 +291,7 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
         let r = run(&spec, &c, a, &mut bar)?;
         eprintln!(
             "{} on {}: {} workers x {} int32, loss {}, {} stragglers: {:.1} µs (mean {:.1}), exact={}, {} retransmissions, {} link drops, {} queue drops, {:.2} MB on links",
-            format!("{:?}", r.algorithm).to_lowercase(), spec.name, spec.workers.len(), c.elements, c.loss, r.stragglers.len(), r.completion_us, r.mean_completion_us, r.exact,
+            format!("{:?}", r.algorithm).to_lowercase(), spec.name, spec.workers.len(), c.elements, c.links.loss, r.stragglers.len(), r.completion_us, r.mean_completion_us, r.exact,
             r.retransmissions, r.link_drops, r.queue_drops, r.channels.iter().map(|s| s.sent_bytes).sum::<u64>() as f64 / 1e6
         );
         results.push(r);
