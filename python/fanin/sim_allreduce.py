@@ -86,6 +86,7 @@ def _summary(result: dict, layers: list[str]) -> dict:
         by_layer[name] = by_layer.get(name, 0) + b
     return {
         "algorithm": result["algorithm"],
+        "join_us": result["join_us"],
         "completion_us": result["completion_us"],
         "mean_completion_us": result["mean_completion_us"],
         "exact": result["exact"],
@@ -218,7 +219,7 @@ def _report(spec: dict, topo: Topology, args, runs: list) -> dict:
 def _write(out: str, topo: Topology, layers: list[str], runs: list, report: dict) -> None:
     with open(os.path.join(out, "allreduce.json"), "w") as f:
         json.dump({"report": report, "runs": [{"scenario": r["scenario"], **r["raw"]} for r in runs]}, f)
-    fields = ["scenario", "algorithm", "completion_us", "mean_completion_us", "exact", "degraded_blocks", "retransmissions",
+    fields = ["scenario", "algorithm", "join_us", "completion_us", "mean_completion_us", "exact", "degraded_blocks", "retransmissions",
               "link_drops", "queue_drops", "stragglers", "events", "total_bytes", "core_bytes", "max_link_bytes"]
     layer_names = sorted(set(layers))
     with open(os.path.join(out, "allreduce_summary.csv"), "w", newline="") as f:

@@ -153,7 +153,11 @@ impl std::str::FromStr for Algorithm {
 #[derive(Debug, Clone, Serialize)]
 pub struct ScaleResult {
     pub algorithm: Algorithm,
-    /// Time the last worker had its result.
+    /// fanin: time until every session had joined the job (the one-time
+    /// handshake, not part of the allreduce; its retry interval is 50 ms,
+    /// so one lost join message costs 50 ms). 0 for ring.
+    pub join_us: f64,
+    /// Time from the common start until the last worker had its result.
     pub completion_us: f64,
     pub mean_completion_us: f64,
     /// Every worker's result equals the reference sum.
@@ -247,11 +251,14 @@ struct Common<E> {
     done: usize,
     exact: bool,
     retransmissions: u64,
+    /// When the allreduce began (fanin: once every session has joined);
+    /// completion times count from here.
+    start: Ps,
 }
 
 impl<E: From<NetEv>> Common<E> {
     fn new(spec: &Spec, cfg: &ScaleConfig) -> Self {
-        Common { ev: EventQueue::new(), net: fabric(spec, cfg), done_at: vec![None; spec.workers.len()], done: 0, exact: true, retransmissions: 0 }
+        Common { ev: EventQueue::new(), net: fabric(spec, cfg), done_at: vec![None; spec.workers.len()], done: 0, exact: true, retransmissions: 0, start: 0 }
     }
 
     fn complete(&mut self, w: usize, exact: bool, progress: &mut dyn FnMut(usize, usize)) {
@@ -276,10 +283,11 @@ impl<E: From<NetEv>> Common<E> {
 
     fn result(self, algorithm: Algorithm, degraded_blocks: u64, stragglers: Vec<u16>) -> Result<ScaleResult, String> {
         let times: Vec<Ps> = self.done_at.iter().map(|t| t.ok_or("an allreduce did not finish within 60 s of simulated time")).collect::<Result<_, _>>()?;
-        let last = times.iter().copied().max().unwrap_or(0);
-        let mean = times.iter().map(|&t| t as f64).sum::<f64>() / times.len() as f64;
+        let last = times.iter().copied().max().unwrap_or(0) - self.start;
+        let mean = times.iter().map(|&t| (t - self.start) as f64).sum::<f64>() / times.len() as f64;
         Ok(ScaleResult {
             algorithm,
+            join_us: self.start as f64 / 1e6,
             completion_us: last as f64 / 1e6,
             mean_completion_us: mean / 1e6,
             exact: self.exact,
@@ -323,6 +331,7 @@ struct FaninRun<'a> {
     load: Workload,
     inputs: Vec<Option<Vec<i32>>>,
     degraded: u64,
+    joined: usize,
 }
 
 impl<'a> FaninRun<'a> {
@@ -370,6 +379,7 @@ impl<'a> FaninRun<'a> {
             load,
             inputs,
             degraded: 0,
+            joined: 0,
         })
     }
 
@@ -450,8 +460,15 @@ impl<'a> FaninRun<'a> {
         while let Some(e) = self.sessions[w].poll_event() {
             match e {
                 Event::Joined(_) => {
-                    let at = now + self.load.delay[w];
-                    self.c.ev.schedule(at, FEv::Begin(w as u32));
+                    // Sessions join once and then run allreduces: the
+                    // allreduce starts when the last one has joined.
+                    self.joined += 1;
+                    if self.joined == self.sessions.len() {
+                        self.c.start = now;
+                        for v in 0..self.sessions.len() {
+                            self.c.ev.schedule(now + self.load.delay[v], FEv::Begin(v as u32));
+                        }
+                    }
                 }
                 Event::Completed(o) => {
                     self.c.retransmissions += o.retransmissions;
