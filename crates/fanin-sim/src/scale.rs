@@ -326,6 +326,7 @@ struct FaninRun<'a> {
     /// Tree switches, and node id -> index into them.
     switches: Vec<ValueSwitch<u32>>,
     switch_of_node: HashMap<u32, usize>,
+    worker_of_node: HashMap<u32, usize>,
     worker_armed: Vec<Option<Ps>>,
     switch_armed: Vec<Option<Ps>>,
     load: Workload,
@@ -375,6 +376,7 @@ impl<'a> FaninRun<'a> {
             switch_armed: vec![None; switches.len()],
             switches,
             switch_of_node,
+            worker_of_node: spec.workers.iter().enumerate().map(|(i, w)| (w.host, i)).collect(),
             worker_armed: vec![None; n],
             load,
             inputs,
@@ -436,8 +438,7 @@ impl<'a> FaninRun<'a> {
     }
 
     fn worker_at(&self, host: u32) -> Result<usize, String> {
-        // ranks are dense and in spec order; hosts are looked up once per datagram
-        self.spec.workers.iter().position(|w| w.host == host).ok_or_else(|| format!("datagram for node {host}, which runs nothing"))
+        self.worker_of_node.get(&host).copied().ok_or_else(|| format!("datagram for node {host}, which runs nothing"))
     }
 
     fn switch_sent(&mut self, s: usize, mut out: VecTransmit<u32>) {
