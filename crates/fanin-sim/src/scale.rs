@@ -645,6 +645,7 @@ impl<'a> RingRun<'a> {
                 }
                 REv::Begin(j) => {
                     self.workers[j as usize].started = true;
+                    self.advance(j as usize, progress); // steps with empty chunks (fewer elements than workers)
                     self.pump(j as usize);
                 }
             }
