@@ -17,6 +17,7 @@ examples:
   fanin bench torch-allreduce --quick --json   # torch.distributed: fanin backend vs Gloo
   fanin bench time-to-accuracy --quick --json  # digits MLP with stragglers (cf. Trio-ML Fig. 12)
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
+  fanin sim allreduce --sweep --json           # fanin's tree vs ring allreduce, fat-tree:8, 128 workers (CSV + PNG)
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
   fanin bench overload --quick --json          # overloaded switch: trimming vs silent drops
   fanin testbed up fat-tree:4                  # namespaces + veth links (root; see fanin testbed --help)
@@ -182,6 +183,14 @@ def _find_sim_binary() -> Optional[str]:
     return shutil.which("fanin-sim")
 
 
+def _minimal_allreduce(rest: list) -> bool:
+    """`fanin sim allreduce --star ...` runs the one-switch experiment (fanin-sim's own flags)."""
+    if "--star" in rest:
+        rest.remove("--star")
+        return True
+    return False
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -193,6 +202,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     rest = list(args.sim_args or [])
     no_plot = args.no_plot or "--no-plot" in rest
     rest = [a for a in rest if a != "--no-plot"]
+    if args.sim == "allreduce" and not _minimal_allreduce(rest):
+        from fanin.sim_allreduce import main as sim_allreduce
+
+        return sim_allreduce(binary, rest + (["--no-plot"] if no_plot else []))
     argv = [binary, args.sim] + rest
     if args.sim != "trimming":
         return subprocess.call(argv)
@@ -358,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",
                          epilog="examples:\n  fanin sim trimming --figure 6 --quick --json\n"
-                                "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5",
+                                "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5\n"
+                                "  fanin sim allreduce --quick --loss 0.01 --json   (see fanin sim allreduce --help; "
+                                "--star: the one-switch fanin-sim allreduce)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "bench-events"],
                      help="simulator command (see `fanin-sim --help`)")
