@@ -30,6 +30,14 @@ pub struct DaemonConfig {
     /// Aggregation memory for all jobs together, in MiB.
     #[serde(default = "default_memory_mb")]
     pub memory_mb: u64,
+    /// Key-value (ASK) aggregator memory for all tasks together, in MiB
+    /// (one aggregator = `KV_AGGREGATOR_BYTES`), split evenly over shards.
+    #[serde(default = "default_kv_memory_mb")]
+    pub kv_memory_mb: u64,
+    /// Most key-value memory one tenant's tasks may hold together, in MiB
+    /// (per shard, as the regions live on one shard each).
+    #[serde(default = "default_kv_memory_mb")]
+    pub kv_tenant_mb: u64,
     /// Datagrams per receive/send batch.
     #[serde(default = "default_batch")]
     pub batch: usize,
@@ -69,6 +77,10 @@ impl AgingSection {
     pub fn to_config(&self) -> AgingConfig {
         AgingConfig { scanners: self.scanners, checks: self.checks, min_tick: Duration::from_micros(self.min_tick_us) }
     }
+}
+
+fn default_kv_memory_mb() -> u64 {
+    64
 }
 
 fn default_scanners() -> u16 {

@@ -21,4 +21,4 @@ mod shard;
 
 pub use crate::config::{ConfigError, DaemonConfig, FaultConfig, JobConfig};
 pub use crate::core::{StartError, SwitchCore, SwitchHandle};
-pub use fanin_control::{AdmitFailure, SwitchInfo};
+pub use fanin_control::{AdmitFailure, KvRegion, SwitchInfo};

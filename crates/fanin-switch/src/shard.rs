@@ -1,5 +1,12 @@
 //! One run-to-completion shard thread: receive a batch, run every datagram
-//! through the shard's `ValueSwitch`, send the batch of replies.
+//! through the shard's `ValueSwitch` (value packets) or its `KvSwitch`
+//! (key-value packets, message types 0x20-0x3f), send the batch of replies.
+//!
+//! Key-value tasks are sharded by task id: task `t` lives on shard
+//! `t mod shards` (hosts learn that shard's port from the control API), so
+//! one thread owns every aggregator and receive window of a task and the
+//! hot path takes no locks. A key-value datagram that arrives on another
+//! shard is handed over like a value packet for a foreign block.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -9,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use fanin_proto::fault::DropInjector;
 use fanin_proto::job::JobSpec;
+use fanin_proto::kv::{KvAdmitError, KvCounters, KvSwitch, KvTaskSpec, TaskStats};
 use fanin_proto::switch::{AdmitError, Counters, ValueSwitch, Verdict};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
@@ -17,15 +25,23 @@ use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 pub(crate) enum Command {
     AddJob(JobSpec, SyncSender<Result<(), AdmitError>>),
     RemoveJob(u32, SyncSender<bool>),
-    /// A datagram received by another shard for a block this shard owns.
+    /// A datagram received by another shard for a block (or key-value
+    /// task) this shard owns.
     Handover(SocketAddr, Vec<u8>),
+    AddKvTask(Box<KvTaskSpec<SocketAddr>>, SyncSender<Result<(), KvAdmitError>>),
+    RemoveKvTask(u32, SyncSender<bool>),
+    /// Which of these tasks still hold a region, with their figures.
+    KvTaskStats(Vec<u32>, SyncSender<Vec<(u32, Option<TaskStats>)>>),
 }
 
 /// What a shard publishes for metrics and the control API.
 #[derive(Default)]
 pub(crate) struct ShardStats {
     pub counters: Mutex<Counters>,
+    pub kv_counters: Mutex<KvCounters>,
     pub memory_used: AtomicU64,
+    /// Aggregators held by key-value tasks.
+    pub kv_memory_used: AtomicU64,
     pub fault_ingress_dropped: AtomicU64,
     pub fault_egress_dropped: AtomicU64,
     pub send_errors: AtomicU64,
@@ -34,6 +50,8 @@ pub(crate) struct ShardStats {
 
 pub(crate) struct ShardThread {
     pub switch: ValueSwitch<SocketAddr>,
+    pub kv: KvSwitch<SocketAddr>,
+    pub index: u16,
     pub socket: BatchSocket,
     pub commands: Receiver<Command>,
     pub peers: Vec<Sender<Command>>,
@@ -116,10 +134,22 @@ impl ShardThread {
                     if self.ingress.should_drop() {
                         continue;
                     }
-                    if let Verdict::WrongShard(owner) = self.switch.handle_datagram(now, from, bytes, &mut out) {
-                        if let Some(peer) = self.peers.get(owner as usize) {
-                            let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                    let owner = match kv_task_of(bytes) {
+                        Some(task) => {
+                            let owner = kv_owner(task, self.peers.len());
+                            if owner == self.index {
+                                self.kv.handle_datagram(now, from, bytes, &mut out);
+                                continue;
+                            }
+                            owner
                         }
+                        None => match self.switch.handle_datagram(now, from, bytes, &mut out) {
+                            Verdict::WrongShard(owner) => owner,
+                            _ => continue,
+                        },
+                    };
+                    if let Some(peer) = self.peers.get(owner as usize) {
+                        let _ = peer.send(Command::Handover(from, bytes.to_vec()));
                     }
                 }
                 self.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -128,6 +158,11 @@ impl ShardThread {
             // that owns the blocks, between batches: no locks.
             if self.switch.poll_timeout().is_some_and(|t| t <= now) {
                 self.switch.handle_timeout(now, &mut out);
+            }
+            // Idle key-value tasks (a receiver or every sender vanished)
+            // lose their region here.
+            if self.kv.poll_timeout().is_some_and(|t| t <= now) {
+                self.kv.handle_timeout(now);
             }
             flush(&self.socket, &mut tx, &self.stats);
             self.publish();
@@ -148,6 +183,16 @@ impl ShardThread {
                 Ok(Command::RemoveJob(id, reply)) => {
                     let _ = reply.send(self.switch.remove_job(id));
                 }
+                Ok(Command::AddKvTask(spec, reply)) => {
+                    let now = self.now();
+                    let _ = reply.send(self.kv.add_task(now, *spec));
+                }
+                Ok(Command::RemoveKvTask(id, reply)) => {
+                    let _ = reply.send(self.kv.remove_task(id));
+                }
+                Ok(Command::KvTaskStats(ids, reply)) => {
+                    let _ = reply.send(ids.into_iter().map(|id| (id, self.kv.task_stats(id))).collect());
+                }
                 Ok(Command::Handover(from, bytes)) => {
                     let now = Time::from_nanos(self.epoch.elapsed().as_nanos() as u64);
                     let mut out = SocketTx {
@@ -159,7 +204,11 @@ impl ShardThread {
                     };
                     // A handed-over datagram is ours by construction; a second
                     // hop cannot happen, so any verdict ends here.
-                    let _ = self.switch.handle_datagram(now, from, &bytes, &mut out);
+                    if kv_task_of(&bytes).is_some() {
+                        self.kv.handle_datagram(now, from, &bytes, &mut out);
+                    } else {
+                        let _ = self.switch.handle_datagram(now, from, &bytes, &mut out);
+                    }
                     flush(&self.socket, tx, &self.stats);
                 }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return,
@@ -171,8 +220,29 @@ impl ShardThread {
         if let Ok(mut c) = self.stats.counters.lock() {
             c.clone_from(self.switch.counters());
         }
+        if let Ok(mut c) = self.stats.kv_counters.lock() {
+            c.clone_from(self.kv.counters());
+        }
         self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
+        self.stats.kv_memory_used.store(self.kv.memory_used(), Ordering::Relaxed);
         self.stats.fault_ingress_dropped.store(self.ingress.dropped(), Ordering::Relaxed);
         self.stats.fault_egress_dropped.store(self.egress.dropped(), Ordering::Relaxed);
     }
+}
+
+/// The task id of a key-value datagram (message types 0x20-0x3f after a
+/// valid preamble), `None` for anything else. Only the bytes needed to route
+/// are read; the key-value program validates the rest and counts what it
+/// refuses.
+pub(crate) fn kv_task_of(bytes: &[u8]) -> Option<u32> {
+    let preamble = fanin_wire::Preamble::parse(bytes).ok()?;
+    if !preamble.msg_type.is_kv() || bytes.len() < 12 {
+        return None;
+    }
+    Some(u32::from_be_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]))
+}
+
+/// The shard that owns a key-value task.
+pub(crate) fn kv_owner(task_id: u32, shards: usize) -> u16 {
+    (task_id as usize % shards.max(1)) as u16
 }

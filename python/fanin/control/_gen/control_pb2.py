@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x61nin/control/v1/control.proto\x12\x10\x66\x61nin.control.v1\"\xd0\x01\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\x15\n\rblock_cnt_max\x18\x03 \x01(\r\x12\x16\n\x0e\x62lock_grad_max\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_exp_ms\x18\x05 \x01(\r\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.fanin.control.v1.JobMode\x12\x1f\n\x12slow_after_windows\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x15\n\x13_slow_after_windows\"\x10\n\x0eGetInfoRequest\"\x9f\x01\n\x0fGetInfoResponse\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\r\x12\x14\n\x0cmemory_limit\x18\x06 \x01(\x04\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\":\n\x0f\x41\x64mitJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x12\n\x10\x41\x64mitJobResponse\"\"\n\x10RemoveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\x13\n\x11RemoveJobResponse\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x14\n\x12GetCountersRequest\"F\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x04\x42\t\n\x07_reason\"B\n\x13GetCountersResponse\x12+\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.Counter*7\n\x07JobMode\x12\x16\n\x12JOB_MODE_AGGREGATE\x10\x00\x12\x14\n\x10JOB_MODE_FORWARD\x10\x01\x32\xb1\x03\n\x07\x43ontrol\x12N\n\x07GetInfo\x12 .fanin.control.v1.GetInfoRequest\x1a!.fanin.control.v1.GetInfoResponse\x12Q\n\x08\x41\x64mitJob\x12!.fanin.control.v1.AdmitJobRequest\x1a\".fanin.control.v1.AdmitJobResponse\x12T\n\tRemoveJob\x12\".fanin.control.v1.RemoveJobRequest\x1a#.fanin.control.v1.RemoveJobResponse\x12Q\n\x08ListJobs\x12!.fanin.control.v1.ListJobsRequest\x1a\".fanin.control.v1.ListJobsResponse\x12Z\n\x0bGetCounters\x12$.fanin.control.v1.GetCountersRequest\x1a%.fanin.control.v1.GetCountersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x61nin/control/v1/control.proto\x12\x10\x66\x61nin.control.v1\"\xd0\x01\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\x15\n\rblock_cnt_max\x18\x03 \x01(\r\x12\x16\n\x0e\x62lock_grad_max\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_exp_ms\x18\x05 \x01(\r\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.fanin.control.v1.JobMode\x12\x1f\n\x12slow_after_windows\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x15\n\x13_slow_after_windows\"\x10\n\x0eGetInfoRequest\"\x9f\x01\n\x0fGetInfoResponse\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\r\x12\x14\n\x0cmemory_limit\x18\x06 \x01(\x04\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\":\n\x0f\x41\x64mitJobRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x12\n\x10\x41\x64mitJobResponse\"\"\n\x10RemoveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\x13\n\x11RemoveJobResponse\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.JobSpec\"\x14\n\x12GetCountersRequest\"F\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05value\x18\x03 \x01(\x04\x42\t\n\x07_reason\"B\n\x13GetCountersResponse\x12+\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x19.fanin.control.v1.Counter\"\xef\x01\n\x0cKvRegionSpec\x12\x0f\n\x07task_id\x18\x01 \x01(\r\x12\x0e\n\x06tenant\x18\x02 \x01(\r\x12\x15\n\rreceiver_addr\x18\x03 \x01(\t\x12\x13\n\x0bshort_slots\x18\x04 \x01(\r\x12\x15\n\rmedium_groups\x18\x05 \x01(\r\x12\x14\n\x0cmedium_parts\x18\x06 \x01(\r\x12\x0f\n\x07\x61\x61_size\x18\x07 \x01(\r\x12\x15\n\rshadow_copies\x18\x08 \x01(\x08\x12\x0e\n\x06window\x18\t \x01(\r\x12\x14\n\x0cmax_channels\x18\n \x01(\r\x12\x17\n\x0fidle_timeout_ms\x18\x0b \x01(\r\"D\n\x14\x41llocKvRegionRequest\x12,\n\x04spec\x18\x01 \x01(\x0b\x32\x1e.fanin.control.v1.KvRegionSpec\"@\n\x15\x41llocKvRegionResponse\x12\x11\n\tdata_addr\x18\x01 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\")\n\x16ReleaseKvRegionRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\r\"\x19\n\x17ReleaseKvRegionResponse\"\x16\n\x14ListKvRegionsRequest\"\xba\x01\n\x08KvRegion\x12,\n\x04spec\x18\x01 \x01(\x0b\x32\x1e.fanin.control.v1.KvRegionSpec\x12\x11\n\tdata_addr\x18\x02 \x01(\t\x12\x11\n\ttuples_in\x18\x03 \x01(\x04\x12\x19\n\x11tuples_aggregated\x18\x04 \x01(\x04\x12\x15\n\rpackets_acked\x18\x05 \x01(\x04\x12\x19\n\x11packets_forwarded\x18\x06 \x01(\x04\x12\r\n\x05swaps\x18\x07 \x01(\x04\"D\n\x15ListKvRegionsResponse\x12+\n\x07regions\x18\x01 \x03(\x0b\x32\x1a.fanin.control.v1.KvRegion*7\n\x07JobMode\x12\x16\n\x12JOB_MODE_AGGREGATE\x10\x00\x12\x14\n\x10JOB_MODE_FORWARD\x10\x01\x32\xbb\x06\n\x07\x43ontrol\x12N\n\x07GetInfo\x12 .fanin.control.v1.GetInfoRequest\x1a!.fanin.control.v1.GetInfoResponse\x12Q\n\x08\x41\x64mitJob\x12!.fanin.control.v1.AdmitJobRequest\x1a\".fanin.control.v1.AdmitJobResponse\x12T\n\tRemoveJob\x12\".fanin.control.v1.RemoveJobRequest\x1a#.fanin.control.v1.RemoveJobResponse\x12Q\n\x08ListJobs\x12!.fanin.control.v1.ListJobsRequest\x1a\".fanin.control.v1.ListJobsResponse\x12Z\n\x0bGetCounters\x12$.fanin.control.v1.GetCountersRequest\x1a%.fanin.control.v1.GetCountersResponse\x12`\n\rAllocKvRegion\x12&.fanin.control.v1.AllocKvRegionRequest\x1a\'.fanin.control.v1.AllocKvRegionResponse\x12\x66\n\x0fReleaseKvRegion\x12(.fanin.control.v1.ReleaseKvRegionRequest\x1a).fanin.control.v1.ReleaseKvRegionResponse\x12`\n\rListKvRegions\x12&.fanin.control.v1.ListKvRegionsRequest\x1a\'.fanin.control.v1.ListKvRegionsResponse\x12\\\n\rGetKvCounters\x12$.fanin.control.v1.GetCountersRequest\x1a%.fanin.control.v1.GetCountersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fanin.control.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBMODE']._serialized_start=822
-  _globals['_JOBMODE']._serialized_end=877
+  _globals['_JOBMODE']._serialized_start=1553
+  _globals['_JOBMODE']._serialized_end=1608
   _globals['_JOBSPEC']._serialized_start=53
   _globals['_JOBSPEC']._serialized_end=261
   _globals['_GETINFOREQUEST']._serialized_start=263
@@ -57,6 +57,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COUNTER']._serialized_end=752
   _globals['_GETCOUNTERSRESPONSE']._serialized_start=754
   _globals['_GETCOUNTERSRESPONSE']._serialized_end=820
-  _globals['_CONTROL']._serialized_start=880
-  _globals['_CONTROL']._serialized_end=1313
+  _globals['_KVREGIONSPEC']._serialized_start=823
+  _globals['_KVREGIONSPEC']._serialized_end=1062
+  _globals['_ALLOCKVREGIONREQUEST']._serialized_start=1064
+  _globals['_ALLOCKVREGIONREQUEST']._serialized_end=1132
+  _globals['_ALLOCKVREGIONRESPONSE']._serialized_start=1134
+  _globals['_ALLOCKVREGIONRESPONSE']._serialized_end=1198
+  _globals['_RELEASEKVREGIONREQUEST']._serialized_start=1200
+  _globals['_RELEASEKVREGIONREQUEST']._serialized_end=1241
+  _globals['_RELEASEKVREGIONRESPONSE']._serialized_start=1243
+  _globals['_RELEASEKVREGIONRESPONSE']._serialized_end=1268
+  _globals['_LISTKVREGIONSREQUEST']._serialized_start=1270
+  _globals['_LISTKVREGIONSREQUEST']._serialized_end=1292
+  _globals['_KVREGION']._serialized_start=1295
+  _globals['_KVREGION']._serialized_end=1481
+  _globals['_LISTKVREGIONSRESPONSE']._serialized_start=1483
+  _globals['_LISTKVREGIONSRESPONSE']._serialized_end=1551
+  _globals['_CONTROL']._serialized_start=1611
+  _globals['_CONTROL']._serialized_end=2438
 # @@protoc_insertion_point(module_scope)
