@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--receive-channels", type=int, default=1, help="data channels for receivers (default 1)")
     dm.add_argument("--send-channels", type=int, default=1, help="data channels for senders (default 1)")
     dm.add_argument("--tenant", type=int, default=0, help="tenant of the tasks created here (switch memory cap)")
-    dm.add_argument("--rto-us", type=int, default=2000, help="sender retransmission timeout (default 2000)")
+    dm.add_argument("--rto-us", type=int, default=20000, help="sender retransmission timeout in us (default %(default)s)")
     dm.add_argument("--silence-ms", type=int, default=5000, help="fail a task after this long without traffic")
     dm.add_argument("--config-json", help="the whole config as JSON (overrides the options above)")
     dm.add_argument("--print-ready", action="store_true", help="print one JSON line when ready (for scripts)")
