@@ -123,8 +123,13 @@ impl ChannelThread {
     pub fn run(self) {
         let mut receivers: HashMap<u32, ReceiverSlot> = HashMap::new();
         let mut senders: HashMap<(u32, u16), SenderSlot> = HashMap::new();
-        let mut rx = RecvBatch::new(64, 2048);
+        // Batched I/O as in the switch: a sender's data packets have one
+        // length and one destination, so GSO sends a window in a few calls;
+        // GRO coalesces the switch's ACK bursts.
+        let gro = self.socket.enable_gro().unwrap_or(false);
+        let mut rx = RecvBatch::new(64, if gro { fanin_udp::GRO_SLOT_SIZE } else { 2048 });
         let mut tx = SendBatch::new(256);
+        tx.set_gso(self.socket.gso_supported());
         let _ = self.socket.set_nonblocking(true);
         while !self.shutdown.load(Ordering::Relaxed) {
             self.drain_commands(&mut receivers, &mut senders);

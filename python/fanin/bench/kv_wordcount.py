@@ -203,7 +203,8 @@ def _spark_session():
     from pyspark.sql import SparkSession
 
     return (SparkSession.builder.master(f"local[{SENDERS}]").appName("fanin-kv-wordcount")
-            .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", str(SENDERS))
+            .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", str(SENDERS))
             .config("spark.driver.memory", "2g").getOrCreate())
 
 
