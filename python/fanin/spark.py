@@ -44,8 +44,20 @@ def _send_partition(socket_path: str, ticket: dict, index: int, pairs: Any) -> A
     yield reply["tuples"]
 
 
+# A partition is computed (and encoded) before it is streamed, so a sender
+# can be silent for as long as Spark takes to compute a partition. Dead
+# executors are noticed by Spark itself (the job fails and the task is
+# aborted at once); the daemon's silence timer is only the backstop here.
+SPARK_SILENCE_MS = 300_000
+
+
 def reduce_by_key_as_map(rdd: Any, *, socket_path: str = DEFAULT_SOCKET, **options: Any) -> dict:
-    """Sum the values of ``rdd`` (of (key, int) pairs) per key; a dict on the driver."""
+    """Sum the values of ``rdd`` (of (key, int) pairs) per key; a dict on the driver.
+
+    ``options`` go to the task (``aa_size``, ``silence_ms``, ... of
+    :meth:`fanin.kv.Client.create`); ``silence_ms`` defaults to 5 minutes.
+    """
+    options.setdefault("silence_ms", SPARK_SILENCE_MS)
     partitions = rdd.getNumPartitions()
     driver = Client(socket_path)
     try:

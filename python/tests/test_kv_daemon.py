@@ -177,3 +177,10 @@ def test_sender_daemon_killed_mid_task(switch, daemon, tmp_path):
         assert c.stats()["tasks_failed"] >= 1
     assert failure, "the killed daemon's client should have lost its connection"
     assert _wait_no_regions(switch) == []
+
+
+def test_switch_memory_exhausted_is_refused(switch, daemon):
+    with daemon.client() as c:
+        with pytest.raises(KvError, match=r"aggregators"):
+            c.create(1, aa_size=1 << 22)
+    assert _regions(switch) == []

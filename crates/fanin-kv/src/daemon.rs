@@ -360,7 +360,7 @@ fn serve_app(shared: &Arc<Shared>, stream: UnixStream) {
     let mut owned: Vec<u32> = Vec::new();
     serve_lines(shared, stream, |s, req| app_request(s, req, &mut owned), &mut writer);
     for task in owned {
-        abort_task(shared, task, "the application that created the task disconnected");
+        abort_task(shared, task, "the application that created the task disconnected", true);
     }
 }
 
@@ -376,7 +376,7 @@ fn app_request(shared: &Arc<Shared>, req: &Value, owned: &mut Vec<u32>) -> Value
         }
         "abort" => uint(req, "task_id").map(|t| {
             owned.retain(|&o| o as u64 != t);
-            let found = abort_task(shared, t as u32, "aborted by the application");
+            let found = abort_task(shared, t as u32, "aborted by the application", true);
             json!({"ok": found})
         }),
         "stats" => Ok(stats_json(shared)),
@@ -479,7 +479,7 @@ fn wait_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
             shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
             release_region(shared, task_id);
             if let Some(e) = entry {
-                notify_senders(&e, task_id, &reason);
+                notify_senders(&e.joined, task_id, &reason);
             }
             Err(error(format!("task {task_id} failed: {reason}")))
         }
@@ -494,28 +494,30 @@ fn release_region(shared: &Shared, task_id: u32) {
     }
 }
 
-/// Abort a task this daemon receives: the waiter gets `reason`, the region
-/// is released, the senders' daemons are told. False if unknown here.
-fn abort_task(shared: &Arc<Shared>, task_id: u32, reason: &str) -> bool {
-    let tasks = shared.tasks.lock().expect("tasks");
-    let Some(entry) = tasks.get(&task_id) else { return false };
-    let _ = shared.receive[entry.receive_channel].0.send(ChannelCommand::Abort { task: task_id, reason: reason.into() });
-    let waited = entry.outcome.is_none();
-    drop(tasks);
-    if !waited {
-        // Nobody will call wait: finish the teardown here.
-        let entry = shared.tasks.lock().expect("tasks").remove(&task_id);
-        shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
-        release_region(shared, task_id);
-        if let Some(e) = entry {
-            notify_senders(&e, task_id, reason);
+/// Abort a task this daemon receives: the receiver machine stops and its
+/// waiter gets `reason` (now, or from a later `wait`: the outcome stays
+/// buffered), the region is released, the senders' daemons are told. With
+/// `forget` (nobody will ever wait: the application is gone) the entry goes
+/// too. False if the task is unknown here.
+fn abort_task(shared: &Arc<Shared>, task_id: u32, reason: &str, forget: bool) -> bool {
+    let joined = {
+        let mut tasks = shared.tasks.lock().expect("tasks");
+        let Some(entry) = tasks.get_mut(&task_id) else { return false };
+        let _ = shared.receive[entry.receive_channel].0.send(ChannelCommand::Abort { task: task_id, reason: reason.into() });
+        let joined = std::mem::take(&mut entry.joined);
+        if forget && entry.outcome.is_some() {
+            tasks.remove(&task_id);
+            shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
         }
-    }
+        joined
+    };
+    release_region(shared, task_id);
+    notify_senders(&joined, task_id, reason);
     true
 }
 
-fn notify_senders(entry: &TaskEntry, task_id: u32, reason: &str) {
-    for (channel, addr) in &entry.joined {
+fn notify_senders(joined: &HashMap<u16, String>, task_id: u32, reason: &str) {
+    for (channel, addr) in joined {
         let msg = json!({"op": "abort", "task_id": task_id, "channel": channel, "reason": reason});
         let _ = peer_call(addr, &msg);
     }
@@ -619,7 +621,7 @@ fn peer_request(shared: &Arc<Shared>, req: &Value) -> Value {
             }
             "fail" => {
                 let why = req.get("error").and_then(Value::as_str).unwrap_or("unknown error");
-                let found = abort_task(shared, task_id, &format!("sender channel {channel} failed: {why}"));
+                let found = abort_task(shared, task_id, &format!("sender channel {channel} failed: {why}"), false);
                 Ok(json!({"ok": found}))
             }
             "abort" => {
