@@ -78,17 +78,24 @@ def _cmd_switch(args: argparse.Namespace) -> int:
               f"metrics {('http://' + info['metrics_addr'] + '/metrics') if info.get('metrics_addr') else 'off'}; "
               "Ctrl-C to stop", file=sys.stderr, flush=True)
 
+    return _run_foreground("fanin switch", _native.run_switch, config, ready)
+
+
+def _run_foreground(name: str, run: Any, config: dict[str, Any], ready: Any) -> int:
+    """Run a native daemon until SIGINT/SIGTERM; exit 2 on a bad config, 1 on a start failure."""
+    from fanin import _native
+
     try:
-        _native.run_switch(json.dumps(config), ready)
+        run(json.dumps(config), ready)
     except ValueError as e:
-        print(f"fanin switch: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
     except _native.FaninError as e:
-        print(f"fanin switch: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass
-    print("fanin switch: stopped", file=sys.stderr)
+    print(f"{name}: stopped", file=sys.stderr)
     return 0
 
 
@@ -227,18 +234,7 @@ def _cmd_kv_daemon(args: argparse.Namespace) -> int:
         print(f"fanin kv daemon: local API {info['socket_path']}, control channel {info['control_addr']}, "
               f"data channels {info['data_addrs']}; Ctrl-C to stop", file=sys.stderr, flush=True)
 
-    try:
-        _native.run_kv_daemon(json.dumps(config), ready)
-    except ValueError as e:
-        print(f"fanin kv daemon: {e}", file=sys.stderr)
-        return 2
-    except _native.FaninError as e:
-        print(f"fanin kv daemon: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    print("fanin kv daemon: stopped", file=sys.stderr)
-    return 0
+    return _run_foreground("fanin kv daemon", _native.run_kv_daemon, config, ready)
 
 
 def _cmd_bench_kv_traffic(args: argparse.Namespace) -> int:

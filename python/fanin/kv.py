@@ -250,14 +250,9 @@ class DaemonProcess:
         self.proc.wait(timeout=10)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        from fanin.proc import terminate
+
+        return terminate(self.proc)
 
     def __enter__(self) -> "DaemonProcess":
         return self

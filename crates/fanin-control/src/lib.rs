@@ -365,8 +365,14 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
 /// Counters as the wire list of `{name, reason, value}`, in
 /// [`Counters::visit`] order.
 pub fn counters_to_pb(counters: &Counters) -> Vec<pb::Counter> {
+    visited_to_pb(|f| counters.visit(f))
+}
+
+/// The wire list of whatever a counters `visit` walks (value and key-value
+/// counters alike).
+fn visited_to_pb(visit: impl FnOnce(&mut dyn FnMut(&'static str, Option<&'static str>, u64))) -> Vec<pb::Counter> {
     let mut out = Vec::new();
-    counters.visit(|name, reason, value| {
+    visit(&mut |name, reason, value| {
         out.push(pb::Counter { name: name.to_string(), reason: reason.map(str::to_string), value })
     });
     out
@@ -536,11 +542,7 @@ impl pb::control_server::Control for Service {
         _request: Request<pb::GetCountersRequest>,
     ) -> Result<Response<pb::GetCountersResponse>, Status> {
         let counters = self.call(|p| p.kv_counters()).await?;
-        let mut out = Vec::new();
-        counters.visit(|name, reason, value| {
-            out.push(pb::Counter { name: name.to_string(), reason: reason.map(str::to_string), value })
-        });
-        Ok(Response::new(pb::GetCountersResponse { counters: out }))
+        Ok(Response::new(pb::GetCountersResponse { counters: visited_to_pb(|f| counters.visit(f)) }))
     }
 }
 

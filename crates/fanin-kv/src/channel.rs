@@ -28,6 +28,9 @@ use crate::records::{Cursor, InputFormat, Mapped};
 /// a 32-slot layout) so every slot has a tuple for the next packet.
 const REFILL_BELOW: usize = 1 << 16;
 const REFILL_CHUNK: usize = 1 << 16;
+/// The machines' `max_burst` (datagrams per `poll_transmit`); the daemon
+/// configures them with it.
+pub const MAX_BURST: usize = 64;
 
 /// What a receiver reports when it ends.
 pub type ReceiverOutcome = Result<(HashMap<Vec<u8>, Aggregate>, ReceiverStats), String>;
@@ -131,12 +134,13 @@ impl ChannelThread {
         let mut tx = SendBatch::new(256);
         tx.set_gso(self.socket.gso_supported());
         let _ = self.socket.set_nonblocking(true);
+        // The machines' poll_timeout and poll_transmit scan their windows
+        // (O(W)), so each is called once per iteration: transmit, learn the
+        // next deadline, wait for datagrams, run timers only when that
+        // deadline has passed.
         while !self.shutdown.load(Ordering::Relaxed) {
             self.drain_commands(&mut receivers, &mut senders);
             let now = self.now();
-            for s in senders.values_mut() {
-                refill(s);
-            }
             self.transmit(now, &mut receivers, &mut senders, &mut tx);
             let idle = receivers.is_empty() && senders.is_empty();
             let deadline = receivers
@@ -159,17 +163,18 @@ impl ChannelThread {
                 }
             }
             let now = self.now();
-            for r in receivers.values_mut() {
-                if r.machine.poll_timeout().is_some_and(|t| t <= now) {
-                    r.machine.handle_timeout(now);
+            if deadline.is_some_and(|d| d <= now) {
+                for r in receivers.values_mut() {
+                    if r.machine.poll_timeout().is_some_and(|t| t <= now) {
+                        r.machine.handle_timeout(now);
+                    }
+                }
+                for s in senders.values_mut() {
+                    if s.machine.poll_timeout().is_some_and(|t| t <= now) {
+                        s.machine.handle_timeout(now);
+                    }
                 }
             }
-            for s in senders.values_mut() {
-                if s.machine.poll_timeout().is_some_and(|t| t <= now) {
-                    s.machine.handle_timeout(now);
-                }
-            }
-            self.transmit(now, &mut receivers, &mut senders, &mut tx);
             collect_events(&mut receivers, &mut senders);
         }
         for (_, r) in receivers {
@@ -231,12 +236,18 @@ impl ChannelThread {
     fn transmit(&self, now: Time, receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut HashMap<(u32, u16), SenderSlot>, tx: &mut SendBatch) {
         for r in receivers.values_mut() {
             let mut out = ToSwitch { socket: &self.socket, batch: tx, dest: r.switch, stats: &self.stats };
-            while r.machine.poll_transmit(now, &mut out) > 0 {}
+            while r.machine.poll_transmit(now, &mut out) >= MAX_BURST {}
         }
         for s in senders.values_mut() {
             let mut out = ToSwitch { socket: &self.socket, batch: tx, dest: s.switch, stats: &self.stats };
-            while s.machine.poll_transmit(now, &mut out) > 0 {
+            // A full burst means there may be more; fewer means the window
+            // is full or everything is sent (the refill before each call
+            // keeps the queues from running dry).
+            loop {
                 refill(s);
+                if s.machine.poll_transmit(now, &mut out) < MAX_BURST {
+                    break;
+                }
             }
         }
         flush(&self.socket, tx, &self.stats);

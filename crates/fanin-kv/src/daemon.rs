@@ -426,6 +426,7 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
                 rc.window = window;
                 rc.swap_threshold = (swap_threshold > 0).then_some(swap_threshold);
                 rc.idle_timeout = silence;
+                rc.max_burst = crate::channel::MAX_BURST;
                 rc.rto = Duration::from_micros(shared.config.rto_us.max(1_000));
                 let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
                 let machine = match KvReceiver::new(rc, now) {
@@ -547,6 +548,7 @@ fn send(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
     sc.rto = Duration::from_micros(shared.config.rto_us);
     sc.dead_after = Duration::from_millis(shared.config.silence_ms);
     sc.max_key_len = shared.config.max_key_len;
+    sc.max_burst = crate::channel::MAX_BURST;
     let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
     let machine = KvSender::new(sc, now).map_err(error)?;
     let (done, outcome) = mpsc::sync_channel::<SenderOutcome>(1);
