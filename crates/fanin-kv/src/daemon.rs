@@ -258,9 +258,6 @@ impl KvDaemon {
 impl Drop for KvDaemon {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        // Wake the blocking accept() calls.
-        let _ = TcpStream::connect(self.shared.control_addr);
-        let _ = UnixStream::connect(&self.shared.config.socket_path);
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -270,39 +267,54 @@ impl Drop for KvDaemon {
 
 trait Listener: Send + 'static {
     type Stream: std::io::Read + Write + Send + 'static;
+    fn set_nonblocking(&self) -> std::io::Result<()>;
     fn accept_one(&self) -> std::io::Result<Self::Stream>;
 }
 
 impl Listener for TcpListener {
     type Stream = TcpStream;
+    fn set_nonblocking(&self) -> std::io::Result<()> {
+        TcpListener::set_nonblocking(self, true)
+    }
     fn accept_one(&self) -> std::io::Result<TcpStream> {
-        self.accept().map(|(s, _)| s)
+        let (s, _) = self.accept()?;
+        s.set_nonblocking(false)?;
+        Ok(s)
     }
 }
 
 impl Listener for UnixListener {
     type Stream = UnixStream;
+    fn set_nonblocking(&self) -> std::io::Result<()> {
+        UnixListener::set_nonblocking(self, true)
+    }
     fn accept_one(&self) -> std::io::Result<UnixStream> {
-        self.accept().map(|(s, _)| s)
+        let (s, _) = self.accept()?;
+        s.set_nonblocking(false)?;
+        Ok(s)
     }
 }
 
 /// One thread accepting connections, one thread per connection: requests
 /// block (a `send` lasts as long as the stream), and there are few clients.
+/// The listener polls (5 ms) so that stopping never depends on waking a
+/// blocked accept() (the socket file may already be gone).
 fn spawn_listener<L: Listener>(
     name: &str,
     listener: L,
     shared: Arc<Shared>,
     serve: fn(&Arc<Shared>, L::Stream),
 ) -> std::io::Result<JoinHandle<()>> {
+    listener.set_nonblocking()?;
     std::thread::Builder::new().name(name.into()).spawn(move || {
         while !shared.shutdown.load(Ordering::SeqCst) {
-            let Ok(stream) = listener.accept_one() else { continue };
-            if shared.shutdown.load(Ordering::SeqCst) {
-                break;
+            match listener.accept_one() {
+                Ok(stream) => {
+                    let shared = shared.clone();
+                    let _ = std::thread::Builder::new().name("fanin-kv-conn".into()).spawn(move || serve(&shared, stream));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
             }
-            let shared = shared.clone();
-            let _ = std::thread::Builder::new().name("fanin-kv-conn".into()).spawn(move || serve(&shared, stream));
         }
     })
 }
