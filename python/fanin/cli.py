@@ -17,12 +17,16 @@ examples:
   fanin bench torch-allreduce --quick --json   # torch.distributed: fanin backend vs Gloo
   fanin bench time-to-accuracy --quick --json  # digits MLP with stragglers (cf. Trio-ML Fig. 12)
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
+  fanin sim allreduce --sweep --json           # fanin's tree vs ring allreduce, fat-tree:8, 128 workers (CSV + PNG)
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
   fanin bench overload --quick --json          # overloaded switch: trimming vs silent drops
   fanin testbed up fat-tree:4                  # namespaces + veth links (root; see fanin testbed --help)
   fanin controller serve --topology deep-tree:3,2 --loopback   # aggregation trees (see fanin controller --help)
   fanin plan goat --topology fat-tree:8,6 --programmable 0.2 --memory-mb 64 --ps h0_0_0 --even 221,111
   fanin bench goat --quick --json              # GOAT §VII-D: GOAT vs Geryon, ATP, ESA (CSV + PNG in out/goat)
+  fanin bench kv-traffic --quick               # word counts: share absorbed by the switch
+  fanin bench kv-wordcount --quick             # fanin vs PreAggr vs PySpark vs DataFrame
+  fanin kv daemon --socket /tmp/fanin-kv.sock  # key-value host daemon (docs/kv.md)
 """
 
 
@@ -80,17 +84,24 @@ def _cmd_switch(args: argparse.Namespace) -> int:
               f"metrics {('http://' + info['metrics_addr'] + '/metrics') if info.get('metrics_addr') else 'off'}; "
               "Ctrl-C to stop", file=sys.stderr, flush=True)
 
+    return _run_foreground("fanin switch", _native.run_switch, config, ready)
+
+
+def _run_foreground(name: str, run: Any, config: dict[str, Any], ready: Any) -> int:
+    """Run a native daemon until SIGINT/SIGTERM; exit 2 on a bad config, 1 on a start failure."""
+    from fanin import _native
+
     try:
-        _native.run_switch(json.dumps(config), ready)
+        run(json.dumps(config), ready)
     except ValueError as e:
-        print(f"fanin switch: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
     except _native.FaninError as e:
-        print(f"fanin switch: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass
-    print("fanin switch: stopped", file=sys.stderr)
+    print(f"{name}: stopped", file=sys.stderr)
     return 0
 
 
@@ -182,6 +193,14 @@ def _find_sim_binary() -> Optional[str]:
     return shutil.which("fanin-sim")
 
 
+def _minimal_allreduce(rest: list) -> bool:
+    """`fanin sim allreduce --star ...` runs the one-switch experiment (fanin-sim's own flags)."""
+    if "--star" in rest:
+        rest.remove("--star")
+        return True
+    return False
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -193,6 +212,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     rest = list(args.sim_args or [])
     no_plot = args.no_plot or "--no-plot" in rest
     rest = [a for a in rest if a != "--no-plot"]
+    if args.sim == "allreduce" and not _minimal_allreduce(rest):
+        from fanin.sim_allreduce import main as sim_allreduce
+
+        return sim_allreduce(binary, rest + (["--no-plot"] if no_plot else []))
     argv = [binary, args.sim] + rest
     if args.sim != "trimming":
         return subprocess.call(argv)
@@ -214,6 +237,40 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         except ImportError as e:
             print(f"fanin sim: no PNG ({e}); the CSV is in {out}", file=sys.stderr)
     return 0
+
+
+def _cmd_kv_daemon(args: argparse.Namespace) -> int:
+    from fanin import _native
+
+    if args.config_json:
+        config = json.loads(args.config_json)
+    else:
+        config = {"socket_path": args.socket, "switch_control": args.switch_control,
+                  "control_addr": args.control_addr, "bind_ip": args.bind_ip,
+                  "receive_channels": args.receive_channels, "send_channels": args.send_channels,
+                  "tenant": args.tenant, "rto_us": args.rto_us, "silence_ms": args.silence_ms}
+        if args.switch_token:
+            config["switch_token"] = args.switch_token
+
+    def ready(info: dict[str, Any]) -> None:
+        if args.print_ready:
+            print(json.dumps(info), flush=True)
+        print(f"fanin kv daemon: local API {info['socket_path']}, control channel {info['control_addr']}, "
+              f"data channels {info['data_addrs']}; Ctrl-C to stop", file=sys.stderr, flush=True)
+
+    return _run_foreground("fanin kv daemon", _native.run_kv_daemon, config, ready)
+
+
+def _cmd_bench_kv_traffic(args: argparse.Namespace) -> int:
+    from fanin.bench.kv_wordcount import run_kv_traffic
+
+    return run_kv_traffic(args)
+
+
+def _cmd_bench_kv_wordcount(args: argparse.Namespace) -> int:
+    from fanin.bench.kv_wordcount import run_kv_wordcount
+
+    return run_kv_wordcount(args)
 
 
 def _cmd_bench_kv(args: argparse.Namespace) -> int:
@@ -358,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",
                          epilog="examples:\n  fanin sim trimming --figure 6 --quick --json\n"
-                                "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5",
+                                "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5\n"
+                                "  fanin sim allreduce --quick --loss 0.01 --json   (see fanin sim allreduce --help; "
+                                "--star: the one-switch fanin-sim allreduce)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "bench-events"],
                      help="simulator command (see `fanin-sim --help`)")
@@ -383,6 +442,39 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--verbose", action="store_true", help="show the example's progress on stderr")
     common(kv)
     kv.set_defaults(func=_cmd_bench_kv)
+
+    for name, func, help_text in (
+        ("kv-traffic", _cmd_bench_kv_traffic,
+         "word counts over real text through switch + kv daemon: tuples/packets absorbed (ASK Table 1, Fig. 8b)"),
+        ("kv-wordcount", _cmd_bench_kv_wordcount,
+         "WordCount: fanin vs PreAggr vs PySpark reduceByKey vs Spark DataFrame groupBy, results checked equal"),
+    ):
+        wc = bsub.add_parser(name, help=help_text, description=help_text + "; writes CSV and PNG to --out.")
+        wc.add_argument("--out", default="docs/figures/kv", help="directory for CSV and PNG (default %(default)s)")
+        wc.add_argument("--corpus-mb", type=float, help="corpus size in MB (default 64, 8 with --quick)")
+        wc.add_argument("--repeats", type=int, help="runs per system, median reported (default 3, 1 with --quick)")
+        wc.add_argument("--aa-size", type=int, default=4096, help="aggregators per AA per copy (default %(default)s)")
+        common(wc)
+        wc.set_defaults(func=func)
+
+    kvd = sub.add_parser("kv", help="key-value aggregation service (ASK)")
+    kvsub = kvd.add_subparsers(dest="kv_command", required=True)
+    dm = kvsub.add_parser("daemon", help="run the key-value host daemon in the foreground",
+                          description="The host daemon of docs/kv.md §10: local API on a Unix socket, "
+                                      "control channel (TCP) to other daemons, UDP data channels to the switch.")
+    dm.add_argument("--socket", default="/tmp/fanin-kv.sock", help="local API socket (default %(default)s)")
+    dm.add_argument("--switch-control", default="127.0.0.1:9100", help="switch control API (default %(default)s)")
+    dm.add_argument("--switch-token", help="bearer token of the switch control API")
+    dm.add_argument("--control-addr", default="127.0.0.1:0", help="daemon control channel, TCP (default %(default)s)")
+    dm.add_argument("--bind-ip", default="127.0.0.1", help="address of the UDP data channels (default %(default)s)")
+    dm.add_argument("--receive-channels", type=int, default=1, help="data channels for receivers (default 1)")
+    dm.add_argument("--send-channels", type=int, default=1, help="data channels for senders (default 1)")
+    dm.add_argument("--tenant", type=int, default=0, help="tenant of the tasks created here (switch memory cap)")
+    dm.add_argument("--rto-us", type=int, default=20000, help="sender retransmission timeout in us (default %(default)s)")
+    dm.add_argument("--silence-ms", type=int, default=5000, help="fail a task after this long without traffic")
+    dm.add_argument("--config-json", help="the whole config as JSON (overrides the options above)")
+    dm.add_argument("--print-ready", action="store_true", help="print one JSON line when ready (for scripts)")
+    dm.set_defaults(func=_cmd_kv_daemon)
 
     _add_torch_benches(bsub, common)
     _add_tree_benches(bsub, common)

@@ -18,6 +18,7 @@ import numpy as np
 
 __all__ = [
     "SwitchProcess",
+    "terminate",
     "parse_size",
     "format_size",
     "worker_inputs",
@@ -47,6 +48,18 @@ def format_size(n: int) -> str:
         if n >= div:
             return f"{n / div:.3g} {unit}"
     return f"{n} B"
+
+
+def terminate(proc: subprocess.Popen) -> int:
+    """SIGTERM a child daemon, SIGKILL it if it has not exited after 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 class SwitchProcess:
@@ -84,13 +97,7 @@ class SwitchProcess:
         return scrape_counters(self.metrics_addr)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         try:
             os.unlink(self.config_path)
         except OSError:

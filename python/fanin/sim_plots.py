@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 from typing import Callable, Dict, List
 
-__all__ = ["plot_figure"]
+__all__ = ["plot_figure", "plot_allreduce"]
 
 DESIGN_LABEL = {"ideal": "Ideal", "mod": "MoD", "dod-only": "DoD only", "tofino": "Tofino (full)"}
 
@@ -145,6 +145,62 @@ def plot_figure(n: int, out_dir: str) -> List[str]:
     if n not in _PLOTTERS:
         raise ValueError(f"no plot for figure {n}")
     return _PLOTTERS[n](out_dir)
+
+
+def _grouped_bars(ax, groups: List[str], series: List[str], value: Callable[[str, str], float], label_bars: bool = False) -> None:
+    """One bar per (group, series), series side by side within a group."""
+    width = 0.8 / len(series)
+    for k, name in enumerate(series):
+        bars = ax.bar([i + k * width for i in range(len(groups))], [value(g, name) for g in groups], width, label=name)
+        if label_bars:
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], groups)
+    ax.legend()
+
+
+def _save(plt, fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+_LAYER_ORDER = {"host": 1, "edge-agg": 2, "agg-core": 3}
+
+
+def plot_allreduce(out: str) -> List[str]:
+    """`fanin sim allreduce`: completion time per scenario and algorithm, and
+    bytes per link layer and per link (first scenario)."""
+    plt = _plt()
+    rows = _rows(os.path.join(out, "allreduce_summary.csv"))
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    time = {(r["scenario"], r["algorithm"]): float(r["completion_us"]) for r in rows}
+    fig, ax = plt.subplots(figsize=(1.8 * len(scenarios) * len(algorithms) + 2, 4))
+    _grouped_bars(ax, scenarios, algorithms, lambda s, a: time.get((s, a), 0.0), label_bars=True)
+    ax.set_ylabel("completion time (µs, last worker)")
+    ax.set_yscale("log")
+    ax.set_title("allreduce completion time")
+    paths = [_save(plt, fig, os.path.join(out, "allreduce_completion.png"))]
+
+    links = [r for r in _rows(os.path.join(out, "allreduce_links.csv")) if r["scenario"] == scenarios[0]]
+    layers = sorted({r["layer"] for r in links}, key=lambda n: _LAYER_ORDER.get(n, 99))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    layer_bytes: Dict[tuple, float] = defaultdict(float)
+    for r in links:
+        layer_bytes[(r["layer"], r["algorithm"])] += int(r["bytes"]) / 1e6
+    _grouped_bars(a1, layers, algorithms, lambda layer, a: layer_bytes[(layer, a)])
+    a1.set_ylabel("MB on the layer's links (both directions)")
+    a1.set_title(f"bytes per layer ({scenarios[0]})")
+    for alg in algorithms:
+        per_link = sorted((int(r["bytes"]) / 1e6 for r in links if r["algorithm"] == alg), reverse=True)
+        a2.plot(range(len(per_link)), per_link, label=alg)
+    a2.set_xlabel("link (sorted by bytes)")
+    a2.set_ylabel("MB on the link (both directions)")
+    a2.set_title(f"per-link bytes ({scenarios[0]})")
+    a2.legend()
+    paths.append(_save(plt, fig, os.path.join(out, "allreduce_layers.png")))
+    return paths
 
 
 if __name__ == "__main__":

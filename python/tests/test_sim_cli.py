@@ -34,3 +34,30 @@ def test_bad_arguments_are_refused_with_a_message():
     r = run("trimming", "--figure", "42", "--quick")
     assert r.returncode != 0
     assert "figure" in (r.stderr + r.stdout).lower()
+
+
+def test_allreduce_tree_vs_ring_quick_is_exact_deterministic_and_plotted(tmp_path):
+    """fanin's tree (built by fanin.controller.tree) and ring allreduce on
+    fat-tree:4 with loss and stragglers: exact sums, the same JSON for the
+    same seed, every link in the CSV, PNGs written."""
+    args = ("allreduce", "--quick", "--loss", "0.01", "--stragglers", "0.1", "--straggler-delay-us", "50", "--json")
+    a = run(*args, "--out", str(tmp_path / "a"))
+    assert a.returncode == 0, a.stderr
+    b = run(*args, "--no-plot", "--out", str(tmp_path / "b"))
+    assert b.returncode == 0, b.stderr
+    assert a.stdout == b.stdout, "same seed, same output"
+    out = json.loads(a.stdout)
+    assert out["workers"] == 16 and out["tree_levels"] == 3
+    (scenario,) = out["scenarios"]
+    algs = {s["algorithm"]: s for s in scenario["algorithms"]}
+    assert set(algs) == {"fanin", "ring"}
+    for s in algs.values():
+        assert s["exact"] and s["link_drops"] > 0 and s["stragglers"] == 2
+        assert s["completion_us"] >= 50
+    # fanin sends each element once up and once down each tree link; ring 2(N-1)/N times per hop
+    assert scenario["fanin_over_ring"]["total_bytes"] < 1
+    with open(tmp_path / "a" / "allreduce_links.csv") as f:
+        rows = f.read().splitlines()
+    assert len(rows) == 1 + 2 * 48  # header + every fat-tree:4 link for each algorithm
+    for name in ("allreduce_completion.png", "allreduce_layers.png", "allreduce_summary.csv", "allreduce_spec.json"):
+        assert os.path.exists(tmp_path / "a" / name), name

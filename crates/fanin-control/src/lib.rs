@@ -22,6 +22,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use fanin_proto::job::{JobMode, JobSpec, JobSpecError, MAX_SOURCES, SWITCH_RANK_BASE};
+use fanin_proto::kv::{KvAdmitError, KvCounters, KvTaskSpec, Layout, TaskStats};
 use fanin_proto::switch::{AdmitError, Counters};
 use tonic::metadata::MetadataMap;
 use tonic::transport::server::TcpIncoming;
@@ -145,6 +146,26 @@ impl From<AdmitFailure> for Status {
     }
 }
 
+impl From<KvAdmitError> for AdmitFailure {
+    fn from(e: KvAdmitError) -> Self {
+        let msg = e.to_string();
+        match e {
+            KvAdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
+            KvAdmitError::Layout(_) | KvAdmitError::BadSize { .. } => AdmitFailure::Invalid(msg),
+            KvAdmitError::OutOfMemory { .. } | KvAdmitError::TenantLimit { .. } => AdmitFailure::OutOfMemory(msg),
+        }
+    }
+}
+
+/// A key-value task's region as the switch holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvRegion {
+    pub spec: KvTaskSpec<SocketAddr>,
+    /// The data port of the shard that owns the task.
+    pub data_addr: SocketAddr,
+    pub stats: TaskStats,
+}
+
 /// What the daemon offers the control API. Methods are called from a
 /// blocking-task pool (never on the async executor), so they may block
 /// briefly, e.g. to hand a job to every shard thread and wait for the
@@ -164,6 +185,21 @@ pub trait ControlPlane: Send + Sync + 'static {
     fn info(&self) -> SwitchInfo;
     /// Counters merged over all shards.
     fn counters(&self) -> Counters;
+    /// Allocate a key-value task's region; returns the data address its
+    /// packets go to. A daemon without the key-value program refuses.
+    fn alloc_kv_region(&self, spec: KvTaskSpec<SocketAddr>) -> Result<SocketAddr, AdmitFailure> {
+        Err(AdmitFailure::Internal(format!("task {}: this switch has no key-value program", spec.task_id)))
+    }
+    /// Free a task's region; `Err` (NOT_FOUND) if the switch holds none.
+    fn release_kv_region(&self, task_id: u32) -> Result<(), String> {
+        Err(format!("task {task_id} has no key-value region"))
+    }
+    fn list_kv_regions(&self) -> Vec<KvRegion> {
+        Vec::new()
+    }
+    fn kv_counters(&self) -> KvCounters {
+        KvCounters::default()
+    }
 }
 
 /// Errors of starting or running the control server.
@@ -418,11 +454,60 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
 /// Counters as the wire list of `{name, reason, value}`, in
 /// [`Counters::visit`] order.
 pub fn counters_to_pb(counters: &Counters) -> Vec<pb::Counter> {
+    visited_to_pb(|f| counters.visit(f))
+}
+
+/// The wire list of whatever a counters `visit` walks (value and key-value
+/// counters alike).
+fn visited_to_pb(visit: impl FnOnce(&mut dyn FnMut(&'static str, Option<&'static str>, u64))) -> Vec<pb::Counter> {
     let mut out = Vec::new();
-    counters.visit(|name, reason, value| {
+    visit(&mut |name, reason, value| {
         out.push(pb::Counter { name: name.to_string(), reason: reason.map(str::to_string), value })
     });
     out
+}
+
+/// Convert a wire region spec, rejecting values the Rust type cannot hold.
+pub fn kv_spec_from_pb(spec: pb::KvRegionSpec) -> Result<KvTaskSpec<SocketAddr>, Status> {
+    let id = spec.task_id;
+    let receiver: SocketAddr = spec.receiver_addr.parse().map_err(|_| {
+        Status::invalid_argument(format!("task {id}: receiver_addr {:?} is not ip:port", spec.receiver_addr))
+    })?;
+    let narrow = |name: &str, v: u32| {
+        u8::try_from(v).map_err(|_| Status::invalid_argument(format!("task {id}: {name} {v} is too large")))
+    };
+    let layout = Layout {
+        short_slots: narrow("short_slots", spec.short_slots)?,
+        medium_groups: narrow("medium_groups", spec.medium_groups)?,
+        medium_parts: narrow("medium_parts", spec.medium_parts)?,
+    };
+    layout.validate().map_err(|e| Status::invalid_argument(format!("task {id}: {e}")))?;
+    let max_channels = u16::try_from(spec.max_channels)
+        .map_err(|_| Status::invalid_argument(format!("task {id}: max_channels {} is too large", spec.max_channels)))?;
+    let mut out = KvTaskSpec::new(id, receiver, layout, spec.aa_size);
+    out.tenant = spec.tenant;
+    out.shadow_copies = spec.shadow_copies;
+    out.window = spec.window;
+    out.max_channels = max_channels;
+    out.idle_timeout = std::time::Duration::from_millis(spec.idle_timeout_ms.into());
+    Ok(out)
+}
+
+/// The wire form of a region spec.
+pub fn kv_spec_to_pb(spec: &KvTaskSpec<SocketAddr>) -> pb::KvRegionSpec {
+    pb::KvRegionSpec {
+        task_id: spec.task_id,
+        tenant: spec.tenant,
+        receiver_addr: spec.receiver.to_string(),
+        short_slots: spec.layout.short_slots.into(),
+        medium_groups: spec.layout.medium_groups.into(),
+        medium_parts: spec.layout.medium_parts.into(),
+        aa_size: spec.aa_size,
+        shadow_copies: spec.shadow_copies,
+        window: spec.window,
+        max_channels: spec.max_channels.into(),
+        idle_timeout_ms: spec.idle_timeout.as_millis().min(u32::MAX as u128) as u32,
+    }
 }
 
 struct Service {
@@ -512,7 +597,63 @@ impl pb::control_server::Control for Service {
         let counters = self.call(|p| p.counters()).await?;
         Ok(Response::new(pb::GetCountersResponse { counters: counters_to_pb(&counters) }))
     }
+
+    async fn alloc_kv_region(
+        &self,
+        request: Request<pb::AllocKvRegionRequest>,
+    ) -> Result<Response<pb::AllocKvRegionResponse>, Status> {
+        let spec = request
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::invalid_argument("AllocKvRegion needs a spec"))?;
+        let spec = kv_spec_from_pb(spec)?;
+        let memory_bytes = spec.memory() * KV_AGGREGATOR_BYTES;
+        let addr = self.call(move |p| p.alloc_kv_region(spec)).await??;
+        Ok(Response::new(pb::AllocKvRegionResponse { data_addr: addr.to_string(), memory_bytes }))
+    }
+
+    async fn release_kv_region(
+        &self,
+        request: Request<pb::ReleaseKvRegionRequest>,
+    ) -> Result<Response<pb::ReleaseKvRegionResponse>, Status> {
+        let task_id = request.into_inner().task_id;
+        self.call(move |p| p.release_kv_region(task_id)).await?.map_err(Status::not_found)?;
+        Ok(Response::new(pb::ReleaseKvRegionResponse {}))
+    }
+
+    async fn list_kv_regions(
+        &self,
+        _request: Request<pb::ListKvRegionsRequest>,
+    ) -> Result<Response<pb::ListKvRegionsResponse>, Status> {
+        let mut regions = self.call(|p| p.list_kv_regions()).await?;
+        regions.sort_by_key(|r| r.spec.task_id);
+        let regions = regions
+            .iter()
+            .map(|r| pb::KvRegion {
+                spec: Some(kv_spec_to_pb(&r.spec)),
+                data_addr: r.data_addr.to_string(),
+                tuples_in: r.stats.tuples_in,
+                tuples_aggregated: r.stats.tuples_aggregated,
+                packets_acked: r.stats.packets_acked,
+                packets_forwarded: r.stats.packets_forwarded,
+                swaps: r.stats.swaps,
+            })
+            .collect();
+        Ok(Response::new(pb::ListKvRegionsResponse { regions }))
+    }
+
+    async fn get_kv_counters(
+        &self,
+        _request: Request<pb::GetCountersRequest>,
+    ) -> Result<Response<pb::GetCountersResponse>, Status> {
+        let counters = self.call(|p| p.kv_counters()).await?;
+        Ok(Response::new(pb::GetCountersResponse { counters: visited_to_pb(|f| counters.visit(f)) }))
+    }
 }
+
+/// Bytes of one key-value aggregator on the switch (key part u64, count
+/// u32, sum, min and max i64, padded to 8 bytes).
+pub const KV_AGGREGATOR_BYTES: u64 = 40;
 
 #[cfg(test)]
 mod tests {

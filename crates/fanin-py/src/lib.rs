@@ -305,11 +305,36 @@ fn run_switch(py: Python<'_>, config_json: &str, on_ready: Option<Bound<'_, PyAn
     Ok(())
 }
 
+/// Run the key-value host daemon in the foreground until SIGINT or SIGTERM
+/// (`fanin kv daemon`). `on_ready(info: dict)` is called once it listens.
+#[pyfunction]
+#[pyo3(signature = (config_json, on_ready=None))]
+fn run_kv_daemon(py: Python<'_>, config_json: &str, on_ready: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    let config: fanin_kv::KvDaemonConfig =
+        serde_json::from_str(config_json).map_err(|e| PyValueError::new_err(format!("invalid kv daemon config: {e}")))?;
+    let daemon = py.detach(|| fanin_kv::KvDaemon::start(config)).map_err(|e| FaninError::new_err(e.to_string()))?;
+    let flag = daemon.shutdown_flag();
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, flag.clone())
+            .map_err(|e| FaninError::new_err(format!("cannot install signal handler: {e}")))?;
+    }
+    if let Some(cb) = on_ready {
+        let d = PyDict::new(py);
+        d.set_item("control_addr", daemon.control_addr().to_string())?;
+        d.set_item("socket_path", daemon.socket_path().display().to_string())?;
+        d.set_item("data_addrs", daemon.stats_json()["data_addrs"].to_string())?;
+        cb.call1((d,))?;
+    }
+    py.detach(|| daemon.wait());
+    Ok(())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
     m.add_class::<Switch>()?;
     m.add_function(wrap_pyfunction!(run_switch, m)?)?;
+    m.add_function(wrap_pyfunction!(run_kv_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(load_config, m)?)?;
     m.add("FaninError", m.py().get_type::<FaninError>())?;
     m.add("FaninTimeout", m.py().get_type::<FaninTimeout>())?;

@@ -9,20 +9,18 @@
 //! Every datagram costs `WIRE_OVERHEAD` extra bytes on a link (Ethernet,
 //! IPv4, UDP headers).
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
-use fanin_proto::fault::{DropInjector, SplitMix64};
+use fanin_proto::fault::SplitMix64;
 use fanin_proto::host::{AllreduceSession, Event, SessionConfig, Tensor};
 use fanin_proto::switch::{ShardConfig, ValueSwitch, Verdict};
 use fanin_proto::{JobSpec, Time, VecTransmit};
 use fanin_wire::value::{ELEM_LEN, HEADER_LEN};
 use serde::Serialize;
 
+use crate::fabric::{Fabric, LinkParams, NetEv};
+pub use crate::fabric::WIRE_OVERHEAD;
 use crate::kernel::{tx_time, EventQueue, Ps, PS_PER_NS};
-
-/// Ethernet (14 + 4 FCS) + IPv4 (20) + UDP (8) bytes per datagram.
-pub const WIRE_OVERHEAD: u32 = 46;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct AllreduceConfig {
@@ -32,18 +30,14 @@ pub struct AllreduceConfig {
     pub elems_per_packet: u16,
     /// Blocks in flight per worker (= the job's slots).
     pub window: u32,
-    pub rate_gbps: u64,
-    pub link_delay_ns: u64,
-    /// Capacity of every link queue, in datagrams of the largest size.
-    pub queue_pkts: u64,
-    /// Independent loss probability on every link.
-    pub loss: f64,
+    #[serde(flatten)]
+    pub links: LinkParams,
     pub seed: u64,
 }
 
 impl Default for AllreduceConfig {
     fn default() -> Self {
-        AllreduceConfig { workers: 8, elements: 1 << 20, elems_per_packet: 256, window: 128, rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0, seed: 1 }
+        AllreduceConfig { workers: 8, elements: 1 << 20, elems_per_packet: 256, window: 128, links: LinkParams::default(), seed: 1 }
     }
 }
 
@@ -66,73 +60,13 @@ pub struct AllreduceResult {
 
 #[derive(Debug, Clone, Copy)]
 enum Ev {
-    /// Datagram `buf` reaches the far end of `link`.
-    Arrive { link: u32, buf: u32 },
-    TxDone { link: u32 },
+    Net(NetEv),
     Timer { worker: u32 },
 }
 
-struct Link {
-    queue: VecDeque<u32>,
-    queued_bytes: u64,
-    busy: bool,
-    loss: DropInjector,
-}
-
-/// Links 2w (worker w -> switch) and 2w + 1 (switch -> worker w).
-struct Net {
-    links: Vec<Link>,
-    bufs: Vec<Vec<u8>>,
-    free: Vec<u32>,
-    rate_bps: u64,
-    delay: Ps,
-    cap_bytes: u64,
-    datagrams: u64,
-    link_drops: u64,
-    queue_drops: u64,
-}
-
-impl Net {
-    fn send(&mut self, ev: &mut EventQueue<Ev>, link: u32, bytes: Vec<u8>) {
-        self.datagrams += 1;
-        let l = &mut self.links[link as usize];
-        let len = bytes.len() as u64 + WIRE_OVERHEAD as u64;
-        if l.queued_bytes + len > self.cap_bytes {
-            self.queue_drops += 1;
-            return;
-        }
-        let buf = match self.free.pop() {
-            Some(i) => {
-                self.bufs[i as usize] = bytes;
-                i
-            }
-            None => {
-                self.bufs.push(bytes);
-                self.bufs.len() as u32 - 1
-            }
-        };
-        l.queued_bytes += len;
-        l.queue.push_back(buf);
-        self.kick(ev, link);
-    }
-
-    fn kick(&mut self, ev: &mut EventQueue<Ev>, link: u32) {
-        let l = &mut self.links[link as usize];
-        if l.busy {
-            return;
-        }
-        let Some(buf) = l.queue.pop_front() else { return };
-        let len = self.bufs[buf as usize].len() as u32 + WIRE_OVERHEAD;
-        l.queued_bytes -= len as u64;
-        l.busy = true;
-        let done = ev.now() + tx_time(len, self.rate_bps);
-        ev.schedule(done, Ev::TxDone { link });
-        if l.loss.should_drop() {
-            self.link_drops += 1;
-            self.free.push(buf);
-        } else {
-            ev.schedule(done + self.delay, Ev::Arrive { link, buf });
-        }
+impl From<NetEv> for Ev {
+    fn from(e: NetEv) -> Self {
+        Ev::Net(e)
     }
 }
 
@@ -164,19 +98,14 @@ pub fn run(cfg: &AllreduceConfig) -> Result<AllreduceResult, String> {
 
     let dgram = (HEADER_LEN + ELEM_LEN * cfg.elems_per_packet as usize) as u32 + WIRE_OVERHEAD;
     let max_dgram = dgram as u64;
-    let mut net = Net {
-        links: (0..2 * n)
-            .map(|i| Link { queue: VecDeque::new(), queued_bytes: 0, busy: false, loss: DropInjector::new(cfg.loss, cfg.seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)) })
-            .collect(),
-        bufs: Vec::new(),
-        free: Vec::new(),
-        rate_bps: cfg.rate_gbps * 1_000_000_000,
-        delay: cfg.link_delay_ns * PS_PER_NS,
-        cap_bytes: cfg.queue_pkts * max_dgram,
-        datagrams: 0,
-        link_drops: 0,
-        queue_drops: 0,
-    };
+    // worker w is node w, the switch node n; link w joins them, so channel
+    // 2w is w's uplink and 2w + 1 its downlink
+    let mut is_switch = vec![false; n + 1];
+    is_switch[n] = true;
+    let links: Vec<(u32, u32)> = (0..n as u32).map(|w| (w, n as u32)).collect();
+    let chans = cfg.links.channel_config(max_dgram, cfg.seed);
+    let (rate_bps, delay) = (chans.rate_bps, chans.delay);
+    let mut net = Fabric::new(&is_switch, &links, chans);
     let mut ev: EventQueue<Ev> = EventQueue::new();
     let mut armed: Vec<Option<Ps>> = vec![None; n];
     let mut done_at: Vec<Option<Ps>> = vec![None; n];
@@ -188,7 +117,7 @@ pub fn run(cfg: &AllreduceConfig) -> Result<AllreduceResult, String> {
     let drive = |w: usize,
                  sessions: &mut [AllreduceSession],
                  ev: &mut EventQueue<Ev>,
-                 net: &mut Net,
+                 net: &mut Fabric,
                  out: &mut VecTransmit<u16>,
                  armed: &mut [Option<Ps>],
                  done_at: &mut [Option<Ps>],
@@ -216,7 +145,7 @@ pub fn run(cfg: &AllreduceConfig) -> Result<AllreduceResult, String> {
         }
         while s.poll_transmit(ns(now), out) > 0 {}
         for (_, bytes) in out.drain() {
-            net.send(ev, 2 * w as u32, bytes);
+            net.send(ev, w as u32, n as u32, bytes);
         }
         if let Some(t) = s.poll_timeout() {
             let t = (t.as_nanos() * PS_PER_NS).max(now);
@@ -235,24 +164,18 @@ pub fn run(cfg: &AllreduceConfig) -> Result<AllreduceResult, String> {
     let limit = 10_000_000_000 * PS_PER_NS; // 10 s of simulated time
     while let Some((now, e)) = ev.pop_until(limit) {
         match e {
-            Ev::TxDone { link } => {
-                net.links[link as usize].busy = false;
-                net.kick(&mut ev, link);
-            }
-            Ev::Arrive { link, buf } => {
-                let bytes = std::mem::take(&mut net.bufs[buf as usize]);
-                net.free.push(buf);
-                let w = (link / 2) as usize;
-                if link % 2 == 0 {
-                    // worker -> switch
-                    if let Verdict::WrongShard(s) = switch.handle_datagram(ns(now), w as u32, &bytes, &mut sw_out) {
+            Ev::Net(e) => {
+                let Some(d) = net.handle(&mut ev, e) else { continue };
+                if d.dst == n as u32 {
+                    if let Verdict::WrongShard(s) = switch.handle_datagram(ns(now), d.src, &d.bytes, &mut sw_out) {
                         return Err(format!("single-shard switch answered WrongShard({s})"));
                     }
                     for (dest, b) in sw_out.drain() {
-                        net.send(&mut ev, 2 * dest + 1, b);
+                        net.send(&mut ev, n as u32, dest, b);
                     }
                 } else {
-                    sessions[w].handle_datagram(ns(now), &bytes);
+                    let w = d.dst as usize;
+                    sessions[w].handle_datagram(ns(now), &d.bytes);
                     drive(w, &mut sessions, &mut ev, &mut net, &mut out, &mut armed, &mut done_at, &mut inputs, &mut verified, &mut retransmissions)?;
                 }
             }
@@ -274,7 +197,7 @@ pub fn run(cfg: &AllreduceConfig) -> Result<AllreduceResult, String> {
     let blocks = cfg.elements.div_ceil(cfg.elems_per_packet as usize) as u64;
     // Each worker's contributions serialised back to back on its uplink, the
     // last one's result coming back: one more datagram time and two delays.
-    let bound = (blocks + 1) * tx_time(dgram, net.rate_bps) + 2 * net.delay;
+    let bound = (blocks + 1) * tx_time(dgram, rate_bps) + 2 * delay;
     let secs = last as f64 * 1e-12;
     Ok(AllreduceResult {
         config: cfg.clone(),

@@ -16,10 +16,12 @@
 //! * [`allreduce`]: one `ValueSwitch` and N `AllreduceSession` workers.
 
 pub mod allreduce;
+pub mod fabric;
 pub mod kernel;
 pub mod ndp;
 pub mod net;
 pub mod packet;
 pub mod permutation;
+pub mod scale;
 pub mod topo;
 pub mod trimming;

@@ -197,7 +197,7 @@ fn ndp_incast_completes_near_the_optimum() {
 fn allreduce_runs_the_shipped_machines_and_is_exact_under_loss() {
     use fanin_sim::allreduce::{run, AllreduceConfig};
     for loss in [0.0, 0.02] {
-        let cfg = AllreduceConfig { workers: 4, elements: 20_000, elems_per_packet: 256, window: 32, loss, ..AllreduceConfig::default() };
+        let cfg = AllreduceConfig { workers: 4, elements: 20_000, elems_per_packet: 256, window: 32, links: fanin_sim::fabric::LinkParams { loss, ..Default::default() }, ..AllreduceConfig::default() };
         let r = run(&cfg).unwrap();
         assert!(r.verified, "{r:?}");
         assert!(r.completion_us >= r.bound_us * 0.9, "{r:?}");

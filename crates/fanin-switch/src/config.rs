@@ -31,6 +31,14 @@ pub struct DaemonConfig {
     /// Aggregation memory for all jobs together, in MiB.
     #[serde(default = "default_memory_mb")]
     pub memory_mb: u64,
+    /// Key-value (ASK) aggregator memory for all tasks together, in MiB
+    /// (one aggregator = `KV_AGGREGATOR_BYTES`), split evenly over shards.
+    #[serde(default = "default_kv_memory_mb")]
+    pub kv_memory_mb: u64,
+    /// Most key-value memory one tenant's tasks may hold together, in MiB
+    /// (per shard, as the regions live on one shard each).
+    #[serde(default = "default_kv_memory_mb")]
+    pub kv_tenant_mb: u64,
     /// Datagrams per receive/send batch.
     #[serde(default = "default_batch")]
     pub batch: usize,
@@ -104,6 +112,10 @@ impl TrimSection {
 
 fn default_watermark() -> f64 {
     0.5
+}
+
+fn default_kv_memory_mb() -> u64 {
+    64
 }
 
 fn default_scanners() -> u16 {

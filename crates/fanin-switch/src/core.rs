@@ -9,15 +9,17 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::DropInjector;
-use fanin_proto::switch::{AdmitError, Counters, ShardConfig, ValueSwitch};
+use fanin_proto::kv::{KvCounters, KvSwitch, KvSwitchConfig, KvTaskSpec};
+use fanin_proto::switch::{AdmitError, Counters, ShardConfig, Uplink, ValueSwitch};
 use fanin_udp::BatchSocket;
 
-use fanin_control::{AdmitFailure, ControlPlane, ControlServerHandle, JobEntry, SwitchInfo, TreeRole};
-use fanin_proto::switch::Uplink;
+use fanin_control::{
+    AdmitFailure, ControlPlane, ControlServerHandle, JobEntry, KvRegion, SwitchInfo, TreeRole, KV_AGGREGATOR_BYTES,
+};
 
 use crate::config::DaemonConfig;
 use crate::metrics;
-use crate::shard::{Command, ShardStats, ShardThread};
+use crate::shard::{kv_owner, Command, ShardStats, ShardThread};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -43,6 +45,10 @@ pub struct SwitchCore {
     data_addr: SocketAddr,
     shards: Vec<ShardLink>,
     jobs: Mutex<BTreeMap<u32, JobEntry>>,
+    /// Key-value regions allocated through the control plane. The shards
+    /// may free one on their own (the receiver's Release, the idle timer);
+    /// `list_kv_regions` prunes those.
+    kv_regions: Mutex<BTreeMap<u32, KvTaskSpec<SocketAddr>>>,
     incarnation: u32,
     memory_limit: u64,
     started: Instant,
@@ -134,6 +140,78 @@ impl SwitchCore {
         Ok(())
     }
 
+    /// Ask a shard and wait for its answer (shards answer between batches).
+    fn ask<T>(&self, shard: u16, make: impl FnOnce(mpsc::SyncSender<T>) -> Command) -> Option<T> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        self.shards.get(shard as usize)?.commands.send(make(reply)).ok()?;
+        answer.recv_timeout(Duration::from_secs(5)).ok()
+    }
+
+    fn kv_data_addr(&self, task_id: u32) -> SocketAddr {
+        let mut addr = self.data_addr;
+        addr.set_port(addr.port().wrapping_add(kv_owner(task_id, self.shards.len())));
+        addr
+    }
+
+    /// Allocate a key-value task's region on the shard that owns the task
+    /// (ASK step 3) and return that shard's data address.
+    pub fn alloc_kv_region(&self, spec: KvTaskSpec<SocketAddr>) -> Result<SocketAddr, AdmitFailure> {
+        let id = spec.task_id;
+        let owner = kv_owner(id, self.shards.len());
+        let mut regions = self.kv_regions.lock().expect("kv lock");
+        match self.ask(owner, |r| Command::AddKvTask(Box::new(spec.clone()), r)) {
+            Some(Ok(())) => {
+                regions.insert(id, spec);
+                Ok(self.kv_data_addr(id))
+            }
+            Some(Err(e)) => Err(e.into()),
+            None => Err(AdmitFailure::Internal(format!("shard {owner} did not answer"))),
+        }
+    }
+
+    /// Free a task's region (ASK step 12, or teardown after a failure).
+    pub fn release_kv_region(&self, task_id: u32) -> Result<(), String> {
+        let owner = kv_owner(task_id, self.shards.len());
+        self.kv_regions.lock().expect("kv lock").remove(&task_id);
+        match self.ask(owner, |r| Command::RemoveKvTask(task_id, r)) {
+            Some(true) => Ok(()),
+            Some(false) => Err(format!("task {task_id} has no key-value region (already released or expired)")),
+            None => Err(format!("shard {owner} did not answer")),
+        }
+    }
+
+    /// The regions still held, with their figures.
+    pub fn list_kv_regions(&self) -> Vec<KvRegion> {
+        let mut regions = self.kv_regions.lock().expect("kv lock");
+        let mut out = Vec::new();
+        let mut gone = Vec::new();
+        for (&id, spec) in regions.iter() {
+            let stats = self.ask(kv_owner(id, self.shards.len()), |r| Command::KvTaskStats(vec![id], r));
+            match stats.and_then(|v| v.into_iter().next()).and_then(|(_, s)| s) {
+                Some(stats) => out.push(KvRegion { spec: spec.clone(), data_addr: self.kv_data_addr(id), stats }),
+                None => gone.push(id),
+            }
+        }
+        for id in gone {
+            regions.remove(&id);
+        }
+        out
+    }
+
+    /// Key-value counters summed over shards.
+    pub fn kv_counters(&self) -> KvCounters {
+        let mut total = KvCounters::default();
+        for s in &self.shards {
+            total.merge(&s.stats.kv_counters.lock().expect("counters lock"));
+        }
+        total
+    }
+
+    /// Bytes held by key-value regions over all shards.
+    pub fn kv_memory_used(&self) -> u64 {
+        self.shards.iter().map(|s| s.stats.kv_memory_used.load(Ordering::Relaxed)).sum::<u64>() * KV_AGGREGATOR_BYTES
+    }
+
     pub fn list_jobs(&self) -> Vec<JobEntry> {
         self.jobs.lock().expect("jobs lock").values().cloned().collect()
     }
@@ -186,6 +264,14 @@ impl SwitchCore {
             ));
         }
         let info = self.info();
+        out.push_str("# HELP fanin_switch_kv_packets_total Key-value datagrams by outcome (all shards).\n");
+        out.push_str("# TYPE fanin_switch_kv_packets_total counter\n");
+        self.kv_counters().visit(|name, reason, v| {
+            let reason = reason.map(|r| format!(",reason=\"{r}\"")).unwrap_or_default();
+            out.push_str(&format!("fanin_switch_kv_packets_total{{counter=\"{name}\"{reason}}} {v}\n"));
+        });
+        out.push_str("# TYPE fanin_switch_kv_memory_used_bytes gauge\n");
+        out.push_str(&format!("fanin_switch_kv_memory_used_bytes {}\n", self.kv_memory_used()));
         out.push_str("# TYPE fanin_switch_jobs gauge\n");
         out.push_str(&format!("fanin_switch_jobs {}\n", self.jobs.lock().expect("jobs lock").len()));
         out.push_str("# TYPE fanin_switch_memory_used_bytes gauge\n");
@@ -218,6 +304,18 @@ impl ControlPlane for SwitchCore {
     }
     fn counters(&self) -> Counters {
         SwitchCore::counters(self)
+    }
+    fn alloc_kv_region(&self, spec: KvTaskSpec<SocketAddr>) -> Result<SocketAddr, AdmitFailure> {
+        SwitchCore::alloc_kv_region(self, spec)
+    }
+    fn release_kv_region(&self, task_id: u32) -> Result<(), String> {
+        SwitchCore::release_kv_region(self, task_id)
+    }
+    fn list_kv_regions(&self) -> Vec<KvRegion> {
+        SwitchCore::list_kv_regions(self)
+    }
+    fn kv_counters(&self) -> KvCounters {
+        SwitchCore::kv_counters(self)
     }
 }
 
@@ -260,6 +358,11 @@ impl SwitchHandle {
                     memory_limit: per_shard,
                     aging: config.aging.to_config(),
                 }),
+                kv: KvSwitch::new(KvSwitchConfig {
+                    memory_limit: (config.kv_memory_mb << 20) / config.shards as u64 / KV_AGGREGATOR_BYTES,
+                    tenant_limit: (config.kv_tenant_mb << 20) / KV_AGGREGATOR_BYTES,
+                }),
+                index: i as u16,
                 socket,
                 commands: rx,
                 peers: senders.clone(),
@@ -285,6 +388,7 @@ impl SwitchHandle {
             data_addr,
             shards: links,
             jobs: Mutex::new(BTreeMap::new()),
+            kv_regions: Mutex::new(BTreeMap::new()),
             incarnation,
             memory_limit,
             started: epoch,

@@ -21,4 +21,4 @@ mod shard;
 
 pub use crate::config::{ConfigError, DaemonConfig, FaultConfig, JobConfig, TrimSection};
 pub use crate::core::{StartError, SwitchCore, SwitchHandle};
-pub use fanin_control::{AdmitFailure, JobEntry, SwitchInfo, TreeRole};
+pub use fanin_control::{AdmitFailure, JobEntry, KvRegion, SwitchInfo, TreeRole};

@@ -1,5 +1,6 @@
 //! One run-to-completion shard thread: receive a batch, run every datagram
-//! through the shard's `ValueSwitch`, send the batch of replies.
+//! through the shard's `ValueSwitch` (value packets) or its `KvSwitch`
+//! (key-value packets, message types 0x20-0x3f), send the batch of replies.
 //!
 //! With trimming on, the thread reads its socket's receive queue just before
 //! and after each batch (`SO_MEMINFO`, one syscall each): the datagrams that
@@ -8,6 +9,12 @@
 //! instead of into the program, so senders slow down before the kernel
 //! drops silently. (One look after the batch is not enough: with GRO a batch
 //! can hold more than the whole buffer, so the queue is empty behind it.)
+//!
+//! Key-value tasks are sharded by task id: task `t` lives on shard
+//! `t mod shards` (hosts learn that shard's port from the control API), so
+//! one thread owns every aggregator and receive window of a task and the
+//! hot path takes no locks. A key-value datagram that arrives on another
+//! shard is handed over like a value packet for a foreign block.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use fanin_proto::fault::DropInjector;
 use fanin_proto::job::JobSpec;
+use fanin_proto::kv::{KvAdmitError, KvCounters, KvSwitch, KvTaskSpec, TaskStats};
 use fanin_proto::switch::{AdmitError, Counters, Uplink, ValueSwitch, Verdict};
 use fanin_proto::trim::{return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
 use fanin_proto::{Time, Transmit};
@@ -27,17 +35,25 @@ pub(crate) enum Command {
     AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
     UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     RemoveJob(u32, SyncSender<bool>),
-    /// A datagram received by another shard for a block this shard owns.
+    /// A datagram received by another shard for a block (or key-value
+    /// task) this shard owns.
     Handover(SocketAddr, Vec<u8>),
     /// Another shard passed on a joiner's sync answer: (job, member, start).
     AdmitJoiner(u32, u16, u32),
+    AddKvTask(Box<KvTaskSpec<SocketAddr>>, SyncSender<Result<(), KvAdmitError>>),
+    RemoveKvTask(u32, SyncSender<bool>),
+    /// Which of these tasks still hold a region, with their figures.
+    KvTaskStats(Vec<u32>, SyncSender<Vec<(u32, Option<TaskStats>)>>),
 }
 
 /// What a shard publishes for metrics and the control API.
 #[derive(Default)]
 pub(crate) struct ShardStats {
     pub counters: Mutex<Counters>,
+    pub kv_counters: Mutex<KvCounters>,
     pub memory_used: AtomicU64,
+    /// Aggregators held by key-value tasks.
+    pub kv_memory_used: AtomicU64,
     pub fault_ingress_dropped: AtomicU64,
     pub fault_egress_dropped: AtomicU64,
     pub send_errors: AtomicU64,
@@ -46,6 +62,8 @@ pub(crate) struct ShardStats {
 
 pub(crate) struct ShardThread {
     pub switch: ValueSwitch<SocketAddr>,
+    pub kv: KvSwitch<SocketAddr>,
+    pub index: u16,
     pub socket: BatchSocket,
     pub commands: Receiver<Command>,
     pub peers: Vec<Sender<Command>>,
@@ -144,27 +162,40 @@ impl ShardThread {
                     if self.ingress.should_drop() {
                         continue;
                     }
-                    if plan.trims(bytes.len())
-                        && return_to_sender(from, bytes, TrimCause::ProcessingQueue, &mut out) == TrimVerdict::Trimmed
-                    {
-                        self.trimmed += 1;
-                        continue;
-                    }
-                    match self.switch.handle_datagram(now, from, bytes, &mut out) {
-                        Verdict::Consumed => {}
-                        Verdict::WrongShard(owner) => {
-                            if let Some(peer) = self.peers.get(owner as usize) {
-                                let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                    let owner = match kv_task_of(bytes) {
+                        Some(task) => {
+                            let owner = kv_owner(task, self.peers.len());
+                            if owner == self.index {
+                                self.kv.handle_datagram(now, from, bytes, &mut out);
+                                continue;
                             }
+                            owner
                         }
-                        // A joiner's start: every shard holds some of its blocks.
-                        Verdict::Joined { job_id, member, start } => {
-                            for (i, peer) in self.peers.iter().enumerate() {
-                                if i != self.switch.config().shard as usize {
-                                    let _ = peer.send(Command::AdmitJoiner(job_id, member, start));
+                        None => {
+                            if plan.trims(bytes.len())
+                                && return_to_sender(from, bytes, TrimCause::ProcessingQueue, &mut out)
+                                    == TrimVerdict::Trimmed
+                            {
+                                self.trimmed += 1;
+                                continue;
+                            }
+                            match self.switch.handle_datagram(now, from, bytes, &mut out) {
+                                Verdict::Consumed => continue,
+                                Verdict::WrongShard(owner) => owner,
+                                // A joiner's start: every shard holds some of its blocks.
+                                Verdict::Joined { job_id, member, start } => {
+                                    for (i, peer) in self.peers.iter().enumerate() {
+                                        if i != self.index as usize {
+                                            let _ = peer.send(Command::AdmitJoiner(job_id, member, start));
+                                        }
+                                    }
+                                    continue;
                                 }
                             }
                         }
+                    };
+                    if let Some(peer) = self.peers.get(owner as usize) {
+                        let _ = peer.send(Command::Handover(from, bytes.to_vec()));
                     }
                 }
                 self.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -173,6 +204,11 @@ impl ShardThread {
             // that owns the blocks, between batches: no locks.
             if self.switch.poll_timeout().is_some_and(|t| t <= now) {
                 self.switch.handle_timeout(now, &mut out);
+            }
+            // Idle key-value tasks (a receiver or every sender vanished)
+            // lose their region here.
+            if self.kv.poll_timeout().is_some_and(|t| t <= now) {
+                self.kv.handle_timeout(now);
             }
             flush(&self.socket, &mut tx, &self.stats);
             self.publish();
@@ -202,7 +238,7 @@ impl ShardThread {
                 }
                 Ok(Command::UpdateJob(spec, uplink, awaiting, reply)) => {
                     let result =
-                        self.with_out(tx, discard, |sw, now, out| sw.update_job(now, spec, uplink, &awaiting, out));
+                        self.with_out(tx, discard, |sw, _, now, out| sw.update_job(now, spec, uplink, &awaiting, out));
                     let _ = reply.send(result);
                 }
                 Ok(Command::RemoveJob(id, reply)) => {
@@ -211,27 +247,43 @@ impl ShardThread {
                 Ok(Command::AdmitJoiner(job_id, member, start)) => {
                     self.switch.admit_joiner(job_id, member, start);
                 }
+                Ok(Command::AddKvTask(spec, reply)) => {
+                    let now = self.now();
+                    let _ = reply.send(self.kv.add_task(now, *spec));
+                }
+                Ok(Command::RemoveKvTask(id, reply)) => {
+                    let _ = reply.send(self.kv.remove_task(id));
+                }
+                Ok(Command::KvTaskStats(ids, reply)) => {
+                    let _ = reply.send(ids.into_iter().map(|id| (id, self.kv.task_stats(id))).collect());
+                }
                 Ok(Command::Handover(from, bytes)) => {
                     // A handed-over datagram is ours by construction; a second
                     // hop cannot happen, so any verdict ends here.
-                    let _ = self.with_out(tx, discard, |sw, now, out| sw.handle_datagram(now, from, &bytes, out));
+                    self.with_out(tx, discard, |sw, kv, now, out| {
+                        if kv_task_of(&bytes).is_some() {
+                            kv.handle_datagram(now, from, &bytes, out);
+                        } else {
+                            let _ = sw.handle_datagram(now, from, &bytes, out);
+                        }
+                    });
                 }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return,
             }
         }
     }
 
-    /// Run `f` on the switch with a sink into the send batch, then flush it.
+    /// Run `f` on the shard's programs with a sink into the send batch, then flush it.
     fn with_out<R>(
         &mut self,
         tx: &mut SendBatch,
         discard: &mut Vec<u8>,
-        f: impl FnOnce(&mut ValueSwitch<SocketAddr>, Time, &mut SocketTx<'_>) -> R,
+        f: impl FnOnce(&mut ValueSwitch<SocketAddr>, &mut KvSwitch<SocketAddr>, Time, &mut SocketTx<'_>) -> R,
     ) -> R {
         let now = self.now();
         let mut out =
             SocketTx { socket: &self.socket, batch: tx, egress: &mut self.egress, discard, stats: &self.stats };
-        let result = f(&mut self.switch, now, &mut out);
+        let result = f(&mut self.switch, &mut self.kv, now, &mut out);
         flush(&self.socket, tx, &self.stats);
         result
     }
@@ -242,8 +294,31 @@ impl ShardThread {
             c.trimmed = self.trimmed;
             c.socket_drops = self.socket_drops;
         }
+        if let Ok(mut c) = self.stats.kv_counters.lock() {
+            c.clone_from(self.kv.counters());
+        }
         self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
+        self.stats.kv_memory_used.store(self.kv.memory_used(), Ordering::Relaxed);
         self.stats.fault_ingress_dropped.store(self.ingress.dropped(), Ordering::Relaxed);
         self.stats.fault_egress_dropped.store(self.egress.dropped(), Ordering::Relaxed);
     }
+}
+
+/// The task id of a key-value datagram (message types 0x20-0x3f after a
+/// valid preamble), `None` for anything else. Only the bytes needed to route
+/// are read; the key-value program validates the rest and counts what it
+/// refuses.
+pub(crate) fn kv_task_of(bytes: &[u8]) -> Option<u32> {
+    let preamble = fanin_wire::Preamble::parse(bytes).ok()?;
+    if !preamble.msg_type.is_kv() {
+        return None;
+    }
+    // A key-value header cut before its task id still belongs to the
+    // key-value program, which counts it as truncated (shard 0 does that).
+    Some(bytes.get(8..12).map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]])))
+}
+
+/// The shard that owns a key-value task.
+pub(crate) fn kv_owner(task_id: u32, shards: usize) -> u16 {
+    (task_id as usize % shards.max(1)) as u16
 }

@@ -158,6 +158,33 @@ class ControlClient:
 
     # -- plumbing ----------------------------------------------------------
 
+    def kv_regions(self) -> List[Dict[str, Any]]:
+        """Key-value task regions the switch holds (docs/kv.md), by task_id,
+        with their figures (tuples_in, tuples_aggregated, packets_acked, ...)."""
+        r = self._call("ListKvRegions", pb.ListKvRegionsRequest())
+        out = []
+        for region in r.regions:
+            spec = region.spec
+            out.append({
+                "task_id": spec.task_id, "tenant": spec.tenant, "receiver_addr": spec.receiver_addr,
+                "slots": spec.short_slots + spec.medium_groups * spec.medium_parts, "aa_size": spec.aa_size,
+                "shadow_copies": spec.shadow_copies, "data_addr": region.data_addr,
+                "tuples_in": region.tuples_in, "tuples_aggregated": region.tuples_aggregated,
+                "packets_acked": region.packets_acked, "packets_forwarded": region.packets_forwarded,
+                "swaps": region.swaps,
+            })
+        return out
+
+    def release_kv_region(self, task_id: int) -> None:
+        """Free a key-value task's switch region (NOT_FOUND if there is none)."""
+        _check_u32(task_id, "task_id")
+        self._call("ReleaseKvRegion", pb.ReleaseKvRegionRequest(task_id=task_id))
+
+    def kv_counters(self) -> Dict[str, int]:
+        """Key-value packet counters over all shards, {name or name.reason: value}."""
+        r = self._call("GetKvCounters", pb.GetCountersRequest())
+        return {(c.name + "." + c.reason) if c.HasField("reason") else c.name: c.value for c in r.counters}
+
     def _call(self, method: str, request: Any) -> Any:
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)

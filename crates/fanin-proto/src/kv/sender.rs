@@ -158,6 +158,11 @@ impl KvSender {
     pub fn is_done(&self) -> bool {
         self.state == State::Done
     }
+    /// Tuples pushed but not yet in a packet. A driver streaming a large
+    /// input pushes more when this runs low, instead of queueing it all.
+    pub fn queued(&self) -> usize {
+        self.queued
+    }
     /// Packets sent so far (the next seq).
     pub fn next_seq(&self) -> u32 {
         self.next_seq

@@ -146,6 +146,78 @@ impl KvCounters {
     pub fn malformed_total(&self) -> u64 {
         self.malformed.iter().sum()
     }
+    /// Every counter by name (malformed per reason), for metrics and the
+    /// control API.
+    pub fn visit(&self, mut f: impl FnMut(&'static str, Option<&'static str>, u64)) {
+        f("rx_datagrams", None, self.rx_datagrams);
+        for (kind, v) in WireError::KINDS.iter().zip(self.malformed) {
+            f("malformed", Some(kind), v);
+        }
+        let named = [
+            ("unknown_task", self.unknown_task),
+            ("layout_mismatch", self.layout_mismatch),
+            ("split_group", self.split_group),
+            ("too_many_channels", self.too_many_channels),
+            ("stale", self.stale),
+            ("beyond_window", self.beyond_window),
+            ("acked", self.acked),
+            ("forwarded", self.forwarded),
+            ("relayed", self.relayed),
+            ("unknown_channel", self.unknown_channel),
+            ("control", self.control),
+            ("not_receiver", self.not_receiver),
+            ("control_refused", self.control_refused),
+            ("protocol_violation", self.protocol_violation),
+            ("duplicates", self.duplicates),
+            ("tuples_in", self.tuples_in),
+            ("tuples_aggregated", self.tuples_aggregated),
+            ("swaps", self.swaps),
+            ("nacks_sent", self.nacks_sent),
+            ("tasks_expired", self.tasks_expired),
+            ("tasks_released", self.tasks_released),
+        ];
+        for (name, v) in named {
+            f(name, None, v);
+        }
+    }
+    /// Add another shard's counters.
+    pub fn merge(&mut self, o: &KvCounters) {
+        let mut i = 0;
+        let mut theirs = Vec::new();
+        o.visit(|_, _, v| theirs.push(v));
+        self.rx_datagrams += theirs[i];
+        i += 1;
+        for m in self.malformed.iter_mut() {
+            *m += theirs[i];
+            i += 1;
+        }
+        for field in [
+            &mut self.unknown_task,
+            &mut self.layout_mismatch,
+            &mut self.split_group,
+            &mut self.too_many_channels,
+            &mut self.stale,
+            &mut self.beyond_window,
+            &mut self.acked,
+            &mut self.forwarded,
+            &mut self.relayed,
+            &mut self.unknown_channel,
+            &mut self.control,
+            &mut self.not_receiver,
+            &mut self.control_refused,
+            &mut self.protocol_violation,
+            &mut self.duplicates,
+            &mut self.tuples_in,
+            &mut self.tuples_aggregated,
+            &mut self.swaps,
+            &mut self.nacks_sent,
+            &mut self.tasks_expired,
+            &mut self.tasks_released,
+        ] {
+            *field += theirs[i];
+            i += 1;
+        }
+    }
     /// Sum of the outcome counters; equals `rx_datagrams`.
     pub fn outcomes(&self) -> u64 {
         self.malformed_total()

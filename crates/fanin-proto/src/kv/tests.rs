@@ -623,3 +623,17 @@ fn figure_5_example_trace() {
     assert_eq!(sums, vec![1, 2, 2, 1]);
     assert_eq!(rx.stats().fetch_requests, 2, "one fetch per AA, in parallel");
 }
+
+#[test]
+fn counters_merge_adds_every_field_that_visit_reports() {
+    let mut a = super::KvCounters { rx_datagrams: 3, unknown_task: 1, tasks_released: 2, ..Default::default() };
+    a.malformed[1] = 4;
+    let mut values = Vec::new();
+    a.visit(|_, _, v| values.push(v));
+    let mut total = a.clone();
+    total.merge(&a);
+    let mut doubled = Vec::new();
+    total.visit(|_, _, v| doubled.push(v));
+    assert_eq!(doubled, values.iter().map(|v| v * 2).collect::<Vec<_>>());
+    assert_eq!(total.outcomes(), 2 * a.outcomes());
+}

@@ -26,6 +26,12 @@ usage:
   fanin-sim allreduce [--workers N] [--elements E] [--elems-per-packet P] [--window W]
                       [--loss P] [--rate-gbps R] [--seed S] [--json]
       one ValueSwitch and N AllreduceSession workers (fanin-proto's machines), int32, checked
+  fanin-sim allreduce --spec FILE [--algorithms fanin,ring] [--elements E] [--elems-per-packet P]
+                      [--window W] [--loss P] [--rate-gbps R] [--delay-ns D] [--queue-pkts Q]
+                      [--stragglers FRACTION --straggler-delay-us US] [--block-exp-ms MS]
+                      [--seed S] [--json]
+      fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
+      `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
   fanin-sim bench-events [--runs R] [--json]
       event rate of the 64-sender Fig. 6 run (Tofino design), median of R runs
 ";
@@ -209,6 +215,9 @@ fn incast(mut args: Args) -> Result<(), String> {
 }
 
 fn allreduce(mut args: Args) -> Result<(), String> {
+    if let Some(spec) = args.value::<String>("--spec")? {
+        return allreduce_at_scale(args, &spec);
+    }
     let mut c = fanin_sim::allreduce::AllreduceConfig::default();
     if let Some(v) = args.value("--workers")? {
         c.workers = v;
@@ -223,10 +232,10 @@ fn allreduce(mut args: Args) -> Result<(), String> {
         c.window = v;
     }
     if let Some(v) = args.value("--loss")? {
-        c.loss = v;
+        c.links.loss = v;
     }
     if let Some(v) = args.value("--rate-gbps")? {
-        c.rate_gbps = v;
+        c.links.rate_gbps = v;
     }
     if let Some(v) = args.value("--seed")? {
         c.seed = v;
@@ -239,10 +248,59 @@ fn allreduce(mut args: Args) -> Result<(), String> {
     }
     eprintln!(
         "allreduce {} workers x {} int32 ({} per packet, window {}, loss {}): {:.1} µs (bound {:.1} µs), {:.1} Gbit/s per worker, {} retransmissions, {} link drops, {} queue drops, verified={}",
-        c.workers, c.elements, c.elems_per_packet, c.window, c.loss, r.completion_us, r.bound_us, r.goodput_gbps_per_worker,
+        c.workers, c.elements, c.elems_per_packet, c.window, c.links.loss, r.completion_us, r.bound_us, r.goodput_gbps_per_worker,
         r.retransmissions, r.link_drops, r.queue_drops, r.verified
     );
     if r.verified {
+        Ok(())
+    } else {
+        Err("a worker's result differs from the reference sum".into())
+    }
+}
+
+fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
+    use fanin_sim::scale::{run, Algorithm, ScaleConfig, Spec};
+    let text = std::fs::read_to_string(spec_path).map_err(|e| format!("{spec_path}: {e}"))?;
+    let spec: Spec = serde_json::from_str(&text).map_err(|e| format!("{spec_path}: {e}"))?;
+    let mut c = ScaleConfig::default();
+    macro_rules! opt {
+        ($flag:literal, $($field:ident).+) => {
+            if let Some(v) = args.value($flag)? {
+                c.$($field).+ = v;
+            }
+        };
+    }
+    opt!("--elements", elements);
+    opt!("--elems-per-packet", elems_per_packet);
+    opt!("--window", window);
+    opt!("--loss", links.loss);
+    opt!("--rate-gbps", links.rate_gbps);
+    opt!("--delay-ns", links.link_delay_ns);
+    opt!("--queue-pkts", links.queue_pkts);
+    opt!("--stragglers", stragglers);
+    opt!("--straggler-delay-us", straggler_delay_us);
+    opt!("--block-exp-ms", block_exp_ms);
+    opt!("--seed", seed);
+    let algorithms: Vec<Algorithm> =
+        args.value::<String>("--algorithms")?.unwrap_or_else(|| "fanin,ring".into()).split(',').map(str::parse).collect::<Result<_, _>>()?;
+    let as_json = args.flag("--json");
+    args.finish()?;
+    let mut results = Vec::new();
+    for a in algorithms {
+        let mut bar = progress_bar(format!("{a:?} ({} workers)", spec.workers.len()).to_lowercase());
+        let r = run(&spec, &c, a, &mut bar)?;
+        eprintln!(
+            "{} on {}: {} workers x {} int32, loss {}, {} stragglers: {:.1} µs (mean {:.1}), exact={}, {} retransmissions, {} link drops, {} queue drops, {:.2} MB on links",
+            format!("{:?}", r.algorithm).to_lowercase(), spec.name, spec.workers.len(), c.elements, c.links.loss, r.stragglers.len(), r.completion_us, r.mean_completion_us, r.exact,
+            r.retransmissions, r.link_drops, r.queue_drops, r.channels.iter().map(|s| s.sent_bytes).sum::<u64>() as f64 / 1e6
+        );
+        results.push(r);
+    }
+    if as_json {
+        let out = serde_json::json!({ "topology": spec.name, "workers": spec.workers.len(), "config": c, "results": results });
+        println!("{}", serde_json::to_string(&out).expect("json"));
+    }
+    if results.iter().all(|r| r.exact || c.block_exp_ms > 0) {
         Ok(())
     } else {
         Err("a worker's result differs from the reference sum".into())

@@ -205,3 +205,81 @@ class GetTreeResponse(_message.Message):
     TREE_JSON_FIELD_NUMBER: _ClassVar[int]
     tree_json: str
     def __init__(self, tree_json: _Optional[str] = ...) -> None: ...
+
+class KvRegionSpec(_message.Message):
+    __slots__ = ("task_id", "tenant", "receiver_addr", "short_slots", "medium_groups", "medium_parts", "aa_size", "shadow_copies", "window", "max_channels", "idle_timeout_ms")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SHORT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_PARTS_FIELD_NUMBER: _ClassVar[int]
+    AA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_COPIES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    tenant: int
+    receiver_addr: str
+    short_slots: int
+    medium_groups: int
+    medium_parts: int
+    aa_size: int
+    shadow_copies: bool
+    window: int
+    max_channels: int
+    idle_timeout_ms: int
+    def __init__(self, task_id: _Optional[int] = ..., tenant: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., short_slots: _Optional[int] = ..., medium_groups: _Optional[int] = ..., medium_parts: _Optional[int] = ..., aa_size: _Optional[int] = ..., shadow_copies: _Optional[bool] = ..., window: _Optional[int] = ..., max_channels: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class AllocKvRegionRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: KvRegionSpec
+    def __init__(self, spec: _Optional[_Union[KvRegionSpec, _Mapping]] = ...) -> None: ...
+
+class AllocKvRegionResponse(_message.Message):
+    __slots__ = ("data_addr", "memory_bytes")
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data_addr: str
+    memory_bytes: int
+    def __init__(self, data_addr: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseKvRegionRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    def __init__(self, task_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseKvRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListKvRegionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvRegion(_message.Message):
+    __slots__ = ("spec", "data_addr", "tuples_in", "tuples_aggregated", "packets_acked", "packets_forwarded", "swaps")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    TUPLES_IN_FIELD_NUMBER: _ClassVar[int]
+    TUPLES_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_ACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    SWAPS_FIELD_NUMBER: _ClassVar[int]
+    spec: KvRegionSpec
+    data_addr: str
+    tuples_in: int
+    tuples_aggregated: int
+    packets_acked: int
+    packets_forwarded: int
+    swaps: int
+    def __init__(self, spec: _Optional[_Union[KvRegionSpec, _Mapping]] = ..., data_addr: _Optional[str] = ..., tuples_in: _Optional[int] = ..., tuples_aggregated: _Optional[int] = ..., packets_acked: _Optional[int] = ..., packets_forwarded: _Optional[int] = ..., swaps: _Optional[int] = ...) -> None: ...
+
+class ListKvRegionsResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[KvRegion]
+    def __init__(self, regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ...) -> None: ...

@@ -64,6 +64,26 @@ class ControlStub:
                 request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
                 response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
                 _registered_method=True)
+        self.AllocKvRegion = channel.unary_unary(
+                '/fanin.control.v1.Control/AllocKvRegion',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.AllocKvRegionRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.AllocKvRegionResponse.FromString,
+                _registered_method=True)
+        self.ReleaseKvRegion = channel.unary_unary(
+                '/fanin.control.v1.Control/ReleaseKvRegion',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.ReleaseKvRegionRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.ReleaseKvRegionResponse.FromString,
+                _registered_method=True)
+        self.ListKvRegions = channel.unary_unary(
+                '/fanin.control.v1.Control/ListKvRegions',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.ListKvRegionsRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.ListKvRegionsResponse.FromString,
+                _registered_method=True)
+        self.GetKvCounters = channel.unary_unary(
+                '/fanin.control.v1.Control/GetKvCounters',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -113,6 +133,40 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AllocKvRegion(self, request, context):
+        """Key-value aggregation (ASK, docs/kv.md). Allocate a task's memory region
+        (aggregator arrays, receive windows) on the switch; its packets go to
+        the returned data address (the shard that owns the task).
+        INVALID_ARGUMENT bad layout / sizes / receiver address, ALREADY_EXISTS
+        task id in use, RESOURCE_EXHAUSTED switch or tenant memory exceeded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKvRegion(self, request, context):
+        """Free a task's region (teardown). NOT_FOUND if the switch holds none
+        (the receiver's Release or the idle timer may have freed it already).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListKvRegions(self, request, context):
+        """The regions the switch holds, ordered by task_id, with their figures.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetKvCounters(self, request, context):
+        """Key-value packet counters merged over all shards (malformed by reason,
+        unknown_task, stale, acked, forwarded, tasks_expired, ...).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +199,26 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.UpdateJob,
                     request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.FromString,
                     response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.SerializeToString,
+            ),
+            'AllocKvRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocKvRegion,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.AllocKvRegionRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.AllocKvRegionResponse.SerializeToString,
+            ),
+            'ReleaseKvRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKvRegion,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.ReleaseKvRegionRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.ReleaseKvRegionResponse.SerializeToString,
+            ),
+            'ListKvRegions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKvRegions,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.ListKvRegionsRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.ListKvRegionsResponse.SerializeToString,
+            ),
+            'GetKvCounters': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKvCounters,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +383,114 @@ class Control:
             '/fanin.control.v1.Control/UpdateJob',
             fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
             fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocKvRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/AllocKvRegion',
+            fanin_dot_control_dot_v1_dot_control__pb2.AllocKvRegionRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.AllocKvRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKvRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/ReleaseKvRegion',
+            fanin_dot_control_dot_v1_dot_control__pb2.ReleaseKvRegionRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.ReleaseKvRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKvRegions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/ListKvRegions',
+            fanin_dot_control_dot_v1_dot_control__pb2.ListKvRegionsRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.ListKvRegionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKvCounters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/GetKvCounters',
+            fanin_dot_control_dot_v1_dot_control__pb2.GetCountersRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.GetCountersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -638,6 +638,11 @@ fn leaf_sends_one_partial_up_and_relays_the_result_down() {
     assert_eq!((out[0].0, out[0].1.msg_type, out[0].2.clone()), (PARENT, MessageType::Retransmission, vec![11, 22]));
     assert_eq!(sw.counters().resent_up, 1);
     assert_eq!(sw.counters().accepted, 2);
+    // the other child asking too is the same round: nothing more goes up ...
+    assert!(send(&mut sw, Pkt::data(1, 1, 0, &[10, 20]).retransmission()).is_empty());
+    // ... a round later (one request per child) the partial goes up again
+    assert_eq!(send(&mut sw, Pkt::data(1, 0, 0, &[1, 2]).retransmission()).len(), 1);
+    assert_eq!(sw.counters().resent_up, 2);
     // the parent's result goes to every child, with the tree's source count
     let out = send_from(&mut sw, PARENT, &parent_result(0, 5, &[111, 222]));
     assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101]);

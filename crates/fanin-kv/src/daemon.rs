@@ -1,0 +1,663 @@
+//! The host daemon: data channels (threads with UDP sockets), the daemon
+//! control channel (TCP, between daemons) and the local API (Unix socket,
+//! for applications), around one task registry.
+//!
+//! Task life cycle (ASK §3.1):
+//! 1. an application asks its daemon to `create` a task (it will receive);
+//!    the daemon picks a task id, allocates the region on the switch through
+//!    the control API and starts a receiver machine; the application gets a
+//!    ticket `{task_id, control}` to hand to its senders;
+//! 2. each sender application gives the ticket and a shared-memory input to
+//!    *its* daemon (`send`); that daemon `join`s the task at the receiver's
+//!    daemon over the control channel, learns the task's parameters and
+//!    starts a sender machine;
+//! 3. the receiving application `wait`s for the results; the receiver
+//!    machine fetches the switch's aggregators and releases the region;
+//! 4. failures tear down: a sender's bad input or death is reported to the
+//!    receiver's daemon (`fail`) or noticed by the receiver's silence timer;
+//!    the task is aborted, its region released through the control API, and
+//!    the waiting application gets the reason. A receiving application that
+//!    disconnects aborts its unfinished tasks.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use fanin_proto::kv::{KvReceiver, KvSender, KvTaskSpec, Layout, ReceiverConfig, SenderConfig};
+use fanin_proto::Time;
+use fanin_udp::BatchSocket;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::channel::{ChannelCommand, ChannelStats, ChannelThread, Input, ReceiverOutcome, SenderOutcome};
+use crate::records::{write_results, InputFormat, Mapped};
+use crate::switch_ctl::SwitchControl;
+
+/// How the daemon runs (JSON from `fanin kv daemon`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvDaemonConfig {
+    /// Local API for applications.
+    pub socket_path: PathBuf,
+    /// The switch's gRPC control API.
+    pub switch_control: SocketAddr,
+    #[serde(default)]
+    pub switch_token: Option<String>,
+    /// Daemon control channel (TCP); port 0 picks one.
+    #[serde(default = "default_control")]
+    pub control_addr: SocketAddr,
+    /// Address the data sockets bind (the switch sends to it, so not 0.0.0.0).
+    #[serde(default = "default_ip")]
+    pub bind_ip: IpAddr,
+    #[serde(default = "one")]
+    pub receive_channels: usize,
+    #[serde(default = "one")]
+    pub send_channels: usize,
+    /// Tenant of every task this daemon creates (switch memory isolation).
+    #[serde(default)]
+    pub tenant: u32,
+    /// Sender retransmission timeout. ASK uses 100 us with a hardware switch;
+    /// here a full window (256 packets) crosses three kernel UDP hops and a
+    /// software switch on shared cores, which takes milliseconds: at 2 ms
+    /// half the datagrams were spurious retransmissions, at 20 ms under 1 %
+    /// (1M tuples, 2 senders, this machine).
+    #[serde(default = "default_rto_us")]
+    pub rto_us: u64,
+    /// A sender or receiver hearing nothing this long fails the task.
+    #[serde(default = "default_silence_ms")]
+    pub silence_ms: u64,
+    #[serde(default = "default_max_key_len")]
+    pub max_key_len: usize,
+    #[serde(default = "default_socket_buffer")]
+    pub socket_buffer: usize,
+}
+
+fn default_control() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("literal")
+}
+fn default_ip() -> IpAddr {
+    "127.0.0.1".parse().expect("literal")
+}
+fn one() -> usize {
+    1
+}
+fn default_rto_us() -> u64 {
+    20_000
+}
+fn default_silence_ms() -> u64 {
+    5_000
+}
+fn default_max_key_len() -> usize {
+    1024
+}
+fn default_socket_buffer() -> usize {
+    4 << 20
+}
+
+/// A task's parameters, as the receiver's daemon tells joining senders.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TaskParams {
+    pub task_id: u32,
+    pub short_slots: u8,
+    pub medium_groups: u8,
+    pub medium_parts: u8,
+    pub aa_size: u32,
+    pub shadow_copies: bool,
+    pub window: u32,
+    pub senders: u16,
+    /// The switch port that owns the task.
+    pub switch_addr: SocketAddr,
+}
+
+impl TaskParams {
+    pub fn layout(&self) -> Layout {
+        Layout { short_slots: self.short_slots, medium_groups: self.medium_groups, medium_parts: self.medium_parts }
+    }
+}
+
+/// Daemon counters (`stats` on the local API).
+#[derive(Default)]
+pub struct DaemonStats {
+    pub tasks_created: AtomicU64,
+    pub tasks_finished: AtomicU64,
+    pub tasks_failed: AtomicU64,
+    pub sends_finished: AtomicU64,
+    pub sends_failed: AtomicU64,
+    pub bad_requests: AtomicU64,
+    pub unknown_task: AtomicU64,
+    pub regions_released: AtomicU64,
+}
+
+struct TaskEntry {
+    params: TaskParams,
+    /// Channel id -> the control address of the sender's daemon.
+    joined: HashMap<u16, String>,
+    outcome: Option<Receiver<ReceiverOutcome>>,
+    receive_channel: usize,
+    started: Instant,
+}
+
+struct Shared {
+    config: KvDaemonConfig,
+    control_addr: SocketAddr,
+    switch: SwitchControl,
+    tasks: Mutex<HashMap<u32, TaskEntry>>,
+    receive: Vec<(Sender<ChannelCommand>, SocketAddr)>,
+    send: Vec<Sender<ChannelCommand>>,
+    next_send: AtomicU64,
+    next_task: AtomicU64,
+    stats: DaemonStats,
+    channel_stats: Vec<Arc<ChannelStats>>,
+    epoch: Instant,
+    shutdown: Arc<AtomicBool>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("kv daemon: cannot bind {what} {addr}: {source}")]
+    Bind { what: &'static str, addr: String, source: std::io::Error },
+    #[error("kv daemon: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A running daemon; dropping it stops every thread.
+pub struct KvDaemon {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl KvDaemon {
+    pub fn start(config: KvDaemonConfig) -> Result<Self, DaemonError> {
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let epoch = Instant::now();
+        let mut threads = Vec::new();
+        let mut receive = Vec::new();
+        let mut send = Vec::new();
+        let mut channel_stats = Vec::new();
+        for i in 0..config.receive_channels.max(1) + config.send_channels.max(1) {
+            let addr = SocketAddr::new(config.bind_ip, 0);
+            let socket = BatchSocket::bind(addr)
+                .map_err(|source| DaemonError::Bind { what: "data channel", addr: addr.to_string(), source })?;
+            let _ = socket.set_buffer_sizes(config.socket_buffer, config.socket_buffer);
+            let local = socket.local_addr()?;
+            let (tx, rx) = mpsc::channel();
+            let stats = Arc::new(ChannelStats::default());
+            let thread = ChannelThread { socket, commands: rx, stats: stats.clone(), shutdown: shutdown.clone(), epoch };
+            threads.push(std::thread::Builder::new().name(format!("fanin-kv-data-{i}")).spawn(move || thread.run())?);
+            channel_stats.push(stats);
+            if i < config.receive_channels.max(1) {
+                receive.push((tx, local));
+            } else {
+                send.push(tx);
+            }
+        }
+        let control = TcpListener::bind(config.control_addr).map_err(|source| DaemonError::Bind {
+            what: "control channel",
+            addr: config.control_addr.to_string(),
+            source,
+        })?;
+        let control_addr = control.local_addr()?;
+        let _ = std::fs::remove_file(&config.socket_path);
+        let local = UnixListener::bind(&config.socket_path).map_err(|source| DaemonError::Bind {
+            what: "local API socket",
+            addr: config.socket_path.display().to_string(),
+            source,
+        })?;
+        let seed = (std::process::id() as u64) << 20 ^ epoch.elapsed().as_nanos() as u64 ^ control_addr.port() as u64;
+        let shared = Arc::new(Shared {
+            switch: SwitchControl::new(config.switch_control, config.switch_token.clone())?,
+            config,
+            control_addr,
+            tasks: Mutex::new(HashMap::new()),
+            receive,
+            send,
+            next_send: AtomicU64::new(0),
+            next_task: AtomicU64::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33),
+            stats: DaemonStats::default(),
+            channel_stats,
+            epoch,
+            shutdown: shutdown.clone(),
+        });
+        threads.push(spawn_listener("fanin-kv-control", control, shared.clone(), serve_peer)?);
+        threads.push(spawn_listener("fanin-kv-local", local, shared.clone(), serve_app)?);
+        Ok(Self { shared, threads })
+    }
+
+    /// The daemon control channel's address (other daemons join tasks here).
+    pub fn control_addr(&self) -> SocketAddr {
+        self.shared.control_addr
+    }
+
+    pub fn socket_path(&self) -> &Path {
+        &self.shared.config.socket_path
+    }
+
+    pub fn shutdown_flag(&self) -> Arc<AtomicBool> {
+        self.shared.shutdown.clone()
+    }
+
+    /// Block until the shutdown flag is set.
+    pub fn wait(self) {
+        while !self.shared.shutdown.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn stats_json(&self) -> Value {
+        stats_json(&self.shared)
+    }
+}
+
+impl Drop for KvDaemon {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.shared.config.socket_path);
+    }
+}
+
+trait Listener: Send + 'static {
+    type Stream: std::io::Read + Write + Send + 'static;
+    fn set_nonblocking(&self) -> std::io::Result<()>;
+    fn accept_one(&self) -> std::io::Result<Self::Stream>;
+}
+
+impl Listener for TcpListener {
+    type Stream = TcpStream;
+    fn set_nonblocking(&self) -> std::io::Result<()> {
+        TcpListener::set_nonblocking(self, true)
+    }
+    fn accept_one(&self) -> std::io::Result<TcpStream> {
+        let (s, _) = self.accept()?;
+        s.set_nonblocking(false)?;
+        Ok(s)
+    }
+}
+
+impl Listener for UnixListener {
+    type Stream = UnixStream;
+    fn set_nonblocking(&self) -> std::io::Result<()> {
+        UnixListener::set_nonblocking(self, true)
+    }
+    fn accept_one(&self) -> std::io::Result<UnixStream> {
+        let (s, _) = self.accept()?;
+        s.set_nonblocking(false)?;
+        Ok(s)
+    }
+}
+
+/// One thread accepting connections, one thread per connection: requests
+/// block (a `send` lasts as long as the stream), and there are few clients.
+/// The listener polls (5 ms) so that stopping never depends on waking a
+/// blocked accept() (the socket file may already be gone).
+fn spawn_listener<L: Listener>(
+    name: &str,
+    listener: L,
+    shared: Arc<Shared>,
+    serve: fn(&Arc<Shared>, L::Stream),
+) -> std::io::Result<JoinHandle<()>> {
+    listener.set_nonblocking()?;
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        while !shared.shutdown.load(Ordering::SeqCst) {
+            match listener.accept_one() {
+                Ok(stream) => {
+                    let shared = shared.clone();
+                    let _ = std::thread::Builder::new().name("fanin-kv-conn".into()).spawn(move || serve(&shared, stream));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    })
+}
+
+/// Read JSON requests line by line and answer each with one JSON line.
+fn serve_lines<S: std::io::Read + Write>(
+    shared: &Arc<Shared>,
+    stream: S,
+    mut handle: impl FnMut(&Arc<Shared>, &Value) -> Value,
+    writer: &mut dyn Write,
+) {
+    for line in BufReader::new(stream).lines() {
+        let Ok(line) = line else { break };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let reply = match serde_json::from_str::<Value>(&line) {
+            Ok(req) if req.is_object() => handle(shared, &req),
+            _ => {
+                shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                error("request is not a JSON object")
+            }
+        };
+        if writeln!(writer, "{reply}").and_then(|_| writer.flush()).is_err() {
+            break;
+        }
+    }
+}
+
+fn error(message: impl std::fmt::Display) -> Value {
+    json!({"ok": false, "error": message.to_string()})
+}
+
+fn field<'a>(req: &'a Value, name: &str) -> Result<&'a Value, Value> {
+    req.get(name).ok_or_else(|| error(format!("missing field {name:?}")))
+}
+
+fn uint(req: &Value, name: &str) -> Result<u64, Value> {
+    field(req, name)?.as_u64().ok_or_else(|| error(format!("field {name:?} must be a non-negative integer")))
+}
+
+fn opt_uint(req: &Value, name: &str, default: u64) -> Result<u64, Value> {
+    match req.get(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(_) => uint(req, name),
+    }
+}
+
+// ---------------------------------------------------------------- local API
+
+fn serve_app(shared: &Arc<Shared>, stream: UnixStream) {
+    let Ok(mut writer) = stream.try_clone() else { return };
+    // Tasks this connection created and has not collected: aborted if the
+    // application goes away.
+    let mut owned: Vec<u32> = Vec::new();
+    serve_lines(shared, stream, |s, req| app_request(s, req, &mut owned), &mut writer);
+    for task in owned {
+        abort_task(shared, task, "the application that created the task disconnected", true);
+    }
+}
+
+fn app_request(shared: &Arc<Shared>, req: &Value, owned: &mut Vec<u32>) -> Value {
+    let op = req.get("op").and_then(Value::as_str).unwrap_or("");
+    let result = match op {
+        "create" => create_task(shared, req).inspect(|v| owned.extend(v["task_id"].as_u64().map(|t| t as u32))),
+        "send" => send(shared, req),
+        "wait" => {
+            let task = req.get("task_id").and_then(Value::as_u64).unwrap_or(u64::MAX) as u32;
+            owned.retain(|&t| t != task);
+            wait_task(shared, req)
+        }
+        "abort" => uint(req, "task_id").map(|t| {
+            owned.retain(|&o| o as u64 != t);
+            let found = abort_task(shared, t as u32, "aborted by the application", true);
+            json!({"ok": found})
+        }),
+        "stats" => Ok(stats_json(shared)),
+        other => Err(error(format!("unknown op {other:?} (create, send, wait, abort, stats)"))),
+    };
+    result.unwrap_or_else(|e| {
+        shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+        e
+    })
+}
+
+fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
+    let senders = uint(req, "senders")?;
+    if senders == 0 || senders > 1024 {
+        return Err(error(format!("senders must be 1..=1024, got {senders}")));
+    }
+    let layout = Layout {
+        short_slots: opt_uint(req, "short_slots", 16)?.min(255) as u8,
+        medium_groups: opt_uint(req, "medium_groups", 8)?.min(255) as u8,
+        medium_parts: opt_uint(req, "medium_parts", 2)?.min(255) as u8,
+    };
+    layout.validate().map_err(error)?;
+    let aa_size = opt_uint(req, "aa_size", 4096)?.min(u32::MAX as u64) as u32;
+    let window = opt_uint(req, "window", 256)?.min(u32::MAX as u64) as u32;
+    let shadow_copies = req.get("shadow_copies").and_then(Value::as_bool).unwrap_or(true);
+    let swap_threshold = opt_uint(req, "swap_threshold", 1024)?;
+    let silence = Duration::from_millis(opt_uint(req, "silence_ms", shared.config.silence_ms)?);
+    let idx = (shared.next_send.fetch_add(1, Ordering::Relaxed) as usize) % shared.receive.len();
+    let (commands, receiver_addr) = shared.receive[idx].clone();
+    // Task ids are unique at the switch across daemons: a random start,
+    // then the next free one.
+    let mut last = None;
+    for _ in 0..8 {
+        let task_id = shared.next_task.fetch_add(1, Ordering::Relaxed) as u32;
+        let mut spec = KvTaskSpec::new(task_id, receiver_addr, layout, aa_size);
+        spec.tenant = shared.config.tenant;
+        spec.shadow_copies = shadow_copies;
+        spec.window = window;
+        spec.max_channels = senders.min(u16::MAX as u64) as u16;
+        // The switch frees the region of a task nobody talks to any more.
+        spec.idle_timeout = silence * 2;
+        match shared.switch.alloc(&spec) {
+            Ok(switch_addr) => {
+                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders: senders as u16, switch_addr };
+                let mut rc = ReceiverConfig::new(task_id, layout, aa_size, senders as u16);
+                rc.shadow_copies = shadow_copies;
+                rc.window = window;
+                rc.swap_threshold = (swap_threshold > 0).then_some(swap_threshold);
+                rc.idle_timeout = silence;
+                rc.max_burst = crate::channel::MAX_BURST;
+                rc.rto = Duration::from_micros(shared.config.rto_us.max(1_000));
+                let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
+                let machine = match KvReceiver::new(rc, now) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        let _ = shared.switch.release(task_id);
+                        return Err(error(e));
+                    }
+                };
+                let (done, outcome) = mpsc::sync_channel(1);
+                let _ = commands.send(ChannelCommand::Receive { task: task_id, switch: switch_addr, machine: Box::new(machine), done });
+                shared.tasks.lock().expect("tasks").insert(
+                    task_id,
+                    TaskEntry { params, joined: HashMap::new(), outcome: Some(outcome), receive_channel: idx, started: Instant::now() },
+                );
+                shared.stats.tasks_created.fetch_add(1, Ordering::Relaxed);
+                return Ok(json!({"ok": true, "task_id": task_id, "control": shared.control_addr.to_string(),
+                                  "switch_addr": switch_addr.to_string()}));
+            }
+            Err(e) if e.already_exists() => last = Some(e),
+            Err(e) => return Err(error(e)),
+        }
+    }
+    Err(error(last.map(|e| e.to_string()).unwrap_or_default()))
+}
+
+fn wait_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
+    let task_id = uint(req, "task_id")? as u32;
+    let path = field(req, "path")?.as_str().ok_or_else(|| error("path must be a string"))?;
+    let outcome = {
+        let mut tasks = shared.tasks.lock().expect("tasks");
+        let Some(t) = tasks.get_mut(&task_id) else {
+            shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
+            return Err(error(format!("unknown task {task_id}")));
+        };
+        t.outcome.take().ok_or_else(|| error(format!("task {task_id} is already being waited for")))?
+    };
+    let result = outcome.recv().unwrap_or_else(|_| Err("the receiver's data channel stopped".into()));
+    let entry = shared.tasks.lock().expect("tasks").remove(&task_id);
+    let seconds = entry.as_ref().map_or(0.0, |e| e.started.elapsed().as_secs_f64());
+    match result {
+        Ok((results, stats)) => {
+            shared.stats.tasks_finished.fetch_add(1, Ordering::Relaxed);
+            let keys = write_results(Path::new(path), results.iter()).map_err(|e| error(format!("cannot write {path}: {e}")))?;
+            Ok(json!({"ok": true, "task_id": task_id, "keys": keys, "path": path, "seconds": seconds,
+                      "receiver": {"data_packets": stats.data_packets, "duplicate_packets": stats.duplicate_packets,
+                                   "tuples_local": stats.tuples_local, "swaps": stats.swaps,
+                                   "entries_fetched": stats.entries_fetched, "fetch_requests": stats.fetch_requests}}))
+        }
+        Err(reason) => {
+            shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
+            release_region(shared, task_id);
+            if let Some(e) = entry {
+                notify_senders(&e.joined, task_id, &reason);
+            }
+            Err(error(format!("task {task_id} failed: {reason}")))
+        }
+    }
+}
+
+/// Release the region through the control API (the receiver machine may
+/// have released it already; NOT_FOUND is then expected).
+fn release_region(shared: &Shared, task_id: u32) {
+    if shared.switch.release(task_id).is_ok() {
+        shared.stats.regions_released.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Abort a task this daemon receives: the receiver machine stops and its
+/// waiter gets `reason` (now, or from a later `wait`: the outcome stays
+/// buffered), the region is released, the senders' daemons are told. With
+/// `forget` (nobody will ever wait: the application is gone) the entry goes
+/// too. False if the task is unknown here.
+fn abort_task(shared: &Arc<Shared>, task_id: u32, reason: &str, forget: bool) -> bool {
+    let joined = {
+        let mut tasks = shared.tasks.lock().expect("tasks");
+        let Some(entry) = tasks.get_mut(&task_id) else { return false };
+        let _ = shared.receive[entry.receive_channel].0.send(ChannelCommand::Abort { task: task_id, reason: reason.into() });
+        let joined = std::mem::take(&mut entry.joined);
+        if forget && entry.outcome.is_some() {
+            tasks.remove(&task_id);
+            shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        joined
+    };
+    release_region(shared, task_id);
+    notify_senders(&joined, task_id, reason);
+    true
+}
+
+fn notify_senders(joined: &HashMap<u16, String>, task_id: u32, reason: &str) {
+    for (channel, addr) in joined {
+        let msg = json!({"op": "abort", "task_id": task_id, "channel": channel, "reason": reason});
+        let _ = peer_call(addr, &msg);
+    }
+}
+
+fn send(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
+    let ticket = field(req, "ticket")?;
+    let task_id = uint(ticket, "task_id")? as u32;
+    let control = field(ticket, "control")?.as_str().ok_or_else(|| error("ticket.control must be ip:port"))?.to_string();
+    let channel = uint(req, "channel")?;
+    let channel = u16::try_from(channel).map_err(|_| error(format!("channel {channel} is too large")))?;
+    let format_name = req.get("format").and_then(Value::as_str).unwrap_or("tuples");
+    let format = InputFormat::parse(format_name).ok_or_else(|| error(format!("unknown format {format_name:?} (tuples, text)")))?;
+    let path = field(req, "path")?.as_str().ok_or_else(|| error("path must be a string"))?;
+    let map = Mapped::open(Path::new(path)).map_err(|e| error(format!("cannot map {path}: {e}")))?;
+    // Join at the receiver's daemon (control channel): it checks the task
+    // and channel and tells us the task's parameters.
+    let join = json!({"op": "join", "task_id": task_id, "channel": channel, "control": shared.control_addr.to_string()});
+    let reply = peer_call(&control, &join).map_err(|e| error(format!("cannot reach the receiver's daemon at {control}: {e}")))?;
+    if reply["ok"] != json!(true) {
+        shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
+        return Err(error(reply["error"].as_str().unwrap_or("join refused")));
+    }
+    let params: TaskParams = serde_json::from_value(reply["params"].clone()).map_err(|e| error(format!("bad join reply: {e}")))?;
+    let mut sc = SenderConfig::new(task_id, channel, params.layout());
+    sc.window = params.window;
+    sc.rto = Duration::from_micros(shared.config.rto_us);
+    sc.dead_after = Duration::from_millis(shared.config.silence_ms);
+    sc.max_key_len = shared.config.max_key_len;
+    sc.max_burst = crate::channel::MAX_BURST;
+    let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
+    let machine = KvSender::new(sc, now).map_err(error)?;
+    let (done, outcome) = mpsc::sync_channel::<SenderOutcome>(1);
+    let idx = (shared.next_send.fetch_add(1, Ordering::Relaxed) as usize) % shared.send.len();
+    let started = Instant::now();
+    let input = Input { map, format, offset: 0 };
+    let _ = shared.send[idx].send(ChannelCommand::Send { task: task_id, channel, switch: params.switch_addr, machine: Box::new(machine), input, done });
+    let result = outcome.recv().unwrap_or_else(|_| Err("the data channel stopped".into()));
+    match result {
+        Ok(st) => {
+            shared.stats.sends_finished.fetch_add(1, Ordering::Relaxed);
+            Ok(json!({"ok": true, "task_id": task_id, "channel": channel, "seconds": started.elapsed().as_secs_f64(),
+                      "tuples": st.tuples, "long_tuples": st.long_tuples, "packets": st.packets,
+                      "retransmissions": st.retransmissions, "acks_from_switch": st.acks_from_switch,
+                      "acks_from_receiver": st.acks_from_receiver}))
+        }
+        Err(reason) => {
+            shared.stats.sends_failed.fetch_add(1, Ordering::Relaxed);
+            // The receiver would otherwise wait for this channel's FIN.
+            let fail = json!({"op": "fail", "task_id": task_id, "channel": channel, "error": reason});
+            let _ = peer_call(&control, &fail);
+            Err(error(format!("task {task_id} channel {channel}: {reason}")))
+        }
+    }
+}
+
+fn stats_json(shared: &Shared) -> Value {
+    let s = &shared.stats;
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let sum = |f: fn(&ChannelStats) -> &AtomicU64| shared.channel_stats.iter().map(|c| get(f(c))).sum::<u64>();
+    json!({"ok": true,
+        "tasks_created": get(&s.tasks_created), "tasks_finished": get(&s.tasks_finished),
+        "tasks_failed": get(&s.tasks_failed), "tasks_active": shared.tasks.lock().expect("tasks").len(),
+        "sends_finished": get(&s.sends_finished), "sends_failed": get(&s.sends_failed),
+        "bad_requests": get(&s.bad_requests), "unknown_task": get(&s.unknown_task),
+        "regions_released": get(&s.regions_released),
+        "rx_datagrams": sum(|c| &c.rx_datagrams), "malformed_datagrams": sum(|c| &c.malformed),
+        "unroutable_datagrams": sum(|c| &c.unroutable), "tx_datagrams": sum(|c| &c.tx_datagrams),
+        "send_errors": sum(|c| &c.send_errors),
+        "control_addr": shared.control_addr.to_string(),
+        "data_addrs": shared.receive.iter().map(|(_, a)| a.to_string()).collect::<Vec<_>>()})
+}
+
+// ---------------------------------------------------- daemon control channel
+
+fn serve_peer(shared: &Arc<Shared>, stream: TcpStream) {
+    let Ok(mut writer) = stream.try_clone() else { return };
+    serve_lines(shared, stream, peer_request, &mut writer);
+}
+
+fn peer_request(shared: &Arc<Shared>, req: &Value) -> Value {
+    let op = req.get("op").and_then(Value::as_str).unwrap_or("");
+    let result = (|| -> Result<Value, Value> {
+        let task_id = uint(req, "task_id")? as u32;
+        let channel = uint(req, "channel")?;
+        match op {
+            "join" => {
+                let mut tasks = shared.tasks.lock().expect("tasks");
+                let Some(t) = tasks.get_mut(&task_id) else {
+                    shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
+                    return Err(error(format!("unknown task {task_id} at the receiver's daemon (never created, finished or aborted)")));
+                };
+                if channel >= t.params.senders as u64 {
+                    return Err(error(format!("channel {channel} is out of range: task {task_id} has {} senders", t.params.senders)));
+                }
+                if t.joined.contains_key(&(channel as u16)) {
+                    return Err(error(format!("channel {channel} of task {task_id} has already joined")));
+                }
+                let control = req.get("control").and_then(Value::as_str).unwrap_or("").to_string();
+                t.joined.insert(channel as u16, control);
+                Ok(json!({"ok": true, "params": t.params}))
+            }
+            "fail" => {
+                let why = req.get("error").and_then(Value::as_str).unwrap_or("unknown error");
+                let found = abort_task(shared, task_id, &format!("sender channel {channel} failed: {why}"), false);
+                Ok(json!({"ok": found}))
+            }
+            "abort" => {
+                let reason = req.get("reason").and_then(Value::as_str).unwrap_or("aborted by the receiver");
+                for s in &shared.send {
+                    let _ = s.send(ChannelCommand::Abort { task: task_id, reason: format!("the receiver aborted the task: {reason}") });
+                }
+                Ok(json!({"ok": true}))
+            }
+            other => Err(error(format!("unknown control op {other:?}"))),
+        }
+    })();
+    result.unwrap_or_else(|e| e)
+}
+
+/// One request/reply on another daemon's control channel.
+fn peer_call(addr: &str, msg: &Value) -> std::io::Result<Value> {
+    let addr: SocketAddr = addr.parse().map_err(|_| std::io::Error::other(format!("bad address {addr:?}")))?;
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    writeln!(stream, "{msg}")?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    serde_json::from_str(&line).map_err(std::io::Error::other)
+}

@@ -1,0 +1,217 @@
+//! The shared-memory formats of the local API and a read-only mapping.
+//!
+//! An application writes its input into a file (normally under `/dev/shm`)
+//! and passes the path; the daemon maps it and feeds the sender machine
+//! straight from the mapping, so tuples are never copied through the Unix
+//! socket. Two input formats:
+//!
+//! * `tuples`: records `key_len u16 LE | value i64 LE | key bytes`;
+//! * `text`: raw bytes; every word (split at ASCII whitespace, as Python's
+//!   `bytes.split()`) counts 1 — WordCount without materialising pairs.
+//!
+//! Results go back the same way: the daemon writes records
+//! `key_len u16 LE | sum i64 LE | count u64 LE | min i64 LE | max i64 LE |
+//! key bytes` into a new file and returns its path.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use fanin_proto::kv::Aggregate;
+
+/// Bytes before the key in a `tuples` record.
+pub const TUPLE_HEAD: usize = 10;
+/// Bytes before the key in a result record.
+pub const RESULT_HEAD: usize = 34;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputFormat {
+    Tuples,
+    Text,
+}
+
+impl InputFormat {
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "tuples" => Some(Self::Tuples),
+            "text" => Some(Self::Text),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    #[error("truncated record at byte {offset} of the input ({len} bytes): records are key_len u16 | value i64 | key")]
+    Truncated { offset: usize, len: usize },
+}
+
+/// Python's `bytes.split()` whitespace: space, \t, \n, \v, \f, \r.
+fn is_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r')
+}
+
+/// Reads tuples out of an input, a bounded number per call, so a daemon
+/// thread interleaves reading with sending (a sender machine holds only a
+/// window of the input).
+pub struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    format: InputFormat,
+}
+
+impl<'a> Cursor<'a> {
+    pub fn new(bytes: &'a [u8], format: InputFormat) -> Self {
+        Self { bytes, pos: 0, format }
+    }
+
+    /// A cursor resuming at `offset` (a boundary an earlier cursor reached).
+    pub fn at(bytes: &'a [u8], format: InputFormat, offset: usize) -> Self {
+        Self { bytes, pos: offset.min(bytes.len()), format }
+    }
+
+    pub fn offset(&self) -> usize {
+        self.pos
+    }
+
+    /// The next tuple, `None` at the end, `Err` on a malformed record.
+    pub fn next_tuple(&mut self) -> Result<Option<(&'a [u8], i64)>, InputError> {
+        let b = self.bytes;
+        match self.format {
+            InputFormat::Tuples => {
+                if self.pos == b.len() {
+                    return Ok(None);
+                }
+                let truncated = InputError::Truncated { offset: self.pos, len: b.len() };
+                let head = b.get(self.pos..self.pos + TUPLE_HEAD).ok_or(truncated.clone())?;
+                let key_len = u16::from_le_bytes([head[0], head[1]]) as usize;
+                let value = i64::from_le_bytes(head[2..10].try_into().expect("8 bytes"));
+                let start = self.pos + TUPLE_HEAD;
+                let key = b.get(start..start + key_len).ok_or(truncated)?;
+                self.pos = start + key_len;
+                Ok(Some((key, value)))
+            }
+            InputFormat::Text => {
+                while self.pos < b.len() && is_space(b[self.pos]) {
+                    self.pos += 1;
+                }
+                if self.pos == b.len() {
+                    return Ok(None);
+                }
+                let start = self.pos;
+                while self.pos < b.len() && !is_space(b[self.pos]) {
+                    self.pos += 1;
+                }
+                Ok(Some((&b[start..self.pos], 1)))
+            }
+        }
+    }
+}
+
+/// A read-only private mapping of a whole file (empty files map to an
+/// empty slice).
+pub struct Mapped {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and owned; nothing aliases it mutably.
+unsafe impl Send for Mapped {}
+
+impl Mapped {
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        let file = File::open(path)?;
+        let len = file.metadata()?.len() as usize;
+        if len == 0 {
+            return Ok(Self { ptr: std::ptr::null_mut(), len: 0 });
+        }
+        // SAFETY: a fresh read-only private mapping of an open file; the
+        // result is checked against MAP_FAILED.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self { ptr, len })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: ptr..ptr+len is a live mapping owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: unmapping the mapping this value owns.
+            unsafe { libc::munmap(self.ptr, self.len) };
+        }
+    }
+}
+
+/// Write results as result records.
+pub fn write_results<'a>(
+    path: &Path,
+    results: impl Iterator<Item = (&'a Vec<u8>, &'a Aggregate)>,
+) -> std::io::Result<u64> {
+    let mut out = std::io::BufWriter::new(File::create(path)?);
+    let mut n = 0;
+    for (key, agg) in results {
+        out.write_all(&(key.len() as u16).to_le_bytes())?;
+        out.write_all(&agg.sum.to_le_bytes())?;
+        out.write_all(&agg.count.to_le_bytes())?;
+        out.write_all(&agg.min.to_le_bytes())?;
+        out.write_all(&agg.max.to_le_bytes())?;
+        out.write_all(key)?;
+        n += 1;
+    }
+    out.flush()?;
+    Ok(n)
+}
+
+/// Encode tuples in the `tuples` format (tests and Rust callers).
+pub fn encode_tuples<'a>(tuples: impl IntoIterator<Item = (&'a [u8], i64)>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, v) in tuples {
+        out.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        out.extend_from_slice(&v.to_le_bytes());
+        out.extend_from_slice(k);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tuples_round_trip_and_truncation_is_reported() {
+        let bytes = encode_tuples([(&b"ab"[..], 3), (&b""[..], -1)]);
+        let mut c = Cursor::new(&bytes, InputFormat::Tuples);
+        assert_eq!(c.next_tuple().unwrap(), Some((&b"ab"[..], 3)));
+        assert_eq!(c.next_tuple().unwrap(), Some((&b""[..], -1)));
+        assert_eq!(c.next_tuple().unwrap(), None);
+        let cut = &bytes[..bytes.len() - 1];
+        let mut c = Cursor::new(cut, InputFormat::Tuples);
+        c.next_tuple().unwrap();
+        assert_eq!(c.next_tuple(), Err(InputError::Truncated { offset: 12, len: 21 }));
+    }
+
+    #[test]
+    fn text_splits_like_python_bytes_split() {
+        let text = b"  the cat\x0bsat\n\nthe\x0c end ";
+        let mut c = Cursor::new(text, InputFormat::Text);
+        let mut words = Vec::new();
+        while let Some((w, v)) = c.next_tuple().unwrap() {
+            assert_eq!(v, 1);
+            words.push(w.to_vec());
+        }
+        assert_eq!(words, [&b"the"[..], b"cat", b"sat", b"the", b"end"]);
+    }
+}

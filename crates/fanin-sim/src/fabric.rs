@@ -1,0 +1,262 @@
+//! A network of links that carry real datagrams (bytes), for experiments
+//! that drive fanin-proto's machines: every undirected link is two channels
+//! (rate, propagation delay, drop-tail queue, seeded independent loss),
+//! switches forward store-and-forward along shortest paths (hosts are never
+//! transit; among equal-cost next hops a flow hashes to one, ECMP), and every
+//! channel counts what it was offered, sent, lost and delivered.
+//!
+//! `net.rs` carries 40-byte `Copy` packets without payload for the trimming
+//! study; aggregation needs the bytes, so it lives here.
+
+use std::collections::VecDeque;
+
+use fanin_proto::fault::{DropInjector, SplitMix64};
+use serde::Serialize;
+
+use crate::kernel::{tx_time, EventQueue, Ps};
+
+/// Ethernet (14 + 4 FCS) + IPv4 (20) + UDP (8) bytes per datagram.
+pub const WIRE_OVERHEAD: u32 = 46;
+
+/// Fabric events; an experiment wraps them in its own event type.
+#[derive(Debug, Clone, Copy)]
+pub enum NetEv {
+    /// Datagram `buf` reaches the far end of channel `chan`.
+    Arrive { chan: u32, buf: u32 },
+    TxDone { chan: u32 },
+}
+
+/// The links of an experiment, as its configuration states them.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LinkParams {
+    pub rate_gbps: u64,
+    pub link_delay_ns: u64,
+    /// Capacity of every link queue, in datagrams of the largest size.
+    pub queue_pkts: u64,
+    /// Independent loss probability on every link.
+    pub loss: f64,
+}
+
+impl Default for LinkParams {
+    fn default() -> Self {
+        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0 }
+    }
+}
+
+impl LinkParams {
+    /// Channels for datagrams of at most `max_dgram` bytes (overhead included).
+    pub fn channel_config(&self, max_dgram: u64, seed: u64) -> ChannelConfig {
+        ChannelConfig {
+            rate_bps: self.rate_gbps * 1_000_000_000,
+            delay: self.link_delay_ns * crate::kernel::PS_PER_NS,
+            cap_bytes: self.queue_pkts * max_dgram,
+            loss: self.loss,
+            seed,
+        }
+    }
+}
+
+/// Every channel's parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct ChannelConfig {
+    pub rate_bps: u64,
+    pub delay: Ps,
+    pub cap_bytes: u64,
+    /// Independent loss probability per datagram.
+    pub loss: f64,
+    pub seed: u64,
+}
+
+/// One direction of a link. Bytes include `WIRE_OVERHEAD`.
+/// Conservation: `offered = queue_dropped + sent`, `sent = lost + delivered`
+/// once nothing is queued or in flight.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct ChannelStats {
+    pub offered_bytes: u64,
+    pub queue_dropped_bytes: u64,
+    /// Serialised onto the link (the per-link traffic figure).
+    pub sent_bytes: u64,
+    pub sent_pkts: u64,
+    pub lost_bytes: u64,
+    pub delivered_bytes: u64,
+}
+
+/// A datagram between two nodes, with the bytes a machine emitted.
+pub struct Dgram {
+    pub src: u32,
+    pub dst: u32,
+    pub bytes: Vec<u8>,
+}
+
+struct Channel {
+    to: u32,
+    queue: VecDeque<u32>,
+    queued_bytes: u64,
+    busy: bool,
+    loss: DropInjector,
+    stats: ChannelStats,
+}
+
+pub struct Fabric {
+    chans: Vec<Channel>,
+    /// Per node: (neighbour, channel towards it), by neighbour id.
+    adj: Vec<Vec<(u32, u32)>>,
+    /// `dist[d][v]`: hops from v to d through switches (u32::MAX: none).
+    dist: Vec<Vec<u32>>,
+    bufs: Vec<Option<Dgram>>,
+    free: Vec<u32>,
+    cfg: ChannelConfig,
+    pub datagrams: u64,
+    pub queue_drops: u64,
+    pub link_drops: u64,
+}
+
+impl Fabric {
+    /// `links[i] = (a, b)` becomes channels `2i` (a -> b) and `2i + 1`
+    /// (b -> a). `is_switch[v]` says which nodes may forward.
+    pub fn new(is_switch: &[bool], links: &[(u32, u32)], cfg: ChannelConfig) -> Self {
+        let n = is_switch.len();
+        let mut adj: Vec<Vec<(u32, u32)>> = vec![Vec::new(); n];
+        let mut chans = Vec::with_capacity(2 * links.len());
+        for (i, &(a, b)) in links.iter().enumerate() {
+            for (c, (from, to)) in [(a, b), (b, a)].into_iter().enumerate() {
+                let chan = (2 * i + c) as u32;
+                adj[from as usize].push((to, chan));
+                let seed = cfg.seed ^ (chan as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                chans.push(Channel { to, queue: VecDeque::new(), queued_bytes: 0, busy: false, loss: DropInjector::new(cfg.loss, seed), stats: ChannelStats::default() });
+            }
+        }
+        for a in &mut adj {
+            a.sort_unstable();
+        }
+        let dist = (0..n as u32)
+            .map(|d| {
+                let mut dist = vec![u32::MAX; n];
+                dist[d as usize] = 0;
+                let mut frontier = VecDeque::from([d]);
+                while let Some(v) = frontier.pop_front() {
+                    if v != d && !is_switch[v as usize] {
+                        continue; // hosts are leaves
+                    }
+                    for &(u, _) in &adj[v as usize] {
+                        if dist[u as usize] == u32::MAX {
+                            dist[u as usize] = dist[v as usize] + 1;
+                            frontier.push_back(u);
+                        }
+                    }
+                }
+                dist
+            })
+            .collect();
+        Fabric { chans, adj, dist, bufs: Vec::new(), free: Vec::new(), cfg, datagrams: 0, queue_drops: 0, link_drops: 0 }
+    }
+
+    pub fn channel_stats(&self, chan: usize) -> ChannelStats {
+        self.chans[chan].stats
+    }
+
+    pub fn channels(&self) -> usize {
+        self.chans.len()
+    }
+
+    /// Hops between two nodes (u32::MAX: unreachable).
+    pub fn hops(&self, from: u32, to: u32) -> u32 {
+        self.dist[to as usize][from as usize]
+    }
+
+    /// Node `src` sends `bytes` to node `dst`.
+    pub fn send<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, src: u32, dst: u32, bytes: Vec<u8>) {
+        self.datagrams += 1;
+        let buf = match self.free.pop() {
+            Some(i) => {
+                self.bufs[i as usize] = Some(Dgram { src, dst, bytes });
+                i
+            }
+            None => {
+                self.bufs.push(Some(Dgram { src, dst, bytes }));
+                self.bufs.len() as u32 - 1
+            }
+        };
+        self.forward(ev, src, buf);
+    }
+
+    fn next_hop(&self, at: u32, d: &Dgram) -> u32 {
+        let dist = &self.dist[d.dst as usize];
+        let here = dist[at as usize];
+        assert!(here != u32::MAX && here > 0, "node {at} has no route to node {}", d.dst);
+        let mut cands = self.adj[at as usize].iter().filter(|&&(u, _)| dist[u as usize].saturating_add(1) == here);
+        let n = cands.clone().count() as u64;
+        let pick = if n == 1 { 0 } else { SplitMix64::new(((d.src as u64) << 32 | d.dst as u64) ^ ((at as u64) << 48)).below(n) };
+        cands.nth(pick as usize).expect("a next hop").1
+    }
+
+    fn forward<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, at: u32, buf: u32) {
+        let d = self.bufs[buf as usize].as_ref().expect("live buffer");
+        let len = d.bytes.len() as u64 + WIRE_OVERHEAD as u64;
+        let chan = self.next_hop(at, d);
+        let c = &mut self.chans[chan as usize];
+        c.stats.offered_bytes += len;
+        if c.queued_bytes + len > self.cfg.cap_bytes {
+            c.stats.queue_dropped_bytes += len;
+            self.queue_drops += 1;
+            self.release(buf);
+            return;
+        }
+        c.queued_bytes += len;
+        c.queue.push_back(buf);
+        self.kick(ev, chan);
+    }
+
+    fn release(&mut self, buf: u32) {
+        self.bufs[buf as usize] = None;
+        self.free.push(buf);
+    }
+
+    fn kick<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, chan: u32) {
+        let c = &mut self.chans[chan as usize];
+        if c.busy {
+            return;
+        }
+        let Some(buf) = c.queue.pop_front() else { return };
+        let len = self.bufs[buf as usize].as_ref().expect("live buffer").bytes.len() as u32 + WIRE_OVERHEAD;
+        c.queued_bytes -= len as u64;
+        c.busy = true;
+        c.stats.sent_bytes += len as u64;
+        c.stats.sent_pkts += 1;
+        let done = ev.now() + tx_time(len, self.cfg.rate_bps);
+        ev.schedule(done, NetEv::TxDone { chan }.into());
+        if c.loss.should_drop() {
+            c.stats.lost_bytes += len as u64;
+            self.link_drops += 1;
+            self.release(buf);
+        } else {
+            ev.schedule(done + self.cfg.delay, NetEv::Arrive { chan, buf }.into());
+        }
+    }
+
+    /// Handle a fabric event. Returns the datagram when it reached its
+    /// destination node; forwards it otherwise.
+    pub fn handle<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, e: NetEv) -> Option<Dgram> {
+        match e {
+            NetEv::TxDone { chan } => {
+                self.chans[chan as usize].busy = false;
+                self.kick(ev, chan);
+                None
+            }
+            NetEv::Arrive { chan, buf } => {
+                let c = &mut self.chans[chan as usize];
+                let len = self.bufs[buf as usize].as_ref().expect("live buffer").bytes.len() as u64 + WIRE_OVERHEAD as u64;
+                c.stats.delivered_bytes += len;
+                let at = c.to;
+                if self.bufs[buf as usize].as_ref().is_some_and(|d| d.dst == at) {
+                    let d = self.bufs[buf as usize].take();
+                    self.free.push(buf);
+                    d
+                } else {
+                    self.forward(ev, at, buf);
+                    None
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! Aggregation at scale: fanin's tree and ring allreduce on a fat-tree k=4
+//! (16 workers, a three-level tree rooted at a core switch). The spec is
+//! what `fanin sim allreduce` writes (`fanin.sim_allreduce.build_spec` over
+//! `fanin.controller.tree`); regenerate it with
+//! `python3 -c "import json; from fanin.topology import generate; from fanin.sim_allreduce import build_spec; json.dump(build_spec(generate('fat-tree:4'), 16), open('crates/fanin-sim/tests/golden/fat_tree_4_allreduce_spec.json', 'w'))"`.
+
+use fanin_sim::fabric::LinkParams;
+use fanin_sim::scale::{run, Algorithm, ScaleConfig, ScaleResult, Spec};
+
+fn spec() -> Spec {
+    serde_json::from_str(include_str!("golden/fat_tree_4_allreduce_spec.json")).expect("spec")
+}
+
+fn config(loss: f64) -> ScaleConfig {
+    ScaleConfig { elements: 5_000, links: LinkParams { loss, ..LinkParams::default() }, seed: 7, ..ScaleConfig::default() }
+}
+
+fn go(spec: &Spec, cfg: &ScaleConfig, a: Algorithm) -> ScaleResult {
+    run(spec, cfg, a, &mut |_, _| {}).expect("run")
+}
+
+#[test]
+fn spec_is_a_three_level_tree_over_every_host() {
+    let s = spec();
+    assert_eq!(s.workers.len(), 16);
+    let roots: Vec<_> = s.tree.iter().filter(|t| t.parent.is_none()).collect();
+    assert_eq!(roots.len(), 1);
+    assert!(s.nodes[roots[0].node as usize].name.starts_with("core"));
+    // every tree edge is a topology link: tree traffic never crosses a
+    // switch that does not aggregate
+    for t in &s.tree {
+        if let Some(p) = t.parent {
+            assert!(s.links.iter().any(|l| (l[0] == t.node && l[1] == p) || (l[1] == t.node && l[0] == p)));
+        }
+    }
+}
+
+#[test]
+fn both_algorithms_are_exact_under_loss() {
+    let s = spec();
+    let cfg = config(0.01);
+    for a in [Algorithm::Fanin, Algorithm::Ring] {
+        let r = go(&s, &cfg, a);
+        assert!(r.exact, "{a:?}: a worker's result differs from the reference sum");
+        assert!(r.link_drops > 0, "{a:?}: 1% loss must drop something");
+        assert!(r.retransmissions > 0, "{a:?}: losses must be repaired");
+    }
+}
+
+#[test]
+fn same_seed_same_result_other_seed_other_losses() {
+    let s = spec();
+    let cfg = config(0.02);
+    for a in [Algorithm::Fanin, Algorithm::Ring] {
+        let x = serde_json::to_string(&go(&s, &cfg, a)).unwrap();
+        let y = serde_json::to_string(&go(&s, &cfg, a)).unwrap();
+        assert_eq!(x, y, "{a:?} is not deterministic");
+        let z = serde_json::to_string(&go(&s, &ScaleConfig { seed: 8, ..cfg.clone() }, a)).unwrap();
+        assert_ne!(x, z, "{a:?}: the seed must matter under loss");
+    }
+}
+
+#[test]
+fn every_byte_is_delivered_lost_or_dropped() {
+    let s = spec();
+    // small queues so drop-tail drops happen too
+    let mut cfg = config(0.01);
+    cfg.links.queue_pkts = 4;
+    for a in [Algorithm::Fanin, Algorithm::Ring] {
+        let r = go(&s, &cfg, a);
+        assert!(r.exact);
+        assert_eq!(r.channels.len(), 2 * s.links.len());
+        for (i, c) in r.channels.iter().enumerate() {
+            assert_eq!(c.offered_bytes, c.sent_bytes + c.queue_dropped_bytes, "{a:?} channel {i}");
+            assert_eq!(c.sent_bytes, c.delivered_bytes + c.lost_bytes, "{a:?} channel {i}");
+        }
+        let lost: u64 = r.channels.iter().map(|c| c.lost_bytes).sum();
+        assert!(lost > 0);
+    }
+}
+
+#[test]
+fn fanin_halves_the_bytes_and_stragglers_delay_both() {
+    let s = spec();
+    let clean = config(0.0);
+    let f = go(&s, &clean, Algorithm::Fanin);
+    let r = go(&s, &clean, Algorithm::Ring);
+    let bytes = |x: &ScaleResult| x.channels.iter().map(|c| c.sent_bytes).sum::<u64>();
+    // ring moves 2(N-1)/N of the data per worker over its host link, fanin 1x up and 1x down
+    assert!(bytes(&f) < bytes(&r), "fanin {} vs ring {}", bytes(&f), bytes(&r));
+    let late = ScaleConfig { stragglers: 0.125, straggler_delay_us: 300, ..clean };
+    for a in [Algorithm::Fanin, Algorithm::Ring] {
+        let x = go(&s, &late, a);
+        assert_eq!(x.stragglers.len(), 2);
+        assert!(x.exact);
+        assert!(x.completion_us >= 300.0, "{a:?}: {} µs", x.completion_us);
+    }
+}

@@ -1,0 +1,308 @@
+"""``fanin bench kv-traffic`` and ``fanin bench kv-wordcount``.
+
+Both count the words of a real offline corpus (``fanin.bench.corpus``)
+through real processes: a ``fanin switch`` with its control API, a
+``fanin kv daemon`` connected to it, two sender channels (one per core of
+the 2-core machines), over UDP on 127.0.0.1.
+
+* kv-traffic (ASK Table 1 and Fig. 8b): per corpus (doc, man) and AA size,
+  the share of tuples aggregated by the switch, the share of data packets
+  the switch absorbed entirely (acknowledged itself), and the non-blank
+  tuples per packet. Every run's counts are checked against ``Counter``.
+* kv-wordcount: the same WordCount, side by side in one run with the same
+  2 cores: fanin (daemon text mode: tokenising and sending in Rust), host-only
+  pre-aggregation (PreAggr: 2 processes ``Counter`` their half, the driver
+  merges), PySpark RDD ``reduceByKey`` and Spark DataFrame
+  ``groupBy().agg(sum)`` on ``local[2]``, and fanin.spark.reduce_by_key (the
+  Spark integration: executors stream their partitions to the daemon).
+  All results must be equal; medians of ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from multiprocessing import get_context
+from typing import Any, Callable
+
+from fanin.bench.corpus import build_corpus, split_lines
+from fanin.kv import Client, DaemonProcess
+from fanin.proc import SwitchProcess
+from fanin.switch import switch_config
+
+__all__ = ["run_kv_traffic", "run_kv_wordcount", "kv_service"]
+
+SENDERS = 2
+
+
+class kv_service:
+    """A switch process (control API on an ephemeral port) and a kv daemon."""
+
+    def __init__(self, kv_memory_mb: int = 256) -> None:
+        cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None)
+        cfg["kv_memory_mb"] = kv_memory_mb
+        cfg["kv_tenant_mb"] = kv_memory_mb
+        self.switch = SwitchProcess(cfg)
+        try:
+            self.daemon = DaemonProcess(self.switch.control_addr)
+        except BaseException:
+            self.switch.stop()
+            raise
+
+    def __enter__(self) -> "kv_service":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.daemon.stop()
+        self.switch.stop()
+
+
+def _reference(paths: list[str]) -> Counter:
+    total: Counter = Counter()
+    for p in paths:
+        with open(p, "rb") as f:
+            total.update(f.read().split())
+    return total
+
+
+def _fanin_run(svc: kv_service, parts: list[str], aa_size: int) -> tuple[dict, dict, list[dict]]:
+    """Count through the daemon; returns (counts, wait reply, sender replies)."""
+    import threading
+
+    with svc.daemon.client() as c:
+        ticket = c.create(len(parts), aa_size=aa_size)
+        replies: list[Any] = [None] * len(parts)
+
+        def feed(i: int) -> None:
+            with svc.daemon.client() as s:
+                try:
+                    replies[i] = s.send_file(ticket, i, parts[i], format="text")
+                except Exception as e:  # noqa: BLE001 - reported below
+                    replies[i] = e
+
+        ts = [threading.Thread(target=feed, args=(i,)) for i in range(len(parts))]
+        for t in ts:
+            t.start()
+        counts, reply = c.wait(ticket, as_str=False, with_stats=True)
+        for t in ts:
+            t.join()
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+    return counts, reply, replies
+
+
+# ------------------------------------------------------------ kv-traffic
+
+def run_kv_traffic(args: Any) -> int:
+    mb = args.corpus_mb or (8 if args.quick else 64)
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    work = os.path.join("out", "kv-corpus")
+    os.makedirs(work, exist_ok=True)
+    aa_sizes = [256, 4096] if args.quick else [256, 1024, 4096, 16384]
+    rows = []
+    manifests = {}
+    with kv_service() as svc:
+        for dataset in ("doc", "man"):
+            manifest = build_corpus(work, int(mb * 1e6), (dataset,))
+            manifests[dataset] = manifest
+            parts = split_lines(manifest["path"], SENDERS, work)
+            ref = _reference(parts)
+            for aa in aa_sizes:
+                counts, reply, senders = _fanin_run(svc, parts, aa)
+                if counts != ref:
+                    raise SystemExit(f"kv-traffic: counts differ from the reference for {dataset} aa_size {aa}")
+                tuples = sum(s["tuples"] for s in senders)
+                packets = sum(s["packets"] for s in senders)
+                local = reply["receiver"]["tuples_local"]
+                rows.append({
+                    "dataset": dataset, "aa_size": aa, "slots": 32, "words": tuples, "distinct": len(ref),
+                    "tuples_absorbed": round(1 - local / tuples, 4),
+                    "packets_absorbed": round(sum(s["acks_from_switch"] for s in senders) / packets, 4),
+                    "tuples_per_packet": round(tuples / packets, 2),
+                    "retransmissions": sum(s["retransmissions"] for s in senders),
+                    "seconds": round(reply["seconds"], 3),
+                })
+                print(f"kv-traffic: {rows[-1]}", file=sys.stderr)
+    csv_path = os.path.join(out, "kv-traffic.csv")
+    _write_csv(csv_path, rows)
+    png_path = os.path.join(out, "kv-traffic.png")
+    _plot_traffic(rows, png_path)
+    result = {"benchmark": "kv-traffic", "corpus_mb": mb, "senders": SENDERS, "corpora": manifests,
+              "rows": rows, "csv": csv_path, "png": png_path}
+    if args.json:
+        print(json.dumps(result))
+    for r in rows:
+        print(f"{r['dataset']:4} aa_size {r['aa_size']:6}: tuples absorbed {100 * r['tuples_absorbed']:5.1f}%  "
+              f"packets absorbed {100 * r['packets_absorbed']:5.1f}%  tuples/packet {r['tuples_per_packet']:5.2f}",
+              file=sys.stderr)
+    return 0
+
+
+def _write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _plot_traffic(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for ds in sorted({r["dataset"] for r in rows}):
+        rs = [r for r in rows if r["dataset"] == ds]
+        x = [r["aa_size"] for r in rs]
+        a.plot(x, [100 * r["tuples_absorbed"] for r in rs], "o-", label=f"{ds}: tuples")
+        a.plot(x, [100 * r["packets_absorbed"] for r in rs], "s--", label=f"{ds}: packets")
+        b.plot(x, [r["tuples_per_packet"] for r in rs], "o-", label=ds)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("aggregators per AA per copy (32 AAs, shadow copies)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    a.set_ylabel("absorbed by the switch (%)")
+    b.set_ylabel("non-blank tuples per data packet (of 32 slots)")
+    fig.suptitle("fanin kv: word counts of Debian docs / man pages (cf. ASK Table 1, Fig. 8b)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------ kv-wordcount
+
+def _count_file(path: str) -> Counter:
+    with open(path, "rb") as f:
+        return Counter(f.read().split())
+
+
+def _preaggr(parts: list[str]) -> dict:
+    with get_context("fork").Pool(len(parts)) as pool:
+        partial = pool.map(_count_file, parts)
+    total = partial[0]
+    for p in partial[1:]:
+        total.update(p)
+    return dict(total)
+
+
+def _spark_session():
+    from fanin.spark import ensure_java_home
+
+    ensure_java_home()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    return (SparkSession.builder.master(f"local[{SENDERS}]").appName("fanin-kv-wordcount")
+            .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", str(SENDERS))
+            .config("spark.driver.memory", "2g").getOrCreate())
+
+
+def run_kv_wordcount(args: Any) -> int:
+    mb = args.corpus_mb or (8 if args.quick else 64)
+    repeats = args.repeats or (1 if args.quick else 3)
+    os.makedirs(args.out, exist_ok=True)
+    work = os.path.join("out", "kv-corpus")
+    manifest = build_corpus(work, int(mb * 1e6), ("doc", "man"))
+    parts = split_lines(manifest["path"], SENDERS, work)
+    corpus = os.path.abspath(manifest["path"])
+    ref = {k.decode(): v for k, v in _reference(parts).items()}
+    spark = _spark_session()
+    sc = spark.sparkContext
+    sc.setLogLevel("ERROR")
+    from operator import add
+
+    from pyspark.sql import functions as F
+
+    def rdd_job() -> dict:
+        return sc.textFile(corpus, SENDERS).flatMap(lambda l: l.split()).map(lambda w: (w, 1)) \
+            .reduceByKey(add).collectAsMap()
+
+    def df_job() -> dict:
+        words = spark.read.text(corpus).select(F.explode(F.split(F.col("value"), " ")).alias("word")) \
+            .where(F.col("word") != "").withColumn("one", F.lit(1))
+        return {r["word"]: r["n"] for r in words.groupBy("word").agg(F.sum("one").alias("n")).collect()}
+
+    with kv_service() as svc:
+        from fanin.spark import reduce_by_key_as_map
+
+        def fanin_job() -> dict:
+            counts, _, _ = _fanin_run(svc, parts, args.aa_size)
+            return {k.decode(): v for k, v in counts.items()}
+
+        def fanin_spark_job() -> dict:
+            rdd = sc.textFile(corpus, SENDERS).flatMap(lambda l: l.split()).map(lambda w: (w, 1))
+            return reduce_by_key_as_map(rdd, socket_path=svc.daemon.socket_path, aa_size=args.aa_size)
+
+        systems: list[tuple[str, Callable[[], dict]]] = [
+            ("fanin", fanin_job), ("PreAggr", lambda: {k.decode(): v for k, v in _preaggr(parts).items()}),
+            ("PySpark RDD reduceByKey", rdd_job), ("Spark DataFrame groupBy.sum", df_job),
+            ("fanin.spark.reduce_by_key", fanin_spark_job),
+        ]
+        times: dict[str, list[float]] = {name: [] for name, _ in systems}
+        for _ in range(repeats):
+            # Interleaved, so drift in the machine's load hits every system.
+            for name, job in systems:
+                t0 = time.perf_counter()
+                got = job()
+                times[name].append(time.perf_counter() - t0)
+                if got != ref:
+                    diff = len(set(got.items()) ^ set(ref.items()))
+                    raise SystemExit(f"kv-wordcount: {name} differs from the reference ({diff} entries)")
+                print(f"kv-wordcount: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
+    spark.stop()
+    base = statistics.median(times["PySpark RDD reduceByKey"])
+    rows = [{"system": n, "median_s": round(statistics.median(t), 3), "runs": len(t),
+             "words_per_s": round(manifest["words"] / statistics.median(t)),
+             "speedup_vs_rdd": round(base / statistics.median(t), 2)} for n, t in times.items()]
+    csv_path = os.path.join(args.out, "kv-wordcount.csv")
+    _write_csv(csv_path, rows)
+    png_path = os.path.join(args.out, "kv-wordcount.png")
+    _plot_wordcount(rows, png_path, manifest)
+    med = {r["system"]: r["median_s"] for r in rows}
+    result = {"benchmark": "kv-wordcount", "corpus": manifest, "cores": SENDERS, "repeats": repeats,
+              "distinct_words": len(ref), "rows": rows, "all_equal": True,
+              "target_10x_rdd": med["PySpark RDD reduceByKey"] / med["fanin"] >= 10,
+              "target_faster_than_dataframe": med["fanin"] < med["Spark DataFrame groupBy.sum"],
+              "csv": csv_path, "png": png_path}
+    if args.json:
+        print(json.dumps(result))
+    print(f"WordCount of {manifest['words']} words ({manifest['bytes'] / 1e6:.0f} MB, {len(ref)} distinct), "
+          f"{SENDERS} cores, median of {repeats}; all results equal:", file=sys.stderr)
+    for r in rows:
+        print(f"  {r['system']:28} {r['median_s']:8.2f} s  {r['speedup_vs_rdd']:6.2f}x RDD", file=sys.stderr)
+    return 0
+
+
+def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [r["system"] for r in rows]
+    ax.barh(names, [r["median_s"] for r in rows], color=["C0", "C1", "C2", "C3", "C4"][:len(rows)])
+    for i, r in enumerate(rows):
+        ax.text(r["median_s"], i, f" {r['median_s']:.2f} s ({r['speedup_vs_rdd']:.1f}x RDD)", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (median)")
+    ax.set_title(f"WordCount, {manifest['words'] / 1e6:.1f} M words, 2 cores (local[2])")
+    ax.set_xlim(0, max(r["median_s"] for r in rows) * 1.45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    tempfile.gettempdir()

@@ -1,0 +1,261 @@
+"""Key-value stream aggregation (ASK) through the host daemon.
+
+``fanin kv daemon`` runs on every host; applications talk to the local one
+through a Unix socket (JSON lines) and hand it their input through shared
+memory: a file under ``/dev/shm`` that the daemon maps and streams to the
+switch without copying it through the socket. Results come back the same
+way. Waiting happens in socket calls, which release the GIL, so several
+Python threads can send at once.
+
+Example::
+
+    from fanin.kv import Client
+    with Client("/tmp/fanin-kv.sock") as kv:
+        totals = kv.aggregate([[("a", 1), ("b", 2)], [("a", 5)]])   # two senders
+    assert totals == {"a": 6, "b": 2}
+
+The receiving application ``create``s a task (the daemon allocates the
+switch region), gives the returned ticket to its senders (any host whose
+daemon can reach this one), and ``wait``s for the merged sums.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from typing import Any, Iterable, Optional, Union
+
+__all__ = ["Client", "KvError", "Ticket", "DaemonProcess", "encode_tuples", "decode_results", "DEFAULT_SOCKET"]
+
+DEFAULT_SOCKET = "/tmp/fanin-kv.sock"
+Key = Union[str, bytes]
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_RESULT = struct.Struct("<HqQqq")
+
+
+class KvError(RuntimeError):
+    """The daemon refused a request or a task failed; the message says why."""
+
+
+Ticket = dict  # {"task_id": int, "control": "ip:port"}: what senders need
+
+
+def encode_tuples(pairs: Iterable[tuple[Key, int]]) -> bytes:
+    """Records ``key_len u16 | value i64 | key`` (little-endian), the daemon's input format."""
+    head = struct.Struct("<Hq").pack
+    out = []
+    for k, v in pairs:
+        kb = k.encode() if isinstance(k, str) else bytes(k)
+        if len(kb) > 0xFFFF:
+            raise KvError(f"key of {len(kb)} bytes cannot be encoded (at most 65535)")
+        out.append(head(len(kb), int(v)))
+        out.append(kb)
+    return b"".join(out)
+
+
+def decode_results(data: bytes, *, as_str: bool = True) -> dict[Key, int]:
+    """Result records (``key_len | sum | count | min | max | key``) -> {key: sum}."""
+    out: dict[Key, int] = {}
+    pos, n, size = 0, len(data), _RESULT.size
+    unpack = _RESULT.unpack_from
+    while pos < n:
+        klen, total, _count, _lo, _hi = unpack(data, pos)
+        pos += size
+        key = data[pos:pos + klen]
+        pos += klen
+        out[key.decode() if as_str else key] = total
+    return out
+
+
+def _shm_path(tag: str) -> str:
+    return os.path.join(_SHM_DIR, f"fanin-kv-{os.getpid()}-{tag}-{uuid.uuid4().hex[:12]}")
+
+
+class Client:
+    """A connection to the local daemon. One request at a time per client;
+    use one client per thread (``aggregate`` does that for its senders)."""
+
+    def __init__(self, socket_path: str = DEFAULT_SOCKET, *, timeout: Optional[float] = None) -> None:
+        self.socket_path = socket_path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(socket_path)
+        except OSError as e:
+            self._sock.close()
+            raise KvError(f"no fanin kv daemon at {socket_path} ({e}); start one with `fanin kv daemon`") from None
+        self._file = self._sock.makefile("rb")
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and return the reply; raises KvError on a refusal."""
+        self._sock.sendall(json.dumps(message).encode() + b"\n")
+        line = self._file.readline()
+        if not line:
+            raise KvError("the daemon closed the connection")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise KvError(reply.get("error", "request refused"))
+        return reply
+
+    # -- receiver side ---------------------------------------------------
+    def create(self, senders: int, **options: Any) -> Ticket:
+        """Create a task that ``senders`` channels will feed; returns the ticket.
+
+        Options: aa_size, short_slots, medium_groups, medium_parts, window,
+        shadow_copies, swap_threshold, silence_ms (see docs/kv.md §10).
+        """
+        reply = self.request({"op": "create", "senders": senders, **options})
+        return {"task_id": reply["task_id"], "control": reply["control"]}
+
+    def wait(self, ticket: Ticket, *, as_str: bool = True, with_stats: bool = False) -> Any:
+        """Block until the task's results are complete; {key: sum}."""
+        path = _shm_path("res")
+        try:
+            reply = self.request({"op": "wait", "task_id": ticket["task_id"], "path": path})
+            with open(path, "rb") as f:
+                results = decode_results(f.read(), as_str=as_str)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        return (results, reply) if with_stats else results
+
+    def abort(self, ticket: Ticket) -> None:
+        self.request({"op": "abort", "task_id": ticket["task_id"]})
+
+    # -- sender side -----------------------------------------------------
+    def send_bytes(self, ticket: Ticket, channel: int, data: bytes, *, format: str = "tuples") -> dict[str, Any]:
+        """Stream an encoded input (``tuples`` records or ``text``) as one channel of the task."""
+        path = _shm_path("in")
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            return self.send_file(ticket, channel, path, format=format)
+        finally:
+            os.unlink(path)
+
+    def send_file(self, ticket: Ticket, channel: int, path: str, *, format: str = "tuples") -> dict[str, Any]:
+        """Stream a file the daemon can map (``tuples`` records or ``text``)."""
+        return self.request({"op": "send", "ticket": ticket, "channel": channel,
+                             "path": os.path.abspath(path), "format": format})
+
+    def send(self, ticket: Ticket, channel: int, pairs: Iterable[tuple[Key, int]]) -> dict[str, Any]:
+        """Stream (key, int) pairs as one channel of the task."""
+        return self.send_bytes(ticket, channel, encode_tuples(pairs))
+
+    def stats(self) -> dict[str, Any]:
+        return self.request({"op": "stats"})
+
+    # -- both --------------------------------------------------------------
+    def aggregate(self, inputs: Any, *, format: str = "tuples", **options: Any) -> dict[Key, int]:
+        """Sum values per key over one or several inputs, one sender channel each.
+
+        ``inputs`` is an iterable of (key, int) pairs, or a list of such
+        iterables (one channel each), or with ``format="text"`` a list of
+        bytes or file paths (WordCount: each word counts 1). Returns
+        {key: sum}; keys come back as ``str`` unless they were bytes.
+        """
+        channels = _split_inputs(inputs, format)
+        ticket = self.create(len(channels), **options)
+        errors: list[BaseException] = []
+
+        def feed(i: int, item: Any) -> None:
+            try:
+                with Client(self.socket_path) as c:
+                    if format == "text" and isinstance(item, str):
+                        c.send_file(ticket, i, item, format="text")
+                    elif format == "text":
+                        c.send_bytes(ticket, i, bytes(item), format="text")
+                    else:
+                        c.send(ticket, i, item)
+            except BaseException as e:  # reported below, after the wait
+                errors.append(e)
+
+        threads = [threading.Thread(target=feed, args=(i, item), daemon=True) for i, item in enumerate(channels)]
+        for t in threads:
+            t.start()
+        try:
+            results = self.wait(ticket, as_str=_keys_are_str(channels, format))
+        except KvError as e:
+            for t in threads:
+                t.join(timeout=5)
+            raise KvError(f"{e}" + (f" (sender: {errors[0]})" if errors else "")) from None
+        for t in threads:
+            t.join()
+        if errors:
+            raise KvError(f"a sender failed: {errors[0]}")
+        return results
+
+
+def _split_inputs(inputs: Any, format: str) -> list[Any]:
+    if format == "text":
+        return list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if isinstance(inputs, (list, tuple)) and inputs and not _is_pair(inputs[0]):
+        return [list(x) for x in inputs]
+    return [list(inputs)]
+
+
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], (str, bytes))
+
+
+def _keys_are_str(channels: list[Any], format: str) -> bool:
+    if format == "text":
+        return True
+    for ch in channels:
+        for k, _ in ch:
+            return isinstance(k, str)
+    return True
+
+
+class DaemonProcess:
+    """``fanin kv daemon`` in a child process (tests, benchmarks), stopped on exit."""
+
+    def __init__(self, switch_control: str, *, socket_path: Optional[str] = None, quiet: bool = True,
+                 **config: Any) -> None:
+        self.socket_path = socket_path or os.path.join(tempfile.mkdtemp(prefix="fanin-kv-"), "kv.sock")
+        cfg = {"socket_path": self.socket_path, "switch_control": switch_control, **config}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fanin", "kv", "daemon", "--config-json", json.dumps(cfg), "--print-ready"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            code = self.proc.wait(timeout=10)
+            raise KvError(f"fanin kv daemon exited with code {code} before it was ready")
+        self.info = json.loads(line)
+        self.control_addr: str = self.info["control_addr"]
+
+    def client(self) -> Client:
+        return Client(self.socket_path)
+
+    def kill(self) -> None:
+        """SIGKILL: the daemon disappears without any teardown (failure tests)."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> int:
+        from fanin.proc import terminate
+
+        return terminate(self.proc)
+
+    def __enter__(self) -> "DaemonProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,242 @@
+"""`fanin sim allreduce`: fanin's aggregation tree against ring allreduce at
+scale, in the packet-level simulator.
+
+The controller's own code decides the tree: `fanin.topology` builds the
+network, `fanin.controller.tree.build_tree` / `roles` the aggregation tree
+over it. Both go to the simulator (`fanin-sim allreduce --spec FILE`) as one
+JSON file, so the simulated network and tree are the ones the controller
+would program; the simulator generates neither.
+
+Outputs in `--out` (default out/sim): `allreduce_spec.json` (what the
+simulator ran), `allreduce.json` (everything, per-channel counters
+included), `allreduce_summary.csv` (one row per scenario and algorithm),
+`allreduce_links.csv` (bytes on every link, both directions),
+`allreduce_completion.png` and `allreduce_layers.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from typing import Optional
+
+from .controller.tree import build_tree, roles
+from .topology import Topology, load
+
+__all__ = ["build_spec", "link_layers", "top_layer", "main"]
+
+
+def build_spec(topo: Topology, workers: int) -> dict:
+    """The simulator's input: nodes, links and the tree of a job whose rank
+    r runs on the r-th host of the topology."""
+    hosts = [h.name for h in topo.hosts]
+    if not 1 <= workers <= len(hosts):
+        raise ValueError(f"--workers must be between 1 and {len(hosts)} on {topo.name}")
+    tree = build_tree(topo, {r: hosts[r] for r in range(workers)})
+    names = hosts + [s.name for s in topo.switches]
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "name": topo.name,
+        "nodes": [{"name": n, "switch": topo.is_switch(n)} for n in names],
+        "links": [[index[link.a], index[link.b]] for link in topo.links],
+        "workers": [{"rank": r, "host": index[hosts[r]], "switch": index[tree.attach[r]]} for r in range(workers)],
+        "tree": [
+            {"node": index[s], "parent": None if role.parent is None else index[role.parent], "rank": role.rank,
+             "members": list(role.members)}
+            for s, role in sorted(roles(topo, tree).items())
+        ],
+        "root": tree.root,
+        "levels": tree.depth(),
+    }
+
+
+def link_layers(topo: Topology) -> list[str]:
+    """Each link's layer, from the switches' distance to the nearest host:
+    `host` (host to edge), `edge-agg`, `agg-core` (deeper: `level<N>`)."""
+    level = {h.name: 0 for h in topo.hosts}
+    queue = deque(level)
+    while queue:
+        node = queue.popleft()
+        for nxt in topo.neighbours(node):
+            if nxt not in level:
+                level[nxt] = level[node] + 1
+                queue.append(nxt)
+    names = {1: "host", 2: "edge-agg", 3: "agg-core"}
+    return [names.get(max(level[link.a], level[link.b]), f"level{max(level[link.a], level[link.b])}") for link in topo.links]
+
+
+def top_layer(layers: list[str]) -> str:
+    """The layer farthest from the hosts (the core of a fat tree)."""
+    order = {"host": 1, "edge-agg": 2, "agg-core": 3}
+    return max(layers, key=lambda n: order.get(n) or int(n.removeprefix("level")))
+
+
+def _summary(result: dict, layers: list[str]) -> dict:
+    sent = [c["sent_bytes"] for c in result["channels"]]
+    per_link = [sent[2 * i] + sent[2 * i + 1] for i in range(len(layers))]
+    top = top_layer(layers)
+    by_layer: dict[str, int] = {}
+    for name, b in zip(layers, per_link):
+        by_layer[name] = by_layer.get(name, 0) + b
+    return {
+        "algorithm": result["algorithm"],
+        "join_us": result["join_us"],
+        "completion_us": result["completion_us"],
+        "mean_completion_us": result["mean_completion_us"],
+        "exact": result["exact"],
+        "degraded_blocks": result["degraded_blocks"],
+        "retransmissions": result["retransmissions"],
+        "link_drops": result["link_drops"],
+        "queue_drops": result["queue_drops"],
+        "stragglers": len(result["stragglers"]),
+        "events": result["events"],
+        "total_bytes": sum(per_link),
+        "core_bytes": by_layer.get(top, 0),
+        "max_link_bytes": max(max(sent), 0),
+        "bytes_by_layer": by_layer,
+    }
+
+
+def _scenarios(args) -> list[tuple[str, float, float]]:
+    if not args.sweep:
+        return [("run", args.loss, args.stragglers)]
+    return [("clean", 0.0, 0.0), ("loss", args.loss or 0.01, 0.0), ("stragglers", 0.0, args.stragglers or 0.1)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fanin sim allreduce", description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", default="fat-tree:8", help="generator spec or file (default %(default)s: 128 hosts)")
+    p.add_argument("--workers", type=int, help="workers on the first N hosts (default: every host)")
+    p.add_argument("--size", type=int, default=1 << 18, help="int32 elements per worker (default %(default)s)")
+    p.add_argument("--elems-per-packet", type=int, default=256)
+    p.add_argument("--window", type=int, default=128, help="packets (fanin: blocks) in flight per worker")
+    p.add_argument("--rate-gbps", type=int, default=100)
+    p.add_argument("--delay-ns", type=int, default=500)
+    p.add_argument("--loss", type=float, default=0.0, help="independent loss on every link")
+    p.add_argument("--stragglers", type=float, default=0.0, help="fraction of workers that start late")
+    p.add_argument("--straggler-delay-us", type=int, default=200)
+    p.add_argument("--block-exp-ms", type=int, default=0, help="fanin block aging (0: off; with it results may degrade)")
+    p.add_argument("--algorithms", default="fanin,ring")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sweep", action="store_true",
+                   help="three scenarios: clean, --loss (default 0.01), --stragglers (default 0.1)")
+    p.add_argument("--quick", action="store_true", help="fat-tree:4, 16 workers, 16384 elements")
+    p.add_argument("--json", action="store_true", help="summary JSON on stdout")
+    p.add_argument("--out", default="out/sim")
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def main(binary: str, argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.quick:
+        args.topology, args.size = "fat-tree:4", min(args.size, 1 << 14)
+    try:
+        topo = load(args.topology)
+        spec = build_spec(topo, args.workers or len(topo.hosts))
+    except ValueError as e:
+        print(f"fanin sim allreduce: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    spec_path = os.path.join(args.out, "allreduce_spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    layers = link_layers(topo)
+    runs = []
+    for name, loss, stragglers in _scenarios(args):
+        argv = [binary, "allreduce", "--spec", spec_path, "--json", "--algorithms", args.algorithms,
+                "--elements", str(args.size), "--elems-per-packet", str(args.elems_per_packet),
+                "--window", str(args.window), "--rate-gbps", str(args.rate_gbps), "--delay-ns", str(args.delay_ns),
+                "--loss", str(loss), "--stragglers", str(stragglers), "--straggler-delay-us",
+                str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms), "--seed", str(args.seed)]
+        print(f"fanin sim allreduce: scenario {name} (loss {loss}, stragglers {stragglers})", file=sys.stderr)
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            return proc.returncode
+        out = json.loads(proc.stdout)
+        runs.append({"scenario": name, "loss": loss, "stragglers": stragglers, "raw": out,
+                     "summary": [_summary(r, layers) for r in out["results"]]})
+    report = _report(spec, topo, args, runs)
+    _write(args.out, topo, layers, runs, report)
+    if not args.no_plot:
+        try:
+            from .sim_plots import plot_allreduce
+
+            for path in plot_allreduce(args.out):
+                print(f"fanin sim: wrote {path}", file=sys.stderr)
+        except ImportError as e:
+            print(f"fanin sim: no PNG ({e})", file=sys.stderr)
+    for run in report["scenarios"]:
+        for s in run["algorithms"]:
+            print(f"{run['scenario']:>10} {s['algorithm']:>5}: {s['completion_us']:9.1f} µs, {s['total_bytes'] / 1e6:8.2f} MB "
+                  f"on links, {s['core_bytes'] / 1e6:8.2f} MB on {top_layer(layers)} links, "
+                  f"max link {s['max_link_bytes'] / 1e6:6.2f} MB, exact={s['exact']}", file=sys.stderr)
+        if run.get("fanin_over_ring"):
+            r = run["fanin_over_ring"]
+            print(f"{'':>10} fanin/ring: time {r['completion']:.2f}, bytes {r['total_bytes']:.2f}, core bytes "
+                  f"{r['core_bytes']:.2f}, max link {r['max_link_bytes']:.2f}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _ratio(a: float, b: float) -> Optional[float]:
+    return a / b if b else None
+
+
+def _report(spec: dict, topo: Topology, args, runs: list) -> dict:
+    scenarios = []
+    for run in runs:
+        by = {s["algorithm"]: s for s in run["summary"]}
+        entry = {"scenario": run["scenario"], "loss": run["loss"], "stragglers": run["stragglers"], "algorithms": run["summary"]}
+        if "fanin" in by and "ring" in by:
+            f, r = by["fanin"], by["ring"]
+            entry["fanin_over_ring"] = {
+                "completion": _ratio(f["completion_us"], r["completion_us"]),
+                "total_bytes": _ratio(f["total_bytes"], r["total_bytes"]),
+                "core_bytes": _ratio(f["core_bytes"], r["core_bytes"]),
+                "max_link_bytes": _ratio(f["max_link_bytes"], r["max_link_bytes"]),
+            }
+        scenarios.append(entry)
+    return {
+        "topology": topo.name,
+        "workers": len(spec["workers"]),
+        "tree_root": spec["root"],
+        "tree_levels": spec["levels"],
+        "tree_switches": len(spec["tree"]),
+        "size_elements": args.size,
+        "seed": args.seed,
+        "scenarios": scenarios,
+    }
+
+
+def _write(out: str, topo: Topology, layers: list[str], runs: list, report: dict) -> None:
+    with open(os.path.join(out, "allreduce.json"), "w") as f:
+        json.dump({"report": report, "runs": [{"scenario": r["scenario"], **r["raw"]} for r in runs]}, f)
+    fields = ["scenario", "algorithm", "join_us", "completion_us", "mean_completion_us", "exact", "degraded_blocks", "retransmissions",
+              "link_drops", "queue_drops", "stragglers", "events", "total_bytes", "core_bytes", "max_link_bytes"]
+    layer_names = sorted(set(layers))
+    with open(os.path.join(out, "allreduce_summary.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields + [f"bytes_{n}" for n in layer_names])
+        for run in runs:
+            for s in run["summary"]:
+                w.writerow([run["scenario"]] + [s[k] for k in fields[1:]] + [s["bytes_by_layer"].get(n, 0) for n in layer_names])
+    with open(os.path.join(out, "allreduce_links.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["scenario", "algorithm", "a", "b", "layer", "bytes_a_to_b", "bytes_b_to_a", "bytes", "lost_bytes",
+                    "queue_dropped_bytes"])
+        for run in runs:
+            for r in run["raw"]["results"]:
+                ch = r["channels"]
+                for i, (link, layer) in enumerate(zip(topo.links, layers)):
+                    ab, ba = ch[2 * i], ch[2 * i + 1]
+                    w.writerow([run["scenario"], r["algorithm"], link.a, link.b, layer, ab["sent_bytes"], ba["sent_bytes"],
+                                ab["sent_bytes"] + ba["sent_bytes"], ab["lost_bytes"] + ba["lost_bytes"],
+                                ab["queue_dropped_bytes"] + ba["queue_dropped_bytes"]])

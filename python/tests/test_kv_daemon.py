@@ -1,0 +1,186 @@
+"""The key-value service with real processes and sockets: a ``fanin switch``
+process, ``fanin kv daemon`` processes, UDP on 127.0.0.1, the local API on
+Unix sockets. Results are checked against ``Counter``; failures must give a
+clear error, count, and free the switch region."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from fanin.control.client import ControlClient
+from fanin.kv import Client, DaemonProcess, KvError
+from fanin.proc import SwitchProcess
+from fanin.switch import switch_config
+
+
+@pytest.fixture(scope="module")
+def switch():
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None)
+    sw = SwitchProcess(cfg)
+    yield sw
+    sw.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(switch):
+    d = DaemonProcess(switch.control_addr, silence_ms=1500)
+    yield d
+    d.stop()
+
+
+def _regions(switch) -> list:
+    with ControlClient(switch.control_addr) as c:
+        return c.kv_regions()
+
+
+def _wait_no_regions(switch, timeout: float = 8.0) -> list:
+    deadline = time.time() + timeout
+    regions = _regions(switch)
+    while regions and time.time() < deadline:
+        time.sleep(0.1)
+        regions = _regions(switch)
+    return regions
+
+
+def _pairs(n: int, seed: int) -> list:
+    rng = random.Random(seed)
+    keys = [f"k{i}" for i in range(300)] + [f"medium-key-{i}" for i in range(50)] + \
+           [f"a-long-key-that-bypasses-the-switch-{i}" for i in range(20)]
+    return [(rng.choice(keys), rng.randrange(-5, 100)) for _ in range(n)]
+
+
+def test_two_senders_match_the_reference_and_release_the_region(switch, daemon):
+    inputs = [_pairs(20_000, 1), _pairs(15_000, 2)]
+    expected: Counter = Counter()
+    for chan in inputs:
+        for k, v in chan:
+            expected[k] += v
+    with daemon.client() as c:
+        got = c.aggregate(inputs, aa_size=64)
+    assert got == dict(expected)
+    assert _wait_no_regions(switch) == []
+    with ControlClient(switch.control_addr) as cc:
+        counters = cc.kv_counters()
+    assert counters["tuples_aggregated"] > 0, "the switch absorbed nothing"
+
+
+def test_text_mode_counts_words(daemon, tmp_path):
+    text = b"the cat sat on the mat\n\tthe end \x0b"
+    path = tmp_path / "words.txt"
+    path.write_bytes(text)
+    with daemon.client() as c:
+        got = c.aggregate([str(path), b"cat cat"], format="text")
+    assert got == {k.decode(): v for k, v in Counter(text.split() + [b"cat", b"cat"]).items()}
+
+
+def test_oversized_key_fails_the_task_with_a_clear_error(switch, daemon):
+    with daemon.client() as c:
+        with pytest.raises(KvError, match=r"key of 2000 bytes exceeds the limit of 1024 bytes"):
+            c.aggregate([("x" * 2000, 1), ("ok", 1)])
+        assert c.stats()["sends_failed"] >= 1
+    assert _wait_no_regions(switch) == []
+
+
+def test_unknown_task_is_refused(daemon):
+    with daemon.client() as c:
+        before = c.stats()["unknown_task"]
+        with pytest.raises(KvError, match=r"unknown task 123456789"):
+            c.send({"task_id": 123456789, "control": daemon.control_addr}, 0, [("a", 1)])
+        with pytest.raises(KvError, match=r"unknown task 987"):
+            c.wait({"task_id": 987, "control": daemon.control_addr})
+        assert c.stats()["unknown_task"] >= before + 2
+
+
+def test_bad_requests_get_errors(daemon):
+    with daemon.client() as c:
+        with pytest.raises(KvError, match=r"unknown op"):
+            c.request({"op": "frobnicate"})
+        with pytest.raises(KvError, match=r"senders must be"):
+            c.create(0)
+        with pytest.raises(KvError, match=r"missing field"):
+            c.request({"op": "send"})
+        raw = socket.socket(socket.AF_UNIX)
+        raw.connect(daemon.socket_path)
+        raw.sendall(b"not json\n")
+        assert b"not a JSON object" in raw.recv(1000)
+        raw.close()
+
+
+def test_malformed_packets_are_counted_and_harmless(switch, daemon):
+    with daemon.client() as c:
+        data_addr = c.stats()["data_addrs"][0]
+    host, port = data_addr.rsplit(":", 1)
+    sw_host, sw_port = switch.data_addr.rsplit(":", 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    # Garbage, a key-value header cut short, and a Data packet with reserved
+    # flag bits set, to the daemon's data channel and to the switch.
+    bad_flags = struct.pack(">HBBBBHII", 0xFA17, 1, 0x20, 0x80, 1, 0, 7, 0) + b"\0" * 24
+    for payload in (b"\x00garbage", struct.pack(">HBB", 0xFA17, 1, 0x22) + b"\0" * 4, bad_flags):
+        s.sendto(payload, (host, int(port)))
+        s.sendto(payload, (sw_host, int(sw_port)))
+    s.close()
+    time.sleep(0.3)
+    with daemon.client() as c:
+        assert c.stats()["malformed_datagrams"] >= 3
+        assert c.aggregate([("a", 1), ("a", 2)]) == {"a": 3}
+    with ControlClient(switch.control_addr) as cc:
+        counters = cc.kv_counters()
+    assert counters["malformed.reserved_bits"] >= 1
+    assert counters["malformed.truncated"] >= 1
+
+
+def test_receiver_application_that_disconnects_aborts_its_task(switch, daemon):
+    c = daemon.client()
+    ticket = c.create(1)
+    assert any(r["task_id"] == ticket["task_id"] for r in _regions(switch))
+    c.close()
+    assert _wait_no_regions(switch) == []
+    with daemon.client() as s:
+        with pytest.raises(KvError, match=r"unknown task"):
+            s.send(ticket, 0, [("a", 1)])
+
+
+def test_sender_daemon_killed_mid_task(switch, daemon, tmp_path):
+    """A sender host disappears: the receiver's silence timer fails the task
+    with the FIN count, and its region is released."""
+    other = DaemonProcess(switch.control_addr, silence_ms=1500)
+    words = tmp_path / "big.txt"
+    words.write_bytes(b" ".join(b"w%d" % (i % 5000) for i in range(3_000_000)))
+    with daemon.client() as c:
+        ticket = c.create(2)
+        with daemon.client() as s0:
+            s0.send(ticket, 0, [("a", 1)])
+        failure: list = []
+
+        def feed() -> None:
+            try:
+                with other.client() as s1:
+                    s1.send_file(ticket, 1, str(words), format="text")
+            except (KvError, OSError) as e:
+                failure.append(e)
+
+        t = threading.Thread(target=feed)
+        t.start()
+        time.sleep(0.3)
+        other.kill()
+        t.join(timeout=10)
+        with pytest.raises(KvError, match=r"FINs from 1 of 2 senders"):
+            c.wait(ticket)
+        assert c.stats()["tasks_failed"] >= 1
+    assert failure, "the killed daemon's client should have lost its connection"
+    assert _wait_no_regions(switch) == []
+
+
+def test_switch_memory_exhausted_is_refused(switch, daemon):
+    with daemon.client() as c:
+        with pytest.raises(KvError, match=r"aggregators"):
+            c.create(1, aa_size=1 << 22)
+    assert _regions(switch) == []
