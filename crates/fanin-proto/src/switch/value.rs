@@ -1495,11 +1495,7 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
             // per child), not once per request: a switch with many children
             // would otherwise flood its uplink with copies exactly when it
             // is lossy (found by `fanin sim allreduce` at 1% loss).
-            if block.rcvd.contains(src) {
-                reply.counters.duplicate += 1;
-            } else {
-                reply.counters.late += 1;
-            }
+            count_unadded(block, src, reply.counters);
             block.asks_since_resend += 1;
             if block.asks_since_resend == 1 || block.asks_since_resend > block.expected_count {
                 block.asks_since_resend = 1;
@@ -1508,17 +1504,11 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
             Outcome::default()
         }
         Phase::Done => {
-            if block.rcvd.contains(src) {
-                reply.counters.duplicate += 1;
-            } else {
-                // A straggler's contribution to a block emitted without it:
-                // never added anywhere; it gets the partial result instead.
-                reply.counters.late += 1;
-                reply.send_to_sender(block, false);
-                return Outcome { late: true, ..Outcome::default() };
-            }
+            // A straggler's contribution to a block emitted without it is
+            // never added anywhere; it gets the partial result instead.
+            let late = count_unadded(block, src, reply.counters);
             reply.send_to_sender(block, false);
-            Outcome::default()
+            Outcome { late, ..Outcome::default() }
         }
         Phase::Data => {
             let grad_cnt = packet.grad_cnt();
@@ -1564,6 +1554,18 @@ fn contribute_data<A: Copy, T: Transmit<A>>(
             }
             Outcome { accepted: true, completed, late: false }
         }
+    }
+}
+
+/// A contribution to a block past its data phase adds nothing: count it as a
+/// duplicate if its source is in the block, as late otherwise (returned).
+fn count_unadded(block: &Block, src: usize, counters: &mut Counters) -> bool {
+    if block.rcvd.contains(src) {
+        counters.duplicate += 1;
+        false
+    } else {
+        counters.late += 1;
+        true
     }
 }
 
