@@ -186,13 +186,20 @@ class ControlClient:
         return {(c.name + "." + c.reason) if c.HasField("reason") else c.name: c.value for c in r.counters}
 
     def _call(self, method: str, request: Any) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            name = code.name if code is not None else "UNKNOWN"
-            details = e.details() if hasattr(e, "details") else str(e)
-            raise ControlError(name, f"{method} on {self.addr}: {details or ''}".rstrip(": ")) from None
+        return call_rpc(self._stub, method, request, addr=self.addr, timeout=self.timeout, metadata=self._metadata)
+
+
+def call_rpc(stub: Any, method: str, request: Any, *, addr: str, timeout: float, metadata: Any) -> Any:
+    """Call `method` on a generated stub; a gRPC failure becomes a
+    :class:`ControlError` named after its status code (shared by the switch
+    and controller clients)."""
+    try:
+        return getattr(stub, method)(request, timeout=timeout, metadata=metadata)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        name = code.name if code is not None else "UNKNOWN"
+        details = e.details() if hasattr(e, "details") else str(e)
+        raise ControlError(name, f"{method} on {addr}: {details or ''}".rstrip(": ")) from None
 
 
 def _check_u32(value: int, what: str) -> None:

@@ -11,7 +11,7 @@ import grpc
 
 from ..control._gen import control_pb2 as pb
 from ..control._gen import control_pb2_grpc as pb_grpc
-from ..control.client import ControlError
+from ..control.client import call_rpc
 from .service import Controller, ControllerError, JobParams
 
 __all__ = ["ControllerServer", "ControllerClient", "serve"]
@@ -125,12 +125,7 @@ class ControllerClient:
         self.close()
 
     def _call(self, method: str, request: Any) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            code = e.code().name if hasattr(e, "code") and e.code() is not None else "UNKNOWN"
-            details = e.details() if hasattr(e, "details") else str(e)
-            raise ControlError(code, f"{method} on {self.addr}: {details}") from None
+        return call_rpc(self._stub, method, request, addr=self.addr, timeout=self.timeout, metadata=self._metadata)
 
     def create_job(self, job_id: int, *, block_cnt_max: int = 256, block_grad_max: int = 1024,
                    block_exp_ms: int = 0, slow_after_windows: int = 2, max_workers: int = 64) -> None:

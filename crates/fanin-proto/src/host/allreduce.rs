@@ -733,11 +733,9 @@ impl AllreduceSession {
             self.stash_result(repr, payload);
             return;
         }
+        // (none: a result of an earlier allreduce, duplicated by the network)
+        let Some(idx) = self.block_index(repr) else { return };
         let (Some(params), Some(op)) = (self.params, self.op.as_mut()) else { return };
-        let idx = repr.block_id.wrapping_sub(op.base_block);
-        if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
-            return; // a result of an earlier allreduce, duplicated by the network
-        }
         let per = self.config.elems_per_packet as usize;
         let start = idx as usize * per;
         let count = (op.tensor.len() - start).min(per);
@@ -829,15 +827,20 @@ impl AllreduceSession {
         }
     }
 
+    /// Index of `repr`'s block in the running allreduce, if it is one of its
+    /// blocks (same generation, inside the tensor).
+    fn block_index(&self, repr: &Repr) -> Option<u32> {
+        let op = self.op.as_ref()?;
+        let idx = repr.block_id.wrapping_sub(op.base_block);
+        (idx < op.blocks.len() as u32 && repr.gen_id == self.gen_id).then_some(idx)
+    }
+
     /// The switch no longer holds the result of a block this worker asked
     /// for: the job moved on without it. Record the block as missed (zero,
     /// `src_cnt` 0) and move on, so a straggler catches up with the job.
     fn on_expired(&mut self, now: Time, repr: &Repr) {
+        let Some(idx) = self.block_index(repr) else { return };
         let Some(op) = self.op.as_mut() else { return };
-        let idx = repr.block_id.wrapping_sub(op.base_block);
-        if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
-            return;
-        }
         if op.blocks[idx as usize].phase == BlockPhase::Done {
             return;
         }
@@ -861,11 +864,8 @@ impl AllreduceSession {
     /// unless the block still waits for an answer to that very phase and is
     /// not queued already, so a trim is never acted on twice.
     fn on_trimmed(&mut self, now: Time, repr: &Repr) {
+        let Some(idx) = self.block_index(repr) else { return };
         let Some(op) = self.op.as_mut() else { return };
-        let idx = repr.block_id.wrapping_sub(op.base_block);
-        if idx >= op.blocks.len() as u32 || repr.gen_id != self.gen_id {
-            return;
-        }
         let block = &mut op.blocks[idx as usize];
         let expected = if repr.exp_only { BlockPhase::ExpSent } else { BlockPhase::DataSent };
         if block.phase != expected {
