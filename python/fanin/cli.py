@@ -177,6 +177,12 @@ def _cmd_bench_overload(args: argparse.Namespace) -> int:
     return run_overload(args)
 
 
+def _cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from fanin.bench.chaos import run_bench_chaos
+
+    return run_bench_chaos(args)
+
+
 def _find_sim_binary() -> Optional[str]:
     """`target/release/fanin-sim` of the source tree this package lives in, else PATH."""
     import os
@@ -409,6 +415,28 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
     common(ov)
     ov.set_defaults(func=_cmd_bench_overload)
+
+    ch = bsub.add_parser("chaos", help="chaos soak on the namespace testbed: faults injected while jobs run (root)",
+                         description="Value-stream jobs (int32 with straggler aging, float32) and key-value word "
+                                     "counts over real text run through one switch daemon on the namespace testbed "
+                                     "while a seeded driver injects one fault at a time (on top of seeded loss, duplication and "
+                                     "reordering of every datagram the switch receives): garbage datagrams, captured packets replayed, workers killed "
+                                     "and restarted, the switch daemon killed and restarted. Workers verify every "
+                                     "result. Exit 0 only with zero wrong results, zero hangs and every injected "
+                                     "packet accounted for by the switch counters. Report: JSON in --out.",
+                         epilog="examples:\n  fanin bench chaos --quick --json\n"
+                                "  fanin bench chaos --duration 600 --seed 7\n"
+                                "  fanin bench chaos --quick --skip restart_switch replay",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    ch.add_argument("--duration", type=float, default=600.0, help="seconds of chaos (default %(default)s; --quick: 60)")
+    ch.add_argument("--hang-s", type=float, default=30.0,
+                    help="a worker or kv task without progress this long counts as hung (default %(default)s)")
+    ch.add_argument("--skip", nargs="*", default=[], metavar="FAULT",
+                    help="fault kinds to leave out (garbage replay kill_worker restart_switch)")
+    ch.add_argument("--no-kv", action="store_true", help="value-stream jobs only")
+    ch.add_argument("--out", default="out/chaos", help="directory for the JSON report (default %(default)s)")
+    common(ch)
+    ch.set_defaults(func=_cmd_bench_chaos)
 
     sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "

@@ -225,14 +225,18 @@ def _keys_are_str(channels: list[Any], format: str) -> bool:
 
 
 class DaemonProcess:
-    """``fanin kv daemon`` in a child process (tests, benchmarks), stopped on exit."""
+    """``fanin kv daemon`` in a child process (tests, benchmarks), stopped on exit.
+
+    ``netns`` runs it inside that network namespace (the testbed); the Unix
+    socket is a path, so the caller reaches it from any namespace."""
 
     def __init__(self, switch_control: str, *, socket_path: Optional[str] = None, quiet: bool = True,
-                 **config: Any) -> None:
+                 netns: Optional[str] = None, **config: Any) -> None:
         self.socket_path = socket_path or os.path.join(tempfile.mkdtemp(prefix="fanin-kv-"), "kv.sock")
         cfg = {"socket_path": self.socket_path, "switch_control": switch_control, **config}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fanin", "kv", "daemon", "--config-json", json.dumps(cfg), "--print-ready"],
+            (["ip", "netns", "exec", netns] if netns else [])
+            + [sys.executable, "-m", "fanin", "kv", "daemon", "--config-json", json.dumps(cfg), "--print-ready"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:

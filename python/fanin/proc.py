@@ -122,6 +122,13 @@ def scrape_counters(metrics_addr: str) -> dict[str, int]:
         if m:
             key = m.group(1) + (f".{m.group(2)}" if m.group(2) else "")
             out[key] = out.get(key, 0) + int(m.group(3))
+    # Fault injection: fault_dropped.ingress|egress, fault_injected.duplicate|reorder.
+    fault = re.compile(r'^fanin_switch_fault_(dropped|injected)_total\{shard="\d+",(?:direction|fault)="(\w+)"\} (\d+)$')
+    for line in text.splitlines():
+        m = fault.match(line)
+        if m:
+            key = f"fault_{m.group(1)}.{m.group(2)}"
+            out[key] = out.get(key, 0) + int(m.group(3))
     out["malformed"] = sum(v for k, v in out.items() if k.startswith("malformed."))
     return out
 

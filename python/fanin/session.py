@@ -35,6 +35,10 @@ class Session:
         send_drop: probability of dropping each datagram this worker sends
             (fault injection for tests and benchmarks), with ``seed``.
         recv_drop: the same for datagrams this worker receives.
+        recv_duplicate, recv_reorder: probabilities of handing a received
+            datagram to the protocol twice, or after the next one of its
+            receive batch (seeded, like the drops; counted in
+            :meth:`socket_stats`).
         sync_join: join a job that is already running (SwitchML++ runtime
             scaling): the tree's root tells the current block offset and the
             first allreduce starts at the next allreduce boundary from there.
@@ -70,6 +74,8 @@ class Session:
         recv_drop: float = 0.0,
         sync_join: bool = False,
         align_blocks: int = 0,
+        recv_duplicate: float = 0.0,
+        recv_reorder: float = 0.0,
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -88,6 +94,8 @@ class Session:
             recv_drop=recv_drop,
             sync_join=sync_join,
             align_blocks=align_blocks,
+            recv_duplicate=recv_duplicate,
+            recv_reorder=recv_reorder,
         )
         self.switch = switch
         self.job_id = job_id
@@ -131,5 +139,5 @@ class Session:
         return self._native.params
 
     def socket_stats(self) -> dict[str, int]:
-        """Datagrams sent, received and dropped by fault injection."""
+        """Datagrams sent, received, and dropped, duplicated or reordered by fault injection."""
         return self._native.socket_stats()

@@ -58,6 +58,8 @@ def switch_config(
     ingress_drop: float = 0.0,
     egress_drop: float = 0.0,
     seed: int = 0,
+    ingress_duplicate: float = 0.0,
+    ingress_reorder: float = 0.0,
     batch: int = 64,
     scanners: int = 8,
     checks: int = 4,
@@ -70,7 +72,9 @@ def switch_config(
     ``scanners`` and ``checks`` configure the straggler detector; ``trim``
     and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
     ``socket_buffer`` the receive buffer per data socket in bytes (default
-    the daemon's)."""
+    the daemon's). ``ingress_drop``/``ingress_duplicate``/``ingress_reorder``
+    and ``egress_drop`` are seeded fault-injection probabilities (reordering
+    swaps a datagram with the next one of its receive batch)."""
     cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks},
         "trim": {"enabled": trim, "watermark": trim_watermark},
@@ -80,7 +84,8 @@ def switch_config(
         "metrics_addr": metrics_addr,
         "memory_mb": memory_mb,
         "batch": batch,
-        "faults": {"ingress_drop": ingress_drop, "egress_drop": egress_drop, "seed": seed},
+        "faults": {"ingress_drop": ingress_drop, "ingress_duplicate": ingress_duplicate,
+                   "ingress_reorder": ingress_reorder, "egress_drop": egress_drop, "seed": seed},
         "jobs": list(jobs),
     }
     if socket_buffer is not None:

@@ -13,7 +13,7 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use fanin_proto::fault::DropInjector;
+use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
 use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, SessionError, Tensor};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
@@ -30,6 +30,10 @@ pub struct SessionOptions {
     /// Probability of dropping each datagram this worker receives (fault
     /// injection for the switch-to-worker direction).
     pub recv_drop: f64,
+    /// Probability of handing a received datagram to the machine twice.
+    pub recv_duplicate: f64,
+    /// Probability of handing a received datagram over after the next one.
+    pub recv_reorder: f64,
     pub seed: u64,
     /// Socket buffer size requested, in bytes.
     pub socket_buffer: usize,
@@ -44,6 +48,8 @@ impl SessionOptions {
             session: SessionConfig::new(job_id, src_id),
             send_drop: 0.0,
             recv_drop: 0.0,
+            recv_duplicate: 0.0,
+            recv_reorder: 0.0,
             seed: 0,
             socket_buffer: 32 << 20,
             offload: true,
@@ -67,6 +73,8 @@ pub struct SessionStats {
     pub datagrams_sent: u64,
     pub datagrams_received: u64,
     pub dropped_by_fault_injection: u64,
+    pub duplicated_by_fault_injection: u64,
+    pub reordered_by_fault_injection: u64,
 }
 
 /// A worker's connection to a fanin switch for one job.
@@ -77,7 +85,9 @@ pub struct Session {
     rx: RecvBatch,
     tx: SendBatch,
     faults: DropInjector,
-    recv_faults: DropInjector,
+    recv_faults: ReceiveFaults,
+    /// The order `recv_faults` chose for the current batch (reused buffer).
+    recv_order: Vec<usize>,
     epoch: Instant,
     params: JoinParams,
     stats: SessionStats,
@@ -113,7 +123,12 @@ impl Session {
     /// Bind a socket, join the job and wait for the switch's answer (bounded
     /// by `session.join_timeout`).
     pub fn connect(options: SessionOptions) -> Result<Self, HostError> {
-        for (name, p) in [("send_drop", options.send_drop), ("recv_drop", options.recv_drop)] {
+        for (name, p) in [
+            ("send_drop", options.send_drop),
+            ("recv_drop", options.recv_drop),
+            ("recv_duplicate", options.recv_duplicate),
+            ("recv_reorder", options.recv_reorder),
+        ] {
             if !(0.0..=1.0).contains(&p) {
                 return Err(HostError::Option(format!("{name} {p} is not a probability (0.0..=1.0)")));
             }
@@ -136,7 +151,11 @@ impl Session {
         let mut session = Self {
             faults: DropInjector::new(options.send_drop, options.seed),
             // a different stream than the send side's, same seed
-            recv_faults: DropInjector::new(options.recv_drop, options.seed ^ 0x5eed_0f_4ecf),
+            recv_faults: ReceiveFaults::new(
+                ReceiveFaultRates { drop: options.recv_drop, duplicate: options.recv_duplicate, reorder: options.recv_reorder },
+                options.seed ^ 0x5eed_0f_4ecf,
+            ),
+            recv_order: Vec::new(),
             rx: RecvBatch::new(64, fanin_udp::GRO_SLOT_SIZE),
             tx,
             socket,
@@ -232,7 +251,10 @@ impl Session {
             self.socket.send_batch(&mut self.tx)?;
         }
         self.stats.datagrams_sent += sent;
-        self.stats.dropped_by_fault_injection = self.faults.dropped() + self.recv_faults.dropped();
+        let recv = self.recv_faults.counts();
+        self.stats.dropped_by_fault_injection = self.faults.dropped() + recv.dropped;
+        self.stats.duplicated_by_fault_injection = recv.duplicated;
+        self.stats.reordered_by_fault_injection = recv.reordered;
 
         let timeout = match self.machine.poll_timeout() {
             Some(deadline) => deadline.saturating_since(self.now()),
@@ -243,12 +265,17 @@ impl Session {
         let n = self.socket.recv_batch(&mut self.rx)?;
         if n > 0 {
             let now = self.now();
-            for (_, bytes) in self.rx.iter() {
-                self.stats.datagrams_received += 1;
-                if self.recv_faults.should_drop() {
-                    continue;
+            self.stats.datagrams_received += self.rx.len() as u64;
+            if self.recv_faults.is_enabled() {
+                let all: Vec<_> = self.rx.iter().collect();
+                self.recv_faults.schedule(all.len(), &mut self.recv_order);
+                for &i in &self.recv_order {
+                    self.machine.handle_datagram(now, all[i].1);
                 }
-                self.machine.handle_datagram(now, bytes);
+            } else {
+                for (_, bytes) in self.rx.iter() {
+                    self.machine.handle_datagram(now, bytes);
+                }
             }
         }
         let now = self.now();

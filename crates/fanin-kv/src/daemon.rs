@@ -50,6 +50,11 @@ pub struct KvDaemonConfig {
     pub switch_control: SocketAddr,
     #[serde(default)]
     pub switch_token: Option<String>,
+    /// The switch's data-plane IP as this host reaches it, used when the
+    /// switch binds every address (0.0.0.0) and so cannot name one (the
+    /// namespace testbed). Default: the control API's IP.
+    #[serde(default)]
+    pub switch_data_ip: Option<IpAddr>,
     /// Daemon control channel (TCP); port 0 picks one.
     #[serde(default = "default_control")]
     pub control_addr: SocketAddr,
@@ -77,6 +82,16 @@ pub struct KvDaemonConfig {
     pub max_key_len: usize,
     #[serde(default = "default_socket_buffer")]
     pub socket_buffer: usize,
+}
+
+/// A region's data address as senders and the receiver can use it: the
+/// switch answers with the address its data socket is bound to, which is
+/// unspecified when it binds 0.0.0.0.
+fn reachable_switch_addr(mut addr: SocketAddr, config: &KvDaemonConfig) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        addr.set_ip(config.switch_data_ip.unwrap_or(config.switch_control.ip()));
+    }
+    addr
 }
 
 fn default_control() -> SocketAddr {
@@ -432,6 +447,7 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
         spec.idle_timeout = silence * 2;
         match shared.switch.alloc(&spec) {
             Ok(switch_addr) => {
+                let switch_addr = reachable_switch_addr(switch_addr, &shared.config);
                 let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders: senders as u16, switch_addr };
                 let mut rc = ReceiverConfig::new(task_id, layout, aa_size, senders as u16);
                 rc.shadow_copies = shadow_copies;

@@ -46,7 +46,7 @@ impl Session {
     #[new]
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
                         rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true,
-                        recv_drop=0.0, sync_join=false, align_blocks=0))]
+                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -66,6 +66,8 @@ impl Session {
         recv_drop: f64,
         sync_join: bool,
         align_blocks: u32,
+        recv_duplicate: f64,
+        recv_reorder: f64,
     ) -> PyResult<Self> {
         let addr: SocketAddr = switch
             .parse()
@@ -87,6 +89,8 @@ impl Session {
         o.session.dead_after = secs("dead_after_s", dead_after_s)?;
         o.send_drop = send_drop;
         o.recv_drop = recv_drop;
+        o.recv_duplicate = recv_duplicate;
+        o.recv_reorder = recv_reorder;
         o.session.sync_join = sync_join;
         o.session.align_blocks = align_blocks;
         o.seed = seed;
@@ -182,6 +186,8 @@ impl Session {
         d.set_item("datagrams_sent", s.datagrams_sent)?;
         d.set_item("datagrams_received", s.datagrams_received)?;
         d.set_item("dropped_by_fault_injection", s.dropped_by_fault_injection)?;
+        d.set_item("duplicated_by_fault_injection", s.duplicated_by_fault_injection)?;
+        d.set_item("reordered_by_fault_injection", s.reordered_by_fault_injection)?;
         Ok(d)
     }
 }

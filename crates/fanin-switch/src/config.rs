@@ -138,6 +138,13 @@ pub struct FaultConfig {
     /// Probability of dropping each received datagram.
     #[serde(default)]
     pub ingress_drop: f64,
+    /// Probability of processing a received datagram twice.
+    #[serde(default)]
+    pub ingress_duplicate: f64,
+    /// Probability of processing a received datagram after the next one of
+    /// its receive batch.
+    #[serde(default)]
+    pub ingress_reorder: f64,
     /// Probability of dropping each datagram the switch sends.
     #[serde(default)]
     pub egress_drop: f64,
@@ -252,7 +259,12 @@ impl DaemonConfig {
         if self.memory_mb == 0 {
             return bad("memory_mb must be at least 1".into());
         }
-        for (name, p) in [("faults.ingress_drop", self.faults.ingress_drop), ("faults.egress_drop", self.faults.egress_drop)] {
+        for (name, p) in [
+            ("faults.ingress_drop", self.faults.ingress_drop),
+            ("faults.ingress_duplicate", self.faults.ingress_duplicate),
+            ("faults.ingress_reorder", self.faults.ingress_reorder),
+            ("faults.egress_drop", self.faults.egress_drop),
+        ] {
             if !(0.0..=1.0).contains(&p) {
                 return bad(format!("{name} = {p} is not a probability (0.0..=1.0)"));
             }

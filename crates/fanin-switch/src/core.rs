@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fanin_proto::fault::DropInjector;
+use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
 use fanin_proto::kv::{KvCounters, KvSwitch, KvSwitchConfig, KvTaskSpec};
 use fanin_proto::switch::{AdmitError, Counters, ShardConfig, Uplink, ValueSwitch};
 use fanin_udp::BatchSocket;
@@ -256,6 +256,14 @@ impl SwitchCore {
             out.push_str(&format!("fanin_switch_fault_dropped_total{{shard=\"{i}\",direction=\"ingress\"}} {ing}\n"));
             out.push_str(&format!("fanin_switch_fault_dropped_total{{shard=\"{i}\",direction=\"egress\"}} {eg}\n"));
         }
+        out.push_str("# HELP fanin_switch_fault_injected_total Received datagrams duplicated or reordered by fault injection.\n");
+        out.push_str("# TYPE fanin_switch_fault_injected_total counter\n");
+        for (i, s) in self.shards.iter().enumerate() {
+            let dup = s.stats.fault_ingress_duplicated.load(Ordering::Relaxed);
+            let re = s.stats.fault_ingress_reordered.load(Ordering::Relaxed);
+            out.push_str(&format!("fanin_switch_fault_injected_total{{shard=\"{i}\",fault=\"duplicate\"}} {dup}\n"));
+            out.push_str(&format!("fanin_switch_fault_injected_total{{shard=\"{i}\",fault=\"reorder\"}} {re}\n"));
+        }
         out.push_str("# TYPE fanin_switch_send_errors_total counter\n");
         for (i, s) in self.shards.iter().enumerate() {
             out.push_str(&format!(
@@ -370,7 +378,15 @@ impl SwitchHandle {
                 shutdown: shutdown.clone(),
                 epoch,
                 batch: config.batch,
-                ingress: DropInjector::new(config.faults.ingress_drop, seed),
+                ingress: ReceiveFaults::new(
+                    ReceiveFaultRates {
+                        drop: config.faults.ingress_drop,
+                        duplicate: config.faults.ingress_duplicate,
+                        reorder: config.faults.ingress_reorder,
+                    },
+                    seed,
+                ),
+                ingress_order: Vec::new(),
                 egress: DropInjector::new(config.faults.egress_drop, seed ^ 0x5555),
                 trim: config.trim.watermark()?,
                 trimmed: 0,

@@ -22,7 +22,7 @@ use std::sync::mpsc::{Receiver, Sender, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fanin_proto::fault::DropInjector;
+use fanin_proto::fault::{DropInjector, ReceiveFaults};
 use fanin_proto::job::JobSpec;
 use fanin_proto::kv::{KvAdmitError, KvCounters, KvSwitch, KvTaskSpec, TaskStats};
 use fanin_proto::switch::{AdmitError, Counters, Uplink, ValueSwitch, Verdict};
@@ -55,6 +55,8 @@ pub(crate) struct ShardStats {
     /// Aggregators held by key-value tasks.
     pub kv_memory_used: AtomicU64,
     pub fault_ingress_dropped: AtomicU64,
+    pub fault_ingress_duplicated: AtomicU64,
+    pub fault_ingress_reordered: AtomicU64,
     pub fault_egress_dropped: AtomicU64,
     pub send_errors: AtomicU64,
     pub batches: AtomicU64,
@@ -71,7 +73,9 @@ pub(crate) struct ShardThread {
     pub shutdown: Arc<AtomicBool>,
     pub epoch: Instant,
     pub batch: usize,
-    pub ingress: DropInjector,
+    pub ingress: ReceiveFaults,
+    /// The order `ingress` chose for the current batch (reused buffer).
+    pub ingress_order: Vec<usize>,
     pub egress: DropInjector,
     /// Trimming on overload, if enabled.
     pub trim: Option<Watermark>,
@@ -158,10 +162,15 @@ impl ShardThread {
                     }
                     (Err(_), _) => TrimPlan::NEVER,
                 };
-                for (from, bytes) in rx.iter() {
-                    if self.ingress.should_drop() {
-                        continue;
-                    }
+                // With ingress faults on, process the batch in the order they
+                // chose (drops left out, duplicates twice, some swapped).
+                let faulty = self.ingress.is_enabled().then(|| {
+                    let all: Vec<_> = rx.iter().collect();
+                    self.ingress.schedule(all.len(), &mut self.ingress_order);
+                    self.ingress_order.iter().map(|&i| all[i]).collect::<Vec<_>>()
+                });
+                let plain = faulty.is_none().then(|| rx.iter());
+                for (from, bytes) in faulty.into_iter().flatten().chain(plain.into_iter().flatten()) {
                     let owner = match kv_task_of(bytes) {
                         Some(task) => {
                             let owner = kv_owner(task, self.peers.len());
@@ -299,7 +308,10 @@ impl ShardThread {
         }
         self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
         self.stats.kv_memory_used.store(self.kv.memory_used(), Ordering::Relaxed);
-        self.stats.fault_ingress_dropped.store(self.ingress.dropped(), Ordering::Relaxed);
+        let ingress = self.ingress.counts();
+        self.stats.fault_ingress_dropped.store(ingress.dropped, Ordering::Relaxed);
+        self.stats.fault_ingress_duplicated.store(ingress.duplicated, Ordering::Relaxed);
+        self.stats.fault_ingress_reordered.store(ingress.reordered, Ordering::Relaxed);
         self.stats.fault_egress_dropped.store(self.egress.dropped(), Ordering::Relaxed);
     }
 }

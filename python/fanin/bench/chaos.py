@@ -1,0 +1,441 @@
+"""``fanin bench chaos``: a bounded chaos soak on the namespace testbed.
+
+Several jobs run at once through one real switch daemon: value-stream
+allreduce jobs (int32 and float32, free-running worker processes that
+verify every result themselves, see ``chaos_worker``) and key-value
+word-count tasks over real text (``fanin kv daemon`` on three hosts,
+checked against ``collections.Counter``). Meanwhile a seeded chaos driver
+injects, one fault at a time:
+
+* all along: seeded loss of what every worker sends and loss, duplication
+  and reordering of what it receives (counted by the workers);
+* ``garbage``: malformed datagrams and datagrams for an unknown job;
+* ``replay``: real datagrams captured on a worker's link, replayed later;
+* ``kill_worker``: SIGKILL of a worker of the degradable job, restarted a
+  few seconds later (it rejoins the running job, SwitchML++ sync);
+* ``restart_switch``: SIGKILL of the switch daemon, started again on the
+  same ports (a new incarnation: the workers must recover).
+
+At the end the chaos stops, every surviving worker must complete fresh
+allreduces (nothing hung), and the report checks:
+
+* zero wrong results (value and key-value);
+* zero hangs (no worker silent longer than ``--hang-s``; every kv task
+  ends, with a result or a clean error, within its deadline);
+* the switch's counters account for every injected garbage datagram by
+  reason, summed over incarnations (counters are scraped after every
+  fault, before any kill).
+
+    fanin bench chaos --quick --json        # 1 minute
+    fanin bench chaos --duration 600        # the 10-minute soak
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Optional
+
+from fanin import topology
+from fanin.switch import job_config
+
+INT_JOB, FLOAT_JOB = 1, 2
+WORKERS = 3
+BLOCKS, EPP, WINDOW = 24, 256, 16
+# Job 1 degrades around a dead worker: blocks wait this long, then age out.
+BLOCK_EXP_MS = 200
+FAULTS = ("garbage", "replay", "kill_worker", "restart_switch")
+# Network faults all along, injected by every worker (seeded and counted;
+# netem is not available on every kernel): loss of what it sends; loss,
+# duplication and reordering of what it receives. Not at the switch's
+# ingress, which would also drop or duplicate the garbage the driver must
+# account for exactly.
+NETWORK = {"send_drop": 0.01, "recv_drop": 0.01, "recv_duplicate": 0.01, "recv_reorder": 0.02}
+
+
+def _log(msg: str) -> None:
+    print(f"chaos: {msg}", file=sys.stderr, flush=True)
+
+
+class Worker:
+    """One chaos_worker process and the lines it printed (read by a thread)."""
+
+    def __init__(self, tb, host: str, argv: list[str], label: str) -> None:
+        self.label, self.host, self.argv = label, host, argv
+        self.proc = tb.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.lines: list[dict[str, Any]] = []
+        self.last_progress = time.monotonic()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            rec["t_seen"] = self.last_progress = time.monotonic()
+            self.lines.append(rec)
+
+    def done(self) -> list[dict[str, Any]]:
+        return [r for r in self.lines if r.get("event") == "done"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._reader.join(timeout=5)
+
+    def wait(self, timeout: float) -> Optional[int]:
+        """Wait for the worker to exit; SIGKILL and None if it did not in time."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            code = None
+        self._reader.join(timeout=5)
+        return code
+
+
+class Soak:
+    """The testbed, the daemons, the workloads and the fault log of one run."""
+
+    def __init__(self, stack: ExitStack, args) -> None:
+        from fanin.testbed import Testbed
+
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.stack = stack
+        for job in (INT_JOB, FLOAT_JOB):
+            self.stop_file(job).unlink(missing_ok=True)
+        # h0..h2 run job 1, h1..h3 job 2; h0 receives kv tasks, h1/h2 send; h4 is the attacker.
+        self.topo = topology.star(5)
+        self.tb = stack.enter_context(Testbed.up(self.topo, name="fbchaos"))
+        self.tb.enable_routing()
+        self.jobs = [job_config(INT_JOB, sources=WORKERS, block_cnt_max=WINDOW, block_grad_max=EPP,
+                                block_exp_ms=BLOCK_EXP_MS, slow_after_windows=2),
+                     job_config(FLOAT_JOB, sources=WORKERS, block_cnt_max=WINDOW, block_grad_max=EPP)]
+        self.counter_base: Counter = Counter()  # counters of the incarnations already gone
+        self.counter_last: dict[str, int] = {}
+        self.switch = self._start_switch()
+        self.workers: dict[tuple[int, int], Worker] = {}
+        self.retired: list[Worker] = []
+        for rank in range(WORKERS):
+            self.workers[(INT_JOB, rank)] = self._worker(INT_JOB, rank, "int32", f"h{rank}")
+            self.workers[(FLOAT_JOB, rank)] = self._worker(FLOAT_JOB, rank, "float32", f"h{rank + 1}")
+        self.faults: Counter = Counter()
+        self.injected: Counter = Counter()  # by the counter that must account for it
+        self.replays: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.kv = KvLoad(self) if not args.no_kv else None
+
+    # -- components -------------------------------------------------------------------------------
+
+    def _start_switch(self):
+        sw = self.tb.switch("s0", jobs=self.jobs, shards=2)
+        self.incarnation = sw.info.get("incarnation")
+        return sw
+
+    def data_addr(self, host: str) -> str:
+        return f"{self.tb.addr('s0', toward=host)}:{self.tb.SWITCH_DATA_PORT}"
+
+    def _worker(self, job: int, rank: int, dtype: str, host: str, *, sync_join: bool = False) -> Worker:
+        argv = [sys.executable, "-m", "fanin.bench.chaos_worker", "--addr", self.data_addr(host), "--job", str(job),
+                "--rank", str(rank), "--workers", str(WORKERS), "--blocks", str(BLOCKS), "--elems-per-packet",
+                str(EPP), "--window", str(WINDOW), "--dtype", dtype, "--seed", str(self.rng.randrange(1 << 30)),
+                *(f"--{k.replace('_', '-')}={v}" for k, v in NETWORK.items())]
+        if sync_join:
+            argv.append("--sync-join")
+        argv += ["--stop-file", str(self.stop_file(job))]
+        return Worker(self.tb, host, argv, f"job{job}/rank{rank}")
+
+    def stop_file(self, job: int) -> Path:
+        return Path(self.args.out) / f"stop-job{job}"
+
+    def scrape(self) -> dict[str, int]:
+        from fanin.proc import scrape_counters
+
+        try:
+            self.counter_last = scrape_counters(self.switch.metrics_addr)
+        except OSError as e:
+            _log(f"could not scrape the switch counters: {e}")
+        return self.counter_last
+
+    def counters(self) -> Counter:
+        total = Counter(self.counter_base)
+        total.update(self.counter_last)
+        return total
+
+    # -- faults -----------------------------------------------------------------------------------
+
+    def inject(self, kind: str) -> dict[str, Any]:
+        return getattr(self, f"_fault_{kind}")()
+
+    def _fault_garbage(self) -> dict[str, Any]:
+        count = self.rng.randrange(20, 80)
+        out = self._inject_tool("h4", ["garbage", "--to", self.data_addr("h4"), "--count", str(count),
+                                       "--seed", str(self.rng.randrange(1 << 30))])
+        self.injected.update(out["sent"])
+        return {"count": count, "sent": out["sent"]}
+
+    def _fault_replay(self) -> dict[str, Any]:
+        host = self.rng.choice(["h0", "h1", "h2"])
+        iface = self.tb.interface(host, toward="s0")
+        port = self.tb.SWITCH_DATA_PORT
+        out = self._inject_tool(host, ["replay", "--iface", iface, "--ports", f"{port}-{port + 1}",
+                                       "--capture", str(self.rng.randrange(10, 40)), "--delay", "1"])
+        self.replays.append(out)
+        self.injected["replayed_datagrams"] += out["replayed"]
+        return {"host": host, **out}
+
+    def _fault_kill_worker(self) -> dict[str, Any]:
+        rank = self.rng.randrange(WORKERS)
+        w = self.workers[(INT_JOB, rank)]
+        w.kill()
+        self.retired.append(w)
+        down = self.rng.uniform(1.0, 3.0)
+        time.sleep(down)
+        self.workers[(INT_JOB, rank)] = self._worker(INT_JOB, rank, "int32", w.host, sync_join=True)
+        return {"job": INT_JOB, "rank": rank, "down_s": round(down, 2)}
+
+    def _fault_restart_switch(self) -> dict[str, Any]:
+        self.scrape()
+        self.counter_base.update(self.counter_last)
+        self.counter_last = {}
+        old = self.incarnation
+        self.switch.proc.kill()
+        self.switch.proc.wait(timeout=10)
+        t0 = time.monotonic()
+        self.switch = self._start_switch()
+        return {"old_incarnation": old, "new_incarnation": self.incarnation,
+                "restart_s": round(time.monotonic() - t0, 3)}
+
+    def _inject_tool(self, host: str, argv: list[str]) -> dict[str, Any]:
+        r = self.tb.run(host, [sys.executable, "-m", "fanin.bench.chaos_inject", *argv], timeout=60)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def hung_workers(self) -> list[str]:
+        now = time.monotonic()
+        return [w.label for w in self.workers.values() if w.alive() and now - w.last_progress > self.args.hang_s]
+
+    def run(self) -> dict[str, Any]:
+        allowed = [f for f in FAULTS if f not in self.args.skip]
+        t_end = time.monotonic() + self.args.duration
+        hangs: set[str] = set()
+        _log(f"{self.args.duration:.0f} s of chaos: {', '.join(allowed)}")
+        while time.monotonic() < t_end:
+            kind = self.rng.choice(allowed)
+            t0 = time.monotonic()
+            detail = self.inject(kind)
+            self.faults[kind] += 1
+            time.sleep(self.rng.uniform(0.5, 1.5))
+            self.scrape()
+            hangs.update(self.hung_workers())
+            self.events.append({"t": round(t0 - (t_end - self.args.duration), 2), "fault": kind, **detail})
+            _log(f"{kind}: {json.dumps(detail)}")
+        return self.finish(hangs)
+
+    def finish(self, hangs: set[str]) -> dict[str, Any]:
+        _log("chaos over; every worker must now make progress")
+        marks = {k: len(w.done()) for k, w in self.workers.items()}
+        deadline = time.monotonic() + self.args.hang_s
+        while time.monotonic() < deadline:
+            if all(len(w.done()) >= marks[k] + 2 or not w.alive() for k, w in self.workers.items()):
+                break
+            time.sleep(0.2)
+        stalled = [w.label for k, w in self.workers.items() if len(w.done()) < marks[k] + 2]
+        hangs.update(stalled)
+        kv_report = self.kv.stop() if self.kv else None
+        self.scrape()
+        # Every worker of a job stops after the same allreduce. The workers
+        # keep going while this is decided, so it lies as many steps past the
+        # furthest one seen as a job makes in 2 s: nobody is past it yet.
+        for job in (INT_JOB, FLOAT_JOB):
+            done = [w.done() for (j, _), w in self.workers.items() if j == job]
+            furthest = max((d[-1]["step"] for d in done if d), default=0)
+            now = time.monotonic()
+            recent = max((sum(1 for r in d if now - r["t_seen"] < 2.0) for d in done), default=0)
+            self.stop_file(job).write_text(str(furthest + recent + 2))
+        exit_codes = {w.label: w.wait(timeout=self.args.hang_s) for w in self.workers.values()}
+        hangs.update(label for label, code in exit_codes.items() if code is None)
+        return self.report(sorted(hangs), kv_report, exit_codes)
+
+    def network_faults(self) -> dict[str, int]:
+        """Faults the workers injected (their last report each; a killed
+        worker's count dies with it)."""
+        total: Counter = Counter()
+        for w in list(self.workers.values()) + self.retired:
+            last = next((r["faults"] for r in reversed(w.lines) if "faults" in r), None)
+            if last:
+                total.update(last)
+        return dict(total)
+
+    def report(self, hangs: list[str], kv_report: Optional[dict[str, Any]], exit_codes: dict) -> dict[str, Any]:
+        value = {"allreduces": 0, "verified": 0, "wrong": 0, "degraded": 0, "errors": 0}
+        wrong_examples, error_examples = [], []
+        for w in list(self.workers.values()) + self.retired:
+            for rec in w.lines:
+                if rec.get("event") == "done":
+                    value["allreduces"] += 1
+                    value["verified" if rec["ok"] else "wrong"] += 1
+                    value["degraded"] += rec.get("degraded", 0) > 0
+                    if not rec["ok"] and len(wrong_examples) < 5:
+                        wrong_examples.append({"worker": w.label, "step": rec["step"], "problem": rec["problem"]})
+                elif rec.get("event") in ("error", "join_failed"):
+                    value["errors"] += 1
+                    if len(error_examples) < 5:
+                        error_examples.append({"worker": w.label, **rec})
+        counters = self.counters()
+        accounting = {}
+        for counter, sent in sorted(self.injected.items()):
+            if counter == "replayed_datagrams":
+                continue
+            accounting[counter] = {"injected": sent, "counted": counters.get(counter, 0),
+                                   "accounted": counters.get(counter, 0) == sent}
+        kv_wrong = kv_report["wrong"] if kv_report else 0
+        kv_hung = kv_report["hung"] if kv_report else 0
+        ok = (value["wrong"] == 0 and value["errors"] == 0 and kv_wrong == 0 and not hangs and kv_hung == 0
+              and all(a["accounted"] for a in accounting.values()) and value["verified"] > 0)
+        return {
+            "benchmark": "chaos", "ok": ok, "duration_s": self.args.duration, "seed": self.args.seed,
+            "faults": dict(self.faults), "value": value, "wrong_examples": wrong_examples,
+            "error_examples": error_examples,
+            "kv": kv_report, "hangs": hangs, "hang_bound_s": self.args.hang_s,
+            "accounting": accounting,
+            "network_faults": {"rates": NETWORK, **self.network_faults(),
+                               "switch_duplicates": counters.get("duplicate", 0),
+                               "switch_retransmissions": counters.get("retransmissions", 0)},
+            "replay": {"captured_and_replayed": self.injected.get("replayed_datagrams", 0)},
+            "switch_counters": {k: v for k, v in sorted(counters.items()) if v},
+            "worker_exit_codes": exit_codes, "events": self.events,
+        }
+
+
+class KvLoad:
+    """Word-count tasks over real text, one after another, in a thread:
+    a receiver daemon on h0, sender daemons on h1 and h2."""
+
+    def __init__(self, soak: Soak) -> None:
+        from fanin.bench.corpus import build_corpus
+        from fanin.kv import DaemonProcess
+
+        self.soak = soak
+        tb = soak.tb
+        corpus = build_corpus(os.path.join(soak.args.out, "corpus"), 2 << 20)
+        with open(corpus["path"], encoding="ascii") as f:
+            self.lines = f.read().splitlines()
+        ctl = f"{tb.mgmt_addr('s0')}:{tb.SWITCH_CONTROL_PORT}"
+        self.daemons = {}
+        for host in ("h0", "h1", "h2"):
+            d = DaemonProcess(ctl, netns=tb.namespace(host), control_addr=f"{tb.mgmt_addr(host)}:0",
+                              bind_ip=tb.addr(host, toward="s0"), switch_data_ip=tb.addr("s0", toward=host),
+                              silence_ms=3000)
+            soak.stack.callback(d.stop)
+            self.daemons[host] = d
+        self.stats = Counter()
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _task(self, seed: int) -> None:
+        from fanin.kv import Client, KvError
+
+        rng = random.Random(seed)
+        start = rng.randrange(max(1, len(self.lines) - 400))
+        chunks = [self.lines[start:start + 200], self.lines[start + 200:start + 400]]
+        inputs = [[(w, 1) for line in chunk for w in line.split()] for chunk in chunks]
+        expected = Counter(w for chunk in inputs for w, _ in chunk)
+        deadline = self.soak.args.hang_s
+        t0 = time.monotonic()
+        try:
+            with Client(self.daemons["h0"].socket_path, timeout=deadline) as rx:
+                ticket = rx.create(senders=2, aa_size=256)
+                errors: list[str] = []
+
+                def send(ch: int, host: str) -> None:
+                    try:
+                        with Client(self.daemons[host].socket_path, timeout=deadline) as tx:
+                            tx.send(ticket, ch, inputs[ch])
+                    except (KvError, OSError) as e:
+                        errors.append(str(e))
+
+                senders = [threading.Thread(target=send, args=(i, h)) for i, h in enumerate(("h1", "h2"))]
+                for t in senders:
+                    t.start()
+                got = rx.wait(ticket)
+                for t in senders:
+                    t.join(deadline)
+        except (KvError, OSError, TimeoutError) as e:
+            hung = time.monotonic() - t0 >= deadline or "timed out" in str(e)
+            self.stats["hung" if hung else "failed_cleanly"] += 1
+            if len(self.failures) < 5:
+                self.failures.append(str(e)[:200])
+            return
+        if got == dict(expected):
+            self.stats["verified"] += 1
+        else:
+            self.stats["wrong"] += 1
+
+    def _loop(self) -> None:
+        seed = self.soak.args.seed * 10_000
+        while not self._stop.is_set():
+            seed += 1
+            self._task(seed)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(self.soak.args.hang_s * 2)
+        hung = self._thread.is_alive()
+        return {"tasks": sum(self.stats.values()), "verified": self.stats["verified"], "wrong": self.stats["wrong"],
+                "failed_cleanly": self.stats["failed_cleanly"], "hung": self.stats["hung"] + int(hung),
+                "failure_examples": self.failures}
+
+
+def run_bench_chaos(args) -> int:
+    from fanin.testbed import why_unavailable
+
+    reason = why_unavailable()
+    if reason:
+        print(f"fanin bench chaos needs the namespace testbed: {reason}", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.duration = min(args.duration, 60.0)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        soak = Soak(stack, args)
+        report = soak.run()
+    (Path(args.out) / "chaos.json").write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_human(report))
+    return 0 if report["ok"] else 1
+
+
+def _human(r: dict[str, Any]) -> str:
+    v, kv = r["value"], r["kv"] or {}
+    lines = [f"chaos soak {r['duration_s']:.0f} s, seed {r['seed']}: {'PASS' if r['ok'] else 'FAIL'}",
+             f"  faults: {', '.join(f'{k} {n}' for k, n in sorted(r['faults'].items()))}",
+             f"  allreduces: {v['verified']} verified, {v['wrong']} wrong, {v['degraded']} degraded, "
+             f"{v['errors']} clean errors",
+             f"  kv tasks: {kv.get('verified', 0)} verified, {kv.get('wrong', 0)} wrong, "
+             f"{kv.get('failed_cleanly', 0)} failed cleanly, {kv.get('hung', 0)} hung",
+             f"  hangs: {', '.join(r['hangs']) or 'none'}"]
+    for counter, a in r["accounting"].items():
+        lines.append(f"  {counter}: injected {a['injected']}, counted {a['counted']}")
+    return "\n".join(lines)

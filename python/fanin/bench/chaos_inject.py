@@ -1,0 +1,136 @@
+"""Packet injectors of the chaos soak, run inside a testbed namespace.
+
+    python -m fanin.bench.chaos_inject garbage --to 10.1.0.2:9000 --count 50 --seed 1
+    python -m fanin.bench.chaos_inject replay --iface veth0 --ports 9000-9001 --capture 40 --delay 1
+
+Each prints one JSON line saying exactly what it sent, by the switch
+counter that must account for it, so the driver can check the counters
+afterwards.
+
+* ``garbage``: datagrams the switch must count as malformed (by reason)
+  or as addressed to an unknown job, and drop.
+* ``replay``: captures real datagrams this host sends to the switch (an
+  ``AF_PACKET`` socket sees outgoing frames) and, after a delay, sends
+  the same bytes again: the recorded packet-replay attack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import struct
+import sys
+import time
+from collections import Counter
+
+MAGIC = 0xFA17
+VERSION = 1
+CONTRIBUTION = 0x01
+UNKNOWN_JOB = 0xFFFF_FFF0  # never admitted by the soak
+
+
+def _header(msg_type: int, job_id: int, *, version: int = VERSION, src: int = 0, block: int = 0,
+            grad_cnt: int = 0) -> bytes:
+    """A value-stream header (docs/protocol.md §2.2): int32 dtype, no exponent."""
+    return struct.pack(">HBBBBHHHIIHbb", MAGIC, version, msg_type, 0, 0, src, 0, 1, job_id, block,
+                       grad_cnt, -128, -128)
+
+
+def garbage(rng: random.Random) -> tuple[str, bytes]:
+    """One malformed or misaddressed datagram and the counter it must land in."""
+    kind = rng.choice(["truncated", "bad_magic", "bad_version", "unknown_msg_type", "unknown_job"])
+    if kind == "truncated":
+        return "malformed.truncated", bytes([0xFA])
+    if kind == "bad_magic":
+        body = bytes(rng.getrandbits(8) for _ in range(rng.randrange(4, 200)))
+        return "malformed.bad_magic", bytes([0x00]) + body  # magic starts 0xFA, never 0x00
+    if kind == "bad_version":
+        return "malformed.bad_version", _header(CONTRIBUTION, 1, version=0x7E)
+    if kind == "unknown_msg_type":
+        return "malformed.unknown_msg_type", _header(0x5F, 1)
+    payload = struct.pack(">4i", *(rng.randrange(-1000, 1000) for _ in range(4)))
+    return "unknown_job", _header(CONTRIBUTION, UNKNOWN_JOB, grad_cnt=4) + payload
+
+
+def run_garbage(args: argparse.Namespace) -> dict:
+    host, port = args.to.rsplit(":", 1)
+    rng = random.Random(args.seed)
+    sent: Counter = Counter()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(args.count):
+            counter, data = garbage(rng)
+            s.sendto(data, (host, int(port)))
+            sent[counter] += 1
+            time.sleep(0.0005)  # not a flood: this is about parsing, not rate limits
+    return {"sent": dict(sent)}
+
+
+def _outgoing_udp(frame: bytes, ports: range):
+    """(dst ip, dst port, payload) of an IPv4/UDP datagram to one of `ports`, else None."""
+    if len(frame) < 28 or frame[0] >> 4 != 4 or frame[9] != 17:
+        return None
+    ihl = (frame[0] & 0x0F) * 4
+    if struct.unpack_from(">H", frame, 6)[0] & 0x3FFF:  # fragments: not ours
+        return None
+    dport = struct.unpack_from(">H", frame, ihl + 2)[0]
+    if dport not in ports:
+        return None
+    ulen = struct.unpack_from(">H", frame, ihl + 4)[0]
+    return socket.inet_ntoa(frame[16:20]), dport, bytes(frame[ihl + 8:ihl + ulen])
+
+
+def run_replay(args: argparse.Namespace) -> dict:
+    lo, _, hi = args.ports.partition("-")
+    ports = range(int(lo), int(hi or lo) + 1)
+    # Outgoing frames reach a packet socket only when it listens to every
+    # protocol (ETH_P_ALL); IPv4 is picked out by the frame's ethertype.
+    eth_p_all, eth_p_ip = 0x0003, 0x0800
+    cap = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(eth_p_all))
+    cap.bind((args.iface, eth_p_all))
+    cap.settimeout(0.2)
+    captured = []
+    deadline = time.monotonic() + args.capture_s
+    while len(captured) < args.capture and time.monotonic() < deadline:
+        try:
+            frame, addr = cap.recvfrom(70000)
+        except socket.timeout:
+            continue
+        if addr[1] != eth_p_ip or addr[2] != socket.PACKET_OUTGOING:
+            continue
+        got = _outgoing_udp(frame, ports)
+        if got:
+            captured.append(got)
+    cap.close()
+    time.sleep(args.delay)
+    types: Counter = Counter()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for ip, port, payload in captured:
+            s.sendto(payload, (ip, port))
+            types[payload[3] if len(payload) > 3 else -1] += 1
+            time.sleep(0.0005)
+    return {"captured": len(captured), "replayed": len(captured), "msg_types": {str(k): v for k, v in types.items()}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("garbage")
+    g.add_argument("--to", required=True)
+    g.add_argument("--count", type=int, default=50)
+    g.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("replay")
+    r.add_argument("--iface", required=True)
+    r.add_argument("--ports", default="9000")
+    r.add_argument("--capture", type=int, default=40, help="datagrams to capture")
+    r.add_argument("--capture-s", type=float, default=3.0, help="stop capturing after this long")
+    r.add_argument("--delay", type=float, default=1.0, help="seconds between capture and replay")
+    a = p.parse_args()
+    out = run_garbage(a) if a.what == "garbage" else run_replay(a)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

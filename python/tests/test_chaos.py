@@ -1,0 +1,84 @@
+"""The chaos soak (`fanin bench chaos`): its result checker, and a short
+soak on the real namespace testbed (root; skipped with the reason when
+network namespaces are not available)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fanin.bench.chaos_inject import garbage
+from fanin.bench.chaos_worker import chaos_input, verify
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _sum(ranks, elements=64, step=5, dtype="int32"):
+    return sum(chaos_input(r, elements, step, dtype).astype(np.int64) for r in ranks).astype(dtype)
+
+
+def test_verify_accepts_full_and_reported_partial_sums():
+    full = _sum(range(3))
+    assert verify(full, step=5, workers=3, epp=16, degraded_blocks=[]) is None
+    assert verify(full.astype(np.float32), step=5, workers=3, epp=16, degraded_blocks=[]) is None
+    part = full.copy()
+    part[16:32] = _sum([0, 2])[16:32]
+    assert verify(part, step=5, workers=3, epp=16, degraded_blocks=[(9, 2)]) is None
+
+
+@pytest.mark.parametrize("corrupt, why", [
+    (lambda x: x.__setitem__(0, x[0] + 1), "whole multiple"),                            # a flipped value
+    (lambda x: x.__setitem__(slice(0, 16), x[:16] + _sum([0])[:16]), "outside the job"),  # rank 0 counted twice
+    (lambda x: x.__setitem__(slice(0, 8), _sum([1])[:8]), "mixes"),                        # half a block from elsewhere
+    (lambda x: x.__setitem__(slice(16, 32), _sum([0, 1])[16:32]), "degraded"),             # partial but not reported
+])
+def test_verify_rejects_wrong_sums(corrupt, why):
+    x = _sum(range(3))
+    corrupt(x)
+    problem = verify(x, step=5, workers=3, epp=16, degraded_blocks=[])
+    assert problem is not None and why in problem
+
+
+def test_verify_rejects_another_steps_data():
+    assert verify(_sum(range(3), step=4), step=5, workers=3, epp=16, degraded_blocks=[]) is not None
+
+
+def test_garbage_kinds_are_what_they_claim():
+    import random
+
+    rng = random.Random(3)
+    seen = {}
+    for _ in range(200):
+        counter, data = garbage(rng)
+        seen.setdefault(counter, data)
+    assert set(seen) == {"malformed.truncated", "malformed.bad_magic", "malformed.bad_version",
+                         "malformed.unknown_msg_type", "unknown_job"}
+    assert len(seen["malformed.truncated"]) < 4
+    assert seen["malformed.bad_magic"][:2] != b"\xfa\x17"
+    assert seen["malformed.bad_version"][:2] == b"\xfa\x17" and seen["malformed.bad_version"][2] != 1
+
+
+def test_quick_chaos_soak_on_the_testbed(tmp_path):
+    from fanin.testbed import why_unavailable
+
+    reason = why_unavailable("fbchprobe")
+    if reason:
+        pytest.skip(f"namespace testbed unavailable: {reason}")
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    r = subprocess.run([sys.executable, "-m", "fanin", "bench", "chaos", "--quick", "--duration", "40", "--json",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert r.stdout, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["value"]["wrong"] == 0 and report["value"]["verified"] > 0, report["wrong_examples"]
+    assert report["hangs"] == [], report["hangs"]
+    assert report["kv"]["wrong"] == 0 and report["kv"]["hung"] == 0 and report["kv"]["verified"] > 0
+    for counter, a in report["accounting"].items():
+        assert a["counted"] == a["injected"], (counter, a)
+    assert sum(report["faults"].values()) >= 5
+    assert report["ok"], {k: report[k] for k in ("value", "error_examples", "kv", "hangs", "accounting")}
+    assert r.returncode == 0
