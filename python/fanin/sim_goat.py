@@ -111,7 +111,8 @@ def packet_metrics(topo, result: dict[str, Any]) -> dict[str, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fanin sim goat", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="fanin sim goat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="The study point: `fanin bench goat` draws the same instance for "
                                        "(--topology, --workers, --sigma, --seed). See docs/goat.md.")
     p.add_argument("--topology", default="leaf-spine:10,10,5",
