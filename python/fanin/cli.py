@@ -18,6 +18,7 @@ examples:
   fanin bench time-to-accuracy --quick --json  # digits MLP with stragglers (cf. Trio-ML Fig. 12)
   fanin sim trimming --figure 6 --quick        # trimming study in the simulator (CSV + PNG in out/sim)
   fanin sim allreduce --sweep --json           # fanin's tree vs ring allreduce, fat-tree:8, 128 workers (CSV + PNG)
+  fanin sim goat --json                        # one GOAT study point at packet level vs the flow-level evaluator
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
   fanin bench overload --quick --json          # overloaded switch: trimming vs silent drops
   fanin testbed up fat-tree:4                  # namespaces + veth links (root; see fanin testbed --help)
@@ -218,6 +219,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     rest = list(args.sim_args or [])
     no_plot = args.no_plot or "--no-plot" in rest
     rest = [a for a in rest if a != "--no-plot"]
+    if args.sim == "goat":
+        from fanin.sim_goat import main as sim_goat
+
+        return sim_goat(binary, rest)
     if args.sim == "allreduce" and not _minimal_allreduce(rest):
         from fanin.sim_allreduce import main as sim_allreduce
 
@@ -420,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Value-stream jobs (int32 with straggler aging, float32) and key-value word "
                                      "counts over real text run through one switch daemon on the namespace testbed "
                                      "while a seeded driver injects one fault at a time (on top of seeded loss, duplication and "
-                                     "reordering of every datagram the switch receives): garbage datagrams, captured packets replayed, workers killed "
+                                     "reordering at every worker): garbage datagrams, forged packets, captured packets "
+                                     "replayed, workers killed "
                                      "and restarted, the switch daemon killed and restarted. Workers verify every "
                                      "result. Exit 0 only with zero wrong results, zero hangs and every injected "
                                      "packet accounted for by the switch counters. Report: JSON in --out.",
@@ -432,22 +438,24 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--hang-s", type=float, default=30.0,
                     help="a worker or kv task without progress this long counts as hung (default %(default)s)")
     ch.add_argument("--skip", nargs="*", default=[], metavar="FAULT",
-                    help="fault kinds to leave out (garbage replay kill_worker restart_switch)")
+                    help="fault kinds to leave out (garbage forge replay kill_worker restart_switch)")
     ch.add_argument("--no-kv", action="store_true", help="value-stream jobs only")
     ch.add_argument("--out", default="out/chaos", help="directory for the JSON report (default %(default)s)")
     common(ch)
     ch.set_defaults(func=_cmd_bench_chaos)
 
-    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, GOAT, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",
                          epilog="examples:\n  fanin sim trimming --figure 6 --quick --json\n"
                                 "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5\n"
                                 "  fanin sim allreduce --quick --loss 0.01 --json   (see fanin sim allreduce --help; "
-                                "--star: the one-switch fanin-sim allreduce)",
+                                "--star: the one-switch fanin-sim allreduce)\n"
+                                "  fanin sim goat --quick --json   (a GOAT study point at packet level vs flow level; "
+                                "see fanin sim goat --help)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "bench-events"],
+    sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "goat", "bench-events"],
                      help="simulator command (see `fanin-sim --help`)")
     sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
     sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")

@@ -106,6 +106,9 @@ pub struct Fabric {
     bufs: Vec<Option<Dgram>>,
     free: Vec<u32>,
     cfg: ChannelConfig,
+    /// Optional per-class byte counts of every channel (`with_classes`).
+    classify: Option<fn(&[u8]) -> usize>,
+    class_sent: Vec<Vec<u64>>,
     pub datagrams: u64,
     pub queue_drops: u64,
     pub link_drops: u64,
@@ -148,7 +151,22 @@ impl Fabric {
                 dist
             })
             .collect();
-        Fabric { chans, adj, dist, bufs: Vec::new(), free: Vec::new(), cfg, datagrams: 0, queue_drops: 0, link_drops: 0 }
+        Fabric { chans, adj, dist, bufs: Vec::new(), free: Vec::new(), cfg, classify: None, class_sent: Vec::new(), datagrams: 0, queue_drops: 0, link_drops: 0 }
+    }
+
+    /// Also count each channel's sent bytes per class: `classify` maps a
+    /// datagram's bytes to a class below `classes` (e.g. by message type, to
+    /// tell contributions from results on the same link).
+    pub fn with_classes(mut self, classes: usize, classify: fn(&[u8]) -> usize) -> Self {
+        self.classify = Some(classify);
+        self.class_sent = vec![vec![0; classes]; self.chans.len()];
+        self
+    }
+
+    /// Bytes (`WIRE_OVERHEAD` included) a channel sent per class; empty
+    /// without `with_classes`.
+    pub fn class_sent_bytes(&self, chan: usize) -> &[u64] {
+        self.class_sent.get(chan).map_or(&[], |v| v.as_slice())
     }
 
     pub fn channel_stats(&self, chan: usize) -> ChannelStats {
@@ -218,7 +236,11 @@ impl Fabric {
             return;
         }
         let Some(buf) = c.queue.pop_front() else { return };
-        let len = self.bufs[buf as usize].as_ref().expect("live buffer").bytes.len() as u32 + WIRE_OVERHEAD;
+        let bytes = &self.bufs[buf as usize].as_ref().expect("live buffer").bytes;
+        let len = bytes.len() as u32 + WIRE_OVERHEAD;
+        if let Some(classify) = self.classify {
+            self.class_sent[chan as usize][classify(bytes)] += len as u64;
+        }
         c.queued_bytes -= len as u64;
         c.busy = true;
         c.stats.sent_bytes += len as u64;

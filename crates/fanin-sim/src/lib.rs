@@ -14,9 +14,11 @@
 //!   permutation workload on any of them.
 //! * [`trimming`]: the trimming paper's simulation study (Figs. 5-9).
 //! * [`allreduce`]: one `ValueSwitch` and N `AllreduceSession` workers.
+//! * [`scale`]: fanin's tree vs ring at scale; [`goat`]: a GOAT plan (PS + responsibility filters).
 
 pub mod allreduce;
 pub mod fabric;
+pub mod goat;
 pub mod kernel;
 pub mod ndp;
 pub mod net;

@@ -32,6 +32,11 @@ usage:
                       [--seed S] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
+  fanin-sim goat --spec FILE [--elems-per-packet P] [--window W] [--rate-gbps R] [--delay-ns D]
+                 [--queue-pkts Q] [--loss P] [--seed S] [--json]
+      a GOAT plan's jobs (the PS as host aggregator, switches' responsibility filters) from FILE
+      (written by `fanin sim goat`): every sub-model on every worker, checked; bytes per link
+      and message class
   fanin-sim bench-events [--runs R] [--json]
       event rate of the 64-sender Fig. 6 run (Tofino design), median of R runs
 ";
@@ -307,6 +312,46 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
     }
 }
 
+fn goat(mut args: Args) -> Result<(), String> {
+    use fanin_sim::goat::{run, GoatConfig, GoatSpec, PACKET_OVERHEAD};
+    let spec_path: String = args.value("--spec")?.ok_or("goat needs --spec FILE (written by `fanin sim goat`)")?;
+    let text = std::fs::read_to_string(&spec_path).map_err(|e| format!("{spec_path}: {e}"))?;
+    let spec: GoatSpec = serde_json::from_str(&text).map_err(|e| format!("{spec_path}: {e}"))?;
+    let mut c = GoatConfig::default();
+    macro_rules! opt {
+        ($flag:literal, $($field:ident).+) => {
+            if let Some(v) = args.value($flag)? {
+                c.$($field).+ = v;
+            }
+        };
+    }
+    opt!("--elems-per-packet", elems_per_packet);
+    opt!("--window", window);
+    opt!("--loss", links.loss);
+    opt!("--rate-gbps", links.rate_gbps);
+    opt!("--delay-ns", links.link_delay_ns);
+    opt!("--queue-pkts", links.queue_pkts);
+    opt!("--rto-min-us", rto_min_us);
+    opt!("--seed", seed);
+    let as_json = args.flag("--json");
+    args.finish()?;
+    let mut bar = progress_bar(format!("goat {} ({} workers, {} sub-models)", spec.name, spec.workers.len(), spec.jobs.len()));
+    let r = run(&spec, &c, &mut bar)?;
+    eprintln!(
+        "goat on {}: {:.1} µs, exact={}, {} retransmissions, {} queue drops, {:.3} MB of contributions into the PS",
+        spec.name, r.completion_us, r.exact, r.retransmissions, r.queue_drops, r.ps_contribution_bytes as f64 / 1e6
+    );
+    if as_json {
+        let out = serde_json::json!({ "topology": spec.name, "workers": spec.workers.len(), "config": c, "packet_overhead_bytes": PACKET_OVERHEAD, "result": r });
+        println!("{}", serde_json::to_string(&out).expect("json"));
+    }
+    if r.exact {
+        Ok(())
+    } else {
+        Err("a worker's result differs from the reference sum".into())
+    }
+}
+
 fn permutation(mut args: Args) -> Result<(), String> {
     use fanin_sim::permutation::{run, PermutationConfig, Topology};
     let topo: String = args.value("--topology")?.unwrap_or_else(|| "fat-tree".into());
@@ -362,6 +407,7 @@ fn main() -> ExitCode {
         "incast" => incast(args),
         "allreduce" => allreduce(args),
         "permutation" => permutation(args),
+        "goat" => goat(args),
         _ => Err(format!("unknown command {cmd:?}\n{USAGE}")),
     };
     match r {
