@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 
 use std::time::Duration;
 
+use fanin_proto::auth::Key;
 use fanin_proto::job::{JobMode, JobSpec, DEFAULT_SLOW_AFTER_WINDOWS};
 use fanin_proto::switch::AgingConfig;
 use fanin_proto::trim::Watermark;
@@ -169,6 +170,10 @@ pub struct JobConfig {
     /// Workers in the whole job (aggregation trees); 0 = the member count.
     #[serde(default)]
     pub workers: u16,
+    /// The job key as 32 hex digits (docs/security.md); unset = an
+    /// unauthenticated job.
+    #[serde(default)]
+    pub key: Option<String>,
 }
 
 fn default_data_addr() -> SocketAddr {
@@ -291,6 +296,7 @@ impl JobConfig {
             slow_after_windows: self.slow_after_windows,
             mode: self.mode,
             workers: self.workers,
+            key: self.key.as_deref().map(Key::from_hex).transpose().map_err(|e| format!("key: {e}"))?,
         })
     }
 }
