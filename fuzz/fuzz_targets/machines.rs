@@ -27,7 +27,7 @@ use libfuzzer_sys::fuzz_target;
 
 fn switch(shard: u16) -> ValueSwitch<u8> {
     let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1) };
-    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging });
+    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging, seal_clock_us: 1 });
     let mut job = JobSpec::with_sources(1, 3, 4, 8);
     job.block_exp_ms = 1;
     job.slow_after_windows = 1;
@@ -35,6 +35,10 @@ fn switch(shard: u16) -> ValueSwitch<u8> {
     let mut fwd = JobSpec::with_sources(2, 2, 4, 8);
     fwd.mode = JobMode::Forward;
     sw.add_job(fwd).unwrap();
+    // a keyed job: arbitrary bytes exercise the tag check and never get past it
+    let mut keyed = JobSpec::with_sources(4, 2, 4, 8);
+    keyed.key = Some(fanin_proto::auth::Key([0x4b; 16]));
+    sw.add_job(keyed).unwrap();
     // a tree node: children 0, 1 and a child switch; parent at address 7
     let mut tree = JobSpec::with_sources(3, 2, 4, 8);
     tree.members.push(SWITCH_RANK_BASE + 1);

@@ -12,6 +12,7 @@ See ``fanin --help`` for the command line (switch, demo, bench).
 """
 
 from fanin._native import FaninError, FaninRefused, FaninTimeout, __version__
+from fanin.auth import derive_member_key, new_job_key
 from fanin.session import Session
 from fanin.switch import LocalSwitch, local_switch
 
@@ -23,4 +24,6 @@ __all__ = [
     "Session",
     "local_switch",
     "__version__",
+    "derive_member_key",
+    "new_job_key",
 ]

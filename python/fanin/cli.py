@@ -41,7 +41,7 @@ def _job_arg(text: str) -> dict[str, Any]:
         k = {"id": "job_id"}.get(k, k)
         if k == "members":
             job[k] = [int(x) for x in v.split(":") if x]
-        elif k == "mode":
+        elif k in ("mode", "key"):
             job[k] = v
         elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows"):
             try:
@@ -50,7 +50,7 @@ def _job_arg(text: str) -> dict[str, Any]:
                 raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
         else:
             raise argparse.ArgumentTypeError(
-                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode)")
+                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode, key=HEX)")
     if "job_id" not in job:
         raise argparse.ArgumentTypeError("a job needs id=N")
     return job
@@ -128,12 +128,18 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
     size = parse_size(args.size) if args.size else (16_000_000 if args.quick else 100_000_000)
     p = AllreduceParams(workers=args.workers, elements=max(1, size // 4), dtype=args.dtype,
                         elems_per_packet=args.elems_per_packet, window=args.window, loss=args.loss,
-                        iters=args.iters or (3 if args.quick else 7), shards=args.shards, seed=args.seed)
+                        iters=args.iters or (3 if args.quick else 7), shards=args.shards, seed=args.seed,
+                        auth=args.auth, noaggr=not args.auth)
     s = run_allreduce(p).summary()
     human = (f"fanin allreduce {args.workers} workers x {format_size(size)} {args.dtype}: median {s['median_s']:.3f} s "
-             f"({s['goodput_gbps']:.2f} Gbit/s per worker), NoAggr {s['noaggr_median_s']:.3f} s, "
-             f"ratio_vs_noaggr {s['ratio_vs_noaggr']:.2f}, {s['retransmissions']} retransmissions, "
-             f"verified={s['verified']}")
+             f"({s['goodput_gbps']:.2f} Gbit/s per worker), ")
+    if args.auth:
+        human += (f"authenticated {s['auth_median_s']:.3f} s ({s['auth_goodput_gbps']:.2f} Gbit/s), "
+                  f"auth_goodput_ratio {s['auth_goodput_ratio']:.3f}, ")
+    else:
+        human += f"NoAggr {s['noaggr_median_s']:.3f} s, ratio_vs_noaggr {s['ratio_vs_noaggr']:.2f}, "
+    human += f"{s['retransmissions']} retransmissions, verified={s['verified']}"
+
     _emit(s, human, args.json)
     return 0
 
@@ -307,12 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--data-addr", default="127.0.0.1:9000", help="data port of shard 0 (default %(default)s)")
     sw.add_argument("--shards", type=int, default=1, help="processing threads, one data port each (default %(default)s)")
     sw.add_argument("--control-addr", default="127.0.0.1:9100", help="gRPC control API address or 'off'")
-    sw.add_argument("--control-token", help="bearer token the control API requires")
+    sw.add_argument("--control-token", help="bearer token the control API requires (default: $FANIN_CONTROL_TOKEN; "
+                                             "required when --control-addr is not a loopback address)")
     sw.add_argument("--metrics-addr", default="127.0.0.1:9101", help="Prometheus endpoint address or 'off'")
     sw.add_argument("--memory-mb", type=int, default=1024, help="aggregation memory for all jobs (default %(default)s)")
     sw.add_argument("--job", action="append", type=_job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
-                         "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward")
+                         "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward, "
+                         "key=32 hex digits (an authenticated job, docs/security.md)")
     sw.add_argument("--ingress-drop", type=float, default=0.0, help="fault injection: drop probability on receive")
     sw.add_argument("--egress-drop", type=float, default=0.0, help="fault injection: drop probability on send")
     sw.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
@@ -350,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--loss", type=float, default=0.0, help="drop probability on every send, both directions")
     ar.add_argument("--iters", type=int, help="timed iterations (default 7, 3 with --quick)")
     ar.add_argument("--shards", type=int, default=1)
+    ar.add_argument("--auth", action="store_true",
+                    help="compare against the same allreduce on an authenticated job (every datagram sealed and "
+                         "verified, docs/security.md) instead of NoAggr; reports auth_goodput_ratio")
     common(ar)
     ar.set_defaults(func=_cmd_bench_allreduce)
 

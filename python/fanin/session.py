@@ -48,6 +48,11 @@ class Session:
         rto_ms, rto_min_ms, rto_max_ms: retransmission timeout (initial, bounds).
         join_timeout_s: give up joining after this long.
         dead_after_s: fail an allreduce when the switch is silent this long.
+        auth_key: this worker's 16-byte member key in a keyed job (the
+            controller issues it; ``fanin.derive_member_key(job_key, job_id,
+            rank)`` computes it from the job key). Every datagram is sealed
+            with it and only results sealed for it are accepted
+            (docs/security.md). None for an unauthenticated job.
 
     Example::
 
@@ -76,6 +81,7 @@ class Session:
         align_blocks: int = 0,
         recv_duplicate: float = 0.0,
         recv_reorder: float = 0.0,
+        auth_key: Optional[bytes] = None,
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -96,6 +102,7 @@ class Session:
             align_blocks=align_blocks,
             recv_duplicate=recv_duplicate,
             recv_reorder=recv_reorder,
+            auth_key=None if auth_key is None else bytes(auth_key),
         )
         self.switch = switch
         self.job_id = job_id

@@ -4,7 +4,7 @@ for ``fanin switch``."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 from fanin import _native
 
@@ -21,6 +21,7 @@ def job_config(
     block_exp_ms: int = 0,
     slow_after_windows: int = 2,
     mode: str = "aggregate",
+    key: Optional[Union[bytes, str]] = None,
 ) -> dict[str, Any]:
     """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
 
@@ -32,6 +33,9 @@ def job_config(
     switch emit partial results for blocks that waited that long for a
     missing source; ``slow_after_windows`` (K) declares a source missing for
     K windows permanently slow, so blocks stop waiting for it (0 = never).
+
+    ``key`` (16 bytes or 32 hex digits) makes the job authenticated: members
+    must seal every datagram with their member key (docs/security.md).
     """
     job: dict[str, Any] = {
         "job_id": job_id,
@@ -45,6 +49,10 @@ def job_config(
         job["members"] = list(members)
     if sources is not None:
         job["sources"] = sources
+    if key is not None:
+        from fanin.auth import key_hex
+
+        job["key"] = key_hex(key)
     return job
 
 
@@ -67,6 +75,7 @@ def switch_config(
     trim_watermark: float = 0.5,
     socket_buffer: Optional[int] = None,
     jobs: Iterable[dict[str, Any]] = (),
+    control_token: Optional[str] = None,
 ) -> dict[str, Any]:
     """The daemon configuration (the same fields as the TOML config file).
     ``scanners`` and ``checks`` configure the straggler detector; ``trim``
@@ -74,7 +83,11 @@ def switch_config(
     ``socket_buffer`` the receive buffer per data socket in bytes (default
     the daemon's). ``ingress_drop``/``ingress_duplicate``/``ingress_reorder``
     and ``egress_drop`` are seeded fault-injection probabilities (reordering
-    swaps a datagram with the next one of its receive batch)."""
+    swaps a datagram with the next one of its receive batch).
+    ``control_token`` is the bearer token the control API
+    requires; unset, the daemon takes ``FANIN_CONTROL_TOKEN`` from the
+    environment, and refuses to start with a non-loopback ``control_addr``
+    and no token (docs/security.md)."""
     cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks},
         "trim": {"enabled": trim, "watermark": trim_watermark},
@@ -90,6 +103,8 @@ def switch_config(
     }
     if socket_buffer is not None:
         cfg["socket_buffer"] = socket_buffer
+    if control_token is not None:
+        cfg["control_token"] = control_token
     return cfg
 
 

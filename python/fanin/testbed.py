@@ -436,6 +436,10 @@ class Testbed:
         from fanin.switch import switch_config
 
         mgmt = self.mgmt_addr(node)
+        # The control API listens on the management network, so it needs a
+        # token (docs/security.md): one per process, exported so every
+        # ControlClient of this process (and its children) sends it.
+        config.setdefault("control_token", _control_token())
         config.setdefault("data_addr", f"0.0.0.0:{self.SWITCH_DATA_PORT}")
         config.setdefault("control_addr", f"{mgmt}:{self.SWITCH_CONTROL_PORT}")
         config.setdefault("metrics_addr", f"{mgmt}:{self.SWITCH_METRICS_PORT}")
@@ -686,3 +690,17 @@ def list_testbeds(state_dir: Optional[Path] = None) -> list[str]:
     d = Path(state_dir or STATE_DIR)
     return sorted(p.name[len("testbed-"):-len(".json")] for p in d.glob("testbed-*.json"))
 
+
+def _control_token() -> str:
+    """The testbed's control API token: ``FANIN_CONTROL_TOKEN`` if set,
+    else a random one set there for this process and its children."""
+    import os
+    import secrets
+
+    from fanin.control.client import CONTROL_TOKEN_ENV
+
+    token = os.environ.get(CONTROL_TOKEN_ENV)
+    if not token:
+        token = secrets.token_hex(16)
+        os.environ[CONTROL_TOKEN_ENV] = token
+    return token

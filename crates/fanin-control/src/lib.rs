@@ -428,6 +428,12 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
         workers: u16::try_from(spec.workers.unwrap_or(0)).map_err(|_| {
             Status::invalid_argument(format!("job {job_id}: workers {} is too large", spec.workers.unwrap_or(0)))
         })?,
+        key: match spec.key.len() {
+            0 => None,
+            _ => Some(fanin_proto::auth::Key::from_slice(&spec.key).map_err(|e| {
+                Status::invalid_argument(format!("job {job_id}: key: {e} (empty for an unauthenticated job)"))
+            })?),
+        },
     };
     spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(spec)
@@ -448,6 +454,7 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
             JobMode::Aggregate => pb::JobMode::Aggregate,
             JobMode::Forward => pb::JobMode::Forward,
         } as i32,
+        key: spec.key.map_or_else(Vec::new, |k| k.0.to_vec()),
     }
 }
 

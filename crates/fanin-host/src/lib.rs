@@ -11,7 +11,7 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
 use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, SessionError, Tensor};
@@ -147,6 +147,11 @@ impl Session {
             tx.set_gso(socket.gso_supported());
         }
         let epoch = Instant::now();
+        let mut options = options;
+        // Sequence numbers of a keyed session start at the wall clock, so a
+        // restarted worker continues above what it sent before.
+        options.session.seal_clock_us =
+            SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64);
         let machine = AllreduceSession::new(options.session.clone(), Time::ZERO);
         let mut session = Self {
             faults: DropInjector::new(options.send_drop, options.seed),
@@ -204,6 +209,12 @@ impl Session {
 
     pub fn stats(&self) -> &SessionStats {
         &self.stats
+    }
+
+    /// Datagrams refused before they were looked at (keyed jobs: forged,
+    /// replayed or unsealed).
+    pub fn auth_stats(&self) -> fanin_proto::host::AuthStats {
+        self.machine.auth_stats()
     }
 
     pub fn options(&self) -> &SessionOptions {

@@ -31,6 +31,7 @@ fn start(trim: bool) -> SwitchHandle {
             slow_after_windows: 2,
             mode: JobMode::Aggregate,
             workers: 0,
+            key: None,
         }],
         ..DaemonConfig::default()
     };

@@ -72,6 +72,12 @@ pub struct JobSpec {
     /// the most a tree can ever sum, so joins up to it cannot overflow.
     #[serde(default)]
     pub workers: u16,
+    /// The job key (128 bits): every member seals its datagrams with the
+    /// key [`fanin_wire::auth::derive_member_key`] derives from it for its
+    /// source id, and the switch refuses what does not verify
+    /// (docs/security.md). None: an unauthenticated job.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "crate::auth::hex_key")]
+    pub key: Option<fanin_wire::auth::Key>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -106,6 +112,7 @@ impl JobSpec {
             slow_after_windows: DEFAULT_SLOW_AFTER_WINDOWS,
             mode: JobMode::Aggregate,
             workers: 0,
+            key: None,
         }
     }
 
@@ -161,6 +168,7 @@ impl JobSpec {
             ("block_exp_ms", self.block_exp_ms == new.block_exp_ms),
             ("slow_after_windows", self.slow_after_windows == new.slow_after_windows),
             ("mode", self.mode == new.mode),
+            ("key", self.key == new.key),
         ]
         .into_iter()
         .find_map(|(field, same)| (!same).then_some(field))

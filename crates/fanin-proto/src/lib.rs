@@ -11,6 +11,7 @@
 //! * [`host::AllreduceSession`]: a worker's allreduce session.
 //! * [`bfp`]: block floating point (SwitchML) used by both sides.
 
+pub mod auth;
 pub mod bfp;
 pub mod fault;
 pub mod host;

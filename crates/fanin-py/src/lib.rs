@@ -9,7 +9,7 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods}
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use fanin_host::{HostError, Session as HostSession, SessionOptions};
 use fanin_proto::host::{Outcome, SessionError, Tensor};
@@ -46,7 +46,7 @@ impl Session {
     #[new]
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
                         rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true,
-                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0))]
+                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -68,6 +68,7 @@ impl Session {
         align_blocks: u32,
         recv_duplicate: f64,
         recv_reorder: f64,
+        auth_key: Option<Vec<u8>>,
     ) -> PyResult<Self> {
         let addr: SocketAddr = switch
             .parse()
@@ -93,6 +94,10 @@ impl Session {
         o.recv_reorder = recv_reorder;
         o.session.sync_join = sync_join;
         o.session.align_blocks = align_blocks;
+        o.session.auth_key = auth_key
+            .map(|k| fanin_proto::auth::Key::from_slice(&k))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(format!("auth_key: {e} (the member key the controller issued)")))?;
         o.seed = seed;
         o.offload = offload;
         let inner = py.detach(|| HostSession::connect(o)).map_err(host_err)?;
@@ -188,8 +193,32 @@ impl Session {
         d.set_item("dropped_by_fault_injection", s.dropped_by_fault_injection)?;
         d.set_item("duplicated_by_fault_injection", s.duplicated_by_fault_injection)?;
         d.set_item("reordered_by_fault_injection", s.reordered_by_fault_injection)?;
+        let a = self.inner.auth_stats();
+        d.set_item("auth_bad_tag", a.bad_tag)?;
+        d.set_item("auth_replayed", a.replayed)?;
+        d.set_item("auth_unsealed", a.unsealed)?;
         Ok(d)
     }
+}
+
+/// The member key of source `src_id` in job `job_id` under `job_key` (16
+/// bytes each): the one derivation the switch, the controller and workers
+/// share (docs/security.md).
+#[pyfunction]
+fn derive_member_key<'py>(py: Python<'py>, job_key: &[u8], job_id: u32, src_id: u16) -> PyResult<Bound<'py, PyBytes>> {
+    let key = fanin_proto::auth::Key::from_slice(job_key).map_err(|e| PyValueError::new_err(format!("job_key: {e}")))?;
+    Ok(PyBytes::new(py, &fanin_proto::auth::derive_member_key(&key, job_id, src_id).0))
+}
+
+/// Seal an unsealed fanin datagram with `key` and sequence number `seq`
+/// (for tests and tools that speak the wire protocol from Python).
+#[pyfunction]
+fn seal_datagram<'py>(py: Python<'py>, key: &[u8], seq: u64, datagram: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let key = fanin_proto::auth::Key::from_slice(key).map_err(|e| PyValueError::new_err(format!("key: {e}")))?;
+    let mut buf = datagram.to_vec();
+    buf.resize(datagram.len() + fanin_wire::auth::TRAILER_LEN, 0);
+    fanin_wire::auth::seal(&key, seq, &mut buf).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(PyBytes::new(py, &buf))
 }
 
 /// Read and validate a TOML or JSON daemon config file; returns it as JSON
@@ -342,6 +371,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_switch, m)?)?;
     m.add_function(wrap_pyfunction!(run_kv_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(load_config, m)?)?;
+    m.add_function(wrap_pyfunction!(derive_member_key, m)?)?;
+    m.add_function(wrap_pyfunction!(seal_datagram, m)?)?;
     m.add("FaninError", m.py().get_type::<FaninError>())?;
     m.add("FaninTimeout", m.py().get_type::<FaninTimeout>())?;
     m.add("FaninRefused", m.py().get_type::<FaninRefused>())?;

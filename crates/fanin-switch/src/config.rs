@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 
 use std::time::Duration;
 
+use fanin_proto::auth::Key;
 use fanin_proto::job::{JobMode, JobSpec, DEFAULT_SLOW_AFTER_WINDOWS};
 use fanin_proto::switch::AgingConfig;
 use fanin_proto::trim::Watermark;
@@ -22,7 +23,9 @@ pub struct DaemonConfig {
     /// gRPC control API; `None` disables it.
     #[serde(default = "default_control_addr")]
     pub control_addr: Option<SocketAddr>,
-    /// Bearer token the control API requires, if any.
+    /// Bearer token the control API requires. Required when
+    /// `control_addr` is not a loopback address; unset takes
+    /// `FANIN_CONTROL_TOKEN` from the environment.
     #[serde(default)]
     pub control_token: Option<String>,
     /// Prometheus text endpoint; `None` disables it.
@@ -176,6 +179,10 @@ pub struct JobConfig {
     /// Workers in the whole job (aggregation trees); 0 = the member count.
     #[serde(default)]
     pub workers: u16,
+    /// The job key as 32 hex digits (docs/security.md); unset = an
+    /// unauthenticated job.
+    #[serde(default)]
+    pub key: Option<String>,
 }
 
 fn default_data_addr() -> SocketAddr {
@@ -222,17 +229,31 @@ impl Default for DaemonConfig {
     }
 }
 
+/// Environment variable a config without `control_token` takes it from.
+pub const CONTROL_TOKEN_ENV: &str = "FANIN_CONTROL_TOKEN";
+
 impl DaemonConfig {
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
         let cfg: Self = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let cfg = cfg.with_env_token();
         cfg.validate()?;
         Ok(cfg)
     }
 
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
         let cfg: Self = serde_json::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let cfg = cfg.with_env_token();
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// A config without `control_token` takes `FANIN_CONTROL_TOKEN` from the
+    /// environment (so the secret need not be written into a file).
+    pub fn with_env_token(mut self) -> Self {
+        if self.control_token.is_none() {
+            self.control_token = std::env::var(CONTROL_TOKEN_ENV).ok().filter(|t| !t.is_empty());
+        }
+        self
     }
 
     pub fn from_file(path: &str) -> Result<Self, ConfigError> {
@@ -274,6 +295,20 @@ impl DaemonConfig {
             return bad("aging.min_tick_us must be at least 1".into());
         }
         self.trim.watermark()?;
+        // Safe by default: a control API anyone on the network can reach
+        // must ask for a token (docs/security.md).
+        if self.control_token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return bad("control_token is empty (give a secret, or leave it unset on a loopback control_addr)".into());
+        }
+        if let Some(addr) = self.control_addr {
+            if !addr.ip().is_loopback() && self.control_token.is_none() {
+                return bad(format!(
+                    "control_addr {addr} is not a loopback address but no control_token is set: anyone who reaches \
+                     it could admit jobs and read job keys; set control_token (or FANIN_CONTROL_TOKEN), or bind \
+                     the control API to 127.0.0.1"
+                ));
+            }
+        }
         let mut seen = std::collections::BTreeSet::new();
         for (i, job) in self.jobs.iter().enumerate() {
             let spec = job.to_spec().map_err(|m| ConfigError::Invalid(format!("jobs[{i}]: {m}")))?;
@@ -303,6 +338,7 @@ impl JobConfig {
             slow_after_windows: self.slow_after_windows,
             mode: self.mode,
             workers: self.workers,
+            key: self.key.as_deref().map(Key::from_hex).transpose().map_err(|e| format!("key: {e}"))?,
         })
     }
 }
@@ -310,6 +346,30 @@ impl JobConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_control_api_off_loopback_needs_a_token() {
+        let open = r#"control_addr = "0.0.0.0:9100""#;
+        let err = toml::from_str::<DaemonConfig>(open).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("not a loopback address but no control_token"), "{err}");
+        let with_token = format!("{open}\ncontrol_token = \"s3cret\"");
+        assert!(toml::from_str::<DaemonConfig>(&with_token).unwrap().validate().is_ok());
+        let empty = format!("{open}\ncontrol_token = \" \"");
+        assert!(toml::from_str::<DaemonConfig>(&empty).unwrap().validate().unwrap_err().to_string().contains("empty"));
+        // loopback without a token stays the easy default
+        assert!(DaemonConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn a_job_key_is_32_hex_digits() {
+        let cfg = DaemonConfig::from_toml_str(
+            "[[jobs]]\njob_id = 1\nsources = 2\nkey = \"000102030405060708090a0b0c0d0e0f\"\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.jobs[0].to_spec().unwrap().key.unwrap().0[15], 15);
+        let err = DaemonConfig::from_toml_str("[[jobs]]\njob_id = 1\nsources = 2\nkey = \"0102\"\n").unwrap_err();
+        assert!(err.to_string().contains("32 hex digits"), "{err}");
+    }
 
     #[test]
     fn defaults_and_a_full_file() {

@@ -365,6 +365,7 @@ impl SwitchHandle {
                     incarnation,
                     memory_limit: per_shard,
                     aging: config.aging.to_config(),
+                    seal_clock_us: wall_clock_us(),
                 }),
                 kv: KvSwitch::new(KvSwitchConfig {
                     memory_limit: (config.kv_memory_mb << 20) / config.shards as u64 / KV_AGGREGATOR_BYTES,
@@ -527,6 +528,11 @@ fn bind_data_ports(base: SocketAddr, shards: u16) -> Result<Vec<BatchSocket>, St
 /// The shard programs' form of a tree role: one parent address per shard.
 fn uplink(tree: Option<TreeRole>) -> Option<Uplink<SocketAddr>> {
     tree.map(|t| Uplink { parent: t.parent_addrs(), rank: t.rank })
+}
+
+/// Microseconds since the Unix epoch: where keyed jobs' sequence numbers start.
+fn wall_clock_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64)
 }
 
 fn new_incarnation() -> u32 {

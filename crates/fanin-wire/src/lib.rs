@@ -15,6 +15,7 @@
 //! All integers are in network byte order. `docs/protocol.md` is the
 //! specification; the golden vectors in the tests pin it.
 
+pub mod auth;
 pub mod kv;
 pub mod preamble;
 pub mod value;

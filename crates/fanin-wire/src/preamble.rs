@@ -118,6 +118,9 @@ impl MessageType {
 pub struct Preamble {
     pub version: u8,
     pub msg_type: MessageType,
+    /// The datagram ends with an authentication trailer ([`crate::auth`]):
+    /// bit 0x80 of the `msg_type` byte.
+    pub sealed: bool,
 }
 
 impl Preamble {
@@ -133,7 +136,8 @@ impl Preamble {
         if bytes[2] != VERSION {
             return Err(WireError::UnsupportedVersion { found: bytes[2], supported: VERSION });
         }
-        Ok(Self { version: bytes[2], msg_type: MessageType::from_u8(bytes[3])? })
+        let sealed = bytes[3] & crate::auth::SEALED != 0;
+        Ok(Self { version: bytes[2], msg_type: MessageType::from_u8(bytes[3] & !crate::auth::SEALED)?, sealed })
     }
 
     /// Write the preamble into the first [`PREAMBLE_LEN`] bytes of `buf`.

@@ -166,9 +166,10 @@ impl<T: AsRef<[u8]>> Packet<T> {
         u32::from_be_bytes([b[0], b[1], b[2], b[3]])
     }
 
-    /// Message type code (validated by `new_checked`).
+    /// Message type code (validated by `new_checked`), without the sealed
+    /// bit: the caller verified and stripped the trailer ([`crate::auth`]).
     pub fn msg_type_code(&self) -> u8 {
-        self.buffer.as_ref()[3]
+        self.buffer.as_ref()[3] & !crate::auth::SEALED
     }
     pub fn flags(&self) -> u8 {
         self.buffer.as_ref()[field::FLAGS]

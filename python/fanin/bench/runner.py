@@ -19,6 +19,7 @@ from fanin.switch import job_config, switch_config
 
 AGGR_JOB = 1
 NOAGGR_JOB = 2
+AUTH_JOB = 3
 
 
 @dataclass
@@ -34,7 +35,10 @@ class AllreduceParams:
     seed: int = 1
     verify: bool = True
     noaggr: bool = True
+    # The same allreduce on a keyed job (docs/security.md), interleaved.
+    auth: bool = False
     progress: bool = True
+    job_key: Optional[bytes] = None
 
     def validate(self) -> None:
         if self.workers < 1 or self.workers > 256:
@@ -58,6 +62,7 @@ class AllreduceRun:
     params: AllreduceParams
     fanin_times: list[float] = field(default_factory=list)
     noaggr_times: list[float] = field(default_factory=list)
+    auth_times: list[float] = field(default_factory=list)
     retransmissions: int = 0
     verified: bool = False
     checks: list[dict[str, Any]] = field(default_factory=list)
@@ -91,6 +96,13 @@ class AllreduceRun:
             out["noaggr_median_s"] = nmed
             out["noaggr_times_s"] = self.noaggr_times
             out["ratio_vs_noaggr"] = nmed / med
+        if self.auth_times:
+            amed = statistics.median(self.auth_times)
+            out["auth_median_s"] = amed
+            out["auth_times_s"] = self.auth_times
+            out["auth_goodput_gbps"] = nbytes * 8 / amed / 1e9
+            # goodput with authentication / without (1.0 = free)
+            out["auth_goodput_ratio"] = med / amed
         return out
 
 
@@ -101,6 +113,11 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         kw = dict(elems_per_packet=p.elems_per_packet, window=p.window, send_drop=p.loss, seed=p.seed * 1000 + rank)
         aggr = Session(switch, AGGR_JOB, rank, **kw)
         noaggr = Session(switch, NOAGGR_JOB, rank, **kw) if p.noaggr else None
+        authed = None
+        if p.auth:
+            from fanin.auth import derive_member_key
+
+            authed = Session(switch, AUTH_JOB, rank, auth_key=derive_member_key(p.job_key, AUTH_JOB, rank), **kw)
         x = worker_inputs(rank, p.elements, p.dtype)
         sync = np.zeros(1, dtype=np.int32)
         report: dict[str, Any] = {"rank": rank, "ok": True}
@@ -109,11 +126,14 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         report["digest"] = hashlib.sha256(out.tobytes()).hexdigest()
         if p.verify:
             report["check"] = check_result(out, p.workers, p.dtype, p.elems_per_packet)
+        if authed is not None:
+            # the keyed job must give the very same bits
+            report["auth_digest"] = hashlib.sha256(authed.allreduce(x).tobytes()).hexdigest()
         del out
-        times: dict[str, list[float]] = {"fanin": [], "noaggr": []}
+        times: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
         retrans = 0
         for i in range(p.iters):
-            order = [("fanin", aggr), ("noaggr", noaggr)]
+            order = [("fanin", aggr), ("noaggr", noaggr), ("auth", authed)]
             if i % 2:
                 order.reverse()
             for name, sess in order:
@@ -123,12 +143,14 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
                 t0 = time.perf_counter()
                 sess.allreduce(x)
                 times[name].append(time.perf_counter() - t0)
-                if name == "fanin":
+                if name in ("fanin", "auth"):
                     retrans += sess.last_stats["retransmissions"]
             if rank == 0:
                 results.put({"progress": i + 1})
         report["times"] = times
         report["retransmissions"] = retrans
+        if authed is not None:
+            report["auth_refused"] = {k: v for k, v in authed.socket_stats().items() if k.startswith("auth_")}
         results.put(report)
     except BaseException as e:  # reported to the parent, which fails the run
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
@@ -142,6 +164,12 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
         job_config(AGGR_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet),
         job_config(NOAGGR_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet, mode="forward"),
     ]
+    if p.auth:
+        from fanin.auth import new_job_key
+
+        p.job_key = p.job_key or new_job_key()
+        jobs.append(job_config(AUTH_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet,
+                               key=p.job_key))
     cfg = switch_config(data_addr="127.0.0.1:0", shards=p.shards, control_addr=None, metrics_addr="127.0.0.1:0",
                         memory_mb=4096, ingress_drop=p.loss, egress_drop=p.loss, seed=p.seed, jobs=jobs)
     run = AllreduceRun(params=p)
@@ -180,8 +208,11 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
     run.fanin_times = [max(r["times"]["fanin"][i] for r in reports) for i in range(p.iters)]
     if p.noaggr:
         run.noaggr_times = [max(r["times"]["noaggr"][i] for r in reports) for i in range(p.iters)]
-    run.retransmissions = sum(r["retransmissions"] for r in reports)
     digests = {r["digest"] for r in reports}
+    if p.auth:
+        run.auth_times = [max(r["times"]["auth"][i] for r in reports) for i in range(p.iters)]
+        digests |= {r["auth_digest"] for r in reports}
+    run.retransmissions = sum(r["retransmissions"] for r in reports)
     run.checks = [r.get("check", {}) for r in reports]
     run.verified = p.verify and len(digests) == 1 and all(c.get("ok") for c in run.checks)
     if p.verify and not run.verified:

@@ -12,6 +12,7 @@ code name (``"INVALID_ARGUMENT"``, ``"ALREADY_EXISTS"``,
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable, List, Optional
 
 import grpc
@@ -48,17 +49,27 @@ class ControlError(Exception):
         return f"ControlError({self.code!r}, {self.message!r})"
 
 
+CONTROL_TOKEN_ENV = "FANIN_CONTROL_TOKEN"
+
+
+def control_token_from_env() -> Optional[str]:
+    """The control API token from ``FANIN_CONTROL_TOKEN`` (None if unset or empty)."""
+    return os.environ.get(CONTROL_TOKEN_ENV) or None
+
+
 class ControlClient:
     """Talks to one switch daemon's control API.
 
-    ``addr`` is ``"host:port"``; ``token``, if given, is sent on every call
-    as ``authorization: Bearer <token>``; ``timeout`` (seconds) bounds each
+    ``addr`` is ``"host:port"``; ``token`` (default: the environment's
+    ``FANIN_CONTROL_TOKEN``, if set) is sent on every call as
+    ``authorization: Bearer <token>``; ``timeout`` (seconds) bounds each
     call. Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(self, addr: str = "127.0.0.1:9100", token: Optional[str] = None, timeout: float = 5.0):
         self.addr = addr
         self.timeout = timeout
+        token = token if token is not None else control_token_from_env()
         self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
         self._channel = grpc.insecure_channel(addr)
         self._stub = pb_grpc.ControlStub(self._channel)

@@ -3,6 +3,7 @@ workers use to subscribe."""
 
 from __future__ import annotations
 
+import hmac
 import json
 from concurrent import futures
 from typing import Any, Optional
@@ -11,7 +12,7 @@ import grpc
 
 from ..control._gen import control_pb2 as pb
 from ..control._gen import control_pb2_grpc as pb_grpc
-from ..control.client import call_rpc
+from ..control.client import call_rpc, control_token_from_env
 from .service import Controller, ControllerError, JobParams
 
 __all__ = ["ControllerServer", "ControllerClient", "serve"]
@@ -25,7 +26,8 @@ class _Servicer(pb_grpc.ControllerServicer):
     def _run(self, context, fn):
         if self.token is not None:
             md = dict(context.invocation_metadata())
-            if md.get("authorization") != f"Bearer {self.token}":
+            got = str(md.get("authorization", "")).encode()
+            if not hmac.compare_digest(got, f"Bearer {self.token}".encode()):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         try:
             return fn()
@@ -71,6 +73,13 @@ class ControllerServer:
     """A running gRPC server around a :class:`Controller`."""
 
     def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None):
+        token = token if token is not None else control_token_from_env()
+        host = listen.rsplit(":", 1)[0].strip("[]")
+        if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+            # Safe by default (docs/security.md): anyone who reaches the
+            # controller could create jobs and obtain member keys.
+            raise ValueError(f"controller: listening on {listen} (not loopback) needs a token "
+                             "(--token or FANIN_CONTROL_TOKEN)")
         self.controller = controller
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_ControllerServicer_to_server(_Servicer(controller, token), self._server)
@@ -113,6 +122,7 @@ class ControllerClient:
         self.timeout = timeout
         self._channel = grpc.insecure_channel(addr)
         self._stub = pb_grpc.ControllerStub(self._channel)
+        token = token if token is not None else control_token_from_env()
         self._metadata = [("authorization", f"Bearer {token}")] if token else None
 
     def close(self) -> None:

@@ -52,6 +52,7 @@ use fanin_wire::value::{
 };
 use fanin_wire::MessageType;
 
+use crate::auth::{open_and_accept, push_sealed, Key, LaneWindows, Refusal, Sealer};
 use crate::bfp::{self, NonFinite};
 use crate::job::shard_of;
 use crate::time::Time;
@@ -91,6 +92,13 @@ pub struct SessionConfig {
     /// and is generation `k + 1`). A syncing worker needs it to line up with
     /// the others; 0 = unknown (only valid without `sync_join`).
     pub align_blocks: u32,
+    /// This worker's member key in a keyed job (docs/security.md): every
+    /// datagram is sealed with it, and only datagrams the switch sealed
+    /// with it are accepted. None: an unauthenticated job.
+    pub auth_key: Option<Key>,
+    /// Wall-clock microseconds at start: sequence numbers count up from
+    /// here, so a restarted worker continues above what it sent before.
+    pub seal_clock_us: u64,
 }
 
 impl SessionConfig {
@@ -109,6 +117,8 @@ impl SessionConfig {
             stash_bytes: 64 << 20,
             sync_join: false,
             align_blocks: 0,
+            auth_key: None,
+            seal_clock_us: 1,
         }
     }
 
@@ -356,6 +366,23 @@ pub struct AllreduceSession {
     /// Results of later generations (header, body), oldest first.
     stash: VecDeque<(Repr, Vec<u8>)>,
     stash_len: usize,
+    /// Keyed job: seals what this worker sends.
+    sealer: Option<Sealer>,
+    /// Keyed job: replay windows over the switch shards' sequence numbers.
+    windows: LaneWindows,
+    auth_stats: AuthStats,
+}
+
+/// Datagrams a keyed session dropped before looking at them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AuthStats {
+    /// The tag did not verify under this worker's key (or a sealed datagram
+    /// reached an unkeyed session).
+    pub bad_tag: u64,
+    /// Valid tag, sequence number already seen or too old.
+    pub replayed: u64,
+    /// No tag although the job is keyed.
+    pub unsealed: u64,
 }
 
 impl AllreduceSession {
@@ -384,7 +411,11 @@ impl AllreduceSession {
             slow_sources: Vec::new(),
             stash: VecDeque::new(),
             stash_len: 0,
+            sealer: None,
+            windows: LaneWindows::default(),
+            auth_stats: AuthStats::default(),
         };
+        session.sealer = session.config.auth_key.map(|k| Sealer::new(k, 0, session.config.seal_clock_us));
         if let State::Failed(e) = &session.state {
             session.events.push_back(Event::Failed(e.clone()));
         }
@@ -393,6 +424,11 @@ impl AllreduceSession {
 
     pub fn config(&self) -> &SessionConfig {
         &self.config
+    }
+
+    /// What the session refused before looking at it (keyed jobs).
+    pub fn auth_stats(&self) -> AuthStats {
+        self.auth_stats
     }
 
     pub fn params(&self) -> Option<&JoinParams> {
@@ -588,8 +624,10 @@ impl AllreduceSession {
                 *next_send = now + *interval;
                 *interval = (*interval * 2).min(Duration::from_millis(500));
                 let repr = self.join_request();
-                let buf = out.push(0, repr.buffer_len());
-                repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+                let seal = self.sealer.as_mut().map(|s| (s.key, s.take_seq()));
+                push_sealed(out, 0, repr.buffer_len(), seal.as_ref().map(|(k, q)| (k, *q)), |buf| {
+                    repr.emit(&mut Packet::new_unchecked(buf))
+                });
                 1
             }
             State::Ready => self.transmit_blocks(now, out),
@@ -630,7 +668,8 @@ impl AllreduceSession {
             if retransmission {
                 op.retransmissions += 1;
             }
-            emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, exp_only, retransmission, out);
+            let seal = self.sealer.as_mut();
+            emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, exp_only, retransmission, seal, out);
             let b = &mut op.blocks[idx as usize];
             b.phase = if exp_only { BlockPhase::ExpSent } else { BlockPhase::DataSent };
             if retransmission {
@@ -650,6 +689,30 @@ impl AllreduceSession {
     }
 
     pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
+        // Keyed job: only what the switch sealed with this worker's key,
+        // once; checked before anything else is looked at.
+        let bytes = match &self.config.auth_key {
+            Some(key) => match open_and_accept(key, &mut self.windows, bytes) {
+                Ok(inner) => inner,
+                Err(Refusal::Replay(_)) => {
+                    self.auth_stats.replayed += 1;
+                    return;
+                }
+                Err(Refusal::Auth(fanin_wire::auth::AuthError::Unsealed)) => {
+                    self.auth_stats.unsealed += 1;
+                    return;
+                }
+                Err(_) => {
+                    self.auth_stats.bad_tag += 1;
+                    return;
+                }
+            },
+            None if fanin_wire::auth::is_sealed(bytes) => {
+                self.auth_stats.bad_tag += 1;
+                return;
+            }
+            None => bytes,
+        };
         let Ok(packet) = Packet::new_checked(bytes) else { return };
         if packet.job_id() != self.config.job_id {
             return;
@@ -1006,6 +1069,7 @@ fn emit_block(
     idx: u32,
     exp_only: bool,
     retransmission: bool,
+    sealer: Option<&mut Sealer>,
     out: &mut impl Transmit<u16>,
 ) {
     let per = config.elems_per_packet as usize;
@@ -1036,16 +1100,21 @@ fn emit_block(
         next_exp,
     };
     let shard = shard_of(config.job_id, block_id, params.block_cnt_max, params.shard_count);
-    let buf = out.push(shard, repr.buffer_len());
-    let mut packet = Packet::new_unchecked(&mut buf[..]);
-    repr.emit(&mut packet);
-    if exp_only {
-        return;
-    }
-    match &op.tensor {
-        Tensor::I32(v) => fanin_wire::value::write_elements(&v[start..start + count], packet.payload_mut()),
-        Tensor::F32(v) => bfp::quantize_into_payload(&v[start..start + count], exp, n_sources as usize, packet.payload_mut()),
-    }
+    // Every transmission, retransmissions included, gets a fresh number.
+    let seal = sealer.map(|s| (s.key, s.take_seq()));
+    push_sealed(out, shard, repr.buffer_len(), seal.as_ref().map(|(k, q)| (k, *q)), |buf| {
+        let mut packet = Packet::new_unchecked(buf);
+        repr.emit(&mut packet);
+        if exp_only {
+            return;
+        }
+        match &op.tensor {
+            Tensor::I32(v) => fanin_wire::value::write_elements(&v[start..start + count], packet.payload_mut()),
+            Tensor::F32(v) => {
+                bfp::quantize_into_payload(&v[start..start + count], exp, n_sources as usize, packet.payload_mut())
+            }
+        }
+    });
 }
 
 #[cfg(test)]

@@ -3,5 +3,7 @@
 mod allreduce;
 #[cfg(test)]
 mod trim_tests;
+#[cfg(test)]
+mod auth_tests;
 
-pub use allreduce::{AllreduceSession, Event, Outcome, SessionConfig, SessionError, Tensor};
+pub use allreduce::{AllreduceSession, AuthStats, Event, Outcome, SessionConfig, SessionError, Tensor};

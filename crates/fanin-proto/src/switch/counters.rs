@@ -80,6 +80,15 @@ pub struct Counters {
     /// Daemon: datagrams the kernel dropped on the shard's full receive
     /// queue (never seen by the switch; silent loss).
     pub socket_drops: u64,
+    /// Keyed jobs (docs/security.md), dropped before any state was touched:
+    /// the tag did not verify (forged, corrupted, another key, a source
+    /// with no key in the job, or a sealed datagram for a job without one).
+    pub auth_bad_tag: u64,
+    /// A valid tag whose sequence number was seen before or is older than
+    /// the replay window: a replayed (or network-duplicated) datagram.
+    pub auth_replayed: u64,
+    /// An unsealed datagram for a job that requires a tag.
+    pub auth_unsealed: u64,
 }
 
 impl Counters {
@@ -134,6 +143,9 @@ impl Counters {
         f("sync_deferred", None, self.sync_deferred);
         f("trimmed", None, self.trimmed);
         f("socket_drops", None, self.socket_drops);
+        f("auth_bad_tag", None, self.auth_bad_tag);
+        f("auth_replayed", None, self.auth_replayed);
+        f("auth_unsealed", None, self.auth_unsealed);
     }
 
     /// Add another shard's counters into these.
@@ -145,7 +157,8 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
+            auth_bad_tag, auth_replayed, auth_unsealed
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

@@ -56,6 +56,7 @@ use crate::job::{shard_of, JobMode, JobSpec, JobSpecError, SWITCH_RANK_BASE};
 use crate::mask::SourceMask;
 use crate::time::Time;
 use crate::transmit::Transmit;
+use sealing::{envelope, send, send_copy, Envelope, JobAuth, Peer};
 
 /// Identity and limits of one shard of a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,12 +68,16 @@ pub struct ShardConfig {
     /// Aggregation memory this shard may hand out to jobs, in bytes.
     pub memory_limit: u64,
     pub aging: AgingConfig,
+    /// Wall-clock microseconds when the switch started: keyed jobs' sequence
+    /// numbers count up from here, so a restarted switch continues above
+    /// what its previous incarnation sent (docs/security.md).
+    pub seal_clock_us: u64,
 }
 
 impl ShardConfig {
     /// A single-shard switch with `memory_limit` bytes.
     pub fn single(memory_limit: u64) -> Self {
-        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit, aging: AgingConfig::default() }
+        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit, aging: AgingConfig::default(), seal_clock_us: 1 }
     }
 }
 
@@ -406,6 +411,8 @@ struct Job<A> {
     /// Root: the start block answered to each syncing worker, answered
     /// again to a repeated request so every switch on its path agrees.
     sync_answers: HashMap<u16, u32>,
+    /// A keyed job's member keys, replay windows and sequence counter.
+    auth: Option<JobAuth>,
 }
 
 /// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
@@ -438,11 +445,14 @@ pub struct ValueSwitch<A> {
     counters: Counters,
     /// Result datagrams are built once here and copied to every member.
     scratch: Vec<u8>,
+    /// Above every sequence number a removed keyed job used: a job admitted
+    /// again continues from here, so its members' windows accept it.
+    seq_floor: u64,
 }
 
 impl<A: Copy + PartialEq> ValueSwitch<A> {
     pub fn new(config: ShardConfig) -> Self {
-        Self { config, jobs: HashMap::new(), memory_used: 0, counters: Counters::default(), scratch: Vec::new() }
+        Self { config, jobs: HashMap::new(), memory_used: 0, counters: Counters::default(), scratch: Vec::new(), seq_floor: 0 }
     }
 
     pub fn config(&self) -> &ShardConfig {
@@ -534,6 +544,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             0
         };
         self.memory_used += memory;
+        let first_seq = fanin_wire::auth::first_seq(self.config.shard, self.config.seal_clock_us).max(self.seq_floor);
+        let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq));
         self.jobs.insert(
             spec.job_id,
             Job {
@@ -553,6 +565,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 awaiting: SourceMask::with_capacity(capacity),
                 start_of: HashMap::new(),
                 sync_answers: HashMap::new(),
+                auth,
             },
         );
         Ok(())
@@ -563,6 +576,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         match self.jobs.remove(&job_id) {
             Some(job) => {
                 self.memory_used -= job.memory;
+                if let Some(auth) = &job.auth {
+                    self.seq_floor = self.seq_floor.max(auth.next_seq());
+                }
                 true
             }
             None => false,
@@ -639,6 +655,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         job.members = new_members;
         job.member_count = job.members.count() as u16;
+        if let Some(auth) = job.auth.as_mut() {
+            auth.set_members(&spec.members);
+            auth.set_uplink_rank(uplink.as_ref().map(|u| u.rank));
+        }
         job.spec = spec;
         let became_root = job.uplink.is_some() && uplink.is_none();
         job.uplink = uplink;
@@ -684,6 +704,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         }
         let job = self.jobs.get_mut(&job_id).ok_or(AdmitError::Unknown(job_id))?;
+        if let Some(auth) = job.auth.as_mut() {
+            auth.set_uplink_rank(uplink.as_ref().map(|u| u.rank));
+        }
         job.uplink = uplink;
         Ok(())
     }
@@ -751,6 +774,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// Process one datagram from `from`.
     pub fn handle_datagram(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) -> Verdict {
         self.counters.rx_datagrams += 1;
+        // A keyed job's datagrams are verified before anything else is
+        // looked at: a forgery or a replay changes nothing but a counter.
+        let job = bytes.get(12..16).and_then(|b| self.jobs.get_mut(&u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
+        let job_known = job.is_some();
+        let Some(bytes) = sealing::admit(job.and_then(|j| j.auth.as_mut()), job_known, bytes, &mut self.counters) else {
+            return Verdict::Consumed;
+        };
         let packet = match Packet::new_checked(bytes) {
             Ok(p) => p,
             Err(err) => {
@@ -782,12 +812,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let src = packet.src_id();
         let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
             self.counters.unknown_job += 1;
-            send_nack(&mut self.counters, out, from, packet, NackReason::UnknownJob, packet.job_id());
+            send_nack(&mut self.counters, out, from, Envelope::Plain, packet, NackReason::UnknownJob, packet.job_id());
             return Verdict::Consumed;
         };
         if !job.members.contains(src as usize) {
             self.counters.non_member += 1;
-            send_nack(&mut self.counters, out, from, packet, NackReason::NotMember, src as u32);
+            let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
+            send_nack(&mut self.counters, out, from, env, packet, NackReason::NotMember, src as u32);
             return Verdict::Consumed;
         }
         job.addrs[src as usize] = Some(from);
@@ -799,14 +830,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // Joining with the others: the stream's start, which every
             // switch of the tree knows.
             let start = job.start_block;
-            answer_join(job, &self.config, src, from, start, out);
+            answer_join(job, &self.config, src, src, from, start, out);
             return joined(job, src, start);
         } else if job.uplink.is_some() {
             // Only the root knows the current block offset: ask it.
             job.pending_sync.insert(src, src);
             forward_sync(job, src, packet.block_id(), &mut self.counters, out);
         } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id()) {
-            answer_join(job, &self.config, src, from, start, out);
+            answer_join(job, &self.config, src, src, from, start, out);
             return joined(job, src, start);
         } else {
             self.counters.sync_deferred += 1;
@@ -834,7 +865,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if job.uplink.is_some() {
             forward_sync(job, request.origin, request.align_blocks, &mut self.counters, out);
         } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks) {
-            answer_join(job, &self.config, request.origin, from, start, out);
+            answer_join(job, &self.config, request.origin, via, from, start, out);
             return joined(job, via, start);
         } else {
             self.counters.sync_deferred += 1;
@@ -877,14 +908,16 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // The worker talks to this switch's shards, not the root's.
                 params.incarnation = self.config.incarnation;
                 params.shard_count = self.config.shard_count;
-                let buf = out.push(dest, repr.buffer_len());
-                let mut reply = Packet::new_unchecked(&mut buf[..]);
-                repr.emit(&mut reply);
-                params.emit(reply.payload_mut());
+                let env = envelope(job.auth.as_mut(), Peer::Member(via as usize));
+                send(out, dest, repr.buffer_len(), env, |buf| {
+                    let mut reply = Packet::new_unchecked(buf);
+                    repr.emit(&mut reply);
+                    params.emit(reply.payload_mut());
+                });
                 return joined(job, via, params.next_block);
             }
             MessageType::Membership => {
-                broadcast(&job.members, &job.addrs, out, packet.into_inner(), &mut counters.notices_sent);
+                broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, packet.into_inner(), &mut counters.notices_sent);
             }
             MessageType::Nack => {
                 let expired = Nack::parse(packet.payload()).is_ok_and(|n| n.reason == NackReason::BlockExpired);
@@ -902,7 +935,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                         }
                         block.phase = Phase::Done;
                         block.expired_up = true;
-                        broadcast(&job.members, &job.addrs, out, packet.into_inner(), &mut counters.relayed_down);
+                        broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, packet.into_inner(), &mut counters.relayed_down);
                     }
                     // Other refusals (e.g. the parent is being reprogrammed):
                     // the children's retransmissions try again.
@@ -932,8 +965,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     member_count: job.member_count,
                     addrs: &job.addrs,
                     uplink: None, // what the parent says goes down, never up again
+                    auth: job.auth.as_mut(),
                     counters,
                     from: None,
+                    from_src: 0,
                     out,
                     scratch: &mut self.scratch,
                 };
@@ -990,11 +1025,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let src = packet.src_id() as usize;
         if !job.members.contains(src) {
             counters.non_member += 1;
-            send_nack(counters, out, from, packet, NackReason::NotMember, src as u32);
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            send_nack(counters, out, from, env, packet, NackReason::NotMember, src as u32);
             return Verdict::Consumed;
         }
         if job.spec.mode == JobMode::Forward {
-            reflect(counters, out, from, packet);
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            reflect(counters, out, from, env, packet);
             return Verdict::Consumed;
         }
         let block_id = packet.block_id();
@@ -1007,7 +1044,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         if packet.grad_cnt() as u32 > job.spec.block_grad_max {
             counters.over_cap += 1;
-            send_nack(counters, out, from, packet, NackReason::TooManyElements, job.spec.block_grad_max);
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            send_nack(counters, out, from, env, packet, NackReason::TooManyElements, job.spec.block_grad_max);
             return Verdict::Consumed;
         }
         let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
@@ -1026,7 +1064,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let (is_prev, opens) = match &slot.cur {
             None => {
                 if block_id < job.start_block {
-                    expired(counters, out, from, packet, job.start_block);
+                    let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                    expired(counters, out, from, env, packet, job.start_block);
                     return Verdict::Consumed;
                 }
                 // The slot's first use may be any block: a worker that
@@ -1049,7 +1088,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     // The job moved on without this source and the slot was
                     // reused: tell it, so it stops asking (a straggler).
                     let now_held = cur.block_id;
-                    expired(counters, out, from, packet, now_held);
+                    let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                    expired(counters, out, from, env, packet, now_held);
                     return Verdict::Consumed;
                 } else {
                     counters.out_of_window += 1;
@@ -1068,7 +1108,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if block.gen_id != packet.gen_id() || block.dtype != dtype {
             counters.mismatch += 1;
             if block.dtype != dtype {
-                send_nack(counters, out, from, packet, NackReason::DtypeMismatch, block.dtype as u32);
+                let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                send_nack(counters, out, from, env, packet, NackReason::DtypeMismatch, block.dtype as u32);
             }
             return Verdict::Consumed;
         }
@@ -1082,8 +1123,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 member_count: job.member_count,
                 addrs: &job.addrs,
                 uplink: job.uplink.as_ref(),
+                auth: job.auth.as_mut(),
                 counters: &mut *counters,
                 from: Some(from),
+                from_src: src,
                 out: &mut *out,
                 scratch: &mut self.scratch,
             };
@@ -1123,22 +1166,27 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
 }
 
 /// Forward a worker's join toward the root as a Sync request.
-fn forward_sync<A: Copy>(job: &Job<A>, origin: u16, align_blocks: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
+fn forward_sync<A: Copy>(job: &mut Job<A>, origin: u16, align_blocks: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
     let Some(up) = job.uplink.as_ref() else { return };
     let repr = Repr::new(MessageType::Sync, job.spec.job_id, up.rank);
-    let buf = out.push(up.parent[0], repr.buffer_len());
-    let mut packet = Packet::new_unchecked(&mut buf[..]);
-    repr.emit(&mut packet);
-    SyncRequest { origin, align_blocks }.emit(packet.payload_mut());
+    let env = envelope(job.auth.as_mut(), Peer::Parent);
+    send(out, up.parent[0], repr.buffer_len(), env, |buf| {
+        let mut packet = Packet::new_unchecked(buf);
+        repr.emit(&mut packet);
+        SyncRequest { origin, align_blocks }.emit(packet.payload_mut());
+    });
     counters.syncs_forwarded += 1;
 }
 
 /// Answer a join (direct, or forwarded as a Sync) with the job's parameters
 /// and the block offset the worker starts at.
+#[allow(clippy::too_many_arguments)]
 fn answer_join<A: Copy>(
-    job: &Job<A>,
+    job: &mut Job<A>,
     config: &ShardConfig,
     origin: u16,
+    // The member `dest` is: the worker itself, or the child switch it asked through.
+    to: u16,
     dest: A,
     next_block: u32,
     out: &mut impl Transmit<A>,
@@ -1152,10 +1200,12 @@ fn answer_join<A: Copy>(
         shard_count: config.shard_count,
         next_block,
     };
-    let buf = out.push(dest, repr.buffer_len());
-    let mut reply = Packet::new_unchecked(&mut buf[..]);
-    repr.emit(&mut reply);
-    params.emit(reply.payload_mut());
+    let env = envelope(job.auth.as_mut(), Peer::Member(to as usize));
+    send(out, dest, repr.buffer_len(), env, |buf| {
+        let mut reply = Packet::new_unchecked(buf);
+        repr.emit(&mut reply);
+        params.emit(reply.payload_mut());
+    });
 }
 
 /// The root's answer to a sync: the first allreduce boundary (multiples of
@@ -1285,9 +1335,13 @@ struct Reply<'a, A, T> {
     addrs: &'a [Option<A>],
     /// A non-root switch sends completed phases to its parent.
     uplink: Option<&'a Uplink<A>>,
+    /// A keyed job's keys: every datagram is sealed for its destination.
+    auth: Option<&'a mut JobAuth>,
     counters: &'a mut Counters,
     /// The sender of the datagram being handled (none for timer work).
     from: Option<A>,
+    /// Its source id (meaningful when `from` is set).
+    from_src: usize,
     out: &'a mut T,
     /// The result is built once here and copied to each destination.
     scratch: &'a mut Vec<u8>,
@@ -1298,14 +1352,14 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     /// never sent anything fetch it by retransmitting).
     fn send_to_all(&mut self, block: &Block, exp_only: bool) {
         build_result(block, self.job_id, exp_only, self.member_count, self.scratch);
-        broadcast(self.members, self.addrs, self.out, self.scratch, &mut self.counters.results_sent);
+        broadcast(self.members, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, &mut self.counters.results_sent);
     }
 
     /// Send the result again to the sender only.
     fn send_to_sender(&mut self, block: &Block, exp_only: bool) {
         let Some(from) = self.from else { return };
         build_result(block, self.job_id, exp_only, self.member_count, self.scratch);
-        self.out.push_copy(from, self.scratch);
+        send_copy(self.out, from, self.scratch, envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src)));
         self.counters.results_resent += 1;
     }
 
@@ -1320,12 +1374,14 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
             ..block.result_repr(self.job_id, exp_only, self.member_count)
         };
         let shard = shard_of(self.job_id, block.block_id, self.block_cnt_max, up.parent.len() as u16);
-        let buf = self.out.push(up.parent[shard as usize], repr.buffer_len());
-        let mut packet = Packet::new_unchecked(&mut buf[..]);
-        repr.emit(&mut packet);
-        if !exp_only {
-            fanin_wire::value::write_elements(&block.sum[..block.grad_cnt as usize], packet.payload_mut());
-        }
+        let env = envelope(self.auth.as_deref_mut(), Peer::Parent);
+        send(self.out, up.parent[shard as usize], repr.buffer_len(), env, |buf| {
+            let mut packet = Packet::new_unchecked(buf);
+            repr.emit(&mut packet);
+            if !exp_only {
+                fanin_wire::value::write_elements(&block.sum[..block.grad_cnt as usize], packet.payload_mut());
+            }
+        });
         if again {
             self.counters.resent_up += 1;
         } else {
@@ -1337,31 +1393,37 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     fn nack_expired(&mut self, block_id: u32) {
         let Some(from) = self.from else { return };
         let repr = Repr { block_id, ..Repr::new(MessageType::Nack, self.job_id, 0) };
-        let buf = self.out.push(from, HEADER_LEN + Nack::LEN);
-        let mut reply = Packet::new_unchecked(&mut buf[..]);
-        repr.emit(&mut reply);
-        Nack { reason: NackReason::BlockExpired, detail: block_id }.emit(reply.payload_mut());
+        let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
+        send(self.out, from, HEADER_LEN + Nack::LEN, env, |buf| {
+            let mut reply = Packet::new_unchecked(buf);
+            repr.emit(&mut reply);
+            Nack { reason: NackReason::BlockExpired, detail: block_id }.emit(reply.payload_mut());
+        });
         self.counters.nacks_sent += 1;
     }
 
     fn nack(&mut self, request: &Packet<&[u8]>, reason: NackReason, detail: u32) {
         let Some(from) = self.from else { return };
-        send_nack(self.counters, self.out, from, request, reason, detail);
+        let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
+        send_nack(self.counters, self.out, from, env, request, reason, detail);
     }
 }
 
-/// Copy the datagram in `scratch` to every member with a known address.
+/// Copy the datagram in `scratch` to every member with a known address
+/// (sealed for each, if the job is keyed).
 fn broadcast<A: Copy>(
     members: &SourceMask,
     addrs: &[Option<A>],
+    mut auth: Option<&mut JobAuth>,
     out: &mut impl Transmit<A>,
     scratch: &[u8],
     sent: &mut u64,
 ) {
     for id in members.iter() {
         if let Some(addr) = addrs.get(id).copied().flatten() {
-            out.push_copy(addr, scratch);
-            *sent += 1;
+            if send_copy(out, addr, scratch, envelope(auth.as_deref_mut(), Peer::Member(id))) {
+                *sent += 1;
+            }
         }
     }
 }
@@ -1627,8 +1689,10 @@ fn close_phase<A: Copy>(
         member_count: job.member_count,
         addrs: &job.addrs,
         uplink: job.uplink.as_ref(),
+        auth: job.auth.as_mut(),
         counters,
         from: None,
+        from_src: 0,
         out,
         scratch,
     };
@@ -1730,7 +1794,7 @@ fn readmit<A: Copy>(
 
 /// Tell every member that `src`'s status changed.
 fn notify_membership<A: Copy>(
-    job: &Job<A>,
+    job: &mut Job<A>,
     src: usize,
     status: u8,
     block_id: u32,
@@ -1747,14 +1811,21 @@ fn notify_membership<A: Copy>(
     scratch.clear();
     scratch.resize(repr.buffer_len(), 0);
     repr.emit(&mut Packet::new_unchecked(&mut scratch[..]));
-    broadcast(&job.members, &job.addrs, out, scratch, &mut counters.notices_sent);
+    broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, scratch, &mut counters.notices_sent);
 }
 
 /// A contribution for a block whose result is gone: count it and tell the
 /// sender which block the slot holds now.
-fn expired<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, packet: &Packet<&[u8]>, held: u32) {
+fn expired<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    from: A,
+    env: Envelope,
+    packet: &Packet<&[u8]>,
+    held: u32,
+) {
     counters.expired += 1;
-    send_nack(counters, out, from, packet, NackReason::BlockExpired, held);
+    send_nack(counters, out, from, env, packet, NackReason::BlockExpired, held);
 }
 
 /// The aggregation loop: wrapping int32 adds of a big-endian payload, written
@@ -1767,13 +1838,14 @@ fn accumulate(sum: &mut [i32], payload: &[u8]) {
 }
 
 /// NoAggr: return the contribution to its sender as a result, untouched.
-fn reflect<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, packet: &Packet<&[u8]>) {
+fn reflect<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, env: Envelope, packet: &Packet<&[u8]>) {
     let bytes = packet.into_inner();
-    let buf = out.push(from, bytes.len());
-    buf.copy_from_slice(bytes);
-    let mut reply = Packet::new_unchecked(&mut buf[..]);
-    reply.set_msg_type(MessageType::Result);
-    reply.set_src_cnt(1);
+    send(out, from, bytes.len(), env, |buf| {
+        buf.copy_from_slice(bytes);
+        let mut reply = Packet::new_unchecked(buf);
+        reply.set_msg_type(MessageType::Result);
+        reply.set_src_cnt(1);
+    });
     counters.forwarded += 1;
 }
 
@@ -1781,14 +1853,19 @@ fn send_nack<A: Copy>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     dest: A,
+    env: Envelope,
     request: &Packet<&[u8]>,
     reason: NackReason,
     detail: u32,
 ) {
-    let buf = out.push(dest, Nack::DATAGRAM_LEN);
-    Nack { reason, detail }.emit_reply(request, false, buf);
-    counters.nacks_sent += 1;
+    if send(out, dest, Nack::DATAGRAM_LEN, env, |buf| Nack { reason, detail }.emit_reply(request, false, buf)) {
+        counters.nacks_sent += 1;
+    }
 }
 
+mod sealing;
+
+#[cfg(test)]
+mod auth_tests;
 #[cfg(test)]
 mod tests;

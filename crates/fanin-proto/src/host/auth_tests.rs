@@ -1,0 +1,107 @@
+//! A keyed worker session against a keyed switch shard: forged, replayed
+//! and unsealed results never reach the tensor (docs/security.md).
+
+use super::*;
+use crate::auth::{derive_member_key, Key};
+use crate::job::JobSpec;
+use crate::switch::{ShardConfig, ValueSwitch};
+use crate::time::Time;
+use crate::transmit::VecTransmit;
+use fanin_wire::auth;
+use fanin_wire::value::{write_elements, Packet, Repr};
+use fanin_wire::MessageType;
+
+const JOB_KEY: Key = Key([0x5a; 16]);
+
+/// Two workers of job 1; worker 0 is the session under test, worker 1's
+/// contributions are sealed by hand.
+fn keyed_pair() -> (AllreduceSession, ValueSwitch<u16>) {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec { key: Some(JOB_KEY), ..JobSpec::with_sources(1, 2, 16, 64) }).unwrap();
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.elems_per_packet = 4;
+    cfg.auth_key = Some(derive_member_key(&JOB_KEY, 1, 0));
+    cfg.seal_clock_us = 1_000;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    for (_, join) in out.drain() {
+        for (_, b) in to_switch(&mut sw, 0, &join) {
+            s.handle_datagram(Time::ZERO, &b);
+        }
+    }
+    assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+    (s, sw)
+}
+
+fn to_switch(sw: &mut ValueSwitch<u16>, from: u16, bytes: &[u8]) -> Vec<(u16, Vec<u8>)> {
+    let mut reply = VecTransmit::new();
+    let _ = sw.handle_datagram(Time::ZERO, from, bytes, &mut reply);
+    reply.datagrams
+}
+
+fn result_block(block: u32, values: &[i32]) -> Vec<u8> {
+    let repr = Repr { grad_cnt: values.len() as u16, block_id: block, src_cnt: 2, gen_id: 1, ..Repr::new(MessageType::Result, 1, 0) };
+    let mut buf = vec![0; repr.buffer_len() + auth::TRAILER_LEN];
+    let mut p = Packet::new_unchecked(&mut buf[..repr.buffer_len()]);
+    repr.emit(&mut p);
+    write_elements(values, p.payload_mut());
+    buf
+}
+
+#[test]
+fn forged_replayed_and_unsealed_results_are_ignored_and_the_sum_stays_exact() {
+    let (mut s, mut sw) = keyed_pair();
+    s.begin(Time::ZERO, Tensor::I32(vec![1, 2, 3, 4, 5, 6, 7, 8])).unwrap();
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    let sent: Vec<Vec<u8>> = out.drain().map(|(_, b)| b).collect();
+    assert_eq!(sent.len(), 2);
+    for b in &sent {
+        assert!(auth::open(&derive_member_key(&JOB_KEY, 1, 0), b).is_ok(), "the worker seals what it sends");
+        assert!(to_switch(&mut sw, 0, b).is_empty());
+    }
+
+    // Before the honest results arrive, an attacker tries to complete both
+    // blocks with poison: a guessed key, worker 1's key, a plain datagram.
+    let mut forged = result_block(0, &[1000; 4]);
+    auth::seal(&Key([0; 16]), 1 << 40, &mut forged).unwrap();
+    s.handle_datagram(Time::ZERO, &forged);
+    let mut posing = result_block(1, &[1000; 4]);
+    auth::seal(&derive_member_key(&JOB_KEY, 1, 1), 1 << 40, &mut posing).unwrap();
+    s.handle_datagram(Time::ZERO, &posing);
+    let plain = result_block(0, &[1000; 4]);
+    s.handle_datagram(Time::ZERO, &plain[..plain.len() - auth::TRAILER_LEN]);
+    assert!(s.poll_event().is_none(), "nothing completed");
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 0, unsealed: 1 });
+
+    // Worker 1 contributes; the switch's sealed results complete the tensor.
+    let key1 = derive_member_key(&JOB_KEY, 1, 1);
+    let mut results = Vec::new();
+    for (i, block) in [[10, 20, 30, 40], [50, 60, 70, 80]].iter().enumerate() {
+        let repr = Repr { grad_cnt: 4, block_id: i as u32, gen_id: 1, ..Repr::new(MessageType::Contribution, 1, 1) };
+        let mut buf = vec![0; repr.buffer_len() + auth::TRAILER_LEN];
+        let mut p = Packet::new_unchecked(&mut buf[..repr.buffer_len()]);
+        repr.emit(&mut p);
+        write_elements(block, p.payload_mut());
+        auth::seal(&key1, 1 + i as u64, &mut buf).unwrap();
+        results.extend(to_switch(&mut sw, 1, &buf).into_iter().filter(|(to, _)| *to == 0).map(|(_, b)| b));
+    }
+    assert_eq!(results.len(), 2);
+    s.handle_datagram(Time::ZERO, &results[0]);
+    // the first result replayed before the second arrives: dropped
+    s.handle_datagram(Time::ZERO, &results[0]);
+    s.handle_datagram(Time::ZERO, &results[1]);
+    let Some(Event::Completed(outcome)) = s.poll_event() else { panic!("allreduce did not complete") };
+    assert_eq!(outcome.tensor, Tensor::I32(vec![11, 22, 33, 44, 55, 66, 77, 88]));
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 1, unsealed: 1 });
+}
+
+#[test]
+fn an_unkeyed_session_refuses_sealed_datagrams() {
+    let mut s = AllreduceSession::new(SessionConfig::new(1, 0), Time::ZERO);
+    let mut sealed = result_block(0, &[1]);
+    auth::seal(&Key([1; 16]), 1, &mut sealed).unwrap();
+    s.handle_datagram(Time::ZERO, &sealed);
+    assert_eq!(s.auth_stats().bad_tag, 1);
+}

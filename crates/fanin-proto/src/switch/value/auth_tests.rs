@@ -1,0 +1,205 @@
+//! Keyed jobs through one switch shard: exact traces of what is verified,
+//! counted and dropped (docs/security.md).
+
+use super::*;
+use crate::auth::{derive_member_key, Key};
+use crate::transmit::VecTransmit;
+use fanin_wire::auth::{self, open};
+use fanin_wire::value::{read_elements, write_elements};
+
+type Addr = u32; // worker n lives at address 100 + n
+const T0: Time = Time::ZERO;
+const JOB_KEY: Key = Key([0x11; 16]);
+const OTHER_JOB_KEY: Key = Key([0x22; 16]);
+
+fn keyed(id: u32, n: u16, key: Key) -> JobSpec {
+    JobSpec { key: Some(key), ..JobSpec::with_sources(id, n, 4, 64) }
+}
+
+fn contribution(job: u32, src: u16, block: u32, values: &[i32]) -> Vec<u8> {
+    let repr = Repr {
+        grad_cnt: values.len() as u16,
+        block_id: block,
+        ..Repr::new(MessageType::Contribution, job, src)
+    };
+    let mut buf = vec![0; repr.buffer_len()];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut p);
+    write_elements(values, p.payload_mut());
+    buf
+}
+
+fn sealed(key: &Key, seq: u64, unsealed: &[u8]) -> Vec<u8> {
+    let mut buf = unsealed.to_vec();
+    buf.resize(unsealed.len() + auth::TRAILER_LEN, 0);
+    auth::seal(key, seq, &mut buf).unwrap();
+    buf
+}
+
+fn member(job: u32, src: u16) -> Key {
+    derive_member_key(&JOB_KEY, job, src)
+}
+
+fn deliver(sw: &mut ValueSwitch<Addr>, src: u16, bytes: &[u8]) -> Vec<(Addr, Vec<u8>)> {
+    let mut out = VecTransmit::new();
+    assert_eq!(sw.handle_datagram(T0, 100 + src as u32, bytes, &mut out), Verdict::Consumed);
+    out.datagrams
+}
+
+/// Everything except the three auth counters and `rx_datagrams`.
+fn program_counters(sw: &ValueSwitch<Addr>) -> Counters {
+    Counters { rx_datagrams: 0, auth_bad_tag: 0, auth_replayed: 0, auth_unsealed: 0, ..sw.counters().clone() }
+}
+
+#[test]
+fn a_keyed_job_sums_sealed_contributions_and_seals_each_result_for_its_member() {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(keyed(1, 2, JOB_KEY)).unwrap();
+    assert!(deliver(&mut sw, 0, &sealed(&member(1, 0), 1, &contribution(1, 0, 0, &[5, 6]))).is_empty());
+    let out = deliver(&mut sw, 1, &sealed(&member(1, 1), 1, &contribution(1, 1, 0, &[7, 8])));
+    assert_eq!(out.len(), 2);
+    let mut seqs = Vec::new();
+    for (addr, bytes) in &out {
+        let src = (*addr - 100) as u16;
+        let other = 1 - src;
+        assert_eq!(open(&member(1, other), bytes), Err(auth::AuthError::BadTag), "sealed for {src} only");
+        let (inner, seq) = open(&member(1, src), bytes).expect("sealed with the member's key");
+        seqs.push(seq);
+        let p = Packet::new_checked(inner).unwrap();
+        let repr = Repr::parse(&p).unwrap();
+        assert_eq!((repr.msg_type, repr.block_id, repr.src_cnt), (MessageType::Result, 0, 2));
+        let mut vals = vec![0; 2];
+        read_elements(p.payload(), &mut vals);
+        assert_eq!(vals, vec![12, 14]);
+    }
+    assert_ne!(seqs[0], seqs[1], "every datagram the shard seals has its own number");
+    assert_eq!(auth::lane_of(seqs[0]), 0, "lane = shard");
+    let c = sw.counters();
+    assert_eq!((c.accepted, c.blocks_completed, c.auth_bad_tag, c.auth_replayed, c.auth_unsealed), (2, 1, 0, 0, 0));
+}
+
+#[test]
+fn forged_replayed_cross_job_and_unsealed_datagrams_change_nothing_and_are_counted() {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(keyed(1, 2, JOB_KEY)).unwrap();
+    sw.add_job(keyed(2, 2, OTHER_JOB_KEY)).unwrap();
+    sw.add_job(JobSpec::with_sources(3, 2, 4, 64)).unwrap(); // unkeyed
+    let first = sealed(&member(1, 0), 10, &contribution(1, 0, 0, &[5]));
+    assert!(deliver(&mut sw, 0, &first).is_empty());
+    let before = program_counters(&sw);
+
+    let poison = contribution(1, 1, 0, &[1000]);
+    // 1. wrong key (a guess)
+    assert!(deliver(&mut sw, 1, &sealed(&Key([0; 16]), 1, &poison)).is_empty());
+    // 2. another job's member key: cross-job injection
+    assert!(deliver(&mut sw, 1, &sealed(&derive_member_key(&OTHER_JOB_KEY, 2, 1), 1, &poison)).is_empty());
+    // 3. the same job's key for another member (source 0 posing as 1)
+    assert!(deliver(&mut sw, 1, &sealed(&member(1, 0), 11, &poison)).is_empty());
+    // 4. a legitimate datagram of source 1 with one bit flipped: header, body, seq, tag
+    let good = sealed(&member(1, 1), 1, &contribution(1, 1, 0, &[7]));
+    for at in [17, 26, good.len() - 12, good.len() - 1] {
+        let mut bad = good.clone();
+        bad[at] ^= 0x04;
+        assert!(deliver(&mut sw, 1, &bad).is_empty(), "flip at {at}");
+    }
+    // 5. a non-member with a key derived for its id
+    assert!(deliver(&mut sw, 7, &sealed(&member(1, 7), 1, &contribution(1, 7, 0, &[1000]))).is_empty());
+    // 6. a sealed datagram for a job without a key
+    assert!(deliver(&mut sw, 1, &sealed(&member(3, 1), 1, &contribution(3, 1, 0, &[1000]))).is_empty());
+    assert_eq!(sw.counters().auth_bad_tag, 9);
+    // 7. unsealed, for the keyed job
+    assert!(deliver(&mut sw, 1, &poison).is_empty());
+    assert_eq!(sw.counters().auth_unsealed, 1);
+    // 8. the first contribution replayed, and replayed once more
+    assert!(deliver(&mut sw, 0, &first).is_empty());
+    assert!(deliver(&mut sw, 0, &first).is_empty());
+    assert_eq!(sw.counters().auth_replayed, 2);
+    assert_eq!(program_counters(&sw), before, "nothing reached the program");
+
+    // The honest contribution still completes the block with the true sum.
+    let out = deliver(&mut sw, 1, &good);
+    assert_eq!(out.len(), 2);
+    let (inner, _) = open(&member(1, 1), &out[1].1).unwrap();
+    let p = Packet::new_checked(inner).unwrap();
+    assert_eq!(p.element(0), 12);
+    // and its replay afterwards is dropped too (no resend, no duplicate)
+    assert!(deliver(&mut sw, 1, &good).is_empty());
+    assert_eq!((sw.counters().auth_replayed, sw.counters().duplicate), (3, 0));
+}
+
+#[test]
+fn a_retransmission_with_a_fresh_number_is_answered_and_numbers_reordered_in_the_window_pass() {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(keyed(1, 2, JOB_KEY)).unwrap();
+    // source 0's numbers 5 and 3 arrive out of order: both inside the window
+    assert!(deliver(&mut sw, 0, &sealed(&member(1, 0), 5, &contribution(1, 0, 0, &[1]))).is_empty());
+    assert!(deliver(&mut sw, 0, &sealed(&member(1, 0), 3, &contribution(1, 0, 1, &[1]))).is_empty());
+    assert_eq!(sw.counters().accepted, 2);
+    deliver(&mut sw, 1, &sealed(&member(1, 1), 1, &contribution(1, 1, 0, &[2])));
+    // source 1 lost its result: its retransmission carries a new number
+    let mut again = contribution(1, 1, 0, &[2]);
+    again[3] = MessageType::Retransmission as u8;
+    let out = deliver(&mut sw, 1, &sealed(&member(1, 1), 2, &again));
+    assert_eq!(out.len(), 1, "the result again, to the sender");
+    assert!(open(&member(1, 1), &out[0].1).is_ok());
+    assert_eq!((sw.counters().results_resent, sw.counters().auth_replayed), (1, 0));
+}
+
+#[test]
+fn only_a_sealed_join_is_answered_and_the_answer_is_sealed() {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(keyed(1, 2, JOB_KEY)).unwrap();
+    let join = {
+        let repr = Repr::new(MessageType::Join, 1, 1);
+        let mut buf = vec![0; repr.buffer_len()];
+        repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+        buf
+    };
+    assert!(deliver(&mut sw, 1, &join).is_empty(), "a non-member cannot join a keyed job");
+    assert!(deliver(&mut sw, 1, &sealed(&Key([9; 16]), 1, &join)).is_empty());
+    assert_eq!((sw.counters().joins, sw.counters().auth_unsealed, sw.counters().auth_bad_tag), (0, 1, 1));
+    let out = deliver(&mut sw, 1, &sealed(&member(1, 1), 1, &join));
+    assert_eq!(out.len(), 1);
+    let (inner, _) = open(&member(1, 1), &out[0].1).expect("JoinAck sealed for the joiner");
+    assert_eq!(Repr::parse(&Packet::new_checked(inner).unwrap()).unwrap().msg_type, MessageType::JoinAck);
+}
+
+#[test]
+fn a_tree_child_seals_partials_with_its_rank_key_and_accepts_only_the_parents_seal() {
+    const RANK: u16 = SWITCH_RANK_BASE;
+    const PARENT: Addr = 900;
+    let mut child = ValueSwitch::new(ShardConfig::single(1 << 20));
+    child.add_job(JobSpec { workers: 3, ..keyed(1, 2, JOB_KEY) }).unwrap();
+    child.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
+    deliver(&mut child, 0, &sealed(&member(1, 0), 1, &contribution(1, 0, 0, &[1])));
+    let up = deliver(&mut child, 1, &sealed(&member(1, 1), 1, &contribution(1, 1, 0, &[2])));
+    assert_eq!(up.len(), 1);
+    assert_eq!(up[0].0, PARENT);
+    let (inner, _) = open(&member(1, RANK), &up[0].1).expect("the partial is sealed with the child's rank key");
+    assert_eq!(Packet::new_checked(inner).unwrap().element(0), 3);
+
+    // The parent's result, sealed for the child's rank, goes down re-sealed.
+    let result = {
+        let repr = Repr { grad_cnt: 1, src_cnt: 3, ..Repr::new(MessageType::Result, 1, 0) };
+        let mut buf = vec![0; repr.buffer_len()];
+        let mut p = Packet::new_unchecked(&mut buf[..]);
+        repr.emit(&mut p);
+        write_elements(&[10], p.payload_mut());
+        buf
+    };
+    let from_parent = |sw: &mut ValueSwitch<Addr>, bytes: &[u8]| {
+        let mut out = VecTransmit::new();
+        let _ = sw.handle_datagram(T0, PARENT, bytes, &mut out);
+        out.datagrams
+    };
+    assert!(from_parent(&mut child, &sealed(&member(1, 0), 1, &result)).is_empty(), "a worker's key is not the parent's");
+    let genuine = sealed(&member(1, RANK), (1 << 48) | 7, &result);
+    let down = from_parent(&mut child, &genuine);
+    assert_eq!(down.len(), 2);
+    for (addr, bytes) in &down {
+        let (inner, _) = open(&member(1, (*addr - 100) as u16), bytes).unwrap();
+        assert_eq!(Packet::new_checked(inner).unwrap().element(0), 10);
+    }
+    assert!(from_parent(&mut child, &genuine).is_empty(), "replayed result");
+    assert_eq!((child.counters().auth_bad_tag, child.counters().auth_replayed), (1, 1));
+}

@@ -1,0 +1,291 @@
+//! Sealed datagrams: a keyed tag and a sequence number appended to any
+//! fanin datagram, so a receiver can tell a member's packet from a forgery
+//! or a replay (docs/security.md).
+//!
+//! A datagram is *sealed* when bit 0x80 of its preamble's `msg_type` is set
+//! (message types 0x40–0xff are unassigned, so the bit never collides with a
+//! real type of either service; parsers look at `msg_type & 0x7f`). A sealed
+//! datagram ends with a 16-byte trailer:
+//!
+//! ```text
+//!  +---------------------------------------------------------------+
+//!  |  ... the unsealed datagram (preamble, header, body), with      |
+//!  |      msg_type | 0x80 ...                                       |
+//!  +---------------------------------------------------------------+
+//!  |                     seq (u64, big endian)                     |  len-16
+//!  +---------------------------------------------------------------+
+//!  |                     tag (u64, big endian)                     |  len-8
+//!  +---------------------------------------------------------------+
+//! ```
+//!
+//! `tag` = SipHash-2-4, keyed with the sender's 128-bit member key, over every
+//! byte before the tag (so over `seq` too). `seq` is unique per key and
+//! *lane*: its top 16 bits name the sending lane (a switch shard; 0 for a
+//! worker), the low 48 bits count up from a clock-derived start, so a
+//! restarted sender continues above what it sent before. Receivers keep one
+//! replay window per (key, lane).
+//!
+//! Checking a tag costs one pass over the datagram; it happens before the
+//! receiver looks at anything else, so a forged packet touches no state.
+
+use crate::preamble::PREAMBLE_LEN;
+use crate::WireError;
+
+/// The `msg_type` bit that marks a sealed datagram.
+pub const SEALED: u8 = 0x80;
+/// Bytes the seal appends: `seq` and `tag`.
+pub const TRAILER_LEN: usize = 16;
+/// Bits of `seq` that count; the bits above name the lane.
+pub const LANE_SHIFT: u32 = 48;
+const COUNTER_MASK: u64 = (1 << LANE_SHIFT) - 1;
+
+/// A 128-bit SipHash key (a job key, or a member key derived from one).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key(pub [u8; 16]);
+
+impl core::fmt::Debug for Key {
+    // Keys never end up in logs or error messages.
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Key(..)")
+    }
+}
+
+impl Key {
+    /// Parse 32 hex digits (the config file and CLI form).
+    pub fn from_hex(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!("a key is 32 hex digits (128 bits), got {} characters", s.len()));
+        }
+        let mut key = [0u8; 16];
+        for (i, byte) in key.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+        }
+        Ok(Self(key))
+    }
+
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, String> {
+        let key: [u8; 16] = bytes.try_into().map_err(|_| format!("a key is 16 bytes, got {}", bytes.len()))?;
+        Ok(Self(key))
+    }
+}
+
+/// Why a sealed datagram was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    #[error("datagram is not sealed (msg_type bit 0x80 clear) but the job requires a tag")]
+    Unsealed,
+    #[error("sealed datagram of {0} bytes is too short for a preamble and the 16-byte trailer")]
+    Truncated(usize),
+    #[error("tag does not verify (forged, corrupted, or sealed with another key)")]
+    BadTag,
+}
+
+/// The member key of `src_id` in job `job_id`: the one derivation the
+/// controller, the switch and the Python bindings share. SipHash is a PRF,
+/// so two outputs under the job key with distinct inputs are independent;
+/// `job_id` is an input so one job key reused for two jobs still gives
+/// unrelated member keys (no cross-job replay).
+pub fn derive_member_key(job_key: &Key, job_id: u32, src_id: u16) -> Key {
+    // "fanin-member-k" | half | 0 | job_id | src_id
+    let mut input = [0u8; 22];
+    input[..14].copy_from_slice(b"fanin-member-k");
+    input[16..20].copy_from_slice(&job_id.to_be_bytes());
+    input[20..22].copy_from_slice(&src_id.to_be_bytes());
+    let lo = siphash24(job_key, &input);
+    input[14] = 1;
+    let hi = siphash24(job_key, &input);
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&lo.to_be_bytes());
+    key[8..].copy_from_slice(&hi.to_be_bytes());
+    Key(key)
+}
+
+/// True when the preamble marks the datagram sealed.
+pub fn is_sealed(bytes: &[u8]) -> bool {
+    bytes.len() >= PREAMBLE_LEN && bytes[3] & SEALED != 0
+}
+
+/// The lane a sequence number belongs to.
+pub fn lane_of(seq: u64) -> u16 {
+    (seq >> LANE_SHIFT) as u16
+}
+
+/// The first sequence number of `lane` for a sender started at `clock_us`
+/// (microseconds of wall-clock time): counting up from the clock keeps a
+/// restarted sender above the numbers it used before, as long as it sent
+/// fewer than one datagram per microsecond per key on average.
+pub fn first_seq(lane: u16, clock_us: u64) -> u64 {
+    ((lane as u64) << LANE_SHIFT) | (clock_us & COUNTER_MASK).max(1)
+}
+
+/// The sequence number after `seq`, staying in its lane (the 48-bit counter
+/// wraps to 1 after 2^48 datagrams: 8.9 years at one per microsecond).
+pub fn next_seq(seq: u64) -> u64 {
+    let counter = (seq & COUNTER_MASK) + 1;
+    (seq & !COUNTER_MASK) | if counter > COUNTER_MASK { 1 } else { counter }
+}
+
+/// The unsealed part and the trailer of a sealed datagram, not yet verified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sealed<'a> {
+    /// The datagram without its trailer (msg_type still has bit 0x80 set;
+    /// the service parsers ignore it).
+    pub inner: &'a [u8],
+    pub seq: u64,
+    pub tag: u64,
+}
+
+impl<'a> Sealed<'a> {
+    /// Split a sealed datagram. Checks lengths only: call
+    /// [`verify`](Self::verify) before trusting `inner` or `seq`.
+    pub fn split(bytes: &'a [u8]) -> Result<Self, AuthError> {
+        if !is_sealed(bytes) {
+            return Err(AuthError::Unsealed);
+        }
+        if bytes.len() < PREAMBLE_LEN + TRAILER_LEN {
+            return Err(AuthError::Truncated(bytes.len()));
+        }
+        let at = bytes.len() - TRAILER_LEN;
+        let seq = u64::from_be_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let tag = u64::from_be_bytes(bytes[at + 8..].try_into().expect("8 bytes"));
+        Ok(Self { inner: &bytes[..at], seq, tag })
+    }
+
+    /// Check the tag under `key`. The comparison is of two u64 values, so its
+    /// time does not depend on where they differ.
+    pub fn verify(&self, key: &Key) -> Result<(), AuthError> {
+        let mut h = SipHasher24::new(key);
+        h.write(self.inner);
+        h.write(&self.seq.to_be_bytes());
+        if h.finish() == self.tag {
+            Ok(())
+        } else {
+            Err(AuthError::BadTag)
+        }
+    }
+}
+
+/// Split and verify in one step: the unsealed bytes and the sequence number.
+pub fn open<'a>(key: &Key, bytes: &'a [u8]) -> Result<(&'a [u8], u64), AuthError> {
+    let sealed = Sealed::split(bytes)?;
+    sealed.verify(key)?;
+    Ok((sealed.inner, sealed.seq))
+}
+
+/// Seal a datagram in place. `buf` holds the unsealed datagram in its first
+/// `buf.len() - TRAILER_LEN` bytes; the trailer is written after it and the
+/// sealed bit is set.
+pub fn seal(key: &Key, seq: u64, buf: &mut [u8]) -> Result<(), WireError> {
+    if buf.len() < PREAMBLE_LEN + TRAILER_LEN {
+        return Err(WireError::Truncated { needed: PREAMBLE_LEN + TRAILER_LEN, got: buf.len() });
+    }
+    buf[3] |= SEALED;
+    let at = buf.len() - TRAILER_LEN;
+    buf[at..at + 8].copy_from_slice(&seq.to_be_bytes());
+    let tag = siphash24(key, &buf[..at + 8]);
+    buf[at + 8..].copy_from_slice(&tag.to_be_bytes());
+    Ok(())
+}
+
+/// Clear the sealed bit (a datagram relayed unsealed, e.g. to an unkeyed peer).
+pub fn clear_sealed_bit(buf: &mut [u8]) {
+    if buf.len() >= PREAMBLE_LEN {
+        buf[3] &= !SEALED;
+    }
+}
+
+/// SipHash-2-4 of `data` under `key` (Aumasson & Bernstein; k0, k1 are the
+/// key's two little-endian halves, as in the reference implementation).
+pub fn siphash24(key: &Key, data: &[u8]) -> u64 {
+    let mut h = SipHasher24::new(key);
+    h.write(data);
+    h.finish()
+}
+
+/// Incremental SipHash-2-4 (so a tag covers non-contiguous parts without a copy).
+#[derive(Clone)]
+pub struct SipHasher24 {
+    v: [u64; 4],
+    tail: u64,
+    ntail: usize,
+    length: usize,
+}
+
+impl SipHasher24 {
+    pub fn new(key: &Key) -> Self {
+        let k0 = u64::from_le_bytes(key.0[..8].try_into().expect("8 bytes"));
+        let k1 = u64::from_le_bytes(key.0[8..].try_into().expect("8 bytes"));
+        Self {
+            v: [k0 ^ 0x736f6d6570736575, k1 ^ 0x646f72616e646f6d, k0 ^ 0x6c7967656e657261, k1 ^ 0x7465646279746573],
+            tail: 0,
+            ntail: 0,
+            length: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn round(v: &mut [u64; 4]) {
+        v[0] = v[0].wrapping_add(v[1]);
+        v[1] = v[1].rotate_left(13) ^ v[0];
+        v[0] = v[0].rotate_left(32);
+        v[2] = v[2].wrapping_add(v[3]);
+        v[3] = v[3].rotate_left(16) ^ v[2];
+        v[0] = v[0].wrapping_add(v[3]);
+        v[3] = v[3].rotate_left(21) ^ v[0];
+        v[2] = v[2].wrapping_add(v[1]);
+        v[1] = v[1].rotate_left(17) ^ v[2];
+        v[2] = v[2].rotate_left(32);
+    }
+
+    #[inline(always)]
+    fn compress(v: &mut [u64; 4], m: u64) {
+        v[3] ^= m;
+        Self::round(v);
+        Self::round(v);
+        v[0] ^= m;
+    }
+
+    pub fn write(&mut self, mut data: &[u8]) {
+        self.length += data.len();
+        if self.ntail > 0 {
+            while self.ntail < 8 {
+                let Some((&b, rest)) = data.split_first() else { return };
+                self.tail |= (b as u64) << (8 * self.ntail);
+                self.ntail += 1;
+                data = rest;
+            }
+            Self::compress(&mut self.v, self.tail);
+            self.tail = 0;
+            self.ntail = 0;
+        }
+        let mut v = self.v;
+        let mut words = data.chunks_exact(8);
+        for w in &mut words {
+            Self::compress(&mut v, u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        }
+        self.v = v;
+        for (i, &b) in words.remainder().iter().enumerate() {
+            self.tail |= (b as u64) << (8 * i);
+        }
+        self.ntail = words.remainder().len();
+    }
+
+    pub fn finish(&self) -> u64 {
+        let mut v = self.v;
+        let b = ((self.length as u64 & 0xff) << 56) | self.tail;
+        Self::compress(&mut v, b);
+        v[2] ^= 0xff;
+        for _ in 0..4 {
+            Self::round(&mut v);
+        }
+        v[0] ^ v[1] ^ v[2] ^ v[3]
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,146 @@
+use super::*;
+
+const REF_KEY: Key = Key([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
+
+/// The reference implementation's `vectors_sip64` (key 00..0f, message
+/// 00..n-1) for n = 0..=16.
+const REF_VECTORS: [u64; 17] = [
+    0x726fdb47dd0e0e31,
+    0x74f839c593dc67fd,
+    0x0d6c8009d9a94f5a,
+    0x85676696d7fb7e2d,
+    0xcf2794e0277187b7,
+    0x18765564cd99a68d,
+    0xcbc9466e58fee3ce,
+    0xab0200f58b01d137,
+    0x93f5f5799a932462,
+    0x9e0082df0ba9e4b0,
+    0x7a5dbbc594ddb9f3,
+    0xf4b32f46226bada7,
+    0x751e8fbc860ee5fb,
+    0x14ea5627c0843d90,
+    0xf723ca908e7af2ee,
+    0xa129ca6149be45e5,
+    0x3f2acc7f57c29bdb,
+];
+
+#[test]
+fn siphash24_matches_the_reference_vectors() {
+    let msg: Vec<u8> = (0..64).collect();
+    for (n, &want) in REF_VECTORS.iter().enumerate() {
+        assert_eq!(siphash24(&REF_KEY, &msg[..n]), want, "n = {n}");
+    }
+}
+
+#[test]
+fn incremental_writes_equal_one_write() {
+    let msg: Vec<u8> = (0..200u8).collect();
+    let whole = siphash24(&REF_KEY, &msg);
+    for split in [0, 1, 3, 7, 8, 9, 15, 16, 17, 100, 199, 200] {
+        for split2 in [split, (split + 5).min(200)] {
+            let mut h = SipHasher24::new(&REF_KEY);
+            h.write(&msg[..split]);
+            h.write(&msg[split..split2]);
+            h.write(&msg[split2..]);
+            assert_eq!(h.finish(), whole, "split at {split}, {split2}");
+        }
+    }
+}
+
+/// A Join of job 7 from source 3, sealed with seq 0x0000_0102_0304_0506
+/// under the member key derived from job key 00..0f: pins the trailer
+/// layout, the derivation and the tag (docs/protocol.md, "Sealed datagrams").
+const GOLDEN_JOIN: [u8; 40] = [
+    0xfa, 0x17, 0x01, 0x84, // preamble, Join | SEALED
+    0x00, 0x00, 0x00, 0x03, // flags, dtype, src_id 3
+    0x00, 0x00, 0x00, 0x00, // src_cnt, gen_id
+    0x00, 0x00, 0x00, 0x07, // job_id 7
+    0x00, 0x00, 0x00, 0x00, // block_id
+    0x00, 0x00, 0x80, 0x80, // grad_cnt, exp, next_exp (EXP_NONE)
+    0x00, 0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, // seq
+    0x76, 0x3e, 0x4e, 0x69, 0x01, 0x4f, 0x2f, 0x90, // tag
+];
+const GOLDEN_MEMBER_KEY: &str = "8b5638aa5b5876fd2805b96de9d9ab72";
+
+fn golden_unsealed() -> Vec<u8> {
+    let mut v = GOLDEN_JOIN[..24].to_vec();
+    v[3] = 0x04;
+    v
+}
+
+#[test]
+fn member_key_derivation_is_pinned() {
+    let k = derive_member_key(&REF_KEY, 7, 3);
+    assert_eq!(k.to_hex(), GOLDEN_MEMBER_KEY);
+    assert_ne!(derive_member_key(&REF_KEY, 7, 4), k, "another source");
+    assert_ne!(derive_member_key(&REF_KEY, 8, 3), k, "another job");
+}
+
+#[test]
+fn seal_writes_the_golden_bytes_and_open_reads_them() {
+    let key = derive_member_key(&REF_KEY, 7, 3);
+    let mut buf = vec![0xEE; 40];
+    buf[..24].copy_from_slice(&golden_unsealed());
+    seal(&key, 0x0000_0102_0304_0506, &mut buf).unwrap();
+    assert_eq!(buf, GOLDEN_JOIN, "{buf:02x?}");
+    let (inner, seq) = open(&key, &GOLDEN_JOIN).unwrap();
+    assert_eq!(seq, 0x0000_0102_0304_0506);
+    assert_eq!(inner, &GOLDEN_JOIN[..24]);
+    let sealed = Sealed::split(&GOLDEN_JOIN).unwrap();
+    assert_eq!(sealed.tag, 0x763e_4e69_014f_2f90);
+}
+
+#[test]
+fn any_flipped_bit_or_other_key_fails_the_tag() {
+    let key = derive_member_key(&REF_KEY, 7, 3);
+    // header (src_id), body-less join: flip in header, seq and tag.
+    for (at, what) in [(7, "header src_id"), (15, "header job_id"), (3, "msg_type low bits"), (26, "seq"), (39, "tag")] {
+        let mut bad = GOLDEN_JOIN;
+        bad[at] ^= 0x01;
+        assert_eq!(open(&key, &bad), Err(AuthError::BadTag), "{what}");
+    }
+    // a body: a sealed contribution with payload, one bit flipped in it
+    let mut packet = vec![0u8; 24 + 16 + TRAILER_LEN];
+    packet[..24].copy_from_slice(&golden_unsealed());
+    packet[3] = 0x01;
+    packet[21] = 4; // grad_cnt 4
+    seal(&key, 9, &mut packet).unwrap();
+    assert!(open(&key, &packet).is_ok());
+    let mut bad = packet.clone();
+    bad[30] ^= 0x40;
+    assert_eq!(open(&key, &bad), Err(AuthError::BadTag), "body");
+    assert_eq!(open(&derive_member_key(&REF_KEY, 7, 4), &packet), Err(AuthError::BadTag), "another member's key");
+    assert_eq!(open(&derive_member_key(&REF_KEY, 8, 3), &packet), Err(AuthError::BadTag), "another job's key");
+    assert_eq!(open(&Key([0; 16]), &packet), Err(AuthError::BadTag), "zero key");
+}
+
+#[test]
+fn unsealed_and_short_datagrams_are_refused_by_length_not_panic() {
+    let key = REF_KEY;
+    assert_eq!(open(&key, &golden_unsealed()), Err(AuthError::Unsealed));
+    assert_eq!(open(&key, &[]), Err(AuthError::Unsealed));
+    assert_eq!(open(&key, &[0xfa, 0x17, 0x01, 0x84, 0, 0]), Err(AuthError::Truncated(6)));
+    let mut small = [0u8; 10];
+    assert!(seal(&key, 1, &mut small).is_err());
+}
+
+#[test]
+fn sequence_numbers_stay_in_their_lane() {
+    let s = first_seq(3, 0x1234_5678_9abc_def0);
+    assert_eq!(lane_of(s), 3);
+    assert_eq!(s & 0xffff_ffff_ffff, 0x5678_9abc_def0);
+    assert_eq!(next_seq(s), s + 1);
+    let last = (3u64 << 48) | 0xffff_ffff_ffff;
+    assert_eq!(next_seq(last), (3u64 << 48) | 1, "wraps to 1 inside the lane");
+    assert_eq!(first_seq(0, 0), 1, "never zero");
+}
+
+#[test]
+fn keys_parse_from_hex_and_never_print() {
+    let k = Key::from_hex("000102030405060708090a0b0c0d0e0f").unwrap();
+    assert_eq!(k, REF_KEY);
+    assert_eq!(k.to_hex(), "000102030405060708090a0b0c0d0e0f");
+    assert!(Key::from_hex("0102").unwrap_err().contains("32 hex digits"));
+    assert!(Key::from_hex("zz0102030405060708090a0b0c0d0e0f").is_err());
+    assert_eq!(format!("{k:?}"), "Key(..)");
+}

@@ -1,0 +1,48 @@
+"""Keys of authenticated jobs (docs/security.md).
+
+A keyed job has one random 128-bit *job key*, known to the switches of the
+job and the controller. Each member seals its datagrams with its *member
+key*, derived from the job key and its source id by the one function the
+switch uses (implemented in Rust, exposed here)::
+
+    job_key = fanin.new_job_key()
+    sw.admit_job(fanin.switch.job_config(1, 4, key=job_key))
+    s = fanin.Session(addr, job_id=1, rank=2, auth_key=fanin.derive_member_key(job_key, 1, 2))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Union
+
+from fanin import _native
+
+__all__ = ["derive_member_key", "new_job_key", "key_hex"]
+
+KeyLike = Union[bytes, bytearray, str]
+
+
+def new_job_key() -> bytes:
+    """16 random bytes from the operating system's CSPRNG."""
+    return os.urandom(16)
+
+
+def _key_bytes(key: KeyLike) -> bytes:
+    if isinstance(key, str):
+        try:
+            key = bytes.fromhex(key)
+        except ValueError:
+            raise ValueError("a key given as text is 32 hex digits") from None
+    if len(key) != 16:
+        raise ValueError(f"a key is 16 bytes (128 bits), got {len(key)}")
+    return bytes(key)
+
+
+def key_hex(key: KeyLike) -> str:
+    """The config-file form of a key: 32 hex digits."""
+    return _key_bytes(key).hex()
+
+
+def derive_member_key(job_key: KeyLike, job_id: int, src_id: int) -> bytes:
+    """The member key of source ``src_id`` in job ``job_id`` (16 bytes)."""
+    return _native.derive_member_key(_key_bytes(job_key), job_id, src_id)

@@ -1,0 +1,182 @@
+"""Authenticated jobs end to end (docs/security.md): a real switch daemon
+process, worker processes with member keys, a forging process, and a
+man-in-the-middle relay that replays captured sealed datagrams in both
+directions while the allreduce runs. Results stay exact and the counters
+equal exactly what was injected."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin import _native
+from fanin.proc import SwitchProcess
+from fanin.switch import job_config, switch_config
+
+JOB, OTHER_JOB = 1, 2
+WORKERS = 2
+ELEMS = 64 * 256  # 64 blocks of 256 elements
+EPP = 256
+
+
+def _worker(rank: int, addr: str, member_key: bytes, out: "mp.Queue") -> None:
+    try:
+        s = fanin.Session(addr, JOB, rank, elems_per_packet=EPP, window=8, auth_key=member_key)
+        x = (np.arange(ELEMS, dtype=np.int32) * (rank + 1)) % 1000
+        y = s.allreduce(x)
+        out.put({"rank": rank, "ok": True, "sum": int(y.astype(np.int64).sum()), "first": y[:4].tolist(),
+                 "stats": s.socket_stats()})
+    except BaseException as e:  # reported to the test
+        out.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def _contribution(job: int, src: int, block: int, values: np.ndarray) -> bytes:
+    """An unsealed value-stream Contribution (docs/protocol.md §2.2)."""
+    header = struct.pack(">HBBBBHHHIIHbb", 0xFA17, 1, 0x01, 0, 0, src, 0, 1, job, block, len(values), -128, -128)
+    return header + values.astype(">i4").tobytes()
+
+
+def _forger(addr: str, other_job_key: bytes, counts: dict, done: "mp.Event") -> None:
+    """Poison the job without its key: wrong keys, another job's key, no tag."""
+    host, port = addr.rsplit(":", 1)
+    dest = (host, int(port))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    poison = np.full(EPP, 10_000, dtype=np.int32)
+    for i in range(counts["rounds"]):
+        block = i % 64
+        for src in range(WORKERS):
+            raw = _contribution(JOB, src, block, poison)
+            sock.sendto(_native.seal_datagram(os.urandom(16), 1 << 40 | i, raw), dest)  # a guessed key
+            cross = fanin.derive_member_key(other_job_key, OTHER_JOB, src)
+            sock.sendto(_native.seal_datagram(cross, 1 << 40 | i, raw), dest)  # another job's member key
+            sock.sendto(raw, dest)  # unsealed
+    sock.close()
+    done.set()
+
+
+class _Relay:
+    """Worker 1's path to the switch: forwards both ways, and replays the
+    first captured sealed datagrams of each direction `replays` times."""
+
+    def __init__(self, switch_addr: str, replays: int, captures: int):
+        host, port = switch_addr.rsplit(":", 1)
+        self.switch = (host, int(port))
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.replays, self.captures = replays, captures
+        self.worker = None
+        self.replayed_up = self.replayed_down = 0
+        self.captured_up = self.captured_down = 0
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            try:
+                data, peer = self.sock.recvfrom(65535)
+            except socket.timeout:
+                continue
+            if peer == self.switch:
+                if self.worker is None:
+                    continue
+                self.sock.sendto(data, self.worker)
+                # replay results (not the JoinAck, whose loss would only slow the join)
+                if data[3] == 0x83 and self.captured_down < self.captures:
+                    self.captured_down += 1
+                    for _ in range(self.replays):
+                        self.sock.sendto(data, self.worker)
+                        self.replayed_down += 1
+            else:
+                self.worker = peer
+                self.sock.sendto(data, self.switch)
+                if data[3] in (0x81, 0x82) and self.captured_up < self.captures:
+                    self.captured_up += 1
+                    for _ in range(self.replays):
+                        self.sock.sendto(data, self.switch)
+                        self.replayed_up += 1
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(timeout=2)
+        self.sock.close()
+
+
+def test_derive_member_key_matches_the_switch_derivation_and_is_pinned():
+    key = fanin.derive_member_key(bytes(range(16)), 7, 3)
+    assert key.hex() == "8b5638aa5b5876fd2805b96de9d9ab72"  # docs/protocol.md §2.4
+    with pytest.raises(ValueError, match="16 bytes"):
+        fanin.derive_member_key(b"short", 1, 0)
+
+
+def test_forged_and_replayed_packets_are_all_rejected_and_the_sum_stays_exact():
+    job_key, other_key = fanin.new_job_key(), fanin.new_job_key()
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0",
+                        jobs=[job_config(JOB, WORKERS, block_cnt_max=8, block_grad_max=EPP, key=job_key),
+                              job_config(OTHER_JOB, WORKERS, block_cnt_max=8, block_grad_max=EPP, key=other_key)])
+    ctx = mp.get_context("spawn")
+    counts = {"rounds": 50}
+    with SwitchProcess(cfg) as sw:
+        relay = _Relay(sw.data_addr, replays=2, captures=5)
+        done = ctx.Event()
+        forger = ctx.Process(target=_forger, args=(sw.data_addr, other_key, counts, done), daemon=True)
+        forger.start()
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, relay.addr if r == 1 else sw.data_addr,
+                                                     fanin.derive_member_key(job_key, JOB, r), results), daemon=True)
+                 for r in range(WORKERS)]
+        for p in procs:
+            p.start()
+        reports = sorted((results.get(timeout=60) for _ in procs), key=lambda r: r["rank"])
+        for p in procs:
+            p.join(timeout=10)
+        assert done.wait(timeout=30)
+        forger.join(timeout=10)
+        relay.close()
+        counters = sw.counters()
+    assert all(r["ok"] for r in reports), reports
+    x = [(np.arange(ELEMS, dtype=np.int64) * (r + 1)) % 1000 for r in range(WORKERS)]
+    want = sum(x)
+    for r in reports:
+        assert r["sum"] == int(want.sum()) and r["first"] == want[:4].tolist(), "poison reached a result"
+    injected_forged = counts["rounds"] * WORKERS * 2
+    injected_unsealed = counts["rounds"] * WORKERS
+    assert relay.replayed_up == 10 and relay.replayed_down == 10
+    assert counters["auth_bad_tag"] == injected_forged
+    assert counters["auth_unsealed"] == injected_unsealed
+    assert counters["auth_replayed"] == relay.replayed_up
+    # the worker behind the relay refused every replayed result
+    assert reports[1]["stats"]["auth_replayed"] == relay.replayed_down
+    assert reports[1]["stats"]["auth_bad_tag"] == 0 and reports[0]["stats"]["auth_replayed"] == 0
+
+
+def test_a_keyed_job_refuses_an_unkeyed_worker_and_a_wrong_key():
+    job_key = fanin.new_job_key()
+    with fanin.LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None,
+                                         jobs=[job_config(JOB, 1, key=job_key)])) as sw:
+        with pytest.raises(fanin.FaninTimeout):
+            fanin.Session(sw.data_addr, JOB, 0, join_timeout_s=0.5)
+        with pytest.raises(fanin.FaninTimeout):
+            fanin.Session(sw.data_addr, JOB, 0, join_timeout_s=0.5, auth_key=fanin.derive_member_key(job_key, JOB, 1))
+        s = fanin.Session(sw.data_addr, JOB, 0, auth_key=fanin.derive_member_key(job_key, JOB, 0))
+        assert s.allreduce(np.arange(10, dtype=np.int32)).tolist() == list(range(10))
+        c = sw.counters()
+        assert c["auth_unsealed"] >= 1 and c["auth_bad_tag"] >= 1
+
+
+def test_a_control_api_off_loopback_without_a_token_does_not_start(monkeypatch):
+    monkeypatch.delenv("FANIN_CONTROL_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="not a loopback address but no control_token"):
+        fanin.LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr="0.0.0.0:0", metrics_addr=None))
+    monkeypatch.setenv("FANIN_CONTROL_TOKEN", "s3cret")
+    with fanin.LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr="0.0.0.0:0", metrics_addr=None)):
+        pass
