@@ -21,6 +21,9 @@ def job_config(
     block_exp_ms: int = 0,
     slow_after_windows: int = 2,
     mode: str = "aggregate",
+    on_failure: str = "degrade",
+    member_timeout_ms: int = 0,
+    rate_limit: Optional[tuple[int, int]] = None,
 ) -> dict[str, Any]:
     """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
 
@@ -32,6 +35,13 @@ def job_config(
     switch emit partial results for blocks that waited that long for a
     missing source; ``slow_after_windows`` (K) declares a source missing for
     K windows permanently slow, so blocks stop waiting for it (0 = never).
+
+    Worker failure (docs/failures.md): a worker silent for
+    ``member_timeout_ms`` (0 = 5000) while a block has waited that long for
+    it is dead; ``on_failure="degrade"`` continues without it (degraded
+    results), ``"fail"`` fails the job (every worker's allreduce raises
+    ``fanin.MemberFailed`` naming the dead rank). ``rate_limit=(pps, burst)``
+    limits each source (docs/overload.md).
     """
     job: dict[str, Any] = {
         "job_id": job_id,
@@ -40,7 +50,11 @@ def job_config(
         "block_exp_ms": block_exp_ms,
         "slow_after_windows": slow_after_windows,
         "mode": mode,
+        "on_failure": on_failure,
+        "member_timeout_ms": member_timeout_ms,
     }
+    if rate_limit is not None:
+        job["rate_limit"] = {"pps": int(rate_limit[0]), "burst": int(rate_limit[1])}
     if members is not None:
         job["members"] = list(members)
     if sources is not None:
@@ -64,13 +78,15 @@ def switch_config(
     trim: bool = False,
     trim_watermark: float = 0.5,
     socket_buffer: Optional[int] = None,
+    rate_limit: Optional[tuple[int, int]] = None,
     jobs: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The daemon configuration (the same fields as the TOML config file).
     ``scanners`` and ``checks`` configure the straggler detector; ``trim``
     and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
     ``socket_buffer`` the receive buffer per data socket in bytes (default
-    the daemon's)."""
+    the daemon's); ``rate_limit=(pps, burst)`` the per-source rate limit of
+    jobs that set none (docs/overload.md)."""
     cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks},
         "trim": {"enabled": trim, "watermark": trim_watermark},
@@ -85,6 +101,8 @@ def switch_config(
     }
     if socket_buffer is not None:
         cfg["socket_buffer"] = socket_buffer
+    if rate_limit is not None:
+        cfg["rate_limit"] = {"pps": int(rate_limit[0]), "burst": int(rate_limit[1])}
     return cfg
 
 

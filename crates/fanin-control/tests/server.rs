@@ -119,6 +119,7 @@ fn spec(job_id: u32, members: Vec<u32>) -> pb::JobSpec {
         mode: PbMode::Aggregate as i32,
         workers: None,
         tree: None,
+        ..Default::default()
     }
 }
 

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use std::time::Duration;
 
-use fanin_proto::job::{JobMode, JobSpec, DEFAULT_SLOW_AFTER_WINDOWS};
+use fanin_proto::job::{FailurePolicy, JobMode, JobSpec, RateLimit, DEFAULT_SLOW_AFTER_WINDOWS};
 use fanin_proto::switch::AgingConfig;
 use fanin_proto::trim::Watermark;
 use serde::{Deserialize, Serialize};
@@ -51,6 +51,10 @@ pub struct DaemonConfig {
     pub aging: AgingSection,
     #[serde(default)]
     pub trim: TrimSection,
+    /// Per-source rate limit for jobs that set none (docs/overload.md);
+    /// none = unlimited.
+    #[serde(default)]
+    pub rate_limit: Option<RateLimit>,
     #[serde(default)]
     pub jobs: Vec<JobConfig>,
 }
@@ -169,6 +173,14 @@ pub struct JobConfig {
     /// Workers in the whole job (aggregation trees); 0 = the member count.
     #[serde(default)]
     pub workers: u16,
+    /// `degrade` or `fail` when a worker dies (docs/failures.md).
+    #[serde(default)]
+    pub on_failure: FailurePolicy,
+    /// 0 = the default member timeout.
+    #[serde(default)]
+    pub member_timeout_ms: u32,
+    #[serde(default)]
+    pub rate_limit: Option<RateLimit>,
 }
 
 fn default_data_addr() -> SocketAddr {
@@ -262,6 +274,9 @@ impl DaemonConfig {
             return bad("aging.min_tick_us must be at least 1".into());
         }
         self.trim.watermark()?;
+        if let Some(limit) = &self.rate_limit {
+            limit.validate().map_err(ConfigError::Invalid)?;
+        }
         let mut seen = std::collections::BTreeSet::new();
         for (i, job) in self.jobs.iter().enumerate() {
             let spec = job.to_spec().map_err(|m| ConfigError::Invalid(format!("jobs[{i}]: {m}")))?;
@@ -291,6 +306,9 @@ impl JobConfig {
             slow_after_windows: self.slow_after_windows,
             mode: self.mode,
             workers: self.workers,
+            on_failure: self.on_failure,
+            member_timeout_ms: self.member_timeout_ms,
+            rate_limit: self.rate_limit,
         })
     }
 }

@@ -357,6 +357,7 @@ impl SwitchHandle {
                     incarnation,
                     memory_limit: per_shard,
                     aging: config.aging.to_config(),
+                    rate_limit: config.rate_limit,
                 }),
                 kv: KvSwitch::new(KvSwitchConfig {
                     memory_limit: (config.kv_memory_mb << 20) / config.shards as u64 / KV_AGGREGATOR_BYTES,

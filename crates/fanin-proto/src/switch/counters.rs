@@ -80,6 +80,13 @@ pub struct Counters {
     /// Daemon: datagrams the kernel dropped on the shard's full receive
     /// queue (never seen by the switch; silent loss).
     pub socket_drops: u64,
+    /// Contributions over their source's rate limit, answered with a
+    /// Trimmed nack (cause 3).
+    pub rate_limited: u64,
+    /// Members found dead by the member timeout.
+    pub members_timed_out: u64,
+    /// Jobs failed by a dead member (failure policy `fail`).
+    pub jobs_failed: u64,
 }
 
 impl Counters {
@@ -134,6 +141,9 @@ impl Counters {
         f("sync_deferred", None, self.sync_deferred);
         f("trimmed", None, self.trimmed);
         f("socket_drops", None, self.socket_drops);
+        f("rate_limited", None, self.rate_limited);
+        f("members_timed_out", None, self.members_timed_out);
+        f("jobs_failed", None, self.jobs_failed);
     }
 
     /// Add another shard's counters into these.
@@ -145,7 +155,8 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
+            rate_limited, members_timed_out, jobs_failed
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;
