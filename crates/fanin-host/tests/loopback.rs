@@ -22,6 +22,9 @@ fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
         slow_after_windows: 2,
         mode,
         workers: 0,
+        on_failure: Default::default(),
+        member_timeout_ms: 0,
+        rate_limit: None,
     }
 }
 

@@ -31,6 +31,9 @@ fn start(trim: bool) -> SwitchHandle {
             slow_after_windows: 2,
             mode: JobMode::Aggregate,
             workers: 0,
+            on_failure: Default::default(),
+            member_timeout_ms: 0,
+            rate_limit: None,
         }],
         ..DaemonConfig::default()
     };
