@@ -11,7 +11,7 @@ and the worker library that talks to it::
 See ``fanin --help`` for the command line (switch, demo, bench).
 """
 
-from fanin._native import FaninError, FaninRefused, FaninTimeout, __version__
+from fanin._native import FaninError, FaninRefused, FaninTimeout, MemberFailed, __version__
 from fanin.auth import derive_member_key, new_job_key
 from fanin.session import Session
 from fanin.switch import LocalSwitch, local_switch
@@ -21,6 +21,7 @@ __all__ = [
     "FaninRefused",
     "FaninTimeout",
     "LocalSwitch",
+    "MemberFailed",
     "Session",
     "local_switch",
     "__version__",

@@ -21,6 +21,7 @@ examples:
   fanin sim goat --json                        # one GOAT study point at packet level vs the flow-level evaluator
   fanin bench kv-prioritisation --quick        # ASK Fig. 9 on the key-value machines
   fanin bench overload --quick --json          # overloaded switch: trimming vs silent drops
+  fanin bench flood --quick --json             # job isolation under a flood, with/without rate limits
   fanin testbed up fat-tree:4                  # namespaces + veth links (root; see fanin testbed --help)
   fanin controller serve --topology deep-tree:3,2 --loopback   # aggregation trees (see fanin controller --help)
   fanin plan goat --topology fat-tree:8,6 --programmable 0.2 --memory-mb 64 --ps h0_0_0 --even 221,111
@@ -41,19 +42,39 @@ def _job_arg(text: str) -> dict[str, Any]:
         k = {"id": "job_id"}.get(k, k)
         if k == "members":
             job[k] = [int(x) for x in v.split(":") if x]
-        elif k in ("mode", "key"):
+        elif k in ("mode", "key", "on_failure"):
             job[k] = v
-        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows"):
+        elif k == "rate_limit":
+            job[k] = _rate_limit_dict(v.replace(":", ","))
+        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows",
+                   "member_timeout_ms"):
             try:
                 job[k] = int(v)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
         else:
             raise argparse.ArgumentTypeError(
-                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode, key=HEX)")
+                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, "
+                "slow_after_windows, mode, on_failure=degrade|fail, member_timeout_ms, rate_limit=PPS:BURST, key=HEX)")
     if "job_id" not in job:
         raise argparse.ArgumentTypeError("a job needs id=N")
     return job
+
+
+def _rate_limit_dict(text: str) -> dict[str, int]:
+    """Parse 'PPS,BURST' (two positive integers)."""
+    try:
+        pps, burst = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rate limit {text!r}: expected PPS,BURST (e.g. 100000,256)") from None
+    if pps < 1 or burst < 1:
+        raise argparse.ArgumentTypeError(f"rate limit {text!r}: rate and burst must be at least 1")
+    return {"pps": pps, "burst": burst}
+
+
+def _rate_limit_dict_tuple(text: str) -> tuple[int, int]:
+    d = _rate_limit_dict(text)
+    return d["pps"], d["burst"]
 
 
 def _cmd_switch(args: argparse.Namespace) -> int:
@@ -76,6 +97,8 @@ def _cmd_switch(args: argparse.Namespace) -> int:
         )
     if args.control_token:
         config["control_token"] = args.control_token
+    if args.rate_limit:
+        config["rate_limit"] = args.rate_limit
 
     def ready(info: dict[str, Any]) -> None:
         if args.print_ready:
@@ -188,6 +211,12 @@ def _cmd_bench_chaos(args: argparse.Namespace) -> int:
     from fanin.bench.chaos import run_bench_chaos
 
     return run_bench_chaos(args)
+
+
+def _cmd_bench_flood(args: argparse.Namespace) -> int:
+    from fanin.bench.flood import run_flood
+
+    return run_flood(args)
 
 
 def _find_sim_binary() -> Optional[str]:
@@ -320,7 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--job", action="append", type=_job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
                          "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward, "
-                         "key=32 hex digits (an authenticated job, docs/security.md)")
+                         "key=32 hex digits (an authenticated job, docs/security.md), "
+                         "on_failure=degrade|fail (when a worker dies, docs/failures.md), member_timeout_ms (0 = 5000), "
+                         "rate_limit=PPS:BURST (per source)")
+    sw.add_argument("--rate-limit", type=_rate_limit_dict, metavar="PPS,BURST",
+                    help="per-source rate limit for jobs that set none: each worker may send PPS contributions "
+                         "per second and BURST back to back; the excess is answered with a Trimmed nack so it "
+                         "slows down (docs/overload.md). Default: unlimited")
     sw.add_argument("--ingress-drop", type=float, default=0.0, help="fault injection: drop probability on receive")
     sw.add_argument("--egress-drop", type=float, default=0.0, help="fault injection: drop probability on send")
     sw.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
@@ -456,6 +491,24 @@ def build_parser() -> argparse.ArgumentParser:
     ch.set_defaults(func=_cmd_bench_chaos)
 
     sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, GOAT, event rate",
+
+
+    fl = bsub.add_parser("flood", help="job isolation: one job's allreduce while another job's sender floods, "
+                                       "with and without a per-source rate limit",
+                         description="One switch (one shard), job A's worker processes allreduce while a flooder "
+                                     "process sends a raw UDP flood of valid contributions to job B (no rate limit) "
+                                     "or job C (rate limited), or stays quiet; the three arms alternate per "
+                                     "iteration. Reports job A's goodput per arm and its ratio to the quiet arm. "
+                                     "docs/overload.md.")
+    fl.add_argument("--workers", type=int, default=2, help="job A's workers (default %(default)s)")
+    fl.add_argument("--size", type=int, help="bytes per worker (default 8000000, 2000000 with --quick)")
+    fl.add_argument("--iters", type=int, help="timed allreduces per arm (default 10, 4 with --quick)")
+    fl.add_argument("--limit", type=_rate_limit_dict_tuple, default=(2000, 64), metavar="PPS,BURST",
+                    help="job C's per-source rate limit (default 2000,64)")
+    common(fl)
+    fl.set_defaults(func=_cmd_bench_flood)
+
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",

@@ -22,6 +22,9 @@ def job_config(
     slow_after_windows: int = 2,
     mode: str = "aggregate",
     key: Optional[Union[bytes, str]] = None,
+    on_failure: str = "degrade",
+    member_timeout_ms: int = 0,
+    rate_limit: Optional[tuple[int, int]] = None,
 ) -> dict[str, Any]:
     """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
 
@@ -36,6 +39,13 @@ def job_config(
 
     ``key`` (16 bytes or 32 hex digits) makes the job authenticated: members
     must seal every datagram with their member key (docs/security.md).
+
+    Worker failure (docs/failures.md): a worker silent for
+    ``member_timeout_ms`` (0 = 5000) while a block has waited that long for
+    it is dead; ``on_failure="degrade"`` continues without it (degraded
+    results), ``"fail"`` fails the job (every worker's allreduce raises
+    ``fanin.MemberFailed`` naming the dead rank). ``rate_limit=(pps, burst)``
+    limits each source (docs/overload.md).
     """
     job: dict[str, Any] = {
         "job_id": job_id,
@@ -44,7 +54,11 @@ def job_config(
         "block_exp_ms": block_exp_ms,
         "slow_after_windows": slow_after_windows,
         "mode": mode,
+        "on_failure": on_failure,
+        "member_timeout_ms": member_timeout_ms,
     }
+    if rate_limit is not None:
+        job["rate_limit"] = {"pps": int(rate_limit[0]), "burst": int(rate_limit[1])}
     if members is not None:
         job["members"] = list(members)
     if sources is not None:
@@ -74,6 +88,7 @@ def switch_config(
     trim: bool = False,
     trim_watermark: float = 0.5,
     socket_buffer: Optional[int] = None,
+    rate_limit: Optional[tuple[int, int]] = None,
     jobs: Iterable[dict[str, Any]] = (),
     control_token: Optional[str] = None,
 ) -> dict[str, Any]:
@@ -87,7 +102,8 @@ def switch_config(
     ``control_token`` is the bearer token the control API
     requires; unset, the daemon takes ``FANIN_CONTROL_TOKEN`` from the
     environment, and refuses to start with a non-loopback ``control_addr``
-    and no token (docs/security.md)."""
+    and no token (docs/security.md). ``rate_limit=(pps, burst)`` is the per-source rate
+    limit of jobs that set none (docs/overload.md)."""
     cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks},
         "trim": {"enabled": trim, "watermark": trim_watermark},
@@ -105,6 +121,8 @@ def switch_config(
         cfg["socket_buffer"] = socket_buffer
     if control_token is not None:
         cfg["control_token"] = control_token
+    if rate_limit is not None:
+        cfg["rate_limit"] = {"pps": int(rate_limit[0]), "burst": int(rate_limit[1])}
     return cfg
 
 

@@ -146,13 +146,16 @@ def test_every_call_returns_plain_values(serve):
         }
         assert c.info()["api_version"] == API_VERSION
 
-        c.admit_job(9, members=range(3), block_cnt_max=8, block_grad_max=256, block_exp_ms=5, slow_after_windows=3)
+        c.admit_job(9, members=range(3), block_cnt_max=8, block_grad_max=256, block_exp_ms=5, slow_after_windows=3,
+                    on_failure="fail", member_timeout_ms=700, rate_limit=(1000, 8))
         c.admit_job(2, [3, 1], block_cnt_max=8, block_grad_max=256, mode="forward")
         assert c.list_jobs() == [
             {"job_id": 2, "members": [3, 1], "block_cnt_max": 8, "block_grad_max": 256,
-             "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward", "workers": 0, "tree": None},
+             "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward", "workers": 0, "tree": None,
+             "on_failure": "degrade", "member_timeout_ms": 0, "rate_limit": None},
             {"job_id": 9, "members": [0, 1, 2], "block_cnt_max": 8, "block_grad_max": 256,
-             "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate", "workers": 0, "tree": None},
+             "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate", "workers": 0, "tree": None,
+             "on_failure": "fail", "member_timeout_ms": 700, "rate_limit": {"pps": 1000, "burst": 8}},
         ]
         assert c.info()["memory_used"] == 2 * 8 * 256 * 4
 

@@ -21,7 +21,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use fanin_proto::job::{JobMode, JobSpec, JobSpecError, MAX_SOURCES, SWITCH_RANK_BASE};
+use fanin_proto::job::{FailurePolicy, JobMode, JobSpec, JobSpecError, RateLimit, MAX_SOURCES, SWITCH_RANK_BASE};
 use fanin_proto::kv::{KvAdmitError, KvCounters, KvTaskSpec, Layout, TaskStats};
 use fanin_proto::switch::{AdmitError, Counters};
 use tonic::metadata::MetadataMap;
@@ -434,6 +434,15 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
                 Status::invalid_argument(format!("job {job_id}: key: {e} (empty for an unauthenticated job)"))
             })?),
         },
+        on_failure: match pb::FailurePolicy::try_from(spec.on_failure) {
+            Ok(pb::FailurePolicy::Degrade) => FailurePolicy::Degrade,
+            Ok(pb::FailurePolicy::Fail) => FailurePolicy::Fail,
+            Err(_) => {
+                return Err(Status::invalid_argument(format!("job {job_id}: unknown failure policy {}", spec.on_failure)))
+            }
+        },
+        member_timeout_ms: spec.member_timeout_ms,
+        rate_limit: spec.rate_limit.map(|r| RateLimit { pps: r.pps, burst: r.burst }),
     };
     spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(spec)
@@ -455,6 +464,12 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
             JobMode::Forward => pb::JobMode::Forward,
         } as i32,
         key: spec.key.map_or_else(Vec::new, |k| k.0.to_vec()),
+        on_failure: match spec.on_failure {
+            FailurePolicy::Degrade => pb::FailurePolicy::Degrade,
+            FailurePolicy::Fail => pb::FailurePolicy::Fail,
+        } as i32,
+        member_timeout_ms: spec.member_timeout_ms,
+        rate_limit: spec.rate_limit.map(|r| pb::RateLimit { pps: r.pps, burst: r.burst }),
     }
 }
 
@@ -685,6 +700,10 @@ mod tests {
         let mut spec = JobSpec::with_sources(3, 5, 8, 256);
         spec.mode = JobMode::Forward;
         spec.block_exp_ms = 20;
+        assert_eq!(job_spec_from_pb(job_spec_to_pb(&spec)).unwrap(), spec);
+        spec.on_failure = FailurePolicy::Fail;
+        spec.member_timeout_ms = 1500;
+        spec.rate_limit = Some(RateLimit { pps: 1000, burst: 16 });
         assert_eq!(job_spec_from_pb(job_spec_to_pb(&spec)).unwrap(), spec);
     }
 

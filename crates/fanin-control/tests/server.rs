@@ -120,6 +120,7 @@ fn spec(job_id: u32, members: Vec<u32>) -> pb::JobSpec {
         workers: None,
         tree: None,
         key: Vec::new(),
+        ..Default::default()
     }
 }
 

@@ -23,6 +23,9 @@ fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
         mode,
         workers: 0,
         key: None,
+        on_failure: Default::default(),
+        member_timeout_ms: 0,
+        rate_limit: None,
     }
 }
 

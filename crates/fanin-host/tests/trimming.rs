@@ -32,6 +32,9 @@ fn start(trim: bool) -> SwitchHandle {
             mode: JobMode::Aggregate,
             workers: 0,
             key: None,
+            on_failure: Default::default(),
+            member_timeout_ms: 0,
+            rate_limit: None,
         }],
         ..DaemonConfig::default()
     };

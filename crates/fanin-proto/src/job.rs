@@ -26,6 +26,74 @@ fn default_slow_after_windows() -> u32 {
     DEFAULT_SLOW_AFTER_WINDOWS
 }
 
+/// Member timeout of a job that does not set one (`member_timeout_ms` = 0):
+/// half the worker's default `dead_after` (10 s), so the survivors learn of
+/// a dead member (a notice, or results without it) before they would give
+/// up on a silent switch. See docs/failures.md.
+pub const DEFAULT_MEMBER_TIMEOUT_MS: u32 = 5_000;
+/// Longest member timeout a job may ask for (ten minutes).
+pub const MAX_MEMBER_TIMEOUT_MS: u32 = 600_000;
+
+/// What a job does when a worker dies (goes silent past the member
+/// timeout while blocks wait for it). docs/failures.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum FailurePolicy {
+    /// Continue without it (the straggler path): it is declared
+    /// permanently slow, blocks complete without it and their results say
+    /// so (`degraded`, `src_cnt`). It is waited for again if it comes back.
+    #[default]
+    Degrade,
+    /// Fail the job: every member is told which source died, and gets an
+    /// error naming it instead of results.
+    Fail,
+}
+
+impl FailurePolicy {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "degrade" => Ok(Self::Degrade),
+            "fail" => Ok(Self::Fail),
+            other => Err(format!("unknown failure policy {other:?} (use degrade or fail)")),
+        }
+    }
+}
+
+/// A per-source token bucket: each source of a job may send `pps`
+/// contributions per second on average and `burst` back to back; the excess
+/// is answered with a Trimmed nack (cause `RateLimited`), so a legitimate
+/// sender backs off and a flood costs the switch a header read per packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimit {
+    pub pps: u32,
+    pub burst: u32,
+}
+
+impl RateLimit {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.pps == 0 || self.burst == 0 {
+            return Err(format!(
+                "rate limit {},{}: both the rate (packets per second) and the burst must be at least 1",
+                self.pps, self.burst
+            ));
+        }
+        Ok(())
+    }
+
+    /// `"pps,burst"` (as `--rate-limit` takes it).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let bad = || format!("rate limit {s:?}: expected PPS,BURST (two positive integers, e.g. 100000,256)");
+        let (pps, burst) = s.split_once(',').ok_or_else(bad)?;
+        let limit = Self {
+            pps: pps.trim().parse().map_err(|_| bad())?,
+            burst: burst.trim().parse().map_err(|_| bad())?,
+        };
+        limit.validate()?;
+        Ok(limit)
+    }
+}
+
 /// What the switch does with a job's contributions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -78,6 +146,16 @@ pub struct JobSpec {
     /// (docs/security.md). None: an unauthenticated job.
     #[serde(default, skip_serializing_if = "Option::is_none", with = "crate::auth::hex_key")]
     pub key: Option<fanin_wire::auth::Key>,
+    /// What happens when a worker dies (docs/failures.md).
+    #[serde(default)]
+    pub on_failure: FailurePolicy,
+    /// A worker silent this long while a block has waited this long for it
+    /// is dead; 0 = [`DEFAULT_MEMBER_TIMEOUT_MS`].
+    #[serde(default)]
+    pub member_timeout_ms: u32,
+    /// Per-source rate limit; none = the switch's default (if any).
+    #[serde(default)]
+    pub rate_limit: Option<RateLimit>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -98,6 +176,10 @@ pub enum JobSpecError {
     SlowAfter { job_id: u32, value: u32 },
     #[error("job {job_id}: workers {value} is out of range (0 = the member count, at most {SWITCH_RANK_BASE})")]
     Workers { job_id: u32, value: u16 },
+    #[error("job {job_id}: member_timeout_ms {value} is out of range (0 = the default {DEFAULT_MEMBER_TIMEOUT_MS}, at most {MAX_MEMBER_TIMEOUT_MS})")]
+    MemberTimeout { job_id: u32, value: u32 },
+    #[error("job {job_id}: {message}")]
+    RateLimit { job_id: u32, message: String },
 }
 
 impl JobSpec {
@@ -113,7 +195,16 @@ impl JobSpec {
             mode: JobMode::Aggregate,
             workers: 0,
             key: None,
+            on_failure: FailurePolicy::Degrade,
+            member_timeout_ms: 0,
+            rate_limit: None,
         }
+    }
+
+    /// The member timeout in force (the default for 0).
+    pub fn member_timeout(&self) -> std::time::Duration {
+        let ms = if self.member_timeout_ms == 0 { DEFAULT_MEMBER_TIMEOUT_MS } else { self.member_timeout_ms };
+        std::time::Duration::from_millis(ms as u64)
     }
 
     pub fn validate(&self) -> Result<(), JobSpecError> {
@@ -144,6 +235,12 @@ impl JobSpec {
         }
         if self.workers > SWITCH_RANK_BASE {
             return Err(JobSpecError::Workers { job_id, value: self.workers });
+        }
+        if self.member_timeout_ms > MAX_MEMBER_TIMEOUT_MS {
+            return Err(JobSpecError::MemberTimeout { job_id, value: self.member_timeout_ms });
+        }
+        if let Some(limit) = &self.rate_limit {
+            limit.validate().map_err(|message| JobSpecError::RateLimit { job_id, message })?;
         }
         Ok(())
     }
@@ -219,6 +316,23 @@ mod tests {
         spec.block_exp_ms = 10;
         spec.slow_after_windows = 10_001;
         assert!(spec.validate().unwrap_err().to_string().contains("slow_after_windows 10001"));
+        spec.slow_after_windows = 2;
+        spec.member_timeout_ms = 600_001;
+        assert!(spec.validate().unwrap_err().to_string().contains("member_timeout_ms 600001"));
+        spec.member_timeout_ms = 0;
+        assert_eq!(spec.member_timeout(), std::time::Duration::from_millis(DEFAULT_MEMBER_TIMEOUT_MS as u64));
+        spec.rate_limit = Some(RateLimit { pps: 0, burst: 4 });
+        assert!(spec.validate().unwrap_err().to_string().contains("at least 1"));
+    }
+
+    #[test]
+    fn rate_limits_and_policies_parse_or_say_why_not() {
+        assert_eq!(RateLimit::parse("1000, 32"), Ok(RateLimit { pps: 1000, burst: 32 }));
+        for bad in ["1000", "a,b", "0,5", "5,0", "-1,3"] {
+            assert!(RateLimit::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(FailurePolicy::parse("fail"), Ok(FailurePolicy::Fail));
+        assert!(FailurePolicy::parse("retry").unwrap_err().contains("degrade or fail"));
     }
 
     #[test]

@@ -85,6 +85,10 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
     spec.block_exp_ms = cfg.block_exp_ms;
     spec.slow_after_windows = cfg.slow_after_windows;
     spec.workers = cfg.workers as u16;
+    // Heavy loss with RTO backoff can keep a live worker silent for seconds
+    // of virtual time (the workers' dead_after is 30 s here): these runs
+    // check exact sums, so the member timeout must not call it dead.
+    spec.member_timeout_ms = 60_000;
     // every switch of the tree: its children are its workers and the ranks
     // of its child switches; all but the root send up
     let mut switches: Vec<Vec<ValueSwitch<Node>>> = (0..cfg.parents.len())

@@ -18,12 +18,19 @@ use fanin_switch::{DaemonConfig, SwitchHandle};
 create_exception!(_native, FaninError, PyRuntimeError, "A fanin operation failed.");
 create_exception!(_native, FaninTimeout, FaninError, "The switch did not answer in time.");
 create_exception!(_native, FaninRefused, FaninError, "The switch refused the request.");
+create_exception!(
+    _native,
+    MemberFailed,
+    FaninError,
+    "The job failed because a member (worker) died; the message names its rank (failure policy `fail`)."
+);
 
 fn host_err(e: HostError) -> PyErr {
     match &e {
         HostError::Session(SessionError::SwitchUnreachable(_)) | HostError::Session(SessionError::SwitchSilent { .. }) => {
             FaninTimeout::new_err(e.to_string())
         }
+        HostError::Session(SessionError::MemberFailed { .. }) => MemberFailed::new_err(e.to_string()),
         HostError::Session(SessionError::Refused { .. }) | HostError::Session(SessionError::PacketTooLarge { .. }) => {
             FaninRefused::new_err(e.to_string())
         }
@@ -376,6 +383,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FaninError", m.py().get_type::<FaninError>())?;
     m.add("FaninTimeout", m.py().get_type::<FaninTimeout>())?;
     m.add("FaninRefused", m.py().get_type::<FaninRefused>())?;
+    m.add("MemberFailed", m.py().get_type::<MemberFailed>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

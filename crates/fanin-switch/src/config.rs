@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use fanin_proto::auth::Key;
-use fanin_proto::job::{JobMode, JobSpec, DEFAULT_SLOW_AFTER_WINDOWS};
+use fanin_proto::job::{FailurePolicy, JobMode, JobSpec, RateLimit, DEFAULT_SLOW_AFTER_WINDOWS};
 use fanin_proto::switch::AgingConfig;
 use fanin_proto::trim::Watermark;
 use serde::{Deserialize, Serialize};
@@ -54,6 +54,10 @@ pub struct DaemonConfig {
     pub aging: AgingSection,
     #[serde(default)]
     pub trim: TrimSection,
+    /// Per-source rate limit for jobs that set none (docs/overload.md);
+    /// none = unlimited.
+    #[serde(default)]
+    pub rate_limit: Option<RateLimit>,
     #[serde(default)]
     pub jobs: Vec<JobConfig>,
 }
@@ -183,6 +187,14 @@ pub struct JobConfig {
     /// unauthenticated job.
     #[serde(default)]
     pub key: Option<String>,
+    /// `degrade` or `fail` when a worker dies (docs/failures.md).
+    #[serde(default)]
+    pub on_failure: FailurePolicy,
+    /// 0 = the default member timeout.
+    #[serde(default)]
+    pub member_timeout_ms: u32,
+    #[serde(default)]
+    pub rate_limit: Option<RateLimit>,
 }
 
 fn default_data_addr() -> SocketAddr {
@@ -309,6 +321,9 @@ impl DaemonConfig {
                 ));
             }
         }
+        if let Some(limit) = &self.rate_limit {
+            limit.validate().map_err(ConfigError::Invalid)?;
+        }
         let mut seen = std::collections::BTreeSet::new();
         for (i, job) in self.jobs.iter().enumerate() {
             let spec = job.to_spec().map_err(|m| ConfigError::Invalid(format!("jobs[{i}]: {m}")))?;
@@ -339,6 +354,9 @@ impl JobConfig {
             mode: self.mode,
             workers: self.workers,
             key: self.key.as_deref().map(Key::from_hex).transpose().map_err(|e| format!("key: {e}"))?,
+            on_failure: self.on_failure,
+            member_timeout_ms: self.member_timeout_ms,
+            rate_limit: self.rate_limit,
         })
     }
 }

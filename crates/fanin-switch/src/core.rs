@@ -366,6 +366,7 @@ impl SwitchHandle {
                     memory_limit: per_shard,
                     aging: config.aging.to_config(),
                     seal_clock_us: wall_clock_us(),
+                    rate_limit: config.rate_limit,
                 }),
                 kv: KvSwitch::new(KvSwitchConfig {
                     memory_limit: (config.kv_memory_mb << 20) / config.shards as u64 / KV_AGGREGATOR_BYTES,

@@ -469,6 +469,11 @@ pub enum NackReason {
     /// window. The header echoes the trimmed contribution's `exp_only` flag
     /// so the worker can tell which phase was cut.
     Trimmed = 10,
+    /// The job failed (its failure policy is `fail` and a member went
+    /// silent past the job's member timeout; detail = that member's source
+    /// id). Fatal: the switch takes nothing more for the job until the
+    /// control plane re-admits it.
+    JobFailed = 11,
 }
 
 impl NackReason {
@@ -484,6 +489,7 @@ impl NackReason {
             8 => Self::ShapeMismatch,
             9 => Self::BlockExpired,
             10 => Self::Trimmed,
+            11 => Self::JobFailed,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -500,6 +506,7 @@ impl NackReason {
             Self::ShapeMismatch => "grad_cnt differs from the other contributions to this block",
             Self::BlockExpired => "the block's result expired: the job moved on without this source",
             Self::Trimmed => "the switch is overloaded and returned the contribution unprocessed (send it again, slower)",
+            Self::JobFailed => "the job failed: a member stopped sending (the job's failure policy is `fail`; detail = its rank)",
         }
     }
 }
@@ -513,9 +520,13 @@ pub enum TrimCause {
     /// The shard's processing queue (its socket receive queue) is above the
     /// configured watermark.
     ProcessingQueue = 1,
-    /// Aggregation memory (block table, per-job memory) is exhausted.
-    /// Reserved for overload handling of the block table; not sent yet.
+    /// Aggregation memory is exhausted: the job's block table has no free
+    /// slot for this block (the slot still aggregates the block
+    /// `block_cnt_max` earlier).
     MemoryExhausted = 2,
+    /// The sender exceeded its per-source rate limit (a token bucket per
+    /// job and source).
+    RateLimited = 3,
 }
 
 impl TrimCause {
@@ -525,6 +536,7 @@ impl TrimCause {
         match detail {
             1 => Some(Self::ProcessingQueue),
             2 => Some(Self::MemoryExhausted),
+            3 => Some(Self::RateLimited),
             _ => None,
         }
     }
@@ -563,6 +575,9 @@ impl SyncRequest {
 pub const MEMBERSHIP_SLOW: u8 = 1;
 /// See [`MEMBERSHIP_SLOW`].
 pub const MEMBERSHIP_READMITTED: u8 = 2;
+/// The notice's `src_id` went silent past the job's member timeout and the
+/// job's failure policy is `fail`: the job failed (see [`NackReason::JobFailed`]).
+pub const MEMBERSHIP_FAILED: u8 = 3;
 /// `age_op` of a `Join` from a worker joining a running job: it asks for the
 /// job's current block offset (the SwitchML++ sync, answered by the tree's
 /// root) instead of the start of the stream (0: joining with the others).

@@ -114,6 +114,9 @@ class ControlClient:
         slow_after_windows: int = 2,
         workers: int = 0,
         tree: Optional[Dict[str, Any]] = None,
+        on_failure: str = "degrade",
+        member_timeout_ms: int = 0,
+        rate_limit: Optional[Any] = None,
     ) -> None:
         """Admit a job; ``members`` are the source ids (ranks) of its workers.
 
@@ -129,9 +132,14 @@ class ControlClient:
         ``workers`` the job's worker count (0 = len(members)) and ``tree``
         the non-root role ``{"parent_addr": "ip:port", "parent_shards": n,
         "rank": r}`` (None: the root, or the only switch).
+
+        ``on_failure`` (``"degrade"`` or ``"fail"``) and ``member_timeout_ms``
+        (0 = 5000) say what happens when a worker dies (docs/failures.md);
+        ``rate_limit`` ``(pps, burst)`` limits each source (docs/overload.md).
         """
         self._call("AdmitJob", pb.AdmitJobRequest(spec=_job_spec(
-            job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows, workers, tree)))
+            job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows, workers, tree,
+            on_failure=on_failure, member_timeout_ms=member_timeout_ms, rate_limit=rate_limit)))
 
     def update_job(self, job: Dict[str, Any], awaiting: Iterable[int] = ()) -> None:
         """Change a running job in place: ``job`` as :meth:`list_jobs` gives
@@ -141,7 +149,8 @@ class ControlClient:
         them only from the start block their sync names."""
         spec = _job_spec(job["job_id"], job["members"], job["block_cnt_max"], job["block_grad_max"],
                          job["block_exp_ms"], job["mode"], job["slow_after_windows"], job.get("workers", 0),
-                         job.get("tree"))
+                         job.get("tree"), on_failure=job.get("on_failure", "degrade"),
+                         member_timeout_ms=job.get("member_timeout_ms", 0), rate_limit=job.get("rate_limit"))
         awaiting = [int(m) for m in awaiting]
         for m in awaiting:
             _check_u32(m, "awaiting member")
@@ -218,12 +227,19 @@ def _check_u32(value: int, what: str) -> None:
         raise ValueError(f"{what} must be an integer in 0..2**32, not {value!r}")
 
 
+FAILURE_POLICIES = {"degrade": pb.FailurePolicy.FAILURE_POLICY_DEGRADE, "fail": pb.FailurePolicy.FAILURE_POLICY_FAIL}
+_POLICY_NAMES = {v: k for k, v in FAILURE_POLICIES.items()}
+
+
 def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows,
-              workers, tree) -> "pb.JobSpec":
+              workers, tree, *, on_failure="degrade", member_timeout_ms=0, rate_limit=None) -> "pb.JobSpec":
     try:
         mode_value = MODES[mode]
     except KeyError:
         raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}") from None
+    if on_failure not in FAILURE_POLICIES:
+        raise ValueError(f"on_failure must be one of {sorted(FAILURE_POLICIES)}, not {on_failure!r}")
+    _check_u32(member_timeout_ms, "member_timeout_ms")
     members = [int(m) for m in members]
     for value, what in [(job_id, "job_id"), (block_cnt_max, "block_cnt_max"),
                         (block_grad_max, "block_grad_max"), (block_exp_ms, "block_exp_ms"),
@@ -238,7 +254,14 @@ def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode
         block_exp_ms=block_exp_ms,
         slow_after_windows=slow_after_windows,
         mode=mode_value,
+        on_failure=FAILURE_POLICIES[on_failure],
+        member_timeout_ms=member_timeout_ms,
     )
+    if rate_limit is not None:
+        pps, burst = (rate_limit["pps"], rate_limit["burst"]) if isinstance(rate_limit, dict) else rate_limit
+        _check_u32(pps, "rate_limit pps")
+        _check_u32(burst, "rate_limit burst")
+        spec.rate_limit.CopyFrom(pb.RateLimit(pps=pps, burst=burst))
     if workers:
         spec.workers = workers
     if tree is not None:
@@ -262,4 +285,7 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         "workers": j.workers if j.HasField("workers") else 0,
         "tree": ({"parent_addr": j.tree.parent_addr, "parent_shards": j.tree.parent_shards, "rank": j.tree.rank}
                  if j.HasField("tree") else None),
+        "on_failure": _POLICY_NAMES.get(j.on_failure, f"unknown({j.on_failure})"),
+        "member_timeout_ms": j.member_timeout_ms,
+        "rate_limit": {"pps": j.rate_limit.pps, "burst": j.rate_limit.burst} if j.HasField("rate_limit") else None,
     }

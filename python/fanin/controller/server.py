@@ -43,6 +43,8 @@ class _Servicer(pb_grpc.ControllerServicer):
                 block_exp_ms=request.block_exp_ms,
                 slow_after_windows=request.slow_after_windows if request.HasField("slow_after_windows") else 2,
                 max_workers=request.max_workers or 64,
+                on_failure="fail" if request.on_failure == pb.FailurePolicy.FAILURE_POLICY_FAIL else "degrade",
+                member_timeout_ms=request.member_timeout_ms,
             ))
             return pb.CreateJobResponse()
         return self._run(context, go)
@@ -138,10 +140,15 @@ class ControllerClient:
         return call_rpc(self._stub, method, request, addr=self.addr, timeout=self.timeout, metadata=self._metadata)
 
     def create_job(self, job_id: int, *, block_cnt_max: int = 256, block_grad_max: int = 1024,
-                   block_exp_ms: int = 0, slow_after_windows: int = 2, max_workers: int = 64) -> None:
+                   block_exp_ms: int = 0, slow_after_windows: int = 2, max_workers: int = 64,
+                   on_failure: str = "degrade", member_timeout_ms: int = 0) -> None:
+        policy = {"degrade": pb.FailurePolicy.FAILURE_POLICY_DEGRADE, "fail": pb.FailurePolicy.FAILURE_POLICY_FAIL}
+        if on_failure not in policy:
+            raise ValueError(f"on_failure must be degrade or fail, not {on_failure!r}")
         self._call("CreateJob", pb.CreateJobRequest(
             job_id=job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max, block_exp_ms=block_exp_ms,
-            slow_after_windows=slow_after_windows, max_workers=max_workers))
+            slow_after_windows=slow_after_windows, max_workers=max_workers, on_failure=policy[on_failure],
+            member_timeout_ms=member_timeout_ms))
 
     def delete_job(self, job_id: int) -> None:
         self._call("DeleteJob", pb.DeleteJobRequest(job_id=job_id))

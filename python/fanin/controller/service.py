@@ -44,10 +44,17 @@ class JobParams:
     slow_after_windows: int = 2
     #: Most workers at once; workers scale block floating point for it.
     max_workers: int = 64
+    #: When a worker dies: "degrade" or "fail" (docs/failures.md).
+    on_failure: str = "degrade"
+    #: 0 = the switch's default member timeout.
+    member_timeout_ms: int = 0
 
     def validate(self) -> None:
         if not 0 <= self.job_id < 2**32:
             raise ControllerError("INVALID_ARGUMENT", f"job_id {self.job_id} is out of range")
+        if self.on_failure not in ("degrade", "fail"):
+            raise ControllerError("INVALID_ARGUMENT",
+                                  f"job {self.job_id}: on_failure {self.on_failure!r} is not degrade or fail")
         if not 1 <= self.max_workers <= SWITCH_RANK_BASE:
             raise ControllerError("INVALID_ARGUMENT",
                                   f"job {self.job_id}: max_workers {self.max_workers} is out of range (1..{SWITCH_RANK_BASE})")
@@ -187,6 +194,8 @@ class Controller:
             "mode": "aggregate",
             "workers": p.max_workers,
             "tree": tree,
+            "on_failure": p.on_failure,
+            "member_timeout_ms": p.member_timeout_ms,
         }
 
     def _apply(self, job: _Job, new_roles: dict[str, Role], awaiting: dict[str, set[int]]) -> list[str]:

@@ -47,8 +47,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_SYNC, MAX_GRAD_CNT, MEMBERSHIP_READMITTED,
-    MEMBERSHIP_SLOW,
+    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_SYNC, MAX_GRAD_CNT, MEMBERSHIP_FAILED,
+    MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
@@ -157,6 +157,8 @@ pub enum SessionError {
     SwitchSilent { waited: Duration, outstanding: usize },
     #[error("the switch refused job {job_id}: {} (detail {detail})", reason.describe())]
     Refused { job_id: u32, reason: NackReason, detail: u32 },
+    #[error("job {job_id} failed: worker rank {rank} stopped sending (silent past the job's member timeout) and the job's failure policy is `fail`; re-create the job to start again")]
+    MemberFailed { job_id: u32, rank: u16 },
     #[error("the job's block_grad_max is {cap} elements but this worker sends {requested} per packet; lower elems_per_packet")]
     PacketTooLarge { requested: u16, cap: u32 },
     #[error(transparent)]
@@ -728,6 +730,8 @@ impl AllreduceSession {
                     } else if nack.reason == NackReason::Trimmed {
                         self.last_heard = now;
                         self.on_trimmed(now, &repr);
+                    } else if nack.reason == NackReason::JobFailed {
+                        self.fail(SessionError::MemberFailed { job_id: repr.job_id, rank: nack.detail as u16 });
                     } else {
                         // Other nacks name a problem no retransmission can fix.
                         self.fail(SessionError::Refused { job_id: repr.job_id, reason: nack.reason, detail: nack.detail });
@@ -736,6 +740,10 @@ impl AllreduceSession {
             }
             MessageType::Membership => {
                 self.last_heard = now;
+                if repr.age_op == MEMBERSHIP_FAILED {
+                    self.fail(SessionError::MemberFailed { job_id: repr.job_id, rank: repr.src_id });
+                    return;
+                }
                 let slow = repr.age_op == MEMBERSHIP_SLOW;
                 if repr.age_op == MEMBERSHIP_SLOW || repr.age_op == MEMBERSHIP_READMITTED {
                     self.slow_sources.retain(|&s| s != repr.src_id);

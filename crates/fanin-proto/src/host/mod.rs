@@ -2,6 +2,8 @@
 
 mod allreduce;
 #[cfg(test)]
+mod guard_tests;
+#[cfg(test)]
 mod trim_tests;
 #[cfg(test)]
 mod auth_tests;

@@ -89,6 +89,13 @@ pub struct Counters {
     pub auth_replayed: u64,
     /// An unsealed datagram for a job that requires a tag.
     pub auth_unsealed: u64,
+    /// Contributions over their source's rate limit, answered with a
+    /// Trimmed nack (cause 3).
+    pub rate_limited: u64,
+    /// Members found dead by the member timeout.
+    pub members_timed_out: u64,
+    /// Jobs failed by a dead member (failure policy `fail`).
+    pub jobs_failed: u64,
 }
 
 impl Counters {
@@ -146,6 +153,9 @@ impl Counters {
         f("auth_bad_tag", None, self.auth_bad_tag);
         f("auth_replayed", None, self.auth_replayed);
         f("auth_unsealed", None, self.auth_unsealed);
+        f("rate_limited", None, self.rate_limited);
+        f("members_timed_out", None, self.members_timed_out);
+        f("jobs_failed", None, self.jobs_failed);
     }
 
     /// Add another shard's counters into these.
@@ -158,7 +168,8 @@ impl Counters {
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
-            auth_bad_tag, auth_replayed, auth_unsealed
+            auth_bad_tag, auth_replayed, auth_unsealed,
+            rate_limited, members_timed_out, jobs_failed
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

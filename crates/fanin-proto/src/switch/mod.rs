@@ -3,5 +3,6 @@
 mod counters;
 mod value;
 
+pub mod guard;
 pub use counters::Counters;
 pub use value::{AdmitError, AgingConfig, ShardConfig, Uplink, ValueSwitch, Verdict, MAX_CHECKS, MAX_SCANNERS};

@@ -46,17 +46,19 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, AGE_OP_AGED, JOIN_SYNC, ELEM_LEN, EXP_NONE, HEADER_LEN,
-    MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
+    Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_SYNC, ELEM_LEN, EXP_NONE,
+    HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
+use super::guard::{shard_share, Liveness, SourceBuckets};
 use super::Counters;
-use crate::job::{shard_of, JobMode, JobSpec, JobSpecError, SWITCH_RANK_BASE};
+use crate::job::{shard_of, FailurePolicy, JobMode, JobSpec, JobSpecError, RateLimit, SWITCH_RANK_BASE};
 use crate::mask::SourceMask;
 use crate::time::Time;
 use crate::transmit::Transmit;
 use sealing::{envelope, send, send_copy, Envelope, JobAuth, Peer};
+use crate::trim::overload::emit_trim_nack;
 
 /// Identity and limits of one shard of a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,12 +74,15 @@ pub struct ShardConfig {
     /// numbers count up from here, so a restarted switch continues above
     /// what its previous incarnation sent (docs/security.md).
     pub seal_clock_us: u64,
+    /// Per-source rate limit of jobs that set none (whole switch; each
+    /// shard enforces its share). None = unlimited.
+    pub rate_limit: Option<RateLimit>,
 }
 
 impl ShardConfig {
     /// A single-shard switch with `memory_limit` bytes.
     pub fn single(memory_limit: u64) -> Self {
-        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit, aging: AgingConfig::default(), seal_clock_us: 1 }
+        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit, aging: AgingConfig::default(), seal_clock_us: 1, rate_limit: None }
     }
 }
 
@@ -413,6 +418,10 @@ struct Job<A> {
     sync_answers: HashMap<u16, u32>,
     /// A keyed job's member keys, replay windows and sequence counter.
     auth: Option<JobAuth>,
+    /// Per-source rate limits (this shard's share).
+    buckets: SourceBuckets,
+    /// Member timeout and the job's failure, if it failed.
+    liveness: Liveness,
 }
 
 /// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
@@ -482,6 +491,17 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.members.iter().filter(|&m| !job.active.contains(m)).map(|m| m as u16).collect()
     }
 
+    /// The member whose death failed `job_id` (failure policy `fail`).
+    pub fn failed_member(&self, job_id: u32) -> Option<u16> {
+        self.jobs.get(&job_id).and_then(|j| j.liveness.failed)
+    }
+
+    /// This shard's buckets for `spec` (its own limit, else the switch's).
+    fn buckets_for(&self, spec: &JobSpec, capacity: usize) -> SourceBuckets {
+        let limit = spec.rate_limit.or(self.config.rate_limit).map(|l| shard_share(l, self.config.shard_count));
+        SourceBuckets::new(limit, capacity)
+    }
+
     /// Number of slots of `spec` this shard owns.
     fn local_slot_count(&self, spec: &JobSpec) -> usize {
         let (shard, count) = (self.config.shard, self.config.shard_count);
@@ -546,6 +566,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         self.memory_used += memory;
         let first_seq = fanin_wire::auth::first_seq(self.config.shard, self.config.seal_clock_us).max(self.seq_floor);
         let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq));
+        let buckets = self.buckets_for(&spec, capacity);
+        let liveness = Liveness::new(spec.member_timeout(), capacity);
         self.jobs.insert(
             spec.job_id,
             Job {
@@ -566,6 +588,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 start_of: HashMap::new(),
                 sync_answers: HashMap::new(),
                 auth,
+                buckets,
+                liveness,
             },
         );
         Ok(())
@@ -614,11 +638,22 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 return Err(AdmitError::BadUplink { job_id, rank: up.rank });
             }
         }
-        let Some(job) = self.jobs.get_mut(&job_id) else { return Err(AdmitError::Unknown(job_id)) };
-        if let Some(field) = job.spec.fixed_field_changed(&spec) {
-            return Err(AdmitError::Immutable { job_id, field });
+        let capacity = {
+            let Some(job) = self.jobs.get(&job_id) else { return Err(AdmitError::Unknown(job_id)) };
+            if let Some(field) = job.spec.fixed_field_changed(&spec) {
+                return Err(AdmitError::Immutable { job_id, field });
+            }
+            spec.source_capacity().max(job.members.capacity())
+        };
+        let limits_changed = self.jobs[&job_id].spec.rate_limit != spec.rate_limit;
+        let buckets = limits_changed.then(|| self.buckets_for(&spec, capacity));
+        let job = self.jobs.get_mut(&job_id).expect("checked above");
+        if let Some(b) = buckets {
+            job.buckets = b;
         }
-        let capacity = spec.source_capacity().max(job.members.capacity());
+        job.buckets.grow(capacity);
+        job.liveness.grow(capacity);
+        job.liveness.timeout = spec.member_timeout();
         job.members.grow(capacity);
         job.active.grow(capacity);
         job.awaiting.grow(capacity);
@@ -647,6 +682,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             job.missed_streak[m] = 0;
         }
         for &m in &left {
+            job.liveness.forget(m);
             job.active.remove(m);
             job.awaiting.remove(m);
             job.start_of.remove(&(m as u16));
@@ -717,7 +753,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         self.jobs
             .values()
             .filter(|j| j.open_blocks > 0)
-            .filter_map(|j| j.aging.as_ref().map(|a| a.next_tick))
+            .flat_map(|j| [j.aging.as_ref().map(|a| a.next_tick), j.liveness.deadline()])
+            .flatten()
             .min()
     }
 
@@ -726,6 +763,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// `checks` visits (their partial results go out through `out`).
     pub fn handle_timeout(&mut self, now: Time, out: &mut impl Transmit<A>) {
         for job in self.jobs.values_mut() {
+            if job.open_blocks > 0 && job.liveness.check_due(now) {
+                check_members(job, now, &mut self.counters, out, &mut self.scratch);
+            }
             let Some(aging) = job.aging.as_mut() else { continue };
             if job.open_blocks == 0 {
                 continue;
@@ -789,7 +829,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         };
         match MessageType::from_u8(packet.msg_type_code()) {
-            Ok(MessageType::Join) => self.handle_join(from, &packet, out),
+            Ok(MessageType::Join) => self.handle_join(now, from, &packet, out),
             Ok(t @ (MessageType::Contribution | MessageType::Retransmission)) => {
                 if t == MessageType::Retransmission {
                     self.counters.retransmissions += 1;
@@ -807,7 +847,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
     }
 
-    fn handle_join(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
+    fn handle_join(&mut self, now: Time, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
         self.counters.joins += 1;
         let src = packet.src_id();
         let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
@@ -821,7 +861,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(&mut self.counters, out, from, env, packet, NackReason::NotMember, src as u32);
             return Verdict::Consumed;
         }
+        if let Some(dead) = job.liveness.failed {
+            let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
+            send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
+            return Verdict::Consumed;
+        }
         job.addrs[src as usize] = Some(from);
+        job.liveness.heard(src as usize, now);
         // A permanently slow source that rejoins is waited for again.
         if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
             readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
@@ -1029,7 +1075,16 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(counters, out, from, env, packet, NackReason::NotMember, src as u32);
             return Verdict::Consumed;
         }
+        if let Some(dead) = job.liveness.failed {
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            send_nack(counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
+            return Verdict::Consumed;
+        }
         if job.spec.mode == JobMode::Forward {
+            if !job.buckets.admit(src, now) {
+                rate_limited(counters, out, from, packet);
+                return Verdict::Consumed;
+            }
             let env = envelope(job.auth.as_mut(), Peer::Member(src));
             reflect(counters, out, from, env, packet);
             return Verdict::Consumed;
@@ -1042,6 +1097,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             counters.wrong_shard += 1;
             return Verdict::WrongShard(owner);
         }
+        // Only the owning shard charges the sender, once per datagram.
+        if !job.buckets.admit(src, now) {
+            rate_limited(counters, out, from, packet);
+            return Verdict::Consumed;
+        }
+        job.liveness.heard(src, now);
         if packet.grad_cnt() as u32 > job.spec.block_grad_max {
             counters.over_cap += 1;
             let env = envelope(job.auth.as_mut(), Peer::Member(src));
@@ -1076,7 +1137,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             Some(cur) if cur.block_id == block_id => (false, false),
             Some(cur) if cur.block_id.checked_add(s) == Some(block_id) => {
                 if cur.phase != Phase::Done {
+                    // The job's block table has no room for this block yet:
+                    // back-pressure, not a silent drop. The sender retries
+                    // with a smaller window; by then the slot is free.
                     counters.slot_busy += 1;
+                    counters.nacks_sent += 1;
+                    emit_trim_nack(from, packet, TrimCause::MemoryExhausted, out);
                     return Verdict::Consumed;
                 }
                 (false, true)
@@ -1099,6 +1165,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         };
         if opens {
             open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of);
+            if job.open_blocks == 0 {
+                job.liveness.arm(now);
+            }
             job.open_blocks += 1;
             if let Some(aging) = job.aging.as_mut() {
                 realign_scanners(aging, now, job.open_blocks);
@@ -1814,6 +1883,69 @@ fn notify_membership<A: Copy>(
     broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, scratch, &mut counters.notices_sent);
 }
 
+/// Over its rate: back-pressure to the sender, counted.
+fn rate_limited<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, packet: &Packet<&[u8]>) {
+    counters.rate_limited += 1;
+    counters.nacks_sent += 1;
+    emit_trim_nack(from, packet, TrimCause::RateLimited, out);
+}
+
+/// The member timeout check (docs/failures.md): a member silent for the
+/// timeout that an open block has waited that long for is dead. Policy
+/// `degrade` declares it permanently slow (blocks complete without it);
+/// `fail` fails the job and tells every member which source died.
+fn check_members<A: Copy>(
+    job: &mut Job<A>,
+    now: Time,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+) {
+    if job.spec.mode != JobMode::Aggregate {
+        return;
+    }
+    let fail = job.spec.on_failure == FailurePolicy::Fail;
+    let timeout = job.liveness.timeout;
+    let mut dead = Vec::new();
+    for m in job.members.iter() {
+        // A slow source is no longer waited for; under `fail` it still
+        // counts if it is silent (it died after being declared slow).
+        let waited_for = |b: &Block| if fail { !job.awaiting.contains(m) } else { b.expected.contains(m) };
+        if !job.liveness.silent(m, now) || (!fail && !job.active.contains(m)) {
+            continue;
+        }
+        let blocked = job.slots.iter().filter_map(|s| s.cur.as_ref()).any(|b| {
+            b.aggregating() && !b.rcvd.contains(m) && waited_for(b) && now.saturating_since(b.start_time) >= timeout
+        });
+        if blocked {
+            dead.push(m);
+        }
+    }
+    if dead.is_empty() {
+        return;
+    }
+    counters.members_timed_out += dead.len() as u64;
+    if fail {
+        fail_job(job, dead[0], counters, out, scratch);
+    } else {
+        settle_slow_sources(job, &mut dead, counters, out, scratch);
+    }
+}
+
+/// Policy `fail`: the job takes nothing more (contributions and joins get a
+/// JobFailed nack naming `dead`) until the control plane re-admits it; its
+/// blocks are dropped, its memory stays reserved until it is removed.
+fn fail_job<A: Copy>(job: &mut Job<A>, dead: usize, counters: &mut Counters, out: &mut impl Transmit<A>, scratch: &mut Vec<u8>) {
+    job.liveness.failed = Some(dead as u16);
+    counters.jobs_failed += 1;
+    let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);
+    notify_membership(job, dead, MEMBERSHIP_FAILED, block_id, counters, out, scratch);
+    for slot in &mut job.slots {
+        *slot = Slot::default();
+    }
+    job.open_blocks = 0;
+}
+
 /// A contribution for a block whose result is gone: count it and tell the
 /// sender which block the slot holds now.
 fn expired<A: Copy>(
@@ -1869,3 +2001,5 @@ mod sealing;
 mod auth_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod guard_tests;

@@ -385,8 +385,63 @@ fn trim_nack_four_ways() {
     assert_eq!(buf, TRIM_NACK);
     // one past the last reason is still malformed
     let mut bad = TRIM_NACK;
-    bad[25] = 11;
-    assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(11));
+    bad[25] = 12;
+    assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(12));
+    // the other causes
+    assert_eq!(TrimCause::from_detail(2), Some(TrimCause::MemoryExhausted));
+    assert_eq!(TrimCause::from_detail(3), Some(TrimCause::RateLimited));
+}
+
+/// JobFailed nack: job 9 failed because source 2 went silent; the refused
+/// data contribution came from src 3, gen 7, block 0x0A0B0C0D, float32.
+const JOB_FAILED_NACK: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0x06, // Nack
+    0x00, 0x01, 0x00, 0x03, // flags 0; float32; src_id 3
+    0x00, 0x00, 0x00, 0x07, // src_cnt 0; gen_id 7
+    0x00, 0x00, 0x00, 0x09, // job_id 9
+    0x0A, 0x0B, 0x0C, 0x0D, // block_id
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+    0x00, 0x0B, 0x00, 0x00, // reason 11 JobFailed; reserved
+    0x00, 0x00, 0x00, 0x02, // detail: the silent source, 2
+];
+
+#[test]
+fn job_failed_nack_four_ways() {
+    let p = Packet::new_checked(&JOB_FAILED_NACK[..]).unwrap();
+    assert_eq!((p.msg_type_code(), p.src_id(), p.job_id(), p.block_id()), (0x06, 3, 9, 0x0A0B_0C0D));
+    let repr = Repr::parse(&p).unwrap();
+    let expected =
+        Repr { dtype: Dtype::Float32, gen_id: 7, block_id: 0x0A0B_0C0D, ..Repr::new(MessageType::Nack, 9, 3) };
+    assert_eq!(repr, expected);
+    let nack = Nack::parse(p.payload()).unwrap();
+    assert_eq!(nack, Nack { reason: NackReason::JobFailed, detail: 2 });
+    let mut buf = [MARKER; 32];
+    let mut q = Packet::new_unchecked(&mut buf[..]);
+    expected.emit(&mut q);
+    nack.emit(q.payload_mut());
+    assert_eq!(buf, JOB_FAILED_NACK);
+}
+
+/// Membership notice: job 9 failed, source 2 went silent (age_op 3), 3
+/// members were still active.
+const MEMBERSHIP_FAILED_NOTICE: [u8; 24] = [
+    0xFA, 0x17, 0x01, 0x07, // Membership
+    0x30, 0x00, 0x00, 0x02, // age_op 3 (failed) | flags 0; int32; src_id 2
+    0x00, 0x03, 0x00, 0x00, // src_cnt 3; gen_id 0
+    0x00, 0x00, 0x00, 0x09, // job_id 9
+    0x00, 0x00, 0x00, 0x28, // block_id 40
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+];
+
+#[test]
+fn membership_failed_notice_four_ways() {
+    let p = Packet::new_checked(&MEMBERSHIP_FAILED_NOTICE[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    let expected = Repr { age_op: MEMBERSHIP_FAILED, src_cnt: 3, block_id: 40, ..Repr::new(MessageType::Membership, 9, 2) };
+    assert_eq!(repr, expected);
+    let mut buf = [MARKER; 24];
+    expected.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    assert_eq!(buf, MEMBERSHIP_FAILED_NOTICE);
 }
 
 /// Sync request for job 5: switch rank 2048 forwards the join of worker 3

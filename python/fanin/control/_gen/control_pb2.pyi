@@ -11,11 +11,18 @@ class JobMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_MODE_AGGREGATE: _ClassVar[JobMode]
     JOB_MODE_FORWARD: _ClassVar[JobMode]
+
+class FailurePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_POLICY_DEGRADE: _ClassVar[FailurePolicy]
+    FAILURE_POLICY_FAIL: _ClassVar[FailurePolicy]
 JOB_MODE_AGGREGATE: JobMode
 JOB_MODE_FORWARD: JobMode
+FAILURE_POLICY_DEGRADE: FailurePolicy
+FAILURE_POLICY_FAIL: FailurePolicy
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key")
+    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +33,9 @@ class JobSpec(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    ON_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     block_cnt_max: int
@@ -36,7 +46,18 @@ class JobSpec(_message.Message):
     workers: int
     tree: TreeRole
     key: bytes
-    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ...) -> None: ...
+    on_failure: FailurePolicy
+    member_timeout_ms: int
+    rate_limit: RateLimit
+    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ...) -> None: ...
+
+class RateLimit(_message.Message):
+    __slots__ = ("pps", "burst")
+    PPS_FIELD_NUMBER: _ClassVar[int]
+    BURST_FIELD_NUMBER: _ClassVar[int]
+    pps: int
+    burst: int
+    def __init__(self, pps: _Optional[int] = ..., burst: _Optional[int] = ...) -> None: ...
 
 class TreeRole(_message.Message):
     __slots__ = ("parent_addr", "parent_shards", "rank")
@@ -133,20 +154,24 @@ class GetCountersResponse(_message.Message):
     def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
-    __slots__ = ("job_id", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows", "max_workers")
+    __slots__ = ("job_id", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows", "max_workers", "on_failure", "member_timeout_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRAD_MAX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_EXP_MS_FIELD_NUMBER: _ClassVar[int]
     SLOW_AFTER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ON_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     block_cnt_max: int
     block_grad_max: int
     block_exp_ms: int
     slow_after_windows: int
     max_workers: int
-    def __init__(self, job_id: _Optional[int] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., slow_after_windows: _Optional[int] = ..., max_workers: _Optional[int] = ...) -> None: ...
+    on_failure: FailurePolicy
+    member_timeout_ms: int
+    def __init__(self, job_id: _Optional[int] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., slow_after_windows: _Optional[int] = ..., max_workers: _Optional[int] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class CreateJobResponse(_message.Message):
     __slots__ = ()
