@@ -80,6 +80,14 @@ pub struct Counters {
     /// Daemon: datagrams the kernel dropped on the shard's full receive
     /// queue (never seen by the switch; silent loss).
     pub socket_drops: u64,
+    /// Worker contributions tagged with another incarnation of this switch
+    /// (sent before the worker noticed a restart): answered with a
+    /// StaleIncarnation nack, never aggregated.
+    pub stale_incarnation: u64,
+    /// Recovery joins left unanswered while other members had not reported.
+    pub recover_waiting: u64,
+    /// Recovery floors established (every member reported after a restart).
+    pub recoveries: u64,
 }
 
 impl Counters {
@@ -134,6 +142,9 @@ impl Counters {
         f("sync_deferred", None, self.sync_deferred);
         f("trimmed", None, self.trimmed);
         f("socket_drops", None, self.socket_drops);
+        f("stale_incarnation", None, self.stale_incarnation);
+        f("recover_waiting", None, self.recover_waiting);
+        f("recoveries", None, self.recoveries);
     }
 
     /// Add another shard's counters into these.
@@ -145,7 +156,8 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
+            stale_incarnation, recover_waiting, recoveries
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;
