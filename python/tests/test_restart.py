@@ -117,3 +117,70 @@ def test_switch_killed_mid_allreduce_and_restarted_gives_exact_results(n, dtype)
     print(f"workers {n} {dtype}: down {down_s * 1000:.0f} ms, recovery {recovery_s * 1000:.0f} ms "
           f"after the restarted daemon was ready; stale_incarnation {counters.get('stale_incarnation')}")
     assert recovery_s < 2 * BLOCK_TIMEOUT_S, f"recovery took {recovery_s:.3f} s"
+
+
+def _free_tcp_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_controller_reinstalls_the_job_on_a_restarted_switch():
+    """No --job on the daemon: the job exists only because the controller
+    admitted it. After SIGKILL and a restart on the same ports, the
+    controller notices the new incarnation and admits it again; the workers,
+    waiting in recovery, then finish every allreduce exactly."""
+    from fanin import topology
+    from fanin.controller import Controller
+    from fanin.controller.fabric import StaticFabric
+    from fanin.controller.server import ControllerClient, ControllerServer
+
+    n, dtype, iters = 3, "int32", 10
+    base = _free_port_pair(2)
+    control = f"127.0.0.1:{_free_tcp_port()}"
+    cfg = switch_config(data_addr=f"127.0.0.1:{base}", control_addr=control, metrics_addr="127.0.0.1:0", shards=2)
+    sw = SwitchProcess(cfg)
+    new = None
+    topo = topology.star(n)
+    ctl = Controller(topo, StaticFabric({"s0": {"control": control, "data": sw.data_addr}}))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    progress = ctx.Value("i", 0)
+    procs = []
+    try:
+        with ControllerServer(ctl, "127.0.0.1:0", reconcile_s=0.1) as srv, ControllerClient(srv.addr) as c:
+            c.create_job(1, block_cnt_max=64, block_grad_max=256, max_workers=n)
+            addrs = [c.subscribe(1, r, f"h{r}")["data_addr"] for r in range(n)]
+            procs = [ctx.Process(target=_worker, args=(r, addrs[r], n, 64 * 1024, dtype, iters, progress, q))
+                     for r in range(n)]
+            for p in procs:
+                p.start()
+            deadline = time.time() + 120
+            while progress.value < 3 * n and time.time() < deadline:
+                time.sleep(0.001)
+            sw.proc.send_signal(signal.SIGKILL)
+            sw.proc.wait(10)
+            new = SwitchProcess(cfg)  # no jobs of its own
+            ready_at = time.time()
+            res = [q.get(timeout=120) for _ in procs]
+            counters = new.counters()
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        if new is not None:
+            new.stop()
+        sw.stop()
+    errors = [(r, e) for r, e, _ in res if e]
+    assert not errors, errors
+    for _, _, done in res:
+        assert len(done) == iters and all(ok for _, ok, *_ in done)
+    recovered = [min((t for _, _, t, rec, _ in done if rec > 0), default=None) for _, _, done in res]
+    assert all(t is not None for t in recovered)
+    recovery_s = max(recovered) - ready_at
+    print(f"controller re-admission: recovery {recovery_s * 1000:.0f} ms after the restarted daemon was ready")
+    assert counters.get("recoveries", 0) >= 1
+    assert recovery_s < 2 * BLOCK_TIMEOUT_S + 1.0, f"recovery took {recovery_s:.3f} s"

@@ -13,6 +13,7 @@ from ..control._gen import control_pb2 as pb
 from ..control._gen import control_pb2_grpc as pb_grpc
 from ..control.client import call_rpc
 from .service import Controller, ControllerError, JobParams
+from .watch import RestartWatcher
 
 __all__ = ["ControllerServer", "ControllerClient", "serve"]
 
@@ -70,8 +71,11 @@ class _Servicer(pb_grpc.ControllerServicer):
 class ControllerServer:
     """A running gRPC server around a :class:`Controller`."""
 
-    def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None):
+    def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None,
+                 reconcile_s: float = 0.25):
         self.controller = controller
+        # re-installs jobs on restarted switches (docs/restart.md)
+        self._watcher = RestartWatcher(controller, reconcile_s)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_ControllerServicer_to_server(_Servicer(controller, token), self._server)
         port = self._server.add_insecure_port(listen)
@@ -82,6 +86,7 @@ class ControllerServer:
         self._server.start()
 
     def stop(self) -> None:
+        self._watcher.stop()
         self._server.stop(grace=1).wait()
         self.controller.close()
 
