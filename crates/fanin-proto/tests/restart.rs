@@ -31,6 +31,8 @@ struct Net {
     /// Tensors each worker still has to reduce, in order.
     todo: Vec<VecDeque<Tensor>>,
     done: Vec<Vec<Outcome>>,
+    /// When each outcome in `done` arrived.
+    done_at: Vec<Vec<Time>>,
     now: Time,
     /// (delivery time, destination, datagram), unordered.
     wire: Vec<(Time, To, Vec<u8>)>,
@@ -70,6 +72,7 @@ impl Net {
             ws,
             todo: vec![VecDeque::new(); workers],
             done: vec![Vec::new(); workers],
+            done_at: vec![Vec::new(); workers],
             now: Time::ZERO,
             wire: Vec::new(),
             rng: SplitMix64::new(seed),
@@ -143,7 +146,10 @@ impl Net {
             }
             while let Some(ev) = self.ws[w].poll_event() {
                 match ev {
-                    Event::Completed(o) => self.done[w].push(o),
+                    Event::Completed(o) => {
+                        self.done[w].push(o);
+                        self.done_at[w].push(self.now);
+                    }
                     Event::Failed(e) => panic!("worker {w} failed at {:?}: {e}", self.now),
                     Event::Joined(_) | Event::Membership { .. } => {}
                 }
@@ -174,12 +180,19 @@ impl Net {
     }
 
     fn run_until(&mut self, deadline: Duration, mut stop: impl FnMut(&Net) -> bool) {
+        let mut steps = 0u64;
         while !stop(self) {
+            steps += 1;
+            assert!(steps < 1_000_000, "busy at {:?}: timers {:?}", self.now, self.ws.iter().map(|w| w.poll_timeout()).collect::<Vec<_>>());
             assert!(self.now.as_nanos() < deadline.as_nanos() as u64, "no progress by {deadline:?}");
             if !self.step() {
                 break;
             }
         }
+    }
+
+    fn stale_incarnation_count(&self) -> u64 {
+        self.sw.counters().stale_incarnation
     }
 
     fn all_done(&self, ops: usize) -> bool {
@@ -371,7 +384,10 @@ fn recovery_fails_cleanly_when_a_member_never_rejoins() {
     assert!(at.as_nanos() <= (net.ws[0].config().dead_after + Duration::from_secs(1)).as_nanos() as u64);
 }
 
-fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_at: f64, seed: u64) {
+/// False if the case does not apply: a worker finished its last allreduce
+/// before the switch came back (it stopped calling allreduce, so it cannot
+/// take part in a recovery; `recovery_fails_cleanly_when_a_member_never_rejoins`).
+fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_at: f64, seed: u64) -> bool {
     let (ints, floats) = (int_tensors(workers, lens, seed), float_tensors(workers, lens, seed));
     let loaded = || {
         let mut net = Net::new(workers, 4, 4, 4, loss, seed);
@@ -382,17 +398,20 @@ fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_a
         }
         net
     };
-    // The same run without a restart, to place the restart inside it.
+    // The same run without a restart, to place the restart inside it:
+    // before any worker finished its last allreduce (a worker that stopped
+    // calling allreduce cannot take part in a recovery, docs/restart.md;
+    // `recovery_fails_cleanly_when_a_member_never_rejoins` covers that).
     let mut net = loaded();
     let mut total = 0u64;
-    net.run_until(Duration::from_secs(30), |n| {
+    net.run_until(Duration::from_secs(300), |n| {
         total += 1;
-        n.all_done(lens.len())
+        n.done.iter().any(|d| d.len() == lens.len())
     });
     let restart_after = (total as f64 * restart_at) as u64;
     let mut net = loaded();
     let mut steps = 0;
-    net.run_until(Duration::from_secs(30), |_| {
+    net.run_until(Duration::from_secs(300), |_| {
         steps += 1;
         steps > restart_after
     });
@@ -400,25 +419,50 @@ fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_a
     net.down = true;
     let t = net.now + Duration::from_millis(30);
     net.run_until(Duration::from_secs(30), |n| n.now >= t);
+    if net.done.iter().any(|d| d.len() == lens.len()) && !net.all_done(lens.len()) {
+        return false;
+    }
     net.restart(0x1234_5677);
     net.down = false;
     let restarted = net.now;
-    net.run_until(Duration::from_secs(60), |n| n.all_done(lens.len()));
+    // every worker rebinds (detection and the floor) within a few RTOs ...
+    let mut rebound = None;
+    let until = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(300);
+    net.run_until(until, |n| {
+        let bound = n.ws.iter().all(|w| w.params().is_some_and(|p| p.incarnation == 0x1234_5677));
+        if bound && rebound.is_none() {
+            rebound = Some(n.now);
+        }
+        n.all_done(lens.len())
+    });
     if float {
         check_float(&floats, &net.done);
     } else {
         check_int(&ints, &net.done);
     }
-    let took = net.now.saturating_since(restarted);
-    assert!(took < Duration::from_secs(10), "finishing after the restart took {took:?}");
+    // ... unless every worker finished before it noticed anything
+    let recovered = net.done.iter().flatten().any(|o| o.recoveries > 0);
+    let rebound = rebound.map(|t| t.saturating_since(restarted));
+    assert!(rebound.is_some() || !recovered);
+    if let Some(t) = rebound {
+        assert!(t < Duration::from_secs(5), "rebinding took {t:?}");
+    }
+    // Finishing the interrupted allreduce after that is ordinary loss
+    // recovery (its tail can take a few rto_max under 10% loss); the whole
+    // run is bounded by run_until.
+    let took = (0..workers)
+        .filter_map(|w| net.done[w].iter().position(|o| o.recoveries > 0).map(|i| net.done_at[w][i]))
+        .max()
+        .map_or(Duration::ZERO, |t| t.saturating_since(restarted));
     if std::env::var_os("RESTART_TRACE").is_some() {
         let rec = net.done.iter().flatten().filter(|o| o.recoveries > 0).count();
-        eprintln!("workers {workers} lens {lens:?} float {float} loss {loss:.3} after {restart_after}/{total}: recovered ops {rec}, took {took:?}, switch {:?}", (net.sw.counters().recoveries, net.sw.counters().stale_incarnation));
+        eprintln!("workers {workers} lens {lens:?} float {float} loss {loss:.3} after {restart_after}/{total}: recovered ops {rec}, took {took:?}, switch {:?}", (net.sw.counters().recoveries, net.stale_incarnation_count()));
     }
+    true
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     /// A restart at a random point, under loss and reordering: every result
     /// of every allreduce is exact.
@@ -431,6 +475,6 @@ proptest! {
         restart_after in 0.0f64..1.0,
         seed in any::<u64>(),
     ) {
-        restart_run(workers, &lens, float, loss, restart_after, seed);
+        prop_assume!(restart_run(workers, &lens, float, loss, restart_after, seed));
     }
 }

@@ -282,6 +282,10 @@ pub const DUP_THRESH: u8 = 3;
 /// learn whether the switch restarted (a new incarnation in the JoinAck).
 /// With the default RTOs that is after 1 + 2 + 4 RTOs of silence.
 const PROBE_AFTER_BACKOFF: u32 = 3;
+/// While that silence lasts, a probe every this long (the stall timer backs
+/// off to `rto_max`; a restarted switch should not wait that long to be
+/// found).
+const PROBE_INTERVAL: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone, Copy)]
 struct BlockState {
@@ -334,6 +338,8 @@ struct Op {
     degraded: Vec<(u32, u16)>,
     min_src_cnt: u16,
     recoveries: u32,
+    /// Next probe join while the switch is silent (see `PROBE_INTERVAL`).
+    next_probe: Time,
 }
 
 enum State {
@@ -512,6 +518,7 @@ impl AllreduceSession {
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,
             recoveries: 0,
+            next_probe: now,
         });
         self.last_heard = now;
         // Results the switch pushed for this allreduce before it began.
@@ -544,13 +551,20 @@ impl AllreduceSession {
                 let recovery = self.recovery_deadline();
                 let Some(op) = self.op.as_ref() else { return recovery };
                 let dead = self.last_heard + self.config.dead_after;
-                if let Some(t) = recovery {
-                    return Some(t.min(dead).min(self.stall_deadline(op)));
-                }
                 if op.outstanding() == 0 {
-                    return Some(dead); // nothing outstanding
+                    // Nothing in flight (or everything behind the recovery
+                    // gate): only the recovery's timers, and the silence
+                    // limit while it resends.
+                    let resending = self.recovery.as_ref().is_some_and(|r| !r.waiting());
+                    return match recovery {
+                        Some(t) if resending => Some(t.min(dead)),
+                        Some(t) => Some(t),
+                        None => Some(dead),
+                    };
                 }
-                Some(self.stall_deadline(op).min(dead))
+                let probe = if op.backoff >= PROBE_AFTER_BACKOFF && self.recovery.is_none() { op.next_probe } else { dead };
+                let t = self.stall_deadline(op).min(dead).min(probe);
+                Some(recovery.map_or(t, |r| r.min(t)))
             }
         }
     }
@@ -607,10 +621,18 @@ impl AllreduceSession {
                         // Silent for a while: ask the switch who it is now (a
                         // restarted one answers with a new incarnation).
                         self.join_due = true;
+                        op.next_probe = now + PROBE_INTERVAL;
                     }
+                } else if op.backoff >= PROBE_AFTER_BACKOFF && op.outstanding() > 0 && now >= op.next_probe {
+                    self.join_due = true;
+                    op.next_probe = now + PROBE_INTERVAL;
                 }
                 let outstanding = op.outstanding();
-                if outstanding > 0 && self.recovery.is_none() && now >= self.last_heard + self.config.dead_after {
+                // While waiting for the floor, RecoveryStalled bounds the wait;
+                // while resending retained blocks, silence counts as usual.
+                let waiting = self.recovery.as_ref().is_some_and(|r| r.waiting());
+                let resending = self.recovery.as_ref().is_some_and(|r| !r.waiting());
+                if (outstanding > 0 || resending) && !waiting && now >= self.last_heard + self.config.dead_after {
                     let waited = now.saturating_since(self.last_heard);
                     self.fail(SessionError::SwitchSilent { waited, outstanding: outstanding as usize });
                 }
