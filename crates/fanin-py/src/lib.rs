@@ -154,7 +154,8 @@ impl Session {
     /// nacks that made this worker resend a block), blocks, gen_id,
     /// degraded_blocks [(block index, src_cnt)], min_src_cnt, missed_blocks,
     /// latency_mean_ms / latency_max_ms (first send of a block to its
-    /// result) and slow_sources (sources the switch declared permanently slow).
+    /// result), slow_sources (sources the switch declared permanently slow)
+    /// and recoveries (switch restarts recovered from, docs/restart.md).
     fn last_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(o) = &self.last else { return Ok(None) };
         let d = PyDict::new(py);
@@ -165,6 +166,7 @@ impl Session {
         d.set_item("degraded_blocks", o.degraded_blocks.clone())?;
         d.set_item("min_src_cnt", o.min_src_cnt)?;
         d.set_item("missed_blocks", o.missed_blocks)?;
+        d.set_item("recoveries", o.recoveries)?;
         d.set_item("latency_mean_ms", o.latency_mean.as_secs_f64() * 1e3)?;
         d.set_item("latency_max_ms", o.latency_max.as_secs_f64() * 1e3)?;
         d.set_item("slow_sources", self.inner.slow_sources().to_vec())?;

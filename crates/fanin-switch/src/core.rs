@@ -536,7 +536,16 @@ fn wall_clock_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64)
 }
 
+/// A new incarnation for this start of the daemon (odd, never 0). Its low
+/// 16 bits are the tag carried in every result, nack and contribution
+/// (docs/restart.md): they count 2 ms ticks of the wall clock, so two starts
+/// less than 65.5 s apart (a crash loop, a quick restart) always have
+/// different tags; the high 16 bits are random, and workers compare all 32
+/// bits when they rejoin.
 fn new_incarnation() -> u32 {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(1);
-    ((nanos as u64 ^ (std::process::id() as u64) << 32) as u32) | 1
+    let since = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let tick = (since.as_millis() / 2) as u16;
+    let tag = (tick << 1) | 1;
+    let noise = (since.as_nanos() as u64 ^ (std::process::id() as u64).rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((noise >> 48) as u32) << 16 | tag as u32
 }

@@ -474,6 +474,11 @@ pub enum NackReason {
     /// id). Fatal: the switch takes nothing more for the job until the
     /// control plane re-admits it.
     JobFailed = 11,
+    /// The contribution is tagged with another incarnation of this switch
+    /// than the current one (the switch restarted and forgot the job's
+    /// blocks; detail = the switch's current incarnation, all 32 bits).
+    /// Not fatal: the worker rejoins and recovers (docs/restart.md).
+    StaleIncarnation = 12,
 }
 
 impl NackReason {
@@ -490,6 +495,7 @@ impl NackReason {
             9 => Self::BlockExpired,
             10 => Self::Trimmed,
             11 => Self::JobFailed,
+            12 => Self::StaleIncarnation,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -507,6 +513,7 @@ impl NackReason {
             Self::BlockExpired => "the block's result expired: the job moved on without this source",
             Self::Trimmed => "the switch is overloaded and returned the contribution unprocessed (send it again, slower)",
             Self::JobFailed => "the job failed: a member stopped sending (the job's failure policy is `fail`; detail = its rank)",
+            Self::StaleIncarnation => "the switch restarted since this worker joined (rejoin and resend)",
         }
     }
 }
@@ -584,6 +591,24 @@ pub const MEMBERSHIP_FAILED: u8 = 3;
 /// Its `block_id` carries the blocks per allreduce of the job's stream, so
 /// the answer is an allreduce boundary.
 pub const JOIN_SYNC: u8 = 1;
+/// `age_op` of a `Join` from a worker recovering after a switch restart
+/// (docs/restart.md): its `block_id` is the lowest block of the job's stream
+/// it has no result for. The switch answers (with the same `age_op`) only
+/// once every member reported; the JoinAck's `next_block` is then the
+/// recovery floor, the lowest block any member still needs.
+pub const JOIN_RECOVER: u8 = 2;
+
+/// The 16-bit tag of a switch incarnation carried in the data plane: in
+/// `src_id` of Results, in the reserved field of Nacks, and by workers in
+/// `src_cnt` of their Contributions (docs/restart.md). Incarnations are odd,
+/// so a tag is never 0.
+pub fn incarnation_tag(incarnation: u32) -> u16 {
+    incarnation as u16
+}
+
+/// Offset of the Nack body's reserved field (the incarnation tag) in a Nack
+/// datagram.
+pub const NACK_TAG: std::ops::Range<usize> = HEADER_LEN + 2..HEADER_LEN + 4;
 /// `age_op` of a result the switch emitted because the block aged out.
 pub const AGE_OP_AGED: u8 = 1;
 
@@ -614,6 +639,11 @@ impl Nack {
     /// [`Nack::DATAGRAM_LEN`] bytes): the header copies the request's
     /// `dtype`, `src_id`, `gen_id`, `job_id` and `block_id` (docs/protocol.md
     /// §2.3), plus its `exp_only` flag when `echo_exp_only` (Trimmed nacks).
+    /// The incarnation tag of a Nack datagram (0 if untagged or too short).
+    pub fn tag_of(datagram: &[u8]) -> u16 {
+        datagram.get(NACK_TAG).map_or(0, |b| u16::from_be_bytes([b[0], b[1]]))
+    }
+
     pub fn emit_reply(&self, request: &Packet<&[u8]>, echo_exp_only: bool, buf: &mut [u8]) {
         let repr = Repr {
             exp_only: echo_exp_only && request.exp_only(),

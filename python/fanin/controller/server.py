@@ -14,6 +14,7 @@ from ..control._gen import control_pb2 as pb
 from ..control._gen import control_pb2_grpc as pb_grpc
 from ..control.client import call_rpc, control_token_from_env
 from .service import Controller, ControllerError, JobParams
+from .watch import RestartWatcher
 
 __all__ = ["ControllerServer", "ControllerClient", "serve"]
 
@@ -74,7 +75,8 @@ class _Servicer(pb_grpc.ControllerServicer):
 class ControllerServer:
     """A running gRPC server around a :class:`Controller`."""
 
-    def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None):
+    def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None,
+                 reconcile_s: float = 0.25):
         token = token if token is not None else control_token_from_env()
         host = listen.rsplit(":", 1)[0].strip("[]")
         if token is None and host not in ("127.0.0.1", "localhost", "::1"):
@@ -83,6 +85,8 @@ class ControllerServer:
             raise ValueError(f"controller: listening on {listen} (not loopback) needs a token "
                              "(--token or FANIN_CONTROL_TOKEN)")
         self.controller = controller
+        # re-installs jobs on restarted switches (docs/restart.md)
+        self._watcher = RestartWatcher(controller, reconcile_s)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_ControllerServicer_to_server(_Servicer(controller, token), self._server)
         port = self._server.add_insecure_port(listen)
@@ -93,6 +97,7 @@ class ControllerServer:
         self._server.start()
 
     def stop(self) -> None:
+        self._watcher.stop()
         self._server.stop(grace=1).wait()
         self.controller.close()
 

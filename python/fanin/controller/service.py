@@ -81,6 +81,8 @@ class Controller:
         self._factory = client_factory or (lambda addr: ControlClient(addr, token=token, timeout=timeout))
         self._jobs: dict[int, _Job] = {}
         self._lock = threading.Lock()
+        # switch -> the incarnation it had when this controller programmed it
+        self._incarnations: dict[str, int] = {}
 
     # -- requests ----------------------------------------------------------------
 
@@ -132,6 +134,45 @@ class Controller:
     def tree(self, job_id: int) -> Optional[Tree]:
         with self._lock:
             return self._job(job_id).tree
+
+    def reconcile(self) -> list[tuple[str, int]]:
+        """Re-install jobs on switches that restarted (docs/restart.md).
+
+        A restarted switch has a new incarnation and no jobs. For every
+        switch this controller programmed, compare its incarnation with the
+        one it had then; on a change, admit again every job role it held
+        (with its tree role). A switch that does not answer is skipped and
+        retried at the next call. Returns the ``(switch, job_id)`` pairs
+        re-installed."""
+        from ..control import ControlError
+
+        done: list[tuple[str, int]] = []
+        with self._lock:
+            switches = sorted({s for job in self._jobs.values() for s in job.roles})
+            for s in switches:
+                try:
+                    inc = int(self._client(s).info()["incarnation"])
+                except ControlError:
+                    continue  # still down
+                old = self._incarnations.setdefault(s, inc)
+                if old == inc:
+                    continue
+                self._shards.pop(s, None)
+                try:
+                    for job in self._jobs.values():
+                        role = job.roles.get(s)
+                        if role is None:
+                            continue
+                        try:
+                            self._client(s).admit_job(**self._spec(job, s, role))
+                        except ControlError as e:
+                            if e.code != "ALREADY_EXISTS":  # e.g. from its own config
+                                raise
+                        done.append((s, job.params.job_id))
+                except ControlError:
+                    continue  # retried at the next call: the incarnation is not recorded yet
+                self._incarnations[s] = inc
+        return done
 
     def close(self) -> None:
         for c in self._clients.values():
@@ -211,6 +252,8 @@ class Controller:
                 self._client(s).admit_job(**spec)
                 job.roles[s] = role
                 done.append(s)
+                if s not in self._incarnations:
+                    self._incarnations[s] = int(self._client(s).info()["incarnation"])
             for s, role in diff.changed.items():
                 old = job.roles[s]
                 joined = set(role.members) - set(old.members)

@@ -43,12 +43,12 @@
 //! then grows the window by one block again, up to the configured window
 //! (AIMD, as TCP's congestion avoidance).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_SYNC, MAX_GRAD_CNT, MEMBERSHIP_FAILED,
-    MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
+    incarnation_tag, read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_SYNC, MAX_GRAD_CNT,
+    MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
@@ -57,6 +57,10 @@ use crate::bfp::{self, NonFinite};
 use crate::job::shard_of;
 use crate::time::Time;
 use crate::transmit::Transmit;
+
+mod recovery;
+
+use recovery::Recovery;
 
 /// Worker-side parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -165,6 +169,10 @@ pub enum SessionError {
     NonFinite(#[from] NonFinite),
     #[error("the session is not ready: {0}")]
     NotReady(&'static str),
+    #[error("the switch restarted (or lost job {job_id}) and recovery did not finish within {waited:?}: not every member of the job rejoined (a member stopped calling allreduce or died), or the job was not re-admitted to the restarted switch")]
+    RecoveryStalled { job_id: u32, waited: Duration },
+    #[error("job {job_id} came back from the switch restart with other parameters ({what}); the running stream cannot continue")]
+    JobChanged { job_id: u32, what: String },
 }
 
 /// A tensor to reduce, owned by the session while the allreduce runs.
@@ -218,6 +226,8 @@ pub struct Outcome {
     /// this worker sent (mean and maximum).
     pub latency_mean: Duration,
     pub latency_max: Duration,
+    /// Switch restarts this allreduce recovered from (docs/restart.md).
+    pub recoveries: u32,
 }
 
 impl Outcome {
@@ -280,6 +290,15 @@ const STASH_GENERATIONS: u16 = 1024;
 /// Results of later same-shard blocks that make a missing one count as lost.
 pub const DUP_THRESH: u8 = 3;
 
+/// Consecutive stall timeouts after which the worker also sends a Join, to
+/// learn whether the switch restarted (a new incarnation in the JoinAck).
+/// With the default RTOs that is after 1 + 2 + 4 RTOs of silence.
+const PROBE_AFTER_BACKOFF: u32 = 3;
+/// While that silence lasts, a probe every this long (the stall timer backs
+/// off to `rto_max`; a restarted switch should not wait that long to be
+/// found).
+const PROBE_INTERVAL: Duration = Duration::from_millis(100);
+
 #[derive(Debug, Clone, Copy)]
 struct BlockState {
     phase: BlockPhase,
@@ -330,6 +349,9 @@ struct Op {
     trimmed: u64,
     degraded: Vec<(u32, u16)>,
     min_src_cnt: u16,
+    recoveries: u32,
+    /// Next probe join while the switch is silent (see `PROBE_INTERVAL`).
+    next_probe: Time,
 }
 
 enum State {
@@ -373,6 +395,16 @@ pub struct AllreduceSession {
     /// Keyed job: replay windows over the switch shards' sequence numbers.
     windows: LaneWindows,
     auth_stats: AuthStats,
+    /// The data contribution of every recent block that has its result, by
+    /// block id: the blocks at most `block_cnt_max` behind the lowest block
+    /// without one, which a peer may still lack. After a switch restart they
+    /// are sent again so the new incarnation can recompute those blocks
+    /// (docs/restart.md).
+    retained: BTreeMap<u32, Vec<u8>>,
+    /// Buffers of pruned retained contributions, reused.
+    spare: Vec<Vec<u8>>,
+    /// Set while recovering from a switch restart.
+    recovery: Option<Recovery>,
 }
 
 /// Datagrams a keyed session dropped before looking at them.
@@ -416,6 +448,9 @@ impl AllreduceSession {
             sealer: None,
             windows: LaneWindows::default(),
             auth_stats: AuthStats::default(),
+            retained: BTreeMap::new(),
+            spare: Vec::new(),
+            recovery: None,
         };
         session.sealer = session.config.auth_key.map(|k| Sealer::new(k, 0, session.config.seal_clock_us));
         if let State::Failed(e) = &session.state {
@@ -520,6 +555,8 @@ impl AllreduceSession {
             trimmed: 0,
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,
+            recoveries: 0,
+            next_probe: now,
         });
         self.last_heard = now;
         // Results the switch pushed for this allreduce before it began.
@@ -549,12 +586,23 @@ impl AllreduceSession {
             State::Failed(_) => None,
             State::Joining { started, next_send, .. } => Some((*next_send).min(*started + self.config.join_timeout)),
             State::Ready => {
-                let op = self.op.as_ref()?;
+                let recovery = self.recovery_deadline();
+                let Some(op) = self.op.as_ref() else { return recovery };
                 let dead = self.last_heard + self.config.dead_after;
                 if op.outstanding() == 0 {
-                    return Some(dead); // nothing outstanding
+                    // Nothing in flight (or everything behind the recovery
+                    // gate): only the recovery's timers, and the silence
+                    // limit while it resends.
+                    let resending = self.recovery.as_ref().is_some_and(|r| !r.waiting());
+                    return match recovery {
+                        Some(t) if resending => Some(t.min(dead)),
+                        Some(t) => Some(t),
+                        None => Some(dead),
+                    };
                 }
-                Some(self.stall_deadline(op).min(dead))
+                let probe = if op.backoff >= PROBE_AFTER_BACKOFF && self.recovery.is_none() { op.next_probe } else { dead };
+                let t = self.stall_deadline(op).min(dead).min(probe);
+                Some(recovery.map_or(t, |r| r.min(t)))
             }
         }
     }
@@ -571,6 +619,9 @@ impl AllreduceSession {
                 }
             }
             State::Ready => {
+                if self.recovery.is_some() && self.recovery_timeout(now) {
+                    return; // failed
+                }
                 let rto = self.rto();
                 let Some(op) = self.op.as_ref() else { return };
                 let stalled = op.outstanding() > 0 && now >= self.stall_deadline(op);
@@ -604,9 +655,22 @@ impl AllreduceSession {
                     }
                     op.backoff = (op.backoff + 1).min(6);
                     op.last_progress = now;
+                    if op.backoff >= PROBE_AFTER_BACKOFF {
+                        // Silent for a while: ask the switch who it is now (a
+                        // restarted one answers with a new incarnation).
+                        self.join_due = true;
+                        op.next_probe = now + PROBE_INTERVAL;
+                    }
+                } else if op.backoff >= PROBE_AFTER_BACKOFF && op.outstanding() > 0 && now >= op.next_probe {
+                    self.join_due = true;
+                    op.next_probe = now + PROBE_INTERVAL;
                 }
                 let outstanding = op.outstanding();
-                if outstanding > 0 && now >= self.last_heard + self.config.dead_after {
+                // While waiting for the floor, RecoveryStalled bounds the wait;
+                // while resending retained blocks, silence counts as usual.
+                let waiting = self.recovery.as_ref().is_some_and(|r| r.waiting());
+                let resending = self.recovery.as_ref().is_some_and(|r| !r.waiting());
+                if (outstanding > 0 || resending) && !waiting && now >= self.last_heard + self.config.dead_after {
                     let waited = now.saturating_since(self.last_heard);
                     self.fail(SessionError::SwitchSilent { waited, outstanding: outstanding as usize });
                 }
@@ -632,7 +696,21 @@ impl AllreduceSession {
                 });
                 1
             }
-            State::Ready => self.transmit_blocks(now, out),
+            State::Ready => {
+                let mut sent = 0;
+                if self.join_due {
+                    self.join_due = false;
+                    let repr = self.recovery_join().unwrap_or_else(|| self.join_request());
+                    let buf = out.push(0, repr.buffer_len());
+                    repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+                    sent += 1;
+                }
+                if self.recovery.as_ref().is_some_and(|r| r.waiting()) {
+                    return sent; // nothing goes out until the floor is known
+                }
+                sent += self.send_retained(now, out);
+                sent + self.transmit_blocks(now, out)
+            }
         }
     }
 
@@ -641,7 +719,16 @@ impl AllreduceSession {
         let Some(op) = self.op.as_mut() else { return 0 };
         let mut sent = 0;
         let budget = self.config.max_burst;
+        // After a switch restart: no block opens a slot before the block one
+        // slot-cycle earlier has its new result (docs/restart.md).
+        let gate = self.recovery.as_ref().and_then(|r| r.gate(Some(&*op), params.block_cnt_max));
         while sent < budget {
+            if let Some(gate) = gate {
+                let front = op.retransmit.front().or(op.ready.front()).copied().unwrap_or(op.next_new);
+                if op.base_block.wrapping_add(front) >= gate {
+                    break;
+                }
+            }
             let (idx, retransmission) = if let Some(i) = op.retransmit.pop_front() {
                 (i, true)
             } else if let Some(i) = op.ready.pop_front() {
@@ -724,7 +811,18 @@ impl AllreduceSession {
             MessageType::JoinAck => self.on_join_ack(now, &repr, packet.payload()),
             MessageType::Nack => {
                 if let Ok(nack) = Nack::parse(packet.payload()) {
-                    if nack.reason == NackReason::BlockExpired {
+                    let tag = Nack::tag_of(bytes);
+                    if nack.reason == NackReason::StaleIncarnation {
+                        self.last_heard = now;
+                        self.begin_recovery(now, nack.detail);
+                    } else if nack.reason == NackReason::BlockExpired && tag != 0 && Some(tag) != self.tag() {
+                        // from another incarnation than the one we are bound to
+                    } else if nack.reason == NackReason::UnknownJob && self.params.is_some() {
+                        // The switch lost the job (it restarted without it):
+                        // wait for it to be re-admitted, as in a restart.
+                        self.last_heard = now;
+                        self.begin_recovery(now, 0);
+                    } else if nack.reason == NackReason::BlockExpired {
                         self.last_heard = now;
                         self.on_expired(now, &repr);
                     } else if nack.reason == NackReason::Trimmed {
@@ -754,7 +852,13 @@ impl AllreduceSession {
                 }
             }
             MessageType::Result => {
+                if Some(repr.src_id) != self.tag() {
+                    // A result of another incarnation of the switch: never
+                    // mixed with this one's (docs/restart.md).
+                    return;
+                }
                 self.last_heard = now;
+                self.confirm_retained(&repr);
                 self.on_result(now, &repr, packet.payload());
             }
             _ => {}
@@ -762,10 +866,14 @@ impl AllreduceSession {
     }
 
     fn on_join_ack(&mut self, now: Time, repr: &Repr, body: &[u8]) {
+        let Ok(params) = JoinParams::parse(body) else { return };
+        if matches!(self.state, State::Ready) {
+            self.on_rejoin_ack(now, repr, params);
+            return;
+        }
         if !matches!(self.state, State::Joining { .. }) {
             return;
         }
-        let Ok(params) = JoinParams::parse(body) else { return };
         if self.config.elems_per_packet as u32 > params.block_grad_max {
             self.fail(SessionError::PacketTooLarge { requested: self.config.elems_per_packet, cap: params.block_grad_max });
             return;
@@ -841,14 +949,23 @@ impl AllreduceSession {
         if repr.age_op != AGE_OP_AGED {
             note_later_result(op, idx, &params, self.config.job_id);
         }
-        let block = &mut op.blocks[idx as usize];
         if repr.exp_only {
+            let block = &mut op.blocks[idx as usize];
             block.exp = repr.exp;
             block.phase = BlockPhase::DataQueued;
             block.attempt = 0;
             op.ready.push_back(idx);
             return;
         }
+        // Keep this worker's contribution (scaled with the block's exponent)
+        // before the result overwrites the tensor: a peer may still lack the
+        // result if the switch restarts.
+        op.blocks[idx as usize].exp = repr.exp;
+        let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
+        emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
+        self.retained.insert(repr.block_id, buf.0);
+        let Some(op) = self.op.as_mut() else { return };
+        let block = &mut op.blocks[idx as usize];
         match &mut op.tensor {
             Tensor::I32(v) => read_elements(payload, &mut v[start..start + count]),
             Tensor::F32(v) => {
@@ -884,6 +1001,9 @@ impl AllreduceSession {
             }
         }
         let all_done = op.record_done(idx, repr.src_cnt, repr.degraded || repr.src_cnt < self.n_sources);
+        let low_stream = op.base_block.wrapping_add(op.low);
+        self.prune_retained(low_stream, params.block_cnt_max);
+        let Some(op) = self.op.as_mut() else { return };
         // The exponent announced for the block one slot-cycle ahead.
         let ahead = idx as usize + params.block_cnt_max as usize;
         if repr.next_exp != EXP_NONE {
@@ -915,6 +1035,17 @@ impl AllreduceSession {
         if op.blocks[idx as usize].phase == BlockPhase::Done {
             return;
         }
+        if let Some(params) = self.params {
+            // Its contribution, for a recovery (int32, or float with a known
+            // exponent; otherwise the block cannot be sent again exactly).
+            let known = !op.tensor.dtype().is_block_floating_point() || op.blocks[idx as usize].exp != EXP_NONE;
+            if known {
+                let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
+                emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
+                self.retained.insert(repr.block_id, buf.0);
+            }
+        }
+        let Some(op) = self.op.as_mut() else { return };
         let per = self.config.elems_per_packet as usize;
         let start = idx as usize * per;
         let end = (start + per).min(op.tensor.len());
@@ -979,6 +1110,7 @@ impl AllreduceSession {
             missed_blocks: op.missed,
             latency_mean: if op.latency_samples == 0 { Duration::ZERO } else { op.latency_sum / op.latency_samples },
             latency_max: op.latency_max,
+            recoveries: op.recoveries,
         }));
     }
 
@@ -1099,7 +1231,8 @@ fn emit_block(
         exp_only,
         dtype: op.tensor.dtype(),
         src_id: config.src_id,
-        src_cnt: 0,
+        // the switch incarnation this contribution is meant for
+        src_cnt: incarnation_tag(params.incarnation),
         gen_id,
         job_id: config.job_id,
         block_id,
@@ -1227,6 +1360,7 @@ mod averaging_tests {
             missed_blocks: 1,
             latency_mean: Duration::ZERO,
             latency_max: Duration::ZERO,
+            recoveries: 0,
         };
         assert_eq!(o.src_cnt_of(0, 4), 4);
         assert_eq!(o.src_cnt_of(1, 4), 3);

@@ -96,6 +96,14 @@ pub struct Counters {
     pub members_timed_out: u64,
     /// Jobs failed by a dead member (failure policy `fail`).
     pub jobs_failed: u64,
+    /// Worker contributions tagged with another incarnation of this switch
+    /// (sent before the worker noticed a restart): answered with a
+    /// StaleIncarnation nack, never aggregated.
+    pub stale_incarnation: u64,
+    /// Recovery joins left unanswered while other members had not reported.
+    pub recover_waiting: u64,
+    /// Recovery floors established (every member reported after a restart).
+    pub recoveries: u64,
 }
 
 impl Counters {
@@ -156,6 +164,9 @@ impl Counters {
         f("rate_limited", None, self.rate_limited);
         f("members_timed_out", None, self.members_timed_out);
         f("jobs_failed", None, self.jobs_failed);
+        f("stale_incarnation", None, self.stale_incarnation);
+        f("recover_waiting", None, self.recover_waiting);
+        f("recoveries", None, self.recoveries);
     }
 
     /// Add another shard's counters into these.
@@ -169,7 +180,8 @@ impl Counters {
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
-            rate_limited, members_timed_out, jobs_failed
+            rate_limited, members_timed_out, jobs_failed,
+            stale_incarnation, recover_waiting, recoveries
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

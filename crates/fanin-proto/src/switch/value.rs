@@ -46,8 +46,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use fanin_wire::value::{
-    Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_SYNC, ELEM_LEN, EXP_NONE,
-    HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
+    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_SYNC,
+    ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW, NACK_TAG,
 };
 use fanin_wire::MessageType;
 
@@ -422,6 +422,14 @@ struct Job<A> {
     buckets: SourceBuckets,
     /// Member timeout and the job's failure, if it failed.
     liveness: Liveness,
+    /// This switch's incarnation tag (results and nacks carry it; worker
+    /// contributions must carry it or 0).
+    tag: u16,
+    /// Recovery after a restart (docs/restart.md): the lowest block without
+    /// a result each member reported in its `JOIN_RECOVER` join...
+    recover_lows: HashMap<u16, u32>,
+    /// ...and, once every member reported, the floor answered to all.
+    recover_floor: Option<u32>,
 }
 
 /// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
@@ -590,6 +598,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 auth,
                 buckets,
                 liveness,
+                tag: incarnation_tag(self.config.incarnation),
+                recover_lows: HashMap::new(),
+                recover_floor: None,
             },
         );
         Ok(())
@@ -872,6 +883,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
             readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
         }
+        if packet.age_op() == JOIN_RECOVER {
+            return recover_join(job, &self.config, src, from, packet.block_id(), &mut self.counters, out);
+        }
         if packet.age_op() != JOIN_SYNC {
             // Joining with the others: the stream's start, which every
             // switch of the tree knows.
@@ -981,7 +995,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                         }
                         block.phase = Phase::Done;
                         block.expired_up = true;
-                        broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, packet.into_inner(), &mut counters.relayed_down);
+                        // the children are bound to this switch's incarnation
+                        self.scratch.clear();
+                        self.scratch.extend_from_slice(packet.into_inner());
+                        if let Some(t) = self.scratch.get_mut(NACK_TAG) {
+                            t.copy_from_slice(&job.tag.to_be_bytes());
+                        }
+                        broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, &self.scratch, &mut counters.relayed_down);
                     }
                     // Other refusals (e.g. the parent is being reprogrammed):
                     // the children's retransmissions try again.
@@ -1017,6 +1037,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     from_src: 0,
                     out,
                     scratch: &mut self.scratch,
+                    tag: job.tag,
                 };
                 if repr.exp_only {
                     if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
@@ -1080,13 +1101,23 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
             return Verdict::Consumed;
         }
+        // A worker tags its contributions with the incarnation it joined
+        // (0: untagged). Another tag was meant for a previous life of this
+        // switch, whose blocks are gone: the worker must recover first.
+        let tag = packet.src_cnt();
+        if src < SWITCH_RANK_BASE as usize && tag != 0 && tag != job.tag {
+            counters.stale_incarnation += 1;
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            send_nack(counters, out, from, env, packet, NackReason::StaleIncarnation, self.config.incarnation);
+            return Verdict::Consumed;
+        }
         if job.spec.mode == JobMode::Forward {
             if !job.buckets.admit(src, now) {
                 rate_limited(counters, out, from, packet);
                 return Verdict::Consumed;
             }
             let env = envelope(job.auth.as_mut(), Peer::Member(src));
-            reflect(counters, out, from, env, packet);
+            reflect(counters, out, from, env, packet, job.tag);
             return Verdict::Consumed;
         }
         let block_id = packet.block_id();
@@ -1126,7 +1157,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             None => {
                 if block_id < job.start_block {
                     let env = envelope(job.auth.as_mut(), Peer::Member(src));
-                    expired(counters, out, from, env, packet, job.start_block);
+                    expired(counters, out, from, env, packet, job.start_block, job.tag);
                     return Verdict::Consumed;
                 }
                 // The slot's first use may be any block: a worker that
@@ -1155,7 +1186,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     // reused: tell it, so it stops asking (a straggler).
                     let now_held = cur.block_id;
                     let env = envelope(job.auth.as_mut(), Peer::Member(src));
-                    expired(counters, out, from, env, packet, now_held);
+                    expired(counters, out, from, env, packet, now_held, job.tag);
                     return Verdict::Consumed;
                 } else {
                     counters.out_of_window += 1;
@@ -1198,6 +1229,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 from_src: src,
                 out: &mut *out,
                 scratch: &mut self.scratch,
+                tag: job.tag,
             };
             let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
             if exp_only {
@@ -1260,7 +1292,26 @@ fn answer_join<A: Copy>(
     next_block: u32,
     out: &mut impl Transmit<A>,
 ) {
-    let repr = Repr { src_cnt: job.spec.worker_count(), ..Repr::new(MessageType::JoinAck, job.spec.job_id, origin) };
+    answer_join_as(job, config, origin, to, dest, next_block, 0, out)
+}
+
+/// [`answer_join`] with `age_op` set (`JOIN_RECOVER` for a recovery floor).
+#[allow(clippy::too_many_arguments)]
+fn answer_join_as<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    origin: u16,
+    to: u16,
+    dest: A,
+    next_block: u32,
+    age_op: u8,
+    out: &mut impl Transmit<A>,
+) {
+    let repr = Repr {
+        src_cnt: job.spec.worker_count(),
+        age_op,
+        ..Repr::new(MessageType::JoinAck, job.spec.job_id, origin)
+    };
     let params = JoinParams {
         block_cnt_max: job.spec.block_cnt_max,
         block_grad_max: job.spec.block_grad_max,
@@ -1302,6 +1353,41 @@ fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, via: u16, 
     let start = offset.div_ceil(align).saturating_mul(align);
     job.sync_answers.insert(origin, start);
     Some(start)
+}
+
+/// A member recovering after this switch restarted reports the lowest block
+/// it has no result for. Nobody is answered until every member reported:
+/// then the floor (the lowest reported block, the lowest any member still
+/// needs) goes to all, and again to any repeated recovery join. Members
+/// resend their retained contributions from the floor on (docs/restart.md).
+fn recover_join<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    src: u16,
+    from: A,
+    low: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) -> Verdict {
+    if let Some(floor) = job.recover_floor {
+        answer_join_as(job, config, src, src, from, floor, JOIN_RECOVER, out);
+        return Verdict::Consumed;
+    }
+    job.recover_lows.insert(src, low);
+    if !job.members.iter().all(|m| job.recover_lows.contains_key(&(m as u16))) {
+        counters.recover_waiting += 1;
+        return Verdict::Consumed;
+    }
+    let floor = job.recover_lows.values().copied().min().unwrap_or(low);
+    job.recover_floor = Some(floor);
+    counters.recoveries += 1;
+    let members: Vec<usize> = job.members.iter().collect();
+    for m in members {
+        if let Some(addr) = job.addrs.get(m).copied().flatten() {
+            answer_join_as(job, config, m as u16, m as u16, addr, floor, JOIN_RECOVER, out);
+        }
+    }
+    Verdict::Consumed
 }
 
 /// Admit `src` from `start` here, and tell the runtime so the other shards
@@ -1414,20 +1500,22 @@ struct Reply<'a, A, T> {
     out: &'a mut T,
     /// The result is built once here and copied to each destination.
     scratch: &'a mut Vec<u8>,
+    /// This switch's incarnation tag, carried in results and nacks.
+    tag: u16,
 }
 
 impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     /// Send the result to every member with a known address (members that
     /// never sent anything fetch it by retransmitting).
     fn send_to_all(&mut self, block: &Block, exp_only: bool) {
-        build_result(block, self.job_id, exp_only, self.member_count, self.scratch);
+        build_result(block, self.job_id, exp_only, self.member_count, self.tag, self.scratch);
         broadcast(self.members, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, &mut self.counters.results_sent);
     }
 
     /// Send the result again to the sender only.
     fn send_to_sender(&mut self, block: &Block, exp_only: bool) {
         let Some(from) = self.from else { return };
-        build_result(block, self.job_id, exp_only, self.member_count, self.scratch);
+        build_result(block, self.job_id, exp_only, self.member_count, self.tag, self.scratch);
         send_copy(self.out, from, self.scratch, envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src)));
         self.counters.results_resent += 1;
     }
@@ -1463,10 +1551,12 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
         let Some(from) = self.from else { return };
         let repr = Repr { block_id, ..Repr::new(MessageType::Nack, self.job_id, 0) };
         let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
+        let tag = self.tag;
         send(self.out, from, HEADER_LEN + Nack::LEN, env, |buf| {
-            let mut reply = Packet::new_unchecked(buf);
+            let mut reply = Packet::new_unchecked(&mut buf[..]);
             repr.emit(&mut reply);
             Nack { reason: NackReason::BlockExpired, detail: block_id }.emit(reply.payload_mut());
+            buf[NACK_TAG].copy_from_slice(&tag.to_be_bytes());
         });
         self.counters.nacks_sent += 1;
     }
@@ -1497,8 +1587,9 @@ fn broadcast<A: Copy>(
     }
 }
 
-fn build_result(block: &Block, job_id: u32, exp_only: bool, member_count: u16, scratch: &mut Vec<u8>) {
-    let repr = block.result_repr(job_id, exp_only, member_count);
+fn build_result(block: &Block, job_id: u32, exp_only: bool, member_count: u16, tag: u16, scratch: &mut Vec<u8>) {
+    // src_id of a result is the switch's incarnation tag (docs/restart.md)
+    let repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, member_count) };
     scratch.clear();
     scratch.resize(repr.buffer_len(), 0);
     let mut packet = Packet::new_unchecked(&mut scratch[..]);
@@ -1764,6 +1855,7 @@ fn close_phase<A: Copy>(
         from_src: 0,
         out,
         scratch,
+        tag: job.tag,
     };
     let block = job.slots[local].cur.as_mut().expect("an open block");
     match block.phase {
@@ -1955,9 +2047,16 @@ fn expired<A: Copy>(
     env: Envelope,
     packet: &Packet<&[u8]>,
     held: u32,
+    tag: u16,
 ) {
     counters.expired += 1;
-    send_nack(counters, out, from, env, packet, NackReason::BlockExpired, held);
+    let sent = send(out, from, Nack::DATAGRAM_LEN, env, |buf| {
+        Nack { reason: NackReason::BlockExpired, detail: held }.emit_reply(packet, false, buf);
+        buf[NACK_TAG].copy_from_slice(&tag.to_be_bytes());
+    });
+    if sent {
+        counters.nacks_sent += 1;
+    }
 }
 
 /// The aggregation loop: wrapping int32 adds of a big-endian payload, written
@@ -1970,13 +2069,21 @@ fn accumulate(sum: &mut [i32], payload: &[u8]) {
 }
 
 /// NoAggr: return the contribution to its sender as a result, untouched.
-fn reflect<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, env: Envelope, packet: &Packet<&[u8]>) {
+fn reflect<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    from: A,
+    env: Envelope,
+    packet: &Packet<&[u8]>,
+    tag: u16,
+) {
     let bytes = packet.into_inner();
     send(out, from, bytes.len(), env, |buf| {
         buf.copy_from_slice(bytes);
         let mut reply = Packet::new_unchecked(buf);
         reply.set_msg_type(MessageType::Result);
         reply.set_src_cnt(1);
+        reply.set_src_id(tag);
     });
     counters.forwarded += 1;
 }

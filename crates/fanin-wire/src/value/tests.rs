@@ -385,8 +385,8 @@ fn trim_nack_four_ways() {
     assert_eq!(buf, TRIM_NACK);
     // one past the last reason is still malformed
     let mut bad = TRIM_NACK;
-    bad[25] = 12;
-    assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(12));
+    bad[25] = 13;
+    assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(13));
     // the other causes
     assert_eq!(TrimCause::from_detail(2), Some(TrimCause::MemoryExhausted));
     assert_eq!(TrimCause::from_detail(3), Some(TrimCause::RateLimited));
@@ -442,6 +442,35 @@ fn membership_failed_notice_four_ways() {
     let mut buf = [MARKER; 24];
     expected.emit(&mut Packet::new_unchecked(&mut buf[..]));
     assert_eq!(buf, MEMBERSHIP_FAILED_NOTICE);
+}
+
+/// StaleIncarnation nack (docs/restart.md): worker 3 of job 9 sent block
+/// 0x0A0B0C0D of gen 7 tagged for an earlier life of the switch; the switch
+/// (incarnation 0x8E5A_3C01, tag 0x3C01 in the reserved field) refuses it.
+const STALE_NACK: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0x06, // Nack
+    0x00, 0x00, 0x00, 0x03, // flags 0; int32; src_id 3
+    0x00, 0x00, 0x00, 0x07, // src_cnt 0; gen_id 7
+    0x00, 0x00, 0x00, 0x09, // job_id 9
+    0x0A, 0x0B, 0x0C, 0x0D, // block_id
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+    0x00, 0x0C, 0x3C, 0x01, // reason 12 StaleIncarnation; incarnation tag
+    0x8E, 0x5A, 0x3C, 0x01, // detail: the switch's incarnation
+];
+
+#[test]
+fn stale_incarnation_nack_carries_the_tag_and_the_incarnation() {
+    let p = Packet::new_checked(&STALE_NACK[..]).unwrap();
+    let nack = Nack::parse(p.payload()).unwrap();
+    assert_eq!(nack, Nack { reason: NackReason::StaleIncarnation, detail: 0x8E5A_3C01 });
+    assert_eq!(Nack::tag_of(&STALE_NACK), incarnation_tag(0x8E5A_3C01));
+    assert_eq!(Nack::tag_of(&STALE_NACK[..20]), 0, "short datagrams have no tag");
+    let mut buf = [MARKER; 32];
+    let mut q = Packet::new_unchecked(&mut buf[..]);
+    Repr { gen_id: 7, block_id: 0x0A0B_0C0D, ..Repr::new(MessageType::Nack, 9, 3) }.emit(&mut q);
+    nack.emit(q.payload_mut());
+    buf[NACK_TAG].copy_from_slice(&incarnation_tag(0x8E5A_3C01).to_be_bytes());
+    assert_eq!(buf, STALE_NACK);
 }
 
 /// Sync request for job 5: switch rank 2048 forwards the join of worker 3

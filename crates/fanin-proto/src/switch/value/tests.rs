@@ -665,9 +665,10 @@ fn leaf_sends_one_partial_up_and_relays_the_result_down() {
 fn root_counts_a_child_switch_as_the_workers_it_sums_and_never_twice() {
     let spec = JobSpec { members: vec![0, RANK], workers: 4, ..job(1, 2, 4) };
     let mut sw = switch_with(&[spec]);
-    // a worker claiming to sum 100 sources counts as one
+    // a worker's src_cnt is its incarnation tag (this switch's: 1), never a
+    // count: a worker counts as one
     let mut p = Pkt::data(1, 0, 0, &[1]);
-    p.repr.src_cnt = 100;
+    p.repr.src_cnt = 1;
     assert!(send(&mut sw, p).is_empty());
     let mut partial = Pkt::data(1, RANK, 0, &[5]);
     partial.repr.src_cnt = 3;

@@ -1,0 +1,306 @@
+//! Recovery of a worker's session after its switch restarted
+//! (docs/restart.md has the design and the argument).
+//!
+//! A restarted switch has a new incarnation and no memory of the job's
+//! blocks. The worker notices (a `StaleIncarnation` nack for a contribution
+//! tagged with the old incarnation, a JoinAck with a new incarnation after a
+//! silence, or an `UnknownJob` nack while the job is re-admitted), then:
+//!
+//! 1. *waits for the floor*: it sends `JOIN_RECOVER` joins carrying the
+//!    lowest block of the stream it has no result for, and sends nothing
+//!    else. The switch answers once every member reported, with the floor:
+//!    the lowest block any member still needs;
+//! 2. *resends*: it binds to the new incarnation (results of any other are
+//!    dropped from then on), and sends the new switch its retained
+//!    contributions of the blocks from the floor on that it already has
+//!    results for, then its blocks without results, in stream order: no
+//!    block goes out before the block one slot-cycle (`block_cnt_max`)
+//!    earlier has its result *from the new incarnation*, so the new switch
+//!    sees each slot's blocks in order, exactly as in a fresh job;
+//! 3. ends when every retained block it resent has its new result.
+//!
+//! Every block the new incarnation completes sums contributions that were
+//! all sent to it (the switch refuses contributions tagged with another
+//! incarnation), so no result mixes two incarnations.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use fanin_wire::value::{incarnation_tag, JoinParams, Repr, JOIN_RECOVER};
+use fanin_wire::MessageType;
+
+use super::{AllreduceSession, BlockPhase, Op, SessionError};
+use crate::auth::push_sealed;
+use crate::job::shard_of;
+use crate::time::Time;
+use crate::transmit::Transmit;
+
+/// First interval between recovery joins; doubled up to [`JOIN_INTERVAL_MAX`].
+const JOIN_INTERVAL: Duration = Duration::from_millis(20);
+const JOIN_INTERVAL_MAX: Duration = Duration::from_millis(200);
+/// Pruned contribution buffers kept for reuse.
+const SPARE_BUFFERS: usize = 64;
+
+/// A transmit sink holding one datagram, to capture a contribution.
+pub(super) struct OneBuf(pub Vec<u8>);
+
+impl Transmit<u16> for OneBuf {
+    fn push(&mut self, _dest: u16, len: usize) -> &mut [u8] {
+        self.0.clear();
+        self.0.resize(len, 0);
+        &mut self.0
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct Recovery {
+    /// The incarnation the switch announced (0: unknown, the job was lost).
+    target: u32,
+    started: Time,
+    /// Lowest block of the stream this worker has no result for.
+    low: u32,
+    next_join: Time,
+    interval: Duration,
+    /// The switch's answer: the lowest block any member still needs.
+    floor: Option<u32>,
+    /// Retained blocks resent to the new incarnation that have no new result
+    /// yet, with their last transmission (None: due).
+    pending: BTreeMap<u32, Option<Time>>,
+}
+
+impl Recovery {
+    /// Still waiting for the floor (nothing but joins may be sent).
+    pub(super) fn waiting(&self) -> bool {
+        self.floor.is_none()
+    }
+
+    /// Blocks at or beyond this stream id may not be sent yet: the lowest
+    /// block that needs a result from the new incarnation, plus one
+    /// slot-cycle (`block_cnt_max`).
+    pub(super) fn gate(&self, op: Option<&Op>, block_cnt_max: u32) -> Option<u32> {
+        self.floor?;
+        let retained = self.pending.keys().next().copied();
+        let op_low = op.filter(|op| op.low < op.blocks.len() as u32).map(|op| op.base_block.wrapping_add(op.low));
+        let lowest = match (retained, op_low) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(lowest.saturating_add(block_cnt_max))
+    }
+}
+
+impl AllreduceSession {
+    /// Tag of the incarnation this worker is bound to (after joining).
+    pub(super) fn tag(&self) -> Option<u16> {
+        self.params.map(|p| incarnation_tag(p.incarnation))
+    }
+
+    /// Whether the session is recovering from a switch restart.
+    pub fn recovering(&self) -> bool {
+        self.recovery.is_some()
+    }
+
+    /// The switch restarted (`incarnation` is its new one; 0 if it lost the
+    /// job and its incarnation is not known yet): start over at step 1.
+    pub(super) fn begin_recovery(&mut self, now: Time, incarnation: u32) {
+        let Some(params) = self.params else { return };
+        if incarnation != 0 && incarnation == params.incarnation {
+            return; // a late answer to a packet sent before we rebound
+        }
+        if let Some(rec) = &self.recovery {
+            if rec.waiting() && (incarnation == 0 || rec.target == incarnation || rec.target == 0) {
+                return; // already waiting for that switch's floor
+            }
+        }
+        let low = match &self.op {
+            Some(op) => op.base_block.wrapping_add(op.low),
+            None => self.next_block,
+        };
+        self.recovery = Some(Recovery {
+            target: incarnation,
+            started: now,
+            low,
+            next_join: now + JOIN_INTERVAL,
+            interval: JOIN_INTERVAL,
+            floor: None,
+            pending: BTreeMap::new(),
+        });
+        self.join_due = true;
+    }
+
+    /// The join to send while waiting for the floor.
+    pub(super) fn recovery_join(&self) -> Option<Repr> {
+        let rec = self.recovery.as_ref().filter(|r| r.waiting())?;
+        Some(Repr {
+            gen_id: self.gen_id,
+            age_op: JOIN_RECOVER,
+            block_id: rec.low,
+            ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
+        })
+    }
+
+    pub(super) fn recovery_deadline(&self) -> Option<Time> {
+        let rec = self.recovery.as_ref()?;
+        if rec.waiting() {
+            return Some(rec.next_join.min(rec.started + self.config.dead_after));
+        }
+        let rto = self.rto();
+        rec.pending.values().flatten().map(|&t| t + rto).min()
+    }
+
+    /// Timer work of a recovery. Returns true if the session failed.
+    pub(super) fn recovery_timeout(&mut self, now: Time) -> bool {
+        let rto = self.rto();
+        let dead_after = self.config.dead_after;
+        let Some(rec) = self.recovery.as_mut() else { return false };
+        if rec.waiting() {
+            if now >= rec.started + dead_after {
+                let waited = now.saturating_since(rec.started);
+                self.fail(SessionError::RecoveryStalled { job_id: self.config.job_id, waited });
+                return true;
+            }
+            if now >= rec.next_join {
+                self.join_due = true;
+                rec.next_join = now + rec.interval;
+                rec.interval = (rec.interval * 2).min(JOIN_INTERVAL_MAX);
+            }
+            return false;
+        }
+        // A resent contribution (or its result) was lost: send it again.
+        for sent in rec.pending.values_mut() {
+            if sent.is_some_and(|t| now >= t + rto) {
+                *sent = None;
+            }
+        }
+        false
+    }
+
+    /// A JoinAck while the session runs: the floor of a recovery, or the
+    /// answer to a join sent after a silence (a probe).
+    pub(super) fn on_rejoin_ack(&mut self, now: Time, repr: &Repr, params: JoinParams) {
+        let Some(current) = self.params else { return };
+        if repr.age_op != JOIN_RECOVER {
+            // A probe's answer. It does not count as hearing from the switch:
+            // a switch that answers joins but sends no results is still dead
+            // for this allreduce.
+            if params.incarnation != current.incarnation {
+                self.begin_recovery(now, params.incarnation);
+            }
+            return;
+        }
+        if !self.recovery.as_ref().is_some_and(|r| r.waiting()) {
+            return; // a repeated answer; the floor is known
+        }
+        if params.block_cnt_max != current.block_cnt_max
+            || params.block_grad_max != current.block_grad_max
+            || repr.src_cnt.max(1) != self.n_sources
+        {
+            let what = format!(
+                "block_cnt_max {} -> {}, block_grad_max {} -> {}, sources {} -> {}",
+                current.block_cnt_max,
+                params.block_cnt_max,
+                current.block_grad_max,
+                params.block_grad_max,
+                self.n_sources,
+                repr.src_cnt
+            );
+            self.fail(SessionError::JobChanged { job_id: self.config.job_id, what });
+            return;
+        }
+        // Bind to the new incarnation: from now on only its results count.
+        self.params = Some(JoinParams { incarnation: params.incarnation, shard_count: params.shard_count, ..current });
+        let floor = params.next_block;
+        let rec = self.recovery.as_mut().expect("checked above");
+        rec.target = params.incarnation;
+        rec.floor = Some(floor);
+        rec.pending = self.retained.range(floor..).map(|(&b, _)| (b, None)).collect();
+        if let Some(op) = self.op.as_mut() {
+            // Everything in flight goes to the new switch again, in order.
+            op.retransmit.clear();
+            for idx in op.low..op.next_new {
+                let b = &mut op.blocks[idx as usize];
+                b.later_results = 0;
+                b.queued = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
+                if b.queued {
+                    op.retransmit.push_back(idx);
+                }
+            }
+            op.last_progress = now;
+            op.backoff = 0;
+            op.recoveries += 1;
+        }
+        self.last_heard = now;
+        if self.recovery.as_ref().is_some_and(|r| r.pending.is_empty()) {
+            self.recovery = None;
+        }
+    }
+
+    /// Send the retained contributions that are due (step 2), tagged with
+    /// the new incarnation, in stream order and behind the gate.
+    pub(super) fn send_retained(&mut self, now: Time, out: &mut impl Transmit<u16>) -> usize {
+        let Some(params) = self.params else { return 0 };
+        let Some(rec) = self.recovery.as_mut() else { return 0 };
+        let gate = rec.gate(self.op.as_ref(), params.block_cnt_max);
+        let tag = incarnation_tag(params.incarnation).to_be_bytes();
+        let mut sent = 0;
+        for (&block_id, last) in rec.pending.iter_mut() {
+            if sent >= self.config.max_burst || gate.is_some_and(|g| block_id >= g) {
+                break;
+            }
+            if last.is_some() {
+                continue;
+            }
+            let Some(bytes) = self.retained.get(&block_id) else { continue };
+            let shard = shard_of(self.config.job_id, block_id, params.block_cnt_max, params.shard_count);
+            // Retained unsealed; a keyed job seals each resend afresh.
+            let seal = self.sealer.as_mut().map(|s| (s.key, s.take_seq()));
+            push_sealed(out, shard, bytes.len(), seal.as_ref().map(|(k, q)| (k, *q)), |buf| {
+                buf.copy_from_slice(bytes);
+                buf[3] = MessageType::Retransmission as u8;
+                buf[8..10].copy_from_slice(&tag);
+            });
+            *last = Some(now);
+            sent += 1;
+        }
+        if let Some(op) = self.op.as_mut() {
+            op.retransmissions += sent as u64;
+        }
+        sent
+    }
+
+    /// A result of the bound incarnation: if it is one of the retained
+    /// blocks resent in a recovery, that block is recomputed (step 3). The
+    /// worker has its result already and does not use it again.
+    pub(super) fn confirm_retained(&mut self, repr: &Repr) {
+        let Some(rec) = self.recovery.as_mut() else { return };
+        if rec.waiting() || repr.exp_only {
+            return;
+        }
+        if rec.pending.remove(&repr.block_id).is_some() && rec.pending.is_empty() {
+            self.recovery = None;
+        }
+    }
+
+    /// Forget contributions more than one slot-cycle behind `low_stream`
+    /// (the lowest block without a result): every peer has their results.
+    pub(super) fn prune_retained(&mut self, low_stream: u32, block_cnt_max: u32) {
+        if self.recovery.is_some() {
+            return;
+        }
+        let cut = low_stream.saturating_sub(block_cnt_max);
+        while let Some(entry) = self.retained.first_entry() {
+            if *entry.key() >= cut {
+                break;
+            }
+            let buf = entry.remove();
+            if self.spare.len() < SPARE_BUFFERS {
+                self.spare.push(buf);
+            }
+        }
+    }
+
+    /// Contributions retained for a recovery (block ids), for tests.
+    pub fn retained_blocks(&self) -> Vec<u32> {
+        self.retained.keys().copied().collect()
+    }
+}

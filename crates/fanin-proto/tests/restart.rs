@@ -1,0 +1,480 @@
+//! Switch restart (docs/restart.md): workers and a switch shard exchange
+//! datagrams over an in-memory network; at some point the switch is replaced
+//! by a fresh one (new incarnation, job re-admitted, no blocks). Every
+//! allreduce must still end with the exact result, in bounded time, and no
+//! worker may use a result of one incarnation for a block it contributed to
+//! another.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use fanin_proto::fault::SplitMix64;
+use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, Tensor};
+use fanin_proto::switch::{ShardConfig, ValueSwitch};
+use fanin_proto::{JobSpec, Time, VecTransmit};
+use fanin_wire::value::{Packet, JOIN_RECOVER};
+use fanin_wire::MessageType;
+use proptest::prelude::*;
+
+const LATENCY: Duration = Duration::from_micros(20);
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum To {
+    Switch(usize),
+    Worker(usize),
+}
+
+struct Net {
+    spec: JobSpec,
+    sw: ValueSwitch<usize>,
+    ws: Vec<AllreduceSession>,
+    /// Tensors each worker still has to reduce, in order.
+    todo: Vec<VecDeque<Tensor>>,
+    done: Vec<Vec<Outcome>>,
+    /// When each outcome in `done` arrived.
+    done_at: Vec<Vec<Time>>,
+    now: Time,
+    /// (delivery time, destination, datagram), unordered.
+    wire: Vec<(Time, To, Vec<u8>)>,
+    rng: SplitMix64,
+    loss: f64,
+    /// Results of blocks at or above this id to the worker are lost (to
+    /// make it fall behind).
+    deaf: Vec<Option<u32>>,
+    /// The switch is down: datagrams to it vanish.
+    down: bool,
+}
+
+fn spec(workers: u16, slots: u32) -> JobSpec {
+    JobSpec::with_sources(1, workers, slots, 64)
+}
+
+fn switch(spec: &JobSpec, incarnation: u32) -> ValueSwitch<usize> {
+    let mut sw = ValueSwitch::new(ShardConfig { incarnation, ..ShardConfig::single(64 << 20) });
+    sw.add_job(spec.clone()).unwrap();
+    sw
+}
+
+impl Net {
+    fn new(workers: usize, slots: u32, window: u32, epp: u16, loss: f64, seed: u64) -> Self {
+        let spec = spec(workers as u16, slots);
+        let ws = (0..workers)
+            .map(|w| {
+                let mut cfg = SessionConfig::new(1, w as u16);
+                cfg.elems_per_packet = epp;
+                cfg.window = window;
+                AllreduceSession::new(cfg, Time::ZERO)
+            })
+            .collect();
+        let mut net = Net {
+            sw: switch(&spec, 1),
+            spec,
+            ws,
+            todo: vec![VecDeque::new(); workers],
+            done: vec![Vec::new(); workers],
+            done_at: vec![Vec::new(); workers],
+            now: Time::ZERO,
+            wire: Vec::new(),
+            rng: SplitMix64::new(seed),
+            loss,
+            deaf: vec![None; workers],
+            down: false,
+        };
+        // join without loss
+        let loss = std::mem::replace(&mut net.loss, 0.0);
+        while net.ws.iter().any(|w| !w.is_ready()) {
+            net.step();
+        }
+        net.loss = loss;
+        net
+    }
+
+    fn send(&mut self, to: To, bytes: Vec<u8>) {
+        if self.loss > 0.0 && self.rng.next_f64() < self.loss {
+            return;
+        }
+        // a little jitter reorders datagrams
+        let jitter = Duration::from_nanos(self.rng.below(10_000));
+        self.wire.push((self.now + LATENCY + jitter, to, bytes));
+    }
+
+    /// Transmit, deliver everything due, fire timers; advance the clock to
+    /// the next event. False once nothing is left to happen.
+    fn step(&mut self) -> bool {
+        for w in 0..self.ws.len() {
+            if self.ws[w].is_ready() {
+                if let Some(t) = self.todo[w].pop_front() {
+                    self.ws[w].begin(self.now, t).unwrap();
+                }
+            }
+            let mut out = VecTransmit::new();
+            while self.ws[w].poll_transmit(self.now, &mut out) > 0 {}
+            for (_, bytes) in out.drain() {
+                self.send(To::Switch(w), bytes);
+            }
+        }
+        // deliver what is due
+        let now = self.now;
+        let due: Vec<_> = {
+            let (due, later): (Vec<_>, Vec<_>) = self.wire.drain(..).partition(|(t, _, _)| *t <= now);
+            self.wire = later;
+            due
+        };
+        for (_, to, bytes) in due {
+            match to {
+                To::Switch(from) => {
+                    if self.down {
+                        continue;
+                    }
+                    let mut out = VecTransmit::new();
+                    let _ = self.sw.handle_datagram(self.now, from, &bytes, &mut out);
+                    for (dest, b) in out.drain() {
+                        // data results only: exponent rounds still finish
+                        let is_result = b[3] == MessageType::Result as u8 && b[4] & 0x02 == 0;
+                        let block = Packet::new_checked(&b[..]).map_or(0, |p| p.block_id());
+                        if !(is_result && self.deaf[dest].is_some_and(|x| block >= x)) {
+                            self.send(To::Worker(dest), b);
+                        }
+                    }
+                }
+                To::Worker(w) => self.ws[w].handle_datagram(self.now, &bytes),
+            }
+        }
+        for w in 0..self.ws.len() {
+            if self.ws[w].poll_timeout().is_some_and(|t| t <= self.now) {
+                self.ws[w].handle_timeout(self.now);
+            }
+            while let Some(ev) = self.ws[w].poll_event() {
+                match ev {
+                    Event::Completed(o) => {
+                        self.done[w].push(o);
+                        self.done_at[w].push(self.now);
+                    }
+                    Event::Failed(e) => panic!("worker {w} failed at {:?}: {e}", self.now),
+                    Event::Joined(_) | Event::Membership { .. } => {}
+                }
+            }
+        }
+        // the next event
+        let next_wire = self.wire.iter().map(|(t, _, _)| *t).min();
+        let next_timer = self.ws.iter().filter_map(|w| w.poll_timeout()).min();
+        let busy = self.ws.iter().any(|w| !w.is_ready()) || self.todo.iter().any(|t| !t.is_empty());
+        let next = match (next_wire, next_timer) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => match a.or(b) {
+                Some(t) => t,
+                None => return false,
+            },
+        };
+        if !busy && next_wire.is_none() {
+            return false;
+        }
+        self.now = next.max(self.now + Duration::from_nanos(1));
+        true
+    }
+
+    /// Replace the switch by a fresh one: new incarnation, the job
+    /// re-admitted (as `--job` does at start), no blocks.
+    fn restart(&mut self, incarnation: u32) {
+        self.sw = switch(&self.spec, incarnation);
+    }
+
+    fn run_until(&mut self, deadline: Duration, mut stop: impl FnMut(&Net) -> bool) {
+        let mut steps = 0u64;
+        while !stop(self) {
+            steps += 1;
+            assert!(steps < 1_000_000, "busy at {:?}: timers {:?}", self.now, self.ws.iter().map(|w| w.poll_timeout()).collect::<Vec<_>>());
+            assert!(self.now.as_nanos() < deadline.as_nanos() as u64, "no progress by {deadline:?}");
+            if !self.step() {
+                break;
+            }
+        }
+    }
+
+    fn stale_incarnation_count(&self) -> u64 {
+        self.sw.counters().stale_incarnation
+    }
+
+    fn all_done(&self, ops: usize) -> bool {
+        self.done.iter().all(|d| d.len() == ops)
+    }
+}
+
+fn int_tensors(workers: usize, lens: &[usize], seed: u64) -> Vec<Vec<Vec<i32>>> {
+    let mut rng = SplitMix64::new(seed);
+    (0..workers)
+        .map(|_| lens.iter().map(|&n| (0..n).map(|_| rng.below(2001) as i32 - 1000).collect()).collect())
+        .collect()
+}
+
+/// Quarters of small integers: every sum is exact in block floating point
+/// and in float32, so the reference is the plain sum.
+fn float_tensors(workers: usize, lens: &[usize], seed: u64) -> Vec<Vec<Vec<f32>>> {
+    int_tensors(workers, lens, seed).into_iter().map(|w| w.into_iter().map(|t| t.into_iter().map(|x| x as f32 / 4.0).collect()).collect()).collect()
+}
+
+fn check_int(inputs: &[Vec<Vec<i32>>], done: &[Vec<Outcome>]) {
+    for (op, _) in inputs[0].iter().enumerate() {
+        let len = inputs[0][op].len();
+        let want: Vec<i32> = (0..len).map(|i| inputs.iter().map(|w| w[op][i]).fold(0i32, i32::wrapping_add)).collect();
+        for (w, d) in done.iter().enumerate() {
+            assert_eq!(d[op].tensor, Tensor::I32(want.clone()), "worker {w}, allreduce {op}");
+            assert!(d[op].degraded_blocks.is_empty(), "worker {w}, allreduce {op}: {:?}", d[op].degraded_blocks);
+        }
+    }
+}
+
+fn check_float(inputs: &[Vec<Vec<f32>>], done: &[Vec<Outcome>]) {
+    for (op, _) in inputs[0].iter().enumerate() {
+        let len = inputs[0][op].len();
+        let want: Vec<f32> = (0..len).map(|i| inputs.iter().map(|w| w[op][i]).sum()).collect();
+        for (w, d) in done.iter().enumerate() {
+            assert_eq!(d[op].tensor, Tensor::F32(want.clone()), "worker {w}, allreduce {op}");
+        }
+    }
+}
+
+fn load_int(net: &mut Net, inputs: &[Vec<Vec<i32>>]) {
+    for (w, ops) in inputs.iter().enumerate() {
+        net.todo[w] = ops.iter().map(|t| Tensor::I32(t.clone())).collect();
+    }
+}
+
+fn load_float(net: &mut Net, inputs: &[Vec<Vec<f32>>]) {
+    for (w, ops) in inputs.iter().enumerate() {
+        net.todo[w] = ops.iter().map(|t| Tensor::F32(t.clone())).collect();
+    }
+}
+
+/// The worst case of the retained set: worker 0 got every result of the
+/// first allreduce and runs a full window (S = 4 blocks) into the second;
+/// worker 1 lacks the last four results of the first. The restarted switch
+/// must recompute those four from worker 0's retained contributions.
+fn worst_case(float: bool) {
+    let lens = [6usize, 6, 6];
+    let mut net = Net::new(2, 4, 4, 1, 0.0, 7);
+    let (ints, floats) = (int_tensors(2, &lens, 1), float_tensors(2, &lens, 1));
+    if float {
+        load_float(&mut net, &floats);
+    } else {
+        load_int(&mut net, &ints);
+    }
+    // worker 1 hears results of blocks 0 and 1 only ...
+    net.deaf[1] = Some(2);
+    // ... while worker 0 finishes the first allreduce and sends blocks 6..9
+    // of the second
+    net.run_until(Duration::from_secs(1), |n| n.done[0].len() == 1);
+    let t = net.now + Duration::from_millis(1);
+    net.run_until(Duration::from_secs(1), |n| n.now >= t);
+    assert!(net.done[1].is_empty(), "worker 1 must lack results");
+    assert_eq!(net.ws[0].retained_blocks(), vec![2, 3, 4, 5], "one window behind worker 0's lowest block without a result");
+    let restart_at = net.now;
+    net.restart(3);
+    net.deaf[1] = None;
+    net.run_until(Duration::from_secs(10), |n| n.all_done(lens.len()));
+    if float {
+        check_float(&floats, &net.done);
+    } else {
+        check_int(&ints, &net.done);
+    }
+    let recovered = net.done.iter().flatten().filter(|o| o.recoveries > 0).count();
+    assert!(recovered >= 2, "both workers recovered within an allreduce ({recovered})");
+    assert_eq!(net.sw.counters().recoveries, 1);
+    assert!(net.sw.counters().stale_incarnation > 0, "old-incarnation contributions were refused");
+    // bounded: detection takes at most a few (backed-off) RTOs
+    let took = net.now.saturating_since(restart_at);
+    assert!(took < Duration::from_secs(2), "recovery took {took:?}");
+}
+
+#[test]
+fn worst_case_fast_worker_a_full_window_ahead_across_an_allreduce_boundary_int32() {
+    worst_case(false);
+}
+
+#[test]
+fn worst_case_fast_worker_a_full_window_ahead_across_an_allreduce_boundary_float32() {
+    worst_case(true);
+}
+
+#[test]
+fn a_result_from_another_incarnation_is_never_used() {
+    let mut net = Net::new(1, 4, 4, 2, 0.0, 1);
+    net.ws[0].begin(net.now, Tensor::I32(vec![5, 6])).unwrap();
+    let mut out = VecTransmit::new();
+    net.ws[0].poll_transmit(net.now, &mut out);
+    let (_, contribution) = out.drain().next().unwrap();
+    // the same block's result, from incarnation 3 (another switch life)
+    let mut other = switch(&net.spec, 3);
+    let mut tagged = contribution.clone();
+    tagged[8..10].copy_from_slice(&3u16.to_be_bytes());
+    let mut replies = VecTransmit::new();
+    let _ = other.handle_datagram(net.now, 0, &tagged, &mut replies);
+    let (_, foreign) = replies.drain().next().unwrap();
+    assert_eq!(Packet::new_checked(&foreign[..]).unwrap().src_id(), 3, "results carry the incarnation tag");
+    net.ws[0].handle_datagram(net.now, &foreign);
+    assert!(net.ws[0].poll_event().is_none(), "a result of incarnation 3 was used by a worker bound to 1");
+    // the bound incarnation's own result is used
+    let _ = net.sw.handle_datagram(net.now, 0, &contribution, &mut replies);
+    let (_, own) = replies.drain().next().unwrap();
+    net.ws[0].handle_datagram(net.now, &own);
+    assert!(matches!(net.ws[0].poll_event(), Some(Event::Completed(o)) if o.tensor == Tensor::I32(vec![5, 6])));
+}
+
+#[test]
+fn a_stale_contribution_is_refused_and_the_worker_reports_its_lowest_block_to_recover() {
+    let mut net = Net::new(2, 4, 4, 1, 0.0, 1);
+    net.ws[0].begin(net.now, Tensor::I32(vec![1, 2, 3])).unwrap();
+    let mut out = VecTransmit::new();
+    net.ws[0].poll_transmit(net.now, &mut out);
+    let sent: Vec<_> = out.drain().collect();
+    assert_eq!(sent.len(), 3);
+    net.restart(5);
+    let mut replies = VecTransmit::new();
+    let _ = net.sw.handle_datagram(net.now, 0, &sent[0].1, &mut replies);
+    assert_eq!(net.sw.counters().stale_incarnation, 1);
+    assert_eq!(net.sw.counters().accepted, 0, "never aggregated");
+    let (_, nack) = replies.drain().next().unwrap();
+    net.ws[0].handle_datagram(net.now, &nack);
+    assert!(net.ws[0].recovering());
+    // it now sends only recovery joins, naming block 0 (no result yet)
+    let mut out = VecTransmit::new();
+    net.ws[0].poll_transmit(net.now, &mut out);
+    let sent: Vec<_> = out.drain().collect();
+    assert_eq!(sent.len(), 1);
+    let p = Packet::new_checked(&sent[0].1[..]).unwrap();
+    assert_eq!((p.msg_type_code(), p.age_op(), p.block_id()), (MessageType::Join as u8, JOIN_RECOVER, 0));
+    // the switch waits for every member before answering
+    let _ = net.sw.handle_datagram(net.now, 0, &sent[0].1, &mut replies);
+    assert!(replies.is_empty());
+    assert_eq!(net.sw.counters().recover_waiting, 1);
+}
+
+#[test]
+fn recovery_fails_cleanly_when_a_member_never_rejoins() {
+    let mut net = Net::new(2, 4, 4, 1, 0.0, 1);
+    net.todo[0].push_back(Tensor::I32(vec![1, 2, 3]));
+    net.restart(5);
+    // worker 1 never starts the allreduce, so it never recovers
+    let mut failed = None;
+    for _ in 0..100_000 {
+        let w = &mut net.ws[0];
+        if w.is_ready() {
+            if let Some(t) = net.todo[0].pop_front() {
+                w.begin(net.now, t).unwrap();
+            }
+        }
+        let mut out = VecTransmit::new();
+        while w.poll_transmit(net.now, &mut out) > 0 {}
+        for (_, b) in out.drain() {
+            let mut r = VecTransmit::new();
+            let _ = net.sw.handle_datagram(net.now, 0, &b, &mut r);
+            for (_, reply) in r.drain() {
+                w.handle_datagram(net.now, &reply);
+            }
+        }
+        if let Some(Event::Failed(e)) = w.poll_event() {
+            failed = Some((e, net.now));
+            break;
+        }
+        net.now = w.poll_timeout().unwrap();
+        w.handle_timeout(net.now);
+    }
+    let (e, at) = failed.expect("must fail, not hang");
+    assert!(e.to_string().contains("recovery did not finish"), "{e}");
+    assert!(at.as_nanos() <= (net.ws[0].config().dead_after + Duration::from_secs(1)).as_nanos() as u64);
+}
+
+/// False if the case does not apply: a worker finished its last allreduce
+/// before the switch came back (it stopped calling allreduce, so it cannot
+/// take part in a recovery; `recovery_fails_cleanly_when_a_member_never_rejoins`).
+fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_at: f64, seed: u64) -> bool {
+    let (ints, floats) = (int_tensors(workers, lens, seed), float_tensors(workers, lens, seed));
+    let loaded = || {
+        let mut net = Net::new(workers, 4, 4, 4, loss, seed);
+        if float {
+            load_float(&mut net, &floats);
+        } else {
+            load_int(&mut net, &ints);
+        }
+        net
+    };
+    // The same run without a restart, to place the restart inside it:
+    // before any worker finished its last allreduce (a worker that stopped
+    // calling allreduce cannot take part in a recovery, docs/restart.md;
+    // `recovery_fails_cleanly_when_a_member_never_rejoins` covers that).
+    let mut net = loaded();
+    let mut total = 0u64;
+    net.run_until(Duration::from_secs(300), |n| {
+        total += 1;
+        n.done.iter().any(|d| d.len() == lens.len())
+    });
+    let restart_after = (total as f64 * restart_at) as u64;
+    let mut net = loaded();
+    let mut steps = 0;
+    net.run_until(Duration::from_secs(300), |_| {
+        steps += 1;
+        steps > restart_after
+    });
+    // the switch dies for a while, then comes back empty
+    net.down = true;
+    let t = net.now + Duration::from_millis(30);
+    net.run_until(Duration::from_secs(30), |n| n.now >= t);
+    if net.done.iter().any(|d| d.len() == lens.len()) && !net.all_done(lens.len()) {
+        return false;
+    }
+    net.restart(0x1234_5677);
+    net.down = false;
+    let restarted = net.now;
+    // every worker rebinds (detection and the floor) within a few RTOs ...
+    let mut rebound = None;
+    let until = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(300);
+    net.run_until(until, |n| {
+        let bound = n.ws.iter().all(|w| w.params().is_some_and(|p| p.incarnation == 0x1234_5677));
+        if bound && rebound.is_none() {
+            rebound = Some(n.now);
+        }
+        n.all_done(lens.len())
+    });
+    if float {
+        check_float(&floats, &net.done);
+    } else {
+        check_int(&ints, &net.done);
+    }
+    // ... unless every worker finished before it noticed anything
+    let recovered = net.done.iter().flatten().any(|o| o.recoveries > 0);
+    let rebound = rebound.map(|t| t.saturating_since(restarted));
+    assert!(rebound.is_some() || !recovered);
+    if let Some(t) = rebound {
+        assert!(t < Duration::from_secs(5), "rebinding took {t:?}");
+    }
+    // Finishing the interrupted allreduce after that is ordinary loss
+    // recovery (its tail can take a few rto_max under 10% loss); the whole
+    // run is bounded by run_until.
+    let took = (0..workers)
+        .filter_map(|w| net.done[w].iter().position(|o| o.recoveries > 0).map(|i| net.done_at[w][i]))
+        .max()
+        .map_or(Duration::ZERO, |t| t.saturating_since(restarted));
+    if std::env::var_os("RESTART_TRACE").is_some() {
+        let rec = net.done.iter().flatten().filter(|o| o.recoveries > 0).count();
+        eprintln!("workers {workers} lens {lens:?} float {float} loss {loss:.3} after {restart_after}/{total}: recovered ops {rec}, took {took:?}, switch {:?}", (net.sw.counters().recoveries, net.stale_incarnation_count()));
+    }
+    true
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A restart at a random point, under loss and reordering: every result
+    /// of every allreduce is exact.
+    #[test]
+    fn every_result_exact_with_a_restart_at_a_random_point(
+        workers in 2usize..=4,
+        lens in proptest::collection::vec(1usize..=80, 1..=4),
+        float in any::<bool>(),
+        loss in prop_oneof![Just(0.0), 0.0f64..0.1],
+        restart_after in 0.0f64..1.0,
+        seed in any::<u64>(),
+    ) {
+        prop_assume!(restart_run(workers, &lens, float, loss, restart_after, seed));
+    }
+}

@@ -1,0 +1,186 @@
+"""Switch restart with real processes (docs/restart.md): `fanin switch` is
+killed with SIGKILL in the middle of a run of allreduces and started again on
+the same ports; worker processes must recover, every result must equal the
+reference, and recovery must be fast compared with the block timeout."""
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin.proc import SwitchProcess, check_result, worker_inputs
+from fanin.switch import job_config, switch_config
+
+# The block timeout recovery is measured against: a worker's longest
+# retransmission timeout (rto_max, 1 s by default), which is how long a block
+# may go unanswered before the worker acts on it.
+BLOCK_TIMEOUT_S = 1.0
+
+
+def _free_port_pair(shards: int) -> int:
+    """A base port with `shards` consecutive free UDP ports (best effort)."""
+    for _ in range(50):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+        s.close()
+        if base + shards >= 65535:
+            continue
+        ok = True
+        for k in range(shards):
+            t = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                t.bind(("127.0.0.1", base + k))
+            except OSError:
+                ok = False
+            finally:
+                t.close()
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _worker(rank, addr, n, size, dtype, iters, progress, q):
+    try:
+        s = fanin.Session(addr, 1, rank, elems_per_packet=256, window=64)
+        done = []
+        for it in range(iters):
+            y = s.allreduce(worker_inputs(rank, size, dtype, it))
+            stats = s.last_stats
+            ok = check_result(y, n, dtype, 256, it)["ok"]
+            done.append((it, ok, time.time(), stats["recoveries"], y.tobytes()))
+            with progress.get_lock():
+                progress.value += 1
+        q.put((rank, None, done))
+    except BaseException as e:  # report, never hang the test
+        q.put((rank, repr(e), []))
+
+
+def _run_with_kill(n, dtype, shards=2, size=64 * 1024, iters=12, kill_after=4, down_s=0.3):
+    base = _free_port_pair(shards)
+    cfg = switch_config(data_addr=f"127.0.0.1:{base}", control_addr=None, metrics_addr="127.0.0.1:0",
+                        jobs=[job_config(1, n, block_cnt_max=64)], shards=shards)
+    sw = SwitchProcess(cfg)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    progress = ctx.Value("i", 0)
+    procs = [ctx.Process(target=_worker, args=(r, sw.data_addr, n, size, dtype, iters, progress, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    new = None
+    try:
+        deadline = time.time() + 120
+        while progress.value < kill_after * n and time.time() < deadline:
+            time.sleep(0.001)
+        # SIGKILL mid-run: the daemon's memory (blocks, results) is gone
+        sw.proc.send_signal(signal.SIGKILL)
+        sw.proc.wait(10)
+        killed_at = time.time()
+        time.sleep(down_s)
+        new = SwitchProcess(cfg)  # same ports; --config re-admits the job
+        ready_at = time.time()
+        res = [q.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        counters = new.counters()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if new is not None:
+            new.stop()
+        sw.stop()
+    errors = [(r, e) for r, e, _ in res if e]
+    assert not errors, errors
+    for _, _, done in res:
+        assert len(done) == iters
+        assert all(ok for _, ok, _, _, _ in done), [(it, ok) for it, ok, *_ in done]
+    for it in range(iters):
+        assert len({done[it][4] for _, _, done in res}) == 1, f"allreduce {it}: results differ across workers"
+    # the allreduce the kill interrupted: the first one completed after it
+    # that recovered; recovery ends when the last worker finished it
+    recovered = [min((t for _, _, t, rec, _ in done if rec > 0), default=None) for _, _, done in res]
+    assert all(t is not None for t in recovered), "every worker went through a recovery"
+    recovery_s = max(recovered) - ready_at
+    assert counters.get("recoveries", 0) >= 1
+    return recovery_s, ready_at - killed_at, counters
+
+
+@pytest.mark.parametrize("n,dtype", [(2, "int32"), (4, "float32"), (3, "int32")])
+def test_switch_killed_mid_allreduce_and_restarted_gives_exact_results(n, dtype):
+    recovery_s, down_s, counters = _run_with_kill(n, dtype)
+    print(f"workers {n} {dtype}: down {down_s * 1000:.0f} ms, recovery {recovery_s * 1000:.0f} ms "
+          f"after the restarted daemon was ready; stale_incarnation {counters.get('stale_incarnation')}")
+    assert recovery_s < 2 * BLOCK_TIMEOUT_S, f"recovery took {recovery_s:.3f} s"
+
+
+def _free_tcp_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_controller_reinstalls_the_job_on_a_restarted_switch():
+    """No --job on the daemon: the job exists only because the controller
+    admitted it. After SIGKILL and a restart on the same ports, the
+    controller notices the new incarnation and admits it again; the workers,
+    waiting in recovery, then finish every allreduce exactly."""
+    from fanin import topology
+    from fanin.controller import Controller
+    from fanin.controller.fabric import StaticFabric
+    from fanin.controller.server import ControllerClient, ControllerServer
+
+    n, dtype, iters = 3, "int32", 10
+    base = _free_port_pair(2)
+    control = f"127.0.0.1:{_free_tcp_port()}"
+    cfg = switch_config(data_addr=f"127.0.0.1:{base}", control_addr=control, metrics_addr="127.0.0.1:0", shards=2)
+    sw = SwitchProcess(cfg)
+    new = None
+    topo = topology.star(n)
+    ctl = Controller(topo, StaticFabric({"s0": {"control": control, "data": sw.data_addr}}))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    progress = ctx.Value("i", 0)
+    procs = []
+    try:
+        with ControllerServer(ctl, "127.0.0.1:0", reconcile_s=0.1) as srv, ControllerClient(srv.addr) as c:
+            c.create_job(1, block_cnt_max=64, block_grad_max=256, max_workers=n)
+            addrs = [c.subscribe(1, r, f"h{r}")["data_addr"] for r in range(n)]
+            procs = [ctx.Process(target=_worker, args=(r, addrs[r], n, 64 * 1024, dtype, iters, progress, q))
+                     for r in range(n)]
+            for p in procs:
+                p.start()
+            deadline = time.time() + 120
+            while progress.value < 3 * n and time.time() < deadline:
+                time.sleep(0.001)
+            sw.proc.send_signal(signal.SIGKILL)
+            sw.proc.wait(10)
+            new = SwitchProcess(cfg)  # no jobs of its own
+            ready_at = time.time()
+            res = [q.get(timeout=120) for _ in procs]
+            counters = new.counters()
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        if new is not None:
+            new.stop()
+        sw.stop()
+    errors = [(r, e) for r, e, _ in res if e]
+    assert not errors, errors
+    for _, _, done in res:
+        assert len(done) == iters and all(ok for _, ok, *_ in done)
+    recovered = [min((t for _, _, t, rec, _ in done if rec > 0), default=None) for _, _, done in res]
+    assert all(t is not None for t in recovered)
+    recovery_s = max(recovered) - ready_at
+    print(f"controller re-admission: recovery {recovery_s * 1000:.0f} ms after the restarted daemon was ready")
+    assert counters.get("recoveries", 0) >= 1
+    assert recovery_s < 2 * BLOCK_TIMEOUT_S + 1.0, f"recovery took {recovery_s:.3f} s"
