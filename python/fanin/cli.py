@@ -490,9 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
     common(ch)
     ch.set_defaults(func=_cmd_bench_chaos)
 
-    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, GOAT, event rate",
-
-
     fl = bsub.add_parser("flood", help="job isolation: one job's allreduce while another job's sender floods, "
                                        "with and without a per-source rate limit",
                          description="One switch (one shard), job A's worker processes allreduce while a flooder "
@@ -508,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(fl)
     fl.set_defaults(func=_cmd_bench_flood)
 
-    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, event rate",
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, GOAT, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",

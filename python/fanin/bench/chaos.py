@@ -10,6 +10,8 @@ injects, one fault at a time:
 * all along: seeded loss of what every worker sends and loss, duplication
   and reordering of what it receives (counted by the workers);
 * ``garbage``: malformed datagrams and datagrams for an unknown job;
+* ``forge``: contributions to the (authenticated) value jobs sealed with a
+  wrong key, with another job's member key, or not sealed;
 * ``replay``: real datagrams captured on a worker's link, replayed later;
 * ``kill_worker``: SIGKILL of a worker of the degradable job, restarted a
   few seconds later (it rejoins the running job, SwitchML++ sync);
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fanin import topology
+from fanin.auth import derive_member_key, new_job_key
 from fanin.switch import job_config
 
 INT_JOB, FLOAT_JOB = 1, 2
@@ -52,7 +55,7 @@ WORKERS = 3
 BLOCKS, EPP, WINDOW = 24, 256, 16
 # Job 1 degrades around a dead worker: blocks wait this long, then age out.
 BLOCK_EXP_MS = 200
-FAULTS = ("garbage", "replay", "kill_worker", "restart_switch")
+FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_switch")
 # Network faults all along, injected by every worker (seeded and counted;
 # netem is not available on every kernel): loss of what it sends; loss,
 # duplication and reordering of what it receives. Not at the switch's
@@ -124,9 +127,13 @@ class Soak:
         self.topo = topology.star(5)
         self.tb = stack.enter_context(Testbed.up(self.topo, name="fbchaos"))
         self.tb.enable_routing()
+        # Both value jobs are authenticated (docs/security.md): every
+        # member seals its datagrams with its own key.
+        self.job_keys = {job: new_job_key() for job in (INT_JOB, FLOAT_JOB)}
         self.jobs = [job_config(INT_JOB, sources=WORKERS, block_cnt_max=WINDOW, block_grad_max=EPP,
-                                block_exp_ms=BLOCK_EXP_MS, slow_after_windows=2),
-                     job_config(FLOAT_JOB, sources=WORKERS, block_cnt_max=WINDOW, block_grad_max=EPP)]
+                                block_exp_ms=BLOCK_EXP_MS, slow_after_windows=2, key=self.job_keys[INT_JOB]),
+                     job_config(FLOAT_JOB, sources=WORKERS, block_cnt_max=WINDOW, block_grad_max=EPP,
+                                key=self.job_keys[FLOAT_JOB])]
         self.counter_base: Counter = Counter()  # counters of the incarnations already gone
         self.counter_last: dict[str, int] = {}
         self.switch = self._start_switch()
@@ -158,6 +165,7 @@ class Soak:
                 *(f"--{k.replace('_', '-')}={v}" for k, v in NETWORK.items())]
         if sync_join:
             argv.append("--sync-join")
+        argv += ["--auth-key", derive_member_key(self.job_keys[job], job, rank).hex()]
         argv += ["--stop-file", str(self.stop_file(job))]
         return Worker(self.tb, host, argv, f"job{job}/rank{rank}")
 
@@ -190,6 +198,18 @@ class Soak:
         self.injected.update(out["sent"])
         return {"count": count, "sent": out["sent"]}
 
+    def _fault_forge(self) -> dict[str, Any]:
+        job = self.rng.choice([INT_JOB, FLOAT_JOB])
+        other = FLOAT_JOB if job == INT_JOB else INT_JOB
+        # The attacker is a member of the other job: it holds that job's member key.
+        other_key = derive_member_key(self.job_keys[other], other, 0).hex()
+        count = self.rng.randrange(20, 80)
+        out = self._inject_tool("h4", ["forge", "--to", self.data_addr("h4"), "--job", str(job), "--members",
+                                       str(WORKERS), "--other-key", other_key, "--count", str(count),
+                                       "--seed", str(self.rng.randrange(1 << 30))])
+        self.injected.update(out["sent"])
+        return {"job": job, "count": count, "sent": out["sent"]}
+
     def _fault_replay(self) -> dict[str, Any]:
         host = self.rng.choice(["h0", "h1", "h2"])
         iface = self.tb.interface(host, toward="s0")
@@ -198,6 +218,7 @@ class Soak:
                                        "--capture", str(self.rng.randrange(10, 40)), "--delay", "1"])
         self.replays.append(out)
         self.injected["replayed_datagrams"] += out["replayed"]
+        self.injected["auth_replayed"] += out["sealed_value"]
         return {"host": host, **out}
 
     def _fault_kill_worker(self) -> dict[str, Any]:

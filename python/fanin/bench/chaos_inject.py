@@ -12,6 +12,10 @@ afterwards.
 * ``replay``: captures real datagrams this host sends to the switch (an
   ``AF_PACKET`` socket sees outgoing frames) and, after a delay, sends
   the same bytes again: the recorded packet-replay attack.
+* ``forge``: contributions to an authenticated job from someone without
+  the member's key: sealed with a random key, sealed with a member key of
+  *another* job (cross-job injection by a member of that job), or not
+  sealed at all.
 """
 
 from __future__ import annotations
@@ -52,6 +56,34 @@ def garbage(rng: random.Random) -> tuple[str, bytes]:
         return "malformed.unknown_msg_type", _header(0x5F, 1)
     payload = struct.pack(">4i", *(rng.randrange(-1000, 1000) for _ in range(4)))
     return "unknown_job", _header(CONTRIBUTION, UNKNOWN_JOB, grad_cnt=4) + payload
+
+
+def forged(rng: random.Random, job_id: int, members: int, other_keys: list[bytes]) -> tuple[str, bytes]:
+    """One forged contribution to keyed job `job_id` and the counter it must land in."""
+    from fanin import _native
+
+    src = rng.randrange(members)
+    payload = struct.pack(">4i", *(rng.randrange(-1000, 1000) for _ in range(4)))
+    plain = _header(CONTRIBUTION, job_id, src=src, block=rng.randrange(1 << 20), grad_cnt=4) + payload
+    kind = rng.choice(["random_key", "other_job_key", "unsealed"] if other_keys else ["random_key", "unsealed"])
+    if kind == "unsealed":
+        return "auth_unsealed", plain
+    key = rng.choice(other_keys) if kind == "other_job_key" else bytes(rng.getrandbits(8) for _ in range(16))
+    return "auth_bad_tag", bytes(_native.seal_datagram(key, rng.getrandbits(63), plain))
+
+
+def run_forge(args: argparse.Namespace) -> dict:
+    host, port = args.to.rsplit(":", 1)
+    rng = random.Random(args.seed)
+    others = [bytes.fromhex(k) for k in args.other_key]
+    sent: Counter = Counter()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(args.count):
+            counter, data = forged(rng, args.job, args.members, others)
+            s.sendto(data, (host, int(port)))
+            sent[counter] += 1
+            time.sleep(0.0005)
+    return {"sent": dict(sent)}
 
 
 def run_garbage(args: argparse.Namespace) -> dict:
@@ -110,7 +142,11 @@ def run_replay(args: argparse.Namespace) -> dict:
             s.sendto(payload, (ip, port))
             types[payload[3] if len(payload) > 3 else -1] += 1
             time.sleep(0.0005)
-    return {"captured": len(captured), "replayed": len(captured), "msg_types": {str(k): v for k, v in types.items()}}
+    # Sealed value-stream datagrams (bit 0x80 of msg_type, service 0x01-0x1f)
+    # must each be recognised by the switch's replay window.
+    sealed = sum(n for t, n in types.items() if t >= 0 and t & 0x80 and (t & 0x7F) < 0x20)
+    return {"captured": len(captured), "replayed": len(captured), "sealed_value": sealed,
+            "msg_types": {str(k): v for k, v in types.items()}}
 
 
 def main() -> int:
@@ -126,8 +162,16 @@ def main() -> int:
     r.add_argument("--capture", type=int, default=40, help="datagrams to capture")
     r.add_argument("--capture-s", type=float, default=3.0, help="stop capturing after this long")
     r.add_argument("--delay", type=float, default=1.0, help="seconds between capture and replay")
+    f = sub.add_parser("forge")
+    f.add_argument("--to", required=True)
+    f.add_argument("--job", type=int, required=True, help="the keyed job to attack")
+    f.add_argument("--members", type=int, required=True, help="src ids 0..members-1 are impersonated")
+    f.add_argument("--other-key", action="append", default=[],
+                   help="a member key of another job (hex), for cross-job injection; repeatable")
+    f.add_argument("--count", type=int, default=50)
+    f.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    out = run_garbage(a) if a.what == "garbage" else run_replay(a)
+    out = {"garbage": run_garbage, "replay": run_replay, "forge": run_forge}[a.what](a)
     print(json.dumps(out), flush=True)
     return 0
 
