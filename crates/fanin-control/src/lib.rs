@@ -47,6 +47,15 @@ pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1
 /// Metadata key that carries the token (`authorization: Bearer <token>`).
 pub const AUTH_METADATA_KEY: &str = "authorization";
 
+/// Environment variable a daemon or client without a configured control
+/// token takes it from (so the secret need not be written into a file).
+pub const CONTROL_TOKEN_ENV: &str = "FANIN_CONTROL_TOKEN";
+
+/// `configured`, else the non-empty token in [`CONTROL_TOKEN_ENV`].
+pub fn token_or_env(configured: Option<String>) -> Option<String> {
+    configured.or_else(|| std::env::var(CONTROL_TOKEN_ENV).ok().filter(|t| !t.is_empty()))
+}
+
 /// Identity and memory of a switch, as `GetInfo` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SwitchInfo {

@@ -35,7 +35,7 @@ fn start(shards: u16, loss: f64, jobs: Vec<JobConfig>) -> SwitchHandle {
         shards,
         control_addr: None,
         metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        faults: FaultConfig { ingress_drop: loss, egress_drop: loss / 2.0, seed: 11 },
+        faults: FaultConfig { ingress_drop: loss, egress_drop: loss / 2.0, seed: 11, ..Default::default() },
         jobs,
         ..DaemonConfig::default()
     };

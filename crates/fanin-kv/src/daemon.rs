@@ -48,6 +48,7 @@ pub struct KvDaemonConfig {
     pub socket_path: PathBuf,
     /// The switch's gRPC control API.
     pub switch_control: SocketAddr,
+    /// The switch's control token; unset = `FANIN_CONTROL_TOKEN`.
     #[serde(default)]
     pub switch_token: Option<String>,
     /// The switch's data-plane IP as this host reaches it, used when the
@@ -227,7 +228,7 @@ impl KvDaemon {
         })?;
         let seed = (std::process::id() as u64) << 20 ^ epoch.elapsed().as_nanos() as u64 ^ control_addr.port() as u64;
         let shared = Arc::new(Shared {
-            switch: SwitchControl::new(config.switch_control, config.switch_token.clone())?,
+            switch: SwitchControl::new(config.switch_control, fanin_control::token_or_env(config.switch_token.clone()))?,
             config,
             control_addr,
             tasks: Mutex::new(HashMap::new()),

@@ -241,8 +241,7 @@ impl Default for DaemonConfig {
     }
 }
 
-/// Environment variable a config without `control_token` takes it from.
-pub const CONTROL_TOKEN_ENV: &str = "FANIN_CONTROL_TOKEN";
+pub use fanin_control::CONTROL_TOKEN_ENV;
 
 impl DaemonConfig {
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
@@ -262,9 +261,7 @@ impl DaemonConfig {
     /// A config without `control_token` takes `FANIN_CONTROL_TOKEN` from the
     /// environment (so the secret need not be written into a file).
     pub fn with_env_token(mut self) -> Self {
-        if self.control_token.is_none() {
-            self.control_token = std::env::var(CONTROL_TOKEN_ENV).ok().filter(|t| !t.is_empty());
-        }
+        self.control_token = fanin_control::token_or_env(self.control_token.take());
         self
     }
 

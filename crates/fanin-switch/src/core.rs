@@ -348,6 +348,7 @@ impl SwitchHandle {
         let memory_limit = config.memory_mb << 20;
         let per_shard = memory_limit / config.shards as u64;
         let shutdown = Arc::new(AtomicBool::new(false));
+        let open = Arc::new(AtomicBool::new(false));
         let epoch = Instant::now();
         let channels: Vec<_> = (0..config.shards).map(|_| mpsc::channel::<Command>()).collect();
         let senders: Vec<Sender<Command>> = channels.iter().map(|(tx, _)| tx.clone()).collect();
@@ -378,6 +379,7 @@ impl SwitchHandle {
                 peers: senders.clone(),
                 stats: stats.clone(),
                 shutdown: shutdown.clone(),
+                open: open.clone(),
                 epoch,
                 batch: config.batch,
                 ingress: ReceiveFaults::new(
@@ -420,6 +422,7 @@ impl SwitchHandle {
                 return Err(StartError::Job(e));
             }
         }
+        open.store(true, Ordering::Release);
         if let Some(addr) = config.metrics_addr {
             match metrics::spawn(addr, core.clone(), shutdown.clone()) {
                 Ok((thread, bound)) => {

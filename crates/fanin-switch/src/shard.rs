@@ -71,6 +71,10 @@ pub(crate) struct ShardThread {
     pub peers: Vec<Sender<Command>>,
     pub stats: Arc<ShardStats>,
     pub shutdown: Arc<AtomicBool>,
+    /// False until the jobs of the config are admitted: the data socket is
+    /// bound but not read, so a worker that reaches a restarting daemon
+    /// early finds its job instead of an UnknownJob nack.
+    pub open: Arc<AtomicBool>,
     pub epoch: Instant,
     pub batch: usize,
     pub ingress: ReceiveFaults,
@@ -132,6 +136,10 @@ impl ShardThread {
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong, 0, 0, 0) };
         while !self.shutdown.load(Ordering::Relaxed) {
             self.drain_commands(&mut tx, &mut discard);
+            if !self.open.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_micros(200));
+                continue;
+            }
             // When a scanner tick is due before the idle timeout, wait for it
             // with ppoll (high-resolution) and receive only what is queued.
             let ready = match self.switch.poll_timeout() {

@@ -145,6 +145,7 @@ class Soak:
         self.faults: Counter = Counter()
         self.injected: Counter = Counter()  # by the counter that must account for it
         self.replays: list[dict[str, Any]] = []
+        self.recoveries: list[float] = []
         self.events: list[dict[str, Any]] = []
         self.kv = KvLoad(self) if not args.no_kv else None
 
@@ -239,9 +240,21 @@ class Soak:
         self.switch.proc.kill()
         self.switch.proc.wait(timeout=10)
         t0 = time.monotonic()
+        marks = {k: len(w.done()) for k, w in self.workers.items()}
         self.switch = self._start_switch()
+        ready = time.monotonic()
+        # Recovery: from the new daemon being ready until every worker has
+        # finished an allreduce on it.
+        recovery = None
+        while time.monotonic() - ready < self.args.hang_s:
+            if all(len(w.done()) > marks[k] for k, w in self.workers.items()):
+                recovery = time.monotonic() - ready
+                break
+            time.sleep(0.02)
+        if recovery is not None:
+            self.recoveries.append(recovery)
         return {"old_incarnation": old, "new_incarnation": self.incarnation,
-                "restart_s": round(time.monotonic() - t0, 3)}
+                "restart_s": round(ready - t0, 3), "recovery_s": None if recovery is None else round(recovery, 3)}
 
     def _inject_tool(self, host: str, argv: list[str]) -> dict[str, Any]:
         r = self.tb.run(host, [sys.executable, "-m", "fanin.bench.chaos_inject", *argv], timeout=60)
@@ -329,7 +342,8 @@ class Soak:
                                    "accounted": counters.get(counter, 0) == sent}
         kv_wrong = kv_report["wrong"] if kv_report else 0
         kv_hung = kv_report["hung"] if kv_report else 0
-        ok = (value["wrong"] == 0 and value["errors"] == 0 and kv_wrong == 0 and not hangs and kv_hung == 0
+        ok = (value["wrong"] == 0 and value["errors"] == 0
+              and len(self.recoveries) == self.faults.get("restart_switch", 0) and kv_wrong == 0 and not hangs and kv_hung == 0
               and all(a["accounted"] for a in accounting.values()) and value["verified"] > 0)
         return {
             "benchmark": "chaos", "ok": ok, "duration_s": self.args.duration, "seed": self.args.seed,
@@ -341,6 +355,10 @@ class Soak:
                                "switch_duplicates": counters.get("duplicate", 0),
                                "switch_retransmissions": counters.get("retransmissions", 0)},
             "replay": {"captured_and_replayed": self.injected.get("replayed_datagrams", 0)},
+            "switch_restart_recovery_s": {"count": len(self.recoveries),
+                                          "max": round(max(self.recoveries), 3) if self.recoveries else None,
+                                          "median": round(sorted(self.recoveries)[len(self.recoveries) // 2], 3)
+                                          if self.recoveries else None},
             "switch_counters": {k: v for k, v in sorted(counters.items()) if v},
             "worker_exit_codes": exit_codes, "events": self.events,
         }
@@ -456,7 +474,9 @@ def _human(r: dict[str, Any]) -> str:
              f"{v['errors']} clean errors",
              f"  kv tasks: {kv.get('verified', 0)} verified, {kv.get('wrong', 0)} wrong, "
              f"{kv.get('failed_cleanly', 0)} failed cleanly, {kv.get('hung', 0)} hung",
-             f"  hangs: {', '.join(r['hangs']) or 'none'}"]
+             f"  hangs: {', '.join(r['hangs']) or 'none'}",
+             f"  switch restarts: recovery median {r['switch_restart_recovery_s']['median']} s, "
+             f"max {r['switch_restart_recovery_s']['max']} s"]
     for counter, a in r["accounting"].items():
         lines.append(f"  {counter}: injected {a['injected']}, counted {a['counted']}")
     return "\n".join(lines)

@@ -51,9 +51,10 @@ def garbage(rng: random.Random) -> tuple[str, bytes]:
         body = bytes(rng.getrandbits(8) for _ in range(rng.randrange(4, 200)))
         return "malformed.bad_magic", bytes([0x00]) + body  # magic starts 0xFA, never 0x00
     if kind == "bad_version":
-        return "malformed.bad_version", _header(CONTRIBUTION, 1, version=0x7E)
+        return "malformed.bad_version", _header(CONTRIBUTION, UNKNOWN_JOB, version=0x7E)
     if kind == "unknown_msg_type":
-        return "malformed.unknown_msg_type", _header(0x5F, 1)
+        # (a job that exists and is keyed would count it as unsealed first)
+        return "malformed.unknown_msg_type", _header(0x5F, UNKNOWN_JOB)
     payload = struct.pack(">4i", *(rng.randrange(-1000, 1000) for _ in range(4)))
     return "unknown_job", _header(CONTRIBUTION, UNKNOWN_JOB, grad_cnt=4) + payload
 

@@ -701,8 +701,10 @@ impl AllreduceSession {
                 if self.join_due {
                     self.join_due = false;
                     let repr = self.recovery_join().unwrap_or_else(|| self.join_request());
-                    let buf = out.push(0, repr.buffer_len());
-                    repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+                    let seal = self.sealer.as_mut().map(|s| (s.key, s.take_seq()));
+                    push_sealed(out, 0, repr.buffer_len(), seal.as_ref().map(|(k, q)| (k, *q)), |buf| {
+                        repr.emit(&mut Packet::new_unchecked(buf))
+                    });
                     sent += 1;
                 }
                 if self.recovery.as_ref().is_some_and(|r| r.waiting()) {
