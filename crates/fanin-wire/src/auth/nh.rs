@@ -22,6 +22,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use super::{Key, SipHasher24};
 
@@ -56,10 +57,32 @@ impl NhKey {
     }
 }
 
+/// Hashes a cached key by its bytes: member keys are SipHash outputs and
+/// come from the configuration, not from the network, so they need no
+/// DoS-resistant hash (the default one costs as much as a short tag).
+#[derive(Default)]
+struct KeyBytesHasher(u64);
+
+impl Hasher for KeyBytesHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(w);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type KeyCache = HashMap<[u8; 16], NhKey, BuildHasherDefault<KeyBytesHasher>>;
+
 thread_local! {
     // Member keys are long-lived and a thread (a switch shard, a worker)
     // uses few of them, so each is expanded once per thread.
-    static EXPANDED: RefCell<HashMap<[u8; 16], NhKey>> = RefCell::new(HashMap::new());
+    static EXPANDED: RefCell<KeyCache> = RefCell::new(KeyCache::default());
 }
 
 /// The two NH digests of one chunk of at most 1024 bytes whose length is a
