@@ -91,7 +91,7 @@ thread_local! {
 /// group, which the CPU overlaps (and LLVM vectorises where the target
 /// has cheap vector multiplies).
 fn nh_pair(k: &[u32; KEY_WORDS], chunk: &[u8]) -> (u64, u64) {
-    debug_assert!(chunk.len() % 32 == 0 && chunk.len() <= NH_CHUNK);
+    debug_assert!(chunk.len().is_multiple_of(32) && chunk.len() <= NH_CHUNK);
     let mut a = [0u64; 4];
     let mut b = [0u64; 4];
     let groups = chunk.chunks_exact(32);
