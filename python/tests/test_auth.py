@@ -111,6 +111,77 @@ class _Relay:
         self.sock.close()
 
 
+# An independent, deliberately plain reimplementation of the tag
+# (docs/protocol.md §2.4: SipHash-2-4 over seq, length and the NH digests
+# of every 1 KiB chunk), to check the native sealing against byte for byte.
+_M64 = (1 << 64) - 1
+
+
+def _rotl(x: int, b: int) -> int:
+    return ((x << b) | (x >> (64 - b))) & _M64
+
+
+def _ref_siphash24(key: bytes, data: bytes) -> int:
+    k0, k1 = struct.unpack("<QQ", key)
+    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
+
+    def rnd() -> None:
+        v[0] = (v[0] + v[1]) & _M64; v[1] = _rotl(v[1], 13) ^ v[0]; v[0] = _rotl(v[0], 32)  # noqa: E702
+        v[2] = (v[2] + v[3]) & _M64; v[3] = _rotl(v[3], 16) ^ v[2]  # noqa: E702
+        v[0] = (v[0] + v[3]) & _M64; v[3] = _rotl(v[3], 21) ^ v[0]  # noqa: E702
+        v[2] = (v[2] + v[1]) & _M64; v[1] = _rotl(v[1], 17) ^ v[2]; v[2] = _rotl(v[2], 32)  # noqa: E702
+
+    n = len(data) - len(data) % 8
+    words = [struct.unpack_from("<Q", data, i)[0] for i in range(0, n, 8)]
+    words.append(int.from_bytes(data[n:], "little") | ((len(data) & 0xFF) << 56))
+    for m in words:
+        v[3] ^= m
+        rnd()
+        rnd()
+        v[0] ^= m
+    v[2] ^= 0xFF
+    for _ in range(4):
+        rnd()
+    return v[0] ^ v[1] ^ v[2] ^ v[3]
+
+
+def _ref_nh(k: list, m: list) -> int:
+    s = 0
+    for g in range(0, len(m), 8):
+        for j in range(4):
+            s += ((m[g + j] + k[g + j]) & 0xFFFFFFFF) * ((m[g + j + 4] + k[g + j + 4]) & 0xFFFFFFFF)
+    return s & _M64
+
+
+def _ref_tag(key: bytes, seq: int, inner: bytes) -> int:
+    k = []
+    for i in range(130):  # 260 NH key words, SipHash in counter mode
+        w = _ref_siphash24(key, b"fanin-nh" + struct.pack(">Q", i))
+        k += [w & 0xFFFFFFFF, w >> 32]
+    msg = struct.pack(">QQ", seq, len(inner))
+    for c in range(0, len(inner), 1024):
+        chunk = inner[c:c + 1024]
+        chunk += bytes(-len(chunk) % 32)
+        m = list(struct.unpack("<%dI" % (len(chunk) // 4), chunk))
+        msg += struct.pack("<QQ", _ref_nh(k, m), _ref_nh(k[4:], m))
+    return _ref_siphash24(key, msg)
+
+
+def test_the_native_tag_matches_an_independent_reference_and_the_golden_vectors():
+    assert _ref_siphash24(bytes(range(16)), bytes(range(15))) == 0xA129CA6149BE45E5  # reference vector
+    member = fanin.derive_member_key(bytes(range(16)), 7, 3)
+    join = bytes([0xFA, 0x17, 0x01, 0x04, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0x80, 0x80])
+    sealed = _native.seal_datagram(member, 0x0000_0102_0304_0506, join)
+    assert sealed[-8:].hex() == "1cf0eb518f255db5"  # GOLDEN_JOIN in crates/fanin-wire/src/auth/tests.rs
+    assert int.from_bytes(sealed[-8:], "big") == _ref_tag(member, 0x0000_0102_0304_0506, sealed[:-16])
+    long = bytes([0xFA, 0x17, 0x01, 0x81]) + join[4:] + bytes((i * 7 + 1) & 0xFF for i in range(2400))
+    assert _ref_tag(member, 42, long) == 0x97C7_8363_8B3E_9830  # GOLDEN_LONG_TAG
+    for size in (0, 1, 31, 33, 1023, 1024, 1025, 3000):
+        inner = join[:4] + join[4:] + os.urandom(size)
+        sealed = _native.seal_datagram(member, 7 + size, inner)
+        assert int.from_bytes(sealed[-8:], "big") == _ref_tag(member, 7 + size, sealed[:-16]), size
+
+
 def test_derive_member_key_matches_the_switch_derivation_and_is_pinned():
     key = fanin.derive_member_key(bytes(range(16)), 7, 3)
     assert key.hex() == "8b5638aa5b5876fd2805b96de9d9ab72"  # docs/protocol.md §2.4

@@ -58,7 +58,7 @@ const GOLDEN_JOIN: [u8; 40] = [
     0x00, 0x00, 0x00, 0x00, // block_id
     0x00, 0x00, 0x80, 0x80, // grad_cnt, exp, next_exp (EXP_NONE)
     0x00, 0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, // seq
-    0x76, 0x3e, 0x4e, 0x69, 0x01, 0x4f, 0x2f, 0x90, // tag
+    0x1c, 0xf0, 0xeb, 0x51, 0x8f, 0x25, 0x5d, 0xb5, // tag
 ];
 const GOLDEN_MEMBER_KEY: &str = "8b5638aa5b5876fd2805b96de9d9ab72";
 
@@ -87,7 +87,7 @@ fn seal_writes_the_golden_bytes_and_open_reads_them() {
     assert_eq!(seq, 0x0000_0102_0304_0506);
     assert_eq!(inner, &GOLDEN_JOIN[..24]);
     let sealed = Sealed::split(&GOLDEN_JOIN).unwrap();
-    assert_eq!(sealed.tag, 0x763e_4e69_014f_2f90);
+    assert_eq!(sealed.tag, 0x1cf0_eb51_8f25_5db5);
 }
 
 #[test]
@@ -112,6 +112,54 @@ fn any_flipped_bit_or_other_key_fails_the_tag() {
     assert_eq!(open(&derive_member_key(&REF_KEY, 7, 4), &packet), Err(AuthError::BadTag), "another member's key");
     assert_eq!(open(&derive_member_key(&REF_KEY, 8, 3), &packet), Err(AuthError::BadTag), "another job's key");
     assert_eq!(open(&Key([0; 16]), &packet), Err(AuthError::BadTag), "zero key");
+}
+
+/// A datagram of 2424 bytes (two full NH chunks and a 376-byte tail padded
+/// to 384): pins chunking, padding and the Toeplitz key shift. The same
+/// value is computed independently in python/tests/test_auth.py.
+fn long_datagram() -> Vec<u8> {
+    let mut inner = golden_unsealed();
+    inner[3] = 0x81;
+    inner.extend((0..2400u32).map(|i| (i * 7 + 1) as u8));
+    inner
+}
+const GOLDEN_LONG_TAG: u64 = 0x97c7_8363_8b3e_9830;
+
+#[test]
+fn a_multi_chunk_tag_is_pinned_and_covers_every_chunk_and_the_length() {
+    let key = derive_member_key(&REF_KEY, 7, 3);
+    let inner = long_datagram();
+    assert_eq!(mac(&key, 42, &inner), GOLDEN_LONG_TAG);
+    let mut packet = inner.clone();
+    packet.resize(inner.len() + TRAILER_LEN, 0);
+    seal(&key, 42, &mut packet).unwrap();
+    assert_eq!(open(&key, &packet).unwrap(), (&inner[..], 42));
+    // a bit in the first chunk, the second chunk, the last word of the tail
+    for at in [100, NH_CHUNK + 5, inner.len() - 1] {
+        let mut bad = packet.clone();
+        bad[at] ^= 0x01;
+        assert_eq!(open(&key, &bad), Err(AuthError::BadTag), "byte {at}");
+    }
+    // zero padding is not ambiguous: one more zero byte is another tag
+    let mut longer = inner.clone();
+    longer.push(0);
+    assert_ne!(mac(&key, 42, &longer), mac(&key, 42, &inner));
+    // two chunks swapped (each digest is keyed by position through the order)
+    let mut swapped = inner.clone();
+    let (a, b) = swapped.split_at_mut(NH_CHUNK);
+    a.swap_with_slice(&mut b[..NH_CHUNK]);
+    assert_ne!(mac(&key, 42, &swapped), mac(&key, 42, &inner));
+    assert_ne!(mac(&key, 43, &inner), mac(&key, 42, &inner), "seq");
+}
+
+#[test]
+fn nh_passes_are_keyed_and_shifted() {
+    let k = NhKey::new(&REF_KEY);
+    let data = vec![0u8; 64];
+    let d = nh_digest(&k, &data);
+    assert_eq!(d.len(), 2);
+    assert_ne!(d[0], d[1], "the second pass uses the shifted key");
+    assert_ne!(nh_digest(&NhKey::new(&Key([1; 16])), &data), d, "another key");
 }
 
 #[test]
