@@ -2050,13 +2050,7 @@ fn expired<A: Copy>(
     tag: u16,
 ) {
     counters.expired += 1;
-    let sent = send(out, from, Nack::DATAGRAM_LEN, env, |buf| {
-        Nack { reason: NackReason::BlockExpired, detail: held }.emit_reply(packet, false, buf);
-        buf[NACK_TAG].copy_from_slice(&tag.to_be_bytes());
-    });
-    if sent {
-        counters.nacks_sent += 1;
-    }
+    send_nack_tagged(counters, out, from, env, packet, NackReason::BlockExpired, held, Some(tag));
 }
 
 /// The aggregation loop: wrapping int32 adds of a big-endian payload, written
@@ -2097,7 +2091,29 @@ fn send_nack<A: Copy>(
     reason: NackReason,
     detail: u32,
 ) {
-    if send(out, dest, Nack::DATAGRAM_LEN, env, |buf| Nack { reason, detail }.emit_reply(request, false, buf)) {
+    send_nack_tagged(counters, out, dest, env, request, reason, detail, None)
+}
+
+/// [`send_nack`], with this switch's incarnation tag in the body when given
+/// (BlockExpired: workers drop one from another incarnation).
+#[allow(clippy::too_many_arguments)]
+fn send_nack_tagged<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    dest: A,
+    env: Envelope,
+    request: &Packet<&[u8]>,
+    reason: NackReason,
+    detail: u32,
+    tag: Option<u16>,
+) {
+    let sent = send(out, dest, Nack::DATAGRAM_LEN, env, |buf| {
+        Nack { reason, detail }.emit_reply(request, false, buf);
+        if let Some(tag) = tag {
+            buf[NACK_TAG].copy_from_slice(&tag.to_be_bytes());
+        }
+    });
+    if sent {
         counters.nacks_sent += 1;
     }
 }
