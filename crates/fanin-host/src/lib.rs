@@ -158,7 +158,7 @@ impl Session {
             // a different stream than the send side's, same seed
             recv_faults: ReceiveFaults::new(
                 ReceiveFaultRates { drop: options.recv_drop, duplicate: options.recv_duplicate, reorder: options.recv_reorder },
-                options.seed ^ 0x5eed_0f_4ecf,
+                options.seed ^ 0x005e_ed0f_4ecf,
             ),
             recv_order: Vec::new(),
             rx: RecvBatch::new(64, fanin_udp::GRO_SLOT_SIZE),

@@ -128,15 +128,15 @@ impl ReceiveFaults {
                 held = Some((i, copies));
                 continue;
             }
-            order.extend(std::iter::repeat(i).take(copies));
+            order.extend(std::iter::repeat_n(i, copies));
             if let Some((h, c)) = held.take() {
                 self.counts.reordered += 1;
-                order.extend(std::iter::repeat(h).take(c));
+                order.extend(std::iter::repeat_n(h, c));
             }
         }
         if let Some((h, c)) = held {
             // Everything after it was dropped: it keeps its place after all.
-            order.extend(std::iter::repeat(h).take(c));
+            order.extend(std::iter::repeat_n(h, c));
         }
     }
 

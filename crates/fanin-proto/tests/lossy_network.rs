@@ -22,6 +22,9 @@ enum Node {
     Shard(usize, u16),
 }
 
+/// A datagram on the wire: (delivery time, sequence, from, to, bytes).
+type InFlight = (u64, u64, Node, Node, Vec<u8>);
+
 #[derive(Clone, Debug)]
 struct NetParams {
     loss: f64,
@@ -129,8 +132,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
     // a straggler's next allreduce, waiting for its start time
     let mut pending: Vec<Option<(Time, Tensor)>> = vec![None; cfg.workers];
     let delay = |w: usize, k: usize| cfg.delays.get(w).and_then(|d| d.get(k)).copied().unwrap_or(0);
-    // (delivery time, sequence, from, to, bytes)
-    let mut wire: BinaryHeap<Reverse<(u64, u64, Node, Node, Vec<u8>)>> = BinaryHeap::new();
+    let mut wire: BinaryHeap<Reverse<InFlight>> = BinaryHeap::new();
     let mut seq = 0u64;
     let mut now = Time::ZERO;
     let base_delay = 5_000u64;

@@ -103,6 +103,10 @@ class AllreduceRun:
             out["auth_goodput_gbps"] = nbytes * 8 / amed / 1e9
             # goodput with authentication / without (1.0 = free)
             out["auth_goodput_ratio"] = med / amed
+            # The same from each iteration's pair (both arms ran back to
+            # back), so load that drifts during the run cancels out.
+            pairs = [t / a for t, a in zip(self.fanin_times, self.auth_times)]
+            out["auth_goodput_ratio_paired"] = statistics.median(pairs)
         return out
 
 

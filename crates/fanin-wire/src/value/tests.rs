@@ -241,8 +241,8 @@ fn rejects_exp_only_with_payload() {
 
 #[test]
 fn largest_packet_fits_one_datagram() {
-    assert!(HEADER_LEN + MAX_GRAD_CNT * ELEM_LEN <= crate::MAX_DATAGRAM);
-    assert!(MAX_GRAD_CNT >= 16_000);
+    const { assert!(HEADER_LEN + MAX_GRAD_CNT * ELEM_LEN <= crate::MAX_DATAGRAM) };
+    const { assert!(MAX_GRAD_CNT >= 16_000) };
 }
 
 fn arb_repr() -> impl Strategy<Value = Repr> {
