@@ -494,14 +494,18 @@ def build_parser() -> argparse.ArgumentParser:
                                        "with and without a per-source rate limit",
                          description="One switch (one shard), job A's worker processes allreduce while a flooder "
                                      "process sends a raw UDP flood of valid contributions to job B (no rate limit) "
-                                     "or job C (rate limited), or stays quiet; the three arms alternate per "
-                                     "iteration. Reports job A's goodput per arm and its ratio to the quiet arm. "
-                                     "docs/overload.md.")
+                                     "or job C (rate limited), or into a socket nobody reads (what the flood "
+                                     "costs the machine before any switch sees it), or stays quiet; the four "
+                                     "arms alternate per iteration at one paced flood rate. Reports job A's "
+                                     "goodput per arm, its ratio to the quiet arm, and the isolation: job A's "
+                                     "goodput with the flood at the switch vs into the sink. docs/overload.md.")
     fl.add_argument("--workers", type=int, default=2, help="job A's workers (default %(default)s)")
     fl.add_argument("--size", type=int, help="bytes per worker (default 8000000, 2000000 with --quick)")
     fl.add_argument("--iters", type=int, help="timed allreduces per arm (default 10, 4 with --quick)")
     fl.add_argument("--limit", type=_rate_limit_dict_tuple, default=(2000, 64), metavar="PPS,BURST",
                     help="job C's per-source rate limit (default 2000,64)")
+    fl.add_argument("--flood-pps", type=int, default=50_000,
+                    help="the flooder's paced rate, the same in every arm (default %(default)s)")
     common(fl)
     fl.set_defaults(func=_cmd_bench_flood)
 

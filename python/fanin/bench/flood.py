@@ -9,12 +9,18 @@ limit; C has one (``--limit PPS,BURST``): its excess is answered with a
 32-byte Trimmed nack (cause 3) and nothing else.
 
 Job A's rank 0 picks the phase of each iteration in rotation (order
-shuffled per round): *alone* (no flood), *flood* (flooding B) and
-*flood+limit* (flooding C), waits for the flood to ramp, then times one
-allreduce. So the three arms see the same machine noise. Reported: job A's
-goodput per arm (tensor bytes / time of the slowest worker, median), the
-ratios flood/alone and flood+limit/alone, the flood rate the flooder
-achieved, and the switch's counters (``rate_limited``, ``socket_drops``).
+shuffled per round): *alone* (no flood), *flood* (flooding B),
+*flood+limit* (flooding C) and *flood-sink* (the same flood into a socket
+nobody reads, whose tiny buffer makes the kernel drop it on arrival), waits
+for the flood to ramp, then times one allreduce. So the arms see the same
+machine noise, and the flooder is paced (``--flood-pps``) so they see the
+same offered load. On a 2-core machine the flooder's own CPU and the
+kernel's path take a share no switch can give back; the sink arm measures
+that share, so ``isolation_limited`` (job A's goodput with the limited
+flood at the switch / into the sink) is what the switch itself lets the
+flood take: 1.0 = nothing. Also reported: the ratios to *alone*, the flood
+rate achieved, and the switch's counters (``rate_limited``,
+``rate_limited_unanswered``, ``socket_drops``).
 Every result of job A is checked against its reference.
 """
 
@@ -36,8 +42,9 @@ from fanin.proc import SwitchProcess, check_result, worker_inputs
 from fanin.switch import job_config, switch_config
 
 JOB_A, JOB_B, JOB_C = 1, 2, 3
-ARMS = ("alone", "flood", "flood+limit")
-TARGET = {"alone": 0, "flood": JOB_B, "flood+limit": JOB_C}
+SINK = -1
+ARMS = ("alone", "flood", "flood+limit", "flood-sink")
+TARGET = {"alone": 0, "flood": JOB_B, "flood+limit": JOB_C, "flood-sink": SINK}
 
 
 def _contribution(job: int, block: int, elems: int) -> bytes:
@@ -47,27 +54,45 @@ def _contribution(job: int, block: int, elems: int) -> bytes:
     return header + np.ones(elems, dtype=">i4").tobytes()
 
 
-def _flooder(addr: str, elems: int, target: Any, sent: Any, stop: Any) -> None:
+def _flooder(addr: str, elems: int, pps: int, target: Any, sent: Any, stop: Any) -> None:
     host, port = addr.rsplit(":", 1)
     dest = (host, int(port))
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # results and nacks are not read
     s.setblocking(False)
+    # The sink: a socket nobody reads, with the smallest receive buffer, so
+    # the kernel drops the flood on arrival. Flooding it costs the machine
+    # what the flood costs before any switch sees a packet: the flooder's
+    # own CPU and the kernel's send and loopback path.
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+    sink.bind((host, 0))
+    sink_addr = sink.getsockname()
     packets = {job: bytearray(_contribution(job, 0, elems)) for job in (JOB_B, JOB_C)}
+    packets[SINK] = bytearray(packets[JOB_B])  # the same bytes, to nobody
     block, count = 0, 0
+    # Paced: bursts of 64 on a schedule of `pps`, so every arm offers the
+    # same load whatever each send costs (sends into the sink are cheaper).
+    burst, start, bursts = 64, time.perf_counter(), 0
     while not stop.is_set():
         job = target.value
         if job == 0:
             time.sleep(0.001)
+            start, bursts = time.perf_counter(), 0
             continue
+        bursts += 1
+        ahead = start + bursts * burst / pps - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
         p = packets[job]
-        for _ in range(256):
+        to = sink_addr if job == SINK else dest
+        for _ in range(burst):
             # a new block each time: every accepted packet opens, sums and
             # completes a block and sends its result back
             block = (block + 1) & 0xFFFFFFFF
             p[16:20] = block.to_bytes(4, "big")
             try:
-                s.sendto(p, dest)
+                s.sendto(p, to)
                 count += 1
             except BlockingIOError:
                 pass
@@ -123,7 +148,7 @@ def run_flood(args: Any) -> int:
     ctx = mp.get_context("spawn")
     target, sent, stop = ctx.Value("i", 0), ctx.Value("q", 0), ctx.Event()
     results = ctx.Queue()
-    flooder = ctx.Process(target=_flooder, args=(sw.data_addr, 1024, target, sent, stop), daemon=True)
+    flooder = ctx.Process(target=_flooder, args=(sw.data_addr, 1024, args.flood_pps, target, sent, stop), daemon=True)
     procs = [ctx.Process(target=_worker, args=(r, sw.data_addr, cfg, target, sent, results), daemon=True)
              for r in range(args.workers)]
     reports: list[dict[str, Any]] = []
@@ -160,17 +185,29 @@ def run_flood(args: Any) -> int:
         arms[arm] = {"median_s": statistics.median(t), "times_s": t,
                      "goodput_MBps": nbytes / statistics.median(t) / 1e6,
                      "flood_pps": statistics.median(rank0["flood_pps"][arm])}
+    idle = [arm for arm in ARMS if TARGET[arm] and not arms[arm]["flood_pps"]]
+    if idle:
+        raise RuntimeError(f"flood bench: the flooder sent nothing in {', '.join(idle)} (did it crash?)")
     result = {
         "bench": "flood", "workers": args.workers, "elements": cfg["elements"], "iters": iters,
-        "limit": {"pps": pps, "burst": burst}, "verified": True, "arms": arms,
+        "limit": {"pps": pps, "burst": burst}, "flood_pps_target": args.flood_pps, "verified": True, "arms": arms,
         "ratio_goodput_flood_vs_alone": arms["flood"]["goodput_MBps"] / arms["alone"]["goodput_MBps"],
         "ratio_goodput_limited_vs_alone": arms["flood+limit"]["goodput_MBps"] / arms["alone"]["goodput_MBps"],
-        "switch": {k: counters.get(k, 0) for k in ("rate_limited", "socket_drops", "blocks_completed", "nacks_sent")},
+        "ratio_goodput_sink_vs_alone": arms["flood-sink"]["goodput_MBps"] / arms["alone"]["goodput_MBps"],
+        # What the switch adds to the harm the flood does anyway (the flooder's
+        # CPU and the kernel path, measured by the sink arm): 1.0 = the
+        # switch contains the flood completely.
+        "isolation_unlimited": arms["flood"]["goodput_MBps"] / arms["flood-sink"]["goodput_MBps"],
+        "isolation_limited": arms["flood+limit"]["goodput_MBps"] / arms["flood-sink"]["goodput_MBps"],
+        "switch": {k: counters.get(k, 0) for k in ("rate_limited", "rate_limited_unanswered", "socket_drops", "blocks_completed", "nacks_sent")},
     }
     lines = [f"  {arm:12s} job A {a['goodput_MBps']:7.1f} MB/s (median {a['median_s'] * 1e3:6.1f} ms), "
              f"flood {a['flood_pps'] / 1e3:6.1f} kpps" for arm, a in arms.items()]
     lines.append(f"  job A goodput vs alone: flood {result['ratio_goodput_flood_vs_alone']:.2f}, "
-                 f"flood with limit {pps},{burst} {result['ratio_goodput_limited_vs_alone']:.2f}; "
+                 f"flood with limit {pps},{burst} {result['ratio_goodput_limited_vs_alone']:.2f}, "
+                 f"flood into a sink nobody reads {result['ratio_goodput_sink_vs_alone']:.2f}")
+    lines.append(f"  isolation (job A goodput vs the sink arm): no limit {result['isolation_unlimited']:.2f}, "
+                 f"with limit {result['isolation_limited']:.2f}; "
                  f"switch rate_limited {result['switch']['rate_limited']}")
     if args.json:
         print(json.dumps(result))

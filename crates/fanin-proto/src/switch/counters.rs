@@ -90,8 +90,10 @@ pub struct Counters {
     /// An unsealed datagram for a job that requires a tag.
     pub auth_unsealed: u64,
     /// Contributions over their source's rate limit, answered with a
-    /// Trimmed nack (cause 3).
+    /// Trimmed nack (cause 3) while the source's nack budget lasts.
     pub rate_limited: u64,
+    /// Of those, the ones dropped without a nack (past the budget: a flood).
+    pub rate_limited_unanswered: u64,
     /// Members found dead by the member timeout.
     pub members_timed_out: u64,
     /// Jobs failed by a dead member (failure policy `fail`).
@@ -162,6 +164,7 @@ impl Counters {
         f("auth_replayed", None, self.auth_replayed);
         f("auth_unsealed", None, self.auth_unsealed);
         f("rate_limited", None, self.rate_limited);
+        f("rate_limited_unanswered", None, self.rate_limited_unanswered);
         f("members_timed_out", None, self.members_timed_out);
         f("jobs_failed", None, self.jobs_failed);
         f("stale_incarnation", None, self.stale_incarnation);
@@ -180,7 +183,7 @@ impl Counters {
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
-            rate_limited, members_timed_out, jobs_failed,
+            rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
             stale_incarnation, recover_waiting, recoveries
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {

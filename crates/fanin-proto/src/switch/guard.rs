@@ -6,6 +6,12 @@
 //! source's blocks (`shard_of` spreads consecutive blocks over the shards),
 //! so each shard enforces `pps / T` and `burst / T` (at least 1). Only
 //! workers are limited: a child switch in a tree carries many workers.
+//! A refused contribution is answered with a Trimmed nack while the
+//! source's *nack budget* (a second bucket with the same rate and burst)
+//! lasts, and dropped silently past it: a sender that backs off is refused
+//! about as often as it is admitted and hears of every refusal, while a
+//! flood that ignores the nacks costs the switch a reply for at most one
+//! packet in (flood rate / limit), not for every packet.
 //!
 //! **Member timeout.** A member is dead when it has sent nothing for the
 //! job's member timeout *and* an open block has waited that long for it.
@@ -61,16 +67,37 @@ pub fn shard_share(limit: RateLimit, shard_count: u16) -> RateLimit {
     RateLimit { pps: (limit.pps / t).max(1), burst: (limit.burst / t).max(1) }
 }
 
-/// One bucket per source id of a job (empty when the job is unlimited).
+/// What to do with one contribution of a rate-limited source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Admit,
+    /// Over the rate: refuse it, with a nack while the budget lasts.
+    Refuse { nack: bool },
+}
+
+/// A source's rate bucket and its nack budget.
+#[derive(Debug, Clone, Copy)]
+struct SourceGuard {
+    rate: TokenBucket,
+    nacks: TokenBucket,
+}
+
+impl SourceGuard {
+    fn new(limit: RateLimit) -> Self {
+        Self { rate: TokenBucket::new(limit), nacks: TokenBucket::new(limit) }
+    }
+}
+
+/// One bucket pair per source id of a job (empty when the job is unlimited).
 #[derive(Debug, Default)]
 pub struct SourceBuckets {
     limit: Option<RateLimit>,
-    buckets: Vec<TokenBucket>,
+    buckets: Vec<SourceGuard>,
 }
 
 impl SourceBuckets {
     pub fn new(limit: Option<RateLimit>, capacity: usize) -> Self {
-        let buckets = limit.map_or_else(Vec::new, |l| vec![TokenBucket::new(l); capacity]);
+        let buckets = limit.map_or_else(Vec::new, |l| vec![SourceGuard::new(l); capacity]);
         Self { limit, buckets }
     }
 
@@ -78,17 +105,23 @@ impl SourceBuckets {
     pub fn grow(&mut self, capacity: usize) {
         if let Some(l) = self.limit {
             if self.buckets.len() < capacity {
-                self.buckets.resize(capacity, TokenBucket::new(l));
+                self.buckets.resize(capacity, SourceGuard::new(l));
             }
         }
     }
 
-    /// Whether `src` may send one more contribution now.
-    pub fn admit(&mut self, src: usize, now: Time) -> bool {
+    /// Whether `src` may send one more contribution now, and if not,
+    /// whether it is still owed a nack.
+    pub fn admit(&mut self, src: usize, now: Time) -> Admission {
         if src >= SWITCH_RANK_BASE as usize {
-            return true;
+            return Admission::Admit;
         }
-        self.buckets.get_mut(src).is_none_or(|b| b.admit(now))
+        let Some(g) = self.buckets.get_mut(src) else { return Admission::Admit };
+        if g.rate.admit(now) {
+            Admission::Admit
+        } else {
+            Admission::Refuse { nack: g.nacks.admit(now) }
+        }
     }
 }
 
@@ -190,12 +223,38 @@ mod tests {
         assert_eq!(shard_share(RateLimit { pps: 1000, burst: 10 }, 4), RateLimit { pps: 250, burst: 2 });
         assert_eq!(shard_share(RateLimit { pps: 3, burst: 1 }, 4), RateLimit { pps: 1, burst: 1 });
         let mut buckets = SourceBuckets::new(Some(RateLimit { pps: 1, burst: 1 }), 3);
-        assert!(buckets.admit(2, ms(0)));
-        assert!(!buckets.admit(2, ms(1)));
-        assert!(buckets.admit(1, ms(1)), "each source has its own bucket");
-        assert!((0..5).all(|_| buckets.admit(SWITCH_RANK_BASE as usize, ms(1))), "a child switch is not limited");
+        assert_eq!(buckets.admit(2, ms(0)), Admission::Admit);
+        assert_eq!(buckets.admit(2, ms(1)), Admission::Refuse { nack: true });
+        assert_eq!(buckets.admit(1, ms(1)), Admission::Admit, "each source has its own bucket");
+        assert!((0..5).all(|_| buckets.admit(SWITCH_RANK_BASE as usize, ms(1)) == Admission::Admit), "a child switch is not limited");
         let mut none = SourceBuckets::new(None, 3);
-        assert!((0..100).all(|_| none.admit(0, ms(0))));
+        assert!((0..100).all(|_| none.admit(0, ms(0)) == Admission::Admit));
+    }
+
+    #[test]
+    fn a_flood_gets_nacks_only_within_its_budget() {
+        // 1000 pps, burst 10; offered 20 000 pps for one second.
+        let mut buckets = SourceBuckets::new(Some(RateLimit { pps: 1000, burst: 10 }), 1);
+        let (mut admitted, mut nacked, mut silent) = (0, 0, 0);
+        for i in 0..20_000u64 {
+            match buckets.admit(0, Time::from_nanos(i * 50_000)) {
+                Admission::Admit => admitted += 1,
+                Admission::Refuse { nack: true } => nacked += 1,
+                Admission::Refuse { nack: false } => silent += 1,
+            }
+        }
+        assert!((1000..=1010).contains(&admitted), "{admitted}");
+        assert!((1000..=1010).contains(&nacked), "the budget has the same rate and burst: {nacked}");
+        assert_eq!(admitted + nacked + silent, 20_000);
+        // A sender refused no more often than it is admitted hears of every refusal.
+        let mut steady = SourceBuckets::new(Some(RateLimit { pps: 1000, burst: 10 }), 1);
+        let refusals: Vec<bool> = (0..2_000u64)
+            .filter_map(|i| match steady.admit(0, Time::from_nanos(i * 500_000)) {
+                Admission::Refuse { nack } => Some(nack),
+                Admission::Admit => None,
+            })
+            .collect();
+        assert!(!refusals.is_empty() && refusals.iter().all(|&n| n), "{refusals:?}");
     }
 
     #[test]

@@ -51,7 +51,7 @@ use fanin_wire::value::{
 };
 use fanin_wire::MessageType;
 
-use super::guard::{shard_share, Liveness, SourceBuckets};
+use super::guard::{shard_share, Admission, Liveness, SourceBuckets};
 use super::Counters;
 use crate::job::{shard_of, FailurePolicy, JobMode, JobSpec, JobSpecError, RateLimit, SWITCH_RANK_BASE};
 use crate::mask::SourceMask;
@@ -1112,8 +1112,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             return Verdict::Consumed;
         }
         if job.spec.mode == JobMode::Forward {
-            if !job.buckets.admit(src, now) {
-                rate_limited(counters, out, from, packet);
+            if let Admission::Refuse { nack } = job.buckets.admit(src, now) {
+                rate_limited(counters, out, from, packet, nack);
                 return Verdict::Consumed;
             }
             let env = envelope(job.auth.as_mut(), Peer::Member(src));
@@ -1129,8 +1129,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             return Verdict::WrongShard(owner);
         }
         // Only the owning shard charges the sender, once per datagram.
-        if !job.buckets.admit(src, now) {
-            rate_limited(counters, out, from, packet);
+        if let Admission::Refuse { nack } = job.buckets.admit(src, now) {
+            rate_limited(counters, out, from, packet, nack);
             return Verdict::Consumed;
         }
         job.liveness.heard(src, now);
@@ -1975,9 +1975,14 @@ fn notify_membership<A: Copy>(
     broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, scratch, &mut counters.notices_sent);
 }
 
-/// Over its rate: back-pressure to the sender, counted.
-fn rate_limited<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, packet: &Packet<&[u8]>) {
+/// Over its rate: back-pressure to the sender while its nack budget
+/// lasts (docs/overload.md), counted either way.
+fn rate_limited<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, packet: &Packet<&[u8]>, nack: bool) {
     counters.rate_limited += 1;
+    if !nack {
+        counters.rate_limited_unanswered += 1;
+        return;
+    }
     counters.nacks_sent += 1;
     emit_trim_nack(from, packet, TrimCause::RateLimited, out);
 }
