@@ -57,6 +57,14 @@ def control_token_from_env() -> Optional[str]:
     return os.environ.get(CONTROL_TOKEN_ENV) or None
 
 
+#: Reconnect quickly to a daemon that comes back (at most every 0.5 s).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
 class ControlClient:
     """Talks to one switch daemon's control API.
 
@@ -71,7 +79,10 @@ class ControlClient:
         self.timeout = timeout
         token = token if token is not None else control_token_from_env()
         self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
-        self._channel = grpc.insecure_channel(addr)
+        # A restarted switch must be found quickly (docs/restart.md): gRPC's
+        # default reconnect backoff starts at 1 s and grows to 120 s, so a
+        # controller polling a switch that was down would keep it waiting.
+        self._channel = grpc.insecure_channel(addr, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.ControlStub(self._channel)
 
     # -- lifecycle ---------------------------------------------------------

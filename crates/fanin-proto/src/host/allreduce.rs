@@ -296,8 +296,8 @@ pub const DUP_THRESH: u8 = 3;
 const PROBE_AFTER_BACKOFF: u32 = 3;
 /// While that silence lasts, a probe every this long (the stall timer backs
 /// off to `rto_max`; a restarted switch should not wait that long to be
-/// found).
-const PROBE_INTERVAL: Duration = Duration::from_millis(100);
+/// found). A probe is one small Join; 20 a second per worker costs nothing.
+const PROBE_INTERVAL: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Clone, Copy)]
 struct BlockState {

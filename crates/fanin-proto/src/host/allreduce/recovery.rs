@@ -37,7 +37,9 @@ use crate::transmit::Transmit;
 
 /// First interval between recovery joins; doubled up to [`JOIN_INTERVAL_MAX`].
 const JOIN_INTERVAL: Duration = Duration::from_millis(20);
-const JOIN_INTERVAL_MAX: Duration = Duration::from_millis(200);
+/// (Short: the floor waits for the last member's join, so this bounds the
+/// barrier's share of recovery; a join is a 24-byte datagram.)
+const JOIN_INTERVAL_MAX: Duration = Duration::from_millis(50);
 /// Pruned contribution buffers kept for reuse.
 const SPARE_BUFFERS: usize = 64;
 
