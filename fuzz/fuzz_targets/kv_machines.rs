@@ -26,7 +26,7 @@ fn check_emitted<A>(out: &mut VecTransmit<A>) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let mut sw = KvSwitch::new(KvSwitchConfig { memory_limit: 64, tenant_limit: 64 });
+    let mut sw = KvSwitch::new(KvSwitchConfig { memory_limit: 64, tenant_limit: 64, ..Default::default() });
     let mut spec = KvTaskSpec::new(1, Node::Receiver, LAYOUT, 4);
     spec.window = 4;
     spec.max_channels = 2;

@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "counts over real text run through one switch daemon on the namespace testbed "
                                      "while a seeded driver injects one fault at a time (on top of seeded loss, duplication and "
                                      "reordering at every worker): garbage datagrams, forged packets, captured packets "
-                                     "replayed, workers killed "
+                                     "replayed (value jobs and keyed key-value tasks), workers killed "
                                      "and restarted, the switch daemon killed and restarted. Workers verify every "
                                      "result. Exit 0 only with zero wrong results, zero hangs and every injected "
                                      "packet accounted for by the switch counters. Report: JSON in --out.",
@@ -484,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--hang-s", type=float, default=30.0,
                     help="a worker or kv task without progress this long counts as hung (default %(default)s)")
     ch.add_argument("--skip", nargs="*", default=[], metavar="FAULT",
-                    help="fault kinds to leave out (garbage forge replay kill_worker restart_switch)")
+                    help="fault kinds to leave out (garbage forge replay kill_worker restart_switch "
+                         "kv_forge kv_replay)")
     ch.add_argument("--no-kv", action="store_true", help="value-stream jobs only")
     ch.add_argument("--out", default="out/chaos", help="directory for the JSON report (default %(default)s)")
     common(ch)

@@ -112,7 +112,8 @@ class SwitchProcess:
 
 
 def scrape_counters(metrics_addr: str) -> dict[str, int]:
-    """Sum the switch's Prometheus counters over shards: {counter[.reason]: value}."""
+    """Sum the switch's Prometheus counters over shards: {counter[.reason]: value};
+    the key-value program's as {kv.counter[.reason]: value}."""
     with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
         text = r.read().decode()
     out: dict[str, int] = {}
@@ -130,6 +131,13 @@ def scrape_counters(metrics_addr: str) -> dict[str, int]:
             key = f"fault_{m.group(1)}.{m.group(2)}"
             out[key] = out.get(key, 0) + int(m.group(3))
     out["malformed"] = sum(v for k, v in out.items() if k.startswith("malformed."))
+    # The key-value program's counters (merged over shards): kv.counter[.reason].
+    kv = re.compile(r'^fanin_switch_kv_packets_total\{counter="(\w+)"(?:,reason="(\w+)")?\} (\d+)$')
+    for line in text.splitlines():
+        m = kv.match(line)
+        if m:
+            key = "kv." + m.group(1) + (f".{m.group(2)}" if m.group(2) else "")
+            out[key] = out.get(key, 0) + int(m.group(3))
     return out
 
 

@@ -182,6 +182,16 @@ def test_the_native_tag_matches_an_independent_reference_and_the_golden_vectors(
         assert int.from_bytes(sealed[-8:], "big") == _ref_tag(member, 7 + size, sealed[:-16]), size
 
 
+def test_sealed_kv_ack_golden_vector_matches_the_reference():
+    # SEALED_ACK in crates/fanin-wire/src/kv/tests.rs (docs/kv.md §2.1): a
+    # kv switch ACK sealed under the member key of channel 5 of task 0x01020304.
+    member = fanin.derive_member_key(bytes(range(16)), 0x0102_0304, 5)
+    ack = bytes.fromhex("fa17012201000005010203040000" "0007")
+    sealed = _native.seal_datagram(member, 0x0000_0102_0304_0506, ack)
+    assert sealed.hex() == "fa1701a201000005010203040000000700000102030405069466ca772529c126"
+    assert int.from_bytes(sealed[-8:], "big") == _ref_tag(member, 0x0000_0102_0304_0506, sealed[:-16])
+
+
 def test_derive_member_key_matches_the_switch_derivation_and_is_pinned():
     key = fanin.derive_member_key(bytes(range(16)), 7, 3)
     assert key.hex() == "8b5638aa5b5876fd2805b96de9d9ab72"  # docs/protocol.md §2.4

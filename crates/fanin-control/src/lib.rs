@@ -521,6 +521,12 @@ pub fn kv_spec_from_pb(spec: pb::KvRegionSpec) -> Result<KvTaskSpec<SocketAddr>,
     out.window = spec.window;
     out.max_channels = max_channels;
     out.idle_timeout = std::time::Duration::from_millis(spec.idle_timeout_ms.into());
+    out.key = match spec.key.len() {
+        0 => None,
+        _ => Some(fanin_proto::auth::Key::from_slice(&spec.key).map_err(|e| {
+            Status::invalid_argument(format!("task {id}: key: {e} (empty for an unauthenticated task)"))
+        })?),
+    };
     Ok(out)
 }
 
@@ -538,6 +544,7 @@ pub fn kv_spec_to_pb(spec: &KvTaskSpec<SocketAddr>) -> pb::KvRegionSpec {
         window: spec.window,
         max_channels: spec.max_channels.into(),
         idle_timeout_ms: spec.idle_timeout.as_millis().min(u32::MAX as u128) as u32,
+        key: spec.key.map_or_else(Vec::new, |k| k.0.to_vec()),
     }
 }
 
@@ -714,6 +721,20 @@ mod tests {
         spec.member_timeout_ms = 1500;
         spec.rate_limit = Some(RateLimit { pps: 1000, burst: 16 });
         assert_eq!(job_spec_from_pb(job_spec_to_pb(&spec)).unwrap(), spec);
+    }
+
+    #[test]
+    fn kv_specs_round_trip_with_and_without_key() {
+        let layout = Layout { short_slots: 4, medium_groups: 2, medium_parts: 2 };
+        let mut spec = KvTaskSpec::new(77, "127.0.0.1:5000".parse().unwrap(), layout, 64);
+        assert_eq!(kv_spec_from_pb(kv_spec_to_pb(&spec)).unwrap(), spec);
+        spec.key = Some(fanin_proto::auth::Key([9; 16]));
+        assert_eq!(kv_spec_from_pb(kv_spec_to_pb(&spec)).unwrap(), spec);
+        let mut bad = kv_spec_to_pb(&spec);
+        bad.key = vec![1; 15];
+        let err = kv_spec_from_pb(bad).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("key"), "{}", err.message());
     }
 
     #[test]

@@ -30,7 +30,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fanin_proto::kv::{KvReceiver, KvSender, KvTaskSpec, Layout, ReceiverConfig, SenderConfig};
+use fanin_proto::auth::Key;
+use fanin_proto::kv::{channel_key, receiver_key, KvReceiver, KvSender, KvTaskSpec, Layout, ReceiverConfig, SenderConfig};
 use fanin_proto::Time;
 use fanin_udp::BatchSocket;
 use serde::{Deserialize, Serialize};
@@ -153,6 +154,9 @@ pub struct DaemonStats {
 
 struct TaskEntry {
     params: TaskParams,
+    /// The task key (docs/security.md); joining senders get their
+    /// channel's member key, never this.
+    key: Option<Key>,
     /// Channel id -> the control address of the sender's daemon.
     joined: HashMap<u16, String>,
     outcome: Option<Receiver<ReceiverOutcome>>,
@@ -432,6 +436,7 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
     let shadow_copies = req.get("shadow_copies").and_then(Value::as_bool).unwrap_or(true);
     let swap_threshold = opt_uint(req, "swap_threshold", 1024)?;
     let silence = Duration::from_millis(opt_uint(req, "silence_ms", shared.config.silence_ms)?);
+    let key = task_key(req)?;
     let idx = (shared.next_send.fetch_add(1, Ordering::Relaxed) as usize) % shared.receive.len();
     let (commands, receiver_addr) = shared.receive[idx].clone();
     // Task ids are unique at the switch across daemons: a random start,
@@ -446,6 +451,7 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
         spec.max_channels = senders.min(u16::MAX as u64) as u16;
         // The switch frees the region of a task nobody talks to any more.
         spec.idle_timeout = silence * 2;
+        spec.key = key;
         match shared.switch.alloc(&spec) {
             Ok(switch_addr) => {
                 let switch_addr = reachable_switch_addr(switch_addr, &shared.config);
@@ -457,6 +463,8 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
                 rc.idle_timeout = silence;
                 rc.max_burst = crate::channel::MAX_BURST;
                 rc.rto = Duration::from_micros(shared.config.rto_us.max(1_000));
+                rc.auth_key = key.map(|k| receiver_key(&k, task_id));
+                rc.seal_clock_us = wall_clock_us();
                 let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
                 let machine = match KvReceiver::new(rc, now) {
                     Ok(m) => m,
@@ -469,17 +477,44 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
                 let _ = commands.send(ChannelCommand::Receive { task: task_id, switch: switch_addr, machine: Box::new(machine), done });
                 shared.tasks.lock().expect("tasks").insert(
                     task_id,
-                    TaskEntry { params, joined: HashMap::new(), outcome: Some(outcome), receive_channel: idx, started: Instant::now() },
+                    TaskEntry { params, key, joined: HashMap::new(), outcome: Some(outcome), receive_channel: idx, started: Instant::now() },
                 );
                 shared.stats.tasks_created.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "task_id": task_id, "control": shared.control_addr.to_string(),
-                                  "switch_addr": switch_addr.to_string()}));
+                                  "switch_addr": switch_addr.to_string(), "keyed": key.is_some()}));
             }
             Err(e) if e.already_exists() => last = Some(e),
             Err(e) => return Err(error(e)),
         }
     }
     Err(error(last.map(|e| e.to_string()).unwrap_or_default()))
+}
+
+/// The task key of a `create` request: `key` (32 hex digits) if the
+/// application passes one, 16 random bytes from the OS with `"auth": true`,
+/// else none. Opt-in because sealing costs about 20 % of a word count's time
+/// on 2 cores (docs/results.md, "Key-value authentication cost").
+fn task_key(req: &Value) -> Result<Option<Key>, Value> {
+    if let Some(hex) = req.get("key").filter(|v| !v.is_null()) {
+        let hex = hex.as_str().ok_or_else(|| error("key must be a string of 32 hex digits"))?;
+        return Key::from_hex(hex).map(Some).map_err(|e| error(format!("key: {e}")));
+    }
+    match req.get("auth") {
+        Some(Value::Bool(true)) => {}
+        None | Some(Value::Null) | Some(Value::Bool(false)) => return Ok(None),
+        Some(_) => return Err(error("auth must be true or false")),
+    }
+    let mut key = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key))
+        .map_err(|e| error(format!("cannot draw a task key from /dev/urandom: {e}")))?;
+    Ok(Some(Key(key)))
+}
+
+/// Wall-clock microseconds: where a machine's sealed sequence numbers
+/// start, so a restarted daemon continues above its old ones.
+fn wall_clock_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64)
 }
 
 fn wait_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
@@ -572,12 +607,18 @@ fn send(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
         return Err(error(reply["error"].as_str().unwrap_or("join refused")));
     }
     let params: TaskParams = serde_json::from_value(reply["params"].clone()).map_err(|e| error(format!("bad join reply: {e}")))?;
+    let member_key = match reply.get("member_key").and_then(Value::as_str) {
+        Some(hex) => Some(Key::from_hex(hex).map_err(|e| error(format!("bad join reply: member_key: {e}")))?),
+        None => None,
+    };
     let mut sc = SenderConfig::new(task_id, channel, params.layout());
     sc.window = params.window;
     sc.rto = Duration::from_micros(shared.config.rto_us);
     sc.dead_after = Duration::from_millis(shared.config.silence_ms);
     sc.max_key_len = shared.config.max_key_len;
     sc.max_burst = crate::channel::MAX_BURST;
+    sc.auth_key = member_key;
+    sc.seal_clock_us = wall_clock_us();
     let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
     let machine = KvSender::new(sc, now).map_err(error)?;
     let (done, outcome) = mpsc::sync_channel::<SenderOutcome>(1);
@@ -648,7 +689,10 @@ fn peer_request(shared: &Arc<Shared>, req: &Value) -> Value {
                 }
                 let control = req.get("control").and_then(Value::as_str).unwrap_or("").to_string();
                 t.joined.insert(channel as u16, control);
-                Ok(json!({"ok": true, "params": t.params}))
+                // The channel's member key travels in clear on this channel:
+                // it must be loopback or a trusted network (docs/security.md).
+                let member_key = t.key.map(|k| channel_key(&k, task_id, channel as u16).to_hex());
+                Ok(json!({"ok": true, "params": t.params, "member_key": member_key}))
             }
             "fail" => {
                 let why = req.get("error").and_then(Value::as_str).unwrap_or("unknown error");

@@ -154,7 +154,7 @@ fn run_one(a: &Args, dataset: &str, keys: &[u32], shadow: bool, ratio_exp: i32) 
     let aa_size = (aggregators / (slots as u64 * copies)).max(1) as u32;
     let layout = Layout::short_only(slots as u8);
 
-    let mut sw = KvSwitch::new(KvSwitchConfig { memory_limit: u64::MAX / 2, tenant_limit: u64::MAX / 2 });
+    let mut sw = KvSwitch::new(KvSwitchConfig { memory_limit: u64::MAX / 2, tenant_limit: u64::MAX / 2, ..Default::default() });
     let mut spec = KvTaskSpec::new(TASK, Node::Receiver, layout, aa_size);
     spec.shadow_copies = shadow;
     spec.window = a.window;

@@ -124,6 +124,14 @@ pub enum Refusal {
     NoKey,
 }
 
+impl Refusal {
+    /// A valid tag on a sequence number already used (`auth_replayed`), as
+    /// opposed to a tag that does not verify (`auth_bad_tag`).
+    pub fn is_replay(&self) -> bool {
+        matches!(self, Refusal::Replay(_))
+    }
+}
+
 /// Verify a sealed datagram under `key` and pass it through `window`:
 /// the unsealed bytes, or why it was refused. The window moves only for a
 /// datagram whose tag verified.

@@ -372,6 +372,8 @@ impl SwitchHandle {
                 kv: KvSwitch::new(KvSwitchConfig {
                     memory_limit: (config.kv_memory_mb << 20) / config.shards as u64 / KV_AGGREGATOR_BYTES,
                     tenant_limit: (config.kv_tenant_mb << 20) / KV_AGGREGATOR_BYTES,
+                    seal_lane: i as u16,
+                    seal_clock_us: wall_clock_us(),
                 }),
                 index: i as u16,
                 socket,

@@ -141,11 +141,9 @@ impl<T: AsRef<[u8]>> Packet<T> {
         if !preamble.msg_type.is_kv() {
             return Err(WireError::WrongService(preamble.msg_type as u8));
         }
-        // Key-value datagrams are not sealed yet (docs/security.md): a sealed
-        // one is a type this service does not know.
-        if preamble.sealed {
-            return Err(WireError::UnknownMessageType(bytes[3]));
-        }
+        // A sealed datagram (docs/security.md) is parsed after its trailer
+        // was verified and stripped: the sealed bit is all that remains of
+        // it, and the type is read without it.
         if bytes.len() < HEADER_LEN {
             return Err(WireError::Truncated { needed: HEADER_LEN, got: bytes.len() });
         }
@@ -180,8 +178,9 @@ impl<T: AsRef<[u8]>> Packet<T> {
     fn bytes(&self) -> &[u8] {
         self.buffer.as_ref()
     }
+    /// The message type byte without the sealed bit.
     pub fn msg_type_code(&self) -> u8 {
-        self.bytes()[3]
+        self.bytes()[3] & !crate::auth::SEALED
     }
     /// The message type (validated by `new_checked`).
     pub fn msg_type(&self) -> MessageType {

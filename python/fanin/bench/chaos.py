@@ -12,7 +12,13 @@ injects, one fault at a time:
 * ``garbage``: malformed datagrams and datagrams for an unknown job;
 * ``forge``: contributions to the (authenticated) value jobs sealed with a
   wrong key, with another job's member key, or not sealed;
-* ``replay``: real datagrams captured on a worker's link, replayed later;
+* ``replay``: real value-stream datagrams captured on a worker's link,
+  replayed later;
+* ``kv_forge`` / ``kv_replay``: a keyed key-value task of the driver's own
+  is attacked between its two channels (so it is certainly running): Data
+  and Release datagrams forged from the attacker host (wrong key, another
+  task's member key, unsealed), or its sender's real datagrams captured on
+  the sender's link and replayed; its count must stay exact;
 * ``kill_worker``: SIGKILL of a worker of the degradable job, restarted a
   few seconds later (it rejoins the running job, SwitchML++ sync);
 * ``restart_switch``: SIGKILL of the switch daemon, started again on the
@@ -25,8 +31,9 @@ allreduces (nothing hung), and the report checks:
 * zero hangs (no worker silent longer than ``--hang-s``; every kv task
   ends, with a result or a clean error, within its deadline);
 * the switch's counters account for every injected garbage datagram by
-  reason, summed over incarnations (counters are scraped after every
-  fault, before any kill).
+  reason, every forged and replayed value and key-value datagram by its
+  ``auth_*`` counter (``kv.auth_*`` for key-value), summed over
+  incarnations (counters are scraped after every fault, before any kill).
 
     fanin bench chaos --quick --json        # 1 minute
     fanin bench chaos --duration 600        # the 10-minute soak
@@ -55,7 +62,7 @@ WORKERS = 3
 BLOCKS, EPP, WINDOW = 24, 256, 16
 # Job 1 degrades around a dead worker: blocks wait this long, then age out.
 BLOCK_EXP_MS = 200
-FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_switch")
+FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_switch", "kv_forge", "kv_replay")
 # Network faults all along, injected by every worker (seeded and counted;
 # netem is not available on every kernel): loss of what it sends; loss,
 # duplication and reordering of what it receives. Not at the switch's
@@ -222,6 +229,12 @@ class Soak:
         self.injected["auth_replayed"] += out["sealed_value"]
         return {"host": host, **out}
 
+    def _fault_kv_forge(self) -> dict[str, Any]:
+        return self.kv.attack("forge")
+
+    def _fault_kv_replay(self) -> dict[str, Any]:
+        return self.kv.attack("replay")
+
     def _fault_kill_worker(self) -> dict[str, Any]:
         rank = self.rng.randrange(WORKERS)
         w = self.workers[(INT_JOB, rank)]
@@ -267,7 +280,7 @@ class Soak:
         return [w.label for w in self.workers.values() if w.alive() and now - w.last_progress > self.args.hang_s]
 
     def run(self) -> dict[str, Any]:
-        allowed = [f for f in FAULTS if f not in self.args.skip]
+        allowed = [f for f in FAULTS if f not in self.args.skip and (self.kv or not f.startswith("kv_"))]
         t_end = time.monotonic() + self.args.duration
         hangs: set[str] = set()
         _log(f"{self.args.duration:.0f} s of chaos: {', '.join(allowed)}")
@@ -342,6 +355,7 @@ class Soak:
                                    "accounted": counters.get(counter, 0) == sent}
         kv_wrong = kv_report["wrong"] if kv_report else 0
         kv_hung = kv_report["hung"] if kv_report else 0
+        kv_wrong += kv_report["attacks_failed"] if kv_report else 0
         ok = (value["wrong"] == 0 and value["errors"] == 0
               and len(self.recoveries) == self.faults.get("restart_switch", 0) and kv_wrong == 0 and not hangs and kv_hung == 0
               and all(a["accounted"] for a in accounting.values()) and value["verified"] > 0)
@@ -403,7 +417,7 @@ class KvLoad:
         t0 = time.monotonic()
         try:
             with Client(self.daemons["h0"].socket_path, timeout=deadline) as rx:
-                ticket = rx.create(senders=2, aa_size=256)
+                ticket = rx.create(senders=2, aa_size=256, auth=True)
                 errors: list[str] = []
 
                 def send(ch: int, host: str) -> None:
@@ -430,6 +444,64 @@ class KvLoad:
         else:
             self.stats["wrong"] += 1
 
+    def attack(self, kind: str) -> dict[str, Any]:
+        """A keyed task of the driver's own, attacked while it certainly runs:
+        channel 0 is sent from h1 (for ``replay`` while h1's link is
+        captured), then the forged datagrams (from h4) or the captured ones
+        (from h1) go to the switch while the task waits for channel 1, then
+        channel 1 is sent from h2. Every injected datagram must land in its
+        ``kv.auth_*`` counter and the count must equal ``Counter``'s."""
+        from fanin.auth import derive_member_key
+        from fanin.kv import Client, KvError
+
+        soak, tb = self.soak, self.soak.tb
+        rng = random.Random(soak.rng.randrange(1 << 30))
+        start = rng.randrange(max(1, len(self.lines) - 200))
+        chunks = [self.lines[start:start + 100], self.lines[start + 100:start + 200]]
+        inputs = [[(w, 1) for line in chunk for w in line.split()] for chunk in chunks]
+        expected = Counter(w for chunk in inputs for w, _ in chunk)
+        timeout = soak.args.hang_s
+        detail: dict[str, Any] = {}
+        try:
+            with Client(self.daemons["h0"].socket_path, timeout=timeout) as rx:
+                reply = rx.request({"op": "create", "senders": 2, "aa_size": 256, "key": os.urandom(16).hex()})
+                ticket = {"task_id": reply["task_id"], "control": reply["control"]}
+                task, port = reply["task_id"], int(reply["switch_addr"].rsplit(":", 1)[1])
+                detail["task"] = task
+                sniffer = None
+                if kind == "replay":
+                    argv = [sys.executable, "-m", "fanin.bench.chaos_inject", "replay", "--iface",
+                            tb.interface("h1", toward="s0"), "--ports", str(port), "--kv-task", str(task),
+                            "--capture", str(rng.randrange(10, 40)), "--capture-s", "5", "--delay", "0.2", "--ready"]
+                    sniffer = tb.popen("h1", argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                    sniffer.stdout.readline()  # capturing
+                with Client(self.daemons["h1"].socket_path, timeout=timeout) as tx:
+                    tx.send(ticket, 0, inputs[0])
+                if sniffer:
+                    out, _ = sniffer.communicate(timeout=60)
+                    rep = json.loads(out.strip().splitlines()[-1])
+                    soak.injected["kv.auth_replayed"] += rep["sealed_kv"]
+                    detail.update(captured=rep["captured"], sealed_kv=rep["sealed_kv"])
+                else:
+                    # The attacker is a member of another task: it holds one of its member keys.
+                    other = derive_member_key(os.urandom(16), task ^ 1, 0).hex()
+                    count = rng.randrange(20, 80)
+                    out = soak._inject_tool("h4", ["kv-forge", "--to", f"{tb.addr('s0', toward='h4')}:{port}",
+                                                   "--task", str(task), "--channels", "2", "--other-key", other,
+                                                   "--count", str(count), "--seed", str(rng.randrange(1 << 30))])
+                    soak.injected.update(out["sent"])
+                    detail.update(count=count, sent=out["sent"])
+                with Client(self.daemons["h2"].socket_path, timeout=timeout) as tx:
+                    tx.send(ticket, 1, inputs[1])
+                got = rx.wait(ticket)
+        except (KvError, OSError, TimeoutError, subprocess.TimeoutExpired, ValueError) as e:
+            self.stats["attacks_failed"] += 1
+            detail["error"] = str(e)[:200]
+            return detail
+        detail["exact"] = got == dict(expected)
+        self.stats["attacks_verified" if detail["exact"] else "attacks_wrong"] += 1
+        return detail
+
     def _loop(self) -> None:
         seed = self.soak.args.seed * 10_000
         while not self._stop.is_set():
@@ -440,7 +512,9 @@ class KvLoad:
         self._stop.set()
         self._thread.join(self.soak.args.hang_s * 2)
         hung = self._thread.is_alive()
-        return {"tasks": sum(self.stats.values()), "verified": self.stats["verified"], "wrong": self.stats["wrong"],
+        return {"tasks": sum(self.stats[k] for k in ("verified", "wrong", "failed_cleanly", "hung")),
+                "verified": self.stats["verified"], "wrong": self.stats["wrong"] + self.stats["attacks_wrong"],
+                "attacked_tasks_verified": self.stats["attacks_verified"], "attacks_failed": self.stats["attacks_failed"],
                 "failed_cleanly": self.stats["failed_cleanly"], "hung": self.stats["hung"] + int(hung),
                 "failure_examples": self.failures}
 

@@ -71,12 +71,13 @@ def _reference(paths: list[str]) -> Counter:
     return total
 
 
-def _fanin_run(svc: kv_service, parts: list[str], aa_size: int) -> tuple[dict, dict, list[dict]]:
-    """Count through the daemon; returns (counts, wait reply, sender replies)."""
+def _fanin_run(svc: kv_service, parts: list[str], aa_size: int, **options: Any) -> tuple[dict, dict, list[dict]]:
+    """Count through the daemon (options go to ``create``, e.g. ``auth=True``);
+    returns (counts, wait reply, sender replies)."""
     import threading
 
     with svc.daemon.client() as c:
-        ticket = c.create(len(parts), aa_size=aa_size)
+        ticket = c.create(len(parts), aa_size=aa_size, **options)
         replies: list[Any] = [None] * len(parts)
 
         def feed(i: int) -> None:
@@ -240,12 +241,18 @@ def run_kv_wordcount(args: Any) -> int:
             counts, _, _ = _fanin_run(svc, parts, args.aa_size)
             return {k.decode(): v for k, v in counts.items()}
 
+        def fanin_keyed_job() -> dict:
+            counts, _, _ = _fanin_run(svc, parts, args.aa_size, auth=True)
+            return {k.decode(): v for k, v in counts.items()}
+
         def fanin_spark_job() -> dict:
             rdd = sc.textFile(corpus, SENDERS).flatMap(lambda l: l.split()).map(lambda w: (w, 1))
             return reduce_by_key_as_map(rdd, socket_path=svc.daemon.socket_path, aa_size=args.aa_size)
 
         systems: list[tuple[str, Callable[[], dict]]] = [
-            ("fanin", fanin_job), ("PreAggr", lambda: {k.decode(): v for k, v in _preaggr(parts).items()}),
+            # The same task keyed (every datagram sealed, docs/security.md),
+            # side by side: the cost of authentication.
+            ("fanin", fanin_job), ("fanin keyed", fanin_keyed_job), ("PreAggr", lambda: {k.decode(): v for k, v in _preaggr(parts).items()}),
             ("PySpark RDD reduceByKey", rdd_job), ("Spark DataFrame groupBy.sum", df_job),
             ("fanin.spark.reduce_by_key", fanin_spark_job),
         ]
@@ -274,6 +281,7 @@ def run_kv_wordcount(args: Any) -> int:
               "distinct_words": len(ref), "rows": rows, "all_equal": True,
               "target_10x_rdd": med["PySpark RDD reduceByKey"] / med["fanin"] >= 10,
               "target_faster_than_dataframe": med["fanin"] < med["Spark DataFrame groupBy.sum"],
+              "keyed_over_unkeyed_time": round(med["fanin keyed"] / med["fanin"], 3),
               "csv": csv_path, "png": png_path}
     if args.json:
         print(json.dumps(result))

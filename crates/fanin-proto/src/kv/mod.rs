@@ -18,20 +18,29 @@
 //! and forwards the receiver's ACKs and FIN-ACKs to the channel's sender, so a
 //! host machine has exactly one peer and its `Transmit` destination is `()`.
 //!
+//! A task may be keyed (docs/security.md): then every datagram is sealed
+//! under the member key of the sender channel or the receiver it is from or
+//! to ([`channel_key`], [`receiver_key`]), and each machine drops what does
+//! not verify before it touches any state.
+//!
 //! `docs/kv.md` describes the formats and the machines' semantics.
 
 mod layout;
 pub mod loopback;
 mod receiver;
+mod sealing;
 mod sender;
 mod switch;
 mod window;
 
 pub use layout::{decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
 pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
+pub use sealing::{channel_key, receiver_key, AuthStats, HostAuth, RECEIVER_MEMBER};
 pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderStats};
 pub use switch::{KvAdmitError, KvCounters, KvSwitch, KvSwitchConfig, KvTaskSpec, TaskStats};
 pub use window::{Observation, SeenWindow};
 
+#[cfg(test)]
+mod auth_tests;
 #[cfg(test)]
 mod tests;

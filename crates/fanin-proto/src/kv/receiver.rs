@@ -14,6 +14,10 @@
 //! repeated every `rto` until answered. Each names the copy epoch, so a
 //! delayed duplicate can never clear a copy that became active again.
 //!
+//! With `auth_key` (the receiver's member key, docs/security.md) what it
+//! sends is sealed and a datagram that does not verify is dropped and
+//! counted in [`ReceiverStats::auth`] before anything else reads it.
+//!
 //! **Calling contract**: as [`super::KvSender`]: `poll_transmit` (until it
 //! returns 0),
 //! `poll_timeout`, `handle_datagram`, `handle_timeout`, `poll_event`;
@@ -29,6 +33,8 @@ use fanin_wire::kv::{
 use fanin_wire::MessageType;
 
 use super::layout::{decode_parts, decode_short, Layout, LayoutError};
+use super::sealing::{host_send_copy, AuthStats, HostAuth};
+use crate::auth::Key;
 use crate::time::Time;
 use crate::transmit::Transmit;
 
@@ -53,6 +59,11 @@ pub struct ReceiverConfig {
     /// FIN-ACK was lost) this long before releasing the switch region.
     pub linger: Duration,
     pub max_burst: usize,
+    /// The receiver's member key of a keyed task (`receiver_key`); `None`:
+    /// the task is not keyed.
+    pub auth_key: Option<Key>,
+    /// Wall clock in microseconds: where sealed sequence numbers start.
+    pub seal_clock_us: u64,
 }
 
 impl ReceiverConfig {
@@ -69,6 +80,8 @@ impl ReceiverConfig {
             idle_timeout: Duration::from_secs(10),
             linger: Duration::from_millis(50),
             max_burst: 64,
+            auth_key: None,
+            seal_clock_us: 1,
         }
     }
 }
@@ -124,6 +137,8 @@ pub struct ReceiverStats {
     pub undecodable: u64,
     /// Stale-epoch / active-copy refusals (late duplicates of requests).
     pub refusals: u64,
+    /// Datagrams refused before they were read (keyed tasks).
+    pub auth: AuthStats,
 }
 
 /// Refusals of control requests in a row, without progress, before the
@@ -188,13 +203,13 @@ pub struct KvReceiver {
     refusals_in_row: u32,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
+    auth: Option<HostAuth>,
 }
 
 impl KvReceiver {
     pub fn new(config: ReceiverConfig, now: Time) -> Result<Self, ReceiverError> {
         config.layout.validate()?;
         Ok(Self {
-            config,
             results: HashMap::new(),
             windows: HashMap::new(),
             fins: HashSet::new(),
@@ -209,6 +224,8 @@ impl KvReceiver {
             refusals_in_row: 0,
             events: VecDeque::new(),
             stats: ReceiverStats::default(),
+            auth: config.auth_key.map(|k| HostAuth::new(k, config.seal_clock_us)),
+            config,
         })
     }
 
@@ -300,6 +317,24 @@ impl KvReceiver {
     }
 
     pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
+        // While releasing, the switch may no longer know the task (the first
+        // ReleaseAck was lost) and so has no key: its UnknownTask Nack comes
+        // unsealed. A keyed receiver takes it as the end of the release; a
+        // forged one can do no more than stop the repeated Release early,
+        // which the switch's idle timer makes harmless (the results are
+        // already out). Nothing else unverified is read.
+        if self.phase == Phase::Releasing && self.auth.is_some() && unsealed_unknown_task(bytes, self.config.task_id) {
+            self.request = None;
+            self.phase = Phase::Done;
+            return;
+        }
+        let bytes = match &mut self.auth {
+            Some(auth) => match auth.open(bytes, &mut self.stats.auth) {
+                Some(inner) => inner,
+                None => return,
+            },
+            None => bytes,
+        };
         let Ok(p) = Packet::new_checked(bytes) else { return };
         if p.task_id() != self.config.task_id || matches!(self.phase, Phase::Done | Phase::Failed) {
             return;
@@ -570,11 +605,20 @@ impl KvReceiver {
         let mut sent = 0;
         while sent < self.config.max_burst {
             let Some(b) = self.replies.pop_front() else { break };
-            out.push_copy((), &b);
+            host_send_copy(self.auth.as_mut(), out, &b);
             sent += 1;
         }
         sent
     }
+}
+
+/// An unsealed Nack UnknownTask about `task_id`.
+fn unsealed_unknown_task(bytes: &[u8], task_id: u32) -> bool {
+    let Ok(p) = Packet::new_checked(bytes) else { return false };
+    !fanin_wire::auth::is_sealed(bytes)
+        && p.task_id() == task_id
+        && p.msg_type() == MessageType::KvNack
+        && Nack::parse(p.body()).is_ok_and(|n| n.reason == NackReason::UnknownTask)
 }
 
 fn merge(results: &mut HashMap<Vec<u8>, Aggregate>, key: &[u8], agg: Aggregate) {

@@ -14,6 +14,11 @@
 //! acknowledged and [`KvSender::finish`] was called, a FIN goes to the
 //! receiver and is repeated until its FIN-ACK arrives.
 //!
+//! With `auth_key` (the channel's member key, docs/security.md) every
+//! datagram it sends is sealed, each transmission with a fresh sequence
+//! number, and a datagram from the switch that does not verify is dropped
+//! and counted in [`SenderStats::auth`] before anything else reads it.
+//!
 //! **Calling contract**: `push` / `finish` (application), then loop:
 //! `poll_transmit(now, out)` until it returns 0 (each call writes at most
 //! `max_burst` datagrams) and send what it wrote to the switch; wait for
@@ -27,6 +32,8 @@ use fanin_wire::kv::{emit_long_tuple, Nack, NackReason, Packet, Repr, FLAG_BY_SW
 use fanin_wire::MessageType;
 
 use super::layout::{KeyClass, Layout, LayoutError};
+use super::sealing::{host_send, host_send_copy, AuthStats, HostAuth};
+use crate::auth::Key;
 use crate::time::Time;
 use crate::transmit::Transmit;
 
@@ -47,6 +54,11 @@ pub struct SenderConfig {
     pub long_packet_bytes: usize,
     /// Most datagrams one `poll_transmit` writes.
     pub max_burst: usize,
+    /// The channel's member key of a keyed task (`channel_key`); `None`:
+    /// the task is not keyed.
+    pub auth_key: Option<Key>,
+    /// Wall clock in microseconds: where sealed sequence numbers start.
+    pub seal_clock_us: u64,
 }
 
 impl SenderConfig {
@@ -61,6 +73,8 @@ impl SenderConfig {
             max_key_len: 1024,
             long_packet_bytes: 1200,
             max_burst: 64,
+            auth_key: None,
+            seal_clock_us: 1,
         }
     }
 }
@@ -97,6 +111,8 @@ pub struct SenderStats {
     pub acks_from_switch: u64,
     pub acks_from_receiver: u64,
     pub duplicate_acks: u64,
+    /// Datagrams refused before they were read (keyed tasks).
+    pub auth: AuthStats,
 }
 
 struct InFlight {
@@ -128,6 +144,7 @@ pub struct KvSender {
     last_progress: Time,
     events: VecDeque<SenderEvent>,
     stats: SenderStats,
+    auth: Option<HostAuth>,
 }
 
 impl KvSender {
@@ -148,6 +165,7 @@ impl KvSender {
             last_progress: now,
             events: VecDeque::new(),
             stats: SenderStats::default(),
+            auth: config.auth_key.map(|k| HostAuth::new(k, config.seal_clock_us)),
             config,
         })
     }
@@ -231,6 +249,13 @@ impl KvSender {
     }
 
     pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
+        let bytes = match &mut self.auth {
+            Some(auth) => match auth.open(bytes, &mut self.stats.auth) {
+                Some(inner) => inner,
+                None => return,
+            },
+            None => bytes,
+        };
         let Ok(p) = Packet::new_checked(bytes) else { return };
         if p.task_id() != self.config.task_id || p.channel() != self.config.channel {
             return;
@@ -300,7 +325,7 @@ impl KvSender {
                 return sent;
             }
             if !pkt.acked && now >= pkt.deadline {
-                out.push_copy((), &pkt.bytes);
+                host_send_copy(self.auth.as_mut(), out, &pkt.bytes);
                 pkt.deadline = now + self.config.rto;
                 self.stats.retransmissions += 1;
                 sent += 1;
@@ -308,7 +333,7 @@ impl KvSender {
         }
         while sent < self.config.max_burst && (self.next_seq - self.base()) < self.config.window {
             let Some(bytes) = self.build_packet() else { break };
-            out.push_copy((), &bytes);
+            host_send_copy(self.auth.as_mut(), out, &bytes);
             self.inflight.push_back(InFlight { seq: self.next_seq, bytes, deadline: now + self.config.rto, acked: false });
             self.next_seq += 1;
             self.stats.packets += 1;
@@ -327,10 +352,9 @@ impl KvSender {
         self.inflight.front().map_or(self.next_seq, |p| p.seq)
     }
 
-    fn emit_fin(&self, out: &mut impl Transmit<()>) {
-        let buf = out.push((), HEADER_LEN);
-        Repr::new(MessageType::KvFin, self.config.task_id, self.config.channel, self.next_seq)
-            .emit(&mut Packet::new_unchecked(&mut buf[..]));
+    fn emit_fin(&mut self, out: &mut impl Transmit<()>) {
+        let repr = Repr::new(MessageType::KvFin, self.config.task_id, self.config.channel, self.next_seq);
+        host_send(self.auth.as_mut(), out, HEADER_LEN, |buf| repr.emit(&mut Packet::new_unchecked(buf)));
     }
 
     /// The next packet, if the queues hold enough: a full packet's worth of

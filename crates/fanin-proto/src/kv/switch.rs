@@ -12,6 +12,12 @@
 //! fetch, clear or release the region (tenant isolation); other tasks'
 //! memory is never reachable from a packet, since every access is indexed
 //! through the packet's task id.
+//!
+//! A task admitted with a key ([`KvTaskSpec::key`]) accepts only sealed
+//! datagrams: the tag and the member's replay window are checked before
+//! anything else is looked at, and everything the switch sends for the task
+//! is sealed under the destination's member key ([`super::sealing`]). A task
+//! without a key runs exactly as before.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -23,6 +29,8 @@ use fanin_wire::kv::{
 use fanin_wire::{MessageType, WireError};
 
 use super::layout::{hash_index, Layout, LayoutError};
+use super::sealing::{self, Peer, TaskAuth};
+use crate::auth::{push_sealed, Key};
 use super::window::{Observation, SeenWindow};
 use crate::time::Time;
 use crate::transmit::Transmit;
@@ -34,11 +42,16 @@ pub struct KvSwitchConfig {
     pub memory_limit: u64,
     /// Most aggregators one tenant's tasks may hold together.
     pub tenant_limit: u64,
+    /// The lane of the sequence numbers this switch seals with (its shard).
+    pub seal_lane: u16,
+    /// Wall clock in microseconds at start: sealed sequence numbers count
+    /// up from it, so a restarted switch continues above its old ones.
+    pub seal_clock_us: u64,
 }
 
 impl Default for KvSwitchConfig {
     fn default() -> Self {
-        Self { memory_limit: 1 << 24, tenant_limit: 1 << 24 }
+        Self { memory_limit: 1 << 24, tenant_limit: 1 << 24, seal_lane: 0, seal_clock_us: 1 }
     }
 }
 
@@ -60,6 +73,10 @@ pub struct KvTaskSpec<A> {
     /// Free the region when no datagram of the task arrived for this long
     /// (a receiver or all senders vanished). Zero = never.
     pub idle_timeout: Duration,
+    /// The task key (docs/security.md): `Some` = only sealed datagrams are
+    /// accepted and everything sent is sealed, under member keys derived
+    /// from it ([`super::sealing`]).
+    pub key: Option<Key>,
 }
 
 impl<A> KvTaskSpec<A> {
@@ -74,6 +91,7 @@ impl<A> KvTaskSpec<A> {
             window: 256,
             max_channels: 64,
             idle_timeout: Duration::from_secs(30),
+            key: None,
         }
     }
     pub fn copies(&self) -> u32 {
@@ -132,6 +150,13 @@ pub struct KvCounters {
     pub control_refused: u64,
     /// Messages a switch never takes (a switch-to-host type sent to it).
     pub protocol_violation: u64,
+    /// Keyed tasks: the tag did not verify (forged, another key, or sealed
+    /// for a task without a key).
+    pub auth_bad_tag: u64,
+    /// Keyed tasks: a valid tag on a sequence number already seen.
+    pub auth_replayed: u64,
+    /// Keyed tasks: a datagram without a seal.
+    pub auth_unsealed: u64,
     /// Not outcomes: detail.
     pub duplicates: u64,
     pub tuples_in: u64,
@@ -168,6 +193,9 @@ impl KvCounters {
             ("not_receiver", self.not_receiver),
             ("control_refused", self.control_refused),
             ("protocol_violation", self.protocol_violation),
+            ("auth_bad_tag", self.auth_bad_tag),
+            ("auth_replayed", self.auth_replayed),
+            ("auth_unsealed", self.auth_unsealed),
             ("duplicates", self.duplicates),
             ("tuples_in", self.tuples_in),
             ("tuples_aggregated", self.tuples_aggregated),
@@ -206,6 +234,9 @@ impl KvCounters {
             &mut self.not_receiver,
             &mut self.control_refused,
             &mut self.protocol_violation,
+            &mut self.auth_bad_tag,
+            &mut self.auth_replayed,
+            &mut self.auth_unsealed,
             &mut self.duplicates,
             &mut self.tuples_in,
             &mut self.tuples_aggregated,
@@ -235,6 +266,9 @@ impl KvCounters {
             + self.not_receiver
             + self.control_refused
             + self.protocol_violation
+            + self.auth_bad_tag
+            + self.auth_replayed
+            + self.auth_unsealed
     }
 }
 
@@ -276,6 +310,8 @@ struct Task<A> {
     frozen: bool,
     last_active: Time,
     stats: TaskStats,
+    /// Keys and replay windows of a keyed task.
+    auth: Option<TaskAuth>,
 }
 
 impl<A> Task<A> {
@@ -290,17 +326,38 @@ impl<A> Task<A> {
     }
 }
 
+/// The seal of the next datagram of a task to `to` (`None`: unkeyed).
+fn seal_for(auth: &mut Option<TaskAuth>, to: Peer) -> Option<(Key, u64)> {
+    auth.as_mut().map(|a| a.seal_for(to))
+}
+
+/// Queue a datagram of `len` unsealed bytes written by `fill`, sealed with
+/// `seal` when given.
+fn send<A>(out: &mut impl Transmit<A>, to: A, len: usize, seal: Option<(Key, u64)>, fill: impl FnOnce(&mut [u8])) {
+    push_sealed(out, to, len, seal.as_ref().map(|(k, q)| (k, *q)), fill)
+}
+
+/// Queue a header-only reply.
+fn send_header<A>(out: &mut impl Transmit<A>, to: A, seal: Option<(Key, u64)>, repr: Repr) {
+    send(out, to, HEADER_LEN, seal, |buf| repr.emit(&mut Packet::new_unchecked(buf)));
+}
+
 /// The key-value aggregation program of one switch.
 pub struct KvSwitch<A> {
     config: KvSwitchConfig,
     tasks: HashMap<u32, Task<A>>,
     memory_used: u64,
     counters: KvCounters,
+    /// Where the next keyed task's sealed sequence numbers start: above
+    /// every number a task before it used (a re-admitted task with the same
+    /// id and key must not repeat one).
+    seal_floor: u64,
 }
 
 impl<A: Copy + PartialEq> KvSwitch<A> {
     pub fn new(config: KvSwitchConfig) -> Self {
-        Self { config, tasks: HashMap::new(), memory_used: 0, counters: KvCounters::default() }
+        let seal_floor = fanin_wire::auth::first_seq(config.seal_lane, config.seal_clock_us);
+        Self { config, tasks: HashMap::new(), memory_used: 0, counters: KvCounters::default(), seal_floor }
     }
 
     pub fn counters(&self) -> &KvCounters {
@@ -335,7 +392,9 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
             return Err(KvAdmitError::TenantLimit { tenant: spec.tenant, needed: tenant_used + needed, limit: self.config.tenant_limit });
         }
         self.memory_used += needed;
+        let auth = spec.key.map(|key| TaskAuth::new(key, spec.task_id, self.seal_floor));
         let task = Task {
+            auth,
             aggs: vec![Aggregator::default(); needed as usize],
             channels: HashMap::new(),
             epoch: 0,
@@ -353,6 +412,9 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
         match self.tasks.remove(&task_id) {
             Some(t) => {
                 self.memory_used -= t.spec.memory();
+                if let Some(auth) = &t.auth {
+                    self.seal_floor = self.seal_floor.max(auth.next_seq());
+                }
                 true
             }
             None => false,
@@ -385,6 +447,7 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
     /// Process one datagram from `from`.
     pub fn handle_datagram(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) {
         self.counters.rx_datagrams += 1;
+        let Some(bytes) = self.authenticate(bytes) else { return };
         let packet = match Packet::new_checked(bytes) {
             Ok(p) => p,
             Err(err) => {
@@ -398,7 +461,9 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
         let c = &mut self.counters;
         let Some(task) = self.tasks.get_mut(&packet.task_id()) else {
             c.unknown_task += 1;
-            nack(c, out, from, &packet, NackReason::UnknownTask, packet.task_id());
+            // No task, no key: the answer goes out unsealed (a keyed host
+            // ignores it and finds out through its own timers).
+            nack(c, out, from, &packet, None, NackReason::UnknownTask, packet.task_id());
             return;
         };
         task.last_active = now;
@@ -410,7 +475,8 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
                 // channel's address is needed to relay the FIN-ACK.
                 if channel(c, task, from, &packet, out).is_some() {
                     c.relayed += 1;
-                    out.push_copy(task.spec.receiver, bytes);
+                    let seal = seal_for(&mut task.auth, Peer::Receiver);
+                    send(out, task.spec.receiver, bytes.len(), seal, |buf| buf.copy_from_slice(bytes));
                 }
             }
             MessageType::KvAck | MessageType::KvFinAck => {
@@ -418,7 +484,8 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
                     c.not_receiver += 1;
                 } else if let Some(ch) = task.channels.get(&packet.channel()) {
                     c.relayed += 1;
-                    out.push_copy(ch.addr, bytes);
+                    let seal = seal_for(&mut task.auth, Peer::Channel(packet.channel()));
+                    send(out, ch.addr, bytes.len(), seal, |buf| buf.copy_from_slice(bytes));
                 } else {
                     c.unknown_channel += 1;
                 }
@@ -432,9 +499,9 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
                     c.control += 1;
                     c.tasks_released += 1;
                     let id = packet.task_id();
+                    let seal = seal_for(&mut task.auth, Peer::Receiver);
                     self.remove_task(id);
-                    let buf = out.push(from, HEADER_LEN);
-                    Repr::new(MessageType::KvReleaseAck, id, 0, 0).emit(&mut Packet::new_unchecked(&mut buf[..]));
+                    send_header(out, from, seal, Repr::new(MessageType::KvReleaseAck, id, 0, 0));
                     return;
                 }
                 on_control(c, task, from, &packet, out)
@@ -444,12 +511,51 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
     }
 }
 
-fn nack<A>(c: &mut KvCounters, out: &mut impl Transmit<A>, to: A, p: &Packet<&[u8]>, reason: NackReason, detail: u32) {
+impl<A> KvSwitch<A> {
+    /// The check before the program: a datagram of a keyed task is verified
+    /// under its member's key and passed through the member's replay window;
+    /// a sealed datagram of a task without a key cannot be verified. Returns
+    /// the datagram without its trailer, or `None` when it was counted and
+    /// must be dropped. Datagrams that name no task (too short, not
+    /// key-value) are returned as they are, for the parser to count.
+    fn authenticate<'a>(&mut self, bytes: &'a [u8]) -> Option<&'a [u8]> {
+        let Some(task_id) = sealing::task_of(bytes) else { return Some(bytes) };
+        let sealed = fanin_wire::auth::is_sealed(bytes);
+        match self.tasks.get_mut(&task_id) {
+            Some(Task { auth: Some(auth), .. }) => auth.admit(bytes, &mut self.counters),
+            Some(_) if sealed => {
+                // A task without a key has nothing to verify it with.
+                self.counters.auth_bad_tag += 1;
+                None
+            }
+            // Unverifiable but harmless: the program counts the unknown task.
+            None if sealed => Some(fanin_wire::auth::Sealed::split(bytes).map_or(bytes, |s| s.inner)),
+            _ => Some(bytes),
+        }
+    }
+}
+
+/// Refuse `p`, answering its sender (sealed with `seal` when keyed).
+fn nack<A>(
+    c: &mut KvCounters,
+    out: &mut impl Transmit<A>,
+    to: A,
+    p: &Packet<&[u8]>,
+    seal: Option<(Key, u64)>,
+    reason: NackReason,
+    detail: u32,
+) {
     c.nacks_sent += 1;
-    let buf = out.push(to, HEADER_LEN + Nack::LEN);
-    let mut reply = Packet::new_unchecked(&mut buf[..]);
-    Repr::new(MessageType::KvNack, p.task_id(), p.channel(), p.seq()).emit(&mut reply);
-    Nack { reason, detail }.emit(reply.body_mut());
+    send(out, to, HEADER_LEN + Nack::LEN, seal, |buf| {
+        let mut reply = Packet::new_unchecked(buf);
+        Repr::new(MessageType::KvNack, p.task_id(), p.channel(), p.seq()).emit(&mut reply);
+        Nack { reason, detail }.emit(reply.body_mut());
+    });
+}
+
+/// The seal of an answer to the sender of `p`.
+fn reply_seal<A>(task: &mut Task<A>, p: &Packet<&[u8]>) -> Option<(Key, u64)> {
+    seal_for(&mut task.auth, Peer::sender_of(p))
 }
 
 /// Find (or admit) the channel's window; `None` after a nack.
@@ -472,7 +578,8 @@ fn channel<'t, A: Copy>(
         std::collections::hash_map::Entry::Vacant(e) => {
             if n >= max as usize {
                 c.too_many_channels += 1;
-                nack(c, out, from, p, NackReason::TooManyChannels, max as u32);
+                let seal = seal_for(&mut task.auth, Peer::sender_of(p));
+                nack(c, out, from, p, seal, NackReason::TooManyChannels, max as u32);
                 return None;
             }
             Some(e.insert(Channel { addr: from, window: SeenWindow::new(w) }))
@@ -491,7 +598,8 @@ fn on_data<A: Copy>(
     let layout = task.spec.layout;
     if p.slot_count() as usize != layout.slot_count() {
         c.layout_mismatch += 1;
-        nack(c, out, from, p, NackReason::LayoutMismatch, layout.slot_count() as u32);
+        let seal = reply_seal(task, p);
+        nack(c, out, from, p, seal, NackReason::LayoutMismatch, layout.slot_count() as u32);
         return;
     }
     let bitmap = p.bitmap();
@@ -499,7 +607,8 @@ fn on_data<A: Copy>(
         let mask = layout.group_mask(g);
         if bitmap & mask != 0 && bitmap & mask != mask {
             c.split_group += 1;
-            nack(c, out, from, p, NackReason::SplitGroup, layout.group_first_slot(g) as u32);
+            let seal = reply_seal(task, p);
+            nack(c, out, from, p, seal, NackReason::SplitGroup, layout.group_first_slot(g) as u32);
             return;
         }
     }
@@ -528,15 +637,16 @@ fn on_data<A: Copy>(
     if remaining == 0 {
         c.acked += 1;
         task.stats.packets_acked += 1;
-        let buf = out.push(from, HEADER_LEN);
         let repr = Repr { flags: FLAG_BY_SWITCH, ..Repr::new(MessageType::KvAck, p.task_id(), p.channel(), seq) };
-        repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+        send_header(out, from, seal_for(&mut task.auth, Peer::Channel(p.channel())), repr);
     } else {
         c.forwarded += 1;
         task.stats.packets_forwarded += 1;
-        let buf = out.push(task.spec.receiver, bytes.len());
-        buf.copy_from_slice(bytes);
-        Packet::new_unchecked(&mut buf[..]).set_bitmap(remaining);
+        let seal = seal_for(&mut task.auth, Peer::Receiver);
+        send(out, task.spec.receiver, bytes.len(), seal, |buf| {
+            buf.copy_from_slice(bytes);
+            Packet::new_unchecked(buf).set_bitmap(remaining);
+        });
     }
 }
 
@@ -641,7 +751,8 @@ fn on_long<A: Copy>(
             }
             c.forwarded += 1;
             task.stats.packets_forwarded += 1;
-            out.push_copy(task.spec.receiver, bytes);
+            let seal = seal_for(&mut task.auth, Peer::Receiver);
+            send(out, task.spec.receiver, bytes.len(), seal, |buf| buf.copy_from_slice(bytes));
         }
     }
 }
@@ -651,7 +762,8 @@ fn on_control<A: Copy>(c: &mut KvCounters, task: &mut Task<A>, from: A, p: &Pack
     macro_rules! refuse {
         ($reason:expr, $detail:expr) => {{
             c.control_refused += 1;
-            nack(c, out, from, p, $reason, $detail);
+            let seal = seal_for(&mut task.auth, Peer::Receiver);
+            nack(c, out, from, p, seal, $reason, $detail);
             return;
         }};
     }
@@ -671,9 +783,8 @@ fn on_control<A: Copy>(c: &mut KvCounters, task: &mut Task<A>, from: A, p: &Pack
             }
             c.control += 1;
             let flags = if task.frozen { FLAG_FINAL } else { 0 };
-            let buf = out.push(from, HEADER_LEN);
             let repr = Repr { flags, ..Repr::new(MessageType::KvSwapAck, task.spec.task_id, 0, task.epoch) };
-            repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+            send_header(out, from, seal_for(&mut task.auth, Peer::Receiver), repr);
         }
         MessageType::KvFetch => {
             let Ok(req) = FetchRequest::parse(p.body()) else { refuse!(NackReason::NoSuchArray, 0) };
@@ -702,15 +813,17 @@ fn on_control<A: Copy>(c: &mut KvCounters, task: &mut Task<A>, from: A, p: &Pack
                 next += 1;
             }
             let len = HEADER_LEN + FETCH_REPLY_FIXED + entries.len() * FETCH_ENTRY_LEN;
-            let buf = out.push(from, len);
-            let mut reply = Packet::new_unchecked(&mut buf[..]);
-            Repr::new(MessageType::KvFetchReply, task.spec.task_id, 0, task.epoch).emit(&mut reply);
-            let head = FetchReplyHead { copy: req.copy, aa: req.aa, entry_count: entries.len() as u16, start: req.start, next };
-            head.emit(reply.body_mut());
-            for (i, e) in entries.iter().enumerate() {
-                let at = FETCH_REPLY_FIXED + i * FETCH_ENTRY_LEN;
-                e.emit(&mut reply.body_mut()[at..at + FETCH_ENTRY_LEN]);
-            }
+            let (task_id, epoch) = (task.spec.task_id, task.epoch);
+            send(out, from, len, seal_for(&mut task.auth, Peer::Receiver), |buf| {
+                let mut reply = Packet::new_unchecked(buf);
+                Repr::new(MessageType::KvFetchReply, task_id, 0, epoch).emit(&mut reply);
+                let head = FetchReplyHead { copy: req.copy, aa: req.aa, entry_count: entries.len() as u16, start: req.start, next };
+                head.emit(reply.body_mut());
+                for (i, e) in entries.iter().enumerate() {
+                    let at = FETCH_REPLY_FIXED + i * FETCH_ENTRY_LEN;
+                    e.emit(&mut reply.body_mut()[at..at + FETCH_ENTRY_LEN]);
+                }
+            });
         }
         MessageType::KvClear => {
             let copy = p.body()[0];
@@ -724,10 +837,12 @@ fn on_control<A: Copy>(c: &mut KvCounters, task: &mut Task<A>, from: A, p: &Pack
             let start = task.base(copy as u32, 0);
             let end = task.base(copy as u32 + 1, 0);
             task.aggs[start..end].fill(Aggregator::default());
-            let buf = out.push(from, HEADER_LEN + 4);
-            let mut reply = Packet::new_unchecked(&mut buf[..]);
-            Repr::new(MessageType::KvClearAck, task.spec.task_id, 0, task.epoch).emit(&mut reply);
-            reply.body_mut().copy_from_slice(&[copy, 0, 0, 0]);
+            let (task_id, epoch) = (task.spec.task_id, task.epoch);
+            send(out, from, HEADER_LEN + 4, seal_for(&mut task.auth, Peer::Receiver), |buf| {
+                let mut reply = Packet::new_unchecked(buf);
+                Repr::new(MessageType::KvClearAck, task_id, 0, epoch).emit(&mut reply);
+                reply.body_mut().copy_from_slice(&[copy, 0, 0, 0]);
+            });
         }
         _ => c.protocol_violation += 1,
     }

@@ -468,7 +468,7 @@ fn oversized_keys_are_refused_at_push() {
 #[test]
 fn admission_limits_memory_and_tenants() {
     let layout = Layout::short_only(4);
-    let mut sw: KvSwitch<Node> = KvSwitch::new(KvSwitchConfig { memory_limit: 100, tenant_limit: 40 });
+    let mut sw: KvSwitch<Node> = KvSwitch::new(KvSwitchConfig { memory_limit: 100, tenant_limit: 40, ..Default::default() });
     let spec = |id, tenant| {
         let mut s = KvTaskSpec::new(id, R, layout, 5); // 4 * 5 * 2 = 40 aggregators
         s.tenant = tenant;

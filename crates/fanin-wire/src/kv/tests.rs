@@ -191,3 +191,33 @@ proptest! {
         for (i, v) in vals.iter().enumerate().take(slots) { prop_assert_eq!(p.value(i), *v); }
     }
 }
+
+/// The switch ACK above, sealed (docs/protocol.md §2.4, docs/kv.md §2.1):
+/// task key 00 01 .. 0f, the member key of channel 5 of task 0x01020304,
+/// seq 0x0000_0102_0304_0506. Pins that key-value datagrams take the same
+/// trailer and derivation as value datagrams (channel in place of src_id).
+const SEALED_ACK: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0xA2, 0x01, 0x00, 0x00, 0x05, 0x01, 0x02, 0x03, 0x04, 0x00, 0x00, 0x00, 0x07, // Ack | SEALED
+    0x00, 0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, // seq
+    0x94, 0x66, 0xCA, 0x77, 0x25, 0x29, 0xC1, 0x26, // tag
+];
+
+#[test]
+fn golden_sealed_ack() {
+    use crate::auth::{derive_member_key, open, seal, Key};
+    let task_key = Key(core::array::from_fn(|i| i as u8));
+    let key = derive_member_key(&task_key, 0x0102_0304, 5);
+    let mut buf = [MARKER; 32];
+    buf[..16].copy_from_slice(&ACK);
+    seal(&key, 0x0000_0102_0304_0506, &mut buf).unwrap();
+    assert_eq!(&buf[..24], &SEALED_ACK[..24]);
+    assert_eq!(buf, SEALED_ACK);
+    // Opened, the inner datagram parses as the Ack, with the sealed bit.
+    let (inner, seq) = open(&key, &SEALED_ACK).unwrap();
+    assert_eq!(seq, 0x0000_0102_0304_0506);
+    let p = Packet::new_checked(inner).unwrap();
+    assert_eq!(p.msg_type(), MessageType::KvAck);
+    assert_eq!(Repr::parse(&p).unwrap(), Repr::parse(&Packet::new_checked(&ACK[..]).unwrap()).unwrap());
+    // Not opened, the trailer is 16 bytes the Ack does not have.
+    assert!(matches!(Packet::new_checked(&SEALED_ACK[..]), Err(WireError::LengthMismatch { .. })));
+}

@@ -234,7 +234,7 @@ class GetTreeResponse(_message.Message):
     def __init__(self, tree_json: _Optional[str] = ...) -> None: ...
 
 class KvRegionSpec(_message.Message):
-    __slots__ = ("task_id", "tenant", "receiver_addr", "short_slots", "medium_groups", "medium_parts", "aa_size", "shadow_copies", "window", "max_channels", "idle_timeout_ms")
+    __slots__ = ("task_id", "tenant", "receiver_addr", "short_slots", "medium_groups", "medium_parts", "aa_size", "shadow_copies", "window", "max_channels", "idle_timeout_ms", "key")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class KvRegionSpec(_message.Message):
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     tenant: int
     receiver_addr: str
@@ -257,7 +258,8 @@ class KvRegionSpec(_message.Message):
     window: int
     max_channels: int
     idle_timeout_ms: int
-    def __init__(self, task_id: _Optional[int] = ..., tenant: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., short_slots: _Optional[int] = ..., medium_groups: _Optional[int] = ..., medium_parts: _Optional[int] = ..., aa_size: _Optional[int] = ..., shadow_copies: _Optional[bool] = ..., window: _Optional[int] = ..., max_channels: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ...) -> None: ...
+    key: bytes
+    def __init__(self, task_id: _Optional[int] = ..., tenant: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., short_slots: _Optional[int] = ..., medium_groups: _Optional[int] = ..., medium_parts: _Optional[int] = ..., aa_size: _Optional[int] = ..., shadow_copies: _Optional[bool] = ..., window: _Optional[int] = ..., max_channels: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class AllocKvRegionRequest(_message.Message):
     __slots__ = ("spec",)
