@@ -119,9 +119,10 @@ class Client:
         """Create a task that ``senders`` channels will feed; returns the ticket.
 
         Options: aa_size, short_slots, medium_groups, medium_parts, window,
-        shadow_copies, swap_threshold, silence_ms, auth (True: a keyed task,
-        every datagram sealed and verified, docs/security.md), key (32 hex
-        digits: a keyed task with this task key) (see docs/kv.md §10).
+        shadow_copies, swap_threshold, silence_ms, auth (default True: a
+        keyed task, every datagram sealed and verified, docs/security.md;
+        False for an unkeyed one), key (32 hex digits: a keyed task with
+        this task key) (see docs/kv.md §10).
         """
         reply = self.request({"op": "create", "senders": senders, **options})
         return {"task_id": reply["task_id"], "control": reply["control"]}

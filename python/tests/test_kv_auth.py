@@ -59,15 +59,18 @@ def _can_capture() -> str:
         return f"no AF_PACKET capture on lo: {e}"
 
 
-def test_tasks_are_keyed_on_request(daemon):
+def test_tasks_are_keyed_by_default_and_unkeyed_on_request(daemon):
     with daemon.client() as c:
+        default = c.request({"op": "create", "senders": 1})
         keyed = c.request({"op": "create", "senders": 1, "auth": True})
-        plain = c.request({"op": "create", "senders": 1})
-        for t in (keyed, plain):
+        plain = c.request({"op": "create", "senders": 1, "auth": False})
+        for t in (default, keyed, plain):
             c.request({"op": "abort", "task_id": t["task_id"]})
         with pytest.raises(Exception, match="key: a key is 32 hex digits"):
             c.request({"op": "create", "senders": 1, "key": "abc"})
-    assert keyed["keyed"] is True and plain["keyed"] is False
+        with pytest.raises(Exception, match="auth must be true or false"):
+            c.request({"op": "create", "senders": 1, "auth": "yes"})
+    assert default["keyed"] is True and keyed["keyed"] is True and plain["keyed"] is False
 
 
 def test_forged_and_replayed_kv_datagrams_are_counted_and_the_count_stays_exact(switch, daemon):

@@ -499,9 +499,11 @@ fn task_key(req: &Value) -> Result<Option<Key>, Value> {
         let hex = hex.as_str().ok_or_else(|| error("key must be a string of 32 hex digits"))?;
         return Key::from_hex(hex).map(Some).map_err(|e| error(format!("key: {e}")));
     }
+    // Keyed unless the application opts out (docs/security.md: safe by
+    // default; `"auth": false` is for trusted networks and measurements).
     match req.get("auth") {
-        Some(Value::Bool(true)) => {}
-        None | Some(Value::Null) | Some(Value::Bool(false)) => return Ok(None),
+        None | Some(Value::Null) | Some(Value::Bool(true)) => {}
+        Some(Value::Bool(false)) => return Ok(None),
         Some(_) => return Err(error("auth must be true or false")),
     }
     let mut key = [0u8; 16];

@@ -238,7 +238,7 @@ def run_kv_wordcount(args: Any) -> int:
         from fanin.spark import reduce_by_key_as_map
 
         def fanin_job() -> dict:
-            counts, _, _ = _fanin_run(svc, parts, args.aa_size)
+            counts, _, _ = _fanin_run(svc, parts, args.aa_size, auth=False)
             return {k.decode(): v for k, v in counts.items()}
 
         def fanin_keyed_job() -> dict:
