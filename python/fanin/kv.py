@@ -32,7 +32,7 @@ import threading
 import uuid
 from typing import Any, Iterable, Optional, Union
 
-__all__ = ["Client", "KvError", "Ticket", "DaemonProcess", "encode_tuples", "decode_results", "DEFAULT_SOCKET"]
+__all__ = ["Client", "KvError", "SenderFailed", "Ticket", "DaemonProcess", "encode_tuples", "decode_results", "DEFAULT_SOCKET"]
 
 DEFAULT_SOCKET = "/tmp/fanin-kv.sock"
 Key = Union[str, bytes]
@@ -42,6 +42,28 @@ _RESULT = struct.Struct("<HqQqq")
 
 class KvError(RuntimeError):
     """The daemon refused a request or a task failed; the message says why."""
+
+
+class SenderFailed(KvError):
+    """A task ended without some of its senders (killed, hung, cut off, or
+    bad input): ``wait`` delivers what was aggregated instead of results.
+
+    ``failed``: one dict per failed channel: ``channel``, ``sender`` (its
+    daemon's control address), ``reason``, ``progress`` (its last report:
+    ``tuples_pushed``, ``tuples_acked``, ``acked_prefix``, ``packets_sent``,
+    ``packets_acked``; None if it never reported) and timings in ms.
+    ``partial``: {key: sum} with every tuple of the channels that finished
+    exactly once and a subset of each failed channel's tuples, each at most
+    once, including at least its first ``acked_prefix`` input tuples.
+    ``reply``: the daemon's whole reply (``keys``, ``receiver`` stats, ...).
+    """
+
+    def __init__(self, message: str, failed: list, partial: dict, reply: dict) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.partial = partial
+        self.reply = reply
+        self.task_id = reply.get("task_id")
 
 
 Ticket = dict  # {"task_id": int, "control": "ip:port"}: what senders need
@@ -105,14 +127,17 @@ class Client:
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one request and return the reply; raises KvError on a refusal."""
+        reply = self._exchange(message)
+        if not reply.get("ok"):
+            raise KvError(reply.get("error", "request refused"))
+        return reply
+
+    def _exchange(self, message: dict[str, Any]) -> dict[str, Any]:
         self._sock.sendall(json.dumps(message).encode() + b"\n")
         line = self._file.readline()
         if not line:
             raise KvError("the daemon closed the connection")
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            raise KvError(reply.get("error", "request refused"))
-        return reply
+        return json.loads(line)
 
     # -- receiver side ---------------------------------------------------
     def create(self, senders: int, **options: Any) -> Ticket:
@@ -128,16 +153,30 @@ class Client:
         return {"task_id": reply["task_id"], "control": reply["control"]}
 
     def wait(self, ticket: Ticket, *, as_str: bool = True, with_stats: bool = False) -> Any:
-        """Block until the task's results are complete; {key: sum}."""
+        """Block until the task's results are complete; {key: sum}.
+
+        Raises ``SenderFailed`` (with ``.failed`` and ``.partial``) when
+        senders failed and the others finished, ``KvError`` for other
+        failures (e.g. the switch went silent: no aggregate to give)."""
         path = _shm_path("res")
         try:
-            reply = self.request({"op": "wait", "task_id": ticket["task_id"], "path": path})
+            reply = self._exchange({"op": "wait", "task_id": ticket["task_id"], "path": path})
+            incomplete = not reply.get("ok") and reply.get("complete") is False
+            if not reply.get("ok") and not incomplete:
+                raise KvError(reply.get("error", "request refused"))
             with open(path, "rb") as f:
                 results = decode_results(f.read(), as_str=as_str)
         finally:
             if os.path.exists(path):
                 os.unlink(path)
+        if incomplete:
+            raise SenderFailed(reply["error"], reply.get("failed", []), results, reply)
         return (results, reply) if with_stats else results
+
+    def status(self, ticket: Ticket) -> dict[str, Any]:
+        """The task's joined channels as the receiver's daemon sees them:
+        ``channels`` = [{channel, sender, state, reason, progress, ...}]."""
+        return self.request({"op": "status", "task_id": ticket["task_id"]})
 
     def abort(self, ticket: Ticket) -> None:
         self.request({"op": "abort", "task_id": ticket["task_id"]})
@@ -195,6 +234,10 @@ class Client:
             t.start()
         try:
             results = self.wait(ticket, as_str=_keys_are_str(channels, format))
+        except SenderFailed:
+            for t in threads:
+                t.join(timeout=5)
+            raise
         except KvError as e:
             for t in threads:
                 t.join(timeout=5)

@@ -12,11 +12,12 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fanin_proto::kv::{
-    Aggregate, KvReceiver, KvSender, ReceiverEvent, ReceiverStats, SenderError, SenderEvent, SenderStats,
+    Aggregate, KvReceiver, KvSender, ReceiverEvent, ReceiverStats, SenderError, SenderEvent, SenderProgress,
+    SenderStats,
 };
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
@@ -32,16 +33,46 @@ const REFILL_CHUNK: usize = 1 << 16;
 /// configures them with it.
 pub const MAX_BURST: usize = 64;
 
+/// How often a sender's progress is published for its daemon's reports
+/// (computing it scans the window).
+const PROGRESS_EVERY: Duration = Duration::from_millis(20);
+
+/// A receiver's final collection: complete, or without the `failed`
+/// channels (a partial aggregate).
+pub struct Collected {
+    pub results: HashMap<Vec<u8>, Aggregate>,
+    pub stats: ReceiverStats,
+    pub failed: Vec<u16>,
+}
+
 /// What a receiver reports when it ends.
-pub type ReceiverOutcome = Result<(HashMap<Vec<u8>, Aggregate>, ReceiverStats), String>;
+pub type ReceiverOutcome = Result<Collected, String>;
+/// A sender's latest progress, published by its channel thread.
+pub type SharedProgress = Arc<Mutex<SenderProgress>>;
 /// What a sender reports when it ends.
 pub type SenderOutcome = Result<SenderStats, String>;
 
 pub enum ChannelCommand {
     Receive { task: u32, switch: SocketAddr, machine: Box<KvReceiver>, done: SyncSender<ReceiverOutcome> },
-    Send { task: u32, channel: u16, switch: SocketAddr, machine: Box<KvSender>, input: Input, done: SyncSender<SenderOutcome> },
+    Send {
+        task: u32,
+        channel: u16,
+        switch: SocketAddr,
+        machine: Box<KvSender>,
+        input: Input,
+        progress: SharedProgress,
+        done: SyncSender<SenderOutcome>,
+    },
     /// Stop every machine of the task (teardown); their callers get `reason`.
     Abort { task: u32, reason: String },
+    /// Stop the sender of one channel; its caller gets `reason`.
+    AbortSender { task: u32, channel: u16, reason: String },
+    /// The task's receiver stops waiting for this channel (its sender is
+    /// gone) and collects a partial aggregate once the others finished.
+    SenderFailed { task: u32, channel: u16 },
+    /// A sender of the task reported progress: the task is alive even if
+    /// its receiver hears nothing (the switch absorbs every packet).
+    SenderProgress { task: u32 },
 }
 
 /// A sender's input: a mapped file read through a cursor.
@@ -77,6 +108,8 @@ struct SenderSlot {
     input: Input,
     input_done: bool,
     failed: bool,
+    progress: SharedProgress,
+    published: Time,
     done: SyncSender<SenderOutcome>,
 }
 
@@ -176,6 +209,7 @@ impl ChannelThread {
                 }
             }
             collect_events(&mut receivers, &mut senders);
+            publish_progress(self.now(), &mut senders);
         }
         for (_, r) in receivers {
             if let Some(done) = r.done {
@@ -197,8 +231,24 @@ impl ChannelThread {
                 Ok(ChannelCommand::Receive { task, switch, machine, done }) => {
                     receivers.insert(task, ReceiverSlot { switch, machine, done: Some(done) });
                 }
-                Ok(ChannelCommand::Send { task, channel, switch, machine, input, done }) => {
-                    senders.insert((task, channel), SenderSlot { switch, machine, input, input_done: false, failed: false, done });
+                Ok(ChannelCommand::Send { task, channel, switch, machine, input, progress, done }) => {
+                    let slot = SenderSlot { switch, machine, input, input_done: false, failed: false, progress, published: Time::ZERO, done };
+                    senders.insert((task, channel), slot);
+                }
+                Ok(ChannelCommand::AbortSender { task, channel, reason }) => {
+                    if let Some(s) = senders.remove(&(task, channel)) {
+                        let _ = s.done.send(Err(reason));
+                    }
+                }
+                Ok(ChannelCommand::SenderFailed { task, channel }) => {
+                    if let Some(r) = receivers.get_mut(&task) {
+                        r.machine.sender_failed(channel);
+                    }
+                }
+                Ok(ChannelCommand::SenderProgress { task }) => {
+                    if let Some(r) = receivers.get_mut(&task) {
+                        r.machine.note_sender_progress(self.now());
+                    }
                 }
                 Ok(ChannelCommand::Abort { task, reason }) => {
                     if let Some(r) = receivers.remove(&task) {
@@ -300,11 +350,16 @@ fn collect_events(receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut Hash
     receivers.retain(|_, r| {
         while let Some(ev) = r.machine.poll_event() {
             match ev {
-                ReceiverEvent::Finished => {
+                ReceiverEvent::Finished | ReceiverEvent::Incomplete { .. } => {
+                    let failed = match ev {
+                        ReceiverEvent::Incomplete { failed } => failed,
+                        _ => Vec::new(),
+                    };
                     if let Some(done) = r.done.take() {
                         // The machine keeps running a while (linger, then
                         // Release), so the caller gets a copy.
-                        let _ = done.send(Ok((r.machine.results().clone(), r.machine.stats())));
+                        let collected = Collected { results: r.machine.results().clone(), stats: r.machine.stats(), failed };
+                        let _ = done.send(Ok(collected));
                     }
                 }
                 ReceiverEvent::Failed(e) => {
@@ -332,6 +387,19 @@ fn collect_events(receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut Hash
         }
         keep
     });
+}
+
+/// Publish each sender's progress for its daemon's reports, at most every
+/// `PROGRESS_EVERY`.
+fn publish_progress(now: Time, senders: &mut HashMap<(u32, u16), SenderSlot>) {
+    for s in senders.values_mut() {
+        if now.as_nanos() >= s.published.as_nanos() + PROGRESS_EVERY.as_nanos() as u64 {
+            s.published = now;
+            if let Ok(mut p) = s.progress.lock() {
+                *p = s.machine.progress();
+            }
+        }
+    }
 }
 
 fn describe_sender_error(e: &SenderError) -> String {

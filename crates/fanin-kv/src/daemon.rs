@@ -13,11 +13,13 @@
 //!    starts a sender machine;
 //! 3. the receiving application `wait`s for the results; the receiver
 //!    machine fetches the switch's aggregators and releases the region;
-//! 4. failures tear down: a sender's bad input or death is reported to the
-//!    receiver's daemon (`fail`) or noticed by the receiver's silence timer;
-//!    the task is aborted, its region released through the control API, and
-//!    the waiting application gets the reason. A receiving application that
-//!    disconnects aborts its unfinished tasks.
+//! 4. a sender that fails (bad input: `fail`) or dies (its control
+//!    connection closes, or it reports no progress: [`crate::liveness`]) is
+//!    declared failed: the receiver stops waiting for it, lets the other
+//!    senders finish, collects, and `wait` answers with the failed channels
+//!    and the partial aggregate. A silent receiver (switch gone) fails the
+//!    task; a receiving application that disconnects aborts its unfinished
+//!    tasks; both release the region through the control API.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -37,7 +39,8 @@ use fanin_udp::BatchSocket;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::channel::{ChannelCommand, ChannelStats, ChannelThread, Input, ReceiverOutcome, SenderOutcome};
+use crate::channel::{ChannelCommand, ChannelStats, ChannelThread, Collected, Input, ReceiverOutcome, SenderOutcome};
+use crate::liveness::{progress_interval, ControlSession, LinkState, ProgressReport, SenderLink};
 use crate::records::{write_results, InputFormat, Mapped};
 use crate::switch_ctl::SwitchControl;
 
@@ -77,7 +80,10 @@ pub struct KvDaemonConfig {
     /// (1M tuples, 2 senders, this machine).
     #[serde(default = "default_rto_us")]
     pub rto_us: u64,
-    /// A sender or receiver hearing nothing this long fails the task.
+    /// Default of a task's `silence_ms`: a joined sender without progress
+    /// this long is declared failed; a receiver hearing nothing (and no
+    /// sender progressing) for twice this long fails the task. Also the
+    /// senders' `dead_after` (nothing acknowledged this long).
     #[serde(default = "default_silence_ms")]
     pub silence_ms: u64,
     #[serde(default = "default_max_key_len")]
@@ -131,6 +137,9 @@ pub struct TaskParams {
     pub senders: u16,
     /// The switch port that owns the task.
     pub switch_addr: SocketAddr,
+    /// How often the sender's daemon reports progress (liveness).
+    #[serde(default)]
+    pub progress_ms: u64,
 }
 
 impl TaskParams {
@@ -150,6 +159,11 @@ pub struct DaemonStats {
     pub bad_requests: AtomicU64,
     pub unknown_task: AtomicU64,
     pub regions_released: AtomicU64,
+    /// Tasks whose `wait` delivered a partial aggregate (also in
+    /// `tasks_failed`).
+    pub tasks_incomplete: AtomicU64,
+    /// Sender channels declared failed at this (receiving) daemon.
+    pub senders_failed: AtomicU64,
 }
 
 struct TaskEntry {
@@ -157,8 +171,10 @@ struct TaskEntry {
     /// The task key (docs/security.md); joining senders get their
     /// channel's member key, never this.
     key: Option<Key>,
-    /// Channel id -> the control address of the sender's daemon.
-    joined: HashMap<u16, String>,
+    /// Channel id -> its sender's daemon and liveness.
+    joined: HashMap<u16, SenderLink>,
+    /// A joined sender without progress this long is declared failed.
+    silence: Duration,
     outcome: Option<Receiver<ReceiverOutcome>>,
     receive_channel: usize,
     started: Instant,
@@ -246,6 +262,8 @@ impl KvDaemon {
             shutdown: shutdown.clone(),
         });
         threads.push(spawn_listener("fanin-kv-control", control, shared.clone(), serve_peer)?);
+        let watch = shared.clone();
+        threads.push(std::thread::Builder::new().name("fanin-kv-liveness".into()).spawn(move || watch_senders(&watch))?);
         threads.push(spawn_listener("fanin-kv-local", local, shared.clone(), serve_app)?);
         Ok(Self { shared, threads })
     }
@@ -411,8 +429,9 @@ fn app_request(shared: &Arc<Shared>, req: &Value, owned: &mut Vec<u32>) -> Value
             let found = abort_task(shared, t as u32, "aborted by the application", true);
             json!({"ok": found})
         }),
+        "status" => task_status(shared, req),
         "stats" => Ok(stats_json(shared)),
-        other => Err(error(format!("unknown op {other:?} (create, send, wait, abort, stats)"))),
+        other => Err(error(format!("unknown op {other:?} (create, send, wait, status, abort, stats)"))),
     };
     result.unwrap_or_else(|e| {
         shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
@@ -455,12 +474,17 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
         match shared.switch.alloc(&spec) {
             Ok(switch_addr) => {
                 let switch_addr = reachable_switch_addr(switch_addr, &shared.config);
-                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders: senders as u16, switch_addr };
+                let progress_ms = progress_interval(silence).as_millis() as u64;
+                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders: senders as u16, switch_addr, progress_ms };
                 let mut rc = ReceiverConfig::new(task_id, layout, aa_size, senders as u16);
                 rc.shadow_copies = shadow_copies;
                 rc.window = window;
                 rc.swap_threshold = (swap_threshold > 0).then_some(swap_threshold);
-                rc.idle_timeout = silence;
+                // Twice the senders' liveness timeout: a dead sender is found
+                // (and named) by its control connection first; this timer is
+                // for the switch or the whole path going silent, and for
+                // channels that never join.
+                rc.idle_timeout = silence * 2;
                 rc.max_burst = crate::channel::MAX_BURST;
                 rc.rto = Duration::from_micros(shared.config.rto_us.max(1_000));
                 rc.auth_key = key.map(|k| receiver_key(&k, task_id));
@@ -477,7 +501,7 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
                 let _ = commands.send(ChannelCommand::Receive { task: task_id, switch: switch_addr, machine: Box::new(machine), done });
                 shared.tasks.lock().expect("tasks").insert(
                     task_id,
-                    TaskEntry { params, key, joined: HashMap::new(), outcome: Some(outcome), receive_channel: idx, started: Instant::now() },
+                    TaskEntry { params, key, joined: HashMap::new(), silence, outcome: Some(outcome), receive_channel: idx, started: Instant::now() },
                 );
                 shared.stats.tasks_created.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "task_id": task_id, "control": shared.control_addr.to_string(),
@@ -533,24 +557,78 @@ fn wait_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
     let result = outcome.recv().unwrap_or_else(|_| Err("the receiver's data channel stopped".into()));
     let entry = shared.tasks.lock().expect("tasks").remove(&task_id);
     let seconds = entry.as_ref().map_or(0.0, |e| e.started.elapsed().as_secs_f64());
+    let now = Instant::now();
+    // The channels the daemon declared failed, as the application sees them.
+    let report = |channels: &mut dyn Iterator<Item = u16>| -> Vec<Value> {
+        let links = entry.as_ref().map(|e| &e.joined);
+        channels
+            .map(|c| match links.and_then(|l| l.get(&c)) {
+                Some(link) => link.to_json(c, now),
+                None => json!({"channel": c, "sender": null, "state": "failed", "reason": "never joined"}),
+            })
+            .collect()
+    };
     match result {
-        Ok((results, stats)) => {
-            shared.stats.tasks_finished.fetch_add(1, Ordering::Relaxed);
+        Ok(Collected { results, stats, failed }) => {
             let keys = write_results(Path::new(path), results.iter()).map_err(|e| error(format!("cannot write {path}: {e}")))?;
-            Ok(json!({"ok": true, "task_id": task_id, "keys": keys, "path": path, "seconds": seconds,
-                      "receiver": {"data_packets": stats.data_packets, "duplicate_packets": stats.duplicate_packets,
-                                   "tuples_local": stats.tuples_local, "swaps": stats.swaps,
-                                   "entries_fetched": stats.entries_fetched, "fetch_requests": stats.fetch_requests}}))
+            let receiver = json!({"data_packets": stats.data_packets, "duplicate_packets": stats.duplicate_packets,
+                                  "tuples_local": stats.tuples_local, "swaps": stats.swaps,
+                                  "entries_fetched": stats.entries_fetched, "fetch_requests": stats.fetch_requests});
+            if failed.is_empty() {
+                shared.stats.tasks_finished.fetch_add(1, Ordering::Relaxed);
+                return Ok(json!({"ok": true, "complete": true, "task_id": task_id, "keys": keys, "path": path,
+                                 "seconds": seconds, "receiver": receiver}));
+            }
+            shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
+            shared.stats.tasks_incomplete.fetch_add(1, Ordering::Relaxed);
+            let failed = report(&mut failed.into_iter());
+            let message = format!(
+                "task {task_id} is incomplete: {}; the partial aggregate ({keys} keys: every tuple of the finished \
+                 channels, part of the failed ones') is in {path}",
+                describe_failed(&failed)
+            );
+            // Not an error of the request: the reply carries the outcome.
+            Ok(json!({"ok": false, "complete": false, "error": message, "task_id": task_id, "failed": failed,
+                      "keys": keys, "path": path, "seconds": seconds, "receiver": receiver}))
         }
         Err(reason) => {
             shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
             release_region(shared, task_id);
-            if let Some(e) = entry {
+            let mut failed = Vec::new();
+            if let Some(e) = &entry {
                 notify_senders(&e.joined, task_id, &reason);
+                let mut declared = e.joined.iter().filter(|(_, l)| matches!(l.state, LinkState::Failed { .. })).map(|(c, _)| *c).collect::<Vec<_>>();
+                declared.sort_unstable();
+                failed = report(&mut declared.into_iter());
             }
-            Err(error(format!("task {task_id} failed: {reason}")))
+            let also = if failed.is_empty() { String::new() } else { format!(" (earlier: {})", describe_failed(&failed)) };
+            Err(json!({"ok": false, "error": format!("task {task_id} failed: {reason}{also}"), "failed": failed}))
         }
     }
+}
+
+/// "sender channel 1 (daemon 10.0.0.2:4000) failed: reason; ..."
+fn describe_failed(failed: &[Value]) -> String {
+    let one = |f: &Value| {
+        format!("sender channel {} (daemon {}) failed: {}", f["channel"], f["sender"].as_str().unwrap_or("unknown"),
+                f["reason"].as_str().unwrap_or("unknown"))
+    };
+    failed.iter().map(one).collect::<Vec<_>>().join("; ")
+}
+
+/// `status`: the task's joined channels and their liveness (receiver side).
+fn task_status(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
+    let task_id = uint(req, "task_id")? as u32;
+    let tasks = shared.tasks.lock().expect("tasks");
+    let Some(t) = tasks.get(&task_id) else {
+        shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
+        return Err(error(format!("unknown task {task_id}")));
+    };
+    let now = Instant::now();
+    let mut channels: Vec<_> = t.joined.iter().collect();
+    channels.sort_by_key(|(c, _)| **c);
+    let channels: Vec<Value> = channels.into_iter().map(|(c, l)| l.to_json(*c, now)).collect();
+    Ok(json!({"ok": true, "task_id": task_id, "senders": t.params.senders, "channels": channels}))
 }
 
 /// Release the region through the control API (the receiver machine may
@@ -583,10 +661,57 @@ fn abort_task(shared: &Arc<Shared>, task_id: u32, reason: &str, forget: bool) ->
     true
 }
 
-fn notify_senders(joined: &HashMap<u16, String>, task_id: u32, reason: &str) {
-    for (channel, addr) in joined {
+/// Tell the daemons of the still active senders that the task is gone.
+fn notify_senders(joined: &HashMap<u16, SenderLink>, task_id: u32, reason: &str) {
+    for (channel, link) in joined.iter().filter(|(_, l)| l.is_active()) {
         let msg = json!({"op": "abort", "task_id": task_id, "channel": channel, "reason": reason});
-        let _ = peer_call(addr, &msg);
+        let _ = peer_call(&link.control, &msg);
+    }
+}
+
+/// Declare a joined sender failed (receiver side): the receiver machine
+/// stops waiting for its FIN and the sender's daemon, should it still be
+/// there, is told to stop. False if the channel was not active (it finished,
+/// failed before, or the task is gone).
+fn sender_failed(shared: &Arc<Shared>, task_id: u32, channel: u16, reason: String) -> bool {
+    let control = {
+        let mut tasks = shared.tasks.lock().expect("tasks");
+        let Some(t) = tasks.get_mut(&task_id) else { return false };
+        let Some(link) = t.joined.get_mut(&channel) else { return false };
+        if !link.fail(reason.clone(), Instant::now()) {
+            return false;
+        }
+        let _ = shared.receive[t.receive_channel].0.send(ChannelCommand::SenderFailed { task: task_id, channel });
+        link.control.clone()
+    };
+    shared.stats.senders_failed.fetch_add(1, Ordering::Relaxed);
+    // Usually the daemon is dead and this fails fast; a hung one may take
+    // the connect timeout, so not on the caller's thread.
+    let msg = json!({"op": "abort", "task_id": task_id, "channel": channel,
+                     "reason": format!("the receiver declared this sender failed: {reason}")});
+    let _ = std::thread::Builder::new().name("fanin-kv-notify".into()).spawn(move || peer_call(&control, &msg));
+    true
+}
+
+/// Every active sender without progress for its task's silence timeout is
+/// declared failed. Checks five times per shortest timeout (50 ms at most).
+fn watch_senders(shared: &Arc<Shared>) {
+    while !shared.shutdown.load(Ordering::SeqCst) {
+        let now = Instant::now();
+        let mut overdue = Vec::new();
+        let mut tick = Duration::from_millis(50);
+        for (task, t) in shared.tasks.lock().expect("tasks").iter() {
+            tick = tick.min(t.silence / 5).max(Duration::from_millis(5));
+            for (channel, link) in &t.joined {
+                if let Some(why) = link.overdue(now, t.silence) {
+                    overdue.push((*task, *channel, why));
+                }
+            }
+        }
+        for (task, channel, why) in overdue {
+            sender_failed(shared, task, channel, why);
+        }
+        std::thread::sleep(tick);
     }
 }
 
@@ -602,8 +727,12 @@ fn send(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
     let map = Mapped::open(Path::new(path)).map_err(|e| error(format!("cannot map {path}: {e}")))?;
     // Join at the receiver's daemon (control channel): it checks the task
     // and channel and tells us the task's parameters.
+    // The session stays open while we send: it is how the receiver's daemon
+    // knows this sender is alive (docs/kv.md §10, failed senders).
     let join = json!({"op": "join", "task_id": task_id, "channel": channel, "control": shared.control_addr.to_string()});
-    let reply = peer_call(&control, &join).map_err(|e| error(format!("cannot reach the receiver's daemon at {control}: {e}")))?;
+    let unreachable = |e: std::io::Error| error(format!("cannot reach the receiver's daemon at {control}: {e}"));
+    let mut session = ControlSession::connect(&control).map_err(unreachable)?;
+    let reply = session.call(&join).map_err(unreachable)?;
     if reply["ok"] != json!(true) {
         shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
         return Err(error(reply["error"].as_str().unwrap_or("join refused")));
@@ -627,10 +756,40 @@ fn send(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
     let idx = (shared.next_send.fetch_add(1, Ordering::Relaxed) as usize) % shared.send.len();
     let started = Instant::now();
     let input = Input { map, format, offset: 0 };
-    let _ = shared.send[idx].send(ChannelCommand::Send { task: task_id, channel, switch: params.switch_addr, machine: Box::new(machine), input, done });
-    let result = outcome.recv().unwrap_or_else(|_| Err("the data channel stopped".into()));
+    let progress = Arc::new(Mutex::new(machine.progress()));
+    let cmd = ChannelCommand::Send { task: task_id, channel, switch: params.switch_addr, machine: Box::new(machine), input, progress: progress.clone(), done };
+    let _ = shared.send[idx].send(cmd);
+    let interval = Duration::from_millis(params.progress_ms.max(10));
+    let mut session = Some(session);
+    let result = loop {
+        match outcome.recv_timeout(interval) {
+            Ok(r) => break r,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break Err("the data channel stopped".into()),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        let Some(s) = session.as_mut() else { continue };
+        let report = ProgressReport::from(*progress.lock().expect("progress"));
+        let msg = json!({"op": "progress", "task_id": task_id, "channel": channel, "progress": report});
+        // Declared failed (we were too slow, or our connection was taken
+        // for dead): this channel no longer counts, stop. Any other refusal
+        // or a broken session only ends the reports: a task that finished
+        // while our FIN-ACK was lost must not fail us, and a vanished
+        // receiver is the machine's to notice (no acknowledgements).
+        match s.call(&msg) {
+            Ok(r) if r["ok"] == json!(true) => {}
+            Ok(r) if r["declared_failed"] == json!(true) => {
+                let reason = r["error"].as_str().unwrap_or("the receiver declared this sender failed").to_string();
+                let _ = shared.send[idx].send(ChannelCommand::AbortSender { task: task_id, channel, reason });
+                session = None;
+            }
+            Ok(_) | Err(_) => session = None,
+        }
+    };
     match result {
         Ok(st) => {
+            if let Some(s) = session.as_mut() {
+                let _ = s.call(&json!({"op": "finished", "task_id": task_id, "channel": channel}));
+            }
             shared.stats.sends_finished.fetch_add(1, Ordering::Relaxed);
             Ok(json!({"ok": true, "task_id": task_id, "channel": channel, "seconds": started.elapsed().as_secs_f64(),
                       "tuples": st.tuples, "long_tuples": st.long_tuples, "packets": st.packets,
@@ -641,7 +800,9 @@ fn send(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
             shared.stats.sends_failed.fetch_add(1, Ordering::Relaxed);
             // The receiver would otherwise wait for this channel's FIN.
             let fail = json!({"op": "fail", "task_id": task_id, "channel": channel, "error": reason});
-            let _ = peer_call(&control, &fail);
+            if session.as_mut().map(|s| s.call(&fail)).is_none_or(|r| r.is_err()) {
+                let _ = peer_call(&control, &fail);
+            }
             Err(error(format!("task {task_id} channel {channel}: {reason}")))
         }
     }
@@ -657,6 +818,7 @@ fn stats_json(shared: &Shared) -> Value {
         "sends_finished": get(&s.sends_finished), "sends_failed": get(&s.sends_failed),
         "bad_requests": get(&s.bad_requests), "unknown_task": get(&s.unknown_task),
         "regions_released": get(&s.regions_released),
+        "tasks_incomplete": get(&s.tasks_incomplete), "senders_failed": get(&s.senders_failed),
         "rx_datagrams": sum(|c| &c.rx_datagrams), "malformed_datagrams": sum(|c| &c.malformed),
         "unroutable_datagrams": sum(|c| &c.unroutable), "tx_datagrams": sum(|c| &c.tx_datagrams),
         "send_errors": sum(|c| &c.send_errors),
@@ -666,12 +828,20 @@ fn stats_json(shared: &Shared) -> Value {
 
 // ---------------------------------------------------- daemon control channel
 
+/// One connection from another daemon. A sender's daemon joins on it and
+/// keeps it for the whole send; if it closes before that channel finished,
+/// the sender is declared failed.
 fn serve_peer(shared: &Arc<Shared>, stream: TcpStream) {
     let Ok(mut writer) = stream.try_clone() else { return };
-    serve_lines(shared, stream, peer_request, &mut writer);
+    let mut joined_here: Vec<(u32, u16)> = Vec::new();
+    serve_lines(shared, stream, |s, req| peer_request(s, req, &mut joined_here), &mut writer);
+    for (task, channel) in joined_here {
+        let reason = "its daemon's control connection closed before its FIN was acknowledged (daemon killed or host gone)";
+        sender_failed(shared, task, channel, reason.into());
+    }
 }
 
-fn peer_request(shared: &Arc<Shared>, req: &Value) -> Value {
+fn peer_request(shared: &Arc<Shared>, req: &Value, joined_here: &mut Vec<(u32, u16)>) -> Value {
     let op = req.get("op").and_then(Value::as_str).unwrap_or("");
     let result = (|| -> Result<Value, Value> {
         let task_id = uint(req, "task_id")? as u32;
@@ -690,21 +860,46 @@ fn peer_request(shared: &Arc<Shared>, req: &Value) -> Value {
                     return Err(error(format!("channel {channel} of task {task_id} has already joined")));
                 }
                 let control = req.get("control").and_then(Value::as_str).unwrap_or("").to_string();
-                t.joined.insert(channel as u16, control);
+                t.joined.insert(channel as u16, SenderLink::new(control, Instant::now()));
+                joined_here.push((task_id, channel as u16));
                 // The channel's member key travels in clear on this channel:
                 // it must be loopback or a trusted network (docs/security.md).
                 let member_key = t.key.map(|k| channel_key(&k, task_id, channel as u16).to_hex());
                 Ok(json!({"ok": true, "params": t.params, "member_key": member_key}))
             }
+            "progress" => {
+                let report: ProgressReport = serde_json::from_value(field(req, "progress")?.clone())
+                    .map_err(|e| error(format!("bad progress report: {e}")))?;
+                let mut tasks = shared.tasks.lock().expect("tasks");
+                let gone = || error(format!("task {task_id} is gone at the receiver's daemon (finished or aborted)"));
+                let t = tasks.get_mut(&task_id).ok_or_else(gone)?;
+                let link = t.joined.get_mut(&(channel as u16)).ok_or_else(|| error(format!("channel {channel} has not joined task {task_id}")))?;
+                if let LinkState::Failed { reason } = &link.state {
+                    let message = format!("the receiver declared channel {channel} of task {task_id} failed: {reason}");
+                    return Err(json!({"ok": false, "error": message, "declared_failed": true}));
+                }
+                if link.on_progress(report, Instant::now()) {
+                    let _ = shared.receive[t.receive_channel].0.send(ChannelCommand::SenderProgress { task: task_id });
+                }
+                Ok(json!({"ok": true}))
+            }
+            "finished" => {
+                if let Some(link) = shared.tasks.lock().expect("tasks").get_mut(&task_id).and_then(|t| t.joined.get_mut(&(channel as u16))) {
+                    link.finish();
+                }
+                Ok(json!({"ok": true}))
+            }
             "fail" => {
                 let why = req.get("error").and_then(Value::as_str).unwrap_or("unknown error");
-                let found = abort_task(shared, task_id, &format!("sender channel {channel} failed: {why}"), false);
+                let found = sender_failed(shared, task_id, channel as u16, format!("the sender failed: {why}"));
                 Ok(json!({"ok": found}))
             }
             "abort" => {
+                // The receiver's daemon gave up the task (or this channel).
                 let reason = req.get("reason").and_then(Value::as_str).unwrap_or("aborted by the receiver");
+                let reason = format!("the receiver aborted the task: {reason}");
                 for s in &shared.send {
-                    let _ = s.send(ChannelCommand::Abort { task: task_id, reason: format!("the receiver aborted the task: {reason}") });
+                    let _ = s.send(ChannelCommand::AbortSender { task: task_id, channel: channel as u16, reason: reason.clone() });
                 }
                 Ok(json!({"ok": true}))
             }

@@ -16,6 +16,7 @@
 
 pub mod channel;
 mod daemon;
+pub mod liveness;
 pub mod records;
 pub mod switch_ctl;
 

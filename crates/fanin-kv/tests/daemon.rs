@@ -112,7 +112,12 @@ fn bad_requests_get_clear_errors() {
     let r = request(&mut app, json!({"op": "send", "ticket": ticket, "channel": 0, "path": path}));
     assert!(r["error"].as_str().unwrap().contains("truncated record at byte 0"), "{r}");
     let r = request(&mut app, json!({"op": "wait", "task_id": created["task_id"], "path": dir.path("r")}));
-    assert!(r["error"].as_str().unwrap().contains("sender channel 0 failed"), "{r}");
+    // The one sender failed: the task ends incomplete, naming it (the
+    // partial aggregate is empty: nothing of the input was valid).
+    assert!(r["error"].as_str().unwrap().contains("sender channel 0 (daemon "), "{r}");
+    assert_eq!((r["ok"].as_bool(), r["complete"].as_bool(), r["keys"].as_u64()), (Some(false), Some(false), Some(0)), "{r}");
+    assert_eq!(r["failed"][0]["channel"], json!(0));
+    assert!(r["failed"][0]["reason"].as_str().unwrap().contains("truncated record at byte 0"), "{r}");
     let r = request(&mut app, json!({"op": "send", "ticket": ticket, "channel": 0, "path": path}));
     assert!(r["error"].as_str().unwrap().contains("unknown task"), "{r}");
 }

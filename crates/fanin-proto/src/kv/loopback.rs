@@ -74,6 +74,11 @@ pub struct Loopback {
     pub datagrams: u64,
     /// `run` also waits for the receiver to release the switch region.
     pub wait_for_release: bool,
+    /// Senders that died ([`Loopback::kill_sender`]): not driven any more,
+    /// datagrams to them vanish.
+    dead: Vec<bool>,
+    /// The receiver reported `Incomplete` with these channels.
+    pub incomplete: Option<Vec<u16>>,
 }
 
 /// The hop a datagram is about to take, as the filter sees it.
@@ -88,7 +93,29 @@ pub enum Direction {
 impl Loopback {
     pub fn new(switch: KvSwitch<Node>, senders: Vec<KvSender>, receiver: KvReceiver, link: LinkConfig) -> Self {
         let rng = SplitMix64::new(link.seed);
-        Self { switch, senders, receiver, link, filter: None, now: Time::ZERO, rng, order: 0, queue: BinaryHeap::new(), datagrams: 0, wait_for_release: false }
+        let dead = vec![false; senders.len()];
+        Self {
+            switch,
+            senders,
+            receiver,
+            link,
+            filter: None,
+            now: Time::ZERO,
+            rng,
+            order: 0,
+            queue: BinaryHeap::new(),
+            datagrams: 0,
+            wait_for_release: false,
+            dead,
+            incomplete: None,
+        }
+    }
+
+    /// Sender `i` dies now (a killed process): it sends nothing more and
+    /// what is on its way to it is lost. Its datagrams already on the wire
+    /// still arrive, as they would.
+    pub fn kill_sender(&mut self, i: usize) {
+        self.dead[i] = true;
     }
 
     pub fn now(&self) -> Time {
@@ -121,6 +148,9 @@ impl Loopback {
     fn transmit_hosts(&mut self) {
         let mut out = VecTransmit::new();
         for i in 0..self.senders.len() {
+            if self.dead[i] {
+                continue;
+            }
             while self.senders[i].poll_transmit(self.now, &mut out) > 0 {
                 for (_, b) in out.drain() {
                     self.schedule(Hop::ToSwitch(Node::Sender(i)), b);
@@ -135,7 +165,7 @@ impl Loopback {
     }
 
     fn next_timer(&self) -> Option<Time> {
-        let s = self.senders.iter().filter_map(|s| s.poll_timeout());
+        let s = self.senders.iter().zip(&self.dead).filter(|(_, d)| !**d).filter_map(|(s, _)| s.poll_timeout());
         s.chain(self.receiver.poll_timeout()).chain(self.switch.poll_timeout()).min()
     }
 
@@ -150,6 +180,7 @@ impl Loopback {
                     self.schedule(Hop::ToHost(to), b);
                 }
             }
+            Hop::ToHost(Node::Sender(i)) if self.dead[i] => {}
             Hop::ToHost(Node::Sender(i)) => self.senders[i].handle_datagram(self.now, &bytes),
             Hop::ToHost(Node::Receiver) => self.receiver.handle_datagram(self.now, &bytes),
         }
@@ -160,7 +191,7 @@ impl Loopback {
     pub fn run(&mut self, deadline: Time) -> RunOutcome {
         loop {
             self.transmit_hosts();
-            for (i, s) in self.senders.iter_mut().enumerate() {
+            for (i, s) in self.senders.iter_mut().enumerate().filter(|(i, _)| !self.dead[*i]) {
                 while let Some(ev) = s.poll_event() {
                     if let SenderEvent::Failed(e) = ev {
                         return RunOutcome::SenderFailed(i, e);
@@ -168,12 +199,15 @@ impl Loopback {
                 }
             }
             while let Some(ev) = self.receiver.poll_event() {
-                if let ReceiverEvent::Failed(e) = ev {
-                    return RunOutcome::ReceiverFailed(e);
+                match ev {
+                    ReceiverEvent::Failed(e) => return RunOutcome::ReceiverFailed(e),
+                    ReceiverEvent::Incomplete { failed } => self.incomplete = Some(failed),
+                    ReceiverEvent::Finished => {}
                 }
             }
             let receiver_done = if self.wait_for_release { self.receiver.is_released() } else { self.receiver.is_done() };
-            if receiver_done && self.senders.iter().all(|s| s.is_done()) && self.queue.is_empty() {
+            let senders_done = self.senders.iter().zip(&self.dead).all(|(s, d)| *d || s.is_done());
+            if receiver_done && senders_done && self.queue.is_empty() {
                 return RunOutcome::Finished;
             }
             let next_packet = self.queue.peek().map(|Reverse((at, ..))| Time::from_nanos(*at));
@@ -188,7 +222,7 @@ impl Loopback {
                 let Reverse((_, _, hop, bytes)) = self.queue.pop().expect("peeked");
                 self.deliver(hop, bytes);
             }
-            for s in self.senders.iter_mut() {
+            for (s, _) in self.senders.iter_mut().zip(&self.dead).filter(|(_, d)| !**d) {
                 if s.poll_timeout().is_some_and(|t| t <= self.now) {
                     s.handle_timeout(self.now);
                 }

@@ -10,6 +10,15 @@
 //! region), fetches the last copy, merges it, releases the region and
 //! reports [`ReceiverEvent::Finished`].
 //!
+//! **Failed senders.** The driver learns of a dead sender out of band (its
+//! daemon's control connection, docs/kv.md §10) and calls
+//! [`KvReceiver::sender_failed`]. The machine then stops waiting for that
+//! channel's FIN: once every other channel's FIN arrived it runs the same
+//! final collection and reports [`ReceiverEvent::Incomplete`] naming the
+//! failed channels. The results then hold every tuple of the finished
+//! channels exactly once and a subset of each failed channel's tuples, each
+//! at most once (what the switch absorbed plus what reached the receiver).
+//!
 //! Control requests (swap, fetch, clear) are stop-and-wait: one outstanding,
 //! repeated every `rto` until answered. Each names the copy epoch, so a
 //! delayed duplicate can never clear a copy that became active again.
@@ -23,7 +32,7 @@
 //! `poll_timeout`, `handle_datagram`, `handle_timeout`, `poll_event`;
 //! results with [`KvReceiver::results`] after `Finished`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use fanin_wire::kv::{
@@ -90,8 +99,8 @@ impl ReceiverConfig {
 pub enum ReceiverError {
     #[error(transparent)]
     Layout(#[from] LayoutError),
-    #[error("nothing arrived for {waited:?}; FINs from {fins} of {senders} senders: a sender or the switch is gone")]
-    Silent { waited: Duration, fins: usize, senders: u16 },
+    #[error("nothing arrived for {waited:?}; FINs from {fins} of {senders} senders, none from channels {}: a sender or the switch is gone", list_channels(.missing))]
+    Silent { waited: Duration, fins: usize, senders: u16, missing: Vec<u16> },
     #[error("the switch refused task {task_id}: {} (detail {detail})", reason.describe())]
     Refused { task_id: u32, reason: NackReason, detail: u32 },
 }
@@ -99,7 +108,22 @@ pub enum ReceiverError {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReceiverEvent {
     Finished,
+    /// The final collection is done without these channels' FINs (they were
+    /// declared failed): the results are a partial aggregate.
+    Incomplete { failed: Vec<u16> },
     Failed(ReceiverError),
+}
+
+/// "1, 2, 5" (at most 16 named, then "and N more").
+fn list_channels(channels: &[u16]) -> String {
+    let mut s = channels.iter().take(16).map(|c| c.to_string()).collect::<Vec<_>>().join(", ");
+    if channels.len() > 16 {
+        s.push_str(&format!(" and {} more", channels.len() - 16));
+    }
+    if s.is_empty() {
+        s.push_str("(none)");
+    }
+    s
 }
 
 /// A key's aggregate: sum, count, min and max of its values.
@@ -189,6 +213,8 @@ pub struct KvReceiver {
     results: HashMap<Vec<u8>, Aggregate>,
     windows: HashMap<u16, DedupWindow>,
     fins: HashSet<u16>,
+    /// Channels declared failed (no FIN will come); disjoint from `fins`.
+    failed: BTreeSet<u16>,
     epoch: u32,
     phase: Phase,
     since_swap: u64,
@@ -213,6 +239,7 @@ impl KvReceiver {
             results: HashMap::new(),
             windows: HashMap::new(),
             fins: HashSet::new(),
+            failed: BTreeSet::new(),
             epoch: 0,
             phase: Phase::Idle,
             since_swap: 0,
@@ -253,6 +280,37 @@ impl KvReceiver {
     }
     pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
         self.events.pop_front()
+    }
+
+    /// Channels declared failed, in order.
+    pub fn failed_channels(&self) -> Vec<u16> {
+        self.failed.iter().copied().collect()
+    }
+
+    /// The sender of `channel` is gone (the driver knows how: its daemon's
+    /// control connection). The machine stops waiting for its FIN; when all
+    /// other channels finished it collects and reports `Incomplete`. The
+    /// caller names only channels of the task (the machine does not know
+    /// the ids). Returns false, and changes nothing, when the channel's FIN
+    /// already arrived (its tuples are all in: it did not fail), it was
+    /// declared failed before, or the machine has stopped.
+    pub fn sender_failed(&mut self, channel: u16) -> bool {
+        let collecting = matches!(self.phase, Phase::Idle | Phase::Swapping { final_: false } | Phase::Fetching { final_: false, .. } | Phase::Clearing { .. });
+        if !collecting || self.fins.contains(&channel) || !self.failed.insert(channel) {
+            return false;
+        }
+        true
+    }
+
+    /// A sender reported progress (its packets are being acknowledged). The
+    /// switch acknowledges fully absorbed packets itself, so a receiver can
+    /// legitimately hear nothing for long; this keeps its silence timer
+    /// from taking that for a dead task.
+    pub fn note_sender_progress(&mut self, now: Time) {
+        let collecting = matches!(self.phase, Phase::Idle | Phase::Swapping { .. } | Phase::Fetching { .. } | Phase::Clearing { .. });
+        if collecting {
+            self.last_heard = self.last_heard.max(now);
+        }
     }
 
     pub fn poll_timeout(&self) -> Option<Time> {
@@ -296,10 +354,13 @@ impl KvReceiver {
             return;
         }
         if now >= self.last_heard + self.config.idle_timeout {
+            // The daemon numbers a task's channels 0..senders.
+            let missing = (0..self.config.senders).filter(|c| !self.fins.contains(c)).collect();
             let err = ReceiverError::Silent {
                 waited: self.config.idle_timeout,
                 fins: self.fins.len(),
                 senders: self.config.senders,
+                missing,
             };
             self.fail(err);
         }
@@ -353,13 +414,16 @@ impl KvReceiver {
             }
         }
         if matches!(self.phase, Phase::Lingering { .. } | Phase::Releasing) {
-            if p.msg_type() == MessageType::KvFin {
+            if p.msg_type() == MessageType::KvFin && !self.failed.contains(&p.channel()) {
                 self.replies.push_back(self.control(MessageType::KvFinAck, p.channel(), p.seq()));
             }
             return;
         }
         match p.msg_type() {
             MessageType::KvData | MessageType::KvLongData => self.on_data(&p),
+            // A channel declared failed gets no FIN-ACK: its sender was told
+            // the task gave up on it, and the report names it failed.
+            MessageType::KvFin if self.failed.contains(&p.channel()) => {}
             MessageType::KvFin => {
                 self.fins.insert(p.channel());
                 self.replies.push_back(self.control(MessageType::KvFinAck, p.channel(), p.seq()));
@@ -533,7 +597,11 @@ impl KvReceiver {
         if final_ {
             self.request = None;
             self.phase = Phase::Lingering { until: now + self.config.linger };
-            self.events.push_back(ReceiverEvent::Finished);
+            self.events.push_back(if self.failed.is_empty() {
+                ReceiverEvent::Finished
+            } else {
+                ReceiverEvent::Incomplete { failed: self.failed_channels() }
+            });
         } else {
             // Algorithm 1, Read(): clean up the old copy after reading it.
             self.phase = Phase::Clearing { copy };
@@ -577,7 +645,8 @@ impl KvReceiver {
     /// a swap or the final collection when due.
     pub fn poll_transmit(&mut self, now: Time, out: &mut impl Transmit<()>) -> usize {
         if self.phase == Phase::Idle {
-            let all_fins = self.fins.len() >= self.config.senders as usize;
+            // Failed channels send no FIN; the survivors' FINs end the task.
+            let all_fins = self.fins.len() + self.failed.len() >= self.config.senders as usize;
             if all_fins {
                 self.start_swap(now, true);
             } else if self.config.shadow_copies

@@ -115,11 +115,35 @@ pub struct SenderStats {
     pub auth: AuthStats,
 }
 
+/// How far a sender got, for its daemon's progress reports (liveness at
+/// the receiver's daemon, and what a failed channel contributed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SenderProgress {
+    /// Tuples pushed so far.
+    pub tuples_pushed: u64,
+    /// Tuples in acknowledged packets. An acknowledged tuple is aggregated
+    /// (in the switch, or by the receiver before it acknowledged), so it is
+    /// in the task's results even if this sender dies now.
+    pub tuples_acked: u64,
+    /// The first `acked_prefix` pushed tuples are all acknowledged (tuples
+    /// travel out of push order: per-slot queues, long keys apart).
+    pub acked_prefix: u64,
+    /// Packets sent (the next seq) and packets acknowledged.
+    pub packets_sent: u32,
+    pub packets_acked: u64,
+    /// The FIN was acknowledged.
+    pub finished: bool,
+}
+
 struct InFlight {
     seq: u32,
     bytes: Vec<u8>,
     deadline: Time,
     acked: bool,
+    /// Push index of the oldest tuple in the packet and how many it holds
+    /// (progress accounting).
+    first: u64,
+    tuples: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,10 +156,13 @@ enum State {
 
 pub struct KvSender {
     config: SenderConfig,
-    short: Vec<VecDeque<(u64, i64)>>,
-    medium: Vec<VecDeque<(Vec<u64>, i64)>>,
-    long: VecDeque<(Vec<u8>, i64)>,
+    // Queued tuples carry their push index (progress accounting).
+    short: Vec<VecDeque<(u64, u64, i64)>>,
+    medium: Vec<VecDeque<(u64, Vec<u64>, i64)>>,
+    long: VecDeque<(u64, Vec<u8>, i64)>,
     queued: usize,
+    tuples_acked: u64,
+    packets_acked: u64,
     input_closed: bool,
     next_seq: u32,
     /// Unacknowledged packets in seq order; front is the window base.
@@ -158,6 +185,8 @@ impl KvSender {
             medium: vec![VecDeque::new(); config.layout.medium_groups as usize],
             long: VecDeque::new(),
             queued: 0,
+            tuples_acked: 0,
+            packets_acked: 0,
             input_closed: false,
             next_seq: 0,
             inflight: VecDeque::new(),
@@ -186,6 +215,24 @@ impl KvSender {
         self.next_seq
     }
 
+    /// How far the sender got. O(slots + W): call it for periodic reports,
+    /// not per datagram.
+    pub fn progress(&self) -> SenderProgress {
+        let pushed = self.stats.tuples;
+        let queued = self.short.iter().filter_map(|q| q.front().map(|t| t.0));
+        let queued = queued.chain(self.medium.iter().filter_map(|q| q.front().map(|t| t.0)));
+        let queued = queued.chain(self.long.front().map(|t| t.0));
+        let unacked = self.inflight.iter().filter(|p| !p.acked && p.tuples > 0).map(|p| p.first);
+        SenderProgress {
+            tuples_pushed: pushed,
+            tuples_acked: self.tuples_acked,
+            acked_prefix: queued.chain(unacked).min().unwrap_or(pushed),
+            packets_sent: self.next_seq,
+            packets_acked: self.packets_acked,
+            finished: self.state == State::Done,
+        }
+    }
+
     /// Queue one tuple.
     pub fn push(&mut self, key: &[u8], value: i64) -> Result<(), SenderError> {
         if self.input_closed {
@@ -194,11 +241,12 @@ impl KvSender {
         if key.len() > self.config.max_key_len || key.len() > u16::MAX as usize {
             return Err(SenderError::KeyTooLong { len: key.len(), max: self.config.max_key_len });
         }
+        let index = self.stats.tuples;
         match self.config.layout.classify(key) {
-            KeyClass::Short { slot, part } => self.short[slot as usize].push_back((part, value)),
-            KeyClass::Medium { group, parts, .. } => self.medium[group as usize].push_back((parts, value)),
+            KeyClass::Short { slot, part } => self.short[slot as usize].push_back((index, part, value)),
+            KeyClass::Medium { group, parts, .. } => self.medium[group as usize].push_back((index, parts, value)),
             KeyClass::Long => {
-                self.long.push_back((key.to_vec(), value));
+                self.long.push_back((index, key.to_vec(), value));
                 self.stats.long_tuples += 1;
             }
         }
@@ -293,6 +341,8 @@ impl KvSender {
             return;
         }
         pkt.acked = true;
+        self.tuples_acked += pkt.tuples as u64;
+        self.packets_acked += 1;
         if by_switch {
             self.stats.acks_from_switch += 1;
         } else {
@@ -332,9 +382,10 @@ impl KvSender {
             }
         }
         while sent < self.config.max_burst && (self.next_seq - self.base()) < self.config.window {
-            let Some(bytes) = self.build_packet() else { break };
+            let Some((bytes, first, tuples)) = self.build_packet() else { break };
             host_send_copy(self.auth.as_mut(), out, &bytes);
-            self.inflight.push_back(InFlight { seq: self.next_seq, bytes, deadline: now + self.config.rto, acked: false });
+            let deadline = now + self.config.rto;
+            self.inflight.push_back(InFlight { seq: self.next_seq, bytes, deadline, acked: false, first, tuples });
             self.next_seq += 1;
             self.stats.packets += 1;
             sent += 1;
@@ -358,8 +409,9 @@ impl KvSender {
     }
 
     /// The next packet, if the queues hold enough: a full packet's worth of
-    /// tuples, or anything once the input is closed.
-    fn build_packet(&mut self) -> Option<Vec<u8>> {
+    /// tuples, or anything once the input is closed. With the push index of
+    /// its oldest tuple and its tuple count.
+    fn build_packet(&mut self) -> Option<(Vec<u8>, u64, u32)> {
         let layout = self.config.layout;
         let short_medium = self.queued - self.long.len();
         let enough = short_medium >= layout.slot_count() || (self.input_closed && short_medium > 0);
@@ -374,15 +426,20 @@ impl KvSender {
         let mut p = Packet::new_unchecked(&mut bytes[..]);
         repr.emit(&mut p);
         let mut bitmap = 0u64;
+        let (mut first, mut tuples) = (u64::MAX, 0u32);
         for (slot, q) in self.short.iter_mut().enumerate() {
-            if let Some((part, value)) = q.pop_front() {
+            if let Some((index, part, value)) = q.pop_front() {
                 p.set_slot(slot, part.to_be_bytes(), value);
                 bitmap |= 1 << slot;
                 self.queued -= 1;
+                first = first.min(index);
+                tuples += 1;
             }
         }
         for (g, q) in self.medium.iter_mut().enumerate() {
-            if let Some((parts, value)) = q.pop_front() {
+            if let Some((index, parts, value)) = q.pop_front() {
+                first = first.min(index);
+                tuples += 1;
                 let first = layout.group_first_slot(g as u8) as usize;
                 let last = parts.len() - 1;
                 for (j, part) in parts.iter().enumerate() {
@@ -394,16 +451,16 @@ impl KvSender {
             }
         }
         p.set_bitmap(bitmap);
-        Some(bytes)
+        Some((bytes, first, tuples))
     }
 
-    fn build_long(&mut self) -> Option<Vec<u8>> {
+    fn build_long(&mut self) -> Option<(Vec<u8>, u64, u32)> {
         if self.long.is_empty() || !(self.input_closed || self.long_bytes_queued() >= self.config.long_packet_bytes) {
             return None;
         }
         let mut take = 0usize;
         let mut len = 0usize;
-        for (k, _) in self.long.iter() {
+        for (_, k, _) in self.long.iter() {
             let l = LONG_TUPLE_FIXED + k.len();
             if take > 0 && (len + l > self.config.long_packet_bytes || take == u8::MAX as usize) {
                 break;
@@ -419,14 +476,16 @@ impl KvSender {
         let mut p = Packet::new_unchecked(&mut bytes[..]);
         repr.emit(&mut p);
         let mut at = 0;
-        for (k, v) in self.long.drain(..take) {
+        let mut first = u64::MAX;
+        for (index, k, v) in self.long.drain(..take) {
             at += emit_long_tuple(&k, v, &mut p.body_mut()[at..]);
+            first = first.min(index);
         }
         self.queued -= take;
-        Some(bytes)
+        Some((bytes, first, take as u32))
     }
 
     fn long_bytes_queued(&self) -> usize {
-        self.long.iter().map(|(k, _)| LONG_TUPLE_FIXED + k.len()).sum()
+        self.long.iter().map(|(_, k, _)| LONG_TUPLE_FIXED + k.len()).sum()
     }
 }

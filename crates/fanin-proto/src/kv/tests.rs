@@ -637,3 +637,116 @@ fn counters_merge_adds_every_field_that_visit_reports() {
     assert_eq!(doubled, values.iter().map(|v| v * 2).collect::<Vec<_>>());
     assert_eq!(total.outcomes(), 2 * a.outcomes());
 }
+
+// ---- failed senders (the driver declares them) -----------------------------
+
+fn fin(channel: u16, seq: u32) -> Vec<u8> {
+    let mut b = vec![0u8; HEADER_LEN];
+    Repr::new(MessageType::KvFin, TASK, channel, seq).emit(&mut Packet::new_unchecked(&mut b[..]));
+    b
+}
+
+fn sent_types(rx: &mut KvReceiver, now: Time) -> Vec<(MessageType, u16)> {
+    let mut out = VecTransmit::new();
+    while rx.poll_transmit(now, &mut out) > 0 {}
+    out.drain().map(|(_, b)| Packet::new_checked(&b[..]).map(|p| (p.msg_type(), p.channel())).unwrap()).collect()
+}
+
+#[test]
+fn a_failed_channel_ends_the_wait_for_fins_and_its_late_fin_is_not_acknowledged() {
+    let layout = Layout::short_only(2);
+    let mut rx = KvReceiver::new(ReceiverConfig::new(TASK, layout, 4, 2), Time::ZERO).unwrap();
+    rx.handle_datagram(t(1), &fin(0, 0));
+    assert_eq!(sent_types(&mut rx, t(1)), vec![(MessageType::KvFinAck, 0)], "waits for channel 1");
+    assert!(!rx.sender_failed(0), "channel 0 finished: it did not fail");
+    assert!(rx.sender_failed(1));
+    assert!(!rx.sender_failed(1), "declared once");
+    assert_eq!(rx.failed_channels(), vec![1]);
+    // Channel 1's FIN after the declaration: no FIN-ACK (its sender was told).
+    rx.handle_datagram(t(2), &fin(1, 0));
+    let sent = sent_types(&mut rx, t(2));
+    assert_eq!(sent, vec![(MessageType::KvSwap, 0)], "the final collection starts, channel 1 gets nothing");
+}
+
+#[test]
+fn a_killed_sender_yields_an_incomplete_report_naming_it() {
+    let layout = Layout::short_only(2);
+    let mut setup = Setup::new(layout, 4);
+    setup.senders = 2;
+    let mut lb = setup.build(LinkConfig::perfect());
+    lb.wait_for_release = true;
+    lb.senders[0].push(b"a", 1).unwrap();
+    lb.senders[0].finish();
+    for i in 0..40 {
+        lb.senders[1].push(format!("b{i}").as_bytes(), 1).unwrap();
+    }
+    // Sender 1 (channel 2) never finishes its input: it dies.
+    assert_eq!(lb.run(t(200)), RunOutcome::TimedOut);
+    let acked = lb.senders[1].progress().tuples_acked;
+    assert!(acked > 0);
+    lb.kill_sender(1);
+    assert!(lb.receiver.sender_failed(2));
+    assert_eq!(lb.run(Time::from_secs_f64(1.0)), RunOutcome::Finished);
+    assert_eq!(lb.incomplete, Some(vec![2]));
+    let r = lb.receiver.results();
+    assert_eq!(r[b"a".as_slice()], Aggregate::of(1));
+    let from_dead: u64 = r.iter().filter(|(k, _)| k.starts_with(b"b")).map(|(_, a)| a.count).sum();
+    assert_eq!(from_dead, acked, "everything it had sent was acknowledged before it died");
+    assert_eq!(lb.switch.memory_used(), 0, "the region is released");
+}
+
+#[test]
+fn silence_names_the_channels_without_fin() {
+    let layout = Layout::short_only(2);
+    let cfg = ReceiverConfig { idle_timeout: Duration::from_millis(10), ..ReceiverConfig::new(TASK, layout, 4, 3) };
+    let mut rx = KvReceiver::new(cfg, Time::ZERO).unwrap();
+    rx.handle_datagram(t(1), &fin(1, 0));
+    rx.handle_timeout(t(10_001));
+    let Some(ReceiverEvent::Failed(e)) = rx.poll_event() else { panic!("silent receiver must fail") };
+    assert!(matches!(&e, ReceiverError::Silent { fins: 1, senders: 3, missing, .. } if missing == &[0, 2]), "{e:?}");
+    assert!(e.to_string().contains("none from channels 0, 2"), "{e}");
+}
+
+#[test]
+fn sender_progress_keeps_a_receiver_that_hears_nothing_from_failing() {
+    // The switch acknowledges fully absorbed packets itself: the receiver may
+    // hear nothing while its senders progress.
+    let layout = Layout::short_only(2);
+    let cfg = ReceiverConfig { idle_timeout: Duration::from_millis(10), ..ReceiverConfig::new(TASK, layout, 4, 1) };
+    let mut rx = KvReceiver::new(cfg, Time::ZERO).unwrap();
+    rx.note_sender_progress(t(8_000));
+    assert_eq!(rx.poll_timeout(), Some(t(18_000)));
+    rx.handle_timeout(t(12_000));
+    assert_eq!(rx.poll_event(), None);
+    rx.handle_timeout(t(18_000));
+    assert!(matches!(rx.poll_event(), Some(ReceiverEvent::Failed(ReceiverError::Silent { .. }))));
+}
+
+#[test]
+fn sender_progress_counts_acknowledged_tuples_and_the_acknowledged_prefix() {
+    // Two short slots: the packets carry push indices {0,1}, {2,3}, {4}.
+    let layout = Layout::short_only(2);
+    let (a, b) = (key_in_slot(&layout, 0, 0), key_in_slot(&layout, 1, 0));
+    let mut tx = KvSender::new(SenderConfig::new(TASK, 1, layout), Time::ZERO).unwrap();
+    for k in [&a, &b, &a, &b, &a] {
+        tx.push(k, 1).unwrap();
+    }
+    tx.finish();
+    let mut out = VecTransmit::new();
+    assert_eq!(tx.poll_transmit(Time::ZERO, &mut out), 3);
+    let ack = |seq: u32| {
+        let mut b = vec![0u8; HEADER_LEN];
+        Repr::new(MessageType::KvAck, TASK, 1, seq).emit(&mut Packet::new_unchecked(&mut b[..]));
+        b
+    };
+    let p = tx.progress();
+    assert_eq!((p.tuples_pushed, p.tuples_acked, p.acked_prefix, p.packets_sent, p.packets_acked), (5, 0, 0, 3, 0));
+    tx.handle_datagram(t(1), &ack(1));
+    let p = tx.progress();
+    assert_eq!((p.tuples_acked, p.acked_prefix, p.packets_acked), (2, 0, 1), "seq 0 (tuples 0, 1) is still open");
+    tx.handle_datagram(t(2), &ack(0));
+    assert_eq!((tx.progress().tuples_acked, tx.progress().acked_prefix), (4, 4));
+    tx.handle_datagram(t(3), &ack(2));
+    assert_eq!((tx.progress().tuples_acked, tx.progress().acked_prefix), (5, 5));
+    assert!(!tx.progress().finished);
+}

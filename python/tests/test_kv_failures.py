@@ -1,0 +1,212 @@
+"""Failed senders of key-value tasks, with real processes: a ``fanin switch``
+process and ``fanin kv daemon`` processes on loopback. A sender's daemon is
+killed (SIGKILL) or hung (SIGSTOP) mid-task; the receiving application must
+get ``SenderFailed`` naming that channel and its daemon, within a bounded
+time, with a partial aggregate that holds the surviving senders' tuples
+exactly once and a subset of the failed sender's tuples that includes at
+least the prefix it reported acknowledged (docs/kv.md §10, failed senders)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from fanin.control.client import ControlClient
+from fanin.kv import DaemonProcess, KvError, SenderFailed
+from fanin.proc import SwitchProcess
+from fanin.switch import switch_config
+
+SILENCE_MS = 1000
+
+
+@pytest.fixture(scope="module")
+def switch():
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None)
+    sw = SwitchProcess(cfg)
+    yield sw
+    sw.stop()
+
+
+@pytest.fixture(scope="module")
+def receiver(switch):
+    """The receiving host's daemon (also sends the surviving channels)."""
+    d = DaemonProcess(switch.control_addr, silence_ms=SILENCE_MS)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def doomed(switch):
+    """The daemon of the sender that will fail."""
+    d = DaemonProcess(switch.control_addr, silence_ms=SILENCE_MS)
+    yield d
+    if d.proc.poll() is None:
+        os.kill(d.proc.pid, signal.SIGCONT)
+        d.stop()
+
+
+def _wait_no_regions(switch, timeout: float = 8.0) -> list:
+    deadline = time.time() + timeout
+    while True:
+        with ControlClient(switch.control_addr) as c:
+            regions = c.kv_regions()
+        if not regions or time.time() > deadline:
+            return regions
+        time.sleep(0.1)
+
+
+def _big_text(tmp_path, words: int) -> tuple[str, list[bytes]]:
+    data = b" ".join(b"w%d" % (i % 5000) for i in range(words))
+    path = tmp_path / "big.txt"
+    path.write_bytes(data)
+    return str(path), data.split()
+
+
+def _start_doomed_send(doomed, ticket, channel: int, path: str) -> tuple[threading.Thread, list]:
+    errors: list = []
+
+    def feed() -> None:
+        try:
+            with doomed.client() as s:
+                s.send_file(ticket, channel, path, format="text")
+        except (KvError, OSError) as e:
+            errors.append(e)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    return t, errors
+
+
+def _until_acked(c, ticket, channel: int, at_least: int, timeout: float = 20.0) -> dict:
+    """Poll the receiver's view of the channel until its acknowledged prefix
+    reaches ``at_least`` tuples."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for ch in c.status(ticket)["channels"]:
+            p = ch.get("progress") or {}
+            if ch["channel"] == channel and p.get("acked_prefix", 0) >= at_least:
+                return ch
+        time.sleep(0.02)
+    raise AssertionError(f"channel {channel} never reported {at_least} acknowledged tuples")
+
+
+def _check_partial(partial: dict, survivors: Counter, failed_words: list[bytes], acked_prefix: int) -> None:
+    """partial - survivors, per key, lies between the failed sender's first
+    ``acked_prefix`` words and all of its words (each counts 1)."""
+    low = Counter(w.decode() for w in failed_words[:acked_prefix])
+    high = Counter(w.decode() for w in failed_words)
+    assert acked_prefix > 0
+    for key in set(partial) | set(survivors) | set(high):
+        extra = partial.get(key, 0) - survivors.get(key, 0)
+        assert low[key] <= extra <= high[key], (key, partial.get(key), survivors.get(key), low[key], high[key])
+    assert sum(partial.values()) - sum(survivors.values()) >= acked_prefix
+
+
+def test_killed_sender_daemon_is_named_and_the_partial_holds_survivors_exactly(switch, receiver, doomed, tmp_path):
+    path, words = _big_text(tmp_path, 6_000_000)
+    # Channel 0 finishes before the failure, channel 2 only starts after it
+    # (survivors are let finish); both share keys with the doomed channel 1.
+    before = [(f"w{i % 7000}", 1) for i in range(30_000)] + [("early", 5)]
+    after = [(f"w{i % 300}", 2) for i in range(10_000)] + [("late", 7)]
+    with receiver.client() as c:
+        ticket = c.create(3)
+        with receiver.client() as s0:
+            s0.send(ticket, 0, before)
+        feeder, doomed_errors = _start_doomed_send(doomed, ticket, 1, path)
+        seen = _until_acked(c, ticket, 1, 20_000)
+        assert seen["state"] == "active" and seen["sender"] == doomed.control_addr
+        doomed.kill()
+        killed = time.monotonic()
+        with receiver.client() as s2:
+            s2.send(ticket, 2, after)
+        with pytest.raises(SenderFailed) as info:
+            c.wait(ticket)
+        waited = time.monotonic() - killed
+        stats = c.stats()
+    feeder.join(timeout=10)
+    e = info.value
+    # Detected through the closed control connection, not a timeout.
+    assert waited < SILENCE_MS / 1000, f"took {waited:.2f}s"
+    assert [f["channel"] for f in e.failed] == [1]
+    failed = e.failed[0]
+    assert failed["sender"] == doomed.control_addr
+    assert "control connection closed" in failed["reason"]
+    assert "channel 1" in str(e) and doomed.control_addr in str(e)
+    assert failed["progress"]["acked_prefix"] >= seen["progress"]["acked_prefix"]
+    assert failed["progress"]["tuples_acked"] >= failed["progress"]["acked_prefix"]
+    assert e.reply["complete"] is False and e.reply["keys"] == len(e.partial)
+    survivors = Counter()
+    for k, v in before + after:
+        survivors[k] += v
+    _check_partial(e.partial, survivors, words, failed["progress"]["acked_prefix"])
+    assert failed["progress"]["tuples_acked"] < len(words), "it was killed before it finished"
+    assert stats["tasks_incomplete"] >= 1 and stats["senders_failed"] >= 1
+    assert doomed_errors, "the killed daemon's client lost its connection"
+    assert _wait_no_regions(switch) == []
+
+
+def test_hung_sender_daemon_is_declared_failed_after_the_silence_timeout(switch, receiver, doomed, tmp_path):
+    path, words = _big_text(tmp_path, 6_000_000)
+    with receiver.client() as c:
+        ticket = c.create(2)
+        with receiver.client() as s0:
+            s0.send(ticket, 0, [("a", 3)])
+        feeder, doomed_errors = _start_doomed_send(doomed, ticket, 1, path)
+        _until_acked(c, ticket, 1, 20_000)
+        os.kill(doomed.proc.pid, signal.SIGSTOP)  # alive, connection open, silent
+        stopped = time.monotonic()
+        with pytest.raises(SenderFailed) as info:
+            c.wait(ticket)
+        waited = time.monotonic() - stopped
+        os.kill(doomed.proc.pid, signal.SIGCONT)
+    e = info.value
+    assert [f["channel"] for f in e.failed] == [1]
+    assert "no progress for" in e.failed[0]["reason"], e.failed[0]
+    # The clock starts at its last progress, up to a report interval before
+    # the stop; the check runs every silence/5.
+    assert 0.5 * SILENCE_MS / 1000 <= waited <= 2.5 * SILENCE_MS / 1000, f"took {waited:.2f}s"
+    _check_partial(e.partial, Counter({"a": 3}), words, e.failed[0]["progress"]["acked_prefix"])
+    # Woken up, the daemon learns it was declared failed and gives up.
+    feeder.join(timeout=15)
+    assert not feeder.is_alive()
+    assert doomed_errors and "declared" in str(doomed_errors[0]), doomed_errors
+    assert _wait_no_regions(switch) == []
+
+
+def test_bad_input_on_one_channel_delivers_the_other_channel_exactly(switch, receiver):
+    with receiver.client() as c:
+        ticket = c.create(2)
+        with receiver.client() as s0:
+            s0.send(ticket, 0, [("k%d" % (i % 50), i) for i in range(5000)])
+        with receiver.client() as s1:
+            with pytest.raises(KvError, match=r"key of 2000 bytes"):
+                s1.send(ticket, 1, [("x" * 2000, 1), ("k1", 100)])
+        with pytest.raises(SenderFailed, match=r"sender channel 1 .* failed: the sender failed: key of 2000") as info:
+            c.wait(ticket)
+    expected = Counter()
+    for i in range(5000):
+        expected["k%d" % (i % 50)] += i
+    # The bad record is the first: nothing of channel 1 was sent.
+    assert info.value.partial == dict(expected)
+    assert info.value.failed[0]["sender"] == receiver.control_addr
+    assert _wait_no_regions(switch) == []
+
+
+def test_silence_names_the_channels_that_sent_no_fin(switch, receiver):
+    """Channels that never join cannot be watched: the receiver's own
+    silence timer (2 x silence_ms) fails the task and names them."""
+    with receiver.client() as c:
+        ticket = c.create(3, silence_ms=200)
+        with receiver.client() as s0:
+            s0.send(ticket, 1, [("a", 1)])
+        t0 = time.monotonic()
+        with pytest.raises(KvError, match=r"FINs from 1 of 3 senders, none from channels 0, 2") as info:
+            c.wait(ticket)
+        assert not isinstance(info.value, SenderFailed)
+        assert time.monotonic() - t0 < 3.0
+    assert _wait_no_regions(switch) == []
