@@ -21,16 +21,6 @@ from fanin import _native
 from fanin.bench.chaos_inject import capture, is_kv_of, kv_forged, open_capture
 from fanin.control.client import ControlClient
 from fanin.kv import DaemonProcess
-from fanin.proc import SwitchProcess
-from fanin.switch import switch_config
-
-
-@pytest.fixture(scope="module")
-def switch():
-    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None)
-    sw = SwitchProcess(cfg)
-    yield sw
-    sw.stop()
 
 
 @pytest.fixture(scope="module")

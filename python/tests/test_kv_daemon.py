@@ -16,16 +16,6 @@ import pytest
 
 from fanin.control.client import ControlClient
 from fanin.kv import Client, DaemonProcess, KvError
-from fanin.proc import SwitchProcess
-from fanin.switch import switch_config
-
-
-@pytest.fixture(scope="module")
-def switch():
-    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None)
-    sw = SwitchProcess(cfg)
-    yield sw
-    sw.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,8 @@ import pytest
 
 from fanin.control.client import ControlClient
 from fanin.kv import DaemonProcess, KvError, SenderFailed
-from fanin.proc import SwitchProcess
-from fanin.switch import switch_config
 
 SILENCE_MS = 1000
-
-
-@pytest.fixture(scope="module")
-def switch():
-    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None)
-    sw = SwitchProcess(cfg)
-    yield sw
-    sw.stop()
 
 
 @pytest.fixture(scope="module")
