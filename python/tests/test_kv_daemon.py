@@ -99,7 +99,12 @@ def test_bad_requests_get_errors(daemon):
         raw = socket.socket(socket.AF_UNIX)
         raw.connect(daemon.socket_path)
         raw.sendall(b"not json\n")
-        assert b"not a JSON object" in raw.recv(1000)
+        reply = b""
+        while not reply.endswith(b"\n"):  # one reply line, maybe in pieces
+            chunk = raw.recv(1000)
+            assert chunk, "the daemon closed the connection without a reply"
+            reply += chunk
+        assert b"not a JSON object" in reply
         raw.close()
 
 

@@ -164,7 +164,10 @@ def test_hung_sender_daemon_is_declared_failed_after_the_silence_timeout(switch,
     # Woken up, the daemon learns it was declared failed and gives up.
     feeder.join(timeout=15)
     assert not feeder.is_alive()
-    assert doomed_errors and "declared" in str(doomed_errors[0]), doomed_errors
+    # Usually its next progress report is refused ("declared failed"); on a
+    # loaded machine its own ack timeout may fire first. Either way it stops.
+    assert doomed_errors and any(m in str(doomed_errors[0]) for m in ("declared", "nothing was acknowledged")), \
+        doomed_errors
     assert _wait_no_regions(switch) == []
 
 

@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::channel::{ChannelCommand, ChannelStats, ChannelThread, Collected, Input, ReceiverOutcome, SenderOutcome};
-use crate::liveness::{progress_interval, ControlSession, LinkState, ProgressReport, SenderLink};
+use crate::liveness::{progress_interval, write_line, ControlSession, LinkState, ProgressReport, SenderLink};
 use crate::records::{write_results, InputFormat, Mapped};
 use crate::switch_ctl::SwitchControl;
 
@@ -376,7 +376,7 @@ fn serve_lines<S: std::io::Read + Write>(
                 error("request is not a JSON object")
             }
         };
-        if writeln!(writer, "{reply}").and_then(|_| writer.flush()).is_err() {
+        if write_line(writer, &reply).is_err() {
             break;
         }
     }
@@ -914,7 +914,7 @@ fn peer_call(addr: &str, msg: &Value) -> std::io::Result<Value> {
     let addr: SocketAddr = addr.parse().map_err(|_| std::io::Error::other(format!("bad address {addr:?}")))?;
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    writeln!(stream, "{msg}")?;
+    write_line(&mut stream, msg)?;
     let mut line = String::new();
     BufReader::new(stream).read_line(&mut line)?;
     serde_json::from_str(&line).map_err(std::io::Error::other)

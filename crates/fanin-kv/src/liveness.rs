@@ -153,6 +153,17 @@ pub struct ControlSession {
     reader: BufReader<TcpStream>,
 }
 
+/// Write `msg` and a newline with one `write` (a JSON line of the local API
+/// or the daemons' control channel). `writeln!` with a `Value` would issue a
+/// write per formatting piece: tiny TCP segments, and a reader that sees the
+/// line in fragments.
+pub fn write_line(w: &mut (impl Write + ?Sized), msg: &Value) -> std::io::Result<()> {
+    let mut line = msg.to_string();
+    line.push('\n');
+    w.write_all(line.as_bytes())?;
+    w.flush()
+}
+
 impl ControlSession {
     pub fn connect(addr: &str) -> std::io::Result<Self> {
         let addr: SocketAddr = addr.parse().map_err(|_| std::io::Error::other(format!("bad address {addr:?}")))?;
@@ -163,7 +174,7 @@ impl ControlSession {
     }
 
     pub fn call(&mut self, msg: &Value) -> std::io::Result<Value> {
-        writeln!(self.writer, "{msg}")?;
+        write_line(&mut self.writer, msg)?;
         let mut line = String::new();
         if self.reader.read_line(&mut line)? == 0 {
             return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the peer closed the connection"));
