@@ -22,6 +22,8 @@ fn joined(spec: JobSpec, ranks: &[u16], window: u32) -> (Vec<AllreduceSession>, 
         let mut cfg = SessionConfig::new(spec.job_id, r);
         cfg.elems_per_packet = 4;
         cfg.window = window;
+        cfg.auth_key = spec.key.map(|k| crate::auth::derive_member_key(&k, spec.job_id, r));
+        cfg.seal_clock_us = 1_000;
         workers.push(AllreduceSession::new(cfg, Time::ZERO));
     }
     step(&mut workers, &mut sw, Time::ZERO);
@@ -138,6 +140,21 @@ fn completes_under_back_pressure(spec: JobSpec, window: u32) -> (u64, u32, u64) 
 fn rate_limited_nacks_make_the_worker_back_off_and_it_still_completes_exactly() {
     // 20 000 pps = one token per 50 us step; burst 4 against a window of 16
     let spec = JobSpec { rate_limit: Some(RateLimit { pps: 20_000, burst: 4 }), ..JobSpec::with_sources(1, 1, 16, 16) };
+    let (trimmed, min_window, rate_limited) = completes_under_back_pressure(spec, 16);
+    assert!(trimmed > 0 && rate_limited >= trimmed, "trimmed {trimmed}, rate_limited {rate_limited}");
+    assert!(min_window < 16, "the window shrank (to {min_window})");
+}
+
+#[test]
+fn a_keyed_worker_backs_off_on_the_sealed_back_pressure_nacks() {
+    // The rate-limit trace above with a keyed job: the switch seals its
+    // Trimmed nacks (a keyed worker ignores unsealed datagrams, so an
+    // unsealed nack would never slow it down).
+    let spec = JobSpec {
+        rate_limit: Some(RateLimit { pps: 20_000, burst: 4 }),
+        key: Some(crate::auth::Key([9; 16])),
+        ..JobSpec::with_sources(1, 1, 16, 16)
+    };
     let (trimmed, min_window, rate_limited) = completes_under_back_pressure(spec, 16);
     assert!(trimmed > 0 && rate_limited >= trimmed, "trimmed {trimmed}, rate_limited {rate_limited}");
     assert!(min_window < 16, "the window shrank (to {min_window})");

@@ -58,7 +58,6 @@ use crate::mask::SourceMask;
 use crate::time::Time;
 use crate::transmit::Transmit;
 use sealing::{envelope, send, send_copy, Envelope, JobAuth, Peer};
-use crate::trim::overload::emit_trim_nack;
 
 /// Identity and limits of one shard of a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1113,7 +1112,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         if job.spec.mode == JobMode::Forward {
             if let Admission::Refuse { nack } = job.buckets.admit(src, now) {
-                rate_limited(counters, out, from, packet, nack);
+                let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                rate_limited(counters, out, from, env, packet, nack);
                 return Verdict::Consumed;
             }
             let env = envelope(job.auth.as_mut(), Peer::Member(src));
@@ -1130,7 +1130,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         // Only the owning shard charges the sender, once per datagram.
         if let Admission::Refuse { nack } = job.buckets.admit(src, now) {
-            rate_limited(counters, out, from, packet, nack);
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            rate_limited(counters, out, from, env, packet, nack);
             return Verdict::Consumed;
         }
         job.liveness.heard(src, now);
@@ -1172,8 +1173,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     // back-pressure, not a silent drop. The sender retries
                     // with a smaller window; by then the slot is free.
                     counters.slot_busy += 1;
-                    counters.nacks_sent += 1;
-                    emit_trim_nack(from, packet, TrimCause::MemoryExhausted, out);
+                    let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                    send_trim_nack(counters, out, from, env, packet, TrimCause::MemoryExhausted);
                     return Verdict::Consumed;
                 }
                 (false, true)
@@ -1977,14 +1978,40 @@ fn notify_membership<A: Copy>(
 
 /// Over its rate: back-pressure to the sender while its nack budget
 /// lasts (docs/overload.md), counted either way.
-fn rate_limited<A: Copy>(counters: &mut Counters, out: &mut impl Transmit<A>, from: A, packet: &Packet<&[u8]>, nack: bool) {
+fn rate_limited<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    from: A,
+    env: Envelope,
+    packet: &Packet<&[u8]>,
+    nack: bool,
+) {
     counters.rate_limited += 1;
     if !nack {
         counters.rate_limited_unanswered += 1;
         return;
     }
-    counters.nacks_sent += 1;
-    emit_trim_nack(from, packet, TrimCause::RateLimited, out);
+    send_trim_nack(counters, out, from, env, packet, TrimCause::RateLimited);
+}
+
+/// A Trimmed nack (back-pressure, docs/overload.md) from the job's program,
+/// sealed like every other reply of a keyed job (a keyed worker ignores an
+/// unsealed one). The shard's queue trim (cause 1) happens before any job
+/// lookup and stays unsealed.
+fn send_trim_nack<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    dest: A,
+    env: Envelope,
+    request: &Packet<&[u8]>,
+    cause: TrimCause,
+) {
+    let sent = send(out, dest, Nack::DATAGRAM_LEN, env, |buf| {
+        Nack { reason: NackReason::Trimmed, detail: cause as u32 }.emit_reply(request, true, buf);
+    });
+    if sent {
+        counters.nacks_sent += 1;
+    }
 }
 
 /// The member timeout check (docs/failures.md): a member silent for the

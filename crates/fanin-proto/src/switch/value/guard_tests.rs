@@ -233,3 +233,41 @@ impl EmitVec for Repr {
         buf
     }
 }
+
+#[test]
+fn a_keyed_job_seals_its_exhaustion_and_rate_limit_nacks() {
+    use crate::auth::{derive_member_key, Key};
+    use fanin_wire::auth;
+    let job_key = Key([7; 16]);
+    let spec = JobSpec {
+        key: Some(job_key),
+        rate_limit: Some(RateLimit { pps: 1, burst: 2 }),
+        ..JobSpec::with_sources(1, 2, 2, 16)
+    };
+    let mut sw = switch(spec, None);
+    let key0 = derive_member_key(&job_key, 1, 0);
+    let mut seq = 1u64 << 20;
+    let mut sealed = |block: u32| {
+        let plain = data(1, 0, block, 1);
+        let mut buf = vec![0; plain.len() + auth::TRAILER_LEN];
+        buf[..plain.len()].copy_from_slice(&plain);
+        seq += 1;
+        auth::seal(&key0, seq, &mut buf).unwrap();
+        buf
+    };
+    let mut replies = Vec::new();
+    for block in [0, 2, 3] {
+        // block 0 opens slot 0; block 2 needs slot 0 (exhausted, cause 2);
+        // block 3 is over the burst of 2 (rate limited, cause 3)
+        let mut out = VecTransmit::new();
+        let _ = sw.handle_datagram(ms(1), 100, &sealed(block), &mut out);
+        replies.extend(out.drain().map(|(_, b)| b));
+    }
+    assert_eq!(replies.len(), 2, "two nacks");
+    for (reply, cause) in replies.iter().zip([TrimCause::MemoryExhausted, TrimCause::RateLimited]) {
+        let (inner, _) = auth::open(&key0, reply).expect("sealed under the member's key");
+        let p = Packet::new_checked(inner).unwrap();
+        assert_eq!(Nack::parse(p.payload()).unwrap(), Nack { reason: NackReason::Trimmed, detail: cause as u32 });
+    }
+    assert_eq!((sw.counters().slot_busy, sw.counters().rate_limited), (1, 1));
+}
