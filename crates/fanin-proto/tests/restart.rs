@@ -478,3 +478,121 @@ proptest! {
         prop_assume!(restart_run(workers, &lens, float, loss, restart_after, seed));
     }
 }
+
+/// Two restarts: the second one comes `gap_steps` network steps after the
+/// first, typically while the workers are still recovering from the first
+/// (waiting for the floor, or resending retained blocks behind the gate).
+fn double_restart_run(workers: usize, lens: &[usize], loss: f64, restart_at: f64, gap_steps: u64, seed: u64) -> bool {
+    let ints = int_tensors(workers, lens, seed);
+    let loaded = || {
+        let mut net = Net::new(workers, 4, 4, 4, loss, seed);
+        load_int(&mut net, &ints);
+        net
+    };
+    let mut net = loaded();
+    let mut total = 0u64;
+    net.run_until(Duration::from_secs(300), |n| {
+        total += 1;
+        n.done.iter().any(|d| d.len() == lens.len())
+    });
+    let restart_after = (total as f64 * restart_at) as u64;
+    let mut net = loaded();
+    let mut steps = 0;
+    net.run_until(Duration::from_secs(300), |_| {
+        steps += 1;
+        steps > restart_after
+    });
+    for (incarnation, gap) in [(0x1234_5677, gap_steps), (0x2345_6788, 0)] {
+        net.down = true;
+        let t = net.now + Duration::from_millis(30);
+        net.run_until(Duration::from_secs(30), |n| n.now >= t);
+        if net.done.iter().any(|d| d.len() == lens.len()) && !net.all_done(lens.len()) {
+            return false;
+        }
+        net.restart(incarnation);
+        net.down = false;
+        let mut steps = 0;
+        net.run_until(Duration::from_secs(300), |n| {
+            steps += 1;
+            steps > gap || n.all_done(lens.len())
+        });
+        if net.all_done(lens.len()) {
+            break; // finished before the second restart: still checked below
+        }
+    }
+    let until = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(120);
+    net.run_until(until, |n| n.all_done(lens.len()));
+    check_int(&ints, &net.done);
+    true
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A second restart while the workers recover from the first: every
+    /// result exact, nobody hangs.
+    #[test]
+    fn every_result_exact_with_a_second_restart_during_recovery(
+        workers in 2usize..=4,
+        lens in proptest::collection::vec(20usize..=200, 1..=4),
+        loss in prop_oneof![Just(0.0), 0.0f64..0.05],
+        restart_after in 0.0f64..0.8,
+        gap_steps in 1u64..100,
+        seed in any::<u64>(),
+    ) {
+        prop_assume!(double_restart_run(workers, &lens, loss, restart_after, gap_steps, seed));
+    }
+}
+
+/// Every member of a fresh job joins with `sync` at once (each worker of a
+/// job gave up and rejoined, e.g. after a restart it could not recover
+/// from): someone must be answered, or they all wait for each other.
+#[test]
+fn members_that_all_rejoin_with_sync_are_answered() {
+    let spec = spec(3, 4);
+    let mut sw = switch(&spec, 7);
+    let mut ws: Vec<AllreduceSession> = (0..3)
+        .map(|w| {
+            let mut cfg = SessionConfig::new(1, w);
+            cfg.elems_per_packet = 4;
+            cfg.sync_join = true;
+            cfg.align_blocks = 4;
+            AllreduceSession::new(cfg, Time::ZERO)
+        })
+        .collect();
+    let mut now = Time::ZERO;
+    let mut done: Vec<Option<Tensor>> = vec![None; 3];
+    for _ in 0..200 {
+        let mut replies = VecTransmit::new();
+        for (r, w) in ws.iter_mut().enumerate() {
+            if w.poll_timeout().is_some_and(|t| t <= now) {
+                w.handle_timeout(now);
+            }
+            let mut out = VecTransmit::new();
+            w.poll_transmit(now, &mut out);
+            for (_, b) in out.drain() {
+                let _ = sw.handle_datagram(now, r, &b, &mut replies);
+            }
+        }
+        for (dest, b) in replies.drain() {
+            ws[dest as usize].handle_datagram(now, &b);
+        }
+        for (r, w) in ws.iter_mut().enumerate() {
+            while let Some(ev) = w.poll_event() {
+                match ev {
+                    // the first one answered opens the stream for the others
+                    Event::Joined(_) => w.begin(now, Tensor::I32(vec![r as i32 + 1; 16])).unwrap(),
+                    Event::Completed(o) => done[r] = Some(o.tensor),
+                    Event::Failed(e) => panic!("rank {r}: {e}"),
+                    _ => {}
+                }
+            }
+        }
+        if done.iter().all(Option::is_some) {
+            assert!(done.iter().all(|t| t == &Some(Tensor::I32(vec![6; 16]))), "{done:?}");
+            return;
+        }
+        now = now + Duration::from_millis(10);
+    }
+    panic!("after 2 s: ready {:?}, done {:?}", ws.iter().map(|w| w.is_ready()).collect::<Vec<_>>(), done);
+}

@@ -42,7 +42,7 @@
 //! [`Transmit`] sink. A [`Verdict::WrongShard`] datagram belongs to another
 //! shard of the same switch.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use fanin_wire::value::{
@@ -406,6 +406,10 @@ struct Job<A> {
     /// Sync requests forwarded toward the root: requesting worker -> the
     /// child it came through, so the root's answer finds its way down.
     pending_sync: HashMap<u16, u16>,
+    /// Members whose sync join this (root) switch deferred: on a fresh job
+    /// they wait for an active member to open the stream, but not for one
+    /// another (if every member rejoins with sync, someone must go first).
+    sync_waiting: BTreeSet<u16>,
     /// Members added to a running job that are not waited for until their
     /// sync answer passes this switch (it tells where they start).
     awaiting: SourceMask,
@@ -591,6 +595,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 spec,
                 uplink: None,
                 pending_sync: HashMap::new(),
+                sync_waiting: BTreeSet::new(),
                 awaiting: SourceMask::with_capacity(capacity),
                 start_of: HashMap::new(),
                 sync_answers: HashMap::new(),
@@ -1341,9 +1346,12 @@ fn answer_join_as<A: Copy>(
 /// in that case, for the same reason).
 fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, via: u16, align_blocks: u32) -> Option<u32> {
     let fresh = job.slots.iter().all(|s| s.cur.is_none());
-    if fresh && job.active.iter().any(|m| m != via as usize) {
+    let waiting = &job.sync_waiting;
+    if fresh && job.active.iter().any(|m| m != via as usize && !waiting.contains(&(m as u16))) {
+        job.sync_waiting.insert(via);
         return None;
     }
+    job.sync_waiting.remove(&via);
     let offset = sync_offset(job, config);
     if let Some(&start) = job.sync_answers.get(&origin) {
         if start.saturating_add(job.spec.block_cnt_max) > offset {
