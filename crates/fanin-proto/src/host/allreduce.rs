@@ -700,7 +700,7 @@ impl AllreduceSession {
                 let mut sent = 0;
                 if self.join_due {
                     self.join_due = false;
-                    let repr = self.recovery_join().unwrap_or_else(|| self.join_request());
+                    let repr = self.recovery_join().unwrap_or_else(|| self.probe_request());
                     let seal = self.sealer.as_mut().map(|s| (s.key, s.take_seq()));
                     push_sealed(out, 0, repr.buffer_len(), seal.as_ref().map(|(k, q)| (k, *q)), |buf| {
                         repr.emit(&mut Packet::new_unchecked(buf))
@@ -1125,6 +1125,16 @@ impl AllreduceSession {
         self.events.push_back(Event::Failed(err));
     }
 
+    /// A join while bound to the switch: a probe for its incarnation
+    /// (docs/restart.md). Always a plain join, even for a worker that
+    /// joined with sync: a restarted switch defers sync joins on its fresh
+    /// job until an active member opens the stream, so a sync probe from
+    /// every member would never be answered and nobody would learn of the
+    /// restart (the 10-minute chaos soak hit exactly that).
+    fn probe_request(&self) -> Repr {
+        Repr { gen_id: self.gen_id, ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id) }
+    }
+
     fn join_request(&self) -> Repr {
         Repr {
             gen_id: self.gen_id,
@@ -1286,6 +1296,37 @@ mod tests {
         }
         assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
         (s, sw)
+    }
+
+    #[test]
+    fn a_worker_that_joined_with_sync_probes_with_a_plain_join() {
+        let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+        sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+        let mut cfg = SessionConfig::new(1, 0);
+        cfg.elems_per_packet = 4;
+        cfg.sync_join = true;
+        cfg.align_blocks = 2;
+        let mut s = AllreduceSession::new(cfg, Time::ZERO);
+        let mut out = VecTransmit::new();
+        s.poll_transmit(Time::ZERO, &mut out);
+        let joins: Vec<_> = out.drain().collect();
+        assert_eq!(Packet::new_checked(&joins[0].1[..]).unwrap().age_op(), JOIN_SYNC);
+        deliver(&mut s, &mut sw, Time::ZERO, joins);
+        assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+        // The switch goes silent: everything sent is lost.
+        s.begin(Time::ZERO, Tensor::I32(vec![1; 8])).unwrap();
+        let mut now = Time::ZERO;
+        let mut probe = None;
+        while probe.is_none() && now < Time::from_nanos(30_000_000_000) {
+            now = s.poll_timeout().unwrap();
+            s.handle_timeout(now);
+            s.poll_transmit(now, &mut out);
+            probe = out.drain().map(|(_, b)| b).find(|b| {
+                Packet::new_checked(&b[..]).is_ok_and(|p| p.msg_type_code() == MessageType::Join as u8)
+            });
+        }
+        let probe = probe.expect("a probe after three stall timeouts");
+        assert_eq!(Packet::new_checked(&probe[..]).unwrap().age_op(), 0, "a plain join, not a sync join");
     }
 
     fn deliver(s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>, now: Time, datagrams: Vec<(u16, Vec<u8>)>) {
