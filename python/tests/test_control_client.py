@@ -152,10 +152,10 @@ def test_every_call_returns_plain_values(serve):
         assert c.list_jobs() == [
             {"job_id": 2, "members": [3, 1], "block_cnt_max": 8, "block_grad_max": 256,
              "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward", "workers": 0, "tree": None,
-             "on_failure": "degrade", "member_timeout_ms": 0, "rate_limit": None},
+             "on_failure": "degrade", "member_timeout_ms": 0, "rate_limit": None, "key": None},
             {"job_id": 9, "members": [0, 1, 2], "block_cnt_max": 8, "block_grad_max": 256,
              "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate", "workers": 0, "tree": None,
-             "on_failure": "fail", "member_timeout_ms": 700, "rate_limit": {"pps": 1000, "burst": 8}},
+             "on_failure": "fail", "member_timeout_ms": 700, "rate_limit": {"pps": 1000, "burst": 8}, "key": None},
         ]
         assert c.info()["memory_used"] == 2 * 8 * 256 * 4
 
@@ -163,6 +163,17 @@ def test_every_call_returns_plain_values(serve):
         req = switch.requests[1]
         assert req.spec.job_id == 2 and list(req.spec.members) == [3, 1]
         assert req.spec.mode == pb.JOB_MODE_FORWARD
+
+        # a job key (bytes or hex) goes over the wire and comes back listed,
+        # so update_job(list_jobs()[i]) keeps it (the real switch refuses a
+        # changed key: test_controller's rejoin)
+        c.admit_job(6, [0], key="0f" * 16)
+        assert switch.requests[-1].spec.key == b"\x0f" * 16
+        keyed = next(j for j in c.list_jobs() if j["job_id"] == 6)
+        assert keyed["key"] == b"\x0f" * 16
+        with pytest.raises(ValueError, match="16 bytes"):
+            c.admit_job(8, [0], key=b"short")
+        c.remove_job(6)
 
         # defaults are the switch config file's
         c.admit_job(5, [0])

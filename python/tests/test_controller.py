@@ -1,16 +1,22 @@
 """The controller: Steiner trees with an LCA root, incremental programming,
-errors; and real multi-level aggregation through real switch daemons on
-loopback, with loss on every hop and workers joining and leaving."""
+errors; per-job keys issued to members; and real multi-level aggregation
+through real switch daemons on loopback (keyed, with forgeries), with loss
+on every hop and workers joining and leaving."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import struct
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import fanin
-from fanin import topology
+from fanin import _native, topology
 from fanin.controller import (
     SWITCH_RANK_BASE, Controller, ControllerClient, ControllerError, ControllerServer, JobParams, StaticFabric,
     TreeError, build_tree, diff_roles, roles, switch_rank,
@@ -107,31 +113,150 @@ def test_controller_refuses_unknown_jobs_duplicate_ranks_and_foreign_hosts():
         ctl.create_job(JobParams(4, max_workers=0))
 
 
+# -- keys -----------------------------------------------------------------------------
+
+
+def _switch_jobs(sws):
+    """Every switch's admitted jobs, as its control API lists them."""
+    from fanin.control import ControlClient
+
+    out = {}
+    for s in sws.procs:
+        with ControlClient(sws.fabric.control_addr(s)) as cc:
+            out[s] = {j["job_id"]: j for j in cc.list_jobs()}
+    return out
+
+
+def test_keyed_by_default_member_keys_per_rank_and_every_switch_holds_the_job_key():
+    topo = topology.leaf_spine(1, 2, 2)  # spine0; leaf0: h0_0 h0_1; leaf1: h1_0 h1_1
+    hosts = ["h0_0", "h0_1", "h1_0", "h1_1"]
+    with LoopbackSwitches(topo) as sws:
+        ctl = Controller(topo, sws.fabric)
+        ctl.create_job(JobParams(1, max_workers=4))
+        ctl.create_job(JobParams(2, max_workers=4, auth=False))
+        subs = {r: ctl.subscribe(1, r, hosts[r]) for r in range(4)}
+        plain = ctl.subscribe(2, 0, hosts[0])
+        jobs = _switch_jobs(sws)
+        # the same 16-byte job key on every switch of the tree, root and children
+        keys = {j[1]["key"] for j in jobs.values() if 1 in j}
+        assert len(jobs) == 3 and len(keys) == 1
+        (job_key,) = keys
+        assert isinstance(job_key, bytes) and len(job_key) == 16
+        # each rank gets its own member key, derived from the job key
+        member_keys = [subs[r]["member_key"] for r in range(4)]
+        assert len(set(member_keys)) == 4
+        for r, k in enumerate(member_keys):
+            assert k == fanin.derive_member_key(job_key, 1, r)
+            assert k != job_key
+        # the unauthenticated job: no key anywhere
+        assert plain["member_key"] is None
+        assert all(j[2]["key"] is None for j in jobs.values() if 2 in j)
+        # a second keyed job draws its own key
+        ctl.create_job(JobParams(3, max_workers=4))
+        other = ctl.subscribe(3, 0, hosts[0])["member_key"]
+        assert other != fanin.derive_member_key(job_key, 3, 0)
+        # leaving and rejoining (update_job on a keyed job keeps its key) gives the same member key
+        ctl.unsubscribe(1, 3)
+        assert ctl.subscribe(1, 3, hosts[3])["member_key"] == member_keys[3]
+        assert {j[1]["key"] for j in _switch_jobs(sws).values() if 1 in j} == {job_key}
+        # the key appears in no repr and no error the controller makes
+        for text in (repr(ctl._jobs[1]), repr(JobParams(1))):
+            assert job_key.hex() not in text and repr(job_key) not in text
+        with pytest.raises(ControllerError) as e:
+            ctl.subscribe(1, 0, hosts[0])
+        assert job_key.hex() not in str(e.value)
+        ctl.close()
+
+
+def test_grpc_create_job_auth_switch_and_absent_field_means_keyed():
+    from fanin.control._gen import control_pb2 as pb
+    from fanin.control.client import call_rpc
+    from fanin.control._gen import control_pb2_grpc as pb_grpc
+    import grpc
+
+    topo = topology.star(2)
+    with LoopbackSwitches(topo) as sws:
+        with ControllerServer(Controller(topo, sws.fabric), "127.0.0.1:0") as srv, ControllerClient(srv.addr) as c:
+            c.create_job(1, max_workers=2)
+            c.create_job(2, max_workers=2, auth=False)
+            # a request without the field (an older client) creates a keyed job
+            with grpc.insecure_channel(srv.addr) as ch:
+                call_rpc(pb_grpc.ControllerStub(ch), "CreateJob", pb.CreateJobRequest(job_id=3, max_workers=2),
+                         addr=srv.addr, timeout=5, metadata=None)
+            k1, k3 = (c.subscribe(j, 0, "h0")["member_key"] for j in (1, 3))
+            assert len(k1) == 16 and len(k3) == 16 and k1 != k3
+            assert c.subscribe(2, 0, "h0")["member_key"] is None
+            job_key = _switch_jobs(sws)["s0"][1]["key"]
+            assert k1 == fanin.derive_member_key(job_key, 1, 0)
+
+
+def test_cli_create_job_no_auth_and_subscribe_prints_the_member_key_in_hex(capsys):
+    from fanin.cli import main
+
+    topo = topology.star(2)
+    with LoopbackSwitches(topo) as sws:
+        with ControllerServer(Controller(topo, sws.fabric), "127.0.0.1:0") as srv:
+            assert main(["controller", "create-job", "1", "--max-workers", "2", "--addr", srv.addr]) == 0
+            assert main(["controller", "create-job", "2", "--max-workers", "2", "--no-auth", "--addr", srv.addr]) == 0
+            capsys.readouterr()
+            assert main(["controller", "subscribe", "1", "--rank", "1", "--host", "h1", "--addr", srv.addr]) == 0
+            keyed = json.loads(capsys.readouterr().out)
+            assert main(["controller", "subscribe", "2", "--rank", "1", "--host", "h1", "--addr", srv.addr]) == 0
+            plain = json.loads(capsys.readouterr().out)
+            job_key = _switch_jobs(sws)["s0"][1]["key"]
+            assert bytes.fromhex(keyed["member_key"]) == fanin.derive_member_key(job_key, 1, 1)
+            assert plain["member_key"] is None
+
+
 # -- real daemons on loopback -------------------------------------------------------
 
 
-def _allreduce_all(addrs, job_id, tensors, **kw):
+def _allreduce_all(addrs, job_id, tensors, keys=None, **kw):
     def work(r):
-        s = fanin.Session(addrs[r], job_id, r, **kw)
+        s = fanin.Session(addrs[r], job_id, r, auth_key=keys[r] if keys else None, **kw)
         return [s.allreduce(t[r]) for t in tensors] + [s.last_stats]
 
     return in_threads(len(addrs), work)
 
 
+def _eventually(check, timeout=5.0):
+    """Poll `check` (counters are scraped, so they lag a little); its last value."""
+    deadline = time.time() + timeout
+    while not (ok := check()) and time.time() < deadline:
+        time.sleep(0.05)
+    return ok
+
+
+def _forge(addr: str, job_id: int, src: int) -> None:
+    """One Contribution of `job_id` from `src`, sealed under a guessed key,
+    from a raw socket (docs/protocol.md §2.2, §2.4)."""
+    values = np.full(256, 10_000, dtype=np.int32)
+    header = struct.pack(">HBBBBHHHIIHbb", 0xFA17, 1, 0x01, 0, 0, src, 0, 1, job_id, 0, len(values), -128, -128)
+    host, port = addr.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(_native.seal_datagram(os.urandom(16), 1 << 40, header + values.astype(">i4").tobytes()),
+                    (host, int(port)))
+
+
 @pytest.mark.parametrize("levels", [2, 3])
 def test_multi_level_tree_is_exact_with_loss_on_every_hop(levels):
+    """A keyed job (the controller's default) over a tree of 2 and 3 levels:
+    exact results, no datagram refused, and a forgery counted."""
     topo = topology.deep_tree(levels, 2)
     # ingress and egress loss on every switch: worker-switch and switch-switch hops
     with LoopbackSwitches(topo, shards=2, ingress_drop=0.03, egress_drop=0.03, seed=levels) as sws:
         ctl = Controller(topo, sws.fabric)
         with ControllerServer(ctl, "127.0.0.1:0") as srv, ControllerClient(srv.addr) as c:
             c.create_job(1, block_cnt_max=16, block_grad_max=256, max_workers=2)
-            addrs = [c.subscribe(1, r, f"h{r}")["data_addr"] for r in range(2)]
+            subs = [c.subscribe(1, r, f"h{r}") for r in range(2)]
+            addrs = [sub["data_addr"] for sub in subs]
+            keys = [sub["member_key"] for sub in subs]
+            assert all(k is not None for k in keys)
             assert c.tree(1)["levels"] == levels
             rng = np.random.default_rng(levels)
             ints = [rng.integers(-2**31, 2**31, 20_000, dtype=np.int64).astype(np.int32) for _ in range(2)]
             floats = [rng.standard_normal(7_000).astype(np.float32) for _ in range(2)]
-            out = _allreduce_all(addrs, 1, [ints, floats], elems_per_packet=256, rto_ms=5, rto_min_ms=2)
+            out = _allreduce_all(addrs, 1, [ints, floats], keys, elems_per_packet=256, rto_ms=5, rto_min_ms=2)
             assert np.array_equal(out[0][0], ints[0] + ints[1])
             assert np.array_equal(out[1][0], out[0][0])
             assert np.array_equal(out[0][1], out[1][1])  # bit-identical floats
@@ -146,6 +271,21 @@ def test_multi_level_tree_is_exact_with_loss_on_every_hop(levels):
                     assert cn["sent_up"] > 0 and cn["relayed_down"] > 0
             # loss between switches was recovered from caches on the way up
             assert sum(cn["resent_up"] for cn in counters.values()) > 0
+            # every datagram, worker-switch and switch-switch, verified
+            for s, cn in counters.items():
+                assert (cn.get("auth_bad_tag", 0), cn.get("auth_replayed", 0), cn.get("auth_unsealed", 0)) == (0, 0, 0), s
+            # a forgery from a raw socket at worker 0's switch is counted and dropped
+            leaf0, leaf1 = (c.tree(1)["workers"][str(r)]["switch"] for r in range(2))
+            # (the switch's injected ingress loss may eat one: forge again until one is counted)
+            for forged in range(1, 11):
+                _forge(addrs[0], 1, 0)
+                if _eventually(lambda: sws.counters(leaf0).get("auth_bad_tag", 0) >= 1, 1.0):
+                    break
+            assert 1 <= sws.counters(leaf0).get("auth_bad_tag", 0) <= forged
+            # a worker that ignores its key gets no answer: a clear timeout naming auth_key, not a hang
+            with pytest.raises(fanin.FaninTimeout, match="auth_key"):
+                fanin.Session(addrs[1], 1, 1, join_timeout_s=0.5)
+            assert _eventually(lambda: sws.counters(leaf1).get("auth_unsealed", 0) >= 1)
 
 
 def test_workers_join_and_leave_while_allreduces_stream():
@@ -160,13 +300,13 @@ def test_workers_join_and_leave_while_allreduces_stream():
         ctl = Controller(topo, sws.fabric)
         ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=4))
         hosts = {0: "h0_0", 1: "h1_0", 2: "h0_1"}
-        addrs = {r: ctl.subscribe(1, r, hosts[r])["data_addr"] for r in (0, 1)}
+        subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}  # keyed: each gets its member key
         results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}  # allreduce index -> block sums
         join_now, one_left, joiner_left = threading.Event(), threading.Event(), threading.Event()
         start_together = threading.Barrier(2)
 
         def stream(r, sync, until):
-            s = fanin.Session(addrs[r], 1, r, elems_per_packet=epp, window=8, sync_join=sync,
+            s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=epp, window=8, sync_join=sync,
                               align_blocks=align if sync else 0, rto_ms=20, rto_min_ms=5)
             if not sync:
                 start_together.wait()
@@ -192,7 +332,7 @@ def test_workers_join_and_leave_while_allreduces_stream():
 
         def joiner():
             assert join_now.wait(30)
-            addrs[2] = ctl.subscribe(1, 2, hosts[2], sync=True)["data_addr"]
+            subs[2] = ctl.subscribe(1, 2, hosts[2], sync=True)
             after = []
             stream(2, True, lambda k: one_left.is_set() and (after.append(k) or len(after) > 3))
             ctl.unsubscribe(1, 2)

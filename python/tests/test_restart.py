@@ -45,9 +45,9 @@ def _free_port_pair(shards: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def _worker(rank, addr, n, size, dtype, iters, progress, q):
+def _worker(rank, addr, n, size, dtype, iters, progress, q, auth_key=None):
     try:
-        s = fanin.Session(addr, 1, rank, elems_per_packet=256, window=64)
+        s = fanin.Session(addr, 1, rank, elems_per_packet=256, window=64, auth_key=auth_key)
         done = []
         for it in range(iters):
             y = s.allreduce(worker_inputs(rank, size, dtype, it))
@@ -129,9 +129,10 @@ def _free_tcp_port() -> int:
 
 def test_controller_reinstalls_the_job_on_a_restarted_switch():
     """No --job on the daemon: the job exists only because the controller
-    admitted it. After SIGKILL and a restart on the same ports, the
-    controller notices the new incarnation and admits it again; the workers,
-    waiting in recovery, then finish every allreduce exactly."""
+    admitted it, keyed (the default). After SIGKILL and a restart on the
+    same ports, the controller notices the new incarnation and admits it
+    again with the same job key; the workers, waiting in recovery with their
+    member keys, then finish every allreduce exactly and nothing is refused."""
     from fanin import topology
     from fanin.controller import Controller
     from fanin.controller.fabric import StaticFabric
@@ -152,8 +153,10 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch():
     try:
         with ControllerServer(ctl, "127.0.0.1:0", reconcile_s=0.1) as srv, ControllerClient(srv.addr) as c:
             c.create_job(1, block_cnt_max=64, block_grad_max=256, max_workers=n)
-            addrs = [c.subscribe(1, r, f"h{r}")["data_addr"] for r in range(n)]
-            procs = [ctx.Process(target=_worker, args=(r, addrs[r], n, 64 * 1024, dtype, iters, progress, q))
+            subs = [c.subscribe(1, r, f"h{r}") for r in range(n)]
+            assert all(sub["member_key"] is not None for sub in subs)
+            procs = [ctx.Process(target=_worker, args=(r, subs[r]["data_addr"], n, 64 * 1024, dtype, iters, progress,
+                                                       q, subs[r]["member_key"]))
                      for r in range(n)]
             for p in procs:
                 p.start()
@@ -166,6 +169,13 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch():
             ready_at = time.time()
             res = [q.get(timeout=120) for _ in procs]
             counters = new.counters()
+            from fanin.control import ControlClient
+
+            with ControlClient(control) as cc:
+                (job,) = cc.list_jobs()
+            # re-installed with the key the members' keys derive from
+            assert job["key"] is not None
+            assert subs[0]["member_key"] == fanin.derive_member_key(job["key"], 1, 0)
     finally:
         for p in procs:
             p.join(10)
@@ -183,4 +193,6 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch():
     recovery_s = max(recovered) - ready_at
     print(f"controller re-admission: recovery {recovery_s * 1000:.0f} ms after the restarted daemon was ready")
     assert counters.get("recoveries", 0) >= 1
+    assert (counters.get("auth_bad_tag", 0), counters.get("auth_replayed", 0), counters.get("auth_unsealed", 0)) == (
+        0, 0, 0)
     assert recovery_s < 2 * BLOCK_TIMEOUT_S + 1.0, f"recovery took {recovery_s:.3f} s"

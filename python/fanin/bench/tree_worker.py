@@ -4,13 +4,19 @@ one allreduce per line it reads on stdin and answers with one JSON line
 inside a testbed namespace so the driver can interleave configurations
 allreduce by allreduce without paying a process start each time.
 
-    python -m fanin.bench.tree_worker --addr 10.1.0.2:9000 --job 1 --rank 0 --workers 2 --elements 10752
+    FANIN_MEMBER_KEY=<32 hex digits> python -m fanin.bench.tree_worker --addr 10.1.0.2:9000 --job 1 --rank 0 \
+        --workers 2 --elements 10752
+
+In a keyed job (the controller's default) the worker's member key comes in
+the environment (FANIN_MEMBER_KEY, hex), not on the command line, which
+other local users can read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -43,9 +49,11 @@ def main() -> int:
                         "an uncapped exponential backoff would measure the backoff, not the tree")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    key = os.environ.get("FANIN_MEMBER_KEY")
     s = fanin.Session(a.addr, a.job, a.rank, elems_per_packet=a.elems_per_packet, window=a.window,
                       send_drop=a.send_drop, recv_drop=a.recv_drop, seed=a.seed, rto_ms=a.rto_ms,
-                      rto_min_ms=a.rto_min_ms, rto_max_ms=a.rto_max_ms, dead_after_s=60)
+                      rto_min_ms=a.rto_min_ms, rto_max_ms=a.rto_max_ms, dead_after_s=60,
+                      auth_key=bytes.fromhex(key) if key else None)
     print(json.dumps({"ready": True}), flush=True)
     step = 0
     for line in sys.stdin:

@@ -10,12 +10,16 @@
   on the veth links, i.e. what reaches the top of the tree.
 
 Every allreduce's result is checked exactly by the workers (int32).
+Every arm is keyed (docs/security.md): the controller issues the member keys
+of the tree arms, the single-switch baseline is admitted with a job key of
+its own, so the comparison is like for like.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fanin import topology
+from fanin import derive_member_key, new_job_key, topology
 from fanin.controller import Controller, JobParams, TestbedFabric
 from fanin.switch import job_config
 
@@ -51,12 +55,17 @@ class TestbedJob:
             ctl = Controller(topo, TestbedFabric(self.tb))
             stack.callback(ctl.close)
             ctl.create_job(JobParams(JOB, block_cnt_max=window, block_grad_max=epp, max_workers=n))
-            addrs = {r: ctl.subscribe(JOB, r, h)["data_addr"] for r, h in workers.items()}
+            subs = {r: ctl.subscribe(JOB, r, h) for r, h in workers.items()}
+            addrs = {r: sub["data_addr"] for r, sub in subs.items()}
+            keys = {r: sub["member_key"] for r, sub in subs.items()}
             self.tree = ctl.tree(JOB).to_dict()
         else:
             (sw,) = topo.switches
-            self.tb.switches(jobs=[job_config(JOB, members=list(workers), block_cnt_max=window, block_grad_max=epp)])
+            job_key = new_job_key()
+            self.tb.switches(jobs=[job_config(JOB, members=list(workers), block_cnt_max=window, block_grad_max=epp,
+                                              key=job_key)])
             addrs = {r: f"{self.tb.addr(sw.name, toward=h)}:{DATA_PORT}" for r, h in workers.items()}
+            keys = {r: derive_member_key(job_key, JOB, r) for r in workers}
             self.tree = None
         self.procs = []
         for r, h in workers.items():
@@ -64,7 +73,9 @@ class TestbedJob:
                     "--rank", str(r), "--workers", str(n), "--elements", str(elements),
                     "--elems-per-packet", str(epp), "--window", str(window), "--send-drop", str(send_drop),
                     "--recv-drop", str(recv_drop), "--seed", str(seed * 1000 + r)]
-            proc = self.tb.popen(h, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            # the key in the environment, not argv (which other local users can read)
+            env = {**os.environ, "FANIN_MEMBER_KEY": keys[r].hex()}
+            proc = self.tb.popen(h, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             self.procs.append(proc)
         wait_ready(self.procs, label)
 

@@ -128,6 +128,7 @@ class ControlClient:
         on_failure: str = "degrade",
         member_timeout_ms: int = 0,
         rate_limit: Optional[Any] = None,
+        key: Optional[Any] = None,
     ) -> None:
         """Admit a job; ``members`` are the source ids (ranks) of its workers.
 
@@ -147,10 +148,12 @@ class ControlClient:
         ``on_failure`` (``"degrade"`` or ``"fail"``) and ``member_timeout_ms``
         (0 = 5000) say what happens when a worker dies (docs/failures.md);
         ``rate_limit`` ``(pps, burst)`` limits each source (docs/overload.md).
+        ``key`` (16 bytes or 32 hex digits; None = unauthenticated) is the
+        job key: members must seal their datagrams (docs/security.md).
         """
         self._call("AdmitJob", pb.AdmitJobRequest(spec=_job_spec(
             job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows, workers, tree,
-            on_failure=on_failure, member_timeout_ms=member_timeout_ms, rate_limit=rate_limit)))
+            on_failure=on_failure, member_timeout_ms=member_timeout_ms, rate_limit=rate_limit, key=key)))
 
     def update_job(self, job: Dict[str, Any], awaiting: Iterable[int] = ()) -> None:
         """Change a running job in place: ``job`` as :meth:`list_jobs` gives
@@ -161,7 +164,8 @@ class ControlClient:
         spec = _job_spec(job["job_id"], job["members"], job["block_cnt_max"], job["block_grad_max"],
                          job["block_exp_ms"], job["mode"], job["slow_after_windows"], job.get("workers", 0),
                          job.get("tree"), on_failure=job.get("on_failure", "degrade"),
-                         member_timeout_ms=job.get("member_timeout_ms", 0), rate_limit=job.get("rate_limit"))
+                         member_timeout_ms=job.get("member_timeout_ms", 0), rate_limit=job.get("rate_limit"),
+                         key=job.get("key"))
         awaiting = [int(m) for m in awaiting]
         for m in awaiting:
             _check_u32(m, "awaiting member")
@@ -243,7 +247,8 @@ _POLICY_NAMES = {v: k for k, v in FAILURE_POLICIES.items()}
 
 
 def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows,
-              workers, tree, *, on_failure="degrade", member_timeout_ms=0, rate_limit=None) -> "pb.JobSpec":
+              workers, tree, *, on_failure="degrade", member_timeout_ms=0, rate_limit=None,
+              key=None) -> "pb.JobSpec":
     try:
         mode_value = MODES[mode]
     except KeyError:
@@ -268,6 +273,10 @@ def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode
         on_failure=FAILURE_POLICIES[on_failure],
         member_timeout_ms=member_timeout_ms,
     )
+    if key is not None:
+        from ..auth import _key_bytes
+
+        spec.key = _key_bytes(key)
     if rate_limit is not None:
         pps, burst = (rate_limit["pps"], rate_limit["burst"]) if isinstance(rate_limit, dict) else rate_limit
         _check_u32(pps, "rate_limit pps")
@@ -299,4 +308,7 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         "on_failure": _POLICY_NAMES.get(j.on_failure, f"unknown({j.on_failure})"),
         "member_timeout_ms": j.member_timeout_ms,
         "rate_limit": {"pps": j.rate_limit.pps, "burst": j.rate_limit.burst} if j.HasField("rate_limit") else None,
+        # the job key (the switch lists it: its API needs a token off
+        # loopback), so that update_job(list_jobs()[i]) keeps it
+        "key": bytes(j.key) or None,
     }

@@ -5,8 +5,9 @@ workers subscribing and unsubscribing while jobs run. See docs/trees.md.
     >>> from fanin import topology
     >>> from fanin.controller import Controller, JobParams, StaticFabric
     >>> ctl = Controller(topology.load("deep-tree:2,2"), StaticFabric({...}))
-    >>> ctl.create_job(JobParams(1, max_workers=2))
-    >>> ctl.subscribe(1, rank=0, host="h0")["data_addr"]
+    >>> ctl.create_job(JobParams(1, max_workers=2))   # keyed by default (auth=False: open)
+    >>> sub = ctl.subscribe(1, rank=0, host="h0")     # data_addr, programmed, member_key
+    >>> fanin.Session(sub["data_addr"], 1, 0, auth_key=sub["member_key"])
 """
 
 from .fabric import Fabric, FabricError, StaticFabric, TestbedFabric

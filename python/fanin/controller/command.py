@@ -18,14 +18,21 @@ examples:
   # ... or switches described by a fabric file (docs/trees.md)
   fanin controller serve --topology topo.toml --fabric fabric.json
 
-  fanin controller create-job 1 --max-workers 8 --block-cnt-max 64
-  fanin controller subscribe 1 --rank 0 --host h0     # prints the data address the worker uses
+  fanin controller create-job 1 --max-workers 8 --block-cnt-max 64   # keyed (--no-auth: unauthenticated)
+  fanin controller subscribe 1 --rank 0 --host h0     # prints the data address and member key the worker uses
   fanin controller tree 1                            # root, levels, every switch's parent
   fanin controller unsubscribe 1 --rank 0
 
   # a GOAT plan (fanin plan goat) installed on the testbed's switches and PS (docs/goat.md, Deployment)
   fanin controller install-goat plan.json --testbed gt      # prints where every worker sends each sub-model
   fanin controller install-goat plan.json --testbed gt --remove
+
+Jobs are keyed by default (docs/security.md): the controller draws a job key,
+admits the job with it on every switch of the tree, and `subscribe` returns
+the worker's member key (32 hex digits here; fanin.Session(auth_key=...)).
+A worker without it gets no answer (its datagrams are counted auth_unsealed)
+and fails with FaninTimeout after join_timeout_s. So whoever reaches the
+controller can obtain member keys: keep it on loopback or behind --token.
 
 The tree of a job is a Steiner tree over the switches spanning its workers,
 rooted at their lowest common ancestor (docs/trees.md gives the exact rule).
@@ -60,19 +67,22 @@ def add_parser(sub: Any) -> None:
     cj.add_argument("--block-grad-max", type=int, default=1024)
     cj.add_argument("--block-exp-ms", type=int, default=0, help="straggler timeout (0: wait for every member)")
     cj.add_argument("--max-workers", type=int, default=64, help="most workers at once (block floating point scales for it)")
+    cj.add_argument("--no-auth", action="store_true",
+                    help="an unauthenticated job: no keys, anyone who reaches the switches can contribute "
+                         "(default: keyed, docs/security.md)")
     client(cj)
     cj.set_defaults(func=_create_job)
     dj = csub.add_parser("delete-job", help="remove a job from every switch of its tree")
     dj.add_argument("job_id", type=int)
     client(dj)
     dj.set_defaults(func=lambda a: _call(a, lambda c: c.delete_job(a.job_id)))
-    su = csub.add_parser("subscribe", help="add a worker (prints the data address it sends to)")
+    su = csub.add_parser("subscribe", help="add a worker (prints the data address it sends to and its member key)")
     su.add_argument("job_id", type=int)
     su.add_argument("--rank", type=int, required=True)
     su.add_argument("--host", required=True, help="the topology host the worker runs on")
     su.add_argument("--sync", action="store_true", help="the job is running: the worker syncs on the current block")
     client(su)
-    su.set_defaults(func=lambda a: _call(a, lambda c: c.subscribe(a.job_id, a.rank, a.host, sync=a.sync)))
+    su.set_defaults(func=lambda a: _call(a, lambda c: _printable(c.subscribe(a.job_id, a.rank, a.host, sync=a.sync))))
     un = csub.add_parser("unsubscribe", help="remove a worker")
     un.add_argument("job_id", type=int)
     un.add_argument("--rank", type=int, required=True)
@@ -116,10 +126,17 @@ def _call(args: argparse.Namespace, fn) -> int:
     return 0
 
 
+def _printable(sub: dict) -> dict:
+    """A subscribe answer as JSON: the member key as 32 hex digits (the
+    form `fanin.Session(auth_key=bytes.fromhex(...))` and config files take)."""
+    key = sub.get("member_key")
+    return {**sub, "member_key": key.hex() if key is not None else None}
+
+
 def _create_job(args: argparse.Namespace) -> int:
     return _call(args, lambda c: c.create_job(args.job_id, block_cnt_max=args.block_cnt_max,
                                               block_grad_max=args.block_grad_max, block_exp_ms=args.block_exp_ms,
-                                              max_workers=args.max_workers))
+                                              max_workers=args.max_workers, auth=not args.no_auth))
 
 
 def _install_goat(args: argparse.Namespace) -> int:

@@ -46,6 +46,8 @@ class _Servicer(pb_grpc.ControllerServicer):
                 max_workers=request.max_workers or 64,
                 on_failure="fail" if request.on_failure == pb.FailurePolicy.FAILURE_POLICY_FAIL else "degrade",
                 member_timeout_ms=request.member_timeout_ms,
+                # absent = keyed: safe by default, also for older clients
+                auth=request.auth if request.HasField("auth") else True,
             ))
             return pb.CreateJobResponse()
         return self._run(context, go)
@@ -56,7 +58,8 @@ class _Servicer(pb_grpc.ControllerServicer):
     def Subscribe(self, request, context):
         def go():
             r = self.c.subscribe(request.job_id, request.rank, request.host, sync=request.sync)
-            return pb.SubscribeResponse(data_addr=r["data_addr"], programmed=r["programmed"])
+            return pb.SubscribeResponse(data_addr=r["data_addr"], programmed=r["programmed"],
+                                        member_key=r["member_key"] or b"")
         return self._run(context, go)
 
     def Unsubscribe(self, request, context):
@@ -119,9 +122,9 @@ class ControllerClient:
     """What a worker (or an operator) uses to talk to `fanin controller`.
 
         >>> c = ControllerClient("127.0.0.1:9200")
-        >>> c.create_job(1, max_workers=8)
-        >>> addr = c.subscribe(1, rank=0, host="h0_0_0")["data_addr"]
-        >>> s = fanin.Session(addr, job_id=1, rank=0)
+        >>> c.create_job(1, max_workers=8)          # keyed (auth=False: unauthenticated)
+        >>> sub = c.subscribe(1, rank=0, host="h0_0_0")
+        >>> s = fanin.Session(sub["data_addr"], job_id=1, rank=0, auth_key=sub["member_key"])
     """
 
     def __init__(self, addr: str, token: Optional[str] = None, timeout: float = 10.0):
@@ -146,21 +149,26 @@ class ControllerClient:
 
     def create_job(self, job_id: int, *, block_cnt_max: int = 256, block_grad_max: int = 1024,
                    block_exp_ms: int = 0, slow_after_windows: int = 2, max_workers: int = 64,
-                   on_failure: str = "degrade", member_timeout_ms: int = 0) -> None:
+                   on_failure: str = "degrade", member_timeout_ms: int = 0, auth: bool = True) -> None:
+        """Create a job. ``auth`` (default True): the controller draws a job
+        key and every subscriber gets a member key (docs/security.md)."""
         policy = {"degrade": pb.FailurePolicy.FAILURE_POLICY_DEGRADE, "fail": pb.FailurePolicy.FAILURE_POLICY_FAIL}
         if on_failure not in policy:
             raise ValueError(f"on_failure must be degrade or fail, not {on_failure!r}")
         self._call("CreateJob", pb.CreateJobRequest(
             job_id=job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max, block_exp_ms=block_exp_ms,
             slow_after_windows=slow_after_windows, max_workers=max_workers, on_failure=policy[on_failure],
-            member_timeout_ms=member_timeout_ms))
+            member_timeout_ms=member_timeout_ms, auth=auth))
 
     def delete_job(self, job_id: int) -> None:
         self._call("DeleteJob", pb.DeleteJobRequest(job_id=job_id))
 
     def subscribe(self, job_id: int, rank: int, host: str, sync: bool = False) -> dict:
+        """Join job `job_id` as `rank` on topology host `host`: ``data_addr``,
+        ``programmed`` and ``member_key`` (16 bytes for
+        ``fanin.Session(auth_key=...)``, None for an unauthenticated job)."""
         r = self._call("Subscribe", pb.SubscribeRequest(job_id=job_id, rank=rank, host=host, sync=sync))
-        return {"data_addr": r.data_addr, "programmed": list(r.programmed)}
+        return {"data_addr": r.data_addr, "programmed": list(r.programmed), "member_key": bytes(r.member_key) or None}
 
     def unsubscribe(self, job_id: int, rank: int) -> dict:
         r = self._call("Unsubscribe", pb.UnsubscribeRequest(job_id=job_id, rank=rank))

@@ -11,6 +11,11 @@ Programming order on every change (docs/trees.md):
    into a running job, so no block waits for it before its start block,
 3. switches that left the tree lose the job last (their parents already
    stopped waiting for them).
+
+Jobs are keyed by default (docs/security.md): create_job draws a 128-bit
+job key, every switch of the tree is admitted with it (and re-admitted with
+it after a restart), and subscribe hands the worker its member key. The job
+key never leaves the controller except towards the switches.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..auth import derive_member_key, new_job_key
 from ..control import ControlClient
 from ..topology import Topology
 from .fabric import Fabric
@@ -48,6 +54,10 @@ class JobParams:
     on_failure: str = "degrade"
     #: 0 = the switch's default member timeout.
     member_timeout_ms: int = 0
+    #: Authenticate the job's datagrams (docs/security.md): the controller
+    #: draws a job key and subscribe returns each worker's member key.
+    #: False = an unauthenticated job (anyone on the network can contribute).
+    auth: bool = True
 
     def validate(self) -> None:
         if not 0 <= self.job_id < 2**32:
@@ -66,6 +76,8 @@ class _Job:
     workers: dict[int, str] = field(default_factory=dict)
     tree: Optional[Tree] = None
     roles: dict[str, Role] = field(default_factory=dict)
+    #: the job key (None: unauthenticated); kept out of reprs and errors
+    key: Optional[bytes] = field(default=None, repr=False)
 
 
 class Controller:
@@ -91,7 +103,7 @@ class Controller:
         with self._lock:
             if params.job_id in self._jobs:
                 raise ControllerError("ALREADY_EXISTS", f"job {params.job_id} already exists")
-            self._jobs[params.job_id] = _Job(params)
+            self._jobs[params.job_id] = _Job(params, key=new_job_key() if params.auth else None)
 
     def delete_job(self, job_id: int) -> None:
         with self._lock:
@@ -100,6 +112,11 @@ class Controller:
             del self._jobs[job_id]
 
     def subscribe(self, job_id: int, rank: int, host: str, sync: bool = False) -> dict:
+        """Add worker `rank` on `host`: the tree is recomputed and the
+        switches whose role changed are programmed. Returns ``data_addr``
+        (where the worker sends), ``programmed`` (switch names) and
+        ``member_key`` (the worker's 16-byte key for
+        ``fanin.Session(auth_key=...)``; None for an unauthenticated job)."""
         with self._lock:
             job = self._job(job_id)
             if rank in job.workers:
@@ -117,7 +134,9 @@ class Controller:
             programmed = self._apply(job, new_roles, awaiting)
             job.workers, job.tree = workers, tree
             switch = tree.attach[rank]
-            return {"data_addr": self.fabric.data_addr(switch, toward=host), "programmed": programmed}
+            member_key = derive_member_key(job.key, job_id, rank) if job.key is not None else None
+            return {"data_addr": self.fabric.data_addr(switch, toward=host), "programmed": programmed,
+                    "member_key": member_key}
 
     def unsubscribe(self, job_id: int, rank: int) -> dict:
         with self._lock:
@@ -237,6 +256,9 @@ class Controller:
             "tree": tree,
             "on_failure": p.on_failure,
             "member_timeout_ms": p.member_timeout_ms,
+            # the same job key on every switch: a child derives its member
+            # key at the parent from its tree rank (docs/security.md)
+            "key": job.key,
         }
 
     def _apply(self, job: _Job, new_roles: dict[str, Role], awaiting: dict[str, set[int]]) -> list[str]:

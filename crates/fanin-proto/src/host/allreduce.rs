@@ -155,7 +155,11 @@ impl SessionConfig {
 pub enum SessionError {
     #[error("invalid session configuration: {0}")]
     Config(String),
-    #[error("no answer from the switch within {0:?}: is `fanin switch` running at that address, and is the job admitted?")]
+    #[error(
+        "no answer from the switch within {0:?}: is `fanin switch` running at that address, is the job admitted, \
+         and, if the job is keyed (the controller's default), does this worker have its member key (auth_key)? \
+         A keyed job drops unsealed datagrams without an answer"
+    )]
     SwitchUnreachable(Duration),
     #[error("the switch has been silent for {waited:?} with {outstanding} blocks outstanding; giving up")]
     SwitchSilent { waited: Duration, outstanding: usize },

@@ -154,7 +154,7 @@ class GetCountersResponse(_message.Message):
     def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
-    __slots__ = ("job_id", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows", "max_workers", "on_failure", "member_timeout_ms")
+    __slots__ = ("job_id", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows", "max_workers", "on_failure", "member_timeout_ms", "auth")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRAD_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class CreateJobRequest(_message.Message):
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ON_FAILURE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     block_cnt_max: int
     block_grad_max: int
@@ -171,7 +172,8 @@ class CreateJobRequest(_message.Message):
     max_workers: int
     on_failure: FailurePolicy
     member_timeout_ms: int
-    def __init__(self, job_id: _Optional[int] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., slow_after_windows: _Optional[int] = ..., max_workers: _Optional[int] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ...) -> None: ...
+    auth: bool
+    def __init__(self, job_id: _Optional[int] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., slow_after_windows: _Optional[int] = ..., max_workers: _Optional[int] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., auth: _Optional[bool] = ...) -> None: ...
 
 class CreateJobResponse(_message.Message):
     __slots__ = ()
@@ -200,12 +202,14 @@ class SubscribeRequest(_message.Message):
     def __init__(self, job_id: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., sync: _Optional[bool] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("data_addr", "programmed")
+    __slots__ = ("data_addr", "programmed", "member_key")
     DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
     PROGRAMMED_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_KEY_FIELD_NUMBER: _ClassVar[int]
     data_addr: str
     programmed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, data_addr: _Optional[str] = ..., programmed: _Optional[_Iterable[str]] = ...) -> None: ...
+    member_key: bytes
+    def __init__(self, data_addr: _Optional[str] = ..., programmed: _Optional[_Iterable[str]] = ..., member_key: _Optional[bytes] = ...) -> None: ...
 
 class UnsubscribeRequest(_message.Message):
     __slots__ = ("job_id", "rank")
