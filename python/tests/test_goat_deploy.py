@@ -84,6 +84,8 @@ def test_ps_only_baseline_sends_everything_to_the_ps():
 
 
 class FakeSwitch:
+    keys: dict = {}  # job id -> the keys it was admitted with, over every node
+
     def __init__(self, log, addr, fail_on=None):
         self.log, self.addr, self.fail_on = log, addr, fail_on
 
@@ -96,6 +98,7 @@ class FakeSwitch:
         if self.fail_on == job_id:
             raise ControlError("RESOURCE_EXHAUSTED", "full")
         self.log.append(("admit", self.addr, job_id, tuple(members), kw["workers"], kw["tree"]))
+        self.keys.setdefault(job_id, set()).add(kw.get("key"))
 
     def remove_job(self, job_id):
         self.log.append(("remove", self.addr, job_id))
@@ -119,6 +122,7 @@ def _install(plan, log, fail=None):
 
 
 def test_install_programs_the_ps_first_and_removes_in_reverse():
+    FakeSwitch.keys = {}
     log = []
     dep = _install(hand_plan(), log)
     assert log == [
@@ -129,6 +133,12 @@ def test_install_programs_the_ps_first_and_removes_in_reverse():
         ("admit", "tor0", 11, (0, 1, 2, 3), 8, {"parent_addr": "ps@tor0", "parent_shards": 2, "rank": TOR0}),
     ]
     assert [(t.job_id, addr) for t, addr in dep.addrs["w6"]] == [(10, "agg@w6"), (11, "ps@w6"), (12, "ps@w6")]
+    # keyed by default: one fresh key per sub-model job, the same on every node holding it
+    keys = {job: FakeSwitch.keys[job] for job in (10, 11, 12)}
+    assert all(len(k) == 1 and None not in k for k in keys.values()), keys
+    assert len({next(iter(k)) for k in keys.values()}) == 3
+    from fanin.auth import derive_member_key
+    assert dep.member_key(11, 6) == derive_member_key(next(iter(keys[11])), 11, 6)
     log.clear()
     dep.remove()
     assert log == [("remove", "tor0", 11), ("remove", "agg", 10), ("remove", "ps", 12), ("remove", "ps", 11),
@@ -183,18 +193,27 @@ def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_
         with ControlClient(daemons.fabric.control_addr("agg")) as c:
             agg_jobs = c.list_jobs()
         assert agg_jobs and all(j["tree"]["parent_addr"] == daemons.fabric.data_addr("ps", "agg") for j in agg_jobs)
+        # keyed by default: every target comes with its member key
+        assert all(len(bytes.fromhex(t["member_key"])) == 16 for ts in targets.values() for t in ts)
+        assert all(j["key"] for j in agg_jobs)
         procs = []
         try:
             for w, ts in targets.items():
                 spec = [[t["job_id"], t["data_addr"], 1000 + 37 * t["submodel"]] for t in ts]
+                keys = json.dumps({t["job_id"]: t["member_key"] for t in ts})
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "fanin.bench.goat_worker", "--rank", str(ts[0]["rank"]), "--workers", "8",
-                     "--targets", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+                     "--targets", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    env={**env, "FANIN_MEMBER_KEYS": keys}))
             wait_ready(procs, "loopback")
             for _ in range(2):
                 assert all(a["exact"] for a in step_workers(procs, "loopback"))
         finally:
             stop_workers(procs)
+        for node in ("agg", "tor0", "tor1", "ps"):
+            with ControlClient(daemons.fabric.control_addr(node)) as c:
+                refused = {x["name"]: x["value"] for x in c.counters() if x["name"].startswith("auth_") and x["value"]}
+            assert not refused, (node, refused)
         r = subprocess.run(cli + ["--remove"], capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0, r.stderr
         for node in ("agg", "tor0", "tor1", "ps"):

@@ -62,7 +62,11 @@ class Arm:
             argv = [sys.executable, "-m", "fanin.bench.goat_worker", "--rank", str(self.dep.jobs.ranks[w]),
                     "--workers", str(n), "--targets", json.dumps(spec), "--elems-per-packet", str(epp),
                     "--window", str(window), "--seed", str(seed), "--parallel", str(parallel)]
-            self.procs.append(tb.popen(w, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            # Member keys (one per sub-model job) through the environment,
+            # not argv, which other local users can read.
+            keys = {t.job_id: self.dep.member_key(t.job_id, self.dep.jobs.ranks[w]) for t, _ in targets}
+            env = {**os.environ, "FANIN_MEMBER_KEYS": json.dumps({j: k.hex() for j, k in keys.items() if k})}
+            self.procs.append(tb.popen(w, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
         stack.callback(self.stop)
         wait_ready(self.procs, label)
         # what the PS must receive per allreduce: one contribution per source of each sub-model

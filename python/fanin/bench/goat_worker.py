@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import queue
 import threading
@@ -73,10 +74,14 @@ def main() -> int:
     # sub-model g on lane g % lanes_n, in sub-model order: the same on every worker, so no job waits on another
     owned = [[g for g in range(len(targets)) if g % lanes_n == k] for k in range(lanes_n)]
 
+    # {job_id: member key hex} of keyed jobs (the deployment's, docs/security.md)
+    keys = {int(j): bytes.fromhex(k) for j, k in json.loads(os.environ.get("FANIN_MEMBER_KEYS", "{}")).items()}
+
     def sessions_of(gs):
         return lambda: [fanin.Session(targets[g][1], targets[g][0], a.rank, elems_per_packet=a.elems_per_packet,
                                       window=a.window, seed=a.seed * 1000 + targets[g][0], rto_ms=20, rto_min_ms=5,
-                                      rto_max_ms=200, dead_after_s=60) for g in gs]
+                                      rto_max_ms=200, dead_after_s=60, auth_key=keys.get(targets[g][0]))
+                        for g in gs]
 
     lanes = [Lane(sessions_of(gs)) for gs in owned]
     for lane in lanes:

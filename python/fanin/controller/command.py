@@ -107,6 +107,9 @@ def add_parser(sub: Any) -> None:
     ig.add_argument("--job-base", type=int, default=100, help="job id of sub-model 0 (default %(default)s)")
     ig.add_argument("--block-cnt-max", type=int, default=64)
     ig.add_argument("--block-grad-max", type=int, default=256)
+    ig.add_argument("--no-auth", action="store_true",
+                    help="install unkeyed jobs (default: every sub-model's job gets a fresh job key and each "
+                         "worker's member key is printed with its target; docs/security.md)")
     ig.add_argument("--remove", action="store_true", help="remove the plan's jobs instead")
     ig.set_defaults(func=_install_goat)
 
@@ -163,13 +166,18 @@ def _install_goat(args: argparse.Namespace) -> int:
             print(json.dumps({"removed": [{"node": j.node, "job_id": j.job_id} for j in done]}, indent=1))
             return 0
         dep = install_goat_plan(plan, topo, fabric, job_base=args.job_base, block_cnt_max=args.block_cnt_max,
-                                block_grad_max=args.block_grad_max)
+                                block_grad_max=args.block_grad_max, auth=not args.no_auth)
         dep.close()
     except (OSError, ValueError, GoatError, FabricError, ControlError, TestbedError, topology.TopologyError) as e:
         print(f"fanin controller install-goat: {e}", file=sys.stderr)
         return 1
+    def key_hex(t):
+        key = dep.member_key(t.job_id, t.rank)
+        return key.hex() if key else None
+
     print(json.dumps({w: [{"submodel": t.submodel, "job_id": t.job_id, "rank": t.rank, "node": t.node,
-                           "data_addr": addr} for t, addr in targets] for w, targets in dep.addrs.items()}, indent=1))
+                           "data_addr": addr, "member_key": key_hex(t)} for t, addr in targets]
+                      for w, targets in dep.addrs.items()}, indent=1))
     return 0
 
 

@@ -154,6 +154,16 @@ class Deployment:
     #: worker -> [(target, "ip:port" of its node as the worker reaches it)]
     addrs: dict[str, list[tuple[WorkerTarget, str]]]
     installed: list[AggregatorJob] = field(default_factory=list)
+    #: job id -> its job key (docs/security.md); empty when installed with
+    #: ``auth=False``. Every node of a sub-model's job holds the same key.
+    _keys: dict[int, bytes] = field(default_factory=dict, repr=False)
+
+    def member_key(self, job_id: int, rank: int) -> Optional[bytes]:
+        """The member key worker `rank` seals job `job_id` with (None: unkeyed)."""
+        from ..auth import derive_member_key
+
+        key = self._keys.get(job_id)
+        return None if key is None else derive_member_key(key, job_id, rank)
     _client: Callable[[str], Any] = field(default=None, repr=False)
     _clients: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -214,7 +224,7 @@ def _clients(fabric: Fabric, factory: Optional[Callable[[str], Any]]):
 
 
 def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, job_base: int = 100,
-                      block_cnt_max: int = 64, block_grad_max: int = 256,
+                      block_cnt_max: int = 64, block_grad_max: int = 256, auth: bool = True,
                       client_factory: Optional[Callable[[str], Any]] = None) -> Deployment:
     """Admit `plan`'s jobs on the PS's host aggregator and the switches.
 
@@ -225,11 +235,17 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
     ``TestbedFabric``; workers or the PS two hops away need the testbed's
     routing). Every job gets
     ``workers`` = the plan's worker count (block floating point is scaled for
-    all of them). On a failure the jobs admitted so far are removed again.
+    all of them). With `auth` (the default) each sub-model's job gets a
+    fresh job key on every node that holds it, and workers seal with
+    ``Deployment.member_key(job_id, rank)`` (docs/security.md). On a failure
+    the jobs admitted so far are removed again.
     """
+    from ..auth import new_job_key
+
     jp = plan_jobs(plan, topo, job_base=job_base)
     clients, client = _clients(fabric, client_factory)
-    dep = Deployment(jp, {}, _client=client, _clients=clients)
+    keys = {j.job_id: new_job_key() for j in jp.jobs} if auth else {}
+    dep = Deployment(jp, {}, _client=client, _clients=clients, _keys=keys)
     shards: dict[str, int] = {}
     try:
         for j in jp.jobs:  # roots (the PS) first: no partial reaches a parent that does not know the job
@@ -240,7 +256,8 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
                 tree = {"parent_addr": fabric.data_addr(j.parent, toward=j.node), "parent_shards": shards[j.parent],
                         "rank": j.rank}
             client(j.node).admit_job(j.job_id, list(j.members), block_cnt_max=block_cnt_max,
-                                     block_grad_max=block_grad_max, workers=len(jp.ranks), tree=tree)
+                                     block_grad_max=block_grad_max, workers=len(jp.ranks), tree=tree,
+                                     key=keys.get(j.job_id))
             dep.installed.append(j)
     except Exception:
         dep.remove()
