@@ -384,6 +384,29 @@ fn recovery_fails_cleanly_when_a_member_never_rejoins() {
     assert!(at.as_nanos() <= (net.ws[0].config().dead_after + Duration::from_secs(1)).as_nanos() as u64);
 }
 
+/// A fresh `loaded()` network run to `at` (0..1) of the steps the same run
+/// without a restart takes until a worker finished its last of `ops`
+/// allreduces: a restart there happens before any worker stopped calling
+/// allreduce (one that stopped cannot take part in a recovery,
+/// docs/restart.md; `recovery_fails_cleanly_when_a_member_never_rejoins`
+/// covers that).
+fn at_fraction(loaded: impl Fn() -> Net, ops: usize, at: f64) -> Net {
+    let mut net = loaded();
+    let mut total = 0u64;
+    net.run_until(Duration::from_secs(300), |n| {
+        total += 1;
+        n.done.iter().any(|d| d.len() == ops)
+    });
+    let stop_after = (total as f64 * at) as u64;
+    let mut net = loaded();
+    let mut steps = 0;
+    net.run_until(Duration::from_secs(300), |_| {
+        steps += 1;
+        steps > stop_after
+    });
+    net
+}
+
 /// False if the case does not apply: a worker finished its last allreduce
 /// before the switch came back (it stopped calling allreduce, so it cannot
 /// take part in a recovery; `recovery_fails_cleanly_when_a_member_never_rejoins`).
@@ -398,23 +421,7 @@ fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_a
         }
         net
     };
-    // The same run without a restart, to place the restart inside it:
-    // before any worker finished its last allreduce (a worker that stopped
-    // calling allreduce cannot take part in a recovery, docs/restart.md;
-    // `recovery_fails_cleanly_when_a_member_never_rejoins` covers that).
-    let mut net = loaded();
-    let mut total = 0u64;
-    net.run_until(Duration::from_secs(300), |n| {
-        total += 1;
-        n.done.iter().any(|d| d.len() == lens.len())
-    });
-    let restart_after = (total as f64 * restart_at) as u64;
-    let mut net = loaded();
-    let mut steps = 0;
-    net.run_until(Duration::from_secs(300), |_| {
-        steps += 1;
-        steps > restart_after
-    });
+    let mut net = at_fraction(loaded, lens.len(), restart_at);
     // the switch dies for a while, then comes back empty
     net.down = true;
     let t = net.now + Duration::from_millis(30);
@@ -456,7 +463,7 @@ fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_a
         .map_or(Duration::ZERO, |t| t.saturating_since(restarted));
     if std::env::var_os("RESTART_TRACE").is_some() {
         let rec = net.done.iter().flatten().filter(|o| o.recoveries > 0).count();
-        eprintln!("workers {workers} lens {lens:?} float {float} loss {loss:.3} after {restart_after}/{total}: recovered ops {rec}, took {took:?}, switch {:?}", (net.sw.counters().recoveries, net.stale_incarnation_count()));
+        eprintln!("workers {workers} lens {lens:?} float {float} loss {loss:.3} at {restart_at:.3}: recovered ops {rec}, took {took:?}, switch {:?}", (net.sw.counters().recoveries, net.stale_incarnation_count()));
     }
     true
 }
@@ -489,19 +496,7 @@ fn double_restart_run(workers: usize, lens: &[usize], loss: f64, restart_at: f64
         load_int(&mut net, &ints);
         net
     };
-    let mut net = loaded();
-    let mut total = 0u64;
-    net.run_until(Duration::from_secs(300), |n| {
-        total += 1;
-        n.done.iter().any(|d| d.len() == lens.len())
-    });
-    let restart_after = (total as f64 * restart_at) as u64;
-    let mut net = loaded();
-    let mut steps = 0;
-    net.run_until(Duration::from_secs(300), |_| {
-        steps += 1;
-        steps > restart_after
-    });
+    let mut net = at_fraction(loaded, lens.len(), restart_at);
     for (incarnation, gap) in [(0x1234_5677, gap_steps), (0x2345_6788, 0)] {
         net.down = true;
         let t = net.now + Duration::from_millis(30);
