@@ -24,7 +24,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from fanin.kv import DEFAULT_SOCKET, Client, KvError
+from fanin.kv import DEFAULT_SOCKET, Client, KvError, SenderFailed
 
 __all__ = ["reduce_by_key", "reduce_by_key_as_map", "ensure_java_home"]
 
@@ -49,6 +49,9 @@ def _send_partition(socket_path: str, ticket: dict, index: int, pairs: Any) -> A
 # executors are noticed by Spark itself (the job fails and the task is
 # aborted at once); the daemon's silence timer is only the backstop here.
 SPARK_SILENCE_MS = 300_000
+#: How long a failed Spark job leaves the daemons to report a failed sender
+#: themselves before the driver aborts the task.
+ABORT_GRACE_S = 5.0
 
 
 def reduce_by_key_as_map(rdd: Any, *, socket_path: str = DEFAULT_SOCKET, **options: Any) -> dict:
@@ -62,7 +65,15 @@ def reduce_by_key_as_map(rdd: Any, *, socket_path: str = DEFAULT_SOCKET, **optio
     driver = Client(socket_path)
     try:
         ticket = driver.create(max(partitions, 1), **options)
+        try:
+            # Keys travel as bytes: str or bytes results. This runs a small
+            # Spark job, so a failure upstream in the RDD shows here first.
+            as_str = _first_key_is_str(rdd)
+        except BaseException:
+            driver.abort(ticket)
+            raise
         failure: list[BaseException] = []
+        waited = threading.Event()
 
         def run_job() -> None:
             try:
@@ -72,6 +83,13 @@ def reduce_by_key_as_map(rdd: Any, *, socket_path: str = DEFAULT_SOCKET, **optio
                     lambda i, it: _send_partition(socket_path, ticket, i, it)).collect()
             except BaseException as e:  # surfaced after the wait
                 failure.append(e)
+                # A sender that failed is reported by the daemons themselves
+                # within milliseconds (SenderFailed, with the partial sums);
+                # abort only if the wait is still blocked after a grace
+                # period (e.g. the job failed before a partition reached its
+                # daemon, which nothing else would notice before silence_ms).
+                if waited.wait(timeout=ABORT_GRACE_S):
+                    return
                 try:
                     with Client(socket_path) as c:
                         c.abort(ticket)
@@ -81,8 +99,15 @@ def reduce_by_key_as_map(rdd: Any, *, socket_path: str = DEFAULT_SOCKET, **optio
         job = threading.Thread(target=run_job, name="fanin-spark-senders", daemon=True)
         job.start()
         try:
-            as_str = _first_key_is_str(rdd)
-            results = driver.wait(ticket, as_str=as_str)
+            try:
+                results = driver.wait(ticket, as_str=as_str)
+            finally:
+                waited.set()
+        except SenderFailed as e:
+            # Keep which partitions' senders failed and the partial sums.
+            job.join(timeout=30)
+            cause = f" (Spark job: {failure[0]})" if failure else ""
+            raise SenderFailed(f"{e}{cause}", e.failed, e.partial, e.reply) from None
         except KvError as e:
             job.join(timeout=30)
             cause = f" (Spark job: {failure[0]})" if failure else ""

@@ -61,3 +61,41 @@ def test_bytes_keys_and_negative_values(sc, service):
 def test_empty_partitions(sc, service):
     rdd = sc.parallelize([("x", 1)], 3)
     assert reduce_by_key_as_map(rdd, socket_path=service.socket_path) == {"x": 1}
+
+
+def test_a_failed_partition_is_named_and_the_others_partial_sums_are_kept(sc, service):
+    """A partition whose sender fails (a key over the 1024-byte limit) ends
+    the task with SenderFailed naming its channel; the other partition's
+    sums come back exactly (docs/kv.md, "Failed senders")."""
+    from fanin.kv import SenderFailed
+
+    good = [("a", 1), ("b", 2)] * 50
+    bad = [("x" * 5000, 1)]
+    rdd = sc.parallelize([good, bad], 2).flatMap(lambda part: part)
+    with pytest.raises(SenderFailed) as info:
+        reduce_by_key_as_map(rdd, socket_path=service.socket_path)
+    assert [f["channel"] for f in info.value.failed] == [1], info.value.failed
+    assert "exceeds the limit" in info.value.failed[0]["reason"]
+    partial = {(k.decode() if isinstance(k, bytes) else k): v for k, v in info.value.partial.items()}
+    assert partial == {"a": 50, "b": 100}
+
+
+def test_a_spark_job_that_fails_before_sending_is_aborted_promptly(sc, service):
+    """No partition reaches the daemon (the job fails upstream): Spark's
+    error comes back at once, not after silence_ms, and the task is gone."""
+    import time
+
+    def boom(x):
+        raise ValueError("upstream failure")
+
+    rdd = sc.parallelize([1, 2], 2).map(boom).map(lambda x: (str(x), 1))
+    with service.client() as c:
+        before = c.request({"op": "stats"})
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="upstream failure"):
+        reduce_by_key_as_map(rdd, socket_path=service.socket_path)
+    assert time.monotonic() - t0 < 60
+    with service.client() as c:
+        after = c.request({"op": "stats"})
+    assert after["tasks_created"] == before["tasks_created"] + 1
+    assert after["tasks_active"] <= before["tasks_active"], "the task was aborted"
