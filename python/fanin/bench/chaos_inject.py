@@ -68,16 +68,22 @@ def garbage(rng: random.Random) -> tuple[str, bytes]:
 
 def forged(rng: random.Random, job_id: int, members: int, other_keys: list[bytes]) -> tuple[str, bytes]:
     """One forged contribution to keyed job `job_id` and the counter it must land in."""
-    from fanin import _native
-
     src = rng.randrange(members)
     payload = struct.pack(">4i", *(rng.randrange(-1000, 1000) for _ in range(4)))
     plain = _header(CONTRIBUTION, job_id, src=src, block=rng.randrange(1 << 20), grad_cnt=4) + payload
-    kind = rng.choice(["random_key", "other_job_key", "unsealed"] if other_keys else ["random_key", "unsealed"])
+    return _forge_seal(rng, plain, other_keys, "")
+
+
+def _forge_seal(rng: random.Random, plain: bytes, other_keys: list[bytes], counters: str) -> tuple[str, bytes]:
+    """`plain` left unsealed, or sealed with a random key or another job's
+    or task's key; and the counter (under prefix `counters`) it must land in."""
+    from fanin import _native
+
+    kind = rng.choice(["random_key", "other_key", "unsealed"] if other_keys else ["random_key", "unsealed"])
     if kind == "unsealed":
-        return "auth_unsealed", plain
-    key = rng.choice(other_keys) if kind == "other_job_key" else bytes(rng.getrandbits(8) for _ in range(16))
-    return "auth_bad_tag", bytes(_native.seal_datagram(key, rng.getrandbits(63), plain))
+        return counters + "auth_unsealed", plain
+    key = rng.choice(other_keys) if kind == "other_key" else bytes(rng.getrandbits(8) for _ in range(16))
+    return counters + "auth_bad_tag", bytes(_native.seal_datagram(key, rng.getrandbits(63), plain))
 
 
 KV_DATA, KV_RELEASE = 0x20, 0x2B
@@ -86,8 +92,6 @@ KV_SLOTS = 32  # the daemon's default layout: 16 short slots + 8 groups of 2
 
 def kv_forged(rng: random.Random, task: int, channels: int, other_keys: list[bytes]) -> tuple[str, bytes]:
     """One forged datagram for keyed kv task `task` and the kv counter it must land in."""
-    from fanin import _native
-
     channel = rng.randrange(channels)
     if rng.random() < 0.8:
         body = struct.pack(">Q", 1) + b"forged\0\6" + struct.pack(">q", rng.randrange(1, 1 << 40))
@@ -95,39 +99,31 @@ def kv_forged(rng: random.Random, task: int, channels: int, other_keys: list[byt
         plain = struct.pack(">HBBBBHII", MAGIC, VERSION, KV_DATA, 0, KV_SLOTS, channel, task, rng.randrange(256)) + body
     else:  # a Release "from the receiver": would free the region
         plain = struct.pack(">HBBBBHII", MAGIC, VERSION, KV_RELEASE, 0, 0, 0, task, 0)
-    kind = rng.choice(["random_key", "other_task_key", "unsealed"] if other_keys else ["random_key", "unsealed"])
-    if kind == "unsealed":
-        return "kv.auth_unsealed", plain
-    key = rng.choice(other_keys) if kind == "other_task_key" else bytes(rng.getrandbits(8) for _ in range(16))
-    return "kv.auth_bad_tag", bytes(_native.seal_datagram(key, rng.getrandbits(63), plain))
+    return _forge_seal(rng, plain, other_keys, "kv.")
+
+
+def _send_forged(args: argparse.Namespace, make) -> dict:
+    """Send `args.count` datagrams `make(rng, other_keys)` builds to `args.to`;
+    how many should land in each counter."""
+    host, port = args.to.rsplit(":", 1)
+    rng = random.Random(args.seed)
+    others = [bytes.fromhex(k) for k in args.other_key]
+    sent: Counter = Counter()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(args.count):
+            counter, data = make(rng, others)
+            s.sendto(data, (host, int(port)))
+            sent[counter] += 1
+            time.sleep(0.0005)
+    return {"sent": dict(sent)}
 
 
 def run_kv_forge(args: argparse.Namespace) -> dict:
-    host, port = args.to.rsplit(":", 1)
-    rng = random.Random(args.seed)
-    others = [bytes.fromhex(k) for k in args.other_key]
-    sent: Counter = Counter()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _ in range(args.count):
-            counter, data = kv_forged(rng, args.task, args.channels, others)
-            s.sendto(data, (host, int(port)))
-            sent[counter] += 1
-            time.sleep(0.0005)
-    return {"sent": dict(sent)}
+    return _send_forged(args, lambda rng, others: kv_forged(rng, args.task, args.channels, others))
 
 
 def run_forge(args: argparse.Namespace) -> dict:
-    host, port = args.to.rsplit(":", 1)
-    rng = random.Random(args.seed)
-    others = [bytes.fromhex(k) for k in args.other_key]
-    sent: Counter = Counter()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _ in range(args.count):
-            counter, data = forged(rng, args.job, args.members, others)
-            s.sendto(data, (host, int(port)))
-            sent[counter] += 1
-            time.sleep(0.0005)
-    return {"sent": dict(sent)}
+    return _send_forged(args, lambda rng, others: forged(rng, args.job, args.members, others))
 
 
 def run_garbage(args: argparse.Namespace) -> dict:

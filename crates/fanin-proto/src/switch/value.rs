@@ -2014,12 +2014,9 @@ fn send_trim_nack<A: Copy>(
     request: &Packet<&[u8]>,
     cause: TrimCause,
 ) {
-    let sent = send(out, dest, Nack::DATAGRAM_LEN, env, |buf| {
+    send_counted_nack(counters, out, dest, env, |buf| {
         Nack { reason: NackReason::Trimmed, detail: cause as u32 }.emit_reply(request, true, buf);
     });
-    if sent {
-        counters.nacks_sent += 1;
-    }
 }
 
 /// The member timeout check (docs/failures.md): a member silent for the
@@ -2147,13 +2144,23 @@ fn send_nack_tagged<A: Copy>(
     detail: u32,
     tag: Option<u16>,
 ) {
-    let sent = send(out, dest, Nack::DATAGRAM_LEN, env, |buf| {
+    send_counted_nack(counters, out, dest, env, |buf| {
         Nack { reason, detail }.emit_reply(request, false, buf);
         if let Some(tag) = tag {
             buf[NACK_TAG].copy_from_slice(&tag.to_be_bytes());
         }
     });
-    if sent {
+}
+
+/// Send a nack `fill` writes (sealed per `env`), counted once it went out.
+fn send_counted_nack<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    dest: A,
+    env: Envelope,
+    fill: impl FnOnce(&mut [u8]),
+) {
+    if send(out, dest, Nack::DATAGRAM_LEN, env, fill) {
         counters.nacks_sent += 1;
     }
 }
