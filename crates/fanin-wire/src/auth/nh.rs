@@ -22,6 +22,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::{Key, SipHasher24};
@@ -77,12 +78,46 @@ impl Hasher for KeyBytesHasher {
     }
 }
 
-type KeyCache = HashMap<[u8; 16], NhKey, BuildHasherDefault<KeyBytesHasher>>;
+type KeyCache = HashMap<[u8; 16], Rc<NhKey>, BuildHasherDefault<KeyBytesHasher>>;
+
+/// Entries of the direct-mapped front of the cache.
+const RECENT_SLOTS: usize = 64;
+
+/// A thread's expanded keys: a map of every key it used (up to
+/// [`CACHE_KEYS`]), and in front of it a small direct-mapped table indexed
+/// by the key's first byte (keys are PRF outputs, so that byte is uniform):
+/// the map lookup costs as much as the SipHash of a short datagram, and a
+/// switch shard or a worker seals and verifies with a handful of keys.
+#[derive(Default)]
+struct Expanded {
+    all: KeyCache,
+    recent: Vec<Option<([u8; 16], Rc<NhKey>)>>,
+}
+
+impl Expanded {
+    fn get(&mut self, key: &Key) -> Rc<NhKey> {
+        if self.recent.is_empty() {
+            self.recent.resize(RECENT_SLOTS, None);
+        }
+        let slot = key.0[0] as usize % RECENT_SLOTS;
+        if let Some((k, nh)) = &self.recent[slot] {
+            if *k == key.0 {
+                return nh.clone();
+            }
+        }
+        if !self.all.contains_key(&key.0) && self.all.len() >= CACHE_KEYS {
+            self.all.clear();
+        }
+        let nh = self.all.entry(key.0).or_insert_with(|| Rc::new(NhKey::new(key))).clone();
+        self.recent[slot] = Some((key.0, nh.clone()));
+        nh
+    }
+}
 
 thread_local! {
     // Member keys are long-lived and a thread (a switch shard, a worker)
     // uses few of them, so each is expanded once per thread.
-    static EXPANDED: RefCell<KeyCache> = RefCell::new(KeyCache::default());
+    static EXPANDED: RefCell<Expanded> = RefCell::new(Expanded::default());
 }
 
 /// The two NH digests of one chunk of at most 1024 bytes whose length is a
@@ -226,61 +261,80 @@ fn nh_pair(k: &[u32; KEY_WORDS], chunk: &[u8]) -> (u64, u64) {
     }
 }
 
+/// The two NH digests of a chunk of at most 1024 bytes, zero-padded to a
+/// multiple of 32: the whole 32-byte groups are read in place and only the
+/// last partial group is copied (NH is a sum over groups, each with the key
+/// words at its own offset, so this equals NH of the padded chunk without
+/// zeroing a chunk-sized buffer per datagram).
+fn nh_pair_padded(k: &[u32; KEY_WORDS], chunk: &[u8]) -> (u64, u64) {
+    let whole = chunk.len() / 32 * 32;
+    let (mut a, mut b) = if whole > 0 { nh_pair(k, &chunk[..whole]) } else { (0, 0) };
+    if whole < chunk.len() {
+        let mut group = [0u8; 32];
+        group[..chunk.len() - whole].copy_from_slice(&chunk[whole..]);
+        let (ta, tb) = nh_pair_scalar_at(k, &group, whole / 4);
+        a = a.wrapping_add(ta);
+        b = b.wrapping_add(tb);
+    }
+    (a, b)
+}
+
 /// Feed the NH digests of `inner` to `h` (the part of the tag that reads
 /// the datagram).
 fn nh_digests(k: &NhKey, inner: &[u8], h: &mut SipHasher24) {
-    let mut chunks = inner.chunks_exact(NH_CHUNK);
-    for chunk in &mut chunks {
-        let (a, b) = nh_pair(&k.0, chunk);
-        h.write(&a.to_le_bytes());
-        h.write(&b.to_le_bytes());
-    }
-    let rest = chunks.remainder();
-    if !rest.is_empty() {
-        let mut padded = [0u8; NH_CHUNK];
-        padded[..rest.len()].copy_from_slice(rest);
-        let (a, b) = nh_pair(&k.0, &padded[..rest.len().div_ceil(32) * 32]);
-        h.write(&a.to_le_bytes());
-        h.write(&b.to_le_bytes());
+    for chunk in inner.chunks(NH_CHUNK) {
+        let (a, b) = nh_pair_padded(&k.0, chunk);
+        h.write_u64_le(a);
+        h.write_u64_le(b);
     }
 }
 
 /// The NH digests alone, concatenated (for tests and the micro-benchmark).
 pub fn nh_digest(k: &NhKey, inner: &[u8]) -> Vec<u64> {
-    let mut out = Vec::with_capacity(2 * inner.len().div_ceil(NH_CHUNK));
-    for chunk in inner.chunks(NH_CHUNK) {
-        let (a, b) = if chunk.len() == NH_CHUNK {
-            nh_pair(&k.0, chunk)
-        } else {
-            let mut padded = [0u8; NH_CHUNK];
-            padded[..chunk.len()].copy_from_slice(chunk);
-            nh_pair(&k.0, &padded[..chunk.len().div_ceil(32) * 32])
-        };
-        out.extend([a, b]);
-    }
-    out
+    inner.chunks(NH_CHUNK).flat_map(|chunk| <[u64; 2]>::from(nh_pair_padded(&k.0, chunk))).collect()
 }
 
 /// The tag of the datagram `inner` sealed with `seq` under `key` (the one
 /// definition; `seal` writes it, `verify` compares with it).
 pub fn mac(key: &Key, seq: u64, inner: &[u8]) -> u64 {
+    let nh = EXPANDED.with(|cache| cache.borrow_mut().get(key));
+    mac_expanded(key, &nh, seq, inner)
+}
+
+/// [`mac`] with `key`'s NH key already expanded (`nh` must be
+/// `NhKey::new(key)`).
+pub fn mac_expanded(key: &Key, nh: &NhKey, seq: u64, inner: &[u8]) -> u64 {
     let mut h = SipHasher24::new(key);
-    h.write(&seq.to_be_bytes());
-    h.write(&(inner.len() as u64).to_be_bytes());
-    EXPANDED.with(|cache| {
-        let mut cache = cache.borrow_mut();
-        if !cache.contains_key(&key.0) && cache.len() >= CACHE_KEYS {
-            cache.clear();
-        }
-        let nh = cache.entry(key.0).or_insert_with(|| NhKey::new(key));
-        nh_digests(nh, inner, &mut h);
-    });
+    // be64(seq) ‖ be64(len), fed as the little-endian words of those bytes.
+    h.write_u64_le(u64::from_le_bytes(seq.to_be_bytes()));
+    h.write_u64_le(u64::from_le_bytes((inner.len() as u64).to_be_bytes()));
+    nh_digests(nh, inner, &mut h);
     h.finish()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hashing the whole groups in place and padding only the last one
+    /// gives the digests of the zero-padded chunk (the definition), for
+    /// every length up to past one chunk.
+    #[test]
+    fn in_place_padding_equals_the_padded_chunk() {
+        let k = NhKey::new(&Key([9; 16]));
+        let data: Vec<u8> = (0..NH_CHUNK + 100).map(|i| (i * 131 + 7) as u8).collect();
+        for len in 0..=data.len() {
+            let expected: Vec<u64> = data[..len]
+                .chunks(NH_CHUNK)
+                .flat_map(|chunk| {
+                    let mut padded = vec![0u8; chunk.len().div_ceil(32) * 32];
+                    padded[..chunk.len()].copy_from_slice(chunk);
+                    <[u64; 2]>::from(nh_pair_scalar(&k.0, &padded))
+                })
+                .collect();
+            assert_eq!(nh_digest(&k, &data[..len]), expected, "{len} bytes");
+        }
+    }
 
     /// The vector NH must give the portable loop's digests bit for bit, for
     /// every chunk length (even and odd group counts), for words that make
