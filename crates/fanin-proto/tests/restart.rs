@@ -570,7 +570,7 @@ fn members_that_all_rejoin_with_sync_are_answered() {
             }
         }
         for (dest, b) in replies.drain() {
-            ws[dest as usize].handle_datagram(now, &b);
+            ws[dest].handle_datagram(now, &b);
         }
         for (r, w) in ws.iter_mut().enumerate() {
             while let Some(ev) = w.poll_event() {

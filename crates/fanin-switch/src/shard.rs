@@ -5,8 +5,9 @@
 //! With trimming on, the thread reads its socket's receive queue just before
 //! and after each batch (`SO_MEMINFO`, one syscall each): the datagrams that
 //! sat beyond the watermark in that queue (`Watermark::plan`) go back to
-//! their senders as Trimmed nacks (`fanin_proto::trim::return_to_sender`)
-//! instead of into the program, so senders slow down before the kernel
+//! their senders as Trimmed nacks (`ValueSwitch::trim_datagram`: a keyed
+//! job's verified and sealed, an unkeyed job's header-only and plain)
+//! instead of into aggregation, so senders slow down before the kernel
 //! drops silently. (One look after the batch is not enough: with GRO a batch
 //! can hold more than the whole buffer, so the queue is empty behind it.)
 //!
@@ -26,7 +27,7 @@ use fanin_proto::fault::{DropInjector, ReceiveFaults};
 use fanin_proto::job::JobSpec;
 use fanin_proto::kv::{KvAdmitError, KvCounters, KvSwitch, KvTaskSpec, TaskStats};
 use fanin_proto::switch::{AdmitError, Counters, Uplink, ValueSwitch, Verdict};
-use fanin_proto::trim::{return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
+use fanin_proto::trim::{TrimCause, TrimPlan, TrimVerdict, Watermark};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 
@@ -189,12 +190,15 @@ impl ShardThread {
                             owner
                         }
                         None => {
-                            if plan.trims(bytes.len())
-                                && return_to_sender(from, bytes, TrimCause::ProcessingQueue, &mut out)
-                                    == TrimVerdict::Trimmed
-                            {
-                                self.trimmed += 1;
-                                continue;
+                            if plan.trims(bytes.len()) {
+                                match self.switch.trim_datagram(from, bytes, TrimCause::ProcessingQueue, &mut out) {
+                                    TrimVerdict::Trimmed => {
+                                        self.trimmed += 1;
+                                        continue;
+                                    }
+                                    TrimVerdict::Refused => continue,
+                                    TrimVerdict::Process => {}
+                                }
                             }
                             match self.switch.handle_datagram(now, from, bytes, &mut out) {
                                 Verdict::Consumed => continue,

@@ -75,7 +75,9 @@ pub struct Counters {
     /// job's position yet (the worker asks again).
     pub sync_deferred: u64,
     /// Daemon, overload: data contributions answered with a Trimmed nack
-    /// before they reached the program (so not in `rx_datagrams`).
+    /// instead of being aggregated (an unkeyed job's before they reached
+    /// the program, so not in `rx_datagrams`; a keyed job's after their tag
+    /// verified).
     pub trimmed: u64,
     /// Daemon: datagrams the kernel dropped on the shard's full receive
     /// queue (never seen by the switch; silent loss).

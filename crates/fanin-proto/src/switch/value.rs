@@ -2004,8 +2004,8 @@ fn rate_limited<A: Copy>(
 
 /// A Trimmed nack (back-pressure, docs/overload.md) from the job's program,
 /// sealed like every other reply of a keyed job (a keyed worker ignores an
-/// unsealed one). The shard's queue trim (cause 1) happens before any job
-/// lookup and stays unsealed.
+/// unsealed one): slot exhaustion and rate limits here, the shard's queue
+/// trim in `trimming.rs`.
 fn send_trim_nack<A: Copy>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
@@ -2166,6 +2166,7 @@ fn send_counted_nack<A: Copy>(
 }
 
 mod sealing;
+mod trimming;
 
 #[cfg(test)]
 mod auth_tests;

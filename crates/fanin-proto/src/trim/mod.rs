@@ -25,5 +25,5 @@ pub mod overload;
 pub mod queue;
 
 pub use meter::{Color, IngressTrimmer, IngressVerdict, Meter, MeterMode, NotifyScope, PortModeState, TrimControlConfig};
-pub use overload::{return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
+pub use overload::{is_trimmable, return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
 pub use queue::{Class, NdpVerdict, PortQueue, QueueConfig, QueueStats, Trimmable};

@@ -102,7 +102,8 @@ impl TrimPlan {
     }
 }
 
-/// Outcome of [`return_to_sender`].
+/// Outcome of [`return_to_sender`] (and of the switch program's
+/// `ValueSwitch::trim_datagram`).
 #[must_use]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TrimVerdict {
@@ -112,19 +113,26 @@ pub enum TrimVerdict {
     /// Joins, exponent-only rounds and anything malformed are never trimmed:
     /// they carry no payload to save, and the program counts what it refuses.
     Process,
+    /// A keyed job's datagram that did not verify (forged, replayed,
+    /// unsealed): counted by the program and dropped, never answered.
+    Refused,
+}
+
+/// Whether a trim would save anything: a data contribution or
+/// retransmission with a payload. Reads only the header.
+pub fn is_trimmable(packet: &Packet<&[u8]>) -> bool {
+    matches!(MessageType::from_u8(packet.msg_type_code()), Ok(MessageType::Contribution | MessageType::Retransmission))
+        && !packet.exp_only()
+        && packet.grad_cnt() > 0
 }
 
 /// If `bytes` is a data contribution (or retransmission), write the Trimmed
 /// nack for it to `from` and return [`TrimVerdict::Trimmed`]. Reads only the
-/// header: the payload is never touched.
+/// header: the payload is never touched. The nack is plain: a keyed job's
+/// trims go through the switch program, which verifies and seals.
 pub fn return_to_sender<A: Copy>(from: A, bytes: &[u8], cause: TrimCause, out: &mut impl Transmit<A>) -> TrimVerdict {
     let Ok(packet) = Packet::new_checked(bytes) else { return TrimVerdict::Process };
-    let is_data = matches!(
-        MessageType::from_u8(packet.msg_type_code()),
-        Ok(MessageType::Contribution | MessageType::Retransmission)
-    ) && !packet.exp_only()
-        && packet.grad_cnt() > 0;
-    if !is_data {
+    if !is_trimmable(&packet) {
         return TrimVerdict::Process;
     }
     emit_trim_nack(from, &packet, cause, out);

@@ -203,3 +203,48 @@ fn a_tree_child_seals_partials_with_its_rank_key_and_accepts_only_the_parents_se
     assert!(from_parent(&mut child, &genuine).is_empty(), "replayed result");
     assert_eq!((child.counters().auth_bad_tag, child.counters().auth_replayed), (1, 1));
 }
+
+fn trim(sw: &mut ValueSwitch<Addr>, src: u16, bytes: &[u8]) -> (crate::trim::TrimVerdict, Vec<(Addr, Vec<u8>)>) {
+    let mut out = VecTransmit::new();
+    let verdict = sw.trim_datagram(100 + src as u32, bytes, TrimCause::ProcessingQueue, &mut out);
+    (verdict, out.datagrams)
+}
+
+#[test]
+fn a_queue_trim_of_a_keyed_job_is_verified_first_and_answered_with_a_sealed_nack() {
+    use crate::trim::TrimVerdict;
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(keyed(1, 2, JOB_KEY)).unwrap();
+    sw.add_job(JobSpec::with_sources(3, 2, 4, 64)).unwrap(); // unkeyed
+    let good = sealed(&member(1, 1), 5, &contribution(1, 1, 2, &[7, 8]));
+    let (verdict, out) = trim(&mut sw, 1, &good);
+    assert_eq!((verdict, out.len()), (TrimVerdict::Trimmed, 1));
+    let (addr, reply) = &out[0];
+    assert_eq!(*addr, 101, "back to the sender");
+    assert_eq!(open(&member(1, 0), reply), Err(auth::AuthError::BadTag), "sealed for the sender only");
+    let (inner, _) = open(&member(1, 1), reply).expect("sealed with the sender's key");
+    let p = Packet::new_checked(inner).unwrap();
+    let r = Repr::parse(&p).unwrap();
+    assert_eq!((r.msg_type, r.src_id, r.block_id, r.grad_cnt), (MessageType::Nack, 1, 2, 0));
+    assert_eq!(Nack::parse(p.payload()).unwrap(), Nack { reason: NackReason::Trimmed, detail: 1 });
+    assert_eq!((sw.counters().accepted, sw.counters().nacks_sent), (0, 1), "trimmed, not aggregated");
+
+    // A forgery, a replay and an unsealed datagram draw no reply: counted
+    // exactly as on the normal path.
+    let (v, out) = trim(&mut sw, 1, &sealed(&Key([0; 16]), 6, &contribution(1, 1, 2, &[1000])));
+    assert_eq!((v, out.len(), sw.counters().auth_bad_tag), (TrimVerdict::Refused, 0, 1));
+    let (v, out) = trim(&mut sw, 1, &good);
+    assert_eq!((v, out.len(), sw.counters().auth_replayed), (TrimVerdict::Refused, 0, 1));
+    let (v, out) = trim(&mut sw, 1, &contribution(1, 1, 2, &[1000]));
+    assert_eq!((v, out.len(), sw.counters().auth_unsealed), (TrimVerdict::Refused, 0, 1));
+
+    // What a trim saves nothing on goes the normal way, unverified here.
+    let empty = contribution(1, 1, 3, &[]);
+    assert_eq!(trim(&mut sw, 1, &sealed(&member(1, 1), 7, &empty)).0, TrimVerdict::Process);
+    assert_eq!(sw.counters().auth_replayed + sw.counters().auth_bad_tag, 2, "not opened by the trim");
+
+    // An unkeyed job's trim stays the plain header-only reply.
+    let (v, out) = trim(&mut sw, 1, &contribution(3, 1, 0, &[1]));
+    assert_eq!((v, out.len()), (TrimVerdict::Trimmed, 1));
+    assert!(!auth::is_sealed(&out[0].1));
+}
