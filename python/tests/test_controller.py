@@ -168,6 +168,44 @@ def test_keyed_by_default_member_keys_per_rank_and_every_switch_holds_the_job_ke
         ctl.close()
 
 
+def test_a_restarted_controller_rebuilds_jobs_trees_and_keys_from_the_switches():
+    """Nothing on disk: a second controller over the same switches adopts
+    every job from ListJobs: the same roles, tree and key; workers get their
+    member keys again by subscribing to the same switch, a duplicate is still
+    refused, and a new worker reprograms only what its arrival changes."""
+    topo = topology.leaf_spine(1, 2, 2)  # spine0; leaf0: h0_0 h0_1; leaf1: h1_0 h1_1
+    with LoopbackSwitches(topo) as sws:
+        first = Controller(topo, sws.fabric)
+        first.create_job(JobParams(1, max_workers=4, block_cnt_max=32, on_failure="fail"))
+        first.create_job(JobParams(2, max_workers=4, auth=False))
+        subs = {r: first.subscribe(1, r, h) for r, h in enumerate(["h0_0", "h0_1", "h1_0"])}
+        first.subscribe(2, 0, "h1_1")
+        before = (first._jobs[1].roles, first.tree(1).parent, first.tree(1).attach, first._jobs[1].params)
+        first.close()
+
+        second = Controller(topo, sws.fabric)
+        report = second.rebuild()
+        assert report == {"adopted": [1, 2], "unreachable": [], "conflicting": []}
+        job = second._jobs[1]
+        assert (job.roles, second.tree(1).parent, second.tree(1).attach, job.params) == before
+        assert second._jobs[2].key is None and second._jobs[2].params.auth is False
+        assert second.rebuild()["adopted"] == [], "adopting twice changes nothing"
+        # a worker of the job subscribing again: same key, nothing programmed;
+        # from a host under another switch it is a different worker: refused
+        with pytest.raises(ControllerError, match="rank 2 is already subscribed \\(from a host under leaf1\\)"):
+            second.subscribe(1, 2, "h0_0")
+        again = second.subscribe(1, 0, "h0_1")
+        assert again == {**subs[0], "programmed": []}
+        with pytest.raises(ControllerError, match="already subscribed"):
+            second.subscribe(1, 0, "h0_1")
+        # a new worker under leaf1 changes only leaf1's members
+        assert second.subscribe(1, 3, "h1_1")["programmed"] == ["leaf1"]
+        assert {j[1]["key"] for j in _switch_jobs(sws).values() if 1 in j} == {job.key}
+        with pytest.raises(ControllerError, match="ALREADY_EXISTS|already exists"):
+            second.create_job(JobParams(1))
+        second.close()
+
+
 def test_grpc_create_job_auth_switch_and_absent_field_means_keyed():
     from fanin.control._gen import control_pb2 as pb
     from fanin.control.client import call_rpc

@@ -127,12 +127,18 @@ def _free_tcp_port() -> int:
     return port
 
 
-def test_controller_reinstalls_the_job_on_a_restarted_switch():
+@pytest.mark.parametrize("controller_restarted", [False, True], ids=["same-controller", "restarted-controller"])
+def test_controller_reinstalls_the_job_on_a_restarted_switch(controller_restarted):
     """No --job on the daemon: the job exists only because the controller
     admitted it, keyed (the default). After SIGKILL and a restart on the
     same ports, the controller notices the new incarnation and admits it
     again with the same job key; the workers, waiting in recovery with their
-    member keys, then finish every allreduce exactly and nothing is refused."""
+    member keys, then finish every allreduce exactly and nothing is refused.
+
+    restarted-controller: the controller that created the job is gone before
+    the switch dies; a new one (nothing on disk) rebuilds the job, its tree
+    and its key from the switch at start, answers a worker's subscribe
+    again with the same member key, and re-installs the job all the same."""
     from fanin import topology
     from fanin.controller import Controller
     from fanin.controller.fabric import StaticFabric
@@ -163,6 +169,16 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch():
             deadline = time.time() + 120
             while progress.value < 3 * n and time.time() < deadline:
                 time.sleep(0.001)
+            if controller_restarted:
+                srv.stop()
+                ctl = Controller(topo, StaticFabric({"s0": {"control": control, "data": sw.data_addr}}))
+                srv = ControllerServer(ctl, "127.0.0.1:0", reconcile_s=0.1)
+                c = ControllerClient(srv.addr)
+                assert 1 in ctl._jobs and ctl.tree(1).attach == {r: "s0" for r in range(n)}
+                again = c.subscribe(1, 0, "h0")
+                assert again["member_key"] == subs[0]["member_key"] and again["programmed"] == []
+                with pytest.raises(Exception, match="ALREADY_EXISTS"):
+                    c.subscribe(1, 0, "h0")
             sw.proc.send_signal(signal.SIGKILL)
             sw.proc.wait(10)
             new = SwitchProcess(cfg)  # no jobs of its own
@@ -176,6 +192,9 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch():
             # re-installed with the key the members' keys derive from
             assert job["key"] is not None
             assert subs[0]["member_key"] == fanin.derive_member_key(job["key"], 1, 0)
+            if controller_restarted:
+                c.close()
+                srv.stop()
     finally:
         for p in procs:
             p.join(10)

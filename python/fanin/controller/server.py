@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from concurrent import futures
 from typing import Any, Optional
 
@@ -17,6 +18,8 @@ from .service import Controller, ControllerError, JobParams
 from .watch import RestartWatcher
 
 __all__ = ["ControllerServer", "ControllerClient", "serve"]
+
+log = logging.getLogger(__name__)
 
 
 class _Servicer(pb_grpc.ControllerServicer):
@@ -79,7 +82,7 @@ class ControllerServer:
     """A running gRPC server around a :class:`Controller`."""
 
     def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None,
-                 reconcile_s: float = 0.25):
+                 reconcile_s: float = 0.25, rebuild: bool = True):
         token = token if token is not None else control_token_from_env()
         host = listen.rsplit(":", 1)[0].strip("[]")
         if token is None and host not in ("127.0.0.1", "localhost", "::1"):
@@ -88,6 +91,16 @@ class ControllerServer:
             raise ValueError(f"controller: listening on {listen} (not loopback) needs a token "
                              "(--token or FANIN_CONTROL_TOKEN)")
         self.controller = controller
+        if rebuild:
+            # a restarted controller takes the running jobs back from the
+            # switches before it answers anyone (docs/restart.md)
+            report = controller.rebuild()
+            for job_id in report["adopted"]:
+                log.warning("controller: adopted job %d from the switches", job_id)
+            for job_id in report["conflicting"]:
+                log.error("controller: job %d is held differently by its switches; not adopted", job_id)
+            for why in report["unreachable"]:
+                log.warning("controller: switch not reachable while rebuilding: %s", why)
         # re-installs jobs on restarted switches (docs/restart.md)
         self._watcher = RestartWatcher(controller, reconcile_s)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))

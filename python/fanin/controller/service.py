@@ -16,6 +16,10 @@ Jobs are keyed by default (docs/security.md): create_job draws a 128-bit
 job key, every switch of the tree is admitted with it (and re-admitted with
 it after a restart), and subscribe hands the worker its member key. The job
 key never leaves the controller except towards the switches.
+
+The controller keeps nothing on disk: a restarted controller rebuilds its
+jobs from the switches (`rebuild`, docs/restart.md), which hold every job
+role with its key.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ class _Job:
     roles: dict[str, Role] = field(default_factory=dict)
     #: the job key (None: unauthenticated); kept out of reprs and errors
     key: Optional[bytes] = field(default=None, repr=False)
+    #: ranks rebuilt from the switches, whose host is only known up to its
+    #: switch until the worker subscribes again
+    unconfirmed: set[int] = field(default_factory=set)
 
 
 class Controller:
@@ -119,9 +126,19 @@ class Controller:
         ``fanin.Session(auth_key=...)``; None for an unauthenticated job)."""
         with self._lock:
             job = self._job(job_id)
+            if rank in job.unconfirmed and self.topo.is_host(host) and \
+                    self.topo.attachment(host) == self.topo.attachment(job.workers[rank]):
+                # A worker of a rebuilt job subscribing again (to a restarted
+                # controller): nothing to program, it learns its key again.
+                job.unconfirmed.discard(rank)
+                job.workers[rank] = host
+                if job.tree is not None:
+                    job.tree.hosts[rank] = host
+                return self._subscribed(job, rank, host, [])
             if rank in job.workers:
-                raise ControllerError("ALREADY_EXISTS",
-                                      f"job {job_id}: rank {rank} is already subscribed (from host {job.workers[rank]})")
+                where = (f"a host under {self.topo.attachment(job.workers[rank])}" if rank in job.unconfirmed
+                         else f"host {job.workers[rank]}")
+                raise ControllerError("ALREADY_EXISTS", f"job {job_id}: rank {rank} is already subscribed (from {where})")
             if not self.topo.is_host(host):
                 raise ControllerError("INVALID_ARGUMENT", f"host {host!r} is not a host of topology {self.topo.name}")
             if len(job.workers) >= job.params.max_workers:
@@ -133,16 +150,21 @@ class Controller:
             awaiting = self._joining(tree, new_roles, job.roles, rank) if sync else {}
             programmed = self._apply(job, new_roles, awaiting)
             job.workers, job.tree = workers, tree
-            switch = tree.attach[rank]
-            member_key = derive_member_key(job.key, job_id, rank) if job.key is not None else None
-            return {"data_addr": self.fabric.data_addr(switch, toward=host), "programmed": programmed,
-                    "member_key": member_key}
+            return self._subscribed(job, rank, host, programmed)
+
+    def _subscribed(self, job: _Job, rank: int, host: str, programmed: list[str]) -> dict:
+        job_id = job.params.job_id
+        switch = self.topo.attachment(host)
+        member_key = derive_member_key(job.key, job_id, rank) if job.key is not None else None
+        return {"data_addr": self.fabric.data_addr(switch, toward=host), "programmed": programmed,
+                "member_key": member_key}
 
     def unsubscribe(self, job_id: int, rank: int) -> dict:
         with self._lock:
             job = self._job(job_id)
             if rank not in job.workers:
                 raise ControllerError("NOT_FOUND", f"job {job_id}: rank {rank} is not subscribed")
+            job.unconfirmed.discard(rank)
             workers = {r: h for r, h in job.workers.items() if r != rank}
             tree = self._tree(workers) if workers else None
             new_roles = roles(self.topo, tree) if tree else {}
@@ -192,6 +214,55 @@ class Controller:
                     continue  # retried at the next call: the incarnation is not recorded yet
                 self._incarnations[s] = inc
         return done
+
+    def rebuild(self) -> dict:
+        """Adopt the jobs the switches of the topology hold: what a
+        restarted controller does before serving (docs/restart.md).
+
+        Every switch that answers lists its jobs (`ListJobs`: the spec, the
+        tree role and the job key). A job's roles are its specs on the
+        switches; each switch's parent is the switch that lists its rank as
+        a member; each worker rank is placed on a host of the switch that
+        lists it (the tree depends only on that switch) until the worker
+        subscribes again. The incarnations seen are recorded, so a switch
+        that restarts from now on gets its roles back (`reconcile`). A
+        switch that does not answer is skipped and named in ``unreachable``;
+        a job whose specs disagree across switches (job parameters or key)
+        is not adopted and named in ``conflicting``, rather than guessed.
+        Returns ``{"adopted": [job_id, ...], "unreachable": [...],
+        "conflicting": [...]}``."""
+        from ..control import ControlError
+
+        found: dict[int, dict[str, dict]] = {}
+        unreachable: list[str] = []
+        incarnations: dict[str, int] = {}
+        for sw in (s.name for s in self.topo.switches):
+            try:
+                client = self._client(sw)
+                incarnations[sw] = int(client.info()["incarnation"])
+                jobs = client.list_jobs()
+            except (ControlError, ValueError) as e:  # ValueError: no address in the fabric
+                unreachable.append(f"{sw}: {e}")
+                continue
+            for spec in jobs:
+                if spec["mode"] == "aggregate":
+                    found.setdefault(spec["job_id"], {})[sw] = spec
+        by_rank = {switch_rank(self.topo, s.name): s.name for s in self.topo.switches}
+        adopted: list[int] = []
+        conflicting: list[int] = []
+        with self._lock:
+            for job_id, specs in sorted(found.items()):
+                if job_id in self._jobs:
+                    continue
+                job = _adopt(self.topo, job_id, specs, by_rank)
+                if job is None:
+                    conflicting.append(job_id)
+                    continue
+                self._jobs[job_id] = job
+                for sw in job.roles:
+                    self._incarnations.setdefault(sw, incarnations[sw])
+                adopted.append(job_id)
+        return {"adopted": adopted, "unreachable": unreachable, "conflicting": conflicting}
 
     def close(self) -> None:
         for c in self._clients.values():
@@ -290,3 +361,37 @@ class Controller:
             raise ControllerError("UNAVAILABLE",
                                   f"job {job.params.job_id}: programming the tree failed after {done or 'no switch'}: {e}") from None
         return done
+
+
+#: The job parameters a switch's spec carries, with their JobParams names.
+_SPEC_PARAMS = {"block_cnt_max": "block_cnt_max", "block_grad_max": "block_grad_max", "block_exp_ms": "block_exp_ms",
+                "slow_after_windows": "slow_after_windows", "workers": "max_workers", "on_failure": "on_failure",
+                "member_timeout_ms": "member_timeout_ms"}
+
+
+def _adopt(topo: Topology, job_id: int, specs: dict[str, dict], by_rank: dict[int, str]) -> Optional[_Job]:
+    """A job as the switches in `specs` (switch -> ListJobs spec) hold it,
+    or None when they disagree on its parameters or key."""
+    first = next(iter(specs.values()))
+    if any(spec.get(k) != first.get(k) for spec in specs.values() for k in (*_SPEC_PARAMS, "key")):
+        return None
+    params = JobParams(job_id=job_id, auth=first["key"] is not None,
+                       **{name: first[k] for k, name in _SPEC_PARAMS.items() if first.get(k)})
+    parent_of = {by_rank[m]: sw for sw, spec in specs.items() for m in spec["members"] if m in by_rank}
+    job = _Job(params, key=first["key"])
+    for sw, spec in specs.items():
+        job.roles[sw] = Role(members=tuple(sorted(spec["members"])), parent=parent_of.get(sw),
+                             rank=spec["tree"]["rank"] if spec["tree"] else None)
+        hosts = [h.name for h in topo.hosts if topo.attachment(h.name) == sw]
+        for m in spec["members"]:
+            if m < SWITCH_RANK_BASE:
+                if not hosts:
+                    return None
+                job.workers[m] = hosts[0]
+                job.unconfirmed.add(m)
+    if job.workers:
+        try:
+            job.tree = build_tree(topo, job.workers)
+        except TreeError:
+            return None
+    return job
