@@ -1,0 +1,396 @@
+//! Aggregating one block: exponent rounds, data contributions, results, aging (Trio-ML §4, SwitchML).
+
+use super::*;
+
+/// Copy the datagram in `scratch` to every member with a known address
+/// (sealed for each, if the job is keyed).
+pub(super) fn broadcast<A: Copy>(
+    members: &SourceMask,
+    addrs: &[Option<A>],
+    mut auth: Option<&mut JobAuth>,
+    out: &mut impl Transmit<A>,
+    scratch: &[u8],
+    sent: &mut u64,
+) {
+    for id in members.iter() {
+        if let Some(addr) = addrs.get(id).copied().flatten() {
+            if send_copy(out, addr, scratch, envelope(auth.as_deref_mut(), Peer::Member(id))) {
+                *sent += 1;
+            }
+        }
+    }
+}
+
+pub(super) fn build_result(block: &Block, job_id: u32, exp_only: bool, member_count: u16, tag: u16, scratch: &mut Vec<u8>) {
+    // src_id of a result is the switch's incarnation tag (docs/restart.md)
+    let repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, member_count) };
+    scratch.clear();
+    scratch.resize(repr.buffer_len(), 0);
+    let mut packet = Packet::new_unchecked(&mut scratch[..]);
+    repr.emit(&mut packet);
+    if !exp_only {
+        fanin_wire::value::write_elements(&block.sum[..block.grad_cnt as usize], packet.payload_mut());
+    }
+}
+
+/// An exponent-only contribution.
+pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
+    block: &mut Block,
+    src: usize,
+    weight: u16,
+    exp: i8,
+    reply: &mut Reply<'_, A, T>,
+) -> Outcome {
+    match block.phase {
+        Phase::Exponent => {
+            if !block.receive(src, weight) {
+                reply.counters.duplicate += 1;
+                return Outcome::default();
+            }
+            reply.counters.accepted += 1;
+            block.exp = block.exp.max(exp);
+            if block.satisfied() {
+                finish_exponent_round(block, reply);
+            }
+            Outcome { accepted: true, completed: false, late: false }
+        }
+        // The parent's exponent is outstanding: a child retransmitting
+        // means the answer may be lost; resend the cached partial.
+        Phase::ExponentUp => {
+            reply.counters.duplicate += 1;
+            reply.send_up(block, true, true);
+            Outcome::default()
+        }
+        Phase::Done if block.expired_up => {
+            reply.nack_expired(block.block_id);
+            Outcome::default()
+        }
+        // The sender missed the negotiated exponent: tell it again.
+        Phase::Data | Phase::DataUp | Phase::Done => {
+            reply.counters.duplicate += 1;
+            reply.send_to_sender(block, true);
+            Outcome::default()
+        }
+    }
+}
+
+/// The exponent round is over (everyone expected sent one, or it aged): the
+/// root announces the exponent; a non-root switch sends its maximum up and
+/// waits for the parent's.
+pub(super) fn finish_exponent_round<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+    if reply.uplink.is_some() {
+        block.phase = Phase::ExponentUp;
+        reply.send_up(block, true, false);
+    } else {
+        announce_exponent(block, reply);
+    }
+}
+
+/// Tell the members the block's exponent and collect data from the sources
+/// that took part in the exponent round.
+pub(super) fn announce_exponent<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+    block.phase = Phase::Data;
+    block.negotiated = true;
+    reply.send_to_all(block, true);
+    if block.aged {
+        // Sources that sent no exponent are not waited for with data either.
+        block.expected.clone_from(&block.rcvd);
+        block.expected_count = block.rcvd.count() as u16;
+    }
+    block.restart_collection();
+    block.referenced = true;
+    block.idle_checks = 0;
+}
+
+/// A data contribution.
+pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
+    block: &mut Block,
+    src: usize,
+    weight: u16,
+    packet: &Packet<&[u8]>,
+    reply: &mut Reply<'_, A, T>,
+) -> Outcome {
+    if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
+        // Data carries an exponent the switch gave out already (the
+        // lookahead from block - block_cnt_max, which every worker that had
+        // that result shares): adopt it. This happens when a worker that
+        // lacks the lookahead (a straggler catching up) opened the block
+        // with an exponent-only round; the round's senders get the exponent
+        // now instead of everyone waiting for the round to age.
+        // (In a tree the parent adopts it the same way when this switch's
+        // data partial arrives.)
+        block.exp = packet.exp();
+        block.phase = Phase::Data;
+        block.negotiated = true;
+        reply.send_to_all(block, true);
+        block.restart_collection();
+    }
+    match block.phase {
+        Phase::Exponent | Phase::ExponentUp => unreachable!("left above"),
+        Phase::Done if block.expired_up => {
+            reply.nack_expired(block.block_id);
+            Outcome::default()
+        }
+        Phase::DataUp => {
+            // The parent's result is outstanding: answer a child's
+            // retransmission by resending the cached partial, never by
+            // adding anything (a late child's data is not in it). All the
+            // children retransmit after a loss, so the partial goes up on
+            // the first request and then once per round of requests (one
+            // per child), not once per request: a switch with many children
+            // would otherwise flood its uplink with copies exactly when it
+            // is lossy (found by `fanin sim allreduce` at 1% loss).
+            count_unadded(block, src, reply.counters);
+            block.asks_since_resend += 1;
+            if block.asks_since_resend == 1 || block.asks_since_resend > block.expected_count {
+                block.asks_since_resend = 1;
+                reply.send_up(block, false, true);
+            }
+            Outcome::default()
+        }
+        Phase::Done => {
+            // A straggler's contribution to a block emitted without it is
+            // never added anywhere; it gets the partial result instead.
+            let late = count_unadded(block, src, reply.counters);
+            reply.send_to_sender(block, false);
+            Outcome { late, ..Outcome::default() }
+        }
+        Phase::Data => {
+            let grad_cnt = packet.grad_cnt();
+            let float = block.dtype.is_block_floating_point();
+            if block.has_data {
+                if grad_cnt != block.grad_cnt {
+                    reply.counters.mismatch += 1;
+                    reply.nack(packet, NackReason::ShapeMismatch, block.grad_cnt as u32);
+                    return Outcome::default();
+                }
+                if float && packet.exp() != block.exp {
+                    reply.counters.mismatch += 1;
+                    reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
+                    return Outcome::default();
+                }
+            } else if float && block.negotiated && packet.exp() != block.exp {
+                reply.counters.mismatch += 1;
+                reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
+                return Outcome::default();
+            }
+            if !block.receive(src, weight) {
+                reply.counters.duplicate += 1;
+                return Outcome::default();
+            }
+            reply.counters.accepted += 1;
+            block.child_degraded |= src >= SWITCH_RANK_BASE as usize && packet.degraded();
+            let payload = packet.payload();
+            let n = grad_cnt as usize;
+            if block.has_data {
+                accumulate(&mut block.sum[..n], payload);
+            } else {
+                block.has_data = true;
+                block.grad_cnt = grad_cnt;
+                block.exp = packet.exp();
+                block.sum.resize(n, 0);
+                fanin_wire::value::read_elements(payload, &mut block.sum[..n]);
+            }
+            block.next_exp = block.next_exp.max(packet.next_exp());
+            block.final_block |= packet.final_block();
+            let completed = block.satisfied();
+            if completed {
+                finish_block(block, reply);
+            }
+            Outcome { accepted: true, completed, late: false }
+        }
+    }
+}
+
+/// A contribution to a block past its data phase adds nothing: count it as a
+/// duplicate if its source is in the block, as late otherwise (returned).
+pub(super) fn count_unadded(block: &Block, src: usize, counters: &mut Counters) -> bool {
+    if block.rcvd.contains(src) {
+        counters.duplicate += 1;
+        false
+    } else {
+        counters.late += 1;
+        true
+    }
+}
+
+/// The data phase is over: the root emits the block's final result to
+/// every member; a non-root switch sends its partial up and waits.
+pub(super) fn finish_block<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+    if reply.uplink.is_some() {
+        block.phase = Phase::DataUp;
+        reply.send_up(block, false, false);
+        return;
+    }
+    block.phase = Phase::Done;
+    reply.counters.blocks_completed += 1;
+    if (block.rcvd.count() as u16) < reply.member_count || block.aged || block.child_degraded {
+        reply.counters.blocks_degraded += 1;
+    }
+    reply.send_to_all(block, false);
+}
+
+/// Block `local` of `job` was unreferenced for the job's `checks` visits:
+/// give up on the missing sources. An exponent round moves on with the
+/// exponents it has; a data block emits its partial sum.
+pub(super) fn age_out<A: Copy>(
+    job: &mut Job<A>,
+    local: usize,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+    newly_slow: &mut Vec<usize>,
+) {
+    let block = job.slots[local].cur.as_mut().expect("the scanner found an open block here");
+    if block.rcvd.is_empty() {
+        // A data phase nobody has sent to yet (everyone in the exponent
+        // round was declared slow): there is nothing to emit. Keep waiting;
+        // the first data contribution re-arms the timeout.
+        block.idle_checks = 0;
+        return;
+    }
+    block.aged = true;
+    counters.blocks_aged += 1;
+    close_phase(job, local, counters, out, scratch, newly_slow);
+}
+
+/// End the current phase of the open block in slot `local` with what it
+/// has: an exponent round announces its exponent, a data phase emits its
+/// result (and counts the sources missing from it).
+pub(super) fn close_phase<A: Copy>(
+    job: &mut Job<A>,
+    local: usize,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+    newly_slow: &mut Vec<usize>,
+) {
+    let mut reply = Reply {
+        job_id: job.spec.job_id,
+        block_cnt_max: job.spec.block_cnt_max,
+        members: &job.members,
+        member_count: job.member_count,
+        addrs: &job.addrs,
+        uplink: job.uplink.as_ref(),
+        auth: job.auth.as_mut(),
+        counters,
+        from: None,
+        from_src: 0,
+        out,
+        scratch,
+        tag: job.tag,
+    };
+    let block = job.slots[local].cur.as_mut().expect("an open block");
+    match block.phase {
+        Phase::Exponent => finish_exponent_round(block, &mut reply),
+        Phase::Data => {
+            finish_block(block, &mut reply);
+            job.open_blocks -= 1;
+            let block = job.slots[local].cur.as_ref().expect("still there");
+            account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
+        }
+        Phase::ExponentUp | Phase::DataUp | Phase::Done => {}
+    }
+}
+
+/// After a partial result: every active source missing from it moves one
+/// block closer to being declared permanently slow.
+pub(super) fn account_missing(
+    block: &Block,
+    members: &SourceMask,
+    active: &SourceMask,
+    streak: &mut [u32],
+    aging: Option<&JobAging>,
+    newly_slow: &mut Vec<usize>,
+) {
+    if block.rcvd.count() == members.count() {
+        return;
+    }
+    let limit = aging.map_or(0, |a| a.slow_after_blocks);
+    for m in members.iter() {
+        if active.contains(m) && !block.rcvd.contains(m) {
+            streak[m] = streak[m].saturating_add(1);
+            if limit > 0 && streak[m] as u64 >= limit && !newly_slow.contains(&m) {
+                newly_slow.push(m);
+            }
+        }
+    }
+}
+
+/// The aggregation loop: wrapping int32 adds of a big-endian payload, written
+/// so the compiler vectorises it.
+#[inline]
+pub(super) fn accumulate(sum: &mut [i32], payload: &[u8]) {
+    for (acc, src) in sum.iter_mut().zip(payload.chunks_exact(ELEM_LEN)) {
+        *acc = acc.wrapping_add(i32::from_be_bytes([src[0], src[1], src[2], src[3]]));
+    }
+}
+
+/// NoAggr: return the contribution to its sender as a result, untouched.
+pub(super) fn reflect<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    from: A,
+    env: Envelope,
+    packet: &Packet<&[u8]>,
+    tag: u16,
+) {
+    let bytes = packet.into_inner();
+    send(out, from, bytes.len(), env, |buf| {
+        buf.copy_from_slice(bytes);
+        let mut reply = Packet::new_unchecked(buf);
+        reply.set_msg_type(MessageType::Result);
+        reply.set_src_cnt(1);
+        reply.set_src_id(tag);
+    });
+    counters.forwarded += 1;
+}
+
+/// A contribution for a block whose result is gone: count it and tell the
+/// sender which block the slot holds now.
+pub(super) fn expired<A: Copy>(
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    from: A,
+    env: Envelope,
+    packet: &Packet<&[u8]>,
+    held: u32,
+    tag: u16,
+) {
+    counters.expired += 1;
+    send_nack_tagged(counters, out, from, env, packet, NackReason::BlockExpired, held, Some(tag));
+}
+
+/// Start a new block in `slot`: the current block becomes the shadow copy
+/// and the old shadow's storage is reused.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn open_block(
+    slot: &mut Slot,
+    capacity: usize,
+    block_id: u32,
+    packet: &Packet<&[u8]>,
+    exp_only: bool,
+    now: Time,
+    active: &SourceMask,
+    start_of: &HashMap<u16, u32>,
+) {
+    let mut block = slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity));
+    let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
+    block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
+    // members that joined later are not waited for before their start
+    for (&m, &start) in start_of {
+        if block_id < start && block.expected.remove(m as usize) {
+            block.expected_count -= 1;
+        }
+    }
+    slot.prev = slot.cur.take();
+    slot.cur = Some(block);
+}
+
+/// Tick `k` of a job's scanners falls at `k * tick`; when blocks open after
+/// the job was idle, the schedule resumes at the next tick after `now`.
+pub(super) fn realign_scanners(aging: &mut JobAging, now: Time, open_blocks: usize) {
+    if open_blocks == 1 && aging.next_tick <= now {
+        aging.next_tick = Time::from_nanos((now.as_nanos() / aging.tick + 1) * aging.tick);
+    }
+}

@@ -1,0 +1,186 @@
+//! Joining a running job: answers, sync offsets, recovery joins (docs/restart.md, docs/trees.md).
+
+use super::*;
+
+/// Forward a worker's join toward the root as a Sync request.
+pub(super) fn forward_sync<A: Copy>(job: &mut Job<A>, origin: u16, align_blocks: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
+    let Some(up) = job.uplink.as_ref() else { return };
+    let repr = Repr::new(MessageType::Sync, job.spec.job_id, up.rank);
+    let env = envelope(job.auth.as_mut(), Peer::Parent);
+    send(out, up.parent[0], repr.buffer_len(), env, |buf| {
+        let mut packet = Packet::new_unchecked(buf);
+        repr.emit(&mut packet);
+        SyncRequest { origin, align_blocks }.emit(packet.payload_mut());
+    });
+    counters.syncs_forwarded += 1;
+}
+
+/// Answer a join (direct, or forwarded as a Sync) with the job's parameters
+/// and the block offset the worker starts at.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn answer_join<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    origin: u16,
+    // The member `dest` is: the worker itself, or the child switch it asked through.
+    to: u16,
+    dest: A,
+    next_block: u32,
+    out: &mut impl Transmit<A>,
+) {
+    answer_join_as(job, config, origin, to, dest, next_block, 0, out)
+}
+
+/// [`answer_join`] with `age_op` set (`JOIN_RECOVER` for a recovery floor).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn answer_join_as<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    origin: u16,
+    to: u16,
+    dest: A,
+    next_block: u32,
+    age_op: u8,
+    out: &mut impl Transmit<A>,
+) {
+    let repr = Repr {
+        src_cnt: job.spec.worker_count(),
+        age_op,
+        ..Repr::new(MessageType::JoinAck, job.spec.job_id, origin)
+    };
+    let params = JoinParams {
+        block_cnt_max: job.spec.block_cnt_max,
+        block_grad_max: job.spec.block_grad_max,
+        block_exp_ms: job.spec.block_exp_ms,
+        incarnation: config.incarnation,
+        shard_count: config.shard_count,
+        next_block,
+    };
+    let env = envelope(job.auth.as_mut(), Peer::Member(to as usize));
+    send(out, dest, repr.buffer_len(), env, |buf| {
+        let mut reply = Packet::new_unchecked(buf);
+        repr.emit(&mut reply);
+        params.emit(reply.payload_mut());
+    });
+}
+
+/// The root's answer to a sync: the first allreduce boundary (multiples of
+/// `align_blocks`) at or after the sync offset. A repeated request (its
+/// answer was lost) gets the same start while the job is within a window
+/// of it, so every switch on the worker's path agrees on it.
+///
+/// None (no answer yet; the worker asks again) while this shard has seen no
+/// block but other members are active: a root that just took over (the
+/// tree grew above the old one) does not know the job's position until the
+/// old root's first partial arrives (SwitchML++ answers with an error flag
+/// in that case, for the same reason).
+pub(super) fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, via: u16, align_blocks: u32) -> Option<u32> {
+    let fresh = job.slots.iter().all(|s| s.cur.is_none());
+    let waiting = &job.sync_waiting;
+    if fresh && job.active.iter().any(|m| m != via as usize && !waiting.contains(&(m as u16))) {
+        job.sync_waiting.insert(via);
+        return None;
+    }
+    job.sync_waiting.remove(&via);
+    let offset = sync_offset(job, config);
+    if let Some(&start) = job.sync_answers.get(&origin) {
+        if start.saturating_add(job.spec.block_cnt_max) > offset {
+            return Some(start);
+        }
+    }
+    let align = align_blocks.max(1);
+    let start = offset.div_ceil(align).saturating_mul(align);
+    job.sync_answers.insert(origin, start);
+    Some(start)
+}
+
+/// A member recovering after this switch restarted reports the lowest block
+/// it has no result for. Nobody is answered until every member reported:
+/// then the floor (the lowest reported block, the lowest any member still
+/// needs) goes to all, and again to any repeated recovery join. Members
+/// resend their retained contributions from the floor on (docs/restart.md).
+pub(super) fn recover_join<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    src: u16,
+    from: A,
+    low: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) -> Verdict {
+    if let Some(floor) = job.recover_floor {
+        answer_join_as(job, config, src, src, from, floor, JOIN_RECOVER, out);
+        return Verdict::Consumed;
+    }
+    job.recover_lows.insert(src, low);
+    if !job.members.iter().all(|m| job.recover_lows.contains_key(&(m as u16))) {
+        counters.recover_waiting += 1;
+        return Verdict::Consumed;
+    }
+    let floor = job.recover_lows.values().copied().min().unwrap_or(low);
+    job.recover_floor = Some(floor);
+    counters.recoveries += 1;
+    let members: Vec<usize> = job.members.iter().collect();
+    for m in members {
+        if let Some(addr) = job.addrs.get(m).copied().flatten() {
+            answer_join_as(job, config, m as u16, m as u16, addr, floor, JOIN_RECOVER, out);
+        }
+    }
+    Verdict::Consumed
+}
+
+/// Admit `src` from `start` here, and tell the runtime so the other shards
+/// do too (only if it was waiting: the common join of a member that is
+/// already active needs nothing).
+pub(super) fn joined<A>(job: &mut Job<A>, src: u16, start: u32) -> Verdict {
+    if !job.awaiting.contains(src as usize) {
+        return Verdict::Consumed;
+    }
+    admit_joiner(job, src, start);
+    Verdict::Joined { job_id: job.spec.job_id, member: src, start }
+}
+
+/// Member `src` (a joining worker, or the child switch it joins through)
+/// starts at block `start`: open blocks from there on wait for it, earlier
+/// ones never do.
+pub(super) fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
+    if !job.awaiting.remove(src as usize) {
+        return;
+    }
+    job.active.insert(src as usize);
+    job.start_of.insert(src, start);
+    for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
+        if block.block_id >= start && block.expected.insert(src as usize) {
+            block.expected_count += 1;
+            if block.rcvd.contains(src as usize) {
+                block.expected_rcvd += 1;
+            }
+        }
+    }
+}
+
+/// The SwitchML++ sync offset: the lowest block this shard still needs,
+/// over its slots (an unused slot needs its first block at or after the
+/// job's start). At the start of a job it is the start block, so workers
+/// joining together agree; later, a joiner starts at the job's current
+/// position instead of at blocks the others completed long ago. Only this
+/// shard's slots are looked at; another shard may be up to a window away,
+/// which a joiner sees as a few blocks completed without it (or completes
+/// with it), never as a wrong sum.
+pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
+    let s = job.spec.block_cnt_max;
+    let mut lowest: Option<u32> = None;
+    for k in 0..s {
+        if shard_of(job.spec.job_id, k, s, config.shard_count) != config.shard {
+            continue;
+        }
+        let needed = match job.slots.get(job.slot_of(k, config.shard_count)).and_then(|slot| slot.cur.as_ref()) {
+            Some(block) if block.is_open() => block.block_id,
+            Some(block) => block.block_id.saturating_add(s),
+            // first block >= start_block that maps to global slot k
+            None => job.start_block + (k + s - job.start_block % s) % s,
+        };
+        lowest = Some(lowest.map_or(needed, |l| l.min(needed)));
+    }
+    lowest.unwrap_or(job.start_block)
+}
