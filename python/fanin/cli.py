@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a worker or kv task without progress this long counts as hung (default %(default)s)")
     ch.add_argument("--skip", nargs="*", default=[], metavar="FAULT",
                     help="fault kinds to leave out (garbage forge replay kill_worker restart_switch "
-                         "kv_forge kv_replay)")
+                         "kv_forge kv_replay kill_kv_sender)")
     ch.add_argument("--no-kv", action="store_true", help="value-stream jobs only")
     ch.add_argument("--out", default="out/chaos", help="directory for the JSON report (default %(default)s)")
     common(ch)

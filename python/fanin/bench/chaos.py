@@ -21,6 +21,11 @@ injects, one fault at a time:
   the sender's link and replayed; its count must stay exact;
 * ``kill_worker``: SIGKILL of a worker of the degradable job, restarted a
   few seconds later (it rejoins the running job, SwitchML++ sync);
+* ``kill_kv_sender``: SIGKILL of a key-value sender daemon (h1 or h2),
+  most likely mid-task (tasks run back to back), restarted a moment later:
+  the running task must end in ``SenderFailed`` naming the channel, with a
+  partial count that holds the other channel exactly and never more than
+  the failed one sent (``partial_verified``), or fail cleanly;
 * ``restart_switch``: SIGKILL of the switch daemon, started again on the
   same ports (a new incarnation: the workers must recover).
 
@@ -62,7 +67,7 @@ WORKERS = 3
 BLOCKS, EPP, WINDOW = 24, 256, 16
 # Job 1 degrades around a dead worker: blocks wait this long, then age out.
 BLOCK_EXP_MS = 200
-FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_switch", "kv_forge", "kv_replay")
+FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_switch", "kv_forge", "kv_replay", "kill_kv_sender")
 # Network faults all along, injected by every worker (seeded and counted;
 # netem is not available on every kernel): loss of what it sends; loss,
 # duplication and reordering of what it receives. Not at the switch's
@@ -235,6 +240,9 @@ class Soak:
     def _fault_kv_replay(self) -> dict[str, Any]:
         return self.kv.attack("replay")
 
+    def _fault_kill_kv_sender(self) -> dict[str, Any]:
+        return self.kv.kill_sender(self.rng.choice(["h1", "h2"]), self.rng.uniform(0.5, 2.0))
+
     def _fault_kill_worker(self) -> dict[str, Any]:
         rank = self.rng.randrange(WORKERS)
         w = self.workers[(INT_JOB, rank)]
@@ -280,7 +288,7 @@ class Soak:
         return [w.label for w in self.workers.values() if w.alive() and now - w.last_progress > self.args.hang_s]
 
     def run(self) -> dict[str, Any]:
-        allowed = [f for f in FAULTS if f not in self.args.skip and (self.kv or not f.startswith("kv_"))]
+        allowed = [f for f in FAULTS if f not in self.args.skip and (self.kv or "kv_" not in f)]
         t_end = time.monotonic() + self.args.duration
         hangs: set[str] = set()
         _log(f"{self.args.duration:.0f} s of chaos: {', '.join(allowed)}")
@@ -384,26 +392,37 @@ class KvLoad:
 
     def __init__(self, soak: Soak) -> None:
         from fanin.bench.corpus import build_corpus
-        from fanin.kv import DaemonProcess
 
         self.soak = soak
         tb = soak.tb
         corpus = build_corpus(os.path.join(soak.args.out, "corpus"), 2 << 20)
         with open(corpus["path"], encoding="ascii") as f:
             self.lines = f.read().splitlines()
-        ctl = f"{tb.mgmt_addr('s0')}:{tb.SWITCH_CONTROL_PORT}"
-        self.daemons = {}
-        for host in ("h0", "h1", "h2"):
-            d = DaemonProcess(ctl, netns=tb.namespace(host), control_addr=f"{tb.mgmt_addr(host)}:0",
-                              bind_ip=tb.addr(host, toward="s0"), switch_data_ip=tb.addr("s0", toward=host),
-                              silence_ms=3000)
-            soak.stack.callback(d.stop)
-            self.daemons[host] = d
+        self.daemons = {host: self._daemon(host) for host in ("h0", "h1", "h2")}
         self.stats = Counter()
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
+
+    def _daemon(self, host: str):
+        from fanin.kv import DaemonProcess
+
+        tb = self.soak.tb
+        d = DaemonProcess(f"{tb.mgmt_addr('s0')}:{tb.SWITCH_CONTROL_PORT}", netns=tb.namespace(host),
+                          control_addr=f"{tb.mgmt_addr(host)}:0", bind_ip=tb.addr(host, toward="s0"),
+                          switch_data_ip=tb.addr("s0", toward=host), silence_ms=3000)
+        self.soak.stack.callback(d.stop)
+        return d
+
+    def kill_sender(self, host: str, down_s: float) -> dict[str, Any]:
+        """SIGKILL the sender daemon on `host`, start a new one `down_s`
+        later (the task loop picks it up at its next task)."""
+        self.daemons[host].kill()
+        time.sleep(down_s)
+        self.daemons[host] = self._daemon(host)
+        self.stats["sender_kills"] += 1
+        return {"host": host, "down_s": round(down_s, 2)}
 
     def _task(self, seed: int) -> None:
         from fanin.kv import Client, KvError, SenderFailed
@@ -448,6 +467,8 @@ class KvLoad:
             self.stats["hung" if hung else "failed_cleanly"] += 1
             if len(self.failures) < 5:
                 self.failures.append(str(e)[:200])
+            # a daemon or the switch is down: do not spin on failing tasks
+            self._stop.wait(0.2)
             return
         if got == dict(expected):
             self.stats["verified"] += 1
@@ -526,6 +547,7 @@ class KvLoad:
                 "verified": self.stats["verified"], "wrong": self.stats["wrong"] + self.stats["attacks_wrong"],
                 "attacked_tasks_verified": self.stats["attacks_verified"], "attacks_failed": self.stats["attacks_failed"],
                 "failed_cleanly": self.stats["failed_cleanly"], "partial_verified": self.stats["partial_verified"],
+                "sender_kills": self.stats["sender_kills"],
                 "hung": self.stats["hung"] + int(hung),
                 "failure_examples": self.failures}
 
@@ -559,7 +581,7 @@ def _human(r: dict[str, Any]) -> str:
              f"{v['errors']} clean errors",
              f"  kv tasks: {kv.get('verified', 0)} verified, {kv.get('wrong', 0)} wrong, "
              f"{kv.get('failed_cleanly', 0)} failed cleanly, {kv.get('partial_verified', 0)} partial (verified), "
-             f"{kv.get('hung', 0)} hung",
+             f"{kv.get('hung', 0)} hung; {kv.get('sender_kills', 0)} sender daemons killed",
              f"  hangs: {', '.join(r['hangs']) or 'none'}",
              f"  switch restarts: recovery median {r['switch_restart_recovery_s']['median']} s, "
              f"max {r['switch_restart_recovery_s']['max']} s"]
