@@ -185,7 +185,7 @@ def test_a_restarted_controller_rebuilds_jobs_trees_and_keys_from_the_switches()
 
         second = Controller(topo, sws.fabric)
         report = second.rebuild()
-        assert report == {"adopted": [1, 2], "unreachable": [], "conflicting": []}
+        assert report == {"adopted": [1, 2], "unreachable": [], "not_adopted": {}}
         job = second._jobs[1]
         assert (job.roles, second.tree(1).parent, second.tree(1).attach, job.params) == before
         assert second._jobs[2].key is None and second._jobs[2].params.auth is False
@@ -204,6 +204,17 @@ def test_a_restarted_controller_rebuilds_jobs_trees_and_keys_from_the_switches()
         with pytest.raises(ControllerError, match="ALREADY_EXISTS|already exists"):
             second.create_job(JobParams(1))
         second.close()
+        # a job its switches hold differently is named with the reason, not guessed
+        from fanin.control import ControlClient
+
+        for sw, cnt in (("leaf0", 8), ("leaf1", 16)):
+            with ControlClient(sws.fabric.control_addr(sw)) as cc:
+                cc.admit_job(job_id=9, members=[0], block_cnt_max=cnt, block_grad_max=64)
+        third = Controller(topo, sws.fabric)
+        report = third.rebuild()
+        assert report["adopted"] == [1, 2] and list(report["not_adopted"]) == [9]
+        assert "leaf0 and leaf1 hold it with different block_cnt_max" in report["not_adopted"][9]
+        third.close()
 
 
 def test_grpc_create_job_auth_switch_and_absent_field_means_keyed():

@@ -97,8 +97,8 @@ class ControllerServer:
             report = controller.rebuild()
             for job_id in report["adopted"]:
                 log.warning("controller: adopted job %d from the switches", job_id)
-            for job_id in report["conflicting"]:
-                log.error("controller: job %d is held differently by its switches; not adopted", job_id)
+            for job_id, why in report["not_adopted"].items():
+                log.error("controller: job %d not adopted from the switches: %s", job_id, why)
             for why in report["unreachable"]:
                 log.warning("controller: switch not reachable while rebuilding: %s", why)
         # re-installs jobs on restarted switches (docs/restart.md)

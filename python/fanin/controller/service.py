@@ -227,10 +227,11 @@ class Controller:
         subscribes again. The incarnations seen are recorded, so a switch
         that restarts from now on gets its roles back (`reconcile`). A
         switch that does not answer is skipped and named in ``unreachable``;
-        a job whose specs disagree across switches (job parameters or key)
-        is not adopted and named in ``conflicting``, rather than guessed.
-        Returns ``{"adopted": [job_id, ...], "unreachable": [...],
-        "conflicting": [...]}``."""
+        a job whose specs disagree across switches (job parameters or key),
+        or whose workers hang off a switch with no host in the topology, is
+        not adopted, rather than guessed, and named with the reason in
+        ``not_adopted``. Returns ``{"adopted": [job_id, ...],
+        "unreachable": [...], "not_adopted": {job_id: why}}``."""
         from ..control import ControlError
 
         found: dict[int, dict[str, dict]] = {}
@@ -249,20 +250,21 @@ class Controller:
                     found.setdefault(spec["job_id"], {})[sw] = spec
         by_rank = {switch_rank(self.topo, s.name): s.name for s in self.topo.switches}
         adopted: list[int] = []
-        conflicting: list[int] = []
+        not_adopted: dict[int, str] = {}
         with self._lock:
             for job_id, specs in sorted(found.items()):
                 if job_id in self._jobs:
                     continue
-                job = _adopt(self.topo, job_id, specs, by_rank)
-                if job is None:
-                    conflicting.append(job_id)
+                try:
+                    job = _adopt(self.topo, job_id, specs, by_rank)
+                except ValueError as e:
+                    not_adopted[job_id] = str(e)
                     continue
                 self._jobs[job_id] = job
                 for sw in job.roles:
                     self._incarnations.setdefault(sw, incarnations[sw])
                 adopted.append(job_id)
-        return {"adopted": adopted, "unreachable": unreachable, "conflicting": conflicting}
+        return {"adopted": adopted, "unreachable": unreachable, "not_adopted": not_adopted}
 
     def close(self) -> None:
         for c in self._clients.values():
@@ -369,12 +371,14 @@ _SPEC_PARAMS = {"block_cnt_max": "block_cnt_max", "block_grad_max": "block_grad_
                 "member_timeout_ms": "member_timeout_ms"}
 
 
-def _adopt(topo: Topology, job_id: int, specs: dict[str, dict], by_rank: dict[int, str]) -> Optional[_Job]:
-    """A job as the switches in `specs` (switch -> ListJobs spec) hold it,
-    or None when they disagree on its parameters or key."""
-    first = next(iter(specs.values()))
-    if any(spec.get(k) != first.get(k) for spec in specs.values() for k in (*_SPEC_PARAMS, "key")):
-        return None
+def _adopt(topo: Topology, job_id: int, specs: dict[str, dict], by_rank: dict[int, str]) -> _Job:
+    """The job as the switches in `specs` (switch -> ListJobs spec) hold
+    it; ValueError (saying why) when that is not one consistent job."""
+    first_sw, first = next(iter(specs.items()))
+    for sw, spec in specs.items():
+        differ = [k for k in (*_SPEC_PARAMS, "key") if spec.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"switches {first_sw} and {sw} hold it with different {', '.join(differ)}")
     params = JobParams(job_id=job_id, auth=first["key"] is not None,
                        **{name: first[k] for k, name in _SPEC_PARAMS.items() if first.get(k)})
     parent_of = {by_rank[m]: sw for sw, spec in specs.items() for m in spec["members"] if m in by_rank}
@@ -386,12 +390,12 @@ def _adopt(topo: Topology, job_id: int, specs: dict[str, dict], by_rank: dict[in
         for m in spec["members"]:
             if m < SWITCH_RANK_BASE:
                 if not hosts:
-                    return None
+                    raise ValueError(f"worker rank {m} hangs off {sw}, which has no host in topology {topo.name}")
                 job.workers[m] = hosts[0]
                 job.unconfirmed.add(m)
     if job.workers:
         try:
             job.tree = build_tree(topo, job.workers)
-        except TreeError:
-            return None
+        except TreeError as e:
+            raise ValueError(str(e)) from None
     return job
