@@ -158,7 +158,7 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
              f"({s['goodput_gbps']:.2f} Gbit/s per worker), ")
     if args.auth:
         human += (f"authenticated {s['auth_median_s']:.3f} s ({s['auth_goodput_gbps']:.2f} Gbit/s), "
-                  f"auth_goodput_ratio {s['auth_goodput_ratio']:.3f}, ")
+                  f"auth_goodput_ratio {s['auth_goodput_ratio']:.3f} (CPU: {s.get('auth_cpu_ratio', float('nan')):.3f}), ")
     else:
         human += f"NoAggr {s['noaggr_median_s']:.3f} s, ratio_vs_noaggr {s['ratio_vs_noaggr']:.2f}, "
     human += f"{s['retransmissions']} retransmissions, verified={s['verified']}"
@@ -395,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--shards", type=int, default=1)
     ar.add_argument("--auth", action="store_true",
                     help="compare against the same allreduce on an authenticated job (every datagram sealed and "
-                         "verified, docs/security.md) instead of NoAggr; reports auth_goodput_ratio")
+                         "verified, docs/security.md) instead of NoAggr; reports auth_goodput_ratio and auth_cpu_ratio "
+                         "(CPU seconds of workers and switch per allreduce, unkeyed / keyed)")
     common(ar)
     ar.set_defaults(func=_cmd_bench_allreduce)
 

@@ -174,6 +174,18 @@ def test_bench_allreduce_quick_json_reports_verified_figures():
     assert out["verified"] is True and out["median_s"] > 0
 
 
+def test_bench_allreduce_auth_reports_goodput_and_cpu_ratios():
+    r = fanin_cli("bench", "allreduce", "--auth", "--workers", "2", "--size", "2MB", "--iters", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["verified"] is True and "noaggr_median_s" not in out
+    assert 0 < out["auth_goodput_ratio"] < 2 and 0 < out["auth_goodput_ratio_paired"] < 2
+    cpu = out["cpu_s_per_allreduce"]
+    # both arms burn CPU in the workers and the switch; keyed costs more
+    assert 0 < cpu["fanin"]["switch"] < cpu["fanin"]["total"] and 0 < cpu["auth"]["switch"] < cpu["auth"]["total"]
+    assert 0 < out["auth_cpu_ratio"] < 1.0, out["auth_cpu_ratio"]
+
+
 def test_control_api_admits_lists_and_removes_jobs_on_the_real_daemon():
     from fanin.control import ControlClient, ControlError
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import statistics
 import sys
@@ -39,6 +40,8 @@ class AllreduceParams:
     auth: bool = False
     progress: bool = True
     job_key: Optional[bytes] = None
+    # set by run_allreduce: rank 0 reads the switch's CPU time per arm
+    switch_pid: Optional[int] = None
 
     def validate(self) -> None:
         if self.workers < 1 or self.workers > 256:
@@ -63,6 +66,9 @@ class AllreduceRun:
     fanin_times: list[float] = field(default_factory=list)
     noaggr_times: list[float] = field(default_factory=list)
     auth_times: list[float] = field(default_factory=list)
+    # CPU seconds per allreduce, all workers plus the switch, per arm
+    cpu_s: dict[str, list[float]] = field(default_factory=dict)
+    switch_cpu_s: dict[str, list[float]] = field(default_factory=dict)
     retransmissions: int = 0
     verified: bool = False
     checks: list[dict[str, Any]] = field(default_factory=list)
@@ -107,6 +113,14 @@ class AllreduceRun:
             # back), so load that drifts during the run cancels out.
             pairs = [t / a for t, a in zip(self.fanin_times, self.auth_times)]
             out["auth_goodput_ratio_paired"] = statistics.median(pairs)
+            # CPU seconds (workers + switch) per allreduce, unkeyed / keyed:
+            # what the goodput ratio is when the cores are the limit (as on
+            # this 2-core machine), with much less noise than wall time.
+            if self.cpu_s.get("fanin") and self.cpu_s.get("auth"):
+                out["cpu_s_per_allreduce"] = {
+                    k: {"total": statistics.median(v), "switch": statistics.median(self.switch_cpu_s[k])}
+                    for k, v in self.cpu_s.items() if v}
+                out["auth_cpu_ratio"] = sum(self.cpu_s["fanin"]) / sum(self.cpu_s["auth"])
         return out
 
 
@@ -135,6 +149,8 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
             report["auth_digest"] = hashlib.sha256(authed.allreduce(x).tobytes()).hexdigest()
         del out
         times: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
+        cpu: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
+        switch_cpu: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
         retrans = 0
         for i in range(p.iters):
             order = [("fanin", aggr), ("noaggr", noaggr), ("auth", authed)]
@@ -144,20 +160,44 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
                 if sess is None:
                     continue
                 aggr.allreduce(sync)  # barrier: everyone starts together
+                s0 = _cpu_seconds(p.switch_pid) if rank == 0 else 0.0
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 sess.allreduce(x)
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+                if rank == 0:
+                    switch_cpu[name].append(_cpu_seconds(p.switch_pid) - s0)
                 if name in ("fanin", "auth"):
                     retrans += sess.last_stats["retransmissions"]
             if rank == 0:
                 results.put({"progress": i + 1})
         report["times"] = times
+        report["cpu"] = cpu
+        report["switch_cpu"] = switch_cpu
         report["retransmissions"] = retrans
         if authed is not None:
             report["auth_refused"] = {k: v for k, v in authed.socket_stats().items() if k.startswith("auth_")}
         results.put(report)
     except BaseException as e:  # reported to the parent, which fails the run
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def _cpu_seconds(pid: Optional[int]) -> float:
+    """CPU time of every thread of process `pid` so far (schedstat: ns)."""
+    if pid is None:
+        return 0.0
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that just exited
+    except OSError:
+        return 0.0
+    return total / 1e9
 
 
 def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
@@ -179,6 +219,7 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
     run = AllreduceRun(params=p)
     ctx = mp.get_context("spawn")
     with SwitchProcess(cfg) as sw:
+        p.switch_pid = sw.proc.pid
         results = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, sw.data_addr, p, results), daemon=True) for r in range(p.workers)]
         for pr in procs:
@@ -213,6 +254,10 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
     if p.noaggr:
         run.noaggr_times = [max(r["times"]["noaggr"][i] for r in reports) for i in range(p.iters)]
     digests = {r["digest"] for r in reports}
+    for arm in ("fanin", "noaggr", "auth"):
+        if reports[0]["switch_cpu"][arm]:
+            run.switch_cpu_s[arm] = reports[0]["switch_cpu"][arm]
+            run.cpu_s[arm] = [sum(r["cpu"][arm][i] for r in reports) + run.switch_cpu_s[arm][i] for i in range(p.iters)]
     if p.auth:
         run.auth_times = [max(r["times"]["auth"][i] for r in reports) for i in range(p.iters)]
         digests |= {r["auth_digest"] for r in reports}
