@@ -203,3 +203,31 @@ def test_silence_names_the_channels_that_sent_no_fin(switch, receiver):
         assert not isinstance(info.value, SenderFailed)
         assert time.monotonic() - t0 < 3.0
     assert _wait_no_regions(switch) == []
+
+
+def test_a_keyed_sender_learns_of_a_lost_task_from_the_control_api_not_its_silence_timer(switch, tmp_path):
+    """The switch forgets the task while a keyed sender streams (here its
+    region is released under it; a restarted switch is the same) and
+    answers the sender's datagrams with an UnknownTask it cannot seal, which
+    the sender may not trust (docs/security.md). Its daemon asks the
+    switch's control API, learns that the task is gone, and fails the send
+    at once with that reason, long before its 20 s silence bound."""
+    path, _ = _big_text(tmp_path, 6_000_000)
+    rx = DaemonProcess(switch.control_addr, silence_ms=20_000)
+    tx = DaemonProcess(switch.control_addr, silence_ms=20_000)
+    try:
+        with rx.client() as c:
+            ticket = c.create(1)
+            feeder, errors = _start_doomed_send(tx, ticket, 0, path)
+            _until_acked(c, ticket, 0, 20_000)
+            with ControlClient(switch.control_addr) as cc:
+                cc.release_kv_region(ticket["task_id"])
+            released = time.monotonic()
+            feeder.join(timeout=15)
+            took = time.monotonic() - released
+        assert errors and f"no longer holds task {ticket['task_id']}" in str(errors[0]), errors
+        assert took < 3.0, f"the send failed {took:.2f} s after the task was lost"
+    finally:
+        rx.stop()
+        tx.stop()
+

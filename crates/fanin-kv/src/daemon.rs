@@ -761,14 +761,27 @@ fn send(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
     let _ = shared.send[idx].send(cmd);
     let interval = Duration::from_millis(params.progress_ms.max(10));
     let mut session = Some(session);
+    let mut hints_checked = 0;
     let result = loop {
         match outcome.recv_timeout(interval) {
             Ok(r) => break r,
             Err(mpsc::RecvTimeoutError::Disconnected) => break Err("the data channel stopped".into()),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
         }
+        let now_progress = *progress.lock().expect("progress");
+        if now_progress.unknown_task_hints > hints_checked {
+            // Unsealed UnknownTask replies: a keyed machine cannot trust them,
+            // so ask the switch over its control API (token-authenticated)
+            // instead of waiting out the silence bound (docs/kv.md §10).
+            hints_checked = now_progress.unknown_task_hints;
+            if let Ok(false) = shared.switch.holds(task_id) {
+                let reason = format!("the switch no longer holds task {task_id} (it restarted or released the task; \
+                                      confirmed over its control API after an UnknownTask reply)");
+                let _ = shared.send[idx].send(ChannelCommand::AbortSender { task: task_id, channel, reason });
+            }
+        }
         let Some(s) = session.as_mut() else { continue };
-        let report = ProgressReport::from(*progress.lock().expect("progress"));
+        let report = ProgressReport::from(now_progress);
         let msg = json!({"op": "progress", "task_id": task_id, "channel": channel, "progress": report});
         // Declared failed (we were too slow, or our connection was taken
         // for dead): this channel no longer counts, stop. Any other refusal

@@ -85,6 +85,18 @@ impl SwitchControl {
     }
 
     /// Free a region (teardown). NOT_FOUND means it is already gone.
+    /// Whether the switch holds a region for `task_id` (a keyed sender's
+    /// check of an unsealed UnknownTask hint).
+    pub fn holds(&self, task_id: u32) -> Result<bool, ControlCallError> {
+        let req = self.request(pb::ListKvRegionsRequest {});
+        let rt = self.runtime.lock().expect("runtime lock");
+        rt.block_on(async {
+            let mut c = self.connect().await?;
+            c.list_kv_regions(req).await.map_err(|s| self.status(s))
+        })
+        .map(|r| r.into_inner().regions.iter().any(|region| region.spec.as_ref().is_some_and(|s| s.task_id == task_id)))
+    }
+
     pub fn release(&self, task_id: u32) -> Result<(), ControlCallError> {
         let req = self.request(pb::ReleaseKvRegionRequest { task_id });
         let rt = self.runtime.lock().expect("runtime lock");

@@ -264,12 +264,22 @@ fn keyed_sender_seals_every_transmission_and_ignores_what_does_not_verify() {
         b
     };
     s.handle_datagram(t1, &nack);
+    // The unsealed UnknownTask is a hint for the daemon to check (a
+    // restarted switch cannot seal it), never a failure by itself; one
+    // about another task, or sealed under a wrong key, is not even that.
+    assert_eq!(s.progress().unknown_task_hints, 1);
+    let mut other_task = nack.clone();
+    other_task[8..12].copy_from_slice(&(TASK + 1).to_be_bytes());
+    s.handle_datagram(t1, &other_task);
+    assert_eq!(s.progress().unknown_task_hints, 1);
+    assert_eq!(s.stats().auth.unsealed, 2);
     s.handle_datagram(t1, &sealed(&rx_key(), 50, &nack));
+    assert_eq!(s.progress().unknown_task_hints, 1);
     let ack = sealed(&ch_key(), 60, &header(MessageType::KvAck, CH, 0));
     s.handle_datagram(t1, &ack);
     assert_eq!(s.stats().acks_from_receiver, 1);
     s.handle_datagram(t1, &ack);
-    assert_eq!(s.stats().auth, AuthStats { bad_tag: 1, replayed: 1, unsealed: 1 });
+    assert_eq!(s.stats().auth, AuthStats { bad_tag: 1, replayed: 1, unsealed: 2 });
     assert_eq!(s.stats().duplicate_acks, 0, "the replayed ack never reached the machine");
     assert!(s.poll_event().is_none(), "the unverified Nack did not fail the sender");
     // The FIN goes out sealed.

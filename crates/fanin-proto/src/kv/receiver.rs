@@ -42,7 +42,7 @@ use fanin_wire::kv::{
 use fanin_wire::MessageType;
 
 use super::layout::{decode_parts, decode_short, Layout, LayoutError};
-use super::sealing::{host_send_copy, AuthStats, HostAuth};
+use super::sealing::{host_send_copy, unsealed_unknown_task, AuthStats, HostAuth};
 use crate::auth::Key;
 use crate::time::Time;
 use crate::transmit::Transmit;
@@ -679,15 +679,6 @@ impl KvReceiver {
         }
         sent
     }
-}
-
-/// An unsealed Nack UnknownTask about `task_id`.
-fn unsealed_unknown_task(bytes: &[u8], task_id: u32) -> bool {
-    let Ok(p) = Packet::new_checked(bytes) else { return false };
-    !fanin_wire::auth::is_sealed(bytes)
-        && p.task_id() == task_id
-        && p.msg_type() == MessageType::KvNack
-        && Nack::parse(p.body()).is_ok_and(|n| n.reason == NackReason::UnknownTask)
 }
 
 fn merge(results: &mut HashMap<Vec<u8>, Aggregate>, key: &[u8], agg: Aggregate) {

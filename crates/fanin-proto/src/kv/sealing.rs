@@ -221,3 +221,16 @@ pub(super) fn host_send(auth: Option<&mut HostAuth>, out: &mut impl Transmit<()>
 pub(super) fn host_send_copy(auth: Option<&mut HostAuth>, out: &mut impl Transmit<()>, bytes: &[u8]) {
     host_send(auth, out, bytes.len(), |buf| buf.copy_from_slice(bytes));
 }
+
+/// An unsealed Nack UnknownTask about `task_id`: the switch's answer for a
+/// task it does not hold, which it cannot seal (it has no key for the
+/// task). A keyed host can only take it as a hint (a forger could send
+/// it): the receiver ends a release on it, a sender's daemon checks with
+/// the switch's control API whether the task is really gone.
+pub(crate) fn unsealed_unknown_task(bytes: &[u8], task_id: u32) -> bool {
+    let Ok(p) = fanin_wire::kv::Packet::new_checked(bytes) else { return false };
+    !auth::is_sealed(bytes)
+        && p.task_id() == task_id
+        && p.msg_type() == MessageType::KvNack
+        && fanin_wire::kv::Nack::parse(p.body()).is_ok_and(|n| n.reason == fanin_wire::kv::NackReason::UnknownTask)
+}

@@ -32,7 +32,7 @@ use fanin_wire::kv::{emit_long_tuple, Nack, NackReason, Packet, Repr, FLAG_BY_SW
 use fanin_wire::MessageType;
 
 use super::layout::{KeyClass, Layout, LayoutError};
-use super::sealing::{host_send, host_send_copy, AuthStats, HostAuth};
+use super::sealing::{host_send, host_send_copy, unsealed_unknown_task, AuthStats, HostAuth};
 use crate::auth::Key;
 use crate::time::Time;
 use crate::transmit::Transmit;
@@ -133,6 +133,10 @@ pub struct SenderProgress {
     pub packets_acked: u64,
     /// The FIN was acknowledged.
     pub finished: bool,
+    /// Unsealed Nack UnknownTask replies to a keyed sender: the switch may
+    /// have lost the task (a restart), or someone forged them. The machine
+    /// cannot tell; its daemon asks the switch's control API.
+    pub unknown_task_hints: u64,
 }
 
 struct InFlight {
@@ -163,6 +167,7 @@ pub struct KvSender {
     queued: usize,
     tuples_acked: u64,
     packets_acked: u64,
+    unknown_task_hints: u64,
     input_closed: bool,
     next_seq: u32,
     /// Unacknowledged packets in seq order; front is the window base.
@@ -187,6 +192,7 @@ impl KvSender {
             queued: 0,
             tuples_acked: 0,
             packets_acked: 0,
+            unknown_task_hints: 0,
             input_closed: false,
             next_seq: 0,
             inflight: VecDeque::new(),
@@ -230,6 +236,7 @@ impl KvSender {
             packets_sent: self.next_seq,
             packets_acked: self.packets_acked,
             finished: self.state == State::Done,
+            unknown_task_hints: self.unknown_task_hints,
         }
     }
 
@@ -300,7 +307,12 @@ impl KvSender {
         let bytes = match &mut self.auth {
             Some(auth) => match auth.open(bytes, &mut self.stats.auth) {
                 Some(inner) => inner,
-                None => return,
+                None => {
+                    if unsealed_unknown_task(bytes, self.config.task_id) {
+                        self.unknown_task_hints += 1;
+                    }
+                    return;
+                }
             },
             None => bytes,
         };
