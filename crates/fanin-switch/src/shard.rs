@@ -191,7 +191,7 @@ impl ShardThread {
                         }
                         None => {
                             if plan.trims(bytes.len()) {
-                                match self.switch.trim_datagram(from, bytes, TrimCause::ProcessingQueue, &mut out) {
+                                match self.switch.trim_datagram(now, from, bytes, TrimCause::ProcessingQueue, &mut out) {
                                     TrimVerdict::Trimmed => {
                                         self.trimmed += 1;
                                         continue;

@@ -206,7 +206,7 @@ fn a_tree_child_seals_partials_with_its_rank_key_and_accepts_only_the_parents_se
 
 fn trim(sw: &mut ValueSwitch<Addr>, src: u16, bytes: &[u8]) -> (crate::trim::TrimVerdict, Vec<(Addr, Vec<u8>)>) {
     let mut out = VecTransmit::new();
-    let verdict = sw.trim_datagram(100 + src as u32, bytes, TrimCause::ProcessingQueue, &mut out);
+    let verdict = sw.trim_datagram(T0, 100 + src as u32, bytes, TrimCause::ProcessingQueue, &mut out);
     (verdict, out.datagrams)
 }
 

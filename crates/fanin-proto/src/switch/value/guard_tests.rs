@@ -154,6 +154,27 @@ fn degrade_a_dead_worker_is_declared_slow_after_the_member_timeout_even_without_
 }
 
 #[test]
+fn a_member_whose_contributions_are_all_queue_trimmed_is_alive_not_dead() {
+    // Under overload the daemon may trim every contribution of a member for
+    // longer than the member timeout; it is sending, so it is alive: the
+    // block waits for it and completes exactly once it gets through.
+    let mut sw = switch(policy_job(FailurePolicy::Degrade, 100), None);
+    for src in 0..2 {
+        assert!(send(&mut sw, ms(10), src, &data(1, src, 0, 5)).is_empty());
+    }
+    for t in (20..=300).step_by(40) {
+        let mut out = VecTransmit::new();
+        let v = sw.trim_datagram(ms(t), 102, &data(1, 2, 0, 5), TrimCause::ProcessingQueue, &mut out);
+        assert_eq!(v, crate::trim::TrimVerdict::Trimmed);
+        assert!(tick(&mut sw, ms(t + 10)).iter().all(|o| o.1.msg_type != MessageType::Membership), "at {t} ms");
+    }
+    assert_eq!((sw.counters().members_timed_out, sw.slow_sources(1)), (0, vec![]));
+    let out = send(&mut sw, ms(320), 2, &data(1, 2, 0, 5));
+    assert_eq!(out.len(), 3);
+    assert!(out.iter().all(|o| !o.1.degraded && o.1.src_cnt == 3));
+}
+
+#[test]
 fn a_worker_that_only_computes_long_is_not_dead_until_a_block_waited_the_timeout() {
     let mut sw = switch(policy_job(FailurePolicy::Fail, 100), None);
     for src in 0..3 {

@@ -7,11 +7,18 @@
 //! replayed datagram is counted and dropped instead of drawing a reply.
 //! Verifying costs one tag; the aggregation, the block lookup and the
 //! result fan-out that the trim saves cost several times that.
+//!
+//! A trimmed contribution still proves its member alive (its liveness
+//! clock is refreshed, as for an aggregated one): under overload a member
+//! may see every contribution trimmed for longer than the member timeout,
+//! and declaring it dead would degrade the job's results, the opposite of
+//! what back-pressure is for.
 
 use fanin_wire::value::{Packet, TrimCause};
 
 use super::sealing::{self, envelope, Peer};
 use super::{send_trim_nack, ValueSwitch};
+use crate::time::Time;
 use crate::transmit::Transmit;
 use crate::trim::{is_trimmable, return_to_sender, TrimVerdict};
 
@@ -21,7 +28,7 @@ impl<A: Copy> ValueSwitch<A> {
     /// exponent rounds, malformed datagrams: the program counts those);
     /// [`TrimVerdict::Refused`] for a keyed job's datagram that did not
     /// verify (counted in `auth_*`, no reply).
-    pub fn trim_datagram(&mut self, from: A, bytes: &[u8], cause: TrimCause, out: &mut impl Transmit<A>) -> TrimVerdict {
+    pub fn trim_datagram(&mut self, now: Time, from: A, bytes: &[u8], cause: TrimCause, out: &mut impl Transmit<A>) -> TrimVerdict {
         // The header decides, before any tag is checked: what is not
         // data goes the normal way, where it is verified once. (A sealed
         // datagram is classified without its trailer.)
@@ -31,8 +38,16 @@ impl<A: Copy> ValueSwitch<A> {
             _ => return TrimVerdict::Process,
         }
         let job_id = u32::from_be_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
-        let Some(auth) = self.jobs.get_mut(&job_id).and_then(|j| j.auth.as_mut()) else {
-            // Unkeyed or unknown job: the plain, header-only reply.
+        let src = u16::from_be_bytes([bytes[6], bytes[7]]) as usize;
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            // Unknown job: the plain, header-only reply.
+            return return_to_sender(from, bytes, cause, out);
+        };
+        let Some(auth) = job.auth.as_mut() else {
+            // Unkeyed: the plain, header-only reply.
+            if job.members.contains(src) {
+                job.liveness.heard(src, now);
+            }
             return return_to_sender(from, bytes, cause, out);
         };
         self.counters.rx_datagrams += 1;
@@ -46,8 +61,11 @@ impl<A: Copy> ValueSwitch<A> {
                 return TrimVerdict::Refused;
             }
         };
-        let env = envelope(Some(auth), Peer::Member(packet.src_id() as usize));
+        let env = envelope(Some(auth), Peer::Member(src));
         send_trim_nack(&mut self.counters, out, from, env, &packet, cause);
+        if job.members.contains(src) {
+            job.liveness.heard(src, now);
+        }
         TrimVerdict::Trimmed
     }
 }
