@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 
 use fanin_wire::auth::{self, Key};
-use fanin_wire::kv::HEADER_LEN;
+use fanin_wire::kv::{Nack, NackReason, Packet, HEADER_LEN};
 use fanin_wire::{MessageType, Preamble};
 
 use super::switch::KvCounters;
@@ -228,9 +228,9 @@ pub(super) fn host_send_copy(auth: Option<&mut HostAuth>, out: &mut impl Transmi
 /// it): the receiver ends a release on it, a sender's daemon checks with
 /// the switch's control API whether the task is really gone.
 pub(crate) fn unsealed_unknown_task(bytes: &[u8], task_id: u32) -> bool {
-    let Ok(p) = fanin_wire::kv::Packet::new_checked(bytes) else { return false };
+    let Ok(p) = Packet::new_checked(bytes) else { return false };
     !auth::is_sealed(bytes)
         && p.task_id() == task_id
         && p.msg_type() == MessageType::KvNack
-        && fanin_wire::kv::Nack::parse(p.body()).is_ok_and(|n| n.reason == fanin_wire::kv::NackReason::UnknownTask)
+        && Nack::parse(p.body()).is_ok_and(|n| n.reason == NackReason::UnknownTask)
 }

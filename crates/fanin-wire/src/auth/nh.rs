@@ -88,17 +88,19 @@ const RECENT_SLOTS: usize = 64;
 /// by the key's first byte (keys are PRF outputs, so that byte is uniform):
 /// the map lookup costs as much as the SipHash of a short datagram, and a
 /// switch shard or a worker seals and verifies with a handful of keys.
-#[derive(Default)]
 struct Expanded {
     all: KeyCache,
-    recent: Vec<Option<([u8; 16], Rc<NhKey>)>>,
+    recent: [Option<([u8; 16], Rc<NhKey>)>; RECENT_SLOTS],
+}
+
+impl Default for Expanded {
+    fn default() -> Self {
+        Self { all: KeyCache::default(), recent: [const { None }; RECENT_SLOTS] }
+    }
 }
 
 impl Expanded {
     fn get(&mut self, key: &Key) -> Rc<NhKey> {
-        if self.recent.is_empty() {
-            self.recent.resize(RECENT_SLOTS, None);
-        }
         let slot = key.0[0] as usize % RECENT_SLOTS;
         if let Some((k, nh)) = &self.recent[slot] {
             if *k == key.0 {

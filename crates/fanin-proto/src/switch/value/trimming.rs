@@ -31,41 +31,34 @@ impl<A: Copy> ValueSwitch<A> {
     pub fn trim_datagram(&mut self, now: Time, from: A, bytes: &[u8], cause: TrimCause, out: &mut impl Transmit<A>) -> TrimVerdict {
         // The header decides, before any tag is checked: what is not
         // data goes the normal way, where it is verified once. (A sealed
-        // datagram is classified without its trailer.)
+        // datagram is classified without its trailer; once its tag
+        // verifies, these same bytes are what the seal covered.)
         let unverified = fanin_wire::auth::Sealed::split(bytes).map_or(bytes, |s| s.inner);
-        match Packet::new_checked(unverified) {
-            Ok(p) if is_trimmable(&p) => {}
+        let packet = match Packet::new_checked(unverified) {
+            Ok(p) if is_trimmable(&p) => p,
             _ => return TrimVerdict::Process,
-        }
-        let job_id = u32::from_be_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
-        let src = u16::from_be_bytes([bytes[6], bytes[7]]) as usize;
-        let Some(job) = self.jobs.get_mut(&job_id) else {
+        };
+        let src = packet.src_id() as usize;
+        let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
             // Unknown job: the plain, header-only reply.
             return return_to_sender(from, bytes, cause, out);
         };
-        let Some(auth) = job.auth.as_mut() else {
+        let verdict = match job.auth.as_mut() {
             // Unkeyed: the plain, header-only reply.
-            if job.members.contains(src) {
-                job.liveness.heard(src, now);
-            }
-            return return_to_sender(from, bytes, cause, out);
-        };
-        self.counters.rx_datagrams += 1;
-        let Some(inner) = sealing::admit(Some(&mut *auth), true, bytes, &mut self.counters) else {
-            return TrimVerdict::Refused;
-        };
-        let packet = match Packet::new_checked(inner) {
-            Ok(p) => p,
-            Err(err) => {
-                self.counters.count_malformed(&err);
-                return TrimVerdict::Refused;
+            None => return_to_sender(from, bytes, cause, out),
+            Some(auth) => {
+                self.counters.rx_datagrams += 1;
+                if sealing::admit(Some(&mut *auth), true, bytes, &mut self.counters).is_none() {
+                    return TrimVerdict::Refused;
+                }
+                let env = envelope(Some(auth), Peer::Member(src));
+                send_trim_nack(&mut self.counters, out, from, env, &packet, cause);
+                TrimVerdict::Trimmed
             }
         };
-        let env = envelope(Some(auth), Peer::Member(src));
-        send_trim_nack(&mut self.counters, out, from, env, &packet, cause);
         if job.members.contains(src) {
             job.liveness.heard(src, now);
         }
-        TrimVerdict::Trimmed
+        verdict
     }
 }
