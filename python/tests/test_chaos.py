@@ -80,5 +80,7 @@ def test_quick_chaos_soak_on_the_testbed(tmp_path):
     for counter, a in report["accounting"].items():
         assert a["counted"] == a["injected"], (counter, a)
     assert sum(report["faults"].values()) >= 5
+    # every killed worker's replacement finished an allreduce before the next fault
+    assert all(e["rejoin_s"] is not None for e in report["events"] if e["fault"] == "kill_worker"), report["events"]
     assert report["ok"], {k: report[k] for k in ("value", "error_examples", "kv", "hangs", "accounting")}
     assert r.returncode == 0
