@@ -59,6 +59,28 @@ use crate::time::Time;
 use crate::transmit::Transmit;
 use sealing::{envelope, send, send_copy, Envelope, JobAuth, Peer};
 
+/// The [`Reply`] of `job`: it borrows only the job fields it needs, and as a
+/// macro (not a method) it leaves `job.slots` free for the caller to hold.
+macro_rules! job_reply {
+    ($job:ident, $counters:expr, $out:expr, $scratch:expr, from: $from:expr, from_src: $src:expr, uplink: $uplink:expr) => {
+        Reply {
+            job_id: $job.spec.job_id,
+            block_cnt_max: $job.spec.block_cnt_max,
+            members: &$job.members,
+            member_count: $job.member_count,
+            addrs: &$job.addrs,
+            uplink: $uplink,
+            auth: $job.auth.as_mut(),
+            counters: $counters,
+            from: $from,
+            from_src: $src,
+            out: $out,
+            scratch: $scratch,
+            tag: $job.tag,
+        }
+    };
+}
+
 /// Identity and limits of one shard of a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardConfig {
@@ -1028,21 +1050,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     counters.parent_stale += 1;
                     return Verdict::Consumed;
                 };
-                let mut reply = Reply {
-                    job_id: job.spec.job_id,
-                    block_cnt_max: job.spec.block_cnt_max,
-                    members: &job.members,
-                    member_count: job.member_count,
-                    addrs: &job.addrs,
-                    uplink: None, // what the parent says goes down, never up again
-                    auth: job.auth.as_mut(),
-                    counters,
-                    from: None,
-                    from_src: 0,
-                    out,
-                    scratch: &mut self.scratch,
-                    tag: job.tag,
-                };
+                // what the parent says goes down, never up again: no uplink
+                let mut reply = job_reply!(job, counters, out, &mut self.scratch, from: None, from_src: 0, uplink: None);
                 if repr.exp_only {
                     if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
                         block.exp = repr.exp;
@@ -1222,21 +1231,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // A child switch's partial sums `src_cnt` workers; a worker is one.
         let weight = if src >= SWITCH_RANK_BASE as usize { packet.src_cnt().max(1) } else { 1 };
         let outcome = {
-            let mut reply = Reply {
-                job_id: job.spec.job_id,
-                block_cnt_max: job.spec.block_cnt_max,
-                members: &job.members,
-                member_count: job.member_count,
-                addrs: &job.addrs,
-                uplink: job.uplink.as_ref(),
-                auth: job.auth.as_mut(),
-                counters: &mut *counters,
-                from: Some(from),
-                from_src: src,
-                out: &mut *out,
-                scratch: &mut self.scratch,
-                tag: job.tag,
-            };
+            let mut reply = job_reply!(job, &mut *counters, &mut *out, &mut self.scratch,
+                from: Some(from), from_src: src, uplink: job.uplink.as_ref());
             let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
             if exp_only {
                 contribute_exponent(block, src, weight, packet.exp(), &mut reply)

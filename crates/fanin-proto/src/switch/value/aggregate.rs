@@ -265,21 +265,7 @@ pub(super) fn close_phase<A: Copy>(
     scratch: &mut Vec<u8>,
     newly_slow: &mut Vec<usize>,
 ) {
-    let mut reply = Reply {
-        job_id: job.spec.job_id,
-        block_cnt_max: job.spec.block_cnt_max,
-        members: &job.members,
-        member_count: job.member_count,
-        addrs: &job.addrs,
-        uplink: job.uplink.as_ref(),
-        auth: job.auth.as_mut(),
-        counters,
-        from: None,
-        from_src: 0,
-        out,
-        scratch,
-        tag: job.tag,
-    };
+    let mut reply = job_reply!(job, counters, out, scratch, from: None, from_src: 0, uplink: job.uplink.as_ref());
     let block = job.slots[local].cur.as_mut().expect("an open block");
     match block.phase {
         Phase::Exponent => finish_exponent_round(block, &mut reply),
