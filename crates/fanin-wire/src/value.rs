@@ -549,14 +549,24 @@ impl TrimCause {
     }
 }
 
-/// Body of a `Sync`: `origin u16 | reserved u16 | align_blocks u32`: the
-/// worker whose join the request forwards, and the blocks per allreduce of
-/// the job's stream, so the root answers an allreduce boundary.
+/// Body of a `Sync`: `origin u16 | flags u16 | align_blocks u32`: the
+/// worker whose join the request forwards, [`SYNC_NEWCOMER`] or 0, and the
+/// blocks per allreduce of the job's stream, so the root answers an
+/// allreduce boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SyncRequest {
     pub origin: u16,
+    pub flags: u16,
     pub align_blocks: u32,
 }
+
+/// [`SyncRequest::flags`] bit: the origin is a newcomer somewhere on its
+/// path (a switch holds it, or the child switch added for it, as awaiting),
+/// so blocks there do not wait for it until its start: the root answers a
+/// window beyond its offset, past every block any shard may have begun.
+/// Without it (a member that blocks already wait for, syncing again) the
+/// root answers from the offset itself. Unknown bits are ignored.
+pub const SYNC_NEWCOMER: u16 = 0x0001;
 
 impl SyncRequest {
     pub const LEN: usize = 8;
@@ -567,13 +577,14 @@ impl SyncRequest {
         }
         Ok(Self {
             origin: u16::from_be_bytes([body[0], body[1]]),
+            flags: u16::from_be_bytes([body[2], body[3]]),
             align_blocks: u32::from_be_bytes([body[4], body[5], body[6], body[7]]),
         })
     }
 
     pub fn emit(&self, body: &mut [u8]) {
         body[0..2].copy_from_slice(&self.origin.to_be_bytes());
-        body[2..4].copy_from_slice(&[0, 0]);
+        body[2..4].copy_from_slice(&self.flags.to_be_bytes());
         body[4..8].copy_from_slice(&self.align_blocks.to_be_bytes());
     }
 }

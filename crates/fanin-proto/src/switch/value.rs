@@ -46,7 +46,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_SYNC,
+    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_SYNC, SYNC_NEWCOMER,
     ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW, NACK_TAG,
 };
 use fanin_wire::MessageType;
@@ -918,11 +918,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             let start = job.start_block;
             answer_join(job, &self.config, src, src, from, start, out);
             return joined(job, src, start);
-        } else if job.uplink.is_some() {
+        }
+        let newcomer = job.awaiting.contains(src as usize);
+        if job.uplink.is_some() {
             // Only the root knows the current block offset: ask it.
             job.pending_sync.insert(src, src);
-            forward_sync(job, src, packet.block_id(), &mut self.counters, out);
-        } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id()) {
+            forward_sync(job, src, packet.block_id(), newcomer, &mut self.counters, out);
+        } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id(), newcomer) {
             answer_join(job, &self.config, src, src, from, start, out);
             return joined(job, src, start);
         } else {
@@ -948,9 +950,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         job.addrs[via as usize] = Some(from);
         job.pending_sync.insert(request.origin, via);
+        let newcomer = request.flags & SYNC_NEWCOMER != 0 || job.awaiting.contains(via as usize);
         if job.uplink.is_some() {
-            forward_sync(job, request.origin, request.align_blocks, &mut self.counters, out);
-        } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks) {
+            forward_sync(job, request.origin, request.align_blocks, newcomer, &mut self.counters, out);
+        } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks, newcomer) {
             answer_join(job, &self.config, request.origin, via, from, start, out);
             return joined(job, via, start);
         } else {

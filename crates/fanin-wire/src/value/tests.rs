@@ -482,7 +482,7 @@ const SYNC: [u8; 32] = [
     0x00, 0x00, 0x00, 0x05, // job_id 5
     0x00, 0x00, 0x00, 0x00, // block_id 0
     0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
-    0x00, 0x03, 0x00, 0x00, // origin 3; reserved
+    0x00, 0x03, 0x00, 0x01, // origin 3; flags SYNC_NEWCOMER
     0x00, 0x00, 0x00, 0x2A, // align_blocks 42
 ];
 
@@ -491,7 +491,7 @@ fn sync_parse_and_emit() {
     let p = Packet::new_checked(&SYNC[..]).unwrap();
     let repr = Repr::parse(&p).unwrap();
     assert_eq!(repr, Repr::new(MessageType::Sync, 5, 2048));
-    let body = SyncRequest { origin: 3, align_blocks: 42 };
+    let body = SyncRequest { origin: 3, flags: SYNC_NEWCOMER, align_blocks: 42 };
     assert_eq!(SyncRequest::parse(p.payload()).unwrap(), body);
     let mut buf = [MARKER; 32];
     let mut packet = Packet::new_unchecked(&mut buf[..]);

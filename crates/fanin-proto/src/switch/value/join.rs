@@ -2,15 +2,25 @@
 
 use super::*;
 
-/// Forward a worker's join toward the root as a Sync request.
-pub(super) fn forward_sync<A: Copy>(job: &mut Job<A>, origin: u16, align_blocks: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
+/// Forward a worker's join toward the root as a Sync request; `newcomer`:
+/// this switch, or one below, holds the joiner (or the switch it joins
+/// through) as awaiting ([`SYNC_NEWCOMER`]).
+pub(super) fn forward_sync<A: Copy>(
+    job: &mut Job<A>,
+    origin: u16,
+    align_blocks: u32,
+    newcomer: bool,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) {
     let Some(up) = job.uplink.as_ref() else { return };
     let repr = Repr::new(MessageType::Sync, job.spec.job_id, up.rank);
     let env = envelope(job.auth.as_mut(), Peer::Parent);
     send(out, up.parent[0], repr.buffer_len(), env, |buf| {
         let mut packet = Packet::new_unchecked(buf);
         repr.emit(&mut packet);
-        SyncRequest { origin, align_blocks }.emit(packet.payload_mut());
+        let flags = if newcomer { SYNC_NEWCOMER } else { 0 };
+        SyncRequest { origin, flags, align_blocks }.emit(packet.payload_mut());
     });
     counters.syncs_forwarded += 1;
 }
@@ -65,16 +75,37 @@ pub(super) fn answer_join_as<A: Copy>(
 }
 
 /// The root's answer to a sync: the first allreduce boundary (multiples of
-/// `align_blocks`) at or after the sync offset. A repeated request (its
-/// answer was lost) gets the same start while the job is within a window
-/// of it, so every switch on the worker's path agrees on it.
+/// `align_blocks`) at or after the sync offset, plus a window
+/// (`block_cnt_max`) for a `newcomer` once the job runs. A repeated request
+/// (its answer was lost) gets the same start while the job is within a
+/// window of it, so every switch on the worker's path agrees on it.
+///
+/// Why the extra window: the offset is the lowest block *this shard* still
+/// needs, and no worker has a result for it yet, so no worker has sent a
+/// block at or beyond offset + window (windows are at most
+/// `block_cnt_max`). Answering a newcomer from there means no switch or
+/// shard has begun, let alone completed, a block from its start without it;
+/// the other shards and switches admit it (runtime message, the answer on
+/// its way down) while the others still have a window of blocks to go.
+/// Answering from the offset itself let another shard, up to a window
+/// ahead, complete blocks from the start without the joiner: its result
+/// then silently lacked the joiner's contribution. A member that is not a
+/// newcomer (every block already waits for it: it gave up and syncs again)
+/// is answered from the offset, where the others' blocks wait for it.
 ///
 /// None (no answer yet; the worker asks again) while this shard has seen no
 /// block but other members are active: a root that just took over (the
 /// tree grew above the old one) does not know the job's position until the
 /// old root's first partial arrives (SwitchML++ answers with an error flag
 /// in that case, for the same reason).
-pub(super) fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16, via: u16, align_blocks: u32) -> Option<u32> {
+pub(super) fn sync_start<A>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    origin: u16,
+    via: u16,
+    align_blocks: u32,
+    newcomer: bool,
+) -> Option<u32> {
     let fresh = job.slots.iter().all(|s| s.cur.is_none());
     let waiting = &job.sync_waiting;
     if fresh && job.active.iter().any(|m| m != via as usize && !waiting.contains(&(m as u16))) {
@@ -83,13 +114,14 @@ pub(super) fn sync_start<A>(job: &mut Job<A>, config: &ShardConfig, origin: u16,
     }
     job.sync_waiting.remove(&via);
     let offset = sync_offset(job, config);
+    let earliest = if newcomer && !fresh { offset.saturating_add(job.spec.block_cnt_max) } else { offset };
     if let Some(&start) = job.sync_answers.get(&origin) {
         if start.saturating_add(job.spec.block_cnt_max) > offset {
             return Some(start);
         }
     }
     let align = align_blocks.max(1);
-    let start = offset.div_ceil(align).saturating_mul(align);
+    let start = earliest.div_ceil(align).saturating_mul(align);
     job.sync_answers.insert(origin, start);
     Some(start)
 }
@@ -162,11 +194,10 @@ pub(super) fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
 /// The SwitchML++ sync offset: the lowest block this shard still needs,
 /// over its slots (an unused slot needs its first block at or after the
 /// job's start). At the start of a job it is the start block, so workers
-/// joining together agree; later, a joiner starts at the job's current
+/// joining together agree; later, a joiner starts near the job's current
 /// position instead of at blocks the others completed long ago. Only this
-/// shard's slots are looked at; another shard may be up to a window away,
-/// which a joiner sees as a few blocks completed without it (or completes
-/// with it), never as a wrong sum.
+/// shard's slots are looked at; another shard may be up to a window ahead,
+/// which is why [`sync_start`] answers a window beyond it.
 pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
     let s = job.spec.block_cnt_max;
     let mut lowest: Option<u32> = None;

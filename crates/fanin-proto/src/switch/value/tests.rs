@@ -715,7 +715,8 @@ fn sync_goes_to_the_root_and_its_answer_comes_back_down() {
     assert_eq!(dest, PARENT);
     let p = Packet::new_checked(&sync[..]).unwrap();
     assert_eq!((p.msg_type_code(), p.src_id()), (MessageType::Sync as u8, RANK));
-    assert_eq!(SyncRequest::parse(p.payload()).unwrap().origin, 1);
+    // rank 1 is a member every block already waits for: not a newcomer
+    assert_eq!(SyncRequest::parse(p.payload()).unwrap(), SyncRequest { origin: 1, flags: 0, align_blocks: 0 });
     // the root has completed blocks 0..3 of its 4 slots: the offset is 4
     let spec = JobSpec { members: vec![9, RANK], workers: 5, ..job(1, 2, 4) };
     let mut root = switch_with(&[spec]);
@@ -732,6 +733,18 @@ fn sync_goes_to_the_root_and_its_answer_comes_back_down() {
     let p = Packet::new_checked(&ack[..]).unwrap();
     assert_eq!((p.msg_type_code(), p.src_id()), (MessageType::JoinAck as u8, 1));
     assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 4);
+    // a newcomer (awaiting below) starts a window (4 blocks) further on,
+    // past any block another shard may have begun without it
+    let newcomer = Repr::new(MessageType::Sync, 1, RANK);
+    let mut buf = vec![0; newcomer.buffer_len()];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    newcomer.emit(&mut p);
+    SyncRequest { origin: 3, flags: SYNC_NEWCOMER, align_blocks: 0 }.emit(p.payload_mut());
+    let mut out = VecTransmit::new();
+    root.handle_datagram(T0, 50, &buf, &mut out);
+    let (_, ack3) = out.drain().next().unwrap();
+    let p = Packet::new_checked(&ack3[..]).unwrap();
+    assert_eq!((p.src_id(), JoinParams::parse(p.payload()).unwrap().next_block), (3, 8));
     // the leaf relays the answer to the worker that asked
     let out = send_from(&mut leaf, PARENT, &ack);
     assert_eq!((out[0].0, out[0].1.msg_type, out[0].1.src_id), (101, MessageType::JoinAck, 1));
@@ -804,16 +817,18 @@ fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
     sw.update_job(T0, JobSpec { members: vec![0, 1, 2], ..job(1, 2, 4) }, None, &[2], &mut out).unwrap();
     // before its sync, the new member is waited for nowhere
     assert_eq!(send(&mut sw, Pkt::data(1, 1, 4, &[1])).len(), 2);
-    // it syncs on allreduces of 8 blocks: the next boundary after block 5
+    // it syncs on allreduces of 8 blocks: the first boundary a window (4
+    // blocks) beyond block 5, the lowest block still needed; another shard
+    // may already have begun blocks up to 8, never 9 or later
     let join = Repr { age_op: JOIN_SYNC, block_id: 8, ..Repr::new(MessageType::Join, 1, 2) };
     let mut buf = vec![0; join.buffer_len()];
     join.emit(&mut Packet::new_unchecked(&mut buf[..]));
     let mut out = VecTransmit::new();
     // the runtime is told, so its other shards admit the joiner too
-    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Joined { job_id: 1, member: 2, start: 8 });
+    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Joined { job_id: 1, member: 2, start: 16 });
     let (_, ack) = out.drain().next().unwrap();
     let p = Packet::new_checked(&ack[..]).unwrap();
-    assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 8);
+    assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 16);
     // the same request again (its answer was lost) gets the same start
     let mut out = VecTransmit::new();
     assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Consumed);
@@ -822,14 +837,14 @@ fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
     // blocks before its start complete without it ...
     send(&mut sw, Pkt::data(1, 0, 5, &[1]));
     assert_eq!(send(&mut sw, Pkt::data(1, 1, 5, &[1])).len(), 3);
-    for b in 6..8 {
+    for b in 6..16 {
         send(&mut sw, Pkt::data(1, 0, b, &[1]));
-        send(&mut sw, Pkt::data(1, 1, b, &[1]));
+        assert_eq!(send(&mut sw, Pkt::data(1, 1, b, &[1])).len(), 3, "block {b}");
     }
     // ... blocks from its start wait for it
-    send(&mut sw, Pkt::data(1, 0, 8, &[1]));
-    assert!(send(&mut sw, Pkt::data(1, 1, 8, &[1])).is_empty());
-    let out = send(&mut sw, Pkt::data(1, 2, 8, &[1]));
+    send(&mut sw, Pkt::data(1, 0, 16, &[1]));
+    assert!(send(&mut sw, Pkt::data(1, 1, 16, &[1])).is_empty());
+    let out = send(&mut sw, Pkt::data(1, 2, 16, &[1]));
     assert_eq!(out.len(), 3);
     assert!(out.iter().all(|o| o.1.src_cnt == 3 && o.2 == vec![3]));
 }
