@@ -338,3 +338,38 @@ def test_against_native_switch():
             assert e.value.code == "UNAUTHENTICATED"
     finally:
         sw.stop()
+
+
+def test_a_new_client_reaches_a_restarted_daemon_at_once():
+    """A client created after the daemon came back connects at once, even
+    while another client of this process is still backing off from the
+    restart (gRPC would share one connection per address otherwise, and the
+    new client would fail with the old one's "connection refused")."""
+    import signal
+    import socket
+
+    from fanin.proc import SwitchProcess
+    from fanin.switch import switch_config
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    control = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=control, metrics_addr=None)
+    old = SwitchProcess(cfg)
+    new = None
+    try:
+        with ControlClient(control) as before:
+            assert before.list_jobs() == []
+            old.proc.send_signal(signal.SIGKILL)
+            old.proc.wait(10)
+            for _ in range(3):  # refused: its connection backs off
+                with pytest.raises(ControlError, match="UNAVAILABLE"):
+                    before.list_jobs()
+            new = SwitchProcess(cfg)
+            with ControlClient(control) as after:
+                assert after.list_jobs() == []
+    finally:
+        if new is not None:
+            new.stop()
+        old.stop()

@@ -184,6 +184,8 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch(controller_restarte
             new = SwitchProcess(cfg)  # no jobs of its own
             ready_at = time.time()
             res = [q.get(timeout=120) for _ in procs]
+            errors = [(r, e) for r, e, _ in res if e]
+            assert not errors, errors  # before the control checks: the likelier cause
             counters = new.counters()
             from fanin.control import ControlClient
 
@@ -203,8 +205,6 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch(controller_restarte
         if new is not None:
             new.stop()
         sw.stop()
-    errors = [(r, e) for r, e, _ in res if e]
-    assert not errors, errors
     for _, _, done in res:
         assert len(done) == iters and all(ok for _, ok, *_ in done)
     recovered = [min((t for _, _, t, rec, _ in done if rec > 0), default=None) for _, _, done in res]

@@ -58,10 +58,15 @@ def control_token_from_env() -> Optional[str]:
 
 
 #: Reconnect quickly to a daemon that comes back (at most every 0.5 s).
+#: Each client keeps its own connection (local subchannel pool): gRPC would
+#: otherwise share one per address across the process, and a new client
+#: would inherit another's reconnect backoff, failing at once with a stale
+#: "connection refused" for up to 0.5 s after the daemon is back.
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

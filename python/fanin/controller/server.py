@@ -13,7 +13,7 @@ import grpc
 
 from ..control._gen import control_pb2 as pb
 from ..control._gen import control_pb2_grpc as pb_grpc
-from ..control.client import call_rpc, control_token_from_env
+from ..control.client import RECONNECT_OPTIONS, call_rpc, control_token_from_env
 from .service import Controller, ControllerError, JobParams
 from .watch import RestartWatcher
 
@@ -143,7 +143,7 @@ class ControllerClient:
     def __init__(self, addr: str, token: Optional[str] = None, timeout: float = 10.0):
         self.addr = addr
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(addr)
+        self._channel = grpc.insecure_channel(addr, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.ControllerStub(self._channel)
         token = token if token is not None else control_token_from_env()
         self._metadata = [("authorization", f"Bearer {token}")] if token else None
