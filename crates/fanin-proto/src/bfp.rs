@@ -109,8 +109,111 @@ pub fn quantize_into_payload(values: &[f32], exp: i8, n_sources: usize, payload:
     let b = frac_bits(n_sources);
     let scale = pow2(b - exp as i32);
     let limit = pow2(b);
+    let n = values.len().min(payload.len() / 4);
+    let (values, payload) = (&values[..n], &mut payload[..4 * n]);
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2() {
+        // SAFETY: the CPU has AVX2 (checked above).
+        unsafe { simd::quantize_be_avx2(values, scale, limit, payload) };
+        return;
+    }
+    quantize_be_portable(values, scale, limit, payload);
+}
+
+fn quantize_be_portable(values: &[f32], scale: f64, limit: f64, payload: &mut [u8]) {
     for (dst, &x) in payload.chunks_exact_mut(4).zip(values) {
         dst.copy_from_slice(&quantize_one(x, scale, limit).to_be_bytes());
+    }
+}
+
+fn dequantize_be_portable(payload: &[u8], scale: f64, out: &mut [f32]) {
+    for (x, src) in out.iter_mut().zip(payload.chunks_exact(4)) {
+        let s = i32::from_be_bytes([src[0], src[1], src[2], src[3]]);
+        *x = (s as f64 * scale) as f32;
+    }
+}
+
+/// AVX2 versions of the per-element loops between floats and big-endian
+/// int32 payloads, chosen at run time. The build targets baseline x86-64
+/// (SSE2), where LLVM vectorises these loops two doubles at a time and
+/// byte-swaps with five shuffles per vector (SSE2 has no `pshufb`): a perf
+/// profile of the allreduce machines put the quantising loop at ~40 % of
+/// their CPU. The AVX2 loops compute the same thing (the same IEEE
+/// operations, rounding to nearest even), eight elements at a time; a test
+/// checks they are bit-identical to the portable loops.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    pub(super) fn avx2() -> bool {
+        use std::sync::OnceLock;
+        static AVX2: OnceLock<bool> = OnceLock::new();
+        // FANIN_BFP=portable forces the portable loops (to measure the gain).
+        *AVX2.get_or_init(|| {
+            std::env::var("FANIN_BFP").map_or(true, |v| v != "portable") && std::is_x86_feature_detected!("avx2")
+        })
+    }
+
+    /// Reverses the bytes of each 32-bit element (big-endian <-> little-endian).
+    #[inline(always)]
+    unsafe fn bswap32_mask() -> __m256i {
+        _mm256_setr_epi8(
+            3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12,
+        )
+    }
+
+    /// `quantize_one` on four doubles: scale, clamp (max/min return the
+    /// bound for NaN, as `f64::max`/`min` do), round to nearest even.
+    #[inline(always)]
+    unsafe fn quantize4(x: __m128, scale: __m256d, lo: __m256d, hi: __m256d) -> __m128i {
+        let v = _mm256_mul_pd(_mm256_cvtps_pd(x), scale);
+        // maxpd returns its second operand when either is NaN: the bound.
+        let v = _mm256_min_pd(_mm256_max_pd(v, lo), hi);
+        // The rounding mode is the default (nearest even) in Rust code.
+        _mm256_cvtpd_epi32(v)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2; `payload.len() == 4 * values.len()`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_be_avx2(values: &[f32], scale: f64, limit: f64, payload: &mut [u8]) {
+        debug_assert_eq!(payload.len(), 4 * values.len());
+        let (s, lo, hi) = (_mm256_set1_pd(scale), _mm256_set1_pd(-limit), _mm256_set1_pd(limit));
+        let mask = bswap32_mask();
+        let whole = values.len() / 8 * 8;
+        let (src, dst) = (values.as_ptr(), payload.as_mut_ptr());
+        let mut i = 0;
+        while i < whole {
+            let x = _mm256_loadu_ps(src.add(i));
+            let q0 = quantize4(_mm256_castps256_ps128(x), s, lo, hi);
+            let q1 = quantize4(_mm256_extractf128_ps::<1>(x), s, lo, hi);
+            let q = _mm256_shuffle_epi8(_mm256_set_m128i(q1, q0), mask);
+            _mm256_storeu_si256(dst.add(4 * i) as *mut __m256i, q);
+            i += 8;
+        }
+        super::quantize_be_portable(&values[whole..], scale, limit, &mut payload[4 * whole..]);
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2; `payload.len() == 4 * out.len()`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dequantize_be_avx2(payload: &[u8], scale: f64, out: &mut [f32]) {
+        debug_assert_eq!(payload.len(), 4 * out.len());
+        let s = _mm256_set1_pd(scale);
+        let mask = bswap32_mask();
+        let whole = out.len() / 8 * 8;
+        let (src, dst) = (payload.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        while i < whole {
+            let q = _mm256_shuffle_epi8(_mm256_loadu_si256(src.add(4 * i) as *const __m256i), mask);
+            // int32 -> f64 is exact, the product by a power of two too;
+            // cvtpd2ps rounds to nearest even, as `as f32` does.
+            let f0 = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)), s));
+            let f1 = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256::<1>(q)), s));
+            _mm256_storeu_ps(dst.add(i), _mm256_set_m128(f1, f0));
+            i += 8;
+        }
+        super::dequantize_be_portable(&payload[4 * whole..], scale, &mut out[whole..]);
     }
 }
 
@@ -133,10 +236,15 @@ pub fn dequantize_from_payload(payload: &[u8], exp: i8, n_sources: usize, out: &
         return;
     }
     let scale = pow2(exp as i32 - frac_bits(n_sources));
-    for (x, src) in out.iter_mut().zip(payload.chunks_exact(4)) {
-        let s = i32::from_be_bytes([src[0], src[1], src[2], src[3]]);
-        *x = (s as f64 * scale) as f32;
+    let n = out.len().min(payload.len() / 4);
+    let (payload, out) = (&payload[..4 * n], &mut out[..n]);
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2() {
+        // SAFETY: the CPU has AVX2 (checked above).
+        unsafe { simd::dequantize_be_avx2(payload, scale, out) };
+        return;
     }
+    dequantize_be_portable(payload, scale, out);
 }
 
 /// The documented worst-case absolute error of a block-floating-point sum of
@@ -188,6 +296,50 @@ mod tests {
         let mut q = [7i32; 2];
         quantize(&[f32::NAN, -f32::NAN], 0, 1, &mut q);
         assert!(q.iter().all(|v| v.unsigned_abs() <= 1 << 30));
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_loops_equal_the_portable_ones_bit_for_bit() {
+        if !std::is_x86_feature_detected!("avx2") {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let specials = [0.5f32, 1.5, 2.5, -0.5, -2.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40, 3.0e38];
+        for len in 0..40usize {
+            for (exp, n) in [(1i8, 4usize), (-20, 3), (30, 1), (0, 1024), (-127, 2)] {
+                let values: Vec<f32> = (0..len)
+                    .map(|i| match next() % 4 {
+                        0 => specials[i % specials.len()],
+                        1 => f32::from_bits(next() as u32),
+                        // halves land on exact ties after scaling
+                        2 => (next() % 1000) as f32 * 0.5 * pow2(exp as i32 - frac_bits(n)) as f32,
+                        _ => ((next() % 2000) as f32 - 1000.0) / 1000.0 * pow2(exp as i32) as f32,
+                    })
+                    .collect();
+                let b = frac_bits(n);
+                let (scale, limit) = (pow2(b - exp as i32), pow2(b));
+                let mut portable = vec![0u8; 4 * len];
+                let mut simd = vec![0u8; 4 * len];
+                quantize_be_portable(&values, scale, limit, &mut portable);
+                unsafe { simd::quantize_be_avx2(&values, scale, limit, &mut simd) };
+                assert_eq!(portable, simd, "quantize, len {len}, exp {exp}, n {n}");
+                let raw: Vec<u8> = (0..4 * len).map(|_| next() as u8).collect();
+                let inv = pow2(exp as i32 - b);
+                let (mut a, mut c) = (vec![0f32; len], vec![0f32; len]);
+                dequantize_be_portable(&raw, inv, &mut a);
+                unsafe { simd::dequantize_be_avx2(&raw, inv, &mut c) };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&c), "dequantize, len {len}, exp {exp}, n {n}");
+            }
+        }
     }
 
     #[test]

@@ -741,7 +741,7 @@ fn sync_goes_to_the_root_and_its_answer_comes_back_down() {
     newcomer.emit(&mut p);
     SyncRequest { origin: 3, flags: SYNC_NEWCOMER, align_blocks: 0 }.emit(p.payload_mut());
     let mut out = VecTransmit::new();
-    root.handle_datagram(T0, 50, &buf, &mut out);
+    assert_eq!(root.handle_datagram(T0, 50, &buf, &mut out), Verdict::Consumed);
     let (_, ack3) = out.drain().next().unwrap();
     let p = Packet::new_checked(&ack3[..]).unwrap();
     assert_eq!((p.src_id(), JoinParams::parse(p.payload()).unwrap().next_block), (3, 8));
