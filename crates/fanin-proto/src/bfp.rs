@@ -112,7 +112,7 @@ pub fn quantize_into_payload(values: &[f32], exp: i8, n_sources: usize, payload:
     let n = values.len().min(payload.len() / 4);
     let (values, payload) = (&values[..n], &mut payload[..4 * n]);
     #[cfg(target_arch = "x86_64")]
-    if simd::avx2() {
+    if fanin_wire::simd::avx2() {
         // SAFETY: the CPU has AVX2 (checked above).
         unsafe { simd::quantize_be_avx2(values, scale, limit, payload) };
         return;
@@ -134,33 +134,15 @@ fn dequantize_be_portable(payload: &[u8], scale: f64, out: &mut [f32]) {
 }
 
 /// AVX2 versions of the per-element loops between floats and big-endian
-/// int32 payloads, chosen at run time. The build targets baseline x86-64
-/// (SSE2), where LLVM vectorises these loops two doubles at a time and
-/// byte-swaps with five shuffles per vector (SSE2 has no `pshufb`): a perf
-/// profile of the allreduce machines put the quantising loop at ~40 % of
-/// their CPU. The AVX2 loops compute the same thing (the same IEEE
+/// int32 payloads, chosen at run time ([`fanin_wire::simd`]; a perf
+/// profile of the allreduce machines put the baseline SSE2 quantising loop
+/// at ~40 % of their CPU). They compute the same thing (the same IEEE
 /// operations, rounding to nearest even), eight elements at a time; a test
 /// checks they are bit-identical to the portable loops.
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use fanin_wire::simd::x86::bswap32_mask;
     use std::arch::x86_64::*;
-
-    pub(super) fn avx2() -> bool {
-        use std::sync::OnceLock;
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        // FANIN_BFP=portable forces the portable loops (to measure the gain).
-        *AVX2.get_or_init(|| {
-            std::env::var("FANIN_BFP").map_or(true, |v| v != "portable") && std::is_x86_feature_detected!("avx2")
-        })
-    }
-
-    /// Reverses the bytes of each 32-bit element (big-endian <-> little-endian).
-    #[inline(always)]
-    unsafe fn bswap32_mask() -> __m256i {
-        _mm256_setr_epi8(
-            3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12,
-        )
-    }
 
     /// `quantize_one` on four doubles: scale, clamp (max/min return the
     /// bound for NaN, as `f64::max`/`min` do), round to nearest even.
@@ -239,7 +221,7 @@ pub fn dequantize_from_payload(payload: &[u8], exp: i8, n_sources: usize, out: &
     let n = out.len().min(payload.len() / 4);
     let (payload, out) = (&payload[..4 * n], &mut out[..n]);
     #[cfg(target_arch = "x86_64")]
-    if simd::avx2() {
+    if fanin_wire::simd::avx2() {
         // SAFETY: the CPU has AVX2 (checked above).
         unsafe { simd::dequantize_be_avx2(payload, scale, out) };
         return;

@@ -18,6 +18,7 @@
 pub mod auth;
 pub mod kv;
 pub mod preamble;
+pub mod simd;
 pub mod value;
 
 mod error;

@@ -242,12 +242,11 @@ fn nh_path() -> NhPath {
         // vector path gains). AVX-512 was tried too: no faster on 4 KiB
         // datagrams, where SipHash's finish and the key lookup weigh as
         // much as NH.
+        // FANIN_SIMD=portable (every vector loop) does the same.
         let portable = std::env::var("FANIN_NH").is_ok_and(|v| v == "portable");
-        #[cfg(target_arch = "x86_64")]
-        if !portable && std::is_x86_feature_detected!("avx2") {
+        if !portable && crate::simd::avx2() {
             return NhPath::Avx2;
         }
-        let _ = portable;
         NhPath::Portable
     })
 }

@@ -501,3 +501,35 @@ fn sync_parse_and_emit() {
     // the body is fixed-size: a short one is refused
     assert!(Packet::new_checked(&SYNC[..30]).is_err());
 }
+
+#[test]
+fn element_loops_equal_the_byte_by_byte_definition() {
+    // On a CPU with AVX2 these take the vector loops (crate::simd); the
+    // reference here is the definition, one element at a time.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for len in 0..70usize {
+        let payload: Vec<u8> = (0..4 * len).map(|_| next() as u8).collect();
+        let be = |i: usize| i32::from_be_bytes([payload[4 * i], payload[4 * i + 1], payload[4 * i + 2], payload[4 * i + 3]]);
+        // read: a longer output keeps its tail
+        let mut out = vec![7i32; len + 3];
+        read_elements(&payload, &mut out);
+        assert!((0..len).all(|i| out[i] == be(i)) && out[len..] == [7, 7, 7], "read, len {len}");
+        // add: wrapping
+        let start: Vec<i32> = (0..len).map(|_| next() as i32).collect();
+        let mut sum = start.clone();
+        add_elements(&mut sum, &payload);
+        assert!((0..len).all(|i| sum[i] == start[i].wrapping_add(be(i))), "add, len {len}");
+        // write: a longer payload keeps its tail
+        let mut bytes = vec![0xAAu8; 4 * len + 5];
+        write_elements(&start, &mut bytes);
+        let expected: Vec<u8> = start.iter().flat_map(|v| v.to_be_bytes()).collect();
+        assert_eq!(&bytes[..4 * len], &expected[..], "write, len {len}");
+        assert!(bytes[4 * len..].iter().all(|&b| b == 0xAA));
+    }
+}

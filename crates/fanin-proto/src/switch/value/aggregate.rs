@@ -303,13 +303,10 @@ pub(super) fn account_missing(
     }
 }
 
-/// The aggregation loop: wrapping int32 adds of a big-endian payload, written
-/// so the compiler vectorises it.
+/// The aggregation loop: wrapping int32 adds of a big-endian payload.
 #[inline]
 pub(super) fn accumulate(sum: &mut [i32], payload: &[u8]) {
-    for (acc, src) in sum.iter_mut().zip(payload.chunks_exact(ELEM_LEN)) {
-        *acc = acc.wrapping_add(i32::from_be_bytes([src[0], src[1], src[2], src[3]]));
-    }
+    fanin_wire::value::add_elements(sum, payload);
 }
 
 /// NoAggr: return the contribution to its sender as a result, untouched.
