@@ -346,15 +346,11 @@ def test_a_new_client_reaches_a_restarted_daemon_at_once():
     restart (gRPC would share one connection per address otherwise, and the
     new client would fail with the old one's "connection refused")."""
     import signal
-    import socket
 
     from fanin.proc import SwitchProcess
     from fanin.switch import switch_config
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    control = f"127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    control = f"127.0.0.1:{_free_port()}"
     cfg = switch_config(data_addr="127.0.0.1:0", control_addr=control, metrics_addr=None)
     old = SwitchProcess(cfg)
     new = None

@@ -41,15 +41,16 @@ pub mod x86 {
         )
     }
 
-    /// `sum[i] += be_i32(payload[4i..])`, wrapping; `payload.len() == 4 * sum.len()`.
+    /// `sum[i] += be_i32(payload[4i..])`, wrapping, over the whole groups
+    /// of eight elements; returns how many elements it did (the caller's
+    /// portable loop does the rest).
     ///
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn add_be(sum: &mut [i32], payload: &[u8]) {
-        assert_eq!(payload.len(), 4 * sum.len());
+    pub unsafe fn add_be(sum: &mut [i32], payload: &[u8]) -> usize {
+        let whole = sum.len().min(payload.len() / 4) / 8 * 8;
         let mask = bswap32_mask();
-        let whole = sum.len() / 8 * 8;
         let (acc, src) = (sum.as_mut_ptr(), payload.as_ptr());
         let mut i = 0;
         while i < whole {
@@ -58,29 +59,44 @@ pub mod x86 {
             _mm256_storeu_si256(acc.add(i) as *mut __m256i, _mm256_add_epi32(a, v));
             i += 8;
         }
-        for (a, s) in sum[whole..].iter_mut().zip(payload[4 * whole..].chunks_exact(4)) {
-            *a = a.wrapping_add(i32::from_be_bytes([s[0], s[1], s[2], s[3]]));
-        }
+        whole
     }
 
-    /// Byte-swap `src` (whole 4-byte elements) into `dst`, either way
-    /// (big-endian bytes <-> native int32s); equal lengths.
+    /// Big-endian int32s to native ones, over the whole groups of eight
+    /// elements; returns how many it did.
     ///
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn swap32(src: &[u8], dst: &mut [u8]) {
-        assert!(src.len() == dst.len() && src.len().is_multiple_of(4));
+    pub unsafe fn read_be(payload: &[u8], out: &mut [i32]) -> usize {
+        let whole = out.len().min(payload.len() / 4) / 8 * 8;
+        swap32(payload.as_ptr(), out.as_mut_ptr() as *mut u8, whole);
+        whole
+    }
+
+    /// Native int32s to big-endian bytes, over the whole groups of eight
+    /// elements; returns how many it did.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn write_be(values: &[i32], payload: &mut [u8]) -> usize {
+        let whole = values.len().min(payload.len() / 4) / 8 * 8;
+        swap32(values.as_ptr() as *const u8, payload.as_mut_ptr(), whole);
+        whole
+    }
+
+    /// Reverse the bytes of `elements` (a multiple of 8) 4-byte elements
+    /// from `src` into `dst` (either direction: the swap is its own inverse).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn swap32(src: *const u8, dst: *mut u8, elements: usize) {
         let mask = bswap32_mask();
-        let whole = src.len() / 32 * 32;
         let mut i = 0;
-        while i < whole {
-            let v = _mm256_shuffle_epi8(_mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i), mask);
-            _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, v);
+        while i < 4 * elements {
+            let v = _mm256_shuffle_epi8(_mm256_loadu_si256(src.add(i) as *const __m256i), mask);
+            _mm256_storeu_si256(dst.add(i) as *mut __m256i, v);
             i += 32;
-        }
-        for (d, s) in dst[whole..].chunks_exact_mut(4).zip(src[whole..].chunks_exact(4)) {
-            d.copy_from_slice(&[s[3], s[2], s[1], s[0]]);
         }
     }
 }

@@ -376,34 +376,34 @@ impl Repr {
 
 /// Decode a block payload of big-endian int32s into `out` (as many
 /// elements as both hold): AVX2 where the CPU has it ([`crate::simd`]),
-/// otherwise a plain loop the compiler vectorises.
+/// then a plain loop for what is left.
 pub fn read_elements(payload: &[u8], out: &mut [i32]) {
-    let n = out.len().min(payload.len() / ELEM_LEN);
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2() {
-        let out: &mut [u8] = bytemuck_i32(&mut out[..n]);
+    let done = if crate::simd::avx2() {
         // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { crate::simd::x86::swap32(&payload[..ELEM_LEN * n], out) };
-        return;
-    }
-    for (dst, src) in out[..n].iter_mut().zip(payload.chunks_exact(ELEM_LEN)) {
+        unsafe { crate::simd::x86::read_be(payload, out) }
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for (dst, src) in out[done..].iter_mut().zip(payload[ELEM_LEN * done..].chunks_exact(ELEM_LEN)) {
         *dst = i32::from_be_bytes([src[0], src[1], src[2], src[3]]);
     }
 }
 
 /// Encode int32s as a big-endian block payload (as many as both hold).
 pub fn write_elements(values: &[i32], payload: &mut [u8]) {
-    let n = values.len().min(payload.len() / ELEM_LEN);
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2() {
-        // SAFETY: i32 has no invalid bit patterns and no padding; the
-        // slice's bytes are its elements in native (little-endian) order.
-        let src = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, ELEM_LEN * n) };
+    let done = if crate::simd::avx2() {
         // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { crate::simd::x86::swap32(src, &mut payload[..ELEM_LEN * n]) };
-        return;
-    }
-    for (dst, v) in payload.chunks_exact_mut(ELEM_LEN).zip(values) {
+        unsafe { crate::simd::x86::write_be(values, payload) }
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for (dst, v) in payload[ELEM_LEN * done..].chunks_exact_mut(ELEM_LEN).zip(&values[done..]) {
         dst.copy_from_slice(&v.to_be_bytes());
     }
 }
@@ -411,24 +411,18 @@ pub fn write_elements(values: &[i32], payload: &mut [u8]) {
 /// Add a block payload of big-endian int32s into `sum`, wrapping (the
 /// switch's aggregation loop; as many elements as both hold).
 pub fn add_elements(sum: &mut [i32], payload: &[u8]) {
-    let n = sum.len().min(payload.len() / ELEM_LEN);
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2() {
+    let done = if crate::simd::avx2() {
         // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { crate::simd::x86::add_be(&mut sum[..n], &payload[..ELEM_LEN * n]) };
-        return;
-    }
-    for (acc, src) in sum[..n].iter_mut().zip(payload.chunks_exact(ELEM_LEN)) {
+        unsafe { crate::simd::x86::add_be(sum, payload) }
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for (acc, src) in sum[done..].iter_mut().zip(payload[ELEM_LEN * done..].chunks_exact(ELEM_LEN)) {
         *acc = acc.wrapping_add(i32::from_be_bytes([src[0], src[1], src[2], src[3]]));
     }
-}
-
-/// The bytes of an int32 slice, to write native int32s through a byte view.
-#[cfg(target_arch = "x86_64")]
-fn bytemuck_i32(v: &mut [i32]) -> &mut [u8] {
-    // SAFETY: every byte pattern is a valid i32, the length covers exactly
-    // the slice's memory, and the borrow is carried over.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * ELEM_LEN) }
 }
 
 /// Body of a `JoinAck`: everything a worker needs to stream into the job.

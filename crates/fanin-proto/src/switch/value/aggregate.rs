@@ -183,7 +183,7 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
             let payload = packet.payload();
             let n = grad_cnt as usize;
             if block.has_data {
-                accumulate(&mut block.sum[..n], payload);
+                fanin_wire::value::add_elements(&mut block.sum[..n], payload);
             } else {
                 block.has_data = true;
                 block.grad_cnt = grad_cnt;
@@ -301,12 +301,6 @@ pub(super) fn account_missing(
             }
         }
     }
-}
-
-/// The aggregation loop: wrapping int32 adds of a big-endian payload.
-#[inline]
-pub(super) fn accumulate(sum: &mut [i32], payload: &[u8]) {
-    fanin_wire::value::add_elements(sum, payload);
 }
 
 /// NoAggr: return the contribution to its sender as a result, untouched.
