@@ -425,7 +425,10 @@ fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_a
     // the switch dies for a while, then comes back empty
     net.down = true;
     let t = net.now + Duration::from_millis(30);
-    net.run_until(Duration::from_secs(30), |n| n.now >= t);
+    // a deadline relative to now: with loss, reaching a late restart
+    // point can itself take more than 30 simulated seconds
+    let deadline = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(30);
+    net.run_until(deadline, |n| n.now >= t);
     if net.done.iter().any(|d| d.len() == lens.len()) && !net.all_done(lens.len()) {
         return false;
     }
@@ -500,7 +503,8 @@ fn double_restart_run(workers: usize, lens: &[usize], loss: f64, restart_at: f64
     for (incarnation, gap) in [(0x1234_5677, gap_steps), (0x2345_6788, 0)] {
         net.down = true;
         let t = net.now + Duration::from_millis(30);
-        net.run_until(Duration::from_secs(30), |n| n.now >= t);
+        let deadline = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(30);
+        net.run_until(deadline, |n| n.now >= t);
         if net.done.iter().any(|d| d.len() == lens.len()) && !net.all_done(lens.len()) {
             return false;
         }
