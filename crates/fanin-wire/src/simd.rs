@@ -23,6 +23,28 @@ pub fn avx2() -> bool {
     false
 }
 
+/// Run an AVX2 prefix loop where [`avx2`] allows it: how many elements it
+/// did, 0 elsewhere (the caller's portable loop does the rest).
+macro_rules! vector_prefix {
+    ($name:ident, $doc:literal, ($($arg:ident: $ty:ty),*)) => {
+        #[doc = $doc]
+        #[inline]
+        pub fn $name($($arg: $ty),*) -> usize {
+            #[cfg(target_arch = "x86_64")]
+            if avx2() {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                return unsafe { x86::$name($($arg),*) };
+            }
+            let _ = ($($arg),*);
+            0
+        }
+    };
+}
+
+vector_prefix!(add_be, "`sum[i] += be_i32(payload[4i..])` over a prefix: see [`x86::add_be`].", (sum: &mut [i32], payload: &[u8]));
+vector_prefix!(read_be, "Big-endian int32s to native over a prefix: see [`x86::read_be`].", (payload: &[u8], out: &mut [i32]));
+vector_prefix!(write_be, "Native int32s to big-endian over a prefix: see [`x86::write_be`].", (values: &[i32], payload: &mut [u8]));
+
 /// AVX2 loops; callers check [`avx2`] first.
 #[cfg(target_arch = "x86_64")]
 pub mod x86 {

@@ -378,15 +378,7 @@ impl Repr {
 /// elements as both hold): AVX2 where the CPU has it ([`crate::simd`]),
 /// then a plain loop for what is left.
 pub fn read_elements(payload: &[u8], out: &mut [i32]) {
-    #[cfg(target_arch = "x86_64")]
-    let done = if crate::simd::avx2() {
-        // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { crate::simd::x86::read_be(payload, out) }
-    } else {
-        0
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let done = 0;
+    let done = crate::simd::read_be(payload, out);
     for (dst, src) in out[done..].iter_mut().zip(payload[ELEM_LEN * done..].chunks_exact(ELEM_LEN)) {
         *dst = i32::from_be_bytes([src[0], src[1], src[2], src[3]]);
     }
@@ -394,15 +386,7 @@ pub fn read_elements(payload: &[u8], out: &mut [i32]) {
 
 /// Encode int32s as a big-endian block payload (as many as both hold).
 pub fn write_elements(values: &[i32], payload: &mut [u8]) {
-    #[cfg(target_arch = "x86_64")]
-    let done = if crate::simd::avx2() {
-        // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { crate::simd::x86::write_be(values, payload) }
-    } else {
-        0
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let done = 0;
+    let done = crate::simd::write_be(values, payload);
     for (dst, v) in payload[ELEM_LEN * done..].chunks_exact_mut(ELEM_LEN).zip(&values[done..]) {
         dst.copy_from_slice(&v.to_be_bytes());
     }
@@ -411,15 +395,7 @@ pub fn write_elements(values: &[i32], payload: &mut [u8]) {
 /// Add a block payload of big-endian int32s into `sum`, wrapping (the
 /// switch's aggregation loop; as many elements as both hold).
 pub fn add_elements(sum: &mut [i32], payload: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    let done = if crate::simd::avx2() {
-        // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { crate::simd::x86::add_be(sum, payload) }
-    } else {
-        0
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let done = 0;
+    let done = crate::simd::add_be(sum, payload);
     for (acc, src) in sum[done..].iter_mut().zip(payload[ELEM_LEN * done..].chunks_exact(ELEM_LEN)) {
         *acc = acc.wrapping_add(i32::from_be_bytes([src[0], src[1], src[2], src[3]]));
     }
