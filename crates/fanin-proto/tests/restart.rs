@@ -98,21 +98,15 @@ impl Net {
         self.wire.push((self.now + LATENCY + jitter, to, bytes));
     }
 
-    /// Transmit, deliver everything due, fire timers; advance the clock to
-    /// the next event. False once nothing is left to happen.
+    /// Deliver everything due, fire timers, start the next allreduce of a
+    /// worker that finished one, transmit; advance the clock to the next
+    /// event. False once nothing is left to happen.
+    ///
+    /// Transmitting last matters: a result can open the window (or end an
+    /// allreduce) when nothing else is scheduled, and what it lets out must
+    /// go now, as the runtime sends after every datagram it handles, not at
+    /// the next timer (which may be the 10 s silence limit).
     fn step(&mut self) -> bool {
-        for w in 0..self.ws.len() {
-            if self.ws[w].is_ready() {
-                if let Some(t) = self.todo[w].pop_front() {
-                    self.ws[w].begin(self.now, t).unwrap();
-                }
-            }
-            let mut out = VecTransmit::new();
-            while self.ws[w].poll_transmit(self.now, &mut out) > 0 {}
-            for (_, bytes) in out.drain() {
-                self.send(To::Switch(w), bytes);
-            }
-        }
         // deliver what is due
         let now = self.now;
         let due: Vec<_> = {
@@ -150,21 +144,33 @@ impl Net {
                         self.done[w].push(o);
                         self.done_at[w].push(self.now);
                     }
-                    Event::Failed(e) => panic!("worker {w} failed at {:?}: {e}", self.now),
+                    Event::Failed(e) => panic!(
+                        "worker {w} failed at {:?}: {e}; recovering {:?}, retained {:?}",
+                        self.now,
+                        self.ws.iter().map(|w| w.recovering()).collect::<Vec<_>>(),
+                        self.ws.iter().map(|w| w.retained_blocks()).collect::<Vec<_>>()
+                    ),
                     Event::Joined(_) | Event::Membership { .. } => {}
                 }
+            }
+            if self.ws[w].is_ready() {
+                if let Some(t) = self.todo[w].pop_front() {
+                    self.ws[w].begin(self.now, t).unwrap();
+                }
+            }
+            let mut out = VecTransmit::new();
+            while self.ws[w].poll_transmit(self.now, &mut out) > 0 {}
+            for (_, bytes) in out.drain() {
+                self.send(To::Switch(w), bytes);
             }
         }
         // the next event
         let next_wire = self.wire.iter().map(|(t, _, _)| *t).min();
         let next_timer = self.ws.iter().filter_map(|w| w.poll_timeout()).min();
         let busy = self.ws.iter().any(|w| !w.is_ready()) || self.todo.iter().any(|t| !t.is_empty());
-        let next = match (next_wire, next_timer) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => match a.or(b) {
-                Some(t) => t,
-                None => return false,
-            },
+        let next = match next_wire.into_iter().chain(next_timer).min() {
+            Some(t) => t,
+            None => return false,
         };
         if !busy && next_wire.is_none() {
             return false;
