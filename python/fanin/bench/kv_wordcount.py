@@ -44,13 +44,13 @@ SENDERS = 2
 class kv_service:
     """A switch process (control API on an ephemeral port) and a kv daemon."""
 
-    def __init__(self, kv_memory_mb: int = 256) -> None:
+    def __init__(self, kv_memory_mb: int = 256, **daemon_config: Any) -> None:
         cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None)
         cfg["kv_memory_mb"] = kv_memory_mb
         cfg["kv_tenant_mb"] = kv_memory_mb
         self.switch = SwitchProcess(cfg)
         try:
-            self.daemon = DaemonProcess(self.switch.control_addr)
+            self.daemon = DaemonProcess(self.switch.control_addr, **daemon_config)
         except BaseException:
             self.switch.stop()
             raise
@@ -234,7 +234,9 @@ def run_kv_wordcount(args: Any) -> int:
             .where(F.col("word") != "").withColumn("one", F.lit(1))
         return {r["word"]: r["n"] for r in words.groupBy("word").agg(F.sum("one").alias("n")).collect()}
 
-    with kv_service() as svc:
+    # One daemon data channel (thread and socket) per sender, as PreAggr
+    # and Spark get one process or task per core.
+    with kv_service(send_channels=SENDERS) as svc:
         from fanin.spark import reduce_by_key_as_map
 
         def fanin_job() -> dict:

@@ -39,8 +39,9 @@ pub enum LayoutError {
 pub enum KeyClass {
     /// Short slot `slot`, one key part.
     Short { slot: u8, part: u64 },
-    /// Medium group `group` (slots `first_slot..first_slot + parts.len()`).
-    Medium { group: u8, first_slot: u8, parts: Vec<u64> },
+    /// Medium group `group` (slots `first_slot..first_slot + medium_parts`;
+    /// the parts are [`encode_parts`] / [`encode_parts_into`] of the key).
+    Medium { group: u8, first_slot: u8 },
     /// Too long for the switch: goes straight to the receiver.
     Long,
 }
@@ -101,14 +102,18 @@ impl Layout {
 
     /// Sender-assisted key-space partition (§3.2.2): hash(key) mod N picks
     /// the slot, so a key always uses the same AA.
+    ///
+    /// Allocation-free: a sender classifies every tuple it sends.
     pub fn classify(&self, key: &[u8]) -> KeyClass {
         if self.short_slots > 0 && key.len() <= self.max_short_key() {
-            let part = encode_short(key);
-            let slot = (hash_partition(key) % self.short_slots as u64) as u8;
+            // One load serves both the hash and the key part.
+            let word = load_be_padded(key);
+            let part = word | key.len() as u64;
+            let slot = (hash_words(key.len(), (!key.is_empty()).then_some(word)) % self.short_slots as u64) as u8;
             KeyClass::Short { slot, part }
         } else if self.medium_groups > 0 && key.len() <= self.max_medium_key() {
             let group = (hash_partition(key) % self.medium_groups as u64) as u8;
-            KeyClass::Medium { group, first_slot: self.group_first_slot(group), parts: encode_parts(key, self.medium_parts as usize) }
+            KeyClass::Medium { group, first_slot: self.group_first_slot(group) }
         } else {
             KeyClass::Long
         }
@@ -118,24 +123,43 @@ impl Layout {
 /// Encode `key` into `parts` 8-byte words: bytes, zero padding, length byte.
 /// `key.len()` must be below `8 * parts`.
 pub fn encode_parts(key: &[u8], parts: usize) -> Vec<u64> {
-    let width = KEY_PART_LEN * parts;
-    debug_assert!(key.len() < width && key.len() < 256);
-    let mut bytes = vec![0u8; width];
-    bytes[..key.len()].copy_from_slice(key);
-    bytes[width - 1] = key.len() as u8;
-    bytes.chunks_exact(KEY_PART_LEN).map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes"))).collect()
+    let mut words = Vec::with_capacity(parts);
+    encode_parts_into(key, parts, &mut words);
+    words
 }
 
-/// [`encode_parts`] for one part, without allocating.
-pub fn encode_short(key: &[u8]) -> u64 {
-    debug_assert!(key.len() < KEY_PART_LEN);
-    let mut bytes = [0u8; KEY_PART_LEN];
-    bytes[..key.len()].copy_from_slice(key);
-    bytes[KEY_PART_LEN - 1] = key.len() as u8;
-    u64::from_be_bytes(bytes)
+/// [`encode_parts`] appending to `out`, without allocating.
+pub fn encode_parts_into(key: &[u8], parts: usize, out: &mut impl Extend<u64>) {
+    debug_assert!(key.len() < KEY_PART_LEN * parts && key.len() < 256);
+    let mut chunks = key.chunks(KEY_PART_LEN);
+    for i in 0..parts {
+        let mut word = chunks.next().map_or(0, load_be_padded);
+        if i + 1 == parts {
+            word |= key.len() as u64;
+        }
+        out.extend(Some(word));
+    }
 }
 
-/// Inverse of [`encode_short`]: the key bytes live in the returned array's
+/// Up to 8 bytes as a big-endian word, zero-padded on the right; without a
+/// variable-length copy (a call to memcpy per key was a tenth of a sender's
+/// time): two overlapping fixed-size loads.
+fn load_be_padded(b: &[u8]) -> u64 {
+    let n = b.len();
+    debug_assert!(n <= KEY_PART_LEN);
+    if n >= 4 {
+        let head = u32::from_be_bytes(b[..4].try_into().expect("4 bytes")) as u64;
+        let tail = u32::from_be_bytes(b[n - 4..n].try_into().expect("4 bytes")) as u64;
+        (head << 32) | (tail << (8 * (8 - n)))
+    } else if n > 0 {
+        // bytes 0, n/2 and n-1 cover every byte of a 1-3 byte key
+        ((b[0] as u64) << 56) | ((b[n / 2] as u64) << (56 - 8 * (n / 2))) | ((b[n - 1] as u64) << (56 - 8 * (n - 1)))
+    } else {
+        0
+    }
+}
+
+/// Inverse of a short key's part (`encode_parts(key, 1)`): the key bytes live in the returned array's
 /// first `len` bytes.
 pub fn decode_short(part: u64) -> Option<([u8; KEY_PART_LEN], usize)> {
     let bytes = part.to_be_bytes();
@@ -170,9 +194,18 @@ fn mix(mut z: u64) -> u64 {
 pub fn hash_partition(key: &[u8]) -> u64 {
     let mut h = 0x243F_6A88_85A3_08D3u64 ^ key.len() as u64;
     for chunk in key.chunks(8) {
-        let mut w = [0u8; 8];
-        w[..chunk.len()].copy_from_slice(chunk);
-        h = mix(h ^ u64::from_be_bytes(w)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        h = mix(h ^ load_be_padded(chunk)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    }
+    mix(h)
+}
+
+/// [`hash_partition`] of a key of `len` <= 8 bytes whose padded word is
+/// `word` (None for the empty key): the same value, from a word already
+/// loaded.
+fn hash_words(len: usize, word: Option<u64>) -> u64 {
+    let mut h = 0x243F_6A88_85A3_08D3u64 ^ len as u64;
+    if let Some(w) = word {
+        h = mix(h ^ w).wrapping_add(0x9E37_79B9_7F4A_7C15);
     }
     mix(h)
 }
@@ -187,4 +220,52 @@ pub fn hash_index(parts: &[u64]) -> u64 {
         h = mix(h ^ p).wrapping_add(0xD1B5_4A32_D192_ED03);
     }
     mix(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plain definitions the fast paths must equal.
+    fn padded_reference(b: &[u8]) -> u64 {
+        let mut w = [0u8; 8];
+        w[..b.len()].copy_from_slice(b);
+        u64::from_be_bytes(w)
+    }
+
+    #[test]
+    fn fast_key_words_equal_the_plain_definition_for_every_length() {
+        let bytes: Vec<u8> = (0..40u8).map(|i| i.wrapping_mul(37).wrapping_add(1)).collect();
+        for len in 0..=8 {
+            for start in 0..8 {
+                let key = &bytes[start..start + len];
+                assert_eq!(load_be_padded(key), padded_reference(key), "{key:?}");
+                let word = (!key.is_empty()).then(|| padded_reference(key));
+                assert_eq!(hash_words(len, word), hash_partition(key), "{key:?}");
+            }
+        }
+        for len in 0..24 {
+            let key = &bytes[..len];
+            let parts = len / KEY_PART_LEN + 1;
+            let mut want = vec![0u8; parts * KEY_PART_LEN];
+            want[..len].copy_from_slice(key);
+            want[parts * KEY_PART_LEN - 1] = len as u8;
+            let want: Vec<u64> = want.chunks(8).map(padded_reference).collect();
+            assert_eq!(encode_parts(key, parts), want, "{key:?}");
+            assert_eq!(decode_parts(&want).as_deref(), Some(key));
+        }
+    }
+
+    #[test]
+    fn a_short_key_is_placed_by_its_partition_hash() {
+        let layout = Layout { short_slots: 16, medium_groups: 8, medium_parts: 2 };
+        for key in [&b""[..], b"a", b"of", b"the", b"word", b"seven77"] {
+            let KeyClass::Short { slot, part } = layout.classify(key) else { panic!("{key:?} is short") };
+            assert_eq!(slot as u64, hash_partition(key) % 16);
+            assert_eq!(part, encode_parts(key, 1)[0]);
+        }
+        let KeyClass::Medium { group, first_slot } = layout.classify(b"eightchr") else { panic!("medium") };
+        assert_eq!(group as u64, hash_partition(b"eightchr") % 8);
+        assert_eq!(first_slot, 16 + 2 * group);
+    }
 }

@@ -31,7 +31,7 @@ use std::time::Duration;
 use fanin_wire::kv::{emit_long_tuple, Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, HEADER_LEN, LONG_TUPLE_FIXED};
 use fanin_wire::MessageType;
 
-use super::layout::{KeyClass, Layout, LayoutError};
+use super::layout::{encode_parts_into, KeyClass, Layout, LayoutError};
 use super::sealing::{host_send, host_send_copy, unsealed_unknown_task, AuthStats, HostAuth};
 use crate::auth::Key;
 use crate::time::Time;
@@ -162,7 +162,12 @@ pub struct KvSender {
     config: SenderConfig,
     // Queued tuples carry their push index (progress accounting).
     short: Vec<VecDeque<(u64, u64, i64)>>,
-    medium: Vec<VecDeque<(u64, Vec<u64>, i64)>>,
+    medium: Vec<VecDeque<(u64, i64)>>,
+    /// The key parts of each medium group's queued tuples, `medium_parts`
+    /// words per tuple in queue order (flat: no allocation per tuple).
+    medium_words: Vec<VecDeque<u64>>,
+    /// Buffers of acknowledged packets, reused for new ones.
+    spare: Vec<Vec<u8>>,
     long: VecDeque<(u64, Vec<u8>, i64)>,
     queued: usize,
     tuples_acked: u64,
@@ -188,6 +193,8 @@ impl KvSender {
         Ok(Self {
             short: vec![VecDeque::new(); config.layout.short_slots as usize],
             medium: vec![VecDeque::new(); config.layout.medium_groups as usize],
+            medium_words: vec![VecDeque::new(); config.layout.medium_groups as usize],
+            spare: Vec::new(),
             long: VecDeque::new(),
             queued: 0,
             tuples_acked: 0,
@@ -251,7 +258,10 @@ impl KvSender {
         let index = self.stats.tuples;
         match self.config.layout.classify(key) {
             KeyClass::Short { slot, part } => self.short[slot as usize].push_back((index, part, value)),
-            KeyClass::Medium { group, parts, .. } => self.medium[group as usize].push_back((index, parts, value)),
+            KeyClass::Medium { group, .. } => {
+                self.medium[group as usize].push_back((index, value));
+                encode_parts_into(key, self.config.layout.medium_parts as usize, &mut self.medium_words[group as usize]);
+            }
             KeyClass::Long => {
                 self.long.push_back((index, key.to_vec(), value));
                 self.stats.long_tuples += 1;
@@ -362,7 +372,10 @@ impl KvSender {
         }
         self.last_progress = now;
         while self.inflight.front().is_some_and(|p| p.acked) {
-            self.inflight.pop_front();
+            let done = self.inflight.pop_front().expect("checked");
+            if self.spare.len() < self.config.window as usize {
+                self.spare.push(done.bytes);
+            }
         }
     }
 
@@ -434,7 +447,9 @@ impl KvSender {
             slot_count: layout.slot_count() as u8,
             ..Repr::new(MessageType::KvData, self.config.task_id, self.config.channel, self.next_seq)
         };
-        let mut bytes = vec![0u8; repr.buffer_len()];
+        let mut bytes = self.spare.pop().unwrap_or_default();
+        bytes.clear();
+        bytes.resize(repr.buffer_len(), 0);
         let mut p = Packet::new_unchecked(&mut bytes[..]);
         repr.emit(&mut p);
         let mut bitmap = 0u64;
@@ -448,15 +463,15 @@ impl KvSender {
                 tuples += 1;
             }
         }
-        for (g, q) in self.medium.iter_mut().enumerate() {
-            if let Some((index, parts, value)) = q.pop_front() {
+        let parts = layout.medium_parts as usize;
+        for (g, (q, words)) in self.medium.iter_mut().zip(&mut self.medium_words).enumerate() {
+            if let Some((index, value)) = q.pop_front() {
                 first = first.min(index);
                 tuples += 1;
                 let first = layout.group_first_slot(g as u8) as usize;
-                let last = parts.len() - 1;
-                for (j, part) in parts.iter().enumerate() {
+                for (j, part) in words.drain(..parts).enumerate() {
                     // ASK: (key, val) = {(key_1, 0), ..., (key_k, val)}
-                    p.set_slot(first + j, part.to_be_bytes(), if j == last { value } else { 0 });
+                    p.set_slot(first + j, part.to_be_bytes(), if j + 1 == parts { value } else { 0 });
                 }
                 bitmap |= layout.group_mask(g as u8);
                 self.queued -= 1;

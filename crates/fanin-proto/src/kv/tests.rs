@@ -41,7 +41,8 @@ fn data_packet(layout: &Layout, seq: u32, tuples: &[(&[u8], i64)]) -> Vec<u8> {
                 p.set_slot(slot as usize, part.to_be_bytes(), *value);
                 bitmap |= 1 << slot;
             }
-            KeyClass::Medium { group, first_slot, parts } => {
+            KeyClass::Medium { group, first_slot } => {
+                let parts = encode_parts(key, layout.medium_parts as usize);
                 for (j, part) in parts.iter().enumerate() {
                     let v = if j + 1 == parts.len() { *value } else { 0 };
                     p.set_slot(first_slot as usize + j, part.to_be_bytes(), v);
