@@ -25,6 +25,7 @@
 //!
 //! `docs/kv.md` describes the formats and the machines' semantics.
 
+mod aggregators;
 mod layout;
 pub mod loopback;
 mod receiver;

@@ -28,6 +28,7 @@ use fanin_wire::kv::{
 };
 use fanin_wire::{MessageType, WireError};
 
+use super::aggregators::Aggregators;
 use super::layout::{hash_index, Layout, LayoutError};
 use super::sealing::{self, Peer, TaskAuth};
 use crate::auth::{push_sealed, Key};
@@ -286,15 +287,6 @@ pub struct TaskStats {
     pub frozen: bool,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
-struct Aggregator {
-    key: u64,
-    count: u32,
-    sum: i64,
-    min: i64,
-    max: i64,
-}
-
 struct Channel<A> {
     addr: A,
     window: SeenWindow,
@@ -302,7 +294,7 @@ struct Channel<A> {
 
 struct Task<A> {
     spec: KvTaskSpec<A>,
-    aggs: Vec<Aggregator>,
+    aggs: Aggregators,
     channels: HashMap<u16, Channel<A>>,
     /// Number of completed swaps; the copy indicator is `epoch % copies`.
     epoch: u32,
@@ -395,7 +387,7 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
         let auth = spec.key.map(|key| TaskAuth::new(key, spec.task_id, self.seal_floor));
         let task = Task {
             auth,
-            aggs: vec![Aggregator::default(); needed as usize],
+            aggs: Aggregators::new(needed as usize),
             channels: HashMap::new(),
             epoch: 0,
             frozen: false,
@@ -669,9 +661,9 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
         }
         let key = u64::from_be_bytes(p.key_part(slot));
         let at = task.base(copy, slot) + (hash_index(&[key]) % aa_size) as usize;
-        let agg = &mut task.aggs[at];
+        let agg = task.aggs.get(at);
         if agg.count == 0 || agg.key == key {
-            add(agg, key, p.value(slot));
+            task.aggs.add(at, key, p.value(slot));
             remaining &= !(1 << slot);
             absorbed += 1;
         }
@@ -695,16 +687,16 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
         let last = first + parts.len() - 1;
         // The coalesced key matches only if every part matches at the one
         // unified index; the last AA holds the value and speaks for the group.
-        let blank = task.aggs[task.base(copy, last) + index].count == 0;
+        let blank = task.aggs.get(task.base(copy, last) + index).count == 0;
         let same = parts.iter().enumerate().all(|(j, &k)| {
-            let a = task.aggs[task.base(copy, first + j) + index];
+            let a = task.aggs.get(task.base(copy, first + j) + index);
             a.count > 0 && a.key == k
         });
         if blank || same {
             for (j, &k) in parts.iter().enumerate() {
                 let at = task.base(copy, first + j) + index;
                 let value = if first + j == last { p.value(last) } else { 0 };
-                add(&mut task.aggs[at], k, value);
+                task.aggs.add(at, k, value);
             }
             remaining &= !layout.group_mask(g);
             absorbed += 1;
@@ -715,17 +707,6 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
     task.stats.tuples_in += tuples;
     task.stats.tuples_aggregated += absorbed;
     remaining
-}
-
-fn add(agg: &mut Aggregator, key: u64, value: i64) {
-    if agg.count == 0 {
-        *agg = Aggregator { key, count: 1, sum: value, min: value, max: value };
-    } else {
-        agg.count = agg.count.saturating_add(1);
-        agg.sum = agg.sum.wrapping_add(value);
-        agg.min = agg.min.min(value);
-        agg.max = agg.max.max(value);
-    }
 }
 
 fn on_long<A: Copy>(
@@ -804,13 +785,15 @@ fn on_control<A: Copy>(c: &mut KvCounters, task: &mut Task<A>, from: A, p: &Pack
             let max = (req.max_entries as usize).clamp(1, MAX_FETCH_ENTRIES);
             let mut entries = Vec::with_capacity(max);
             let mut next = req.start.min(size);
-            while next < size && entries.len() < max {
-                let a = task.aggs[base + next as usize];
-                if a.count > 0 {
-                    let e = FetchEntry { index: next, count: a.count, key_part: a.key.to_be_bytes(), sum: a.sum, min: a.min, max: a.max };
-                    entries.push(e);
-                }
-                next += 1;
+            while entries.len() < max {
+                let Some(at) = task.aggs.next_occupied(base + next as usize, base + size as usize) else {
+                    next = size;
+                    break;
+                };
+                let a = task.aggs.get(at);
+                let index = (at - base) as u32;
+                entries.push(FetchEntry { index, count: a.count, key_part: a.key.to_be_bytes(), sum: a.sum, min: a.min, max: a.max });
+                next = index + 1;
             }
             let len = HEADER_LEN + FETCH_REPLY_FIXED + entries.len() * FETCH_ENTRY_LEN;
             let (task_id, epoch) = (task.spec.task_id, task.epoch);
@@ -836,7 +819,7 @@ fn on_control<A: Copy>(c: &mut KvCounters, task: &mut Task<A>, from: A, p: &Pack
             c.control += 1;
             let start = task.base(copy as u32, 0);
             let end = task.base(copy as u32 + 1, 0);
-            task.aggs[start..end].fill(Aggregator::default());
+            task.aggs.clear(start, end);
             let (task_id, epoch) = (task.spec.task_id, task.epoch);
             send(out, from, HEADER_LEN + 4, seal_for(&mut task.auth, Peer::Receiver), |buf| {
                 let mut reply = Packet::new_unchecked(buf);

@@ -1,0 +1,111 @@
+//! A task's aggregator memory: every AA of every copy in one array, and a
+//! bit per aggregator saying whether it holds a key.
+//!
+//! ASK's hardware reads and resets an inactive copy register by register;
+//! a software switch would scan the whole copy (tens of thousands of
+//! aggregators per AA) for a few percent that are occupied, at every swap.
+//! The occupancy bits let a fetch jump from one occupied aggregator to the
+//! next and a clear touch only those: the same entries in the same order,
+//! at a fraction of the memory traffic.
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Aggregator {
+    pub key: u64,
+    pub count: u32,
+    pub sum: i64,
+    pub min: i64,
+    pub max: i64,
+}
+
+pub(super) struct Aggregators {
+    aggs: Vec<Aggregator>,
+    /// Bit `i` set iff `aggs[i].count > 0`.
+    occupied: Vec<u64>,
+}
+
+impl Aggregators {
+    pub fn new(len: usize) -> Self {
+        Self { aggs: vec![Aggregator::default(); len], occupied: vec![0; len.div_ceil(64)] }
+    }
+
+    pub fn get(&self, at: usize) -> Aggregator {
+        self.aggs[at]
+    }
+
+    /// Algorithm 1's `Write` into an aggregator that is empty or holds `key`.
+    pub fn add(&mut self, at: usize, key: u64, value: i64) {
+        let agg = &mut self.aggs[at];
+        if agg.count == 0 {
+            *agg = Aggregator { key, count: 1, sum: value, min: value, max: value };
+            self.occupied[at / 64] |= 1 << (at % 64);
+        } else {
+            agg.count = agg.count.saturating_add(1);
+            agg.sum = agg.sum.wrapping_add(value);
+            agg.min = agg.min.min(value);
+            agg.max = agg.max.max(value);
+        }
+    }
+
+    /// The first occupied aggregator in `from..end`.
+    pub fn next_occupied(&self, from: usize, end: usize) -> Option<usize> {
+        if from >= end {
+            return None;
+        }
+        let mut word = from / 64;
+        let mut bits = self.occupied[word] & (!0u64 << (from % 64));
+        loop {
+            if bits != 0 {
+                let at = word * 64 + bits.trailing_zeros() as usize;
+                return (at < end).then_some(at);
+            }
+            word += 1;
+            if word * 64 >= end {
+                return None;
+            }
+            bits = self.occupied[word];
+        }
+    }
+
+    /// Empty every aggregator in `start..end`.
+    pub fn clear(&mut self, start: usize, end: usize) {
+        let mut at = start;
+        while let Some(i) = self.next_occupied(at, end) {
+            self.aggs[i] = Aggregator::default();
+            self.occupied[i / 64] &= !(1 << (i % 64));
+            at = i + 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn occupancy_follows_the_aggregators_across_word_edges() {
+        let mut a = Aggregators::new(200);
+        for at in [0, 63, 64, 130, 199] {
+            a.add(at, at as u64, 5);
+        }
+        a.add(64, 64, -1);
+        let scan = |a: &Aggregators, from, end| {
+            let mut seen = Vec::new();
+            let mut at = from;
+            while let Some(i) = a.next_occupied(at, end) {
+                seen.push(i);
+                at = i + 1;
+            }
+            seen
+        };
+        assert_eq!(scan(&a, 0, 200), [0, 63, 64, 130, 199]);
+        assert_eq!(scan(&a, 1, 130), [63, 64]);
+        assert_eq!(scan(&a, 131, 199), Vec::<usize>::new());
+        assert_eq!(a.get(64), Aggregator { key: 64, count: 2, sum: 4, min: -1, max: 5 });
+        a.clear(60, 131);
+        assert_eq!(scan(&a, 0, 200), [0, 199]);
+        assert_eq!(a.get(63), Aggregator::default());
+        // the plain scan agrees everywhere
+        let plain: Vec<usize> = (0..200).filter(|&i| a.get(i).count > 0).collect();
+        assert_eq!(scan(&a, 0, 200), plain);
+    }
+}
