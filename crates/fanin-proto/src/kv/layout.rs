@@ -222,6 +222,14 @@ pub fn hash_index(parts: &[u64]) -> u64 {
     mix(h)
 }
 
+/// The aggregator of an AA of `aa_size` that a tuple with these key parts
+/// uses: [`hash_index`] scaled to `0..aa_size` by a multiply and a shift
+/// (Lemire's fast range reduction) rather than `mod`, whose division was a
+/// third of the switch's time per tuple. Uniform because the hash is.
+pub fn aggregator_index(parts: &[u64], aa_size: u32) -> usize {
+    ((hash_index(parts) as u128 * aa_size as u128) >> 64) as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

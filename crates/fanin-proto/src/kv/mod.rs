@@ -34,7 +34,7 @@ mod sender;
 mod switch;
 mod window;
 
-pub use layout::{decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
+pub use layout::{aggregator_index, decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
 pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
 pub use sealing::{channel_key, receiver_key, AuthStats, HostAuth, RECEIVER_MEMBER};
 pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderProgress, SenderStats};

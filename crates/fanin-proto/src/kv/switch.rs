@@ -29,7 +29,7 @@ use fanin_wire::kv::{
 use fanin_wire::{MessageType, WireError};
 
 use super::aggregators::Aggregators;
-use super::layout::{hash_index, Layout, LayoutError};
+use super::layout::{aggregator_index, Layout, LayoutError};
 use super::sealing::{self, Peer, TaskAuth};
 use crate::auth::{push_sealed, Key};
 use super::window::{Observation, SeenWindow};
@@ -647,7 +647,7 @@ fn on_data<A: Copy>(
 fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitmap: u64) -> u64 {
     let layout = task.spec.layout;
     let copy = task.copy_indicator();
-    let aa_size = task.spec.aa_size as u64;
+    let aa_size = task.spec.aa_size;
     let mut remaining = bitmap;
     let mut tuples = 0u64;
     let mut absorbed = 0u64;
@@ -660,7 +660,7 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
             continue;
         }
         let key = u64::from_be_bytes(p.key_part(slot));
-        let at = task.base(copy, slot) + (hash_index(&[key]) % aa_size) as usize;
+        let at = task.base(copy, slot) + aggregator_index(&[key], aa_size);
         let agg = task.aggs.get(at);
         if agg.count == 0 || agg.key == key {
             task.aggs.add(at, key, p.value(slot));
@@ -683,7 +683,7 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
         for (j, part) in parts.iter_mut().enumerate() {
             *part = u64::from_be_bytes(p.key_part(first + j));
         }
-        let index = (hash_index(parts) % aa_size) as usize;
+        let index = aggregator_index(parts, aa_size);
         let last = first + parts.len() - 1;
         // The coalesced key matches only if every part matches at the one
         // unified index; the last AA holds the value and speaks for the group.

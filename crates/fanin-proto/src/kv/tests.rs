@@ -564,9 +564,9 @@ fn final_swap_freezes_the_region() {
 #[test]
 fn figure_5_example_trace() {
     let layout = Layout::short_only(2);
-    let aa_size = 4u64;
+    let aa_size = 4u32;
     let index = |k: &[u8]| match layout.classify(k) {
-        KeyClass::Short { part, .. } => hash_index(&[part]) % aa_size,
+        KeyClass::Short { part, .. } => aggregator_index(&[part], aa_size),
         _ => unreachable!(),
     };
     let slot0: Vec<Vec<u8>> = (0..40).map(|n| key_in_slot(&layout, 0, n)).collect();
