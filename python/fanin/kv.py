@@ -70,16 +70,16 @@ Ticket = dict  # {"task_id": int, "control": "ip:port"}: what senders need
 
 
 def encode_tuples(pairs: Iterable[tuple[Key, int]]) -> bytes:
-    """Records ``key_len u16 | value i64 | key`` (little-endian), the daemon's input format."""
-    head = struct.Struct("<Hq").pack
-    out = []
-    for k, v in pairs:
-        kb = k.encode() if isinstance(k, str) else bytes(k)
-        if len(kb) > 0xFFFF:
-            raise KvError(f"key of {len(kb)} bytes cannot be encoded (at most 65535)")
-        out.append(head(len(kb), int(v)))
-        out.append(kb)
-    return b"".join(out)
+    """Records ``key_len u16 | value i64 | key`` (little-endian), the daemon's input format.
+
+    Keys are str (UTF-8) or bytes-like, values anything ``int()`` takes; the
+    loop runs in the extension (``fanin_kv::records::push_tuple``)."""
+    from fanin import _native
+
+    try:
+        return _native.encode_tuples(pairs)
+    except (ValueError, OverflowError) as e:
+        raise KvError(str(e)) from None
 
 
 def decode_results(data: bytes, *, as_str: bool = True) -> dict[Key, int]:

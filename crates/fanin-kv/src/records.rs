@@ -175,15 +175,28 @@ pub fn write_results<'a>(
     Ok(n)
 }
 
-/// Encode tuples in the `tuples` format (tests and Rust callers).
-pub fn encode_tuples<'a>(tuples: impl IntoIterator<Item = (&'a [u8], i64)>) -> Vec<u8> {
+/// A key longer than a `tuples` record's u16 length can say.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("key of {0} bytes cannot be encoded (at most 65535)")]
+pub struct KeyTooLong(pub usize);
+
+/// Append one record of the `tuples` format (the one encoder: Rust callers,
+/// and `fanin.kv.encode_tuples` through the Python extension).
+pub fn push_tuple(out: &mut Vec<u8>, key: &[u8], value: i64) -> Result<(), KeyTooLong> {
+    let len = u16::try_from(key.len()).map_err(|_| KeyTooLong(key.len()))?;
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&value.to_le_bytes());
+    out.extend_from_slice(key);
+    Ok(())
+}
+
+/// Encode tuples in the `tuples` format.
+pub fn encode_tuples<'a>(tuples: impl IntoIterator<Item = (&'a [u8], i64)>) -> Result<Vec<u8>, KeyTooLong> {
     let mut out = Vec::new();
     for (k, v) in tuples {
-        out.extend_from_slice(&(k.len() as u16).to_le_bytes());
-        out.extend_from_slice(&v.to_le_bytes());
-        out.extend_from_slice(k);
+        push_tuple(&mut out, k, v)?;
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -192,7 +205,8 @@ mod tests {
 
     #[test]
     fn tuples_round_trip_and_truncation_is_reported() {
-        let bytes = encode_tuples([(&b"ab"[..], 3), (&b""[..], -1)]);
+        let bytes = encode_tuples([(&b"ab"[..], 3), (&b""[..], -1)]).unwrap();
+        assert_eq!(encode_tuples([(&[0u8; 65536][..], 1)]), Err(KeyTooLong(65536)));
         let mut c = Cursor::new(&bytes, InputFormat::Tuples);
         assert_eq!(c.next_tuple().unwrap(), Some((&b"ab"[..], 3)));
         assert_eq!(c.next_tuple().unwrap(), Some((&b""[..], -1)));

@@ -71,7 +71,7 @@ fn two_channels_through_the_switch_match_the_reference() {
             *reference.entry(k.clone()).or_default() += v;
         }
         let path = dir.path(&format!("in{ch}"));
-        std::fs::write(&path, encode_tuples(tuples.iter().map(|(k, v)| (&k[..], *v)))).unwrap();
+        std::fs::write(&path, encode_tuples(tuples.iter().map(|(k, v)| (&k[..], *v))).unwrap()).unwrap();
         let socket = daemon.socket_path().to_path_buf();
         let ticket = ticket.clone();
         handles.push(std::thread::spawn(move || {

@@ -9,7 +9,7 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods}
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 use fanin_host::{HostError, Session as HostSession, SessionOptions};
 use fanin_proto::host::{Outcome, SessionError, Tensor};
@@ -232,6 +232,42 @@ fn seal_datagram<'py>(py: Python<'py>, key: &[u8], seq: u64, datagram: &[u8]) ->
 
 /// Read and validate a TOML or JSON daemon config file; returns it as JSON
 /// with every default filled in. Errors name the offending field.
+/// `fanin.kv.encode_tuples`: (key, int) pairs as `tuples` records
+/// (`key_len u16 | value i64 | key`, little-endian). A key is a str (UTF-8)
+/// or bytes-like; a value anything `int()` takes. In Rust because the
+/// Python loop took 4.5 s for the 5.8 M pairs of a Spark partition.
+#[pyfunction]
+fn encode_tuples<'py>(py: Python<'py>, pairs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let builtins = py.import("builtins")?;
+    let mut out = Vec::new();
+    for item in pairs.try_iter()? {
+        let item = item?;
+        let (key, value): (Bound<'py, PyAny>, Bound<'py, PyAny>) = match item.extract() {
+            Ok(pair) => pair,
+            Err(_) => {
+                let parts = item.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+                let [key, value]: [Bound<'py, PyAny>; 2] =
+                    parts.try_into().map_err(|_| PyValueError::new_err("expected (key, value) pairs"))?;
+                (key, value)
+            }
+        };
+        let value: i64 = match value.extract() {
+            Ok(v) => v,
+            Err(_) => builtins.getattr("int")?.call1((value,))?.extract()?,
+        };
+        let pushed = if let Ok(s) = key.cast::<PyString>() {
+            fanin_kv::records::push_tuple(&mut out, s.to_cow()?.as_bytes(), value)
+        } else if let Ok(b) = key.cast::<PyBytes>() {
+            fanin_kv::records::push_tuple(&mut out, b.as_bytes(), value)
+        } else {
+            let b = builtins.getattr("bytes")?.call1((key,))?;
+            fanin_kv::records::push_tuple(&mut out, b.cast::<PyBytes>()?.as_bytes(), value)
+        };
+        pushed.map_err(|e| PyValueError::new_err(e.to_string()))?;
+    }
+    Ok(PyBytes::new(py, &out))
+}
+
 #[pyfunction]
 fn load_config(path: &str) -> PyResult<String> {
     let config = DaemonConfig::from_file(path).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -380,6 +416,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_switch, m)?)?;
     m.add_function(wrap_pyfunction!(run_kv_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(load_config, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_tuples, m)?)?;
     m.add_function(wrap_pyfunction!(derive_member_key, m)?)?;
     m.add_function(wrap_pyfunction!(seal_datagram, m)?)?;
     m.add("FaninError", m.py().get_type::<FaninError>())?;
