@@ -287,13 +287,8 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX2");
             return;
         }
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut rng = crate::fault::SplitMix64::new(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || rng.next_u64();
         let specials = [0.5f32, 1.5, 2.5, -0.5, -2.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40, 3.0e38];
         for len in 0..40usize {
             for (exp, n) in [(1i8, 4usize), (-20, 3), (30, 1), (0, 1024), (-127, 2)] {

@@ -26,5 +26,18 @@ mod error;
 pub use error::WireError;
 pub use preamble::{MessageType, Preamble, MAGIC, PREAMBLE_LEN, VERSION};
 
+/// A small deterministic generator for the crate's randomised tests
+/// (xorshift64; `seed` must not be 0).
+#[cfg(test)]
+pub(crate) fn test_rng(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
 /// Largest UDP payload an IPv4 datagram can carry; no fanin packet is longer.
 pub const MAX_DATAGRAM: usize = 65_507;

@@ -348,13 +348,7 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX2, the portable loop is the only path");
             return;
         }
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rand = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rand = crate::test_rng(0x9e37_79b9_7f4a_7c15);
         let keys = [NhKey::new(&Key([3; 16])), NhKey(Box::new([u32::MAX; KEY_WORDS]))];
         for k in &keys {
             for groups in 1..=CHUNK_WORDS / 8 {

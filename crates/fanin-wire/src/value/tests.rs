@@ -506,13 +506,7 @@ fn sync_parse_and_emit() {
 fn element_loops_equal_the_byte_by_byte_definition() {
     // On a CPU with AVX2 these take the vector loops (crate::simd); the
     // reference here is the definition, one element at a time.
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut next = crate::test_rng(0x2545_f491_4f6c_dd1d);
     for len in 0..70usize {
         let payload: Vec<u8> = (0..4 * len).map(|_| next() as u8).collect();
         let be = |i: usize| i32::from_be_bytes([payload[4 * i], payload[4 * i + 1], payload[4 * i + 2], payload[4 * i + 3]]);
