@@ -192,21 +192,15 @@ fn mix(mut z: u64) -> u64 {
 
 /// The host's partition hash F(key) of §3.2.2 (over the raw key bytes).
 pub fn hash_partition(key: &[u8]) -> u64 {
-    let mut h = 0x243F_6A88_85A3_08D3u64 ^ key.len() as u64;
-    for chunk in key.chunks(8) {
-        h = mix(h ^ load_be_padded(chunk)).wrapping_add(0x9E37_79B9_7F4A_7C15);
-    }
-    mix(h)
+    hash_words(key.len(), key.chunks(8).map(load_be_padded))
 }
 
-/// [`hash_partition`] of a key of `len` <= 8 bytes whose padded word is
-/// `word` (None for the empty key): the same value, from a word already
-/// loaded.
-fn hash_words(len: usize, word: Option<u64>) -> u64 {
-    let mut h = 0x243F_6A88_85A3_08D3u64 ^ len as u64;
-    if let Some(w) = word {
-        h = mix(h ^ w).wrapping_add(0x9E37_79B9_7F4A_7C15);
-    }
+/// [`hash_partition`] over a key's length and its padded 8-byte words (a
+/// caller that loaded the word of a short key already passes it).
+fn hash_words(len: usize, words: impl IntoIterator<Item = u64>) -> u64 {
+    let h = words
+        .into_iter()
+        .fold(0x243F_6A88_85A3_08D3u64 ^ len as u64, |h, w| mix(h ^ w).wrapping_add(0x9E37_79B9_7F4A_7C15));
     mix(h)
 }
 
