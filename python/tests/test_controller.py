@@ -362,7 +362,12 @@ def test_workers_join_and_leave_while_allreduces_stream():
             first = s.params["next_block"] // align  # the allreduce this worker starts at
             assert first == 0 or sync
             k = 0
-            while not until(k) and k < 300:
+            # Bounded in time, not in allreduces: how many run while the
+            # controller reprograms the tree depends on the machine's speed
+            # (78 to 157 here; more than 300 on a fast one).
+            deadline = time.monotonic() + 60
+            while not until(k):
+                assert time.monotonic() < deadline, f"worker {r} still streaming after 60 s ({k} allreduces)"
                 out = s.allreduce(np.full(n_elems, 1 << r, dtype=np.int32))
                 # every element of a block holds the same sum; keep one per block
                 assert all((out[i:i + epp] == out[i]).all() for i in range(0, n_elems, epp))
@@ -394,7 +399,8 @@ def test_workers_join_and_leave_while_allreduces_stream():
                 for v in blocks:
                     assert 0 < v and v & ~0b111 == 0, (r, v)  # sums of 1, 2, 4 only
         sets0 = [frozenset(b for b in range(3) if v >> b & 1) for k in sorted(results[0]) for v in results[0][k]]
-        assert sets0[0] == frozenset({0, 1}) and sets0[-1] == frozenset({0})
+        assert sets0[0] == frozenset({0, 1}) and sets0[-1] == frozenset({0}), \
+            (sets0[-3:], len(results[0]), max(results[1]), min(results[2]), max(results[2]))
         assert frozenset({0, 1, 2}) in sets0 and frozenset({0, 2}) in sets0
         # the joiner lined up with the others (same allreduce, same sums) and
         # was in every block from its start block on

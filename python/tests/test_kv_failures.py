@@ -211,13 +211,19 @@ def test_a_keyed_sender_learns_of_a_lost_task_from_the_control_api_not_its_silen
     answers the sender's datagrams with an UnknownTask it cannot seal, which
     the sender may not trust (docs/security.md). Its daemon asks the
     switch's control API, learns that the task is gone, and fails the send
-    at once with that reason, long before its 20 s silence bound."""
+    at once with that reason, long before its 20 s silence bound.
+
+    The sender's silence bound is its daemon's ``silence_ms`` (20 s); the
+    task's own ``silence_ms`` only sets how often progress is reported
+    (a fifth of it). It is short here so the first report, which the test
+    waits for before it releases the region, arrives long before a fast
+    machine has streamed the whole input (6M words take under a second)."""
     path, _ = _big_text(tmp_path, 6_000_000)
     rx = DaemonProcess(switch.control_addr, silence_ms=20_000)
     tx = DaemonProcess(switch.control_addr, silence_ms=20_000)
     try:
         with rx.client() as c:
-            ticket = c.create(1)
+            ticket = c.create(1, silence_ms=250)
             feeder, errors = _start_doomed_send(tx, ticket, 0, path)
             _until_acked(c, ticket, 0, 20_000)
             with ControlClient(switch.control_addr) as cc:
