@@ -28,6 +28,7 @@ examples:
   fanin bench goat --quick --json              # GOAT §VII-D: GOAT vs Geryon, ATP, ESA (CSV + PNG in out/goat)
   fanin bench kv-traffic --quick               # word counts: share absorbed by the switch
   fanin bench kv-wordcount --quick             # fanin vs PreAggr vs PySpark vs DataFrame
+  fanin bench kv-window --quick                # fanin WordCount at sender windows 1024 vs 4096
   fanin kv daemon --socket /tmp/fanin-kv.sock  # key-value host daemon (docs/kv.md)
 """
 
@@ -319,6 +320,12 @@ def _cmd_bench_kv_wordcount(args: argparse.Namespace) -> int:
     return run_kv_wordcount(args)
 
 
+def _cmd_bench_kv_window(args: argparse.Namespace) -> int:
+    from fanin.bench.kv_wordcount import run_kv_window
+
+    return run_kv_window(args)
+
+
 def _cmd_bench_kv(args: argparse.Namespace) -> int:
     from fanin.bench.kv import run_kv_prioritisation
 
@@ -559,6 +566,18 @@ def build_parser() -> argparse.ArgumentParser:
         wc.add_argument("--aa-size", type=int, default=4096, help="aggregators per AA per copy (default %(default)s)")
         common(wc)
         wc.set_defaults(func=func)
+
+    kw = bsub.add_parser("kv-window", help="fanin WordCount time at several sender windows (the default W's measurement)",
+                         description="The fanin arm of kv-wordcount only, at each window of --windows, interleaved "
+                                     "in one process against one switch and daemon; every count is checked against "
+                                     "Counter. Reports the median time and the share of packets retransmitted.")
+    kw.add_argument("--windows", default="1024,4096", help="comma list of windows, 1..4096 (default %(default)s)")
+    kw.add_argument("--corpus-mb", type=float, help="corpus size in MB (default 64, 8 with --quick)")
+    kw.add_argument("--repeats", type=int, help="runs per window (default 5, 2 with --quick)")
+    kw.add_argument("--aa-size", type=int, default=4096, help="aggregators per AA per copy (default %(default)s)")
+    kw.add_argument("--auth", action="store_true", help="keyed tasks (every datagram sealed)")
+    common(kw)
+    kw.set_defaults(func=_cmd_bench_kv_window)
 
     kvd = sub.add_parser("kv", help="key-value aggregation service (ASK)")
     kvsub = kvd.add_subparsers(dest="kv_command", required=True)

@@ -74,7 +74,7 @@ pub struct KvDaemonConfig {
     #[serde(default)]
     pub tenant: u32,
     /// Sender retransmission timeout. ASK uses 100 us with a hardware switch;
-    /// here a full window (1024 packets) crosses three kernel UDP hops and a
+    /// here a full window (up to 4096 packets) crosses three kernel UDP hops and a
     /// software switch on shared cores, which takes milliseconds: at 2 ms
     /// half the datagrams were spurious retransmissions, at 20 ms under 1 %
     /// (1M tuples, 2 senders, this machine).
@@ -451,9 +451,10 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
     };
     layout.validate().map_err(error)?;
     let aa_size = opt_uint(req, "aa_size", 4096)?.min(u32::MAX as u64) as u32;
-    // 1024, not 256: see docs/kv.md "decision — window" (a full window's
-    // round trip here includes waiting for one of 2 shared cores).
-    let window = opt_uint(req, "window", 1024)?.min(u32::MAX as u64) as u32;
+    // The switch's largest (4096), not 256 or 1024: see docs/kv.md
+    // "decision — window" (a full window's round trip here includes waiting
+    // for one of 2 shared cores).
+    let window = opt_uint(req, "window", 4096)?.min(u32::MAX as u64) as u32;
     let shadow_copies = req.get("shadow_copies").and_then(Value::as_bool).unwrap_or(true);
     let swap_threshold = opt_uint(req, "swap_threshold", 1024)?;
     let silence = Duration::from_millis(opt_uint(req, "silence_ms", shared.config.silence_ms)?);

@@ -16,6 +16,9 @@ the 2-core machines), over UDP on 127.0.0.1.
   ``groupBy().agg(sum)`` on ``local[2]``, and fanin.spark.reduce_by_key (the
   Spark integration: executors stream their partitions to the daemon).
   All results must be equal; medians of ``--repeats`` runs.
+* kv-window: only the fanin word count, at several sender windows W
+  (``window`` of ``create``), interleaved in one process: the measurement
+  behind the default W (docs/kv.md "decision — window").
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from fanin.kv import Client, DaemonProcess
 from fanin.proc import SwitchProcess
 from fanin.switch import switch_config
 
-__all__ = ["run_kv_traffic", "run_kv_wordcount", "kv_service"]
+__all__ = ["run_kv_traffic", "run_kv_wordcount", "run_kv_window", "kv_service"]
 
 SENDERS = 2
 
@@ -291,6 +294,46 @@ def run_kv_wordcount(args: Any) -> int:
           f"{SENDERS} cores, median of {repeats}; all results equal:", file=sys.stderr)
     for r in rows:
         print(f"  {r['system']:28} {r['median_s']:8.2f} s  {r['speedup_vs_rdd']:6.2f}x RDD", file=sys.stderr)
+    return 0
+
+
+def run_kv_window(args: Any) -> int:
+    mb = args.corpus_mb or (8 if args.quick else 64)
+    repeats = args.repeats or (2 if args.quick else 5)
+    try:
+        windows = [int(w) for w in args.windows.split(",")]
+    except ValueError:
+        raise SystemExit(f"kv-window: --windows is a comma list of integers, got {args.windows!r}")
+    work = os.path.join("out", "kv-corpus")
+    manifest = build_corpus(work, int(mb * 1e6), ("doc", "man"))
+    parts = split_lines(manifest["path"], SENDERS, work)
+    ref = _reference(parts)
+    times: dict[int, list[float]] = {w: [] for w in windows}
+    sent: dict[int, list[tuple[int, int]]] = {w: [] for w in windows}
+    with kv_service(send_channels=SENDERS) as svc:
+        _fanin_run(svc, parts, args.aa_size, window=windows[0], auth=args.auth)  # warm-up, not timed
+        for i in range(repeats):
+            # Interleaved, so drift in the machine's speed hits every window.
+            for w in windows:
+                t0 = time.perf_counter()
+                counts, _, replies = _fanin_run(svc, parts, args.aa_size, window=w, auth=args.auth)
+                times[w].append(time.perf_counter() - t0)
+                if counts != ref:
+                    raise SystemExit(f"kv-window: the count with window {w} differs from the reference")
+                sent[w].append((sum(r["packets"] for r in replies), sum(r["retransmissions"] for r in replies)))
+                print(f"kv-window: run {i + 1}/{repeats}, window {w}: {times[w][-1]:.2f} s", file=sys.stderr)
+    rows = [{"window": w, "median_s": round(statistics.median(t), 3), "runs_s": [round(x, 3) for x in t],
+             "retransmitted_share": round(sum(r for _, r in sent[w]) / max(1, sum(p for p, _ in sent[w])), 5)}
+            for w, t in times.items()]
+    result = {"benchmark": "kv-window", "corpus": manifest, "senders": SENDERS, "keyed": args.auth,
+              "repeats": repeats, "all_equal": True, "rows": rows}
+    if args.json:
+        print(json.dumps(result))
+    print(f"fanin WordCount of {manifest['words']} words, {'keyed' if args.auth else 'unkeyed'}, "
+          f"median of {repeats}, every count checked:", file=sys.stderr)
+    for r in rows:
+        print(f"  window {r['window']:5}  {r['median_s']:6.2f} s  retransmitted {100 * r['retransmitted_share']:.2f} %",
+              file=sys.stderr)
     return 0
 
 
