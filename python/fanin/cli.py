@@ -553,6 +553,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(kv)
     kv.set_defaults(func=_cmd_bench_kv)
 
+    def corpus_options(b: argparse.ArgumentParser, repeats_help: str) -> None:
+        """The word-count benches' corpus, repeat and AA-size options."""
+        b.add_argument("--corpus-mb", type=float, help="corpus size in MB (default 64, 8 with --quick)")
+        b.add_argument("--repeats", type=int, help=repeats_help)
+        b.add_argument("--aa-size", type=int, default=4096, help="aggregators per AA per copy (default %(default)s)")
+        common(b)
+
     for name, func, help_text in (
         ("kv-traffic", _cmd_bench_kv_traffic,
          "word counts over real text through switch + kv daemon: tuples/packets absorbed (ASK Table 1, Fig. 8b)"),
@@ -561,10 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         wc = bsub.add_parser(name, help=help_text, description=help_text + "; writes CSV and PNG to --out.")
         wc.add_argument("--out", default="docs/figures/kv", help="directory for CSV and PNG (default %(default)s)")
-        wc.add_argument("--corpus-mb", type=float, help="corpus size in MB (default 64, 8 with --quick)")
-        wc.add_argument("--repeats", type=int, help="runs per system, median reported (default 3, 1 with --quick)")
-        wc.add_argument("--aa-size", type=int, default=4096, help="aggregators per AA per copy (default %(default)s)")
-        common(wc)
+        corpus_options(wc, "runs per system, median reported (default 3, 1 with --quick)")
         wc.set_defaults(func=func)
 
     kw = bsub.add_parser("kv-window", help="fanin WordCount time at several sender windows (the default W's measurement)",
@@ -572,11 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "in one process against one switch and daemon; every count is checked against "
                                      "Counter. Reports the median time and the share of packets retransmitted.")
     kw.add_argument("--windows", default="1024,4096", help="comma list of windows, 1..4096 (default %(default)s)")
-    kw.add_argument("--corpus-mb", type=float, help="corpus size in MB (default 64, 8 with --quick)")
-    kw.add_argument("--repeats", type=int, help="runs per window (default 5, 2 with --quick)")
-    kw.add_argument("--aa-size", type=int, default=4096, help="aggregators per AA per copy (default %(default)s)")
     kw.add_argument("--auth", action="store_true", help="keyed tasks (every datagram sealed)")
-    common(kw)
+    corpus_options(kw, "runs per window (default 5, 2 with --quick)")
     kw.set_defaults(func=_cmd_bench_kv_window)
 
     kvd = sub.add_parser("kv", help="key-value aggregation service (ASK)")

@@ -147,3 +147,28 @@ def test_switch_memory_exhausted_is_refused(switch, daemon):
         with pytest.raises(KvError, match=r"aggregators"):
             c.create(1, aa_size=1 << 22)
     assert _regions(switch) == []
+
+
+def _bench(tmp_path, *args):
+    """``fanin bench ...`` in a scratch directory (its corpus goes to out/)."""
+    import subprocess
+    import sys
+
+    import fanin
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(fanin.__file__)))
+    return subprocess.run([sys.executable, "-m", "fanin", "bench", *args], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)
+
+
+def test_kv_window_bench_times_each_window_on_checked_counts(tmp_path):
+    import json
+
+    r = _bench(tmp_path, "kv-window", "--corpus-mb", "1", "--repeats", "1", "--windows", "16,4096", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["all_equal"] and [row["window"] for row in out["rows"]] == [16, 4096]
+    assert all(row["median_s"] > 0 and len(row["runs_s"]) == 1 for row in out["rows"])
+    assert "every count checked" in r.stderr
+    bad = _bench(tmp_path, "kv-window", "--windows", "16,many")
+    assert bad.returncode != 0 and "--windows is a comma list of integers, got '16,many'" in bad.stderr
