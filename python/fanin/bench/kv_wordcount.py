@@ -74,6 +74,21 @@ def _reference(paths: list[str]) -> Counter:
     return total
 
 
+CORPUS_DIR = os.path.join("out", "kv-corpus")
+
+
+def _corpus_mb(args: Any) -> float:
+    return args.corpus_mb or (8 if args.quick else 64)
+
+
+def _word_count_input(mb: float, datasets: tuple[str, ...] = ("doc", "man")) -> tuple[dict, list[str], Counter]:
+    """The corpus of ``mb`` MB, its halves (one per sender) and their word
+    counts (the reference every system is checked against)."""
+    manifest = build_corpus(CORPUS_DIR, int(mb * 1e6), datasets)
+    parts = split_lines(manifest["path"], SENDERS, CORPUS_DIR)
+    return manifest, parts, _reference(parts)
+
+
 def _fanin_run(svc: kv_service, parts: list[str], aa_size: int, **options: Any) -> tuple[dict, dict, list[dict]]:
     """Count through the daemon (options go to ``create``, e.g. ``auth=True``);
     returns (counts, wait reply, sender replies)."""
@@ -105,20 +120,16 @@ def _fanin_run(svc: kv_service, parts: list[str], aa_size: int, **options: Any) 
 # ------------------------------------------------------------ kv-traffic
 
 def run_kv_traffic(args: Any) -> int:
-    mb = args.corpus_mb or (8 if args.quick else 64)
+    mb = _corpus_mb(args)
     out = args.out
     os.makedirs(out, exist_ok=True)
-    work = os.path.join("out", "kv-corpus")
-    os.makedirs(work, exist_ok=True)
     aa_sizes = [256, 4096] if args.quick else [256, 1024, 4096, 16384]
     rows = []
     manifests = {}
     with kv_service() as svc:
         for dataset in ("doc", "man"):
-            manifest = build_corpus(work, int(mb * 1e6), (dataset,))
+            manifest, parts, ref = _word_count_input(mb, (dataset,))
             manifests[dataset] = manifest
-            parts = split_lines(manifest["path"], SENDERS, work)
-            ref = _reference(parts)
             for aa in aa_sizes:
                 counts, reply, senders = _fanin_run(svc, parts, aa)
                 if counts != ref:
@@ -213,14 +224,11 @@ def _spark_session():
 
 
 def run_kv_wordcount(args: Any) -> int:
-    mb = args.corpus_mb or (8 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
-    work = os.path.join("out", "kv-corpus")
-    manifest = build_corpus(work, int(mb * 1e6), ("doc", "man"))
-    parts = split_lines(manifest["path"], SENDERS, work)
+    manifest, parts, counted = _word_count_input(_corpus_mb(args))
     corpus = os.path.abspath(manifest["path"])
-    ref = {k.decode(): v for k, v in _reference(parts).items()}
+    ref = {k.decode(): v for k, v in counted.items()}
     spark = _spark_session()
     sc = spark.sparkContext
     sc.setLogLevel("ERROR")
@@ -298,16 +306,12 @@ def run_kv_wordcount(args: Any) -> int:
 
 
 def run_kv_window(args: Any) -> int:
-    mb = args.corpus_mb or (8 if args.quick else 64)
     repeats = args.repeats or (2 if args.quick else 5)
     try:
         windows = [int(w) for w in args.windows.split(",")]
     except ValueError:
         raise SystemExit(f"kv-window: --windows is a comma list of integers, got {args.windows!r}")
-    work = os.path.join("out", "kv-corpus")
-    manifest = build_corpus(work, int(mb * 1e6), ("doc", "man"))
-    parts = split_lines(manifest["path"], SENDERS, work)
-    ref = _reference(parts)
+    manifest, parts, ref = _word_count_input(_corpus_mb(args))
     times: dict[int, list[float]] = {w: [] for w in windows}
     sent: dict[int, list[tuple[int, int]]] = {w: [] for w in windows}
     with kv_service(send_channels=SENDERS) as svc:

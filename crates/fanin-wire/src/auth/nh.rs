@@ -253,14 +253,19 @@ unsafe fn nh_pair_avx2(k: &NhKey, chunk: &[u8]) -> (u64, u64) {
     _mm256_storeu_si256(lanes_a.as_mut_ptr() as *mut __m256i, acc_a);
     _mm256_storeu_si256(lanes_b.as_mut_ptr() as *mut __m256i, acc_b);
     let sum = |v: [u64; 4]| v[0].wrapping_add(v[1]).wrapping_add(v[2]).wrapping_add(v[3]);
-    let (mut a, mut b) = (sum(lanes_a), sum(lanes_b));
-    if i < words {
-        // An odd last group: the scalar loop on its key offset.
-        let (ta, tb) = nh_pair_scalar_at(&k.words, &chunk[4 * i..], i);
-        a = a.wrapping_add(ta);
-        b = b.wrapping_add(tb);
+    // An odd last group goes to the scalar loop.
+    with_scalar_tail(k, chunk, i, (sum(lanes_a), sum(lanes_b)))
+}
+
+/// `digests` (of the chunk's first `done` words) plus the scalar loop's
+/// digests of the groups after them, on their key offset: the tail a vector
+/// loop leaves when the chunk's group count is not a multiple of its step.
+fn with_scalar_tail(k: &NhKey, chunk: &[u8], done: usize, digests: (u64, u64)) -> (u64, u64) {
+    if 4 * done == chunk.len() {
+        return digests;
     }
-    (a, b)
+    let (ta, tb) = nh_pair_scalar_at(&k.words, &chunk[4 * done..], done);
+    (digests.0.wrapping_add(ta), digests.1.wrapping_add(tb))
 }
 
 /// [`nh_pair_avx2`] with 512-bit vectors: 32 message words (four groups)
@@ -306,14 +311,8 @@ unsafe fn nh_pair_avx512(k: &NhKey, chunk: &[u8]) -> (u64, u64) {
         acc_b = pass!(acc_b, k_hi, k_hi2, m_lo, m_hi);
         i += STEP_WORDS;
     }
-    let (mut a, mut b) = (_mm512_reduce_add_epi64(acc_a) as u64, _mm512_reduce_add_epi64(acc_b) as u64);
-    if i < words {
-        // Fewer than four groups left: the scalar loop on their key offset.
-        let (ta, tb) = nh_pair_scalar_at(&k.words, &chunk[4 * i..], i);
-        a = a.wrapping_add(ta);
-        b = b.wrapping_add(tb);
-    }
-    (a, b)
+    // Fewer than four groups left go to the scalar loop.
+    with_scalar_tail(k, chunk, i, (_mm512_reduce_add_epi64(acc_a) as u64, _mm512_reduce_add_epi64(acc_b) as u64))
 }
 
 /// The fastest NH this CPU runs, decided once per process.
@@ -330,11 +329,9 @@ fn nh_path() -> NhPath {
     *PATH.get_or_init(|| {
         // FANIN_NH=portable|avx2 caps the path (to measure what each vector
         // loop gains); FANIN_SIMD=portable (every vector loop) does the same.
-        // AVX-512 is preferred: a 512-bit `vpmuludq` issues once per cycle
-        // where a 256-bit one issues twice, so the multiplies alone gain
-        // nothing, but the loop is bound by its count of vector operations
-        // (the shifts, adds and shuffles around each multiply), which halves
-        // per byte: the tag of a 4 KiB datagram is ~1.4x faster here.
+        // AVX-512 is preferred: it halves the vector operations per byte,
+        // and the tag of a 4 KiB datagram measured ~1.4x faster here
+        // (docs/security.md, "Cost" under the tag).
         let cap = std::env::var("FANIN_NH").unwrap_or_default();
         if cap == "portable" || !crate::simd::avx2() {
             return NhPath::Portable;
