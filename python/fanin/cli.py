@@ -28,7 +28,7 @@ examples:
   fanin bench goat --quick --json              # GOAT §VII-D: GOAT vs Geryon, ATP, ESA (CSV + PNG in out/goat)
   fanin bench kv-traffic --quick               # word counts: share absorbed by the switch
   fanin bench kv-wordcount --quick             # fanin vs PreAggr vs PySpark vs DataFrame
-  fanin bench kv-window --quick                # fanin WordCount at sender windows 1024 vs 4096
+  fanin bench kv-window --quick                # fanin WordCount at sender windows 1024, 2048, 4096
   fanin kv daemon --socket /tmp/fanin-kv.sock  # key-value host daemon (docs/kv.md)
 """
 
@@ -575,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="The fanin arm of kv-wordcount only, at each window of --windows, interleaved "
                                      "in one process against one switch and daemon; every count is checked against "
                                      "Counter. Reports the median time and the share of packets retransmitted.")
-    kw.add_argument("--windows", default="1024,4096", help="comma list of windows, 1..4096 (default %(default)s)")
+    kw.add_argument("--windows", default="1024,2048,4096", help="comma list of windows, 1..4096 (default %(default)s)")
     kw.add_argument("--auth", action="store_true", help="keyed tasks (every datagram sealed)")
     corpus_options(kw, "runs per window (default 5, 2 with --quick)")
     kw.set_defaults(func=_cmd_bench_kv_window)
