@@ -33,6 +33,28 @@ impl Aggregators {
     }
 
     /// Algorithm 1's `Write` into an aggregator that is empty or holds `key`.
+    /// Ask the CPU to start loading aggregator `at` (both cache lines it
+    /// may straddle: an aggregator is 40 bytes), so a later `get`/`add`
+    /// finds it in cache. A hint only: out-of-range `at` is ignored.
+    #[inline]
+    pub fn prefetch(&self, at: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(agg) = self.aggs.get(at) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let first = agg as *const Aggregator as *const i8;
+            let last = first.wrapping_add(std::mem::size_of::<Aggregator>() - 1);
+            // SAFETY: prefetch never faults and reads nothing visible; the
+            // addresses lie inside `self.aggs` anyway.
+            #[allow(unused_unsafe)]
+            unsafe {
+                _mm_prefetch(first, _MM_HINT_T0);
+                _mm_prefetch(last, _MM_HINT_T0);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = at;
+    }
+
     pub fn add(&mut self, at: usize, key: u64, value: i64) {
         let agg = &mut self.aggs[at];
         if agg.count == 0 {

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use fanin_wire::kv::{
     FetchEntry, FetchReplyHead, FetchRequest, Nack, NackReason, Packet, Repr, FETCH_ENTRY_LEN, FETCH_REPLY_FIXED,
-    FLAG_BY_SWITCH, FLAG_FINAL, HEADER_LEN, MAX_FETCH_ENTRIES,
+    FLAG_BY_SWITCH, FLAG_FINAL, HEADER_LEN, MAX_FETCH_ENTRIES, MAX_SLOTS,
 };
 use fanin_wire::{MessageType, WireError};
 
@@ -644,23 +644,63 @@ fn on_data<A: Copy>(
 
 /// First pass of a data packet: Algorithm 1's `Write` for every tuple.
 /// Returns the bitmap of the tuples left in the packet.
+///
+/// Two steps: first every tuple's aggregator is located and prefetched,
+/// then each is compared and written. The aggregators are megabytes of
+/// random accesses, and perf annotate put ~45 % of this function on the
+/// first load of an aggregator; issuing a packet's loads together overlaps
+/// those cache misses instead of taking them one after another.
 fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitmap: u64) -> u64 {
     let layout = task.spec.layout;
+    let short_mask = if layout.short_slots >= 64 { !0 } else { (1u64 << layout.short_slots) - 1 };
+    let groups_present = (0..layout.medium_groups).filter(|&g| bitmap >> layout.group_first_slot(g) & 1 != 0).count();
+    let tuples = (bitmap & short_mask).count_ones() as u64 + groups_present as u64;
+    c.tuples_in += tuples;
+    task.stats.tuples_in += tuples;
+    if task.frozen {
+        return bitmap;
+    }
     let copy = task.copy_indicator();
     let aa_size = task.spec.aa_size;
-    let mut remaining = bitmap;
-    let mut tuples = 0u64;
-    let mut absorbed = 0u64;
-    for slot in 0..layout.short_slots as usize {
-        if bitmap >> slot & 1 == 0 {
-            continue;
-        }
-        tuples += 1;
-        if task.frozen {
-            continue;
-        }
+    let parts_n = layout.medium_parts as usize;
+    // Step 1: where each tuple goes (short slots by slot, medium groups by
+    // group), with a prefetch of every aggregator it will read.
+    let mut short_at = [0usize; 64];
+    let mut short_keys = [0u64; 64];
+    let mut present = bitmap & short_mask;
+    while present != 0 {
+        let slot = present.trailing_zeros() as usize;
+        present &= present - 1;
         let key = u64::from_be_bytes(p.key_part(slot));
         let at = task.base(copy, slot) + aggregator_index(&[key], aa_size);
+        task.aggs.prefetch(at);
+        short_at[slot] = at;
+        short_keys[slot] = key;
+    }
+    let mut group_index = [usize::MAX; 64];
+    for g in 0..layout.medium_groups {
+        let first = layout.group_first_slot(g) as usize;
+        if bitmap >> first & 1 == 0 {
+            continue;
+        }
+        let mut parts = [0u64; MAX_SLOTS];
+        for (j, part) in parts[..parts_n].iter_mut().enumerate() {
+            *part = u64::from_be_bytes(p.key_part(first + j));
+        }
+        let index = aggregator_index(&parts[..parts_n], aa_size);
+        for j in 0..parts_n {
+            task.aggs.prefetch(task.base(copy, first + j) + index);
+        }
+        group_index[g as usize] = index;
+    }
+    // Step 2: Algorithm 1's compare-and-write, in slot order.
+    let mut remaining = bitmap;
+    let mut absorbed = 0u64;
+    let mut present = bitmap & short_mask;
+    while present != 0 {
+        let slot = present.trailing_zeros() as usize;
+        present &= present - 1;
+        let (at, key) = (short_at[slot], short_keys[slot]);
         let agg = task.aggs.get(at);
         if agg.count == 0 || agg.key == key {
             task.aggs.add(at, key, p.value(slot));
@@ -668,43 +708,32 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
             absorbed += 1;
         }
     }
-    let parts_n = layout.medium_parts as usize;
-    let mut parts = [0u64; 8];
     for g in 0..layout.medium_groups {
+        let index = group_index[g as usize];
+        if index == usize::MAX {
+            continue;
+        }
         let first = layout.group_first_slot(g) as usize;
-        if bitmap >> first & 1 == 0 {
-            continue;
-        }
-        tuples += 1;
-        if task.frozen {
-            continue;
-        }
-        let parts = &mut parts[..parts_n.min(8)];
-        for (j, part) in parts.iter_mut().enumerate() {
-            *part = u64::from_be_bytes(p.key_part(first + j));
-        }
-        let index = aggregator_index(parts, aa_size);
-        let last = first + parts.len() - 1;
+        let last = first + parts_n - 1;
+        let part = |j: usize| u64::from_be_bytes(p.key_part(first + j));
         // The coalesced key matches only if every part matches at the one
         // unified index; the last AA holds the value and speaks for the group.
         let blank = task.aggs.get(task.base(copy, last) + index).count == 0;
-        let same = parts.iter().enumerate().all(|(j, &k)| {
+        let same = (0..parts_n).all(|j| {
             let a = task.aggs.get(task.base(copy, first + j) + index);
-            a.count > 0 && a.key == k
+            a.count > 0 && a.key == part(j)
         });
         if blank || same {
-            for (j, &k) in parts.iter().enumerate() {
+            for j in 0..parts_n {
                 let at = task.base(copy, first + j) + index;
                 let value = if first + j == last { p.value(last) } else { 0 };
-                task.aggs.add(at, k, value);
+                task.aggs.add(at, part(j), value);
             }
             remaining &= !layout.group_mask(g);
             absorbed += 1;
         }
     }
-    c.tuples_in += tuples;
     c.tuples_aggregated += absorbed;
-    task.stats.tuples_in += tuples;
     task.stats.tuples_aggregated += absorbed;
     remaining
 }

@@ -398,6 +398,30 @@ fn coalesced_keys_never_match_across_keys_x1y2() {
 }
 
 #[test]
+fn coalesced_keys_compare_every_part_of_a_wide_group() {
+    // A group of 10 parts holds keys up to 79 bytes. Two keys equal in their
+    // first 64 bytes (8 parts) and different after must not share an
+    // aggregator: the switch compares all 10 parts, not a prefix of them.
+    let layout = Layout { short_slots: 0, medium_groups: 1, medium_parts: 10 };
+    let x = vec![b'x'; 70];
+    let mut y = x.clone();
+    y[66] = b'y';
+    let mut sw = switch_with(layout, 1, false); // one unified index for all
+    let all = (1u64 << 10) - 1;
+    let out = feed(&mut sw, S0, &data_packet(&layout, 0, &[(&x, 1)]));
+    assert_eq!((out[0].1, out[0].3), (MessageType::KvAck, 0));
+    let out = feed(&mut sw, S0, &data_packet(&layout, 1, &[(&y, 1)]));
+    assert_eq!((out[0].1, out[0].3), (MessageType::KvData, all), "differs in part 9 only: forwarded");
+    let out = feed(&mut sw, S0, &data_packet(&layout, 2, &[(&x, 1)]));
+    assert_eq!((out[0].1, out[0].3), (MessageType::KvAck, 0));
+    // End to end, with short slots beside the wide groups: exact results.
+    let layout = Layout { short_slots: 3, medium_groups: 2, medium_parts: 10 };
+    let keys: Vec<Vec<u8>> = vec![x.clone(), y.clone(), b"short".to_vec(), vec![b'z'; 79], vec![b'z'; 40]];
+    let stream: Vec<_> = (0..300).map(|i| (keys[i % keys.len()].clone(), i as i64)).collect();
+    run(&Setup::new(layout, 2), LinkConfig::perfect(), &[stream]);
+}
+
+#[test]
 fn key_encoding_is_injective() {
     let keys: [&[u8]; 5] = [b"", b"\0", b"a", b"a\0", b"\0a"];
     let enc: Vec<_> = keys.iter().map(|k| encode_parts(k, 1)).collect();
