@@ -32,7 +32,6 @@ impl Aggregators {
         self.aggs[at]
     }
 
-    /// Algorithm 1's `Write` into an aggregator that is empty or holds `key`.
     /// Ask the CPU to start loading aggregator `at` (both cache lines it
     /// may straddle: an aggregator is 40 bytes), so a later `get`/`add`
     /// finds it in cache. A hint only: out-of-range `at` is ignored.
@@ -55,6 +54,7 @@ impl Aggregators {
         let _ = at;
     }
 
+    /// Algorithm 1's `Write` into an aggregator that is empty or holds `key`.
     pub fn add(&mut self, at: usize, key: u64, value: i64) {
         let agg = &mut self.aggs[at];
         if agg.count == 0 {

@@ -678,12 +678,12 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
         short_keys[slot] = key;
     }
     let mut group_index = [usize::MAX; 64];
+    let mut parts = [0u64; MAX_SLOTS];
     for g in 0..layout.medium_groups {
         let first = layout.group_first_slot(g) as usize;
         if bitmap >> first & 1 == 0 {
             continue;
         }
-        let mut parts = [0u64; MAX_SLOTS];
         for (j, part) in parts[..parts_n].iter_mut().enumerate() {
             *part = u64::from_be_bytes(p.key_part(first + j));
         }

@@ -600,7 +600,7 @@ fn figure_5_example_trace() {
     let b = slot1[0].clone();
     let f = slot1.iter().skip(1).find(|k| index(k) == index(&b)).unwrap().clone();
 
-    let mut sw = switch_with(layout, aa_size as u32, false);
+    let mut sw = switch_with(layout, aa_size, false);
     let pkt = |seq, t: &[(&[u8], i64)]| data_packet(&layout, seq, t);
     assert_eq!(feed(&mut sw, S0, &pkt(0, &[(&a, 1), (&b, 1)])), vec![(S0, MessageType::KvAck, 0, 0)]);
     let fwd = feed(&mut sw, S0, &pkt(1, &[(&c, 1), (&f, 1)]));
@@ -609,7 +609,7 @@ fn figure_5_example_trace() {
 
     // The receiver aggregates (f, 1) from the forwarded packet and acks it
     // through the switch to the sender.
-    let mut rc = ReceiverConfig::new(TASK, layout, aa_size as u32, 1);
+    let mut rc = ReceiverConfig::new(TASK, layout, aa_size, 1);
     rc.shadow_copies = false;
     let mut rx = KvReceiver::new(rc, Time::ZERO).unwrap();
     let mut forwarded = VecTransmit::new();
