@@ -108,19 +108,30 @@ class Session:
         self.job_id = job_id
         self.rank = rank
 
-    def allreduce(self, array: np.ndarray, *, average: bool = False) -> np.ndarray:
+    def allreduce(self, array: np.ndarray, *, average: bool = False,
+                  out: Optional[np.ndarray] = None) -> np.ndarray:
         """Return the element-wise sum of ``array`` over every member.
 
-        ``array`` must be int32 or float32 (any shape; it is not modified).
-        With ``average=True`` (float32 only) the result is the mean: each
-        block is divided by the number of sources its result summed, which
-        is fewer than the job size when the switch gave up on a straggler
-        (a partial result, see :attr:`last_stats`). The GIL is released while
-        the switch aggregates, so other Python threads keep running.
+        ``array`` must be int32 or float32 (any shape and memory layout; it
+        is not modified unless it is also ``out``). With ``average=True``
+        (float32 only) the result is the mean: each block is divided by the
+        number of sources its result summed, which is fewer than the job
+        size when the switch gave up on a straggler (a partial result, see
+        :attr:`last_stats`). The GIL is released while the switch
+        aggregates, so other Python threads keep running.
+
+        ``out``: write the result into this array (same shape and dtype,
+        C-contiguous, writable; ``out=array`` reduces in place, as
+        ``torch.distributed.all_reduce`` does) and return it. For repeated
+        allreduces of large tensors this is the fast path: the session then
+        keeps one staging buffer of the tensor's size and no call touches
+        fresh memory, whose page faults cost more than the copies.
         """
         if not isinstance(array, np.ndarray):
             raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")
-        return self._native.allreduce(array, average=average)
+        if out is not None and not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+        return self._native.allreduce(array, average=average, out=out)
 
     @property
     def last_stats(self) -> Optional[dict[str, Any]]:

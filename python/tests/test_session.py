@@ -36,6 +36,72 @@ def test_three_workers_get_identical_correct_results_and_shape(dtype):
     assert check_result(results[0], n, dtype, 1024)["ok"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_out_receives_the_sum_in_place_and_in_a_given_array(dtype):
+    n, size = 3, 20_011
+    with fanin.local_switch(workers=n) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank)
+            x = worker_inputs(rank, size, dtype)
+            fresh = s.allreduce(x)
+            y = np.full_like(x, 7)
+            got = s.allreduce(x, out=y)
+            assert got is y
+            # the staging buffer is reused: a second call into the same out
+            # still sees this call's input, not the last result
+            y2 = s.allreduce(x, out=y)
+            z = x.copy()
+            s.allreduce(z, out=z)  # in place, like torch.distributed.all_reduce
+            return fresh, y.copy(), y2.copy(), z
+
+        results = run_workers(sw.data_addr, n, work)
+    for fresh, y, y2, z in results:
+        assert fresh.tobytes() == results[0][0].tobytes()
+        assert y.tobytes() == fresh.tobytes() and y2.tobytes() == fresh.tobytes() and z.tobytes() == fresh.tobytes()
+    assert check_result(results[0][0], n, dtype, 1024)["ok"]
+
+
+def test_non_c_contiguous_inputs_are_summed_in_their_logical_order():
+    n = 2
+    with fanin.local_switch(workers=n) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank)
+            base = np.arange(12, dtype=np.int32).reshape(3, 4) * (rank + 1)
+            fortran = np.asfortranarray(base)
+            strided = np.arange(24, dtype=np.int32)[::2] * (rank + 1)
+            out = np.empty((3, 4), dtype=np.int32)
+            return s.allreduce(fortran), s.allreduce(strided), s.allreduce(fortran, out=out)
+
+        results = run_workers(sw.data_addr, n, work)
+    want = np.arange(12, dtype=np.int32).reshape(3, 4) * 3
+    for f, st, o in results:
+        assert np.array_equal(f, want)
+        assert np.array_equal(st, np.arange(24, dtype=np.int32)[::2] * 3)
+        assert np.array_equal(o, want)
+
+
+def test_a_bad_out_is_refused_before_anything_is_sent():
+    with fanin.local_switch(workers=1) as sw:
+        s = fanin.Session(sw.data_addr, 1, 0)
+        x = np.ones(6, dtype=np.float32)
+        with pytest.raises(TypeError, match="dtype float32.*int32"):
+            s.allreduce(x, out=np.empty(6, dtype=np.int32))
+        with pytest.raises(ValueError, match=r"shape \[3, 2\].*\[6\]"):
+            s.allreduce(x, out=np.empty((3, 2), dtype=np.float32))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            s.allreduce(x.reshape(2, 3), out=np.empty((3, 2), dtype=np.float32).T)
+        ro = np.empty(6, dtype=np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="not writable"):
+            s.allreduce(x, out=ro)
+        with pytest.raises(TypeError, match="out must be a numpy array"):
+            s.allreduce(x, out=[0.0] * 6)
+        # nothing was sent for the refused calls: the next allreduce is the
+        # job's first and completes alone
+        assert s.allreduce(x, out=np.empty(6, dtype=np.float32)).tolist() == [1.0] * 6
+        assert s.last_stats["gen_id"] == 1
+
+
 def test_loss_everywhere_is_recovered():
     n = 4
     with fanin.local_switch(workers=n, ingress_drop=0.1, egress_drop=0.1, seed=5) as sw:

@@ -5,7 +5,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{
+    Element, PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -46,6 +49,9 @@ fn host_err(e: HostError) -> PyErr {
 struct Session {
     inner: HostSession,
     last: Option<Outcome>,
+    /// Input staging kept between `allreduce(..., out=...)` calls.
+    staging_f32: Vec<f32>,
+    staging_i32: Vec<i32>,
 }
 
 #[pymethods]
@@ -108,46 +114,82 @@ impl Session {
         o.seed = seed;
         o.offload = offload;
         let inner = py.detach(|| HostSession::connect(o)).map_err(host_err)?;
-        Ok(Self { inner, last: None })
+        Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new() })
     }
 
     /// Sum `array` (int32 or float32, any shape) over every member of the job.
-    /// Returns a new array of the same shape and dtype. With `average`, each
-    /// block is divided by the number of sources its result summed
+    /// Returns a new array of the same shape and dtype, or, with `out`, writes
+    /// the sum into `out` (a writable C-contiguous array of the same shape
+    /// and dtype; it may be `array` itself) and returns it. With `average`,
+    /// each block is divided by the number of sources its result summed
     /// (`src_cnt`; fewer than the job size for a partial result). The GIL is
     /// released while communicating.
-    #[pyo3(signature = (array, average=false))]
-    fn allreduce<'py>(&mut self, py: Python<'py>, array: &Bound<'py, PyAny>, average: bool) -> PyResult<Bound<'py, PyAny>> {
-        let shape: Vec<usize>;
-        let tensor = if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, f32>>() {
-            shape = a.shape().to_vec();
-            // contiguous arrays are one memcpy; others are gathered in C order
-            Tensor::F32(a.as_slice().map(<[f32]>::to_vec).unwrap_or_else(|_| a.as_array().iter().copied().collect()))
-        } else if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, i32>>() {
-            shape = a.shape().to_vec();
-            Tensor::I32(a.as_slice().map(<[i32]>::to_vec).unwrap_or_else(|_| a.as_array().iter().copied().collect()))
+    #[pyo3(signature = (array, average=false, out=None))]
+    fn allreduce<'py>(
+        &mut self,
+        py: Python<'py>,
+        array: &Bound<'py, PyAny>,
+        average: bool,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let is_f32 = if array.cast::<PyArrayDyn<f32>>().is_ok() {
+            true
+        } else if array.cast::<PyArrayDyn<i32>>().is_ok() {
+            false
         } else {
             let dtype = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
             return Err(PyTypeError::new_err(format!(
                 "fanin allreduce takes a numpy array of int32 or float32 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
             )));
         };
-        if average && matches!(tensor, Tensor::I32(_)) {
+        if average && !is_f32 {
             return Err(PyTypeError::new_err("average=True needs a float32 array (an int32 mean is not an int32)"));
         }
+        if let Some(o) = out {
+            // Checked before anything is sent: a bad `out` must not cost a
+            // collective the other members are waiting on.
+            if is_f32 {
+                check_out::<f32>(array, o)?;
+            } else {
+                check_out::<i32>(array, o)?;
+            }
+        }
+        let shape = array.cast::<PyUntypedArray>()?.shape().to_vec();
+        // With `out` the input is staged in a buffer this session keeps, so
+        // repeated calls touch no fresh memory (page faults cost more than
+        // the copy); without it the staged vector becomes the returned
+        // array, as before.
+        let tensor = if is_f32 {
+            let a = array.extract::<PyReadonlyArrayDyn<'py, f32>>()?;
+            Tensor::F32(stage(&a, if out.is_some() { std::mem::take(&mut self.staging_f32) } else { Vec::new() }))
+        } else {
+            let a = array.extract::<PyReadonlyArrayDyn<'py, i32>>()?;
+            Tensor::I32(stage(&a, if out.is_some() { std::mem::take(&mut self.staging_i32) } else { Vec::new() }))
+        };
         let mut outcome = py.detach(|| self.inner.allreduce(tensor)).map_err(host_err)?;
         if average {
             let epp = self.inner.options().session.elems_per_packet as usize;
             outcome.average(epp, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
         }
-        // the result vector becomes the array's buffer: no copy; the rest of
-        // the outcome stays for last_stats
-        let result = match std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new())) {
-            Tensor::F32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
-            Tensor::I32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
-        };
+        // the result vector becomes the array's buffer (no copy), or is
+        // copied into `out` and kept for the next call; the rest of the
+        // outcome stays for last_stats
+        let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
         self.last = Some(outcome);
-        Ok(result)
+        match (tensor, out) {
+            (Tensor::F32(v), Some(o)) => {
+                write_out(o, &v)?;
+                self.staging_f32 = v;
+                Ok(o.clone())
+            }
+            (Tensor::I32(v), Some(o)) => {
+                write_out(o, &v)?;
+                self.staging_i32 = v;
+                Ok(o.clone())
+            }
+            (Tensor::F32(v), None) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+            (Tensor::I32(v), None) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+        }
     }
 
     /// Statistics of the last allreduce: retransmissions, trimmed (Trimmed
@@ -406,6 +448,43 @@ fn run_kv_daemon(py: Python<'_>, config_json: &str, on_ready: Option<Bound<'_, P
         cb.call1((d,))?;
     }
     py.detach(|| daemon.wait());
+    Ok(())
+}
+
+/// `array` copied into `buf` (reusing its memory) in C order: one memcpy for
+/// a C-contiguous array, an element gather for any other layout.
+fn stage<T: Element + Copy>(array: &PyReadonlyArrayDyn<'_, T>, mut buf: Vec<T>) -> Vec<T> {
+    buf.clear();
+    match array.as_slice() {
+        Ok(s) if array.is_c_contiguous() => buf.extend_from_slice(s),
+        _ => buf.extend(array.as_array().iter().copied()),
+    }
+    buf
+}
+
+/// Whether `out` can take the sum of `array`: same dtype and shape,
+/// C-contiguous and writable (numpy's own flag and nobody else borrowing it).
+fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    let Ok(o) = out.cast::<PyArrayDyn<T>>() else {
+        let dtype = out.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not a numpy array".into());
+        let want = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_default();
+        return Err(PyTypeError::new_err(format!("out must be a numpy array of the input's dtype {want} (got {dtype})")));
+    };
+    let want = array.cast::<PyUntypedArray>()?.shape().to_vec();
+    if o.shape() != want.as_slice() {
+        return Err(PyValueError::new_err(format!("out has shape {:?}, the input {:?}: they must match", o.shape(), want)));
+    }
+    if !o.is_c_contiguous() {
+        return Err(PyValueError::new_err("out must be C-contiguous (e.g. np.empty_like(a, order='C'))"));
+    }
+    o.try_readwrite().map(drop).map_err(|e| PyValueError::new_err(format!("out is not writable: {e}")))
+}
+
+/// Copy a result into `out` (checked by `check_out` before communicating).
+fn write_out<T: Element + Copy>(out: &Bound<'_, PyAny>, result: &[T]) -> PyResult<()> {
+    let mut o = out.extract::<PyReadwriteArrayDyn<'_, T>>()?;
+    let dst = o.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    dst.copy_from_slice(result);
     Ok(())
 }
 

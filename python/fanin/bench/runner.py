@@ -117,10 +117,12 @@ class AllreduceRun:
             # what the goodput ratio is when the cores are the limit (as on
             # this 2-core machine), with much less noise than wall time.
             if self.cpu_s.get("fanin") and self.cpu_s.get("auth"):
-                out["cpu_s_per_allreduce"] = {
-                    k: {"total": statistics.median(v), "switch": statistics.median(self.switch_cpu_s[k])}
-                    for k, v in self.cpu_s.items() if v}
                 out["auth_cpu_ratio"] = sum(self.cpu_s["fanin"]) / sum(self.cpu_s["auth"])
+        # Where the cores went, per arm: all workers plus the switch, and the
+        # switch alone (median CPU seconds per allreduce).
+        out["cpu_s_per_allreduce"] = {
+            k: {"total": statistics.median(v), "switch": statistics.median(self.switch_cpu_s[k])}
+            for k, v in self.cpu_s.items() if v}
         return out
 
 
@@ -139,15 +141,20 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         x = worker_inputs(rank, p.elements, p.dtype)
         sync = np.zeros(1, dtype=np.int32)
         report: dict[str, Any] = {"rank": rank, "ok": True}
-        # Correctness first, outside the timed loop.
-        out = aggr.allreduce(x)
+        # Correctness first, outside the timed loop. Every arm writes into
+        # one preallocated array (`out=`), as torch.distributed's in-place
+        # all_reduce into a preallocated tensor does in the Gloo arm; these
+        # untimed calls also stage each session's buffer once.
+        out = np.empty_like(x)
+        aggr.allreduce(x, out=out)
         report["digest"] = hashlib.sha256(out.tobytes()).hexdigest()
         if p.verify:
             report["check"] = check_result(out, p.workers, p.dtype, p.elems_per_packet)
         if authed is not None:
             # the keyed job must give the very same bits
-            report["auth_digest"] = hashlib.sha256(authed.allreduce(x).tobytes()).hexdigest()
-        del out
+            report["auth_digest"] = hashlib.sha256(authed.allreduce(x, out=out).tobytes()).hexdigest()
+        if noaggr is not None:
+            noaggr.allreduce(x, out=out)
         times: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
         cpu: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
         switch_cpu: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
@@ -163,7 +170,7 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
                 s0 = _cpu_seconds(p.switch_pid) if rank == 0 else 0.0
                 c0 = time.process_time()
                 t0 = time.perf_counter()
-                sess.allreduce(x)
+                sess.allreduce(x, out=out)
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
                 if rank == 0:
