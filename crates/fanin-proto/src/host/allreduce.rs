@@ -407,6 +407,8 @@ pub struct AllreduceSession {
     retained: BTreeMap<u32, Vec<u8>>,
     /// Buffers of pruned retained contributions, reused.
     spare: Vec<Vec<u8>>,
+    /// First data transmissions of the blocks in flight, to be retained.
+    captured: recovery::Captured,
     /// Set while recovering from a switch restart.
     recovery: Option<Recovery>,
 }
@@ -454,6 +456,7 @@ impl AllreduceSession {
             auth_stats: AuthStats::default(),
             retained: BTreeMap::new(),
             spare: Vec::new(),
+            captured: recovery::Captured::default(),
             recovery: None,
         };
         session.sealer = session.config.auth_key.map(|k| Sealer::new(k, 0, session.config.seal_clock_us));
@@ -764,7 +767,22 @@ impl AllreduceSession {
                 op.retransmissions += 1;
             }
             let seal = self.sealer.as_mut();
-            emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, exp_only, retransmission, seal, out);
+            let block_id = op.base_block.wrapping_add(idx);
+            let capture =
+                if exp_only || retransmission { None } else { self.captured.slot(block_id, params.block_cnt_max, &mut self.spare) };
+            match capture {
+                // The first data transmission: emitted once, unsealed, into
+                // the capture, and sent as a copy (sealed if keyed).
+                Some(buf) => {
+                    let mut one = recovery::OneBuf(std::mem::take(buf));
+                    emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut one);
+                    let shard = shard_of(self.config.job_id, block_id, params.block_cnt_max, params.shard_count);
+                    let seal = seal.map(|s| (s.key, s.take_seq()));
+                    push_sealed(out, shard, one.0.len(), seal.as_ref().map(|(k, q)| (k, *q)), |b| b.copy_from_slice(&one.0));
+                    *buf = one.0;
+                }
+                None => emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, exp_only, retransmission, seal, out),
+            }
             let b = &mut op.blocks[idx as usize];
             b.phase = if exp_only { BlockPhase::ExpSent } else { BlockPhase::DataSent };
             if retransmission {
@@ -967,9 +985,15 @@ impl AllreduceSession {
         // before the result overwrites the tensor: a peer may still lack the
         // result if the switch restarts.
         op.blocks[idx as usize].exp = repr.exp;
-        let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
-        emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
-        self.retained.insert(repr.block_id, buf.0);
+        let buf = match self.captured.take(repr.block_id, repr.exp) {
+            Some(sent) => sent,
+            None => {
+                let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
+                emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
+                buf.0
+            }
+        };
+        self.retained.insert(repr.block_id, buf);
         let Some(op) = self.op.as_mut() else { return };
         let block = &mut op.blocks[idx as usize];
         match &mut op.tensor {
@@ -1368,6 +1392,52 @@ mod tests {
                 assert_eq!(o.retransmissions, 1);
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_retained_contribution_is_the_very_datagram_first_sent() {
+        let (mut s, mut sw) = joined(8);
+        let now = Time::from_nanos(1_000);
+        let values: Vec<f32> = (0..40).map(|i| (i as f32 - 17.5) * 0.37).collect();
+        s.begin(now, Tensor::F32(values)).unwrap();
+        let mut sent_data = std::collections::HashMap::new();
+        let mut lost_once = false;
+        for _ in 0..100 {
+            let mut out = VecTransmit::new();
+            while s.poll_transmit(now, &mut out) > 0 {}
+            let mut batch: Vec<_> = out.drain().collect();
+            for (_, b) in &batch {
+                let p = Packet::new_checked(&b[..]).unwrap();
+                if !p.exp_only() && p.msg_type_code() == MessageType::Contribution as u8 {
+                    sent_data.insert(p.block_id(), b.clone());
+                }
+            }
+            // block 3's first data transmission is lost: its result comes
+            // from a retransmission, and what is retained is still what
+            // the first transmission carried
+            if !lost_once {
+                if let Some(i) = batch.iter().position(|(_, b)| {
+                    let p = Packet::new_checked(&b[..]).unwrap();
+                    !p.exp_only() && p.block_id() == 3
+                }) {
+                    batch.remove(i);
+                    lost_once = true;
+                }
+            }
+            deliver(&mut s, &mut sw, now, batch);
+            if let Some(Event::Completed(_)) = s.poll_event() {
+                break;
+            }
+        }
+        assert!(lost_once);
+        assert_eq!(s.captured.pending(), 0, "every result took its block's capture (none emitted twice)");
+        let retained = s.retained_blocks();
+        assert_eq!(retained, (0..10).collect::<Vec<_>>(), "every block of the one allreduce");
+        for b in retained {
+            let kept = s.retained_bytes(b).unwrap();
+            assert_eq!(kept, &sent_data[&b][..], "block {b}");
+            assert_eq!(Packet::new_checked(kept).unwrap().grad_cnt(), 4);
         }
     }
 

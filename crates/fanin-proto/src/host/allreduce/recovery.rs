@@ -26,7 +26,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use fanin_wire::value::{incarnation_tag, JoinParams, Repr, JOIN_RECOVER};
+use fanin_wire::value::{incarnation_tag, JoinParams, Packet, Repr, HEADER_LEN, JOIN_RECOVER};
 use fanin_wire::MessageType;
 
 use super::{AllreduceSession, BlockPhase, Op, SessionError};
@@ -48,9 +48,60 @@ pub(super) struct OneBuf(pub Vec<u8>);
 
 impl Transmit<u16> for OneBuf {
     fn push(&mut self, _dest: u16, len: usize) -> &mut [u8] {
-        self.0.clear();
-        self.0.resize(len, 0);
+        // A recycled buffer usually has the length already; the emitter
+        // writes every byte, so only a new length needs the fill.
+        if self.0.len() != len {
+            self.0.clear();
+            self.0.resize(len, 0);
+        }
         &mut self.0
+    }
+}
+
+/// The first data transmission of each block in flight, unsealed, by block
+/// id modulo `block_cnt_max` (no two blocks in flight share a slot: the
+/// window is at most `block_cnt_max` wide). When the block's result comes,
+/// its contribution is retained by moving this buffer instead of quantizing
+/// the block a second time (and the bytes are exactly those sent).
+#[derive(Debug, Default)]
+pub(super) struct Captured {
+    slots: Vec<(u32, Vec<u8>)>,
+}
+
+impl Captured {
+    /// The buffer to emit block `block_id` into, recycled from `spare` or
+    /// the slot's previous block; `None` before the job's parameters are
+    /// known.
+    pub(super) fn slot(&mut self, block_id: u32, block_cnt_max: u32, spare: &mut Vec<Vec<u8>>) -> Option<&mut Vec<u8>> {
+        if self.slots.len() != block_cnt_max as usize {
+            self.slots = (0..block_cnt_max).map(|_| (u32::MAX, Vec::new())).collect();
+        }
+        let n = self.slots.len();
+        let slot = self.slots.get_mut(block_id as usize % n.max(1))?;
+        slot.0 = block_id;
+        if slot.1.capacity() == 0 {
+            slot.1 = spare.pop().unwrap_or_default();
+        }
+        Some(&mut slot.1)
+    }
+
+    /// Blocks captured and not yet taken by a result.
+    #[cfg(test)]
+    pub(super) fn pending(&self) -> usize {
+        self.slots.iter().filter(|(id, _)| *id != u32::MAX).count()
+    }
+
+    /// Take block `block_id`'s captured contribution if it was scaled with
+    /// `exp` (a straggler's block may have been sent before its exponent
+    /// changed; then the caller emits it afresh).
+    pub(super) fn take(&mut self, block_id: u32, exp: i8) -> Option<Vec<u8>> {
+        let n = self.slots.len();
+        let slot = self.slots.get_mut(block_id as usize % n.max(1))?;
+        if slot.0 != block_id || slot.1.len() < HEADER_LEN || Packet::new_unchecked(&slot.1[..]).exp() != exp {
+            return None;
+        }
+        slot.0 = u32::MAX;
+        Some(std::mem::take(&mut slot.1))
     }
 }
 
@@ -304,5 +355,10 @@ impl AllreduceSession {
     /// Contributions retained for a recovery (block ids), for tests.
     pub fn retained_blocks(&self) -> Vec<u32> {
         self.retained.keys().copied().collect()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn retained_bytes(&self, block_id: u32) -> Option<&[u8]> {
+        self.retained.get(&block_id).map(Vec::as_slice)
     }
 }
