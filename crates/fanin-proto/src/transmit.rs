@@ -12,6 +12,22 @@ pub trait Transmit<A> {
     fn push_copy(&mut self, dest: A, bytes: &[u8]) {
         self.push(dest, bytes.len()).copy_from_slice(bytes);
     }
+
+    /// Queue `bytes` to every destination in `dests` (a switch's result to
+    /// each member) and return how many that was. The default queues a
+    /// copy per destination; the daemon's sink overrides it to queue the
+    /// bytes once and hand the kernel the same buffer for every member.
+    fn push_fanout(&mut self, dests: impl IntoIterator<Item = A>, bytes: &[u8]) -> usize
+    where
+        Self: Sized,
+    {
+        let mut n = 0;
+        for dest in dests {
+            self.push_copy(dest, bytes);
+            n += 1;
+        }
+        n
+    }
 }
 
 /// A growable list of datagrams, for tests and simple drivers.

@@ -110,6 +110,29 @@ impl Transmit<SocketAddr> for SocketTx<'_> {
         }
         self.batch.push(dest, len)
     }
+
+    /// One copy into the batch, aliased for the other destinations: the
+    /// kernel reads the same bytes for each (egress faults still drop per
+    /// destination).
+    fn push_fanout(&mut self, dests: impl IntoIterator<Item = SocketAddr>, bytes: &[u8]) -> usize {
+        let mut n = 0;
+        let mut queued = false;
+        for dest in dests {
+            n += 1;
+            if self.egress.should_drop() {
+                continue;
+            }
+            if self.batch.is_full() {
+                flush(self.socket, self.batch, self.stats);
+                queued = false;
+            }
+            if !(queued && self.batch.push_alias(dest)) {
+                self.batch.push_copy(dest, bytes);
+                queued = true;
+            }
+        }
+        n
+    }
 }
 
 fn flush(socket: &BatchSocket, batch: &mut SendBatch, stats: &ShardStats) {

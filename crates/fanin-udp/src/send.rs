@@ -97,6 +97,8 @@ struct SendScratch {
     names: Vec<SockAddrBuf>,
     ctrl: Vec<SendCmsgBuf>,
     iovs: Vec<libc::iovec>,
+    /// Each message's (first iovec, iovec count).
+    spans: Vec<(usize, usize)>,
     hdrs: Vec<libc::mmsghdr>,
 }
 
@@ -134,9 +136,8 @@ pub struct SendBatch {
     capacity: usize,
     gso: bool,
     scratch: SendScratch,
-    /// Second arena and entry list for `group_by_destination`, swapped with
-    /// the live ones so regrouping allocates nothing after warm-up.
-    regroup: Vec<u8>,
+    /// Second entry list for `group_by_destination`, swapped with the live
+    /// one so regrouping allocates nothing after warm-up.
     regroup_entries: Vec<Entry>,
     order: Vec<usize>,
 }
@@ -154,7 +155,6 @@ impl SendBatch {
             entries: Vec::with_capacity(capacity),
             capacity,
             gso: false,
-            regroup: Vec::new(),
             regroup_entries: Vec::new(),
             order: Vec::new(),
             scratch: SendScratch {
@@ -162,6 +162,7 @@ impl SendBatch {
                 names: Vec::with_capacity(capacity),
                 ctrl: Vec::with_capacity(capacity),
                 iovs: Vec::with_capacity(capacity),
+                spans: Vec::with_capacity(capacity),
                 hdrs: Vec::with_capacity(capacity),
             },
         }
@@ -198,6 +199,16 @@ impl SendBatch {
     /// Queues a copy of `bytes` for `dest`.
     pub fn push_copy(&mut self, dest: SocketAddr, bytes: &[u8]) {
         self.push(dest, bytes.len()).copy_from_slice(bytes);
+    }
+
+    /// Queues the bytes of the last queued datagram once more, to `dest`,
+    /// without copying them: the kernel reads the same arena bytes for
+    /// both (a switch sending one result to every member). Returns false,
+    /// queueing nothing, when the batch is empty.
+    pub fn push_alias(&mut self, dest: SocketAddr) -> bool {
+        let Some(&last) = self.entries.last() else { return false };
+        self.entries.push(Entry { dest, ..last });
+        true
     }
 
     /// Number of queued datagrams.
@@ -245,8 +256,8 @@ impl SendBatch {
     /// Reorder the queued datagrams so each destination's datagrams are
     /// adjacent (stable: per-destination order is kept), which lets GSO
     /// coalesce a switch's fan-out (one result to N workers, many blocks per
-    /// batch) into one message per destination. Costs one copy of the batch,
-    /// far less than the syscalls it saves.
+    /// batch) into one message per destination. Only the entries move; a
+    /// message's datagrams are gathered from the arena by its iovecs.
     fn group_by_destination(&mut self) {
         let first = match self.entries.first() {
             Some(e) => e.dest,
@@ -263,21 +274,11 @@ impl SendBatch {
             self.order = order;
             return; // already grouped
         }
-        let mut arena = std::mem::take(&mut self.regroup);
-        arena.clear();
-        arena.reserve(self.used);
         let mut entries = std::mem::take(&mut self.regroup_entries);
         entries.clear();
-        for &i in &order {
-            let e = self.entries[i];
-            let offset = arena.len();
-            arena.extend_from_slice(&self.arena[e.offset..e.offset + e.len]);
-            entries.push(Entry { dest: e.dest, offset, len: e.len });
-        }
-        self.regroup = std::mem::replace(&mut self.arena, arena);
+        entries.extend(order.iter().map(|&i| self.entries[i]));
         self.regroup_entries = std::mem::replace(&mut self.entries, entries);
         self.order = order;
-        self.used = self.arena.len();
     }
 
     fn transmit(&mut self, fd: RawFd, socket_is_v6: bool, gso: &GsoState) -> io::Result<usize> {
@@ -405,13 +406,28 @@ impl SendBatch {
         s.ctrl.resize(n, SendCmsgBuf([0; 32]));
         s.iovs.clear();
         s.hdrs.clear();
+        // One iovec per stretch of a message's datagrams that lie back to
+        // back in the arena: usually one per message, more after regrouping
+        // or for aliased datagrams (the same bytes to several members).
+        // `spans[j]` is message j's (first iovec, count).
+        let mut spans = std::mem::take(&mut s.spans);
+        spans.clear();
         for m in &s.plan {
-            let payload = &self.arena[self.entries[m.first].offset..][..m.bytes];
-            s.iovs.push(libc::iovec {
-                // The kernel only reads through this pointer.
-                iov_base: payload.as_ptr().cast_mut().cast(),
-                iov_len: payload.len(),
-            });
+            let first_iov = s.iovs.len();
+            let mut end = usize::MAX;
+            for e in &self.entries[m.first..m.first + m.count] {
+                let extends = s.iovs.len() > first_iov && e.offset == end;
+                match s.iovs.last_mut() {
+                    Some(iov) if extends => iov.iov_len += e.len,
+                    _ => s.iovs.push(libc::iovec {
+                        // The kernel only reads through this pointer.
+                        iov_base: self.arena[e.offset..].as_ptr().cast_mut().cast(),
+                        iov_len: e.len,
+                    }),
+                }
+                end = e.offset + e.len;
+            }
+            spans.push((first_iov, s.iovs.len() - first_iov));
         }
         for (j, m) in s.plan.iter().enumerate() {
             let namelen = s.names[j].write(self.entries[m.first].dest, socket_is_v6);
@@ -420,8 +436,9 @@ impl SendBatch {
             let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
             hdr.msg_name = ptr::from_mut(&mut s.names[j]).cast();
             hdr.msg_namelen = namelen;
-            hdr.msg_iov = ptr::from_mut(&mut s.iovs[j]);
-            hdr.msg_iovlen = 1;
+            // `iovs` is complete: these pointers stay valid until the send.
+            hdr.msg_iov = ptr::from_mut(&mut s.iovs[spans[j].0]);
+            hdr.msg_iovlen = spans[j].1 as _;
             if m.count > 1 {
                 hdr.msg_control = ptr::from_mut(&mut s.ctrl[j]).cast();
                 // SAFETY: CMSG_SPACE is pure arithmetic.
@@ -444,6 +461,7 @@ impl SendBatch {
                 msg_len: 0,
             });
         }
+        s.spans = spans;
     }
 }
 
@@ -481,8 +499,8 @@ struct GsoPolicy {
 /// With GSO, a message is a run of datagrams to one destination, all of the
 /// first one's length except possibly a shorter last one (the kernel cuts
 /// the payload into equal segments, so only the tail may differ), bounded by
-/// `MAX_GSO_SEGMENTS` and `MAX_GSO_BYTES`. Entries are contiguous in the
-/// arena (each push appends), so a run is one slice and one iovec.
+/// `MAX_GSO_SEGMENTS` and `MAX_GSO_BYTES`. A run's datagrams need not be
+/// adjacent in the arena (regrouped or aliased): its iovecs gather them.
 fn plan_messages(entries: &[Entry], start: usize, policy: GsoPolicy, plan: &mut Vec<Message>) {
     plan.clear();
     let mut i = start;
@@ -505,7 +523,6 @@ fn plan_messages(entries: &[Entry], start: usize, policy: GsoPolicy, plan: &mut 
                 {
                     break;
                 }
-                debug_assert_eq!(next.offset, head.offset + bytes);
                 count += 1;
                 bytes += next.len;
                 if next.len < head.len {

@@ -12,6 +12,12 @@ pub(super) fn broadcast<A: Copy>(
     scratch: &[u8],
     sent: &mut u64,
 ) {
+    // Unkeyed: the same bytes for everyone, queued once.
+    if auth.is_none() && !fanin_wire::auth::is_sealed(scratch) {
+        let dests = members.iter().filter_map(|id| addrs.get(id).copied().flatten());
+        *sent += out.push_fanout(dests, scratch) as u64;
+        return;
+    }
     for id in members.iter() {
         if let Some(addr) = addrs.get(id).copied().flatten() {
             if send_copy(out, addr, scratch, envelope(auth.as_deref_mut(), Peer::Member(id))) {
@@ -24,8 +30,12 @@ pub(super) fn broadcast<A: Copy>(
 pub(super) fn build_result(block: &Block, job_id: u32, exp_only: bool, member_count: u16, tag: u16, scratch: &mut Vec<u8>) {
     // src_id of a result is the switch's incarnation tag (docs/restart.md)
     let repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, member_count) };
-    scratch.clear();
-    scratch.resize(repr.buffer_len(), 0);
+    // Every byte is written below (header, then the payload when there is
+    // one), so a scratch of the right length needs no zeroing first.
+    if scratch.len() != repr.buffer_len() {
+        scratch.clear();
+        scratch.resize(repr.buffer_len(), 0);
+    }
     let mut packet = Packet::new_unchecked(&mut scratch[..]);
     repr.emit(&mut packet);
     if !exp_only {
