@@ -90,10 +90,13 @@ class _FakeSession:
         self._degraded, self._scale = degraded, scale
         self.last_stats = None
 
-    def allreduce(self, a):
+    def allreduce(self, a, out=None):
         self.last_stats = {"retransmissions": 0, "blocks": -(-len(a) // 4), "gen_id": 1,
                            "degraded_blocks": self._degraded, "min_src_cnt": min([4] + [c for _, c in self._degraded])}
-        return a * self._scale
+        if out is None:
+            return a * self._scale
+        np.multiply(a, self._scale, out=out, casting="unsafe")  # the real session's out= contract
+        return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
@@ -115,6 +118,21 @@ def test_sum_of_a_degraded_block_is_the_partial_sum():
     sess = _FakeSession([(1, 3)], scale=np.array([4] * 4 + [3] * 4, dtype=np.float32))
     switch_allreduce(sess, t, average=False, log=None, elems_per_packet=4)
     assert t.tolist() == [4] * 4 + [3] * 4
+
+
+def test_contiguous_tensors_are_reduced_in_place_and_others_through_a_copy():
+    scale = np.array([4] * 4 + [3] * 4, dtype=np.float32)
+    t = torch.ones(8)
+    ptr = t.data_ptr()
+    switch_allreduce(_FakeSession([(1, 3)], scale), t, average=False, log=None, elems_per_packet=4)
+    assert t.data_ptr() == ptr and t.tolist() == [4] * 4 + [3] * 4
+    # a transposed (non-contiguous) tensor: summed in its logical order
+    base = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    t = base.t()
+    assert not t.is_contiguous()
+    want = (t.reshape(-1) * torch.from_numpy(scale)).reshape(4, 2)
+    switch_allreduce(_FakeSession([(1, 3)], scale), t, average=False, log=None, elems_per_packet=4)
+    assert torch.equal(t, want)
 
 
 # ------------------------------------------------------------------ multi-process

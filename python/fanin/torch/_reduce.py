@@ -137,24 +137,30 @@ def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log:
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return
+    # A contiguous tensor of the wire dtype is reduced in place (no result
+    # array, no copy back); anything else goes through a converted copy.
+    in_place = flat.dtype == wire and tensor.is_contiguous()
     src = flat if flat.dtype == wire else flat.to(wire)
-    out = session.allreduce(src.contiguous().numpy())
+    arr = src.contiguous().numpy()
+    out = session.allreduce(arr, out=arr if in_place else None)
     stats = session.last_stats
     if log is not None:
         log.record(stats, flat.numel())
     degraded = list(stats.get("degraded_blocks", ())) if stats else []
     n = session.n_sources
-    result = torch.from_numpy(out)
-    if average:
-        if wire == torch.int32:
-            if degraded:
-                div = torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet).astype(np.int32))
-                result = torch.div(result, div, rounding_mode="trunc")
-            else:
-                result = torch.div(result, n, rounding_mode="trunc")
-        elif degraded:
-            result = result / torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet))
-        else:
-            result = result / n
+    # in place: `flat` is a view of `tensor` and now holds the sum
+    result = flat if in_place else torch.from_numpy(out)
     with torch.no_grad():
-        tensor.copy_(result.reshape(tensor.shape))
+        if average:
+            if wire == torch.int32:
+                if degraded:
+                    div = torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet).astype(np.int32))
+                    result.div_(div, rounding_mode="trunc")
+                else:
+                    result.div_(n, rounding_mode="trunc")
+            elif degraded:
+                result.div_(torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet)))
+            else:
+                result.div_(n)
+        if not in_place:
+            tensor.copy_(result.reshape(tensor.shape))
