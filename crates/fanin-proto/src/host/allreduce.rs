@@ -768,20 +768,25 @@ impl AllreduceSession {
             }
             let seal = self.sealer.as_mut();
             let block_id = op.base_block.wrapping_add(idx);
-            let capture =
-                if exp_only || retransmission { None } else { self.captured.slot(block_id, params.block_cnt_max, &mut self.spare) };
-            match capture {
-                // The first data transmission: emitted once, unsealed, into
-                // the capture, and sent as a copy (sealed if keyed).
-                Some(buf) => {
-                    let mut one = recovery::OneBuf(std::mem::take(buf));
-                    emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut one);
-                    let shard = shard_of(self.config.job_id, block_id, params.block_cnt_max, params.shard_count);
+            // The first data transmission is emitted once, unsealed, into
+            // the capture (to be retained when its result comes) and sent as
+            // a copy, sealed if the job is keyed.
+            let (config, n_sources, gen_id) = (&self.config, self.n_sources, self.gen_id);
+            let captured = if exp_only || retransmission {
+                None
+            } else {
+                let op = &*op;
+                self.captured.record(block_id, params.block_cnt_max, &mut self.spare, |one| {
+                    emit_block(config, &params, n_sources, gen_id, op, idx, false, false, None, one)
+                })
+            };
+            match captured {
+                Some(bytes) => {
+                    let shard = shard_of(config.job_id, block_id, params.block_cnt_max, params.shard_count);
                     let seal = seal.map(|s| (s.key, s.take_seq()));
-                    push_sealed(out, shard, one.0.len(), seal.as_ref().map(|(k, q)| (k, *q)), |b| b.copy_from_slice(&one.0));
-                    *buf = one.0;
+                    push_sealed(out, shard, bytes.len(), seal.as_ref().map(|(k, q)| (k, *q)), |b| b.copy_from_slice(bytes));
                 }
-                None => emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, exp_only, retransmission, seal, out),
+                None => emit_block(config, &params, n_sources, gen_id, op, idx, exp_only, retransmission, seal, out),
             }
             let b = &mut op.blocks[idx as usize];
             b.phase = if exp_only { BlockPhase::ExpSent } else { BlockPhase::DataSent };

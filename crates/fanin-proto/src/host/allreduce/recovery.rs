@@ -40,8 +40,11 @@ const JOIN_INTERVAL: Duration = Duration::from_millis(20);
 /// (Short: the floor waits for the last member's join, so this bounds the
 /// barrier's share of recovery; a join is a 24-byte datagram.)
 const JOIN_INTERVAL_MAX: Duration = Duration::from_millis(50);
-/// Pruned contribution buffers kept for reuse.
-const SPARE_BUFFERS: usize = 64;
+/// Pruned contribution buffers kept for reuse: at least this many, and up to
+/// one slot-cycle (`block_cnt_max`), since results and the sends they let
+/// out come a window at a time; a smaller pool frees most of a burst's
+/// buffers only to allocate (and zero) as many again for the next.
+const SPARE_BUFFERS_MIN: usize = 64;
 
 /// A transmit sink holding one datagram, to capture a contribution.
 pub(super) struct OneBuf(pub Vec<u8>);
@@ -65,30 +68,53 @@ impl Transmit<u16> for OneBuf {
 /// the block a second time (and the bytes are exactly those sent).
 #[derive(Debug, Default)]
 pub(super) struct Captured {
-    slots: Vec<(u32, Vec<u8>)>,
+    slots: Vec<CaptureSlot>,
+}
+
+#[derive(Debug)]
+struct CaptureSlot {
+    /// `u32::MAX`: empty (taken, or never used).
+    block_id: u32,
+    /// The exponent the block was scaled with, kept here so that taking the
+    /// capture does not touch its (by then cold) bytes.
+    exp: i8,
+    buf: Vec<u8>,
 }
 
 impl Captured {
-    /// The buffer to emit block `block_id` into, recycled from `spare` or
-    /// the slot's previous block; `None` before the job's parameters are
-    /// known.
-    pub(super) fn slot(&mut self, block_id: u32, block_cnt_max: u32, spare: &mut Vec<Vec<u8>>) -> Option<&mut Vec<u8>> {
+    /// Emit block `block_id` with `emit` into its slot, in a buffer recycled
+    /// from `spare` or the slot's previous block, and return the bytes;
+    /// `None` if there are no slots (`block_cnt_max` 0).
+    pub(super) fn record(
+        &mut self,
+        block_id: u32,
+        block_cnt_max: u32,
+        spare: &mut Vec<Vec<u8>>,
+        emit: impl FnOnce(&mut OneBuf),
+    ) -> Option<&[u8]> {
         if self.slots.len() != block_cnt_max as usize {
-            self.slots = (0..block_cnt_max).map(|_| (u32::MAX, Vec::new())).collect();
+            self.slots =
+                (0..block_cnt_max).map(|_| CaptureSlot { block_id: u32::MAX, exp: 0, buf: Vec::new() }).collect();
         }
         let n = self.slots.len();
         let slot = self.slots.get_mut(block_id as usize % n.max(1))?;
-        slot.0 = block_id;
-        if slot.1.capacity() == 0 {
-            slot.1 = spare.pop().unwrap_or_default();
+        let recycled = if slot.buf.capacity() == 0 { spare.pop().unwrap_or_default() } else { std::mem::take(&mut slot.buf) };
+        let mut one = OneBuf(recycled);
+        emit(&mut one);
+        slot.buf = one.0;
+        if slot.buf.len() < HEADER_LEN {
+            slot.block_id = u32::MAX;
+            return None;
         }
-        Some(&mut slot.1)
+        slot.block_id = block_id;
+        slot.exp = Packet::new_unchecked(&slot.buf[..]).exp();
+        Some(&slot.buf)
     }
 
     /// Blocks captured and not yet taken by a result.
     #[cfg(test)]
     pub(super) fn pending(&self) -> usize {
-        self.slots.iter().filter(|(id, _)| *id != u32::MAX).count()
+        self.slots.iter().filter(|s| s.block_id != u32::MAX).count()
     }
 
     /// Take block `block_id`'s captured contribution if it was scaled with
@@ -97,11 +123,11 @@ impl Captured {
     pub(super) fn take(&mut self, block_id: u32, exp: i8) -> Option<Vec<u8>> {
         let n = self.slots.len();
         let slot = self.slots.get_mut(block_id as usize % n.max(1))?;
-        if slot.0 != block_id || slot.1.len() < HEADER_LEN || Packet::new_unchecked(&slot.1[..]).exp() != exp {
+        if slot.block_id != block_id || slot.exp != exp {
             return None;
         }
-        slot.0 = u32::MAX;
-        Some(std::mem::take(&mut slot.1))
+        slot.block_id = u32::MAX;
+        Some(std::mem::take(&mut slot.buf))
     }
 }
 
@@ -346,7 +372,7 @@ impl AllreduceSession {
                 break;
             }
             let buf = entry.remove();
-            if self.spare.len() < SPARE_BUFFERS {
+            if self.spare.len() < (block_cnt_max as usize).max(SPARE_BUFFERS_MIN) {
                 self.spare.push(buf);
             }
         }
