@@ -127,6 +127,14 @@ def test_wrong_dtype_and_non_arrays_are_refused_clearly():
             s.allreduce([1.0, 2.0])
         with pytest.raises(ValueError, match="element 2 is NaN"):
             s.allreduce(np.array([1, 2, np.nan], dtype=np.float32))
+        # named by its index in the tensor (block 4 of 1024 elements), with
+        # or without `out`
+        far = np.ones(5000, dtype=np.float32)
+        far[4321] = np.inf
+        with pytest.raises(ValueError, match="element 4321 is inf"):
+            s.allreduce(far)
+        with pytest.raises(ValueError, match="element 4321 is inf"):
+            s.allreduce(far, out=np.empty_like(far))
         # the session still works after a refused call
         assert s.allreduce(np.ones(3, dtype=np.float32)).tolist() == [1.0, 1.0, 1.0]
 

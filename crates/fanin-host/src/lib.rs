@@ -14,7 +14,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
-use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, SessionError, Tensor};
+use fanin_proto::host::{AllreduceSession, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 use fanin_wire::value::JoinParams;
@@ -226,6 +226,18 @@ impl Session {
     pub fn allreduce(&mut self, tensor: Tensor) -> Result<Outcome, HostError> {
         let now = self.now();
         self.machine.begin(now, tensor)?;
+        self.run_to_completion()
+    }
+
+    /// [`allreduce`](Self::allreduce) of a tensor whose block exponents
+    /// were computed while it was staged ([`Prepared::copy_f32`]).
+    pub fn allreduce_prepared(&mut self, prepared: Prepared) -> Result<Outcome, HostError> {
+        let now = self.now();
+        self.machine.begin_prepared(now, prepared)?;
+        self.run_to_completion()
+    }
+
+    fn run_to_completion(&mut self) -> Result<Outcome, HostError> {
         loop {
             while let Some(ev) = self.machine.poll_event() {
                 match ev {

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use fanin_host::{HostError, Session as HostSession, SessionOptions};
-use fanin_proto::host::{Outcome, SessionError, Tensor};
+use fanin_proto::host::{Outcome, Prepared, SessionError, Tensor};
 use fanin_switch::{DaemonConfig, SwitchHandle};
 
 create_exception!(_native, FaninError, PyRuntimeError, "A fanin operation failed.");
@@ -159,14 +159,22 @@ impl Session {
         // repeated calls touch no fresh memory (page faults cost more than
         // the copy); without it the staged vector becomes the returned
         // array, as before.
-        let tensor = if is_f32 {
+        let per = self.inner.options().session.elems_per_packet as usize;
+        let prepared = if is_f32 {
             let a = array.extract::<PyReadonlyArrayDyn<'py, f32>>()?;
-            Tensor::F32(stage(&a, if out.is_some() { std::mem::take(&mut self.staging_f32) } else { Vec::new() }))
+            let buf = if out.is_some() { std::mem::take(&mut self.staging_f32) } else { Vec::new() };
+            match a.as_slice() {
+                // the block exponents are taken while each block is copied
+                Ok(s) if a.is_c_contiguous() => Prepared::copy_f32(s, per, buf),
+                _ => Prepared::new(Tensor::F32(stage(&a, buf)), per),
+            }
+            .map_err(|e| PyValueError::new_err(e.to_string()))?
         } else {
             let a = array.extract::<PyReadonlyArrayDyn<'py, i32>>()?;
-            Tensor::I32(stage(&a, if out.is_some() { std::mem::take(&mut self.staging_i32) } else { Vec::new() }))
+            let buf = if out.is_some() { std::mem::take(&mut self.staging_i32) } else { Vec::new() };
+            Prepared::new(Tensor::I32(stage(&a, buf)), per).expect("int32 needs no exponents")
         };
-        let mut outcome = py.detach(|| self.inner.allreduce(tensor)).map_err(host_err)?;
+        let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
             let epp = self.inner.options().session.elems_per_packet as usize;
             outcome.average(epp, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;

@@ -204,6 +204,64 @@ impl Tensor {
     }
 }
 
+/// A tensor with the local exponent of each of its blocks computed (float32
+/// block floating point), ready for [`AllreduceSession::begin_prepared`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prepared {
+    tensor: Tensor,
+    local_exp: Vec<i8>,
+    /// The block size the exponents were computed for.
+    per: usize,
+}
+
+impl Prepared {
+    /// The exponents of `tensor`'s blocks of `per` elements (none for int32).
+    /// A value block floating point cannot carry is refused with its index
+    /// in the tensor.
+    pub fn new(tensor: Tensor, per: usize) -> Result<Self, NonFinite> {
+        let per = per.max(1);
+        let local_exp = match &tensor {
+            Tensor::F32(values) => block_exponents(values.chunks(per))?,
+            Tensor::I32(_) => Vec::new(),
+        };
+        Ok(Prepared { tensor, local_exp, per })
+    }
+
+    /// Copy `values` into `buf` (reusing its memory) a block at a time,
+    /// taking each block's exponent while the block is in cache: one pass
+    /// over a large input instead of a copy and then a second read.
+    pub fn copy_f32(values: &[f32], per: usize, mut buf: Vec<f32>) -> Result<Self, NonFinite> {
+        let per = per.max(1);
+        buf.clear();
+        buf.reserve(values.len());
+        let mut local_exp = Vec::with_capacity(values.len().div_ceil(per));
+        for chunk in values.chunks(per) {
+            let start = buf.len();
+            buf.extend_from_slice(chunk);
+            local_exp.push(block_exponent_at(&buf[start..], start)?);
+        }
+        Ok(Prepared { tensor: Tensor::F32(buf), local_exp, per })
+    }
+}
+
+/// Each block's exponent, in order.
+fn block_exponents<'a>(blocks: impl Iterator<Item = &'a [f32]>) -> Result<Vec<i8>, NonFinite> {
+    let mut offset = 0;
+    blocks
+        .map(|block| {
+            let e = block_exponent_at(block, offset);
+            offset += block.len();
+            e
+        })
+        .collect()
+}
+
+/// The exponent of the block starting at element `offset`; a refused value
+/// is reported with its index in the whole tensor, not in its block.
+fn block_exponent_at(block: &[f32], offset: usize) -> Result<i8, NonFinite> {
+    bfp::block_exponent(block).map_err(|e| NonFinite { index: offset + e.index, ..e })
+}
+
 /// A finished allreduce.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
@@ -512,20 +570,30 @@ impl AllreduceSession {
         }
     }
 
+    fn check_ready(&self) -> Result<(), SessionError> {
+        match &self.state {
+            State::Failed(e) => Err(e.clone()),
+            State::Joining { .. } => Err(SessionError::NotReady("still joining the job")),
+            State::Ready if self.op.is_some() => Err(SessionError::NotReady("an allreduce is already running")),
+            State::Ready => Ok(()),
+        }
+    }
+
     /// Start an allreduce of `tensor`. The result comes as `Event::Completed`.
     pub fn begin(&mut self, now: Time, tensor: Tensor) -> Result<(), SessionError> {
-        match &self.state {
-            State::Failed(e) => return Err(e.clone()),
-            State::Joining { .. } => return Err(SessionError::NotReady("still joining the job")),
-            State::Ready if self.op.is_some() => return Err(SessionError::NotReady("an allreduce is already running")),
-            State::Ready => {}
-        }
+        self.check_ready()?;
+        let prepared = Prepared::new(tensor, self.config.elems_per_packet as usize)?;
+        self.begin_prepared(now, prepared)
+    }
+
+    /// Start an allreduce of a tensor whose exponents are already known
+    /// (prepared for another block size, they are computed again).
+    pub fn begin_prepared(&mut self, now: Time, prepared: Prepared) -> Result<(), SessionError> {
+        self.check_ready()?;
         let per = self.config.elems_per_packet as usize;
+        let Prepared { tensor, local_exp, .. } =
+            if prepared.per == per { prepared } else { Prepared::new(prepared.tensor, per)? };
         let n_blocks = tensor.len().div_ceil(per) as u32;
-        let local_exp = match &tensor {
-            Tensor::F32(values) => values.chunks(per).map(bfp::block_exponent).collect::<Result<Vec<_>, _>>()?,
-            Tensor::I32(_) => Vec::new(),
-        };
         let base_block = self.next_block;
         self.next_block = self.next_block.wrapping_add(n_blocks);
         self.gen_id = self.gen_id.wrapping_add(1);
@@ -1443,6 +1511,37 @@ mod tests {
             let kept = s.retained_bytes(b).unwrap();
             assert_eq!(kept, &sent_data[&b][..], "block {b}");
             assert_eq!(Packet::new_checked(kept).unwrap().grad_cnt(), 4);
+        }
+    }
+
+    #[test]
+    fn a_tensor_prepared_while_copied_equals_one_prepared_after() {
+        let values: Vec<f32> = (0..5000).map(|i| ((i * 37) % 1001) as f32 * 0.5f32.powi(i % 40) - 3.0).collect();
+        let copied = Prepared::copy_f32(&values, 64, vec![9.0; 10]).unwrap();
+        assert_eq!(copied, Prepared::new(Tensor::F32(values.clone()), 64).unwrap());
+        // a refused value is named by its index in the tensor, not its block
+        let mut bad = values;
+        bad[4321] = f32::INFINITY;
+        let e = Prepared::copy_f32(&bad, 64, Vec::new()).unwrap_err();
+        assert_eq!((e.index, e.value), (4321, f32::INFINITY));
+        assert_eq!(Prepared::new(Tensor::F32(bad), 1024).unwrap_err().index, 4321);
+    }
+
+    #[test]
+    fn a_tensor_prepared_for_another_block_size_is_prepared_again() {
+        let (mut s, mut sw) = joined(8);
+        let now = Time::from_nanos(1_000);
+        // prepared for blocks of 2; the session sends blocks of 4
+        let values = vec![1.0f32, 2.0, 1000.0, 0.5, 0.25, 3.0];
+        s.begin_prepared(now, Prepared::new(Tensor::F32(values.clone()), 2).unwrap()).unwrap();
+        for _ in 0..10 {
+            let mut out = VecTransmit::new();
+            while s.poll_transmit(now, &mut out) > 0 {}
+            deliver(&mut s, &mut sw, now, out.drain().collect());
+        }
+        match s.poll_event() {
+            Some(Event::Completed(o)) => assert_eq!(o.tensor, Tensor::F32(values)),
+            other => panic!("{other:?}"),
         }
     }
 
