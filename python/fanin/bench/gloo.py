@@ -39,15 +39,17 @@ def _gloo_worker(rank: int, world: int, port: int, n: int, iters: int, results: 
         ref = reference_sum(world, n, "float32")
         err = float(np.max(np.abs(buf.numpy().astype(np.float64) - ref))) if n else 0.0
         ok = bool(np.allclose(buf.numpy(), ref, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(ref)) or 1)))
-        times = []
+        times, cpu = [], []
         for _ in range(iters):
             buf.copy_(x)
             dist.barrier()
+            c0 = time.process_time()  # every thread of this rank, Gloo's included
             t0 = time.perf_counter()
             dist.all_reduce(buf)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         dist.destroy_process_group()
-        results.put({"rank": rank, "ok": True, "times": times, "verified": ok, "max_abs_error": err})
+        results.put({"rank": rank, "ok": True, "times": times, "cpu": cpu, "verified": ok, "max_abs_error": err})
     except BaseException as e:
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
@@ -66,7 +68,8 @@ def run_gloo(workers: int, elements: int, iters: int) -> dict[str, Any]:
     if bad:
         raise RuntimeError("gloo: " + "; ".join(f"rank {r['rank']}: {r['error']}" for r in bad))
     times = [max(r["times"][i] for r in reports) for i in range(iters)]
-    return {"median_s": statistics.median(times), "times_s": times,
+    cpu = [sum(r["cpu"][i] for r in reports) for i in range(iters)]
+    return {"median_s": statistics.median(times), "times_s": times, "cpu_s": cpu,
             "verified": all(r["verified"] for r in reports),
             "max_abs_error": max(r["max_abs_error"] for r in reports)}
 
@@ -105,10 +108,18 @@ def run_gloo_compare(args: Any) -> int:
         "fanin_times_s": fanin_times,
         "fanin_verified": all(r["verified"] for r in fanin_runs),
         "fanin_retransmissions": sum(r["retransmissions"] for r in fanin_runs),
+        # CPU seconds per allreduce, all processes together (fanin: the
+        # workers and the switch). On this 2-core machine every arm is
+        # CPU-bound, so this is the efficiency figure with the least noise.
+        "gloo_cpu_s_per_allreduce": statistics.median(c for r in gloo_runs for c in r["cpu_s"]),
+        "fanin_cpu_s_per_allreduce": statistics.median(c for r in fanin_runs for c in r["cpu_s_times"]),
     }
     result["speedup_vs_gloo"] = result["gloo_median_s"] / result["fanin_median_s"]
+    result["cpu_ratio_vs_gloo"] = result["gloo_cpu_s_per_allreduce"] / result["fanin_cpu_s_per_allreduce"]
     human = (f"{args.workers} workers x {format_size(size)} float32: Gloo {result['gloo_median_s']:.3f} s, "
-             f"fanin {result['fanin_median_s']:.3f} s -> fanin is {result['speedup_vs_gloo']:.2f}x Gloo's speed "
+             f"fanin {result['fanin_median_s']:.3f} s -> fanin is {result['speedup_vs_gloo']:.2f}x Gloo's speed; "
+             f"CPU per allreduce Gloo {result['gloo_cpu_s_per_allreduce']:.3f} s, fanin "
+             f"{result['fanin_cpu_s_per_allreduce']:.3f} s "
              f"(verified: gloo={result['gloo_verified']}, fanin={result['fanin_verified']})")
     if args.json:
         print(json.dumps(result))

@@ -120,6 +120,7 @@ class AllreduceRun:
                 out["auth_cpu_ratio"] = sum(self.cpu_s["fanin"]) / sum(self.cpu_s["auth"])
         # Where the cores went, per arm: all workers plus the switch, and the
         # switch alone (median CPU seconds per allreduce).
+        out["cpu_s_times"] = self.cpu_s.get("fanin", [])
         out["cpu_s_per_allreduce"] = {
             k: {"total": statistics.median(v), "switch": statistics.median(self.switch_cpu_s[k])}
             for k, v in self.cpu_s.items() if v}
