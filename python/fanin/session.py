@@ -124,8 +124,12 @@ class Session:
         C-contiguous, writable; ``out=array`` reduces in place, as
         ``torch.distributed.all_reduce`` does) and return it. For repeated
         allreduces of large tensors this is the fast path: the session then
-        keeps one staging buffer of the tensor's size and no call touches
-        fresh memory, whose page faults cost more than the copies.
+        keeps one staging buffer of the tensor's size, no call touches
+        fresh memory (whose page faults cost more than the copies), and the
+        sum is written into ``out`` directly as each block's result arrives.
+        Like numpy's own ``out=``, that happens without the GIL: no other
+        thread may use ``out`` until the call returns, and if the call
+        raises, ``out`` holds a partial result.
         """
         if not isinstance(array, np.ndarray):
             raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")

@@ -52,6 +52,10 @@ def test_out_receives_the_sum_in_place_and_in_a_given_array(dtype):
             y2 = s.allreduce(x, out=y)
             z = x.copy()
             s.allreduce(z, out=z)  # in place, like torch.distributed.all_reduce
+            if dtype == "float32":
+                mean = s.allreduce(x, average=True)
+                mean_out = s.allreduce(x, average=True, out=np.empty_like(x))
+                assert mean_out.tobytes() == mean.tobytes()
             return fresh, y.copy(), y2.copy(), z
 
         results = run_workers(sw.data_addr, n, work)
@@ -108,11 +112,18 @@ def test_loss_everywhere_is_recovered():
         def work(rank):
             s = fanin.Session(sw.data_addr, 1, rank, send_drop=0.1, seed=rank, rto_ms=5, rto_min_ms=2)
             y = s.allreduce(worker_inputs(rank, 100_000, "int32"))
-            return y, s.last_stats["retransmissions"], s.socket_stats()
+            retransmissions = s.last_stats["retransmissions"]
+            # into a given array (the sum written there directly) as well
+            x = worker_inputs(rank, 100_000, "float32")
+            into = s.allreduce(x, out=np.empty_like(x))
+            retransmissions += s.last_stats["retransmissions"]
+            return y, retransmissions, s.socket_stats(), into
 
         results = run_workers(sw.data_addr, n, work)
         counters = sw.counters()
     assert check_result(results[0][0], n, "int32", 1024)["ok"]
+    assert check_result(results[0][3], n, "float32", 1024)["ok"]
+    assert all(r[3].tobytes() == results[0][3].tobytes() for r in results)
     assert sum(r[1] for r in results) > 0
     assert all(r[2]["dropped_by_fault_injection"] > 0 for r in results)
     assert counters["duplicate"] > 0 and counters["malformed"] == 0

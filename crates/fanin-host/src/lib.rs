@@ -14,7 +14,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
-use fanin_proto::host::{AllreduceSession, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor};
+use fanin_proto::host::{AllreduceSession, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 use fanin_wire::value::JoinParams;
@@ -235,6 +235,23 @@ impl Session {
         let now = self.now();
         self.machine.begin_prepared(now, prepared)?;
         self.run_to_completion()
+    }
+
+    /// [`allreduce_prepared`](Self::allreduce_prepared) writing the sum into
+    /// `out` (same dtype and length) instead of over the input, which comes
+    /// back unchanged as the outcome's `tensor` (to reuse its memory). For
+    /// an output the caller owns (a numpy `out=` array): no copy of the
+    /// result, and none of the contributions retained for a switch restart.
+    pub fn allreduce_into(&mut self, prepared: Prepared, out: TensorMut<'_>) -> Result<Outcome, HostError> {
+        let now = self.now();
+        // SAFETY: `out` is borrowed for this whole call, and the allreduce
+        // ends before the call returns: it completes or fails inside
+        // `run_to_completion`, and on any other way out (an I/O error, a
+        // panic) `abandon` ends it.
+        unsafe { self.machine.begin_into(now, prepared, out)? };
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_to_completion()));
+        self.machine.abandon(); // (nothing left to end after a result)
+        result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 
     fn run_to_completion(&mut self) -> Result<Outcome, HostError> {

@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use fanin_proto::fault::SplitMix64;
-use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, Tensor};
+use fanin_proto::host::{AllreduceSession, Event, Outcome, Prepared, SessionConfig, Tensor, TensorMut};
 use fanin_proto::switch::{ShardConfig, ValueSwitch};
 use fanin_proto::{JobSpec, Time, VecTransmit};
 use fanin_wire::value::{Packet, JOIN_RECOVER};
@@ -43,6 +43,12 @@ struct Net {
     deaf: Vec<Option<u32>>,
     /// The switch is down: datagrams to it vanish.
     down: bool,
+    /// Workers write their sums into lent output buffers (`begin_into`),
+    /// so retained contributions are emitted from the intact input.
+    lend: bool,
+    /// Each worker's lent output for its running allreduce (the heap
+    /// buffer stays put while the `Tensor` moves).
+    outs: Vec<Option<Tensor>>,
 }
 
 fn spec(workers: u16, slots: u32) -> JobSpec {
@@ -79,6 +85,8 @@ impl Net {
             loss,
             deaf: vec![None; workers],
             down: false,
+            lend: false,
+            outs: vec![None; workers],
         };
         // join without loss
         let loss = std::mem::replace(&mut net.loss, 0.0);
@@ -140,7 +148,10 @@ impl Net {
             }
             while let Some(ev) = self.ws[w].poll_event() {
                 match ev {
-                    Event::Completed(o) => {
+                    Event::Completed(mut o) => {
+                        if let Some(sum) = self.outs[w].take() {
+                            o.tensor = sum; // the handed-back input is not the result
+                        }
                         self.done[w].push(o);
                         self.done_at[w].push(self.now);
                     }
@@ -155,7 +166,23 @@ impl Net {
             }
             if self.ws[w].is_ready() {
                 if let Some(t) = self.todo[w].pop_front() {
-                    self.ws[w].begin(self.now, t).unwrap();
+                    if self.lend {
+                        let out = self.outs[w].insert(match &t {
+                            Tensor::I32(v) => Tensor::I32(vec![i32::MIN; v.len()]),
+                            Tensor::F32(v) => Tensor::F32(vec![f32::NAN; v.len()]),
+                        });
+                        let out = match out {
+                            Tensor::I32(v) => TensorMut::I32(v),
+                            Tensor::F32(v) => TensorMut::F32(v),
+                        };
+                        let prepared = Prepared::new(t, self.ws[w].config().elems_per_packet as usize).unwrap();
+                        // SAFETY: the buffer lives in `outs[w]` (its heap
+                        // memory does not move) and is read only after the
+                        // allreduce completed; a failure panics the test.
+                        unsafe { self.ws[w].begin_into(self.now, prepared, out) }.unwrap();
+                    } else {
+                        self.ws[w].begin(self.now, t).unwrap();
+                    }
                 }
             }
             let mut out = VecTransmit::new();
@@ -256,9 +283,10 @@ fn load_float(net: &mut Net, inputs: &[Vec<Vec<f32>>]) {
 /// first allreduce and runs a full window (S = 4 blocks) into the second;
 /// worker 1 lacks the last four results of the first. The restarted switch
 /// must recompute those four from worker 0's retained contributions.
-fn worst_case(float: bool) {
+fn worst_case(float: bool, lend: bool) {
     let lens = [6usize, 6, 6];
     let mut net = Net::new(2, 4, 4, 1, 0.0, 7);
+    net.lend = lend;
     let (ints, floats) = (int_tensors(2, &lens, 1), float_tensors(2, &lens, 1));
     if float {
         load_float(&mut net, &floats);
@@ -294,12 +322,24 @@ fn worst_case(float: bool) {
 
 #[test]
 fn worst_case_fast_worker_a_full_window_ahead_across_an_allreduce_boundary_int32() {
-    worst_case(false);
+    worst_case(false, false);
+}
+
+/// The same with lent outputs: worker 0's retained blocks of the first
+/// allreduce were emitted from its input when that allreduce ended.
+#[test]
+fn worst_case_with_lent_outputs_int32() {
+    worst_case(false, true);
+}
+
+#[test]
+fn worst_case_with_lent_outputs_float32() {
+    worst_case(true, true);
 }
 
 #[test]
 fn worst_case_fast_worker_a_full_window_ahead_across_an_allreduce_boundary_float32() {
-    worst_case(true);
+    worst_case(true, false);
 }
 
 #[test]
@@ -416,10 +456,11 @@ fn at_fraction(loaded: impl Fn() -> Net, ops: usize, at: f64) -> Net {
 /// False if the case does not apply: a worker finished its last allreduce
 /// before the switch came back (it stopped calling allreduce, so it cannot
 /// take part in a recovery; `recovery_fails_cleanly_when_a_member_never_rejoins`).
-fn restart_run(workers: usize, lens: &[usize], float: bool, loss: f64, restart_at: f64, seed: u64) -> bool {
+fn restart_run(workers: usize, lens: &[usize], float: bool, lend: bool, loss: f64, restart_at: f64, seed: u64) -> bool {
     let (ints, floats) = (int_tensors(workers, lens, seed), float_tensors(workers, lens, seed));
     let loaded = || {
         let mut net = Net::new(workers, 4, 4, 4, loss, seed);
+        net.lend = lend;
         if float {
             load_float(&mut net, &floats);
         } else {
@@ -487,11 +528,12 @@ proptest! {
         workers in 2usize..=4,
         lens in proptest::collection::vec(1usize..=80, 1..=4),
         float in any::<bool>(),
+        lend in any::<bool>(),
         loss in prop_oneof![Just(0.0), 0.0f64..0.1],
         restart_after in 0.0f64..1.0,
         seed in any::<u64>(),
     ) {
-        prop_assume!(restart_run(workers, &lens, float, loss, restart_after, seed));
+        prop_assume!(restart_run(workers, &lens, float, lend, loss, restart_after, seed));
     }
 }
 

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use fanin_host::{HostError, Session as HostSession, SessionOptions};
-use fanin_proto::host::{Outcome, Prepared, SessionError, Tensor};
+use fanin_proto::host::{Outcome, Prepared, SessionError, Tensor, TensorMut};
 use fanin_switch::{DaemonConfig, SwitchHandle};
 
 create_exception!(_native, FaninError, PyRuntimeError, "A fanin operation failed.");
@@ -120,7 +120,10 @@ impl Session {
     /// Sum `array` (int32 or float32, any shape) over every member of the job.
     /// Returns a new array of the same shape and dtype, or, with `out`, writes
     /// the sum into `out` (a writable C-contiguous array of the same shape
-    /// and dtype; it may be `array` itself) and returns it. With `average`,
+    /// and dtype; it may be `array` itself) and returns it: the sum is
+    /// written into `out` directly, without the GIL, as numpy's own `out=`
+    /// does, so no other thread may use `out` until the call returns (if the
+    /// call fails, `out` holds a partial result). With `average`,
     /// each block is divided by the number of sources its result summed
     /// (`src_cnt`; fewer than the job size for a partial result). The GIL is
     /// released while communicating.
@@ -174,30 +177,47 @@ impl Session {
             let buf = if out.is_some() { std::mem::take(&mut self.staging_i32) } else { Vec::new() };
             Prepared::new(Tensor::I32(stage(&a, buf)), per).expect("int32 needs no exponents")
         };
-        let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
-        if average {
-            let epp = self.inner.options().session.elems_per_packet as usize;
-            outcome.average(epp, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let Some(o) = out else {
+            let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
+            if average {
+                outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            }
+            // the result vector becomes the array's buffer (no copy); the
+            // rest of the outcome stays for last_stats
+            let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
+            self.last = Some(outcome);
+            return match tensor {
+                Tensor::F32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+                Tensor::I32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+            };
+        };
+        // The sum is written straight into `out`, borrowed for the call
+        // (checked above; the input was staged first, so `out` may be the
+        // input itself) and written without the GIL, as numpy's own `out=`
+        // does. The staged input comes back to be reused by the next call.
+        let inner = &mut self.inner;
+        let mut outcome = if is_f32 {
+            let mut w = o.extract::<PyReadwriteArrayDyn<'py, f32>>()?;
+            let dst = w.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+            py.detach(|| {
+                let outcome = inner.allreduce_into(prepared, TensorMut::F32(&mut *dst))?;
+                if average {
+                    outcome.average_into(dst, per, inner.n_sources());
+                }
+                Ok::<_, HostError>(outcome)
+            })
+        } else {
+            let mut w = o.extract::<PyReadwriteArrayDyn<'py, i32>>()?;
+            let dst = w.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+            py.detach(|| inner.allreduce_into(prepared, TensorMut::I32(dst)))
         }
-        // the result vector becomes the array's buffer (no copy), or is
-        // copied into `out` and kept for the next call; the rest of the
-        // outcome stays for last_stats
-        let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
+        .map_err(host_err)?;
+        match std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new())) {
+            Tensor::F32(v) => self.staging_f32 = v,
+            Tensor::I32(v) => self.staging_i32 = v,
+        }
         self.last = Some(outcome);
-        match (tensor, out) {
-            (Tensor::F32(v), Some(o)) => {
-                write_out(o, &v)?;
-                self.staging_f32 = v;
-                Ok(o.clone())
-            }
-            (Tensor::I32(v), Some(o)) => {
-                write_out(o, &v)?;
-                self.staging_i32 = v;
-                Ok(o.clone())
-            }
-            (Tensor::F32(v), None) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
-            (Tensor::I32(v), None) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
-        }
+        Ok(o.clone())
     }
 
     /// Statistics of the last allreduce: retransmissions, trimmed (Trimmed
@@ -486,14 +506,6 @@ fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> Py
         return Err(PyValueError::new_err("out must be C-contiguous (e.g. np.empty_like(a, order='C'))"));
     }
     o.try_readwrite().map(drop).map_err(|e| PyValueError::new_err(format!("out is not writable: {e}")))
-}
-
-/// Copy a result into `out` (checked by `check_out` before communicating).
-fn write_out<T: Element + Copy>(out: &Bound<'_, PyAny>, result: &[T]) -> PyResult<()> {
-    let mut o = out.extract::<PyReadwriteArrayDyn<'_, T>>()?;
-    let dst = o.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
-    dst.copy_from_slice(result);
-    Ok(())
 }
 
 #[pymodule]

@@ -58,9 +58,12 @@ use crate::job::shard_of;
 use crate::time::Time;
 use crate::transmit::Transmit;
 
+mod output;
 mod recovery;
 
-use recovery::Recovery;
+pub use output::TensorMut;
+use output::Lent;
+use recovery::{Kept, Recovery};
 
 /// Worker-side parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -265,7 +268,9 @@ fn block_exponent_at(block: &[f32], offset: usize) -> Result<i8, NonFinite> {
 /// A finished allreduce.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
-    /// The reduced tensor (sum over the sources each block reports).
+    /// The reduced tensor (sum over the sources each block reports); after
+    /// [`AllreduceSession::begin_into`], which wrote the sum into the
+    /// caller's buffer, the input handed back unchanged (to reuse its memory).
     pub tensor: Tensor,
     pub gen_id: u16,
     pub blocks: u32,
@@ -307,16 +312,27 @@ impl Outcome {
         let Tensor::F32(values) = &mut self.tensor else {
             return Err(SessionError::Config("averaging needs a float tensor".into()));
         };
-        let scale = 1.0 / n_sources.max(1) as f32;
-        values.iter_mut().for_each(|v| *v *= scale);
-        for &(idx, cnt) in &self.degraded_blocks {
-            let start = idx as usize * elems_per_packet;
-            let end = (start + elems_per_packet).min(values.len());
-            // undo the job-size division, apply the block's own
-            let fix = if cnt == 0 { 0.0 } else { n_sources as f32 / cnt as f32 };
-            values[start..end].iter_mut().for_each(|v| *v *= fix);
-        }
+        average_blocks(values, &self.degraded_blocks, elems_per_packet, n_sources);
         Ok(())
+    }
+
+    /// [`average`](Self::average) of a sum written into the caller's buffer
+    /// ([`AllreduceSession::begin_into`]).
+    pub fn average_into(&self, values: &mut [f32], elems_per_packet: usize, n_sources: u16) {
+        average_blocks(values, &self.degraded_blocks, elems_per_packet, n_sources);
+    }
+}
+
+/// Divide each block of `values` by the sources its result summed.
+fn average_blocks(values: &mut [f32], degraded_blocks: &[(u32, u16)], elems_per_packet: usize, n_sources: u16) {
+    let scale = 1.0 / n_sources.max(1) as f32;
+    values.iter_mut().for_each(|v| *v *= scale);
+    for &(idx, cnt) in degraded_blocks {
+        let start = idx as usize * elems_per_packet;
+        let end = (start + elems_per_packet).min(values.len());
+        // undo the job-size division, apply the block's own
+        let fix = if cnt == 0 { 0.0 } else { n_sources as f32 / cnt as f32 };
+        values[start..end].iter_mut().for_each(|v| *v *= fix);
     }
 }
 
@@ -381,7 +397,11 @@ struct BlockState {
 }
 
 struct Op {
+    /// The input; the results overwrite it unless an output was lent.
     tensor: Tensor,
+    /// The caller's output buffer (`begin_into`): results go there and the
+    /// input stays intact.
+    lent: Option<Lent>,
     /// Block id of the tensor's first block.
     base_block: u32,
     blocks: Vec<BlockState>,
@@ -462,7 +482,7 @@ pub struct AllreduceSession {
     /// without one, which a peer may still lack. After a switch restart they
     /// are sent again so the new incarnation can recompute those blocks
     /// (docs/restart.md).
-    retained: BTreeMap<u32, Vec<u8>>,
+    retained: BTreeMap<u32, Kept>,
     /// Buffers of pruned retained contributions, reused.
     spare: Vec<Vec<u8>>,
     /// First data transmissions of the blocks in flight, to be retained.
@@ -589,6 +609,38 @@ impl AllreduceSession {
     /// Start an allreduce of a tensor whose exponents are already known
     /// (prepared for another block size, they are computed again).
     pub fn begin_prepared(&mut self, now: Time, prepared: Prepared) -> Result<(), SessionError> {
+        self.begin_op(now, prepared, None)
+    }
+
+    /// Start an allreduce of `prepared` whose sum is written into `out`
+    /// (same dtype and length) instead of over the input, which comes back
+    /// unchanged in the `Outcome`. Saves copying the result into memory the
+    /// session cannot own, and keeps the input intact, so the contributions
+    /// retained for a switch restart need no copy either (see `output`).
+    ///
+    /// # Safety
+    ///
+    /// `out`'s memory must stay valid, and nothing else may read or write
+    /// it, until this allreduce ends: `Event::Completed` or `Event::Failed`
+    /// is queued, or [`abandon`](Self::abandon) returns. (The borrow cannot
+    /// be tied to the session, which outlives the call.)
+    /// `fanin_host::Session::allreduce_into` is the safe wrapper.
+    pub unsafe fn begin_into(&mut self, now: Time, prepared: Prepared, out: TensorMut<'_>) -> Result<(), SessionError> {
+        let (want, len) = (prepared.tensor.dtype(), prepared.tensor.len());
+        let lent = Lent::new(out, &prepared.tensor).ok_or_else(|| {
+            SessionError::Config(format!("the output must match the input ({want:?}, {len} elements)"))
+        })?;
+        self.begin_op(now, prepared, Some(lent))
+    }
+
+    /// End the running allreduce, if any, without a result: its lent output
+    /// is released and no event is queued for it. For a driver that gives up
+    /// (an I/O error) so that `begin_into`'s buffer is free again.
+    pub fn abandon(&mut self) {
+        drop(self.end_op());
+    }
+
+    fn begin_op(&mut self, now: Time, prepared: Prepared, lent: Option<Lent>) -> Result<(), SessionError> {
         self.check_ready()?;
         let per = self.config.elems_per_packet as usize;
         let Prepared { tensor, local_exp, .. } =
@@ -610,6 +662,7 @@ impl AllreduceSession {
         let blocks = vec![fresh; n_blocks as usize];
         self.op = Some(Op {
             tensor,
+            lent,
             base_block,
             blocks,
             local_exp,
@@ -840,7 +893,9 @@ impl AllreduceSession {
             // the capture (to be retained when its result comes) and sent as
             // a copy, sealed if the job is keyed.
             let (config, n_sources, gen_id) = (&self.config, self.n_sources, self.gen_id);
-            let captured = if exp_only || retransmission {
+            // (With a lent output the input stays intact: a retained
+            // contribution is emitted again from it, nothing is captured.)
+            let captured = if exp_only || retransmission || op.lent.is_some() {
                 None
             } else {
                 let op = &*op;
@@ -1056,25 +1111,28 @@ impl AllreduceSession {
         }
         // Keep this worker's contribution (scaled with the block's exponent)
         // before the result overwrites the tensor: a peer may still lack the
-        // result if the switch restarts.
+        // result if the switch restarts. With a lent output nothing is
+        // overwritten: it can be emitted again from the input if needed.
         op.blocks[idx as usize].exp = repr.exp;
-        let buf = match self.captured.take(repr.block_id, repr.exp) {
-            Some(sent) => sent,
-            None => {
-                let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
-                emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
-                buf.0
-            }
+        let kept = if op.lent.is_some() {
+            Kept::FromInput
+        } else {
+            Kept::Bytes(match self.captured.take(repr.block_id, repr.exp) {
+                Some(sent) => sent,
+                None => {
+                    let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
+                    emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
+                    buf.0
+                }
+            })
         };
-        self.retained.insert(repr.block_id, buf);
+        self.retained.insert(repr.block_id, kept);
         let Some(op) = self.op.as_mut() else { return };
-        let block = &mut op.blocks[idx as usize];
-        match &mut op.tensor {
-            Tensor::I32(v) => read_elements(payload, &mut v[start..start + count]),
-            Tensor::F32(v) => {
-                bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, &mut v[start..start + count])
-            }
+        match op.output_block(start, count) {
+            TensorMut::I32(v) => read_elements(payload, v),
+            TensorMut::F32(v) => bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, v),
         }
+        let block = &mut op.blocks[idx as usize];
         if let Some(first) = block.first_sent {
             let latency = now.saturating_since(first);
             op.latency_sum += latency;
@@ -1145,16 +1203,16 @@ impl AllreduceSession {
             if known {
                 let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
                 emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
-                self.retained.insert(repr.block_id, buf.0);
+                self.retained.insert(repr.block_id, Kept::Bytes(buf.0));
             }
         }
         let Some(op) = self.op.as_mut() else { return };
         let per = self.config.elems_per_packet as usize;
         let start = idx as usize * per;
-        let end = (start + per).min(op.tensor.len());
-        match &mut op.tensor {
-            Tensor::I32(v) => v[start..end].fill(0),
-            Tensor::F32(v) => v[start..end].fill(0.0),
+        let count = (op.tensor.len() - start).min(per);
+        match op.output_block(start, count) {
+            TensorMut::I32(v) => v.fill(0),
+            TensorMut::F32(v) => v.fill(0.0),
         }
         op.missed += 1;
         op.last_progress = now;
@@ -1200,8 +1258,16 @@ impl AllreduceSession {
         op.last_progress + rto
     }
 
+    /// Take the running allreduce out of the session, releasing its lent
+    /// output: the contributions retained from its input are emitted now,
+    /// while the input is still at hand.
+    fn end_op(&mut self) -> Option<Op> {
+        self.materialize_retained();
+        self.op.take()
+    }
+
     fn finish_op(&mut self) {
-        let Some(op) = self.op.take() else { return };
+        let Some(op) = self.end_op() else { return };
         self.events.push_back(Event::Completed(Outcome {
             blocks: op.blocks.len() as u32,
             tensor: op.tensor,
@@ -1221,7 +1287,7 @@ impl AllreduceSession {
         if matches!(self.state, State::Failed(_)) {
             return;
         }
-        self.op = None;
+        drop(self.end_op());
         self.state = State::Failed(err.clone());
         self.events.push_back(Event::Failed(err));
     }
@@ -1267,6 +1333,13 @@ impl Op {
     }
 
     /// Blocks sent (at least once) whose result has not arrived.
+    fn output_block(&mut self, start: usize, count: usize) -> TensorMut<'_> {
+        match &mut self.lent {
+            Some(lent) => lent.block(start, count),
+            None => output::tensor_block(&mut self.tensor, start, count),
+        }
+    }
+
     fn outstanding(&self) -> u32 {
         self.next_new - (self.done - self.done_ahead)
     }
@@ -1468,18 +1541,30 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_retained_contribution_is_the_very_datagram_first_sent() {
+    /// Runs one float allreduce of 40 elements with block 3's first data
+    /// transmission lost, either owning the tensor or writing into a lent
+    /// output; returns the sum, the tensor the outcome handed back, the
+    /// first data transmission of each block and the session.
+    fn run_lossy_40(lend: bool) -> (Vec<f32>, Tensor, std::collections::HashMap<u32, Vec<u8>>, AllreduceSession) {
         let (mut s, mut sw) = joined(8);
         let now = Time::from_nanos(1_000);
         let values: Vec<f32> = (0..40).map(|i| (i as f32 - 17.5) * 0.37).collect();
-        s.begin(now, Tensor::F32(values)).unwrap();
+        let mut out = vec![f32::NAN; 40];
+        let prepared = Prepared::new(Tensor::F32(values), 4).unwrap();
+        if lend {
+            // SAFETY: `out` outlives the allreduce, which completes below
+            // (asserted) before `out` is read.
+            unsafe { s.begin_into(now, prepared, TensorMut::F32(&mut out)) }.unwrap();
+        } else {
+            s.begin_prepared(now, prepared).unwrap();
+        }
         let mut sent_data = std::collections::HashMap::new();
         let mut lost_once = false;
+        let mut outcome = None;
         for _ in 0..100 {
-            let mut out = VecTransmit::new();
-            while s.poll_transmit(now, &mut out) > 0 {}
-            let mut batch: Vec<_> = out.drain().collect();
+            let mut tx = VecTransmit::new();
+            while s.poll_transmit(now, &mut tx) > 0 {}
+            let mut batch: Vec<_> = tx.drain().collect();
             for (_, b) in &batch {
                 let p = Packet::new_checked(&b[..]).unwrap();
                 if !p.exp_only() && p.msg_type_code() == MessageType::Contribution as u8 {
@@ -1499,19 +1584,72 @@ mod tests {
                 }
             }
             deliver(&mut s, &mut sw, now, batch);
-            if let Some(Event::Completed(_)) = s.poll_event() {
+            if let Some(Event::Completed(o)) = s.poll_event() {
+                outcome = Some(o);
                 break;
             }
         }
         assert!(lost_once);
-        assert_eq!(s.captured.pending(), 0, "every result took its block's capture (none emitted twice)");
-        let retained = s.retained_blocks();
-        assert_eq!(retained, (0..10).collect::<Vec<_>>(), "every block of the one allreduce");
-        for b in retained {
-            let kept = s.retained_bytes(b).unwrap();
-            assert_eq!(kept, &sent_data[&b][..], "block {b}");
-            assert_eq!(Packet::new_checked(kept).unwrap().grad_cnt(), 4);
+        let o = outcome.expect("the allreduce completes");
+        let sum = if lend { out } else { let Tensor::F32(v) = o.tensor.clone() else { unreachable!() }; v };
+        (sum, o.tensor, sent_data, s)
+    }
+
+    #[test]
+    fn a_retained_contribution_is_the_very_datagram_first_sent() {
+        for lend in [false, true] {
+            let (_, _, sent_data, s) = run_lossy_40(lend);
+            assert_eq!(s.captured.pending(), 0, "every result took its block's capture (none emitted twice)");
+            let retained = s.retained_blocks();
+            assert_eq!(retained, (0..10).collect::<Vec<_>>(), "every block of the one allreduce");
+            for b in retained {
+                let kept = s.retained_bytes(b).expect("emitted by the time the allreduce ended");
+                assert_eq!(kept, &sent_data[&b][..], "block {b}, lent output {lend}");
+                assert_eq!(Packet::new_checked(kept).unwrap().grad_cnt(), 4);
+            }
         }
+    }
+
+    #[test]
+    fn a_lent_output_gets_the_same_sum_and_the_input_comes_back_unchanged() {
+        let (owned_sum, _, _, _) = run_lossy_40(false);
+        let (lent_sum, handed_back, _, _) = run_lossy_40(true);
+        assert_eq!(lent_sum, owned_sum, "bit-identical to the owned path");
+        let values: Vec<f32> = (0..40).map(|i| (i as f32 - 17.5) * 0.37).collect();
+        assert_eq!(handed_back, Tensor::F32(values), "the input, untouched");
+        assert!(lent_sum.iter().all(|v| v.is_finite()), "every element written");
+    }
+
+    #[test]
+    fn a_lent_output_of_the_wrong_shape_or_dtype_is_refused_before_anything_is_sent() {
+        let (mut s, _) = joined(8);
+        let now = Time::from_nanos(1_000);
+        let mut short = vec![0.0f32; 7];
+        let mut ints = vec![0i32; 8];
+        for out in [TensorMut::F32(&mut short), TensorMut::I32(&mut ints)] {
+            let prepared = Prepared::new(Tensor::F32(vec![1.0; 8]), 4).unwrap();
+            // SAFETY: refused, so the session keeps nothing.
+            let err = unsafe { s.begin_into(now, prepared, out) }.unwrap_err();
+            assert!(err.to_string().contains("output must match the input"), "{err}");
+        }
+        let mut tx = VecTransmit::new();
+        assert_eq!(s.poll_transmit(now, &mut tx), 0, "nothing sent");
+        assert!(s.op.is_none());
+    }
+
+    #[test]
+    fn abandoning_an_allreduce_releases_its_output_and_the_session_can_begin_again() {
+        let (mut s, _) = joined(8);
+        let now = Time::from_nanos(1_000);
+        let mut out = vec![0i32; 8];
+        // SAFETY: abandoned below, before `out` is used again.
+        unsafe { s.begin_into(now, Prepared::new(Tensor::I32(vec![1; 8]), 4).unwrap(), TensorMut::I32(&mut out)) }
+            .unwrap();
+        let mut tx = VecTransmit::new();
+        assert!(s.poll_transmit(now, &mut tx) > 0);
+        s.abandon();
+        assert!(s.op.is_none() && s.poll_event().is_none(), "ended without an event");
+        s.begin(now, Tensor::I32(vec![1; 8])).unwrap();
     }
 
     #[test]

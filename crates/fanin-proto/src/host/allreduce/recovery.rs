@@ -29,7 +29,7 @@ use std::time::Duration;
 use fanin_wire::value::{incarnation_tag, JoinParams, Packet, Repr, HEADER_LEN, JOIN_RECOVER};
 use fanin_wire::MessageType;
 
-use super::{AllreduceSession, BlockPhase, Op, SessionError};
+use super::{emit_block, AllreduceSession, BlockPhase, Op, SessionError};
 use crate::auth::push_sealed;
 use crate::job::shard_of;
 use crate::time::Time;
@@ -45,6 +45,18 @@ const JOIN_INTERVAL_MAX: Duration = Duration::from_millis(50);
 /// out come a window at a time; a smaller pool frees most of a burst's
 /// buffers only to allocate (and zero) as many again for the next.
 const SPARE_BUFFERS_MIN: usize = 64;
+
+/// A contribution retained for a switch restart.
+#[derive(Debug)]
+pub(super) enum Kept {
+    /// The datagram's bytes (unsealed).
+    Bytes(Vec<u8>),
+    /// A block of the running allreduce whose output was lent
+    /// (`begin_into`): its input is intact, so the contribution is emitted
+    /// from it again only if it is needed, and before the allreduce ends
+    /// (`materialize_retained`).
+    FromInput,
+}
 
 /// A transmit sink holding one datagram, to capture a contribution.
 pub(super) struct OneBuf(pub Vec<u8>);
@@ -329,7 +341,19 @@ impl AllreduceSession {
             if last.is_some() {
                 continue;
             }
-            let Some(bytes) = self.retained.get(&block_id) else { continue };
+            let fresh;
+            let bytes = match self.retained.get(&block_id) {
+                Some(Kept::Bytes(bytes)) => bytes,
+                Some(Kept::FromInput) => {
+                    let Some(op) = self.op.as_ref() else { continue };
+                    let mut one = OneBuf(Vec::new());
+                    let idx = block_id.wrapping_sub(op.base_block);
+                    emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut one);
+                    fresh = one.0;
+                    &fresh
+                }
+                None => continue,
+            };
             let shard = shard_of(self.config.job_id, block_id, params.block_cnt_max, params.shard_count);
             // Retained unsealed; a keyed job seals each resend afresh.
             let seal = self.sealer.as_mut().map(|s| (s.key, s.take_seq()));
@@ -371,10 +395,30 @@ impl AllreduceSession {
             if *entry.key() >= cut {
                 break;
             }
-            let buf = entry.remove();
-            if self.spare.len() < (block_cnt_max as usize).max(SPARE_BUFFERS_MIN) {
-                self.spare.push(buf);
+            if let Kept::Bytes(buf) = entry.remove() {
+                if self.spare.len() < (block_cnt_max as usize).max(SPARE_BUFFERS_MIN) {
+                    self.spare.push(buf);
+                }
             }
+        }
+    }
+
+    /// Emit the retained contributions still referring to the running
+    /// allreduce's input (`Kept::FromInput`): it is about to end and hand
+    /// the input back. At most one slot-cycle of blocks is left by then.
+    pub(super) fn materialize_retained(&mut self) {
+        let (Some(params), Some(op)) = (self.params, self.op.as_ref()) else { return };
+        if op.lent.is_none() {
+            return;
+        }
+        for (&block_id, kept) in self.retained.iter_mut() {
+            let idx = block_id.wrapping_sub(op.base_block);
+            if !matches!(kept, Kept::FromInput) || idx >= op.blocks.len() as u32 {
+                continue;
+            }
+            let mut buf = OneBuf(self.spare.pop().unwrap_or_default());
+            emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
+            *kept = Kept::Bytes(buf.0);
         }
     }
 
@@ -383,8 +427,13 @@ impl AllreduceSession {
         self.retained.keys().copied().collect()
     }
 
+    /// A retained contribution's bytes (`None` while it is still to be
+    /// emitted from the input), for tests.
     #[cfg(test)]
     pub(crate) fn retained_bytes(&self, block_id: u32) -> Option<&[u8]> {
-        self.retained.get(&block_id).map(Vec::as_slice)
+        match self.retained.get(&block_id)? {
+            Kept::Bytes(b) => Some(b),
+            Kept::FromInput => None,
+        }
     }
 }
