@@ -899,8 +899,8 @@ impl AllreduceSession {
                 None
             } else {
                 let op = &*op;
-                self.captured.record(block_id, params.block_cnt_max, &mut self.spare, |one| {
-                    emit_block(config, &params, n_sources, gen_id, op, idx, false, false, None, one)
+                self.captured.record(block_id, params.block_cnt_max, &mut self.spare, |buf| {
+                    recovery::emit_contribution(config, &params, n_sources, gen_id, op, idx, buf)
                 })
             };
             match captured {
@@ -1120,9 +1120,8 @@ impl AllreduceSession {
             Kept::Bytes(match self.captured.take(repr.block_id, repr.exp) {
                 Some(sent) => sent,
                 None => {
-                    let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
-                    emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
-                    buf.0
+                    let buf = self.spare.pop().unwrap_or_default();
+                    recovery::emit_contribution(&self.config, &params, self.n_sources, self.gen_id, op, idx, buf)
                 }
             })
         };
@@ -1201,9 +1200,9 @@ impl AllreduceSession {
             // exponent; otherwise the block cannot be sent again exactly).
             let known = !op.tensor.dtype().is_block_floating_point() || op.blocks[idx as usize].exp != EXP_NONE;
             if known {
-                let mut buf = recovery::OneBuf(self.spare.pop().unwrap_or_default());
-                emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
-                self.retained.insert(repr.block_id, Kept::Bytes(buf.0));
+                let buf = self.spare.pop().unwrap_or_default();
+                let buf = recovery::emit_contribution(&self.config, &params, self.n_sources, self.gen_id, op, idx, buf);
+                self.retained.insert(repr.block_id, Kept::Bytes(buf));
             }
         }
         let Some(op) = self.op.as_mut() else { return };
@@ -1332,7 +1331,8 @@ impl Op {
         self.done == self.blocks.len() as u32
     }
 
-    /// Blocks sent (at least once) whose result has not arrived.
+    /// Where block `start..start + count`'s result goes: the lent output,
+    /// or over the input.
     fn output_block(&mut self, start: usize, count: usize) -> TensorMut<'_> {
         match &mut self.lent {
             Some(lent) => lent.block(start, count),
@@ -1340,6 +1340,7 @@ impl Op {
         }
     }
 
+    /// Blocks sent (at least once) whose result has not arrived.
     fn outstanding(&self) -> u32 {
         self.next_new - (self.done - self.done_ahead)
     }

@@ -29,7 +29,7 @@ use std::time::Duration;
 use fanin_wire::value::{incarnation_tag, JoinParams, Packet, Repr, HEADER_LEN, JOIN_RECOVER};
 use fanin_wire::MessageType;
 
-use super::{emit_block, AllreduceSession, BlockPhase, Op, SessionError};
+use super::{emit_block, AllreduceSession, BlockPhase, Op, SessionConfig, SessionError};
 use crate::auth::push_sealed;
 use crate::job::shard_of;
 use crate::time::Time;
@@ -59,7 +59,7 @@ pub(super) enum Kept {
 }
 
 /// A transmit sink holding one datagram, to capture a contribution.
-pub(super) struct OneBuf(pub Vec<u8>);
+struct OneBuf(Vec<u8>);
 
 impl Transmit<u16> for OneBuf {
     fn push(&mut self, _dest: u16, len: usize) -> &mut [u8] {
@@ -71,6 +71,23 @@ impl Transmit<u16> for OneBuf {
         }
         &mut self.0
     }
+}
+
+/// Block `idx`'s data contribution as it is retained: its first data
+/// transmission, unsealed, written into `buf`'s memory (recycled when it has
+/// the length already).
+pub(super) fn emit_contribution(
+    config: &SessionConfig,
+    params: &JoinParams,
+    n_sources: u16,
+    gen_id: u16,
+    op: &Op,
+    idx: u32,
+    buf: Vec<u8>,
+) -> Vec<u8> {
+    let mut one = OneBuf(buf);
+    emit_block(config, params, n_sources, gen_id, op, idx, false, false, None, &mut one);
+    one.0
 }
 
 /// The first data transmission of each block in flight, unsealed, by block
@@ -102,7 +119,7 @@ impl Captured {
         block_id: u32,
         block_cnt_max: u32,
         spare: &mut Vec<Vec<u8>>,
-        emit: impl FnOnce(&mut OneBuf),
+        emit: impl FnOnce(Vec<u8>) -> Vec<u8>,
     ) -> Option<&[u8]> {
         if self.slots.len() != block_cnt_max as usize {
             self.slots =
@@ -111,9 +128,7 @@ impl Captured {
         let n = self.slots.len();
         let slot = self.slots.get_mut(block_id as usize % n.max(1))?;
         let recycled = if slot.buf.capacity() == 0 { spare.pop().unwrap_or_default() } else { std::mem::take(&mut slot.buf) };
-        let mut one = OneBuf(recycled);
-        emit(&mut one);
-        slot.buf = one.0;
+        slot.buf = emit(recycled);
         if slot.buf.len() < HEADER_LEN {
             slot.block_id = u32::MAX;
             return None;
@@ -346,10 +361,8 @@ impl AllreduceSession {
                 Some(Kept::Bytes(bytes)) => bytes,
                 Some(Kept::FromInput) => {
                     let Some(op) = self.op.as_ref() else { continue };
-                    let mut one = OneBuf(Vec::new());
                     let idx = block_id.wrapping_sub(op.base_block);
-                    emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut one);
-                    fresh = one.0;
+                    fresh = emit_contribution(&self.config, &params, self.n_sources, self.gen_id, op, idx, Vec::new());
                     &fresh
                 }
                 None => continue,
@@ -416,9 +429,8 @@ impl AllreduceSession {
             if !matches!(kept, Kept::FromInput) || idx >= op.blocks.len() as u32 {
                 continue;
             }
-            let mut buf = OneBuf(self.spare.pop().unwrap_or_default());
-            emit_block(&self.config, &params, self.n_sources, self.gen_id, op, idx, false, false, None, &mut buf);
-            *kept = Kept::Bytes(buf.0);
+            let buf = self.spare.pop().unwrap_or_default();
+            *kept = Kept::Bytes(emit_contribution(&self.config, &params, self.n_sources, self.gen_id, op, idx, buf));
         }
     }
 
