@@ -123,13 +123,16 @@ class Session:
         ``out``: write the result into this array (same shape and dtype,
         C-contiguous, writable; ``out=array`` reduces in place, as
         ``torch.distributed.all_reduce`` does) and return it. For repeated
-        allreduces of large tensors this is the fast path: the session then
-        keeps one staging buffer of the tensor's size, no call touches
-        fresh memory (whose page faults cost more than the copies), and the
-        sum is written into ``out`` directly as each block's result arrives.
-        Like numpy's own ``out=``, that happens without the GIL: no other
-        thread may use ``out`` until the call returns, and if the call
-        raises, ``out`` holds a partial result.
+        allreduces of large tensors this is the fast path: the sum is
+        written into ``out`` directly as each block's result arrives, and a
+        C-contiguous ``array`` that shares no memory with ``out`` is read in
+        place, never copied. Otherwise (in place, or a strided input) the
+        session stages the input into one buffer of the tensor's size that
+        it keeps, so no call touches fresh memory (whose page faults cost
+        more than the copies). Like numpy's own ``out=``, all that happens
+        without the GIL: no other thread may use ``out``, nor write
+        ``array``, until the call returns, and if the call raises, ``out``
+        holds a partial result.
         """
         if not isinstance(array, np.ndarray):
             raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")

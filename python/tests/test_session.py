@@ -52,16 +52,24 @@ def test_out_receives_the_sum_in_place_and_in_a_given_array(dtype):
             y2 = s.allreduce(x, out=y)
             z = x.copy()
             s.allreduce(z, out=z)  # in place, like torch.distributed.all_reduce
+            # the input shares memory with out, shifted by one element: it
+            # is staged, as in place, not read while the sums land
+            shifted = np.empty(size + 1, dtype=x.dtype)
+            shifted[:size] = x
+            s.allreduce(shifted[:size], out=shifted[1:])
+            # read in place (no memory shared with out) and left untouched
+            assert x.tobytes() == worker_inputs(rank, size, dtype).tobytes()
             if dtype == "float32":
                 mean = s.allreduce(x, average=True)
                 mean_out = s.allreduce(x, average=True, out=np.empty_like(x))
                 assert mean_out.tobytes() == mean.tobytes()
-            return fresh, y.copy(), y2.copy(), z
+            return fresh, y.copy(), y2.copy(), z, shifted[1:]
 
         results = run_workers(sw.data_addr, n, work)
-    for fresh, y, y2, z in results:
+    for fresh, y, y2, z, shifted in results:
         assert fresh.tobytes() == results[0][0].tobytes()
         assert y.tobytes() == fresh.tobytes() and y2.tobytes() == fresh.tobytes() and z.tobytes() == fresh.tobytes()
+        assert shifted.tobytes() == fresh.tobytes()
     assert check_result(results[0][0], n, dtype, 1024)["ok"]
 
 

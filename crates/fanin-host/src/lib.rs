@@ -231,7 +231,7 @@ impl Session {
 
     /// [`allreduce`](Self::allreduce) of a tensor whose block exponents
     /// were computed while it was staged ([`Prepared::copy_f32`]).
-    pub fn allreduce_prepared(&mut self, prepared: Prepared) -> Result<Outcome, HostError> {
+    pub fn allreduce_prepared(&mut self, prepared: Prepared<'_>) -> Result<Outcome, HostError> {
         let now = self.now();
         self.machine.begin_prepared(now, prepared)?;
         self.run_to_completion()
@@ -239,15 +239,18 @@ impl Session {
 
     /// [`allreduce_prepared`](Self::allreduce_prepared) writing the sum into
     /// `out` (same dtype and length) instead of over the input, which comes
-    /// back unchanged as the outcome's `tensor` (to reuse its memory). For
-    /// an output the caller owns (a numpy `out=` array): no copy of the
-    /// result, and none of the contributions retained for a switch restart.
-    pub fn allreduce_into(&mut self, prepared: Prepared, out: TensorMut<'_>) -> Result<Outcome, HostError> {
+    /// back unchanged as the outcome's `tensor` (to reuse its memory), or,
+    /// borrowed ([`Prepared::borrow`]; it must not overlap `out`), is only
+    /// read. For an output the caller owns (a numpy `out=` array): no copy
+    /// of the result, and none of the contributions retained for a switch
+    /// restart; with a borrowed input, no copy of the input either.
+    pub fn allreduce_into(&mut self, prepared: Prepared<'_>, out: TensorMut<'_>) -> Result<Outcome, HostError> {
         let now = self.now();
-        // SAFETY: `out` is borrowed for this whole call, and the allreduce
-        // ends before the call returns: it completes or fails inside
-        // `run_to_completion`, and on any other way out (an I/O error, a
-        // panic) `abandon` ends it.
+        // SAFETY: `out` and a borrowed input are borrowed for this whole
+        // call (the input immutably: nothing safe can write it meanwhile),
+        // and the allreduce ends before the call returns: it completes or
+        // fails inside `run_to_completion`, and on any other way out (an
+        // I/O error, a panic) `abandon` ends it.
         unsafe { self.machine.begin_into(now, prepared, out)? };
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_to_completion()));
         self.machine.abandon(); // (nothing left to end after a result)

@@ -43,12 +43,26 @@ struct Net {
     deaf: Vec<Option<u32>>,
     /// The switch is down: datagrams to it vanish.
     down: bool,
-    /// Workers write their sums into lent output buffers (`begin_into`),
-    /// so retained contributions are emitted from the intact input.
-    lend: bool,
+    /// What the workers lend their sessions.
+    lend: Lend,
     /// Each worker's lent output for its running allreduce (the heap
     /// buffer stays put while the `Tensor` moves).
     outs: Vec<Option<Tensor>>,
+    /// Each worker's lent input for its running allreduce (`Lend::Both`).
+    ins: Vec<Option<Tensor>>,
+}
+
+/// How the workers hold their tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lend {
+    /// Sessions own the input; results overwrite it.
+    Nothing,
+    /// Sums go to lent output buffers (`begin_into`), so retained
+    /// contributions are emitted from the intact input the session owns.
+    Output,
+    /// The input is borrowed too (`Prepared::borrow`): retained
+    /// contributions are emitted from the caller's memory.
+    Both,
 }
 
 fn spec(workers: u16, slots: u32) -> JobSpec {
@@ -85,8 +99,9 @@ impl Net {
             loss,
             deaf: vec![None; workers],
             down: false,
-            lend: false,
+            lend: Lend::Nothing,
             outs: vec![None; workers],
+            ins: vec![None; workers],
         };
         // join without loss
         let loss = std::mem::replace(&mut net.loss, 0.0);
@@ -152,6 +167,7 @@ impl Net {
                         if let Some(sum) = self.outs[w].take() {
                             o.tensor = sum; // the handed-back input is not the result
                         }
+                        self.ins[w] = None; // released by the session
                         self.done[w].push(o);
                         self.done_at[w].push(self.now);
                     }
@@ -166,7 +182,7 @@ impl Net {
             }
             if self.ws[w].is_ready() {
                 if let Some(t) = self.todo[w].pop_front() {
-                    if self.lend {
+                    if self.lend != Lend::Nothing {
                         let out = self.outs[w].insert(match &t {
                             Tensor::I32(v) => Tensor::I32(vec![i32::MIN; v.len()]),
                             Tensor::F32(v) => Tensor::F32(vec![f32::NAN; v.len()]),
@@ -175,10 +191,16 @@ impl Net {
                             Tensor::I32(v) => TensorMut::I32(v),
                             Tensor::F32(v) => TensorMut::F32(v),
                         };
-                        let prepared = Prepared::new(t, self.ws[w].config().elems_per_packet as usize).unwrap();
-                        // SAFETY: the buffer lives in `outs[w]` (its heap
-                        // memory does not move) and is read only after the
-                        // allreduce completed; a failure panics the test.
+                        let per = self.ws[w].config().elems_per_packet as usize;
+                        let prepared = if self.lend == Lend::Both {
+                            Prepared::borrow(self.ins[w].insert(t).view(), per).unwrap()
+                        } else {
+                            Prepared::new(t, per).unwrap()
+                        };
+                        // SAFETY: the buffers live in `outs[w]` and `ins[w]`
+                        // (their heap memory does not move) until the
+                        // allreduce completed, and the output is read only
+                        // then; a failure panics the test.
                         unsafe { self.ws[w].begin_into(self.now, prepared, out) }.unwrap();
                     } else {
                         self.ws[w].begin(self.now, t).unwrap();
@@ -283,7 +305,7 @@ fn load_float(net: &mut Net, inputs: &[Vec<Vec<f32>>]) {
 /// first allreduce and runs a full window (S = 4 blocks) into the second;
 /// worker 1 lacks the last four results of the first. The restarted switch
 /// must recompute those four from worker 0's retained contributions.
-fn worst_case(float: bool, lend: bool) {
+fn worst_case(float: bool, lend: Lend) {
     let lens = [6usize, 6, 6];
     let mut net = Net::new(2, 4, 4, 1, 0.0, 7);
     net.lend = lend;
@@ -322,24 +344,35 @@ fn worst_case(float: bool, lend: bool) {
 
 #[test]
 fn worst_case_fast_worker_a_full_window_ahead_across_an_allreduce_boundary_int32() {
-    worst_case(false, false);
+    worst_case(false, Lend::Nothing);
 }
 
 /// The same with lent outputs: worker 0's retained blocks of the first
 /// allreduce were emitted from its input when that allreduce ended.
 #[test]
 fn worst_case_with_lent_outputs_int32() {
-    worst_case(false, true);
+    worst_case(false, Lend::Output);
 }
 
 #[test]
 fn worst_case_with_lent_outputs_float32() {
-    worst_case(true, true);
+    worst_case(true, Lend::Output);
+}
+
+/// And with the input borrowed as well: emitted from the caller's memory.
+#[test]
+fn worst_case_with_lent_inputs_and_outputs_int32() {
+    worst_case(false, Lend::Both);
+}
+
+#[test]
+fn worst_case_with_lent_inputs_and_outputs_float32() {
+    worst_case(true, Lend::Both);
 }
 
 #[test]
 fn worst_case_fast_worker_a_full_window_ahead_across_an_allreduce_boundary_float32() {
-    worst_case(true, false);
+    worst_case(true, Lend::Nothing);
 }
 
 #[test]
@@ -456,7 +489,7 @@ fn at_fraction(loaded: impl Fn() -> Net, ops: usize, at: f64) -> Net {
 /// False if the case does not apply: a worker finished its last allreduce
 /// before the switch came back (it stopped calling allreduce, so it cannot
 /// take part in a recovery; `recovery_fails_cleanly_when_a_member_never_rejoins`).
-fn restart_run(workers: usize, lens: &[usize], float: bool, lend: bool, loss: f64, restart_at: f64, seed: u64) -> bool {
+fn restart_run(workers: usize, lens: &[usize], float: bool, lend: Lend, loss: f64, restart_at: f64, seed: u64) -> bool {
     let (ints, floats) = (int_tensors(workers, lens, seed), float_tensors(workers, lens, seed));
     let loaded = || {
         let mut net = Net::new(workers, 4, 4, 4, loss, seed);
@@ -528,7 +561,7 @@ proptest! {
         workers in 2usize..=4,
         lens in proptest::collection::vec(1usize..=80, 1..=4),
         float in any::<bool>(),
-        lend in any::<bool>(),
+        lend in prop_oneof![Just(Lend::Nothing), Just(Lend::Output), Just(Lend::Both)],
         loss in prop_oneof![Just(0.0), 0.0f64..0.1],
         restart_after in 0.0f64..1.0,
         seed in any::<u64>(),

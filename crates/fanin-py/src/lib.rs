@@ -15,7 +15,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use fanin_host::{HostError, Session as HostSession, SessionOptions};
-use fanin_proto::host::{Outcome, Prepared, SessionError, Tensor, TensorMut};
+use fanin_proto::bfp::NonFinite;
+use fanin_proto::host::{Outcome, Prepared, SessionError, Tensor, TensorMut, TensorRef};
 use fanin_switch::{DaemonConfig, SwitchHandle};
 
 create_exception!(_native, FaninError, PyRuntimeError, "A fanin operation failed.");
@@ -49,7 +50,9 @@ fn host_err(e: HostError) -> PyErr {
 struct Session {
     inner: HostSession,
     last: Option<Outcome>,
-    /// Input staging kept between `allreduce(..., out=...)` calls.
+    /// Input staging kept between `allreduce(..., out=...)` calls whose
+    /// input cannot be lent (it shares memory with `out`, or is not
+    /// C-contiguous).
     staging_f32: Vec<f32>,
     staging_i32: Vec<i32>,
 }
@@ -122,8 +125,10 @@ impl Session {
     /// the sum into `out` (a writable C-contiguous array of the same shape
     /// and dtype; it may be `array` itself) and returns it: the sum is
     /// written into `out` directly, without the GIL, as numpy's own `out=`
-    /// does, so no other thread may use `out` until the call returns (if the
-    /// call fails, `out` holds a partial result). With `average`,
+    /// does, and `array`, unless it shares memory with `out`, is read in
+    /// place rather than copied, so no other thread may use `out`, nor
+    /// write `array`, until the call returns (if the call fails, `out`
+    /// holds a partial result). With `average`,
     /// each block is divided by the number of sources its result summed
     /// (`src_cnt`; fewer than the job size for a partial result). The GIL is
     /// released while communicating.
@@ -148,74 +153,18 @@ impl Session {
         if average && !is_f32 {
             return Err(PyTypeError::new_err("average=True needs a float32 array (an int32 mean is not an int32)"));
         }
-        if let Some(o) = out {
-            // Checked before anything is sent: a bad `out` must not cost a
-            // collective the other members are waiting on.
-            if is_f32 {
-                check_out::<f32>(array, o)?;
-            } else {
-                check_out::<i32>(array, o)?;
-            }
-        }
-        let shape = array.cast::<PyUntypedArray>()?.shape().to_vec();
-        // With `out` the input is staged in a buffer this session keeps, so
-        // repeated calls touch no fresh memory (page faults cost more than
-        // the copy); without it the staged vector becomes the returned
-        // array, as before.
-        let per = self.inner.options().session.elems_per_packet as usize;
-        let prepared = if is_f32 {
-            let a = array.extract::<PyReadonlyArrayDyn<'py, f32>>()?;
-            let buf = if out.is_some() { std::mem::take(&mut self.staging_f32) } else { Vec::new() };
-            match a.as_slice() {
-                // the block exponents are taken while each block is copied
-                Ok(s) if a.is_c_contiguous() => Prepared::copy_f32(s, per, buf),
-                _ => Prepared::new(Tensor::F32(stage(&a, buf)), per),
-            }
-            .map_err(|e| PyValueError::new_err(e.to_string()))?
-        } else {
-            let a = array.extract::<PyReadonlyArrayDyn<'py, i32>>()?;
-            let buf = if out.is_some() { std::mem::take(&mut self.staging_i32) } else { Vec::new() };
-            Prepared::new(Tensor::I32(stage(&a, buf)), per).expect("int32 needs no exponents")
-        };
         let Some(o) = out else {
-            let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
-            if average {
-                outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
-            }
-            // the result vector becomes the array's buffer (no copy); the
-            // rest of the outcome stays for last_stats
-            let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
-            self.last = Some(outcome);
-            return match tensor {
-                Tensor::F32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
-                Tensor::I32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
-            };
+            return self.allreduce_new(py, array, is_f32, average);
         };
-        // The sum is written straight into `out`, borrowed for the call
-        // (checked above; the input was staged first, so `out` may be the
-        // input itself) and written without the GIL, as numpy's own `out=`
-        // does. The staged input comes back to be reused by the next call.
-        let inner = &mut self.inner;
-        let mut outcome = if is_f32 {
-            let mut w = o.extract::<PyReadwriteArrayDyn<'py, f32>>()?;
-            let dst = w.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
-            py.detach(|| {
-                let outcome = inner.allreduce_into(prepared, TensorMut::F32(&mut *dst))?;
-                if average {
-                    outcome.average_into(dst, per, inner.n_sources());
-                }
-                Ok::<_, HostError>(outcome)
-            })
+        // `out` is checked before anything is sent: a bad one must not cost
+        // a collective the other members are waiting on.
+        let outcome = if is_f32 {
+            check_out::<f32>(array, o)?;
+            self.allreduce_out::<f32>(py, array, o, average)?
         } else {
-            let mut w = o.extract::<PyReadwriteArrayDyn<'py, i32>>()?;
-            let dst = w.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
-            py.detach(|| inner.allreduce_into(prepared, TensorMut::I32(dst)))
-        }
-        .map_err(host_err)?;
-        match std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new())) {
-            Tensor::F32(v) => self.staging_f32 = v,
-            Tensor::I32(v) => self.staging_i32 = v,
-        }
+            check_out::<i32>(array, o)?;
+            self.allreduce_out::<i32>(py, array, o, average)?
+        };
         self.last = Some(outcome);
         Ok(o.clone())
     }
@@ -506,6 +455,169 @@ fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> Py
         return Err(PyValueError::new_err("out must be C-contiguous (e.g. np.empty_like(a, order='C'))"));
     }
     o.try_readwrite().map(drop).map_err(|e| PyValueError::new_err(format!("out is not writable: {e}")))
+}
+
+impl Session {
+    /// `allreduce` without `out`: the input is staged into a fresh vector,
+    /// which the result overwrites and which becomes the returned array.
+    fn allreduce_new<'py>(
+        &mut self,
+        py: Python<'py>,
+        array: &Bound<'py, PyAny>,
+        is_f32: bool,
+        average: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let shape = array.cast::<PyUntypedArray>()?.shape().to_vec();
+        let per = self.inner.options().session.elems_per_packet as usize;
+        let prepared = if is_f32 {
+            f32::stage(&array.extract::<PyReadonlyArrayDyn<'py, f32>>()?, Vec::new(), per)
+        } else {
+            i32::stage(&array.extract::<PyReadonlyArrayDyn<'py, i32>>()?, Vec::new(), per)
+        }
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
+        if average {
+            outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        }
+        // the result vector becomes the array's buffer (no copy); the rest
+        // of the outcome stays for last_stats
+        let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
+        self.last = Some(outcome);
+        match tensor {
+            Tensor::F32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+            Tensor::I32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+        }
+    }
+
+    /// `allreduce` into `out` (checked by `check_out`): the sum is written
+    /// straight into `out`, borrowed for the call and written without the
+    /// GIL, as numpy's own `out=` does. The input is lent to the session as
+    /// it is when it can be (C-contiguous, no memory shared with `out`):
+    /// no copy of it at all. Otherwise it is staged first into a buffer
+    /// this session keeps, so repeated calls touch no fresh memory (page
+    /// faults cost more than the copy), and `out` may then be the input
+    /// itself.
+    fn allreduce_out<'py, T: Reducible>(
+        &mut self,
+        py: Python<'py>,
+        array: &Bound<'py, PyAny>,
+        o: &Bound<'py, PyAny>,
+        average: bool,
+    ) -> PyResult<Outcome> {
+        let per = self.inner.options().session.elems_per_packet as usize;
+        let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
+        let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
+        let out_start = o.cast::<PyArrayDyn<T>>()?.data() as usize;
+        let lendable = match a.as_slice() {
+            Ok(s) if a.is_c_contiguous() => {
+                let (start, bytes) = (s.as_ptr() as usize, std::mem::size_of_val(s));
+                // `out` has the input's shape and is C-contiguous: it spans `bytes` too
+                let shared = start < out_start + bytes && out_start < start + bytes;
+                (!shared).then_some(s)
+            }
+            _ => None,
+        };
+        if let Some(s) = lendable {
+            let prepared = Prepared::borrow(T::view(s), per).map_err(value_err)?;
+            let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
+            return reduce_into(py, &mut self.inner, prepared, &mut w, average, per);
+        }
+        let buf = std::mem::take(T::staging(self));
+        let prepared = T::stage(&a, buf, per).map_err(value_err)?;
+        drop(a); // `out` may be the input: its read borrow ends before the write borrow
+        let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
+        let mut outcome = reduce_into(py, &mut self.inner, prepared, &mut w, average, per)?;
+        // the staged input comes back, to be reused by the next call
+        if let Some(v) = T::take_tensor(&mut outcome.tensor) {
+            *T::staging(self) = v;
+        }
+        Ok(outcome)
+    }
+}
+
+/// `allreduce_into` with the GIL released, then the mean if asked for.
+fn reduce_into<T: Reducible>(
+    py: Python<'_>,
+    inner: &mut HostSession,
+    prepared: Prepared<'_>,
+    out: &mut PyReadwriteArrayDyn<'_, T>,
+    average: bool,
+    per: usize,
+) -> PyResult<Outcome> {
+    let dst = out.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    py.detach(|| {
+        let outcome = inner.allreduce_into(prepared, T::view_mut(&mut *dst))?;
+        if average {
+            T::average(&outcome, dst, per, inner.n_sources());
+        }
+        Ok::<_, HostError>(outcome)
+    })
+    .map_err(host_err)
+}
+
+/// The element types a session reduces, and how their arrays meet the
+/// protocol machine's tensors.
+trait Reducible: Element + Copy + Send + Sync {
+    fn view(s: &[Self]) -> TensorRef<'_>;
+    fn view_mut(s: &mut [Self]) -> TensorMut<'_>;
+    /// A copy of `a` in `buf` (reusing its memory), prepared.
+    fn stage(a: &PyReadonlyArrayDyn<'_, Self>, buf: Vec<Self>, per: usize) -> Result<Prepared<'static>, NonFinite>;
+    fn staging(s: &mut Session) -> &mut Vec<Self>;
+    fn take_tensor(t: &mut Tensor) -> Option<Vec<Self>>;
+    /// The sum in `dst` made a mean (float32 only; checked before).
+    fn average(outcome: &Outcome, dst: &mut [Self], per: usize, n_sources: u16);
+}
+
+impl Reducible for f32 {
+    fn view(s: &[f32]) -> TensorRef<'_> {
+        TensorRef::F32(s)
+    }
+    fn view_mut(s: &mut [f32]) -> TensorMut<'_> {
+        TensorMut::F32(s)
+    }
+    fn stage(a: &PyReadonlyArrayDyn<'_, f32>, buf: Vec<f32>, per: usize) -> Result<Prepared<'static>, NonFinite> {
+        match a.as_slice() {
+            // the block exponents are taken while each block is copied
+            Ok(s) if a.is_c_contiguous() => Prepared::copy_f32(s, per, buf),
+            _ => Prepared::new(Tensor::F32(stage(a, buf)), per),
+        }
+    }
+    fn staging(s: &mut Session) -> &mut Vec<f32> {
+        &mut s.staging_f32
+    }
+    fn take_tensor(t: &mut Tensor) -> Option<Vec<f32>> {
+        match t {
+            Tensor::F32(v) if !v.is_empty() => Some(std::mem::take(v)),
+            _ => None,
+        }
+    }
+    fn average(outcome: &Outcome, dst: &mut [f32], per: usize, n_sources: u16) {
+        outcome.average_into(dst, per, n_sources);
+    }
+}
+
+impl Reducible for i32 {
+    fn view(s: &[i32]) -> TensorRef<'_> {
+        TensorRef::I32(s)
+    }
+    fn view_mut(s: &mut [i32]) -> TensorMut<'_> {
+        TensorMut::I32(s)
+    }
+    fn stage(a: &PyReadonlyArrayDyn<'_, i32>, buf: Vec<i32>, per: usize) -> Result<Prepared<'static>, NonFinite> {
+        Prepared::new(Tensor::I32(stage(a, buf)), per)
+    }
+    fn staging(s: &mut Session) -> &mut Vec<i32> {
+        &mut s.staging_i32
+    }
+    fn take_tensor(t: &mut Tensor) -> Option<Vec<i32>> {
+        match t {
+            Tensor::I32(v) if !v.is_empty() => Some(std::mem::take(v)),
+            _ => None,
+        }
+    }
+    fn average(_: &Outcome, _: &mut [i32], _: usize, _: u16) {
+        unreachable!("average=True is refused for int32 before anything is sent")
+    }
 }
 
 #[pymodule]

@@ -58,11 +58,11 @@ use crate::job::shard_of;
 use crate::time::Time;
 use crate::transmit::Transmit;
 
-mod output;
+mod lending;
 mod recovery;
 
-pub use output::TensorMut;
-use output::Lent;
+use lending::{Input, Lent};
+pub use lending::{TensorMut, TensorRef};
 use recovery::{Kept, Recovery};
 
 /// Worker-side parameters.
@@ -199,35 +199,46 @@ impl Tensor {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    fn dtype(&self) -> Dtype {
-        match self {
-            Tensor::I32(_) => Dtype::Int32,
-            Tensor::F32(_) => Dtype::Float32,
-        }
+    pub fn dtype(&self) -> Dtype {
+        self.view().dtype()
     }
 }
 
 /// A tensor with the local exponent of each of its blocks computed (float32
 /// block floating point), ready for [`AllreduceSession::begin_prepared`].
+/// It owns the tensor, or borrows it ([`borrow`](Self::borrow)) for
+/// [`AllreduceSession::begin_into`].
 #[derive(Debug, Clone, PartialEq)]
-pub struct Prepared {
-    tensor: Tensor,
+pub struct Prepared<'a> {
+    input: PreparedInput<'a>,
     local_exp: Vec<i8>,
     /// The block size the exponents were computed for.
     per: usize,
 }
 
-impl Prepared {
+#[derive(Debug, Clone, PartialEq)]
+enum PreparedInput<'a> {
+    Owned(Tensor),
+    Borrowed(TensorRef<'a>),
+}
+
+impl PreparedInput<'_> {
+    fn view(&self) -> TensorRef<'_> {
+        match self {
+            PreparedInput::Owned(t) => t.view(),
+            PreparedInput::Borrowed(v) => *v,
+        }
+    }
+}
+
+impl Prepared<'static> {
     /// The exponents of `tensor`'s blocks of `per` elements (none for int32).
     /// A value block floating point cannot carry is refused with its index
     /// in the tensor.
     pub fn new(tensor: Tensor, per: usize) -> Result<Self, NonFinite> {
         let per = per.max(1);
-        let local_exp = match &tensor {
-            Tensor::F32(values) => block_exponents(values.chunks(per))?,
-            Tensor::I32(_) => Vec::new(),
-        };
-        Ok(Prepared { tensor, local_exp, per })
+        let local_exp = exponents_of(tensor.view(), per)?;
+        Ok(Prepared { input: PreparedInput::Owned(tensor), local_exp, per })
     }
 
     /// Copy `values` into `buf` (reusing its memory) a block at a time,
@@ -243,7 +254,47 @@ impl Prepared {
             buf.extend_from_slice(chunk);
             local_exp.push(block_exponent_at(&buf[start..], start)?);
         }
-        Ok(Prepared { tensor: Tensor::F32(buf), local_exp, per })
+        Ok(Prepared { input: PreparedInput::Owned(Tensor::F32(buf)), local_exp, per })
+    }
+}
+
+impl<'a> Prepared<'a> {
+    /// Prepare `input` without copying it, for [`AllreduceSession::begin_into`]
+    /// (an output other than the input itself): the session then reads each
+    /// block from `input` as it goes out, and again only if a switch restart
+    /// needs a retained contribution. One read-only pass takes the
+    /// exponents, so a refused value is still refused before anything is
+    /// sent.
+    pub fn borrow(input: TensorRef<'a>, per: usize) -> Result<Self, NonFinite> {
+        let per = per.max(1);
+        let local_exp = exponents_of(input, per)?;
+        Ok(Prepared { input: PreparedInput::Borrowed(input), local_exp, per })
+    }
+
+    pub fn len(&self) -> usize {
+        self.input.view().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The same tensor prepared for blocks of `per` elements.
+    fn for_block_size(self, per: usize) -> Result<Self, NonFinite> {
+        let per = per.max(1);
+        if self.per == per {
+            return Ok(self);
+        }
+        let local_exp = exponents_of(self.input.view(), per)?;
+        Ok(Prepared { local_exp, per, ..self })
+    }
+}
+
+/// The block exponents of `input` in blocks of `per` (none for int32).
+fn exponents_of(input: TensorRef<'_>, per: usize) -> Result<Vec<i8>, NonFinite> {
+    match input {
+        TensorRef::F32(values) => block_exponents(values.chunks(per)),
+        TensorRef::I32(_) => Ok(Vec::new()),
     }
 }
 
@@ -397,8 +448,9 @@ struct BlockState {
 }
 
 struct Op {
-    /// The input; the results overwrite it unless an output was lent.
-    tensor: Tensor,
+    /// The input; the results overwrite it unless an output was lent (a
+    /// lent input always comes with a lent output).
+    input: Input,
     /// The caller's output buffer (`begin_into`): results go there and the
     /// input stays intact.
     lent: Option<Lent>,
@@ -608,26 +660,51 @@ impl AllreduceSession {
 
     /// Start an allreduce of a tensor whose exponents are already known
     /// (prepared for another block size, they are computed again).
-    pub fn begin_prepared(&mut self, now: Time, prepared: Prepared) -> Result<(), SessionError> {
-        self.begin_op(now, prepared, None)
+    /// A borrowed input is copied first: the results overwrite the input
+    /// the session owns.
+    pub fn begin_prepared(&mut self, now: Time, prepared: Prepared<'_>) -> Result<(), SessionError> {
+        self.check_ready()?;
+        let Prepared { input, local_exp, per } = prepared;
+        let tensor = match input {
+            PreparedInput::Owned(t) => t,
+            PreparedInput::Borrowed(v) => v.to_owned(),
+        };
+        self.begin_op(now, Prepared { input: PreparedInput::Owned(tensor), local_exp, per }, None)
     }
 
     /// Start an allreduce of `prepared` whose sum is written into `out`
-    /// (same dtype and length) instead of over the input, which comes back
-    /// unchanged in the `Outcome`. Saves copying the result into memory the
-    /// session cannot own, and keeps the input intact, so the contributions
-    /// retained for a switch restart need no copy either (see `output`).
+    /// (same dtype and length) instead of over the input, which stays
+    /// intact: an owned input comes back unchanged in the `Outcome`, a
+    /// borrowed one ([`Prepared::borrow`]) is only read, and the outcome's
+    /// tensor is then empty. Saves copying the result into memory the
+    /// session cannot own, and the contributions retained for a switch
+    /// restart need no copy either (see `lending`). A borrowed input must
+    /// not overlap `out`; an owned one may have been staged from it.
     ///
     /// # Safety
     ///
-    /// `out`'s memory must stay valid, and nothing else may read or write
-    /// it, until this allreduce ends: `Event::Completed` or `Event::Failed`
-    /// is queued, or [`abandon`](Self::abandon) returns. (The borrow cannot
-    /// be tied to the session, which outlives the call.)
+    /// `out`'s memory, and a borrowed input's, must stay valid until this
+    /// allreduce ends: `Event::Completed` or `Event::Failed` is queued, or
+    /// [`abandon`](Self::abandon) returns. Until then nothing else may read
+    /// or write `out`, nor write the input. (The borrows cannot be tied to
+    /// the session, which outlives the call.)
     /// `fanin_host::Session::allreduce_into` is the safe wrapper.
-    pub unsafe fn begin_into(&mut self, now: Time, prepared: Prepared, out: TensorMut<'_>) -> Result<(), SessionError> {
-        let (want, len) = (prepared.tensor.dtype(), prepared.tensor.len());
-        let lent = Lent::new(out, &prepared.tensor).ok_or_else(|| {
+    pub unsafe fn begin_into(
+        &mut self,
+        now: Time,
+        prepared: Prepared<'_>,
+        out: TensorMut<'_>,
+    ) -> Result<(), SessionError> {
+        let input = prepared.input.view();
+        if matches!(prepared.input, PreparedInput::Borrowed(_)) && lending::overlaps(&out, input) {
+            return Err(SessionError::Config(
+                "the output overlaps the borrowed input: results would overwrite contributions still to be sent; \
+                 prepare an owned copy of the input (Prepared::new or copy_f32) instead"
+                    .into(),
+            ));
+        }
+        let (want, len) = (input.dtype(), input.len());
+        let lent = Lent::new(out, input).ok_or_else(|| {
             SessionError::Config(format!("the output must match the input ({want:?}, {len} elements)"))
         })?;
         self.begin_op(now, prepared, Some(lent))
@@ -640,12 +717,20 @@ impl AllreduceSession {
         drop(self.end_op());
     }
 
-    fn begin_op(&mut self, now: Time, prepared: Prepared, lent: Option<Lent>) -> Result<(), SessionError> {
+    /// `lent` is `Some` whenever the input is borrowed (`begin_prepared`
+    /// copies it otherwise).
+    fn begin_op(&mut self, now: Time, prepared: Prepared<'_>, lent: Option<Lent>) -> Result<(), SessionError> {
         self.check_ready()?;
         let per = self.config.elems_per_packet as usize;
-        let Prepared { tensor, local_exp, .. } =
-            if prepared.per == per { prepared } else { Prepared::new(prepared.tensor, per)? };
-        let n_blocks = tensor.len().div_ceil(per) as u32;
+        let Prepared { input, local_exp, .. } = prepared.for_block_size(per)?;
+        let n_blocks = input.view().len().div_ceil(per) as u32;
+        let input = match input {
+            PreparedInput::Owned(t) => Input::Owned(t),
+            PreparedInput::Borrowed(v) => {
+                assert!(lent.is_some(), "a borrowed input needs a lent output");
+                Input::lend(v)
+            }
+        };
         let base_block = self.next_block;
         self.next_block = self.next_block.wrapping_add(n_blocks);
         self.gen_id = self.gen_id.wrapping_add(1);
@@ -661,7 +746,7 @@ impl AllreduceSession {
         };
         let blocks = vec![fresh; n_blocks as usize];
         self.op = Some(Op {
-            tensor,
+            input,
             lent,
             base_block,
             blocks,
@@ -876,7 +961,7 @@ impl AllreduceSession {
             let state = op.blocks[idx as usize];
             let exp_only = match state.phase {
                 BlockPhase::Unsent => {
-                    op.tensor.dtype().is_block_floating_point() && state.exp == EXP_NONE
+                    op.input.view().dtype().is_block_floating_point() && state.exp == EXP_NONE
                 }
                 BlockPhase::ExpSent => true,
                 // queued for its first data transmission already
@@ -1069,7 +1154,7 @@ impl AllreduceSession {
         let (Some(params), Some(op)) = (self.params, self.op.as_mut()) else { return };
         let per = self.config.elems_per_packet as usize;
         let start = idx as usize * per;
-        let count = (op.tensor.len() - start).min(per);
+        let count = (op.input.view().len() - start).min(per);
         let phase = op.blocks[idx as usize].phase;
         if repr.exp_only && phase == BlockPhase::Unsent {
             // Pushed to a straggler before it sent anything: use the
@@ -1198,7 +1283,7 @@ impl AllreduceSession {
         if let Some(params) = self.params {
             // Its contribution, for a recovery (int32, or float with a known
             // exponent; otherwise the block cannot be sent again exactly).
-            let known = !op.tensor.dtype().is_block_floating_point() || op.blocks[idx as usize].exp != EXP_NONE;
+            let known = !op.input.view().dtype().is_block_floating_point() || op.blocks[idx as usize].exp != EXP_NONE;
             if known {
                 let buf = self.spare.pop().unwrap_or_default();
                 let buf = recovery::emit_contribution(&self.config, &params, self.n_sources, self.gen_id, op, idx, buf);
@@ -1208,7 +1293,7 @@ impl AllreduceSession {
         let Some(op) = self.op.as_mut() else { return };
         let per = self.config.elems_per_packet as usize;
         let start = idx as usize * per;
-        let count = (op.tensor.len() - start).min(per);
+        let count = (op.input.view().len() - start).min(per);
         match op.output_block(start, count) {
             TensorMut::I32(v) => v.fill(0),
             TensorMut::F32(v) => v.fill(0.0),
@@ -1269,7 +1354,7 @@ impl AllreduceSession {
         let Some(op) = self.end_op() else { return };
         self.events.push_back(Event::Completed(Outcome {
             blocks: op.blocks.len() as u32,
-            tensor: op.tensor,
+            tensor: op.input.into_outcome_tensor(),
             gen_id: self.gen_id,
             retransmissions: op.retransmissions,
             trimmed: op.trimmed,
@@ -1336,7 +1421,10 @@ impl Op {
     fn output_block(&mut self, start: usize, count: usize) -> TensorMut<'_> {
         match &mut self.lent {
             Some(lent) => lent.block(start, count),
-            None => output::tensor_block(&mut self.tensor, start, count),
+            None => match &mut self.input {
+                Input::Owned(tensor) => lending::tensor_block(tensor, start, count),
+                Input::Lent(_) => unreachable!("a lent input always comes with a lent output"),
+            },
         }
     }
 
@@ -1401,14 +1489,15 @@ fn emit_block(
 ) {
     let per = config.elems_per_packet as usize;
     let start = idx as usize * per;
-    let count = (op.tensor.len() - start).min(per);
+    let count = (op.input.view().len() - start).min(per);
     let block_id = op.base_block.wrapping_add(idx);
     let state = &op.blocks[idx as usize];
     let ahead = idx as usize + params.block_cnt_max as usize;
-    let (exp, next_exp) = match &op.tensor {
-        Tensor::I32(_) => (EXP_NONE, EXP_NONE),
-        Tensor::F32(_) if exp_only => (op.local_exp[idx as usize], EXP_NONE),
-        Tensor::F32(_) => (state.exp, op.local_exp.get(ahead).copied().unwrap_or(EXP_NONE)),
+    let input = op.input.view();
+    let (exp, next_exp) = match input {
+        TensorRef::I32(_) => (EXP_NONE, EXP_NONE),
+        TensorRef::F32(_) if exp_only => (op.local_exp[idx as usize], EXP_NONE),
+        TensorRef::F32(_) => (state.exp, op.local_exp.get(ahead).copied().unwrap_or(EXP_NONE)),
     };
     let repr = Repr {
         msg_type: if retransmission { MessageType::Retransmission } else { MessageType::Contribution },
@@ -1416,7 +1505,7 @@ fn emit_block(
         final_block: idx as usize + 1 == op.blocks.len(),
         degraded: false,
         exp_only,
-        dtype: op.tensor.dtype(),
+        dtype: input.dtype(),
         src_id: config.src_id,
         // the switch incarnation this contribution is meant for
         src_cnt: incarnation_tag(params.incarnation),
@@ -1436,9 +1525,9 @@ fn emit_block(
         if exp_only {
             return;
         }
-        match &op.tensor {
-            Tensor::I32(v) => fanin_wire::value::write_elements(&v[start..start + count], packet.payload_mut()),
-            Tensor::F32(v) => {
+        match input {
+            TensorRef::I32(v) => fanin_wire::value::write_elements(&v[start..start + count], packet.payload_mut()),
+            TensorRef::F32(v) => {
                 bfp::quantize_into_payload(&v[start..start + count], exp, n_sources as usize, packet.payload_mut())
             }
         }
@@ -1542,22 +1631,43 @@ mod tests {
         }
     }
 
+    /// How a test's allreduce holds its tensors.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Lending {
+        /// The session owns the input; results overwrite it.
+        Nothing,
+        /// Results go to a lent output; the session owns the input.
+        Output,
+        /// Results go to a lent output; the input is borrowed too.
+        InputAndOutput,
+    }
+    const LENDINGS: [Lending; 3] = [Lending::Nothing, Lending::Output, Lending::InputAndOutput];
+
+    fn lossy_40_values() -> Vec<f32> {
+        (0..40).map(|i| (i as f32 - 17.5) * 0.37).collect()
+    }
+
     /// Runs one float allreduce of 40 elements with block 3's first data
-    /// transmission lost, either owning the tensor or writing into a lent
-    /// output; returns the sum, the tensor the outcome handed back, the
-    /// first data transmission of each block and the session.
-    fn run_lossy_40(lend: bool) -> (Vec<f32>, Tensor, std::collections::HashMap<u32, Vec<u8>>, AllreduceSession) {
+    /// transmission lost, holding its tensors as `lending` says; returns
+    /// the sum, the tensor the outcome handed back, the first data
+    /// transmission of each block and the session.
+    fn run_lossy_40(lending: Lending) -> (Vec<f32>, Tensor, std::collections::HashMap<u32, Vec<u8>>, AllreduceSession) {
         let (mut s, mut sw) = joined(8);
         let now = Time::from_nanos(1_000);
-        let values: Vec<f32> = (0..40).map(|i| (i as f32 - 17.5) * 0.37).collect();
+        let values = lossy_40_values();
         let mut out = vec![f32::NAN; 40];
-        let prepared = Prepared::new(Tensor::F32(values), 4).unwrap();
-        if lend {
-            // SAFETY: `out` outlives the allreduce, which completes below
-            // (asserted) before `out` is read.
-            unsafe { s.begin_into(now, prepared, TensorMut::F32(&mut out)) }.unwrap();
-        } else {
-            s.begin_prepared(now, prepared).unwrap();
+        // SAFETY (both `begin_into`s): `out` and `values` outlive the
+        // allreduce, which completes below (asserted) before `out` is read.
+        match lending {
+            Lending::Nothing => s.begin_prepared(now, Prepared::new(Tensor::F32(values.clone()), 4).unwrap()).unwrap(),
+            Lending::Output => {
+                let prepared = Prepared::new(Tensor::F32(values.clone()), 4).unwrap();
+                unsafe { s.begin_into(now, prepared, TensorMut::F32(&mut out)) }.unwrap()
+            }
+            Lending::InputAndOutput => {
+                let prepared = Prepared::borrow(TensorRef::F32(&values), 4).unwrap();
+                unsafe { s.begin_into(now, prepared, TensorMut::F32(&mut out)) }.unwrap()
+            }
         }
         let mut sent_data = std::collections::HashMap::new();
         let mut lost_once = false;
@@ -1592,20 +1702,26 @@ mod tests {
         }
         assert!(lost_once);
         let o = outcome.expect("the allreduce completes");
-        let sum = if lend { out } else { let Tensor::F32(v) = o.tensor.clone() else { unreachable!() }; v };
+        assert_eq!(values, lossy_40_values(), "the input is never written");
+        let sum = if lending == Lending::Nothing {
+            let Tensor::F32(v) = o.tensor.clone() else { unreachable!() };
+            v
+        } else {
+            out
+        };
         (sum, o.tensor, sent_data, s)
     }
 
     #[test]
     fn a_retained_contribution_is_the_very_datagram_first_sent() {
-        for lend in [false, true] {
-            let (_, _, sent_data, s) = run_lossy_40(lend);
+        for lending in LENDINGS {
+            let (_, _, sent_data, s) = run_lossy_40(lending);
             assert_eq!(s.captured.pending(), 0, "every result took its block's capture (none emitted twice)");
             let retained = s.retained_blocks();
             assert_eq!(retained, (0..10).collect::<Vec<_>>(), "every block of the one allreduce");
             for b in retained {
                 let kept = s.retained_bytes(b).expect("emitted by the time the allreduce ended");
-                assert_eq!(kept, &sent_data[&b][..], "block {b}, lent output {lend}");
+                assert_eq!(kept, &sent_data[&b][..], "block {b}, {lending:?} lent");
                 assert_eq!(Packet::new_checked(kept).unwrap().grad_cnt(), 4);
             }
         }
@@ -1613,12 +1729,27 @@ mod tests {
 
     #[test]
     fn a_lent_output_gets_the_same_sum_and_the_input_comes_back_unchanged() {
-        let (owned_sum, _, _, _) = run_lossy_40(false);
-        let (lent_sum, handed_back, _, _) = run_lossy_40(true);
+        let (owned_sum, _, _, _) = run_lossy_40(Lending::Nothing);
+        let (lent_sum, handed_back, _, _) = run_lossy_40(Lending::Output);
         assert_eq!(lent_sum, owned_sum, "bit-identical to the owned path");
-        let values: Vec<f32> = (0..40).map(|i| (i as f32 - 17.5) * 0.37).collect();
-        assert_eq!(handed_back, Tensor::F32(values), "the input, untouched");
+        assert_eq!(handed_back, Tensor::F32(lossy_40_values()), "the input, untouched");
         assert!(lent_sum.iter().all(|v| v.is_finite()), "every element written");
+    }
+
+    #[test]
+    fn a_borrowed_input_gets_the_same_sum_and_nothing_is_handed_back() {
+        let (owned_sum, _, _, _) = run_lossy_40(Lending::Nothing);
+        let (lent_sum, handed_back, _, _) = run_lossy_40(Lending::InputAndOutput);
+        assert_eq!(lent_sum, owned_sum, "bit-identical to the owned path");
+        assert_eq!(handed_back, Tensor::F32(Vec::new()), "the caller has the input");
+    }
+
+    #[test]
+    fn a_borrowed_input_with_a_refused_value_is_refused_with_its_index() {
+        let mut values = vec![1.0f32; 10];
+        values[6] = f32::INFINITY;
+        let err = Prepared::borrow(TensorRef::F32(&values), 4).unwrap_err();
+        assert_eq!(err.index, 6);
     }
 
     #[test]

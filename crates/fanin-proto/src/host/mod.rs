@@ -8,4 +8,6 @@ mod trim_tests;
 #[cfg(test)]
 mod auth_tests;
 
-pub use allreduce::{AllreduceSession, AuthStats, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut};
+pub use allreduce::{
+    AllreduceSession, AuthStats, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut, TensorRef,
+};
