@@ -43,7 +43,7 @@ def _job_arg(text: str) -> dict[str, Any]:
         k = {"id": "job_id"}.get(k, k)
         if k == "members":
             job[k] = [int(x) for x in v.split(":") if x]
-        elif k in ("mode", "key", "on_failure"):
+        elif k in ("mode", "key", "on_failure", "result_group"):
             job[k] = v
         elif k == "rate_limit":
             job[k] = _rate_limit_dict(v.replace(":", ","))
@@ -56,7 +56,8 @@ def _job_arg(text: str) -> dict[str, Any]:
         else:
             raise argparse.ArgumentTypeError(
                 f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, "
-                "slow_after_windows, mode, on_failure=degrade|fail, member_timeout_ms, rate_limit=PPS:BURST, key=HEX)")
+                "slow_after_windows, mode, on_failure=degrade|fail, member_timeout_ms, rate_limit=PPS:BURST, key=HEX, "
+                "result_group=IPV4:PORT)")
     if "job_id" not in job:
         raise argparse.ArgumentTypeError("a job needs id=N")
     return job
@@ -153,7 +154,7 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
     p = AllreduceParams(workers=args.workers, elements=max(1, size // 4), dtype=args.dtype,
                         elems_per_packet=args.elems_per_packet, window=args.window, loss=args.loss,
                         iters=args.iters or (3 if args.quick else 7), shards=args.shards, seed=args.seed,
-                        auth=args.auth, noaggr=not args.auth)
+                        auth=args.auth, noaggr=not args.auth, results=args.results)
     s = run_allreduce(p).summary()
     human = (f"fanin allreduce {args.workers} workers x {format_size(size)} {args.dtype}: median {s['median_s']:.3f} s "
              f"({s['goodput_gbps']:.2f} Gbit/s per worker), ")
@@ -358,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward, "
                          "key=32 hex digits (an authenticated job, docs/security.md), "
                          "on_failure=degrade|fail (when a worker dies, docs/failures.md), member_timeout_ms (0 = 5000), "
-                         "rate_limit=PPS:BURST (per source)")
+                         "rate_limit=PPS:BURST (per source), result_group=239.1.0.7:47001 (results once to this "
+                         "multicast group for workers listening there, docs/protocol.md 4.5)")
     sw.add_argument("--rate-limit", type=_rate_limit_dict, metavar="PPS,BURST",
                     help="per-source rate limit for jobs that set none: each worker may send PPS contributions "
                          "per second and BURST back to back; the excess is answered with a Trimmed nack so it "
@@ -388,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--quick", action="store_true", help="reduced run that finishes in about a minute")
         b.add_argument("--seed", type=int, default=1)
 
+    def results_option(b: argparse.ArgumentParser) -> None:
+        b.add_argument("--results", choices=["multicast", "unicast"], default="multicast",
+                       help="how the switch delivers results: once to the job's multicast group on loopback, which "
+                            "every worker listens on, or a copy to each worker (default %(default)s; NoAggr and "
+                            "keyed jobs are unicast either way)")
+
     ar = bsub.add_parser("allreduce", help="fanin allreduce vs the NoAggr baseline through the same daemon",
                          description="Time allreduce through a switch process with N worker processes, and the same "
                                      "packets through the same daemon with aggregation replaced by forwarding "
@@ -400,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--loss", type=float, default=0.0, help="drop probability on every send, both directions")
     ar.add_argument("--iters", type=int, help="timed iterations (default 7, 3 with --quick)")
     ar.add_argument("--shards", type=int, default=1)
+    results_option(ar)
     ar.add_argument("--auth", action="store_true",
                     help="compare against the same allreduce on an authenticated job (every datagram sealed and "
                          "verified, docs/security.md) instead of NoAggr; reports auth_goodput_ratio and auth_cpu_ratio "
@@ -415,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--elems-per-packet", type=int, default=4096)
     gl.add_argument("--window", type=int, default=128)
     gl.add_argument("--shards", type=int, default=1)
+    results_option(gl)
     gl.add_argument("--iters", type=int)
     common(gl)
     gl.set_defaults(func=_cmd_bench_gloo)

@@ -53,6 +53,13 @@ class Session:
             rank)`` computes it from the job key). Every datagram is sealed
             with it and only results sealed for it are accepted
             (docs/security.md). None for an unauthenticated job.
+        result_group: ``"IPV4:PORT"`` of the job's result group, a multicast
+            group the job was admitted with (its ``result_group``): this
+            worker listens there too, and the switch sends each result once
+            to the group for every listening member instead of a copy to
+            each (docs/protocol.md 4.5). ``params["results_on_group"]``
+            says whether the switch does; if the job has no group, results
+            come by unicast as without it.
 
     Example::
 
@@ -82,6 +89,7 @@ class Session:
         recv_duplicate: float = 0.0,
         recv_reorder: float = 0.0,
         auth_key: Optional[bytes] = None,
+        result_group: Optional[str] = None,
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -103,6 +111,7 @@ class Session:
             recv_duplicate=recv_duplicate,
             recv_reorder=recv_reorder,
             auth_key=None if auth_key is None else bytes(auth_key),
+            result_group=result_group,
         )
         self.switch = switch
         self.job_id = job_id

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional, Union
 
 from fanin import _native
 
-__all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config"]
+__all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config", "free_result_group"]
 
 
 def job_config(
@@ -25,6 +25,7 @@ def job_config(
     on_failure: str = "degrade",
     member_timeout_ms: int = 0,
     rate_limit: Optional[tuple[int, int]] = None,
+    result_group: Optional[str] = None,
 ) -> dict[str, Any]:
     """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
 
@@ -46,6 +47,11 @@ def job_config(
     results), ``"fail"`` fails the job (every worker's allreduce raises
     ``fanin.MemberFailed`` naming the dead rank). ``rate_limit=(pps, burst)``
     limits each source (docs/overload.md).
+
+    ``result_group`` (``"239.1.0.7:47001"``, unkeyed jobs only): the switch
+    sends each result once to this IPv4 multicast group for the workers
+    listening there (``fanin.Session(..., result_group=...)``) instead of a
+    copy to each (docs/protocol.md 4.5).
     """
     job: dict[str, Any] = {
         "job_id": job_id,
@@ -57,6 +63,8 @@ def job_config(
         "on_failure": on_failure,
         "member_timeout_ms": member_timeout_ms,
     }
+    if result_group is not None:
+        job["result_group"] = result_group
     if rate_limit is not None:
         job["rate_limit"] = {"pps": int(rate_limit[0]), "burst": int(rate_limit[1])}
     if members is not None:
@@ -68,6 +76,21 @@ def job_config(
 
         job["key"] = key_hex(key)
     return job
+
+
+def free_result_group() -> str:
+    """A result group (``job_config(result_group=...)``) for a switch and
+    workers on this host: an administratively scoped multicast address
+    (239.77/16) picked from the pid, so concurrent runs do not share one,
+    and a UDP port no socket holds right now."""
+    import os
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pid = os.getpid()
+    return f"239.77.{(pid >> 8) & 255}.{pid & 255}:{port}"
 
 
 def switch_config(

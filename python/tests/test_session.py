@@ -9,7 +9,7 @@ import pytest
 
 import fanin
 from fanin.proc import check_result, worker_inputs
-from fanin.switch import job_config, switch_config
+from fanin.switch import free_result_group, job_config, switch_config
 from threads import in_threads
 
 
@@ -228,3 +228,45 @@ def test_gil_is_released_while_communicating():
         stop.set()
         t.join()
         assert len(ticks) > 50, "other Python threads ran during allreduce"
+
+
+def test_results_on_a_multicast_group_under_loss():
+    """Workers listening on the job's result group get each result from one
+    group datagram (the last worker does not listen and gets unicast); the
+    sums are right and identical everywhere, loss included."""
+    n, group = 3, free_result_group()
+    job = job_config(2, n, result_group=group)
+    with fanin.local_switch(workers=1, shards=2, ingress_drop=0.03, egress_drop=0.03, seed=3,
+                            extra_jobs=[job]) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 2, rank, send_drop=0.03, seed=rank, rto_ms=5, rto_min_ms=2,
+                              result_group=group if rank < n - 1 else None)
+            assert s.params["results_on_group"] == (rank < n - 1)
+            x = worker_inputs(rank, 150_001, "float32")
+            y = s.allreduce(x, out=np.empty_like(x))
+            z = s.allreduce(worker_inputs(rank, 150_001, "int32"))
+            return y, z, s.socket_stats()
+
+        results = run_workers(sw.data_addr, n, work)
+        counters = sw.counters()
+    assert check_result(results[0][0], n, "float32", 1024)["ok"]
+    assert check_result(results[0][1], n, "int32", 1024)["ok"]
+    assert all(r[0].tobytes() == results[0][0].tobytes() for r in results)
+    assert all(r[2]["datagrams_from_group"] > 100 for r in results[:-1])
+    assert results[-1][2]["datagrams_from_group"] == 0
+    assert counters["results_to_group"] > 0 and counters["malformed"] == 0
+
+
+def test_a_bad_result_group_is_refused_with_the_reason():
+    with pytest.raises(Exception, match="not an IPv4 multicast group"):
+        with fanin.local_switch(workers=1, extra_jobs=[job_config(2, 1, result_group="10.0.0.1:5000")]):
+            pass
+    with fanin.local_switch(workers=1) as sw:
+        with pytest.raises(ValueError, match='result_group "nowhere" is not IPV4:PORT'):
+            fanin.Session(sw.data_addr, 1, 0, result_group="nowhere")
+        with pytest.raises(ValueError, match="not an IPv4 multicast group"):
+            fanin.Session(sw.data_addr, 1, 0, result_group="127.0.0.1:5000")
+        # a group the job does not have: results come by unicast
+        s = fanin.Session(sw.data_addr, 1, 0, result_group=free_result_group())
+        assert not s.params["results_on_group"]
+        assert np.array_equal(s.allreduce(np.arange(5000, dtype=np.int32)), np.arange(5000, dtype=np.int32))

@@ -188,6 +188,7 @@ def _collectives_vs_gloo(rank, world):
     dist.barrier()
     st = ft.step_stats()
     out["stats"] = (st.n_sources, st.min_sources, st.allreduces > 0)
+    out["results_on_group"] = pg.results_on_group
     # error paths
     errors = {}
     for name, call in {
@@ -233,6 +234,7 @@ def test_collectives_match_gloo_and_errors_are_clear():
         assert r["all_gather_into_tensor"] == [float(i) for i in range(world) for _ in range(3)]
         assert r["all_gather_object"] == [{"rank": i} for i in range(world)]
         assert r["stats"] == (world, world, True)
+        assert r["results_on_group"], "all ranks local: the embedded switch sends results to a group"
         e = r["errors"]
         assert e["max"][0] == "NotImplementedError" and "MAX" in e["max"][1] and "SUM or AVG" in e["max"][1]
         assert e["float64"][0] == "TypeError" and "float64" in e["float64"][1]
@@ -279,14 +281,17 @@ def _ddp_fanin_default(rank, world):
     with_hook = _ddp_steps(_net(rank), None, ft.allreduce_hook, None, 5, rank)
     plain = _ddp_steps(_net(rank), None, None, None, 5, rank)  # DDP's own reducer on the fanin group
     sources = ft.last_step_sources()
+    on_group = ft.fanin_group().results_on_group
     dist.destroy_process_group()
     return {"hook": (with_hook - ref).abs().max().item(), "plain": (plain - ref).abs().max().item(),
-            "sources": sources, "digest": with_hook.sum().item()}
+            "sources": sources, "digest": with_hook.sum().item(), "on_group": on_group}
 
 
 def test_ddp_on_the_fanin_backend_matches_gloo():
-    reports = _spawn(_ddp_fanin_default, 2)
+    # with results by unicast here (the other tests take the group)
+    reports = _spawn(_ddp_fanin_default, 2, env={"FANIN_RESULT_GROUP": "off"})
     for r in reports:
+        assert not r["on_group"]
         assert r["hook"] < 1e-4, r
         assert r["plain"] < 1e-4, r
         assert r["sources"] == 2

@@ -452,6 +452,14 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
         },
         member_timeout_ms: spec.member_timeout_ms,
         rate_limit: spec.rate_limit.map(|r| RateLimit { pps: r.pps, burst: r.burst }),
+        result_group: match spec.result_group.as_str() {
+            "" => None,
+            text => Some(text.parse().map_err(|_| {
+                Status::invalid_argument(format!(
+                    "job {job_id}: result_group {text:?} is not an IPv4 address and port (use e.g. 239.1.0.7:47001, or leave it empty)"
+                ))
+            })?),
+        },
     };
     spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(spec)
@@ -479,6 +487,7 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
         } as i32,
         member_timeout_ms: spec.member_timeout_ms,
         rate_limit: spec.rate_limit.map(|r| pb::RateLimit { pps: r.pps, burst: r.burst }),
+        result_group: spec.result_group.map_or_else(String::new, |g| g.to_string()),
     }
 }
 
@@ -721,6 +730,15 @@ mod tests {
         spec.member_timeout_ms = 1500;
         spec.rate_limit = Some(RateLimit { pps: 1000, burst: 16 });
         assert_eq!(job_spec_from_pb(job_spec_to_pb(&spec)).unwrap(), spec);
+        spec.result_group = Some("239.1.0.7:47001".parse().unwrap());
+        assert_eq!(job_spec_from_pb(job_spec_to_pb(&spec)).unwrap(), spec);
+        for (text, says) in [("239.1.0.7", "not an IPv4 address and port"), ("10.0.0.1:5", "not an IPv4 multicast group")] {
+            let mut bad = job_spec_to_pb(&spec);
+            bad.result_group = text.into();
+            let err = job_spec_from_pb(bad).unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument);
+            assert!(err.message().contains(says), "{}", err.message());
+        }
     }
 
     #[test]

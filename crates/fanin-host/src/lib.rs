@@ -10,7 +10,7 @@
 //! ```
 
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
@@ -39,6 +39,11 @@ pub struct SessionOptions {
     pub socket_buffer: usize,
     /// Use UDP GSO/GRO when the kernel has them.
     pub offload: bool,
+    /// Receive results on this IPv4 multicast group as well: the switch then
+    /// sends each result once to the group instead of a copy to every
+    /// member, if the job names the same group (its `result_group`; the
+    /// JoinAck says whether it does, [`JoinParams::results_on_group`]).
+    pub result_group: Option<SocketAddrV4>,
 }
 
 impl SessionOptions {
@@ -53,6 +58,7 @@ impl SessionOptions {
             seed: 0,
             socket_buffer: 32 << 20,
             offload: true,
+            result_group: None,
         }
     }
 }
@@ -75,6 +81,8 @@ pub struct SessionStats {
     pub dropped_by_fault_injection: u64,
     pub duplicated_by_fault_injection: u64,
     pub reordered_by_fault_injection: u64,
+    /// Of `datagrams_received`, those that came on the result group.
+    pub datagrams_from_group: u64,
 }
 
 /// A worker's connection to a fanin switch for one job.
@@ -82,6 +90,8 @@ pub struct Session {
     options: SessionOptions,
     machine: AllreduceSession,
     socket: BatchSocket,
+    /// Receive-only socket on the job's result group, if listening there.
+    group: Option<BatchSocket>,
     rx: RecvBatch,
     tx: SendBatch,
     faults: DropInjector,
@@ -146,8 +156,13 @@ impl Session {
             let _ = socket.enable_gro();
             tx.set_gso(socket.gso_supported());
         }
+        let group = match options.result_group {
+            Some(g) => Some(listen_on_group(g, options.switch, &options)?),
+            None => None,
+        };
         let epoch = Instant::now();
         let mut options = options;
+        options.session.listens_on_group = group.is_some();
         // Sequence numbers of a keyed session start at the wall clock, so a
         // restarted worker continues above what it sent before.
         options.session.seal_clock_us =
@@ -164,6 +179,7 @@ impl Session {
             rx: RecvBatch::new(64, fanin_udp::GRO_SLOT_SIZE),
             tx,
             socket,
+            group,
             machine,
             epoch,
             params: JoinParams {
@@ -173,6 +189,7 @@ impl Session {
                 incarnation: 0,
                 shard_count: 0,
                 next_block: 0,
+                results_on_group: false,
             },
             stats: SessionStats::default(),
             options,
@@ -303,21 +320,23 @@ impl Session {
             Some(deadline) => deadline.saturating_since(self.now()),
             None => Duration::from_millis(100),
         };
-        // A zero timeout would make the socket block forever.
-        self.socket.set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;
-        let n = self.socket.recv_batch(&mut self.rx)?;
-        if n > 0 {
-            let now = self.now();
-            self.stats.datagrams_received += self.rx.len() as u64;
-            if self.recv_faults.is_enabled() {
-                let all: Vec<_> = self.rx.iter().collect();
-                self.recv_faults.schedule(all.len(), &mut self.recv_order);
-                for &i in &self.recv_order {
-                    self.machine.handle_datagram(now, all[i].1);
+        match &self.group {
+            None => {
+                // A zero timeout would make the socket block forever.
+                self.socket.set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;
+                self.receive(false)?;
+            }
+            Some(group) => {
+                // Wait for either; a socket reported readable is read at
+                // once (the group's is non-blocking; the unicast one, which
+                // nothing else reads, stays blocking so sends keep
+                // blocking on a full buffer rather than failing).
+                let (unicast, multicast) = fanin_udp::wait_readable_pair(&self.socket, group, timeout)?;
+                if multicast {
+                    self.receive(true)?;
                 }
-            } else {
-                for (_, bytes) in self.rx.iter() {
-                    self.machine.handle_datagram(now, bytes);
+                if unicast {
+                    self.receive(false)?;
                 }
             }
         }
@@ -327,4 +346,63 @@ impl Session {
         }
         Ok(())
     }
+
+    /// One batch from the unicast socket or the group's into the machine
+    /// (through the receive-side fault injection, if any).
+    fn receive(&mut self, from_group: bool) -> Result<(), HostError> {
+        let socket = match (&self.group, from_group) {
+            (Some(group), true) => group,
+            _ => &self.socket,
+        };
+        if socket.recv_batch(&mut self.rx)? == 0 {
+            return Ok(());
+        }
+        let now = self.now();
+        self.stats.datagrams_received += self.rx.len() as u64;
+        if from_group {
+            self.stats.datagrams_from_group += self.rx.len() as u64;
+        }
+        if self.recv_faults.is_enabled() {
+            let all: Vec<_> = self.rx.iter().collect();
+            self.recv_faults.schedule(all.len(), &mut self.recv_order);
+            for &i in &self.recv_order {
+                self.machine.handle_datagram(now, all[i].1);
+            }
+        } else {
+            for (_, bytes) in self.rx.iter() {
+                self.machine.handle_datagram(now, bytes);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Opens the receive socket on `group`, joined on the interface this host
+/// reaches `switch` through (127.0.0.1 for a switch on loopback).
+fn listen_on_group(group: SocketAddrV4, switch: SocketAddr, options: &SessionOptions) -> Result<BatchSocket, HostError> {
+    let refuse = |why: String| HostError::Option(format!("result_group {group}: {why}"));
+    if !group.ip().is_multicast() {
+        return Err(refuse("not an IPv4 multicast group (224.0.0.0/4)".into()));
+    }
+    let SocketAddr::V4(switch_v4) = switch else {
+        return Err(refuse(format!("the switch {switch} is IPv6; result groups are IPv4")));
+    };
+    // The kernel's choice of source address toward the switch names the
+    // interface (no datagram is sent by connecting a UDP socket).
+    let interface = (|| {
+        let probe = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        probe.connect(switch_v4)?;
+        match probe.local_addr()? {
+            SocketAddr::V4(a) => Ok(*a.ip()),
+            SocketAddr::V6(_) => Ok(Ipv4Addr::UNSPECIFIED),
+        }
+    })()
+    .map_err(|e: io::Error| refuse(format!("no route to the switch {switch}: {e}")))?;
+    let listener = BatchSocket::join_group(group, interface)
+        .map_err(|e| refuse(format!("cannot listen on it from {interface}: {e}")))?;
+    let _ = listener.set_buffer_sizes(options.socket_buffer, options.socket_buffer);
+    if options.offload {
+        let _ = listener.enable_gro();
+    }
+    Ok(listener)
 }

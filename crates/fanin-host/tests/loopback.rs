@@ -26,6 +26,7 @@ fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
         on_failure: Default::default(),
         member_timeout_ms: 0,
         rate_limit: None,
+        result_group: None,
     }
 }
 
@@ -215,4 +216,75 @@ fn a_keyed_job_on_two_shards_with_loss_sums_exactly_and_refuses_nothing_honest()
     }
     let c = sw.core().counters();
     assert_eq!((c.auth_bad_tag, c.auth_unsealed, c.auth_replayed), (0, 0, 0), "{c:?}");
+}
+
+/// A free UDP port on loopback for a result group (the group address keeps
+/// tests apart; the port only has to be unused by unicast sockets).
+fn free_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Results on a multicast group through the real daemon: two workers listen
+/// on the job's result group and one does not, under loss on every path.
+/// Everyone gets the same, correct sum; the listeners' results came on the
+/// group (one datagram per block for both), the other's by unicast.
+#[test]
+fn results_on_a_multicast_group_reach_listeners_once_and_others_by_unicast() {
+    let group = std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(239, 77, 2, 1), free_port());
+    let spec = JobConfig { result_group: Some(group), ..job(5, 3, JobMode::Aggregate) };
+    let sw = start(2, 0.02, vec![spec]);
+    let addr = sw.data_addr();
+    let len = 200_003;
+    let handles: Vec<_> = (0..3u16)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut o = options(addr, 5, rank, 0.02);
+                o.result_group = (rank != 1).then_some(group);
+                let mut s = Session::connect(o).unwrap();
+                assert_eq!(s.params().results_on_group, rank != 1, "rank {rank}");
+                let a = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap();
+                let b = s.allreduce(Tensor::F32(inputs_f32(rank, len))).unwrap();
+                (a, b, s.stats().clone())
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let mut expected = vec![0i32; len];
+    for r in 0..3 {
+        for (e, x) in expected.iter_mut().zip(inputs_i32(r, len)) {
+            *e = e.wrapping_add(x);
+        }
+    }
+    for (rank, (a, b, stats)) in results.iter().enumerate() {
+        assert_eq!(a.tensor, Tensor::I32(expected.clone()), "rank {rank}");
+        assert_eq!(b.tensor, results[0].1.tensor, "float results are bit-identical across workers");
+        if rank == 1 {
+            assert_eq!(stats.datagrams_from_group, 0);
+        } else {
+            // 2 x 196 blocks, most of them (all but a lost few) from the group
+            assert!(stats.datagrams_from_group > 300, "rank {rank}: {stats:?}");
+        }
+    }
+    let c = sw.core().counters();
+    let blocks = 2 * len.div_ceil(1024) as u64;
+    assert!(c.results_to_group >= blocks, "{} group results for {blocks} blocks", c.results_to_group);
+    assert!(c.results_sent >= blocks && c.results_sent < 2 * blocks, "unicast results only for rank 1: {}", c.results_sent);
+    assert_eq!(c.malformed_total(), 0);
+}
+
+#[test]
+fn a_result_group_that_is_not_multicast_is_refused_clearly() {
+    let sw = start(1, 0.0, vec![job(6, 1, JobMode::Aggregate)]);
+    let mut o = options(sw.data_addr(), 6, 0, 0.0);
+    o.result_group = Some("127.0.0.1:4000".parse().unwrap());
+    let err = Session::connect(o).err().expect("refused");
+    assert!(err.to_string().contains("result_group 127.0.0.1:4000: not an IPv4 multicast group"), "{err}");
+    // a worker listening on a group the job does not have gets unicast
+    let mut o = options(sw.data_addr(), 6, 0, 0.0);
+    o.result_group = Some(std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(239, 77, 2, 2), free_port()));
+    let mut s = Session::connect(o).unwrap();
+    assert!(!s.params().results_on_group);
+    let out = s.allreduce(Tensor::I32(vec![3; 5000])).unwrap();
+    assert_eq!(out.tensor, Tensor::I32(vec![3; 5000]));
+    assert_eq!(s.stats().datagrams_from_group, 0);
 }

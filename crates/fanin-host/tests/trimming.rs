@@ -35,6 +35,7 @@ fn start(trim: bool) -> SwitchHandle {
             on_failure: Default::default(),
             member_timeout_ms: 0,
             rate_limit: None,
+            result_group: None,
         }],
         ..DaemonConfig::default()
     };

@@ -156,6 +156,13 @@ pub struct JobSpec {
     /// Per-source rate limit; none = the switch's default (if any).
     #[serde(default)]
     pub rate_limit: Option<RateLimit>,
+    /// An IPv4 multicast group ("239.1.0.7:47001") the switch sends
+    /// completion results to, once, for every member whose Join said it
+    /// listens there; the others get theirs by unicast as before
+    /// (docs/protocol.md §4.5). Unkeyed jobs only: a keyed job's results are
+    /// sealed for each member. None: unicast to every member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_group: Option<std::net::SocketAddrV4>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -180,6 +187,10 @@ pub enum JobSpecError {
     MemberTimeout { job_id: u32, value: u32 },
     #[error("job {job_id}: {message}")]
     RateLimit { job_id: u32, message: String },
+    #[error("job {job_id}: result_group {group} is not an IPv4 multicast group with a port (use e.g. 239.1.0.7:47001)")]
+    ResultGroup { job_id: u32, group: std::net::SocketAddrV4 },
+    #[error("job {job_id}: result_group needs an unkeyed job (a keyed job's results are sealed for each member, so they cannot share one datagram)")]
+    KeyedResultGroup { job_id: u32 },
 }
 
 impl JobSpec {
@@ -198,6 +209,7 @@ impl JobSpec {
             on_failure: FailurePolicy::Degrade,
             member_timeout_ms: 0,
             rate_limit: None,
+            result_group: None,
         }
     }
 
@@ -242,6 +254,14 @@ impl JobSpec {
         if let Some(limit) = &self.rate_limit {
             limit.validate().map_err(|message| JobSpecError::RateLimit { job_id, message })?;
         }
+        if let Some(group) = self.result_group {
+            if !group.ip().is_multicast() || group.port() == 0 {
+                return Err(JobSpecError::ResultGroup { job_id, group });
+            }
+            if self.key.is_some() {
+                return Err(JobSpecError::KeyedResultGroup { job_id });
+            }
+        }
         Ok(())
     }
 
@@ -266,6 +286,7 @@ impl JobSpec {
             ("slow_after_windows", self.slow_after_windows == new.slow_after_windows),
             ("mode", self.mode == new.mode),
             ("key", self.key == new.key),
+            ("result_group", self.result_group == new.result_group),
         ]
         .into_iter()
         .find_map(|(field, same)| (!same).then_some(field))
@@ -323,6 +344,31 @@ mod tests {
         assert_eq!(spec.member_timeout(), std::time::Duration::from_millis(DEFAULT_MEMBER_TIMEOUT_MS as u64));
         spec.rate_limit = Some(RateLimit { pps: 0, burst: 4 });
         assert!(spec.validate().unwrap_err().to_string().contains("at least 1"));
+        spec.rate_limit = None;
+        spec.result_group = Some("127.0.0.1:4000".parse().unwrap());
+        assert!(spec.validate().unwrap_err().to_string().contains("result_group 127.0.0.1:4000 is not an IPv4 multicast group"));
+        spec.result_group = Some("239.1.0.7:0".parse().unwrap());
+        assert!(spec.validate().unwrap_err().to_string().contains("with a port"));
+        spec.result_group = Some("239.1.0.7:47001".parse().unwrap());
+        assert!(spec.validate().is_ok());
+        spec.key = Some(fanin_wire::auth::Key([7; 16]));
+        assert!(spec.validate().unwrap_err().to_string().contains("needs an unkeyed job"));
+    }
+
+    #[test]
+    fn a_result_group_reads_from_json_and_stays_fixed() {
+        let spec: JobSpec = serde_json::from_str(
+            r#"{"job_id": 1, "members": [0, 1], "block_cnt_max": 8, "block_grad_max": 64, "result_group": "239.1.0.7:47001"}"#,
+        )
+        .unwrap();
+        assert_eq!(spec.result_group, Some("239.1.0.7:47001".parse().unwrap()));
+        let err = serde_json::from_str::<JobSpec>(
+            r#"{"job_id": 1, "members": [0], "block_cnt_max": 8, "block_grad_max": 64, "result_group": "239.1.0.7"}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("socket address"), "{err}");
+        let unicast = JobSpec { result_group: None, ..spec.clone() };
+        assert_eq!(spec.fixed_field_changed(&unicast), Some("result_group"));
     }
 
     #[test]

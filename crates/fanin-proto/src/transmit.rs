@@ -28,17 +28,30 @@ pub trait Transmit<A> {
         }
         n
     }
+
+    /// Queue `bytes` once to the IPv4 multicast `group` (a switch's result
+    /// to the members listening there) and return true, or return false if
+    /// this sink cannot reach groups, in which case the caller sends to
+    /// each member instead. The default cannot.
+    fn push_group(&mut self, group: std::net::SocketAddrV4, bytes: &[u8]) -> bool {
+        let _ = (group, bytes);
+        false
+    }
 }
 
 /// A growable list of datagrams, for tests and simple drivers.
 #[derive(Debug, Default, Clone)]
 pub struct VecTransmit<A> {
     pub datagrams: Vec<(A, Vec<u8>)>,
+    /// Datagrams to multicast groups (kept apart: `A` need not be an IP
+    /// address). Only recorded when `groups_reachable` is set.
+    pub group_datagrams: Vec<(std::net::SocketAddrV4, Vec<u8>)>,
+    pub groups_reachable: bool,
 }
 
 impl<A> VecTransmit<A> {
     pub fn new() -> Self {
-        Self { datagrams: Vec::new() }
+        Self { datagrams: Vec::new(), group_datagrams: Vec::new(), groups_reachable: false }
     }
     pub fn len(&self) -> usize {
         self.datagrams.len()
@@ -55,5 +68,12 @@ impl<A> Transmit<A> for VecTransmit<A> {
     fn push(&mut self, dest: A, len: usize) -> &mut [u8] {
         self.datagrams.push((dest, vec![0; len]));
         &mut self.datagrams.last_mut().expect("just pushed").1
+    }
+
+    fn push_group(&mut self, group: std::net::SocketAddrV4, bytes: &[u8]) -> bool {
+        if self.groups_reachable {
+            self.group_datagrams.push((group, bytes.to_vec()));
+        }
+        self.groups_reachable
     }
 }

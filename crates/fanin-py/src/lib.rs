@@ -62,7 +62,7 @@ impl Session {
     #[new]
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
                         rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true,
-                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None))]
+                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -85,6 +85,7 @@ impl Session {
         recv_duplicate: f64,
         recv_reorder: f64,
         auth_key: Option<Vec<u8>>,
+        result_group: Option<&str>,
     ) -> PyResult<Self> {
         let addr: SocketAddr = switch
             .parse()
@@ -116,6 +117,13 @@ impl Session {
             .map_err(|e| PyValueError::new_err(format!("auth_key: {e} (the member key the controller issued)")))?;
         o.seed = seed;
         o.offload = offload;
+        o.result_group = result_group
+            .map(|g| {
+                g.parse().map_err(|_| {
+                    PyValueError::new_err(format!("result_group {g:?} is not IPV4:PORT (e.g. 239.1.0.7:47001)"))
+                })
+            })
+            .transpose()?;
         let inner = py.detach(|| HostSession::connect(o)).map_err(host_err)?;
         Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new() })
     }
@@ -209,6 +217,7 @@ impl Session {
         d.set_item("incarnation", p.incarnation)?;
         d.set_item("shard_count", p.shard_count)?;
         d.set_item("next_block", p.next_block)?;
+        d.set_item("results_on_group", p.results_on_group)?;
         Ok(d)
     }
 
@@ -221,6 +230,7 @@ impl Session {
         d.set_item("dropped_by_fault_injection", s.dropped_by_fault_injection)?;
         d.set_item("duplicated_by_fault_injection", s.duplicated_by_fault_injection)?;
         d.set_item("reordered_by_fault_injection", s.reordered_by_fault_injection)?;
+        d.set_item("datagrams_from_group", s.datagrams_from_group)?;
         let a = self.inner.auth_stats();
         d.set_item("auth_bad_tag", a.bad_tag)?;
         d.set_item("auth_replayed", a.replayed)?;

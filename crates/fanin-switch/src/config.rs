@@ -195,6 +195,11 @@ pub struct JobConfig {
     pub member_timeout_ms: u32,
     #[serde(default)]
     pub rate_limit: Option<RateLimit>,
+    /// "239.1.0.7:47001": the job's completion results go to this IPv4
+    /// multicast group once, for the members that listen on it
+    /// (docs/protocol.md §4.5); unset = unicast to every member.
+    #[serde(default)]
+    pub result_group: Option<std::net::SocketAddrV4>,
 }
 
 fn default_data_addr() -> SocketAddr {
@@ -354,6 +359,7 @@ impl JobConfig {
             on_failure: self.on_failure,
             member_timeout_ms: self.member_timeout_ms,
             rate_limit: self.rate_limit,
+            result_group: self.result_group,
         })
     }
 }

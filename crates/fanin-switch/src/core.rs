@@ -358,6 +358,8 @@ impl SwitchHandle {
             let stats = Arc::new(ShardStats::default());
             let _ = socket.set_buffer_sizes(config.socket_buffer, config.socket_buffer);
             let _ = socket.enable_gro();
+            // results to jobs' multicast groups leave by the data address's interface
+            let multicast = socket.enable_multicast_send().unwrap_or(false);
             let seed = config.faults.seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64);
             let shard = ShardThread {
                 switch: ValueSwitch::new(ShardConfig {
@@ -377,6 +379,7 @@ impl SwitchHandle {
                 }),
                 index: i as u16,
                 socket,
+                multicast,
                 commands: rx,
                 peers: senders.clone(),
                 stats: stats.clone(),

@@ -17,7 +17,7 @@
 //! hot path takes no locks. A key-value datagram that arrives on another
 //! shard is handed over like a value packet for a foreign block.
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, SocketAddrV4};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -41,6 +41,9 @@ pub(crate) enum Command {
     Handover(SocketAddr, Vec<u8>),
     /// Another shard passed on a joiner's sync answer: (job, member, start).
     AdmitJoiner(u32, u16, u32),
+    /// Another shard saw a member's Join: (job, member, listens on the
+    /// job's result group).
+    SetListening(u32, u16, bool),
     AddKvTask(Box<KvTaskSpec<SocketAddr>>, SyncSender<Result<(), KvAdmitError>>),
     RemoveKvTask(u32, SyncSender<bool>),
     /// Which of these tasks still hold a region, with their figures.
@@ -68,6 +71,8 @@ pub(crate) struct ShardThread {
     pub kv: KvSwitch<SocketAddr>,
     pub index: u16,
     pub socket: BatchSocket,
+    /// The socket can send to IPv4 multicast groups (jobs' result groups).
+    pub multicast: bool,
     pub commands: Receiver<Command>,
     pub peers: Vec<Sender<Command>>,
     pub stats: Arc<ShardStats>,
@@ -93,6 +98,7 @@ pub(crate) struct ShardThread {
 /// Sends through the batch, flushing when it fills; egress faults drop here.
 struct SocketTx<'a> {
     socket: &'a BatchSocket,
+    multicast: bool,
     batch: &'a mut SendBatch,
     egress: &'a mut DropInjector,
     discard: &'a mut Vec<u8>,
@@ -132,6 +138,17 @@ impl Transmit<SocketAddr> for SocketTx<'_> {
             }
         }
         n
+    }
+
+    /// One datagram to the group (egress faults may drop it, as they would
+    /// a member's copy); refused on a socket that cannot reach IPv4 groups,
+    /// so the program falls back to unicast.
+    fn push_group(&mut self, group: SocketAddrV4, bytes: &[u8]) -> bool {
+        if !self.multicast {
+            return false;
+        }
+        self.push_copy(SocketAddr::V4(group), bytes);
+        true
     }
 }
 
@@ -180,6 +197,7 @@ impl ShardThread {
             let now = self.now();
             let mut out = SocketTx {
                 socket: &self.socket,
+                multicast: self.multicast,
                 batch: &mut tx,
                 egress: &mut self.egress,
                 discard: &mut discard,
@@ -227,10 +245,20 @@ impl ShardThread {
                                 Verdict::Consumed => continue,
                                 Verdict::WrongShard(owner) => owner,
                                 // A joiner's start: every shard holds some of its blocks.
-                                Verdict::Joined { job_id, member, start } => {
+                                Verdict::Joined { job_id, member, start, listens } => {
                                     for (i, peer) in self.peers.iter().enumerate() {
                                         if i != self.index as usize {
                                             let _ = peer.send(Command::AdmitJoiner(job_id, member, start));
+                                            let _ = peer.send(Command::SetListening(job_id, member, listens));
+                                        }
+                                    }
+                                    continue;
+                                }
+                                // each shard sends its own blocks' results
+                                Verdict::Listening { job_id, member, listens } => {
+                                    for (i, peer) in self.peers.iter().enumerate() {
+                                        if i != self.index as usize {
+                                            let _ = peer.send(Command::SetListening(job_id, member, listens));
                                         }
                                     }
                                     continue;
@@ -291,6 +319,9 @@ impl ShardThread {
                 Ok(Command::AdmitJoiner(job_id, member, start)) => {
                     self.switch.admit_joiner(job_id, member, start);
                 }
+                Ok(Command::SetListening(job_id, member, listens)) => {
+                    self.switch.set_listening(job_id, member, listens);
+                }
                 Ok(Command::AddKvTask(spec, reply)) => {
                     let now = self.now();
                     let _ = reply.send(self.kv.add_task(now, *spec));
@@ -326,7 +357,7 @@ impl ShardThread {
     ) -> R {
         let now = self.now();
         let mut out =
-            SocketTx { socket: &self.socket, batch: tx, egress: &mut self.egress, discard, stats: &self.stats };
+            SocketTx { socket: &self.socket, multicast: self.multicast, batch: tx, egress: &mut self.egress, discard, stats: &self.stats };
         let result = f(&mut self.switch, &mut self.kv, now, &mut out);
         flush(&self.socket, tx, &self.stats);
         result

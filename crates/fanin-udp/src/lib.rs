@@ -39,11 +39,13 @@
 #[cfg(not(target_os = "linux"))]
 compile_error!("fanin-udp uses Linux-only syscalls (recvmmsg, sendmmsg, UDP GSO/GRO)");
 
+mod multicast;
 mod recv;
 mod send;
 mod sockaddr;
 mod socket;
 
+pub use multicast::wait_readable_pair;
 pub use recv::{RecvBatch, RecvIter, GRO_SLOT_SIZE};
 pub use send::{SendBatch, MAX_GSO_BYTES, MAX_GSO_SEGMENTS};
 pub use socket::{BatchSocket, ReceiveQueue};

@@ -269,7 +269,7 @@ impl AsFd for BatchSocket {
     }
 }
 
-fn setsockopt_int(
+pub(crate) fn setsockopt_int(
     fd: RawFd,
     level: libc::c_int,
     name: libc::c_int,

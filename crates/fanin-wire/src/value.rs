@@ -180,6 +180,13 @@ impl<T: AsRef<[u8]>> Packet<T> {
     pub fn final_block(&self) -> bool {
         self.flags() & FLAG_FINAL != 0
     }
+
+    /// In a Join, the `final` bit means something else: the worker receives
+    /// on the job's result group, so the switch may send it completion
+    /// results there (docs/protocol.md §2.3).
+    pub fn listens_on_group(&self) -> bool {
+        self.final_block()
+    }
     pub fn degraded(&self) -> bool {
         self.flags() & FLAG_DEGRADED != 0
     }
@@ -405,8 +412,13 @@ pub fn add_elements(sum: &mut [i32], payload: &[u8]) {
 ///
 /// ```text
 ///  0 block_cnt_max u32 | 4 block_grad_max u32 | 8 block_exp_ms u32
-/// 12 incarnation u32   | 16 shard_count u16   | 18 reserved u16 | 20 next_block u32
+/// 12 incarnation u32   | 16 shard_count u16   | 18 flags u16 | 20 next_block u32
 /// ```
+///
+/// `flags` bit 0 ([`JOINACK_RESULTS_ON_GROUP`]): the switch sends this
+/// worker the job's completion results on the job's result group (the Join
+/// carried [`Packet::listens_on_group`]); the other bits are sent as 0 and
+/// ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JoinParams {
     /// Concurrent blocks (slots) the job may hold; also the exponent lookahead.
@@ -421,7 +433,13 @@ pub struct JoinParams {
     pub shard_count: u16,
     /// The block offset a joining worker starts from (SwitchML++ sync).
     pub next_block: u32,
+    /// Completion results come on the job's result group (multicast), not
+    /// to this worker's own address (docs/protocol.md §4.5).
+    pub results_on_group: bool,
 }
+
+/// JoinAck `flags` bit: results come on the job's result group.
+pub const JOINACK_RESULTS_ON_GROUP: u16 = 0x0001;
 
 impl JoinParams {
     pub const LEN: usize = 24;
@@ -438,6 +456,7 @@ impl JoinParams {
             incarnation: u32_at(12),
             shard_count: u16::from_be_bytes([body[16], body[17]]),
             next_block: u32_at(20),
+            results_on_group: u16::from_be_bytes([body[18], body[19]]) & JOINACK_RESULTS_ON_GROUP != 0,
         })
     }
 
@@ -447,7 +466,8 @@ impl JoinParams {
         body[8..12].copy_from_slice(&self.block_exp_ms.to_be_bytes());
         body[12..16].copy_from_slice(&self.incarnation.to_be_bytes());
         body[16..18].copy_from_slice(&self.shard_count.to_be_bytes());
-        body[18..20].copy_from_slice(&[0, 0]);
+        let flags = if self.results_on_group { JOINACK_RESULTS_ON_GROUP } else { 0 };
+        body[18..20].copy_from_slice(&flags.to_be_bytes());
         body[20..24].copy_from_slice(&self.next_block.to_be_bytes());
     }
 }

@@ -91,7 +91,7 @@ def run_gloo_compare(args: Any) -> int:
         gloo_runs.append(run_gloo(args.workers, n, max(1, iters // rounds)))
         p = AllreduceParams(workers=args.workers, elements=n, dtype="float32", elems_per_packet=args.elems_per_packet,
                             window=args.window, iters=max(1, iters // rounds), shards=args.shards, seed=args.seed,
-                            noaggr=False)
+                            noaggr=False, results=args.results)
         fanin_runs.append(run_allreduce(p, label="fanin").summary())
     gloo_times = [t for r in gloo_runs for t in r["times_s"]]
     fanin_times = [t for r in fanin_runs for t in r["times_s"]]

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from fanin.proc import SwitchProcess, check_result, worker_inputs
-from fanin.switch import job_config, switch_config
+from fanin.switch import free_result_group, job_config, switch_config
 
 AGGR_JOB = 1
 NOAGGR_JOB = 2
@@ -40,8 +40,13 @@ class AllreduceParams:
     auth: bool = False
     progress: bool = True
     job_key: Optional[bytes] = None
+    # How the switch delivers the fanin arm's results: "multicast" (once to
+    # the job's result group, which every worker listens on) or "unicast"
+    # (a copy to each worker). NoAggr and keyed jobs are unicast either way.
+    results: str = "multicast"
     # set by run_allreduce: rank 0 reads the switch's CPU time per arm
     switch_pid: Optional[int] = None
+    result_group: Optional[str] = None
 
     def validate(self) -> None:
         if self.workers < 1 or self.workers > 256:
@@ -58,6 +63,8 @@ class AllreduceParams:
             raise ValueError("--iters must be at least 1")
         if self.elements < 1:
             raise ValueError("--size must be at least one element")
+        if self.results not in ("multicast", "unicast"):
+            raise ValueError(f"--results must be multicast or unicast, not {self.results!r}")
 
 
 @dataclass
@@ -87,6 +94,7 @@ class AllreduceRun:
             "window": p.window,
             "loss": p.loss,
             "shards": p.shards,
+            "results": p.results,
             "iters": p.iters,
             "median_s": med,
             "times_s": self.fanin_times,
@@ -132,7 +140,9 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         from fanin import Session
 
         kw = dict(elems_per_packet=p.elems_per_packet, window=p.window, send_drop=p.loss, seed=p.seed * 1000 + rank)
-        aggr = Session(switch, AGGR_JOB, rank, **kw)
+        aggr = Session(switch, AGGR_JOB, rank, result_group=p.result_group, **kw)
+        if p.result_group and not aggr.params["results_on_group"]:
+            raise RuntimeError(f"the switch does not send job {AGGR_JOB}'s results to {p.result_group}")
         noaggr = Session(switch, NOAGGR_JOB, rank, **kw) if p.noaggr else None
         authed = None
         if p.auth:
@@ -212,8 +222,10 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
     """Start a switch process and `p.workers` worker processes; time fanin and
     NoAggr allreduce alternately; verify every worker's first result."""
     p.validate()
+    p.result_group = free_result_group() if p.results == "multicast" else None
     jobs = [
-        job_config(AGGR_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet),
+        job_config(AGGR_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet,
+                   result_group=p.result_group),
         job_config(NOAGGR_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet, mode="forward"),
     ]
     if p.auth:

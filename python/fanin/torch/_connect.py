@@ -8,6 +8,12 @@ there. Either
   ``FANIN_JOB_ID`` (default 1) is admitted with the group's size, or
 * by default rank 0 starts a switch inside its own process (the embedded
   default: the real daemon on background threads) with one job for the group.
+
+When every rank runs on this machine, the embedded switch's job gets a result
+group on loopback (docs/protocol.md 4.5): each result is sent once to the
+group rather than once per rank. ``FANIN_RESULT_GROUP=off`` turns that off;
+``FANIN_RESULT_GROUP=IPV4:PORT`` names the group of the job on an external
+switch (``FANIN_SWITCH``), which every rank then listens on.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fanin.session import Session
-from fanin.switch import LocalSwitch, job_config, switch_config
+from fanin.switch import LocalSwitch, free_result_group, job_config, switch_config
 
 __all__ = ["Connection", "ConnectOptions", "connect"]
 
@@ -46,6 +52,7 @@ class ConnectOptions:
     block_exp_ms: int = 0             # FANIN_BLOCK_EXP_MS: straggler aging of the embedded job; 0 = off
     bind: Optional[str] = None        # FANIN_SWITCH_BIND: where the embedded switch listens
     shards: int = 1                   # FANIN_SWITCH_SHARDS: processing threads of the embedded switch
+    result_group: Optional[str] = None  # FANIN_RESULT_GROUP: "off", or IPV4:PORT; None = automatic
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ConnectOptions":
@@ -57,6 +64,7 @@ class ConnectOptions:
             block_exp_ms=_env_int("FANIN_BLOCK_EXP_MS", 0),
             bind=os.environ.get("FANIN_SWITCH_BIND") or None,
             shards=_env_int("FANIN_SWITCH_SHARDS", 1),
+            result_group=os.environ.get("FANIN_RESULT_GROUP") or None,
         )
         for k, v in overrides.items():
             if v is not None:
@@ -72,6 +80,7 @@ class Connection:
     elems_per_packet: int
     n_sources: int
     embedded: Optional[LocalSwitch]  # set on the rank that runs the embedded switch
+    results_on_group: bool = False   # the switch sends this rank's results to the job's result group
 
 
 def _embedded_bind(world: int) -> tuple[str, Optional[str]]:
@@ -87,21 +96,26 @@ def _embedded_bind(world: int) -> tuple[str, Optional[str]]:
 
 
 def _decide(world: int, opts: ConnectOptions) -> tuple[Optional[LocalSwitch], str]:
-    """Rank 0's choice: (embedded switch or None, "addr|job|elems_per_packet")."""
+    """Rank 0's choice: (embedded switch or None, "addr|job|elems_per_packet|result group")."""
     embedded = None
+    off = opts.result_group == "off"
     if opts.switch:
         addr, job_id = opts.switch, opts.job_id
+        group = None if off else opts.result_group
     else:
         bind, advertise = (opts.bind, None) if opts.bind else _embedded_bind(world)
         job_id = 1
+        # a group on loopback reaches every rank only when all are local
+        on_loopback = bind.startswith("127.") and not advertise
+        group = None if off else (opts.result_group or (free_result_group() if on_loopback else None))
         job = job_config(job_id, world, block_cnt_max=opts.window, block_grad_max=opts.elems_per_packet,
-                         block_exp_ms=opts.block_exp_ms)
+                         block_exp_ms=opts.block_exp_ms, result_group=group)
         embedded = LocalSwitch(switch_config(data_addr=bind, shards=opts.shards, control_addr=None,
                                              metrics_addr=None, memory_mb=4096, jobs=[job]))
         addr = embedded.data_addr
         if advertise:
             addr = f"{advertise}:{addr.rsplit(':', 1)[1]}"
-    return embedded, f"{addr}|{job_id}|{opts.elems_per_packet}"
+    return embedded, f"{addr}|{job_id}|{opts.elems_per_packet}|{group or ''}"
 
 
 def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions) -> Connection:
@@ -120,13 +134,14 @@ def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts
     answer = store.get(_KEY).decode()
     if answer.startswith("!"):
         raise RuntimeError(f"fanin: rank 0 could not set up the switch: {answer[1:]}")
-    addr, job_s, epp_s = answer.split("|")
+    addr, job_s, epp_s, group = answer.split("|")
     epp = int(epp_s)
     dead_after = max(10.0, timeout.total_seconds())
     session = Session(addr, int(job_s), rank, elems_per_packet=epp, window=opts.window,
-                      join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after)
+                      join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after, result_group=group or None)
     if session.n_sources != world:
         raise RuntimeError(f"fanin: job {job_s} on {addr} has {session.n_sources} members but the process group "
                            f"has {world} ranks; admit it with sources={world}")
     return Connection(session=session, switch_addr=addr, job_id=int(job_s), elems_per_packet=epp,
-                      n_sources=session.n_sources, embedded=embedded)
+                      n_sources=session.n_sources, embedded=embedded,
+                      results_on_group=bool(session.params["results_on_group"]))

@@ -125,6 +125,12 @@ class FaninProcessGroup(dist.ProcessGroup):
         return self._conn.job_id
 
     @property
+    def results_on_group(self) -> bool:
+        """Whether the switch sends this rank's results once to the job's
+        multicast group rather than to each rank (``FANIN_RESULT_GROUP``)."""
+        return self._conn.results_on_group
+
+    @property
     def elems_per_packet(self) -> int:
         return self._conn.elems_per_packet
 

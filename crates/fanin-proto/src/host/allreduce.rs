@@ -106,6 +106,10 @@ pub struct SessionConfig {
     /// Wall-clock microseconds at start: sequence numbers count up from
     /// here, so a restarted worker continues above what it sent before.
     pub seal_clock_us: u64,
+    /// The runtime receives on the job's result group (multicast): every
+    /// Join says so, and the switch sends completion results there instead
+    /// of to this worker's own address (docs/protocol.md §4.5).
+    pub listens_on_group: bool,
 }
 
 impl SessionConfig {
@@ -126,6 +130,7 @@ impl SessionConfig {
             align_blocks: 0,
             auth_key: None,
             seal_clock_us: 1,
+            listens_on_group: false,
         }
     }
 
@@ -1383,15 +1388,25 @@ impl AllreduceSession {
     /// every member would never be answered and nobody would learn of the
     /// restart (the 10-minute chaos soak hit exactly that).
     fn probe_request(&self) -> Repr {
-        Repr { gen_id: self.gen_id, ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id) }
+        self.join_repr()
     }
 
     fn join_request(&self) -> Repr {
         Repr {
-            gen_id: self.gen_id,
             age_op: if self.config.sync_join { JOIN_SYNC } else { 0 },
             // the root answers an allreduce boundary of this many blocks
             block_id: if self.config.sync_join { self.config.align_blocks } else { 0 },
+            ..self.join_repr()
+        }
+    }
+
+    /// What every Join of this worker carries (plain, sync, probe,
+    /// recovery): each one tells the switch afresh whether it listens on
+    /// the result group (the `final` bit, which a Join has no other use for).
+    fn join_repr(&self) -> Repr {
+        Repr {
+            gen_id: self.gen_id,
+            final_block: self.config.listens_on_group,
             ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
         }
     }
@@ -1601,6 +1616,74 @@ mod tests {
                 s.handle_datagram(now, &b);
             }
         }
+    }
+
+    /// Two workers listening on the job's result group and one not: results
+    /// reach the listeners through the group datagram, the other by
+    /// unicast, and all three get the same sum.
+    #[test]
+    fn workers_listening_on_the_group_get_their_results_from_it() {
+        let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+        let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+        sw.add_job(JobSpec { result_group: Some(group), ..JobSpec::with_sources(1, 3, 16, 64) }).unwrap();
+        let mut workers: Vec<AllreduceSession> = (0..3u16)
+            .map(|src| {
+                let mut cfg = SessionConfig::new(1, src);
+                cfg.elems_per_packet = 4;
+                cfg.listens_on_group = src != 1;
+                AllreduceSession::new(cfg, Time::ZERO)
+            })
+            .collect();
+        let now = Time::ZERO;
+        // worker address = source id; a datagram to the group reaches the listeners
+        let pump = |workers: &mut Vec<AllreduceSession>, sw: &mut ValueSwitch<u16>| {
+            let mut moved = 0;
+            for src in 0..3u16 {
+                let mut out = VecTransmit::new();
+                while workers[src as usize].poll_transmit(now, &mut out) > 0 {}
+                for (_, bytes) in out.drain() {
+                    if src == 0 {
+                        // every Join of a listener says so
+                        let p = Packet::new_checked(&bytes[..]).unwrap();
+                        if p.msg_type_code() == MessageType::Join as u8 {
+                            assert!(p.listens_on_group());
+                        }
+                    }
+                    let mut reply = VecTransmit::new();
+                    reply.groups_reachable = true;
+                    let _ = sw.handle_datagram(now, src, &bytes, &mut reply);
+                    for (to, b) in reply.drain() {
+                        workers[to as usize].handle_datagram(now, &b);
+                        moved += 1;
+                    }
+                    for (_, b) in reply.group_datagrams.drain(..) {
+                        for w in [0, 2] {
+                            workers[w].handle_datagram(now, &b);
+                        }
+                        moved += 1;
+                    }
+                }
+            }
+            moved
+        };
+        while pump(&mut workers, &mut sw) > 0 {}
+        for (src, w) in workers.iter_mut().enumerate() {
+            match w.poll_event() {
+                Some(Event::Joined(p)) => assert_eq!(p.results_on_group, src != 1, "worker {src}"),
+                other => panic!("worker {src}: {other:?}"),
+            }
+            w.begin(now, Tensor::I32((0..10).map(|i| i * (src as i32 + 1)).collect())).unwrap();
+        }
+        while pump(&mut workers, &mut sw) > 0 {}
+        let want: Vec<i32> = (0..10).map(|i| i * 6).collect();
+        for (src, w) in workers.iter_mut().enumerate() {
+            match w.poll_event() {
+                Some(Event::Completed(o)) => assert_eq!(o.tensor, Tensor::I32(want.clone()), "worker {src}"),
+                other => panic!("worker {src}: {other:?}"),
+            }
+        }
+        let c = sw.counters();
+        assert_eq!((c.results_to_group, c.results_sent), (3, 3), "3 blocks: one group datagram and one unicast each");
     }
 
     #[test]

@@ -49,8 +49,12 @@ pub struct Counters {
     pub readmitted: u64,
     /// Membership notices sent (one per member per status change).
     pub notices_sent: u64,
-    /// Result datagrams sent when a block completed (one per member).
+    /// Result datagrams sent to members' own addresses when a block
+    /// completed (one per member not listening on the job's result group).
     pub results_sent: u64,
+    /// Result datagrams sent once to a job's result group (multicast), for
+    /// every member listening there.
+    pub results_to_group: u64,
     /// Results sent again in answer to a retransmission.
     pub results_resent: u64,
     pub joins: u64,
@@ -149,6 +153,7 @@ impl Counters {
         f("readmitted", None, self.readmitted);
         f("notices_sent", None, self.notices_sent);
         f("results_sent", None, self.results_sent);
+        f("results_to_group", None, self.results_to_group);
         f("results_resent", None, self.results_resent);
         f("joins", None, self.joins);
         f("nacks_sent", None, self.nacks_sent);
@@ -182,7 +187,7 @@ impl Counters {
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
-            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_resent, joins, nacks_sent, forwarded,
+            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,

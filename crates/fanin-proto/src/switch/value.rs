@@ -69,6 +69,7 @@ macro_rules! job_reply {
             members: &$job.members,
             member_count: $job.member_count,
             addrs: &$job.addrs,
+            group: $job.spec.result_group.map(|g| (g, &$job.listens_on_group)),
             uplink: $uplink,
             auth: $job.auth.as_mut(),
             counters: $counters,
@@ -188,8 +189,15 @@ pub enum Verdict {
     WrongShard(u16),
     /// Handled, and a member joining a running job now starts at block
     /// `start`: every other shard of this switch must learn it too
-    /// ([`ValueSwitch::admit_joiner`]), since each holds its own blocks.
-    Joined { job_id: u32, member: u16, start: u32 },
+    /// ([`ValueSwitch::admit_joiner`]), since each holds its own blocks,
+    /// and whether it listens on the job's result group
+    /// ([`ValueSwitch::set_listening`]).
+    Joined { job_id: u32, member: u16, start: u32, listens: bool },
+    /// Handled, and a member's Join changed whether it listens on the job's
+    /// result group: every other shard must learn it too
+    /// ([`ValueSwitch::set_listening`]), since each sends its own blocks'
+    /// results.
+    Listening { job_id: u32, member: u16, listens: bool },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -411,6 +419,9 @@ struct Job<A> {
     member_count: u16,
     /// Where each member's results go, learned from its packets.
     addrs: Vec<Option<A>>,
+    /// Members whose latest Join said they listen on the job's result group
+    /// (only kept when the job has one): completion results reach them there.
+    listens_on_group: SourceMask,
     /// This shard's slots: global slot `k` is local slot `k / shard_count`.
     slots: Vec<Slot>,
     memory: u64,
@@ -608,6 +619,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 active: members.clone(),
                 members,
                 addrs: vec![None; capacity],
+                listens_on_group: SourceMask::with_capacity(capacity),
                 slots: (0..slot_count).map(|_| Slot::default()).collect(),
                 memory,
                 start_block: 0,
@@ -768,6 +780,18 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
     }
 
+    /// Another shard's [`Verdict::Listening`] (or `Joined`): `member` does
+    /// or does not listen on the job's result group now.
+    pub fn set_listening(&mut self, job_id: u32, member: u16, listens: bool) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            if listens && job.spec.result_group.is_some() {
+                job.listens_on_group.insert(member as usize);
+            } else {
+                job.listens_on_group.remove(member as usize);
+            }
+        }
+    }
+
     /// Set the tree role of an admitted job (at admission: the controller
     /// admits, then places the job in its tree).
     pub fn set_uplink(&mut self, job_id: u32, uplink: Option<Uplink<A>>) -> Result<(), AdmitError> {
@@ -885,6 +909,18 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     }
 
     fn handle_join(&mut self, now: Time, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
+        let (job_id, member) = (packet.job_id(), packet.src_id());
+        let listening = |sw: &Self| sw.jobs.get(&job_id).is_some_and(|j| j.listens_on_group.contains(member as usize));
+        let before = listening(self);
+        let verdict = self.answer_join_request(now, from, packet, out);
+        let listens = listening(self);
+        match verdict {
+            Verdict::Consumed if listens != before => Verdict::Listening { job_id, member, listens },
+            v => v,
+        }
+    }
+
+    fn answer_join_request(&mut self, now: Time, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
         self.counters.joins += 1;
         let src = packet.src_id();
         let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
@@ -904,6 +940,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             return Verdict::Consumed;
         }
         job.addrs[src as usize] = Some(from);
+        // Every Join says afresh whether the worker listens on the group: a
+        // worker that restarted without it gets unicast again.
+        if job.spec.result_group.is_some() && packet.listens_on_group() {
+            job.listens_on_group.insert(src as usize);
+        } else {
+            job.listens_on_group.remove(src as usize);
+        }
         job.liveness.heard(src as usize, now);
         // A permanently slow source that rejoins is waited for again.
         if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
@@ -994,9 +1037,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     counters.protocol_violation += 1;
                     return Verdict::Consumed;
                 };
-                // The worker talks to this switch's shards, not the root's.
+                // The worker talks to this switch's shards, not the root's,
+                // and gets its results the way this switch sends them.
                 params.incarnation = self.config.incarnation;
                 params.shard_count = self.config.shard_count;
+                params.results_on_group = job.listens_on_group.contains(via as usize);
                 let env = envelope(job.auth.as_mut(), Peer::Member(via as usize));
                 send(out, dest, repr.buffer_len(), env, |buf| {
                     let mut reply = Packet::new_unchecked(buf);
@@ -1279,6 +1324,8 @@ struct Reply<'a, A, T> {
     members: &'a SourceMask,
     member_count: u16,
     addrs: &'a [Option<A>],
+    /// The job's result group and the members listening on it.
+    group: Option<(std::net::SocketAddrV4, &'a SourceMask)>,
     /// A non-root switch sends completed phases to its parent.
     uplink: Option<&'a Uplink<A>>,
     /// A keyed job's keys: every datagram is sealed for its destination.
@@ -1297,9 +1344,22 @@ struct Reply<'a, A, T> {
 
 impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     /// Send the result to every member with a known address (members that
-    /// never sent anything fetch it by retransmitting).
+    /// never sent anything fetch it by retransmitting): once to the job's
+    /// result group for the members listening there, if the runtime can
+    /// reach groups, and to each other member's own address.
     fn send_to_all(&mut self, block: &Block, exp_only: bool) {
         build_result(block, self.job_id, exp_only, self.member_count, self.tag, self.scratch);
+        if let Some((group, listeners)) = self.group {
+            // (a keyed job has no group: validation refuses it)
+            let any = self.members.iter().any(|id| listeners.contains(id));
+            if any && self.auth.is_none() && self.out.push_group(group, self.scratch) {
+                self.counters.results_to_group += 1;
+                let rest = self.members.iter().filter(|&id| !listeners.contains(id));
+                let dests = rest.filter_map(|id| self.addrs.get(id).copied().flatten());
+                self.counters.results_sent += self.out.push_fanout(dests, self.scratch) as u64;
+                return;
+            }
+        }
         broadcast(self.members, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, &mut self.counters.results_sent);
     }
 

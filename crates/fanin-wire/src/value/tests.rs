@@ -63,7 +63,7 @@ const JOIN_ACK: [u8; 48] = [
     0x00, 0x00, 0x04, 0x00, // block_grad_max 1024
     0x00, 0x00, 0x00, 0x0A, // block_exp_ms 10
     0xDE, 0xAD, 0xBE, 0xEF, // incarnation
-    0x00, 0x02, 0x00, 0x00, // shard_count 2; reserved
+    0x00, 0x02, 0x00, 0x00, // shard_count 2; flags
     0x00, 0x00, 0x10, 0x00, // next_block 4096
 ];
 
@@ -150,6 +150,7 @@ fn join_ack_parse_and_emit() {
             incarnation: 0xDEAD_BEEF,
             shard_count: 2,
             next_block: 4096,
+            results_on_group: false,
         }
     );
     let mut buf = [MARKER; 48];
@@ -157,6 +158,37 @@ fn join_ack_parse_and_emit() {
     repr.emit(&mut q);
     params.emit(q.payload_mut());
     assert_eq!(buf, JOIN_ACK);
+}
+
+#[test]
+fn golden_join_ack_with_results_on_the_group() {
+    // the same JoinAck with flags bit 0 (offset 24 + 19) set
+    let mut golden = JOIN_ACK;
+    golden[43] = 0x01;
+    let p = Packet::new_checked(&golden[..]).unwrap();
+    let params = JoinParams::parse(p.payload()).unwrap();
+    assert!(params.results_on_group);
+    assert_eq!(params.next_block, 4096);
+    let mut buf = golden;
+    buf[24..].fill(MARKER);
+    params.emit(&mut buf[24..]);
+    assert_eq!(buf, golden);
+    // other flag bits are ignored on receipt
+    golden[42] = 0x80;
+    assert!(JoinParams::parse(&golden[24..]).unwrap().results_on_group);
+}
+
+#[test]
+fn a_join_listening_on_the_group_sets_the_final_bit() {
+    let repr = Repr { final_block: true, ..Repr::new(MessageType::Join, 9, 2) };
+    let mut buf = [0u8; HEADER_LEN];
+    repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    assert_eq!(buf[4], 0x08, "F bit of the flags byte");
+    let p = Packet::new_checked(&buf[..]).unwrap();
+    assert!(p.listens_on_group());
+    let plain = Repr::new(MessageType::Join, 9, 2);
+    plain.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    assert!(!Packet::new_checked(&buf[..]).unwrap().listens_on_group());
 }
 
 #[test]

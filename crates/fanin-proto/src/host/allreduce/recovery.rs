@@ -237,12 +237,7 @@ impl AllreduceSession {
     /// The join to send while waiting for the floor.
     pub(super) fn recovery_join(&self) -> Option<Repr> {
         let rec = self.recovery.as_ref().filter(|r| r.waiting())?;
-        Some(Repr {
-            gen_id: self.gen_id,
-            age_op: JOIN_RECOVER,
-            block_id: rec.low,
-            ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
-        })
+        Some(Repr { age_op: JOIN_RECOVER, block_id: rec.low, ..self.join_repr() })
     }
 
     pub(super) fn recovery_deadline(&self) -> Option<Time> {

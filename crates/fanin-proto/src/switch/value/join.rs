@@ -65,6 +65,9 @@ pub(super) fn answer_join_as<A: Copy>(
         incarnation: config.incarnation,
         shard_count: config.shard_count,
         next_block,
+        // `to` is the member this switch sends the joiner's results to: the
+        // worker itself, or the child switch it joined through.
+        results_on_group: job.listens_on_group.contains(to as usize),
     };
     let env = envelope(job.auth.as_mut(), Peer::Member(to as usize));
     send(out, dest, repr.buffer_len(), env, |buf| {
@@ -169,7 +172,8 @@ pub(super) fn joined<A>(job: &mut Job<A>, src: u16, start: u32) -> Verdict {
         return Verdict::Consumed;
     }
     admit_joiner(job, src, start);
-    Verdict::Joined { job_id: job.spec.job_id, member: src, start }
+    let listens = job.listens_on_group.contains(src as usize);
+    Verdict::Joined { job_id: job.spec.job_id, member: src, start, listens }
 }
 
 /// Member `src` (a joining worker, or the child switch it joins through)

@@ -303,6 +303,107 @@ fn join_answers_with_parameters_or_a_reason() {
     assert_eq!(Nack::parse(p.payload()).unwrap().reason, NackReason::UnknownJob);
 }
 
+/// A Join from `src` of job `job`, saying whether it listens on the
+/// job's result group; returns the JoinAck's parameters.
+fn join_listening(sw: &mut ValueSwitch<Addr>, job: u32, src: u16, listens: bool) -> JoinParams {
+    let mut join = Pkt::data(job, src, 0, &[]);
+    join.repr.msg_type = MessageType::Join;
+    join.repr.final_block = listens;
+    let mut out = VecTransmit::new();
+    let _ = sw.handle_datagram(T0, 100 + src as u32, &join.bytes(), &mut out);
+    let (dest, bytes) = out.drain().next().expect("a JoinAck");
+    assert_eq!(dest, 100 + src as u32);
+    JoinParams::parse(Packet::new_checked(&bytes[..]).unwrap().payload()).unwrap()
+}
+
+#[test]
+fn a_result_goes_once_to_the_group_and_by_unicast_to_members_not_listening() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let mut sw = switch_with(&[JobSpec { result_group: Some(group), ..job(1, 3, 4) }]);
+    assert!(join_listening(&mut sw, 1, 0, true).results_on_group);
+    assert!(!join_listening(&mut sw, 1, 1, false).results_on_group);
+    assert!(join_listening(&mut sw, 1, 2, true).results_on_group);
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for (src, v) in [(0u16, 1), (1, 10), (2, 100)] {
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &Pkt::data(1, src, 0, &[v]).bytes(), &mut out);
+    }
+    assert_eq!(out.group_datagrams.len(), 1, "one datagram for both listeners");
+    let (to, bytes) = &out.group_datagrams[0];
+    assert_eq!(*to, group);
+    let unicast = decode(out.clone());
+    assert_eq!(unicast.iter().map(|o| o.0).collect::<Vec<_>>(), vec![101], "the member not listening");
+    assert_eq!(&out.datagrams[0].1, bytes, "the same result bytes both ways");
+    assert_eq!(unicast[0].2, vec![111]);
+    let c = sw.counters();
+    assert_eq!((c.results_to_group, c.results_sent), (1, 1));
+
+    // A retransmission after completion is answered to its sender alone.
+    let again = send(&mut sw, Pkt::data(1, 2, 0, &[100]).retransmission());
+    assert_eq!(again.iter().map(|o| o.0).collect::<Vec<_>>(), vec![102]);
+    assert_eq!(again[0].2, vec![111]);
+
+    // A runtime that cannot reach groups (the simulator): unicast to all.
+    let mut out = VecTransmit::new();
+    for (src, v) in [(0u16, 2), (1, 20), (2, 200)] {
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &Pkt::data(1, src, 1, &[v]).bytes(), &mut out);
+    }
+    assert!(out.group_datagrams.is_empty());
+    assert_eq!(decode(out).iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101, 102]);
+
+    // Joining again without the flag (restarted without the group) turns
+    // the group off for that member: nobody listens, so no group datagram.
+    assert!(!join_listening(&mut sw, 1, 0, false).results_on_group);
+    assert!(!join_listening(&mut sw, 1, 2, false).results_on_group);
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for (src, v) in [(0u16, 3), (1, 30), (2, 300)] {
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &Pkt::data(1, src, 2, &[v]).bytes(), &mut out);
+    }
+    assert!(out.group_datagrams.is_empty());
+    assert_eq!(decode(out).len(), 3);
+}
+
+#[test]
+fn a_change_of_listening_is_reported_for_the_other_shards() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let mut sw = switch_with(&[JobSpec { result_group: Some(group), ..job(1, 2, 4) }]);
+    let mut join = Pkt::data(1, 1, 0, &[]);
+    join.repr.msg_type = MessageType::Join;
+    join.repr.final_block = true;
+    let mut out = VecTransmit::new();
+    let listening = Verdict::Listening { job_id: 1, member: 1, listens: true };
+    assert_eq!(sw.handle_datagram(T0, 101, &join.bytes(), &mut out), listening);
+    assert_eq!(sw.handle_datagram(T0, 101, &join.bytes(), &mut out), Verdict::Consumed, "no change, nothing to tell");
+    join.repr.final_block = false;
+    let stopped = Verdict::Listening { job_id: 1, member: 1, listens: false };
+    assert_eq!(sw.handle_datagram(T0, 101, &join.bytes(), &mut out), stopped);
+    // what another shard does with it
+    let mut other = switch_with(&[JobSpec { result_group: Some(group), ..job(1, 2, 4) }]);
+    other.set_listening(1, 0, true);
+    other.set_listening(1, 1, true);
+    out.datagrams.clear();
+    out.groups_reachable = true;
+    for src in 0..2u16 {
+        let _ = other.handle_datagram(T0, 100 + src as u32, &Pkt::data(1, src, 0, &[1]).bytes(), &mut out);
+    }
+    assert_eq!((out.group_datagrams.len(), out.datagrams.len()), (1, 0));
+}
+
+#[test]
+fn a_job_without_a_group_ignores_the_listening_flag() {
+    let mut sw = switch_with(&[job(1, 2, 4)]);
+    assert!(!join_listening(&mut sw, 1, 0, true).results_on_group);
+    assert!(!join_listening(&mut sw, 1, 1, true).results_on_group);
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for src in 0..2u16 {
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &Pkt::data(1, src, 0, &[1]).bytes(), &mut out);
+    }
+    assert!(out.group_datagrams.is_empty());
+    assert_eq!(decode(out).len(), 2);
+}
+
 #[test]
 fn a_job_of_300_sources_completes_only_with_all_of_them() {
     let mut sw = switch_with(&[JobSpec::with_sources(9, 300, 4, 8)]);
@@ -825,7 +926,7 @@ fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
     join.emit(&mut Packet::new_unchecked(&mut buf[..]));
     let mut out = VecTransmit::new();
     // the runtime is told, so its other shards admit the joiner too
-    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Joined { job_id: 1, member: 2, start: 16 });
+    assert_eq!(sw.handle_datagram(T0, 102, &buf, &mut out), Verdict::Joined { job_id: 1, member: 2, start: 16, listens: false });
     let (_, ack) = out.drain().next().unwrap();
     let p = Packet::new_checked(&ack[..]).unwrap();
     assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 16);
