@@ -152,10 +152,11 @@ def test_every_call_returns_plain_values(serve):
         assert c.list_jobs() == [
             {"job_id": 2, "members": [3, 1], "block_cnt_max": 8, "block_grad_max": 256,
              "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward", "workers": 0, "tree": None,
-             "on_failure": "degrade", "member_timeout_ms": 0, "rate_limit": None, "key": None},
+             "on_failure": "degrade", "member_timeout_ms": 0, "rate_limit": None, "key": None, "result_group": None},
             {"job_id": 9, "members": [0, 1, 2], "block_cnt_max": 8, "block_grad_max": 256,
              "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate", "workers": 0, "tree": None,
-             "on_failure": "fail", "member_timeout_ms": 700, "rate_limit": {"pps": 1000, "burst": 8}, "key": None},
+             "on_failure": "fail", "member_timeout_ms": 700, "rate_limit": {"pps": 1000, "burst": 8}, "key": None,
+             "result_group": None},
         ]
         assert c.info()["memory_used"] == 2 * 8 * 256 * 4
 
@@ -332,6 +333,18 @@ def test_against_native_switch():
                 c.remove_job(7)
             assert e.value.code == "NOT_FOUND"
             assert any(x["name"] == "rx_datagrams" for x in c.counters())
+            # a result group is admitted, listed, and kept by update_job
+            c.admit_job(9, [0, 1], block_cnt_max=8, block_grad_max=256, result_group="239.77.9.9:47001")
+            job = c.list_jobs()[0]
+            assert job["result_group"] == "239.77.9.9:47001"
+            c.update_job({**job, "members": [0, 1, 2]})
+            assert c.list_jobs()[0]["members"] == [0, 1, 2]
+            with pytest.raises(ControlError) as e:
+                c.update_job({**job, "result_group": None})
+            assert e.value.code == "FAILED_PRECONDITION" and "result_group" in e.value.message
+            with pytest.raises(ControlError) as e:
+                c.admit_job(10, [0], result_group="10.1.2.3:5")
+            assert e.value.code == "INVALID_ARGUMENT" and "not an IPv4 multicast group" in e.value.message
         with ControlClient(control, token="bad") as c:
             with pytest.raises(ControlError) as e:
                 c.info()

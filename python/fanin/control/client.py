@@ -134,6 +134,7 @@ class ControlClient:
         member_timeout_ms: int = 0,
         rate_limit: Optional[Any] = None,
         key: Optional[Any] = None,
+        result_group: Optional[str] = None,
     ) -> None:
         """Admit a job; ``members`` are the source ids (ranks) of its workers.
 
@@ -155,10 +156,14 @@ class ControlClient:
         ``rate_limit`` ``(pps, burst)`` limits each source (docs/overload.md).
         ``key`` (16 bytes or 32 hex digits; None = unauthenticated) is the
         job key: members must seal their datagrams (docs/security.md).
+        ``result_group`` (``"239.1.0.7:47001"``, unkeyed jobs) makes the switch
+        send each result once to that multicast group for the workers
+        listening there (docs/protocol.md 4.5).
         """
         self._call("AdmitJob", pb.AdmitJobRequest(spec=_job_spec(
             job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows, workers, tree,
-            on_failure=on_failure, member_timeout_ms=member_timeout_ms, rate_limit=rate_limit, key=key)))
+            on_failure=on_failure, member_timeout_ms=member_timeout_ms, rate_limit=rate_limit, key=key,
+            result_group=result_group)))
 
     def update_job(self, job: Dict[str, Any], awaiting: Iterable[int] = ()) -> None:
         """Change a running job in place: ``job`` as :meth:`list_jobs` gives
@@ -170,7 +175,7 @@ class ControlClient:
                          job["block_exp_ms"], job["mode"], job["slow_after_windows"], job.get("workers", 0),
                          job.get("tree"), on_failure=job.get("on_failure", "degrade"),
                          member_timeout_ms=job.get("member_timeout_ms", 0), rate_limit=job.get("rate_limit"),
-                         key=job.get("key"))
+                         key=job.get("key"), result_group=job.get("result_group"))
         awaiting = [int(m) for m in awaiting]
         for m in awaiting:
             _check_u32(m, "awaiting member")
@@ -253,7 +258,7 @@ _POLICY_NAMES = {v: k for k, v in FAILURE_POLICIES.items()}
 
 def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows,
               workers, tree, *, on_failure="degrade", member_timeout_ms=0, rate_limit=None,
-              key=None) -> "pb.JobSpec":
+              key=None, result_group=None) -> "pb.JobSpec":
     try:
         mode_value = MODES[mode]
     except KeyError:
@@ -278,6 +283,8 @@ def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode
         on_failure=FAILURE_POLICIES[on_failure],
         member_timeout_ms=member_timeout_ms,
     )
+    if result_group:
+        spec.result_group = str(result_group)
     if key is not None:
         from ..auth import _key_bytes
 
@@ -316,4 +323,5 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         # the job key (the switch lists it: its API needs a token off
         # loopback), so that update_job(list_jobs()[i]) keeps it
         "key": bytes(j.key) or None,
+        "result_group": j.result_group or None,
     }

@@ -22,7 +22,7 @@ FAILURE_POLICY_DEGRADE: FailurePolicy
 FAILURE_POLICY_FAIL: FailurePolicy
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit")
+    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit", "result_group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class JobSpec(_message.Message):
     ON_FAILURE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     block_cnt_max: int
@@ -49,7 +50,8 @@ class JobSpec(_message.Message):
     on_failure: FailurePolicy
     member_timeout_ms: int
     rate_limit: RateLimit
-    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ...) -> None: ...
+    result_group: str
+    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., result_group: _Optional[str] = ...) -> None: ...
 
 class RateLimit(_message.Message):
     __slots__ = ("pps", "burst")
