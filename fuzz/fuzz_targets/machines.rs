@@ -2,7 +2,9 @@
 //! aggregating job with straggler aging, a forwarding job, and a job in which
 //! the switch is a non-root tree node whose parent is address 7, with a
 //! member awaiting its sync; two shards, the scanners run as time passes)
-//! and a joined worker session.
+//! and a joined worker session. The aggregating and tree jobs have a result
+//! group, and the sink reaches groups, so Joins that listen there (the F
+//! bit) send results to it.
 //! Input: a sequence of [len: u8][from: u8][bytes...] records; the high bits
 //! of `from` also advance time, so blocks age and sources are declared slow.
 //! Every datagram also goes through the overloaded daemon's trimming
@@ -25,12 +27,15 @@ use fanin_wire::value::{JoinParams, Nack, NackReason, Packet, Repr};
 use fanin_wire::MessageType;
 use libfuzzer_sys::fuzz_target;
 
+const GROUP: std::net::SocketAddrV4 = std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(239, 1, 0, 7), 47001);
+
 fn switch(shard: u16) -> ValueSwitch<u8> {
     let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1) };
     let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging, seal_clock_us: 1, rate_limit: None });
     let mut job = JobSpec::with_sources(1, 3, 4, 8);
     job.block_exp_ms = 1;
     job.slow_after_windows = 1;
+    job.result_group = Some(GROUP);
     sw.add_job(job).unwrap();
     let mut fwd = JobSpec::with_sources(2, 2, 4, 8);
     fwd.mode = JobMode::Forward;
@@ -44,6 +49,7 @@ fn switch(shard: u16) -> ValueSwitch<u8> {
     tree.members.push(SWITCH_RANK_BASE + 1);
     tree.workers = 6;
     tree.block_exp_ms = 1;
+    tree.result_group = Some(GROUP);
     sw.add_job(tree.clone()).unwrap();
     sw.set_uplink(3, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE })).unwrap();
     // member 2 joins the running job: waited for only after its sync
@@ -78,8 +84,16 @@ fn session() -> AllreduceSession {
     let mut buf = vec![0; repr.buffer_len()];
     let mut p = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut p);
-    JoinParams { block_cnt_max: 4, block_grad_max: 8, block_exp_ms: 0, incarnation: 9, shard_count: 2, next_block: 0 }
-        .emit(p.payload_mut());
+    JoinParams {
+        block_cnt_max: 4,
+        block_grad_max: 8,
+        block_exp_ms: 0,
+        incarnation: 9,
+        shard_count: 2,
+        next_block: 0,
+        results_on_group: false,
+    }
+    .emit(p.payload_mut());
     s.handle_datagram(Time::ZERO, &buf);
     let _ = s.begin(Time::ZERO, Tensor::F32(vec![1.5; 13]));
     s
@@ -89,12 +103,18 @@ fn check_emitted(out: &mut VecTransmit<impl Copy>) {
     for (_, bytes) in out.drain() {
         Packet::new_checked(&bytes[..]).expect("machines emit only valid packets");
     }
+    for (group, bytes) in out.group_datagrams.drain(..) {
+        assert_eq!(group, GROUP);
+        let p = Packet::new_checked(&bytes[..]).expect("machines emit only valid packets");
+        assert_eq!(p.msg_type_code(), MessageType::Result as u8, "only results go to the group");
+    }
 }
 
 fuzz_target!(|data: &[u8]| {
     let mut shards = [switch(0), switch(1)];
     let mut worker = session();
     let mut out = VecTransmit::new();
+    out.groups_reachable = true;
     let mut rest = data;
     let mut fed = 0u64;
     let mut t = 0u64;
@@ -122,7 +142,11 @@ fuzz_target!(|data: &[u8]| {
                 let again = shards[o as usize].handle_datagram(now, from, dgram, &mut out);
                 assert_eq!(again, Verdict::Consumed, "the owner shard consumes what it owns");
             }
-            Verdict::Joined { job_id, member, start } => shards[1 - target].admit_joiner(job_id, member, start),
+            Verdict::Joined { job_id, member, start, listens } => {
+                shards[1 - target].admit_joiner(job_id, member, start);
+                shards[1 - target].set_listening(job_id, member, listens);
+            }
+            Verdict::Listening { job_id, member, listens } => shards[1 - target].set_listening(job_id, member, listens),
         }
         check_emitted(&mut out);
         worker.handle_datagram(now, dgram);
