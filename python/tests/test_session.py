@@ -57,19 +57,25 @@ def test_out_receives_the_sum_in_place_and_in_a_given_array(dtype):
             shifted = np.empty(size + 1, dtype=x.dtype)
             shifted[:size] = x
             s.allreduce(shifted[:size], out=shifted[1:])
+            # the two halves of one buffer touch but do not overlap: the
+            # input half is lent (read in place), the sum lands in the other
+            halves = np.empty(2 * size, dtype=x.dtype)
+            halves[:size] = x
+            s.allreduce(halves[:size], out=halves[size:])
+            assert halves[:size].tobytes() == x.tobytes(), "the input half is left as it was"
             # read in place (no memory shared with out) and left untouched
             assert x.tobytes() == worker_inputs(rank, size, dtype).tobytes()
             if dtype == "float32":
                 mean = s.allreduce(x, average=True)
                 mean_out = s.allreduce(x, average=True, out=np.empty_like(x))
                 assert mean_out.tobytes() == mean.tobytes()
-            return fresh, y.copy(), y2.copy(), z, shifted[1:]
+            return fresh, y.copy(), y2.copy(), z, shifted[1:], halves[size:]
 
         results = run_workers(sw.data_addr, n, work)
-    for fresh, y, y2, z, shifted in results:
+    for fresh, y, y2, z, shifted, halves in results:
         assert fresh.tobytes() == results[0][0].tobytes()
         assert y.tobytes() == fresh.tobytes() and y2.tobytes() == fresh.tobytes() and z.tobytes() == fresh.tobytes()
-        assert shifted.tobytes() == fresh.tobytes()
+        assert shifted.tobytes() == fresh.tobytes() and halves.tobytes() == fresh.tobytes()
     assert check_result(results[0][0], n, dtype, 1024)["ok"]
 
 
