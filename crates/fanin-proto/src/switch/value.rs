@@ -483,6 +483,16 @@ struct JobAging {
 }
 
 impl<A> Job<A> {
+    /// Record whether `member` listens on the result group (only a job
+    /// that has one keeps anyone as listening).
+    fn set_listening(&mut self, member: u16, listens: bool) {
+        if listens && self.spec.result_group.is_some() {
+            self.listens_on_group.insert(member as usize);
+        } else {
+            self.listens_on_group.remove(member as usize);
+        }
+    }
+
     fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {
         (block_id % self.spec.block_cnt_max) as usize / shard_count.max(1) as usize
     }
@@ -784,11 +794,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// or does not listen on the job's result group now.
     pub fn set_listening(&mut self, job_id: u32, member: u16, listens: bool) {
         if let Some(job) = self.jobs.get_mut(&job_id) {
-            if listens && job.spec.result_group.is_some() {
-                job.listens_on_group.insert(member as usize);
-            } else {
-                job.listens_on_group.remove(member as usize);
-            }
+            job.set_listening(member, listens);
         }
     }
 
@@ -942,11 +948,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.addrs[src as usize] = Some(from);
         // Every Join says afresh whether the worker listens on the group: a
         // worker that restarted without it gets unicast again.
-        if job.spec.result_group.is_some() && packet.listens_on_group() {
-            job.listens_on_group.insert(src as usize);
-        } else {
-            job.listens_on_group.remove(src as usize);
-        }
+        job.set_listening(src, packet.listens_on_group());
         job.liveness.heard(src as usize, now);
         // A permanently slow source that rejoins is waited for again.
         if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
