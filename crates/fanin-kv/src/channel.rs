@@ -8,7 +8,6 @@
 //! The daemon places receivers and senders on different channels, so a
 //! socket carries one role and a Nack is never ambiguous.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
@@ -16,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fanin_proto::kv::{
-    Aggregate, KvReceiver, KvSender, ReceiverEvent, ReceiverStats, SenderError, SenderEvent, SenderProgress,
+    FastMap, KvReceiver, KvResults, KvSender, ReceiverEvent, ReceiverStats, SenderError, SenderEvent, SenderProgress,
     SenderStats,
 };
 use fanin_proto::{Time, Transmit};
@@ -40,7 +39,7 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(20);
 /// A receiver's final collection: complete, or without the `failed`
 /// channels (a partial aggregate).
 pub struct Collected {
-    pub results: HashMap<Vec<u8>, Aggregate>,
+    pub results: KvResults,
     pub stats: ReceiverStats,
     pub failed: Vec<u16>,
 }
@@ -157,8 +156,8 @@ fn flush(socket: &BatchSocket, batch: &mut SendBatch, stats: &ChannelStats) {
 
 impl ChannelThread {
     pub fn run(self) {
-        let mut receivers: HashMap<u32, ReceiverSlot> = HashMap::new();
-        let mut senders: HashMap<(u32, u16), SenderSlot> = HashMap::new();
+        let mut receivers: FastMap<u32, ReceiverSlot> = FastMap::default();
+        let mut senders: FastMap<(u32, u16), SenderSlot> = FastMap::default();
         // Batched I/O as in the switch: a sender's data packets have one
         // length and one destination, so GSO sends a window in a few calls;
         // GRO coalesces the switch's ACK bursts.
@@ -225,7 +224,7 @@ impl ChannelThread {
         Time::from_nanos(self.epoch.elapsed().as_nanos() as u64)
     }
 
-    fn drain_commands(&self, receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut HashMap<(u32, u16), SenderSlot>) {
+    fn drain_commands(&self, receivers: &mut FastMap<u32, ReceiverSlot>, senders: &mut FastMap<(u32, u16), SenderSlot>) {
         loop {
             match self.commands.try_recv() {
                 Ok(ChannelCommand::Receive { task, switch, machine, done }) => {
@@ -268,7 +267,7 @@ impl ChannelThread {
         }
     }
 
-    fn route(&self, now: Time, bytes: &[u8], receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut HashMap<(u32, u16), SenderSlot>) {
+    fn route(&self, now: Time, bytes: &[u8], receivers: &mut FastMap<u32, ReceiverSlot>, senders: &mut FastMap<(u32, u16), SenderSlot>) {
         self.stats.rx_datagrams.fetch_add(1, Ordering::Relaxed);
         // A sealed datagram is routed by the header inside its trailer; the
         // machine verifies it (and counts it if it does not verify).
@@ -286,7 +285,7 @@ impl ChannelThread {
         }
     }
 
-    fn transmit(&self, now: Time, receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut HashMap<(u32, u16), SenderSlot>, tx: &mut SendBatch) {
+    fn transmit(&self, now: Time, receivers: &mut FastMap<u32, ReceiverSlot>, senders: &mut FastMap<(u32, u16), SenderSlot>, tx: &mut SendBatch) {
         for r in receivers.values_mut() {
             let mut out = ToSwitch { socket: &self.socket, batch: tx, dest: r.switch, stats: &self.stats };
             while r.machine.poll_transmit(now, &mut out) >= MAX_BURST {}
@@ -346,7 +345,7 @@ fn fail_input(s: &mut SenderSlot, message: String) {
 }
 
 /// Report finished and failed machines and drop the ones that are over.
-fn collect_events(receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut HashMap<(u32, u16), SenderSlot>) {
+fn collect_events(receivers: &mut FastMap<u32, ReceiverSlot>, senders: &mut FastMap<(u32, u16), SenderSlot>) {
     receivers.retain(|_, r| {
         while let Some(ev) = r.machine.poll_event() {
             match ev {
@@ -357,8 +356,8 @@ fn collect_events(receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut Hash
                     };
                     if let Some(done) = r.done.take() {
                         // The machine keeps running a while (linger, then
-                        // Release), so the caller gets a copy.
-                        let collected = Collected { results: r.machine.results().clone(), stats: r.machine.stats(), failed };
+                        // Release) without them.
+                        let collected = Collected { results: r.machine.take_results(), stats: r.machine.stats(), failed };
                         let _ = done.send(Ok(collected));
                     }
                 }
@@ -391,7 +390,7 @@ fn collect_events(receivers: &mut HashMap<u32, ReceiverSlot>, senders: &mut Hash
 
 /// Publish each sender's progress for its daemon's reports, at most every
 /// `PROGRESS_EVERY`.
-fn publish_progress(now: Time, senders: &mut HashMap<(u32, u16), SenderSlot>) {
+fn publish_progress(now: Time, senders: &mut FastMap<(u32, u16), SenderSlot>) {
     for s in senders.values_mut() {
         if now.as_nanos() >= s.published.as_nanos() + PROGRESS_EVERY.as_nanos() as u64 {
             s.published = now;

@@ -4,13 +4,12 @@
 //! a reference dictionary (sum, count, min, max per key), and the switch
 //! region is released at the end.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use fanin_proto::kv::loopback::{LinkConfig, Loopback, Node, RunOutcome};
 use fanin_proto::auth::Key;
 use fanin_proto::kv::{
-    channel_key, receiver_key, Aggregate, KvReceiver, KvSender, KvSwitch, KvSwitchConfig, KvTaskSpec, Layout, ReceiverConfig, SenderConfig,
+    channel_key, receiver_key, Aggregate, KvReceiver, KvResults, KvSender, KvSwitch, KvSwitchConfig, KvTaskSpec, Layout, ReceiverConfig, SenderConfig,
 };
 use fanin_proto::Time;
 use proptest::prelude::*;
@@ -60,8 +59,8 @@ fn case() -> impl Strategy<Value = Case> {
     )
 }
 
-fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> HashMap<Vec<u8>, Aggregate> {
-    let mut m: HashMap<Vec<u8>, Aggregate> = HashMap::new();
+fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> KvResults {
+    let mut m = KvResults::default();
     for (k, v) in streams.iter().flatten() {
         m.entry(k.clone()).and_modify(|a| a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
     }

@@ -17,6 +17,25 @@ pub(super) struct Aggregator {
     pub max: i64,
 }
 
+/// `len` aggregators of all-zero bytes, which is `Aggregator::default()`.
+fn zeroed_aggregators(len: usize) -> Vec<Aggregator> {
+    if len == 0 || std::mem::size_of::<Aggregator>() == 0 {
+        return Vec::new();
+    }
+    let layout = std::alloc::Layout::array::<Aggregator>(len).expect("aggregator region fits in memory");
+    // SAFETY: the allocation has the layout of `len` aggregators, every
+    // field of `Aggregator` is an integer, so all-zero bytes are a valid
+    // value (the blank aggregator), and the Vec takes ownership of memory
+    // allocated by the global allocator with exactly that layout.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut Aggregator;
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Vec::from_raw_parts(ptr, len, len)
+    }
+}
+
 pub(super) struct Aggregators {
     aggs: Vec<Aggregator>,
     /// Bit `i` set iff `aggs[i].count > 0`.
@@ -24,8 +43,12 @@ pub(super) struct Aggregators {
 }
 
 impl Aggregators {
+    /// `len` blank aggregators, from zeroed memory: a region is tens of
+    /// megabytes, and filling it with `Aggregator::default()` wrote all of
+    /// it while the task was being admitted (the sender waits for that);
+    /// zeroed pages come from the kernel as they are first touched.
     pub fn new(len: usize) -> Self {
-        Self { aggs: vec![Aggregator::default(); len], occupied: vec![0; len.div_ceil(64)] }
+        Self { aggs: zeroed_aggregators(len), occupied: vec![0; len.div_ceil(64)] }
     }
 
     pub fn get(&self, at: usize) -> Aggregator {
@@ -102,6 +125,14 @@ impl Aggregators {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_region_is_blank() {
+        let a = Aggregators::new(1000);
+        assert!((0..1000).all(|i| a.get(i) == Aggregator::default()));
+        assert_eq!(a.next_occupied(0, 1000), None);
+        assert_eq!(Aggregators::new(0).next_occupied(0, 0), None);
+    }
 
     #[test]
     fn occupancy_follows_the_aggregators_across_word_edges() {

@@ -209,9 +209,15 @@ fn hash_words(len: usize, words: impl IntoIterator<Item = u64>) -> u64 {
 /// [`hash_partition`] (other constants, other input), so the keys of one slot
 /// spread over the whole AA.
 pub fn hash_index(parts: &[u64]) -> u64 {
+    hash_index_of(parts.len(), |j| parts[j])
+}
+
+/// [`hash_index`] over `n` parts read by `part(j)` (the switch reads them
+/// straight from the packet instead of copying them out first).
+fn hash_index_of(n: usize, part: impl Fn(usize) -> u64) -> u64 {
     let mut h = 0x1319_8A2E_0370_7344u64;
-    for &p in parts {
-        h = mix(h ^ p).wrapping_add(0xD1B5_4A32_D192_ED03);
+    for j in 0..n {
+        h = mix(h ^ part(j)).wrapping_add(0xD1B5_4A32_D192_ED03);
     }
     mix(h)
 }
@@ -223,7 +229,12 @@ pub fn hash_index(parts: &[u64]) -> u64 {
 /// (a few percent of the thread, measured end to end). Uniform because the
 /// hash is.
 pub fn aggregator_index(parts: &[u64], aa_size: u32) -> usize {
-    ((hash_index(parts) as u128 * aa_size as u128) >> 64) as usize
+    aggregator_index_of(parts.len(), |j| parts[j], aa_size)
+}
+
+/// [`aggregator_index`] over `n` parts read by `part(j)`.
+pub(super) fn aggregator_index_of(n: usize, part: impl Fn(usize) -> u64, aa_size: u32) -> usize {
+    ((hash_index_of(n, part) as u128 * aa_size as u128) >> 64) as usize
 }
 
 #[cfg(test)]

@@ -34,6 +34,15 @@ mod sender;
 mod switch;
 mod window;
 
+/// The hash maps on the per-datagram and per-tuple paths (tasks, channels,
+/// a receiver's results): foldhash instead of std's SipHash, which perf put
+/// at several percent of the switch and receiver threads for keys of a few
+/// bytes. Seeded per process, so an outsider cannot precompute colliding
+/// keys; the keys of a task's results come from that task's own senders.
+pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+/// A receiver's results: key bytes to their aggregate.
+pub type KvResults = FastMap<Vec<u8>, Aggregate>;
+
 pub use layout::{aggregator_index, decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
 pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
 pub use sealing::{channel_key, receiver_key, AuthStats, HostAuth, RECEIVER_MEMBER};

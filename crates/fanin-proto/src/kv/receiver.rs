@@ -32,7 +32,7 @@
 //! `poll_timeout`, `handle_datagram`, `handle_timeout`, `poll_event`;
 //! results with [`KvReceiver::results`] after `Finished`.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::time::Duration;
 
 use fanin_wire::kv::{
@@ -41,6 +41,7 @@ use fanin_wire::kv::{
 };
 use fanin_wire::MessageType;
 
+use super::{FastMap, KvResults};
 use super::layout::{decode_parts, decode_short, Layout, LayoutError};
 use super::sealing::{host_send_copy, unsealed_unknown_task, AuthStats, HostAuth};
 use crate::auth::Key;
@@ -210,8 +211,8 @@ impl Cursor {
 
 pub struct KvReceiver {
     config: ReceiverConfig,
-    results: HashMap<Vec<u8>, Aggregate>,
-    windows: HashMap<u16, DedupWindow>,
+    results: KvResults,
+    windows: FastMap<u16, DedupWindow>,
     fins: HashSet<u16>,
     /// Channels declared failed (no FIN will come); disjoint from `fins`.
     failed: BTreeSet<u16>,
@@ -221,7 +222,7 @@ pub struct KvReceiver {
     /// The outstanding control request and when to repeat it.
     request: Option<(Vec<u8>, Time)>,
     /// Fetched aggregators of the copy being read: (aa, index) -> entry.
-    staged: HashMap<(u8, u32), FetchEntry>,
+    staged: FastMap<(u8, u32), FetchEntry>,
     /// Per-AA fetch progress while a copy is read.
     cursors: Vec<Cursor>,
     replies: VecDeque<Vec<u8>>,
@@ -236,15 +237,15 @@ impl KvReceiver {
     pub fn new(config: ReceiverConfig, now: Time) -> Result<Self, ReceiverError> {
         config.layout.validate()?;
         Ok(Self {
-            results: HashMap::new(),
-            windows: HashMap::new(),
+            results: KvResults::default(),
+            windows: FastMap::default(),
             fins: HashSet::new(),
             failed: BTreeSet::new(),
             epoch: 0,
             phase: Phase::Idle,
             since_swap: 0,
             request: None,
-            staged: HashMap::new(),
+            staged: FastMap::default(),
             cursors: Vec::new(),
             replies: VecDeque::new(),
             last_heard: now,
@@ -272,11 +273,19 @@ impl KvReceiver {
         matches!(self.phase, Phase::Done | Phase::Failed)
     }
     /// The aggregated results (complete once `Finished` was reported).
-    pub fn results(&self) -> &HashMap<Vec<u8>, Aggregate> {
+    pub fn results(&self) -> &KvResults {
         &self.results
     }
-    pub fn into_results(self) -> HashMap<Vec<u8>, Aggregate> {
+    pub fn into_results(self) -> KvResults {
         self.results
+    }
+    /// Move the results out after `Finished` or `Incomplete` was reported,
+    /// while the machine goes on (linger, then Release) to answer repeats:
+    /// by then every channel's data was acknowledged and the switch is
+    /// frozen, so nothing more is merged; copying 10^5 keys instead cost
+    /// the daemon a visible pause at the end of every task.
+    pub fn take_results(&mut self) -> KvResults {
+        std::mem::take(&mut self.results)
     }
     pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
         self.events.pop_front()
@@ -681,7 +690,7 @@ impl KvReceiver {
     }
 }
 
-fn merge(results: &mut HashMap<Vec<u8>, Aggregate>, key: &[u8], agg: Aggregate) {
+fn merge(results: &mut KvResults, key: &[u8], agg: Aggregate) {
     match results.get_mut(key) {
         Some(a) => a.merge(&agg),
         None => {

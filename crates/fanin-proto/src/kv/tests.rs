@@ -1,7 +1,6 @@
 //! Exact traces of the key-value machines: every reliability case of ASK
 //! §3.3, shadow-copy swaps (§3.4), coalesced keys (§3.2.3) and bad input.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use fanin_wire::kv::{Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, FLAG_FINAL, HEADER_LEN};
@@ -241,8 +240,8 @@ impl Setup {
     }
 }
 
-fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> HashMap<Vec<u8>, Aggregate> {
-    let mut m: HashMap<Vec<u8>, Aggregate> = HashMap::new();
+fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> KvResults {
+    let mut m = KvResults::default();
     for s in streams {
         for (k, v) in s {
             m.entry(k.clone()).and_modify(|a| a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
