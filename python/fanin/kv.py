@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,6 @@ __all__ = ["Client", "KvError", "SenderFailed", "Ticket", "DaemonProcess", "enco
 DEFAULT_SOCKET = "/tmp/fanin-kv.sock"
 Key = Union[str, bytes]
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_RESULT = struct.Struct("<HqQqq")
 
 
 class KvError(RuntimeError):
@@ -83,17 +81,14 @@ def encode_tuples(pairs: Iterable[tuple[Key, int]]) -> bytes:
 
 
 def decode_results(data: bytes, *, as_str: bool = True) -> dict[Key, int]:
-    """Result records (``key_len | sum | count | min | max | key``) -> {key: sum}."""
-    out: dict[Key, int] = {}
-    pos, n, size = 0, len(data), _RESULT.size
-    unpack = _RESULT.unpack_from
-    while pos < n:
-        klen, total, _count, _lo, _hi = unpack(data, pos)
-        pos += size
-        key = data[pos:pos + klen]
-        pos += klen
-        out[key.decode() if as_str else key] = total
-    return out
+    """Result records (``key_len | sum | count | min | max | key``) -> {key: sum}.
+
+    Keys are str (UTF-8; ``UnicodeDecodeError`` otherwise) or, with
+    ``as_str=False``, bytes. A file cut inside a record raises ``ValueError``.
+    Decoded in the extension: the Python loop was ~70 ms per 10^5 keys."""
+    from fanin import _native
+
+    return _native.decode_results(data, as_str)
 
 
 def _shm_path(tag: str) -> str:

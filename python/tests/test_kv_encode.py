@@ -1,11 +1,12 @@
-"""fanin.kv.encode_tuples (the extension's encoder) against the record format
-written out with struct, and its errors."""
+"""fanin.kv.encode_tuples and decode_results (the extension's encoder and
+decoder) against the record formats written out with struct, and their
+errors."""
 
 import struct
 
 import pytest
 
-from fanin.kv import KvError, encode_tuples
+from fanin.kv import KvError, decode_results, encode_tuples
 
 
 def _reference(pairs):
@@ -33,3 +34,27 @@ def test_records_equal_the_format_for_every_key_and_value_kind():
 def test_bad_pairs_are_refused_with_what_is_wrong(bad, message):
     with pytest.raises(KvError, match=message.replace("(", r"\(").replace(")", r"\)")):
         encode_tuples(bad)
+
+
+def _result_records(entries):
+    head = struct.Struct("<HqQqq").pack
+    return b"".join(head(len(k), total, count, lo, hi) + k for k, total, count, lo, hi in entries)
+
+
+def test_result_records_decode_to_sums_with_str_or_bytes_keys():
+    entries = [(b"ab", 5, 2, 1, 4), (b"", -(2**63), 1, -(2**63), -(2**63)), ("\u00e9t\u00e9".encode(), 2**63 - 1, 2**64 - 1, 0, 9),
+               (b"x" * 65535, 0, 3, -1, 1)]
+    data = _result_records(entries)
+    assert decode_results(data, as_str=False) == {k: total for k, total, *_ in entries}
+    assert decode_results(data) == {k.decode(): total for k, total, *_ in entries}
+    assert decode_results(b"") == {}
+
+
+def test_result_records_cut_short_or_not_utf8_are_refused():
+    data = _result_records([(b"ab", 5, 2, 1, 4), (b"cd", 1, 1, 1, 1)])
+    first = 34 + 2
+    for cut in (first + 3, len(data) - 1):
+        with pytest.raises(ValueError, match=f"result record at byte {first} is cut short \\({cut} bytes in all\\)"):
+            decode_results(data[:cut], as_str=False)
+    with pytest.raises(UnicodeDecodeError):
+        decode_results(_result_records([(b"\xff", 1, 1, 1, 1)]))

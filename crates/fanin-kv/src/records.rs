@@ -175,6 +175,43 @@ pub fn write_results<'a>(
     Ok(n)
 }
 
+/// Bytes of a result record before its key:
+/// `key_len u16 | sum i64 | count u64 | min i64 | max i64`.
+pub const RESULT_FIXED: usize = 34;
+
+/// A result file that ends inside a record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("result record at byte {offset} is cut short ({len} bytes in all)")]
+pub struct TruncatedResults {
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// The records of a result file ([`write_results`]), in order, borrowing
+/// their keys; an `Err` ends the iteration.
+pub fn read_results(bytes: &[u8]) -> impl Iterator<Item = Result<(&[u8], Aggregate), TruncatedResults>> {
+    let mut at = 0usize;
+    std::iter::from_fn(move || {
+        if at >= bytes.len() {
+            return None;
+        }
+        let cut = TruncatedResults { offset: at, len: bytes.len() };
+        let Some(head) = bytes.get(at..at + RESULT_FIXED) else {
+            at = bytes.len();
+            return Some(Err(cut));
+        };
+        let word = |i: usize| u64::from_le_bytes(head[2 + 8 * i..10 + 8 * i].try_into().expect("8 bytes"));
+        let klen = u16::from_le_bytes([head[0], head[1]]) as usize;
+        let Some(key) = bytes.get(at + RESULT_FIXED..at + RESULT_FIXED + klen) else {
+            at = bytes.len();
+            return Some(Err(cut));
+        };
+        at += RESULT_FIXED + klen;
+        let agg = Aggregate { sum: word(0) as i64, count: word(1), min: word(2) as i64, max: word(3) as i64 };
+        Some(Ok((key, agg)))
+    })
+}
+
 /// A key longer than a `tuples` record's u16 length can say.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("key of {0} bytes cannot be encoded (at most 65535)")]
@@ -215,6 +252,28 @@ mod tests {
         let mut c = Cursor::new(cut, InputFormat::Tuples);
         c.next_tuple().unwrap();
         assert_eq!(c.next_tuple(), Err(InputError::Truncated { offset: 12, len: 21 }));
+    }
+
+    #[test]
+    fn results_round_trip_and_a_cut_record_is_reported() {
+        let dir = std::env::temp_dir().join(format!("fanin-results-{}", std::process::id()));
+        let entries = [
+            (b"ab".to_vec(), Aggregate { sum: -7, count: 3, min: -5, max: 1 }),
+            (Vec::new(), Aggregate { sum: i64::MAX, count: u64::MAX, min: i64::MIN, max: i64::MAX }),
+        ];
+        write_results(&dir, entries.iter().map(|(k, a)| (k, a))).unwrap();
+        let bytes = std::fs::read(&dir).unwrap();
+        std::fs::remove_file(&dir).unwrap();
+        let back: Vec<_> = read_results(&bytes).map(|r| r.map(|(k, a)| (k.to_vec(), a))).collect::<Result<_, _>>().unwrap();
+        assert_eq!(back, entries);
+        // Cut inside the second record's fixed part, then inside the first key.
+        let first = RESULT_FIXED + 2;
+        let got: Vec<_> = read_results(&bytes[..first + 5]).collect();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1], Err(TruncatedResults { offset: first, len: first + 5 }));
+        let got: Vec<_> = read_results(&bytes[..RESULT_FIXED + 1]).collect();
+        assert_eq!(got, [Err(TruncatedResults { offset: 0, len: RESULT_FIXED + 1 })]);
+        assert_eq!(read_results(&[]).count(), 0);
     }
 
     #[test]
