@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import os
 import queue as queue_mod
 import statistics
 import sys
@@ -15,6 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from fanin.bench.cpu import process_cpu_seconds
 from fanin.proc import SwitchProcess, check_result, worker_inputs
 from fanin.switch import free_result_group, job_config, switch_config
 
@@ -178,14 +178,14 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
                 if sess is None:
                     continue
                 aggr.allreduce(sync)  # barrier: everyone starts together
-                s0 = _cpu_seconds(p.switch_pid) if rank == 0 else 0.0
+                s0 = process_cpu_seconds(p.switch_pid) if rank == 0 else 0.0
                 c0 = time.process_time()
                 t0 = time.perf_counter()
                 sess.allreduce(x, out=out)
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
                 if rank == 0:
-                    switch_cpu[name].append(_cpu_seconds(p.switch_pid) - s0)
+                    switch_cpu[name].append(process_cpu_seconds(p.switch_pid) - s0)
                 if name in ("fanin", "auth"):
                     retrans += sess.last_stats["retransmissions"]
             if rank == 0:
@@ -199,23 +199,6 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         results.put(report)
     except BaseException as e:  # reported to the parent, which fails the run
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
-
-
-def _cpu_seconds(pid: Optional[int]) -> float:
-    """CPU time of every thread of process `pid` so far (schedstat: ns)."""
-    if pid is None:
-        return 0.0
-    total = 0
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue  # a thread that just exited
-    except OSError:
-        return 0.0
-    return total / 1e9
 
 
 def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
