@@ -1,4 +1,4 @@
-"""CPU time of processes and process trees, read from /proc.
+"""CPU time of processes, and of everything a benchmark started.
 
 Wall time alone hides where a 2-core machine's cycles go: a system that
 leaves a core idle and one that burns both can take equally long. The
@@ -7,24 +7,23 @@ every system compared.
 
 * :func:`process_cpu_seconds`: every live thread of one process, from
   ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds, so short runs are not
-  rounded to clock ticks).
-* :func:`tree_cpu_seconds`: a process and all its live descendants, plus
-  what each of them has collected from children it already reaped
-  (``cutime``/``cstime``): a PySpark job's JVM, its Python worker daemon
-  and the workers that daemon forked and reaped are all counted, and a
-  ``multiprocessing`` pool that exited inside the measured span is too.
-  Sample before and after the work and subtract.
+  rounded to clock ticks). Threads that have exited are not in it: for a
+  process whose threads stay (the switch) over a span of milliseconds.
+* :class:`CpuGroups`: throw-away cgroups the bench moves itself (and so
+  every process it starts afterwards) and the switch into; their CPU usage
+  counts every process and thread that ever ran in them, exited or not.
+  Reading ``/proc`` cannot do that: PySpark's worker daemon ignores
+  SIGCHLD, so the kernel reaps its forked workers and their CPU time is
+  added to no parent's ``cutime`` (a first version summing the process
+  tree from ``/proc`` reported a Spark job at a third of its CPU).
 """
 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from typing import Optional
 
-__all__ = ["process_cpu_seconds", "tree_cpu_seconds"]
-
-_TICK = os.sysconf("SC_CLK_TCK")
+__all__ = ["process_cpu_seconds", "CpuGroups"]
 
 
 def process_cpu_seconds(pid: Optional[int]) -> float:
@@ -45,34 +44,107 @@ def process_cpu_seconds(pid: Optional[int]) -> float:
     return total / 1e9
 
 
-def _stat_fields(pid: int) -> Optional[list[str]]:
-    """The fields of /proc/<pid>/stat after the command name (which may
-    itself contain spaces and parentheses), or None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
+def _cpu_hierarchy() -> tuple[str, str, str]:
+    """(mount point, this process's cgroup path in it, "v2" or "v1") of a
+    hierarchy that accounts CPU: the unified one (cgroup2, ``cpu.stat`` is
+    there with or without the cpu controller) or else the v1 ``cpuacct``."""
+    with open("/proc/self/cgroup") as f:
+        own = [line.rstrip("\n").split(":", 2) for line in f]
+    with open("/proc/mounts") as f:
+        mounts = [line.split() for line in f]
+    for dev, point, fstype, opts, *_ in mounts:
+        if fstype == "cgroup2":
+            path = next((p for hid, ctl, p in own if hid == "0" and ctl == ""), None)
+            if path is not None:
+                return point, path, "v2"
+    for dev, point, fstype, opts, *_ in mounts:
+        if fstype == "cgroup" and "cpuacct" in opts.split(","):
+            path = next((p for hid, ctl, p in own if "cpuacct" in ctl.split(",")), None)
+            if path is not None:
+                return point, path, "v1"
+    raise OSError("no cgroup2 or cgroup-v1 cpuacct hierarchy is mounted")
+
+
+class CpuGroups:
+    """Leaf cgroups (``host`` and ``switch`` by default) under a fresh
+    parent; entering moves this process into ``host``.
+
+    ``seconds()`` is the CPU of everything in the parent, ``seconds(leaf)``
+    of one leaf; sample before and after the work and subtract. On exit
+    every process still in the leaves (this one included) goes back to
+    this process's original cgroup and the groups are removed. Needs
+    write access to the cgroup filesystem (root); :meth:`unavailable`
+    says why not, so a bench can report CPU as absent instead of wrong.
+    """
+
+    def __init__(self, leaves: tuple[str, ...] = ("host", "switch")) -> None:
+        self.leaves = leaves
+        self.mount, self.origin, self.version = _cpu_hierarchy()
+        self.base = os.path.join(self.mount, f"fanin-bench-{os.getpid()}")
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        """None if CPU groups can be made here, else the reason."""
+        try:
+            mount, _, _ = _cpu_hierarchy()
+        except OSError as e:
+            return str(e)
+        if not os.access(os.path.join(mount, "cgroup.procs"), os.W_OK):
+            return f"no write access to {mount} (CPU accounting by cgroup needs root)"
         return None
-    return stat.rsplit(")", 1)[1].split()
 
+    def __enter__(self) -> "CpuGroups":
+        os.mkdir(self.base)
+        try:
+            for leaf in self.leaves:
+                os.mkdir(os.path.join(self.base, leaf))
+            self.adopt(os.getpid(), self.leaves[0])
+        except BaseException:
+            self._remove()
+            raise
+        return self
 
-def tree_cpu_seconds(root: int) -> float:
-    """CPU time of ``root`` and every live descendant, including the time of
-    children they have already waited for."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields is not None:
-                children[int(fields[1])].append(int(entry))  # fields[1] = ppid
-    total = 0.0
-    stack = [root]
-    while stack:
-        pid = stack.pop()
-        fields = _stat_fields(pid)
-        if fields is None:
-            continue
-        # fields[13], fields[14] = cutime, cstime (stat fields 16 and 17).
-        total += process_cpu_seconds(pid) + (int(fields[13]) + int(fields[14])) / _TICK
-        stack.extend(children.get(pid, ()))
-    return total
+    def adopt(self, pid: int, leaf: str) -> None:
+        """Move process ``pid`` (all its threads) into ``leaf``; its later
+        children start there too."""
+        if leaf not in self.leaves:
+            raise ValueError(f"unknown CPU group {leaf!r}; the groups are {', '.join(self.leaves)}")
+        with open(os.path.join(self.base, leaf, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+
+    def seconds(self, leaf: Optional[str] = None) -> float:
+        """CPU seconds used so far in ``leaf``, or in all of them."""
+        group = self.base if leaf is None else os.path.join(self.base, leaf)
+        if self.version == "v2":
+            with open(os.path.join(group, "cpu.stat")) as f:
+                usage = dict(line.split() for line in f)
+            return int(usage["usage_usec"]) / 1e6
+        with open(os.path.join(group, "cpuacct.usage")) as f:
+            return int(f.read()) / 1e9
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        home = os.path.join(self.mount, self.origin.lstrip("/"), "cgroup.procs")
+        for leaf in self.leaves:
+            group = os.path.join(self.base, leaf)
+            try:
+                with open(os.path.join(group, "cgroup.procs")) as f:
+                    pids = f.read().split()
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    with open(home, "w") as f:
+                        f.write(pid)
+                except ProcessLookupError:
+                    pass  # exited meanwhile
+            try:
+                os.rmdir(group)
+            except OSError:
+                pass  # a process forked in between; the group stays, harmless
+        try:
+            os.rmdir(self.base)
+        except OSError:
+            pass

@@ -32,10 +32,10 @@ import tempfile
 import time
 from collections import Counter
 from multiprocessing import get_context
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from fanin.bench.corpus import build_corpus, split_lines
-from fanin.bench.cpu import tree_cpu_seconds
+from fanin.bench.cpu import CpuGroups
 from fanin.kv import Client, DaemonProcess
 from fanin.proc import SwitchProcess
 from fanin.switch import switch_config
@@ -231,8 +231,28 @@ def run_kv_wordcount(args: Any) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
     manifest, parts, counted = _word_count_input(_corpus_mb(args))
-    corpus = os.path.abspath(manifest["path"])
     ref = {k.decode(): v for k, v in counted.items()}
+    # CPU seconds of everything this bench starts (the driver, the JVM and
+    # its Python workers, PreAggr's pool, the kv daemon) and, apart, of the
+    # switch process: the part ASK runs on the switch ASIC, so that "host
+    # CPU" means what it says. Entered before the JVM starts, so it and
+    # all its descendants are inside.
+    no_cpu = CpuGroups.unavailable()
+    if no_cpu:
+        print(f"kv-wordcount: CPU seconds not reported: {no_cpu}", file=sys.stderr)
+        times, cpu, switch_cpu = _wordcount_runs(args, manifest, parts, ref, repeats, None)
+    else:
+        with CpuGroups() as groups:
+            times, cpu, switch_cpu = _wordcount_runs(args, manifest, parts, ref, repeats, groups)
+    return _wordcount_report(args, manifest, ref, repeats, times, cpu, switch_cpu, no_cpu)
+
+
+def _wordcount_runs(args: Any, manifest: dict, parts: list[str], ref: dict, repeats: int,
+                    groups: Optional[CpuGroups]) -> tuple[dict, dict, dict]:
+    """Every system, interleaved ``repeats`` times, each result checked:
+    per system the wall seconds, CPU seconds and the switch's CPU seconds
+    of each run (the CPU lists stay empty without ``groups``)."""
+    corpus = os.path.abspath(manifest["path"])
     spark = _spark_session()
     sc = spark.sparkContext
     sc.setLogLevel("ERROR")
@@ -274,40 +294,44 @@ def run_kv_wordcount(args: Any) -> int:
             ("fanin.spark.reduce_by_key", fanin_spark_job),
         ]
         times: dict[str, list[float]] = {name: [] for name, _ in systems}
-        # CPU seconds of everything this bench started (the driver, the JVM
-        # and its Python workers, PreAggr's pool, the kv daemon, the switch)
-        # and, within that, of the switch process: the part ASK runs on the
-        # switch ASIC, reported apart so "host CPU" means what it says.
         cpu: dict[str, list[float]] = {name: [] for name, _ in systems}
         switch_cpu: dict[str, list[float]] = {name: [] for name, _ in systems}
-        me, switch_pid = os.getpid(), svc.switch.proc.pid
+        if groups is not None:
+            groups.adopt(svc.switch.proc.pid, "switch")
         for _ in range(repeats):
             # Interleaved, so drift in the machine's load hits every system.
             for name, job in systems:
-                c0, s0 = tree_cpu_seconds(me), tree_cpu_seconds(switch_pid)
+                c0, s0 = (groups.seconds(), groups.seconds("switch")) if groups else (0.0, 0.0)
                 t0 = time.perf_counter()
                 got = job()
                 times[name].append(time.perf_counter() - t0)
-                cpu[name].append(tree_cpu_seconds(me) - c0)
-                switch_cpu[name].append(tree_cpu_seconds(switch_pid) - s0)
+                if groups is not None:
+                    cpu[name].append(groups.seconds() - c0)
+                    switch_cpu[name].append(groups.seconds("switch") - s0)
                 if got != ref:
                     diff = len(set(got.items()) ^ set(ref.items()))
                     raise SystemExit(f"kv-wordcount: {name} differs from the reference ({diff} entries)")
                 print(f"kv-wordcount: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
     spark.stop()
+    return times, cpu, switch_cpu
+
+
+def _wordcount_report(args: Any, manifest: dict, ref: dict, repeats: int, times: dict, cpu: dict,
+                      switch_cpu: dict, no_cpu: Optional[str]) -> int:
     med = statistics.median
     base = med(times["PySpark RDD reduceByKey"])
-    base_cpu = med(cpu["PySpark RDD reduceByKey"])
     rows = []
     for n, t in times.items():
-        host = [c - s for c, s in zip(cpu[n], switch_cpu[n])]
-        rows.append({"system": n, "median_s": round(med(t), 3), "runs": len(t),
-                     "runs_s": [round(x, 3) for x in t],
-                     "words_per_s": round(manifest["words"] / med(t)),
-                     "speedup_vs_rdd": round(base / med(t), 2),
-                     "cpu_s": round(med(cpu[n]), 3), "switch_cpu_s": round(med(switch_cpu[n]), 3),
-                     "host_cpu_s": round(med(host), 3),
-                     "host_cpu_saving_vs_rdd": round(base_cpu / med(host), 2)})
+        row: dict[str, Any] = {"system": n, "median_s": round(med(t), 3), "runs": len(t),
+                               "runs_s": [round(x, 3) for x in t],
+                               "words_per_s": round(manifest["words"] / med(t)),
+                               "speedup_vs_rdd": round(base / med(t), 2)}
+        if not no_cpu:
+            host = [c - s for c, s in zip(cpu[n], switch_cpu[n])]
+            row.update({"cpu_s": round(med(cpu[n]), 3), "switch_cpu_s": round(med(switch_cpu[n]), 3),
+                        "host_cpu_s": round(med(host), 3),
+                        "host_cpu_saving_vs_rdd": round(med(cpu["PySpark RDD reduceByKey"]) / med(host), 2)})
+        rows.append(row)
     csv_path = os.path.join(args.out, "kv-wordcount.csv")
     _write_csv(csv_path, rows)
     png_path = os.path.join(args.out, "kv-wordcount.png")
@@ -322,15 +346,18 @@ def run_kv_wordcount(args: Any) -> int:
               # Not the issue's target (that is wall time, above): the CPU
               # the hosts spend, the switch process excluded, vs all the CPU
               # of the RDD job. What in-network aggregation saves the hosts.
-              "host_cpu_saving_vs_rdd": by["fanin"]["host_cpu_saving_vs_rdd"],
+              "host_cpu_saving_vs_rdd": by["fanin"].get("host_cpu_saving_vs_rdd"),
+              "cpu_not_reported": no_cpu,
               "csv": csv_path, "png": png_path}
     if args.json:
         print(json.dumps(result))
     print(f"WordCount of {manifest['words']} words ({manifest['bytes'] / 1e6:.0f} MB, {len(ref)} distinct), "
           f"{SENDERS} cores, median of {repeats}; all results equal:", file=sys.stderr)
     for r in rows:
-        print(f"  {r['system']:28} {r['median_s']:8.2f} s  {r['speedup_vs_rdd']:6.2f}x RDD   "
-              f"CPU {r['cpu_s']:6.2f} s (switch {r['switch_cpu_s']:.2f}, hosts {r['host_cpu_s']:.2f})", file=sys.stderr)
+        line = f"  {r['system']:28} {r['median_s']:8.2f} s  {r['speedup_vs_rdd']:6.2f}x RDD"
+        if "cpu_s" in r:
+            line += f"   CPU {r['cpu_s']:6.2f} s (switch {r['switch_cpu_s']:.2f}, hosts {r['host_cpu_s']:.2f})"
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -376,7 +403,9 @@ def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, A
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, cx) = plt.subplots(1, 2, figsize=(13, 4), sharey=True)
+    with_cpu = "cpu_s" in rows[0]
+    fig, axes = plt.subplots(1, 2 if with_cpu else 1, figsize=(13 if with_cpu else 8, 4), sharey=True, squeeze=False)
+    ax = axes[0][0]
     names = [r["system"] for r in rows]
     ax.barh(names, [r["median_s"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
     for i, r in enumerate(rows):
@@ -385,6 +414,14 @@ def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, A
     ax.set_xlabel("wall seconds (median)")
     ax.set_title(f"WordCount, {manifest['words'] / 1e6:.1f} M words, 2 cores (local[2])")
     ax.set_xlim(0, max(r["median_s"] for r in rows) * 1.45)
+    if with_cpu:
+        _plot_wordcount_cpu(axes[0][1], rows, names)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_wordcount_cpu(cx: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
     # CPU: the hosts' share and the software switch's share (on ASK, the ASIC's).
     host = [r["host_cpu_s"] for r in rows]
     cx.barh(names, host, color="C7", label="hosts (driver, JVM, workers, kv daemon)")
@@ -394,10 +431,7 @@ def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, A
     cx.set_xlabel("CPU seconds (median)")
     cx.set_title("CPU spent, all processes")
     cx.set_xlim(0, max(r["cpu_s"] for r in rows) * 1.45)
-    cx.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    cx.legend(loc="upper right", fontsize=8)  # the top bars (fanin) are short
 
 
 if __name__ == "__main__":  # pragma: no cover
