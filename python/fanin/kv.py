@@ -85,7 +85,8 @@ def decode_results(data: bytes, *, as_str: bool = True) -> dict[Key, int]:
 
     Keys are str (UTF-8; ``UnicodeDecodeError`` otherwise) or, with
     ``as_str=False``, bytes. A file cut inside a record raises ``ValueError``.
-    Decoded in the extension: the Python loop was ~70 ms per 10^5 keys."""
+    Decoded in the extension: the Python loop took ~25 ms of the 64 MB
+    word count's 130 207 keys."""
     from fanin import _native
 
     return _native.decode_results(data, as_str)

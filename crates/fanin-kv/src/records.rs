@@ -175,10 +175,6 @@ pub fn write_results<'a>(
     Ok(n)
 }
 
-/// Bytes of a result record before its key:
-/// `key_len u16 | sum i64 | count u64 | min i64 | max i64`.
-pub const RESULT_FIXED: usize = 34;
-
 /// A result file that ends inside a record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("result record at byte {offset} is cut short ({len} bytes in all)")]
@@ -196,17 +192,17 @@ pub fn read_results(bytes: &[u8]) -> impl Iterator<Item = Result<(&[u8], Aggrega
             return None;
         }
         let cut = TruncatedResults { offset: at, len: bytes.len() };
-        let Some(head) = bytes.get(at..at + RESULT_FIXED) else {
+        let Some(head) = bytes.get(at..at + RESULT_HEAD) else {
             at = bytes.len();
             return Some(Err(cut));
         };
         let word = |i: usize| u64::from_le_bytes(head[2 + 8 * i..10 + 8 * i].try_into().expect("8 bytes"));
         let klen = u16::from_le_bytes([head[0], head[1]]) as usize;
-        let Some(key) = bytes.get(at + RESULT_FIXED..at + RESULT_FIXED + klen) else {
+        let Some(key) = bytes.get(at + RESULT_HEAD..at + RESULT_HEAD + klen) else {
             at = bytes.len();
             return Some(Err(cut));
         };
-        at += RESULT_FIXED + klen;
+        at += RESULT_HEAD + klen;
         let agg = Aggregate { sum: word(0) as i64, count: word(1), min: word(2) as i64, max: word(3) as i64 };
         Some(Ok((key, agg)))
     })
@@ -267,12 +263,12 @@ mod tests {
         let back: Vec<_> = read_results(&bytes).map(|r| r.map(|(k, a)| (k.to_vec(), a))).collect::<Result<_, _>>().unwrap();
         assert_eq!(back, entries);
         // Cut inside the second record's fixed part, then inside the first key.
-        let first = RESULT_FIXED + 2;
+        let first = RESULT_HEAD + 2;
         let got: Vec<_> = read_results(&bytes[..first + 5]).collect();
         assert_eq!(got.len(), 2);
         assert_eq!(got[1], Err(TruncatedResults { offset: first, len: first + 5 }));
-        let got: Vec<_> = read_results(&bytes[..RESULT_FIXED + 1]).collect();
-        assert_eq!(got, [Err(TruncatedResults { offset: 0, len: RESULT_FIXED + 1 })]);
+        let got: Vec<_> = read_results(&bytes[..RESULT_HEAD + 1]).collect();
+        assert_eq!(got, [Err(TruncatedResults { offset: 0, len: RESULT_HEAD + 1 })]);
         assert_eq!(read_results(&[]).count(), 0);
     }
 

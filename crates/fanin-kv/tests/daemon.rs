@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use fanin_kv::records::{encode_tuples, RESULT_HEAD};
+use fanin_kv::records::{encode_tuples, read_results};
 use fanin_kv::{KvDaemon, KvDaemonConfig};
 use fanin_switch::{DaemonConfig, SwitchHandle};
 use serde_json::{json, Value};
@@ -39,15 +39,7 @@ fn start() -> (SwitchHandle, KvDaemon, tempdir::Dir) {
 }
 
 fn decode(bytes: &[u8]) -> HashMap<Vec<u8>, i64> {
-    let mut out = HashMap::new();
-    let mut pos = 0;
-    while pos < bytes.len() {
-        let klen = u16::from_le_bytes([bytes[pos], bytes[pos + 1]]) as usize;
-        let sum = i64::from_le_bytes(bytes[pos + 2..pos + 10].try_into().unwrap());
-        out.insert(bytes[pos + RESULT_HEAD..pos + RESULT_HEAD + klen].to_vec(), sum);
-        pos += RESULT_HEAD + klen;
-    }
-    out
+    read_results(bytes).map(|r| r.map(|(key, agg)| (key.to_vec(), agg.sum)).expect("whole records")).collect()
 }
 
 #[test]

@@ -19,6 +19,7 @@
 //! is sealed under the destination's member key ([`super::sealing`]). A task
 //! without a key runs exactly as before.
 
+use std::mem::MaybeUninit;
 use std::time::Duration;
 
 use fanin_wire::kv::{
@@ -29,7 +30,6 @@ use fanin_wire::{MessageType, WireError};
 
 use super::aggregators::Aggregators;
 use super::FastMap;
-use std::mem::MaybeUninit;
 use super::layout::{aggregator_index, aggregator_index_of, Layout, LayoutError};
 use super::sealing::{self, Peer, TaskAuth};
 use crate::auth::{push_sealed, Key};
