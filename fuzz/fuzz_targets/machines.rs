@@ -92,6 +92,7 @@ fn session() -> AllreduceSession {
         shard_count: 2,
         next_block: 0,
         results_on_group: false,
+        partial_results: false,
     }
     .emit(p.payload_mut());
     s.handle_datagram(Time::ZERO, &buf);

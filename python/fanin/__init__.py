@@ -11,7 +11,7 @@ and the worker library that talks to it::
 See ``fanin --help`` for the command line (switch, demo, bench).
 """
 
-from fanin._native import FaninError, FaninRefused, FaninTimeout, MemberFailed, __version__
+from fanin._native import FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, StaleResult, __version__
 from fanin.auth import derive_member_key, new_job_key
 from fanin.session import Session
 from fanin.switch import LocalSwitch, local_switch
@@ -22,7 +22,9 @@ __all__ = [
     "FaninTimeout",
     "LocalSwitch",
     "MemberFailed",
+    "MemberRestarted",
     "Session",
+    "StaleResult",
     "local_switch",
     "__version__",
     "derive_member_key",

@@ -60,6 +60,21 @@ class Session:
             each (docs/protocol.md 4.5). ``params["results_on_group"]``
             says whether the switch does; if the job has no group, results
             come by unicast as without it.
+        barrier_timeout_s: how long to wait for the job's other members:
+            the switch starts a job's round only when every member has
+            joined (each Session is a new incarnation of its rank, so a new
+            run against a job that ran before starts afresh, and a rank that
+            restarts mid-run ends the others' round with
+            :class:`fanin.MemberRestarted`; docs/protocol.md 4.12).
+        members: the member count the caller expects (a world size); a job
+            of another size raises :class:`fanin.FaninRefused` at once. 0 = any.
+
+    Errors: an allreduce returns a complete result or raises.
+    :class:`fanin.MemberRestarted` (another rank's process was replaced:
+    start a new Session), :class:`fanin.MemberFailed` (a rank died under
+    ``on_failure=fail``), :class:`fanin.StaleResult` (a block the switch no
+    longer holds, or completed without every member, in a job that did not
+    opt into partial results), :class:`fanin.FaninTimeout`.
 
     Example::
 
@@ -90,6 +105,8 @@ class Session:
         recv_reorder: float = 0.0,
         auth_key: Optional[bytes] = None,
         result_group: Optional[str] = None,
+        barrier_timeout_s: float = 120.0,
+        members: int = 0,
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -112,6 +129,8 @@ class Session:
             recv_reorder=recv_reorder,
             auth_key=None if auth_key is None else bytes(auth_key),
             result_group=result_group,
+            barrier_timeout_s=barrier_timeout_s,
+            members=members,
         )
         self.switch = switch
         self.job_id = job_id

@@ -385,3 +385,66 @@ def test_an_unknown_job_on_an_external_switch_is_refused():
         addr = sw.data_addr
         reports = _spawn(_init_error, 2, env={"FANIN_SWITCH": addr, "FANIN_JOB_ID": "77"}, timeout=90)
     assert all(r is not None and "77" in r for r in reports), reports
+
+
+# ------------------------------------------- runs and restarts (protocol 4.12)
+def _run_tagged(rank, world):
+    """Five allreduces of a value that names the run: the sums must be this
+    run's, never a previous run's against the same switch."""
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    run = int(os.environ["RUN"])
+    dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=60))
+    sums = []
+    for call in range(5):
+        t = torch.full((3000,), float(1000 * run + 10 * rank + call))
+        dist.all_reduce(t)
+        sums.append(t[0].item())
+    dist.destroy_process_group()
+    return sums
+
+
+def test_a_second_run_against_one_external_switch_gets_its_own_sums():
+    # found by a user: the second torchrun against FANIN_SWITCH got the first
+    # run's sums (2001 where 4001 was right), and nothing said so
+    with ft_local_switch(2) as sw:
+        for run in (1, 2):
+            reports = _spawn(_run_tagged, 2, env={"FANIN_SWITCH": sw.data_addr, "FANIN_JOB_ID": "1", "RUN": str(run)})
+            want = [float(2 * 1000 * run + 10 + 2 * call) for call in range(5)]
+            assert reports == [want, want], (run, reports)
+
+
+_ELASTIC_SCRIPT = r'''
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+import fanin.torch  # noqa: F401
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+for call in range(6):
+    if attempt == 0 and rank == 1 and call == 3:
+        os._exit(3)  # a crash: torchrun restarts the whole group
+    t = torch.full((5000,), float(100 * attempt + rank + call))
+    dist.all_reduce(t)
+    want = float(2 * 100 * attempt + 1 + 2 * call)
+    assert t.eq(want).all().item(), (attempt, rank, call, t[0].item(), want)
+print(f"attempt {attempt} rank {rank} ok", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_torch_elastic_restart_of_the_group_against_an_external_switch_is_exact(tmp_path):
+    script = tmp_path / "elastic.py"
+    script.write_text(_ELASTIC_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    with ft_local_switch(2) as sw:
+        env["FANIN_SWITCH"] = sw.data_addr
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--max-restarts", "1", "--master-port", str(_free_port()), str(script)],
+                             env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "attempt 1 rank 0 ok" in out.stdout and "attempt 1 rank 1 ok" in out.stdout, out.stdout

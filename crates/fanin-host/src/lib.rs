@@ -167,6 +167,10 @@ impl Session {
         // restarted worker continues above what it sent before.
         options.session.seal_clock_us =
             SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64);
+        // Each session is a new incarnation of its rank (docs/protocol.md
+        // §4.12): a new process (or a new Session in the same one) of a rank
+        // is never mistaken for the one before it.
+        options.session.incarnation = draw_incarnation();
         let machine = AllreduceSession::new(options.session.clone(), Time::ZERO);
         let mut session = Self {
             faults: DropInjector::new(options.send_drop, options.seed),
@@ -190,6 +194,7 @@ impl Session {
                 shard_count: 0,
                 next_block: 0,
                 results_on_group: false,
+                partial_results: false,
             },
             stats: SessionStats::default(),
             options,
@@ -405,4 +410,19 @@ fn listen_on_group(group: SocketAddrV4, switch: SocketAddr, options: &SessionOpt
         let _ = listener.enable_gro();
     }
     Ok(listener)
+}
+
+/// A random non-zero member incarnation: the standard library's per-map
+/// random keys (seeded from the OS) hashed with the clock and a counter, so
+/// two sessions of one process differ as well as two processes.
+fn draw_incarnation() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    static DRAWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(DRAWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    let x = h.finish();
+    let folded = (x ^ (x >> 16) ^ (x >> 32) ^ (x >> 48)) as u16;
+    folded.max(1)
 }

@@ -147,12 +147,12 @@ fn dead_switch_fails_within_the_join_timeout() {
 
 #[test]
 fn switch_dying_mid_allreduce_fails_the_worker_after_dead_after() {
-    let sw = start(1, 0.0, vec![job(1, 2, JobMode::Aggregate)]);
+    let sw = start(1, 0.0, vec![job(1, 1, JobMode::Aggregate)]);
     let mut o = options(sw.data_addr(), 1, 0, 0.0);
     o.session.dead_after = Duration::from_millis(500);
     let mut s = Session::connect(o).unwrap();
     sw.shutdown();
-    // rank 1 never comes and the switch is gone: bounded failure, no hang
+    // the switch is gone: bounded failure, no hang
     let t = Instant::now();
     let err = s.allreduce(Tensor::I32(vec![1; 10_000])).unwrap_err();
     assert!(matches!(err, HostError::Session(SessionError::SwitchSilent { .. })), "{err}");
@@ -163,13 +163,16 @@ fn switch_dying_mid_allreduce_fails_the_worker_after_dead_after() {
 fn a_job_whose_worker_vanishes_does_not_disturb_another_job() {
     let sw = start(1, 0.0, vec![job(1, 2, JobMode::Aggregate), job(2, 2, JobMode::Aggregate)]);
     let addr = sw.data_addr();
-    // job 1: worker 0 sends, worker 1 never shows up
+    // job 1: both workers join (the round starts once both did), then
+    // worker 1 vanishes and worker 0 sends alone
     let mut o = options(addr, 1, 0, 0.0);
     o.session.dead_after = Duration::from_millis(700);
+    let vanishing = std::thread::spawn(move || drop(Session::connect(options(addr, 1, 1, 0.0)).unwrap()));
     let lonely = std::thread::spawn(move || {
         let mut s = Session::connect(o).unwrap();
         s.allreduce(Tensor::I32(vec![3; 50_000])).unwrap_err()
     });
+    vanishing.join().unwrap();
     let workers: Vec<_> = (0..2u16)
         .map(|r| {
             std::thread::spawn(move || {

@@ -18,6 +18,7 @@ pub mod host;
 pub mod job;
 pub mod kv;
 pub mod mask;
+pub mod serial;
 pub mod switch;
 pub mod time;
 pub mod transmit;

@@ -219,19 +219,10 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
                         match switches[i][target as usize].handle_datagram(now, from, &bytes, &mut out) {
                             Verdict::Consumed => break,
                             Verdict::WrongShard(o) => target = o,
-                            Verdict::Joined { job_id, member, start, listens } => {
+                            verdict => {
                                 for (k, sw) in switches[i].iter_mut().enumerate() {
                                     if k != target as usize {
-                                        sw.admit_joiner(job_id, member, start);
-                                        sw.set_listening(job_id, member, listens);
-                                    }
-                                }
-                                break;
-                            }
-                            Verdict::Listening { job_id, member, listens } => {
-                                for (k, sw) in switches[i].iter_mut().enumerate() {
-                                    if k != target as usize {
-                                        sw.set_listening(job_id, member, listens);
+                                        sw.learn(verdict);
                                     }
                                 }
                                 break;

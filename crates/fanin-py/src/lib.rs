@@ -28,6 +28,18 @@ create_exception!(
     FaninError,
     "The job failed because a member (worker) died; the message names its rank (failure policy `fail`)."
 );
+create_exception!(
+    _native,
+    MemberRestarted,
+    FaninError,
+    "A rank of the job joined again as a new process while this round ran: the round is over; start a new Session on every rank."
+);
+create_exception!(
+    _native,
+    StaleResult,
+    FaninError,
+    "The switch no longer holds (or never completed with every member) a result this allreduce needs, and the job does not accept partial results."
+);
 
 fn host_err(e: HostError) -> PyErr {
     match &e {
@@ -35,6 +47,12 @@ fn host_err(e: HostError) -> PyErr {
             FaninTimeout::new_err(e.to_string())
         }
         HostError::Session(SessionError::MemberFailed { .. }) => MemberFailed::new_err(e.to_string()),
+        HostError::Session(SessionError::MemberRestarted { .. }) => MemberRestarted::new_err(e.to_string()),
+        HostError::Session(SessionError::MissedBlocks { .. }) | HostError::Session(SessionError::PartialResult { .. }) => {
+            StaleResult::new_err(e.to_string())
+        }
+        HostError::Session(SessionError::JoinBarrier { .. }) => FaninTimeout::new_err(e.to_string()),
+        HostError::Session(SessionError::MemberCount { .. }) => FaninRefused::new_err(e.to_string()),
         HostError::Session(SessionError::Refused { .. }) | HostError::Session(SessionError::PacketTooLarge { .. }) => {
             FaninRefused::new_err(e.to_string())
         }
@@ -62,7 +80,8 @@ impl Session {
     #[new]
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
                         rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true,
-                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None))]
+                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None,
+                        barrier_timeout_s=120.0, members=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -86,6 +105,8 @@ impl Session {
         recv_reorder: f64,
         auth_key: Option<Vec<u8>>,
         result_group: Option<&str>,
+        barrier_timeout_s: f64,
+        members: u16,
     ) -> PyResult<Self> {
         let addr: SocketAddr = switch
             .parse()
@@ -105,6 +126,8 @@ impl Session {
         o.session.rto_max = secs("rto_max_ms", rto_max_ms / 1e3)?;
         o.session.join_timeout = secs("join_timeout_s", join_timeout_s)?;
         o.session.dead_after = secs("dead_after_s", dead_after_s)?;
+        o.session.barrier_timeout = secs("barrier_timeout_s", barrier_timeout_s)?;
+        o.session.expected_members = members;
         o.send_drop = send_drop;
         o.recv_drop = recv_drop;
         o.recv_duplicate = recv_duplicate;
@@ -670,6 +693,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FaninTimeout", m.py().get_type::<FaninTimeout>())?;
     m.add("FaninRefused", m.py().get_type::<FaninRefused>())?;
     m.add("MemberFailed", m.py().get_type::<MemberFailed>())?;
+    m.add("MemberRestarted", m.py().get_type::<MemberRestarted>())?;
+    m.add("StaleResult", m.py().get_type::<StaleResult>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

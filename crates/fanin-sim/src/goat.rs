@@ -335,8 +335,9 @@ impl<'a> Run<'a> {
                         }
                         let mut out = VecTransmit::new();
                         match self.aggs[a].1.handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
-                            Verdict::Consumed | Verdict::Joined { .. } | Verdict::Listening { .. } => {}
                             Verdict::WrongShard(k) => return Err(format!("single-shard aggregator answered WrongShard({k})")),
+                            // one shard: nothing to pass on
+                            _ => {}
                         }
                         self.agg_sent(a, out);
                     } else {

@@ -39,11 +39,10 @@ pub(crate) enum Command {
     /// A datagram received by another shard for a block (or key-value
     /// task) this shard owns.
     Handover(SocketAddr, Vec<u8>),
-    /// Another shard passed on a joiner's sync answer: (job, member, start).
-    AdmitJoiner(u32, u16, u32),
-    /// Another shard saw a member's Join: (job, member, listens on the
-    /// job's result group).
-    SetListening(u32, u16, bool),
+    /// What another shard's Join handling changed (a joiner's sync start,
+    /// whether a member listens on the result group, a round that started
+    /// or ended): [`ValueSwitch::learn`].
+    Learn(Verdict),
     AddKvTask(Box<KvTaskSpec<SocketAddr>>, SyncSender<Result<(), KvAdmitError>>),
     RemoveKvTask(u32, SyncSender<bool>),
     /// Which of these tasks still hold a region, with their figures.
@@ -244,21 +243,13 @@ impl ShardThread {
                             match self.switch.handle_datagram(now, from, bytes, &mut out) {
                                 Verdict::Consumed => continue,
                                 Verdict::WrongShard(owner) => owner,
-                                // A joiner's start: every shard holds some of its blocks.
-                                Verdict::Joined { job_id, member, start, listens } => {
+                                // What a Join changed that every shard must know:
+                                // each holds some of the job's blocks and sends
+                                // their results.
+                                verdict => {
                                     for (i, peer) in self.peers.iter().enumerate() {
                                         if i != self.index as usize {
-                                            let _ = peer.send(Command::AdmitJoiner(job_id, member, start));
-                                            let _ = peer.send(Command::SetListening(job_id, member, listens));
-                                        }
-                                    }
-                                    continue;
-                                }
-                                // each shard sends its own blocks' results
-                                Verdict::Listening { job_id, member, listens } => {
-                                    for (i, peer) in self.peers.iter().enumerate() {
-                                        if i != self.index as usize {
-                                            let _ = peer.send(Command::SetListening(job_id, member, listens));
+                                            let _ = peer.send(Command::Learn(verdict));
                                         }
                                     }
                                     continue;
@@ -316,12 +307,7 @@ impl ShardThread {
                 Ok(Command::RemoveJob(id, reply)) => {
                     let _ = reply.send(self.switch.remove_job(id));
                 }
-                Ok(Command::AdmitJoiner(job_id, member, start)) => {
-                    self.switch.admit_joiner(job_id, member, start);
-                }
-                Ok(Command::SetListening(job_id, member, listens)) => {
-                    self.switch.set_listening(job_id, member, listens);
-                }
+                Ok(Command::Learn(verdict)) => self.switch.learn(verdict),
                 Ok(Command::AddKvTask(spec, reply)) => {
                     let now = self.now();
                     let _ = reply.send(self.kv.add_task(now, *spec));

@@ -187,6 +187,15 @@ impl<T: AsRef<[u8]>> Packet<T> {
     pub fn listens_on_group(&self) -> bool {
         self.final_block()
     }
+
+    /// In a Join, `src_cnt` (unused there otherwise) is the worker's
+    /// **member incarnation**: a non-zero number each session draws afresh,
+    /// so the switch tells a new process of a rank from the old one's
+    /// repeated or probing Joins (docs/protocol.md §4.12). 0: a worker that
+    /// does not say (it is answered as before rounds existed).
+    pub fn member_incarnation(&self) -> u16 {
+        self.src_cnt()
+    }
     pub fn degraded(&self) -> bool {
         self.flags() & FLAG_DEGRADED != 0
     }
@@ -417,8 +426,10 @@ pub fn add_elements(sum: &mut [i32], payload: &[u8]) {
 ///
 /// `flags` bit 0 ([`JOINACK_RESULTS_ON_GROUP`]): the switch sends this
 /// worker the job's completion results on the job's result group (the Join
-/// carried [`Packet::listens_on_group`]); the other bits are sent as 0 and
-/// ignored.
+/// carried [`Packet::listens_on_group`]); bit 1 ([`JOINACK_PARTIAL_RESULTS`]):
+/// the job opted into partial results (straggler aging, `on_failure =
+/// degrade`, or forward mode), so a degraded or missed block is a result the
+/// caller asked for, not an error; the other bits are sent as 0 and ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JoinParams {
     /// Concurrent blocks (slots) the job may hold; also the exponent lookahead.
@@ -436,10 +447,16 @@ pub struct JoinParams {
     /// Completion results come on the job's result group (multicast), not
     /// to this worker's own address (docs/protocol.md §4.5).
     pub results_on_group: bool,
+    /// The job opted into partial results: blocks may complete without
+    /// every member (docs/protocol.md §6.2). Without it a worker raises on
+    /// a degraded or missed block instead of returning it.
+    pub partial_results: bool,
 }
 
 /// JoinAck `flags` bit: results come on the job's result group.
 pub const JOINACK_RESULTS_ON_GROUP: u16 = 0x0001;
+/// JoinAck `flags` bit: the job opted into partial results.
+pub const JOINACK_PARTIAL_RESULTS: u16 = 0x0002;
 
 impl JoinParams {
     pub const LEN: usize = 24;
@@ -457,6 +474,7 @@ impl JoinParams {
             shard_count: u16::from_be_bytes([body[16], body[17]]),
             next_block: u32_at(20),
             results_on_group: u16::from_be_bytes([body[18], body[19]]) & JOINACK_RESULTS_ON_GROUP != 0,
+            partial_results: u16::from_be_bytes([body[18], body[19]]) & JOINACK_PARTIAL_RESULTS != 0,
         })
     }
 
@@ -466,7 +484,8 @@ impl JoinParams {
         body[8..12].copy_from_slice(&self.block_exp_ms.to_be_bytes());
         body[12..16].copy_from_slice(&self.incarnation.to_be_bytes());
         body[16..18].copy_from_slice(&self.shard_count.to_be_bytes());
-        let flags = if self.results_on_group { JOINACK_RESULTS_ON_GROUP } else { 0 };
+        let flags = if self.results_on_group { JOINACK_RESULTS_ON_GROUP } else { 0 }
+            | if self.partial_results { JOINACK_PARTIAL_RESULTS } else { 0 };
         body[18..20].copy_from_slice(&flags.to_be_bytes());
         body[20..24].copy_from_slice(&self.next_block.to_be_bytes());
     }
@@ -628,6 +647,10 @@ pub const MEMBERSHIP_READMITTED: u8 = 2;
 /// The notice's `src_id` went silent past the job's member timeout and the
 /// job's failure policy is `fail`: the job failed (see [`NackReason::JobFailed`]).
 pub const MEMBERSHIP_FAILED: u8 = 3;
+/// The notice's `src_id` joined again as a new incarnation (a new process
+/// took its rank) while the job's round ran: the round cannot complete, and
+/// every member of it must start a new session (docs/protocol.md §4.12).
+pub const MEMBERSHIP_RESTARTED: u8 = 4;
 /// `age_op` of a `Join` from a worker joining a running job: it asks for the
 /// job's current block offset (the SwitchML++ sync, answered by the tree's
 /// root) instead of the start of the stream (0: joining with the others).
@@ -640,6 +663,15 @@ pub const JOIN_SYNC: u8 = 1;
 /// once every member reported; the JoinAck's `next_block` is then the
 /// recovery floor, the lowest block any member still needs.
 pub const JOIN_RECOVER: u8 = 2;
+/// `age_op` of a `JoinAck` that answers a Join held at the job's join
+/// barrier (docs/protocol.md §4.12): the switch heard the worker, but the
+/// round starts only when every member joined. `next_block` carries how many
+/// members have joined so far. The worker keeps asking.
+pub const JOIN_WAIT: u8 = 3;
+/// `age_op` of the `JoinAck` that releases a Join from the barrier: a round
+/// starts at `next_block` for every member, at its first generation (a
+/// worker that asked with `JOIN_SYNC` starts there too, unaligned).
+pub const JOIN_ROUND_START: u8 = 4;
 
 /// The 16-bit tag of a switch incarnation carried in the data plane: in
 /// `src_id` of Results, in the reserved field of Nacks, and by workers in

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fanin._native import FaninRefused
 from fanin.session import Session
 from fanin.switch import LocalSwitch, free_result_group, job_config, switch_config
 
@@ -137,11 +138,16 @@ def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts
     addr, job_s, epp_s, group = answer.split("|")
     epp = int(epp_s)
     dead_after = max(10.0, timeout.total_seconds())
-    session = Session(addr, int(job_s), rank, elems_per_packet=epp, window=opts.window,
-                      join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after, result_group=group or None)
-    if session.n_sources != world:
-        raise RuntimeError(f"fanin: job {job_s} on {addr} has {session.n_sources} members but the process group "
-                           f"has {world} ranks; admit it with sources={world}")
+    # A new Session is a new incarnation of this rank: against a job that
+    # ran before (a second torchrun, a restarted group) it waits at the job's
+    # barrier for every rank and starts a fresh round (docs/protocol.md §4.12).
+    # members=world refuses a job of another size at once.
+    try:
+        session = Session(addr, int(job_s), rank, elems_per_packet=epp, window=opts.window,
+                          join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after, result_group=group or None,
+                          barrier_timeout_s=max(120.0, timeout.total_seconds()), members=world)
+    except FaninRefused as e:
+        raise RuntimeError(f"fanin: {e}") from e
     return Connection(session=session, switch_addr=addr, job_id=int(job_s), elems_per_packet=epp,
                       n_sources=session.n_sources, embedded=embedded,
                       results_on_group=bool(session.params["results_on_group"]))

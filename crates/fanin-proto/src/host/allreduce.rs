@@ -47,8 +47,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    incarnation_tag, read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_SYNC, MAX_GRAD_CNT,
-    MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW,
+    incarnation_tag, read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_ROUND_START,
+    JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
@@ -60,6 +60,8 @@ use crate::transmit::Transmit;
 
 mod lending;
 mod recovery;
+
+use crate::serial::BlockSpace;
 
 use lending::{Input, Lent};
 pub use lending::{TensorMut, TensorRef};
@@ -110,6 +112,20 @@ pub struct SessionConfig {
     /// Join says so, and the switch sends completion results there instead
     /// of to this worker's own address (docs/protocol.md §4.5).
     pub listens_on_group: bool,
+    /// This session's member incarnation (non-zero; docs/protocol.md
+    /// §4.12), sent in every Join: the switch tells a new process of a rank
+    /// from the old one's repeated Joins by it. The host library draws a
+    /// random one per session; a machine built by hand must give each
+    /// session of a rank its own. 0: take no part in rounds (answered as
+    /// before rounds existed).
+    pub incarnation: u16,
+    /// How long to wait at the job's join barrier (the switch answered, but
+    /// the round starts only once every member joined) before giving up.
+    pub barrier_timeout: Duration,
+    /// The members the caller expects the job to have (a process group's
+    /// world size); 0 = any. A job of another size is refused at the first
+    /// answer, instead of waiting at a barrier that can never fill.
+    pub expected_members: u16,
 }
 
 impl SessionConfig {
@@ -131,6 +147,9 @@ impl SessionConfig {
             auth_key: None,
             seal_clock_us: 1,
             listens_on_group: false,
+            incarnation: 1,
+            barrier_timeout: Duration::from_secs(120),
+            expected_members: 0,
         }
     }
 
@@ -185,6 +204,29 @@ pub enum SessionError {
     RecoveryStalled { job_id: u32, waited: Duration },
     #[error("job {job_id} came back from the switch restart with other parameters ({what}); the running stream cannot continue")]
     JobChanged { job_id: u32, what: String },
+    #[error(
+        "job {job_id}: rank {rank} joined again as a new process while this round ran, so this round's allreduces cannot \
+         complete with its old contributions; start a new session on every rank (under torchrun: let the group restart)"
+    )]
+    MemberRestarted { job_id: u32, rank: u16 },
+    #[error("job {job_id} on the switch has {members} members but {expected} ranks join it; admit it with sources={expected}")]
+    MemberCount { job_id: u32, members: u16, expected: u16 },
+    #[error(
+        "job {job_id}: waited {waited:?} at the join barrier and only {joined} of the job's {members} members joined; \
+         start every rank of the job (a round begins when all have joined)"
+    )]
+    JoinBarrier { job_id: u32, joined: u32, members: u16, waited: Duration },
+    #[error(
+        "job {job_id}: the switch no longer holds the result of block {block_id} (this worker fell more than a window \
+         behind the job, or the block belongs to another round); the job does not accept partial results, so this \
+         allreduce has no correct answer"
+    )]
+    MissedBlocks { job_id: u32, block_id: u32 },
+    #[error(
+        "job {job_id}: block {block_id} completed with {src_cnt} of {members} sources (a member was declared slow or \
+         dead); the job did not opt into partial results (block_exp_ms, on_failure=degrade), so this is an error"
+    )]
+    PartialResult { job_id: u32, block_id: u32, src_cnt: u16, members: u16 },
 }
 
 /// A tensor to reduce, owned by the session while the allreduce runs.
@@ -461,6 +503,8 @@ struct Op {
     lent: Option<Lent>,
     /// Block id of the tensor's first block.
     base_block: u32,
+    /// The job's block ids (they wrap at a multiple of `block_cnt_max`).
+    space: BlockSpace,
     blocks: Vec<BlockState>,
     /// This worker's own exponent per block (float tensors).
     local_exp: Vec<i8>,
@@ -494,7 +538,9 @@ struct Op {
 }
 
 enum State {
-    Joining { started: Time, next_send: Time, interval: Duration },
+    /// `barrier`: the switch answered that the job's join barrier holds
+    /// this worker, with how many members had joined.
+    Joining { started: Time, next_send: Time, interval: Duration, barrier: Option<u32> },
     Ready,
     Failed(SessionError),
 }
@@ -563,7 +609,7 @@ pub struct AuthStats {
 impl AllreduceSession {
     pub fn new(config: SessionConfig, now: Time) -> Self {
         let state = match config.validate() {
-            Ok(()) => State::Joining { started: now, next_send: now, interval: Duration::from_millis(50) },
+            Ok(()) => State::Joining { started: now, next_send: now, interval: Duration::from_millis(50), barrier: None },
             Err(e) => State::Failed(e),
         };
         let mut session = Self {
@@ -737,7 +783,8 @@ impl AllreduceSession {
             }
         };
         let base_block = self.next_block;
-        self.next_block = self.next_block.wrapping_add(n_blocks);
+        let space = self.block_space();
+        self.next_block = space.add(self.next_block, n_blocks);
         self.gen_id = self.gen_id.wrapping_add(1);
         let fresh = BlockState {
             phase: BlockPhase::Unsent,
@@ -754,6 +801,7 @@ impl AllreduceSession {
             input,
             lent,
             base_block,
+            space,
             blocks,
             local_exp,
             low: 0,
@@ -802,7 +850,9 @@ impl AllreduceSession {
     pub fn poll_timeout(&self) -> Option<Time> {
         match &self.state {
             State::Failed(_) => None,
-            State::Joining { started, next_send, .. } => Some((*next_send).min(*started + self.config.join_timeout)),
+            State::Joining { started, next_send, barrier, .. } => {
+                Some((*next_send).min(*started + self.join_deadline(*barrier)))
+            }
             State::Ready => {
                 let recovery = self.recovery_deadline();
                 let Some(op) = self.op.as_ref() else { return recovery };
@@ -828,10 +878,18 @@ impl AllreduceSession {
     pub fn handle_timeout(&mut self, now: Time) {
         match &mut self.state {
             State::Failed(_) => {}
-            State::Joining { started, next_send, .. } => {
-                let (started, next_send) = (*started, *next_send);
-                if now >= started + self.config.join_timeout {
-                    self.fail(SessionError::SwitchUnreachable(self.config.join_timeout));
+            State::Joining { started, next_send, barrier, .. } => {
+                let (started, next_send, barrier) = (*started, *next_send, *barrier);
+                if now >= started + self.join_deadline(barrier) {
+                    self.fail(match barrier {
+                        None => SessionError::SwitchUnreachable(self.config.join_timeout),
+                        Some(joined) => SessionError::JoinBarrier {
+                            job_id: self.config.job_id,
+                            joined,
+                            members: self.n_sources,
+                            waited: self.config.barrier_timeout,
+                        },
+                    });
                 } else if now >= next_send {
                     self.join_due = true;
                 }
@@ -858,7 +916,7 @@ impl AllreduceSession {
                             continue;
                         }
                         let shard = self.params.map_or(0, |p| {
-                            shard_of(self.config.job_id, op.base_block.wrapping_add(idx), p.block_cnt_max, p.shard_count)
+                            shard_of(self.config.job_id, op.block_id(idx), p.block_cnt_max, p.shard_count)
                         }) as usize;
                         if !resent[shard] {
                             resent[shard] = true;
@@ -945,7 +1003,7 @@ impl AllreduceSession {
         while sent < budget {
             if let Some(gate) = gate {
                 let front = op.retransmit.front().or(op.ready.front()).copied().unwrap_or(op.next_new);
-                if op.base_block.wrapping_add(front) >= gate {
+                if op.block_id(front) >= gate {
                     break;
                 }
             }
@@ -978,7 +1036,7 @@ impl AllreduceSession {
                 op.retransmissions += 1;
             }
             let seal = self.sealer.as_mut();
-            let block_id = op.base_block.wrapping_add(idx);
+            let block_id = op.block_id(idx);
             // The first data transmission is emitted once, unsealed, into
             // the capture (to be retained when its result comes) and sent as
             // a copy, sealed if the job is keyed.
@@ -1084,6 +1142,14 @@ impl AllreduceSession {
                     self.fail(SessionError::MemberFailed { job_id: repr.job_id, rank: repr.src_id });
                     return;
                 }
+                if repr.age_op == MEMBERSHIP_RESTARTED {
+                    // Our round is over. (A session still joining is of the
+                    // next round: notices of the last one are not for it.)
+                    if matches!(self.state, State::Ready) {
+                        self.fail(SessionError::MemberRestarted { job_id: repr.job_id, rank: repr.src_id });
+                    }
+                    return;
+                }
                 let slow = repr.age_op == MEMBERSHIP_SLOW;
                 if repr.age_op == MEMBERSHIP_SLOW || repr.age_op == MEMBERSHIP_READMITTED {
                     self.slow_sources.retain(|&s| s != repr.src_id);
@@ -1107,8 +1173,39 @@ impl AllreduceSession {
         }
     }
 
+    /// The job's block ids (known once joined: they wrap at a multiple of
+    /// its `block_cnt_max`, crate::serial).
+    fn block_space(&self) -> BlockSpace {
+        BlockSpace::new(self.params.map_or(1, |p| p.block_cnt_max))
+    }
+
+    /// How long joining may take: `join_timeout` until the switch answers
+    /// at all, `barrier_timeout` once it said the job's barrier holds us.
+    fn join_deadline(&self, barrier: Option<u32>) -> Duration {
+        match barrier {
+            None => self.config.join_timeout,
+            Some(_) => self.config.barrier_timeout.max(self.config.join_timeout),
+        }
+    }
+
     fn on_join_ack(&mut self, now: Time, repr: &Repr, body: &[u8]) {
         let Ok(params) = JoinParams::parse(body) else { return };
+        let expected = self.config.expected_members;
+        if expected != 0 && repr.src_cnt != expected && matches!(self.state, State::Joining { .. }) {
+            self.fail(SessionError::MemberCount { job_id: self.config.job_id, members: repr.src_cnt, expected });
+            return;
+        }
+        if repr.age_op == JOIN_WAIT {
+            // Held at the job's barrier: the switch is there; keep asking
+            // (a lost answer to the round's start is asked for again).
+            if let State::Joining { barrier, .. } = &mut self.state {
+                *barrier = Some(params.next_block);
+                self.n_sources = repr.src_cnt.max(1);
+                return;
+            }
+            // A probe answered by a switch whose job waits at its barrier:
+            // it restarted (another incarnation), which the probe is for.
+        }
         if matches!(self.state, State::Ready) {
             self.on_rejoin_ack(now, repr, params);
             return;
@@ -1123,7 +1220,7 @@ impl AllreduceSession {
         self.params = Some(params);
         self.n_sources = repr.src_cnt.max(1);
         self.next_block = params.next_block;
-        if self.config.sync_join {
+        if self.config.sync_join && repr.age_op != JOIN_ROUND_START {
             // Start at the first allreduce boundary at or after the offset,
             // as the generation the others use there.
             let n = self.config.align_blocks;
@@ -1183,6 +1280,15 @@ impl AllreduceSession {
         };
         if !useful {
             return; // duplicate, or an answer to an earlier phase
+        }
+        if !repr.exp_only && (repr.degraded || repr.src_cnt < self.n_sources) && !params.partial_results {
+            self.fail(SessionError::PartialResult {
+                job_id: self.config.job_id,
+                block_id: repr.block_id,
+                src_cnt: repr.src_cnt,
+                members: self.n_sources,
+            });
+            return;
         }
         op.last_progress = now;
         op.backoff = 0;
@@ -1251,7 +1357,7 @@ impl AllreduceSession {
             }
         }
         let all_done = op.record_done(idx, repr.src_cnt, repr.degraded || repr.src_cnt < self.n_sources);
-        let low_stream = op.base_block.wrapping_add(op.low);
+        let low_stream = op.block_id(op.low);
         self.prune_retained(low_stream, params.block_cnt_max);
         let Some(op) = self.op.as_mut() else { return };
         // The exponent announced for the block one slot-cycle ahead.
@@ -1272,7 +1378,7 @@ impl AllreduceSession {
     /// blocks (same generation, inside the tensor).
     fn block_index(&self, repr: &Repr) -> Option<u32> {
         let op = self.op.as_ref()?;
-        let idx = repr.block_id.wrapping_sub(op.base_block);
+        let idx = op.space.distance(repr.block_id, op.base_block);
         (idx < op.blocks.len() as u32 && repr.gen_id == self.gen_id).then_some(idx)
     }
 
@@ -1283,6 +1389,11 @@ impl AllreduceSession {
         let Some(idx) = self.block_index(repr) else { return };
         let Some(op) = self.op.as_mut() else { return };
         if op.blocks[idx as usize].phase == BlockPhase::Done {
+            return;
+        }
+        if !self.params.is_some_and(|p| p.partial_results) {
+            // Zeros are no answer for a job that wants complete results.
+            self.fail(SessionError::MissedBlocks { job_id: self.config.job_id, block_id: repr.block_id });
             return;
         }
         if let Some(params) = self.params {
@@ -1406,6 +1517,7 @@ impl AllreduceSession {
     fn join_repr(&self) -> Repr {
         Repr {
             gen_id: self.gen_id,
+            src_cnt: self.config.incarnation,
             final_block: self.config.listens_on_group,
             ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
         }
@@ -1413,6 +1525,10 @@ impl AllreduceSession {
 }
 
 impl Op {
+    /// The stream id of tensor block `idx`.
+    fn block_id(&self, idx: u32) -> u32 {
+        self.space.add(self.base_block, idx)
+    }
     /// Block `idx` has its result (summing `src_cnt` sources; `degraded`
     /// when fewer than the job has). Returns true when every block has one.
     fn record_done(&mut self, idx: u32, src_cnt: u16, degraded: bool) -> bool {
@@ -1455,9 +1571,9 @@ impl Op {
 fn note_later_result(op: &mut Op, idx: u32, params: &JoinParams, job_id: u32) {
     let seq = op.blocks[idx as usize].send_seq;
     if params.shard_count > 1 {
-        let shard = shard_of(job_id, op.base_block.wrapping_add(idx), params.block_cnt_max, params.shard_count);
+        let shard = shard_of(job_id, op.block_id(idx), params.block_cnt_max, params.shard_count);
         for j in op.low..idx {
-            let same = shard_of(job_id, op.base_block.wrapping_add(j), params.block_cnt_max, params.shard_count) == shard;
+            let same = shard_of(job_id, op.block_id(j), params.block_cnt_max, params.shard_count) == shard;
             if same {
                 overtaken(op, j, seq);
             }
@@ -1505,7 +1621,7 @@ fn emit_block(
     let per = config.elems_per_packet as usize;
     let start = idx as usize * per;
     let count = (op.input.view().len() - start).min(per);
-    let block_id = op.base_block.wrapping_add(idx);
+    let block_id = op.block_id(idx);
     let state = &op.blocks[idx as usize];
     let ahead = idx as usize + params.block_cnt_max as usize;
     let input = op.input.view();

@@ -23,10 +23,16 @@ fn keyed_pair() -> (AllreduceSession, ValueSwitch<u16>) {
     cfg.auth_key = Some(derive_member_key(&JOB_KEY, 1, 0));
     cfg.seal_clock_us = 1_000;
     let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    // worker 1 (played by hand) joins first: the round starts once both did
+    let join1 = Repr { src_cnt: 7, ..Repr::new(MessageType::Join, 1, 1) };
+    let mut buf = vec![0; join1.buffer_len() + auth::TRAILER_LEN];
+    join1.emit(&mut Packet::new_unchecked(&mut buf[..join1.buffer_len()]));
+    auth::seal(&derive_member_key(&JOB_KEY, 1, 1), 100, &mut buf).unwrap();
+    let _ = to_switch(&mut sw, 1, &buf);
     let mut out = VecTransmit::new();
     s.poll_transmit(Time::ZERO, &mut out);
     for (_, join) in out.drain() {
-        for (_, b) in to_switch(&mut sw, 0, &join) {
+        for (_, b) in to_switch(&mut sw, 0, &join).into_iter().filter(|(to, _)| *to == 0) {
             s.handle_datagram(Time::ZERO, &b);
         }
     }

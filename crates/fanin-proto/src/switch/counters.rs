@@ -112,6 +112,16 @@ pub struct Counters {
     pub recover_waiting: u64,
     /// Recovery floors established (every member reported after a restart).
     pub recoveries: u64,
+    /// Rounds begun: every member of the job joined the barrier as a new
+    /// incarnation (docs/protocol.md §4.12).
+    pub rounds_started: u64,
+    /// Rounds ended because a member joined again as a new incarnation.
+    pub rounds_ended: u64,
+    /// Joins held at the barrier (answered with a JOIN_WAIT JoinAck).
+    pub barrier_waiting: u64,
+    /// Contributions (and probes) of a round that has ended: answered with a
+    /// restarted notice, never aggregated.
+    pub stale_round: u64,
 }
 
 impl Counters {
@@ -177,6 +187,10 @@ impl Counters {
         f("stale_incarnation", None, self.stale_incarnation);
         f("recover_waiting", None, self.recover_waiting);
         f("recoveries", None, self.recoveries);
+        f("rounds_started", None, self.rounds_started);
+        f("rounds_ended", None, self.rounds_ended);
+        f("barrier_waiting", None, self.barrier_waiting);
+        f("stale_round", None, self.stale_round);
     }
 
     /// Add another shard's counters into these.
@@ -191,7 +205,7 @@ impl Counters {
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
-            stale_incarnation, recover_waiting, recoveries
+            stale_incarnation, recover_waiting, recoveries, rounds_started, rounds_ended, barrier_waiting, stale_round
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

@@ -46,8 +46,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_SYNC, SYNC_NEWCOMER,
-    ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_SLOW, NACK_TAG,
+    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_ROUND_START,
+    JOIN_SYNC, JOIN_WAIT, SYNC_NEWCOMER, ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_RESTARTED,
+    MEMBERSHIP_SLOW, NACK_TAG,
 };
 use fanin_wire::MessageType;
 
@@ -55,6 +56,7 @@ use super::guard::{shard_share, Admission, Liveness, SourceBuckets};
 use super::Counters;
 use crate::job::{shard_of, FailurePolicy, JobMode, JobSpec, JobSpecError, RateLimit, SWITCH_RANK_BASE};
 use crate::mask::SourceMask;
+use crate::serial::BlockSpace;
 use crate::time::Time;
 use crate::transmit::Transmit;
 use sealing::{envelope, send, send_copy, Envelope, JobAuth, Peer};
@@ -198,6 +200,18 @@ pub enum Verdict {
     /// ([`ValueSwitch::set_listening`]), since each sends its own blocks'
     /// results.
     Listening { job_id: u32, member: u16, listens: bool },
+    /// Handled, and the job's next round begins at block `start`
+    /// (docs/protocol.md §4.12): every other shard must drop the old
+    /// round's blocks and start there too ([`ValueSwitch::start_round`]);
+    /// `member`, whose Join completed the barrier, does or does not listen
+    /// on the result group.
+    RoundStarted { job_id: u32, start: u32, member: u16, listens: bool },
+    /// Handled, and a new incarnation of `restarted` ended the job's round:
+    /// every other shard must drop its blocks and answer the old round's
+    /// contributions (before `start`) with the restarted notice
+    /// ([`ValueSwitch::end_round`]); `member` (= `restarted`) does or does
+    /// not listen on the result group.
+    RoundEnded { job_id: u32, restarted: u16, start: u32, member: u16, listens: bool },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -466,6 +480,16 @@ struct Job<A> {
     recover_lows: HashMap<u16, u32>,
     /// ...and, once every member reported, the floor answered to all.
     recover_floor: Option<u32>,
+    /// Rounds (docs/protocol.md §4.12): the member incarnation each member
+    /// joined the running round with (0: none said).
+    incarnations: Vec<u16>,
+    /// The join barrier, between rounds and before the first one.
+    barrier: Option<Barrier<A>>,
+    /// Highest block opened on this shard in the running round.
+    high_block: Option<u32>,
+    /// The job's block ids and their order (they wrap at a multiple of
+    /// `block_cnt_max`, crate::serial).
+    space: BlockSpace,
 }
 
 /// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
@@ -622,6 +646,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq));
         let buckets = self.buckets_for(&spec, capacity);
         let liveness = Liveness::new(spec.member_timeout(), capacity);
+        let space = BlockSpace::new(spec.block_cnt_max);
         self.jobs.insert(
             spec.job_id,
             Job {
@@ -649,6 +674,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 tag: incarnation_tag(self.config.incarnation),
                 recover_lows: HashMap::new(),
                 recover_floor: None,
+                incarnations: vec![0; capacity],
+                barrier: Some(Barrier::first()),
+                high_block: None,
+                space,
             },
         );
         Ok(())
@@ -718,6 +747,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.awaiting.grow(capacity);
         if job.addrs.len() < capacity {
             job.addrs.resize(capacity, None);
+            job.incarnations.resize(capacity, 0);
             job.missed_streak.resize(capacity, 0);
         }
         for slot in &mut job.slots {
@@ -787,6 +817,44 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     pub fn admit_joiner(&mut self, job_id: u32, member: u16, start: u32) {
         if let Some(job) = self.jobs.get_mut(&job_id) {
             admit_joiner(job, member, start);
+        }
+    }
+
+    /// Apply what another shard's Join handling changed (a [`Verdict`]
+    /// other than `Consumed`/`WrongShard`): the one place a runtime with
+    /// several shards passes them on, whatever carries them between shards.
+    pub fn learn(&mut self, verdict: Verdict) {
+        match verdict {
+            Verdict::Consumed | Verdict::WrongShard(_) => {}
+            Verdict::Joined { job_id, member, start, listens } => {
+                self.admit_joiner(job_id, member, start);
+                self.set_listening(job_id, member, listens);
+            }
+            Verdict::Listening { job_id, member, listens } => self.set_listening(job_id, member, listens),
+            Verdict::RoundStarted { job_id, start, member, listens } => {
+                self.start_round(job_id, start);
+                self.set_listening(job_id, member, listens);
+            }
+            Verdict::RoundEnded { job_id, restarted, start, member, listens } => {
+                self.end_round(job_id, restarted, start);
+                self.set_listening(job_id, member, listens);
+            }
+        }
+    }
+
+    /// Another shard's [`Verdict::RoundStarted`]: the job's next round
+    /// starts at block `start`.
+    pub fn start_round(&mut self, job_id: u32, start: u32) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            reset_for_round(job, start);
+        }
+    }
+
+    /// Another shard's [`Verdict::RoundEnded`]: `restarted` joined as a new
+    /// incarnation, the job's round is over and the next starts at `start`.
+    pub fn end_round(&mut self, job_id: u32, restarted: u16, start: u32) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            end_round(job, Some(restarted), start);
         }
     }
 
@@ -940,7 +1008,18 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(&mut self.counters, out, from, env, packet, NackReason::NotMember, src as u32);
             return Verdict::Consumed;
         }
-        if let Some(dead) = job.liveness.failed {
+        // A Join saying its member incarnation, to a job whose stream
+        // position is decided here, takes part in the job's rounds: a new
+        // process of a rank starts a new round (rounds.rs).
+        let inc = packet.member_incarnation();
+        let in_rounds = inc != 0 && packet.age_op() != JOIN_RECOVER && uses_rounds(job);
+        let current = job.incarnations[src as usize];
+        let new_process = in_rounds && current != 0 && current != inc;
+        // A new process of a rank (or any Join after a restart ended the
+        // round) goes to the barrier even on a failed job: a whole-job
+        // restart starts afresh without the control plane.
+        let restart_barrier = job.barrier.as_ref().is_some_and(|b| b.restarted.is_some());
+        if let Some(dead) = job.liveness.failed.filter(|_| !(in_rounds && (new_process || restart_barrier))) {
             let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
             send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
             return Verdict::Consumed;
@@ -950,11 +1029,21 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // worker that restarted without it gets unicast again.
         job.set_listening(src, packet.listens_on_group());
         job.liveness.heard(src as usize, now);
+        if in_rounds {
+            let sync = packet.age_op() == JOIN_SYNC;
+            if let RoundJoin::Done(verdict) = join_round(job, &self.config, src, inc, from, sync, &mut self.counters, out) {
+                return verdict;
+            }
+        }
         // A permanently slow source that rejoins is waited for again.
         if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
             readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
         }
         if packet.age_op() == JOIN_RECOVER {
+            if inc != 0 {
+                // a restarted switch learns the round's incarnations here
+                job.incarnations[src as usize] = inc;
+            }
             return recover_join(job, &self.config, src, from, packet.block_id(), &mut self.counters, out);
         }
         if packet.age_op() != JOIN_SYNC {
@@ -1185,6 +1274,17 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             return Verdict::Consumed;
         }
         let block_id = packet.block_id();
+        if !job.space.contains(block_id) {
+            // past where the job's ids wrap: no worker sends it
+            counters.out_of_window += 1;
+            return Verdict::Consumed;
+        }
+        if let Some(restarted) = stale_round(job, block_id) {
+            // The round this block belongs to has ended (rounds.rs).
+            counters.stale_round += 1;
+            notify_restarted(job, restarted, &[(src, from)], counters, out);
+            return Verdict::Consumed;
+        }
         let s = job.spec.block_cnt_max;
         let shard_count = self.config.shard_count;
         let owner = shard_of(job.spec.job_id, block_id, s, shard_count);
@@ -1220,7 +1320,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // slot.
         let (is_prev, opens) = match &slot.cur {
             None => {
-                if block_id < job.start_block {
+                if job.space.before(block_id, job.start_block) {
                     let env = envelope(job.auth.as_mut(), Peer::Member(src));
                     expired(counters, out, from, env, packet, job.start_block, job.tag);
                     return Verdict::Consumed;
@@ -1231,7 +1331,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 (false, true)
             }
             Some(cur) if cur.block_id == block_id => (false, false),
-            Some(cur) if cur.block_id.checked_add(s) == Some(block_id) => {
+            Some(cur) if job.space.add(cur.block_id, s) == block_id => {
                 if cur.phase != Phase::Done {
                     // The job's block table has no room for this block yet:
                     // back-pressure, not a silent drop. The sender retries
@@ -1246,7 +1346,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             Some(cur) => {
                 if slot.prev.as_ref().is_some_and(|p| p.block_id == block_id) {
                     (true, false)
-                } else if block_id < cur.block_id {
+                } else if job.space.before(block_id, cur.block_id) {
                     // The job moved on without this source and the slot was
                     // reused: tell it, so it stops asking (a straggler).
                     let now_held = cur.block_id;
@@ -1260,7 +1360,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         };
         if opens {
-            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of);
+            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of, job.space);
+            job.high_block = Some(job.high_block.map_or(block_id, |h| job.space.later(h, block_id)));
             if job.open_blocks == 0 {
                 job.liveness.arm(now);
             }
@@ -1438,11 +1539,13 @@ mod join;
 mod aggregate;
 mod membership;
 mod nacks;
+mod rounds;
 
 use join::*;
 use aggregate::*;
 use membership::*;
 use nacks::*;
+use rounds::*;
 
 #[cfg(test)]
 mod auth_tests;

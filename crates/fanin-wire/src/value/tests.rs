@@ -151,6 +151,7 @@ fn join_ack_parse_and_emit() {
             shard_count: 2,
             next_block: 4096,
             results_on_group: false,
+            partial_results: false,
         }
     );
     let mut buf = [MARKER; 48];
@@ -558,4 +559,29 @@ fn element_loops_equal_the_byte_by_byte_definition() {
         assert_eq!(&bytes[..4 * len], &expected[..], "write, len {len}");
         assert!(bytes[4 * len..].iter().all(|&b| b == 0xAA));
     }
+}
+
+#[test]
+fn golden_join_ack_with_partial_results_and_a_join_with_its_member_incarnation() {
+    // JOIN_ACK with flags bit 1 (partial_results, byte 43 = 0x02)
+    let mut golden = JOIN_ACK;
+    golden[43] = 0x02;
+    let params = JoinParams::parse(&golden[24..]).unwrap();
+    assert!(params.partial_results && !params.results_on_group);
+    let mut buf = golden;
+    buf[24..].fill(MARKER);
+    params.emit(&mut buf[24..]);
+    assert_eq!(buf, golden);
+    // A Join of job 9 from source 2, member incarnation 0xBEEF in src_cnt:
+    // fa170104 00000002 beef0000 00000009 00000000 00008080
+    let join: [u8; 24] = [
+        0xFA, 0x17, 0x01, 0x04, 0x00, 0x00, 0x00, 0x02, 0xBE, 0xEF, 0x00, 0x00, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00,
+        0x00, 0x00, 0x00, 0x00, 0x80, 0x80,
+    ];
+    let p = Packet::new_checked(&join[..]).unwrap();
+    assert_eq!(p.member_incarnation(), 0xBEEF);
+    let repr = Repr { src_cnt: 0xBEEF, ..Repr::new(MessageType::Join, 9, 2) };
+    let mut out = [MARKER; 24];
+    repr.emit(&mut Packet::new_unchecked(&mut out[..]));
+    assert_eq!(out, join);
 }

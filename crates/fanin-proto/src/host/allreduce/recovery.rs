@@ -186,7 +186,7 @@ impl Recovery {
     pub(super) fn gate(&self, op: Option<&Op>, block_cnt_max: u32) -> Option<u32> {
         self.floor?;
         let retained = self.pending.keys().next().copied();
-        let op_low = op.filter(|op| op.low < op.blocks.len() as u32).map(|op| op.base_block.wrapping_add(op.low));
+        let op_low = op.filter(|op| op.low < op.blocks.len() as u32).map(|op| op.block_id(op.low));
         let lowest = match (retained, op_low) {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b)?,
@@ -219,7 +219,7 @@ impl AllreduceSession {
             }
         }
         let low = match &self.op {
-            Some(op) => op.base_block.wrapping_add(op.low),
+            Some(op) => op.block_id(op.low),
             None => self.next_block,
         };
         self.recovery = Some(Recovery {
@@ -356,7 +356,7 @@ impl AllreduceSession {
                 Some(Kept::Bytes(bytes)) => bytes,
                 Some(Kept::FromInput) => {
                     let Some(op) = self.op.as_ref() else { continue };
-                    let idx = block_id.wrapping_sub(op.base_block);
+                    let idx = op.space.distance(block_id, op.base_block);
                     fresh = emit_contribution(&self.config, &params, self.n_sources, self.gen_id, op, idx, Vec::new());
                     &fresh
                 }
@@ -420,7 +420,7 @@ impl AllreduceSession {
             return;
         }
         for (&block_id, kept) in self.retained.iter_mut() {
-            let idx = block_id.wrapping_sub(op.base_block);
+            let idx = op.space.distance(block_id, op.base_block);
             if !matches!(kept, Kept::FromInput) || idx >= op.blocks.len() as u32 {
                 continue;
             }

@@ -360,13 +360,14 @@ pub(super) fn open_block(
     now: Time,
     active: &SourceMask,
     start_of: &HashMap<u16, u32>,
+    space: BlockSpace,
 ) {
     let mut block = slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity));
     let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
     block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
     // members that joined later are not waited for before their start
     for (&m, &start) in start_of {
-        if block_id < start && block.expected.remove(m as usize) {
+        if space.before(block_id, start) && block.expected.remove(m as usize) {
             block.expected_count -= 1;
         }
     }

@@ -68,6 +68,11 @@ pub(super) fn answer_join_as<A: Copy>(
         // `to` is the member this switch sends the joiner's results to: the
         // worker itself, or the child switch it joined through.
         results_on_group: job.listens_on_group.contains(to as usize),
+        // Blocks of this job may complete without every member, and the
+        // job asked for that (docs/protocol.md §6.2).
+        partial_results: job.spec.block_exp_ms > 0
+            || job.spec.on_failure == FailurePolicy::Degrade
+            || job.spec.mode == JobMode::Forward,
     };
     let env = envelope(job.auth.as_mut(), Peer::Member(to as usize));
     send(out, dest, repr.buffer_len(), env, |buf| {
@@ -117,9 +122,10 @@ pub(super) fn sync_start<A>(
     }
     job.sync_waiting.remove(&via);
     let offset = sync_offset(job, config);
-    let earliest = if newcomer && !fresh { offset.saturating_add(job.spec.block_cnt_max) } else { offset };
+    let space = job.space;
+    let earliest = if newcomer && !fresh { space.add(offset, job.spec.block_cnt_max) } else { offset };
     if let Some(&start) = job.sync_answers.get(&origin) {
-        if start.saturating_add(job.spec.block_cnt_max) > offset {
+        if space.before(offset, space.add(start, job.spec.block_cnt_max)) {
             return Some(start);
         }
     }
@@ -154,6 +160,9 @@ pub(super) fn recover_join<A: Copy>(
     }
     let floor = job.recover_lows.values().copied().min().unwrap_or(low);
     job.recover_floor = Some(floor);
+    // The round that ran before the restart goes on: the (fresh) job's
+    // barrier does not hold it (docs/protocol.md §4.12).
+    job.barrier = None;
     counters.recoveries += 1;
     let members: Vec<usize> = job.members.iter().collect();
     for m in members {
@@ -186,7 +195,7 @@ pub(super) fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
     job.active.insert(src as usize);
     job.start_of.insert(src, start);
     for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
-        if block.block_id >= start && block.expected.insert(src as usize) {
+        if job.space.at_or_after(block.block_id, start) && block.expected.insert(src as usize) {
             block.expected_count += 1;
             if block.rcvd.contains(src as usize) {
                 block.expected_rcvd += 1;
@@ -211,11 +220,11 @@ pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
         }
         let needed = match job.slots.get(job.slot_of(k, config.shard_count)).and_then(|slot| slot.cur.as_ref()) {
             Some(block) if block.is_open() => block.block_id,
-            Some(block) => block.block_id.saturating_add(s),
+            Some(block) => job.space.add(block.block_id, s),
             // first block >= start_block that maps to global slot k
-            None => job.start_block + (k + s - job.start_block % s) % s,
+            None => job.space.add(job.start_block, (k + s - job.start_block % s) % s),
         };
-        lowest = Some(lowest.map_or(needed, |l| l.min(needed)));
+        lowest = Some(lowest.map_or(needed, |l| if job.space.before(needed, l) { needed } else { l }));
     }
     lowest.unwrap_or(job.start_block)
 }

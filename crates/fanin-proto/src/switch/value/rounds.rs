@@ -1,0 +1,268 @@
+//! Rounds and member incarnations (docs/protocol.md §4.12): a job's stream
+//! belongs to one set of worker processes at a time.
+//!
+//! Every session of a worker draws a **member incarnation** and sends it in
+//! each of its Joins. The shard that answers Joins keeps the incarnation each
+//! member joined the running **round** with. A Join from a known incarnation
+//! (a repeated Join, a restart probe) is answered as always. A Join from a
+//! new incarnation of a member of the running round means a new process took
+//! that rank: the round cannot complete honestly (the survivors' open
+//! allreduces lack the old process's contributions, and the new process
+//! would start its own step 0 in the middle of their stream), so it **ends**:
+//! every block is dropped, the other members are told (Membership notice
+//! `MEMBERSHIP_RESTARTED`, and again in answer to anything they send for the
+//! old round), and the job waits at its **join barrier** until every member
+//! joined as a new incarnation. Then the next round starts, for everyone at
+//! once, at a block beyond anything the old round could still send, so no
+//! contribution or result of one round ever meets a block of another.
+//!
+//! The barrier also holds the job's first round: nobody is answered before
+//! every member joined, so aging and member timeouts never start on a job
+//! whose members are still starting up.
+//!
+//! Rounds apply to a single switch or a tree's root whose members are all
+//! workers; a tree's inner switches answer their workers' Joins from the
+//! stream's start as before (docs/trees.md), and a worker that joins a
+//! running round on purpose uses the SwitchML++ sync join, which changes its
+//! incarnation without ending the round.
+
+use super::*;
+
+/// The join barrier: between two rounds, or before a job's first.
+#[derive(Debug)]
+pub(super) struct Barrier<A> {
+    /// First block of the next round.
+    pub(super) start: u32,
+    /// The member whose new incarnation ended the last round (none before
+    /// the first round): contributions of the old round are answered with a
+    /// notice naming it.
+    pub(super) restarted: Option<u16>,
+    /// Members that joined the next round (on the shard answering Joins):
+    /// their incarnation and address.
+    pub(super) joined: HashMap<u16, (u16, A)>,
+}
+
+impl<A> Barrier<A> {
+    pub(super) fn first() -> Self {
+        Self {
+            start: 0,
+            restarted: None,
+            joined: HashMap::new(),
+        }
+    }
+}
+
+/// Whether `job` runs rounds: the stream's position is decided here, not
+/// by a parent switch, and every member is a worker with a session.
+pub(super) fn uses_rounds<A>(job: &Job<A>) -> bool {
+    job.uplink.is_none()
+        && job.spec.mode == JobMode::Aggregate
+        && job.members.iter().all(|m| m < SWITCH_RANK_BASE as usize)
+}
+
+/// What a Join did to the job's rounds.
+pub(super) enum RoundJoin {
+    /// The Join belongs to the running round: answer it as usual.
+    Proceed,
+    /// Answered (or held) here.
+    Done(Verdict),
+}
+
+/// A Join from `src` carrying member incarnation `inc` (non-zero) of a job
+/// that uses rounds.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn join_round<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    src: u16,
+    inc: u16,
+    from: A,
+    sync: bool,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) -> RoundJoin {
+    let member = src as usize;
+    if let Some(barrier) = job.barrier.as_mut() {
+        if barrier.restarted.is_some() && job.incarnations[member] == inc {
+            // A survivor of the ended round (its probe): tell it again.
+            counters.stale_round += 1;
+            let restarted = barrier.restarted.unwrap_or(src);
+            notify_restarted(job, restarted, &[(member, from)], counters, out);
+            return RoundJoin::Done(Verdict::Consumed);
+        }
+        barrier.joined.insert(src, (inc, from));
+        if job
+            .members
+            .iter()
+            .all(|m| barrier.joined.contains_key(&(m as u16)))
+        {
+            let start = barrier.start;
+            begin_round(job, config, start, counters, out);
+            let listens = job.listens_on_group.contains(member);
+            return RoundJoin::Done(Verdict::RoundStarted {
+                job_id: job.spec.job_id,
+                start,
+                member: src,
+                listens,
+            });
+        }
+        let joined = barrier.joined.len() as u32;
+        counters.barrier_waiting += 1;
+        answer_join_as(job, config, src, src, from, joined, JOIN_WAIT, out);
+        return RoundJoin::Done(Verdict::Consumed);
+    }
+    let current = job.incarnations[member];
+    if current == inc || current == 0 || sync {
+        // The same session again, a member the round did not have (added
+        // while it ran), or a deliberate SwitchML++ sync into the running
+        // stream: no round ends.
+        job.incarnations[member] = inc;
+        return RoundJoin::Proceed;
+    }
+    // A new process took a rank of the running round.
+    let start = next_round_start(job, config);
+    end_round(job, Some(src), start);
+    counters.rounds_ended += 1;
+    let others: Vec<(usize, A)> = job
+        .members
+        .iter()
+        .filter(|&m| m != member)
+        .filter_map(|m| Some((m, job.addrs.get(m).copied().flatten()?)))
+        .collect();
+    notify_restarted(job, src, &others, counters, out);
+    match join_round(job, config, src, inc, from, sync, counters, out) {
+        // a one-member job starts its next round at once
+        RoundJoin::Done(v @ Verdict::RoundStarted { .. }) => RoundJoin::Done(v),
+        _ => {
+            let listens = job.listens_on_group.contains(member);
+            RoundJoin::Done(Verdict::RoundEnded {
+                job_id: job.spec.job_id,
+                restarted: src,
+                start,
+                member: src,
+                listens,
+            })
+        }
+    }
+}
+
+/// Where the next round starts: beyond every block the ended round opened
+/// on any shard, or can still open. This shard opened blocks up to
+/// `high_block`; another shard is at most a window (S) and a lap of the
+/// shards (T) further, and the survivors, whose blocks no longer complete,
+/// send at most a window beyond the last result. Rounded up to a multiple of
+/// S, so a round starts at slot 0.
+pub(super) fn next_round_start<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
+    let s = job.spec.block_cnt_max;
+    let space = job.space;
+    let base = job
+        .high_block
+        .map_or(job.start_block, |h| space.later(h, job.start_block));
+    let beyond = space.add(base, 3 * s + config.shard_count as u32 + 1);
+    // ids wrap at a multiple of S, so this stays a multiple of S
+    space.add(beyond, (s - beyond % s) % s)
+}
+
+/// End the running round on this shard: its blocks are dropped (nobody
+/// may get their results any more), and contributions for blocks before
+/// `start` are answered with a notice naming `restarted`.
+pub(super) fn end_round<A>(job: &mut Job<A>, restarted: Option<u16>, start: u32) {
+    drop_blocks(job);
+    job.barrier = Some(Barrier {
+        start,
+        restarted,
+        joined: HashMap::new(),
+    });
+}
+
+/// Start the next round at block `start` on the shard holding the
+/// barrier: every member that joined is answered.
+pub(super) fn begin_round<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    start: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) {
+    let joined = job.barrier.take().map(|b| b.joined).unwrap_or_default();
+    reset_for_round(job, start);
+    counters.rounds_started += 1;
+    job.incarnations.iter_mut().for_each(|i| *i = 0);
+    let mut joined: Vec<(u16, (u16, A))> = joined.into_iter().collect();
+    joined.sort_by_key(|(m, _)| *m);
+    for (m, (inc, addr)) in joined {
+        job.incarnations[m as usize] = inc;
+        job.addrs[m as usize] = Some(addr);
+        answer_join_as(job, config, m, m, addr, start, JOIN_ROUND_START, out);
+    }
+}
+
+/// The job's stream starts afresh at block `start` on this shard: no
+/// block, no barrier, every member waited for, no failure, no slow source.
+pub(super) fn reset_for_round<A>(job: &mut Job<A>, start: u32) {
+    drop_blocks(job);
+    job.barrier = None;
+    job.start_block = start;
+    job.high_block = None;
+    job.active.clone_from(&job.members);
+    job.awaiting.clear();
+    job.start_of.clear();
+    job.sync_answers.clear();
+    job.sync_waiting.clear();
+    job.pending_sync.clear();
+    job.missed_streak.iter_mut().for_each(|s| *s = 0);
+    job.recover_lows.clear();
+    job.recover_floor = None;
+    job.liveness.failed = None;
+}
+
+/// Free every block record of the job on this shard (spares are kept for
+/// reuse; the job's memory stays reserved).
+fn drop_blocks<A>(job: &mut Job<A>) {
+    for slot in &mut job.slots {
+        if let Some(block) = slot.cur.take().or_else(|| slot.prev.take()) {
+            slot.spare.get_or_insert(block);
+        }
+        slot.cur = None;
+        slot.prev = None;
+    }
+    job.open_blocks = 0;
+}
+
+/// Tell the members `to` (at the addresses given) that `restarted` joined
+/// as a new incarnation: their round is over (Membership notice, `age_op` =
+/// `MEMBERSHIP_RESTARTED`, `block_id` = where the next round starts).
+pub(super) fn notify_restarted<A: Copy>(
+    job: &mut Job<A>,
+    restarted: u16,
+    to: &[(usize, A)],
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) {
+    let repr = Repr {
+        age_op: MEMBERSHIP_RESTARTED,
+        src_cnt: job.member_count,
+        block_id: job.barrier.as_ref().map_or(0, |b| b.start),
+        ..Repr::new(MessageType::Membership, job.spec.job_id, restarted)
+    };
+    for &(m, addr) in to {
+        let env = envelope(job.auth.as_mut(), Peer::Member(m));
+        send(out, addr, repr.buffer_len(), env, |buf| {
+            repr.emit(&mut Packet::new_unchecked(buf))
+        });
+        counters.notices_sent += 1;
+    }
+}
+
+/// A contribution for block `block_id` arriving between rounds: one of the
+/// ended round's (before the next round's start) is answered with the
+/// restarted notice and never aggregated. None: it belongs to the next
+/// round (a shard that has not yet heard that the round started), or the
+/// job is before its first round.
+pub(super) fn stale_round<A>(job: &Job<A>, block_id: u32) -> Option<u16> {
+    let barrier = job.barrier.as_ref()?;
+    let restarted = barrier.restarted?;
+    job.space
+        .before(block_id, barrier.start)
+        .then_some(restarted)
+}

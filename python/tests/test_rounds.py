@@ -1,0 +1,187 @@
+"""Never a wrong result, with real processes: a `fanin switch` process and
+worker processes that run, exit, crash and restart against it
+(docs/protocol.md 4.12: rounds and member incarnations).
+
+Each test reproduces a way fanin used to hand workers another run's sums
+or zeros with clean statistics."""
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin.proc import SwitchProcess
+from fanin.switch import job_config, switch_config
+
+ELEMS = 64
+BLOCKS = 6
+
+
+def _values(run, rank, call):
+    return np.full(BLOCKS * ELEMS, 1000 * run + 10 * rank + call, dtype=np.int32)
+
+
+def _expected(run, ranks, call):
+    return sum(_values(run, r, call) for r in range(ranks))
+
+
+def _runner(run, rank, ranks, addr, calls, results):
+    """One worker process: `calls` allreduces, each checked exactly."""
+    try:
+        s = fanin.Session(addr, 1, rank, elems_per_packet=ELEMS, window=8, barrier_timeout_s=60)
+        for call in range(calls):
+            out = s.allreduce(_values(run, rank, call))
+            st = s.last_stats
+            results.put(("result", run, rank, call, bool((out == _expected(run, ranks, call)).all()),
+                         st["min_src_cnt"], st["missed_blocks"]))
+        results.put(("done", run, rank))
+    except Exception as e:
+        results.put(("error", run, rank, type(e).__name__, str(e)))
+
+
+def _collect(results, want_done, timeout=60):
+    events, done = [], set()
+    deadline = time.monotonic() + timeout
+    while done != want_done:
+        try:
+            ev = results.get(timeout=1)
+        except queue.Empty:
+            assert time.monotonic() < deadline, f"hang; events so far {events[-6:]}"
+            continue
+        events.append(ev)
+        if ev[0] in ("done", "error"):
+            done.add((ev[1], ev[2]))
+    return events
+
+
+@pytest.fixture
+def switch2():
+    sw = SwitchProcess(switch_config(data_addr="127.0.0.1:0", shards=2, control_addr=None,
+                                     metrics_addr="127.0.0.1:0",
+                                     jobs=[job_config(1, 2, block_cnt_max=8, block_grad_max=ELEMS)]))
+    yield sw
+    sw.stop()
+
+
+def test_a_second_run_of_worker_processes_against_a_live_switch_gets_its_own_sums(switch2):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    for run in (1, 2, 3):
+        procs = [ctx.Process(target=_runner, args=(run, r, 2, switch2.data_addr, 10, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        events = _collect(results, {(run, 0), (run, 1)})
+        for p in procs:
+            p.join(timeout=30)
+        errors = [e for e in events if e[0] == "error"]
+        assert not errors, errors
+        got = [e for e in events if e[0] == "result"]
+        assert len(got) == 20
+        # exact sums of this run, from the first call on, with clean stats
+        assert all(ok and min_src == 2 and missed == 0 for (_, _, _, _, ok, min_src, missed) in got), got
+    c = switch2.counters()
+    assert c["rounds_started"] == 3 and c["rounds_ended"] == 2, c
+
+
+def _survivor(rank, addr, killed, results):
+    """Runs allreduces until its round ends, then does what a user does:
+    a new Session; reports every result and the error in between."""
+    try:
+        s = fanin.Session(addr, 1, rank, elems_per_packet=ELEMS, window=8, barrier_timeout_s=60)
+        call = 0
+        while True:
+            try:
+                out = s.allreduce(_values(1, rank, call))
+            except fanin.MemberRestarted as e:
+                results.put(("restarted", rank, str(e)))
+                break
+            results.put(("result", rank, call, bool((out == _expected(1, 3, call)).all())))
+            call += 1
+            if rank == 2 and call == 5:
+                results.put(("victim idle", rank))
+                time.sleep(3600)  # SIGKILLed here
+            time.sleep(0.01)
+        s = fanin.Session(addr, 1, rank, elems_per_packet=ELEMS, window=8, barrier_timeout_s=60)
+        for call in range(5):
+            out = s.allreduce(_values(2, rank, call))
+            results.put(("result2", rank, call, bool((out == _expected(2, 3, call)).all())))
+        results.put(("done", rank))
+    except Exception as e:
+        results.put(("error", rank, type(e).__name__, str(e)))
+
+
+def _replacement(rank, addr, results):
+    try:
+        s = fanin.Session(addr, 1, rank, elems_per_packet=ELEMS, window=8, barrier_timeout_s=60)
+        for call in range(5):
+            out = s.allreduce(_values(2, rank, call))
+            results.put(("result2", rank, call, bool((out == _expected(2, 3, call)).all())))
+        results.put(("done", rank))
+    except Exception as e:
+        results.put(("error", rank, type(e).__name__, str(e)))
+
+
+def test_a_rank_killed_and_restarted_ends_the_round_and_everyone_continues_exactly():
+    sw = SwitchProcess(switch_config(data_addr="127.0.0.1:0", shards=2, control_addr=None, metrics_addr="127.0.0.1:0",
+                                     # the silent victim is replaced before any member timeout
+                                     jobs=[job_config(1, 3, block_cnt_max=8, block_grad_max=ELEMS,
+                                                      member_timeout_ms=120_000)]))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_survivor, args=(r, sw.data_addr, None, results), daemon=True) for r in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        events = []
+        while True:
+            ev = results.get(timeout=60)
+            events.append(ev)
+            assert ev[0] != "error", ev
+            if ev[0] == "victim idle":
+                break
+        os.kill(procs[2].pid, signal.SIGKILL)
+        # torchrun --max-restarts style: a new process for rank 2
+        new = ctx.Process(target=_replacement, args=(2, sw.data_addr, results), daemon=True)
+        new.start()
+        finished = set()
+        deadline = time.monotonic() + 90
+        while finished != {0, 1, 2}:
+            try:
+                ev = results.get(timeout=1)
+            except queue.Empty:
+                assert time.monotonic() < deadline, f"hang; events {events[-8:]}"
+                continue
+            events.append(ev)
+            assert ev[0] != "error", ev
+            if ev[0] == "done":
+                finished.add(ev[1])
+        counters = sw.counters()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        sw.stop()
+    restarted = [e for e in events if e[0] == "restarted"]
+    assert sorted(e[1] for e in restarted) == [0, 1], events
+    assert all("rank 2" in e[2] for e in restarted), restarted
+    # every result returned, before and after the restart, is exact
+    assert all(e[-1] for e in events if e[0] in ("result", "result2")), events
+    assert len([e for e in events if e[0] == "result2"]) == 15
+    assert counters["rounds_ended"] == 1 and counters["rounds_started"] == 2, counters
+
+
+def test_a_job_of_another_size_is_refused_at_once(switch2):
+    t = time.monotonic()
+    with pytest.raises(fanin.FaninRefused, match="has 2 members but 3 ranks"):
+        fanin.Session(switch2.data_addr, 1, 0, elems_per_packet=ELEMS, members=3)
+    assert time.monotonic() - t < 3
+
+
+def test_a_member_that_never_joins_gives_a_clear_timeout(switch2):
+    with pytest.raises(fanin.FaninTimeout, match="only 1 of the job's 2 members joined"):
+        fanin.Session(switch2.data_addr, 1, 0, elems_per_packet=ELEMS, barrier_timeout_s=1.0)
