@@ -106,10 +106,11 @@ def test_a_worker_killed_mid_job_fails_the_others_cleanly_and_spares_other_jobs(
         q = ctx.Queue()
         victim = ctx.Process(target=_join_then_hang, args=(sw.data_addr, q))
         victim.start()
+        # the round starts once both ranks joined (the job's barrier)
+        s = fanin.Session(sw.data_addr, 1, 0, dead_after_s=0.8, join_timeout_s=30)
         assert q.get(timeout=30) == "joined"
         os.kill(victim.pid, signal.SIGKILL)
         victim.join()
-        s = fanin.Session(sw.data_addr, 1, 0, dead_after_s=0.8)
         t = time.monotonic()
         with pytest.raises(fanin.FaninTimeout, match="silent"):
             s.allreduce(np.ones(100_000, dtype=np.float32))

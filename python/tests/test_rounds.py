@@ -154,7 +154,11 @@ def test_a_rank_killed_and_restarted_ends_the_round_and_everyone_continues_exact
             try:
                 ev = results.get(timeout=1)
             except queue.Empty:
-                assert time.monotonic() < deadline, f"hang; events {events[-8:]}"
+                if time.monotonic() > deadline:
+                    c = sw.counters()
+                    keys = ("joins", "rounds_started", "rounds_ended", "barrier_waiting", "stale_round", "notices_sent")
+                    pytest.fail(f"hang; events {events[-8:]}; replacement alive {new.is_alive()} exit {new.exitcode}; "
+                                f"switch {({k: c.get(k) for k in keys})}")
                 continue
             events.append(ev)
             assert ev[0] != "error", ev
@@ -185,3 +189,28 @@ def test_a_job_of_another_size_is_refused_at_once(switch2):
 def test_a_member_that_never_joins_gives_a_clear_timeout(switch2):
     with pytest.raises(fanin.FaninTimeout, match="only 1 of the job's 2 members joined"):
         fanin.Session(switch2.data_addr, 1, 0, elems_per_packet=ELEMS, barrier_timeout_s=1.0)
+
+
+def test_ranks_that_disagree_on_the_length_all_raise_at_once(switch2):
+    # found by a user: one rank got FaninRefused, the other its own values
+    # back after 5 s, flagged only in last_stats
+    import threading
+
+    errors, start = {}, time.monotonic()
+
+    def work(rank, n):
+        s = fanin.Session(switch2.data_addr, 1, rank, elems_per_packet=ELEMS, barrier_timeout_s=30)
+        try:
+            s.allreduce(np.ones(n, dtype=np.float32))
+        except fanin.FaninError as e:
+            errors[rank] = (type(e).__name__, str(e), time.monotonic() - start)
+
+    threads = [threading.Thread(target=work, args=(0, 1000)), threading.Thread(target=work, args=(1, 1200))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(errors) == [0, 1], errors
+    for name, msg, at in errors.values():
+        assert name == "FaninRefused" and "disagree on this allreduce's length" in msg, msg
+        assert at < 3, f"raised after {at:.1f} s"

@@ -227,9 +227,10 @@ def test_gil_is_released_while_communicating():
 
         t = threading.Thread(target=ticker)
         t.start()
-        s0 = fanin.Session(sw.data_addr, 1, 0, join_timeout_s=5)
-        # rank 1 joins 0.3 s later; meanwhile rank 0 waits inside allreduce
+        # rank 1 joins 0.3 s later; meanwhile rank 0 waits at the job's
+        # barrier (the round starts when both joined), then inside allreduce
         threading.Timer(0.3, lambda: fanin.Session(sw.data_addr, 1, 1).allreduce(np.ones(10, np.float32))).start()
+        s0 = fanin.Session(sw.data_addr, 1, 0, join_timeout_s=5)
         s0.allreduce(np.ones(10, np.float32))
         stop.set()
         t.join()

@@ -23,17 +23,24 @@ def straggler_switch(members, block_exp_ms, slow_after_windows=2, block_cnt_max=
 def test_a_silent_member_yields_partial_results_within_the_timeout():
     with straggler_switch([0, 1, 2], block_exp_ms=20, slow_after_windows=0) as sw:
         blocks = 10
+        finished = threading.Semaphore(0)
 
         def work(rank):
             s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=256)
+            if rank == 2:
+                # joined (the round starts when all three have), then silent
+                for _ in range(2):
+                    assert finished.acquire(timeout=30)
+                return None
             x = worker_inputs(rank, blocks * 256, "float32")
             t0 = time.perf_counter()
             total = s.allreduce(x)
             elapsed = time.perf_counter() - t0
             mean = s.allreduce(x, average=True)
+            finished.release()
             return total, mean, elapsed, s.last_stats
 
-        (t0, m0, e0, st0), (t1, m1, e1, st1) = in_threads(2, work)
+        (t0, m0, e0, st0), (t1, m1, e1, st1), _ = in_threads(3, work)
         counters = sw.counters()
     assert t0.tobytes() == t1.tobytes() and m0.tobytes() == m1.tobytes()
     x0, x1 = worker_inputs(0, 2560, "float32"), worker_inputs(1, 2560, "float32")

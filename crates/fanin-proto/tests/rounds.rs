@@ -572,3 +572,34 @@ fn a_stream_runs_across_the_wrap_of_its_block_ids_with_exact_sums() {
         assert_eq!(net.counter(|c| c.expired), 0);
     }
 }
+
+/// Ranks that disagree on an allreduce's length all raise the same error at
+/// once (the old code refused one of them and left the other to get its own
+/// values back after the member timeout), and new sessions run exactly.
+#[test]
+fn ranks_that_disagree_on_the_length_all_raise_the_same_error() {
+    // 10 vs 12 elements: the last block has 2 elements at one rank, 4 at the
+    // other; 8 vs 16: the same element counts, but one rank's last block is
+    // the other's second
+    for (a_len, b_len) in [(10usize, 12usize), (8, 16)] {
+        let mut net = Net::new(spec(2), 2, 0.0, 11);
+        let (mut a, mut b) = (net.spawn(0, 1), net.spawn(1, 2));
+        net.run_until(&mut [&mut a, &mut b], Duration::from_secs(1), joined);
+        let started = net.now;
+        a.session.begin(net.now, Tensor::I32(vec![1; a_len])).unwrap();
+        b.session.begin(net.now, Tensor::I32(vec![2; b_len])).unwrap();
+        net.run_until(&mut [&mut a, &mut b], Duration::from_secs(5), finished);
+        for p in [&mut a, &mut b] {
+            let err = take_result(p).unwrap_err();
+            assert!(matches!(err, SessionError::LengthMismatch { job_id: JOB, .. }), "{a_len} vs {b_len}: {err:?}");
+            assert!(err.to_string().contains("disagree on this allreduce's length"), "{err}");
+        }
+        assert!(net.now.saturating_since(started) < Duration::from_millis(200), "raised at once, not after a timeout");
+        let (mut a2, mut b2) = (net.spawn(0, 3), net.spawn(1, 4));
+        net.run_until(&mut [&mut a2, &mut b2], Duration::from_secs(1), joined);
+        let inputs = [vec![3; 12], vec![4; 12]];
+        for r in allreduce(&mut net, &mut [&mut a2, &mut b2], &inputs) {
+            assert_eq!(r.unwrap(), vec![7; 12]);
+        }
+    }
+}

@@ -52,7 +52,9 @@ fn host_err(e: HostError) -> PyErr {
             StaleResult::new_err(e.to_string())
         }
         HostError::Session(SessionError::JoinBarrier { .. }) => FaninTimeout::new_err(e.to_string()),
-        HostError::Session(SessionError::MemberCount { .. }) => FaninRefused::new_err(e.to_string()),
+        HostError::Session(SessionError::MemberCount { .. }) | HostError::Session(SessionError::LengthMismatch { .. }) => {
+            FaninRefused::new_err(e.to_string())
+        }
         HostError::Session(SessionError::Refused { .. }) | HostError::Session(SessionError::PacketTooLarge { .. }) => {
             FaninRefused::new_err(e.to_string())
         }

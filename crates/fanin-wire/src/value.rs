@@ -651,6 +651,12 @@ pub const MEMBERSHIP_FAILED: u8 = 3;
 /// took its rank) while the job's round ran: the round cannot complete, and
 /// every member of it must start a new session (docs/protocol.md §4.12).
 pub const MEMBERSHIP_RESTARTED: u8 = 4;
+/// The notice's `src_id` sent a block that does not line up with the
+/// others' contributions to it (another element count, or it is the last
+/// block of one rank's tensor and not of another's): the members disagree
+/// on the allreduce's length, the round ends and every member raises
+/// (docs/protocol.md §4.12).
+pub const MEMBERSHIP_MISMATCH: u8 = 5;
 /// `age_op` of a `Join` from a worker joining a running job: it asks for the
 /// job's current block offset (the SwitchML++ sync, answered by the tree's
 /// root) instead of the start of the stream (0: joining with the others).

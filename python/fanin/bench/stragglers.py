@@ -64,11 +64,26 @@ def _recovery_point(timeout_ms: int, checks: int, rounds: int, blocks: int, epp:
             except BaseException as e:  # reported below
                 errors.append(f"worker {i}: {type(e).__name__}: {e}")
 
+        done = threading.Event()
+
+        def silent() -> None:
+            # the third member joins (a job's round starts only when every
+            # member has, docs/protocol.md 4.12) and then never sends
+            try:
+                Session(sw.data_addr, JOB, 2, elems_per_packet=epp, window=blocks)
+                done.wait(600)
+            except BaseException as e:  # reported below
+                errors.append(f"silent member: {type(e).__name__}: {e}")
+
+        quiet = threading.Thread(target=silent)
+        quiet.start()
         threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        done.set()
+        quiet.join()
         counters = sw.counters()
     if errors:
         raise RuntimeError("; ".join(errors[:3]))

@@ -48,7 +48,7 @@ use std::time::Duration;
 
 use fanin_wire::value::{
     incarnation_tag, read_elements, Dtype, JoinParams, Nack, NackReason, Packet, Repr, AGE_OP_AGED, EXP_NONE, JOIN_ROUND_START,
-    JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW,
+    JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT, MEMBERSHIP_FAILED, MEMBERSHIP_MISMATCH, MEMBERSHIP_READMITTED, MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
 
@@ -209,6 +209,12 @@ pub enum SessionError {
          complete with its old contributions; start a new session on every rank (under torchrun: let the group restart)"
     )]
     MemberRestarted { job_id: u32, rank: u16 },
+    #[error(
+        "job {job_id}: the ranks disagree on this allreduce's length (rank {rank}'s blocks do not line up with the \
+         others': another element count, or another tensor); every rank of the job raises this. Give every rank the \
+         same tensor sizes in the same order, then start new sessions"
+    )]
+    LengthMismatch { job_id: u32, rank: u16 },
     #[error("job {job_id} on the switch has {members} members but {expected} ranks join it; admit it with sources={expected}")]
     MemberCount { job_id: u32, members: u16, expected: u16 },
     #[error(
@@ -1142,11 +1148,16 @@ impl AllreduceSession {
                     self.fail(SessionError::MemberFailed { job_id: repr.job_id, rank: repr.src_id });
                     return;
                 }
-                if repr.age_op == MEMBERSHIP_RESTARTED {
+                if repr.age_op == MEMBERSHIP_RESTARTED || repr.age_op == MEMBERSHIP_MISMATCH {
                     // Our round is over. (A session still joining is of the
                     // next round: notices of the last one are not for it.)
                     if matches!(self.state, State::Ready) {
-                        self.fail(SessionError::MemberRestarted { job_id: repr.job_id, rank: repr.src_id });
+                        let (job_id, rank) = (repr.job_id, repr.src_id);
+                        self.fail(if repr.age_op == MEMBERSHIP_RESTARTED {
+                            SessionError::MemberRestarted { job_id, rank }
+                        } else {
+                            SessionError::LengthMismatch { job_id, rank }
+                        });
                     }
                     return;
                 }
@@ -1201,6 +1212,11 @@ impl AllreduceSession {
             if let State::Joining { barrier, .. } = &mut self.state {
                 *barrier = Some(params.next_block);
                 self.n_sources = repr.src_cnt.max(1);
+                if self.config.elems_per_packet as u32 > params.block_grad_max {
+                    // no use waiting for the others to be refused then
+                    let (requested, cap) = (self.config.elems_per_packet, params.block_grad_max);
+                    self.fail(SessionError::PacketTooLarge { requested, cap });
+                }
                 return;
             }
             // A probe answered by a switch whose job waits at its barrier:

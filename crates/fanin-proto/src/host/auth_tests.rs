@@ -85,7 +85,14 @@ fn forged_replayed_and_unsealed_results_are_ignored_and_the_sum_stays_exact() {
     let key1 = derive_member_key(&JOB_KEY, 1, 1);
     let mut results = Vec::new();
     for (i, block) in [[10, 20, 30, 40], [50, 60, 70, 80]].iter().enumerate() {
-        let repr = Repr { grad_cnt: 4, block_id: i as u32, gen_id: 1, ..Repr::new(MessageType::Contribution, 1, 1) };
+        // the tensor's last block is marked final, as worker 0 marks it
+        let repr = Repr {
+            grad_cnt: 4,
+            block_id: i as u32,
+            gen_id: 1,
+            final_block: i == 1,
+            ..Repr::new(MessageType::Contribution, 1, 1)
+        };
         let mut buf = vec![0; repr.buffer_len() + auth::TRAILER_LEN];
         let mut p = Packet::new_unchecked(&mut buf[..repr.buffer_len()]);
         repr.emit(&mut p);

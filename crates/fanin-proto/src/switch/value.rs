@@ -47,8 +47,8 @@ use std::time::Duration;
 
 use fanin_wire::value::{
     incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_ROUND_START,
-    JOIN_SYNC, JOIN_WAIT, SYNC_NEWCOMER, ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_READMITTED, MEMBERSHIP_RESTARTED,
-    MEMBERSHIP_SLOW, NACK_TAG,
+    JOIN_SYNC, JOIN_WAIT, SYNC_NEWCOMER, ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_MISMATCH, MEMBERSHIP_READMITTED,
+    MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW, NACK_TAG,
 };
 use fanin_wire::MessageType;
 
@@ -206,12 +206,12 @@ pub enum Verdict {
     /// `member`, whose Join completed the barrier, does or does not listen
     /// on the result group.
     RoundStarted { job_id: u32, start: u32, member: u16, listens: bool },
-    /// Handled, and a new incarnation of `restarted` ended the job's round:
-    /// every other shard must drop its blocks and answer the old round's
-    /// contributions (before `start`) with the restarted notice
-    /// ([`ValueSwitch::end_round`]); `member` (= `restarted`) does or does
+    /// Handled, and the job's round ended (`cause`, `rank`: a
+    /// [`RoundEnd`]): every other shard must drop its blocks and answer the
+    /// old round's contributions (before `start`) with the round's end
+    /// notice ([`ValueSwitch::end_round`]); `member` (= `rank`) does or does
     /// not listen on the result group.
-    RoundEnded { job_id: u32, restarted: u16, start: u32, member: u16, listens: bool },
+    RoundEnded { job_id: u32, cause: u8, rank: u16, start: u32, member: u16, listens: bool },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -835,8 +835,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 self.start_round(job_id, start);
                 self.set_listening(job_id, member, listens);
             }
-            Verdict::RoundEnded { job_id, restarted, start, member, listens } => {
-                self.end_round(job_id, restarted, start);
+            Verdict::RoundEnded { job_id, cause, rank, start, member, listens } => {
+                self.end_round(job_id, RoundEnd { cause, rank }, start);
                 self.set_listening(job_id, member, listens);
             }
         }
@@ -850,11 +850,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
     }
 
-    /// Another shard's [`Verdict::RoundEnded`]: `restarted` joined as a new
-    /// incarnation, the job's round is over and the next starts at `start`.
-    pub fn end_round(&mut self, job_id: u32, restarted: u16, start: u32) {
+    /// Another shard's [`Verdict::RoundEnded`]: the job's round is over
+    /// (`end` says why) and the next starts at `start`.
+    pub fn end_round(&mut self, job_id: u32, end: RoundEnd, start: u32) {
         if let Some(job) = self.jobs.get_mut(&job_id) {
-            end_round(job, Some(restarted), start);
+            end_round(job, Some(end), start);
         }
     }
 
@@ -1018,7 +1018,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // A new process of a rank (or any Join after a restart ended the
         // round) goes to the barrier even on a failed job: a whole-job
         // restart starts afresh without the control plane.
-        let restart_barrier = job.barrier.as_ref().is_some_and(|b| b.restarted.is_some());
+        let restart_barrier = job.barrier.as_ref().is_some_and(|b| b.ended.is_some());
         if let Some(dead) = job.liveness.failed.filter(|_| !(in_rounds && (new_process || restart_barrier))) {
             let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
             send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
@@ -1279,10 +1279,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             counters.out_of_window += 1;
             return Verdict::Consumed;
         }
-        if let Some(restarted) = stale_round(job, block_id) {
+        if let Some(end) = stale_round(job, block_id) {
             // The round this block belongs to has ended (rounds.rs).
             counters.stale_round += 1;
-            notify_restarted(job, restarted, &[(src, from)], counters, out);
+            notify_round_end(job, end, &[(src, from)], counters, out);
             return Verdict::Consumed;
         }
         let s = job.spec.block_cnt_max;
@@ -1391,6 +1391,19 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 contribute_data(block, src, weight, packet, &mut reply)
             }
         };
+        if outcome.mismatch {
+            let block = if is_prev { slot.prev.as_ref() } else { slot.cur.as_ref() }.expect("located above");
+            let grad_cnt = block.grad_cnt;
+            if uses_rounds(job) && job.barrier.is_none() {
+                // A round runs (its members said their incarnations): every
+                // member raises the same error, not just this one.
+                let end = RoundEnd { cause: MEMBERSHIP_MISMATCH, rank: src as u16 };
+                return finish_round(job, &self.config, end, None, counters, out);
+            }
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            send_nack(counters, out, from, env, packet, NackReason::ShapeMismatch, grad_cnt as u32);
+            return Verdict::Consumed;
+        }
         if outcome.accepted {
             job.missed_streak[src] = 0;
         }
@@ -1531,6 +1544,9 @@ struct Outcome {
     completed: bool,
     /// A data contribution to a block already emitted without its source.
     late: bool,
+    /// A data contribution that does not line up with the block's (another
+    /// element count or `final` bit): the members disagree on the length.
+    mismatch: bool,
 }
 
 mod sealing;
@@ -1545,6 +1561,7 @@ use join::*;
 use aggregate::*;
 use membership::*;
 use nacks::*;
+pub use rounds::RoundEnd;
 use rounds::*;
 
 #[cfg(test)]

@@ -585,3 +585,26 @@ fn golden_join_ack_with_partial_results_and_a_join_with_its_member_incarnation()
     repr.emit(&mut Packet::new_unchecked(&mut out[..]));
     assert_eq!(out, join);
 }
+
+/// Membership notice: job 9's round ended because source 1 joined as a new
+/// process (age_op 4); 2 members; the next round starts at block 16.
+const ROUND_ENDED_NOTICE: [u8; 24] = [
+    0xFA, 0x17, 0x01, 0x07, // Membership
+    0x40, 0x00, 0x00, 0x01, // age_op 4 (restarted) | flags 0; int32; src_id 1
+    0x00, 0x02, 0x00, 0x00, // src_cnt 2; gen_id 0
+    0x00, 0x00, 0x00, 0x09, // job_id 9
+    0x00, 0x00, 0x00, 0x10, // block_id 16: the next round's start
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+];
+
+#[test]
+fn round_ended_notice_both_ways() {
+    let p = Packet::new_checked(&ROUND_ENDED_NOTICE[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    let expected =
+        Repr { age_op: MEMBERSHIP_RESTARTED, src_cnt: 2, block_id: 16, ..Repr::new(MessageType::Membership, 9, 1) };
+    assert_eq!(repr, expected);
+    let mut buf = [MARKER; 24];
+    expected.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    assert_eq!(buf, ROUND_ENDED_NOTICE);
+}

@@ -62,7 +62,7 @@ pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
             if block.satisfied() {
                 finish_exponent_round(block, reply);
             }
-            Outcome { accepted: true, completed: false, late: false }
+            Outcome { accepted: true, ..Outcome::default() }
         }
         // The parent's exponent is outstanding: a child retransmitting
         // means the answer may be lost; resend the cached partial.
@@ -169,10 +169,13 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
             let grad_cnt = packet.grad_cnt();
             let float = block.dtype.is_block_floating_point();
             if block.has_data {
-                if grad_cnt != block.grad_cnt {
+                // Members that reduce tensors of one length send every block
+                // with the same element count, and mark the same block final.
+                // Otherwise they disagree on the allreduce's length: the
+                // caller ends the round (or refuses the sender).
+                if grad_cnt != block.grad_cnt || packet.final_block() != block.final_block {
                     reply.counters.mismatch += 1;
-                    reply.nack(packet, NackReason::ShapeMismatch, block.grad_cnt as u32);
-                    return Outcome::default();
+                    return Outcome { mismatch: true, ..Outcome::default() };
                 }
                 if float && packet.exp() != block.exp {
                     reply.counters.mismatch += 1;
@@ -207,7 +210,7 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
             if completed {
                 finish_block(block, reply);
             }
-            Outcome { accepted: true, completed, late: false }
+            Outcome { accepted: true, completed, ..Outcome::default() }
         }
     }
 }

@@ -16,6 +16,11 @@
 //! once, at a block beyond anything the old round could still send, so no
 //! contribution or result of one round ever meets a block of another.
 //!
+//! A round also ends when a member's block does not line up with the
+//! others' (`MEMBERSHIP_MISMATCH`: the members disagree on the allreduce's
+//! length), so every member raises the same error instead of one being
+//! refused and the others waiting for it.
+//!
 //! The barrier also holds the job's first round: nobody is answered before
 //! every member joined, so aging and member timeouts never start on a job
 //! whose members are still starting up.
@@ -28,15 +33,24 @@
 
 use super::*;
 
+/// Why a round ended, as its Membership notice says it: `cause` is the
+/// notice's `age_op` (`MEMBERSHIP_RESTARTED`: `rank` joined as a new
+/// process; `MEMBERSHIP_MISMATCH`: `rank`'s block did not line up with the
+/// others', so the members disagree on the allreduce's length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundEnd {
+    pub cause: u8,
+    pub rank: u16,
+}
+
 /// The join barrier: between two rounds, or before a job's first.
 #[derive(Debug)]
 pub(super) struct Barrier<A> {
     /// First block of the next round.
     pub(super) start: u32,
-    /// The member whose new incarnation ended the last round (none before
-    /// the first round): contributions of the old round are answered with a
-    /// notice naming it.
-    pub(super) restarted: Option<u16>,
+    /// Why the last round ended (none before the first round): the old
+    /// round's contributions are answered with a notice saying so.
+    pub(super) ended: Option<RoundEnd>,
     /// Members that joined the next round (on the shard answering Joins):
     /// their incarnation and address.
     pub(super) joined: HashMap<u16, (u16, A)>,
@@ -44,20 +58,14 @@ pub(super) struct Barrier<A> {
 
 impl<A> Barrier<A> {
     pub(super) fn first() -> Self {
-        Self {
-            start: 0,
-            restarted: None,
-            joined: HashMap::new(),
-        }
+        Self { start: 0, ended: None, joined: HashMap::new() }
     }
 }
 
 /// Whether `job` runs rounds: the stream's position is decided here, not
 /// by a parent switch, and every member is a worker with a session.
 pub(super) fn uses_rounds<A>(job: &Job<A>) -> bool {
-    job.uplink.is_none()
-        && job.spec.mode == JobMode::Aggregate
-        && job.members.iter().all(|m| m < SWITCH_RANK_BASE as usize)
+    job.uplink.is_none() && job.spec.mode == JobMode::Aggregate && job.members.iter().all(|m| m < SWITCH_RANK_BASE as usize)
 }
 
 /// What a Join did to the job's rounds.
@@ -83,28 +91,18 @@ pub(super) fn join_round<A: Copy>(
 ) -> RoundJoin {
     let member = src as usize;
     if let Some(barrier) = job.barrier.as_mut() {
-        if barrier.restarted.is_some() && job.incarnations[member] == inc {
+        if let Some(end) = barrier.ended.filter(|_| job.incarnations[member] == inc) {
             // A survivor of the ended round (its probe): tell it again.
             counters.stale_round += 1;
-            let restarted = barrier.restarted.unwrap_or(src);
-            notify_restarted(job, restarted, &[(member, from)], counters, out);
+            notify_round_end(job, end, &[(member, from)], counters, out);
             return RoundJoin::Done(Verdict::Consumed);
         }
         barrier.joined.insert(src, (inc, from));
-        if job
-            .members
-            .iter()
-            .all(|m| barrier.joined.contains_key(&(m as u16)))
-        {
+        if job.members.iter().all(|m| barrier.joined.contains_key(&(m as u16))) {
             let start = barrier.start;
             begin_round(job, config, start, counters, out);
             let listens = job.listens_on_group.contains(member);
-            return RoundJoin::Done(Verdict::RoundStarted {
-                job_id: job.spec.job_id,
-                start,
-                member: src,
-                listens,
-            });
+            return RoundJoin::Done(Verdict::RoundStarted { job_id: job.spec.job_id, start, member: src, listens });
         }
         let joined = barrier.joined.len() as u32;
         counters.barrier_waiting += 1;
@@ -120,30 +118,38 @@ pub(super) fn join_round<A: Copy>(
         return RoundJoin::Proceed;
     }
     // A new process took a rank of the running round.
-    let start = next_round_start(job, config);
-    end_round(job, Some(src), start);
-    counters.rounds_ended += 1;
-    let others: Vec<(usize, A)> = job
-        .members
-        .iter()
-        .filter(|&m| m != member)
-        .filter_map(|m| Some((m, job.addrs.get(m).copied().flatten()?)))
-        .collect();
-    notify_restarted(job, src, &others, counters, out);
+    let end = RoundEnd { cause: MEMBERSHIP_RESTARTED, rank: src };
+    let ended = finish_round(job, config, end, Some(member), counters, out);
     match join_round(job, config, src, inc, from, sync, counters, out) {
         // a one-member job starts its next round at once
         RoundJoin::Done(v @ Verdict::RoundStarted { .. }) => RoundJoin::Done(v),
-        _ => {
-            let listens = job.listens_on_group.contains(member);
-            RoundJoin::Done(Verdict::RoundEnded {
-                job_id: job.spec.job_id,
-                restarted: src,
-                start,
-                member: src,
-                listens,
-            })
-        }
+        _ => RoundJoin::Done(ended),
     }
+}
+
+/// End the running round here for `end` and tell the members (all but
+/// `except`, whose new process caused it); the verdict passes it on to the
+/// other shards.
+pub(super) fn finish_round<A: Copy>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    end: RoundEnd,
+    except: Option<usize>,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) -> Verdict {
+    let start = next_round_start(job, config);
+    end_round(job, Some(end), start);
+    counters.rounds_ended += 1;
+    let to: Vec<(usize, A)> = job
+        .members
+        .iter()
+        .filter(|&m| Some(m) != except)
+        .filter_map(|m| Some((m, job.addrs.get(m).copied().flatten()?)))
+        .collect();
+    notify_round_end(job, end, &to, counters, out);
+    let listens = job.listens_on_group.contains(end.rank as usize);
+    Verdict::RoundEnded { job_id: job.spec.job_id, cause: end.cause, rank: end.rank, start, member: end.rank, listens }
 }
 
 /// Where the next round starts: beyond every block the ended round opened
@@ -155,9 +161,7 @@ pub(super) fn join_round<A: Copy>(
 pub(super) fn next_round_start<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
     let s = job.spec.block_cnt_max;
     let space = job.space;
-    let base = job
-        .high_block
-        .map_or(job.start_block, |h| space.later(h, job.start_block));
+    let base = job.high_block.map_or(job.start_block, |h| space.later(h, job.start_block));
     let beyond = space.add(base, 3 * s + config.shard_count as u32 + 1);
     // ids wrap at a multiple of S, so this stays a multiple of S
     space.add(beyond, (s - beyond % s) % s)
@@ -165,14 +169,10 @@ pub(super) fn next_round_start<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
 
 /// End the running round on this shard: its blocks are dropped (nobody
 /// may get their results any more), and contributions for blocks before
-/// `start` are answered with a notice naming `restarted`.
-pub(super) fn end_round<A>(job: &mut Job<A>, restarted: Option<u16>, start: u32) {
+/// `start` are answered with a notice saying why it `ended`.
+pub(super) fn end_round<A>(job: &mut Job<A>, ended: Option<RoundEnd>, start: u32) {
     drop_blocks(job);
-    job.barrier = Some(Barrier {
-        start,
-        restarted,
-        joined: HashMap::new(),
-    });
+    job.barrier = Some(Barrier { start, ended, joined: HashMap::new() });
 }
 
 /// Start the next round at block `start` on the shard holding the
@@ -229,40 +229,36 @@ fn drop_blocks<A>(job: &mut Job<A>) {
     job.open_blocks = 0;
 }
 
-/// Tell the members `to` (at the addresses given) that `restarted` joined
-/// as a new incarnation: their round is over (Membership notice, `age_op` =
-/// `MEMBERSHIP_RESTARTED`, `block_id` = where the next round starts).
-pub(super) fn notify_restarted<A: Copy>(
+/// Tell the members `to` (at the addresses given) that their round is over
+/// and why (Membership notice: `age_op` = the cause, `src_id` = the rank,
+/// `block_id` = where the next round starts).
+pub(super) fn notify_round_end<A: Copy>(
     job: &mut Job<A>,
-    restarted: u16,
+    end: RoundEnd,
     to: &[(usize, A)],
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
 ) {
     let repr = Repr {
-        age_op: MEMBERSHIP_RESTARTED,
+        age_op: end.cause,
         src_cnt: job.member_count,
         block_id: job.barrier.as_ref().map_or(0, |b| b.start),
-        ..Repr::new(MessageType::Membership, job.spec.job_id, restarted)
+        ..Repr::new(MessageType::Membership, job.spec.job_id, end.rank)
     };
     for &(m, addr) in to {
         let env = envelope(job.auth.as_mut(), Peer::Member(m));
-        send(out, addr, repr.buffer_len(), env, |buf| {
-            repr.emit(&mut Packet::new_unchecked(buf))
-        });
+        send(out, addr, repr.buffer_len(), env, |buf| repr.emit(&mut Packet::new_unchecked(buf)));
         counters.notices_sent += 1;
     }
 }
 
 /// A contribution for block `block_id` arriving between rounds: one of the
 /// ended round's (before the next round's start) is answered with the
-/// restarted notice and never aggregated. None: it belongs to the next
+/// round's end notice and never aggregated. None: it belongs to the next
 /// round (a shard that has not yet heard that the round started), or the
 /// job is before its first round.
-pub(super) fn stale_round<A>(job: &Job<A>, block_id: u32) -> Option<u16> {
+pub(super) fn stale_round<A>(job: &Job<A>, block_id: u32) -> Option<RoundEnd> {
     let barrier = job.barrier.as_ref()?;
-    let restarted = barrier.restarted?;
-    job.space
-        .before(block_id, barrier.start)
-        .then_some(restarted)
+    let ended = barrier.ended?;
+    job.space.before(block_id, barrier.start).then_some(ended)
 }
