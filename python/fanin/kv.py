@@ -190,6 +190,9 @@ class Client:
 
     def send_file(self, ticket: Ticket, channel: int, path: str, *, format: str = "tuples") -> dict[str, Any]:
         """Stream a file the daemon can map (``tuples`` records or ``text``)."""
+        _check_format(format)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"fanin.kv: input {path!r} does not exist (or is not a file)")
         return self.request({"op": "send", "ticket": ticket, "channel": channel,
                              "path": os.path.abspath(path), "format": format})
 
@@ -209,7 +212,16 @@ class Client:
         bytes or file paths (WordCount: each word counts 1). Returns
         {key: sum}; keys come back as ``str`` unless they were bytes.
         """
+        _check_format(format)
         channels = _split_inputs(inputs, format)
+        # Bad input is refused before a task exists, not found by a sender
+        # seconds later.
+        missing = [c for c in channels if format == "text" and isinstance(c, str) and not os.path.isfile(c)]
+        if missing:
+            raise FileNotFoundError(f"fanin.kv: input {missing[0]!r} does not exist (or is not a file)")
+        as_str = _keys_are_str(channels, format)
+        if format == "tuples":
+            channels = [encode_tuples(ch) for ch in channels]
         ticket = self.create(len(channels), **options)
         errors: list[BaseException] = []
 
@@ -221,7 +233,7 @@ class Client:
                     elif format == "text":
                         c.send_bytes(ticket, i, bytes(item), format="text")
                     else:
-                        c.send(ticket, i, item)
+                        c.send_bytes(ticket, i, item)  # encoded above
             except BaseException as e:  # reported below, after the wait
                 errors.append(e)
 
@@ -229,7 +241,7 @@ class Client:
         for t in threads:
             t.start()
         try:
-            results = self.wait(ticket, as_str=_keys_are_str(channels, format))
+            results = self.wait(ticket, as_str=as_str)
         except SenderFailed:
             for t in threads:
                 t.join(timeout=5)
@@ -243,6 +255,14 @@ class Client:
         if errors:
             raise KvError(f"a sender failed: {errors[0]}")
         return results
+
+
+FORMATS = ("tuples", "text")
+
+
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"fanin.kv: unknown format {format!r}; use one of {', '.join(FORMATS)}")
 
 
 def _split_inputs(inputs: Any, format: str) -> list[Any]:

@@ -237,3 +237,29 @@ def test_a_keyed_sender_learns_of_a_lost_task_from_the_control_api_not_its_silen
         rx.stop()
         tx.stop()
 
+
+
+# ------------------------------------------------ bad input refused at once
+def test_kv_values_that_are_not_int64_integers_are_refused_not_truncated_or_wrapped():
+    from fanin.kv import KvError, encode_tuples
+
+    with pytest.raises(KvError, match=r"value 1.5 for key a is not an integer"):
+        encode_tuples([("a", 1), ("a", 1.5)])
+    with pytest.raises(KvError, match="does not fit in int64"):
+        encode_tuples([("a", 2**63)])
+    import numpy as np
+
+    assert encode_tuples([("a", np.int64(3)), ("b", True)]) == encode_tuples([("a", 3), ("b", 1)])
+
+
+def test_kv_unknown_format_and_missing_input_fail_at_once(tmp_path):
+    from fanin.kv import Client
+
+    c = Client.__new__(Client)  # no daemon needed: refused before any request
+    c.socket_path = str(tmp_path / "nowhere.sock")
+    t = time.monotonic()
+    with pytest.raises(ValueError, match="unknown format 'csv'; use one of tuples, text"):
+        c.aggregate([("a", 1)], format="csv")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        c.aggregate([str(tmp_path / "missing.txt")], format="text")
+    assert time.monotonic() - t < 1

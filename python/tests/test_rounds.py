@@ -214,3 +214,51 @@ def test_ranks_that_disagree_on_the_length_all_raise_at_once(switch2):
     for name, msg, at in errors.values():
         assert name == "FaninRefused" and "disagree on this allreduce's length" in msg, msg
         assert at < 3, f"raised after {at:.1f} s"
+
+
+_BLOCKED = r'''
+import sys, threading, time
+import numpy as np
+import fanin
+
+addr, where = sys.argv[1], sys.argv[2]
+try:
+    if where == "barrier":
+        print("ready", flush=True)
+        fanin.Session(addr, 1, 0, elems_per_packet=64, barrier_timeout_s=60)  # rank 1 never joins
+    else:
+        joined = threading.Event()
+        def quiet():  # rank 1 joins, then never sends
+            fanin.Session(addr, 1, 1, elems_per_packet=64)
+            joined.set()
+            time.sleep(60)
+        threading.Thread(target=quiet, daemon=True).start()
+        s = fanin.Session(addr, 1, 0, elems_per_packet=64, dead_after_s=60)
+        joined.wait(10)
+        print("ready", flush=True)
+        s.allreduce(np.ones(100_000, dtype=np.float32))
+    print("returned", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted {time.time()}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("where", ["barrier", "allreduce"])
+def test_ctrl_c_interrupts_a_blocked_call_within_100_ms(switch2, where, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "blocked.py"
+    script.write_text(_BLOCKED)
+    p = subprocess.Popen([sys.executable, str(script), switch2.data_addr, where], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # well inside the blocking call
+        sent = time.time()
+        p.send_signal(signal.SIGINT)
+        line = p.stdout.readline().split()
+        assert line and line[0] == "interrupted", line
+        assert float(line[1]) - sent < 0.1, f"Ctrl-C took {float(line[1]) - sent:.3f} s"
+    finally:
+        p.kill()
+        p.wait()

@@ -101,7 +101,19 @@ pub struct Session {
     epoch: Instant,
     params: JoinParams,
     stats: SessionStats,
+    /// Asked between waits, at most every [`INTERRUPT_CHECK`]: true stops
+    /// the session (a Python caller's Ctrl-C).
+    interrupt: Option<Interrupt>,
+    last_interrupt_check: Instant,
 }
+
+/// A caller's "stop now?" (see [`Session::connect_interruptible`]).
+pub type Interrupt = Box<dyn FnMut() -> bool + Send>;
+
+/// How often a blocked call asks its [`Interrupt`]: a Ctrl-C is seen within
+/// this long plus one check, and a busy allreduce asks rarely enough that
+/// the check costs nothing.
+pub const INTERRUPT_CHECK: Duration = Duration::from_millis(20);
 
 /// Sends through the batch, flushing when full; worker-send faults drop here.
 struct ShardTx<'a> {
@@ -133,6 +145,13 @@ impl Session {
     /// Bind a socket, join the job and wait for the switch's answer (bounded
     /// by `session.join_timeout`).
     pub fn connect(options: SessionOptions) -> Result<Self, HostError> {
+        Self::connect_interruptible(options, None)
+    }
+
+    /// [`connect`](Self::connect), and every later blocking call of the
+    /// session asks `interrupt` every [`INTERRUPT_CHECK`] whether to stop
+    /// (also while joining: the barrier may hold a Join for minutes).
+    pub fn connect_interruptible(options: SessionOptions, interrupt: Option<Interrupt>) -> Result<Self, HostError> {
         for (name, p) in [
             ("send_drop", options.send_drop),
             ("recv_drop", options.recv_drop),
@@ -198,6 +217,8 @@ impl Session {
             },
             stats: SessionStats::default(),
             options,
+            interrupt,
+            last_interrupt_check: epoch,
         };
         loop {
             session.step()?;
@@ -300,6 +321,15 @@ impl Session {
     /// One turn of the driver loop: transmit, wait for datagrams or the next
     /// deadline, feed them in, fire timers.
     fn step(&mut self) -> Result<(), HostError> {
+        if let Some(stop) = self.interrupt.as_mut() {
+            if self.last_interrupt_check.elapsed() >= INTERRUPT_CHECK {
+                self.last_interrupt_check = Instant::now();
+                if stop() {
+                    self.machine.interrupt();
+                    return Err(SessionError::Interrupted.into());
+                }
+            }
+        }
         let now = self.now();
         let mut out = ShardTx {
             switch: self.options.switch,
@@ -321,10 +351,13 @@ impl Session {
         self.stats.duplicated_by_fault_injection = recv.duplicated;
         self.stats.reordered_by_fault_injection = recv.reordered;
 
-        let timeout = match self.machine.poll_timeout() {
+        let mut timeout = match self.machine.poll_timeout() {
             Some(deadline) => deadline.saturating_since(self.now()),
             None => Duration::from_millis(100),
         };
+        if self.interrupt.is_some() {
+            timeout = timeout.min(INTERRUPT_CHECK);
+        }
         match &self.group {
             None => {
                 // A zero timeout would make the socket block forever.

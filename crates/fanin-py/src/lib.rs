@@ -41,7 +41,30 @@ create_exception!(
     "The switch no longer holds (or never completed with every member) a result this allreduce needs, and the job does not accept partial results."
 );
 
+/// The exception a signal handler raised while a call waited with the GIL
+/// released (KeyboardInterrupt for Ctrl-C): the call ends and re-raises it.
+static SIGNALLED: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
+
+/// Ask Python whether a signal handler wants the waiting call to stop (runs
+/// the handlers; only the main thread receives signals).
+fn python_interrupt() -> fanin_host::Interrupt {
+    Box::new(|| {
+        Python::attach(|py| match py.check_signals() {
+            Ok(()) => false,
+            Err(e) => {
+                *SIGNALLED.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                true
+            }
+        })
+    })
+}
+
 fn host_err(e: HostError) -> PyErr {
+    if let HostError::Session(SessionError::Interrupted) = &e {
+        if let Some(raised) = SIGNALLED.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return raised;
+        }
+    }
     match &e {
         HostError::Session(SessionError::SwitchUnreachable(_)) | HostError::Session(SessionError::SwitchSilent { .. }) => {
             FaninTimeout::new_err(e.to_string())
@@ -149,7 +172,7 @@ impl Session {
                 })
             })
             .transpose()?;
-        let inner = py.detach(|| HostSession::connect(o)).map_err(host_err)?;
+        let inner = py.detach(|| HostSession::connect_interruptible(o, Some(python_interrupt()))).map_err(host_err)?;
         Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new() })
     }
 
@@ -293,6 +316,7 @@ fn seal_datagram<'py>(py: Python<'py>, key: &[u8], seq: u64, datagram: &[u8]) ->
 #[pyfunction]
 fn encode_tuples<'py>(py: Python<'py>, pairs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
     let builtins = py.import("builtins")?;
+    let operator = py.import("operator")?;
     let mut out = Vec::new();
     for item in pairs.try_iter()? {
         let item = item?;
@@ -305,9 +329,21 @@ fn encode_tuples<'py>(py: Python<'py>, pairs: &Bound<'py, PyAny>) -> PyResult<Bo
                 (key, value)
             }
         };
+        // Values are summed as int64: an integer (anything with __index__:
+        // int, numpy integers) in range, never a float cut to its integer
+        // part or a big int wrapped.
         let value: i64 = match value.extract() {
             Ok(v) => v,
-            Err(_) => builtins.getattr("int")?.call1((value,))?.extract()?,
+            Err(_) => {
+                let refuse = |why: &str| {
+                    let shown = value.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+                    PyValueError::new_err(format!("value {shown} for key {key} {why} (fanin.kv sums int64 values)"))
+                };
+                let Ok(index) = operator.getattr("index")?.call1((&value,)) else {
+                    return Err(refuse("is not an integer"));
+                };
+                index.extract().map_err(|_| refuse("does not fit in int64"))?
+            }
         };
         let pushed = if let Ok(s) = key.cast::<PyString>() {
             fanin_kv::records::push_tuple(&mut out, s.to_cow()?.as_bytes(), value)

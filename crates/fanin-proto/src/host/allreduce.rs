@@ -210,6 +210,11 @@ pub enum SessionError {
     )]
     MemberRestarted { job_id: u32, rank: u16 },
     #[error(
+        "interrupted (Ctrl-C); this session cannot continue, since the job's other ranks wait for its contribution: \
+         start a new session on every rank"
+    )]
+    Interrupted,
+    #[error(
         "job {job_id}: the ranks disagree on this allreduce's length (rank {rank}'s blocks do not line up with the \
          others': another element count, or another tensor); every rank of the job raises this. Give every rank the \
          same tensor sizes in the same order, then start new sessions"
@@ -772,6 +777,13 @@ impl AllreduceSession {
     /// (an I/O error) so that `begin_into`'s buffer is free again.
     pub fn abandon(&mut self) {
         drop(self.end_op());
+    }
+
+    /// The caller gave up (Ctrl-C): the running allreduce ends without a
+    /// result and the session fails; the job's other ranks are left
+    /// waiting for this one, so only new sessions continue.
+    pub fn interrupt(&mut self) {
+        self.fail(SessionError::Interrupted);
     }
 
     /// `lent` is `Some` whenever the input is borrowed (`begin_prepared`
