@@ -167,6 +167,12 @@ class Client:
                 os.unlink(path)
         if incomplete:
             raise SenderFailed(reply["error"], reply.get("failed", []), results, reply)
+        overflowed = reply.get("receiver", {}).get("overflowed", 0)
+        if overflowed:
+            # saturated sums are no answer: say which
+            some = [k for k, v in results.items() if v in (2**63 - 1, -2**63)][:3]
+            raise KvError(f"fanin.kv: int64 sums overflowed {overflowed} times (keys such as {some}); "
+                          "the task's values are too large to sum in 64 bits")
         return (results, reply) if with_stats else results
 
     def status(self, ticket: Ticket) -> dict[str, Any]:

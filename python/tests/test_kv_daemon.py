@@ -172,3 +172,12 @@ def test_kv_window_bench_times_each_window_on_checked_counts(tmp_path):
     assert "every count checked" in r.stderr
     bad = _bench(tmp_path, "kv-window", "--windows", "16,many")
     assert bad.returncode != 0 and "--windows is a comma list of integers, got '16,many'" in bad.stderr
+
+
+def test_an_int64_sum_that_overflows_raises_instead_of_wrapping(daemon):
+    # found by a user: three values of 2^62 summed to -4611686018427387904
+    with daemon.client() as c:
+        with pytest.raises(KvError, match="int64 sums overflowed"):
+            c.aggregate([("a", 2**62), ("b", 1), ("a", 2**62), ("a", 2**62)])
+        # the daemon and the switch go on: a task that fits is exact
+        assert c.aggregate([("a", 2**62), ("a", -(2**62)), ("b", 2)]) == {"a": 0, "b": 2}

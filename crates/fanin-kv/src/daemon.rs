@@ -576,7 +576,8 @@ fn wait_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
             let keys = write_results(Path::new(path), results.iter()).map_err(|e| error(format!("cannot write {path}: {e}")))?;
             let receiver = json!({"data_packets": stats.data_packets, "duplicate_packets": stats.duplicate_packets,
                                   "tuples_local": stats.tuples_local, "swaps": stats.swaps,
-                                  "entries_fetched": stats.entries_fetched, "fetch_requests": stats.fetch_requests});
+                                  "entries_fetched": stats.entries_fetched, "fetch_requests": stats.fetch_requests,
+                                  "overflowed": stats.overflowed});
             if failed.is_empty() {
                 shared.stats.tasks_finished.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "complete": true, "task_id": task_id, "keys": keys, "path": path,

@@ -62,7 +62,7 @@ fn case() -> impl Strategy<Value = Case> {
 fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> KvResults {
     let mut m = KvResults::default();
     for (k, v) in streams.iter().flatten() {
-        m.entry(k.clone()).and_modify(|a| a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
+        m.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
     }
     m
 }

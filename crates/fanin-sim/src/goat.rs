@@ -334,10 +334,9 @@ impl<'a> Run<'a> {
                             }
                         }
                         let mut out = VecTransmit::new();
-                        match self.aggs[a].1.handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
-                            Verdict::WrongShard(k) => return Err(format!("single-shard aggregator answered WrongShard({k})")),
-                            // one shard: nothing to pass on
-                            _ => {}
+                        // one shard: a Join's effects need passing on to no other
+                        if let Verdict::WrongShard(k) = self.aggs[a].1.handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
+                            return Err(format!("single-shard aggregator answered WrongShard({k})"));
                         }
                         self.agg_sent(a, out);
                     } else {

@@ -396,10 +396,9 @@ impl<'a> FaninRun<'a> {
                     let Some(d) = self.c.net.handle(&mut self.c.ev, e) else { continue };
                     if let Some(&s) = self.switch_of_node.get(&d.dst) {
                         let mut out = VecTransmit::new();
-                        match self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
-                            Verdict::WrongShard(k) => return Err(format!("single-shard switch answered WrongShard({k})")),
-                            // one shard: nothing to pass on
-                            _ => {}
+                        // one shard: a Join's effects need passing on to no other
+                        if let Verdict::WrongShard(k) = self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
+                            return Err(format!("single-shard switch answered WrongShard({k})"));
                         }
                         self.switch_sent(s, out);
                     } else {

@@ -140,11 +140,15 @@ impl Aggregate {
     pub fn of(value: i64) -> Self {
         Self { sum: value, count: 1, min: value, max: value }
     }
-    pub fn merge(&mut self, o: &Aggregate) {
-        self.sum = self.sum.wrapping_add(o.sum);
+    /// Add `o` in. The sum saturates at the int64 bounds instead of
+    /// wrapping; true when it overflowed (the caller reports it).
+    pub fn merge(&mut self, o: &Aggregate) -> bool {
+        let overflowed = self.sum.checked_add(o.sum).is_none();
+        self.sum = self.sum.saturating_add(o.sum);
         self.count += o.count;
         self.min = self.min.min(o.min);
         self.max = self.max.max(o.max);
+        overflowed
     }
 }
 
@@ -162,6 +166,9 @@ pub struct ReceiverStats {
     pub undecodable: u64,
     /// Stale-epoch / active-copy refusals (late duplicates of requests).
     pub refusals: u64,
+    /// Merges whose int64 sum overflowed: the key's sum saturated at the
+    /// bound, and the task's result is refused (never a wrapped sum).
+    pub overflowed: u64,
     /// Datagrams refused before they were read (keyed tasks).
     pub auth: AuthStats,
 }
@@ -485,7 +492,7 @@ impl KvReceiver {
             self.stats.duplicate_packets += 1;
         } else if p.msg_type() == MessageType::KvLongData {
             for (key, value) in p.long_tuples() {
-                merge(&mut self.results, key, Aggregate::of(value));
+                self.stats.overflowed += merge(&mut self.results, key, Aggregate::of(value));
                 self.stats.tuples_local += 1;
             }
         } else {
@@ -500,7 +507,7 @@ impl KvReceiver {
         for slot in 0..layout.short_slots as usize {
             if bitmap >> slot & 1 == 1 {
                 match decode_short(u64::from_be_bytes(p.key_part(slot))) {
-                    Some((key, len)) => merge(&mut self.results, &key[..len], Aggregate::of(p.value(slot))),
+                    Some((key, len)) => self.stats.overflowed += merge(&mut self.results, &key[..len], Aggregate::of(p.value(slot))),
                     None => self.stats.undecodable += 1,
                 }
                 self.stats.tuples_local += 1;
@@ -512,7 +519,7 @@ impl KvReceiver {
                 let n = layout.medium_parts as usize;
                 let parts: Vec<u64> = (0..n).map(|j| u64::from_be_bytes(p.key_part(first + j))).collect();
                 match decode_parts(&parts) {
-                    Some(key) => merge(&mut self.results, &key, Aggregate::of(p.value(first + n - 1))),
+                    Some(key) => self.stats.overflowed += merge(&mut self.results, &key, Aggregate::of(p.value(first + n - 1))),
                     None => self.stats.undecodable += 1,
                 }
                 self.stats.tuples_local += 1;
@@ -629,7 +636,7 @@ impl KvReceiver {
             if aa_usize < layout.short_slots as usize {
                 let agg = Aggregate { sum: e.sum, count: e.count as u64, min: e.min, max: e.max };
                 match decode_short(u64::from_be_bytes(e.key_part)) {
-                    Some((key, len)) => merge(&mut self.results, &key[..len], agg),
+                    Some((key, len)) => self.stats.overflowed += merge(&mut self.results, &key[..len], agg),
                     None => self.stats.undecodable += 1,
                 }
                 continue;
@@ -644,7 +651,7 @@ impl KvReceiver {
                 (0..n as u8).map(|j| staged.get(&(first + j, index)).map(|x| u64::from_be_bytes(x.key_part))).collect();
             let agg = Aggregate { sum: e.sum, count: e.count as u64, min: e.min, max: e.max };
             match parts.as_deref().and_then(decode_parts) {
-                Some(key) => merge(&mut self.results, &key, agg),
+                Some(key) => self.stats.overflowed += merge(&mut self.results, &key, agg),
                 None => self.stats.undecodable += 1,
             }
         }
@@ -690,11 +697,14 @@ impl KvReceiver {
     }
 }
 
-fn merge(results: &mut KvResults, key: &[u8], agg: Aggregate) {
+/// Merge `agg` into `key`'s aggregate; 1 if its sum overflowed int64 now
+/// (it saturates, and the receiver counts it: never a wrapped sum).
+fn merge(results: &mut KvResults, key: &[u8], agg: Aggregate) -> u64 {
     match results.get_mut(key) {
-        Some(a) => a.merge(&agg),
+        Some(a) => a.merge(&agg) as u64,
         None => {
             results.insert(key.to_vec(), agg);
+            0
         }
     }
 }

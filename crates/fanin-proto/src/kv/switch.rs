@@ -702,7 +702,9 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
         let at = unsafe { short_at[slot].assume_init() };
         let key = u64::from_be_bytes(p.key_part(slot));
         let agg = task.aggs.get(at);
-        if agg.count == 0 || agg.key == key {
+        // A value whose sum would overflow the register is left for the
+        // receiver, which saturates and reports it (never a wrapped sum).
+        if agg.count == 0 || (agg.key == key && agg.sum.checked_add(p.value(slot)).is_some()) {
             task.aggs.add(at, key, p.value(slot));
             remaining &= !(1 << slot);
             absorbed += 1;
@@ -725,7 +727,8 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
             let a = task.aggs.get(task.base(copy, first + j) + index);
             a.count > 0 && a.key == part(j)
         });
-        if blank || same {
+        let fits = blank || task.aggs.get(task.base(copy, last) + index).sum.checked_add(p.value(last)).is_some();
+        if (blank || same) && fits {
             for j in 0..parts_n {
                 let at = task.base(copy, first + j) + index;
                 let value = if first + j == last { p.value(last) } else { 0 };

@@ -244,7 +244,7 @@ fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> KvResults {
     let mut m = KvResults::default();
     for s in streams {
         for (k, v) in s {
-            m.entry(k.clone()).and_modify(|a| a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
+            m.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
         }
     }
     m
@@ -773,4 +773,26 @@ fn sender_progress_counts_acknowledged_tuples_and_the_acknowledged_prefix() {
     tx.handle_datagram(t(3), &ack(2));
     assert_eq!((tx.progress().tuples_acked, tx.progress().acked_prefix), (5, 5));
     assert!(!tx.progress().finished);
+}
+
+// ---- int64 overflow (never a wrapped sum) ------------------------------------
+
+#[test]
+fn a_sum_that_overflows_int64_saturates_and_is_reported_never_wrapped() {
+    // three values of 2^62 (the old switch summed them to -2^62 in its
+    // register), with the hot key absorbed on the switch and a small key
+    // beside it that must stay exact
+    let layout = Layout::short_only(2);
+    let (big, small) = (key_in_slot(&layout, 0, 0), key_in_slot(&layout, 1, 0));
+    let setup = Setup::new(layout, 1);
+    let stream = vec![(big.clone(), 1i64 << 62), (small.clone(), 5), (big.clone(), 1 << 62), (big.clone(), 1 << 62)];
+    let lb = run(&setup, LinkConfig::perfect(), &[stream]);
+    assert!(lb.receiver.stats().overflowed >= 1);
+    assert_eq!(lb.receiver.results()[&big].sum, i64::MAX, "saturated, not wrapped");
+    assert_eq!(lb.receiver.results()[&big].count, 3);
+    assert_eq!(lb.receiver.results()[&small], Aggregate { sum: 5, count: 1, min: 5, max: 5 });
+    let mut a = Aggregate::of(i64::MIN + 1);
+    assert!(a.merge(&Aggregate::of(-2)) && a.sum == i64::MIN);
+    assert!(a.merge(&Aggregate::of(-2)) && a.sum == i64::MIN, "every overflow is reported");
+    assert!(!a.merge(&Aggregate::of(7)) && a.sum == i64::MIN + 7);
 }
