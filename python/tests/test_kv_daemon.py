@@ -181,3 +181,56 @@ def test_an_int64_sum_that_overflows_raises_instead_of_wrapping(daemon):
             c.aggregate([("a", 2**62), ("b", 1), ("a", 2**62), ("a", 2**62)])
         # the daemon and the switch go on: a task that fits is exact
         assert c.aggregate([("a", 2**62), ("a", -(2**62)), ("b", 2)]) == {"a": 0, "b": 2}
+
+
+def _raw(daemon):
+    import socket as socket_mod
+
+    s = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(daemon.socket_path)
+    return s
+
+
+def test_an_endless_request_line_is_refused_not_buffered(daemon):
+    # found by a user: 300 MB without a newline raised the daemon's RSS by 300 MB
+    s = _raw(daemon)
+    try:
+        chunk = b"x" * (1 << 16)
+        sent = 0
+        try:
+            while sent < (3 << 20):
+                s.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon closed it: refused
+        reply = s.recv(4096)
+        assert b"request longer than 1048576 bytes" in reply, reply
+    finally:
+        s.close()
+    with daemon.client() as c:
+        st = c.stats()
+        assert st["oversized_requests"] >= 1
+
+
+def test_connections_beyond_the_limit_are_refused_with_a_reason(daemon):
+    held = []
+    try:
+        refused = None
+        for _ in range(300):
+            s = _raw(daemon)
+            held.append(s)
+            s.settimeout(0.05)
+            try:
+                refused = s.recv(4096)
+                if refused:
+                    break
+            except OSError:
+                continue  # served: nothing to read
+        assert refused and b"too many connections (at most 256 at once)" in refused, refused
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    with daemon.client() as c:  # the idle connections are gone: served again
+        assert c.stats()["connections_refused"] >= 1

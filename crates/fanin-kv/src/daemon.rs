@@ -164,7 +164,22 @@ pub struct DaemonStats {
     pub tasks_incomplete: AtomicU64,
     /// Sender channels declared failed at this (receiving) daemon.
     pub senders_failed: AtomicU64,
+    /// Connections open now (local API and control channel together).
+    pub connections: AtomicU64,
+    /// Connections refused at [`MAX_CONNECTIONS`], and requests refused
+    /// past [`MAX_REQUEST_BYTES`].
+    pub connections_refused: AtomicU64,
+    pub oversized_requests: AtomicU64,
 }
+
+/// Most connections served at once (each has a thread); more are answered
+/// with an error line and closed. Tasks use one per sender and one for the
+/// receiver's `wait`, far below this.
+pub const MAX_CONNECTIONS: u64 = 256;
+/// Longest request line: requests are small JSON objects (paths, not data),
+/// so a longer line is refused and its connection closed instead of being
+/// buffered without bound.
+pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 
 struct TaskEntry {
     params: TaskParams,
@@ -347,9 +362,19 @@ fn spawn_listener<L: Listener>(
     std::thread::Builder::new().name(name.into()).spawn(move || {
         while !shared.shutdown.load(Ordering::SeqCst) {
             match listener.accept_one() {
-                Ok(stream) => {
+                Ok(mut stream) => {
+                    if shared.stats.connections.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                        shared.stats.connections.fetch_sub(1, Ordering::SeqCst);
+                        shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+                        let why = format!("too many connections (at most {MAX_CONNECTIONS} at once); close idle clients");
+                        let _ = write_line(&mut stream, &error(why));
+                        continue;
+                    }
                     let shared = shared.clone();
-                    let _ = std::thread::Builder::new().name("fanin-kv-conn".into()).spawn(move || serve(&shared, stream));
+                    let _ = std::thread::Builder::new().name("fanin-kv-conn".into()).spawn(move || {
+                        serve(&shared, stream);
+                        shared.stats.connections.fetch_sub(1, Ordering::SeqCst);
+                    });
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(5)),
             }
@@ -364,8 +389,26 @@ fn serve_lines<S: std::io::Read + Write>(
     mut handle: impl FnMut(&Arc<Shared>, &Value) -> Value,
     writer: &mut dyn Write,
 ) {
-    for line in BufReader::new(stream).lines() {
-        let Ok(line) = line else { break };
+    let mut reader = BufReader::new(stream);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        // at most one byte past the limit: enough to know it was passed
+        match std::io::Read::take(&mut reader, MAX_REQUEST_BYTES as u64 + 1).read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if buf.len() > MAX_REQUEST_BYTES {
+            shared.stats.oversized_requests.fetch_add(1, Ordering::Relaxed);
+            let why = format!("request longer than {MAX_REQUEST_BYTES} bytes (requests are one JSON object per line; data goes by file path)");
+            let _ = write_line(writer, &error(why));
+            break; // the rest of the line would be read as requests
+        }
+        let Ok(line) = std::str::from_utf8(&buf) else {
+            shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+            let _ = write_line(writer, &error("request is not UTF-8"));
+            continue;
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -836,6 +879,8 @@ fn stats_json(shared: &Shared) -> Value {
         "bad_requests": get(&s.bad_requests), "unknown_task": get(&s.unknown_task),
         "regions_released": get(&s.regions_released),
         "tasks_incomplete": get(&s.tasks_incomplete), "senders_failed": get(&s.senders_failed),
+        "connections": get(&s.connections), "connections_refused": get(&s.connections_refused),
+        "oversized_requests": get(&s.oversized_requests),
         "rx_datagrams": sum(|c| &c.rx_datagrams), "malformed_datagrams": sum(|c| &c.malformed),
         "unroutable_datagrams": sum(|c| &c.unroutable), "tx_datagrams": sum(|c| &c.tx_datagrams),
         "send_errors": sum(|c| &c.send_errors),

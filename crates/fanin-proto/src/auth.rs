@@ -100,6 +100,11 @@ pub struct LaneWindows {
 }
 
 impl LaneWindows {
+    /// Heap bytes its windows take (switch memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        self.lanes.capacity() * std::mem::size_of::<ReplayWindow>()
+    }
+
     pub fn accept(&mut self, seq: u64) -> Result<(), Replay> {
         let lane = auth::lane_of(seq) as usize;
         if lane >= MAX_LANES {

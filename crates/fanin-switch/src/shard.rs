@@ -297,15 +297,19 @@ impl ShardThread {
                             self.switch.remove_job(job_id);
                         })
                     });
+                    self.publish_memory();
                     let _ = reply.send(result);
                 }
                 Ok(Command::UpdateJob(spec, uplink, awaiting, reply)) => {
                     let result =
                         self.with_out(tx, discard, |sw, _, now, out| sw.update_job(now, spec, uplink, &awaiting, out));
+                    self.publish_memory();
                     let _ = reply.send(result);
                 }
                 Ok(Command::RemoveJob(id, reply)) => {
-                    let _ = reply.send(self.switch.remove_job(id));
+                    let removed = self.switch.remove_job(id);
+                    self.publish_memory();
+                    let _ = reply.send(removed);
                 }
                 Ok(Command::Learn(verdict)) => self.switch.learn(verdict),
                 Ok(Command::AddKvTask(spec, reply)) => {
@@ -349,6 +353,13 @@ impl ShardThread {
         result
     }
 
+    /// What the jobs cost, published before a job command is answered, so
+    /// a caller that reads it after admitting or removing a job sees the
+    /// change (it lagged until the shard's next batch).
+    fn publish_memory(&self) {
+        self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
+    }
+
     fn publish(&self) {
         if let Ok(mut c) = self.stats.counters.lock() {
             c.clone_from(self.switch.counters());
@@ -358,7 +369,7 @@ impl ShardThread {
         if let Ok(mut c) = self.stats.kv_counters.lock() {
             c.clone_from(self.kv.counters());
         }
-        self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
+        self.publish_memory();
         self.stats.kv_memory_used.store(self.kv.memory_used(), Ordering::Relaxed);
         let ingress = self.ingress.counts();
         self.stats.fault_ingress_dropped.store(ingress.dropped, Ordering::Relaxed);

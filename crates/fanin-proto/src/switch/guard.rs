@@ -96,6 +96,11 @@ pub struct SourceBuckets {
 }
 
 impl SourceBuckets {
+    /// Heap bytes of the per-source buckets (switch memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        self.buckets.capacity() * std::mem::size_of::<SourceGuard>()
+    }
+
     pub fn new(limit: Option<RateLimit>, capacity: usize) -> Self {
         let buckets = limit.map_or_else(Vec::new, |l| vec![SourceGuard::new(l); capacity]);
         Self { limit, buckets }
@@ -139,6 +144,11 @@ pub struct Liveness {
 }
 
 impl Liveness {
+    /// Heap bytes of the per-member records (switch memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        self.last_heard.capacity() * std::mem::size_of::<Time>()
+    }
+
     pub fn new(timeout: Duration, capacity: usize) -> Self {
         Self { timeout, last_heard: vec![Time::ZERO; capacity], next_check: Time::ZERO, failed: None }
     }

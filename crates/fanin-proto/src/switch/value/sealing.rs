@@ -55,6 +55,14 @@ impl JobAuth {
         }
     }
 
+    /// Heap bytes of the member keys and replay windows (switch memory
+    /// accounting).
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.keys.capacity() * std::mem::size_of::<Option<Key>>()
+            + self.windows.capacity() * std::mem::size_of::<LaneWindows>()
+            + self.windows.iter().chain([&self.parent_windows]).map(LaneWindows::heap_bytes).sum::<usize>()
+    }
+
     /// A tree child is the member `rank` of its parent.
     pub(super) fn set_uplink_rank(&mut self, rank: Option<u16>) {
         self.uplink_key = rank.map(|r| derive_member_key(&self.job_key, self.job_id, r));

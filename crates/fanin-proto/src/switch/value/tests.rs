@@ -240,7 +240,12 @@ fn data_during_an_exponent_round_ends_it_with_the_datas_exponent() {
 
 #[test]
 fn jobs_are_isolated_and_memory_is_reserved() {
-    let mut sw = ValueSwitch::<Addr>::new(ShardConfig::single(2 * 4 * 64 * 4 * 2));
+    // what one job costs: its buffers and its record
+    let mut probe = ValueSwitch::<Addr>::new(ShardConfig::single(1 << 30));
+    probe.add_job(job(1, 2, 4)).unwrap();
+    let one = probe.memory_used();
+    assert!(one > 2 * 4 * 64 * 4, "the record is counted on top of the buffers: {one}");
+    let mut sw = ValueSwitch::<Addr>::new(ShardConfig::single(2 * one));
     sw.add_job(job(1, 2, 4)).unwrap();
     sw.add_job(job(2, 2, 4)).unwrap();
     let err = sw.add_job(job(3, 2, 4)).unwrap_err();
@@ -267,7 +272,36 @@ fn forward_mode_reflects_without_state() {
     assert_eq!(out.len(), 1);
     assert_eq!((out[0].0, out[0].1.msg_type, out[0].2.clone()), (101, MessageType::Result, vec![9, 8]));
     assert_eq!(sw.counters().forwarded, 1);
+    let record = sw.memory_used();
+    assert!(record > 0 && record < 4096, "a forward job reserves no buffers, only its record: {record}");
+    assert!(sw.remove_job(5));
     assert_eq!(sw.memory_used(), 0);
+}
+
+#[test]
+fn job_records_count_against_the_limit_so_many_large_jobs_are_bounded_and_exact() {
+    // found by a user: 6 256 jobs of block_cnt_max 1 with 4 096 members took
+    // the switch to 2.3 GB while memory_used stayed 0 of 1 GiB
+    let limit = 64 << 20;
+    let mut sw = ValueSwitch::<Addr>::new(ShardConfig::single(limit));
+    let mut admitted = Vec::new();
+    for id in 1..=2000u32 {
+        match sw.add_job(JobSpec { members: (0..4096).collect(), ..job(id, 1, 1) }) {
+            Ok(()) => admitted.push(id),
+            Err(AdmitError::OutOfMemory { needed, .. }) => {
+                assert!(needed > 4096 * 16, "a record of 4 096 members costs {needed} bytes");
+                assert!(admitted.len() as u64 * needed <= limit, "{} jobs of {needed} bytes", admitted.len());
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(!admitted.is_empty() && admitted.len() < 2000, "refused once 64 MiB were taken");
+    assert!(sw.memory_used() <= limit);
+    for id in admitted {
+        assert!(sw.remove_job(id));
+    }
+    assert_eq!(sw.memory_used(), 0, "exact after removals");
 }
 
 #[test]
