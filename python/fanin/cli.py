@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
                          "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward, "
                          "key=32 hex digits (an authenticated job, docs/security.md), "
-                         "on_failure=degrade|fail (when a worker dies, docs/failures.md), member_timeout_ms (0 = 5000), "
+                         "on_failure=degrade|fail (when a worker dies, docs/failures.md; unset: fail, or degrade "
+                         "with block_exp_ms), member_timeout_ms (0 = 5000), "
                          "rate_limit=PPS:BURST (per source), result_group=239.1.0.7:47001 (results once to this "
                          "multicast group for workers listening there, docs/protocol.md 4.5)")
     sw.add_argument("--rate-limit", type=_rate_limit_dict, metavar="PPS,BURST",

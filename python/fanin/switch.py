@@ -22,7 +22,7 @@ def job_config(
     slow_after_windows: int = 2,
     mode: str = "aggregate",
     key: Optional[Union[bytes, str]] = None,
-    on_failure: str = "degrade",
+    on_failure: Optional[str] = None,
     member_timeout_ms: int = 0,
     rate_limit: Optional[tuple[int, int]] = None,
     result_group: Optional[str] = None,
@@ -45,7 +45,9 @@ def job_config(
     ``member_timeout_ms`` (0 = 5000) while a block has waited that long for
     it is dead; ``on_failure="degrade"`` continues without it (degraded
     results), ``"fail"`` fails the job (every worker's allreduce raises
-    ``fanin.MemberFailed`` naming the dead rank). ``rate_limit=(pps, burst)``
+    ``fanin.MemberFailed`` naming the dead rank). Unset: ``"degrade"`` if
+    ``block_exp_ms`` > 0 (the job asked for partial results), else
+    ``"fail"``. ``rate_limit=(pps, burst)``
     limits each source (docs/overload.md).
 
     ``result_group`` (``"239.1.0.7:47001"``, unkeyed jobs only): the switch
@@ -60,9 +62,10 @@ def job_config(
         "block_exp_ms": block_exp_ms,
         "slow_after_windows": slow_after_windows,
         "mode": mode,
-        "on_failure": on_failure,
         "member_timeout_ms": member_timeout_ms,
     }
+    if on_failure is not None:
+        job["on_failure"] = on_failure
     if result_group is not None:
         job["result_group"] = result_group
     if rate_limit is not None:

@@ -443,11 +443,13 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
                 Status::invalid_argument(format!("job {job_id}: key: {e} (empty for an unauthenticated job)"))
             })?),
         },
-        on_failure: match pb::FailurePolicy::try_from(spec.on_failure) {
-            Ok(pb::FailurePolicy::Degrade) => FailurePolicy::Degrade,
-            Ok(pb::FailurePolicy::Fail) => FailurePolicy::Fail,
-            Err(_) => {
-                return Err(Status::invalid_argument(format!("job {job_id}: unknown failure policy {}", spec.on_failure)))
+        on_failure: match spec.on_failure.map(pb::FailurePolicy::try_from) {
+            None => FailurePolicy::default_for(spec.block_exp_ms),
+            Some(Ok(pb::FailurePolicy::Degrade)) => FailurePolicy::Degrade,
+            Some(Ok(pb::FailurePolicy::Fail)) => FailurePolicy::Fail,
+            Some(Err(_)) => {
+                let code = spec.on_failure.unwrap_or_default();
+                return Err(Status::invalid_argument(format!("job {job_id}: unknown failure policy {code}")));
             }
         },
         member_timeout_ms: spec.member_timeout_ms,
@@ -481,10 +483,10 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
             JobMode::Forward => pb::JobMode::Forward,
         } as i32,
         key: spec.key.map_or_else(Vec::new, |k| k.0.to_vec()),
-        on_failure: match spec.on_failure {
+        on_failure: Some(match spec.on_failure {
             FailurePolicy::Degrade => pb::FailurePolicy::Degrade,
             FailurePolicy::Fail => pb::FailurePolicy::Fail,
-        } as i32,
+        } as i32),
         member_timeout_ms: spec.member_timeout_ms,
         rate_limit: spec.rate_limit.map(|r| pb::RateLimit { pps: r.pps, burst: r.burst }),
         result_group: spec.result_group.map_or_else(String::new, |g| g.to_string()),

@@ -150,7 +150,7 @@ async fn every_rpc_round_trips() {
     c.admit_job(admit(forward.clone())).await.unwrap();
 
     let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
-    assert_eq!(jobs, vec![forward, spec(9, vec![0, 1, 2])], "sorted by job_id, fields intact");
+    assert_eq!(jobs, vec![listed(forward), listed(spec(9, vec![0, 1, 2]))], "sorted by job_id, fields intact");
 
     let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.memory_used, JobSpec::with_sources(9, 3, 8, 256).memory_bytes());
@@ -318,6 +318,14 @@ async fn serve_runs_inside_a_callers_runtime() {
     server.await.unwrap().unwrap();
 }
 
+/// A spec as the switch lists it: the failure policy resolved (unset: fail,
+/// or degrade for a job with aging).
+fn listed(mut spec: pb::JobSpec) -> pb::JobSpec {
+    let default = if spec.block_exp_ms > 0 { pb::FailurePolicy::Degrade } else { pb::FailurePolicy::Fail };
+    spec.on_failure.get_or_insert(default as i32);
+    spec
+}
+
 #[tokio::test]
 async fn tree_roles_are_checked_kept_and_updated() {
     let server = start(None);
@@ -328,7 +336,7 @@ async fn tree_roles_are_checked_kept_and_updated() {
     leaf.tree = Some(tree("10.1.0.1:9000", 2048));
     c.admit_job(admit(leaf.clone())).await.unwrap();
     let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
-    assert_eq!(jobs, vec![leaf.clone()]);
+    assert_eq!(jobs, vec![listed(leaf.clone())]);
     // a worker rank for a switch, or an address that is not one: refused
     for bad in [tree("10.1.0.1:9000", 5), tree("nowhere", 2048)] {
         let mut s = spec(4, vec![0]);
@@ -341,7 +349,7 @@ async fn tree_roles_are_checked_kept_and_updated() {
     grown.tree = None;
     c.update_job(pb::UpdateJobRequest { spec: Some(grown.clone()), awaiting: vec![2] }).await.unwrap();
     let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
-    assert_eq!(jobs, vec![grown.clone()]);
+    assert_eq!(jobs, vec![listed(grown.clone())]);
     let mut resized = grown.clone();
     resized.block_cnt_max = 16;
     let err = c.update_job(pb::UpdateJobRequest { spec: Some(resized), awaiting: vec![] }).await.unwrap_err();

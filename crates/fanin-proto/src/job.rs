@@ -50,6 +50,19 @@ pub enum FailurePolicy {
 }
 
 impl FailurePolicy {
+    /// The policy of a job that does not name one: a job that asked for
+    /// straggler aging (`block_exp_ms` > 0) accepts partial results, so a
+    /// dead member degrades it too; any other fails loudly, every member
+    /// raising with the dead rank's name, instead of getting partial sums
+    /// flagged only in its statistics.
+    pub fn default_for(block_exp_ms: u32) -> Self {
+        if block_exp_ms > 0 {
+            Self::Degrade
+        } else {
+            Self::Fail
+        }
+    }
+
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "degrade" => Ok(Self::Degrade),

@@ -187,9 +187,11 @@ pub struct JobConfig {
     /// unauthenticated job.
     #[serde(default)]
     pub key: Option<String>,
-    /// `degrade` or `fail` when a worker dies (docs/failures.md).
+    /// `degrade` or `fail` when a worker dies (docs/failures.md); unset:
+    /// `degrade` with `block_exp_ms` > 0, else `fail`
+    /// ([`FailurePolicy::default_for`]).
     #[serde(default)]
-    pub on_failure: FailurePolicy,
+    pub on_failure: Option<FailurePolicy>,
     /// 0 = the default member timeout.
     #[serde(default)]
     pub member_timeout_ms: u32,
@@ -356,7 +358,7 @@ impl JobConfig {
             mode: self.mode,
             workers: self.workers,
             key: self.key.as_deref().map(Key::from_hex).transpose().map_err(|e| format!("key: {e}"))?,
-            on_failure: self.on_failure,
+            on_failure: self.on_failure.unwrap_or(FailurePolicy::default_for(self.block_exp_ms)),
             member_timeout_ms: self.member_timeout_ms,
             rate_limit: self.rate_limit,
             result_group: self.result_group,

@@ -130,7 +130,7 @@ class ControlClient:
         slow_after_windows: int = 2,
         workers: int = 0,
         tree: Optional[Dict[str, Any]] = None,
-        on_failure: str = "degrade",
+        on_failure: Optional[str] = None,
         member_timeout_ms: int = 0,
         rate_limit: Optional[Any] = None,
         key: Optional[Any] = None,
@@ -151,7 +151,8 @@ class ControlClient:
         the non-root role ``{"parent_addr": "ip:port", "parent_shards": n,
         "rank": r}`` (None: the root, or the only switch).
 
-        ``on_failure`` (``"degrade"`` or ``"fail"``) and ``member_timeout_ms``
+        ``on_failure`` (``"degrade"`` or ``"fail"``; None: ``"degrade"`` with
+        ``block_exp_ms`` > 0, else ``"fail"``) and ``member_timeout_ms``
         (0 = 5000) say what happens when a worker dies (docs/failures.md);
         ``rate_limit`` ``(pps, burst)`` limits each source (docs/overload.md).
         ``key`` (16 bytes or 32 hex digits; None = unauthenticated) is the
@@ -173,7 +174,7 @@ class ControlClient:
         them only from the start block their sync names."""
         spec = _job_spec(job["job_id"], job["members"], job["block_cnt_max"], job["block_grad_max"],
                          job["block_exp_ms"], job["mode"], job["slow_after_windows"], job.get("workers", 0),
-                         job.get("tree"), on_failure=job.get("on_failure", "degrade"),
+                         job.get("tree"), on_failure=job.get("on_failure"),
                          member_timeout_ms=job.get("member_timeout_ms", 0), rate_limit=job.get("rate_limit"),
                          key=job.get("key"), result_group=job.get("result_group"))
         awaiting = [int(m) for m in awaiting]
@@ -257,13 +258,13 @@ _POLICY_NAMES = {v: k for k, v in FAILURE_POLICIES.items()}
 
 
 def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows,
-              workers, tree, *, on_failure="degrade", member_timeout_ms=0, rate_limit=None,
+              workers, tree, *, on_failure=None, member_timeout_ms=0, rate_limit=None,
               key=None, result_group=None) -> "pb.JobSpec":
     try:
         mode_value = MODES[mode]
     except KeyError:
         raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}") from None
-    if on_failure not in FAILURE_POLICIES:
+    if on_failure is not None and on_failure not in FAILURE_POLICIES:
         raise ValueError(f"on_failure must be one of {sorted(FAILURE_POLICIES)}, not {on_failure!r}")
     _check_u32(member_timeout_ms, "member_timeout_ms")
     members = [int(m) for m in members]
@@ -280,9 +281,10 @@ def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode
         block_exp_ms=block_exp_ms,
         slow_after_windows=slow_after_windows,
         mode=mode_value,
-        on_failure=FAILURE_POLICIES[on_failure],
         member_timeout_ms=member_timeout_ms,
     )
+    if on_failure is not None:  # unset: the switch's default (fail, or degrade with aging)
+        spec.on_failure = FAILURE_POLICIES[on_failure]
     if result_group:
         spec.result_group = str(result_group)
     if key is not None:
