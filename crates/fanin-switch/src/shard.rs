@@ -247,11 +247,7 @@ impl ShardThread {
                                 // each holds some of the job's blocks and sends
                                 // their results.
                                 verdict => {
-                                    for (i, peer) in self.peers.iter().enumerate() {
-                                        if i != self.index as usize {
-                                            let _ = peer.send(Command::Learn(verdict));
-                                        }
-                                    }
+                                    tell_peers(&self.peers, self.index, verdict);
                                     continue;
                                 }
                             }
@@ -324,14 +320,20 @@ impl ShardThread {
                 }
                 Ok(Command::Handover(from, bytes)) => {
                     // A handed-over datagram is ours by construction; a second
-                    // hop cannot happen, so any verdict ends here.
-                    self.with_out(tx, discard, |sw, kv, now, out| {
+                    // hop cannot happen. A contribution that does not line
+                    // up with its block ends the round here: the others
+                    // must learn it.
+                    let verdict = self.with_out(tx, discard, |sw, kv, now, out| {
                         if kv_task_of(&bytes).is_some() {
                             kv.handle_datagram(now, from, &bytes, out);
+                            Verdict::Consumed
                         } else {
-                            let _ = sw.handle_datagram(now, from, &bytes, out);
+                            sw.handle_datagram(now, from, &bytes, out)
                         }
                     });
+                    if !matches!(verdict, Verdict::Consumed | Verdict::WrongShard(_)) {
+                        tell_peers(&self.peers, self.index, verdict);
+                    }
                 }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return,
             }
@@ -396,4 +398,13 @@ pub(crate) fn kv_task_of(bytes: &[u8]) -> Option<u32> {
 /// The shard that owns a key-value task.
 pub(crate) fn kv_owner(task_id: u32, shards: usize) -> u16 {
     (task_id as usize % shards.max(1)) as u16
+}
+
+/// Pass what a Join (or a round's end) changed on to every shard but `index`.
+fn tell_peers(peers: &[Sender<Command>], index: u16, verdict: Verdict) {
+    for (i, peer) in peers.iter().enumerate() {
+        if i != index as usize {
+            let _ = peer.send(Command::Learn(verdict));
+        }
+    }
 }
