@@ -133,8 +133,5 @@ pub(super) fn fail_job<A: Copy>(job: &mut Job<A>, dead: usize, counters: &mut Co
     counters.jobs_failed += 1;
     let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);
     notify_membership(job, dead, MEMBERSHIP_FAILED, block_id, counters, out, scratch);
-    for slot in &mut job.slots {
-        *slot = Slot::default();
-    }
-    job.open_blocks = 0;
+    drop_blocks(job);
 }

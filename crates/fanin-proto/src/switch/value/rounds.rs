@@ -218,13 +218,12 @@ pub(super) fn reset_for_round<A>(job: &mut Job<A>, start: u32) {
 
 /// Free every block record of the job on this shard (spares are kept for
 /// reuse; the job's memory stays reserved).
-fn drop_blocks<A>(job: &mut Job<A>) {
+pub(super) fn drop_blocks<A>(job: &mut Job<A>) {
     for slot in &mut job.slots {
-        if let Some(block) = slot.cur.take().or_else(|| slot.prev.take()) {
-            slot.spare.get_or_insert(block);
+        let (cur, prev) = (slot.cur.take(), slot.prev.take());
+        if slot.spare.is_none() {
+            slot.spare = cur.or(prev);
         }
-        slot.cur = None;
-        slot.prev = None;
     }
     job.open_blocks = 0;
 }
