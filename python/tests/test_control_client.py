@@ -353,6 +353,34 @@ def test_against_native_switch():
         sw.stop()
 
 
+def test_list_jobs_pages_past_grpcs_message_limit():
+    """600 jobs of 4096 members each are ~5 MB of specs, past gRPC's default
+    4 MB message: the real switch lists them a page at a time and the client
+    returns every one, in job_id order (one unpaged reply failed with
+    RESOURCE_EXHAUSTED)."""
+    from fanin.proc import SwitchProcess
+    from fanin.switch import switch_config
+
+    control = f"127.0.0.1:{_free_port()}"
+    sw = SwitchProcess(switch_config(data_addr="127.0.0.1:0", control_addr=control, metrics_addr=None))
+    try:
+        with ControlClient(control) as c:
+            ids = list(range(600, 0, -1))
+            for job_id in ids:
+                c.admit_job(job_id, list(range(4096)), block_cnt_max=1, block_grad_max=1)
+            listed = c.list_jobs()
+            assert [j["job_id"] for j in listed] == sorted(ids)
+            assert all(len(j["members"]) == 4096 for j in listed)
+            assert [j["job_id"] for j in c.list_jobs(page_size=7)] == sorted(ids)
+            raw = c._call("ListJobs", pb.ListJobsRequest(page_size=5000))
+            assert len(raw.jobs) < 600 and raw.next_page_token, "a page stays under 1 MiB"
+            with pytest.raises(ControlError) as e:
+                c._call("ListJobs", pb.ListJobsRequest(page_token="garbage"))
+            assert e.value.code == "INVALID_ARGUMENT" and "next_page_token" in e.value.message
+    finally:
+        sw.stop()
+
+
 def test_a_new_client_reaches_a_restarted_daemon_at_once():
     """A client created after the daemon came back connects at once, even
     while another client of this process is still backing off from the

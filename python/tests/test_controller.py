@@ -239,6 +239,26 @@ def test_grpc_create_job_auth_switch_and_absent_field_means_keyed():
             assert k1 == fanin.derive_member_key(job_key, 1, 0)
 
 
+def test_a_controller_job_that_names_no_failure_policy_fails_loudly_unless_it_asked_for_aging():
+    """The tree controller admits its jobs with the switch's default policy:
+    `fail` unless the job asked for straggler aging (`degrade` then), so a
+    job that did not opt into partial sums never gets one (issue 26,
+    finding 8); a named policy is kept, through the gRPC API too."""
+    topo = topology.star(2)
+    with LoopbackSwitches(topo) as sws:
+        with ControllerServer(Controller(topo, sws.fabric), "127.0.0.1:0") as srv, ControllerClient(srv.addr) as c:
+            c.create_job(1, max_workers=2)
+            c.create_job(2, max_workers=2, block_exp_ms=10)
+            c.create_job(3, max_workers=2, on_failure="degrade")
+            c.create_job(4, max_workers=2, block_exp_ms=10, on_failure="fail")
+            for job in range(1, 5):
+                c.subscribe(job, 0, "h0")
+            policies = {j: spec["on_failure"] for j, spec in _switch_jobs(sws)["s0"].items()}
+            assert policies == {1: "fail", 2: "degrade", 3: "degrade", 4: "fail"}
+            with pytest.raises(ValueError, match="degrade, fail or None"):
+                c.create_job(5, on_failure="ignore")
+
+
 def test_cli_create_job_no_auth_and_subscribe_prints_the_member_key_in_hex(capsys):
     from fanin.cli import main
 
@@ -285,6 +305,26 @@ def _forge(addr: str, job_id: int, src: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.sendto(_native.seal_datagram(os.urandom(16), 1 << 40, header + values.astype(">i4").tobytes()),
                     (host, int(port)))
+
+
+def test_an_elastic_job_with_fewer_workers_than_its_maximum_returns_complete_sums_under_fail():
+    """max_workers is what block floating point scales for, not who must
+    contribute: two subscribed workers of a job of up to four get exact sums
+    (src_cnt 2) under the default `fail` policy, not StaleResult (the worker
+    took a src_cnt below the worker count for a partial result)."""
+    topo = topology.star(2)
+    with LoopbackSwitches(topo) as sws:
+        ctl = Controller(topo, sws.fabric)
+        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=256, max_workers=4))
+        subs = [ctl.subscribe(1, r, f"h{r}") for r in range(2)]
+        assert _switch_jobs(sws)["s0"][1]["on_failure"] == "fail"
+        ints = [np.arange(5000, dtype=np.int32) * (r + 1) for r in range(2)]
+        out = _allreduce_all([s["data_addr"] for s in subs], 1, [ints], [s["member_key"] for s in subs],
+                             elems_per_packet=256)
+        for r in range(2):
+            assert np.array_equal(out[r][0], ints[0] + ints[1])
+            # the stats still say what each block summed (averaging divides by it)
+            assert out[r][1]["min_src_cnt"] == 2
 
 
 @pytest.mark.parametrize("levels", [2, 3])
@@ -347,7 +387,10 @@ def test_workers_join_and_leave_while_allreduces_stream():
     align = n_elems // epp
     with LoopbackSwitches(topo, shards=2) as sws:
         ctl = Controller(topo, sws.fabric)
-        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=4))
+        # An allreduce in flight while a worker leaves sums it in some blocks
+        # and not in others: a partial result, which this elastic stream asks
+        # for (under the default `fail` the call raises StaleResult instead).
+        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=4, on_failure="degrade"))
         hosts = {0: "h0_0", 1: "h1_0", 2: "h0_1"}
         subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}  # keyed: each gets its member key
         results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}  # allreduce index -> block sums

@@ -396,6 +396,61 @@ pub fn job_entry_from_pb(spec: pb::JobSpec) -> Result<JobEntry, Status> {
     Ok(JobEntry { spec: job_spec_from_pb(spec)?, tree })
 }
 
+/// Jobs in a `ListJobs` page when the request names no size, and the most
+/// it may ask for.
+pub const LIST_JOBS_PAGE_DEFAULT: u32 = 100;
+/// See [`LIST_JOBS_PAGE_DEFAULT`].
+pub const LIST_JOBS_PAGE_MAX: u32 = 1000;
+/// A page ends before its encoding passes this, so a listing of jobs with
+/// thousands of members each stays inside gRPC's default 4 MB message limit.
+pub const LIST_JOBS_PAGE_BYTES: usize = 1 << 20;
+const PAGE_TOKEN_PREFIX: &str = "job:";
+
+/// The first job_id of the page a `ListJobs` page token names (0 for none).
+/// The token is the next page's first job_id, so jobs admitted or removed
+/// between pages never make the listing repeat or skip a job that stays.
+fn page_start(token: &str) -> Result<u32, Status> {
+    if token.is_empty() {
+        return Ok(0);
+    }
+    token
+        .strip_prefix(PAGE_TOKEN_PREFIX)
+        .and_then(|id| id.parse::<u32>().ok())
+        .ok_or_else(|| Status::invalid_argument(format!(
+            "ListJobs page_token {token:?} was not made by this service: pass a response's next_page_token, \
+             or an empty token for the first page"
+        )))
+}
+
+/// One `ListJobs` page: the jobs from job_id `first` on, in job_id order, at
+/// most `page_size` of them (0 = the default) and at most
+/// [`LIST_JOBS_PAGE_BYTES`] encoded (always at least one job).
+pub fn list_jobs_page(mut jobs: Vec<JobEntry>, first: u32, page_size: u32) -> pb::ListJobsResponse {
+    use prost::Message;
+
+    jobs.retain(|j| j.spec.job_id >= first);
+    jobs.sort_by_key(|j| j.spec.job_id);
+    let limit = match page_size {
+        0 => LIST_JOBS_PAGE_DEFAULT,
+        n => n.min(LIST_JOBS_PAGE_MAX),
+    } as usize;
+    let mut page = Vec::new();
+    let mut bytes = 0;
+    let mut next_page_token = String::new();
+    for job in &jobs {
+        let spec = job_entry_to_pb(job);
+        // A repeated message field costs its length, a length prefix and a tag.
+        let cost = spec.encoded_len() + 8;
+        if page.len() == limit || (!page.is_empty() && bytes + cost > LIST_JOBS_PAGE_BYTES) {
+            next_page_token = format!("{PAGE_TOKEN_PREFIX}{}", job.spec.job_id);
+            break;
+        }
+        bytes += cost;
+        page.push(spec);
+    }
+    pb::ListJobsResponse { jobs: page, next_page_token }
+}
+
 /// The wire form of a job entry.
 pub fn job_entry_to_pb(job: &JobEntry) -> pb::JobSpec {
     pb::JobSpec {
@@ -632,11 +687,12 @@ impl pb::control_server::Control for Service {
 
     async fn list_jobs(
         &self,
-        _request: Request<pb::ListJobsRequest>,
+        request: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
-        let mut jobs = self.call(|p| p.list_jobs()).await?;
-        jobs.sort_by_key(|j| j.spec.job_id);
-        Ok(Response::new(pb::ListJobsResponse { jobs: jobs.iter().map(job_entry_to_pb).collect() }))
+        let request = request.into_inner();
+        let first = page_start(&request.page_token)?;
+        let jobs = self.call(|p| p.list_jobs()).await?;
+        Ok(Response::new(list_jobs_page(jobs, first, request.page_size)))
     }
 
     async fn get_counters(

@@ -149,14 +149,14 @@ async fn every_rpc_round_trips() {
     forward.block_exp_ms = 0;
     c.admit_job(admit(forward.clone())).await.unwrap();
 
-    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    let jobs = c.list_jobs(pb::ListJobsRequest::default()).await.unwrap().into_inner().jobs;
     assert_eq!(jobs, vec![listed(forward), listed(spec(9, vec![0, 1, 2]))], "sorted by job_id, fields intact");
 
     let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.memory_used, JobSpec::with_sources(9, 3, 8, 256).memory_bytes());
 
     c.remove_job(pb::RemoveJobRequest { job_id: 9 }).await.unwrap();
-    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    let jobs = c.list_jobs(pb::ListJobsRequest::default()).await.unwrap().into_inner().jobs;
     assert_eq!(jobs.iter().map(|j| j.job_id).collect::<Vec<_>>(), vec![2]);
 
     let counters = c.get_counters(pb::GetCountersRequest {}).await.unwrap().into_inner().counters;
@@ -171,6 +171,71 @@ async fn every_rpc_round_trips() {
 
     drop(c);
     stop(server).await;
+}
+
+/// ListJobs pages (AIP-158): a listing never exceeds its page size or gRPC's
+/// default 4 MB message, the tokens walk the jobs in job_id order, a job
+/// removed or admitted between pages neither repeats nor hides another, and
+/// a token the service did not make is refused.
+#[tokio::test(flavor = "current_thread")]
+async fn list_jobs_pages() {
+    let server = start(None);
+    let mut c = client(server.local_addr()).await;
+    for id in [7, 1, 5, 3, 9] {
+        c.admit_job(admit(spec(id, vec![0, 1]))).await.unwrap();
+    }
+    let page = |size: u32, token: &str| pb::ListJobsRequest { page_size: size, page_token: token.into() };
+    let first = c.list_jobs(page(2, "")).await.unwrap().into_inner();
+    assert_eq!(first.jobs.iter().map(|j| j.job_id).collect::<Vec<_>>(), vec![1, 3]);
+    assert!(!first.next_page_token.is_empty());
+    // job 3 (listed) leaves, job 4 arrives behind the listing's position and
+    // job 8 ahead of it: the listing goes on where it was, and sees job 8
+    c.remove_job(pb::RemoveJobRequest { job_id: 3 }).await.unwrap();
+    c.admit_job(admit(spec(4, vec![0]))).await.unwrap();
+    c.admit_job(admit(spec(8, vec![0]))).await.unwrap();
+    let second = c.list_jobs(page(2, &first.next_page_token)).await.unwrap().into_inner();
+    assert_eq!(second.jobs.iter().map(|j| j.job_id).collect::<Vec<_>>(), vec![5, 7]);
+    let last = c.list_jobs(page(2, &second.next_page_token)).await.unwrap().into_inner();
+    assert_eq!(last.jobs.iter().map(|j| j.job_id).collect::<Vec<_>>(), vec![8, 9]);
+    assert_eq!(last.next_page_token, "", "the last page says so");
+    let all = c.list_jobs(page(0, "")).await.unwrap().into_inner();
+    assert_eq!((all.jobs.len(), all.next_page_token.as_str()), (6, ""), "page_size 0 = the default, 100");
+    for bad in ["7", "job:", "job:x", "job:-1", "after:3"] {
+        let err = c.list_jobs(page(2, bad)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{bad}");
+        assert!(err.message().contains("next_page_token"), "{}", err.message());
+    }
+    drop(c);
+    stop(server).await;
+}
+
+/// The page bounds by themselves: 600 jobs of 4096 members each (~5 MB of
+/// specs) come out in pages under 1 MiB, the requested size is capped at
+/// 1000, and every job is listed exactly once.
+#[test]
+fn list_jobs_page_bounds() {
+    use fanin_control::{list_jobs_page, LIST_JOBS_PAGE_BYTES, LIST_JOBS_PAGE_MAX};
+    use prost::Message;
+
+    let entry = |id: u32, members: u32| fanin_control::job_entry_from_pb(spec(id, (0..members).collect())).unwrap();
+    let big: Vec<JobEntry> = (0..600).map(|id| entry(id, 4096)).collect();
+    let (mut seen, mut first, mut pages) = (Vec::new(), 0, 0);
+    loop {
+        let page = list_jobs_page(big.clone(), first, 1000);
+        assert!(page.encoded_len() <= LIST_JOBS_PAGE_BYTES + 64, "{} bytes", page.encoded_len());
+        assert!(!page.jobs.is_empty());
+        seen.extend(page.jobs.iter().map(|j| j.job_id));
+        pages += 1;
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        first = page.next_page_token.strip_prefix("job:").unwrap().parse().unwrap();
+    }
+    assert_eq!(seen, (0..600).collect::<Vec<_>>());
+    assert!(pages >= 5, "{pages} pages");
+    let small: Vec<JobEntry> = (0..1500).map(|id| entry(id, 1)).collect();
+    assert_eq!(list_jobs_page(small.clone(), 0, 5000).jobs.len(), LIST_JOBS_PAGE_MAX as usize);
+    assert_eq!(list_jobs_page(small, 1490, 0).jobs.len(), 10);
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -197,7 +262,7 @@ async fn errors_map_to_status_codes() {
     assert_eq!(c.admit_job(admit(bad)).await.unwrap_err().code(), Code::InvalidArgument);
     let err = c.admit_job(pb::AdmitJobRequest { spec: None }).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs.is_empty());
+    assert!(c.list_jobs(pb::ListJobsRequest::default()).await.unwrap().into_inner().jobs.is_empty());
 
     // duplicate
     c.admit_job(admit(spec(1, vec![0, 1]))).await.unwrap();
@@ -233,11 +298,11 @@ async fn token_is_required_when_set() {
     let err = c.get_info(pb::GetInfoRequest {}).await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated);
 
-    let mut req = Request::new(pb::ListJobsRequest {});
+    let mut req = Request::new(pb::ListJobsRequest::default());
     req.metadata_mut().insert("authorization", "Bearer wrong".parse().unwrap());
     assert_eq!(c.list_jobs(req).await.unwrap_err().code(), Code::Unauthenticated);
 
-    let mut req = Request::new(pb::ListJobsRequest {});
+    let mut req = Request::new(pb::ListJobsRequest::default());
     req.metadata_mut().insert("authorization", "s3cret".parse().unwrap());
     assert_eq!(c.list_jobs(req).await.unwrap_err().code(), Code::Unauthenticated, "scheme required");
 
@@ -249,7 +314,7 @@ async fn token_is_required_when_set() {
     req.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
     assert_eq!(c.get_info(req).await.unwrap().into_inner().api_version, "v1");
 
-    let mut req = Request::new(pb::ListJobsRequest {});
+    let mut req = Request::new(pb::ListJobsRequest::default());
     req.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
     assert!(c.list_jobs(req).await.unwrap().into_inner().jobs.is_empty());
 
@@ -308,7 +373,7 @@ async fn serve_runs_inside_a_callers_runtime() {
     let mut s = spec(4, vec![0, 1]);
     s.mode = PbMode::Forward as i32;
     c.admit_job(admit(s)).await.unwrap();
-    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    let jobs = c.list_jobs(pb::ListJobsRequest::default()).await.unwrap().into_inner().jobs;
     assert_eq!(jobs[0].mode, PbMode::Forward as i32);
     drop(c);
     // serve() on a taken address fails with a bind error
@@ -335,7 +400,7 @@ async fn tree_roles_are_checked_kept_and_updated() {
     leaf.workers = Some(4);
     leaf.tree = Some(tree("10.1.0.1:9000", 2048));
     c.admit_job(admit(leaf.clone())).await.unwrap();
-    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    let jobs = c.list_jobs(pb::ListJobsRequest::default()).await.unwrap().into_inner().jobs;
     assert_eq!(jobs, vec![listed(leaf.clone())]);
     // a worker rank for a switch, or an address that is not one: refused
     for bad in [tree("10.1.0.1:9000", 5), tree("nowhere", 2048)] {
@@ -348,7 +413,7 @@ async fn tree_roles_are_checked_kept_and_updated() {
     grown.members = vec![0, 1, 2];
     grown.tree = None;
     c.update_job(pb::UpdateJobRequest { spec: Some(grown.clone()), awaiting: vec![2] }).await.unwrap();
-    let jobs = c.list_jobs(pb::ListJobsRequest {}).await.unwrap().into_inner().jobs;
+    let jobs = c.list_jobs(pb::ListJobsRequest::default()).await.unwrap().into_inner().jobs;
     assert_eq!(jobs, vec![listed(grown.clone())]);
     let mut resized = grown.clone();
     resized.block_cnt_max = 16;

@@ -187,11 +187,21 @@ class ControlClient:
         _check_u32(job_id, "job_id")
         self._call("RemoveJob", pb.RemoveJobRequest(job_id=job_id))
 
-    def list_jobs(self) -> List[Dict[str, Any]]:
+    def list_jobs(self, page_size: int = 0) -> List[Dict[str, Any]]:
         """The admitted jobs, ordered by job_id, as dicts with the
-        :meth:`admit_job` argument names."""
-        r = self._call("ListJobs", pb.ListJobsRequest())
-        return [_job_to_dict(j) for j in r.jobs]
+        :meth:`admit_job` argument names. Fetched a page at a time
+        (`page_size` jobs, 0 = the switch's default of 100; a page also stays
+        under 1 MiB), so a switch with thousands of large jobs lists them all
+        within gRPC's message limit."""
+        _check_u32(page_size, "page_size")
+        jobs: List[Dict[str, Any]] = []
+        token = ""
+        while True:
+            r = self._call("ListJobs", pb.ListJobsRequest(page_size=page_size, page_token=token))
+            jobs.extend(_job_to_dict(j) for j in r.jobs)
+            if not r.next_page_token:
+                return jobs
+            token = r.next_page_token
 
     def counters(self) -> List[Dict[str, Any]]:
         """Packet counters merged over shards: a list of

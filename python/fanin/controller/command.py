@@ -67,6 +67,10 @@ def add_parser(sub: Any) -> None:
     cj.add_argument("--block-grad-max", type=int, default=1024)
     cj.add_argument("--block-exp-ms", type=int, default=0, help="straggler timeout (0: wait for every member)")
     cj.add_argument("--max-workers", type=int, default=64, help="most workers at once (block floating point scales for it)")
+    cj.add_argument("--on-failure", choices=["degrade", "fail"], default=None,
+                    help="when a worker dies: fail every member with an error naming it, or go on without it "
+                         "(partial sums flagged degraded); default: degrade with --block-exp-ms, else fail "
+                         "(docs/failures.md)")
     cj.add_argument("--no-auth", action="store_true",
                     help="an unauthenticated job: no keys, anyone who reaches the switches can contribute "
                          "(default: keyed, docs/security.md)")
@@ -139,7 +143,8 @@ def _printable(sub: dict) -> dict:
 def _create_job(args: argparse.Namespace) -> int:
     return _call(args, lambda c: c.create_job(args.job_id, block_cnt_max=args.block_cnt_max,
                                               block_grad_max=args.block_grad_max, block_exp_ms=args.block_exp_ms,
-                                              max_workers=args.max_workers, auth=not args.no_auth))
+                                              max_workers=args.max_workers, on_failure=args.on_failure,
+                                              auth=not args.no_auth))
 
 
 def _install_goat(args: argparse.Namespace) -> int:

@@ -47,7 +47,8 @@ class _Servicer(pb_grpc.ControllerServicer):
                 block_exp_ms=request.block_exp_ms,
                 slow_after_windows=request.slow_after_windows if request.HasField("slow_after_windows") else 2,
                 max_workers=request.max_workers or 64,
-                on_failure="fail" if request.on_failure == pb.FailurePolicy.FAILURE_POLICY_FAIL else "degrade",
+                on_failure=(None if not request.HasField("on_failure") else
+                            "fail" if request.on_failure == pb.FailurePolicy.FAILURE_POLICY_FAIL else "degrade"),
                 member_timeout_ms=request.member_timeout_ms,
                 # absent = keyed: safe by default, also for older clients
                 auth=request.auth if request.HasField("auth") else True,
@@ -162,12 +163,15 @@ class ControllerClient:
 
     def create_job(self, job_id: int, *, block_cnt_max: int = 256, block_grad_max: int = 1024,
                    block_exp_ms: int = 0, slow_after_windows: int = 2, max_workers: int = 64,
-                   on_failure: str = "degrade", member_timeout_ms: int = 0, auth: bool = True) -> None:
+                   on_failure: Optional[str] = None, member_timeout_ms: int = 0, auth: bool = True) -> None:
         """Create a job. ``auth`` (default True): the controller draws a job
-        key and every subscriber gets a member key (docs/security.md)."""
-        policy = {"degrade": pb.FailurePolicy.FAILURE_POLICY_DEGRADE, "fail": pb.FailurePolicy.FAILURE_POLICY_FAIL}
+        key and every subscriber gets a member key (docs/security.md).
+        ``on_failure`` None: "degrade" if ``block_exp_ms`` > 0, else "fail"."""
+        policy = {"degrade": pb.FailurePolicy.FAILURE_POLICY_DEGRADE, "fail": pb.FailurePolicy.FAILURE_POLICY_FAIL,
+                  None: None}
         if on_failure not in policy:
-            raise ValueError(f"on_failure must be degrade or fail, not {on_failure!r}")
+            raise ValueError(f"on_failure must be degrade, fail or None (the default for block_exp_ms), "
+                             f"not {on_failure!r}")
         self._call("CreateJob", pb.CreateJobRequest(
             job_id=job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max, block_exp_ms=block_exp_ms,
             slow_after_windows=slow_after_windows, max_workers=max_workers, on_failure=policy[on_failure],

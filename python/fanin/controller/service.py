@@ -54,14 +54,21 @@ class JobParams:
     slow_after_windows: int = 2
     #: Most workers at once; workers scale block floating point for it.
     max_workers: int = 64
-    #: When a worker dies: "degrade" or "fail" (docs/failures.md).
-    on_failure: str = "degrade"
+    #: When a worker dies: "degrade" or "fail" (docs/failures.md). None = the
+    #: switch's rule: "degrade" for a job that asked for straggler aging
+    #: (block_exp_ms > 0), "fail" for any other, so a job that did not opt
+    #: into partial results fails loudly.
+    on_failure: Optional[str] = None
     #: 0 = the switch's default member timeout.
     member_timeout_ms: int = 0
     #: Authenticate the job's datagrams (docs/security.md): the controller
     #: draws a job key and subscribe returns each worker's member key.
     #: False = an unauthenticated job (anyone on the network can contribute).
     auth: bool = True
+
+    def __post_init__(self) -> None:
+        if self.on_failure is None:
+            object.__setattr__(self, "on_failure", "degrade" if self.block_exp_ms > 0 else "fail")
 
     def validate(self) -> None:
         if not 0 <= self.job_id < 2**32:

@@ -111,7 +111,8 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """The admitted jobs, ordered by job_id.
+        """The admitted jobs, ordered by job_id, a page at a time (AIP-158): pass
+        the response's next_page_token back until it comes back empty.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
