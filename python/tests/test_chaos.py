@@ -82,5 +82,10 @@ def test_quick_chaos_soak_on_the_testbed(tmp_path):
     assert sum(report["faults"].values()) >= 5
     # every killed worker's replacement finished an allreduce before the next fault
     assert all(e["rejoin_s"] is not None for e in report["events"] if e["fault"] == "kill_worker"), report["events"]
+    # every restarted rank or job ran a new round with all of its workers, and
+    # no call raised outside a restart of its own job
+    restarts = [e for e in report["events"] if e["fault"] in ("restart_rank", "restart_job")]
+    assert all(e["recovered_s"] is not None for e in restarts), restarts
+    assert report["value"]["raised_outside_restarts"] == 0, report["error_examples"]
     assert report["ok"], {k: report[k] for k in ("value", "error_examples", "kv", "hangs", "accounting")}
     assert r.returncode == 0

@@ -25,6 +25,7 @@ struct Process {
 }
 
 struct Net {
+    spec: JobSpec,
     shards: Vec<ValueSwitch<u32>>,
     now: Time,
     next_addr: u32,
@@ -34,19 +35,9 @@ struct Net {
 
 impl Net {
     fn new(spec: JobSpec, shards: u16, loss: f64, seed: u64) -> Self {
-        let shards = (0..shards)
-            .map(|s| {
-                let mut sw = ValueSwitch::new(ShardConfig {
-                    shard: s,
-                    shard_count: shards,
-                    ..ShardConfig::single(1 << 30)
-                });
-                sw.add_job(spec.clone()).unwrap();
-                sw
-            })
-            .collect();
         Net {
-            shards,
+            shards: Self::switch(&spec, shards, 1),
+            spec,
             now: Time::ZERO,
             next_addr: 1,
             loss,
@@ -54,8 +45,35 @@ impl Net {
         }
     }
 
+    /// A switch of `shards` shards that holds the job, at switch incarnation `incarnation`.
+    fn switch(spec: &JobSpec, shards: u16, incarnation: u32) -> Vec<ValueSwitch<u32>> {
+        (0..shards)
+            .map(|s| {
+                let mut sw = ValueSwitch::new(ShardConfig {
+                    shard: s,
+                    shard_count: shards,
+                    incarnation,
+                    ..ShardConfig::single(1 << 30)
+                });
+                sw.add_job(spec.clone()).unwrap();
+                sw
+            })
+            .collect()
+    }
+
+    /// The switch restarts: a fresh one, job re-admitted, no blocks, no
+    /// rounds (docs/restart.md); the workers recover.
+    fn restart_switch(&mut self, incarnation: u32) {
+        self.shards = Self::switch(&self.spec, self.shards.len() as u16, incarnation);
+    }
+
     /// A new process of `rank`: a new session (incarnation `inc`) at a new address.
     fn spawn(&mut self, rank: u16, inc: u16) -> Process {
+        self.spawn_with(rank, inc, |_| {})
+    }
+
+    /// `spawn`, with `tune` applied to the session's configuration.
+    fn spawn_with(&mut self, rank: u16, inc: u16, tune: impl FnOnce(&mut SessionConfig)) -> Process {
         let mut c = SessionConfig::new(JOB, rank);
         c.elems_per_packet = 4;
         c.window = 4;
@@ -63,6 +81,7 @@ impl Net {
         c.rto_initial = Duration::from_millis(5);
         c.rto_min = Duration::from_millis(2);
         c.barrier_timeout = Duration::from_secs(2);
+        tune(&mut c);
         let addr = self.next_addr;
         self.next_addr += 1;
         Process {
@@ -137,6 +156,7 @@ impl Net {
     }
 
     /// Tick until `done` holds for every process (at most `limit`).
+    #[track_caller]
     fn run_until(
         &mut self,
         procs: &mut [&mut Process],
@@ -145,7 +165,7 @@ impl Net {
     ) {
         let end = self.now + limit;
         while !procs.iter().all(|p| done(p)) {
-            assert!(self.now < end, "nothing happened within {limit:?}");
+            assert!(self.now < end, "nothing happened within {limit:?} (called at {})", std::panic::Location::caller());
             self.tick(procs);
         }
     }
@@ -420,6 +440,106 @@ fn a_whole_job_restart_heals_a_job_that_failed() {
 /// allreduce that returns carries exactly the sum of its round's
 /// contributions, and every other one raised a restart (or a failure, if
 /// the job's member timeout found a killed rank first).
+fn joined_at(p: &Process) -> u32 {
+    p.events
+        .iter()
+        .find_map(|e| match e {
+            Event::Joined(params) => Some(params.next_block),
+            _ => None,
+        })
+        .expect("joined")
+}
+
+/// A rank that comes back with a sync join (SwitchML++) into a round that
+/// did not start at block 0 gets a start on one of the round's allreduce
+/// boundaries, and its sums line up with the others'. The old answer
+/// aligned to multiples of the allreduce length from block 0: after a
+/// restart the joiner's allreduces straddled the others' (the chaos soak's
+/// job stalled on it).
+#[test]
+fn a_sync_join_into_a_later_round_lines_up_with_the_rounds_allreduces() {
+    sync_join_into_a_later_round(false);
+}
+
+/// The same after the switch itself restarted within the round: the fresh
+/// switch knows nothing of the round's start, and learns the boundaries
+/// from the members' recovery joins (their `RecoverAnchor`).
+#[test]
+fn a_sync_join_after_a_switch_restart_lines_up_with_the_rounds_allreduces() {
+    sync_join_into_a_later_round(true);
+}
+
+fn sync_join_into_a_later_round(restart_switch: bool) {
+    let spec = JobSpec {
+        block_exp_ms: 20,
+        on_failure: FailurePolicy::Degrade,
+        ..JobSpec::with_sources(JOB, 3, 4, 4)
+    };
+    let mut net = Net::new(spec, 2, 0.0, 7);
+    let input = |r: i32, k: u32| vec![(r + 1) * 100 + k as i32; 12]; // 3 blocks: one allreduce
+    // the first run, then a whole-job restart: the next round starts at F
+    let mut first: Vec<Process> = (0..3).map(|r| net.spawn(r, 1 + r)).collect();
+    {
+        let mut refs: Vec<&mut Process> = first.iter_mut().collect();
+        net.run_until(&mut refs, Duration::from_secs(1), joined);
+        for k in 0..2 {
+            let inputs: Vec<Vec<i32>> = (0..3).map(|r| input(r, k)).collect();
+            for got in allreduce(&mut net, &mut refs, &inputs) {
+                assert_eq!(got.unwrap(), sum(&inputs));
+            }
+        }
+    }
+    drop(first);
+    let (mut s0, mut s1, mut s2) = (net.spawn(0, 20), net.spawn(1, 21), net.spawn(2, 22));
+    net.run_until(&mut [&mut s0, &mut s1, &mut s2], Duration::from_secs(1), joined);
+    let f = joined_at(&s0);
+    assert!(f % 3 != 0, "the round starts at {f}, a multiple of S = 4 that is not one of 3: the case to test");
+    for k in 0..2 {
+        let inputs: Vec<Vec<i32>> = (0..3).map(|r| input(r, k)).collect();
+        for got in allreduce(&mut net, &mut [&mut s0, &mut s1, &mut s2], &inputs) {
+            assert_eq!(got.unwrap(), sum(&inputs));
+        }
+    }
+    if restart_switch {
+        net.restart_switch(0x1234_5677);
+        // the members find out with their next call and recover into the fresh switch
+        let inputs: Vec<Vec<i32>> = (0..3).map(|r| input(r, 2)).collect();
+        for got in allreduce(&mut net, &mut [&mut s0, &mut s1, &mut s2], &inputs) {
+            assert_eq!(got.unwrap(), sum(&inputs));
+        }
+        assert_eq!(net.counter(|c| c.recoveries), 1);
+    }
+    let next = if restart_switch { 3 } else { 2 };
+    // rank 2 dies; the others go on with partial sums (aging), then it
+    // comes back with a sync join
+    drop(s2);
+    let partial = |k: u32| sum(&[input(0, k), input(1, k)]);
+    for got in allreduce(&mut net, &mut [&mut s0, &mut s1], &[input(0, next), input(1, next)]) {
+        assert_eq!(got.unwrap(), partial(next));
+    }
+    let mut j = net.spawn_with(2, 23, |c| {
+        c.sync_join = true;
+        c.align_blocks = 3;
+    });
+    let joiner = j.addr;
+    net.run_until(&mut [&mut s0, &mut s1, &mut j], Duration::from_secs(1), |p| p.addr != joiner || joined(p));
+    let start = joined_at(&j);
+    assert!(start >= f + 3 * (next + 1), "past the round's allreduces so far: {start}");
+    assert_eq!((start - f) % 3, 0, "start {start} is not an allreduce boundary of the round from {f}");
+    let first_call = (start - f) / 3;
+    for k in next + 1..first_call {
+        for got in allreduce(&mut net, &mut [&mut s0, &mut s1], &[input(0, k), input(1, k)]) {
+            assert_eq!(got.unwrap(), partial(k), "call {k}");
+        }
+    }
+    for k in first_call..first_call + 3 {
+        let inputs: Vec<Vec<i32>> = (0..3).map(|r| input(r, k)).collect();
+        for got in allreduce(&mut net, &mut [&mut s0, &mut s1, &mut j], &inputs) {
+            assert_eq!(got.unwrap(), sum(&inputs), "call {k}, with the joiner");
+        }
+    }
+}
+
 #[test]
 fn random_kills_and_restarts_never_return_a_wrong_sum() {
     for seed in 0..24u64 {

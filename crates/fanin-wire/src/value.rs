@@ -85,11 +85,12 @@ impl Dtype {
 }
 
 /// Byte length of the message body that follows the header.
-fn body_len(msg_type: MessageType, grad_cnt: u16) -> usize {
+fn body_len(msg_type: MessageType, grad_cnt: u16, age_op: u8) -> usize {
     match msg_type {
         MessageType::Contribution | MessageType::Retransmission | MessageType::Result => {
             grad_cnt as usize * ELEM_LEN
         }
+        MessageType::Join if age_op == JOIN_RECOVER => RecoverAnchor::LEN,
         MessageType::Join | MessageType::Membership => 0,
         MessageType::JoinAck => JoinParams::LEN,
         MessageType::Sync => SyncRequest::LEN,
@@ -142,7 +143,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
         if grad_cnt != 0 && (!carries_block || flags & FLAG_EXP_ONLY != 0) {
             return Err(WireError::ExpOnlyWithPayload(grad_cnt));
         }
-        let expected = HEADER_LEN + body_len(preamble.msg_type, grad_cnt);
+        let expected = HEADER_LEN + body_len(preamble.msg_type, grad_cnt, flags >> AGE_OP_SHIFT);
         if bytes.len() != expected {
             return Err(WireError::LengthMismatch { expected, got: bytes.len() });
         }
@@ -370,7 +371,7 @@ impl Repr {
 
     /// Length of the whole datagram this header describes.
     pub fn buffer_len(&self) -> usize {
-        HEADER_LEN + body_len(self.msg_type, self.grad_cnt)
+        HEADER_LEN + body_len(self.msg_type, self.grad_cnt, self.age_op)
     }
 
     /// Write the header (not the payload) into a buffer of at least
@@ -640,6 +641,43 @@ impl SyncRequest {
     }
 }
 
+/// Body of a `JOIN_RECOVER` Join: where an allreduce of the recovering
+/// worker's stream begins, so a restarted switch knows the job's allreduce
+/// boundaries again (a round need not start at block 0, docs/protocol.md
+/// §4.12) and can answer a later sync join on one of them.
+///
+/// ```text
+/// 0 block u32 | 4 gen_id u16 | 6 reserved u16 (0)
+/// ```
+///
+/// `block`: the first block of the worker's running allreduce, or of its
+/// next one when none runs; `gen_id`: that allreduce's generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecoverAnchor {
+    pub block: u32,
+    pub gen_id: u16,
+}
+
+impl RecoverAnchor {
+    pub const LEN: usize = 8;
+
+    pub fn parse(body: &[u8]) -> Result<Self, WireError> {
+        if body.len() < Self::LEN {
+            return Err(WireError::Truncated { needed: Self::LEN, got: body.len() });
+        }
+        Ok(Self {
+            block: u32::from_be_bytes([body[0], body[1], body[2], body[3]]),
+            gen_id: u16::from_be_bytes([body[4], body[5]]),
+        })
+    }
+
+    pub fn emit(&self, body: &mut [u8]) {
+        body[0..4].copy_from_slice(&self.block.to_be_bytes());
+        body[4..6].copy_from_slice(&self.gen_id.to_be_bytes());
+        body[6..8].fill(0);
+    }
+}
+
 /// Status carried in `age_op` of a [`MessageType::Membership`] notice.
 pub const MEMBERSHIP_SLOW: u8 = 1;
 /// See [`MEMBERSHIP_SLOW`].
@@ -665,7 +703,7 @@ pub const MEMBERSHIP_MISMATCH: u8 = 5;
 pub const JOIN_SYNC: u8 = 1;
 /// `age_op` of a `Join` from a worker recovering after a switch restart
 /// (docs/restart.md): its `block_id` is the lowest block of the job's stream
-/// it has no result for. The switch answers (with the same `age_op`) only
+/// it has no result for, and its body a [`RecoverAnchor`]. The switch answers (with the same `age_op`) only
 /// once every member reported; the JoinAck's `next_block` is then the
 /// recovery floor, the lowest block any member still needs.
 pub const JOIN_RECOVER: u8 = 2;

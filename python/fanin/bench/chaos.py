@@ -21,6 +21,15 @@ injects, one fault at a time:
   the sender's link and replayed; its count must stay exact;
 * ``kill_worker``: SIGKILL of a worker of the degradable job, restarted a
   few seconds later (it rejoins the running job, SwitchML++ sync);
+* ``restart_rank``: SIGKILL of one worker of either job, restarted a few
+  seconds later with a plain join (a new incarnation, as ``torchrun
+  --max-restarts`` does): the job's round ends, every survivor's call
+  raises ``MemberRestarted`` (or ``MemberFailed``, if the member timeout
+  came first) and never returns the old round's sums; the survivors start
+  new sessions (``--rejoin``, as an elastic agent restarts its group) and
+  the job's next round runs with all three;
+* ``restart_job``: SIGKILL of every worker of either job, all restarted
+  with plain joins: a whole-job restart starts a fresh round at once;
 * ``kill_kv_sender``: SIGKILL of a key-value sender daemon (h1 or h2),
   most likely mid-task (tasks run back to back), restarted a moment later:
   the running task must end in ``SenderFailed`` naming the channel, with a
@@ -35,6 +44,9 @@ allreduces (nothing hung), and the report checks:
 * zero wrong results (value and key-value);
 * zero hangs (no worker silent longer than ``--hang-s``; every kv task
   ends, with a result or a clean error, within its deadline);
+* zero errors, and every raised call (``MemberRestarted``, ``MemberFailed``)
+  of a worker inside a restart fault of its own job: a raise anywhere else
+  counts as an error;
 * the switch's counters account for every injected garbage datagram by
   reason, every forged and replayed value and key-value datagram by its
   ``auth_*`` counter (``kv.auth_*`` for key-value), summed over
@@ -67,7 +79,8 @@ WORKERS = 3
 BLOCKS, EPP, WINDOW = 24, 256, 16
 # Job 1 degrades around a dead worker: blocks wait this long, then age out.
 BLOCK_EXP_MS = 200
-FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_switch", "kv_forge", "kv_replay", "kill_kv_sender")
+FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_rank", "restart_job", "restart_switch", "kv_forge",
+          "kv_replay", "kill_kv_sender")
 # Network faults all along, injected by every worker (seeded and counted;
 # netem is not available on every kernel): loss of what it sends; loss,
 # duplication and reordering of what it receives. Not at the switch's
@@ -159,6 +172,10 @@ class Soak:
         self.replays: list[dict[str, Any]] = []
         self.recoveries: list[float] = []
         self.rejoins: list[float] = []
+        # restart_rank / restart_job: (job, start, end) of each, and the time
+        # from the kill until every worker of the job had a result again
+        self.restart_windows: list[tuple[int, float, float]] = []
+        self.restarts: list[float] = []
         self.events: list[dict[str, Any]] = []
         self.kv = KvLoad(self) if not args.no_kv else None
 
@@ -180,7 +197,7 @@ class Soak:
         if sync_join:
             argv.append("--sync-join")
         argv += ["--auth-key", derive_member_key(self.job_keys[job], job, rank).hex()]
-        argv += ["--stop-file", str(self.stop_file(job))]
+        argv += ["--stop-file", str(self.stop_file(job)), "--rejoin"]
         return Worker(self.tb, host, argv, f"job{job}/rank{rank}")
 
     def stop_file(self, job: int) -> Path:
@@ -270,6 +287,46 @@ class Soak:
         return {"job": INT_JOB, "rank": rank, "down_s": round(down, 2),
                 "rejoin_s": None if rejoin is None else round(rejoin, 3)}
 
+    def _fault_restart_rank(self) -> dict[str, Any]:
+        job = self.rng.choice([INT_JOB, FLOAT_JOB])
+        return self._restart(job, [self.rng.randrange(WORKERS)])
+
+    def _fault_restart_job(self) -> dict[str, Any]:
+        return self._restart(self.rng.choice([INT_JOB, FLOAT_JOB]), list(range(WORKERS)))
+
+    def _restart(self, job: int, ranks: list[int]) -> dict[str, Any]:
+        """SIGKILL `ranks` of `job` and start them again with plain joins (new
+        incarnations). The fault lasts until every worker of the job has
+        finished an allreduce that started after the last replacement was up,
+        so the survivors' raises and rejoins fall inside it."""
+        dtype = "int32" if job == INT_JOB else "float32"
+        t0 = time.monotonic()
+        for rank in ranks:
+            w = self.workers[(job, rank)]
+            w.kill()
+            self.retired.append(w)
+        down = self.rng.uniform(1.0, 3.0)
+        time.sleep(down)
+        for rank in ranks:
+            host = self.workers[(job, rank)].host
+            self.workers[(job, rank)] = self._worker(job, rank, dtype, host)
+        started = time.monotonic()
+        members = {rank: self.workers[(job, rank)] for rank in range(WORKERS)}
+        recovered = None
+        while time.monotonic() - started < self.args.hang_s:
+            if all(any(r["t_seen"] > started for r in w.done()) for w in members.values()):
+                recovered = time.monotonic() - t0
+                break
+            time.sleep(0.02)
+        # The window for raises: from the kill until the job runs again (or
+        # the hang bound, when it does not: the hang check reports that).
+        self.restart_windows.append((job, t0, time.monotonic()))
+        if recovered is not None:
+            self.restarts.append(recovered)
+        raised = sum(1 for w in members.values() for r in w.lines if r.get("event") == "raised" and r["t_seen"] >= t0)
+        return {"job": job, "ranks": ranks, "down_s": round(down, 2), "survivors_raised": raised,
+                "recovered_s": None if recovered is None else round(recovered, 3)}
+
     def _fault_restart_switch(self) -> dict[str, Any]:
         self.scrape()
         self.counter_base.update(self.counter_last)
@@ -341,7 +398,11 @@ class Soak:
             furthest = max((d[-1]["step"] for d in done if d), default=0)
             now = time.monotonic()
             recent = max((sum(1 for r in d if now - r["t_seen"] < 2.0) for d in done), default=0)
-            self.stop_file(job).write_text(str(furthest + recent + 2))
+            # Written whole and renamed into place: a worker must never read a
+            # half-written (empty) file, or it stops a step before the others.
+            tmp = self.stop_file(job).with_suffix(".tmp")
+            tmp.write_text(str(furthest + recent + 2))
+            os.replace(tmp, self.stop_file(job))
         exit_codes = {w.label: w.wait(timeout=self.args.hang_s) for w in self.workers.values()}
         hangs.update(label for label, code in exit_codes.items() if code is None)
         return self.report(sorted(hangs), kv_report, exit_codes)
@@ -357,7 +418,8 @@ class Soak:
         return dict(total)
 
     def report(self, hangs: list[str], kv_report: Optional[dict[str, Any]], exit_codes: dict) -> dict[str, Any]:
-        value = {"allreduces": 0, "verified": 0, "wrong": 0, "degraded": 0, "errors": 0}
+        value = {"allreduces": 0, "verified": 0, "wrong": 0, "degraded": 0, "errors": 0, "raised": 0,
+                 "raised_outside_restarts": 0}
         wrong_examples, error_examples = [], []
         for w in list(self.workers.values()) + self.retired:
             for rec in w.lines:
@@ -367,6 +429,16 @@ class Soak:
                     value["degraded"] += rec.get("degraded", 0) > 0
                     if not rec["ok"] and len(wrong_examples) < 5:
                         wrong_examples.append({"worker": w.label, "step": rec["step"], "problem": rec["problem"]})
+                elif rec.get("event") == "raised":
+                    # A raise is the right answer inside a restart of the
+                    # worker's own job and an error anywhere else.
+                    job = int(w.label.split("/")[0][3:])
+                    inside = any(j == job and t0 <= rec["t_seen"] <= t1 + 1.0 for j, t0, t1 in self.restart_windows)
+                    value["raised"] += 1
+                    if not inside:
+                        value["raised_outside_restarts"] += 1
+                        if len(error_examples) < 5:
+                            error_examples.append({"worker": w.label, **rec})
                 elif rec.get("event") in ("error", "join_failed"):
                     value["errors"] += 1
                     if len(error_examples) < 5:
@@ -381,7 +453,8 @@ class Soak:
         kv_wrong = kv_report["wrong"] if kv_report else 0
         kv_hung = kv_report["hung"] if kv_report else 0
         kv_wrong += kv_report["attacks_failed"] if kv_report else 0
-        ok = (value["wrong"] == 0 and value["errors"] == 0
+        ok = (value["wrong"] == 0 and value["errors"] == 0 and value["raised_outside_restarts"] == 0
+              and len(self.restarts) == self.faults.get("restart_rank", 0) + self.faults.get("restart_job", 0)
               and len(self.recoveries) == self.faults.get("restart_switch", 0)
               and len(self.rejoins) == self.faults.get("kill_worker", 0) and kv_wrong == 0 and not hangs and kv_hung == 0
               and all(a["accounted"] for a in accounting.values()) and value["verified"] > 0)
@@ -401,6 +474,9 @@ class Soak:
                 "within_two_block_timeouts": sum(r <= 2 * BLOCK_EXP_MS / 1000 for r in self.recoveries)},
             # a killed worker's replacement: process start to its first allreduce
             "worker_rejoin_s": _spread(self.rejoins),
+            # restart_rank / restart_job: kill until every worker of the job
+            # has a result of the new round
+            "job_restart_s": _spread(self.restarts),
             "switch_counters": {k: v for k, v in sorted(counters.items()) if v},
             "worker_exit_codes": exit_codes, "events": self.events,
         }
@@ -615,7 +691,10 @@ def _human(r: dict[str, Any]) -> str:
              f"{r['switch_restart_recovery_s']['within_two_block_timeouts']} of "
              f"{r['switch_restart_recovery_s']['count']} within two block timeouts ({2 * BLOCK_EXP_MS} ms)",
              f"  killed workers back (start to first allreduce): median {r['worker_rejoin_s']['median']} s, "
-             f"max {r['worker_rejoin_s']['max']} s"]
+             f"max {r['worker_rejoin_s']['max']} s",
+             f"  ranks and jobs restarted (kill to a new round's results): median {r['job_restart_s']['median']} s, "
+             f"max {r['job_restart_s']['max']} s; {v['raised']} calls raised inside them, "
+             f"{v['raised_outside_restarts']} outside"]
     for counter, a in r["accounting"].items():
         lines.append(f"  {counter}: injected {a['injected']}, counted {a['counted']}")
     return "\n".join(lines)

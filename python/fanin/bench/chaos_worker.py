@@ -81,9 +81,14 @@ def _injected(s: "fanin.Session") -> dict[str, int]:
 
 
 def _past_stop_step(path: Optional[str], step: int) -> bool:
+    """Whether the stop file names a step before `step`. The driver writes it
+    by rename, so it is whole or absent; an empty or unreadable one is read as
+    absent (reading an empty file as "stop now" once stopped one worker a step
+    before the others, which then waited for it until the member timeout)."""
     try:
         with open(path or "") as f:
-            return step > int(f.read().strip() or "-1")
+            text = f.read().strip()
+        return bool(text) and step > int(text)
     except (OSError, ValueError):
         return False
 
@@ -103,7 +108,12 @@ def main() -> int:
     p.add_argument("--elems-per-packet", type=int, default=256)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--dtype", choices=["int32", "float32"], default="int32")
-    p.add_argument("--sync-join", action="store_true", help="rejoin a running job (a restarted worker)")
+    p.add_argument("--sync-join", action="store_true",
+                   help="join the running stream (SwitchML++ sync join): a restarted worker spliced back in")
+    p.add_argument("--rejoin", action="store_true",
+                   help="when a member of the job restarted or failed (MemberRestarted, MemberFailed), start a new "
+                        "Session and go on, as torch elastic restarts its group; without it such an error ends "
+                        "the worker")
     p.add_argument("--auth-key", default=None, help="member key, hex (authenticated jobs)")
     p.add_argument("--dead-after-s", type=float, default=20.0)
     p.add_argument("--stop-file", default=None,
@@ -120,16 +130,22 @@ def main() -> int:
     kwargs: dict[str, Any] = dict(elems_per_packet=a.elems_per_packet, window=a.window, seed=a.seed,
                                   send_drop=a.send_drop, recv_drop=a.recv_drop, recv_duplicate=a.recv_duplicate,
                                   recv_reorder=a.recv_reorder, rto_ms=20.0, rto_min_ms=5.0, rto_max_ms=200.0, dead_after_s=a.dead_after_s)
-    if a.sync_join:
-        kwargs.update(sync_join=True, align_blocks=a.blocks)
     if a.auth_key:
         kwargs["auth_key"] = bytes.fromhex(a.auth_key)
-    try:
-        s = fanin.Session(a.addr, a.job, a.rank, **kwargs)
-    except Exception as e:  # noqa: BLE001 - reported to the driver, which decides
-        print(json.dumps({"event": "join_failed", "error": str(e)}), flush=True)
+    def connect(sync: bool) -> Optional["fanin.Session"]:
+        opts = dict(kwargs, sync_join=True, align_blocks=a.blocks) if sync else kwargs
+        try:
+            return fanin.Session(a.addr, a.job, a.rank, members=a.workers, **opts)
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which decides
+            print(json.dumps({"event": "join_failed", "error": str(e)}), flush=True)
+            return None
+
+    s = connect(a.sync_join)
+    if s is None:
         return 3
-    # The stream position tells the step: allreduce k covers blocks [k*n, (k+1)*n).
+    carried: Counter = Counter()  # faults injected by this worker's earlier sessions
+    # The stream position tells the step: allreduce k covers blocks [k*n, (k+1)*n)
+    # from where the session joined (every member of a round joins at one block).
     step = int(s.params.get("next_block", 0)) // a.blocks
     print(json.dumps({"event": "ready", "step": step}), flush=True)
     while not _stop and not _past_stop_step(a.stop_file, step):
@@ -137,6 +153,25 @@ def main() -> int:
         t0 = time.monotonic()
         try:
             out = s.allreduce(x)
+        except (fanin.MemberRestarted, fanin.MemberFailed) as e:
+            if not a.rejoin:
+                print(json.dumps({"event": "error", "step": step, "error": str(e),
+                                  "s": time.monotonic() - t0}), flush=True)
+                return 4
+            # Another member restarted (or died): this round is over and this
+            # call raised rather than return anything. Start over in a new
+            # Session (a new incarnation), as an elastic agent restarts its
+            # group; the job's next round starts when every member is back.
+            print(json.dumps({"event": "raised", "step": step, "kind": type(e).__name__, "error": str(e)[:300],
+                              "s": time.monotonic() - t0}), flush=True)
+            carried.update(_injected(s))
+            s = None
+            s = connect(False)
+            if s is None:
+                return 3
+            step = int(s.params.get("next_block", 0)) // a.blocks
+            print(json.dumps({"event": "ready", "step": step, "rejoined": True}), flush=True)
+            continue
         except Exception as e:  # noqa: BLE001 - a clean failure is a result too
             print(json.dumps({"event": "error", "step": step, "error": str(e),
                               "s": time.monotonic() - t0}), flush=True)
@@ -147,7 +182,7 @@ def main() -> int:
         print(json.dumps({"event": "done", "step": step, "ok": problem is None, "problem": problem,
                           "s": time.monotonic() - t0, "degraded": len(stats.get("degraded_blocks", [])),
                           "retransmissions": stats.get("retransmissions", 0),
-                          "faults": _injected(s)}), flush=True)
+                          "faults": dict(carried + Counter(_injected(s)))}), flush=True)
         step += 1
     return 0
 

@@ -994,10 +994,17 @@ impl AllreduceSession {
                 let mut sent = 0;
                 if self.join_due {
                     self.join_due = false;
-                    let repr = self.recovery_join().unwrap_or_else(|| self.probe_request());
+                    let (repr, anchor) = match self.recovery_join() {
+                        Some((repr, anchor)) => (repr, Some(anchor)),
+                        None => (self.probe_request(), None),
+                    };
                     let seal = self.sealer.as_mut().map(|s| (s.key, s.take_seq()));
                     push_sealed(out, 0, repr.buffer_len(), seal.as_ref().map(|(k, q)| (k, *q)), |buf| {
-                        repr.emit(&mut Packet::new_unchecked(buf))
+                        let mut packet = Packet::new_unchecked(buf);
+                        repr.emit(&mut packet);
+                        if let Some(anchor) = anchor {
+                            anchor.emit(packet.payload_mut());
+                        }
                     });
                     sent += 1;
                 }
@@ -1249,12 +1256,11 @@ impl AllreduceSession {
         self.n_sources = repr.src_cnt.max(1);
         self.next_block = params.next_block;
         if self.config.sync_join && repr.age_op != JOIN_ROUND_START {
-            // Start at the first allreduce boundary at or after the offset,
-            // as the generation the others use there.
-            let n = self.config.align_blocks;
-            let step = params.next_block.div_ceil(n);
-            self.next_block = step.wrapping_mul(n);
-            self.gen_id = step as u16; // begin() moves to step + 1
+            // The switch answered an allreduce boundary of the running round
+            // (counted from the round's first block, which this worker cannot
+            // know) and the generation of the allreduce before it; begin()
+            // moves to the next, the one the others use at that block.
+            self.gen_id = repr.gen_id;
         }
         self.window_max = self.config.window.min(params.block_cnt_max).max(1);
         self.window = self.window_max;
@@ -1309,7 +1315,12 @@ impl AllreduceSession {
         if !useful {
             return; // duplicate, or an answer to an earlier phase
         }
-        if !repr.exp_only && (repr.degraded || repr.src_cnt < self.n_sources) && !params.partial_results {
+        // `degraded` is the switch's word that the block lacks a member it
+        // waited for (aged, declared slow or dead, or so below it in a tree).
+        // A src_cnt below the job's worker count alone is not: an elastic job
+        // (SwitchML++) sums over the members subscribed now, fewer than the
+        // workers its block floating point is scaled for.
+        if !repr.exp_only && repr.degraded && !params.partial_results {
             self.fail(SessionError::PartialResult {
                 job_id: self.config.job_id,
                 block_id: repr.block_id,

@@ -46,7 +46,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_ROUND_START,
+    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, RecoverAnchor, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_ROUND_START,
     JOIN_SYNC, JOIN_WAIT, SYNC_NEWCOMER, ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_MISMATCH, MEMBERSHIP_READMITTED,
     MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW, NACK_TAG,
 };
@@ -444,6 +444,11 @@ struct Job<A> {
     data_memory: u64,
     /// First block id of the job's stream (the SwitchML++ sync offset).
     start_block: u32,
+    /// An allreduce boundary of the running round and its generation: the
+    /// round's first block and generation 1, or what a recovering member
+    /// reported after this switch restarted. Sync joins are answered on
+    /// the boundaries it fixes (join.rs `sync_start`).
+    anchor: RecoverAnchor,
     /// Sources new blocks wait for: members minus the permanently slow.
     active: SourceMask,
     /// Per source: aged blocks it was missing from since it last contributed.
@@ -678,6 +683,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             memory,
             data_memory: memory,
             start_block: 0,
+            anchor: RecoverAnchor { block: 0, gen_id: 1 },
             missed_streak: vec![0; capacity],
             open_blocks: 0,
             aging,
@@ -1077,7 +1083,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // a restarted switch learns the round's incarnations here
                 job.incarnations[src as usize] = inc;
             }
-            return recover_join(job, &self.config, src, from, packet.block_id(), &mut self.counters, out);
+            // (the body is there: Packet::new_checked sized it by age_op)
+            let anchor = RecoverAnchor::parse(packet.payload()).ok();
+            return recover_join(job, &self.config, src, from, packet.block_id(), anchor, &mut self.counters, out);
         }
         if packet.age_op() != JOIN_SYNC {
             // Joining with the others: the stream's start, which every
@@ -1092,8 +1100,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             job.pending_sync.insert(src, src);
             forward_sync(job, src, packet.block_id(), newcomer, &mut self.counters, out);
         } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id(), newcomer) {
-            answer_join(job, &self.config, src, src, from, start, out);
-            return joined(job, src, start);
+            answer_join_as(job, &self.config, src, src, from, start, 0, out);
+            return joined(job, src, start.block);
         } else {
             self.counters.sync_deferred += 1;
         }
@@ -1121,8 +1129,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if job.uplink.is_some() {
             forward_sync(job, request.origin, request.align_blocks, newcomer, &mut self.counters, out);
         } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks, newcomer) {
-            answer_join(job, &self.config, request.origin, via, from, start, out);
-            return joined(job, via, start);
+            answer_join_as(job, &self.config, request.origin, via, from, start, 0, out);
+            return joined(job, via, start.block);
         } else {
             self.counters.sync_deferred += 1;
         }

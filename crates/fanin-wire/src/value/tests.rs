@@ -608,3 +608,46 @@ fn round_ended_notice_both_ways() {
     expected.emit(&mut Packet::new_unchecked(&mut buf[..]));
     assert_eq!(buf, ROUND_ENDED_NOTICE);
 }
+
+/// A recovery Join (age_op 2) of job 9 from source 2, member incarnation
+/// 0xBEEF, generation 7, lowest block without a result 0x53; its body: the
+/// running allreduce began at block 0x50 as generation 7.
+const RECOVER_JOIN: [u8; 32] = [
+    0xFA, 0x17, 0x01, 0x04, // Join
+    0x20, 0x00, 0x00, 0x02, // age_op 2 (recover) | flags 0; int32; src_id 2
+    0xBE, 0xEF, 0x00, 0x07, // src_cnt = member incarnation; gen_id 7
+    0x00, 0x00, 0x00, 0x09, // job_id 9
+    0x00, 0x00, 0x00, 0x53, // block_id: the lowest block without a result
+    0x00, 0x00, 0x80, 0x80, // grad_cnt 0; exp/next_exp NONE
+    0x00, 0x00, 0x00, 0x50, // anchor block
+    0x00, 0x07, 0x00, 0x00, // anchor gen_id 7; reserved
+];
+
+#[test]
+fn recover_join_carries_its_anchor_both_ways() {
+    let p = Packet::new_checked(&RECOVER_JOIN[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    let expected = Repr {
+        age_op: JOIN_RECOVER,
+        src_cnt: 0xBEEF,
+        gen_id: 7,
+        block_id: 0x53,
+        ..Repr::new(MessageType::Join, 9, 2)
+    };
+    assert_eq!(repr, expected);
+    assert_eq!(expected.buffer_len(), RECOVER_JOIN.len());
+    let anchor = RecoverAnchor::parse(p.payload()).unwrap();
+    assert_eq!(anchor, RecoverAnchor { block: 0x50, gen_id: 7 });
+    let mut buf = [MARKER; 32];
+    let mut out = Packet::new_unchecked(&mut buf[..]);
+    expected.emit(&mut out);
+    anchor.emit(out.payload_mut());
+    assert_eq!(buf, RECOVER_JOIN);
+    // the body is part of a recovery Join: one without it is cut short, and
+    // a plain Join carries none
+    assert!(Packet::new_checked(&RECOVER_JOIN[..24]).is_err());
+    let mut plain = RECOVER_JOIN;
+    plain[4] = 0x00;
+    assert!(Packet::new_checked(&plain[..]).is_err());
+    assert!(Packet::new_checked(&plain[..24]).is_ok());
+}

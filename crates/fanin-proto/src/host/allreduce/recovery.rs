@@ -26,7 +26,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use fanin_wire::value::{incarnation_tag, JoinParams, Packet, Repr, HEADER_LEN, JOIN_RECOVER};
+use fanin_wire::value::{incarnation_tag, JoinParams, Packet, RecoverAnchor, Repr, HEADER_LEN, JOIN_RECOVER};
 use fanin_wire::MessageType;
 
 use super::{emit_block, AllreduceSession, BlockPhase, Op, SessionConfig, SessionError};
@@ -234,10 +234,16 @@ impl AllreduceSession {
         self.join_due = true;
     }
 
-    /// The join to send while waiting for the floor.
-    pub(super) fn recovery_join(&self) -> Option<Repr> {
+    /// The join to send while waiting for the floor, with its body: where
+    /// this worker's running (or next) allreduce begins, so the restarted
+    /// switch can answer later sync joins on the job's allreduce boundaries.
+    pub(super) fn recovery_join(&self) -> Option<(Repr, RecoverAnchor)> {
         let rec = self.recovery.as_ref().filter(|r| r.waiting())?;
-        Some(Repr { age_op: JOIN_RECOVER, block_id: rec.low, ..self.join_repr() })
+        let anchor = match &self.op {
+            Some(op) => RecoverAnchor { block: op.block_id(0), gen_id: self.gen_id },
+            None => RecoverAnchor { block: self.next_block, gen_id: self.gen_id.wrapping_add(1) },
+        };
+        Some((Repr { age_op: JOIN_RECOVER, block_id: rec.low, ..self.join_repr() }, anchor))
     }
 
     pub(super) fn recovery_deadline(&self) -> Option<Time> {

@@ -27,7 +27,6 @@ pub(super) fn forward_sync<A: Copy>(
 
 /// Answer a join (direct, or forwarded as a Sync) with the job's parameters
 /// and the block offset the worker starts at.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn answer_join<A: Copy>(
     job: &mut Job<A>,
     config: &ShardConfig,
@@ -38,10 +37,11 @@ pub(super) fn answer_join<A: Copy>(
     next_block: u32,
     out: &mut impl Transmit<A>,
 ) {
-    answer_join_as(job, config, origin, to, dest, next_block, 0, out)
+    answer_join_as(job, config, origin, to, dest, SyncStart { block: next_block, gen_id: 0 }, 0, out)
 }
 
-/// [`answer_join`] with `age_op` set (`JOIN_RECOVER` for a recovery floor).
+/// [`answer_join`] with `age_op` set (`JOIN_RECOVER` for a recovery floor),
+/// and the generation a sync joiner's allreduces continue from in `gen_id`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn answer_join_as<A: Copy>(
     job: &mut Job<A>,
@@ -49,13 +49,15 @@ pub(super) fn answer_join_as<A: Copy>(
     origin: u16,
     to: u16,
     dest: A,
-    next_block: u32,
+    start: SyncStart,
     age_op: u8,
     out: &mut impl Transmit<A>,
 ) {
+    let next_block = start.block;
     let repr = Repr {
         src_cnt: job.spec.worker_count(),
         age_op,
+        gen_id: start.gen_id,
         ..Repr::new(MessageType::JoinAck, job.spec.job_id, origin)
     };
     let params = JoinParams {
@@ -101,6 +103,11 @@ pub(super) fn answer_join_as<A: Copy>(
 /// newcomer (every block already waits for it: it gave up and syncs again)
 /// is answered from the offset, where the others' blocks wait for it.
 ///
+/// The JoinAck's header carries the generation of the allreduce before the
+/// start (`gen_id`): the others' allreduce `k` of the round is generation
+/// `k + 1`, and the joiner's first one must be the same generation as theirs
+/// at its start, or the switch refuses its contributions as a mismatch.
+///
 /// None (no answer yet; the worker asks again) while this shard has seen no
 /// block but other members are active: a root that just took over (the
 /// tree grew above the old one) does not know the job's position until the
@@ -113,7 +120,7 @@ pub(super) fn sync_start<A>(
     via: u16,
     align_blocks: u32,
     newcomer: bool,
-) -> Option<u32> {
+) -> Option<SyncStart> {
     let fresh = job.slots.iter().all(|s| s.cur.is_none());
     let waiting = &job.sync_waiting;
     if fresh && job.active.iter().any(|m| m != via as usize && !waiting.contains(&(m as u16))) {
@@ -123,16 +130,38 @@ pub(super) fn sync_start<A>(
     job.sync_waiting.remove(&via);
     let offset = sync_offset(job, config);
     let space = job.space;
+    let align = align_blocks.max(1);
+    let RecoverAnchor { block: base, gen_id: base_gen } = job.anchor;
+    // the allreduce before the one at `block` (`base` is generation base_gen)
+    let answer = |block: u32| SyncStart {
+        block,
+        gen_id: base_gen.wrapping_sub(1).wrapping_add((space.distance(block, base) / align) as u16),
+    };
     let earliest = if newcomer && !fresh { space.add(offset, job.spec.block_cnt_max) } else { offset };
     if let Some(&start) = job.sync_answers.get(&origin) {
         if space.before(offset, space.add(start, job.spec.block_cnt_max)) {
-            return Some(start);
+            return Some(answer(start));
         }
     }
-    let align = align_blocks.max(1);
-    let start = earliest.div_ceil(align).saturating_mul(align);
+    // Allreduces start at the job's anchor (the round's first block, or
+    // what recovering members reported), not at block 0: a round starts at
+    // a multiple of S (rounds.rs), not of the joiner's allreduce length.
+    // Aligning to multiples of `align` from block 0 put a joiner's
+    // allreduces across the others' after a restart, and the job stalled.
+    // (Counted mod M: after the ids wrap, M need not be a multiple of
+    // `align` either; a stream of 2^32 blocks is left with that.)
+    let into = if space.before(earliest, base) { 0 } else { space.distance(earliest, base) };
+    let start = space.add(base, into.div_ceil(align).saturating_mul(align));
     job.sync_answers.insert(origin, start);
-    Some(start)
+    Some(answer(start))
+}
+
+/// Where a joiner starts: its first block, and the generation of the
+/// allreduce before it (see [`sync_start`]; 0 for any other join).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SyncStart {
+    pub block: u32,
+    pub gen_id: u16,
 }
 
 /// A member recovering after this switch restarted reports the lowest block
@@ -140,20 +169,27 @@ pub(super) fn sync_start<A>(
 /// then the floor (the lowest reported block, the lowest any member still
 /// needs) goes to all, and again to any repeated recovery join. Members
 /// resend their retained contributions from the floor on (docs/restart.md).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn recover_join<A: Copy>(
     job: &mut Job<A>,
     config: &ShardConfig,
     src: u16,
     from: A,
     low: u32,
+    anchor: Option<RecoverAnchor>,
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
 ) -> Verdict {
     if let Some(floor) = job.recover_floor {
-        answer_join_as(job, config, src, src, from, floor, JOIN_RECOVER, out);
+        answer_join_as(job, config, src, src, from, SyncStart { block: floor, gen_id: 0 }, JOIN_RECOVER, out);
         return Verdict::Consumed;
     }
     job.recover_lows.insert(src, low);
+    if let Some(anchor) = anchor {
+        // Every member's allreduces start on the same boundaries: any one
+        // member's anchor fixes them for the restarted switch.
+        job.anchor = anchor;
+    }
     if !job.members.iter().all(|m| job.recover_lows.contains_key(&(m as u16))) {
         counters.recover_waiting += 1;
         return Verdict::Consumed;
@@ -167,7 +203,7 @@ pub(super) fn recover_join<A: Copy>(
     let members: Vec<usize> = job.members.iter().collect();
     for m in members {
         if let Some(addr) = job.addrs.get(m).copied().flatten() {
-            answer_join_as(job, config, m as u16, m as u16, addr, floor, JOIN_RECOVER, out);
+            answer_join_as(job, config, m as u16, m as u16, addr, SyncStart { block: floor, gen_id: 0 }, JOIN_RECOVER, out);
         }
     }
     Verdict::Consumed
