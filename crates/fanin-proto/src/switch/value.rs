@@ -42,7 +42,7 @@
 //! [`Transmit`] sink. A [`Verdict::WrongShard`] datagram belongs to another
 //! shard of the same switch.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use fanin_wire::value::{
@@ -562,7 +562,11 @@ impl<A> Job<A> {
 #[derive(Debug)]
 pub struct ValueSwitch<A> {
     config: ShardConfig,
-    jobs: HashMap<u32, Job<A>>,
+    /// Ordered by job_id: timers walk the jobs, and the order of what they
+    /// emit must not depend on a hash map's per-process random state (the
+    /// simulator is reproducible from its seed). A shard holds few jobs, so
+    /// the per-datagram lookup costs no more than hashing.
+    jobs: BTreeMap<u32, Job<A>>,
     memory_used: u64,
     counters: Counters,
     /// Result datagrams are built once here and copied to every member.
@@ -574,7 +578,7 @@ pub struct ValueSwitch<A> {
 
 impl<A: Copy + PartialEq> ValueSwitch<A> {
     pub fn new(config: ShardConfig) -> Self {
-        Self { config, jobs: HashMap::new(), memory_used: 0, counters: Counters::default(), scratch: Vec::new(), seq_floor: 0 }
+        Self { config, jobs: BTreeMap::new(), memory_used: 0, counters: Counters::default(), scratch: Vec::new(), seq_floor: 0 }
     }
 
     pub fn config(&self) -> &ShardConfig {

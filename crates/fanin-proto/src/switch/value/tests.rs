@@ -983,3 +983,35 @@ fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
     assert_eq!(out.len(), 3);
     assert!(out.iter().all(|o| o.1.src_cnt == 3 && o.2 == vec![3]));
 }
+
+/// Timers walk the jobs in job_id order, so a switch holding several jobs
+/// emits the same datagrams in the same order every run (the simulator is
+/// reproducible from its seed). Two switches fed the same datagrams, with
+/// the jobs admitted in opposite orders, age out their blocks in one order:
+/// with a hash map of jobs, each map's own random state ordered them.
+#[test]
+fn aging_emits_in_job_order_whatever_the_admission_order() {
+    let specs: Vec<JobSpec> = (1..=24).map(|id| JobSpec { job_id: id, ..aging_job(2, 4, 10, 0) }).collect();
+    let run = |order: &mut dyn Iterator<Item = &JobSpec>| {
+        let mut cfg = ShardConfig::single(1 << 30);
+        cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1) };
+        let mut sw = ValueSwitch::new(cfg);
+        for spec in order {
+            sw.add_job(spec.clone()).unwrap();
+        }
+        for spec in &specs {
+            send_at(&mut sw, at(1), Pkt::data(spec.job_id, 0, 0, &[spec.job_id as i32]));
+        }
+        let mut out = Vec::new();
+        for ms in [10, 20, 30] {
+            out.extend(tick(&mut sw, at(ms)).into_iter().map(|(a, r, v)| (a, r.job_id, r.block_id, v)));
+        }
+        out
+    };
+    let forward = run(&mut specs.iter());
+    let backward = run(&mut specs.iter().rev());
+    assert_eq!(forward.len(), 24, "every job's block aged once: {forward:?}");
+    assert_eq!(forward, backward);
+    let jobs: Vec<u32> = forward.iter().map(|o| o.1).collect();
+    assert!(jobs.windows(2).all(|w| w[0] < w[1]), "in job_id order: {jobs:?}");
+}
