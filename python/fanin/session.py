@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from fanin import _native
 
 __all__ = ["Session"]
+
+
+#: The defaults of the tunables below, from the Rust session configuration
+#: (`SessionConfig::new`), the one place they are written.
+_DEFAULTS = _native.session_defaults()
+
+
+def _member_key(key: Optional[Union[bytes, str]]) -> Optional[bytes]:
+    """A member key as bytes: bytes-like as given, or the 32 hex digits the
+    CLI prints."""
+    if key is None or isinstance(key, (bytes, bytearray, memoryview)):
+        return None if key is None else bytes(key)
+    if isinstance(key, str):
+        try:
+            return bytes.fromhex(key)
+        except ValueError:
+            raise ValueError(f"auth_key {key!r} is neither bytes nor a hex string (32 hex digits, as "
+                             "`fanin controller subscribe` prints it)") from None
+    raise TypeError(f"auth_key must be bytes or a hex string, not {type(key).__name__}")
 
 
 class Session:
@@ -52,7 +71,8 @@ class Session:
             controller issues it; ``fanin.derive_member_key(job_key, job_id,
             rank)`` computes it from the job key). Every datagram is sealed
             with it and only results sealed for it are accepted
-            (docs/security.md). None for an unauthenticated job.
+            (docs/security.md). Bytes, or the hex string the CLI prints
+            (``fanin controller subscribe``). None for an unauthenticated job.
         result_group: ``"IPV4:PORT"`` of the job's result group, a multicast
             group the job was admitted with (its ``result_group``): this
             worker listens there too, and the switch sends each result once
@@ -88,24 +108,24 @@ class Session:
         job_id: int,
         rank: int,
         *,
-        elems_per_packet: int = 1024,
-        window: int = 256,
+        elems_per_packet: int = _DEFAULTS["elems_per_packet"],
+        window: int = _DEFAULTS["window"],
         send_drop: float = 0.0,
         seed: int = 0,
-        rto_ms: float = 50.0,
-        rto_min_ms: float = 25.0,
-        rto_max_ms: float = 1000.0,
-        join_timeout_s: float = 5.0,
-        dead_after_s: float = 10.0,
+        rto_ms: float = _DEFAULTS["rto_ms"],
+        rto_min_ms: float = _DEFAULTS["rto_min_ms"],
+        rto_max_ms: float = _DEFAULTS["rto_max_ms"],
+        join_timeout_s: float = _DEFAULTS["join_timeout_s"],
+        dead_after_s: float = _DEFAULTS["dead_after_s"],
         offload: bool = True,
         recv_drop: float = 0.0,
         sync_join: bool = False,
         align_blocks: int = 0,
         recv_duplicate: float = 0.0,
         recv_reorder: float = 0.0,
-        auth_key: Optional[bytes] = None,
+        auth_key: Optional[Union[bytes, str]] = None,
         result_group: Optional[str] = None,
-        barrier_timeout_s: float = 120.0,
+        barrier_timeout_s: float = _DEFAULTS["barrier_timeout_s"],
         members: int = 0,
     ) -> None:
         self._native = _native.Session(
@@ -127,7 +147,7 @@ class Session:
             align_blocks=align_blocks,
             recv_duplicate=recv_duplicate,
             recv_reorder=recv_reorder,
-            auth_key=None if auth_key is None else bytes(auth_key),
+            auth_key=_member_key(auth_key),
             result_group=result_group,
             barrier_timeout_s=barrier_timeout_s,
             members=members,

@@ -59,6 +59,28 @@ fn python_interrupt() -> fanin_host::Interrupt {
     })
 }
 
+/// A switch's data address as HOST:PORT, HOST a name or an address
+/// (`localhost:9000`, `switch0.lab:9000`, `10.0.0.1:9000`): names are
+/// resolved here, once, preferring IPv4 (the data plane's sockets are IPv4).
+fn resolve_switch(switch: &str) -> PyResult<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    let bad = |why: String| PyValueError::new_err(format!("switch address {switch:?} {why}"));
+    if let Ok(addr) = switch.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if !switch.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()) {
+        return Err(bad("is not HOST:PORT (e.g. 127.0.0.1:9000 or localhost:9000)".into()));
+    }
+    let addrs: Vec<SocketAddr> =
+        switch.to_socket_addrs().map_err(|e| bad(format!("does not resolve: {e}")))?.collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| bad("resolves to no address".into()))
+}
+
 fn host_err(e: HostError) -> PyErr {
     if let HostError::Session(SessionError::Interrupted) = &e {
         if let Some(raised) = SIGNALLED.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -103,25 +125,28 @@ struct Session {
 #[pymethods]
 impl Session {
     #[new]
-    #[pyo3(signature = (switch, job_id, rank, elems_per_packet=1024, window=256, send_drop=0.0, seed=0,
-                        rto_ms=50.0, rto_min_ms=10.0, rto_max_ms=1000.0, join_timeout_s=5.0, dead_after_s=10.0, offload=true,
+    // The session's tunables default to None = SessionConfig's value: the
+    // Rust config is the one place defaults live (`session_defaults()` shows
+    // them to Python, whose `fanin.Session` signature is built from it).
+    #[pyo3(signature = (switch, job_id, rank, elems_per_packet=None, window=None, send_drop=0.0, seed=0,
+                        rto_ms=None, rto_min_ms=None, rto_max_ms=None, join_timeout_s=None, dead_after_s=None, offload=true,
                         recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None,
-                        barrier_timeout_s=120.0, members=0))]
+                        barrier_timeout_s=None, members=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         switch: &str,
         job_id: u32,
         rank: u16,
-        elems_per_packet: u16,
-        window: u32,
+        elems_per_packet: Option<u16>,
+        window: Option<u32>,
         send_drop: f64,
         seed: u64,
-        rto_ms: f64,
-        rto_min_ms: f64,
-        rto_max_ms: f64,
-        join_timeout_s: f64,
-        dead_after_s: f64,
+        rto_ms: Option<f64>,
+        rto_min_ms: Option<f64>,
+        rto_max_ms: Option<f64>,
+        join_timeout_s: Option<f64>,
+        dead_after_s: Option<f64>,
         offload: bool,
         recv_drop: f64,
         sync_join: bool,
@@ -130,12 +155,10 @@ impl Session {
         recv_reorder: f64,
         auth_key: Option<Vec<u8>>,
         result_group: Option<&str>,
-        barrier_timeout_s: f64,
+        barrier_timeout_s: Option<f64>,
         members: u16,
     ) -> PyResult<Self> {
-        let addr: SocketAddr = switch
-            .parse()
-            .map_err(|_| PyValueError::new_err(format!("switch address {switch:?} is not HOST:PORT (e.g. 127.0.0.1:9000)")))?;
+        let addr = resolve_switch(switch)?;
         let secs = |name: &str, v: f64| -> PyResult<Duration> {
             if v.is_finite() && v > 0.0 {
                 Ok(Duration::from_secs_f64(v))
@@ -144,14 +167,16 @@ impl Session {
             }
         };
         let mut o = SessionOptions::new(addr, job_id, rank);
-        o.session.elems_per_packet = elems_per_packet;
-        o.session.window = window;
-        o.session.rto_initial = secs("rto_ms", rto_ms / 1e3)?;
-        o.session.rto_min = secs("rto_min_ms", rto_min_ms / 1e3)?;
-        o.session.rto_max = secs("rto_max_ms", rto_max_ms / 1e3)?;
-        o.session.join_timeout = secs("join_timeout_s", join_timeout_s)?;
-        o.session.dead_after = secs("dead_after_s", dead_after_s)?;
-        o.session.barrier_timeout = secs("barrier_timeout_s", barrier_timeout_s)?;
+        let c = &mut o.session;
+        c.elems_per_packet = elems_per_packet.unwrap_or(c.elems_per_packet);
+        c.window = window.unwrap_or(c.window);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        c.rto_initial = secs("rto_ms", rto_ms.unwrap_or(ms(c.rto_initial)) / 1e3)?;
+        c.rto_min = secs("rto_min_ms", rto_min_ms.unwrap_or(ms(c.rto_min)) / 1e3)?;
+        c.rto_max = secs("rto_max_ms", rto_max_ms.unwrap_or(ms(c.rto_max)) / 1e3)?;
+        c.join_timeout = secs("join_timeout_s", join_timeout_s.unwrap_or(c.join_timeout.as_secs_f64()))?;
+        c.dead_after = secs("dead_after_s", dead_after_s.unwrap_or(c.dead_after.as_secs_f64()))?;
+        c.barrier_timeout = secs("barrier_timeout_s", barrier_timeout_s.unwrap_or(c.barrier_timeout.as_secs_f64()))?;
         o.session.expected_members = members;
         o.send_drop = send_drop;
         o.recv_drop = recv_drop;
@@ -716,9 +741,27 @@ impl Reducible for i32 {
     }
 }
 
+/// The defaults of `fanin.Session`'s tunables, from the Rust session
+/// configuration (the one place they are written), by keyword argument.
+#[pyfunction]
+fn session_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = fanin_proto::host::SessionConfig::new(0, 0);
+    let d = PyDict::new(py);
+    d.set_item("elems_per_packet", c.elems_per_packet)?;
+    d.set_item("window", c.window)?;
+    d.set_item("rto_ms", c.rto_initial.as_secs_f64() * 1e3)?;
+    d.set_item("rto_min_ms", c.rto_min.as_secs_f64() * 1e3)?;
+    d.set_item("rto_max_ms", c.rto_max.as_secs_f64() * 1e3)?;
+    d.set_item("join_timeout_s", c.join_timeout.as_secs_f64())?;
+    d.set_item("dead_after_s", c.dead_after.as_secs_f64())?;
+    d.set_item("barrier_timeout_s", c.barrier_timeout.as_secs_f64())?;
+    Ok(d)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
+    m.add_function(wrap_pyfunction!(session_defaults, m)?)?;
     m.add_class::<Switch>()?;
     m.add_function(wrap_pyfunction!(run_switch, m)?)?;
     m.add_function(wrap_pyfunction!(run_kv_daemon, m)?)?;

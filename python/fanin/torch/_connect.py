@@ -23,13 +23,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from fanin._native import FaninRefused
+from fanin._native import FaninRefused, session_defaults
 from fanin.session import Session
 from fanin.switch import LocalSwitch, free_result_group, job_config, switch_config
 
 __all__ = ["Connection", "ConnectOptions", "connect"]
 
 _KEY = "fanin/switch"
+_SESSION_DEFAULTS = session_defaults()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -48,8 +49,8 @@ class ConnectOptions:
 
     switch: Optional[str] = None      # FANIN_SWITCH: HOST:PORT of a running switch; None = embedded
     job_id: int = 1                   # FANIN_JOB_ID: the job on an external switch
-    elems_per_packet: int = 1024      # FANIN_ELEMS_PER_PACKET
-    window: int = 256                 # FANIN_WINDOW: blocks in flight (= the embedded job's block_cnt_max)
+    elems_per_packet: int = _SESSION_DEFAULTS["elems_per_packet"]  # FANIN_ELEMS_PER_PACKET
+    window: int = _SESSION_DEFAULTS["window"]  # FANIN_WINDOW: blocks in flight (= the embedded job's block_cnt_max)
     block_exp_ms: int = 0             # FANIN_BLOCK_EXP_MS: straggler aging of the embedded job; 0 = off
     bind: Optional[str] = None        # FANIN_SWITCH_BIND: where the embedded switch listens
     shards: int = 1                   # FANIN_SWITCH_SHARDS: processing threads of the embedded switch
@@ -60,8 +61,8 @@ class ConnectOptions:
         opts = cls(
             switch=os.environ.get("FANIN_SWITCH") or None,
             job_id=_env_int("FANIN_JOB_ID", 1),
-            elems_per_packet=_env_int("FANIN_ELEMS_PER_PACKET", 1024),
-            window=_env_int("FANIN_WINDOW", 256),
+            elems_per_packet=_env_int("FANIN_ELEMS_PER_PACKET", _SESSION_DEFAULTS["elems_per_packet"]),
+            window=_env_int("FANIN_WINDOW", _SESSION_DEFAULTS["window"]),
             block_exp_ms=_env_int("FANIN_BLOCK_EXP_MS", 0),
             bind=os.environ.get("FANIN_SWITCH_BIND") or None,
             shards=_env_int("FANIN_SWITCH_SHARDS", 1),

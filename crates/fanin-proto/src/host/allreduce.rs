@@ -136,7 +136,9 @@ impl SessionConfig {
             elems_per_packet: 1024,
             window: 256,
             rto_initial: Duration::from_millis(50),
-            rto_min: Duration::from_millis(10),
+            // 25 ms: a 2-core host (or a busy one) stalls for several ms
+            // at a time; below that, stalls read as losses and resend.
+            rto_min: Duration::from_millis(25),
             rto_max: Duration::from_millis(1000),
             join_timeout: Duration::from_secs(5),
             dead_after: Duration::from_secs(10),

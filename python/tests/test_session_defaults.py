@@ -1,0 +1,72 @@
+"""Session options have one source: the Rust `SessionConfig::new` defaults.
+
+`fanin.Session`'s signature, the torch backend's options and the protocol
+document must all say the same (they had drifted: `rto_min` was 10 ms in
+Rust and 25 ms in Python)."""
+
+import inspect
+import re
+from pathlib import Path
+
+import fanin
+from fanin import _native
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_python_session_takes_its_defaults_from_rust():
+    defaults = _native.session_defaults()
+    assert set(defaults) == {"elems_per_packet", "window", "rto_ms", "rto_min_ms", "rto_max_ms", "join_timeout_s",
+                             "dead_after_s", "barrier_timeout_s"}
+    params = inspect.signature(fanin.Session).parameters
+    for name, value in defaults.items():
+        assert params[name].default == value, name
+
+
+def test_the_torch_backend_uses_the_same_packet_and_window():
+    from fanin.torch._connect import ConnectOptions
+
+    defaults = _native.session_defaults()
+    opts = ConnectOptions()
+    assert (opts.elems_per_packet, opts.window) == (defaults["elems_per_packet"], defaults["window"])
+
+
+def test_the_protocol_document_states_the_defaults():
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    line = re.search(r"Worker defaults:(.*?)\n\n", text, re.S).group(1).replace("\n", " ")
+    d = _native.session_defaults()
+    for expected in (f"`elems_per_packet` {d['elems_per_packet']}", f"`window` {d['window']}",
+                     f"`rto_initial` {d['rto_ms']:g} ms", f"`rto_min` {d['rto_min_ms']:g} ms",
+                     f"`rto_max` {d['rto_max_ms'] / 1000:g} s", f"`join_timeout` {d['join_timeout_s']:g} s",
+                     f"`dead_after` {d['dead_after_s']:g} s"):
+        assert expected in line, (expected, line)
+
+
+def test_a_session_made_without_options_runs_with_the_defaults():
+    import numpy as np
+
+    with fanin.local_switch(workers=1) as sw:
+        s = _native.Session(sw.data_addr, 1, 0)  # every tunable left to Rust
+        assert np.array_equal(s.allreduce(np.arange(3000, dtype=np.int32)), np.arange(3000, dtype=np.int32))
+
+
+def test_a_hostname_is_an_address_and_a_hex_member_key_is_a_key():
+    """`localhost:PORT` is accepted wherever a switch address is, and the
+    member key as the CLI prints it (hex) is accepted as it is."""
+    import numpy as np
+    import pytest
+
+    from fanin.switch import job_config
+
+    key = fanin.new_job_key()
+    with fanin.local_switch(workers=1, job_id=99, extra_jobs=[job_config(1, 1, key=key)]) as sw:
+        port = sw.data_addr.rsplit(":", 1)[1]
+        member = fanin.derive_member_key(key, 1, 0)
+        s = fanin.Session(f"localhost:{port}", 1, 0, auth_key=member.hex())
+        assert np.array_equal(s.allreduce(np.ones(10, dtype=np.int32)), np.ones(10, dtype=np.int32))
+    with pytest.raises(ValueError, match="neither bytes nor a hex string"):
+        fanin.Session("127.0.0.1:9", 1, 0, auth_key="not hex")
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        fanin.Session("localhost", 1, 0)
+    with pytest.raises(ValueError, match="does not resolve"):
+        fanin.Session("no-such-host.invalid:9000", 1, 0)
