@@ -242,8 +242,8 @@ def test_grpc_create_job_auth_switch_and_absent_field_means_keyed():
 def test_a_controller_job_that_names_no_failure_policy_fails_loudly_unless_it_asked_for_aging():
     """The tree controller admits its jobs with the switch's default policy:
     `fail` unless the job asked for straggler aging (`degrade` then), so a
-    job that did not opt into partial sums never gets one (issue 26,
-    finding 8); a named policy is kept, through the gRPC API too."""
+    job that did not opt into partial sums never gets one (docs/failures.md);
+    a named policy is kept, through the gRPC API too."""
     topo = topology.star(2)
     with LoopbackSwitches(topo) as sws:
         with ControllerServer(Controller(topo, sws.fabric), "127.0.0.1:0") as srv, ControllerClient(srv.addr) as c:

@@ -2,8 +2,8 @@
 //! `fanin_proto::switch::ValueSwitch` and N workers running
 //! `fanin_proto::host::AllreduceSession` (the shipped machines, unchanged),
 //! each worker on its own pair of links (rate, delay, drop-tail queue,
-//! seeded loss). Issue 7 part 5 asks for more (topologies, many switches);
-//! this is the adapter those experiments build on.
+//! seeded loss): the adapter the larger experiments (topologies, many
+//! switches, `scale.rs`) build on.
 //!
 //! Datagrams are real bytes: the machines emit and parse the wire format.
 //! Every datagram costs `WIRE_OVERHEAD` extra bytes on a link (Ethernet,

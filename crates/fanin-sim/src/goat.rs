@@ -1,5 +1,5 @@
-//! A GOAT plan at packet level (issue 8 item 5: "one point validated at
-//! packet level"; docs/goat.md).
+//! A GOAT plan at packet level: one point of the plan validated with real
+//! packets (docs/goat.md).
 //!
 //! The spec is what `fanin sim goat` writes from the deployment's own
 //! translation of a plan (`fanin.goat.deploy.plan_jobs`): one fanin job per

@@ -1,4 +1,4 @@
-//! Aggregation at scale (issue 7 part 5): fanin's multi-level aggregation
+//! Aggregation at scale (docs/simulator.md): fanin's multi-level aggregation
 //! tree against ring allreduce, on the same simulated network.
 //!
 //! The network and the tree come from a [`Spec`] that the Python controller
