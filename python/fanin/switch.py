@@ -8,7 +8,12 @@ from typing import Any, Iterable, Optional, Union
 
 from fanin import _native
 
-__all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config", "free_result_group"]
+__all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config", "free_result_group", "JOB_DEFAULTS"]
+
+#: A job's defaults (block_cnt_max, block_grad_max, block_exp_ms,
+#: slow_after_windows), from the Rust job description, the one place they
+#: are written; every Python layer that describes a job uses these.
+JOB_DEFAULTS: dict[str, int] = _native.job_defaults()
 
 
 def job_config(
@@ -16,10 +21,10 @@ def job_config(
     sources: Optional[int] = None,
     members: Optional[Iterable[int]] = None,
     *,
-    block_cnt_max: int = 256,
-    block_grad_max: int = 1024,
-    block_exp_ms: int = 0,
-    slow_after_windows: int = 2,
+    block_cnt_max: int = JOB_DEFAULTS["block_cnt_max"],
+    block_grad_max: int = JOB_DEFAULTS["block_grad_max"],
+    block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"],
+    slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"],
     mode: str = "aggregate",
     key: Optional[Union[bytes, str]] = None,
     on_failure: Optional[str] = None,
@@ -197,10 +202,10 @@ def local_switch(
     *,
     job_id: int = 1,
     shards: int = 1,
-    block_cnt_max: int = 256,
-    block_grad_max: int = 1024,
-    block_exp_ms: int = 0,
-    slow_after_windows: int = 2,
+    block_cnt_max: int = JOB_DEFAULTS["block_cnt_max"],
+    block_grad_max: int = JOB_DEFAULTS["block_grad_max"],
+    block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"],
+    slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"],
     ingress_drop: float = 0.0,
     egress_drop: float = 0.0,
     seed: int = 0,

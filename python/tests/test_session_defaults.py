@@ -5,6 +5,7 @@ document must all say the same (they had drifted: `rto_min` was 10 ms in
 Rust and 25 ms in Python)."""
 
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -70,3 +71,34 @@ def test_a_hostname_is_an_address_and_a_hex_member_key_is_a_key():
         fanin.Session("localhost", 1, 0)
     with pytest.raises(ValueError, match="does not resolve"):
         fanin.Session("no-such-host.invalid:9000", 1, 0)
+
+
+def test_every_layer_that_describes_a_job_takes_its_defaults_from_rust(tmp_path):
+    """A job is described by the config file (Rust), `job_config`,
+    `local_switch`, the switch API client, the controller's JobParams and its
+    client: each default comes from `fanin._native.job_defaults()` (the
+    default block_cnt_max was written out in seven places)."""
+    from fanin.control import ControlClient
+    from fanin.controller.server import ControllerClient
+    from fanin.controller.service import JobParams
+    from fanin.switch import job_config, local_switch
+
+    defaults = _native.job_defaults()
+    assert defaults == {"block_cnt_max": 256, "block_grad_max": 1024, "block_exp_ms": 0, "slow_after_windows": 2}
+    layers = {
+        "job_config": inspect.signature(job_config).parameters,
+        "local_switch": inspect.signature(local_switch).parameters,
+        "ControlClient.admit_job": inspect.signature(ControlClient.admit_job).parameters,
+        "ControllerClient.create_job": inspect.signature(ControllerClient.create_job).parameters,
+    }
+    for layer, params in layers.items():
+        for name, value in defaults.items():
+            assert params[name].default == value, (layer, name)
+    job = JobParams(1)
+    assert all(getattr(job, name) == value for name, value in defaults.items())
+    # the config file's defaults: a job naming only its id and sources
+    path = tmp_path / "switch.toml"
+    path.write_text("[[jobs]]\njob_id = 1\nsources = 2\n")
+    cfg = json.loads(_native.load_config(str(path)))
+    for name, value in defaults.items():
+        assert cfg["jobs"][0][name] == value, name

@@ -21,6 +21,14 @@ pub const MAX_SLOW_AFTER_WINDOWS: u32 = 10_000;
 pub const SWITCH_RANK_BASE: u16 = 2048;
 /// K used when a job does not say (see docs/stragglers.md).
 pub const DEFAULT_SLOW_AFTER_WINDOWS: u32 = 2;
+/// Slots (concurrent blocks) of a job that does not say: SwitchML's pool
+/// size, and the worker's default window (a window never exceeds it).
+/// Every layer that describes a job (config file, control API clients,
+/// Python, CLI) takes its default from here (`fanin._native.job_defaults`).
+pub const DEFAULT_BLOCK_CNT_MAX: u32 = 256;
+/// Elements per block of a job that does not say: the worker's default
+/// `elems_per_packet` (1024 int32/float32, a 4 KiB payload).
+pub const DEFAULT_BLOCK_GRAD_MAX: u32 = 1024;
 
 fn default_slow_after_windows() -> u32 {
     DEFAULT_SLOW_AFTER_WINDOWS

@@ -758,10 +758,24 @@ fn session_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// The defaults of a job's fields, from the Rust job description (the one
+/// place they are written), by the names `fanin.switch.job_config` uses.
+#[pyfunction]
+fn job_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    use fanin_proto::job;
+    let d = PyDict::new(py);
+    d.set_item("block_cnt_max", job::DEFAULT_BLOCK_CNT_MAX)?;
+    d.set_item("block_grad_max", job::DEFAULT_BLOCK_GRAD_MAX)?;
+    d.set_item("block_exp_ms", 0)?;
+    d.set_item("slow_after_windows", job::DEFAULT_SLOW_AFTER_WINDOWS)?;
+    Ok(d)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
     m.add_function(wrap_pyfunction!(session_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(job_defaults, m)?)?;
     m.add_class::<Switch>()?;
     m.add_function(wrap_pyfunction!(run_switch, m)?)?;
     m.add_function(wrap_pyfunction!(run_kv_daemon, m)?)?;

@@ -226,10 +226,10 @@ fn default_socket_buffer() -> usize {
     32 << 20
 }
 fn default_block_cnt_max() -> u32 {
-    256
+    fanin_proto::job::DEFAULT_BLOCK_CNT_MAX
 }
 fn default_block_grad_max() -> u32 {
-    1024
+    fanin_proto::job::DEFAULT_BLOCK_GRAD_MAX
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import grpc
 
+from ..switch import JOB_DEFAULTS
 from ._gen import control_pb2 as pb
 from ._gen import control_pb2_grpc as pb_grpc
 
@@ -123,11 +124,11 @@ class ControlClient:
         self,
         job_id: int,
         members: Iterable[int],
-        block_cnt_max: int = 256,
-        block_grad_max: int = 1024,
-        block_exp_ms: int = 0,
+        block_cnt_max: int = JOB_DEFAULTS["block_cnt_max"],
+        block_grad_max: int = JOB_DEFAULTS["block_grad_max"],
+        block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"],
         mode: str = "aggregate",
-        slow_after_windows: int = 2,
+        slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"],
         workers: int = 0,
         tree: Optional[Dict[str, Any]] = None,
         on_failure: Optional[str] = None,

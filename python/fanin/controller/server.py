@@ -14,6 +14,7 @@ import grpc
 from ..control._gen import control_pb2 as pb
 from ..control._gen import control_pb2_grpc as pb_grpc
 from ..control.client import RECONNECT_OPTIONS, call_rpc, control_token_from_env
+from ..switch import JOB_DEFAULTS
 from .service import Controller, ControllerError, JobParams
 from .watch import RestartWatcher
 
@@ -42,10 +43,11 @@ class _Servicer(pb_grpc.ControllerServicer):
         def go():
             self.c.create_job(JobParams(
                 job_id=request.job_id,
-                block_cnt_max=request.block_cnt_max or 256,
-                block_grad_max=request.block_grad_max or 1024,
+                block_cnt_max=request.block_cnt_max or JOB_DEFAULTS["block_cnt_max"],
+                block_grad_max=request.block_grad_max or JOB_DEFAULTS["block_grad_max"],
                 block_exp_ms=request.block_exp_ms,
-                slow_after_windows=request.slow_after_windows if request.HasField("slow_after_windows") else 2,
+                slow_after_windows=(request.slow_after_windows if request.HasField("slow_after_windows")
+                                    else JOB_DEFAULTS["slow_after_windows"]),
                 max_workers=request.max_workers or 64,
                 on_failure=(None if not request.HasField("on_failure") else
                             "fail" if request.on_failure == pb.FailurePolicy.FAILURE_POLICY_FAIL else "degrade"),
@@ -161,8 +163,9 @@ class ControllerClient:
     def _call(self, method: str, request: Any) -> Any:
         return call_rpc(self._stub, method, request, addr=self.addr, timeout=self.timeout, metadata=self._metadata)
 
-    def create_job(self, job_id: int, *, block_cnt_max: int = 256, block_grad_max: int = 1024,
-                   block_exp_ms: int = 0, slow_after_windows: int = 2, max_workers: int = 64,
+    def create_job(self, job_id: int, *, block_cnt_max: int = JOB_DEFAULTS["block_cnt_max"],
+                   block_grad_max: int = JOB_DEFAULTS["block_grad_max"], block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"],
+                   slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"], max_workers: int = 64,
                    on_failure: Optional[str] = None, member_timeout_ms: int = 0, auth: bool = True) -> None:
         """Create a job. ``auth`` (default True): the controller draws a job
         key and every subscriber gets a member key (docs/security.md).

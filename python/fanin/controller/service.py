@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from ..auth import derive_member_key, new_job_key
 from ..control import ControlClient
+from ..switch import JOB_DEFAULTS
 from ..topology import Topology
 from .fabric import Fabric
 from .tree import SWITCH_RANK_BASE, Role, Tree, TreeError, build_tree, diff_roles, roles, switch_rank
@@ -48,10 +49,10 @@ class ControllerError(Exception):
 @dataclass(frozen=True)
 class JobParams:
     job_id: int
-    block_cnt_max: int = 256
-    block_grad_max: int = 1024
-    block_exp_ms: int = 0
-    slow_after_windows: int = 2
+    block_cnt_max: int = JOB_DEFAULTS["block_cnt_max"]
+    block_grad_max: int = JOB_DEFAULTS["block_grad_max"]
+    block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"]
+    slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"]
     #: Most workers at once; workers scale block floating point for it.
     max_workers: int = 64
     #: When a worker dies: "degrade" or "fail" (docs/failures.md). None = the
