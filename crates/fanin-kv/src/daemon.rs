@@ -563,7 +563,7 @@ fn create_task(shared: &Arc<Shared>, req: &Value) -> Result<Value, Value> {
 /// The task key of a `create` request: `key` (32 hex digits) if the
 /// application passes one, 16 random bytes from the OS with `"auth": true`,
 /// else none. Opt-in because sealing costs about 20 % of a word count's time
-/// on 2 cores (docs/results.md, "Key-value authentication cost").
+/// on 2 cores (docs/results.md#security-authentication-cost).
 fn task_key(req: &Value) -> Result<Option<Key>, Value> {
     if let Some(hex) = req.get("key").filter(|v| !v.is_null()) {
         let hex = hex.as_str().ok_or_else(|| error("key must be a string of 32 hex digits"))?;
