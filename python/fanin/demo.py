@@ -39,6 +39,16 @@ def _worker(rank: int, switch: str, workers: int, elements: int, loss: float, ro
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
 
+#: What the demo prints after a pass: where a new user goes from here.
+NEXT_STEPS = """
+Try next:
+  fanin switch --job id=1,sources=2 &      then two fanin.Session ranks: the README's "Using it"
+  torchrun --nproc-per-node 4 examples/train_digits.py        PyTorch DDP on fanin (docs/torch.md)
+  fanin bench allreduce --quick                               fanin vs the NoAggr baseline (docs/results.md)
+  fanin kv daemon --help                                      key-value aggregation (docs/kv.md)
+  fanin --help                                                every command"""
+
+
 def run_demo(workers: int = 4, elements: int = 1_000_000, loss: float = 0.05, rounds: int = 2,
              shards: int = 2, as_json: bool = False) -> int:
     cfg = switch_config(data_addr="127.0.0.1:0", shards=shards, control_addr=None, metrics_addr="127.0.0.1:0",
@@ -90,6 +100,8 @@ def run_demo(workers: int = 4, elements: int = 1_000_000, loss: float = 0.05, ro
         f"{counters.get('results_resent', 0)} results resent from the shadow copies, "
         f"{counters.get('malformed', 0)} malformed")
     say("PASS" if ok else "FAIL")
+    if ok:
+        say(NEXT_STEPS)
     if as_json:
         import json
 

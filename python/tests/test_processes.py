@@ -163,6 +163,16 @@ def test_demo_passes_with_loss():
     out = json.loads(r.stdout)
     assert out["ok"] and out["loss"] == 0.05
     assert all(row["identical"] and row["correct"] for row in out["rows"])
+    # it says what to try next, and every suggestion exists
+    assert "Try next:" in r.stderr
+    from fanin.demo import NEXT_STEPS
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "examples/train_digits.py" in NEXT_STEPS
+    assert os.path.isfile(os.path.join(root, "examples", "train_digits.py"))
+    for command in ("fanin switch", "fanin kv daemon", "fanin bench allreduce"):
+        assert command in NEXT_STEPS
+        assert fanin_cli(*command.split()[1:], "--help").returncode == 0, command
 
 
 def test_bench_allreduce_quick_json_reports_verified_figures():
