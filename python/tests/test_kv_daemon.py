@@ -96,6 +96,12 @@ def test_bad_requests_get_errors(daemon):
             c.create(0)
         with pytest.raises(KvError, match=r"missing field"):
             c.request({"op": "send"})
+        # an option the daemon does not know is refused, naming it and what it
+        # knows (it was ignored, and the task ran with the default)
+        with pytest.raises(KvError, match=r'unknown field "aa_sise", expected one of .*"aa_size"'):
+            c.create(2, aa_sise=256)
+        with pytest.raises(KvError, match=r'request "wait": invalid type: string "seven", expected u32'):
+            c.request({"op": "wait", "task_id": "seven", "path": "/tmp/x"})
         raw = socket.socket(socket.AF_UNIX)
         raw.connect(daemon.socket_path)
         raw.sendall(b"not json\n")

@@ -15,6 +15,7 @@
 //! `docs/kv.md` §10 describes the local API and the failure handling.
 
 pub mod channel;
+pub mod api;
 mod daemon;
 pub mod liveness;
 pub mod records;
