@@ -13,15 +13,32 @@
 //! now <= t1_reg  -> half-pessimistic (50%)
 //! otherwise      -> optimistic       (100%), registers cleared
 //! ```
+//!
+//! [`MeterDesign::TwoMeters`] is the paper's switch.p4 variant (§5): two
+//! two-rate three-colour markers per port instead of three meters, `opti`
+//! (PIR = line rate, CIR = half of it) for the optimistic and
+//! half-pessimistic states and `pesi` (PIR = CIR = a quarter) for the
+//! pessimistic one, with its table of actions:
+//!
+//! ```text
+//! state             pesi        opti        action
+//! pessimistic       NOT GREEN   *           trim
+//! half-pessimistic  *           NOT GREEN   trim
+//! optimistic        *           RED         trim
+//! otherwise                                 data (low-priority) queue
+//! ```
 
 use core::time::Duration;
 
 use crate::time::Time;
 
-/// Meter output. Two colours suffice: the paper trims on RED.
+/// Meter output. A single-rate meter gives GREEN or RED (the paper trims on
+/// RED); a two-rate marker ([`TrTcm`]) also YELLOW: over the committed rate,
+/// within the peak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Color {
     Green,
+    Yellow,
     Red,
 }
 
@@ -52,6 +69,17 @@ impl Meter {
     /// Account a packet of `bytes` arriving at `now`: GREEN (tokens taken) if
     /// it conforms, RED (tokens untouched) if it does not.
     pub fn execute(&mut self, now: Time, bytes: u32) -> Color {
+        self.refill(now);
+        if self.conforms(bytes) {
+            self.take(bytes);
+            Color::Green
+        } else {
+            Color::Red
+        }
+    }
+
+    /// Add the tokens earned since the last packet.
+    fn refill(&mut self, now: Time) {
         if now > self.last {
             // kbit/s x ns / 1000 = millibits; dt is capped at 1 s, where any
             // realistic bucket is full anyway, so u64 cannot overflow.
@@ -60,14 +88,60 @@ impl Meter {
             self.tokens_mbits = self.tokens_mbits.saturating_add(add).min(self.burst_mbits);
             self.last = now;
         }
-        let need = bytes as u64 * 8_000;
-        if self.tokens_mbits >= need {
-            self.tokens_mbits -= need;
-            Color::Green
-        } else {
-            Color::Red
-        }
     }
+
+    fn conforms(&self, bytes: u32) -> bool {
+        self.tokens_mbits >= bytes as u64 * 8_000
+    }
+
+    fn take(&mut self, bytes: u32) {
+        self.tokens_mbits -= bytes as u64 * 8_000;
+    }
+}
+
+/// A two-rate three-colour marker (RFC 2698 trTCM, colour-blind), as a
+/// Tofino meter is: a peak bucket (PIR, PBS) and a committed one (CIR, CBS).
+/// A packet over the peak is RED and takes no tokens; over the committed
+/// rate but within the peak YELLOW, taking peak tokens; otherwise GREEN,
+/// taking both.
+#[derive(Debug, Clone)]
+pub struct TrTcm {
+    peak: Meter,
+    committed: Meter,
+}
+
+impl TrTcm {
+    /// A marker with peak rate `pir_bps` and committed rate `cir_bps`, both
+    /// buckets `burst_bytes` deep and full.
+    pub fn new(pir_bps: u64, cir_bps: u64, burst_bytes: u32) -> Self {
+        Self { peak: Meter::new(pir_bps, burst_bytes), committed: Meter::new(cir_bps, burst_bytes) }
+    }
+
+    /// Account a packet of `bytes` arriving at `now` (RFC 2698 §3).
+    pub fn execute(&mut self, now: Time, bytes: u32) -> Color {
+        self.peak.refill(now);
+        self.committed.refill(now);
+        if !self.peak.conforms(bytes) {
+            return Color::Red;
+        }
+        self.peak.take(bytes);
+        if !self.committed.conforms(bytes) {
+            return Color::Yellow;
+        }
+        self.committed.take(bytes);
+        Color::Green
+    }
+}
+
+/// Which meters a port's trimming runs (paper §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MeterDesign {
+    /// ndp.p4: three single-rate meters, one per state.
+    #[default]
+    ThreeMeters,
+    /// switch.p4: two trTCM meters, `opti` (PIR line, CIR half) and `pesi`
+    /// (PIR = CIR = a quarter), colours read per the table in the module doc.
+    TwoMeters,
 }
 
 /// The three states of Fig. 3.
@@ -144,6 +218,8 @@ pub struct TrimControlConfig {
     /// Fig. 9 what-if: pessimistic mode trims every packet ("100% trimming").
     pub pessimistic_trims_all: bool,
     pub notify: NotifyScope,
+    /// Three meters (ndp.p4) or two trTCM meters (switch.p4).
+    pub meters: MeterDesign,
 }
 
 impl Default for TrimControlConfig {
@@ -160,6 +236,7 @@ impl Default for TrimControlConfig {
             pessimistic_permille: 250,
             pessimistic_trims_all: false,
             notify: NotifyScope::AllPipelines,
+            meters: MeterDesign::ThreeMeters,
         }
     }
 }
@@ -176,6 +253,8 @@ pub enum IngressVerdict {
 #[derive(Debug, Clone)]
 struct Cell {
     meters: [Meter; 3],
+    /// `opti` and `pesi` of the two-meter design.
+    two: [TrTcm; 2],
     state: PortModeState,
 }
 
@@ -203,6 +282,10 @@ impl IngressTrimmer {
                 Meter::new(rate(config.half_pessimistic_permille), config.meter_burst_bytes),
                 Meter::new(rate(config.pessimistic_permille), config.meter_burst_bytes),
             ],
+            two: [
+                TrTcm::new(rate(config.optimistic_permille), rate(config.half_pessimistic_permille), config.meter_burst_bytes),
+                TrTcm::new(rate(config.pessimistic_permille), rate(config.pessimistic_permille), config.meter_burst_bytes),
+            ],
             state: PortModeState::default(),
         };
         Self { cells: vec![cell; config.pipelines * ports], config, trims: [0; 3], notifications: 0 }
@@ -226,23 +309,36 @@ impl IngressTrimmer {
         (port / self.config.ports_per_pipeline).min(self.config.pipelines - 1)
     }
 
-    /// Decide the fate of a data packet of `bytes` (paper §5 pseudo-code).
+    /// Decide the fate of a data packet of `bytes` (paper §5 pseudo-code, or
+    /// the switch.p4 table for [`MeterDesign::TwoMeters`]).
     pub fn on_data(&mut self, now: Time, pipeline: usize, egress_port: usize, bytes: u32) -> IngressVerdict {
-        let trims_all = self.config.pessimistic_trims_all;
+        let (trims_all, design) = (self.config.pessimistic_trims_all, self.config.meters);
         let cell = self.cell(pipeline, egress_port);
-        let colors = [
-            cell.meters[0].execute(now, bytes),
-            cell.meters[1].execute(now, bytes),
-            cell.meters[2].execute(now, bytes),
-        ];
-        let mode = cell.state.update(now);
-        let color = match mode {
-            MeterMode::Optimistic => colors[0],
-            MeterMode::HalfPessimistic => colors[1],
-            MeterMode::Pessimistic if trims_all => Color::Red,
-            MeterMode::Pessimistic => colors[2],
+        let trim = match design {
+            MeterDesign::ThreeMeters => {
+                // all three meters execute on every packet
+                let colors = [
+                    cell.meters[0].execute(now, bytes),
+                    cell.meters[1].execute(now, bytes),
+                    cell.meters[2].execute(now, bytes),
+                ];
+                match cell.state.update(now) {
+                    MeterMode::Optimistic => (MeterMode::Optimistic, colors[0] == Color::Red),
+                    MeterMode::HalfPessimistic => (MeterMode::HalfPessimistic, colors[1] == Color::Red),
+                    MeterMode::Pessimistic => (MeterMode::Pessimistic, trims_all || colors[2] == Color::Red),
+                }
+            }
+            MeterDesign::TwoMeters => {
+                let (opti, pesi) = (cell.two[0].execute(now, bytes), cell.two[1].execute(now, bytes));
+                match cell.state.update(now) {
+                    MeterMode::Optimistic => (MeterMode::Optimistic, opti == Color::Red),
+                    MeterMode::HalfPessimistic => (MeterMode::HalfPessimistic, opti != Color::Green),
+                    MeterMode::Pessimistic => (MeterMode::Pessimistic, trims_all || pesi != Color::Green),
+                }
+            }
         };
-        if color == Color::Red {
+        let (mode, trimmed) = trim;
+        if trimmed {
             self.trims[mode as usize] += 1;
             IngressVerdict::Trim(mode)
         } else {
@@ -382,5 +478,82 @@ mod tests {
         tr.on_notify(us(0), 0, 0);
         assert_eq!(tr.on_data(us(1), 0, 0, 64), IngressVerdict::Trim(MeterMode::Pessimistic));
         assert_eq!(tr.on_data(us(7), 0, 0, 64), IngressVerdict::Forward);
+    }
+
+    #[test]
+    fn trtcm_colours_follow_rfc_2698() {
+        // PIR 100 Gbit/s, CIR 50 Gbit/s, buckets of one 1500 B packet each.
+        let mut m = TrTcm::new(100_000_000_000, 50_000_000_000, 1500);
+        assert_eq!(m.execute(Time::ZERO, 1500), Color::Green, "both buckets full");
+        assert_eq!(m.execute(Time::ZERO, 1500), Color::Red, "peak bucket empty: red, no tokens taken");
+        // 120 ns refill the peak bucket (1500 B at 100 Gbit/s) but half the committed one
+        assert_eq!(m.execute(Time::from_nanos(120), 1500), Color::Yellow, "within the peak, over the committed");
+        assert_eq!(m.execute(Time::from_nanos(240), 1500), Color::Green, "both refilled (the yellow took only peak)");
+        // At line rate (one packet per 120 ns) half the packets are green, the rest yellow, none red.
+        let mut m = TrTcm::new(100_000_000_000, 50_000_000_000, 1500);
+        let colours: Vec<Color> = (0..100).map(|i| m.execute(Time::from_nanos(i * 120), 1500)).collect();
+        let count = |c: Color| colours.iter().filter(|&&x| x == c).count();
+        assert_eq!(count(Color::Red), 0);
+        assert!((49..=51).contains(&count(Color::Green)), "{colours:?}");
+    }
+
+    #[test]
+    fn two_meter_design_trims_per_the_switch_p4_table() {
+        let cfg = TrimControlConfig { meter_burst_bytes: 1500, meters: MeterDesign::TwoMeters, ..TrimControlConfig::default() };
+        let mut tr = IngressTrimmer::new(cfg);
+        // optimistic: trims only RED of opti (over line rate): line rate passes
+        assert_eq!(offered_pass_fraction(&mut tr, 1, 0), 1.0);
+        // pessimistic (6 µs): trims what is not GREEN at a quarter of line rate
+        tr.on_notify(us(20), 0, 3);
+        let mut fwd = 0;
+        for i in 0..50u64 {
+            if tr.on_data(Time::from_nanos(20_000 + i * 120), 1, 3, 1500) == IngressVerdict::Forward {
+                fwd += 1;
+            }
+        }
+        assert!((12..=14).contains(&fwd), "a quarter of 50 passes: {fwd}");
+        // half-pessimistic: trims what is not GREEN of opti (over half line rate)
+        let f = offered_pass_fraction(&mut tr, 1, 30);
+        assert!((0.49..=0.52).contains(&f), "half passes: {f}");
+        assert!(tr.trims_by_mode()[1] > 0 && tr.trims_by_mode()[2] > 0);
+    }
+
+    /// Fraction of a stream forwarded in half-pessimistic mode by each design:
+    /// packets of `sizes` bytes every `gap_ns`.
+    fn half_pessimistic_pass(design: MeterDesign, sizes: &[u32], gap_ns: u64) -> f64 {
+        let cfg = TrimControlConfig { meter_burst_bytes: 15_000, meters: design, ..TrimControlConfig::default() };
+        let mut tr = IngressTrimmer::new(cfg);
+        let mut cell = tr.cells[0].state;
+        cell.t1_reg = Some(Time::from_nanos(u64::MAX / 2)); // half-pessimistic throughout
+        tr.cells.iter_mut().for_each(|c| c.state = cell);
+        let (mut fwd, mut total) = (0u64, 0u64);
+        for (i, &b) in sizes.iter().enumerate() {
+            total += b as u64;
+            if tr.on_data(Time::from_nanos(1000 + i as u64 * gap_ns), 0, 0, b) == IngressVerdict::Forward {
+                fwd += b as u64;
+            }
+        }
+        fwd as f64 / total as f64
+    }
+
+    #[test]
+    fn the_two_designs_agree_on_aligned_mtu_streams_and_differ_on_mixed_sizes() {
+        // MTU packets at 2x line rate (one per 60 ns): both pass half of line rate, identically
+        let mtu = vec![1500u32; 2000];
+        let (three, two) = (half_pessimistic_pass(MeterDesign::ThreeMeters, &mtu, 60),
+                            half_pessimistic_pass(MeterDesign::TwoMeters, &mtu, 60));
+        assert_eq!(three, two);
+        assert!((0.24..=0.27).contains(&three), "{three}");
+        // Mixed sizes (64..1500 B) at about 2x line rate: a trTCM's committed
+        // bucket is not drawn when the peak marks RED, so its buckets go out
+        // of phase with three independent meters and single decisions differ;
+        // the bytes passed stay within 0.1 % of each other (the designs are
+        // equivalent in effect: the paper took two meters to save resources).
+        let mut rng = crate::fault::SplitMix64::new(5);
+        let mixed: Vec<u32> = (0..4000).map(|_| 64 + (rng.next_f64() * 1436.0) as u32).collect();
+        let (three, two) = (half_pessimistic_pass(MeterDesign::ThreeMeters, &mixed, 32),
+                            half_pessimistic_pass(MeterDesign::TwoMeters, &mixed, 32));
+        assert!(three != two && (three - two).abs() < 0.001, "three {three} two {two}");
+        assert!((0.2..=0.3).contains(&two), "{two}");
     }
 }

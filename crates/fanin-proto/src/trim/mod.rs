@@ -24,6 +24,8 @@ pub mod meter;
 pub mod overload;
 pub mod queue;
 
-pub use meter::{Color, IngressTrimmer, IngressVerdict, Meter, MeterMode, NotifyScope, PortModeState, TrimControlConfig};
+pub use meter::{
+    Color, IngressTrimmer, IngressVerdict, Meter, MeterDesign, MeterMode, NotifyScope, PortModeState, TrimControlConfig, TrTcm,
+};
 pub use overload::{is_trimmable, return_to_sender, TrimCause, TrimPlan, TrimVerdict, Watermark};
 pub use queue::{Class, NdpVerdict, PortQueue, QueueConfig, QueueStats, Trimmable};

@@ -16,7 +16,7 @@ usage:
                      [--burst PKTS (Fig. 5)] [--initial-window PKTS] [--notify-latency-ns NS]
       the simulation study of 'Packet trimming in programmable switches'
       (N = 5, 6, 7, 8, 9); CSV goes to DIR (default out/sim)
-  fanin-sim incast [--senders N] [--pkts P] [--design ideal|tofino|mod|dod-only] [--json]
+  fanin-sim incast [--senders N] [--pkts P] [--design ideal|tofino|tofino-2m|mod|dod-only] [--json]
       N-to-1 incast of P-packet flows: last completion vs the optimum
   fanin-sim permutation [--topology single|leaf-spine|fat-tree] [--k K] [--leaves L --spines S
                         --hosts-per-leaf H] [--ports P] [--model ideal|droptail|mod|dod-only|tofino]
@@ -197,7 +197,8 @@ fn incast(mut args: Args) -> Result<(), String> {
         "tofino" => Design::Tofino,
         "mod" => Design::Mod,
         "dod-only" => Design::DodOnly,
-        d => return Err(format!("unknown design {d:?} (ideal, tofino, mod, dod-only)")),
+        "tofino-2m" => Design::TofinoTwoMeters,
+        d => return Err(format!("unknown design {d:?} (ideal, tofino, tofino-2m, mod, dod-only)")),
     };
     let study = study_from(&mut args)?;
     args.finish()?;
@@ -393,6 +394,24 @@ fn permutation(mut args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// The lines of [`USAGE`] about `cmd` (each command's entries start with
+/// "  fanin-sim CMD" and run to the next command's).
+fn command_usage(cmd: &str) -> Option<String> {
+    let start = format!("  fanin-sim {cmd} ");
+    let mut out = String::new();
+    let mut inside = false;
+    for line in USAGE.lines() {
+        if line.starts_with("  fanin-sim ") {
+            inside = line.starts_with(&start);
+        }
+        if inside {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
 fn main() -> ExitCode {
     let mut argv: Vec<String> = std::env::args().skip(1).collect();
     if argv.is_empty() || argv[0] == "-h" || argv[0] == "--help" {
@@ -400,6 +419,19 @@ fn main() -> ExitCode {
         return if argv.is_empty() { ExitCode::from(2) } else { ExitCode::SUCCESS };
     }
     let cmd = argv.remove(0);
+    if argv.iter().any(|a| a == "-h" || a == "--help") {
+        // `fanin-sim CMD --help`: that command's part of the usage
+        return match command_usage(&cmd) {
+            Some(text) => {
+                print!("usage:\n{text}");
+                ExitCode::SUCCESS
+            }
+            None => {
+                eprint!("fanin-sim: unknown command {cmd:?}\n{USAGE}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let args = Args { rest: argv };
     let r = match cmd.as_str() {
         "trimming" => trimming(args),
