@@ -29,7 +29,9 @@ use std::time::Duration;
 use fanin_wire::value::{incarnation_tag, JoinParams, Packet, RecoverAnchor, Repr, HEADER_LEN, JOIN_RECOVER};
 use fanin_wire::MessageType;
 
-use super::{emit_block, AllreduceSession, BlockPhase, Op, SessionConfig, SessionError};
+use super::op::{BlockPhase, Op};
+use super::transmit::emit_block;
+use super::{AllreduceSession, SessionConfig, SessionError};
 use crate::auth::push_sealed;
 use crate::job::shard_of;
 use crate::time::Time;

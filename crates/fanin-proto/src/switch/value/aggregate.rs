@@ -2,6 +2,20 @@
 
 use super::*;
 
+/// What a contribution did to its block.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Outcome {
+    /// It was counted (not a duplicate, not refused).
+    pub(super) accepted: bool,
+    /// It completed the block: the final result went out.
+    pub(super) completed: bool,
+    /// A data contribution to a block already emitted without its source.
+    pub(super) late: bool,
+    /// A data contribution that does not line up with the block's (another
+    /// element count or `final` bit): the members disagree on the length.
+    pub(super) mismatch: bool,
+}
+
 /// Copy the datagram in `scratch` to every member with a known address
 /// (sealed for each, if the job is keyed).
 pub(super) fn broadcast<A: Copy>(

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::*;
+use crate::job::RateLimit;
 use crate::transmit::VecTransmit;
 use fanin_wire::value::write_elements;
 

@@ -264,3 +264,98 @@ pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
     }
     lowest.unwrap_or(job.start_block)
 }
+
+impl<A: Copy + PartialEq> ValueSwitch<A> {
+    pub(super) fn handle_join(
+        &mut self,
+        now: Time,
+        from: A,
+        packet: &Packet<&[u8]>,
+        out: &mut impl Transmit<A>,
+    ) -> Verdict {
+        let (job_id, member) = (packet.job_id(), packet.src_id());
+        let listening = |sw: &Self| sw.jobs.get(&job_id).is_some_and(|j| j.listens_on_group.contains(member as usize));
+        let before = listening(self);
+        let verdict = self.answer_join_request(now, from, packet, out);
+        let listens = listening(self);
+        match verdict {
+            Verdict::Consumed if listens != before => Verdict::Listening { job_id, member, listens },
+            v => v,
+        }
+    }
+
+    fn answer_join_request(&mut self, now: Time, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
+        self.counters.joins += 1;
+        let src = packet.src_id();
+        let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
+            self.counters.unknown_job += 1;
+            send_nack(&mut self.counters, out, from, Envelope::Plain, packet, NackReason::UnknownJob, packet.job_id());
+            return Verdict::Consumed;
+        };
+        if !job.members.contains(src as usize) {
+            self.counters.non_member += 1;
+            let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
+            send_nack(&mut self.counters, out, from, env, packet, NackReason::NotMember, src as u32);
+            return Verdict::Consumed;
+        }
+        // A Join saying its member incarnation, to a job whose stream
+        // position is decided here, takes part in the job's rounds: a new
+        // process of a rank starts a new round (rounds.rs).
+        let inc = packet.member_incarnation();
+        let in_rounds = inc != 0 && packet.age_op() != JOIN_RECOVER && uses_rounds(job);
+        let current = job.incarnations[src as usize];
+        let new_process = in_rounds && current != 0 && current != inc;
+        // A new process of a rank (or any Join after a restart ended the
+        // round) goes to the barrier even on a failed job: a whole-job
+        // restart starts afresh without the control plane.
+        let restart_barrier = job.barrier.as_ref().is_some_and(|b| b.ended.is_some());
+        if let Some(dead) = job.liveness.failed.filter(|_| !(in_rounds && (new_process || restart_barrier))) {
+            let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
+            send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
+            return Verdict::Consumed;
+        }
+        job.addrs[src as usize] = Some(from);
+        // Every Join says afresh whether the worker listens on the group: a
+        // worker that restarted without it gets unicast again.
+        job.set_listening(src, packet.listens_on_group());
+        job.liveness.heard(src as usize, now);
+        if in_rounds {
+            let sync = packet.age_op() == JOIN_SYNC;
+            if let RoundJoin::Done(verdict) = join_round(job, &self.config, src, inc, from, sync, &mut self.counters, out) {
+                return verdict;
+            }
+        }
+        // A permanently slow source that rejoins is waited for again.
+        if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
+            readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
+        }
+        if packet.age_op() == JOIN_RECOVER {
+            if inc != 0 {
+                // a restarted switch learns the round's incarnations here
+                job.incarnations[src as usize] = inc;
+            }
+            // (the body is there: Packet::new_checked sized it by age_op)
+            let anchor = RecoverAnchor::parse(packet.payload()).ok();
+            return recover_join(job, &self.config, src, from, packet.block_id(), anchor, &mut self.counters, out);
+        }
+        if packet.age_op() != JOIN_SYNC {
+            // Joining with the others: the stream's start, which every
+            // switch of the tree knows.
+            let start = job.start_block;
+            answer_join(job, &self.config, src, src, from, start, out);
+            return joined(job, src, start);
+        }
+        let newcomer = job.awaiting.contains(src as usize);
+        if job.uplink.is_some() {
+            // Only the root knows the current block offset: ask it.
+            job.pending_sync.insert(src, src);
+            forward_sync(job, src, packet.block_id(), newcomer, &mut self.counters, out);
+        } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id(), newcomer) {
+            answer_join_as(job, &self.config, src, src, from, start, 0, out);
+            return joined(job, src, start.block);
+        } else {
+            self.counters.sync_deferred += 1;
+        }
+        Verdict::Consumed
+    }
+}

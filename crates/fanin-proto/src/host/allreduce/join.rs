@@ -1,0 +1,103 @@
+//! Joining the job: the Join a worker sends (plain, sync, probe), how long
+//! it waits for an answer, and what the JoinAck tells it.
+
+use std::time::Duration;
+
+use fanin_wire::value::{JoinParams, Repr, JOIN_ROUND_START, JOIN_SYNC, JOIN_WAIT};
+use fanin_wire::MessageType;
+
+use super::{AllreduceSession, Event, SessionError, State};
+use crate::time::Time;
+
+impl AllreduceSession {
+    /// How long joining may take: `join_timeout` until the switch answers
+    /// at all, `barrier_timeout` once it said the job's barrier holds us.
+    pub(super) fn join_deadline(&self, barrier: Option<u32>) -> Duration {
+        match barrier {
+            None => self.config.join_timeout,
+            Some(_) => self.config.barrier_timeout.max(self.config.join_timeout),
+        }
+    }
+
+    pub(super) fn on_join_ack(&mut self, now: Time, repr: &Repr, body: &[u8]) {
+        let Ok(params) = JoinParams::parse(body) else { return };
+        let expected = self.config.expected_members;
+        if expected != 0 && repr.src_cnt != expected && matches!(self.state, State::Joining { .. }) {
+            self.fail(SessionError::MemberCount { job_id: self.config.job_id, members: repr.src_cnt, expected });
+            return;
+        }
+        if repr.age_op == JOIN_WAIT {
+            // Held at the job's barrier: the switch is there; keep asking
+            // (a lost answer to the round's start is asked for again).
+            if let State::Joining { barrier, .. } = &mut self.state {
+                *barrier = Some(params.next_block);
+                self.n_sources = repr.src_cnt.max(1);
+                if self.config.elems_per_packet as u32 > params.block_grad_max {
+                    // no use waiting for the others to be refused then
+                    let (requested, cap) = (self.config.elems_per_packet, params.block_grad_max);
+                    self.fail(SessionError::PacketTooLarge { requested, cap });
+                }
+                return;
+            }
+            // A probe answered by a switch whose job waits at its barrier:
+            // it restarted (another incarnation), which the probe is for.
+        }
+        if matches!(self.state, State::Ready) {
+            self.on_rejoin_ack(now, repr, params);
+            return;
+        }
+        if !matches!(self.state, State::Joining { .. }) {
+            return;
+        }
+        if self.config.elems_per_packet as u32 > params.block_grad_max {
+            self.fail(SessionError::PacketTooLarge { requested: self.config.elems_per_packet, cap: params.block_grad_max });
+            return;
+        }
+        self.params = Some(params);
+        self.n_sources = repr.src_cnt.max(1);
+        self.next_block = params.next_block;
+        if self.config.sync_join && repr.age_op != JOIN_ROUND_START {
+            // The switch answered an allreduce boundary of the running round
+            // (counted from the round's first block, which this worker cannot
+            // know) and the generation of the allreduce before it; begin()
+            // moves to the next, the one the others use at that block.
+            self.gen_id = repr.gen_id;
+        }
+        self.window_max = self.config.window.min(params.block_cnt_max).max(1);
+        self.window = self.window_max;
+        self.last_heard = now;
+        self.state = State::Ready;
+        self.events.push_back(Event::Joined(params));
+    }
+
+    /// A join while bound to the switch: a probe for its incarnation
+    /// (docs/restart.md). Always a plain join, even for a worker that
+    /// joined with sync: a restarted switch defers sync joins on its fresh
+    /// job until an active member opens the stream, so a sync probe from
+    /// every member would never be answered and nobody would learn of the
+    /// restart (the 10-minute chaos soak hit exactly that).
+    pub(super) fn probe_request(&self) -> Repr {
+        self.join_repr()
+    }
+
+    pub(super) fn join_request(&self) -> Repr {
+        Repr {
+            age_op: if self.config.sync_join { JOIN_SYNC } else { 0 },
+            // the root answers an allreduce boundary of this many blocks
+            block_id: if self.config.sync_join { self.config.align_blocks } else { 0 },
+            ..self.join_repr()
+        }
+    }
+
+    /// What every Join of this worker carries (plain, sync, probe,
+    /// recovery): each one tells the switch afresh whether it listens on
+    /// the result group (the `final` bit, which a Join has no other use for).
+    pub(super) fn join_repr(&self) -> Repr {
+        Repr {
+            gen_id: self.gen_id,
+            src_cnt: self.config.incarnation,
+            final_block: self.config.listens_on_group,
+            ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! One running allreduce ([`Op`]): the state of each of its blocks, its
+//! queues and statistics, and the fast-retransmit bookkeeping of results
+//! that overtake a block.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use fanin_wire::value::JoinParams;
+
+use super::lending::{self, Input, Lent, TensorMut};
+use super::DUP_THRESH;
+use crate::job::shard_of;
+use crate::serial::BlockSpace;
+use crate::time::Time;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum BlockPhase {
+    Unsent,
+    /// Exponent-only contribution sent, waiting for the negotiated exponent.
+    ExpSent,
+    /// Exponent known; the data contribution is queued.
+    DataQueued,
+    DataSent,
+    Done,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct BlockState {
+    pub(super) phase: BlockPhase,
+    /// Negotiated (or announced-ahead) shared exponent; EXP_NONE = unknown.
+    pub(super) exp: i8,
+    /// Transmissions of the current phase beyond the first.
+    pub(super) attempt: u32,
+    /// Last transmission.
+    pub(super) sent_at: Time,
+    /// Results seen for later blocks of the same shard while this one waits.
+    pub(super) later_results: u8,
+    /// Queued for retransmission and not yet sent again.
+    pub(super) queued: bool,
+    /// Order of the last transmission among all of this session's sends.
+    pub(super) send_seq: u64,
+    /// First transmission (for the latency statistics).
+    pub(super) first_sent: Option<Time>,
+}
+
+pub(super) struct Op {
+    /// The input; the results overwrite it unless an output was lent (a
+    /// lent input always comes with a lent output).
+    pub(super) input: Input,
+    /// The caller's output buffer (`begin_into`): results go there and the
+    /// input stays intact.
+    pub(super) lent: Option<Lent>,
+    /// Block id of the tensor's first block.
+    pub(super) base_block: u32,
+    /// The job's block ids (they wrap at a multiple of `block_cnt_max`).
+    pub(super) space: BlockSpace,
+    pub(super) blocks: Vec<BlockState>,
+    /// This worker's own exponent per block (float tensors).
+    pub(super) local_exp: Vec<i8>,
+    /// Lowest block index without a result.
+    pub(super) low: u32,
+    /// Next block index never sent.
+    pub(super) next_new: u32,
+    pub(super) done: u32,
+    /// Blocks at or beyond `next_new` that are done already (a straggler
+    /// finds results the switch pushed to it before it sent anything).
+    pub(super) done_ahead: u32,
+    pub(super) missed: u32,
+    pub(super) latency_sum: Duration,
+    pub(super) latency_max: Duration,
+    pub(super) latency_samples: u32,
+    pub(super) ready: VecDeque<u32>,
+    pub(super) retransmit: VecDeque<u32>,
+    /// Last time a result (data or exponent) arrived for this allreduce.
+    pub(super) last_progress: Time,
+    /// Consecutive stall timeouts without progress.
+    pub(super) backoff: u32,
+    /// Transmissions so far (orders blocks for fast retransmit).
+    pub(super) send_seq: u64,
+    pub(super) retransmissions: u64,
+    pub(super) trimmed: u64,
+    pub(super) degraded: Vec<(u32, u16)>,
+    pub(super) min_src_cnt: u16,
+    pub(super) recoveries: u32,
+    /// Next probe join while the switch is silent (see `PROBE_INTERVAL`).
+    pub(super) next_probe: Time,
+}
+
+impl Op {
+    /// The stream id of tensor block `idx`.
+    pub(super) fn block_id(&self, idx: u32) -> u32 {
+        self.space.add(self.base_block, idx)
+    }
+    /// Block `idx` has its result (summing `src_cnt` sources; `degraded`
+    /// when fewer than the job has). Returns true when every block has one.
+    pub(super) fn record_done(&mut self, idx: u32, src_cnt: u16, degraded: bool) -> bool {
+        self.blocks[idx as usize].phase = BlockPhase::Done;
+        self.done += 1;
+        if idx >= self.next_new {
+            self.done_ahead += 1;
+        }
+        if degraded {
+            self.degraded.push((idx, src_cnt));
+        }
+        self.min_src_cnt = self.min_src_cnt.min(src_cnt);
+        while self.low < self.blocks.len() as u32 && self.blocks[self.low as usize].phase == BlockPhase::Done {
+            self.low += 1;
+        }
+        self.done == self.blocks.len() as u32
+    }
+
+    /// Where block `start..start + count`'s result goes: the lent output,
+    /// or over the input.
+    pub(super) fn output_block(&mut self, start: usize, count: usize) -> TensorMut<'_> {
+        match &mut self.lent {
+            Some(lent) => lent.block(start, count),
+            None => match &mut self.input {
+                Input::Owned(tensor) => lending::tensor_block(tensor, start, count),
+                Input::Lent(_) => unreachable!("a lent input always comes with a lent output"),
+            },
+        }
+    }
+
+    /// Blocks sent (at least once) whose result has not arrived.
+    pub(super) fn outstanding(&self) -> u32 {
+        self.next_new - (self.done - self.done_ahead)
+    }
+}
+
+/// A result for block `idx` arrived: earlier blocks of the same shard still
+/// waiting have now been overtaken once more; at [`DUP_THRESH`] they are
+/// presumed lost and queued for a fast retransmission.
+pub(super) fn note_later_result(op: &mut Op, idx: u32, params: &JoinParams, job_id: u32) {
+    let seq = op.blocks[idx as usize].send_seq;
+    if params.shard_count > 1 {
+        let shard = shard_of(job_id, op.block_id(idx), params.block_cnt_max, params.shard_count);
+        for j in op.low..idx {
+            let same = shard_of(job_id, op.block_id(j), params.block_cnt_max, params.shard_count) == shard;
+            if same {
+                overtaken(op, j, seq);
+            }
+        }
+    } else {
+        for j in op.low..idx {
+            overtaken(op, j, seq);
+        }
+    }
+}
+
+/// Block `j` was overtaken if the answered transmission left after `j`'s.
+fn overtaken(op: &mut Op, j: u32, answered_seq: u64) {
+    let b = &mut op.blocks[j as usize];
+    if b.send_seq >= answered_seq {
+        return;
+    }
+    let waiting = matches!(b.phase, BlockPhase::ExpSent | BlockPhase::DataSent);
+    if !waiting || b.queued {
+        return;
+    }
+    b.later_results = b.later_results.saturating_add(1);
+    if b.later_results >= DUP_THRESH {
+        // Also after a retransmission: a lost retransmission is found the
+        // same way, one round trip later, instead of by the stall timer.
+        b.queued = true;
+        op.retransmit.push_back(j);
+    }
+}

@@ -1,0 +1,368 @@
+//! Unit tests of the session state machine, against a real switch shard
+//! with datagrams moved by hand.
+
+use super::*;
+use fanin_wire::value::JOIN_SYNC;
+use crate::job::JobSpec;
+use crate::switch::{ShardConfig, ValueSwitch};
+use crate::transmit::VecTransmit;
+
+/// One worker, one switch shard, datagrams moved by hand.
+fn joined(window: u32) -> (AllreduceSession, ValueSwitch<u16>) {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.elems_per_packet = 4;
+    cfg.window = window;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    for (_, join) in out.drain() {
+        let mut reply = VecTransmit::new();
+        let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
+        for (_, b) in reply.drain() {
+            s.handle_datagram(Time::ZERO, &b);
+        }
+    }
+    assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+    (s, sw)
+}
+
+#[test]
+fn a_worker_that_joined_with_sync_probes_with_a_plain_join() {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.elems_per_packet = 4;
+    cfg.sync_join = true;
+    cfg.align_blocks = 2;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    let joins: Vec<_> = out.drain().collect();
+    assert_eq!(Packet::new_checked(&joins[0].1[..]).unwrap().age_op(), JOIN_SYNC);
+    deliver(&mut s, &mut sw, Time::ZERO, joins);
+    assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+    // The switch goes silent: everything sent is lost.
+    s.begin(Time::ZERO, Tensor::I32(vec![1; 8])).unwrap();
+    let mut now = Time::ZERO;
+    let mut probe = None;
+    while probe.is_none() && now < Time::from_nanos(30_000_000_000) {
+        now = s.poll_timeout().unwrap();
+        s.handle_timeout(now);
+        s.poll_transmit(now, &mut out);
+        probe = out.drain().map(|(_, b)| b).find(|b| {
+            Packet::new_checked(&b[..]).is_ok_and(|p| p.msg_type_code() == MessageType::Join as u8)
+        });
+    }
+    let probe = probe.expect("a probe after three stall timeouts");
+    assert_eq!(Packet::new_checked(&probe[..]).unwrap().age_op(), 0, "a plain join, not a sync join");
+}
+
+fn deliver(s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>, now: Time, datagrams: Vec<(u16, Vec<u8>)>) {
+    for (_, bytes) in datagrams {
+        let mut reply = VecTransmit::new();
+        let _ = sw.handle_datagram(now, 0, &bytes, &mut reply);
+        for (_, b) in reply.drain() {
+            s.handle_datagram(now, &b);
+        }
+    }
+}
+
+/// Two workers listening on the job's result group and one not: results
+/// reach the listeners through the group datagram, the other by
+/// unicast, and all three get the same sum.
+#[test]
+fn workers_listening_on_the_group_get_their_results_from_it() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec { result_group: Some(group), ..JobSpec::with_sources(1, 3, 16, 64) }).unwrap();
+    let mut workers: Vec<AllreduceSession> = (0..3u16)
+        .map(|src| {
+            let mut cfg = SessionConfig::new(1, src);
+            cfg.elems_per_packet = 4;
+            cfg.listens_on_group = src != 1;
+            AllreduceSession::new(cfg, Time::ZERO)
+        })
+        .collect();
+    let now = Time::ZERO;
+    // worker address = source id; a datagram to the group reaches the listeners
+    let pump = |workers: &mut Vec<AllreduceSession>, sw: &mut ValueSwitch<u16>| {
+        let mut moved = 0;
+        for src in 0..3u16 {
+            let mut out = VecTransmit::new();
+            while workers[src as usize].poll_transmit(now, &mut out) > 0 {}
+            for (_, bytes) in out.drain() {
+                if src == 0 {
+                    // every Join of a listener says so
+                    let p = Packet::new_checked(&bytes[..]).unwrap();
+                    if p.msg_type_code() == MessageType::Join as u8 {
+                        assert!(p.listens_on_group());
+                    }
+                }
+                let mut reply = VecTransmit::new();
+                reply.groups_reachable = true;
+                let _ = sw.handle_datagram(now, src, &bytes, &mut reply);
+                for (to, b) in reply.drain() {
+                    workers[to as usize].handle_datagram(now, &b);
+                    moved += 1;
+                }
+                for (_, b) in reply.group_datagrams.drain(..) {
+                    for w in [0, 2] {
+                        workers[w].handle_datagram(now, &b);
+                    }
+                    moved += 1;
+                }
+            }
+        }
+        moved
+    };
+    while pump(&mut workers, &mut sw) > 0 {}
+    for (src, w) in workers.iter_mut().enumerate() {
+        match w.poll_event() {
+            Some(Event::Joined(p)) => assert_eq!(p.results_on_group, src != 1, "worker {src}"),
+            other => panic!("worker {src}: {other:?}"),
+        }
+        w.begin(now, Tensor::I32((0..10).map(|i| i * (src as i32 + 1)).collect())).unwrap();
+    }
+    while pump(&mut workers, &mut sw) > 0 {}
+    let want: Vec<i32> = (0..10).map(|i| i * 6).collect();
+    for (src, w) in workers.iter_mut().enumerate() {
+        match w.poll_event() {
+            Some(Event::Completed(o)) => assert_eq!(o.tensor, Tensor::I32(want.clone()), "worker {src}"),
+            other => panic!("worker {src}: {other:?}"),
+        }
+    }
+    let c = sw.counters();
+    assert_eq!((c.results_to_group, c.results_sent), (3, 3), "3 blocks: one group datagram and one unicast each");
+}
+
+#[test]
+fn a_lost_contribution_is_resent_after_three_later_results_without_waiting_for_a_timeout() {
+    let (mut s, mut sw) = joined(8);
+    let now = Time::from_nanos(1_000);
+    s.begin(now, Tensor::I32((0..20).collect())).unwrap();
+    let mut out = VecTransmit::new();
+    while s.poll_transmit(now, &mut out) > 0 {}
+    let mut sent: Vec<_> = out.drain().collect();
+    assert_eq!(sent.len(), 5, "20 elements / 4 per packet");
+    sent.remove(0); // block 0's contribution is lost
+    deliver(&mut s, &mut sw, now, sent);
+    // results of blocks 1..4 overtook block 0: it goes out again at once
+    let mut out = VecTransmit::new();
+    s.poll_transmit(now, &mut out);
+    let resent: Vec<_> = out.drain().collect();
+    assert_eq!(resent.len(), 1);
+    let p = Packet::new_checked(&resent[0].1[..]).unwrap();
+    assert_eq!((p.msg_type_code(), p.block_id()), (MessageType::Retransmission as u8, 0));
+    deliver(&mut s, &mut sw, now, resent);
+    match s.poll_event() {
+        Some(Event::Completed(o)) => {
+            assert_eq!(o.tensor, Tensor::I32((0..20).collect()));
+            assert_eq!(o.retransmissions, 1);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// How a test's allreduce holds its tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lending {
+    /// The session owns the input; results overwrite it.
+    Nothing,
+    /// Results go to a lent output; the session owns the input.
+    Output,
+    /// Results go to a lent output; the input is borrowed too.
+    InputAndOutput,
+}
+const LENDINGS: [Lending; 3] = [Lending::Nothing, Lending::Output, Lending::InputAndOutput];
+
+fn lossy_40_values() -> Vec<f32> {
+    (0..40).map(|i| (i as f32 - 17.5) * 0.37).collect()
+}
+
+/// Runs one float allreduce of 40 elements with block 3's first data
+/// transmission lost, holding its tensors as `lending` says; returns
+/// the sum, the tensor the outcome handed back, the first data
+/// transmission of each block and the session.
+fn run_lossy_40(lending: Lending) -> (Vec<f32>, Tensor, std::collections::HashMap<u32, Vec<u8>>, AllreduceSession) {
+    let (mut s, mut sw) = joined(8);
+    let now = Time::from_nanos(1_000);
+    let values = lossy_40_values();
+    let mut out = vec![f32::NAN; 40];
+    // SAFETY (both `begin_into`s): `out` and `values` outlive the
+    // allreduce, which completes below (asserted) before `out` is read.
+    match lending {
+        Lending::Nothing => s.begin_prepared(now, Prepared::new(Tensor::F32(values.clone()), 4).unwrap()).unwrap(),
+        Lending::Output => {
+            let prepared = Prepared::new(Tensor::F32(values.clone()), 4).unwrap();
+            unsafe { s.begin_into(now, prepared, TensorMut::F32(&mut out)) }.unwrap()
+        }
+        Lending::InputAndOutput => {
+            let prepared = Prepared::borrow(TensorRef::F32(&values), 4).unwrap();
+            unsafe { s.begin_into(now, prepared, TensorMut::F32(&mut out)) }.unwrap()
+        }
+    }
+    let mut sent_data = std::collections::HashMap::new();
+    let mut lost_once = false;
+    let mut outcome = None;
+    for _ in 0..100 {
+        let mut tx = VecTransmit::new();
+        while s.poll_transmit(now, &mut tx) > 0 {}
+        let mut batch: Vec<_> = tx.drain().collect();
+        for (_, b) in &batch {
+            let p = Packet::new_checked(&b[..]).unwrap();
+            if !p.exp_only() && p.msg_type_code() == MessageType::Contribution as u8 {
+                sent_data.insert(p.block_id(), b.clone());
+            }
+        }
+        // block 3's first data transmission is lost: its result comes
+        // from a retransmission, and what is retained is still what
+        // the first transmission carried
+        if !lost_once {
+            if let Some(i) = batch.iter().position(|(_, b)| {
+                let p = Packet::new_checked(&b[..]).unwrap();
+                !p.exp_only() && p.block_id() == 3
+            }) {
+                batch.remove(i);
+                lost_once = true;
+            }
+        }
+        deliver(&mut s, &mut sw, now, batch);
+        if let Some(Event::Completed(o)) = s.poll_event() {
+            outcome = Some(o);
+            break;
+        }
+    }
+    assert!(lost_once);
+    let o = outcome.expect("the allreduce completes");
+    assert_eq!(values, lossy_40_values(), "the input is never written");
+    let sum = if lending == Lending::Nothing {
+        let Tensor::F32(v) = o.tensor.clone() else { unreachable!() };
+        v
+    } else {
+        out
+    };
+    (sum, o.tensor, sent_data, s)
+}
+
+#[test]
+fn a_retained_contribution_is_the_very_datagram_first_sent() {
+    for lending in LENDINGS {
+        let (_, _, sent_data, s) = run_lossy_40(lending);
+        assert_eq!(s.captured.pending(), 0, "every result took its block's capture (none emitted twice)");
+        let retained = s.retained_blocks();
+        assert_eq!(retained, (0..10).collect::<Vec<_>>(), "every block of the one allreduce");
+        for b in retained {
+            let kept = s.retained_bytes(b).expect("emitted by the time the allreduce ended");
+            assert_eq!(kept, &sent_data[&b][..], "block {b}, {lending:?} lent");
+            assert_eq!(Packet::new_checked(kept).unwrap().grad_cnt(), 4);
+        }
+    }
+}
+
+#[test]
+fn a_lent_output_gets_the_same_sum_and_the_input_comes_back_unchanged() {
+    let (owned_sum, _, _, _) = run_lossy_40(Lending::Nothing);
+    let (lent_sum, handed_back, _, _) = run_lossy_40(Lending::Output);
+    assert_eq!(lent_sum, owned_sum, "bit-identical to the owned path");
+    assert_eq!(handed_back, Tensor::F32(lossy_40_values()), "the input, untouched");
+    assert!(lent_sum.iter().all(|v| v.is_finite()), "every element written");
+}
+
+#[test]
+fn a_borrowed_input_gets_the_same_sum_and_nothing_is_handed_back() {
+    let (owned_sum, _, _, _) = run_lossy_40(Lending::Nothing);
+    let (lent_sum, handed_back, _, _) = run_lossy_40(Lending::InputAndOutput);
+    assert_eq!(lent_sum, owned_sum, "bit-identical to the owned path");
+    assert_eq!(handed_back, Tensor::F32(Vec::new()), "the caller has the input");
+}
+
+#[test]
+fn a_borrowed_input_with_a_refused_value_is_refused_with_its_index() {
+    let mut values = vec![1.0f32; 10];
+    values[6] = f32::INFINITY;
+    let err = Prepared::borrow(TensorRef::F32(&values), 4).unwrap_err();
+    assert_eq!(err.index, 6);
+}
+
+#[test]
+fn a_lent_output_of_the_wrong_shape_or_dtype_is_refused_before_anything_is_sent() {
+    let (mut s, _) = joined(8);
+    let now = Time::from_nanos(1_000);
+    let mut short = vec![0.0f32; 7];
+    let mut ints = vec![0i32; 8];
+    for out in [TensorMut::F32(&mut short), TensorMut::I32(&mut ints)] {
+        let prepared = Prepared::new(Tensor::F32(vec![1.0; 8]), 4).unwrap();
+        // SAFETY: refused, so the session keeps nothing.
+        let err = unsafe { s.begin_into(now, prepared, out) }.unwrap_err();
+        assert!(err.to_string().contains("output must match the input"), "{err}");
+    }
+    let mut tx = VecTransmit::new();
+    assert_eq!(s.poll_transmit(now, &mut tx), 0, "nothing sent");
+    assert!(s.op.is_none());
+}
+
+#[test]
+fn abandoning_an_allreduce_releases_its_output_and_the_session_can_begin_again() {
+    let (mut s, _) = joined(8);
+    let now = Time::from_nanos(1_000);
+    let mut out = vec![0i32; 8];
+    // SAFETY: abandoned below, before `out` is used again.
+    unsafe { s.begin_into(now, Prepared::new(Tensor::I32(vec![1; 8]), 4).unwrap(), TensorMut::I32(&mut out)) }
+        .unwrap();
+    let mut tx = VecTransmit::new();
+    assert!(s.poll_transmit(now, &mut tx) > 0);
+    s.abandon();
+    assert!(s.op.is_none() && s.poll_event().is_none(), "ended without an event");
+    s.begin(now, Tensor::I32(vec![1; 8])).unwrap();
+}
+
+#[test]
+fn a_tensor_prepared_while_copied_equals_one_prepared_after() {
+    let values: Vec<f32> = (0..5000).map(|i| ((i * 37) % 1001) as f32 * 0.5f32.powi(i % 40) - 3.0).collect();
+    let copied = Prepared::copy_f32(&values, 64, vec![9.0; 10]).unwrap();
+    assert_eq!(copied, Prepared::new(Tensor::F32(values.clone()), 64).unwrap());
+    // a refused value is named by its index in the tensor, not its block
+    let mut bad = values;
+    bad[4321] = f32::INFINITY;
+    let e = Prepared::copy_f32(&bad, 64, Vec::new()).unwrap_err();
+    assert_eq!((e.index, e.value), (4321, f32::INFINITY));
+    assert_eq!(Prepared::new(Tensor::F32(bad), 1024).unwrap_err().index, 4321);
+}
+
+#[test]
+fn a_tensor_prepared_for_another_block_size_is_prepared_again() {
+    let (mut s, mut sw) = joined(8);
+    let now = Time::from_nanos(1_000);
+    // prepared for blocks of 2; the session sends blocks of 4
+    let values = vec![1.0f32, 2.0, 1000.0, 0.5, 0.25, 3.0];
+    s.begin_prepared(now, Prepared::new(Tensor::F32(values.clone()), 2).unwrap()).unwrap();
+    for _ in 0..10 {
+        let mut out = VecTransmit::new();
+        while s.poll_transmit(now, &mut out) > 0 {}
+        deliver(&mut s, &mut sw, now, out.drain().collect());
+    }
+    match s.poll_event() {
+        Some(Event::Completed(o)) => assert_eq!(o.tensor, Tensor::F32(values)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn stall_timer_resends_only_after_an_rto_without_progress() {
+    let (mut s, mut sw) = joined(8);
+    let t0 = Time::from_nanos(1_000);
+    s.begin(t0, Tensor::I32(vec![7; 4])).unwrap();
+    let mut out = VecTransmit::new();
+    s.poll_transmit(t0, &mut out);
+    out.drain().for_each(drop); // lost
+    let deadline = s.poll_timeout().unwrap();
+    assert_eq!(deadline, t0 + s.config().rto_initial);
+    s.handle_timeout(Time::from_nanos(deadline.as_nanos() - 1));
+    assert_eq!(s.poll_transmit(deadline, &mut out), 0, "not yet");
+    s.handle_timeout(deadline);
+    assert_eq!(s.poll_transmit(deadline, &mut out), 1);
+    deliver(&mut s, &mut sw, deadline, out.drain().collect());
+    assert!(matches!(s.poll_event(), Some(Event::Completed(_))));
+}

@@ -1,0 +1,223 @@
+//! A block record and its phases ([`Block`], Trio-ML's block context), and
+//! the slot that holds a block with the shadow copy of its predecessor.
+
+use super::*;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// Collecting block exponents (exponent-only contributions).
+    Exponent,
+    /// Collecting data contributions.
+    Data,
+    /// Non-root switch: the exponent partial went to the parent; waiting
+    /// for the parent's exponent.
+    ExponentUp,
+    /// Non-root switch: the data partial went to the parent; waiting for the
+    /// parent's result.
+    DataUp,
+    /// Result emitted; kept for retransmissions.
+    Done,
+}
+
+/// A block record (Trio-ML `trio_ml_block_ctx_t`).
+#[derive(Debug)]
+pub(super) struct Block {
+    pub(super) block_id: u32,
+    pub(super) gen_id: u16,
+    pub(super) dtype: Dtype,
+    pub(super) phase: Phase,
+    /// The exponent was fixed by an exponent-only round; data must match it.
+    pub(super) negotiated: bool,
+    pub(super) has_data: bool,
+    pub(super) final_block: bool,
+    pub(super) grad_cnt: u16,
+    pub(super) exp: i8,
+    /// Maximum of the contributions' announcements for block + block_cnt_max.
+    pub(super) next_exp: i8,
+    /// Sources counted in the current phase (`rcvd_mask`).
+    pub(super) rcvd: SourceMask,
+    /// The aggregation buffer.
+    pub(super) sum: Vec<i32>,
+    /// Trio's block_start_time: when the first packet arrived.
+    pub(super) start_time: Time,
+    /// Sources this block waits for: the job's active sources when it was
+    /// created (after an aged exponent round, the sources in that round).
+    pub(super) expected: SourceMask,
+    pub(super) expected_count: u16,
+    /// How many of `expected` are in `rcvd`.
+    pub(super) expected_rcvd: u16,
+    /// Trio's recently-referenced flag: set on creation and on every
+    /// contribution added; cleared by the scanner.
+    pub(super) referenced: bool,
+    /// Consecutive scanner visits that found the flag clear.
+    pub(super) idle_checks: u8,
+    /// The block aged out (in either phase): its result is partial.
+    pub(super) aged: bool,
+    /// Workers summed in the current phase: one per worker, a child
+    /// switch's `src_cnt` per switch.
+    pub(super) workers: u16,
+    /// A child switch's partial was itself partial.
+    pub(super) child_degraded: bool,
+    /// Non-root switch: `(src_cnt, degraded)` of the parent's result, which
+    /// is what the children get.
+    pub(super) parent_result: Option<(u16, bool)>,
+    /// The parent refused the block as expired: the children are told so.
+    pub(super) expired_up: bool,
+    /// Children's retransmissions since the cached partial last went up.
+    pub(super) asks_since_resend: u16,
+}
+
+impl Block {
+    pub(super) fn new(source_capacity: usize) -> Self {
+        Self {
+            block_id: 0,
+            gen_id: 0,
+            dtype: Dtype::Int32,
+            phase: Phase::Data,
+            negotiated: false,
+            has_data: false,
+            final_block: false,
+            grad_cnt: 0,
+            exp: EXP_NONE,
+            next_exp: EXP_NONE,
+            rcvd: SourceMask::with_capacity(source_capacity),
+            sum: Vec::new(),
+            start_time: Time::ZERO,
+            expected: SourceMask::with_capacity(source_capacity),
+            expected_count: 0,
+            expected_rcvd: 0,
+            referenced: false,
+            idle_checks: 0,
+            aged: false,
+            workers: 0,
+            child_degraded: false,
+            parent_result: None,
+            expired_up: false,
+            asks_since_resend: 0,
+        }
+    }
+
+    pub(super) fn is_open(&self) -> bool {
+        self.phase != Phase::Done
+    }
+
+    /// Collecting from the children (not waiting for the parent, not done):
+    /// the phases the scanners age and slow-source declarations close.
+    pub(super) fn aggregating(&self) -> bool {
+        matches!(self.phase, Phase::Exponent | Phase::Data)
+    }
+
+    /// Start a phase's collection afresh (the exponent round ended).
+    pub(super) fn restart_collection(&mut self) {
+        self.rcvd.clear();
+        self.expected_rcvd = 0;
+        self.workers = 0;
+        self.child_degraded = false;
+    }
+
+    /// Every source the block waits for has contributed in this phase, and
+    /// at least one did: a result always sums at least one source (the
+    /// sources it waited for may all have been declared slow meanwhile).
+    pub(super) fn satisfied(&self) -> bool {
+        self.expected_rcvd >= self.expected_count && !self.rcvd.is_empty()
+    }
+
+    /// Count `src` (summing `weight` workers) in the current phase; false
+    /// if it already was.
+    pub(super) fn receive(&mut self, src: usize, weight: u16) -> bool {
+        if !self.rcvd.insert(src) {
+            return false;
+        }
+        self.workers = self.workers.saturating_add(weight);
+        if self.expected.contains(src) {
+            self.expected_rcvd += 1;
+        }
+        self.referenced = true;
+        self.idle_checks = 0;
+        true
+    }
+
+    /// Stop waiting for `src` (declared permanently slow).
+    pub(super) fn forget(&mut self, src: usize) {
+        if self.expected.remove(src) {
+            self.expected_count -= 1;
+            if self.rcvd.contains(src) {
+                self.expected_rcvd -= 1;
+            }
+        }
+    }
+
+    pub(super) fn reset(
+        &mut self,
+        block_id: u32,
+        gen_id: u16,
+        dtype: Dtype,
+        exp_only: bool,
+        now: Time,
+        active: &SourceMask,
+    ) {
+        self.block_id = block_id;
+        self.gen_id = gen_id;
+        self.dtype = dtype;
+        self.phase = if exp_only { Phase::Exponent } else { Phase::Data };
+        self.negotiated = false;
+        self.has_data = false;
+        self.final_block = false;
+        self.grad_cnt = 0;
+        self.exp = EXP_NONE;
+        self.next_exp = EXP_NONE;
+        if self.rcvd.capacity() < active.capacity() {
+            // the job grew (a member with a larger id joined)
+            self.rcvd = SourceMask::with_capacity(active.capacity());
+        }
+        self.rcvd.clear();
+        self.start_time = now;
+        self.expected.clone_from(active);
+        self.expected_count = active.count() as u16;
+        self.expected_rcvd = 0;
+        self.referenced = true;
+        self.idle_checks = 0;
+        self.aged = false;
+        self.workers = 0;
+        self.child_degraded = false;
+        self.parent_result = None;
+        self.expired_up = false;
+        self.asks_since_resend = 0;
+    }
+
+    /// Header of this block's result (exponent-only while negotiating).
+    pub(super) fn result_repr(&self, job_id: u32, exp_only: bool, member_count: u16) -> Repr {
+        let (src_cnt, degraded) = match self.parent_result {
+            Some(from_parent) => from_parent,
+            None => (
+                self.workers,
+                self.aged || self.child_degraded || (self.rcvd.count() as u16) < member_count,
+            ),
+        };
+        Repr {
+            msg_type: MessageType::Result,
+            age_op: if self.aged { AGE_OP_AGED } else { 0 },
+            final_block: self.final_block,
+            degraded: !exp_only && degraded,
+            exp_only,
+            dtype: self.dtype,
+            src_id: 0,
+            src_cnt,
+            gen_id: self.gen_id,
+            job_id,
+            block_id: self.block_id,
+            grad_cnt: if exp_only { 0 } else { self.grad_cnt },
+            exp: self.exp,
+            next_exp: if exp_only { EXP_NONE } else { self.next_exp },
+        }
+    }
+}
+
+/// One slot of a job: the newest block and the shadow copy of its predecessor.
+#[derive(Debug, Default)]
+pub(super) struct Slot {
+    pub(super) cur: Option<Block>,
+    pub(super) prev: Option<Block>,
+    /// A freed record kept for reuse, so steady state allocates nothing.
+    pub(super) spare: Option<Block>,
+}

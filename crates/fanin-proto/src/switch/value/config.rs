@@ -1,0 +1,72 @@
+//! A shard's identity and limits ([`ShardConfig`]) and its straggler
+//! detector's timers ([`AgingConfig`]).
+
+use std::time::Duration;
+
+use crate::job::RateLimit;
+
+/// Identity and limits of one shard of a switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardConfig {
+    pub shard: u16,
+    pub shard_count: u16,
+    /// Changes on every switch start; announced to workers in `JoinAck`.
+    pub incarnation: u32,
+    /// Aggregation memory this shard may hand out to jobs, in bytes.
+    pub memory_limit: u64,
+    pub aging: AgingConfig,
+    /// Wall-clock microseconds when the switch started: keyed jobs' sequence
+    /// numbers count up from here, so a restarted switch continues above
+    /// what its previous incarnation sent (docs/security.md).
+    pub seal_clock_us: u64,
+    /// Per-source rate limit of jobs that set none (whole switch; each
+    /// shard enforces its share). None = unlimited.
+    pub rate_limit: Option<RateLimit>,
+}
+
+impl ShardConfig {
+    /// A single-shard switch with `memory_limit` bytes.
+    pub fn single(memory_limit: u64) -> Self {
+        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit, aging: AgingConfig::default(), seal_clock_us: 1, rate_limit: None }
+    }
+}
+
+/// The straggler detector's timer threads (Trio §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgingConfig {
+    /// N: scanners per job; scanner `i` visits slice `i` of the job's slots.
+    pub scanners: u16,
+    /// Consecutive unreferenced visits before a block ages (1 = Trio).
+    pub checks: u8,
+    /// Finest scan tick (`block_exp / (scanners * checks)`) the runtime's
+    /// timers keep; a job asking for a finer one is refused at admission.
+    pub min_tick: Duration,
+}
+
+impl Default for AgingConfig {
+    fn default() -> Self {
+        Self { scanners: 8, checks: 4, min_tick: Duration::from_micros(20) }
+    }
+}
+
+/// Most scanners per job.
+pub const MAX_SCANNERS: u16 = 1024;
+/// Most checks: the count lives in Trio's 4-bit `age_op` field.
+pub const MAX_CHECKS: u8 = 15;
+
+impl AgingConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.scanners == 0 || self.scanners > MAX_SCANNERS {
+            return Err(format!("aging.scanners {} is out of range (1..={MAX_SCANNERS})", self.scanners));
+        }
+        if self.checks == 0 || self.checks > MAX_CHECKS {
+            return Err(format!("aging.checks {} is out of range (1..={MAX_CHECKS})", self.checks));
+        }
+        Ok(())
+    }
+
+    /// The scan tick for a timeout of `block_exp_ms`.
+    pub fn tick(&self, block_exp_ms: u32) -> Duration {
+        Duration::from_millis(block_exp_ms as u64) / (self.scanners as u32 * self.checks as u32)
+    }
+}

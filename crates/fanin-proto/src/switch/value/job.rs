@@ -1,0 +1,137 @@
+//! A job record as one shard sees it ([`Job`], Trio-ML's job context): its
+//! members, slots and tree role, its scanner schedule, and what it costs
+//! the switch's memory.
+
+use super::*;
+
+/// A job record (Trio-ML `trio_ml_job_ctx_t`) as seen by one shard.
+#[derive(Debug)]
+pub(super) struct Job<A> {
+    pub(super) spec: JobSpec,
+    pub(super) members: SourceMask,
+    pub(super) member_count: u16,
+    /// Where each member's results go, learned from its packets.
+    pub(super) addrs: Vec<Option<A>>,
+    /// Members whose latest Join said they listen on the job's result group
+    /// (only kept when the job has one): completion results reach them there.
+    pub(super) listens_on_group: SourceMask,
+    /// This shard's slots: global slot `k` is local slot `k / shard_count`.
+    pub(super) slots: Vec<Slot>,
+    /// What the job costs the switch: `data_memory` (its aggregation
+    /// buffers) plus its record ([`Job::record_bytes`]).
+    pub(super) memory: u64,
+    pub(super) data_memory: u64,
+    /// First block id of the job's stream (the SwitchML++ sync offset).
+    pub(super) start_block: u32,
+    /// An allreduce boundary of the running round and its generation: the
+    /// round's first block and generation 1, or what a recovering member
+    /// reported after this switch restarted. Sync joins are answered on
+    /// the boundaries it fixes (join.rs `sync_start`).
+    pub(super) anchor: RecoverAnchor,
+    /// Sources new blocks wait for: members minus the permanently slow.
+    pub(super) active: SourceMask,
+    /// Per source: aged blocks it was missing from since it last contributed.
+    pub(super) missed_streak: Vec<u32>,
+    /// Blocks still aggregating on this shard (the scanners idle at zero).
+    pub(super) open_blocks: usize,
+    pub(super) aging: Option<JobAging>,
+    /// Where partial results go; none at the root.
+    pub(super) uplink: Option<Uplink<A>>,
+    /// Sync requests forwarded toward the root: requesting worker -> the
+    /// child it came through, so the root's answer finds its way down.
+    pub(super) pending_sync: HashMap<u16, u16>,
+    /// Members whose sync join this (root) switch deferred: on a fresh job
+    /// they wait for an active member to open the stream, but not for one
+    /// another (if every member rejoins with sync, someone must go first).
+    pub(super) sync_waiting: BTreeSet<u16>,
+    /// Members added to a running job that are not waited for until their
+    /// sync answer passes this switch (it tells where they start).
+    pub(super) awaiting: SourceMask,
+    /// Members that start at a later block than the stream: blocks before
+    /// it do not wait for them.
+    pub(super) start_of: HashMap<u16, u32>,
+    /// Root: the start block answered to each syncing worker, answered
+    /// again to a repeated request so every switch on its path agrees.
+    pub(super) sync_answers: HashMap<u16, u32>,
+    /// A keyed job's member keys, replay windows and sequence counter.
+    pub(super) auth: Option<JobAuth>,
+    /// Per-source rate limits (this shard's share).
+    pub(super) buckets: SourceBuckets,
+    /// Member timeout and the job's failure, if it failed.
+    pub(super) liveness: Liveness,
+    /// This switch's incarnation tag (results and nacks carry it; worker
+    /// contributions must carry it or 0).
+    pub(super) tag: u16,
+    /// Recovery after a restart (docs/restart.md): the lowest block without
+    /// a result each member reported in its `JOIN_RECOVER` join...
+    pub(super) recover_lows: HashMap<u16, u32>,
+    /// ...and, once every member reported, the floor answered to all.
+    pub(super) recover_floor: Option<u32>,
+    /// Rounds (docs/protocol.md §4.12): the member incarnation each member
+    /// joined the running round with (0: none said).
+    pub(super) incarnations: Vec<u16>,
+    /// The join barrier, between rounds and before the first one.
+    pub(super) barrier: Option<Barrier<A>>,
+    /// Highest block opened on this shard in the running round.
+    pub(super) high_block: Option<u32>,
+    /// The job's block ids and their order (they wrap at a multiple of
+    /// `block_cnt_max`, crate::serial).
+    pub(super) space: BlockSpace,
+}
+
+/// Scanner schedule of one job: one tick every `block_exp / (N * checks)`;
+/// tick `k` (counted from time zero) visits slice `k mod N`, so scanner `i`
+/// fires at `i * period / N + j * period` with `period = block_exp / checks`.
+#[derive(Debug)]
+pub(super) struct JobAging {
+    pub(super) tick: u64,
+    pub(super) slices: u64,
+    pub(super) checks: u8,
+    pub(super) next_tick: Time,
+    /// Aged blocks a source may miss in a row before it is declared
+    /// permanently slow (K windows of this shard's slots); 0 = never.
+    pub(super) slow_after_blocks: u64,
+}
+
+impl<A> Job<A> {
+    /// Record whether `member` listens on the result group (only a job
+    /// that has one keeps anyone as listening).
+    pub(super) fn set_listening(&mut self, member: u16, listens: bool) {
+        if listens && self.spec.result_group.is_some() {
+            self.listens_on_group.insert(member as usize);
+        } else {
+            self.listens_on_group.remove(member as usize);
+        }
+    }
+
+    /// Bytes the job's record takes beyond its aggregation buffers (those
+    /// are `data_memory`): the record, its per-member tables and masks, its
+    /// slots and the block records they hold at most (two per slot, each
+    /// with two source masks). Counted against the switch's memory limit
+    /// like the buffers, so the number of jobs and members is bounded by it
+    /// (issue: 6 256 jobs of 4 096 members took 2.3 GB that memory_used did
+    /// not show).
+    pub(super) fn record_bytes(&self) -> u64 {
+        use std::mem::size_of;
+        let mask = |m: &SourceMask| m.capacity().div_ceil(64) * 8;
+        let per_block = size_of::<Block>() + 2 * mask(&self.members);
+        let maps = (self.pending_sync.capacity() + self.start_of.capacity() + self.sync_answers.capacity())
+            * (size_of::<(u16, u32)>() + 8)
+            + self.recover_lows.capacity() * (size_of::<(u16, u32)>() + 8);
+        let bytes = size_of::<Job<A>>()
+            + self.addrs.capacity() * size_of::<Option<A>>()
+            + self.missed_streak.capacity() * size_of::<u32>()
+            + self.incarnations.capacity() * size_of::<u16>()
+            + [&self.members, &self.active, &self.awaiting, &self.listens_on_group].into_iter().map(mask).sum::<usize>()
+            + self.liveness.heap_bytes()
+            + self.buckets.heap_bytes()
+            + self.auth.as_ref().map_or(0, JobAuth::heap_bytes)
+            + self.slots.capacity() * (size_of::<Slot>() + 2 * per_block)
+            + maps;
+        bytes as u64
+    }
+
+    pub(super) fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {
+        (block_id % self.spec.block_cnt_max) as usize / shard_count.max(1) as usize
+    }
+}

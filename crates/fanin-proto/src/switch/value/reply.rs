@@ -1,0 +1,130 @@
+//! How the program answers: a [`Reply`] bundles what sending a result, a
+//! partial to the parent or a nack needs (`job_reply!` builds one for a job).
+
+use super::*;
+
+/// The [`Reply`] of `job`: it borrows only the job fields it needs, and as a
+/// macro (not a method) it leaves `job.slots` free for the caller to hold.
+macro_rules! job_reply {
+    ($job:ident, $counters:expr, $out:expr, $scratch:expr, from: $from:expr, from_src: $src:expr, uplink: $uplink:expr) => {
+        Reply {
+            job_id: $job.spec.job_id,
+            block_cnt_max: $job.spec.block_cnt_max,
+            members: &$job.members,
+            member_count: $job.member_count,
+            addrs: &$job.addrs,
+            group: $job.spec.result_group.map(|g| (g, &$job.listens_on_group)),
+            uplink: $uplink,
+            auth: $job.auth.as_mut(),
+            counters: $counters,
+            from: $from,
+            from_src: $src,
+            out: $out,
+            scratch: $scratch,
+            tag: $job.tag,
+        }
+    };
+}
+
+/// Everything a contribution needs to answer: the job's members and their
+/// addresses, the sender, the counters and the output sink.
+pub(super) struct Reply<'a, A, T> {
+    pub(super) job_id: u32,
+    pub(super) block_cnt_max: u32,
+    pub(super) members: &'a SourceMask,
+    pub(super) member_count: u16,
+    pub(super) addrs: &'a [Option<A>],
+    /// The job's result group and the members listening on it.
+    pub(super) group: Option<(std::net::SocketAddrV4, &'a SourceMask)>,
+    /// A non-root switch sends completed phases to its parent.
+    pub(super) uplink: Option<&'a Uplink<A>>,
+    /// A keyed job's keys: every datagram is sealed for its destination.
+    pub(super) auth: Option<&'a mut JobAuth>,
+    pub(super) counters: &'a mut Counters,
+    /// The sender of the datagram being handled (none for timer work).
+    pub(super) from: Option<A>,
+    /// Its source id (meaningful when `from` is set).
+    pub(super) from_src: usize,
+    pub(super) out: &'a mut T,
+    /// The result is built once here and copied to each destination.
+    pub(super) scratch: &'a mut Vec<u8>,
+    /// This switch's incarnation tag, carried in results and nacks.
+    pub(super) tag: u16,
+}
+
+impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
+    /// Send the result to every member with a known address (members that
+    /// never sent anything fetch it by retransmitting): once to the job's
+    /// result group for the members listening there, if the runtime can
+    /// reach groups, and to each other member's own address.
+    pub(super) fn send_to_all(&mut self, block: &Block, exp_only: bool) {
+        build_result(block, self.job_id, exp_only, self.member_count, self.tag, self.scratch);
+        if let Some((group, listeners)) = self.group {
+            // (a keyed job has no group: validation refuses it)
+            let any = self.members.iter().any(|id| listeners.contains(id));
+            if any && self.auth.is_none() && self.out.push_group(group, self.scratch) {
+                self.counters.results_to_group += 1;
+                let rest = self.members.iter().filter(|&id| !listeners.contains(id));
+                let dests = rest.filter_map(|id| self.addrs.get(id).copied().flatten());
+                self.counters.results_sent += self.out.push_fanout(dests, self.scratch) as u64;
+                return;
+            }
+        }
+        broadcast(self.members, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, &mut self.counters.results_sent);
+    }
+
+    /// Send the result again to the sender only.
+    pub(super) fn send_to_sender(&mut self, block: &Block, exp_only: bool) {
+        let Some(from) = self.from else { return };
+        build_result(block, self.job_id, exp_only, self.member_count, self.tag, self.scratch);
+        send_copy(self.out, from, self.scratch, envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src)));
+        self.counters.results_resent += 1;
+    }
+
+    /// Send this switch's partial (exponent or data) to the parent, as one
+    /// source summing `block.workers` workers. `again` marks a resend from
+    /// the cached partial, answering a child's retransmission.
+    pub(super) fn send_up(&mut self, block: &Block, exp_only: bool, again: bool) {
+        let Some(up) = self.uplink else { return };
+        let repr = Repr {
+            msg_type: if again { MessageType::Retransmission } else { MessageType::Contribution },
+            src_id: up.rank,
+            ..block.result_repr(self.job_id, exp_only, self.member_count)
+        };
+        let shard = shard_of(self.job_id, block.block_id, self.block_cnt_max, up.parent.len() as u16);
+        let env = envelope(self.auth.as_deref_mut(), Peer::Parent);
+        send(self.out, up.parent[shard as usize], repr.buffer_len(), env, |buf| {
+            let mut packet = Packet::new_unchecked(buf);
+            repr.emit(&mut packet);
+            if !exp_only {
+                fanin_wire::value::write_elements(&block.sum[..block.grad_cnt as usize], packet.payload_mut());
+            }
+        });
+        if again {
+            self.counters.resent_up += 1;
+        } else {
+            self.counters.sent_up += 1;
+        }
+    }
+
+    /// The parent refused this block as expired: pass that on to the sender.
+    pub(super) fn nack_expired(&mut self, block_id: u32) {
+        let Some(from) = self.from else { return };
+        let repr = Repr { block_id, ..Repr::new(MessageType::Nack, self.job_id, 0) };
+        let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
+        let tag = self.tag;
+        send(self.out, from, HEADER_LEN + Nack::LEN, env, |buf| {
+            let mut reply = Packet::new_unchecked(&mut buf[..]);
+            repr.emit(&mut reply);
+            Nack { reason: NackReason::BlockExpired, detail: block_id }.emit(reply.payload_mut());
+            buf[NACK_TAG].copy_from_slice(&tag.to_be_bytes());
+        });
+        self.counters.nacks_sent += 1;
+    }
+
+    pub(super) fn nack(&mut self, request: &Packet<&[u8]>, reason: NackReason, detail: u32) {
+        let Some(from) = self.from else { return };
+        let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
+        send_nack(self.counters, self.out, from, env, request, reason, detail);
+    }
+}

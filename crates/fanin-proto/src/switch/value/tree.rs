@@ -1,0 +1,170 @@
+//! The aggregation tree (SwitchML++) from a child switch's side: sync
+//! requests forwarded toward the root, and what comes down from the parent
+//! (results, refusals, membership notices, sync answers), relayed to the
+//! children.
+
+use super::*;
+
+impl<A: Copy + PartialEq> ValueSwitch<A> {
+    /// A child switch forwards a worker's join toward the root.
+    pub(super) fn handle_sync(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
+        let Ok(request) = SyncRequest::parse(packet.payload()) else {
+            self.counters.protocol_violation += 1;
+            return Verdict::Consumed;
+        };
+        let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
+            self.counters.unknown_job += 1;
+            return Verdict::Consumed;
+        };
+        let via = packet.src_id();
+        if !job.members.contains(via as usize) || via < SWITCH_RANK_BASE {
+            self.counters.non_member += 1;
+            return Verdict::Consumed;
+        }
+        job.addrs[via as usize] = Some(from);
+        job.pending_sync.insert(request.origin, via);
+        let newcomer = request.flags & SYNC_NEWCOMER != 0 || job.awaiting.contains(via as usize);
+        if job.uplink.is_some() {
+            forward_sync(job, request.origin, request.align_blocks, newcomer, &mut self.counters, out);
+        } else if let Some(start) = sync_start(job, &self.config, request.origin, via, request.align_blocks, newcomer) {
+            answer_join_as(job, &self.config, request.origin, via, from, start, 0, out);
+            return joined(job, via, start.block);
+        } else {
+            self.counters.sync_deferred += 1;
+        }
+        Verdict::Consumed
+    }
+
+    /// A datagram only a parent sends: a result, a refusal, a membership
+    /// notice or the answer to a sync request. Relayed down the tree.
+    pub(super) fn handle_from_parent(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
+        let counters = &mut self.counters;
+        let Some(job) = self.jobs.get_mut(&packet.job_id()) else {
+            counters.unknown_job += 1;
+            return Verdict::Consumed;
+        };
+        if !job.uplink.as_ref().is_some_and(|up| up.parent.contains(&from)) {
+            // Workers never send these; and a root has no parent.
+            counters.protocol_violation += 1;
+            return Verdict::Consumed;
+        }
+        counters.from_parent += 1;
+        let Ok(repr) = Repr::parse(packet) else {
+            counters.protocol_violation += 1;
+            return Verdict::Consumed;
+        };
+        match repr.msg_type {
+            MessageType::JoinAck => {
+                let Some(via) = job.pending_sync.remove(&repr.src_id) else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                let Some(dest) = job.addrs.get(via as usize).copied().flatten() else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                let Ok(mut params) = JoinParams::parse(packet.payload()) else {
+                    counters.protocol_violation += 1;
+                    return Verdict::Consumed;
+                };
+                // The worker talks to this switch's shards, not the root's,
+                // and gets its results the way this switch sends them.
+                params.incarnation = self.config.incarnation;
+                params.shard_count = self.config.shard_count;
+                params.results_on_group = job.listens_on_group.contains(via as usize);
+                let env = envelope(job.auth.as_mut(), Peer::Member(via as usize));
+                send(out, dest, repr.buffer_len(), env, |buf| {
+                    let mut reply = Packet::new_unchecked(buf);
+                    repr.emit(&mut reply);
+                    params.emit(reply.payload_mut());
+                });
+                return joined(job, via, params.next_block);
+            }
+            MessageType::Membership => {
+                broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, packet.into_inner(), &mut counters.notices_sent);
+            }
+            MessageType::Nack => {
+                let expired = Nack::parse(packet.payload()).is_ok_and(|n| n.reason == NackReason::BlockExpired);
+                let local = job.slot_of(repr.block_id, self.config.shard_count);
+                let slot = job.slots.get_mut(local);
+                let block = slot.and_then(|s| {
+                    [s.cur.as_mut(), s.prev.as_mut()].into_iter().flatten().find(|b| b.block_id == repr.block_id)
+                });
+                match block {
+                    Some(block) if expired && block.is_open() => {
+                        // The tree moved on without this subtree: the
+                        // children record the block as missed.
+                        if block.phase != Phase::DataUp {
+                            job.open_blocks -= 1; // still counted as aggregating
+                        }
+                        block.phase = Phase::Done;
+                        block.expired_up = true;
+                        // the children are bound to this switch's incarnation
+                        self.scratch.clear();
+                        self.scratch.extend_from_slice(packet.into_inner());
+                        if let Some(t) = self.scratch.get_mut(NACK_TAG) {
+                            t.copy_from_slice(&job.tag.to_be_bytes());
+                        }
+                        broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, &self.scratch, &mut counters.relayed_down);
+                    }
+                    // Other refusals (e.g. the parent is being reprogrammed):
+                    // the children's retransmissions try again.
+                    _ => counters.parent_stale += 1,
+                }
+            }
+            MessageType::Result => {
+                let owner = shard_of(job.spec.job_id, repr.block_id, job.spec.block_cnt_max, self.config.shard_count);
+                if owner != self.config.shard {
+                    counters.wrong_shard += 1;
+                    return Verdict::WrongShard(owner);
+                }
+                let local = job.slot_of(repr.block_id, self.config.shard_count);
+                let Some(slot) = job.slots.get_mut(local) else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                let Some(block) = slot.cur.as_mut().filter(|b| b.block_id == repr.block_id && b.gen_id == repr.gen_id)
+                else {
+                    counters.parent_stale += 1;
+                    return Verdict::Consumed;
+                };
+                // what the parent says goes down, never up again: no uplink
+                let mut reply = job_reply!(job, counters, out, &mut self.scratch, from: None, from_src: 0, uplink: None);
+                if repr.exp_only {
+                    if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
+                        block.exp = repr.exp;
+                        announce_exponent(block, &mut reply);
+                    } else {
+                        reply.counters.parent_stale += 1;
+                    }
+                    return Verdict::Consumed;
+                }
+                match block.phase {
+                    Phase::Done => {
+                        reply.counters.parent_stale += 1;
+                        return Verdict::Consumed;
+                    }
+                    Phase::DataUp => {}
+                    // The parent completed (aged) the block before this
+                    // subtree's partial reached it.
+                    Phase::Exponent | Phase::ExponentUp | Phase::Data => job.open_blocks -= 1,
+                }
+                let n = repr.grad_cnt as usize;
+                block.sum.resize(n, 0);
+                fanin_wire::value::read_elements(packet.payload(), &mut block.sum[..n]);
+                block.grad_cnt = repr.grad_cnt;
+                block.has_data = true;
+                block.exp = repr.exp;
+                block.next_exp = repr.next_exp;
+                block.final_block = repr.final_block;
+                block.aged |= repr.age_op == AGE_OP_AGED;
+                block.parent_result = Some((repr.src_cnt, repr.degraded));
+                block.phase = Phase::Done;
+                reply.send_to_all(block, false);
+                reply.counters.relayed_down += job.member_count as u64;
+            }
+            _ => counters.protocol_violation += 1,
+        }
+        Verdict::Consumed
+    }
+}

@@ -1,0 +1,452 @@
+//! `fanin._native.Session`: a worker's allreduce session, numpy arrays in
+//! and out (staged, or lent to the protocol machine without a copy).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use numpy::{
+    Element, PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use fanin_host::{HostError, Session as HostSession, SessionOptions};
+use fanin_proto::bfp::NonFinite;
+use fanin_proto::host::{Outcome, Prepared, Tensor, TensorMut, TensorRef};
+
+use crate::errors::{host_err, python_interrupt};
+
+/// A switch's data address as HOST:PORT, HOST a name or an address
+/// (`localhost:9000`, `switch0.lab:9000`, `10.0.0.1:9000`): names are
+/// resolved here, once, preferring IPv4 (the data plane's sockets are IPv4).
+fn resolve_switch(switch: &str) -> PyResult<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    let bad = |why: String| PyValueError::new_err(format!("switch address {switch:?} {why}"));
+    if let Ok(addr) = switch.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if !switch.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()) {
+        return Err(bad("is not HOST:PORT (e.g. 127.0.0.1:9000 or localhost:9000)".into()));
+    }
+    let addrs: Vec<SocketAddr> =
+        switch.to_socket_addrs().map_err(|e| bad(format!("does not resolve: {e}")))?.collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| bad("resolves to no address".into()))
+}
+
+/// A worker's session with a fanin switch for one job (see `fanin.Session`).
+#[pyclass(module = "fanin._native", unsendable)]
+pub(crate) struct Session {
+    inner: HostSession,
+    last: Option<Outcome>,
+    /// Input staging kept between `allreduce(..., out=...)` calls whose
+    /// input cannot be lent (it shares memory with `out`, or is not
+    /// C-contiguous).
+    staging_f32: Vec<f32>,
+    staging_i32: Vec<i32>,
+}
+
+#[pymethods]
+impl Session {
+    #[new]
+    // The session's tunables default to None = SessionConfig's value: the
+    // Rust config is the one place defaults live (`session_defaults()` shows
+    // them to Python, whose `fanin.Session` signature is built from it).
+    #[pyo3(signature = (switch, job_id, rank, elems_per_packet=None, window=None, send_drop=0.0, seed=0,
+                        rto_ms=None, rto_min_ms=None, rto_max_ms=None, join_timeout_s=None, dead_after_s=None, offload=true,
+                        recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None,
+                        barrier_timeout_s=None, members=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        switch: &str,
+        job_id: u32,
+        rank: u16,
+        elems_per_packet: Option<u16>,
+        window: Option<u32>,
+        send_drop: f64,
+        seed: u64,
+        rto_ms: Option<f64>,
+        rto_min_ms: Option<f64>,
+        rto_max_ms: Option<f64>,
+        join_timeout_s: Option<f64>,
+        dead_after_s: Option<f64>,
+        offload: bool,
+        recv_drop: f64,
+        sync_join: bool,
+        align_blocks: u32,
+        recv_duplicate: f64,
+        recv_reorder: f64,
+        auth_key: Option<Vec<u8>>,
+        result_group: Option<&str>,
+        barrier_timeout_s: Option<f64>,
+        members: u16,
+    ) -> PyResult<Self> {
+        let addr = resolve_switch(switch)?;
+        let secs = |name: &str, v: f64| -> PyResult<Duration> {
+            if v.is_finite() && v > 0.0 {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(PyValueError::new_err(format!("{name} must be a positive number, got {v}")))
+            }
+        };
+        let mut o = SessionOptions::new(addr, job_id, rank);
+        let c = &mut o.session;
+        c.elems_per_packet = elems_per_packet.unwrap_or(c.elems_per_packet);
+        c.window = window.unwrap_or(c.window);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        c.rto_initial = secs("rto_ms", rto_ms.unwrap_or(ms(c.rto_initial)) / 1e3)?;
+        c.rto_min = secs("rto_min_ms", rto_min_ms.unwrap_or(ms(c.rto_min)) / 1e3)?;
+        c.rto_max = secs("rto_max_ms", rto_max_ms.unwrap_or(ms(c.rto_max)) / 1e3)?;
+        c.join_timeout = secs("join_timeout_s", join_timeout_s.unwrap_or(c.join_timeout.as_secs_f64()))?;
+        c.dead_after = secs("dead_after_s", dead_after_s.unwrap_or(c.dead_after.as_secs_f64()))?;
+        c.barrier_timeout = secs("barrier_timeout_s", barrier_timeout_s.unwrap_or(c.barrier_timeout.as_secs_f64()))?;
+        o.session.expected_members = members;
+        o.send_drop = send_drop;
+        o.recv_drop = recv_drop;
+        o.recv_duplicate = recv_duplicate;
+        o.recv_reorder = recv_reorder;
+        o.session.sync_join = sync_join;
+        o.session.align_blocks = align_blocks;
+        o.session.auth_key = auth_key
+            .map(|k| fanin_proto::auth::Key::from_slice(&k))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(format!("auth_key: {e} (the member key the controller issued)")))?;
+        o.seed = seed;
+        o.offload = offload;
+        o.result_group = result_group
+            .map(|g| {
+                g.parse().map_err(|_| {
+                    PyValueError::new_err(format!("result_group {g:?} is not IPV4:PORT (e.g. 239.1.0.7:47001)"))
+                })
+            })
+            .transpose()?;
+        let inner = py.detach(|| HostSession::connect_interruptible(o, Some(python_interrupt()))).map_err(host_err)?;
+        Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new() })
+    }
+
+    /// Sum `array` (int32 or float32, any shape) over every member of the job.
+    /// Returns a new array of the same shape and dtype, or, with `out`, writes
+    /// the sum into `out` (a writable C-contiguous array of the same shape
+    /// and dtype; it may be `array` itself) and returns it: the sum is
+    /// written into `out` directly, without the GIL, as numpy's own `out=`
+    /// does, and `array`, unless it shares memory with `out`, is read in
+    /// place rather than copied, so no other thread may use `out`, nor
+    /// write `array`, until the call returns (if the call fails, `out`
+    /// holds a partial result). With `average`,
+    /// each block is divided by the number of sources its result summed
+    /// (`src_cnt`; fewer than the job size for a partial result). The GIL is
+    /// released while communicating.
+    #[pyo3(signature = (array, average=false, out=None))]
+    fn allreduce<'py>(
+        &mut self,
+        py: Python<'py>,
+        array: &Bound<'py, PyAny>,
+        average: bool,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let is_f32 = if array.cast::<PyArrayDyn<f32>>().is_ok() {
+            true
+        } else if array.cast::<PyArrayDyn<i32>>().is_ok() {
+            false
+        } else {
+            let dtype = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
+            return Err(PyTypeError::new_err(format!(
+                "fanin allreduce takes a numpy array of int32 or float32 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
+            )));
+        };
+        if average && !is_f32 {
+            return Err(PyTypeError::new_err("average=True needs a float32 array (an int32 mean is not an int32)"));
+        }
+        let Some(o) = out else {
+            return self.allreduce_new(py, array, is_f32, average);
+        };
+        // `out` is checked before anything is sent: a bad one must not cost
+        // a collective the other members are waiting on.
+        let outcome = if is_f32 {
+            check_out::<f32>(array, o)?;
+            self.allreduce_out::<f32>(py, array, o, average)?
+        } else {
+            check_out::<i32>(array, o)?;
+            self.allreduce_out::<i32>(py, array, o, average)?
+        };
+        self.last = Some(outcome);
+        Ok(o.clone())
+    }
+
+    /// Statistics of the last allreduce: retransmissions, trimmed (Trimmed
+    /// nacks that made this worker resend a block), blocks, gen_id,
+    /// degraded_blocks [(block index, src_cnt)], min_src_cnt, missed_blocks,
+    /// latency_mean_ms / latency_max_ms (first send of a block to its
+    /// result), slow_sources (sources the switch declared permanently slow)
+    /// and recoveries (switch restarts recovered from, docs/restart.md).
+    fn last_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(o) = &self.last else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("retransmissions", o.retransmissions)?;
+        d.set_item("trimmed", o.trimmed)?;
+        d.set_item("blocks", o.blocks)?;
+        d.set_item("gen_id", o.gen_id)?;
+        d.set_item("degraded_blocks", o.degraded_blocks.clone())?;
+        d.set_item("min_src_cnt", o.min_src_cnt)?;
+        d.set_item("missed_blocks", o.missed_blocks)?;
+        d.set_item("recoveries", o.recoveries)?;
+        d.set_item("latency_mean_ms", o.latency_mean.as_secs_f64() * 1e3)?;
+        d.set_item("latency_max_ms", o.latency_max.as_secs_f64() * 1e3)?;
+        d.set_item("slow_sources", self.inner.slow_sources().to_vec())?;
+        Ok(Some(d))
+    }
+
+    /// Number of sources (members) in the job.
+    #[getter]
+    fn n_sources(&self) -> u16 {
+        self.inner.n_sources()
+    }
+
+    /// The job parameters the switch announced when this worker joined.
+    #[getter]
+    fn params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = self.inner.params();
+        let d = PyDict::new(py);
+        d.set_item("block_cnt_max", p.block_cnt_max)?;
+        d.set_item("block_grad_max", p.block_grad_max)?;
+        d.set_item("block_exp_ms", p.block_exp_ms)?;
+        d.set_item("incarnation", p.incarnation)?;
+        d.set_item("shard_count", p.shard_count)?;
+        d.set_item("next_block", p.next_block)?;
+        d.set_item("results_on_group", p.results_on_group)?;
+        Ok(d)
+    }
+
+    /// Datagram counters of this session.
+    fn socket_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("datagrams_sent", s.datagrams_sent)?;
+        d.set_item("datagrams_received", s.datagrams_received)?;
+        d.set_item("dropped_by_fault_injection", s.dropped_by_fault_injection)?;
+        d.set_item("duplicated_by_fault_injection", s.duplicated_by_fault_injection)?;
+        d.set_item("reordered_by_fault_injection", s.reordered_by_fault_injection)?;
+        d.set_item("datagrams_from_group", s.datagrams_from_group)?;
+        let a = self.inner.auth_stats();
+        d.set_item("auth_bad_tag", a.bad_tag)?;
+        d.set_item("auth_replayed", a.replayed)?;
+        d.set_item("auth_unsealed", a.unsealed)?;
+        Ok(d)
+    }
+}
+
+/// `array` copied into `buf` (reusing its memory) in C order: one memcpy for
+/// a C-contiguous array, an element gather for any other layout.
+fn stage<T: Element + Copy>(array: &PyReadonlyArrayDyn<'_, T>, mut buf: Vec<T>) -> Vec<T> {
+    buf.clear();
+    match array.as_slice() {
+        Ok(s) if array.is_c_contiguous() => buf.extend_from_slice(s),
+        _ => buf.extend(array.as_array().iter().copied()),
+    }
+    buf
+}
+
+/// Whether `out` can take the sum of `array`: same dtype and shape,
+/// C-contiguous and writable (numpy's own flag and nobody else borrowing it).
+fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    let Ok(o) = out.cast::<PyArrayDyn<T>>() else {
+        let dtype = out.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not a numpy array".into());
+        let want = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_default();
+        return Err(PyTypeError::new_err(format!("out must be a numpy array of the input's dtype {want} (got {dtype})")));
+    };
+    let want = array.cast::<PyUntypedArray>()?.shape().to_vec();
+    if o.shape() != want.as_slice() {
+        return Err(PyValueError::new_err(format!("out has shape {:?}, the input {:?}: they must match", o.shape(), want)));
+    }
+    if !o.is_c_contiguous() {
+        return Err(PyValueError::new_err("out must be C-contiguous (e.g. np.empty_like(a, order='C'))"));
+    }
+    o.try_readwrite().map(drop).map_err(|e| PyValueError::new_err(format!("out is not writable: {e}")))
+}
+
+impl Session {
+    /// `allreduce` without `out`: the input is staged into a fresh vector,
+    /// which the result overwrites and which becomes the returned array.
+    fn allreduce_new<'py>(
+        &mut self,
+        py: Python<'py>,
+        array: &Bound<'py, PyAny>,
+        is_f32: bool,
+        average: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let shape = array.cast::<PyUntypedArray>()?.shape().to_vec();
+        let per = self.inner.options().session.elems_per_packet as usize;
+        let prepared = if is_f32 {
+            f32::stage(&array.extract::<PyReadonlyArrayDyn<'py, f32>>()?, Vec::new(), per)
+        } else {
+            i32::stage(&array.extract::<PyReadonlyArrayDyn<'py, i32>>()?, Vec::new(), per)
+        }
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
+        if average {
+            outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        }
+        // the result vector becomes the array's buffer (no copy); the rest
+        // of the outcome stays for last_stats
+        let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
+        self.last = Some(outcome);
+        match tensor {
+            Tensor::F32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+            Tensor::I32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+        }
+    }
+
+    /// `allreduce` into `out` (checked by `check_out`): the sum is written
+    /// straight into `out`, borrowed for the call and written without the
+    /// GIL, as numpy's own `out=` does. The input is lent to the session as
+    /// it is when it can be (C-contiguous, no memory shared with `out`):
+    /// no copy of it at all. Otherwise it is staged first into a buffer
+    /// this session keeps, so repeated calls touch no fresh memory (page
+    /// faults cost more than the copy), and `out` may then be the input
+    /// itself.
+    fn allreduce_out<'py, T: Reducible>(
+        &mut self,
+        py: Python<'py>,
+        array: &Bound<'py, PyAny>,
+        o: &Bound<'py, PyAny>,
+        average: bool,
+    ) -> PyResult<Outcome> {
+        let per = self.inner.options().session.elems_per_packet as usize;
+        let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
+        let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
+        let out_start = o.cast::<PyArrayDyn<T>>()?.data() as usize;
+        let lendable = match a.as_slice() {
+            Ok(s) if a.is_c_contiguous() => {
+                let (start, bytes) = (s.as_ptr() as usize, std::mem::size_of_val(s));
+                // `out` has the input's shape and is C-contiguous: it spans `bytes` too
+                let shared = start < out_start + bytes && out_start < start + bytes;
+                (!shared).then_some(s)
+            }
+            _ => None,
+        };
+        if let Some(s) = lendable {
+            let prepared = Prepared::borrow(T::view(s), per).map_err(value_err)?;
+            let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
+            return reduce_into(py, &mut self.inner, prepared, &mut w, average, per);
+        }
+        let buf = std::mem::take(T::staging(self));
+        let prepared = T::stage(&a, buf, per).map_err(value_err)?;
+        drop(a); // `out` may be the input: its read borrow ends before the write borrow
+        let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
+        let mut outcome = reduce_into(py, &mut self.inner, prepared, &mut w, average, per)?;
+        // the staged input comes back, to be reused by the next call
+        if let Some(v) = T::take_tensor(&mut outcome.tensor) {
+            *T::staging(self) = v;
+        }
+        Ok(outcome)
+    }
+}
+
+/// `allreduce_into` with the GIL released, then the mean if asked for.
+fn reduce_into<T: Reducible>(
+    py: Python<'_>,
+    inner: &mut HostSession,
+    prepared: Prepared<'_>,
+    out: &mut PyReadwriteArrayDyn<'_, T>,
+    average: bool,
+    per: usize,
+) -> PyResult<Outcome> {
+    let dst = out.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    py.detach(|| {
+        let outcome = inner.allreduce_into(prepared, T::view_mut(&mut *dst))?;
+        if average {
+            T::average(&outcome, dst, per, inner.n_sources());
+        }
+        Ok::<_, HostError>(outcome)
+    })
+    .map_err(host_err)
+}
+
+/// The element types a session reduces, and how their arrays meet the
+/// protocol machine's tensors.
+trait Reducible: Element + Copy + Send + Sync {
+    fn view(s: &[Self]) -> TensorRef<'_>;
+    fn view_mut(s: &mut [Self]) -> TensorMut<'_>;
+    /// A copy of `a` in `buf` (reusing its memory), prepared.
+    fn stage(a: &PyReadonlyArrayDyn<'_, Self>, buf: Vec<Self>, per: usize) -> Result<Prepared<'static>, NonFinite>;
+    fn staging(s: &mut Session) -> &mut Vec<Self>;
+    fn take_tensor(t: &mut Tensor) -> Option<Vec<Self>>;
+    /// The sum in `dst` made a mean (float32 only; checked before).
+    fn average(outcome: &Outcome, dst: &mut [Self], per: usize, n_sources: u16);
+}
+
+impl Reducible for f32 {
+    fn view(s: &[f32]) -> TensorRef<'_> {
+        TensorRef::F32(s)
+    }
+    fn view_mut(s: &mut [f32]) -> TensorMut<'_> {
+        TensorMut::F32(s)
+    }
+    fn stage(a: &PyReadonlyArrayDyn<'_, f32>, buf: Vec<f32>, per: usize) -> Result<Prepared<'static>, NonFinite> {
+        match a.as_slice() {
+            // the block exponents are taken while each block is copied
+            Ok(s) if a.is_c_contiguous() => Prepared::copy_f32(s, per, buf),
+            _ => Prepared::new(Tensor::F32(stage(a, buf)), per),
+        }
+    }
+    fn staging(s: &mut Session) -> &mut Vec<f32> {
+        &mut s.staging_f32
+    }
+    fn take_tensor(t: &mut Tensor) -> Option<Vec<f32>> {
+        match t {
+            Tensor::F32(v) if !v.is_empty() => Some(std::mem::take(v)),
+            _ => None,
+        }
+    }
+    fn average(outcome: &Outcome, dst: &mut [f32], per: usize, n_sources: u16) {
+        outcome.average_into(dst, per, n_sources);
+    }
+}
+
+impl Reducible for i32 {
+    fn view(s: &[i32]) -> TensorRef<'_> {
+        TensorRef::I32(s)
+    }
+    fn view_mut(s: &mut [i32]) -> TensorMut<'_> {
+        TensorMut::I32(s)
+    }
+    fn stage(a: &PyReadonlyArrayDyn<'_, i32>, buf: Vec<i32>, per: usize) -> Result<Prepared<'static>, NonFinite> {
+        Prepared::new(Tensor::I32(stage(a, buf)), per)
+    }
+    fn staging(s: &mut Session) -> &mut Vec<i32> {
+        &mut s.staging_i32
+    }
+    fn take_tensor(t: &mut Tensor) -> Option<Vec<i32>> {
+        match t {
+            Tensor::I32(v) if !v.is_empty() => Some(std::mem::take(v)),
+            _ => None,
+        }
+    }
+    fn average(_: &Outcome, _: &mut [i32], _: usize, _: u16) {
+        unreachable!("average=True is refused for int32 before anything is sent")
+    }
+}
+
+/// The defaults of `fanin.Session`'s tunables, from the Rust session
+/// configuration (the one place they are written), by keyword argument.
+#[pyfunction]
+pub(crate) fn session_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = fanin_proto::host::SessionConfig::new(0, 0);
+    let d = PyDict::new(py);
+    d.set_item("elems_per_packet", c.elems_per_packet)?;
+    d.set_item("window", c.window)?;
+    d.set_item("rto_ms", c.rto_initial.as_secs_f64() * 1e3)?;
+    d.set_item("rto_min_ms", c.rto_min.as_secs_f64() * 1e3)?;
+    d.set_item("rto_max_ms", c.rto_max.as_secs_f64() * 1e3)?;
+    d.set_item("join_timeout_s", c.join_timeout.as_secs_f64())?;
+    d.set_item("dead_after_s", c.dead_after.as_secs_f64())?;
+    d.set_item("barrier_timeout_s", c.barrier_timeout.as_secs_f64())?;
+    Ok(d)
+}
