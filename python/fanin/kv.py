@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Any, Iterable, Optional, Union
 
 __all__ = ["Client", "KvError", "SenderFailed", "Ticket", "DaemonProcess", "encode_tuples", "decode_results", "DEFAULT_SOCKET"]
@@ -300,7 +302,12 @@ class DaemonProcess:
 
     def __init__(self, switch_control: str, *, socket_path: Optional[str] = None, quiet: bool = True,
                  netns: Optional[str] = None, **config: Any) -> None:
-        self.socket_path = socket_path or os.path.join(tempfile.mkdtemp(prefix="fanin-kv-"), "kv.sock")
+        # Without a socket_path the socket goes in a fresh directory of our own, removed when the daemon is
+        # stopped or killed (or, failing that, when this object goes away) so that runs leave no fanin-kv-*
+        # directories behind in /tmp.
+        own_dir = None if socket_path else tempfile.mkdtemp(prefix="fanin-kv-")
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, own_dir, True) if own_dir else lambda: None
+        self.socket_path = socket_path or os.path.join(own_dir, "kv.sock")
         cfg = {"socket_path": self.socket_path, "switch_control": switch_control, **config}
         self.proc = subprocess.Popen(
             (["ip", "netns", "exec", netns] if netns else [])
@@ -320,11 +327,14 @@ class DaemonProcess:
         """SIGKILL: the daemon disappears without any teardown (failure tests)."""
         self.proc.kill()
         self.proc.wait(timeout=10)
+        self._remove_dir()
 
     def stop(self) -> int:
         from fanin.proc import terminate
 
-        return terminate(self.proc)
+        code = terminate(self.proc)
+        self._remove_dir()
+        return code
 
     def __enter__(self) -> "DaemonProcess":
         return self

@@ -1,5 +1,6 @@
-"""Process plumbing shared by the demo and the benchmarks: a switch in its
-own process, worker processes, sizes, reference checks."""
+"""Process plumbing shared by the demo, the controller's loopback switches and
+the benchmarks (fanin_bench): a switch in its own process, worker inputs,
+sizes, reference checks."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class SwitchProcess:
 
     ``netns`` runs it inside that network namespace (`ip netns exec NS`,
     which execs, so ``proc`` is still the daemon itself); the testbed uses it
-    (``fanin.testbed.Testbed.switch``).
+    (``fanin_bench.testbed.Testbed.switch``).
     """
 
     def __init__(self, config: dict[str, Any], *, quiet: bool = True, netns: Optional[str] = None) -> None:

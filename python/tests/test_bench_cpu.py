@@ -1,4 +1,4 @@
-"""CPU accounting of the benches (fanin.bench.cpu) against real processes
+"""CPU accounting of the benches (fanin_bench.bench.cpu) against real processes
 that burn a known amount of CPU and then disappear the ways a Spark job's
 processes do: a thread that exits, a child reaped by a parent that ignores
 SIGCHLD (PySpark's worker daemon: the kernel reaps, no parent's cutime
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fanin.bench.cpu import CpuGroups, process_cpu_seconds
+from fanin_bench.bench.cpu import CpuGroups, process_cpu_seconds
 
 NO_GROUPS = CpuGroups.unavailable()
 needs_groups = pytest.mark.skipif(NO_GROUPS is not None, reason=f"cgroup CPU accounting: {NO_GROUPS}")

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from fanin.bench.chaos_inject import garbage
-from fanin.bench.chaos_worker import chaos_input, verify
+from fanin_bench.bench.chaos_inject import garbage
+from fanin_bench.bench.chaos_worker import chaos_input, verify
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,7 +64,7 @@ def test_garbage_kinds_are_what_they_claim():
 
 
 def test_quick_chaos_soak_on_the_testbed(tmp_path):
-    from fanin.testbed import why_unavailable
+    from fanin_bench.testbed import why_unavailable
 
     reason = why_unavailable("fbchprobe")
     if reason:

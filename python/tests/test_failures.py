@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from fanin.bench.flood import _contribution
 from fanin.proc import SwitchProcess
 from fanin.switch import job_config, switch_config
+from fanin_bench.bench.flood import _contribution
 
 TIMEOUT_MS = 500
 ELEMS = 256

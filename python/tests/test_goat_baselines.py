@@ -125,7 +125,7 @@ def test_stragglers_keep_working_in_goat_async_but_restart_in_ksgd():
 
 
 def test_bench_ordering_reports_where_a_baseline_wins():
-    from fanin.bench.goat import _instance_wins, _ordering
+    from fanin_bench.bench.goat import _instance_wins, _ordering
 
     def row(scheme, ps, comm, ina=0.0):
         return {"topology": "t", "workers": 4, "scheme": scheme, "ps_mb": ps, "comm_mb": comm, "ina_mb": ina}

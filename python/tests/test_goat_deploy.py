@@ -161,7 +161,7 @@ def test_a_failed_install_removes_what_it_admitted():
 def _testbed_plan(seed=1):
     from argparse import Namespace
 
-    from fanin.bench.goat_deploy import make_plan
+    from fanin_bench.bench.goat_deploy import make_plan
 
     topo = topology.load(str(TOPO))
     return topo, make_plan(topo, Namespace(even="12,6", model=None, submodels=None, max_submodel_mb=None, seed=seed))
@@ -175,9 +175,9 @@ def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_
     import subprocess
     import sys
 
-    from fanin.bench.trees import step_workers, stop_workers, wait_ready
     from fanin.control import ControlClient
     from fanin.controller.loopback import LoopbackSwitches
+    from fanin_bench.bench.trees import step_workers, stop_workers, wait_ready
 
     topo, plan = _testbed_plan()
     (tmp_path / "plan.json").write_text(json.dumps(plan))
@@ -202,8 +202,8 @@ def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_
                 spec = [[t["job_id"], t["data_addr"], 1000 + 37 * t["submodel"]] for t in ts]
                 keys = json.dumps({t["job_id"]: t["member_key"] for t in ts})
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fanin.bench.goat_worker", "--rank", str(ts[0]["rank"]), "--workers", "8",
-                     "--targets", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    [sys.executable, "-m", "fanin_bench.bench.goat_worker", "--rank", str(ts[0]["rank"]),
+                     "--workers", "8", "--targets", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                     env={**env, "FANIN_MEMBER_KEYS": keys}))
             wait_ready(procs, "loopback")
             for _ in range(2):
@@ -225,12 +225,12 @@ def test_goat_plan_end_to_end_on_the_testbed():
     """3 switches, 8 workers, a PS: the planner's plan installed, every
     worker's every sub-model exact, and the PS's ingress shrinks as the plan
     says against PS-only (frames on the veth, headers included)."""
-    from fanin.testbed import why_unavailable
+    from fanin_bench.testbed import why_unavailable
 
     why = why_unavailable("fbtg-probe")
     if why:
         pytest.skip(f"no network namespaces: {why}")
-    from fanin.bench.goat_deploy import deploy_and_run
+    from fanin_bench.bench.goat_deploy import deploy_and_run
 
     topo, plan = _testbed_plan()
     nodes = {n for w in plan["workers"] for n in w["aggregation_node"]}

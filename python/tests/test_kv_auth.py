@@ -18,9 +18,9 @@ from collections import Counter
 import pytest
 
 from fanin import _native
-from fanin.bench.chaos_inject import capture, is_kv_of, kv_forged, open_capture
 from fanin.control.client import ControlClient
 from fanin.kv import DaemonProcess
+from fanin_bench.bench.chaos_inject import capture, is_kv_of, kv_forged, open_capture
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import fanin
-from fanin.bench.overload import run_point
 from fanin.proc import reference_sum, worker_inputs
 from fanin.switch import LocalSwitch, job_config, switch_config
+from fanin_bench.bench.overload import run_point
 from threads import in_threads
 
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from fanin import topology
-from fanin.cli import _find_sim_binary
 from fanin.goat.deploy import ps_only_plan
-from fanin.sim_goat import build_spec
+from fanin_bench.sim.command import _find_sim_binary
+from fanin_bench.sim.goat import build_spec
 from test_goat_deploy import AGG, TOPO, TOR0, hand_plan
 
 # fanin's value header (docs/protocol.md) + Ethernet, IPv4, UDP; written out here, not taken from the code

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from fanin import topology
-from fanin.testbed import Testbed, TestbedError, down, why_unavailable
+from fanin_bench.testbed import Testbed, TestbedError, down, why_unavailable
 
 _WHY_NOT = why_unavailable("fbt-probe")
 pytestmark = pytest.mark.skipif(bool(_WHY_NOT), reason=f"no network namespaces: {_WHY_NOT}")
@@ -281,7 +281,7 @@ def test_clear_errors(state_dir, monkeypatch):
     bad = topology.Topology("bad", [topology.Switch("s0")], [topology.Host("h0")], [])
     with pytest.raises(topology.TopologyError, match="host h0 has 0 links"):
         Testbed.up(bad, name=E, state_dir=state_dir)
-    import fanin.testbed as testbed_mod
+    import fanin_bench.testbed as testbed_mod
     monkeypatch.setattr(testbed_mod, "_effective_caps", lambda: 0)
     with pytest.raises(TestbedError, match="needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN missing"):
         Testbed.up(topology.load("star:1"), name=E, state_dir=state_dir)
@@ -323,7 +323,7 @@ def test_controller_builds_a_three_level_tree_on_a_fat_tree_and_traffic_shrinks_
     core root receives two partial streams instead of four."""
     from contextlib import ExitStack
 
-    from fanin.bench.trees import TestbedJob
+    from fanin_bench.bench.trees import TestbedJob
 
     topo = topology.fat_tree(4)
     hosts = {0: "h0_0_0", 1: "h0_1_0", 2: "h1_0_0", 3: "h1_1_1"}

@@ -10,13 +10,39 @@ workers subscribing and unsubscribing while jobs run. See docs/trees.md.
     >>> fanin.Session(sub["data_addr"], 1, 0, auth_key=sub["member_key"])
 """
 
-from .fabric import Fabric, FabricError, StaticFabric, TestbedFabric
-from .server import ControllerClient, ControllerServer, serve
-from .service import Controller, ControllerError, JobParams
-from .tree import SWITCH_RANK_BASE, Role, Tree, TreeError, build_tree, diff_roles, roles, switch_rank
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "Controller", "ControllerError", "JobParams", "ControllerServer", "ControllerClient", "serve",
-    "Fabric", "FabricError", "StaticFabric", "TestbedFabric",
-    "SWITCH_RANK_BASE", "Role", "Tree", "TreeError", "build_tree", "diff_roles", "roles", "switch_rank",
-]
+# Names resolve on first use (PEP 562): `fanin --help` imports fanin.controller.command, and with it this
+# package, to register `fanin controller`; the server and service below import grpc, which no command but
+# `fanin controller` should pay for.
+_EXPORTS = {
+    "Controller": "service", "ControllerError": "service", "JobParams": "service",
+    "ControllerServer": "server", "ControllerClient": "server", "serve": "server",
+    "Fabric": "fabric", "FabricError": "fabric", "StaticFabric": "fabric", "TestbedFabric": "fabric",
+    "SWITCH_RANK_BASE": "tree", "Role": "tree", "Tree": "tree", "TreeError": "tree", "build_tree": "tree",
+    "diff_roles": "tree", "roles": "tree", "switch_rank": "tree",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .fabric import Fabric, FabricError, StaticFabric, TestbedFabric
+    from .server import ControllerClient, ControllerServer, serve
+    from .service import Controller, ControllerError, JobParams
+    from .tree import SWITCH_RANK_BASE, Role, Tree, TreeError, build_tree, diff_roles, roles, switch_rank

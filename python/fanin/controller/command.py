@@ -151,16 +151,13 @@ def _install_goat(args: argparse.Namespace) -> int:
     from .. import topology
     from ..control import ControlError
     from ..goat.deploy import install_goat_plan, remove_goat_plan
-    from ..testbed import TestbedError
     from ..goat.model import GoatError
     from .fabric import FabricError, StaticFabric, TestbedFabric
 
     try:
         plan = json.loads(open(args.plan).read())
         if args.testbed:
-            from ..testbed import Testbed
-
-            tb = Testbed.attach(args.testbed)
+            tb = _attach_testbed(args.testbed)
             topo, fabric = tb.topology, TestbedFabric(tb)
         else:
             if not args.topology:
@@ -173,7 +170,7 @@ def _install_goat(args: argparse.Namespace) -> int:
         dep = install_goat_plan(plan, topo, fabric, job_base=args.job_base, block_cnt_max=args.block_cnt_max,
                                 block_grad_max=args.block_grad_max, auth=not args.no_auth)
         dep.close()
-    except (OSError, ValueError, GoatError, FabricError, ControlError, TestbedError, topology.TopologyError) as e:
+    except (OSError, ValueError, GoatError, FabricError, ControlError, topology.TopologyError) as e:
         print(f"fanin controller install-goat: {e}", file=sys.stderr)
         return 1
     def key_hex(t):
@@ -184,6 +181,20 @@ def _install_goat(args: argparse.Namespace) -> int:
                            "data_addr": addr, "member_key": key_hex(t)} for t, addr in targets]
                       for w, targets in dep.addrs.items()}, indent=1))
     return 0
+
+
+def _attach_testbed(name: str) -> Any:
+    """The namespace testbed `name` that `fanin testbed up` built. The testbed lives in fanin_bench, imported
+    here only for --testbed (fanin never imports it at module level); its errors become FabricError, a
+    ValueError, so they are reported like a bad fabric file."""
+    from fanin_bench.testbed import Testbed, TestbedError
+
+    from .fabric import FabricError
+
+    try:
+        return Testbed.attach(name)
+    except TestbedError as e:
+        raise FabricError(str(e)) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -199,9 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     loopback = None
     if args.testbed:
-        from ..testbed import Testbed
-
-        fabric = TestbedFabric(Testbed.attach(args.testbed))
+        fabric = TestbedFabric(_attach_testbed(args.testbed))
     elif args.fabric:
         fabric = StaticFabric.load(args.fabric)
     else:

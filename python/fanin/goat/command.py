@@ -1,4 +1,4 @@
-"""`fanin plan goat`: the command-line planner."""
+"""`fanin plan goat`: the command-line planner. (`fanin bench goat` and `goat-deploy` are fanin_bench's.)"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-__all__ = ["add_plan_parser", "add_bench_parser", "run_plan_goat"]
+__all__ = ["add_plan_parser", "run_plan_goat"]
 
 DESCRIPTION = """\
 Plan GOAT's gradient scheduling (Fang et al., ToN 2024, §IV): which
@@ -66,67 +66,6 @@ def add_plan_parser(sub) -> None:
     g.add_argument("--out", help="write the plan JSON to this file instead of stdout")
     g.add_argument("--summary", action="store_true", help="also print a short human summary on stderr")
     g.set_defaults(func=run_plan_goat)
-
-
-def add_bench_parser(bsub, common) -> None:
-    """`fanin bench goat` (its code is fanin.bench.goat, imported when run)."""
-    b = bsub.add_parser("goat", help="GOAT §VII-D: PS overhead, in-network aggregation, communication vs workers",
-                        description="GOAT's simulation study at flow level: leaf-spine (10+10 switches, 50 servers) "
-                                    "and fat-tree (80 switches, 192 servers), 20%% of switches programmable with "
-                                    "64 MB, 221 MB of gradients per worker in equal sub-models, sending rates "
-                                    "ratio x 10 Gbit/s with ratio ~ Normal(1, sigma). GOAT (LP + KRGS), Geryon, ATP "
-                                    "and ESA in one evaluator; plus GOAT-Async vs K-SGD (Algorithm 2) and the "
-                                    "planning time of the full fat-tree. Writes CSV and PNG to --out.")
-    b.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
-    b.add_argument("--repeats", type=int, help="random instances per point (default 3, 1 with --quick)")
-    b.add_argument("--submodels", type=int, default=111, help="sub-models of the 221 MB gradient (default %(default)s)")
-    b.add_argument("--chunk-mb", type=float, default=1.0,
-                   help="fragment size of the ATP/ESA memory-sharing model (default %(default)s)")
-    b.add_argument("--sigma", type=float, default=0.2, help="sigma of the worker sweep (default %(default)s)")
-    b.add_argument("--no-plot", action="store_true", help="CSV and JSON only")
-    common(b)
-    b.set_defaults(func=_run_bench_goat)
-
-    d = bsub.add_parser("goat-deploy", help="a GOAT plan installed on the testbed (3 switches, 8 workers, PS) vs PS-only",
-                        description="Plan GOAT on the topology (default examples/goat-testbed.toml: 3 switches, 8 "
-                                    "workers and a PS, GOAT's testbed), install it on the namespace testbed (switch "
-                                    "jobs as responsibility filters, the PS a host aggregator, static routing), and "
-                                    "run allreduces of every sub-model on every worker, interleaved with the PS-only "
-                                    "baseline (every sub-model straight to the PS). Every sum is checked exactly; "
-                                    "the PS's ingress bytes are measured on its veth link. CSV + PNG to --out. "
-                                    "Needs root.")
-    d.add_argument("--topology", help="topology file or generator with one host of role ps (or --ps)")
-    d.add_argument("--ps", help="host that is the parameter server")
-    d.add_argument("--memory-mb", type=float, help="B(s) of every switch (default: as the topology says, 4 MB in "
-                                                  "examples/goat-testbed.toml, sized for the default 12 MB model)")
-    src = d.add_mutually_exclusive_group()
-    src.add_argument("--even", metavar="TOTAL_MB,PARTS", help="sub-models (default 12,6)")
-    src.add_argument("--model", help="a PyTorch model's parameter tensors (alexnet, resnet18, ...)")
-    src.add_argument("--submodels", metavar="FILE.json")
-    d.add_argument("--max-submodel-mb", type=float, help="with --model: cut tensors above this size")
-    d.add_argument("--bytes-per-mb", type=float,
-                   help="testbed bytes per planned MB (default 131072, 16384 with --quick)")
-    d.add_argument("--reps", type=int, help="allreduces of the whole model per arm (default 10, 3 with --quick)")
-    d.add_argument("--elems-per-packet", type=int, default=256)
-    d.add_argument("--window", type=int, default=64)
-    d.add_argument("--parallel", type=int, default=0, metavar="N",
-                   help="each worker allreduces up to N sub-models at once (default 0: one after the other)")
-    d.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf limit on every link (default 1 Gbit/s)")
-    d.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
-    common(d)
-    d.set_defaults(func=_run_bench_goat_deploy)
-
-
-def _run_bench_goat_deploy(args: argparse.Namespace) -> int:
-    from fanin.bench.goat_deploy import run_goat_deploy
-
-    return run_goat_deploy(args)
-
-
-def _run_bench_goat(args: argparse.Namespace) -> int:
-    from fanin.bench.goat import run_bench_goat
-
-    return run_bench_goat(args)
 
 
 def _submodels(args):

@@ -25,8 +25,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
-from scipy.sparse import coo_matrix
 
 from fanin.goat.model import GoatError, Instance
 
@@ -51,6 +49,11 @@ class Fractional:
 
 
 def solve_lp(inst: Instance) -> Fractional:
+    # scipy is imported here, not at the top: `fanin --help` imports fanin.goat (for `fanin plan goat`'s
+    # parser) and must not load scipy; model.py defers its scipy import for the same reason.
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
     t0 = time.perf_counter()
     wclass, mult = inst.worker_classes()
     ncls = len(mult)

@@ -4,7 +4,7 @@ one allreduce per line it reads on stdin and answers with one JSON line
 inside a testbed namespace so the driver can interleave configurations
 allreduce by allreduce without paying a process start each time.
 
-    FANIN_MEMBER_KEY=<32 hex digits> python -m fanin.bench.tree_worker --addr 10.1.0.2:9000 --job 1 --rank 0 \
+    FANIN_MEMBER_KEY=<32 hex digits> python -m fanin_bench.bench.tree_worker --addr 10.1.0.2:9000 --job 1 --rank 0 \
         --workers 2 --elements 10752
 
 In a keyed job (the controller's default) the worker's member key comes in

@@ -26,8 +26,8 @@ import tempfile
 from collections import deque
 from typing import Optional
 
-from .controller.tree import build_tree, roles
-from .topology import Topology, load
+from fanin.controller.tree import build_tree, roles
+from fanin.topology import Topology, load
 
 __all__ = ["build_spec", "link_layers", "top_layer", "main"]
 
@@ -166,7 +166,7 @@ def main(binary: str, argv: list[str]) -> int:
     _write(args.out, topo, layers, runs, report)
     if not args.no_plot:
         try:
-            from .sim_plots import plot_allreduce
+            from fanin_bench.sim.plots import plot_allreduce
 
             for path in plot_allreduce(args.out):
                 print(f"fanin sim: wrote {path}", file=sys.stderr)

@@ -141,7 +141,7 @@ class Soak:
     """The testbed, the daemons, the workloads and the fault log of one run."""
 
     def __init__(self, stack: ExitStack, args) -> None:
-        from fanin.testbed import Testbed
+        from fanin_bench.testbed import Testbed
 
         self.args = args
         self.rng = random.Random(args.seed)
@@ -190,9 +190,10 @@ class Soak:
         return f"{self.tb.addr('s0', toward=host)}:{self.tb.SWITCH_DATA_PORT}"
 
     def _worker(self, job: int, rank: int, dtype: str, host: str, *, sync_join: bool = False) -> Worker:
-        argv = [sys.executable, "-m", "fanin.bench.chaos_worker", "--addr", self.data_addr(host), "--job", str(job),
-                "--rank", str(rank), "--workers", str(WORKERS), "--blocks", str(BLOCKS), "--elems-per-packet",
-                str(EPP), "--window", str(WINDOW), "--dtype", dtype, "--seed", str(self.rng.randrange(1 << 30)),
+        argv = [sys.executable, "-m", "fanin_bench.bench.chaos_worker", "--addr", self.data_addr(host),
+                "--job", str(job), "--rank", str(rank), "--workers", str(WORKERS), "--blocks", str(BLOCKS),
+                "--elems-per-packet", str(EPP), "--window", str(WINDOW), "--dtype", dtype,
+                "--seed", str(self.rng.randrange(1 << 30)),
                 *(f"--{k.replace('_', '-')}={v}" for k, v in NETWORK.items())]
         if sync_join:
             argv.append("--sync-join")
@@ -352,7 +353,7 @@ class Soak:
                 "restart_s": round(ready - t0, 3), "recovery_s": None if recovery is None else round(recovery, 3)}
 
     def _inject_tool(self, host: str, argv: list[str]) -> dict[str, Any]:
-        r = self.tb.run(host, [sys.executable, "-m", "fanin.bench.chaos_inject", *argv], timeout=60)
+        r = self.tb.run(host, [sys.executable, "-m", "fanin_bench.bench.chaos_inject", *argv], timeout=60)
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     # -- the run ----------------------------------------------------------------------------------
@@ -487,7 +488,7 @@ class KvLoad:
     a receiver daemon on h0, sender daemons on h1 and h2."""
 
     def __init__(self, soak: Soak) -> None:
-        from fanin.bench.corpus import build_corpus
+        from fanin_bench.bench.corpus import build_corpus
 
         self.soak = soak
         tb = soak.tb
@@ -597,7 +598,7 @@ class KvLoad:
                 detail["task"] = task
                 sniffer = None
                 if kind == "replay":
-                    argv = [sys.executable, "-m", "fanin.bench.chaos_inject", "replay", "--iface",
+                    argv = [sys.executable, "-m", "fanin_bench.bench.chaos_inject", "replay", "--iface",
                             tb.interface("h1", toward="s0"), "--ports", str(port), "--kv-task", str(task),
                             "--capture", str(rng.randrange(10, 40)), "--capture-s", "5", "--delay", "0.2", "--ready"]
                     sniffer = tb.popen("h1", argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -649,7 +650,7 @@ class KvLoad:
 
 
 def run_bench_chaos(args) -> int:
-    from fanin.testbed import why_unavailable
+    from fanin_bench.testbed import why_unavailable
 
     reason = why_unavailable()
     if reason:

@@ -14,7 +14,7 @@ emulated.
 Example::
 
     from fanin import topology
-    from fanin.testbed import Testbed
+    from fanin_bench.testbed import Testbed
     with Testbed.up(topology.load("star:2"), name="demo", rate_mbit=1000) as tb:
         sw = tb.switch("s0", jobs=[job_config(1, 2)])          # the real daemon in s0's namespace
         data = f"{tb.addr('s0', toward='h0')}:{tb.SWITCH_DATA_PORT}"

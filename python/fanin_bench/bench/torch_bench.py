@@ -26,9 +26,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fanin.bench.gloo import _free_port
 from fanin.proc import SwitchProcess, format_size, parse_size
 from fanin.switch import job_config, switch_config
+from fanin_bench.bench.gloo import _free_port
 
 __all__ = ["run_torch_allreduce", "run_time_to_accuracy"]
 
@@ -189,7 +189,7 @@ def _train_arm(backend: str, workers: int, extra: list[str], env: dict[str, str]
     fd, out = tempfile.mkstemp(prefix="fanin-tta-", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
-           "--master-port", str(_free_port()), "-m", "fanin.bench.torch_train", "--backend", backend,
+           "--master-port", str(_free_port()), "-m", "fanin_bench.bench.torch_train", "--backend", backend,
            "--out", out, *extra]
     full_env = {**os.environ, **env, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)

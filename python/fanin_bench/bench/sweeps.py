@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from fanin.bench.runner import AllreduceParams, run_allreduce
+from fanin_bench.bench.runner import AllreduceParams, run_allreduce
 
 
 def _point(workers: int, epp: int, window: int, blocks: int, iters: int, seed: int) -> dict[str, Any]:

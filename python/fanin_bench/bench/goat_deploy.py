@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fanin import topology
-from fanin.bench.trees import _write_csv, step_workers, stop_workers, wait_ready
+from fanin_bench.bench.trees import _write_csv, step_workers, stop_workers, wait_ready
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[3] / "examples" / "goat-testbed.toml"
 
@@ -59,7 +59,7 @@ class Arm:
         self.procs = []
         for w, targets in self.dep.addrs.items():
             spec = [[t.job_id, addr, self.elements[t.submodel]] for t, addr in targets]
-            argv = [sys.executable, "-m", "fanin.bench.goat_worker", "--rank", str(self.dep.jobs.ranks[w]),
+            argv = [sys.executable, "-m", "fanin_bench.bench.goat_worker", "--rank", str(self.dep.jobs.ranks[w]),
                     "--workers", str(n), "--targets", json.dumps(spec), "--elems-per-packet", str(epp),
                     "--window", str(window), "--seed", str(seed), "--parallel", str(parallel)]
             # Member keys (one per sub-model job) through the environment,
@@ -93,7 +93,7 @@ def deploy_and_run(topo: topology.Topology, plan: dict[str, Any], *, name: str, 
                    parallel: int = 0) -> dict[str, list[dict]]:
     """The two arms on one testbed, interleaved; {arm: [run_once() ...]}."""
     from fanin.goat.deploy import ps_only_plan
-    from fanin.testbed import Testbed, down
+    from fanin_bench.testbed import Testbed, down
 
     down(name)  # leftovers of an interrupted earlier run of the same name
     runs: dict[str, list[dict]] = {"goat": [], "ps-only": []}
@@ -114,7 +114,7 @@ def deploy_and_run(topo: topology.Topology, plan: dict[str, Any], *, name: str, 
 
 
 def run_goat_deploy(args) -> int:
-    from fanin.testbed import check_privileges
+    from fanin_bench.testbed import check_privileges
 
     check_privileges()
     topo = topology.load(args.topology or str(DEFAULT_TOPOLOGY))

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from fanin.bench.runner import AllreduceParams, run_allreduce
 from fanin.proc import format_size, parse_size, reference_sum, worker_inputs
+from fanin_bench.bench.runner import AllreduceParams, run_allreduce
 
 
 def _free_port() -> int:

@@ -6,7 +6,7 @@ with --parallel N up to N at once, and
 answers one JSON line: seconds, whether every sum was exact (int32, the
 sum over all workers), retransmissions.
 
-    python -m fanin.bench.goat_worker --rank 0 --workers 8 --targets '[[100, "10.1.0.9:9000", 16384], ...]'
+    python -m fanin_bench.bench.goat_worker --rank 0 --workers 8 --targets '[[100, "10.1.0.9:9000", 16384], ...]'
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import fanin
-from fanin.bench.tree_worker import contribution
+from fanin_bench.bench.tree_worker import contribution
 
 
 class Lane:

@@ -44,7 +44,7 @@ class TestbedJob:
     def __init__(self, stack: ExitStack, label: str, name: str, topo: topology.Topology, *, controller: bool,
                  rate_mbit: float, workers: dict[int, str], elements: int, epp: int, window: int,
                  send_drop: float, recv_drop: float, seed: int):
-        from fanin.testbed import Testbed
+        from fanin_bench.testbed import Testbed
 
         self.label = label
         self.topo = topo
@@ -69,7 +69,7 @@ class TestbedJob:
             self.tree = None
         self.procs = []
         for r, h in workers.items():
-            argv = [sys.executable, "-m", "fanin.bench.tree_worker", "--addr", addrs[r], "--job", str(JOB),
+            argv = [sys.executable, "-m", "fanin_bench.bench.tree_worker", "--addr", addrs[r], "--job", str(JOB),
                     "--rank", str(r), "--workers", str(n), "--elements", str(elements),
                     "--elems-per-packet", str(epp), "--window", str(window), "--send-drop", str(send_drop),
                     "--recv-drop", str(recv_drop), "--seed", str(seed * 1000 + r)]
@@ -139,7 +139,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def run_tree_levels(args) -> int:
     from scipy.stats import mannwhitneyu
 
-    from fanin.testbed import check_privileges
+    from fanin_bench.testbed import check_privileges
 
     check_privileges()
     reps = args.reps or (10 if args.quick else 50)
@@ -218,7 +218,7 @@ def _plot_levels(times: dict[str, list[float]], path: Path, args) -> None:
 
 def run_tree_scaling(args) -> int:
     from fanin.proc import parse_size
-    from fanin.testbed import check_privileges
+    from fanin_bench.testbed import check_privileges
 
     check_privileges()
     reps = args.reps or (3 if args.quick else 10)

@@ -15,7 +15,7 @@ or what the switch reported for a degraded block). Double-counted,
 mixed-generation or forged data fails one of these checks. The values are
 small integers, exact in float32 block floating point too.
 
-    python -m fanin.bench.chaos_worker --addr 10.1.0.2:9000 --job 1 --rank 0 --workers 3 --blocks 24
+    python -m fanin_bench.bench.chaos_worker --addr 10.1.0.2:9000 --job 1 --rank 0 --workers 3 --blocks 24
 """
 
 from __future__ import annotations

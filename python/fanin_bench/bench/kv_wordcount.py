@@ -1,6 +1,6 @@
 """``fanin bench kv-traffic`` and ``fanin bench kv-wordcount``.
 
-Both count the words of a real offline corpus (``fanin.bench.corpus``)
+Both count the words of a real offline corpus (``fanin_bench.bench.corpus``)
 through real processes: a ``fanin switch`` with its control API, a
 ``fanin kv daemon`` connected to it, two sender channels (one per core of
 the 2-core machines), over UDP on 127.0.0.1.
@@ -34,11 +34,11 @@ from collections import Counter
 from multiprocessing import get_context
 from typing import Any, Callable, Optional
 
-from fanin.bench.corpus import build_corpus, split_lines
-from fanin.bench.cpu import CpuGroups
 from fanin.kv import Client, DaemonProcess
 from fanin.proc import SwitchProcess
 from fanin.switch import switch_config
+from fanin_bench.bench.corpus import build_corpus, split_lines
+from fanin_bench.bench.cpu import CpuGroups
 
 __all__ = ["run_kv_traffic", "run_kv_wordcount", "run_kv_window", "kv_service"]
 

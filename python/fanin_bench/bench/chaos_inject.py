@@ -1,9 +1,9 @@
 """Packet injectors of the chaos soak, run inside a testbed namespace.
 
-    python -m fanin.bench.chaos_inject garbage --to 10.1.0.2:9000 --count 50 --seed 1
-    python -m fanin.bench.chaos_inject replay --iface veth0 --ports 9000-9001 --capture 40 --delay 1
-    python -m fanin.bench.chaos_inject replay --iface veth0 --ports 9000-9001 --kv-task 77 --ready
-    python -m fanin.bench.chaos_inject kv-forge --to 10.1.0.2:9000 --task 77 --channels 2 --count 30
+    python -m fanin_bench.bench.chaos_inject garbage --to 10.1.0.2:9000 --count 50 --seed 1
+    python -m fanin_bench.bench.chaos_inject replay --iface veth0 --ports 9000-9001 --capture 40 --delay 1
+    python -m fanin_bench.bench.chaos_inject replay --iface veth0 --ports 9000-9001 --kv-task 77 --ready
+    python -m fanin_bench.bench.chaos_inject kv-forge --to 10.1.0.2:9000 --task 77 --channels 2 --count 30
 
 Each prints one JSON line saying exactly what it sent, by the switch
 counter that must account for it, so the driver can check the counters

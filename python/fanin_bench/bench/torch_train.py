@@ -4,7 +4,7 @@ time-to-accuracy``; ``examples/train_digits.py`` is the readable version.
 
 Run under torchrun::
 
-    torchrun --nproc-per-node 4 -m fanin.bench.torch_train --backend fanin --out run.json
+    torchrun --nproc-per-node 4 -m fanin_bench.bench.torch_train --backend fanin --out run.json
 
 Straggler injection follows Trio-ML §6.1 ("Slow Worker Pattern", after
 [38]): each iteration has three delay points; at each, with probability

@@ -194,9 +194,9 @@ def run_bench_goat(args: argparse.Namespace) -> int:
         "async": _async_study(args.seed),
         "files": [str(out / f) for f in ("goat_points.csv", "goat_workers.csv", "goat_sigma.csv")] + pngs,
     }
-    from fanin.cli import _emit
+    from fanin_bench.report import emit
 
-    _emit(result, _human(result), args.json)
+    emit(result, _human(result), args.json)
     return 0
 
 

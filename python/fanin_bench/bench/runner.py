@@ -14,9 +14,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fanin.bench.cpu import process_cpu_seconds
-from fanin.proc import SwitchProcess, check_result, worker_inputs
+from fanin.proc import SwitchProcess, check_result, format_size, parse_size, worker_inputs
 from fanin.switch import free_result_group, job_config, switch_config
+from fanin_bench.bench.cpu import process_cpu_seconds
+from fanin_bench.report import emit
 
 AGGR_JOB = 1
 NOAGGR_JOB = 2
@@ -271,6 +272,27 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
         why = "workers' results differ" if len(digests) != 1 else "a result differs from the reference"
         raise RuntimeError(f"verification failed: {why}: {run.checks}")
     return run
+
+
+def run_bench_allreduce(args: Any) -> int:
+    """`fanin bench allreduce`."""
+    size = parse_size(args.size) if args.size else (16_000_000 if args.quick else 100_000_000)
+    p = AllreduceParams(workers=args.workers, elements=max(1, size // 4), dtype=args.dtype,
+                        elems_per_packet=args.elems_per_packet, window=args.window, loss=args.loss,
+                        iters=args.iters or (3 if args.quick else 7), shards=args.shards, seed=args.seed,
+                        auth=args.auth, noaggr=not args.auth, results=args.results)
+    s = run_allreduce(p).summary()
+    human = (f"fanin allreduce {args.workers} workers x {format_size(size)} {args.dtype}: median {s['median_s']:.3f} s "
+             f"({s['goodput_gbps']:.2f} Gbit/s per worker), ")
+    if args.auth:
+        human += (f"authenticated {s['auth_median_s']:.3f} s ({s['auth_goodput_gbps']:.2f} Gbit/s), "
+                  f"auth_goodput_ratio {s['auth_goodput_ratio']:.3f} (CPU: {s.get('auth_cpu_ratio', float('nan')):.3f}), ")
+    else:
+        human += f"NoAggr {s['noaggr_median_s']:.3f} s, ratio_vs_noaggr {s['ratio_vs_noaggr']:.2f}, "
+    human += f"{s['retransmissions']} retransmissions, verified={s['verified']}"
+
+    emit(s, human, args.json)
+    return 0
 
 
 def _progress(total: int, label: str):

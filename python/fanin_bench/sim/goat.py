@@ -2,7 +2,7 @@
 goat`) validated at packet level in the simulator (issue 8 item 5).
 
 The instance is a point of the study, drawn by the study's own code
-(`fanin.bench.goat._scenario`: leaf-spine 10 + 10 switches, 20% of them
+(`fanin_bench.bench.goat._scenario`: leaf-spine 10 + 10 switches, 20% of them
 programmable with 64 MB, the PS and the workers drawn by seed, rates
 ratio x 10 Gbit/s); the plan is `fanin.goat.krgs.plan` on it, and the
 baseline Geryon (no aggregation) is the deployment's `ps_only_plan` of it.
@@ -150,12 +150,12 @@ def _run_sim(binary: str, spec: dict, path: str, args) -> dict:
 
 
 def run(binary: str, args) -> dict[str, Any]:
-    from fanin.bench.goat import _scenario
     from fanin.goat.baselines import evaluate_atp, evaluate_esa
     from fanin.goat.deploy import ps_only_plan
     from fanin.goat.krgs import plan as make_plan
     from fanin.goat.model import submodels_even
     from fanin.goat.schema import plan_to_json
+    from fanin_bench.bench.goat import _scenario
 
     scn = _scenario(args.topology, args.workers, args.sigma, args.seed, submodels_even(args.gradient_mb, args.submodels))
     p = make_plan(scn.instance(), seed=args.seed)
@@ -253,7 +253,7 @@ def main(binary: str, argv: list[str]) -> int:
         return 2
     with open(os.path.join(args.out, "goat_packet.json"), "w") as f:
         json.dump(r, f)
-    from fanin.cli import _emit
+    from fanin_bench.report import emit
 
-    _emit(r, _human(r), args.json)
+    emit(r, _human(r), args.json)
     return 0 if r["valid"] else 1

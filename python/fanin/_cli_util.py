@@ -1,0 +1,55 @@
+"""Argument types the command lines share: the switch's `--job`/`--rate-limit` here, and the benches' rate
+limits in fanin_bench (which imports them from here; fanin never imports fanin_bench)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["job_arg", "rate_limit_dict", "rate_limit_tuple"]
+
+
+def job_arg(text: str) -> dict[str, Any]:
+    """Parse 'id=1,sources=4,block_cnt_max=256,block_grad_max=1024,mode=forward'."""
+    job: dict[str, Any] = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise argparse.ArgumentTypeError(f"job field {part!r} is not key=value")
+        k, v = (s.strip() for s in part.split("=", 1))
+        k = {"id": "job_id"}.get(k, k)
+        if k == "members":
+            job[k] = [int(x) for x in v.split(":") if x]
+        elif k in ("mode", "key", "on_failure", "result_group"):
+            job[k] = v
+        elif k == "rate_limit":
+            job[k] = rate_limit_dict(v.replace(":", ","))
+        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows",
+                   "member_timeout_ms"):
+            try:
+                job[k] = int(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
+        else:
+            raise argparse.ArgumentTypeError(
+                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, "
+                "slow_after_windows, mode, on_failure=degrade|fail, member_timeout_ms, rate_limit=PPS:BURST, key=HEX, "
+                "result_group=IPV4:PORT)")
+    if "job_id" not in job:
+        raise argparse.ArgumentTypeError("a job needs id=N")
+    return job
+
+
+def rate_limit_dict(text: str) -> dict[str, int]:
+    """Parse 'PPS,BURST' (two positive integers)."""
+    try:
+        pps, burst = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rate limit {text!r}: expected PPS,BURST (e.g. 100000,256)") from None
+    if pps < 1 or burst < 1:
+        raise argparse.ArgumentTypeError(f"rate limit {text!r}: rate and burst must be at least 1")
+    return {"pps": pps, "burst": burst}
+
+
+def rate_limit_tuple(text: str) -> tuple[int, int]:
+    d = rate_limit_dict(text)
+    return d["pps"], d["burst"]

@@ -1,0 +1,347 @@
+"""`fanin bench ...`: the benchmark sub-parsers. Each bench's code is imported when it runs (`_lazy`), so
+`fanin bench X --help` needs neither torch nor matplotlib."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any, Callable
+
+from fanin._cli_util import rate_limit_tuple
+
+__all__ = ["register"]
+
+
+def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """The command function `fanin_bench.bench.<module>.<function>(args)`, imported when called."""
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"fanin_bench.bench.{module}"), function)(args)
+
+    return run
+
+
+def _run_torch(args: argparse.Namespace) -> int:
+    # torch is an optional extra: say how to get it instead of a traceback.
+    try:
+        from fanin_bench.bench import torch_bench
+    except ImportError as e:
+        print(f"fanin bench {args.bench}: {e} (pip install -r requirements-bench.txt)", file=sys.stderr)
+        return 2
+    return torch_bench.run_torch_allreduce(args) if args.bench == "torch-allreduce" else \
+        torch_bench.run_time_to_accuracy(args)
+
+
+def _common(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--json", action="store_true", help="print one JSON object on stdout (summary to stderr)")
+    b.add_argument("--quick", action="store_true", help="reduced run that finishes in about a minute")
+    b.add_argument("--seed", type=int, default=1)
+
+
+def _results_option(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--results", choices=["multicast", "unicast"], default="multicast",
+                   help="how the switch delivers results: once to the job's multicast group on loopback, which "
+                        "every worker listens on, or a copy to each worker (default %(default)s; NoAggr and "
+                        "keyed jobs are unicast either way)")
+
+
+def _corpus_options(b: argparse.ArgumentParser, repeats_help: str) -> None:
+    """The word-count benches' corpus, repeat and AA-size options."""
+    b.add_argument("--corpus-mb", type=float, help="corpus size in MB (default 64, 8 with --quick)")
+    b.add_argument("--repeats", type=int, help=repeats_help)
+    b.add_argument("--aa-size", type=int, default=4096, help="aggregators per AA per copy (default %(default)s)")
+    _common(b)
+
+
+def register(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (JSON with --json; --quick for a ~1 minute run)")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    _add_value_benches(bsub)
+    _add_kv_benches(bsub)
+    _add_torch_benches(bsub)
+    _add_tree_benches(bsub)
+    _add_goat_benches(bsub)
+
+
+def _add_value_benches(bsub: Any) -> None:
+    """allreduce, gloo-compare, the sweeps, the straggler, overload, chaos and flood benches."""
+    ar = bsub.add_parser("allreduce", help="fanin allreduce vs the NoAggr baseline through the same daemon",
+                         description="Time allreduce through a switch process with N worker processes, and the same "
+                                     "packets through the same daemon with aggregation replaced by forwarding "
+                                     "(NoAggr, ASK §5.7), alternating in one run. Every worker's result is verified.")
+    ar.add_argument("--workers", type=int, default=4)
+    ar.add_argument("--size", help="tensor size per worker, e.g. 100MB (default 100MB, 16MB with --quick)")
+    ar.add_argument("--dtype", default="float32", choices=["float32", "int32"])
+    ar.add_argument("--elems-per-packet", type=int, default=1024)
+    ar.add_argument("--window", type=int, default=256, help="blocks in flight (= the job's block_cnt_max)")
+    ar.add_argument("--loss", type=float, default=0.0, help="drop probability on every send, both directions")
+    ar.add_argument("--iters", type=int, help="timed iterations (default 7, 3 with --quick)")
+    ar.add_argument("--shards", type=int, default=1)
+    _results_option(ar)
+    ar.add_argument("--auth", action="store_true",
+                    help="compare against the same allreduce on an authenticated job (every datagram sealed and "
+                         "verified, docs/security.md) instead of NoAggr; reports auth_goodput_ratio and auth_cpu_ratio "
+                         "(CPU seconds of workers and switch per allreduce, unkeyed / keyed)")
+    _common(ar)
+    ar.set_defaults(func=_lazy("runner", "run_bench_allreduce"))
+
+    gl = bsub.add_parser("gloo-compare", help="fanin vs torch.distributed Gloo allreduce, side by side",
+                         description="Run torch.distributed Gloo allreduce (what a PyTorch user has today) and fanin "
+                                     "allreduce at the same N and size in the same run.")
+    gl.add_argument("--workers", type=int, default=4)
+    gl.add_argument("--size", help="tensor size per worker (default 100MB, 16MB with --quick)")
+    gl.add_argument("--elems-per-packet", type=int, default=4096)
+    gl.add_argument("--window", type=int, default=128)
+    gl.add_argument("--shards", type=int, default=1)
+    _results_option(gl)
+    gl.add_argument("--iters", type=int)
+    _common(gl)
+    gl.set_defaults(func=_lazy("gloo", "run_gloo_compare"))
+
+    for name, help_text in (("epp-sweep", "aggregation latency vs elements per packet (Trio Fig. 15)"),
+                            ("window-sweep", "throughput and latency vs window (Trio Fig. 16)")):
+        sp = bsub.add_parser(name, help=help_text, description=help_text + "; writes CSV and PNG to --out.")
+        sp.add_argument("--workers", type=int, default=4)
+        sp.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+        _common(sp)
+        sp.set_defaults(func=_lazy("sweeps", "run_sweep"), sweep=name)
+
+    sr = bsub.add_parser("straggler-recovery", help="time to a partial result vs the timeout (Trio Fig. 14)",
+                         description="One member of the job never sends; for timeouts 1-50 ms the two others stream "
+                                     "20 back-to-back blocks and measure each block's time from first send to its "
+                                     "partial result, with Trio's single REF flag (checks=1) and fanin's default "
+                                     "(checks=4) side by side. Writes CSV and PNG to --out.")
+    sr.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    _common(sr)
+    sr.set_defaults(func=_lazy("stragglers", "run_recovery"))
+
+    si = bsub.add_parser("straggler-iterations", help="iteration time under the Slow Worker Pattern (Trio Fig. 13)",
+                         description="Worker processes run iterations of compute + allreduce of a model-sized tensor "
+                                     "(25M float32; 2M with --quick); at three delay points per iteration one worker "
+                                     "straggles with probability p for U(0.5, 2) x the typical iteration time. fanin "
+                                     "with mitigation vs without (SwitchML behaviour) vs an ideal run, one run.")
+    si.add_argument("--workers", type=int, default=4)
+    si.add_argument("--iters", type=int, help="iterations per arm (default 20, 10 with --quick)")
+    si.add_argument("--compute-ms", type=float, default=100.0, help="simulated compute per iteration (default %(default)s)")
+    si.add_argument("--block-exp-ms", type=int, default=50,
+                    help="straggler timeout of the mitigation arm (default %(default)s; Trio uses 10 ms on dedicated "
+                         "hosts, but 5 processes sharing 2 cores are descheduled for longer than that)")
+    si.add_argument("--slow-after-windows", type=int, default=1,
+                    help="K of the mitigation arm: windows a worker may miss before it is declared slow (default %(default)s)")
+    si.add_argument("--probs", type=float, nargs="+", help="straggling probabilities (default 0 0.04 0.08 0.16 0.32)")
+    si.add_argument("--arms", nargs="+", choices=["mitigation", "none"], help="arms besides ideal (default both)")
+    si.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    _common(si)
+    si.set_defaults(func=_lazy("stragglers", "run_iterations"))
+
+    ov = bsub.add_parser("overload", help="allreduce through an overloaded switch, trimming on vs off (NDP return-to-sender)",
+                         description="Two switches, identical but for [trim] enabled, one overloaded shard each "
+                                     "(small receive buffer, full windows from every worker); each worker "
+                                     "alternates between them. Completion time, kernel drops, trims and "
+                                     "retransmissions per arm, and trim/drop ratios. Writes CSV and PNG to --out. "
+                                     "Under overload the drop arm's allreduces have a long tail (seconds, "
+                                     "occasionally minutes): --quick usually takes well under a minute, not always.")
+    ov.add_argument("--workers", type=int, default=4)
+    ov.add_argument("--windows", type=int, nargs="+", help="worker windows (default 256)")
+    ov.add_argument("--socket-buffers", type=int, nargs="+",
+                    help="receive buffers requested per switch socket, bytes, one point each (the kernel doubles "
+                         "them; default 4194304 1048576 524288, 1048576 with --quick)")
+    ov.add_argument("--size", type=int, help="bytes per worker (default 4000000)")
+    ov.add_argument("--iters", type=int, help="timed allreduces per arm and point (default 7; 3 with --quick)")
+    ov.add_argument("--watermark", type=float, default=0.5,
+                    help="trim arm: fraction of the receive buffer above which it trims (default %(default)s)")
+    ov.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
+    _common(ov)
+    ov.set_defaults(func=_lazy("overload", "run_overload"))
+
+    ch = bsub.add_parser("chaos", help="chaos soak on the namespace testbed: faults injected while jobs run (root)",
+                         description="Value-stream jobs (int32 with straggler aging, float32) and key-value word "
+                                     "counts over real text run through one switch daemon on the namespace testbed "
+                                     "while a seeded driver injects one fault at a time (on top of seeded loss, duplication and "
+                                     "reordering at every worker): garbage datagrams, forged packets, captured packets "
+                                     "replayed (value jobs and keyed key-value tasks), workers killed "
+                                     "and restarted, the switch daemon killed and restarted. Workers verify every "
+                                     "result. Exit 0 only with zero wrong results, zero hangs and every injected "
+                                     "packet accounted for by the switch counters. Report: JSON in --out.",
+                         epilog="examples:\n  fanin bench chaos --quick --json\n"
+                                "  fanin bench chaos --duration 600 --seed 7\n"
+                                "  fanin bench chaos --quick --skip restart_switch replay",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    ch.add_argument("--duration", type=float, default=600.0, help="seconds of chaos (default %(default)s; --quick: 60)")
+    ch.add_argument("--hang-s", type=float, default=30.0,
+                    help="a worker or kv task without progress this long counts as hung (default %(default)s)")
+    ch.add_argument("--skip", nargs="*", default=[], metavar="FAULT",
+                    help="fault kinds to leave out (garbage forge replay kill_worker restart_switch "
+                         "kv_forge kv_replay kill_kv_sender)")
+    ch.add_argument("--no-kv", action="store_true", help="value-stream jobs only")
+    ch.add_argument("--out", default="out/chaos", help="directory for the JSON report (default %(default)s)")
+    _common(ch)
+    ch.set_defaults(func=_lazy("chaos", "run_bench_chaos"))
+
+    fl = bsub.add_parser("flood", help="job isolation: one job's allreduce while another job's sender floods, "
+                                       "with and without a per-source rate limit",
+                         description="One switch (one shard), job A's worker processes allreduce while a flooder "
+                                     "process sends a raw UDP flood of valid contributions to job B (no rate limit) "
+                                     "or job C (rate limited), or into a socket nobody reads (what the flood "
+                                     "costs the machine before any switch sees it), or stays quiet; the four "
+                                     "arms alternate per iteration at one paced flood rate. Reports job A's "
+                                     "goodput per arm, its ratio to the quiet arm, and the isolation: job A's "
+                                     "goodput with the flood at the switch vs into the sink. docs/overload.md.")
+    fl.add_argument("--workers", type=int, default=2, help="job A's workers (default %(default)s)")
+    fl.add_argument("--size", type=int, help="bytes per worker (default 8000000, 2000000 with --quick)")
+    fl.add_argument("--iters", type=int, help="timed allreduces per arm (default 10, 4 with --quick)")
+    fl.add_argument("--limit", type=rate_limit_tuple, default=(2000, 64), metavar="PPS,BURST",
+                    help="job C's per-source rate limit (default 2000,64)")
+    fl.add_argument("--flood-pps", type=int, default=50_000,
+                    help="the flooder's paced rate, the same in every arm (default %(default)s)")
+    _common(fl)
+    fl.set_defaults(func=_lazy("flood", "run_flood"))
+
+
+def _add_kv_benches(bsub: Any) -> None:
+    kv = bsub.add_parser("kv-prioritisation", help="key-value on-switch aggregation vs memory (ASK Fig. 9)",
+                         description="On-switch aggregation ratio vs aggregator-to-distinct-key ratio, with and "
+                                     "without shadow copies, on Uniform/Zipf/Zipf-reversed streams; runs the real "
+                                     "key-value machines (cargo example kv_prioritisation) and writes CSV and PNG.")
+    kv.add_argument("--out", default="out/kv", help="directory for CSV and PNG (default %(default)s)")
+    kv.add_argument("--tuples", type=int, help="tuples per stream (default 2^24, 2^20 with --quick)")
+    kv.add_argument("--keys", type=int, help="distinct keys (default 2^16)")
+    kv.add_argument("--zipf-s", type=float, help="Zipf exponent (default 1.0)")
+    kv.add_argument("--swap-threshold", type=int, help="arrived packets per shadow-copy swap (default 64)")
+    kv.add_argument("--window", type=int, help="sender window W (default 256)")
+    kv.add_argument("--slots", type=int, help="tuple slots = aggregator arrays (default 32)")
+    kv.add_argument("--datasets", help="comma list of uniform,zipf,zipf-reverse,zipf-shuffled")
+    kv.add_argument("--ratios", help="aggregator/key ratio exponents LO..HI[:STEP] (default -12..0, "
+                                     "-12..0:2 with --quick)")
+    kv.add_argument("--verbose", action="store_true", help="show the example's progress on stderr")
+    _common(kv)
+    kv.set_defaults(func=_lazy("kv", "run_kv_prioritisation"))
+
+    for name, func, help_text in (
+        ("kv-traffic", _lazy("kv_wordcount", "run_kv_traffic"),
+         "word counts over real text through switch + kv daemon: tuples/packets absorbed (ASK Table 1, Fig. 8b)"),
+        ("kv-wordcount", _lazy("kv_wordcount", "run_kv_wordcount"),
+         "WordCount: fanin vs PreAggr vs PySpark reduceByKey vs Spark DataFrame groupBy, results checked equal"),
+    ):
+        wc = bsub.add_parser(name, help=help_text, description=help_text + "; writes CSV and PNG to --out.")
+        wc.add_argument("--out", default="out/kv", help="directory for CSV and PNG (default %(default)s)")
+        _corpus_options(wc, "runs per system, median reported (default 3, 1 with --quick)")
+        wc.set_defaults(func=func)
+
+    kw = bsub.add_parser("kv-window", help="fanin WordCount time at several sender windows (the default W's measurement)",
+                         description="The fanin arm of kv-wordcount only, at each window of --windows, interleaved "
+                                     "in one process against one switch and daemon; every count is checked against "
+                                     "Counter. Reports the median time and the share of packets retransmitted.")
+    kw.add_argument("--windows", default="1024,2048,4096", help="comma list of windows, 1..4096 (default %(default)s)")
+    kw.add_argument("--auth", action="store_true", help="keyed tasks (every datagram sealed)")
+    _corpus_options(kw, "runs per window (default 5, 2 with --quick)")
+    kw.set_defaults(func=_lazy("kv_wordcount", "run_kv_window"))
+
+
+def _add_tree_benches(bsub: Any) -> None:
+    tl = bsub.add_parser("tree-levels", help="trees of 1, 2, 3 levels vs one switch on the testbed (SwitchML++ thesis)",
+                         description="2 workers, CHUNKS blocks, loss in each worker-switch direction, rate-limited "
+                                     "links: one switch (job admitted directly) and trees of 1, 2 and 3 levels "
+                                     "built by the controller, interleaved; means, quartiles, Mann-Whitney U vs 1 "
+                                     "level; CSV + PNG to --out. Needs root (network namespaces).")
+    tl.add_argument("--reps", type=int, help="allreduces per configuration (default 50, 10 with --quick)")
+    tl.add_argument("--chunks", type=int, default=42, help="blocks per allreduce (default %(default)s, as the thesis)")
+    tl.add_argument("--elems-per-packet", type=int, default=256)
+    tl.add_argument("--window", type=int, default=64)
+    tl.add_argument("--loss", type=float, default=0.3, help="drop probability in each worker-switch direction")
+    tl.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf limit on every link (default 1 Gbit/s)")
+    tl.add_argument("--out", default="out/trees")
+    _common(tl)
+    tl.set_defaults(func=_lazy("trees", "run_tree_levels"))
+    ts = bsub.add_parser("tree-scaling", help="8 workers: 2-level tree vs one switch, bytes on the veth links",
+                         description="8 workers over a 2-level tree (1 spine, 2 leaves) built by the controller vs "
+                                     "one switch (star:8), interleaved on the testbed; completion time and the "
+                                     "bytes measured on every veth link. Needs root.")
+    ts.add_argument("--size", help="tensor per worker (default 8MB, 1MB with --quick)")
+    ts.add_argument("--reps", type=int, help="allreduces per configuration (default 10, 3 with --quick)")
+    ts.add_argument("--elems-per-packet", type=int, default=1024)
+    ts.add_argument("--window", type=int, default=64)
+    ts.add_argument("--rate-mbit", type=float, default=1000.0)
+    ts.add_argument("--out", default="out/trees")
+    _common(ts)
+    ts.set_defaults(func=_lazy("trees", "run_tree_scaling"))
+
+
+def _add_torch_benches(bsub: Any) -> None:
+    ta = bsub.add_parser("torch-allreduce", help="torch.distributed all_reduce: fanin backend vs Gloo, side by side",
+                         description="dist.all_reduce through the 'fanin' backend and through 'gloo' at each process "
+                                     "count and size, alternating, on loopback; writes CSV and PNG to --out.")
+    ta.add_argument("--workers", help="comma-separated process counts (default 2,4,8; 2,4 with --quick)")
+    ta.add_argument("--sizes", help="comma-separated sizes (default 1MB,16MB,64MB,256MB; 1MB,16MB with --quick)")
+    ta.add_argument("--elems-per-packet", type=int, default=1024)
+    ta.add_argument("--window", type=int, default=256)
+    ta.add_argument("--iters", type=int, help="timed iterations per point (default 5, 3 for >=64MB or --quick)")
+    ta.add_argument("--switch-process", action="store_true",
+                    help="run the switch as its own process (FANIN_SWITCH) instead of embedded in rank 0")
+    ta.add_argument("--out", default="out/bench/torch", help="directory for CSV and PNG (default %(default)s)")
+    _common(ta)
+    ta.set_defaults(func=_run_torch)
+
+    tt = bsub.add_parser("time-to-accuracy", help="digits MLP training with stragglers (cf. Trio-ML Fig. 12)",
+                         description="Train an MLP on scikit-learn's digits with torchrun: fanin with straggler "
+                                     "mitigation (block_exp_ms), fanin without it, and Gloo without stragglers "
+                                     "(the ideal), under the Slow Worker Pattern; writes CSV and PNG to --out.")
+    tt.add_argument("--workers", type=int, default=4)
+    tt.add_argument("--straggler-p", type=float, default=0.16)
+    tt.add_argument("--block-exp-ms", type=int, default=10, help="block aging of the mitigation arm (default 10)")
+    tt.add_argument("--typical-iter-s", type=float, help="straggler scale (default: Gloo's median iteration time)")
+    tt.add_argument("--target-acc", type=float, default=0.95)
+    tt.add_argument("--epochs", type=int, help="epochs per run (default 30, 10 with --quick)")
+    tt.add_argument("--eval-every", type=int, default=5)
+    tt.add_argument("--repeats", type=int, help="runs per arm (default 3, 1 with --quick)")
+    tt.add_argument("--out", default="out/bench/torch", help="directory for CSV and PNG (default %(default)s)")
+    _common(tt)
+    tt.set_defaults(func=_run_torch)
+
+
+def _add_goat_benches(bsub: Any) -> None:
+    b = bsub.add_parser("goat", help="GOAT §VII-D: PS overhead, in-network aggregation, communication vs workers",
+                        description="GOAT's simulation study at flow level: leaf-spine (10+10 switches, 50 servers) "
+                                    "and fat-tree (80 switches, 192 servers), 20%% of switches programmable with "
+                                    "64 MB, 221 MB of gradients per worker in equal sub-models, sending rates "
+                                    "ratio x 10 Gbit/s with ratio ~ Normal(1, sigma). GOAT (LP + KRGS), Geryon, ATP "
+                                    "and ESA in one evaluator; plus GOAT-Async vs K-SGD (Algorithm 2) and the "
+                                    "planning time of the full fat-tree. Writes CSV and PNG to --out.")
+    b.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
+    b.add_argument("--repeats", type=int, help="random instances per point (default 3, 1 with --quick)")
+    b.add_argument("--submodels", type=int, default=111, help="sub-models of the 221 MB gradient (default %(default)s)")
+    b.add_argument("--chunk-mb", type=float, default=1.0,
+                   help="fragment size of the ATP/ESA memory-sharing model (default %(default)s)")
+    b.add_argument("--sigma", type=float, default=0.2, help="sigma of the worker sweep (default %(default)s)")
+    b.add_argument("--no-plot", action="store_true", help="CSV and JSON only")
+    _common(b)
+    b.set_defaults(func=_lazy("goat", "run_bench_goat"))
+
+    d = bsub.add_parser("goat-deploy", help="a GOAT plan installed on the testbed (3 switches, 8 workers, PS) vs PS-only",
+                        description="Plan GOAT on the topology (default examples/goat-testbed.toml: 3 switches, 8 "
+                                    "workers and a PS, GOAT's testbed), install it on the namespace testbed (switch "
+                                    "jobs as responsibility filters, the PS a host aggregator, static routing), and "
+                                    "run allreduces of every sub-model on every worker, interleaved with the PS-only "
+                                    "baseline (every sub-model straight to the PS). Every sum is checked exactly; "
+                                    "the PS's ingress bytes are measured on its veth link. CSV + PNG to --out. "
+                                    "Needs root.")
+    d.add_argument("--topology", help="topology file or generator with one host of role ps (or --ps)")
+    d.add_argument("--ps", help="host that is the parameter server")
+    d.add_argument("--memory-mb", type=float, help="B(s) of every switch (default: as the topology says, 4 MB in "
+                                                  "examples/goat-testbed.toml, sized for the default 12 MB model)")
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--even", metavar="TOTAL_MB,PARTS", help="sub-models (default 12,6)")
+    src.add_argument("--model", help="a PyTorch model's parameter tensors (alexnet, resnet18, ...)")
+    src.add_argument("--submodels", metavar="FILE.json")
+    d.add_argument("--max-submodel-mb", type=float, help="with --model: cut tensors above this size")
+    d.add_argument("--bytes-per-mb", type=float,
+                   help="testbed bytes per planned MB (default 131072, 16384 with --quick)")
+    d.add_argument("--reps", type=int, help="allreduces of the whole model per arm (default 10, 3 with --quick)")
+    d.add_argument("--elems-per-packet", type=int, default=256)
+    d.add_argument("--window", type=int, default=64)
+    d.add_argument("--parallel", type=int, default=0, metavar="N",
+                   help="each worker allreduces up to N sub-models at once (default 0: one after the other)")
+    d.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf limit on every link (default 1 Gbit/s)")
+    d.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
+    _common(d)
+    d.set_defaults(func=_lazy("goat_deploy", "run_goat_deploy"))
