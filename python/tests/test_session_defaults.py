@@ -96,6 +96,11 @@ def test_every_layer_that_describes_a_job_takes_its_defaults_from_rust(tmp_path)
             assert params[name].default == value, (layer, name)
     job = JobParams(1)
     assert all(getattr(job, name) == value for name, value in defaults.items())
+    # and the CLI that creates a controller's job
+    from fanin.cli import build_parser
+
+    args = build_parser().parse_args(["controller", "create-job", "1"])
+    assert (args.block_cnt_max, args.block_grad_max) == (defaults["block_cnt_max"], defaults["block_grad_max"])
     # the config file's defaults: a job naming only its id and sources
     path = tmp_path / "switch.toml"
     path.write_text("[[jobs]]\njob_id = 1\nsources = 2\n")

@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import Any
 
+from ..switch import JOB_DEFAULTS
+
 EPILOG = """\
 examples:
   # a switch daemon per switch of a 3-level tree on 127.0.0.1, and the controller
@@ -63,8 +65,10 @@ def add_parser(sub: Any) -> None:
 
     cj = csub.add_parser("create-job", help="create a job (before workers subscribe)")
     cj.add_argument("job_id", type=int)
-    cj.add_argument("--block-cnt-max", type=int, default=256)
-    cj.add_argument("--block-grad-max", type=int, default=1024)
+    cj.add_argument("--block-cnt-max", type=int, default=JOB_DEFAULTS["block_cnt_max"],
+                    help="slots (blocks in flight) per switch (default %(default)s)")
+    cj.add_argument("--block-grad-max", type=int, default=JOB_DEFAULTS["block_grad_max"],
+                    help="elements per block (default %(default)s)")
     cj.add_argument("--block-exp-ms", type=int, default=0, help="straggler timeout (0: wait for every member)")
     cj.add_argument("--max-workers", type=int, default=64, help="most workers at once (block floating point scales for it)")
     cj.add_argument("--on-failure", choices=["degrade", "fail"], default=None,
