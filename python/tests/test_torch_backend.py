@@ -448,3 +448,21 @@ def test_torch_elastic_restart_of_the_group_against_an_external_switch_is_exact(
                              env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "attempt 1 rank 0 ok" in out.stdout and "attempt 1 rank 1 ok" in out.stdout, out.stdout
+
+
+def test_the_backend_keys_of_one_torchrun_attempt_are_invisible_to_the_next(monkeypatch):
+    """torchrun keeps its store across restarts of the group: a key rank 0
+    wrote in attempt 0 (the switch address, the Gloo address of a process
+    now dead) must not be read by attempt 1 (it was, now and then, and the
+    restarted group failed to connect)."""
+    import torch.distributed as dist
+
+    from fanin.torch.backend import _scoped_store
+
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _scoped_store(store).set("fanin/switch", "127.0.0.1:1|1|1024|")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not _scoped_store(store).check(["fanin/switch"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _scoped_store(store).check(["fanin/switch"])

@@ -21,6 +21,7 @@ every allreduce issued before it.
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import threading
 from typing import Any, Callable, Optional
@@ -36,6 +37,19 @@ from fanin.torch._reduce import StepLog, StepStats, check_tensor, switch_allredu
 __all__ = ["FaninProcessGroup", "create_backend"]
 
 _SWITCH_OPS = {dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
+
+
+def _scoped_store(store: Any) -> Any:
+    """`store` under a prefix of this torchrun attempt. torchrun keeps one
+    store across the restarts of a group, so unscoped keys written by the
+    previous attempt's ranks (rank 0's switch address, its Gloo listening
+    address) were still there, and a rank of the new attempt that read one
+    before rank 0 wrote it afresh connected to a dead process (seen as
+    "Gloo connectFullMesh failed ... Connection refused" in about 1 of 6
+    restarts). Groups within an attempt are told apart by torch's own
+    prefix of the store it hands each group."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"fanin/attempt-{attempt}/", store)
 
 
 def _op_kind(op: Any) -> Any:
@@ -100,6 +114,7 @@ class FaninProcessGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
                  options: Optional[ConnectOptions] = None) -> None:
         super().__init__(rank, size)
+        store = _scoped_store(store)
         self._rank, self._size = rank, size
         self._options = options or ConnectOptions.from_env()
         # A fanin Session belongs to the thread that made it, so the worker
