@@ -693,6 +693,73 @@ fn a_stream_runs_across_the_wrap_of_its_block_ids_with_exact_sums() {
     }
 }
 
+/// A switch restart while the stream crosses the wrap of its block ids:
+/// the workers' retained contributions straddle the wrap (ids near M and
+/// near 0), and recovery must resend them in stream order and finish every
+/// call with exact sums. Free-running workers (each starts its next call
+/// when its last one ends), 10 % loss so that their positions differ,
+/// restarted at each of the first ticks of a call that crosses the wrap.
+///
+/// Ignored: it fails, and not only at the wrap. With the job started at
+/// block 1000 instead of near M, and with workers that send no incarnation,
+/// seed 1 (restart at the first tick of call 1, 10 % loss, two shards) ends
+/// in SwitchSilent after 10 s; near M it ends in MissedBlocks. Never a wrong
+/// sum, but a restart that should be recovered from is not: a two-shard
+/// restart under loss, which tests/restart.rs (one shard) does not cover.
+/// Left for the next change to recovery, with this test as its reproduction.
+#[test]
+#[ignore = "known: a two-shard switch restart under 10 % loss stalls recovery (see the doc comment)"]
+fn a_switch_restart_across_the_wrap_recovers_with_exact_sums() {
+    let slots = 4u32;
+    let m = fanin_proto::serial::BlockSpace::new(slots).size();
+    let inputs = |call: i32| -> Vec<Vec<i32>> { (0..2).map(|r| (0..20).map(|i| r * 100 + i + call).collect()).collect() };
+    let (mut restarts, mut recovered) = (0, 0);
+    for (seed, restart_tick) in (0..30u64).flat_map(|seed| (1..8u32).map(move |t| (seed, t))) {
+        let spec = JobSpec { block_cnt_max: slots, member_timeout_ms: 60_000, ..spec(2) };
+        let mut net = Net::new(spec, 2, if seed == 0 { 0.0 } else { 0.1 }, seed);
+        // call 0: blocks m-7 .. m-3; call 1 (5 blocks of 4): m-2, m-1, 0, 1, 2; then on
+        let start = (m - 7) as u32;
+        for sw in &mut net.shards {
+            sw.start_round(JOB, start); // as if the job had run that long
+        }
+        let mut procs = [net.spawn(0, 70), net.spawn(1, 71)];
+        net.run_until(&mut procs.iter_mut().collect::<Vec<_>>(), Duration::from_secs(1), joined);
+        let mut calls = [0i32; 2];
+        for (r, p) in procs.iter_mut().enumerate() {
+            p.events.clear();
+            p.session.begin(net.now, Tensor::I32(inputs(0)[r].clone())).unwrap();
+        }
+        let mut ticks = 0u32;
+        let end = net.now + Duration::from_secs(30);
+        while calls.iter().any(|&c| c < 5) {
+            assert!(net.now < end, "seed {seed}, restart at tick {restart_tick}: calls {calls:?}");
+            net.tick(&mut procs.iter_mut().collect::<Vec<_>>());
+            ticks += 1;
+            // the restart lands inside call 1, whose blocks cross the wrap
+            if calls.contains(&1) && ticks == 1000 + restart_tick {
+                net.restart_switch(0x5151_0000 + restart_tick);
+                restarts += 1;
+            }
+            for (r, p) in procs.iter_mut().enumerate() {
+                if calls[r] < 5 && finished(p) {
+                    let got = take_result(p).unwrap_or_else(|e| panic!("seed {seed}, restart at {restart_tick}, rank {r}, call {}: {e:?}", calls[r]));
+                    assert_eq!(got, sum(&inputs(calls[r])), "seed {seed}, restart at {restart_tick}, call {}", calls[r]);
+                    calls[r] += 1;
+                    if calls[r] == 1 {
+                        ticks = 1000; // count from the start of call 1
+                    }
+                    if calls[r] < 5 {
+                        p.session.begin(net.now, Tensor::I32(inputs(calls[r])[r].clone())).unwrap();
+                    }
+                }
+            }
+        }
+        recovered += net.counter(|c| c.recoveries).min(1);
+    }
+    // most cases restart inside call 1 (with no loss it is over in two ticks)
+    assert!(restarts > 150 && recovered == restarts, "{restarts} restarts, {recovered} recovered");
+}
+
 /// Ranks that disagree on an allreduce's length all raise the same error at
 /// once (the old code refused one of them and left the other to get its own
 /// values back after the member timeout), and new sessions run exactly.
