@@ -77,14 +77,15 @@ def _add_switch(sub: Any) -> None:
                                     "port + i; jobs come from --job/--config or the control API.",
                         epilog="example: fanin switch --shards 2 --job id=1,sources=4,block_cnt_max=256",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sw.add_argument("--config", help="TOML or JSON config file (overrides the other flags)")
-    sw.add_argument("--data-addr", default="127.0.0.1:9000", help="data port of shard 0 (default %(default)s)")
-    sw.add_argument("--shards", type=int, default=1, help="processing threads, one data port each (default %(default)s)")
-    sw.add_argument("--control-addr", default="127.0.0.1:9100", help="gRPC control API address or 'off'")
+    sw.add_argument("--config", help="TOML or JSON config file; flags given as well override its fields (a --job "
+                                     "replaces the file's job of the same id)")
+    sw.add_argument("--data-addr", help="data port of shard 0 (default 127.0.0.1:9000)")
+    sw.add_argument("--shards", type=int, help="processing threads, one data port each (default 1)")
+    sw.add_argument("--control-addr", help="gRPC control API address or 'off' (default 127.0.0.1:9100)")
     sw.add_argument("--control-token", help="bearer token the control API requires (default: $FANIN_CONTROL_TOKEN; "
                                              "required when --control-addr is not a loopback address)")
-    sw.add_argument("--metrics-addr", default="127.0.0.1:9101", help="Prometheus endpoint address or 'off'")
-    sw.add_argument("--memory-mb", type=int, default=1024, help="aggregation memory for all jobs (default %(default)s)")
+    sw.add_argument("--metrics-addr", help="Prometheus endpoint address or 'off' (default 127.0.0.1:9101)")
+    sw.add_argument("--memory-mb", type=int, help="aggregation memory for all jobs (default 1024)")
     sw.add_argument("--job", action="append", type=job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
                          "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward, "
@@ -97,9 +98,9 @@ def _add_switch(sub: Any) -> None:
                     help="per-source rate limit for jobs that set none: each worker may send PPS contributions "
                          "per second and BURST back to back; the excess is answered with a Trimmed nack so it "
                          "slows down (docs/overload.md). Default: unlimited")
-    sw.add_argument("--ingress-drop", type=float, default=0.0, help="fault injection: drop probability on receive")
-    sw.add_argument("--egress-drop", type=float, default=0.0, help="fault injection: drop probability on send")
-    sw.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
+    sw.add_argument("--ingress-drop", type=float, help="fault injection: drop probability on receive (default 0)")
+    sw.add_argument("--egress-drop", type=float, help="fault injection: drop probability on send (default 0)")
+    sw.add_argument("--seed", type=int, help="seed of the fault injection (default 0)")
     sw.add_argument("--print-ready", action="store_true", help="print one JSON line on stdout once the ports are bound")
     sw.set_defaults(func=_cmd_switch)
 
@@ -115,13 +116,21 @@ def _cmd_switch(args: argparse.Namespace) -> int:
             print(f"fanin switch: {args.config}: {e}", file=sys.stderr)
             return 2
     else:
-        config = switch_config(
-            data_addr=args.data_addr, shards=args.shards,
-            control_addr=None if args.control_addr == "off" else args.control_addr,
-            metrics_addr=None if args.metrics_addr == "off" else args.metrics_addr,
-            memory_mb=args.memory_mb, ingress_drop=args.ingress_drop, egress_drop=args.egress_drop,
-            seed=args.seed, jobs=args.job or [],
-        )
+        config = switch_config()
+    # Flags given override the file's fields (or the defaults): never ignored.
+    off = lambda v: None if v == "off" else v  # noqa: E731
+    for flag, key, value in (("data_addr", "data_addr", args.data_addr), ("shards", "shards", args.shards),
+                             ("control_addr", "control_addr", off(args.control_addr)),
+                             ("metrics_addr", "metrics_addr", off(args.metrics_addr)),
+                             ("memory_mb", "memory_mb", args.memory_mb)):
+        if getattr(args, flag) is not None:
+            config[key] = value
+    for flag in ("ingress_drop", "egress_drop", "seed"):
+        if getattr(args, flag) is not None:
+            config.setdefault("faults", {})[flag] = getattr(args, flag)
+    if args.job:
+        flagged = {j["job_id"] for j in args.job}
+        config["jobs"] = [j for j in config.get("jobs", []) if j.get("job_id") not in flagged] + list(args.job)
     if args.control_token:
         config["control_token"] = args.control_token
     if args.rate_limit:

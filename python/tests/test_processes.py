@@ -147,6 +147,32 @@ def test_cli_help_teaches_and_bad_config_is_rejected(tmp_path):
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+def test_flags_given_with_a_config_file_override_it(tmp_path):
+    """`--config` with flags merges, flags winning (they were silently
+    ignored): --shards replaces the file's, a --job replaces the file's job
+    of the same id and the file's other jobs stay."""
+    from fanin.control import ControlClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        control = f"127.0.0.1:{s.getsockname()[1]}"
+    cfg = tmp_path / "switch.toml"
+    cfg.write_text(f'data_addr = "127.0.0.1:0"\nshards = 1\ncontrol_addr = "{control}"\nmetrics_addr = "127.0.0.1:0"\n'
+                   "[[jobs]]\njob_id = 1\nsources = 2\n[[jobs]]\njob_id = 2\nsources = 4\n")
+    proc = subprocess.Popen([sys.executable, "-m", "fanin", "switch", "--config", str(cfg), "--shards", "2",
+                             "--job", "id=1,sources=3", "--print-ready"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["shards"] == 2, info
+        with ControlClient(control) as c:
+            jobs = {j["job_id"]: j["members"] for j in c.list_jobs()}
+        assert jobs == {1: [0, 1, 2], 2: [0, 1, 2, 3]}, jobs
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 def test_switch_port_in_use_is_reported():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("127.0.0.1", 0))
