@@ -1,12 +1,31 @@
-"""Argument types the command lines share: the switch's `--job`/`--rate-limit` here, and the benches' rate
-limits in fanin_bench (which imports them from here; fanin never imports fanin_bench)."""
+"""What the command lines share: argument types (the switch's `--job`/`--rate-limit`, the benches' rate
+limits in fanin_bench, which imports them from here; fanin never imports fanin_bench) and the dispatch of a
+parsed command."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import sys
+from typing import Any, Optional, Sequence
 
-__all__ = ["job_arg", "rate_limit_dict", "rate_limit_tuple"]
+__all__ = ["dispatch", "job_arg", "rate_limit_dict", "rate_limit_tuple"]
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]], listing: str) -> int:
+    """Parse `argv` and run the chosen command's `func`. An area given alone (`fanin plan`, `fanin bench`:
+    `listing`) prints its own help, anything else without a command the top help (exit 2); a ValueError or
+    RuntimeError of the command is printed as one line (exit 1)."""
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        if getattr(args, "command", None) == listing:
+            parser.parse_args([args.command, "--help"])
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, RuntimeError) as e:
+        print(f"fanin {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 def job_arg(text: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from fanin._cli_util import job_arg, rate_limit_dict
+from fanin._cli_util import dispatch, job_arg, rate_limit_dict
 
 EPILOG_MAIN = """\
 examples:
@@ -253,15 +253,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in FORWARDED:
         return _forward(argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        if getattr(args, "command", None) == "plan":
-            parser.parse_args([args.command, "--help"])
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, RuntimeError) as e:
-        print(f"fanin {args.command}: {e}", file=sys.stderr)
-        return 1
+    return dispatch(build_parser(), argv, listing="plan")

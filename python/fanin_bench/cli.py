@@ -4,9 +4,9 @@ Each area registers its own sub-parser; the code behind a command is imported wh
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
+from fanin._cli_util import dispatch
 from fanin_bench import testbed_command
 from fanin_bench.bench import command as bench_command
 from fanin_bench.sim import command as sim_command
@@ -26,15 +26,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        if getattr(args, "command", None) == "bench":
-            parser.parse_args([args.command, "--help"])  # `fanin bench` alone lists the benches
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, RuntimeError) as e:
-        print(f"fanin {args.command}: {e}", file=sys.stderr)
-        return 1
+    # `fanin bench` alone lists the benches
+    return dispatch(build_parser(), argv, listing="bench")
