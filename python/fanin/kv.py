@@ -309,14 +309,24 @@ class DaemonProcess:
         self._remove_dir = weakref.finalize(self, shutil.rmtree, own_dir, True) if own_dir else lambda: None
         self.socket_path = socket_path or os.path.join(own_dir, "kv.sock")
         cfg = {"socket_path": self.socket_path, "switch_control": switch_control, **config}
+        # quiet: the daemon's stderr goes to a file nobody reads, unless it dies before it is ready: then the
+        # error says why (a pipe left unread could fill and stall a chatty daemon)
+        log = tempfile.TemporaryFile() if quiet else None
         self.proc = subprocess.Popen(
             (["ip", "netns", "exec", netns] if netns else [])
             + [sys.executable, "-m", "fanin", "kv", "daemon", "--config-json", json.dumps(cfg), "--print-ready"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None, text=True)
+            stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             code = self.proc.wait(timeout=10)
-            raise KvError(f"fanin kv daemon exited with code {code} before it was ready")
+            why = ""
+            if log is not None:
+                log.seek(0)
+                why = log.read().decode(errors="replace").strip().splitlines()
+                why = f": {why[-1]}" if why else ""
+            raise KvError(f"fanin kv daemon exited with code {code} before it was ready{why}")
+        if log is not None:
+            log.close()  # the child keeps its own descriptor
         self.info = json.loads(line)
         self.control_addr: str = self.info["control_addr"]
 
