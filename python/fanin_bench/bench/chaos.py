@@ -96,8 +96,8 @@ def _log(msg: str) -> None:
 class Worker:
     """One chaos_worker process and the lines it printed (read by a thread)."""
 
-    def __init__(self, tb, host: str, argv: list[str], label: str) -> None:
-        self.label, self.host, self.argv = label, host, argv
+    def __init__(self, tb, host: str, argv: list[str], job: int, label: str) -> None:
+        self.label, self.host, self.argv, self.job = label, host, argv, job
         self.proc = tb.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.lines: list[dict[str, Any]] = []
         self.last_progress = time.monotonic()
@@ -199,7 +199,7 @@ class Soak:
             argv.append("--sync-join")
         argv += ["--auth-key", derive_member_key(self.job_keys[job], job, rank).hex()]
         argv += ["--stop-file", str(self.stop_file(job)), "--rejoin"]
-        return Worker(self.tb, host, argv, f"job{job}/rank{rank}")
+        return Worker(self.tb, host, argv, job, f"job{job}/rank{rank}")
 
     def stop_file(self, job: int) -> Path:
         return Path(self.args.out) / f"stop-job{job}"
@@ -433,8 +433,7 @@ class Soak:
                 elif rec.get("event") == "raised":
                     # A raise is the right answer inside a restart of the
                     # worker's own job and an error anywhere else.
-                    job = int(w.label.split("/")[0][3:])
-                    inside = any(j == job and t0 <= rec["t_seen"] <= t1 + 1.0 for j, t0, t1 in self.restart_windows)
+                    inside = any(j == w.job and t0 <= rec["t_seen"] <= t1 + 1.0 for j, t0, t1 in self.restart_windows)
                     value["raised"] += 1
                     if not inside:
                         value["raised_outside_restarts"] += 1

@@ -37,7 +37,7 @@ pub(super) fn answer_join<A: Copy>(
     next_block: u32,
     out: &mut impl Transmit<A>,
 ) {
-    answer_join_as(job, config, origin, to, dest, SyncStart { block: next_block, gen_id: 0 }, 0, out)
+    answer_join_as(job, config, origin, to, dest, JoinStart::at(next_block), 0, out)
 }
 
 /// [`answer_join`] with `age_op` set (`JOIN_RECOVER` for a recovery floor),
@@ -49,7 +49,7 @@ pub(super) fn answer_join_as<A: Copy>(
     origin: u16,
     to: u16,
     dest: A,
-    start: SyncStart,
+    start: JoinStart,
     age_op: u8,
     out: &mut impl Transmit<A>,
 ) {
@@ -120,7 +120,7 @@ pub(super) fn sync_start<A>(
     via: u16,
     align_blocks: u32,
     newcomer: bool,
-) -> Option<SyncStart> {
+) -> Option<JoinStart> {
     let fresh = job.slots.iter().all(|s| s.cur.is_none());
     let waiting = &job.sync_waiting;
     if fresh && job.active.iter().any(|m| m != via as usize && !waiting.contains(&(m as u16))) {
@@ -133,7 +133,7 @@ pub(super) fn sync_start<A>(
     let align = align_blocks.max(1);
     let RecoverAnchor { block: base, gen_id: base_gen } = job.anchor;
     // the allreduce before the one at `block` (`base` is generation base_gen)
-    let answer = |block: u32| SyncStart {
+    let answer = |block: u32| JoinStart {
         block,
         gen_id: base_gen.wrapping_sub(1).wrapping_add((space.distance(block, base) / align) as u16),
     };
@@ -159,9 +159,16 @@ pub(super) fn sync_start<A>(
 /// Where a joiner starts: its first block, and the generation of the
 /// allreduce before it (see [`sync_start`]; 0 for any other join).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct SyncStart {
+pub(super) struct JoinStart {
     pub block: u32,
     pub gen_id: u16,
+}
+
+impl JoinStart {
+    /// A start that is not a sync answer: the generation is the joiner's own.
+    pub(super) fn at(block: u32) -> Self {
+        Self { block, gen_id: 0 }
+    }
 }
 
 /// A member recovering after this switch restarted reports the lowest block
@@ -181,7 +188,7 @@ pub(super) fn recover_join<A: Copy>(
     out: &mut impl Transmit<A>,
 ) -> Verdict {
     if let Some(floor) = job.recover_floor {
-        answer_join_as(job, config, src, src, from, SyncStart { block: floor, gen_id: 0 }, JOIN_RECOVER, out);
+        answer_join_as(job, config, src, src, from, JoinStart::at(floor), JOIN_RECOVER, out);
         return Verdict::Consumed;
     }
     job.recover_lows.insert(src, low);
@@ -203,7 +210,7 @@ pub(super) fn recover_join<A: Copy>(
     let members: Vec<usize> = job.members.iter().collect();
     for m in members {
         if let Some(addr) = job.addrs.get(m).copied().flatten() {
-            answer_join_as(job, config, m as u16, m as u16, addr, SyncStart { block: floor, gen_id: 0 }, JOIN_RECOVER, out);
+            answer_join_as(job, config, m as u16, m as u16, addr, JoinStart::at(floor), JOIN_RECOVER, out);
         }
     }
     Verdict::Consumed

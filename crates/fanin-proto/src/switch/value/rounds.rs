@@ -106,7 +106,7 @@ pub(super) fn join_round<A: Copy>(
         }
         let joined = barrier.joined.len() as u32;
         counters.barrier_waiting += 1;
-        answer_join_as(job, config, src, src, from, SyncStart { block: joined, gen_id: 0 }, JOIN_WAIT, out);
+        answer_join_as(job, config, src, src, from, JoinStart::at(joined), JOIN_WAIT, out);
         return RoundJoin::Done(Verdict::Consumed);
     }
     let current = job.incarnations[member];
@@ -193,7 +193,7 @@ pub(super) fn begin_round<A: Copy>(
     for (m, (inc, addr)) in joined {
         job.incarnations[m as usize] = inc;
         job.addrs[m as usize] = Some(addr);
-        answer_join_as(job, config, m, m, addr, SyncStart { block: start, gen_id: 0 }, JOIN_ROUND_START, out);
+        answer_join_as(job, config, m, m, addr, JoinStart::at(start), JOIN_ROUND_START, out);
     }
 }
 
