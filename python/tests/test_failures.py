@@ -29,7 +29,14 @@ def _worker(rank, addr, victim_after, ready, results):
         x = np.full(BLOCKS * ELEMS, rank + 1, dtype=np.int32)
         for i in range(40):
             if rank == 2 and i == victim_after:
+                # flush both queues before the kill: a process SIGKILLed while
+                # a feeder thread holds a queue's write lock blocks every
+                # other writer of that queue forever
+                results.close()
+                results.join_thread()
                 ready.put("victim idle")
+                ready.close()
+                ready.join_thread()
                 time.sleep(3600)  # killed here
             out = s.allreduce(x)
             st = s.last_stats

@@ -104,6 +104,11 @@ def _survivor(rank, addr, results):
             call += 1
             if rank == 2 and call == 5:
                 results.put(("victim idle", rank))
+                # flush before the kill: a process SIGKILLed while its queue's
+                # feeder thread holds the queue's write lock blocks every
+                # other writer forever (seen in CI as a "hang")
+                results.close()
+                results.join_thread()
                 time.sleep(3600)  # SIGKILLed here
             time.sleep(0.01)
     except Exception as e:
