@@ -49,7 +49,11 @@ class Session:
         switch: ``"HOST:PORT"`` of the switch's data port (shard 0).
         job_id: the job, as admitted on the switch.
         rank: this worker's source id in the job.
-        elems_per_packet: elements per packet (at most the job's block_grad_max).
+        elems_per_packet: elements per packet. 0 (the default): the job's
+            packet size, which the switch announces at join: the job's
+            block_grad_max capped so one datagram fits one frame of the
+            switch's data link (no IP fragments). Another value overrides
+            it (at most block_grad_max) and must be the same on every rank.
         window: blocks in flight (clamped to the job's block_cnt_max).
         send_drop: probability of dropping each datagram this worker sends
             (fault injection for tests and benchmarks), with ``seed``.
@@ -200,6 +204,12 @@ class Session:
         a block to its result) and ``slow_sources`` (members the switch
         declared permanently slow)."""
         return self._native.last_stats()
+
+    @property
+    def elems_per_packet(self) -> int:
+        """Elements per packet this session sends (the job's packet size
+        unless overridden): a tensor of n elements is ceil(n / this) blocks."""
+        return self._native.elems_per_packet
 
     @property
     def n_sources(self) -> int:

@@ -460,7 +460,32 @@ class Testbed:
             started = {n: pool.submit(self.switch, n, jobs, **config) for n in names}
         return {n: f.result() for n, f in started.items()}
 
+    def set_rate(self, rate_mbit: float) -> None:
+        """Limit every data link, both directions, to `rate_mbit` (the tbf of
+        :meth:`up`, replaced in place: what runs keeps running)."""
+        if not rate_mbit > 0:
+            raise TestbedError(f"rate_mbit {rate_mbit} must be > 0")
+        shaping: dict[str, list[str]] = {}
+        for link in self.state["links"]:
+            for end in ("a", "b"):
+                shaping.setdefault(link[end], []).append(_tbf(link[f"{end}_if"], rate_mbit))
+            link["rate_mbit"] = rate_mbit
+        for node, lines in shaping.items():
+            _sh(["tc", "-n", self.namespace(node), "-batch", "-"], stdin="\n".join(lines) + "\n")
+
     # -- measurements ----------------------------------------------------------------
+
+    def ip_stats(self, node: str) -> dict[str, int]:
+        """The IP and UDP counters of `node`'s namespace (/proc/net/snmp as
+        seen inside it), e.g. ``Ip.FragCreates``, ``Udp.RcvbufErrors``."""
+        text = self.run(node, ["cat", "/proc/net/snmp"]).stdout
+        out: dict[str, int] = {}
+        lines = text.splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            proto, *keys = names.split()
+            for k, v in zip(keys, values.split()[1:]):
+                out[f"{proto.rstrip(':')}.{k}"] = int(v)
+        return out
 
     def _tx_bytes(self, end: _End) -> int:
         # The same counters as /sys/class/net/<if>/statistics/tx_bytes inside

@@ -214,6 +214,7 @@ impl Session {
                 next_block: 0,
                 results_on_group: false,
                 partial_results: false,
+                packet_elems: 0,
             },
             stats: SessionStats::default(),
             options,
@@ -262,6 +263,12 @@ impl Session {
 
     pub fn options(&self) -> &SessionOptions {
         &self.options
+    }
+
+    /// Elements per packet this session sends (the job's packet size unless
+    /// the options override it).
+    pub fn elems_per_packet(&self) -> u16 {
+        self.machine.elems_per_packet()
     }
 
     /// Reduce `tensor` with every other member of the job; blocks until done

@@ -209,6 +209,12 @@ impl Session {
         self.inner.n_sources()
     }
 
+    /// Elements per packet this session sends.
+    #[getter]
+    fn elems_per_packet(&self) -> u16 {
+        self.inner.elems_per_packet()
+    }
+
     /// The job parameters the switch announced when this worker joined.
     #[getter]
     fn params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -216,6 +222,7 @@ impl Session {
         let d = PyDict::new(py);
         d.set_item("block_cnt_max", p.block_cnt_max)?;
         d.set_item("block_grad_max", p.block_grad_max)?;
+        d.set_item("packet_elems", p.packet_elems)?;
         d.set_item("block_exp_ms", p.block_exp_ms)?;
         d.set_item("incarnation", p.incarnation)?;
         d.set_item("shard_count", p.shard_count)?;
@@ -282,7 +289,7 @@ impl Session {
         average: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let shape = array.cast::<PyUntypedArray>()?.shape().to_vec();
-        let per = self.inner.options().session.elems_per_packet as usize;
+        let per = self.inner.elems_per_packet() as usize;
         let prepared = if is_f32 {
             f32::stage(&array.extract::<PyReadonlyArrayDyn<'py, f32>>()?, Vec::new(), per)
         } else {
@@ -318,7 +325,7 @@ impl Session {
         o: &Bound<'py, PyAny>,
         average: bool,
     ) -> PyResult<Outcome> {
-        let per = self.inner.options().session.elems_per_packet as usize;
+        let per = self.inner.elems_per_packet() as usize;
         let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
         let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
         let out_start = o.cast::<PyArrayDyn<T>>()?.data() as usize;

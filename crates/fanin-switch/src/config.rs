@@ -20,6 +20,12 @@ pub struct DaemonConfig {
     /// Run-to-completion processing threads, each owning one data port.
     #[serde(default = "default_shards")]
     pub shards: u16,
+    /// MTU of the data link, which sizes the packets of every job that
+    /// leaves it to the switch (no IP fragmentation). 0 (the default): the
+    /// MTU of the interface that owns `data_addr` (the smallest of those up
+    /// for 0.0.0.0). Set it when a link beyond the switch's own is smaller.
+    #[serde(default)]
+    pub data_mtu: u32,
     /// gRPC control API; `None` disables it.
     #[serde(default = "default_control_addr")]
     pub control_addr: Option<SocketAddr>,
@@ -286,6 +292,9 @@ impl DaemonConfig {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.shards == 0 || self.shards > 64 {
             return bad(format!("shards = {} is out of range (1..=64)", self.shards));
+        }
+        if self.data_mtu != 0 && self.data_mtu < 576 {
+            return bad(format!("data_mtu = {} is below 576, the least an IPv4 link carries (0 = detect it)", self.data_mtu));
         }
         if self.data_addr.port() as u32 + self.shards as u32 > 65_536 {
             return bad(format!("data_addr port {} + {} shards exceeds 65535", self.data_addr.port(), self.shards));

@@ -52,6 +52,11 @@ pub struct SwitchCore {
     incarnation: u32,
     memory_limit: u64,
     started: Instant,
+    /// The data link's MTU (configured or detected), if known.
+    data_mtu: Option<u32>,
+    /// Most elements per packet a job's packet size may have: one
+    /// unfragmented datagram on the data link (`u32::MAX`: unknown).
+    packet_elems_max: u32,
 }
 
 impl SwitchCore {
@@ -216,6 +221,17 @@ impl SwitchCore {
         self.jobs.lock().expect("jobs lock").values().cloned().collect()
     }
 
+    /// The data link's MTU (configured or detected), if known.
+    pub fn data_mtu(&self) -> Option<u32> {
+        self.data_mtu
+    }
+
+    /// Most elements per packet of a job's packet size (JoinAck
+    /// `packet_elems`): one datagram per frame of the data link.
+    pub fn packet_elems_max(&self) -> u32 {
+        self.packet_elems_max
+    }
+
     pub fn info(&self) -> SwitchInfo {
         SwitchInfo {
             data_addr: self.data_addr,
@@ -345,6 +361,14 @@ impl SwitchHandle {
         let sockets = bind_data_ports(config.data_addr, config.shards)?;
         let data_addr = sockets[0].local_addr().map_err(|source| StartError::Bind { addr: config.data_addr, source })?;
         let incarnation = new_incarnation();
+        // Packets sized to the data link: a datagram cut into IP fragments
+        // is lost whole when any fragment is (docs/protocol.md §2.2).
+        let data_mtu = match config.data_mtu {
+            0 => fanin_udp::bound_mtu(&data_addr).ok().flatten(),
+            mtu => Some(mtu),
+        };
+        let packet_elems_max =
+            data_mtu.map_or(u32::MAX, |mtu| fanin_wire::value::elems_fitting_mtu(mtu, data_addr.is_ipv6()));
         let memory_limit = config.memory_mb << 20;
         let per_shard = memory_limit / config.shards as u64;
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -370,6 +394,7 @@ impl SwitchHandle {
                     aging: config.aging.to_config(),
                     seal_clock_us: wall_clock_us(),
                     rate_limit: config.rate_limit,
+                    packet_elems_max,
                 }),
                 kv: KvSwitch::new(KvSwitchConfig {
                     memory_limit: (config.kv_memory_mb << 20) / config.shards as u64 / KV_AGGREGATOR_BYTES,
@@ -417,6 +442,8 @@ impl SwitchHandle {
             incarnation,
             memory_limit,
             started: epoch,
+            data_mtu,
+            packet_elems_max,
         });
         let mut handle =
             Self { core: core.clone(), shutdown: shutdown.clone(), threads, metrics_addr: None, control: None };

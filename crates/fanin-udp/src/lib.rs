@@ -40,12 +40,14 @@
 compile_error!("fanin-udp uses Linux-only syscalls (recvmmsg, sendmmsg, UDP GSO/GRO)");
 
 mod multicast;
+mod mtu;
 mod recv;
 mod send;
 mod sockaddr;
 mod socket;
 
 pub use multicast::wait_readable_pair;
+pub use mtu::{bound_mtu, interfaces, Interface};
 pub use recv::{RecvBatch, RecvIter, GRO_SLOT_SIZE};
 pub use send::{SendBatch, MAX_GSO_BYTES, MAX_GSO_SEGMENTS};
 pub use socket::{BatchSocket, ReceiveQueue};

@@ -423,7 +423,13 @@ pub fn add_elements(sum: &mut [i32], payload: &[u8]) {
 /// ```text
 ///  0 block_cnt_max u32 | 4 block_grad_max u32 | 8 block_exp_ms u32
 /// 12 incarnation u32   | 16 shard_count u16   | 18 flags u16 | 20 next_block u32
+/// 24 packet_elems u32
 /// ```
+///
+/// `packet_elems` is the job's packet size: the elements per packet every
+/// member sends unless it was told otherwise (`block_grad_max`, capped to
+/// what one unfragmented datagram carries over the switch's data port; see
+/// [`elems_fitting_mtu`]).
 ///
 /// `flags` bit 0 ([`JOINACK_RESULTS_ON_GROUP`]): the switch sends this
 /// worker the job's completion results on the job's result group (the Join
@@ -452,6 +458,20 @@ pub struct JoinParams {
     /// every member (docs/protocol.md §6.2). Without it a worker raises on
     /// a degraded or missed block instead of returning it.
     pub partial_results: bool,
+    /// Elements per packet of the job's members (at most `block_grad_max`):
+    /// the same for every member, since a block's elements must line up.
+    pub packet_elems: u32,
+}
+
+/// Most elements a value packet may carry so that its datagram (sealed,
+/// in a keyed job) fits one frame of a link with this `mtu`, over IPv4 or
+/// IPv6: no IP fragmentation, where losing one fragment loses the whole
+/// datagram. At least 1; at most [`MAX_GRAD_CNT`].
+pub fn elems_fitting_mtu(mtu: u32, ipv6: bool) -> u32 {
+    let ip = if ipv6 { 40 } else { 20 };
+    let overhead = ip + 8 + HEADER_LEN + crate::auth::TRAILER_LEN;
+    let elems = (mtu as usize).saturating_sub(overhead) / ELEM_LEN;
+    elems.clamp(1, MAX_GRAD_CNT) as u32
 }
 
 /// JoinAck `flags` bit: results come on the job's result group.
@@ -460,7 +480,7 @@ pub const JOINACK_RESULTS_ON_GROUP: u16 = 0x0001;
 pub const JOINACK_PARTIAL_RESULTS: u16 = 0x0002;
 
 impl JoinParams {
-    pub const LEN: usize = 24;
+    pub const LEN: usize = 28;
 
     pub fn parse(body: &[u8]) -> Result<Self, WireError> {
         if body.len() < Self::LEN {
@@ -476,6 +496,7 @@ impl JoinParams {
             next_block: u32_at(20),
             results_on_group: u16::from_be_bytes([body[18], body[19]]) & JOINACK_RESULTS_ON_GROUP != 0,
             partial_results: u16::from_be_bytes([body[18], body[19]]) & JOINACK_PARTIAL_RESULTS != 0,
+            packet_elems: u32_at(24),
         })
     }
 
@@ -489,6 +510,7 @@ impl JoinParams {
             | if self.partial_results { JOINACK_PARTIAL_RESULTS } else { 0 };
         body[18..20].copy_from_slice(&flags.to_be_bytes());
         body[20..24].copy_from_slice(&self.next_block.to_be_bytes());
+        body[24..28].copy_from_slice(&self.packet_elems.to_be_bytes());
     }
 }
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from fanin._native import FaninRefused, session_defaults
 from fanin.session import Session
-from fanin.switch import LocalSwitch, free_result_group, job_config, switch_config
+from fanin.switch import JOB_DEFAULTS, LocalSwitch, free_result_group, job_config, switch_config
 
 __all__ = ["Connection", "ConnectOptions", "connect"]
 
@@ -49,7 +49,8 @@ class ConnectOptions:
 
     switch: Optional[str] = None      # FANIN_SWITCH: HOST:PORT of a running switch; None = embedded
     job_id: int = 1                   # FANIN_JOB_ID: the job on an external switch
-    elems_per_packet: int = _SESSION_DEFAULTS["elems_per_packet"]  # FANIN_ELEMS_PER_PACKET
+    # FANIN_ELEMS_PER_PACKET; 0 = the job's packet size (fits the switch's MTU)
+    elems_per_packet: int = _SESSION_DEFAULTS["elems_per_packet"]
     window: int = _SESSION_DEFAULTS["window"]  # FANIN_WINDOW: blocks in flight (= the embedded job's block_cnt_max)
     block_exp_ms: int = 0             # FANIN_BLOCK_EXP_MS: straggler aging of the embedded job; 0 = off
     bind: Optional[str] = None        # FANIN_SWITCH_BIND: where the embedded switch listens
@@ -110,7 +111,8 @@ def _decide(world: int, opts: ConnectOptions) -> tuple[Optional[LocalSwitch], st
         # a group on loopback reaches every rank only when all are local
         on_loopback = bind.startswith("127.") and not advertise
         group = None if off else (opts.result_group or (free_result_group() if on_loopback else None))
-        job = job_config(job_id, world, block_cnt_max=opts.window, block_grad_max=opts.elems_per_packet,
+        job = job_config(job_id, world, block_cnt_max=opts.window,
+                         block_grad_max=opts.elems_per_packet or JOB_DEFAULTS["block_grad_max"],
                          block_exp_ms=opts.block_exp_ms, result_group=group)
         embedded = LocalSwitch(switch_config(data_addr=bind, shards=opts.shards, control_addr=None,
                                              metrics_addr=None, memory_mb=4096, jobs=[job]))
@@ -149,6 +151,7 @@ def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts
                           barrier_timeout_s=max(120.0, timeout.total_seconds()), members=world)
     except FaninRefused as e:
         raise RuntimeError(f"fanin: {e}") from e
-    return Connection(session=session, switch_addr=addr, job_id=int(job_s), elems_per_packet=epp,
+    # (the packet size the session really uses: the job's when epp is 0)
+    return Connection(session=session, switch_addr=addr, job_id=int(job_s), elems_per_packet=session.elems_per_packet,
                       n_sources=session.n_sources, embedded=embedded,
                       results_on_group=bool(session.params["results_on_group"]))

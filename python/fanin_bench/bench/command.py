@@ -239,6 +239,29 @@ def _add_kv_benches(bsub: Any) -> None:
 
 
 def _add_tree_benches(bsub: Any) -> None:
+    nw = bsub.add_parser(
+        "network", help="fanin vs Gloo's ring on rate-limited links (testbed, root): where INA wins",
+        description="A star testbed of N hosts, every link limited by tbf: for each link rate, the capacity the "
+                    "links really offer (a UDP blast over all of them at once), then fanin and Gloo's ring "
+                    "(torch.distributed, routed through the switch namespace) allreduce the same float32 tensor, "
+                    "alternating. Per rate: medians, ideal times at the measured capacity, fanin's fraction of "
+                    "it, the speed-up vs Gloo, retransmissions, trims and IP fragments. fanin runs with its "
+                    "defaults unless told otherwise. JSON with --json, CSV and PNG to --out. Needs root.",
+        epilog="example: fanin bench network --workers 4 --rates 100,200,400 --json")
+    nw.add_argument("--workers", type=int, default=4)
+    nw.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,200,400; 200 with --quick)")
+    nw.add_argument("--size", help="tensor per worker (default 16MB, 4MB with --quick)")
+    nw.add_argument("--reps", type=int, help="allreduces per system per rate (default 7, 3 with --quick)")
+    nw.add_argument("--no-gloo", action="store_true", help="fanin only (no PyTorch needed)")
+    nw.add_argument("--name", default="fbnet", help="testbed name (namespace prefix; default %(default)s)")
+    nw.add_argument("--out", default="out/network")
+    tune = nw.add_argument_group("overrides (default: fanin's own defaults, the point of the benchmark)")
+    tune.add_argument("--elems-per-packet", type=int)
+    tune.add_argument("--window", type=int)
+    tune.add_argument("--shards", type=int)
+    tune.add_argument("--block-grad-max", type=int)
+    _common(nw)
+    nw.set_defaults(func=_lazy("network", "run_network"))
     tl = bsub.add_parser("tree-levels", help="trees of 1, 2, 3 levels vs one switch on the testbed (SwitchML++ thesis)",
                          description="2 workers, CHUNKS blocks, loss in each worker-switch direction, rate-limited "
                                      "links: one switch (job admitted directly) and trees of 1, 2 and 3 levels "

@@ -225,6 +225,12 @@ impl AllreduceSession {
         self.n_sources
     }
 
+    /// Elements per packet this session sends: the override it was given,
+    /// or the job's packet size once joined (0 before).
+    pub fn elems_per_packet(&self) -> u16 {
+        self.config.elems_per_packet
+    }
+
     /// Sources the switch currently reports as permanently slow.
     pub fn slow_sources(&self) -> &[u16] {
         &self.slow_sources

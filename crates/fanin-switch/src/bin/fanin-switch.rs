@@ -47,8 +47,12 @@ fn main() -> ExitCode {
         }
     }
     let info = handle.core().info();
+    let mtu = match handle.core().data_mtu() {
+        Some(mtu) => format!("MTU {mtu}, packets of up to {} elements", handle.core().packet_elems_max()),
+        None => "MTU unknown".to_string(),
+    };
     eprintln!(
-        "fanin-switch: data {} ({} shards), incarnation {:08x}, control API {}, metrics {}",
+        "fanin-switch: data {} ({} shards, {mtu}), incarnation {:08x}, control API {}, metrics {}",
         info.data_addr,
         info.shard_count,
         info.incarnation,

@@ -52,7 +52,7 @@ const RESULT: [u8; 28] = [
 ];
 
 /// JoinAck for job 9, src 2 of 4.
-const JOIN_ACK: [u8; 48] = [
+const JOIN_ACK: [u8; 52] = [
     0xFA, 0x17, 0x01, 0x05, // JoinAck
     0x00, 0x00, 0x00, 0x02, // flags; int32; src_id 2
     0x00, 0x04, 0x00, 0x00, // src_cnt 4; gen_id 0
@@ -65,6 +65,7 @@ const JOIN_ACK: [u8; 48] = [
     0xDE, 0xAD, 0xBE, 0xEF, // incarnation
     0x00, 0x02, 0x00, 0x00, // shard_count 2; flags
     0x00, 0x00, 0x10, 0x00, // next_block 4096
+    0x00, 0x00, 0x01, 0x66, // packet_elems 358 (a 1500-byte MTU)
 ];
 
 /// Nack: not a member, detail 17.
@@ -152,9 +153,10 @@ fn join_ack_parse_and_emit() {
             next_block: 4096,
             results_on_group: false,
             partial_results: false,
+            packet_elems: 358,
         }
     );
-    let mut buf = [MARKER; 48];
+    let mut buf = [MARKER; 52];
     let mut q = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut q);
     params.emit(q.payload_mut());
@@ -650,4 +652,18 @@ fn recover_join_carries_its_anchor_both_ways() {
     plain[4] = 0x00;
     assert!(Packet::new_checked(&plain[..]).is_err());
     assert!(Packet::new_checked(&plain[..24]).is_ok());
+}
+
+#[test]
+fn the_packet_size_for_an_mtu_leaves_room_for_every_header_and_the_seal() {
+    // 1500 - IPv4 20 - UDP 8 - header 24 - seal 16 = 1432 bytes = 358 elements
+    assert_eq!(elems_fitting_mtu(1500, false), 358);
+    assert_eq!(elems_fitting_mtu(1500, true), 353);
+    assert_eq!(elems_fitting_mtu(9000, false), 2233);
+    // loopback's 64 KiB: (65536 - 68) / 4, sealed datagram included
+    assert_eq!(elems_fitting_mtu(65536, false), 16367);
+    assert_eq!(elems_fitting_mtu(1 << 20, false) as usize, MAX_GRAD_CNT);
+    assert_eq!(elems_fitting_mtu(0, false), 1);
+    let d = 20 + 8 + HEADER_LEN + crate::auth::TRAILER_LEN + 358 * ELEM_LEN;
+    assert_eq!(d, 1500);
 }

@@ -14,7 +14,12 @@ pub struct SessionConfig {
     pub job_id: u32,
     /// This worker's source id (rank) in the job.
     pub src_id: u16,
-    /// Elements per packet (Trio-ML `grad_cnt`; 1024 by default as in Trio).
+    /// Elements per packet (Trio-ML `grad_cnt`). 0 (the default): the job's
+    /// packet size, which the switch announces at join (`packet_elems`: the
+    /// job's `block_grad_max` capped to one unfragmented datagram on its data
+    /// port), so every member sends the same blocks and no datagram is cut
+    /// into IP fragments. Any other value overrides it and must be the same
+    /// on every member.
     pub elems_per_packet: u16,
     /// Most blocks outstanding at once; clamped to the job's `block_cnt_max`.
     pub window: u32,
@@ -74,7 +79,7 @@ impl SessionConfig {
         Self {
             job_id,
             src_id,
-            elems_per_packet: 1024,
+            elems_per_packet: 0,
             window: 256,
             rto_initial: Duration::from_millis(50),
             // 25 ms: a 2-core host (or a busy one) stalls for several ms
@@ -101,9 +106,9 @@ impl SessionConfig {
         if self.sync_join && self.align_blocks == 0 {
             return bad("sync_join needs align_blocks (the blocks of one allreduce) to line up with the running job".into());
         }
-        if self.elems_per_packet == 0 || self.elems_per_packet as usize > MAX_GRAD_CNT {
+        if self.elems_per_packet as usize > MAX_GRAD_CNT {
             return bad(format!(
-                "elems_per_packet {} is out of range (1..={MAX_GRAD_CNT}, the most one UDP datagram carries)",
+                "elems_per_packet {} is out of range (0 = the job's, or 1..={MAX_GRAD_CNT}, the most one UDP datagram carries)",
                 self.elems_per_packet
             ));
         }

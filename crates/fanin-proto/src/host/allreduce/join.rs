@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use fanin_wire::value::{JoinParams, Repr, JOIN_ROUND_START, JOIN_SYNC, JOIN_WAIT};
+use fanin_wire::value::{JoinParams, Repr, JOIN_ROUND_START, JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT};
 use fanin_wire::MessageType;
 
 use super::{AllreduceSession, Event, SessionError, State};
@@ -52,6 +52,10 @@ impl AllreduceSession {
         if self.config.elems_per_packet as u32 > params.block_grad_max {
             self.fail(SessionError::PacketTooLarge { requested: self.config.elems_per_packet, cap: params.block_grad_max });
             return;
+        }
+        if self.config.elems_per_packet == 0 {
+            // the job's packet size (a switch never announces 0; clamp anyway)
+            self.config.elems_per_packet = params.packet_elems.clamp(1, params.block_grad_max.min(MAX_GRAD_CNT as u32)) as u16;
         }
         self.params = Some(params);
         self.n_sources = repr.src_cnt.max(1);

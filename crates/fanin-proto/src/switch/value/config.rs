@@ -22,12 +22,26 @@ pub struct ShardConfig {
     /// Per-source rate limit of jobs that set none (whole switch; each
     /// shard enforces its share). None = unlimited.
     pub rate_limit: Option<RateLimit>,
+    /// Most elements one datagram carries over the switch's data port
+    /// without IP fragmentation (`fanin_wire::value::elems_fitting_mtu` of
+    /// its MTU; `u32::MAX`: no limit). A job's packet size, announced in
+    /// every JoinAck, is its `block_grad_max` capped to this.
+    pub packet_elems_max: u32,
 }
 
 impl ShardConfig {
     /// A single-shard switch with `memory_limit` bytes.
     pub fn single(memory_limit: u64) -> Self {
-        Self { shard: 0, shard_count: 1, incarnation: 1, memory_limit, aging: AgingConfig::default(), seal_clock_us: 1, rate_limit: None }
+        Self {
+            shard: 0,
+            shard_count: 1,
+            incarnation: 1,
+            memory_limit,
+            aging: AgingConfig::default(),
+            seal_clock_us: 1,
+            rate_limit: None,
+            packet_elems_max: u32::MAX,
+        }
     }
 }
 

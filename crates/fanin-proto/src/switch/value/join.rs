@@ -75,6 +75,17 @@ pub(super) fn answer_join_as<A: Copy>(
         partial_results: job.spec.block_exp_ms > 0
             || job.spec.on_failure == FailurePolicy::Degrade
             || job.spec.mode == JobMode::Forward,
+        // One packet size for the whole job (a block's elements must line
+        // up across members), chosen here where the data port's MTU is
+        // known, not by each worker. A tree's switches (`workers` set by
+        // the controller) may sit on links of different MTUs, and all its
+        // workers must still agree: there the job's block_grad_max is the
+        // packet size, which the controller chooses for the whole tree.
+        packet_elems: if job.spec.workers == 0 {
+            job.spec.block_grad_max.min(config.packet_elems_max)
+        } else {
+            job.spec.block_grad_max
+        },
     };
     let env = envelope(job.auth.as_mut(), Peer::Member(to as usize));
     send(out, dest, repr.buffer_len(), env, |buf| {

@@ -1,0 +1,147 @@
+"""Long-lived workers of `fanin bench network`, one per testbed host: they
+start once, say {"ready": true}, then answer one JSON line per "go" line
+read on stdin, so the driver can alternate fanin and Gloo allreduce by
+allreduce without paying a process start (or a Gloo rendezvous) each time.
+
+    python -m fanin_bench.bench.net_worker fanin --addr 10.1.0.1:9000 --rank 0 --workers 4 --elements 2000000
+    python -m fanin_bench.bench.net_worker gloo --master 10.1.0.2:29500 --rank 0 --workers 4 --elements 2000000
+    python -m fanin_bench.bench.net_worker blast --to 10.1.0.1:9999 --mbit 250
+
+Both allreduce kinds reduce the same float32 tensor (`fanin.proc.worker_inputs`)
+and check the sum against the float64 reference: fanin within its block
+floating point bound, Gloo with a relative tolerance. fanin's session is
+made with every tunable left at its default unless the driver passes one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+
+import numpy as np
+
+from fanin.proc import check_result, reference_sum, worker_inputs
+
+# socket.UDP_SEGMENT (Linux >= 4.18, Python >= 3.12 names it): one send of up
+# to 64 KB that the kernel cuts into MTU-sized datagrams, so a Python blaster
+# can fill a 10 Gbit/s link.
+_UDP_SEGMENT = 103
+
+
+def _fanin(a: argparse.Namespace) -> int:
+    import fanin
+
+    overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window)) if v is not None}
+    s = fanin.Session(a.addr, a.job, a.rank, dead_after_s=60, **overrides)
+    x = worker_inputs(a.rank, a.elements, "float32")
+    print(json.dumps({"ready": True, "params": s.params, "elems_per_packet": s.elems_per_packet}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        t0 = time.perf_counter()
+        out = s.allreduce(x)
+        dt = time.perf_counter() - t0
+        st = s.last_stats or {}
+        check = check_result(out, a.workers, "float32", s.elems_per_packet)
+        print(json.dumps({"s": dt, "verified": check["ok"], "retransmissions": st.get("retransmissions", 0),
+                          "trimmed": st.get("trimmed", 0), "elems_per_packet": s.elems_per_packet,
+                          "window": st.get("window_final"), "cc": st.get("cc")}), flush=True)
+    return 0
+
+
+def _gloo(a: argparse.Namespace) -> int:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    host, port = a.master.rsplit(":", 1)
+    os.environ["GLOO_SOCKET_IFNAME"] = a.ifname
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=a.rank, world_size=a.workers)
+    x = torch.from_numpy(worker_inputs(a.rank, a.elements, "float32"))
+    ref = reference_sum(a.workers, a.elements, "float32")
+    buf = x.clone()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        buf.copy_(x)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        dt = time.perf_counter() - t0
+        ok = bool(np.allclose(buf.numpy(), ref, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(ref)) or 1)))
+        print(json.dumps({"s": dt, "verified": ok}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def _blast(a: argparse.Namespace) -> int:
+    """Send UDP as fast as `--mbit` allows (paced, so a slow link's queue is
+    kept full without burning the CPU the other senders need) for
+    `--seconds`, to every `--to` address in turn. What the link really
+    carried is read from its interface counters by the driver."""
+    targets = []
+    for t in a.to:
+        h, p = t.rsplit(":", 1)
+        targets.append((h, int(p)))
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    payload, per_send = a.payload, 1
+    try:
+        s.setsockopt(socket.SOL_UDP, _UDP_SEGMENT, payload)
+        per_send = 40  # 40 x 1472 B = 58 880 B, under the 64 KB a send may carry
+    except OSError:
+        pass
+    buf = bytes(payload * per_send)
+    # per target: bytes per second it should get, with IP/UDP headers counted
+    rate = a.mbit * 1e6 / 8 / len(targets)
+    sent = [0] * len(targets)
+    t0 = time.monotonic()
+    end = t0 + a.seconds
+    while True:
+        now = time.monotonic()
+        if now >= end:
+            break
+        for i, dst in enumerate(targets):
+            if sent[i] < rate * (now - t0) + len(buf):
+                try:
+                    s.sendto(buf, dst)
+                    sent[i] += len(buf) + 28 * per_send
+                except (BlockingIOError, OSError):
+                    pass  # a full queue: the link is the limit, which is the point
+        if all(sent[i] >= rate * (now - t0) + len(buf) for i in range(len(targets))):
+            time.sleep(0.0005)
+    print(json.dumps({"sent_bytes": sum(sent)}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fanin_bench.bench.net_worker")
+    sub = p.add_subparsers(dest="kind", required=True)
+    f = sub.add_parser("fanin")
+    f.add_argument("--addr", required=True)
+    f.add_argument("--job", type=int, default=1)
+    f.add_argument("--elems-per-packet", type=int)
+    f.add_argument("--window", type=int)
+    g = sub.add_parser("gloo")
+    g.add_argument("--master", required=True, help="HOST:PORT of rank 0's TCP store")
+    g.add_argument("--ifname", required=True, help="the interface Gloo's ring uses")
+    for q in (f, g):
+        q.add_argument("--rank", type=int, required=True)
+        q.add_argument("--workers", type=int, required=True)
+        q.add_argument("--elements", type=int, required=True)
+    b = sub.add_parser("blast")
+    b.add_argument("--to", action="append", required=True, help="HOST:PORT (repeat for several)")
+    b.add_argument("--mbit", type=float, required=True, help="total send rate over every --to")
+    b.add_argument("--seconds", type=float, default=2.0)
+    b.add_argument("--payload", type=int, default=1472)
+    a = p.parse_args(argv)
+    return {"fanin": _fanin, "gloo": _gloo, "blast": _blast}[a.kind](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

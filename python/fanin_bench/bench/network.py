@@ -1,0 +1,274 @@
+"""`fanin bench network`: fanin and Gloo's ring on a rate-limited network,
+the only place in-network aggregation can win (issue 28; docs/network.md).
+
+A star testbed (``star:N``: one switch namespace, N host namespaces, every
+veth limited by tbf in both directions). The real switch daemon runs in the
+switch namespace; N long-lived fanin workers and N long-lived Gloo ranks
+(``torch.distributed``, TCP, its ring routed through the switch namespace by
+the kernel) run in the host namespaces. For every link rate:
+
+1. **capacity**: every host blasts UDP at the switch and the switch at every
+   host at once for a few seconds; what the veth counters saw pass is the
+   capacity each link really offers with all links busy (above a few Gbit/s
+   the veths and the CPU, not tbf, set it);
+2. **allreduce**: one fanin allreduce and one Gloo allreduce of the same
+   float32 tensor, alternating (the order swapped every repetition), each
+   result checked against the float64 reference.
+
+Reported per rate: medians; the ideal times at the measured capacity (S/C
+for fanin, whose every link carries the tensor once each way, 2(N-1)/N * S/C
+for the ring); fanin's fraction of the capacity (ideal / median); the
+speed-up vs Gloo; fanin's retransmissions and trims; the IP fragments every
+namespace created. fanin runs with every setting at its default: nothing is
+tuned per rate.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Optional
+
+from fanin import topology
+from fanin.proc import format_size, parse_size
+from fanin.switch import job_config
+from fanin_bench.bench.trees import step_workers, stop_workers, wait_ready
+from fanin_bench.report import emit
+
+JOB = 1
+GLOO_PORT = 29500
+BLAST_PORT = 9  # discard: nothing listens; the counters measure what arrived
+# A 1472-byte UDP payload in a 1514-byte Ethernet frame (IPv4, 1500 MTU):
+# capacity in UDP payload terms is the frame rate times this.
+PAYLOAD_PER_FRAME = 1472 / 1514
+
+
+def _parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"fanin bench network: --rates {text!r} is not a comma-separated list of Mbit/s") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise SystemExit(f"fanin bench network: --rates {text!r} needs at least one rate > 0 (Mbit/s)")
+    return rates
+
+
+def _worker_argv(kind: str, **kw: Any) -> list[str]:
+    argv = [sys.executable, "-m", "fanin_bench.bench.net_worker", kind]
+    for k, v in kw.items():
+        if v is not None:
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
+def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float) -> dict[str, Any]:
+    """Every link busy in both directions at once; the L2 bytes per second
+    each direction of each link carried, from the veth counters (each link
+    read with its own timestamps: one read takes milliseconds, which over
+    four links would skew one shared window by several per cent)."""
+    offer = rate_mbit * 1.3  # over the limit, so tbf's queue stays full
+    procs = [tb.popen(h, _worker_argv("blast", to=f"{tb.addr('s0', toward=h)}:{BLAST_PORT}", mbit=offer,
+                                      seconds=seconds), stdout=subprocess.DEVNULL) for h in hosts]
+    down = _worker_argv("blast", mbit=offer * len(hosts), seconds=seconds)
+    for h in hosts:
+        down += ["--to", f"{tb.addr(h, toward='s0')}:{BLAST_PORT}"]
+    procs.append(tb.popen("s0", down, stdout=subprocess.DEVNULL))
+
+    def read() -> dict[str, tuple[float, Any]]:
+        out = {}
+        for h in hosts:
+            t = time.monotonic()
+            b = tb.link_bytes(h, "s0")
+            out[h] = ((t + time.monotonic()) / 2, b)
+        return out
+
+    # let the queues fill before counting, stop counting before the blast ends
+    time.sleep(min(0.5, seconds / 4))
+    first = read()
+    time.sleep(seconds / 2)
+    last = read()
+    for p in procs:
+        p.wait(timeout=seconds + 30)
+    up, dn = [], []
+    for h in hosts:
+        (t0, b0), (t1, b1) = first[h], last[h]
+        up.append((b1.a_to_b - b0.a_to_b) * 8 / (t1 - t0) / 1e6)
+        dn.append((b1.b_to_a - b0.b_to_a) * 8 / (t1 - t0) / 1e6)
+    both = up + dn
+    return {"capacity_mbit": statistics.median(both), "capacity_min_mbit": min(both),
+            "uplink_mbit": up, "downlink_mbit": dn}
+
+
+def _frag_counts(tb: Any, nodes: list[str]) -> dict[str, int]:
+    return {n: tb.ip_stats(n).get("Ip.FragCreates", 0) for n in nodes}
+
+
+def run_network(args: Any) -> int:
+    from fanin_bench.testbed import Testbed, why_unavailable
+
+    why = why_unavailable()
+    if why:
+        print(f"fanin bench network: needs the namespace testbed: {why}", file=sys.stderr)
+        return 2
+    gloo = not args.no_gloo
+    if gloo:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("fanin bench network: PyTorch is not installed, so Gloo cannot run "
+                  "(pip install -r requirements-bench.txt, or --no-gloo)", file=sys.stderr)
+            return 2
+    rates = _parse_rates(args.rates or ("200" if args.quick else "100,200,400"))
+    n = args.workers
+    size = parse_size(args.size) if args.size else (4_000_000 if args.quick else 16_000_000)
+    elements = max(1, size // 4)
+    reps = args.reps or (3 if args.quick else 7)
+    seconds = 3.0 if args.quick else 4.0
+    hosts = [f"h{i}" for i in range(n)]
+    out = Path(args.out)
+    print(f"network: star:{n}, {format_size(size)} float32 per worker, links {', '.join(f'{r:g}' for r in rates)} "
+          f"Mbit/s, {reps} allreduces per system per rate", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=args.name, rate_mbit=rates[0],
+                                            routing=True))
+        job = {k: v for k, v in (("block_grad_max", args.block_grad_max),) if v is not None}
+        sw = tb.switch("s0", jobs=[job_config(JOB, n, **job)], **({"shards": args.shards} if args.shards else {}))
+        fanin_procs = [tb.popen(h, _worker_argv("fanin", addr=f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}",
+                                                rank=r, workers=n, elements=elements,
+                                                elems_per_packet=args.elems_per_packet, window=args.window),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                       for r, h in enumerate(hosts)]
+        stack.callback(stop_workers, fanin_procs)
+        wait_ready(fanin_procs, "fanin")
+        gloo_procs: list[subprocess.Popen] = []
+        if gloo:
+            master = f"{tb.addr('h0', toward='s0')}:{GLOO_PORT}"
+            gloo_procs = [tb.popen(h, _worker_argv("gloo", master=master, ifname=tb.interface(h, "s0"), rank=r,
+                                                   workers=n, elements=elements),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                          for r, h in enumerate(hosts)]
+            stack.callback(stop_workers, gloo_procs)
+            wait_ready(gloo_procs, "gloo")
+        for rate in rates:
+            tb.set_rate(rate)
+            cap = measure_capacity(tb, hosts, rate, seconds)
+            frags0 = _frag_counts(tb, ["s0", *hosts])
+            sw0 = sw.counters()
+            fanin_t, gloo_t, fanin_answers = [], [], []
+            step_workers(fanin_procs, "fanin")  # warm-up at this rate
+            if gloo:
+                step_workers(gloo_procs, "gloo")
+            for rep in range(reps):
+                order = ["fanin", "gloo"] if rep % 2 == 0 else ["gloo", "fanin"]
+                for system in order:
+                    if system == "fanin":
+                        answers = step_workers(fanin_procs, "fanin")
+                        fanin_answers += answers
+                        fanin_t.append(max(a["s"] for a in answers))
+                    elif gloo:
+                        answers = step_workers(gloo_procs, "gloo")
+                        if not all(a["verified"] for a in answers):
+                            raise RuntimeError("gloo: a rank's sum is wrong")
+                        gloo_t.append(max(a["s"] for a in answers))
+                print(f"  {rate:g} Mbit/s rep {rep + 1}/{reps}: fanin {fanin_t[-1]:.3f} s"
+                      + (f", gloo {gloo_t[-1]:.3f} s" if gloo_t else ""), file=sys.stderr)
+            frags1 = _frag_counts(tb, ["s0", *hosts])
+            sw1 = sw.counters()
+            rows.append(_row(rate, n, size, cap, fanin_t, gloo_t, fanin_answers, frags0, frags1, sw0, sw1))
+    out.mkdir(parents=True, exist_ok=True)
+    _write_csv(out / "network.csv", rows)
+    _plot(rows, out / "network.png", n, size)
+    result = {"workers": n, "size_bytes": size, "dtype": "float32", "reps": reps, "rates": rows,
+              "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
+                                 "window": args.window, "shards": args.shards, "overrides": bool(
+                                     args.elems_per_packet or args.window or args.shards or args.block_grad_max)},
+              "csv": str(out / "network.csv"), "png": str(out / "network.png")}
+    human = "; ".join(
+        f"{r['rate_mbit']:g} Mbit/s (measured {r['capacity_mbit']:.0f}): fanin {r['fanin_median_s']:.3f} s = "
+        f"{r['fanin_fraction_of_capacity']:.2f} of capacity"
+        + (f", Gloo {r['gloo_median_s']:.3f} s, fanin {r['speedup_vs_gloo']:.2f}x Gloo (ideal {r['ideal_speedup']:.2f}x)"
+           if r.get("gloo_median_s") else "")
+        + f", {r['retransmissions']} retransmissions, {r['ip_fragments']} IP fragments"
+        for r in rows)
+    emit(result, f"network, {n} workers x {format_size(size)}: {human}", args.json)
+    return 0
+
+
+def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[float], gloo_t: list[float],
+         answers: list[dict[str, Any]], frags0: dict[str, int], frags1: dict[str, int],
+         sw0: dict[str, Any], sw1: dict[str, Any]) -> dict[str, Any]:
+    payload_bps = cap["capacity_mbit"] * 1e6 * PAYLOAD_PER_FRAME / 8
+    fanin_ideal = size / payload_bps
+    ring_ideal = 2 * (n - 1) / n * size / payload_bps
+    row: dict[str, Any] = {
+        "rate_mbit": rate,
+        "capacity_mbit": cap["capacity_mbit"],
+        "capacity_min_mbit": cap["capacity_min_mbit"],
+        "fanin_median_s": statistics.median(fanin_t),
+        "fanin_ideal_s": fanin_ideal,
+        "ring_ideal_s": ring_ideal,
+        "ideal_speedup": ring_ideal / fanin_ideal,
+        "fanin_fraction_of_capacity": fanin_ideal / statistics.median(fanin_t),
+        "fanin_verified": all(a["verified"] for a in answers),
+        "retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
+        "trimmed": sum(a.get("trimmed") or 0 for a in answers),
+        "elems_per_packet": answers[0].get("elems_per_packet") if answers else None,
+        "ip_fragments": sum(frags1[k] - frags0[k] for k in frags1),
+        "switch_socket_drops": _delta(sw0, sw1, "socket_drops"),
+        "fanin_times_s": fanin_t,
+    }
+    if gloo_t:
+        row.update({"gloo_median_s": statistics.median(gloo_t),
+                    "gloo_fraction_of_ideal": ring_ideal / statistics.median(gloo_t),
+                    "speedup_vs_gloo": statistics.median(gloo_t) / statistics.median(fanin_t),
+                    "gloo_times_s": gloo_t})
+    if not row["fanin_verified"]:
+        raise RuntimeError(f"fanin at {rate:g} Mbit/s: a worker's sum is outside its bound")
+    return row
+
+
+def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> Optional[int]:
+    return b[key] - a[key] if key in a and key in b else None
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    cols = [k for k in rows[0] if not k.endswith("_times_s")] if rows else []
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("fanin bench network: matplotlib is not installed, no PNG", file=sys.stderr)
+        return
+    x = [r["rate_mbit"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(x, [r["fanin_median_s"] for r in rows], "o-", color="tab:blue", label="fanin (median)")
+    ax.plot(x, [r["fanin_ideal_s"] for r in rows], "--", color="tab:blue", label="fanin ideal S/C")
+    if all("gloo_median_s" in r for r in rows):
+        ax.plot(x, [r["gloo_median_s"] for r in rows], "s-", color="tab:orange", label="Gloo ring (median)")
+    ax.plot(x, [r["ring_ideal_s"] for r in rows], "--", color="tab:orange", label="ring ideal 2(N-1)/N S/C")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Mbit/s, tbf on every link)")
+    ax.set_ylabel("allreduce time (s)")
+    ax.set_title(f"star:{n}, {format_size(size)} float32 per worker; C = measured capacity")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
