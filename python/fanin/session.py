@@ -196,7 +196,11 @@ class Session:
     def last_stats(self) -> Optional[dict[str, Any]]:
         """Statistics of the last allreduce: ``retransmissions``, ``trimmed``
         (Trimmed nacks from an overloaded switch that made this worker resend
-        a block and shrink its window), ``blocks``,
+        a block and shrink its window), ``fast_retransmits`` (blocks found
+        lost because results of later blocks came first: congestion
+        signals, each within about a round trip), ``timeouts`` (stall
+        timeouts: nothing answered for an RTO), ``window`` (the congestion
+        window in blocks when the call ended; docs/congestion.md), ``blocks``,
         ``gen_id``, ``degraded_blocks`` (list of ``(block, src_cnt)``: blocks
         whose result summed fewer than all members), ``min_src_cnt``,
         ``missed_blocks`` (blocks this worker arrived too late for: zero,

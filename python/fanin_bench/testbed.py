@@ -199,7 +199,7 @@ def _pick_mgmt_net(name: str) -> ipaddress.IPv4Network:
                        "(too many testbeds up? see `fanin testbed status`)")
 
 
-def _tbf(ifname: str, rate_mbit: float) -> str:
+def _tbf(ifname: str, rate_mbit: float, queue_ms: float = 20.0) -> str:
     """A tc batch line that limits egress of `ifname` to `rate_mbit`.
 
     burst: the bucket must hold at least one full frame, and enough for the
@@ -212,7 +212,7 @@ def _tbf(ifname: str, rate_mbit: float) -> str:
     instead of building seconds of delay.
     """
     burst = max(16 * 1024, int(rate_mbit * 1e6 / 8 / 1000))
-    return f"qdisc replace dev {ifname} root tbf rate {rate_mbit:g}mbit burst {burst} latency 20ms"
+    return f"qdisc replace dev {ifname} root tbf rate {rate_mbit:g}mbit burst {burst} latency {queue_ms:g}ms"
 
 
 class Testbed:
@@ -460,15 +460,17 @@ class Testbed:
             started = {n: pool.submit(self.switch, n, jobs, **config) for n in names}
         return {n: f.result() for n, f in started.items()}
 
-    def set_rate(self, rate_mbit: float) -> None:
+    def set_rate(self, rate_mbit: float, queue_ms: float = 20.0) -> None:
         """Limit every data link, both directions, to `rate_mbit` (the tbf of
-        :meth:`up`, replaced in place: what runs keeps running)."""
-        if not rate_mbit > 0:
-            raise TestbedError(f"rate_mbit {rate_mbit} must be > 0")
+        :meth:`up`, replaced in place: what runs keeps running), with a
+        queue of `queue_ms` at that rate (tbf's latency; a shallow queue
+        overflows sooner)."""
+        if not rate_mbit > 0 or not queue_ms > 0:
+            raise TestbedError(f"rate_mbit {rate_mbit} and queue_ms {queue_ms} must be > 0")
         shaping: dict[str, list[str]] = {}
         for link in self.state["links"]:
             for end in ("a", "b"):
-                shaping.setdefault(link[end], []).append(_tbf(link[f"{end}_if"], rate_mbit))
+                shaping.setdefault(link[end], []).append(_tbf(link[f"{end}_if"], rate_mbit, queue_ms))
             link["rate_mbit"] = rate_mbit
         for node, lines in shaping.items():
             _sh(["tc", "-n", self.namespace(node), "-batch", "-"], stdin="\n".join(lines) + "\n")

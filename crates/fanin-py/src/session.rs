@@ -191,6 +191,9 @@ impl Session {
         let d = PyDict::new(py);
         d.set_item("retransmissions", o.retransmissions)?;
         d.set_item("trimmed", o.trimmed)?;
+        d.set_item("fast_retransmits", o.fast_retransmits)?;
+        d.set_item("timeouts", o.timeouts)?;
+        d.set_item("window", o.window)?;
         d.set_item("blocks", o.blocks)?;
         d.set_item("gen_id", o.gen_id)?;
         d.set_item("degraded_blocks", o.degraded_blocks.clone())?;

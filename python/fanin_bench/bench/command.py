@@ -253,6 +253,8 @@ def _add_tree_benches(bsub: Any) -> None:
     nw.add_argument("--size", help="tensor per worker (default 16MB, 4MB with --quick)")
     nw.add_argument("--reps", type=int, help="allreduces per system per rate (default 7, 3 with --quick)")
     nw.add_argument("--no-gloo", action="store_true", help="fanin only (no PyTorch needed)")
+    nw.add_argument("--queue-ms", type=float, default=20.0,
+                    help="each link's queue, in ms at its rate (tbf latency; default %(default)s)")
     nw.add_argument("--name", default="fbnet", help="testbed name (namespace prefix; default %(default)s)")
     nw.add_argument("--out", default="out/network")
     tune = nw.add_argument_group("overrides (default: fanin's own defaults, the point of the benchmark)")

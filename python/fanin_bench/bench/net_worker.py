@@ -48,7 +48,8 @@ def _fanin(a: argparse.Namespace) -> int:
         check = check_result(out, a.workers, "float32", s.elems_per_packet)
         print(json.dumps({"s": dt, "verified": check["ok"], "retransmissions": st.get("retransmissions", 0),
                           "trimmed": st.get("trimmed", 0), "elems_per_packet": s.elems_per_packet,
-                          "window": st.get("window_final"), "cc": st.get("cc")}), flush=True)
+                          "fast_retransmits": st.get("fast_retransmits", 0), "timeouts": st.get("timeouts", 0),
+                          "window": st.get("window")}), flush=True)
     return 0
 
 

@@ -156,7 +156,7 @@ def run_network(args: Any) -> int:
             stack.callback(stop_workers, gloo_procs)
             wait_ready(gloo_procs, "gloo")
         for rate in rates:
-            tb.set_rate(rate)
+            tb.set_rate(rate, args.queue_ms)
             cap = measure_capacity(tb, hosts, rate, seconds)
             frags0 = _frag_counts(tb, ["s0", *hosts])
             sw0 = sw.counters()
@@ -184,7 +184,8 @@ def run_network(args: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "network.csv", rows)
     _plot(rows, out / "network.png", n, size)
-    result = {"workers": n, "size_bytes": size, "dtype": "float32", "reps": reps, "rates": rows,
+    result = {"workers": n, "size_bytes": size, "dtype": "float32", "reps": reps, "queue_ms": args.queue_ms,
+              "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
                                  "window": args.window, "shards": args.shards, "overrides": bool(
                                      args.elems_per_packet or args.window or args.shards or args.block_grad_max)},
@@ -194,7 +195,8 @@ def run_network(args: Any) -> int:
         f"{r['fanin_fraction_of_capacity']:.2f} of capacity"
         + (f", Gloo {r['gloo_median_s']:.3f} s, fanin {r['speedup_vs_gloo']:.2f}x Gloo (ideal {r['ideal_speedup']:.2f}x)"
            if r.get("gloo_median_s") else "")
-        + f", {r['retransmissions']} retransmissions, {r['ip_fragments']} IP fragments"
+        + f", {r['retransmissions']} retransmissions ({r['fast_retransmits']} losses found fast, {r['timeouts']} "
+          f"timeouts), {r['ip_fragments']} IP fragments"
         for r in rows)
     emit(result, f"network, {n} workers x {format_size(size)}: {human}", args.json)
     return 0
@@ -218,6 +220,9 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
         "fanin_verified": all(a["verified"] for a in answers),
         "retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
         "trimmed": sum(a.get("trimmed") or 0 for a in answers),
+        "fast_retransmits": sum(a.get("fast_retransmits") or 0 for a in answers),
+        "timeouts": sum(a.get("timeouts") or 0 for a in answers),
+        "window_final": [a.get("window") for a in answers[-n:]],
         "elems_per_packet": answers[0].get("elems_per_packet") if answers else None,
         "ip_fragments": sum(frags1[k] - frags0[k] for k in frags1),
         "switch_socket_drops": _delta(sw0, sw1, "socket_drops"),

@@ -52,6 +52,7 @@ use fanin_wire::value::{
 };
 use fanin_wire::MessageType;
 
+use super::congestion::{Congestion, CongestionStats, Signal, INITIAL_WINDOW};
 use crate::auth::{open_and_accept, push_sealed, LaneWindows, Refusal, Sealer};
 use crate::job::shard_of;
 use crate::serial::BlockSpace;
@@ -116,15 +117,9 @@ pub struct AllreduceSession {
     next_block: u32,
     gen_id: u16,
     op: Option<Op>,
-    /// Current window (blocks outstanding): shrunk by trims, regrown by
-    /// results, never above `window_max`.
-    window: u32,
-    /// The configured window clamped to the job's `block_cnt_max`.
-    window_max: u32,
-    /// Results since the window last grew (additive increase).
-    window_credit: u32,
-    /// When a trim last halved the window (one decrease per round trip).
-    last_decrease: Option<Time>,
+    /// Congestion control: the window (blocks outstanding), at most the
+    /// configured window clamped to the job's `block_cnt_max`.
+    cc: Congestion,
     last_heard: Time,
     srtt: Option<Duration>,
     rttvar: Duration,
@@ -174,10 +169,7 @@ impl AllreduceSession {
             Err(e) => State::Failed(e),
         };
         let mut session = Self {
-            window: config.window,
-            window_max: config.window,
-            window_credit: 0,
-            last_decrease: None,
+            cc: Congestion::new(INITIAL_WINDOW, config.window),
             config,
             state,
             params: None,
@@ -249,7 +241,12 @@ impl AllreduceSession {
 
     /// Current window: blocks this worker may have outstanding.
     pub fn window(&self) -> u32 {
-        self.window
+        self.cc.window()
+    }
+
+    /// What congestion control saw over the session's life.
+    pub fn congestion(&self) -> CongestionStats {
+        self.cc.stats()
     }
 
     /// Current retransmission timeout (before per-block backoff).
@@ -393,6 +390,9 @@ impl AllreduceSession {
             send_seq: 0,
             retransmissions: 0,
             trimmed: 0,
+            fast_retransmits: 0,
+            losses: 0,
+            timeouts: 0,
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,
             recoveries: 0,
@@ -505,6 +505,8 @@ impl AllreduceSession {
                     }
                     op.backoff = (op.backoff + 1).min(6);
                     op.last_progress = now;
+                    op.timeouts += 1;
+                    self.cc.on_signal(now, rto, Signal::Timeout);
                     if op.backoff >= PROBE_AFTER_BACKOFF {
                         // Silent for a while: ask the switch who it is now (a
                         // restarted one answers with a new incarnation).
@@ -702,6 +704,9 @@ impl AllreduceSession {
             gen_id: self.gen_id,
             retransmissions: op.retransmissions,
             trimmed: op.trimmed,
+            fast_retransmits: op.fast_retransmits,
+            timeouts: op.timeouts,
+            window: self.cc.window(),
             degraded_blocks: op.degraded,
             min_src_cnt: op.min_src_cnt,
             missed_blocks: op.missed,

@@ -1,6 +1,7 @@
 //! Host-side machines.
 
 mod allreduce;
+pub mod congestion;
 #[cfg(test)]
 mod guard_tests;
 #[cfg(test)]

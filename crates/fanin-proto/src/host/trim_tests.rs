@@ -121,12 +121,13 @@ fn trims_a_round_trip_apart_halve_again_and_results_regrow_the_window() {
     assert_eq!(resent.len(), 2);
     now = now + RTT;
     deliver(&mut s, now, trim(&resent));
-    assert_eq!(s.window(), 2, "a second trim one round trip later halves again");
+    assert_eq!(s.window(), 4, "a second trim one round trip later would halve again, but 4 is the floor");
+    assert_eq!(s.congestion().decreases, 2);
     let resent = send_all(&mut s, now);
     now = now + RTT;
     deliver(&mut s, now, through_switch(&mut sw, now, resent));
     assert_eq!(completed(&mut s).trimmed, 4);
-    assert_eq!(s.window(), 3, "additive increase: a window's worth of results (2) grows it by one");
+    assert_eq!(s.window(), 4, "additive increase: two results are half a window, no growth yet");
     // and so on, one block per window of results, up to the configured 8
     s.begin(now, Tensor::I32((0..160).collect())).unwrap();
     let mut windows = vec![s.window()];
@@ -142,7 +143,7 @@ fn trims_a_round_trip_apart_halve_again_and_results_regrow_the_window() {
     }
     assert_eq!(completed(&mut s).tensor, Tensor::I32((0..160).collect()));
     assert!(windows.windows(2).all(|w| w[1] >= w[0]), "only grows without trims: {windows:?}");
-    assert_eq!((windows[0], *windows.last().unwrap()), (3, 8), "{windows:?}");
+    assert_eq!((windows[0], *windows.last().unwrap()), (4, 8), "{windows:?}");
 }
 
 #[test]

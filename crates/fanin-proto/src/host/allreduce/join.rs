@@ -67,8 +67,7 @@ impl AllreduceSession {
             // moves to the next, the one the others use at that block.
             self.gen_id = repr.gen_id;
         }
-        self.window_max = self.config.window.min(params.block_cnt_max).max(1);
-        self.window = self.window_max;
+        self.cc.set_limits(self.config.window.min(params.block_cnt_max).max(1), params.shard_count);
         self.last_heard = now;
         self.state = State::Ready;
         self.events.push_back(Event::Joined(params));

@@ -86,6 +86,13 @@ pub struct Outcome {
     /// Trimmed nacks that made this worker resend a block (each counted once;
     /// stale or duplicate trims are ignored).
     pub trimmed: u64,
+    /// Blocks fast retransmit found lost (results of later blocks came
+    /// first): congestion signals found within about one round trip.
+    pub fast_retransmits: u64,
+    /// Stall timeouts (nothing answered for an RTO) during this allreduce.
+    pub timeouts: u64,
+    /// The congestion window when the allreduce ended (blocks).
+    pub window: u32,
     /// Blocks whose result summed fewer sources than the job has:
     /// (block index within the tensor, `src_cnt`).
     pub degraded_blocks: Vec<(u32, u16)>,
@@ -165,6 +172,9 @@ mod averaging_tests {
             blocks: 3,
             retransmissions: 0,
             trimmed: 0,
+            fast_retransmits: 0,
+            timeouts: 0,
+            window: 1,
             degraded_blocks: vec![(1, 3), (2, 0)],
             min_src_cnt: 0,
             missed_blocks: 1,

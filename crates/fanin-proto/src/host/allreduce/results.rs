@@ -4,6 +4,7 @@
 use fanin_wire::value::{read_elements, Repr, AGE_OP_AGED, EXP_NONE};
 
 use super::op::{note_later_result, BlockPhase};
+use crate::host::congestion::Signal;
 use super::recovery::{self, Kept};
 use super::{AllreduceSession, SessionError, TensorMut, STASH_GENERATIONS};
 use crate::bfp;
@@ -74,9 +75,19 @@ impl AllreduceSession {
         op.backoff = 0;
         // An aged result says nothing about loss: the scanners emit blocks
         // in slice order, not block order.
+        let mut loss_found = false;
         if repr.age_op != AGE_OP_AGED {
+            let before = op.losses;
             note_later_result(op, idx, &params, self.config.job_id);
+            // An exponent-only result overtakes data transmissions whenever
+            // the others' data is slower than their exponents, loss or not.
+            loss_found = op.losses > before && !repr.exp_only;
         }
+        if loss_found {
+            let round_trip = self.srtt.unwrap_or(self.config.rto_initial);
+            self.cc.on_signal(now, round_trip, Signal::Loss);
+        }
+        let Some(op) = self.op.as_mut() else { return };
         if repr.exp_only {
             let block = &mut op.blocks[idx as usize];
             block.exp = repr.exp;
@@ -128,14 +139,7 @@ impl AllreduceSession {
                 }
             });
         }
-        // Additive increase: one block more per window of results.
-        if self.window < self.window_max {
-            self.window_credit += 1;
-            if self.window_credit >= self.window {
-                self.window += 1;
-                self.window_credit = 0;
-            }
-        }
+        self.cc.on_answer();
         let all_done = op.record_done(idx, repr.src_cnt, repr.degraded || repr.src_cnt < self.n_sources);
         let low_stream = op.block_id(op.low);
         self.prune_retained(low_stream, params.block_cnt_max);
@@ -225,10 +229,6 @@ impl AllreduceSession {
         }
         // The packet's fate is known: not a stall.
         op.last_progress = now;
-        if self.last_decrease.is_none_or(|t| now.saturating_since(t) >= round_trip) {
-            self.window = (self.window / 2).max(1);
-            self.window_credit = 0;
-            self.last_decrease = Some(now);
-        }
+        self.cc.on_signal(now, round_trip, Signal::Trim);
     }
 }

@@ -19,6 +19,7 @@ impl AllreduceSession {
         let Some(op) = self.op.as_mut() else { return 0 };
         let mut sent = 0;
         let budget = self.config.max_burst;
+        let window = self.cc.window();
         // After a switch restart: no block opens a slot before the block one
         // slot-cycle earlier has its new result (docs/restart.md).
         let gate = self.recovery.as_ref().and_then(|r| r.gate(Some(&*op), params.block_cnt_max));
@@ -33,7 +34,7 @@ impl AllreduceSession {
                 (i, true)
             } else if let Some(i) = op.ready.pop_front() {
                 (i, false)
-            } else if op.next_new < op.blocks.len() as u32 && op.next_new < op.low + self.window {
+            } else if op.next_new < op.blocks.len() as u32 && op.next_new < op.low + window {
                 op.next_new += 1;
                 if op.blocks[op.next_new as usize - 1].phase == BlockPhase::Done {
                     op.done_ahead -= 1; // its result came before we sent it

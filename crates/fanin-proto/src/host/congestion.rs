@@ -1,0 +1,260 @@
+//! Congestion control of a worker's value stream (docs/congestion.md), as a
+//! sans-IO machine: the allreduce session feeds it what it learns (a block
+//! answered, a trim, a loss found by fast retransmit, a stall timeout) and
+//! asks it how many blocks may be outstanding. The daemon-free simulator
+//! and the host library run this same code.
+//!
+//! It is TCP's window algorithm (slow start, AIMD) in units of blocks, with
+//! the signals in-network aggregation has:
+//!
+//! * **Trim** (NDP return-to-sender, `003_aa87202d16818bae.txt`): the switch
+//!   returned the contribution's header instead of dropping it. An explicit,
+//!   immediate congestion signal: the window is multiplied by
+//!   [`TRIM_BETA`].
+//! * **Loss** found by fast retransmit (results of [`super::DUP_THRESH`]
+//!   later blocks of the same shard arrived): a queue on the path overflowed,
+//!   about one round trip ago. The window is multiplied by [`LOSS_BETA`]
+//!   (CUBIC's 0.7 rather than Reno's 0.5: in aggregation a loss anywhere
+//!   delays every member, so every member sees it and backs off together).
+//! * **Timeout** (nothing answered for an RTO): counted, not acted on. In a
+//!   job a stall is most often a peer that has not started its allreduce
+//!   yet, and collapsing the window then would throttle the next step of
+//!   every member behind one straggler; real loss is found by fast
+//!   retransmit one round trip after it happens.
+//!
+//! One decrease per round trip at most, so a burst of signals from one
+//! overflow counts once (as TCP's recovery). Growth: slow start (one block
+//! per answered block) up to `ssthresh`, then one block per window of
+//! answers; never above the window the job and the caller allow, never
+//! below [`MIN_WINDOW`]. The window outlives an allreduce: the next step of
+//! a training job starts at what this one learnt.
+
+use std::time::Duration;
+
+use crate::time::Time;
+
+/// Window multiplier on a trim.
+pub const TRIM_BETA: f64 = 0.5;
+/// Window multiplier on a loss found by fast retransmit.
+pub const LOSS_BETA: f64 = 0.7;
+/// The smallest window per switch shard: fast retransmit needs DUP_THRESH
+/// later results *of the same shard* after a loss, and below this it often
+/// finds none, so every loss would wait for the stall timer and its
+/// backoff (a 5 %-loss test took two minutes with a floor of 4 blocks).
+pub const MIN_WINDOW: u32 = 16;
+/// The window a session starts with before anything was learnt about the
+/// path (TCP's IW10, in blocks of about one frame each).
+pub const INITIAL_WINDOW: u32 = 16;
+
+/// What the session learnt that bears on congestion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// The switch trimmed a contribution (overload at the switch).
+    Trim,
+    /// Fast retransmit found a transmission or its result lost.
+    Loss,
+    /// The stall timer fired (nothing answered for an RTO).
+    Timeout,
+}
+
+/// Counts of what the controller saw, for statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CongestionStats {
+    pub trims: u64,
+    pub losses: u64,
+    pub timeouts: u64,
+    /// Times the window was cut (at most one per round trip).
+    pub decreases: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Congestion {
+    cwnd: u32,
+    ssthresh: u32,
+    max: u32,
+    /// Answers since the window last grew in congestion avoidance.
+    credit: u32,
+    last_decrease: Option<Time>,
+    /// MIN_WINDOW per shard, at most `max`.
+    floor: u32,
+    stats: CongestionStats,
+}
+
+impl Congestion {
+    /// A controller whose window starts at `initial` (clamped into
+    /// `[MIN_WINDOW, max]`) and never exceeds `max`.
+    pub fn new(initial: u32, max: u32) -> Self {
+        let max = max.max(1);
+        let floor = floor_of(MIN_WINDOW, max);
+        Self {
+            cwnd: initial.clamp(floor, max),
+            ssthresh: max,
+            max,
+            credit: 0,
+            last_decrease: None,
+            floor,
+            stats: CongestionStats::default(),
+        }
+    }
+
+    /// Blocks that may be outstanding now.
+    pub fn window(&self) -> u32 {
+        self.cwnd
+    }
+
+    pub fn max(&self) -> u32 {
+        self.max
+    }
+
+    /// Below this the window grows by one block per answer (slow start).
+    pub fn ssthresh(&self) -> u32 {
+        self.ssthresh
+    }
+
+    pub fn stats(&self) -> CongestionStats {
+        self.stats
+    }
+
+    /// The job's limits, learnt at join: at most `max` blocks outstanding
+    /// (the job's `block_cnt_max` and the caller's window), spread over
+    /// `shards` switch shards (the floor is [`MIN_WINDOW`] per shard).
+    pub fn set_limits(&mut self, max: u32, shards: u16) {
+        self.max = max.max(1);
+        self.floor = floor_of(MIN_WINDOW * shards.max(1) as u32, self.max);
+        self.cwnd = self.cwnd.clamp(self.floor, self.max);
+        self.ssthresh = self.ssthresh.clamp(self.floor, self.max);
+    }
+
+    /// One block was answered (its result came).
+    pub fn on_answer(&mut self) {
+        if self.cwnd >= self.max {
+            return;
+        }
+        if self.cwnd < self.ssthresh {
+            self.cwnd += 1;
+            return;
+        }
+        self.credit += 1;
+        if self.credit >= self.cwnd {
+            self.cwnd += 1;
+            self.credit = 0;
+        }
+    }
+
+    /// A congestion signal at `now`; `round_trip` is the smoothed RTT (a
+    /// second decrease within it is the same congestion episode).
+    pub fn on_signal(&mut self, now: Time, round_trip: Duration, signal: Signal) {
+        let beta = match signal {
+            Signal::Trim => {
+                self.stats.trims += 1;
+                TRIM_BETA
+            }
+            Signal::Loss => {
+                self.stats.losses += 1;
+                LOSS_BETA
+            }
+            Signal::Timeout => {
+                self.stats.timeouts += 1;
+                return;
+            }
+        };
+        if self.last_decrease.is_some_and(|t| now.saturating_since(t) < round_trip) {
+            return;
+        }
+        self.cwnd = ((self.cwnd as f64 * beta) as u32).max(self.floor);
+        self.ssthresh = self.cwnd;
+        self.credit = 0;
+        self.last_decrease = Some(now);
+        self.stats.decreases += 1;
+    }
+}
+
+/// The floor for a window of at most `max` blocks: `want`, but at most half
+/// of `max`, so a small job's window still backs off.
+fn floor_of(want: u32, max: u32) -> u32 {
+    want.min(max / 2).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(ms: u64) -> Time {
+        Time::from_nanos(ms * 1_000_000)
+    }
+
+    const RTT: Duration = Duration::from_millis(10);
+
+    #[test]
+    fn slow_start_doubles_per_window_of_answers_up_to_the_limit() {
+        let mut cc = Congestion::new(INITIAL_WINDOW, 256);
+        assert_eq!(cc.window(), 16);
+        for _ in 0..16 {
+            cc.on_answer();
+        }
+        assert_eq!(cc.window(), 32, "one window of answers doubles it");
+        for _ in 0..1000 {
+            cc.on_answer();
+        }
+        assert_eq!(cc.window(), 256, "never above the job's slots");
+    }
+
+    #[test]
+    fn a_trim_halves_a_loss_cuts_to_seven_tenths_once_per_round_trip() {
+        let mut cc = Congestion::new(100, 256);
+        cc.on_signal(at(0), RTT, Signal::Trim);
+        assert_eq!((cc.window(), cc.ssthresh()), (50, 50));
+        // the same episode: further trims within one RTT change nothing
+        cc.on_signal(at(5), RTT, Signal::Trim);
+        cc.on_signal(at(9), RTT, Signal::Loss);
+        assert_eq!(cc.window(), 50);
+        cc.on_signal(at(10), RTT, Signal::Loss);
+        assert_eq!(cc.window(), 35);
+        let s = cc.stats();
+        assert_eq!((s.trims, s.losses, s.decreases), (2, 2, 2));
+    }
+
+    #[test]
+    fn after_a_decrease_the_window_grows_by_one_block_per_window() {
+        let mut cc = Congestion::new(100, 256);
+        cc.on_signal(at(0), RTT, Signal::Loss);
+        assert_eq!(cc.window(), 70);
+        for _ in 0..69 {
+            cc.on_answer();
+        }
+        assert_eq!(cc.window(), 70);
+        cc.on_answer();
+        assert_eq!(cc.window(), 71);
+    }
+
+    #[test]
+    fn a_timeout_is_counted_but_leaves_the_window_alone() {
+        let mut cc = Congestion::new(64, 256);
+        for i in 0..5 {
+            cc.on_signal(at(i * 100), RTT, Signal::Timeout);
+        }
+        assert_eq!(cc.window(), 64);
+        assert_eq!((cc.stats().timeouts, cc.stats().decreases), (5, 0));
+    }
+
+    #[test]
+    fn the_window_never_falls_below_the_floor_nor_rises_above_a_new_limit() {
+        let mut cc = Congestion::new(8, 256);
+        for i in 0..10 {
+            cc.on_signal(at(i * 100), RTT, Signal::Trim);
+        }
+        assert_eq!(cc.window(), MIN_WINDOW);
+        // two shards: the floor is per shard
+        cc.set_limits(256, 2);
+        assert_eq!(cc.window(), 2 * MIN_WINDOW);
+        let mut cc = Congestion::new(200, 256);
+        cc.set_limits(32, 1);
+        assert_eq!((cc.window(), cc.max()), (32, 32));
+        // a job of 8 slots: the floor is half of it
+        let mut tiny = Congestion::new(INITIAL_WINDOW, 8);
+        assert_eq!(tiny.window(), 8);
+        tiny.on_signal(at(0), RTT, Signal::Trim);
+        tiny.on_signal(at(100), RTT, Signal::Trim);
+        assert_eq!(tiny.window(), 4);
+    }
+}
