@@ -31,7 +31,7 @@ const GROUP: std::net::SocketAddrV4 = std::net::SocketAddrV4::new(std::net::Ipv4
 
 fn switch(shard: u16) -> ValueSwitch<u8> {
     let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1) };
-    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging, seal_clock_us: 1, rate_limit: None });
+    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging, seal_clock_us: 1, rate_limit: None, packet_elems_max: u32::MAX });
     let mut job = JobSpec::with_sources(1, 3, 4, 8);
     job.block_exp_ms = 1;
     job.slow_after_windows = 1;
@@ -93,6 +93,7 @@ fn session() -> AllreduceSession {
         next_block: 0,
         results_on_group: false,
         partial_results: false,
+        packet_elems: 8,
     }
     .emit(p.payload_mut());
     s.handle_datagram(Time::ZERO, &buf);

@@ -80,7 +80,8 @@ def _add_switch(sub: Any) -> None:
     sw.add_argument("--config", help="TOML or JSON config file; flags given as well override its fields (a --job "
                                      "replaces the file's job of the same id)")
     sw.add_argument("--data-addr", help="data port of shard 0 (default 127.0.0.1:9000)")
-    sw.add_argument("--shards", type=int, help="processing threads, one data port each (default 1)")
+    sw.add_argument("--shards", type=int, help="processing threads, one data port each "
+                                               "(default: one per two cores, 1 to 8)")
     sw.add_argument("--control-addr", help="gRPC control API address or 'off' (default 127.0.0.1:9100)")
     sw.add_argument("--control-token", help="bearer token the control API requires (default: $FANIN_CONTROL_TOKEN; "
                                              "required when --control-addr is not a loopback address)")
@@ -139,7 +140,10 @@ def _cmd_switch(args: argparse.Namespace) -> int:
     def ready(info: dict[str, Any]) -> None:
         if args.print_ready:
             print(json.dumps(info), flush=True)
-        print(f"fanin switch: data {info['data_addr']} ({info['shards']} shards), "
+        # a job's packets fit one frame of the data link (docs/network.md)
+        mtu = (f", MTU {info['data_mtu']}: up to {info['packet_elems_max']} elements per packet"
+               if info.get("data_mtu") else "")
+        print(f"fanin switch: data {info['data_addr']} ({info['shards']} shards{mtu}), "
               f"control API {info.get('control_addr') or 'off'}, "
               f"metrics {('http://' + info['metrics_addr'] + '/metrics') if info.get('metrics_addr') else 'off'}; "
               "Ctrl-C to stop", file=sys.stderr, flush=True)
@@ -166,14 +170,19 @@ def _run_foreground(name: str, run: Any, config: dict[str, Any], ready: Any) -> 
 
 
 def _add_demo(sub: Any) -> None:
-    demo = sub.add_parser("demo", help="switch + 4 workers on 127.0.0.1 with 5%% loss, results checked",
+    demo = sub.add_parser("demo", help="switch + 4 workers on 127.0.0.1 with 5%% loss, then on rate-limited links",
                           description="Start a switch process and worker processes on 127.0.0.1, allreduce float32 "
-                                      "and int32 tensors with injected loss, check every result against the reference.")
+                                      "and int32 tensors with injected loss, check every result against the "
+                                      "reference; then (as root) the same on 200 Mbit/s links in network "
+                                      "namespaces, where aggregation beats Gloo's ring.")
     demo.add_argument("--workers", type=int, default=4)
     demo.add_argument("--elements", type=int, default=1_000_000, help="elements per tensor (default %(default)s)")
     demo.add_argument("--loss", type=float, default=0.05, help="drop probability on every send (default %(default)s)")
     demo.add_argument("--rounds", type=int, default=2)
     demo.add_argument("--shards", type=int, default=2)
+    demo.add_argument("--no-network", action="store_true",
+                      help="skip the second part: the same on rate-limited links in network namespaces (root), "
+                           "next to Gloo's ring when PyTorch is installed")
     demo.add_argument("--json", action="store_true", help="one JSON object on stdout")
     demo.set_defaults(func=_cmd_demo)
 
@@ -182,7 +191,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from fanin.demo import run_demo
 
     return run_demo(workers=args.workers, elements=args.elements, loss=args.loss, rounds=args.rounds,
-                    shards=args.shards, as_json=args.json)
+                    shards=args.shards, as_json=args.json, network=not args.no_network)
 
 
 def _add_kv(sub: Any) -> None:

@@ -104,7 +104,7 @@ def free_result_group() -> str:
 def switch_config(
     *,
     data_addr: str = "127.0.0.1:9000",
-    shards: int = 1,
+    shards: Optional[int] = None,
     control_addr: Optional[str] = "127.0.0.1:9100",
     metrics_addr: Optional[str] = "127.0.0.1:9101",
     memory_mb: int = 1024,
@@ -124,7 +124,9 @@ def switch_config(
     control_token: Optional[str] = None,
 ) -> dict[str, Any]:
     """The daemon configuration (the same fields as the TOML config file).
-    ``scanners`` and ``checks`` configure the straggler detector; ``trim``
+    ``shards``: processing threads, one data port each (None: the daemon's
+    default, one per two cores, 1 to 8). ``scanners`` and ``checks``
+    configure the straggler detector; ``trim``
     and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
     ``socket_buffer`` the receive buffer per data socket in bytes (default
     the daemon's). ``ingress_drop``/``ingress_duplicate``/``ingress_reorder``
@@ -139,7 +141,6 @@ def switch_config(
         "aging": {"scanners": scanners, "checks": checks},
         "trim": {"enabled": trim, "watermark": trim_watermark},
         "data_addr": data_addr,
-        "shards": shards,
         "control_addr": control_addr,
         "metrics_addr": metrics_addr,
         "memory_mb": memory_mb,
@@ -148,6 +149,8 @@ def switch_config(
                    "ingress_reorder": ingress_reorder, "egress_drop": egress_drop, "seed": seed},
         "jobs": list(jobs),
     }
+    if shards is not None:  # else the daemon's: one per two cores, 1..8
+        cfg["shards"] = shards
     if socket_buffer is not None:
         cfg["socket_buffer"] = socket_buffer
     if control_token is not None:

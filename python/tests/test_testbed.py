@@ -218,7 +218,7 @@ from fanin.proc import check_result, worker_inputs
 addr, rank, workers, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 s = fanin.Session(addr, 1, rank, join_timeout_s=10)
 y = s.allreduce(worker_inputs(rank, n, "float32"))
-print(json.dumps({"ok": check_result(y, workers, "float32", 1024)["ok"], "digest": hashlib.sha256(y.tobytes()).hexdigest()}))
+print(json.dumps({"ok": check_result(y, workers, "float32", s.elems_per_packet)["ok"], "digest": hashlib.sha256(y.tobytes()).hexdigest()}))
 """
 
 

@@ -121,6 +121,9 @@ pub(crate) fn run_switch(py: Python<'_>, config_json: &str, on_ready: Option<Bou
         d.set_item("data_addr", info.data_addr.to_string())?;
         d.set_item("shards", info.shard_count)?;
         d.set_item("incarnation", info.incarnation)?;
+        d.set_item("data_mtu", handle.core().data_mtu())?;
+        let max = handle.core().packet_elems_max();
+        d.set_item("packet_elems_max", (max != u32::MAX).then_some(max))?;
         d.set_item("metrics_addr", handle.metrics_addr().map(|a| a.to_string()))?;
         d.set_item("control_addr", handle.control_addr().map(|a| a.to_string()))?;
         cb.call1((d,))?;

@@ -18,6 +18,7 @@ pub struct DaemonConfig {
     #[serde(default = "default_data_addr")]
     pub data_addr: SocketAddr,
     /// Run-to-completion processing threads, each owning one data port.
+    /// Default: half the cores this process may run on, 1 to 8 ([`auto_shards`]).
     #[serde(default = "default_shards")]
     pub shards: u16,
     /// MTU of the data link, which sizes the packets of every job that
@@ -214,7 +215,16 @@ fn default_data_addr() -> SocketAddr {
     "127.0.0.1:9000".parse().expect("literal")
 }
 fn default_shards() -> u16 {
-    1
+    auto_shards(std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The shard count for a machine of `cores` cores: one per two cores (the
+/// other core of each pair is left to the kernel's network stack, which
+/// on Linux does the socket work of the same datagrams, and to workers
+/// on the same machine), at least 1, at most 8 (past 8 the kernel's UDP
+/// receive path, not the shards, is the limit on the machines measured).
+pub fn auto_shards(cores: usize) -> u16 {
+    (cores / 2).clamp(1, 8) as u16
 }
 fn default_control_addr() -> Option<SocketAddr> {
     Some("127.0.0.1:9100".parse().expect("literal"))
@@ -378,6 +388,11 @@ impl JobConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_shard_count_follows_the_cores() {
+        assert_eq!([1, 2, 3, 4, 16, 64].map(auto_shards), [1, 1, 1, 2, 8, 8]);
+    }
 
     #[test]
     fn a_control_api_off_loopback_needs_a_token() {

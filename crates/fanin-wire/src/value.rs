@@ -752,6 +752,11 @@ pub fn incarnation_tag(incarnation: u32) -> u16 {
 pub const NACK_TAG: std::ops::Range<usize> = HEADER_LEN + 2..HEADER_LEN + 4;
 /// `age_op` of a result the switch emitted because the block aged out.
 pub const AGE_OP_AGED: u8 = 1;
+/// `age_op` of a (not aged) result whose block waited for a contribution
+/// that had been lost on its way: a member's retransmission filled the
+/// block's hole. Congestion experienced, marked by the switch so that every
+/// member learns it from the same result (docs/congestion.md).
+pub const AGE_OP_CONGESTED: u8 = 2;
 
 /// Body of a `Nack`: `reason u16 | reserved u16 | detail u32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -262,6 +262,7 @@ def _add_tree_benches(bsub: Any) -> None:
     tune.add_argument("--window", type=int)
     tune.add_argument("--shards", type=int)
     tune.add_argument("--block-grad-max", type=int)
+    tune.add_argument("--block-cnt-max", type=int, help="the job's slots (the most blocks in flight)")
     _common(nw)
     nw.set_defaults(func=_lazy("network", "run_network"))
     tl = bsub.add_parser("tree-levels", help="trees of 1, 2, 3 levels vs one switch on the testbed (SwitchML++ thesis)",

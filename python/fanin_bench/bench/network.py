@@ -67,38 +67,47 @@ def _worker_argv(kind: str, **kw: Any) -> list[str]:
 
 
 def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float) -> dict[str, Any]:
-    """Every link busy in both directions at once; the L2 bytes per second
-    each direction of each link carried, from the veth counters (each link
-    read with its own timestamps: one read takes milliseconds, which over
-    four links would skew one shared window by several per cent)."""
-    offer = rate_mbit * 1.3  # over the limit, so tbf's queue stays full
-    procs = [tb.popen(h, _worker_argv("blast", to=f"{tb.addr('s0', toward=h)}:{BLAST_PORT}", mbit=offer,
-                                      seconds=seconds), stdout=subprocess.DEVNULL) for h in hosts]
-    down = _worker_argv("blast", mbit=offer * len(hosts), seconds=seconds)
-    for h in hosts:
-        down += ["--to", f"{tb.addr(h, toward='s0')}:{BLAST_PORT}"]
-    procs.append(tb.popen("s0", down, stdout=subprocess.DEVNULL))
+    """What each direction of each link carries with every link of that
+    direction busy at once, from the veth counters: first all uplinks (every
+    host blasts UDP at the switch), then all downlinks (one blaster per host
+    in the switch namespace). One direction at a time, so the blasters'
+    CPU (Python, on a machine the size of the 2-core VM) does not become the
+    limit being measured; each link is read with its own timestamps, since
+    one read takes milliseconds."""
 
-    def read() -> dict[str, tuple[float, Any]]:
-        out = {}
+    def blast(direction: str) -> list[float]:
+        offer = rate_mbit * 1.3  # over the limit, so tbf's queue stays full
+        if direction == "up":
+            procs = [tb.popen(h, _worker_argv("blast", to=f"{tb.addr('s0', toward=h)}:{BLAST_PORT}", mbit=offer,
+                                              seconds=seconds), stdout=subprocess.DEVNULL) for h in hosts]
+        else:
+            procs = [tb.popen("s0", _worker_argv("blast", to=f"{tb.addr(h, toward='s0')}:{BLAST_PORT}", mbit=offer,
+                                                 seconds=seconds), stdout=subprocess.DEVNULL) for h in hosts]
+
+        def read() -> dict[str, tuple[float, Any]]:
+            out = {}
+            for h in hosts:
+                t = time.monotonic()
+                b = tb.link_bytes(h, "s0")
+                out[h] = ((t + time.monotonic()) / 2, b)
+            return out
+
+        # let the queues fill before counting, stop counting before the blast ends
+        time.sleep(min(0.5, seconds / 4))
+        first = read()
+        time.sleep(seconds / 2)
+        last = read()
+        for p in procs:
+            p.wait(timeout=seconds + 30)
+        rates = []
         for h in hosts:
-            t = time.monotonic()
-            b = tb.link_bytes(h, "s0")
-            out[h] = ((t + time.monotonic()) / 2, b)
-        return out
+            (t0, b0), (t1, b1) = first[h], last[h]
+            sent = b1.a_to_b - b0.a_to_b if direction == "up" else b1.b_to_a - b0.b_to_a
+            rates.append(sent * 8 / (t1 - t0) / 1e6)
+        return rates
 
-    # let the queues fill before counting, stop counting before the blast ends
-    time.sleep(min(0.5, seconds / 4))
-    first = read()
-    time.sleep(seconds / 2)
-    last = read()
-    for p in procs:
-        p.wait(timeout=seconds + 30)
-    up, dn = [], []
-    for h in hosts:
-        (t0, b0), (t1, b1) = first[h], last[h]
-        up.append((b1.a_to_b - b0.a_to_b) * 8 / (t1 - t0) / 1e6)
-        dn.append((b1.b_to_a - b0.b_to_a) * 8 / (t1 - t0) / 1e6)
+    up = blast("up")
+    dn = blast("down")
     both = up + dn
     return {"capacity_mbit": statistics.median(both), "capacity_min_mbit": min(both),
             "uplink_mbit": up, "downlink_mbit": dn}
@@ -128,7 +137,7 @@ def run_network(args: Any) -> int:
     size = parse_size(args.size) if args.size else (4_000_000 if args.quick else 16_000_000)
     elements = max(1, size // 4)
     reps = args.reps or (3 if args.quick else 7)
-    seconds = 3.0 if args.quick else 4.0
+    seconds = 2.0 if args.quick else 3.0
     hosts = [f"h{i}" for i in range(n)]
     out = Path(args.out)
     print(f"network: star:{n}, {format_size(size)} float32 per worker, links {', '.join(f'{r:g}' for r in rates)} "
@@ -137,7 +146,8 @@ def run_network(args: Any) -> int:
     with ExitStack() as stack:
         tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=args.name, rate_mbit=rates[0],
                                             routing=True))
-        job = {k: v for k, v in (("block_grad_max", args.block_grad_max),) if v is not None}
+        job = {k: v for k, v in (("block_grad_max", args.block_grad_max), ("block_cnt_max", args.block_cnt_max))
+               if v is not None}
         sw = tb.switch("s0", jobs=[job_config(JOB, n, **job)], **({"shards": args.shards} if args.shards else {}))
         fanin_procs = [tb.popen(h, _worker_argv("fanin", addr=f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}",
                                                 rank=r, workers=n, elements=elements,
@@ -188,7 +198,7 @@ def run_network(args: Any) -> int:
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
                                  "window": args.window, "shards": args.shards, "overrides": bool(
-                                     args.elems_per_packet or args.window or args.shards or args.block_grad_max)},
+                                     args.elems_per_packet or args.window or args.shards or args.block_grad_max or args.block_cnt_max)},
               "csv": str(out / "network.csv"), "png": str(out / "network.png")}
     human = "; ".join(
         f"{r['rate_mbit']:g} Mbit/s (measured {r['capacity_mbit']:.0f}): fanin {r['fanin_median_s']:.3f} s = "

@@ -14,6 +14,10 @@ pub struct Counters {
     pub duplicate: u64,
     /// `Retransmission` messages received (also counted under their outcome).
     pub retransmissions: u64,
+    /// Retransmissions that filled a block's hole while other members'
+    /// contributions had arrived: losses on a member's path, marked on the
+    /// block's result (`AGE_OP_CONGESTED`, docs/congestion.md).
+    pub congestion_marked: u64,
     /// Datagrams that failed to parse, by [`WireError::kind`].
     pub malformed: [u64; WireError::KINDS.len()],
     pub unknown_job: u64,
@@ -142,6 +146,7 @@ impl Counters {
         f("accepted", None, self.accepted);
         f("duplicate", None, self.duplicate);
         f("retransmissions", None, self.retransmissions);
+        f("congestion_marked", None, self.congestion_marked);
         for (kind, v) in WireError::KINDS.iter().zip(self.malformed) {
             f("malformed", Some(kind), v);
         }
@@ -199,7 +204,7 @@ impl Counters {
             ($($field:ident),*) => { $( self.$field += other.$field; )* };
         }
         add!(
-            rx_datagrams, accepted, duplicate, retransmissions, unknown_job, non_member, over_cap,
+            rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
             slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,

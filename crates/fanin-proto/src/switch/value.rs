@@ -46,7 +46,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, RecoverAnchor, Repr, SyncRequest, TrimCause, AGE_OP_AGED, JOIN_RECOVER, JOIN_ROUND_START,
+    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, RecoverAnchor, Repr, SyncRequest, TrimCause, AGE_OP_AGED, AGE_OP_CONGESTED, JOIN_RECOVER, JOIN_ROUND_START,
     JOIN_SYNC, JOIN_WAIT, SYNC_NEWCOMER, ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_MISMATCH, MEMBERSHIP_READMITTED,
     MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW, NACK_TAG,
 };

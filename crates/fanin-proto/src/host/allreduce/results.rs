@@ -1,7 +1,7 @@
 //! What the switch answers a running allreduce: results (kept for a later
 //! allreduce, or written to the output), expired blocks, and trims.
 
-use fanin_wire::value::{read_elements, Repr, AGE_OP_AGED, EXP_NONE};
+use fanin_wire::value::{read_elements, Repr, AGE_OP_AGED, AGE_OP_CONGESTED, EXP_NONE};
 
 use super::op::{note_later_result, BlockPhase};
 use crate::host::congestion::Signal;
@@ -83,9 +83,12 @@ impl AllreduceSession {
             // the others' data is slower than their exponents, loss or not.
             loss_found = op.losses > before && !repr.exp_only;
         }
+        let round_trip = self.srtt.unwrap_or(self.config.rto_initial);
         if loss_found {
-            let round_trip = self.srtt.unwrap_or(self.config.rto_initial);
             self.cc.on_signal(now, round_trip, Signal::Loss);
+        }
+        if repr.age_op == AGE_OP_CONGESTED {
+            self.cc.on_signal(now, round_trip, Signal::Marked);
         }
         let Some(op) = self.op.as_mut() else { return };
         if repr.exp_only {

@@ -53,6 +53,9 @@ pub(super) struct Block {
     pub(super) idle_checks: u8,
     /// The block aged out (in either phase): its result is partial.
     pub(super) aged: bool,
+    /// A retransmission filled a hole in this phase (a contribution was lost
+    /// while others arrived): the result is marked `AGE_OP_CONGESTED`.
+    pub(super) congested: bool,
     /// Workers summed in the current phase: one per worker, a child
     /// switch's `src_cnt` per switch.
     pub(super) workers: u16,
@@ -89,6 +92,7 @@ impl Block {
             referenced: false,
             idle_checks: 0,
             aged: false,
+            congested: false,
             workers: 0,
             child_degraded: false,
             parent_result: None,
@@ -113,6 +117,7 @@ impl Block {
         self.expected_rcvd = 0;
         self.workers = 0;
         self.child_degraded = false;
+        self.congested = false;
     }
 
     /// Every source the block waits for has contributed in this phase, and
@@ -178,6 +183,7 @@ impl Block {
         self.referenced = true;
         self.idle_checks = 0;
         self.aged = false;
+        self.congested = false;
         self.workers = 0;
         self.child_degraded = false;
         self.parent_result = None;
@@ -196,7 +202,13 @@ impl Block {
         };
         Repr {
             msg_type: MessageType::Result,
-            age_op: if self.aged { AGE_OP_AGED } else { 0 },
+            age_op: if self.aged {
+                AGE_OP_AGED
+            } else if self.congested {
+                AGE_OP_CONGESTED
+            } else {
+                0
+            },
             final_block: self.final_block,
             degraded: !exp_only && degraded,
             exp_only,

@@ -155,6 +155,20 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
             return Verdict::Consumed;
         }
+        // A retransmission that fills a hole while other members'
+        // contributions to this phase arrived: this member's transmission
+        // was lost on its path (a queue overflowed), and the block's result
+        // will say so to every member at once (docs/congestion.md). A
+        // duplicate (a spurious retransmission) fills nothing and marks
+        // nothing; nor does a straggler's first transmission.
+        if packet.msg_type_code() == MessageType::Retransmission as u8 {
+            let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
+            let same_phase = exp_only == (block.phase == Phase::Exponent);
+            if same_phase && block.aggregating() && !block.rcvd.is_empty() && !block.rcvd.contains(src) {
+                block.congested = true;
+                counters.congestion_marked += 1;
+            }
+        }
         // A child switch's partial sums `src_cnt` workers; a worker is one.
         let weight = if src >= SWITCH_RANK_BASE as usize { packet.src_cnt().max(1) } else { 1 };
         let outcome = {

@@ -119,6 +119,34 @@ fn duplicate_contribution_is_never_added_twice() {
 }
 
 #[test]
+fn a_retransmission_that_fills_a_hole_marks_the_result_congested_and_a_duplicate_does_not() {
+    // docs/congestion.md: every member learns of a loss on one member's path
+    // from the same result
+    let mut sw = switch_with(&[job(1, 3, 4)]);
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    send(&mut sw, Pkt::data(1, 1, 0, &[2]));
+    // member 2's first transmission was lost; its retransmission fills the hole
+    let out = send(&mut sw, Pkt::data(1, 2, 0, &[3]).retransmission());
+    assert_eq!(out.len(), 3);
+    assert!(out.iter().all(|(_, r, v)| r.age_op == AGE_OP_CONGESTED && v == &vec![6]), "{out:?}");
+    assert_eq!(sw.counters().congestion_marked, 1);
+    // block 1: a spurious retransmission (a duplicate) and a straggler's
+    // first transmission mark nothing
+    send(&mut sw, Pkt::data(1, 0, 1, &[1]));
+    send(&mut sw, Pkt::data(1, 0, 1, &[1]).retransmission());
+    send(&mut sw, Pkt::data(1, 1, 1, &[2]));
+    let out = send(&mut sw, Pkt::data(1, 2, 1, &[3]));
+    assert!(out.iter().all(|(_, r, _)| r.age_op == 0), "{out:?}");
+    // block 2: a retransmission into an empty block (nobody else arrived
+    // yet: the worker's own timer, not a hole) marks nothing either
+    send(&mut sw, Pkt::data(1, 0, 2, &[1]).retransmission());
+    send(&mut sw, Pkt::data(1, 1, 2, &[1]));
+    let out = send(&mut sw, Pkt::data(1, 2, 2, &[1]));
+    assert!(out.iter().all(|(_, r, _)| r.age_op == 0), "{out:?}");
+    assert_eq!(sw.counters().congestion_marked, 1);
+}
+
+#[test]
 fn retransmission_for_a_completed_block_gets_the_result_again() {
     let mut sw = switch_with(&[job(1, 2, 4)]);
     send(&mut sw, Pkt::data(1, 0, 0, &[5]));
