@@ -263,6 +263,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int) -> None:
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -278,6 +279,11 @@ def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int) -> None:
     ax.plot(x, [r["ring_ideal_s"] for r in rows], "--", color="tab:orange", label="ring ideal 2(N-1)/N S/C")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("link rate (Mbit/s, tbf on every link)")
     ax.set_ylabel("allreduce time (s)")
     ax.set_title(f"star:{n}, {format_size(size)} float32 per worker; C = measured capacity")

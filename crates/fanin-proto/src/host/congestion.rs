@@ -48,14 +48,19 @@ use crate::time::Time;
 pub const TRIM_BETA: f64 = 0.5;
 /// Window multiplier on a result the switch marked congested.
 pub const LOSS_BETA: f64 = 0.7;
-/// The smallest window per switch shard: fast retransmit needs DUP_THRESH
-/// later results *of the same shard* after a loss, and below this it often
-/// finds none, so every loss would wait for the stall timer and its
-/// backoff (a 5 %-loss test took two minutes with a floor of 4 blocks).
-pub const MIN_WINDOW: u32 = 16;
+/// The smallest window per switch shard (at most half the job's slots).
+/// Fast retransmit needs DUP_THRESH later results *of the same shard* after
+/// a loss; with a floor of 4 blocks a 5 %-loss test took two minutes on the
+/// stall timer. And in a three-level aggregation tree under 1 % loss per
+/// link (128 workers, `fanin sim allreduce --loss 0.01`), where nearly every
+/// block loses a packet somewhere, windows of 16 blocks crawled: once the
+/// window is blocked behind a lost block no later results flow, so every
+/// repair waits for a stall timeout, one block per timeout, past 60 s of
+/// simulated time; with 64 the job finishes in 0.83 ms (docs/congestion.md).
+pub const MIN_WINDOW: u32 = 64;
 /// The window a session starts with before anything was learnt about the
-/// path (TCP's IW10, in blocks of about one frame each).
-pub const INITIAL_WINDOW: u32 = 16;
+/// path: the floor (slow start takes it from there).
+pub const INITIAL_WINDOW: u32 = MIN_WINDOW;
 
 /// What the session learnt that bears on congestion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,46 +224,46 @@ mod tests {
 
     #[test]
     fn slow_start_doubles_per_window_of_answers_up_to_the_limit() {
-        let mut cc = Congestion::new(INITIAL_WINDOW, 256);
-        assert_eq!(cc.window(), 16);
-        for _ in 0..16 {
+        let mut cc = Congestion::new(INITIAL_WINDOW, 1024);
+        assert_eq!(cc.window(), 64);
+        for _ in 0..64 {
             cc.on_answer();
         }
-        assert_eq!(cc.window(), 32, "one window of answers doubles it");
-        for _ in 0..1000 {
+        assert_eq!(cc.window(), 128, "one window of answers doubles it");
+        for _ in 0..5000 {
             cc.on_answer();
         }
-        assert_eq!(cc.window(), 256, "never above the job's slots");
+        assert_eq!(cc.window(), 1024, "never above the job's slots");
     }
 
     #[test]
     fn a_trim_halves_the_window_once_per_round_trip() {
-        let mut cc = Congestion::new(100, 256);
+        let mut cc = Congestion::new(400, 1024);
         cc.on_signal(at(0), RTT, Signal::Trim);
-        assert_eq!((cc.window(), cc.ssthresh()), (50, 50));
+        assert_eq!((cc.window(), cc.ssthresh()), (200, 200));
         // the same episode: further trims within one RTT change nothing
         cc.on_signal(at(5), RTT, Signal::Trim);
-        assert_eq!(cc.window(), 50);
+        assert_eq!(cc.window(), 200);
         cc.on_signal(at(10), RTT, Signal::Trim);
-        assert_eq!(cc.window(), 25);
+        assert_eq!(cc.window(), 100);
         let s = cc.stats();
         assert_eq!((s.trims, s.decreases), (3, 2));
     }
 
     #[test]
     fn a_marked_result_cuts_to_seven_tenths_once_per_window_of_answers() {
-        let mut cc = Congestion::new(100, 256);
+        let mut cc = Congestion::new(400, 1024);
         cc.on_signal(at(0), RTT, Signal::Marked);
-        assert_eq!(cc.window(), 70);
-        // marks before 70 more answers: the same episode, whatever the time
-        for _ in 0..69 {
+        assert_eq!(cc.window(), 280);
+        // marks before 280 more answers: the same episode, whatever the time
+        for _ in 0..279 {
             cc.on_answer();
         }
         cc.on_signal(at(1000), RTT, Signal::Marked);
-        assert_eq!(cc.window(), 70);
+        assert_eq!(cc.window(), 280);
         cc.on_answer();
         cc.on_signal(at(1000), RTT, Signal::Marked);
-        assert_eq!(cc.window(), 49);
+        assert_eq!(cc.window(), 196);
         assert_eq!((cc.stats().marks, cc.stats().decreases), (3, 2));
     }
 
@@ -289,15 +294,15 @@ mod tests {
 
     #[test]
     fn after_a_decrease_the_window_grows_by_one_block_per_window() {
-        let mut cc = Congestion::new(100, 256);
+        let mut cc = Congestion::new(400, 1024);
         cc.on_signal(at(0), RTT, Signal::Marked);
-        assert_eq!(cc.window(), 70);
-        for _ in 0..69 {
+        assert_eq!(cc.window(), 280);
+        for _ in 0..279 {
             cc.on_answer();
         }
-        assert_eq!(cc.window(), 70);
+        assert_eq!(cc.window(), 280);
         cc.on_answer();
-        assert_eq!(cc.window(), 71);
+        assert_eq!(cc.window(), 281);
     }
 
     #[test]

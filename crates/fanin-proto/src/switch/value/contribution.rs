@@ -161,12 +161,20 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // will say so to every member at once (docs/congestion.md). A
         // duplicate (a spurious retransmission) fills nothing and marks
         // nothing; nor does a straggler's first transmission.
-        if packet.msg_type_code() == MessageType::Retransmission as u8 {
+        // In a tree, a child switch's partial carries the marks of its
+        // subtree up, so the root's result marks the block for the whole job.
+        {
             let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
             let same_phase = exp_only == (block.phase == Phase::Exponent);
-            if same_phase && block.aggregating() && !block.rcvd.is_empty() && !block.rcvd.contains(src) {
+            let hole = !block.rcvd.is_empty() && !block.rcvd.contains(src);
+            let retransmission = packet.msg_type_code() == MessageType::Retransmission as u8;
+            let child_marked = src >= SWITCH_RANK_BASE as usize && packet.age_op() == AGE_OP_CONGESTED;
+            if same_phase && block.aggregating() && !block.rcvd.contains(src) && ((retransmission && hole) || child_marked)
+            {
+                if !block.congested && retransmission && hole {
+                    counters.congestion_marked += 1;
+                }
                 block.congested = true;
-                counters.congestion_marked += 1;
             }
         }
         // A child switch's partial sums `src_cnt` workers; a worker is one.

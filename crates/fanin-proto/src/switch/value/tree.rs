@@ -158,6 +158,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 block.next_exp = repr.next_exp;
                 block.final_block = repr.final_block;
                 block.aged |= repr.age_op == AGE_OP_AGED;
+                // the root's mark is the job's (it has every subtree's):
+                // every member cuts at the same result (docs/congestion.md)
+                block.congested = repr.age_op == AGE_OP_CONGESTED;
                 block.parent_result = Some((repr.src_cnt, repr.degraded));
                 block.phase = Phase::Done;
                 reply.send_to_all(block, false);
