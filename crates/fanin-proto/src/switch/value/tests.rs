@@ -825,6 +825,39 @@ fn leaf_sends_one_partial_up_and_relays_the_result_down() {
 }
 
 #[test]
+fn in_a_tree_a_mark_goes_up_with_the_partial_and_the_roots_verdict_comes_down() {
+    // block 0: worker 1's first transmission was lost; its retransmission
+    // fills the hole, so the partial going up carries the mark
+    let mut sw = leaf();
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[2]).retransmission());
+    assert_eq!((out[0].0, out[0].1.age_op), (PARENT, AGE_OP_CONGESTED));
+    // the root's unmarked verdict comes down unmarked (the leaf's own mark
+    // is in it already, or the root saw none), and a marked one marked, so
+    // every member of the job sees the same marks
+    let out = send_from(&mut sw, PARENT, &parent_result(0, 5, &[3]));
+    assert!(out.iter().all(|o| o.1.age_op == 0), "{out:?}");
+    send(&mut sw, Pkt::data(1, 0, 1, &[1]));
+    send(&mut sw, Pkt::data(1, 1, 1, &[1]));
+    let mut marked = Pkt::data(1, 0, 1, &[2]);
+    marked.repr.msg_type = MessageType::Result;
+    marked.repr.src_cnt = 5;
+    marked.repr.age_op = AGE_OP_CONGESTED;
+    let out = send_from(&mut sw, PARENT, &marked.bytes());
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|o| o.1.age_op == AGE_OP_CONGESTED), "{out:?}");
+    // at the root: a child's marked partial marks the block
+    let spec = JobSpec { members: vec![0, RANK], workers: 4, ..job(1, 2, 4) };
+    let mut root = switch_with(&[spec]);
+    send(&mut root, Pkt::data(1, 0, 0, &[1]));
+    let mut partial = Pkt::data(1, RANK, 0, &[5]);
+    partial.repr.src_cnt = 3;
+    partial.repr.age_op = AGE_OP_CONGESTED;
+    let out = send_from(&mut root, 7, &partial.bytes());
+    assert!(out.len() == 2 && out.iter().all(|o| o.1.age_op == AGE_OP_CONGESTED), "{out:?}");
+}
+
+#[test]
 fn root_counts_a_child_switch_as_the_workers_it_sums_and_never_twice() {
     let spec = JobSpec { members: vec![0, RANK], workers: 4, ..job(1, 2, 4) };
     let mut sw = switch_with(&[spec]);
