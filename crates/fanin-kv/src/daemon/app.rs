@@ -355,7 +355,7 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
             shared.stats.sends_failed.fetch_add(1, Ordering::Relaxed);
             // The receiver would otherwise wait for this channel's FIN.
             let fail = PeerRequest::Fail { task_id, channel, error: reason.clone() }.to_json();
-            if session.as_mut().map(|s| s.call(&fail)).is_none_or(|r| r.is_err()) {
+            if session.as_mut().map(|s| s.call(&fail)).map_or(true, |r| r.is_err()) {
                 let _ = peer_call(&control, &fail);
             }
             Err(error(format!("task {task_id} channel {channel}: {reason}")))

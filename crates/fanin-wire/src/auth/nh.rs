@@ -172,7 +172,7 @@ fn nh_pair_scalar(k: &[u32; KEY_WORDS], chunk: &[u8]) -> (u64, u64) {
 
 /// [`nh_pair_scalar`] of groups that start at word `offset` of a chunk.
 fn nh_pair_scalar_at(k: &[u32; KEY_WORDS], chunk: &[u8], offset: usize) -> (u64, u64) {
-    debug_assert!(chunk.len().is_multiple_of(32) && offset + chunk.len() / 4 <= CHUNK_WORDS);
+    debug_assert!(chunk.len() % 32 == 0 && offset + chunk.len() / 4 <= CHUNK_WORDS);
     let mut a = [0u64; 4];
     let mut b = [0u64; 4];
     let groups = chunk.chunks_exact(32);
@@ -213,7 +213,7 @@ fn nh_pair_scalar_at(k: &[u32; KEY_WORDS], chunk: &[u8], offset: usize) -> (u64,
 #[target_feature(enable = "avx2")]
 unsafe fn nh_pair_avx2(k: &NhKey, chunk: &[u8]) -> (u64, u64) {
     use std::arch::x86_64::*;
-    debug_assert!(chunk.len().is_multiple_of(32) && chunk.len() <= NH_CHUNK);
+    debug_assert!(chunk.len() % 32 == 0 && chunk.len() <= NH_CHUNK);
     let words = chunk.len() / 4;
     let m = chunk.as_ptr();
     // (A macro, not a closure: a closure would not inherit `avx2`.)
@@ -278,7 +278,7 @@ fn with_scalar_tail(k: &NhKey, chunk: &[u8], done: usize, digests: (u64, u64)) -
 #[target_feature(enable = "avx512f")]
 unsafe fn nh_pair_avx512(k: &NhKey, chunk: &[u8]) -> (u64, u64) {
     use std::arch::x86_64::*;
-    debug_assert!(chunk.len().is_multiple_of(32) && chunk.len() <= NH_CHUNK);
+    debug_assert!(chunk.len() % 32 == 0 && chunk.len() <= NH_CHUNK);
     let words = chunk.len() / 4;
     let m = chunk.as_ptr();
     macro_rules! pass {
