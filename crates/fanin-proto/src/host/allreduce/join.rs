@@ -54,8 +54,10 @@ impl AllreduceSession {
             return;
         }
         if self.config.elems_per_packet == 0 {
-            // the job's packet size (a switch never announces 0; clamp anyway)
-            self.config.elems_per_packet = params.packet_elems.clamp(1, params.block_grad_max.min(MAX_GRAD_CNT as u32)) as u16;
+            // the job's packet size, within what a block and a datagram hold;
+            // never 0 (min before max: a malformed JoinAck with
+            // block_grad_max 0 must not panic a clamp)
+            self.config.elems_per_packet = params.packet_elems.min(params.block_grad_max).min(MAX_GRAD_CNT as u32).max(1) as u16;
         }
         self.params = Some(params);
         self.n_sources = repr.src_cnt.max(1);

@@ -366,3 +366,55 @@ fn stall_timer_resends_only_after_an_rto_without_progress() {
     deliver(&mut s, &mut sw, deadline, out.drain().collect());
     assert!(matches!(s.poll_event(), Some(Event::Completed(_))));
 }
+
+/// What the JoinAck `packet_elems` gives a session that left its packet
+/// size to the job: a 1500-byte data link's cap, or the job's block size.
+fn packet_size_from(packet_elems_max: u32, block_grad_max: u32) -> u16 {
+    let mut sw = ValueSwitch::new(ShardConfig { packet_elems_max, ..ShardConfig::single(1 << 24) });
+    sw.add_job(JobSpec::with_sources(1, 1, 16, block_grad_max)).unwrap();
+    let mut s = AllreduceSession::new(SessionConfig::new(1, 0), Time::ZERO);
+    assert_eq!(s.elems_per_packet(), 0, "the job's, once joined");
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    for (_, join) in out.drain() {
+        let mut reply = VecTransmit::new();
+        let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
+        for (_, b) in reply.drain() {
+            s.handle_datagram(Time::ZERO, &b);
+        }
+    }
+    assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+    s.elems_per_packet()
+}
+
+#[test]
+fn a_session_takes_the_jobs_packet_size_which_fits_the_switchs_link() {
+    let mtu_1500 = fanin_wire::value::elems_fitting_mtu(1500, false);
+    assert_eq!(packet_size_from(mtu_1500, 1024), 358);
+    assert_eq!(packet_size_from(mtu_1500, 100), 100, "never above the job's block size");
+    assert_eq!(packet_size_from(u32::MAX, 1024), 1024, "no MTU known: the job's block size");
+}
+
+#[test]
+fn a_join_ack_announcing_nothing_fits_does_not_panic_the_worker() {
+    // a malformed JoinAck (block_grad_max 0) from a broken switch
+    let mut s = AllreduceSession::new(SessionConfig::new(1, 0), Time::ZERO);
+    let repr = Repr { src_cnt: 1, ..Repr::new(MessageType::JoinAck, 1, 0) };
+    let params = JoinParams {
+        block_cnt_max: 16,
+        block_grad_max: 0,
+        block_exp_ms: 0,
+        incarnation: 3,
+        shard_count: 1,
+        next_block: 0,
+        results_on_group: false,
+        partial_results: false,
+        packet_elems: 0,
+    };
+    let mut buf = vec![0; repr.buffer_len()];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut p);
+    params.emit(p.payload_mut());
+    s.handle_datagram(Time::ZERO, &buf);
+    assert!(s.elems_per_packet() <= 1);
+}
