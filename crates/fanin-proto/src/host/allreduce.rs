@@ -37,11 +37,12 @@
 //!
 //! **Back-pressure (trimming).** An overloaded switch answers a contribution
 //! with a header-only `Trimmed` nack instead of dropping it silently (NDP's
-//! return-to-sender). The block is queued for retransmission at once, and
-//! the window is halved, at most once per round trip, so one burst of trims
-//! counts as one congestion signal. Each window's worth of accepted results
-//! then grows the window by one block again, up to the configured window
-//! (AIMD, as TCP's congestion avoidance).
+//! return-to-sender). The block is queued for retransmission at once.
+//!
+//! **Congestion control.** How many blocks may be in flight is
+//! [`super::congestion`]'s window, fed the answers, trims, the switch's
+//! congestion marks, losses and stall timeouts this machine sees
+//! (docs/congestion.md).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -391,7 +392,6 @@ impl AllreduceSession {
             retransmissions: 0,
             trimmed: 0,
             fast_retransmits: 0,
-            losses: 0,
             timeouts: 0,
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,

@@ -80,6 +80,7 @@ pub enum Signal {
 pub struct CongestionStats {
     pub trims: u64,
     pub marks: u64,
+    /// Blocks fast retransmit found lost (this member's or a peer's).
     pub losses: u64,
     pub timeouts: u64,
     /// Times the window was cut (at most one per round trip).

@@ -14,9 +14,9 @@ pub struct Counters {
     pub duplicate: u64,
     /// `Retransmission` messages received (also counted under their outcome).
     pub retransmissions: u64,
-    /// Retransmissions that filled a block's hole while other members'
-    /// contributions had arrived: losses on a member's path, marked on the
-    /// block's result (`AGE_OP_CONGESTED`, docs/congestion.md).
+    /// Blocks (phases) marked because a retransmission filled a hole while
+    /// other members' contributions had arrived: a loss on a member's path,
+    /// said in the block's result (`AGE_OP_CONGESTED`, docs/congestion.md).
     pub congestion_marked: u64,
     /// Datagrams that failed to parse, by [`WireError::kind`].
     pub malformed: [u64; WireError::KINDS.len()],

@@ -21,7 +21,8 @@ pub struct SessionConfig {
     /// into IP fragments. Any other value overrides it and must be the same
     /// on every member.
     pub elems_per_packet: u16,
-    /// Most blocks outstanding at once; clamped to the job's `block_cnt_max`.
+    /// Most blocks outstanding at once (congestion control's window never
+    /// exceeds it); clamped to the job's `block_cnt_max`.
     pub window: u32,
     /// Retransmission timeout before any round trip was measured.
     pub rto_initial: Duration,

@@ -81,12 +81,6 @@ pub(super) struct Op {
     pub(super) trimmed: u64,
     /// Blocks fast retransmit found lost.
     pub(super) fast_retransmits: u64,
-    /// Of those, first transmissions: the congestion signals. A block is
-    /// overtaken at every member at once (its result is late for all), so
-    /// every member sees the same first losses and cuts its window at the
-    /// same result; a retransmission found lost again is usually waiting
-    /// for another member's, which only this member would see.
-    pub(super) losses: u64,
     /// Stall timeouts that fired.
     pub(super) timeouts: u64,
     pub(super) degraded: Vec<(u32, u16)>,
@@ -174,8 +168,5 @@ fn overtaken(op: &mut Op, j: u32, answered_seq: u64) {
         b.queued = true;
         op.retransmit.push_back(j);
         op.fast_retransmits += 1;
-        if b.attempt == 0 {
-            op.losses += 1;
-        }
     }
 }

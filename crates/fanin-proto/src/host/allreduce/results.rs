@@ -75,17 +75,15 @@ impl AllreduceSession {
         op.backoff = 0;
         // An aged result says nothing about loss: the scanners emit blocks
         // in slice order, not block order.
-        let mut loss_found = false;
+        let mut losses = 0;
         if repr.age_op != AGE_OP_AGED {
-            let before = op.losses;
+            let before = op.fast_retransmits;
             note_later_result(op, idx, &params, self.config.job_id);
-            // An exponent-only result overtakes data transmissions whenever
-            // the others' data is slower than their exponents, loss or not.
-            loss_found = op.losses > before && !repr.exp_only;
+            losses = op.fast_retransmits - before;
         }
         let round_trip = self.srtt.unwrap_or(self.config.rto_initial);
-        if loss_found {
-            self.cc.on_signal(now, round_trip, Signal::Loss);
+        for _ in 0..losses {
+            self.cc.on_signal(now, round_trip, Signal::Loss); // counted, not acted on
         }
         if repr.age_op == AGE_OP_CONGESTED {
             self.cc.on_signal(now, round_trip, Signal::Marked);

@@ -166,12 +166,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         {
             let block = if is_prev { slot.prev.as_mut() } else { slot.cur.as_mut() }.expect("located above");
             let same_phase = exp_only == (block.phase == Phase::Exponent);
-            let hole = !block.rcvd.is_empty() && !block.rcvd.contains(src);
-            let retransmission = packet.msg_type_code() == MessageType::Retransmission as u8;
+            let fills_hole =
+                packet.msg_type_code() == MessageType::Retransmission as u8 && !block.rcvd.is_empty();
             let child_marked = src >= SWITCH_RANK_BASE as usize && packet.age_op() == AGE_OP_CONGESTED;
-            if same_phase && block.aggregating() && !block.rcvd.contains(src) && ((retransmission && hole) || child_marked)
-            {
-                if !block.congested && retransmission && hole {
+            if same_phase && block.aggregating() && !block.rcvd.contains(src) && (fills_hole || child_marked) {
+                if fills_hole && !block.congested {
                     counters.congestion_marked += 1;
                 }
                 block.congested = true;
