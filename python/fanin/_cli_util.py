@@ -28,31 +28,38 @@ def dispatch(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]], lis
         return 1
 
 
+# How `--job` reads the fields whose Rust default is unset (None); a field with a default takes that default's type.
+_JOB_FIELD_FORMS = {"members": "0:1:2", "sources": "N", "key": "32 hex digits", "on_failure": "degrade|fail",
+                    "rate_limit": "PPS:BURST", "result_group": "IPV4:PORT"}
+
+
 def job_arg(text: str) -> dict[str, Any]:
-    """Parse 'id=1,sources=4,block_cnt_max=256,block_grad_max=1024,mode=forward'."""
+    """Parse 'id=1,sources=4,block_cnt_max=256,block_grad_max=1024,mode=forward'. The field names are the
+    Rust job description's (`fanin.switch.JOB_SCHEMA`); `id` is short for job_id."""
+    from fanin.switch import JOB_SCHEMA
+
     job: dict[str, Any] = {}
     for part in text.split(","):
         if "=" not in part:
             raise argparse.ArgumentTypeError(f"job field {part!r} is not key=value")
         k, v = (s.strip() for s in part.split("=", 1))
         k = {"id": "job_id"}.get(k, k)
+        if k not in JOB_SCHEMA:
+            forms = ", ".join(f"{name}={_JOB_FIELD_FORMS.get(name, 'N' if name != 'mode' else 'aggregate|forward')}"
+                              for name in JOB_SCHEMA if name != "job_id")
+            raise argparse.ArgumentTypeError(f"unknown job field {k!r} (use id=N, {forms})")
+        default = JOB_SCHEMA[k]
         if k == "members":
             job[k] = [int(x) for x in v.split(":") if x]
-        elif k in ("mode", "key", "on_failure", "result_group"):
-            job[k] = v
         elif k == "rate_limit":
             job[k] = rate_limit_dict(v.replace(":", ","))
-        elif k in ("job_id", "sources", "block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows",
-                   "member_timeout_ms"):
+        elif isinstance(default, str) or k in ("key", "on_failure", "result_group"):
+            job[k] = v
+        else:
             try:
                 job[k] = int(v)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
-        else:
-            raise argparse.ArgumentTypeError(
-                f"unknown job field {k!r} (use id, sources, members=0:1:2, block_cnt_max, block_grad_max, block_exp_ms, "
-                "slow_after_windows, mode, on_failure=degrade|fail, member_timeout_ms, rate_limit=PPS:BURST, key=HEX, "
-                "result_group=IPV4:PORT)")
     if "job_id" not in job:
         raise argparse.ArgumentTypeError("a job needs id=N")
     return job

@@ -75,17 +75,21 @@ def _add_switch(sub: Any) -> None:
     sw = sub.add_parser("switch", help="run a software aggregation switch in the foreground",
                         description="Run the fanin switch daemon until SIGINT/SIGTERM. Shard i listens on the data "
                                     "port + i; jobs come from --job/--config or the control API.",
-                        epilog="example: fanin switch --shards 2 --job id=1,sources=4,block_cnt_max=256",
+                        epilog="example: fanin switch --shards 2 --job id=1,sources=4,block_cnt_max=256\n"
+                               "a second switch on this machine: fanin switch --data-addr 127.0.0.1:9010 "
+                               "(control API 127.0.0.1:9110, metrics 127.0.0.1:9111)",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sw.add_argument("--config", help="TOML or JSON config file; flags given as well override its fields (a --job "
                                      "replaces the file's job of the same id)")
     sw.add_argument("--data-addr", help="data port of shard 0 (default 127.0.0.1:9000)")
     sw.add_argument("--shards", type=int, help="processing threads, one data port each "
                                                "(default: one per two cores, 1 to 8)")
-    sw.add_argument("--control-addr", help="gRPC control API address or 'off' (default 127.0.0.1:9100)")
+    sw.add_argument("--control-addr", help="gRPC control API address, 'auto' or 'off' (default auto: 127.0.0.1 at the "
+                                           "data port + 100, e.g. 127.0.0.1:9100; a free port if that one is taken)")
     sw.add_argument("--control-token", help="bearer token the control API requires (default: $FANIN_CONTROL_TOKEN; "
                                              "required when --control-addr is not a loopback address)")
-    sw.add_argument("--metrics-addr", help="Prometheus endpoint address or 'off' (default 127.0.0.1:9101)")
+    sw.add_argument("--metrics-addr", help="Prometheus endpoint address, 'auto' or 'off' (default auto: the data port + "
+                                           "101 on 127.0.0.1)")
     sw.add_argument("--memory-mb", type=int, help="aggregation memory for all jobs (default 1024)")
     sw.add_argument("--job", action="append", type=job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "

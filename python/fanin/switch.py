@@ -8,11 +8,15 @@ from typing import Any, Iterable, Optional, Union
 
 from fanin import _native
 
-__all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config", "free_result_group", "JOB_DEFAULTS"]
+__all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config", "free_result_group", "JOB_DEFAULTS",
+           "JOB_SCHEMA"]
 
-#: A job's defaults (block_cnt_max, block_grad_max, block_exp_ms,
-#: slow_after_windows), from the Rust job description, the one place they
-#: are written; every Python layer that describes a job uses these.
+#: Every field of a job with its default (None: unset), read from the Rust
+#: job description (`fanin_switch::JobConfig`), the one place they are
+#: written; `job_id` is required (its value here is a placeholder).
+JOB_SCHEMA: dict[str, Any] = _native.job_schema()
+#: The sizing defaults (block_cnt_max, block_grad_max, block_exp_ms,
+#: slow_after_windows) every Python layer that describes a job uses.
 JOB_DEFAULTS: dict[str, int] = _native.job_defaults()
 
 
@@ -25,12 +29,13 @@ def job_config(
     block_grad_max: int = JOB_DEFAULTS["block_grad_max"],
     block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"],
     slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"],
-    mode: str = "aggregate",
+    mode: str = JOB_SCHEMA["mode"],
     key: Optional[Union[bytes, str]] = None,
     on_failure: Optional[str] = None,
-    member_timeout_ms: int = 0,
+    member_timeout_ms: int = JOB_SCHEMA["member_timeout_ms"],
     rate_limit: Optional[tuple[int, int]] = None,
     result_group: Optional[str] = None,
+    workers: int = JOB_SCHEMA["workers"],
 ) -> dict[str, Any]:
     """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
 
@@ -59,6 +64,9 @@ def job_config(
     sends each result once to this IPv4 multicast group for the workers
     listening there (``fanin.Session(..., result_group=...)``) instead of a
     copy to each (docs/protocol.md 4.5).
+
+    ``workers``: the workers of the whole job when this switch is one of an
+    aggregation tree's (docs/trees.md); 0 = its member count.
     """
     job: dict[str, Any] = {
         "job_id": job_id,
@@ -69,6 +77,8 @@ def job_config(
         "mode": mode,
         "member_timeout_ms": member_timeout_ms,
     }
+    if workers:
+        job["workers"] = workers
     if on_failure is not None:
         job["on_failure"] = on_failure
     if result_group is not None:
@@ -105,8 +115,8 @@ def switch_config(
     *,
     data_addr: str = "127.0.0.1:9000",
     shards: Optional[int] = None,
-    control_addr: Optional[str] = "127.0.0.1:9100",
-    metrics_addr: Optional[str] = "127.0.0.1:9101",
+    control_addr: Optional[str] = "auto",
+    metrics_addr: Optional[str] = "auto",
     memory_mb: int = 1024,
     ingress_drop: float = 0.0,
     egress_drop: float = 0.0,
@@ -125,7 +135,10 @@ def switch_config(
 ) -> dict[str, Any]:
     """The daemon configuration (the same fields as the TOML config file).
     ``shards``: processing threads, one data port each (None: the daemon's
-    default, one per two cores, 1 to 8). ``scanners`` and ``checks``
+    default, one per two cores, 1 to 8). ``control_addr`` and
+    ``metrics_addr``: ``"auto"`` (127.0.0.1 at the data port + 100 and
+    + 101, or a free port if taken), ``"ip:port"``, or None (off).
+    ``scanners`` and ``checks``
     configure the straggler detector; ``trim``
     and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
     ``socket_buffer`` the receive buffer per data socket in bytes (default

@@ -173,6 +173,67 @@ def test_flags_given_with_a_config_file_override_it(tmp_path):
         proc.wait(timeout=30)
 
 
+def _free_base_port() -> int:
+    """A port P with P..P+21 free for UDP and P+100..P+121 for TCP (three
+    switches' data, control and metrics ports)."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 40000)
+        try:
+            for port, kind in [(base + d, socket.SOCK_DGRAM) for d in range(22)] + \
+                              [(base + 100 + d, socket.SOCK_STREAM) for d in range(22)]:
+                with socket.socket(socket.AF_INET, kind) as t:
+                    t.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    pytest.skip("no free block of ports found on 127.0.0.1")
+
+
+def test_a_second_switch_on_one_machine_needs_only_another_data_port():
+    """The control API and metrics default to the data port + 100 and + 101
+    (they were fixed at 9100 and 9101, so a second switch needed three flags);
+    a taken port falls back to a free one, printed; a bad value names what to
+    give."""
+    from fanin.control import ControlClient
+
+    base = _free_base_port()
+    procs = []
+
+    def start(data_port):
+        proc = subprocess.Popen([sys.executable, "-m", "fanin", "switch", "--data-addr", f"127.0.0.1:{data_port}",
+                                 "--shards", "1", "--print-ready"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        return json.loads(line), proc.stderr.readline()
+
+    blocker = socket.socket()
+    try:
+        a, _ = start(base)
+        b, said = start(base + 10)
+        assert (a["control_addr"], a["metrics_addr"]) == (f"127.0.0.1:{base + 100}", f"127.0.0.1:{base + 101}")
+        assert (b["control_addr"], b["metrics_addr"]) == (f"127.0.0.1:{base + 110}", f"127.0.0.1:{base + 111}")
+        assert f"control API 127.0.0.1:{base + 110}" in said, said
+        blocker.bind(("127.0.0.1", base + 120))
+        blocker.listen()
+        c, said = start(base + 20)
+        assert c["control_addr"] != f"127.0.0.1:{base + 120}" and c["metrics_addr"] == f"127.0.0.1:{base + 121}"
+        assert f"control API {c['control_addr']}" in said, said
+        for info in (a, b, c):
+            with ControlClient(info["control_addr"]) as client:
+                assert client.list_jobs() == []
+    finally:
+        blocker.close()
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    r = fanin_cli("switch", "--data-addr", "127.0.0.1:0", "--control-addr", "nine", timeout=30)
+    assert r.returncode != 0 and '"auto", "off" or ip:port' in r.stderr, r.stderr
+
+
 def test_switch_port_in_use_is_reported():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("127.0.0.1", 0))

@@ -107,3 +107,30 @@ def test_every_layer_that_describes_a_job_takes_its_defaults_from_rust(tmp_path)
     cfg = json.loads(_native.load_config(str(path)))
     for name, value in defaults.items():
         assert cfg["jobs"][0][name] == value, name
+
+
+def test_every_field_of_the_rust_job_is_taken_by_job_config_and_the_cli(tmp_path):
+    """The job's fields are read from the Rust type (`JOB_SCHEMA`): a field
+    added there fails here until `job_config` and `--job` take it, and each
+    one they write is read back by the switch's own config parser."""
+    from fanin._cli_util import job_arg
+    from fanin.switch import JOB_SCHEMA, job_config, switch_config
+
+    assert JOB_SCHEMA["block_cnt_max"] == _native.job_defaults()["block_cnt_max"]
+    params = inspect.signature(job_config).parameters
+    assert set(JOB_SCHEMA) == set(params), set(JOB_SCHEMA) ^ set(params)
+    for name, default in JOB_SCHEMA.items():
+        if name != "job_id":
+            assert params[name].default == default, name
+    values = {"job_id": "5", "members": "0:2", "sources": "2", "block_cnt_max": "8", "block_grad_max": "64",
+              "block_exp_ms": "3", "slow_after_windows": "1", "mode": "forward", "workers": "4",
+              "key": "000102030405060708090a0b0c0d0e0f", "on_failure": "fail", "member_timeout_ms": "700",
+              "rate_limit": "100:10", "result_group": "239.1.0.7:47001"}
+    assert set(values) == set(JOB_SCHEMA)
+    for name, text in values.items():
+        job = job_arg(f"{name}={text}" + ("" if name in ("sources", "members") else ",sources=2") + ",id=5")
+        assert name in job, name
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(switch_config(jobs=[job])))
+        (read,) = json.loads(_native.load_config(str(path)))["jobs"]
+        assert read[name] not in (None, JOB_SCHEMA[name]) or name == "job_id", (name, read[name])

@@ -8,7 +8,7 @@ use fanin_host::{HostError, Session, SessionOptions};
 use fanin_proto::fault::SplitMix64;
 use fanin_proto::host::{SessionError, Tensor};
 use fanin_proto::job::JobMode;
-use fanin_switch::{DaemonConfig, FaultConfig, JobConfig, SwitchHandle};
+use fanin_switch::{DaemonConfig, FaultConfig, JobConfig, Listen, SwitchHandle};
 use fanin_wire::value::NackReason;
 
 fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
@@ -34,8 +34,8 @@ fn start(shards: u16, loss: f64, jobs: Vec<JobConfig>) -> SwitchHandle {
     let config = DaemonConfig {
         data_addr: "127.0.0.1:0".parse().unwrap(),
         shards,
-        control_addr: None,
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        control_addr: Listen::Off,
+        metrics_addr: Listen::At("127.0.0.1:0".parse().unwrap()),
         faults: FaultConfig { ingress_drop: loss, egress_drop: loss / 2.0, seed: 11, ..Default::default() },
         jobs,
         ..DaemonConfig::default()

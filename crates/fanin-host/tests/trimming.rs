@@ -9,7 +9,7 @@ use fanin_host::{Session, SessionOptions};
 use fanin_proto::fault::SplitMix64;
 use fanin_proto::host::Tensor;
 use fanin_proto::job::JobMode;
-use fanin_switch::{DaemonConfig, JobConfig, SwitchHandle, TrimSection};
+use fanin_switch::{DaemonConfig, JobConfig, Listen, SwitchHandle, TrimSection};
 
 const WORKERS: u16 = 4;
 const LEN: usize = 200_000;
@@ -17,8 +17,8 @@ const LEN: usize = 200_000;
 fn start(trim: bool) -> SwitchHandle {
     let config = DaemonConfig {
         data_addr: "127.0.0.1:0".parse().unwrap(),
-        control_addr: None,
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        control_addr: Listen::Off,
+        metrics_addr: Listen::At("127.0.0.1:0".parse().unwrap()),
         socket_buffer: 256 << 10,
         trim: TrimSection { enabled: trim, watermark: 0.05 },
         jobs: vec![JobConfig {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use fanin_kv::records::{encode_tuples, read_results};
 use fanin_kv::{KvDaemon, KvDaemonConfig};
-use fanin_switch::{DaemonConfig, SwitchHandle};
+use fanin_switch::{DaemonConfig, Listen, SwitchHandle};
 use serde_json::{json, Value};
 
 fn request(stream: &mut UnixStream, msg: Value) -> Value {
@@ -22,8 +22,8 @@ fn request(stream: &mut UnixStream, msg: Value) -> Value {
 fn start() -> (SwitchHandle, KvDaemon, tempdir::Dir) {
     let switch = SwitchHandle::start(DaemonConfig {
         data_addr: "127.0.0.1:0".parse().unwrap(),
-        control_addr: Some("127.0.0.1:0".parse().unwrap()),
-        metrics_addr: None,
+        control_addr: Listen::At("127.0.0.1:0".parse().unwrap()),
+        metrics_addr: Listen::Off,
         ..DaemonConfig::default()
     })
     .expect("switch starts");

@@ -13,13 +13,14 @@ use auth::{derive_member_key, seal_datagram};
 use errors::{FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, StaleResult};
 use kv::{decode_results, encode_tuples, run_kv_daemon};
 use session::{session_defaults, Session};
-use switch::{job_defaults, load_config, run_switch, Switch};
+use switch::{job_defaults, job_schema, load_config, run_switch, Switch};
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
     m.add_function(wrap_pyfunction!(session_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(job_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(job_schema, m)?)?;
     m.add_class::<Switch>()?;
     m.add_function(wrap_pyfunction!(run_switch, m)?)?;
     m.add_function(wrap_pyfunction!(run_kv_daemon, m)?)?;

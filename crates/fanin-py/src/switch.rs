@@ -133,15 +133,27 @@ pub(crate) fn run_switch(py: Python<'_>, config_json: &str, on_ready: Option<Bou
     Ok(())
 }
 
-/// The defaults of a job's fields, from the Rust job description (the one
-/// place they are written), by the names `fanin.switch.job_config` uses.
+/// A job as the config file describes it: every field of
+/// `fanin_switch::JobConfig` with its default (null where unset means
+/// "none"), read from the Rust type itself, so a field added there shows up
+/// here and the Python layers' agreement test fails until they take it.
+/// `job_id` is required; its value here is a placeholder.
+#[pyfunction]
+pub(crate) fn job_schema(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let job: fanin_switch::JobConfig =
+        serde_json::from_str(r#"{"job_id": 0}"#).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let text = serde_json::to_string(&job).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    py.import("json")?.call_method1("loads", (text,))
+}
+
+/// The defaults of a job's sizing fields (a subset of [`job_schema`]), by
+/// the names `fanin.switch.job_config` uses.
 #[pyfunction]
 pub(crate) fn job_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    use fanin_proto::job;
+    let schema = job_schema(py)?;
     let d = PyDict::new(py);
-    d.set_item("block_cnt_max", job::DEFAULT_BLOCK_CNT_MAX)?;
-    d.set_item("block_grad_max", job::DEFAULT_BLOCK_GRAD_MAX)?;
-    d.set_item("block_exp_ms", 0)?;
-    d.set_item("slow_after_windows", job::DEFAULT_SLOW_AFTER_WINDOWS)?;
+    for name in ["block_cnt_max", "block_grad_max", "block_exp_ms", "slow_after_windows"] {
+        d.set_item(name, schema.get_item(name)?)?;
+    }
     Ok(d)
 }

@@ -11,6 +11,85 @@ use fanin_proto::switch::AgingConfig;
 use fanin_proto::trim::Watermark;
 use serde::{Deserialize, Serialize};
 
+/// Where a side service of the switch (control API, metrics) listens.
+///
+/// `Auto` puts it on 127.0.0.1 at a fixed offset from the data port
+/// ([`CONTROL_PORT_OFFSET`], [`METRICS_PORT_OFFSET`]), so a second switch on
+/// one machine needs one port changed, not three, and clients can still
+/// find it; if that port is taken it takes a free one (the switch prints
+/// where). In a file or JSON: `"auto"`, `"off"` (or null), or `"ip:port"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Listen {
+    Off,
+    #[default]
+    Auto,
+    At(SocketAddr),
+}
+
+/// Control API port = data port + this, when left to `auto`.
+pub const CONTROL_PORT_OFFSET: u16 = 100;
+/// Metrics port = data port + this, when left to `auto`.
+pub const METRICS_PORT_OFFSET: u16 = 101;
+
+impl Listen {
+    /// Where to bind, and whether a taken port may fall back to a free one
+    /// (only for `Auto`). A data port of 0 (any) gives a free port too.
+    pub fn resolve(self, data_addr: SocketAddr, offset: u16) -> Option<(SocketAddr, bool)> {
+        match self {
+            Listen::Off => None,
+            Listen::At(addr) => Some((addr, false)),
+            Listen::Auto => {
+                let port = match data_addr.port() {
+                    0 => 0,
+                    p => p.checked_add(offset).unwrap_or(0),
+                };
+                Some((SocketAddr::from(([127, 0, 0, 1], port)), true))
+            }
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "auto" => Ok(Listen::Auto),
+            "off" | "none" => Ok(Listen::Off),
+            t => t.parse().map(Listen::At).map_err(|_| {
+                format!("{t:?} is not an address: give \"auto\", \"off\" or ip:port (e.g. 127.0.0.1:9100)")
+            }),
+        }
+    }
+}
+
+impl From<Option<SocketAddr>> for Listen {
+    fn from(addr: Option<SocketAddr>) -> Self {
+        addr.map_or(Listen::Off, Listen::At)
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Off => f.write_str("off"),
+            Listen::Auto => f.write_str("auto"),
+            Listen::At(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+impl Serialize for Listen {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Listen {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(Listen::Off),
+            Some(text) => Listen::parse(&text).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DaemonConfig {
@@ -27,17 +106,20 @@ pub struct DaemonConfig {
     /// for 0.0.0.0). Set it when a link beyond the switch's own is smaller.
     #[serde(default)]
     pub data_mtu: u32,
-    /// gRPC control API; `None` disables it.
-    #[serde(default = "default_control_addr")]
-    pub control_addr: Option<SocketAddr>,
+    /// gRPC control API: `"auto"` (the default: 127.0.0.1 at the data
+    /// port + 100, or a free port if that one is taken), an address, or
+    /// `"off"`.
+    #[serde(default)]
+    pub control_addr: Listen,
     /// Bearer token the control API requires. Required when
     /// `control_addr` is not a loopback address; unset takes
     /// `FANIN_CONTROL_TOKEN` from the environment.
     #[serde(default)]
     pub control_token: Option<String>,
-    /// Prometheus text endpoint; `None` disables it.
-    #[serde(default = "default_metrics_addr")]
-    pub metrics_addr: Option<SocketAddr>,
+    /// Prometheus text endpoint: `"auto"` (the default: 127.0.0.1 at the
+    /// data port + 101, or a free port), an address, or `"off"`.
+    #[serde(default)]
+    pub metrics_addr: Listen,
     /// Aggregation memory for all jobs together, in MiB.
     #[serde(default = "default_memory_mb")]
     pub memory_mb: u64,
@@ -226,12 +308,6 @@ fn default_shards() -> u16 {
 pub fn auto_shards(cores: usize) -> u16 {
     (cores / 2).clamp(1, 8) as u16
 }
-fn default_control_addr() -> Option<SocketAddr> {
-    Some("127.0.0.1:9100".parse().expect("literal"))
-}
-fn default_metrics_addr() -> Option<SocketAddr> {
-    Some("127.0.0.1:9101".parse().expect("literal"))
-}
 fn default_memory_mb() -> u64 {
     1024
 }
@@ -335,7 +411,7 @@ impl DaemonConfig {
         if self.control_token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return bad("control_token is empty (give a secret, or leave it unset on a loopback control_addr)".into());
         }
-        if let Some(addr) = self.control_addr {
+        if let Listen::At(addr) = self.control_addr {
             if !addr.ip().is_loopback() && self.control_token.is_none() {
                 return bad(format!(
                     "control_addr {addr} is not a loopback address but no control_token is set: anyone who reaches \
@@ -405,6 +481,28 @@ mod tests {
         assert!(toml::from_str::<DaemonConfig>(&empty).unwrap().validate().unwrap_err().to_string().contains("empty"));
         // loopback without a token stays the easy default
         assert!(DaemonConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn side_ports_default_to_the_data_port_plus_an_offset() {
+        let data = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+        let cfg = DaemonConfig::default();
+        assert_eq!((cfg.control_addr, cfg.metrics_addr), (Listen::Auto, Listen::Auto));
+        assert_eq!(cfg.control_addr.resolve(data(9000), CONTROL_PORT_OFFSET), Some((data(9100), true)));
+        assert_eq!(cfg.metrics_addr.resolve(data(9010), METRICS_PORT_OFFSET), Some((data(9111), true)));
+        assert_eq!(Listen::Auto.resolve(data(0), CONTROL_PORT_OFFSET), Some((data(0), true)), "any data port: any");
+        assert_eq!(Listen::Auto.resolve(data(65_500), CONTROL_PORT_OFFSET), Some((data(0), true)));
+        let at = Listen::At(data(7));
+        assert_eq!(at.resolve(data(9000), CONTROL_PORT_OFFSET), Some((data(7), false)), "an address is kept");
+        assert_eq!(Listen::Off.resolve(data(9000), CONTROL_PORT_OFFSET), None);
+        let cfg = DaemonConfig::from_toml_str("control_addr = \"off\"\nmetrics_addr = \"127.0.0.1:7\"").unwrap();
+        assert_eq!((cfg.control_addr, cfg.metrics_addr), (Listen::Off, at));
+        let cfg = DaemonConfig::from_json_str(r#"{"control_addr": null, "metrics_addr": "auto"}"#).unwrap();
+        assert_eq!((cfg.control_addr, cfg.metrics_addr), (Listen::Off, Listen::Auto));
+        let back: DaemonConfig = serde_json::from_value(serde_json::to_value(&cfg).unwrap()).unwrap();
+        assert_eq!(back, cfg);
+        let err = DaemonConfig::from_toml_str("control_addr = \"ninety\"").unwrap_err().to_string();
+        assert!(err.contains("give \"auto\", \"off\" or ip:port"), "{err}");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use fanin_control::{
     AdmitFailure, ControlPlane, ControlServerHandle, JobEntry, KvRegion, SwitchInfo, TreeRole, KV_AGGREGATOR_BYTES,
 };
 
-use crate::config::DaemonConfig;
+use crate::config::{DaemonConfig, CONTROL_PORT_OFFSET, METRICS_PORT_OFFSET};
 use crate::metrics;
 use crate::shard::{kv_owner, Command, ShardStats, ShardThread};
 
@@ -38,6 +38,12 @@ pub enum StartError {
 struct ShardLink {
     commands: Sender<Command>,
     stats: Arc<ShardStats>,
+}
+
+/// A bind that failed because another process holds the port: an `auto`
+/// side port then takes a free one instead.
+fn port_taken(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::AddrInUse
 }
 
 /// The running switch as the control plane sees it.
@@ -455,8 +461,14 @@ impl SwitchHandle {
             }
         }
         open.store(true, Ordering::Release);
-        if let Some(addr) = config.metrics_addr {
-            match metrics::spawn(addr, core.clone(), shutdown.clone()) {
+        // the configured data port: 0 (any) gives free side ports too
+        let data_addr = config.data_addr;
+        if let Some((addr, fallback)) = config.metrics_addr.resolve(data_addr, METRICS_PORT_OFFSET) {
+            let spawned = metrics::spawn(addr, core.clone(), shutdown.clone()).or_else(|e| match fallback && port_taken(&e) {
+                true => metrics::spawn(SocketAddr::new(addr.ip(), 0), core.clone(), shutdown.clone()),
+                false => Err(e),
+            });
+            match spawned {
                 Ok((thread, bound)) => {
                     handle.threads.push(thread);
                     handle.metrics_addr = Some(bound);
@@ -467,8 +479,15 @@ impl SwitchHandle {
                 }
             }
         }
-        if let Some(addr) = config.control_addr {
-            match fanin_control::spawn(addr, core.clone(), config.control_token.clone()) {
+        if let Some((addr, fallback)) = config.control_addr.resolve(data_addr, CONTROL_PORT_OFFSET) {
+            let token = config.control_token.clone();
+            let spawned = fanin_control::spawn(addr, core.clone(), token.clone()).or_else(|e| match &e {
+                fanin_control::ControlError::Bind { source, .. } if fallback && port_taken(source) => {
+                    fanin_control::spawn(SocketAddr::new(addr.ip(), 0), core.clone(), token)
+                }
+                _ => Err(e),
+            });
+            match spawned {
                 Ok(server) => handle.control = Some(server),
                 Err(e) => {
                     handle.stop();

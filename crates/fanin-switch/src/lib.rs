@@ -19,6 +19,6 @@ mod core;
 mod metrics;
 mod shard;
 
-pub use crate::config::{ConfigError, DaemonConfig, FaultConfig, JobConfig, TrimSection};
+pub use crate::config::{ConfigError, DaemonConfig, FaultConfig, JobConfig, Listen, TrimSection};
 pub use crate::core::{StartError, SwitchCore, SwitchHandle};
 pub use fanin_control::{AdmitFailure, JobEntry, KvRegion, SwitchInfo, TreeRole};

@@ -10,7 +10,10 @@ const USAGE: &str = "usage: fanin-switch [--config FILE.toml|FILE.json]
 
 Runs the fanin software switch until SIGINT or SIGTERM.
 Without --config: data port 127.0.0.1:9000, control API 127.0.0.1:9100,
-metrics http://127.0.0.1:9101/metrics, no jobs (admit them over the control API).";
+metrics http://127.0.0.1:9101/metrics, no jobs (admit them over the control API).
+The control API and metrics default to \"auto\": the data port + 100 and + 101
+on 127.0.0.1 (a free port if that one is taken; the line printed at start
+says where), so a second switch on one machine needs only another data_addr.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
