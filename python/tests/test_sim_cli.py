@@ -28,6 +28,12 @@ def test_trimming_figure_6_quick_writes_csv_and_png(tmp_path):
     assert out["figure"] == 6 and out["events"] > 0
     assert os.path.exists(tmp_path / "fig6_senders.csv")
     assert os.path.exists(tmp_path / "fig6_senders.png")
+    # a --quick figure says so (on the image and in the PNG's text chunk)
+    from PIL import Image
+
+    from fanin_bench.plotting import QUICK_NOTE
+
+    assert Image.open(tmp_path / "fig6_senders.png").text.get("Description") == QUICK_NOTE
 
 
 def test_bad_arguments_are_refused_with_a_message():

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Callable
 
 from fanin._cli_util import rate_limit_tuple
+from fanin_bench.plotting import set_quick
 
 __all__ = ["register"]
 
@@ -16,12 +17,14 @@ __all__ = ["register"]
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
     """The command function `fanin_bench.bench.<module>.<function>(args)`, imported when called."""
     def run(args: argparse.Namespace) -> int:
+        set_quick(getattr(args, "quick", False))
         return getattr(importlib.import_module(f"fanin_bench.bench.{module}"), function)(args)
 
     return run
 
 
 def _run_torch(args: argparse.Namespace) -> int:
+    set_quick(getattr(args, "quick", False))
     # torch is an optional extra: say how to get it instead of a traceback.
     try:
         from fanin_bench.bench import torch_bench

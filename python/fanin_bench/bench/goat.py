@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fanin_bench.plotting import save_figure
+
 __all__ = ["run_bench_goat"]
 
 TOPOLOGIES = {
@@ -256,7 +258,7 @@ def _plot(worker_rows: list[dict], sigma_rows: list[dict], out: Path) -> list[st
         axes[0].legend()
         fig.tight_layout()
         path = out / f"{name}.png"
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
         plt.close(fig)
         paths.append(str(path))
     return paths

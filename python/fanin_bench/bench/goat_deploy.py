@@ -30,6 +30,7 @@ from typing import Any
 
 from fanin import topology
 from fanin_bench.bench.trees import _write_csv, step_workers, stop_workers, wait_ready
+from fanin_bench.plotting import save_figure
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[3] / "examples" / "goat-testbed.toml"
 
@@ -192,5 +193,5 @@ def _plot(summary: dict[str, Any], planned: float, path: Path, plan: dict[str, A
                  fontsize=10)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

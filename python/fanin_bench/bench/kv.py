@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from typing import Any
+from fanin_bench.plotting import save_figure
 
 __all__ = ["run_kv_prioritisation"]
 
@@ -115,5 +116,5 @@ def _plot(rows: list[dict[str, Any]], path: str, params: dict[str, Any]) -> None
     fig.suptitle(f"Hot-key agnostic prioritisation (cf. ASK Fig. 9): {params['keys']} keys, "
                  f"{params['tuples']} tuples, Zipf s={params['zipf_s']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -39,6 +39,7 @@ from fanin.proc import SwitchProcess
 from fanin.switch import switch_config
 from fanin_bench.bench.corpus import build_corpus, split_lines
 from fanin_bench.bench.cpu import CpuGroups
+from fanin_bench.plotting import save_figure
 
 __all__ = ["run_kv_traffic", "run_kv_wordcount", "run_kv_window", "kv_service"]
 
@@ -194,7 +195,7 @@ def _plot_traffic(rows: list[dict[str, Any]], path: str) -> None:
     b.set_ylabel("non-blank tuples per data packet (of 32 slots)")
     fig.suptitle("fanin kv: word counts of Debian docs / man pages (cf. ASK Table 1, Fig. 8b)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -417,7 +418,7 @@ def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, A
     if with_cpu:
         _plot_wordcount_cpu(axes[0][1], rows, names)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -39,6 +39,7 @@ from fanin.proc import format_size, parse_size
 from fanin.switch import job_config
 from fanin_bench.bench.trees import step_workers, stop_workers, wait_ready
 from fanin_bench.report import emit
+from fanin_bench.plotting import save_figure
 
 JOB = 1
 GLOO_PORT = 29500
@@ -290,6 +291,6 @@ def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from fanin.proc import SwitchProcess, check_result, worker_inputs
 from fanin.switch import job_config, switch_config
+from fanin_bench.plotting import save_figure
 
 JOB = 1
 ARMS = ("drop", "trim")
@@ -219,7 +220,7 @@ def _plot(points: list[dict[str, Any]], path: str) -> None:
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from fanin.proc import SwitchProcess, worker_inputs
 from fanin.switch import job_config, switch_config
+from fanin_bench.plotting import save_figure
 
 JOB = 1
 
@@ -157,7 +158,7 @@ def _plot_recovery(points: list[dict[str, Any]], path: str) -> None:
     ax.set_title("Straggler recovery, one silent worker (cf. Trio Fig. 14)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -333,7 +334,7 @@ def _plot_iterations(points: list[dict[str, Any]], probs: list[float], typical: 
     ax.set_title("Iteration time under the Slow Worker Pattern (cf. Trio Fig. 13)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

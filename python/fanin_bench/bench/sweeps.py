@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from fanin_bench.bench.runner import AllreduceParams, run_allreduce
+from fanin_bench.plotting import save_figure
 
 
 def _point(workers: int, epp: int, window: int, blocks: int, iters: int, seed: int) -> dict[str, Any]:
@@ -110,5 +111,5 @@ def _plot(sweep: str, points: list[dict[str, Any]], path: str, workers: int) -> 
         a2.set_ylabel("goodput per worker (Gbit/s)")
         fig.suptitle(f"Latency and throughput vs window, {workers} workers (cf. Trio Fig. 16)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

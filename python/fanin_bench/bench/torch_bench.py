@@ -29,6 +29,7 @@ import numpy as np
 from fanin.proc import SwitchProcess, format_size, parse_size
 from fanin.switch import job_config, switch_config
 from fanin_bench.bench.gloo import _free_port
+from fanin_bench.plotting import save_figure
 
 __all__ = ["run_torch_allreduce", "run_time_to_accuracy"]
 
@@ -180,7 +181,7 @@ def _plot_allreduce(points: list[dict[str, Any]], path: str, where: str) -> None
         ax.legend()
     fig.suptitle(f"torch.distributed all_reduce, float32, loopback ({where})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -332,7 +333,7 @@ def _plot_tta(arms: dict[str, list[dict[str, Any]]], target: float, p: float, wo
     ax.set_title(f"Time to accuracy, digits MLP, {workers} workers (cf. Trio-ML Fig. 12)")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

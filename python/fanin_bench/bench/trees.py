@@ -33,6 +33,7 @@ import numpy as np
 from fanin import derive_member_key, new_job_key, topology
 from fanin.controller import Controller, JobParams, TestbedFabric
 from fanin.switch import job_config
+from fanin_bench.plotting import save_figure
 
 JOB = 1
 DATA_PORT = 9000
@@ -212,7 +213,7 @@ def _plot_levels(times: dict[str, list[float]], path: Path, args) -> None:
     ax.set_ylabel("allreduce time (ms)")
     ax.set_title(f"2 workers, {args.chunks} chunks, loss {args.loss} each way, {args.rate_mbit:g} Mbit/s links")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -293,7 +294,7 @@ def _plot_scaling(per_arm: dict[str, dict[str, int]], path: Path) -> None:
         ax.set_title(label)
         ax.set_ylabel("MB sent over the link")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

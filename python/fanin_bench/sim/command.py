@@ -7,6 +7,8 @@ import argparse
 import sys
 from typing import Any, Optional
 
+from fanin_bench.plotting import set_quick
+
 __all__ = ["register"]
 
 
@@ -63,6 +65,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
               "(or put fanin-sim on PATH, or set FANIN_SIM)", file=sys.stderr)
         return 2
     rest = list(args.sim_args or [])
+    set_quick("--quick" in rest)
     no_plot = args.no_plot or "--no-plot" in rest
     rest = [a for a in rest if a != "--no-plot"]
     if args.sim == "goat":

@@ -11,6 +11,7 @@ import csv
 import os
 from collections import defaultdict
 from typing import Callable, Dict, List
+from fanin_bench.plotting import save_figure
 
 __all__ = ["plot_figure", "plot_allreduce"]
 
@@ -51,7 +52,7 @@ def _fig5(out: str) -> List[str]:
     axes[0].legend()
     path = os.path.join(out, "fig5_header_cdf.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return [path]
 
@@ -76,7 +77,7 @@ def _fig6(out: str) -> List[str]:
         ax.legend()
     path = os.path.join(out, "fig6_senders.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return [path]
 
@@ -98,7 +99,7 @@ def _fig7(out: str) -> List[str]:
         ax.grid(alpha=0.3)
     path = os.path.join(out, "fig7_pessimistic.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return [path]
 
@@ -127,7 +128,7 @@ def _response(out: str, name: str, csv_name: str) -> List[str]:
     axes[1].legend(fontsize=7)
     path = os.path.join(out, f"{name}.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return [path]
 
@@ -161,7 +162,7 @@ def _grouped_bars(ax, groups: List[str], series: List[str], value: Callable[[str
 
 def _save(plt, fig, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
