@@ -33,14 +33,17 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fanin_proto::auth::Key;
-use fanin_proto::kv::{channel_key, receiver_key, KvReceiver, KvSender, KvTaskSpec, Layout, ReceiverConfig, SenderConfig};
+use fanin_proto::kv::{
+    channel_key, receiver_key, ChannelReport, KvReceiver, KvSender, KvTaskSpec, Layout, ProgressRefused, ReceiverConfig,
+    SenderConfig, TaskLedger,
+};
 use fanin_proto::Time;
 use fanin_udp::BatchSocket;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::channel::{ChannelCommand, ChannelStats, ChannelThread, Collected, Input, ReceiverOutcome, SenderOutcome};
-use crate::liveness::{progress_interval, write_line, ControlSession, LinkState, ProgressReport, SenderLink};
+use crate::liveness::{progress_interval, write_line, ControlSession, ProgressReport};
 use crate::records::{write_results, InputFormat, Mapped};
 use crate::switch_ctl::SwitchControl;
 
@@ -192,13 +195,16 @@ struct TaskEntry {
     /// The task key (docs/security.md); joining senders get their
     /// channel's member key, never this.
     key: Option<Key>,
-    /// Channel id -> its sender's daemon and liveness.
-    joined: HashMap<u16, SenderLink>,
-    /// A joined sender without progress this long is declared failed.
-    silence: Duration,
+    /// The sender channels: joined, finished, failed, silent (sans-IO).
+    ledger: TaskLedger,
     outcome: Option<Receiver<ReceiverOutcome>>,
     receive_channel: usize,
     started: Instant,
+}
+
+/// The daemon's clock as the sans-IO machines read it.
+fn machine_time(epoch: Instant) -> Time {
+    Time::from_nanos(epoch.elapsed().as_nanos() as u64)
 }
 
 struct Shared {

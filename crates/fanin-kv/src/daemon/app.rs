@@ -3,6 +3,7 @@
 //! hands its inputs to this daemon to send (docs/kv.md §10).
 
 use super::*;
+use fanin_proto::kv::check_senders;
 use crate::api::{AppRequest, CreateTask, PeerRequest, SendInput, WaitTask, APP_OPS};
 
 pub(super) fn serve_app(shared: &Arc<Shared>, stream: UnixStream) {
@@ -42,10 +43,7 @@ fn app_request(shared: &Arc<Shared>, req: &Value, owned: &mut Vec<u32>) -> Value
 }
 
 fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
-    let senders = req.senders;
-    if senders == 0 || senders > 1024 {
-        return Err(error(format!("senders must be 1..=1024, got {senders}")));
-    }
+    let senders = check_senders(req.senders).map_err(error)?;
     let byte = |v: Option<u64>, default: u64| v.unwrap_or(default).min(255) as u8;
     let layout = Layout {
         short_slots: byte(req.short_slots, 16),
@@ -69,11 +67,12 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
     let mut last = None;
     for _ in 0..8 {
         let task_id = shared.next_task.fetch_add(1, Ordering::Relaxed) as u32;
+        let ledger = TaskLedger::new(task_id, senders.into(), silence).map_err(error)?;
         let mut spec = KvTaskSpec::new(task_id, receiver_addr, layout, aa_size);
         spec.tenant = shared.config.tenant;
         spec.shadow_copies = shadow_copies;
         spec.window = window;
-        spec.max_channels = senders.min(u16::MAX as u64) as u16;
+        spec.max_channels = senders;
         // The switch frees the region of a task nobody talks to any more.
         spec.idle_timeout = silence * 2;
         spec.key = key;
@@ -81,8 +80,8 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
             Ok(switch_addr) => {
                 let switch_addr = reachable_switch_addr(switch_addr, &shared.config);
                 let progress_ms = progress_interval(silence).as_millis() as u64;
-                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders: senders as u16, switch_addr, progress_ms };
-                let mut rc = ReceiverConfig::new(task_id, layout, aa_size, senders as u16);
+                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders, switch_addr, progress_ms };
+                let mut rc = ReceiverConfig::new(task_id, layout, aa_size, senders);
                 rc.shadow_copies = shadow_copies;
                 rc.window = window;
                 rc.swap_threshold = (swap_threshold > 0).then_some(swap_threshold);
@@ -95,7 +94,7 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
                 rc.rto = Duration::from_micros(shared.config.rto_us.max(1_000));
                 rc.auth_key = key.map(|k| receiver_key(&k, task_id));
                 rc.seal_clock_us = wall_clock_us();
-                let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
+                let now = machine_time(shared.epoch);
                 let machine = match KvReceiver::new(rc, now) {
                     Ok(m) => m,
                     Err(e) => {
@@ -107,7 +106,7 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
                 let _ = commands.send(ChannelCommand::Receive { task: task_id, switch: switch_addr, machine: Box::new(machine), done });
                 shared.tasks.lock().expect("tasks").insert(
                     task_id,
-                    TaskEntry { params, key, joined: HashMap::new(), silence, outcome: Some(outcome), receive_channel: idx, started: Instant::now() },
+                    TaskEntry { params, key, ledger, outcome: Some(outcome), receive_channel: idx, started: Instant::now() },
                 );
                 shared.stats.tasks_created.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "task_id": task_id, "control": shared.control_addr.to_string(),
@@ -157,16 +156,11 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
     let result = outcome.recv().unwrap_or_else(|_| Err("the receiver's data channel stopped".into()));
     let entry = shared.tasks.lock().expect("tasks").remove(&task_id);
     let seconds = entry.as_ref().map_or(0.0, |e| e.started.elapsed().as_secs_f64());
-    let now = Instant::now();
+    let now = machine_time(shared.epoch);
     // The channels the daemon declared failed, as the application sees them.
-    let report = |channels: &mut dyn Iterator<Item = u16>| -> Vec<Value> {
-        let links = entry.as_ref().map(|e| &e.joined);
-        channels
-            .map(|c| match links.and_then(|l| l.get(&c)) {
-                Some(link) => link.to_json(c, now),
-                None => json!({"channel": c, "sender": null, "state": "failed", "reason": "never joined"}),
-            })
-            .collect()
+    let report = |channels: Vec<u16>| -> Vec<ChannelReport> {
+        let one = |c| entry.as_ref().map_or_else(|| ChannelReport::never_joined(c), |e| e.ledger.report(c, now));
+        channels.into_iter().map(one).collect()
     };
     match result {
         Ok(Collected { results, stats, failed }) => {
@@ -182,7 +176,7 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
             }
             shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
             shared.stats.tasks_incomplete.fetch_add(1, Ordering::Relaxed);
-            let failed = report(&mut failed.into_iter());
+            let failed = report(failed);
             let message = format!(
                 "task {task_id} is incomplete: {}; the partial aggregate ({keys} keys: every tuple of the finished \
                  channels, part of the failed ones') is in {path}",
@@ -197,10 +191,8 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
             release_region(shared, task_id);
             let mut failed = Vec::new();
             if let Some(e) = &entry {
-                notify_senders(&e.joined, task_id, &reason);
-                let mut declared = e.joined.iter().filter(|(_, l)| matches!(l.state, LinkState::Failed { .. })).map(|(c, _)| *c).collect::<Vec<_>>();
-                declared.sort_unstable();
-                failed = report(&mut declared.into_iter());
+                notify_senders(&e.ledger.active(), task_id, &reason);
+                failed = report(e.ledger.declared_failed());
             }
             let also = if failed.is_empty() { String::new() } else { format!(" (earlier: {})", describe_failed(&failed)) };
             Err(json!({"ok": false, "error": format!("task {task_id} failed: {reason}{also}"), "failed": failed}))
@@ -209,12 +201,8 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
 }
 
 /// "sender channel 1 (daemon 10.0.0.2:4000) failed: reason; ..."
-fn describe_failed(failed: &[Value]) -> String {
-    let one = |f: &Value| {
-        format!("sender channel {} (daemon {}) failed: {}", f["channel"], f["sender"].as_str().unwrap_or("unknown"),
-                f["reason"].as_str().unwrap_or("unknown"))
-    };
-    failed.iter().map(one).collect::<Vec<_>>().join("; ")
+fn describe_failed(failed: &[ChannelReport]) -> String {
+    failed.iter().map(ChannelReport::describe).collect::<Vec<_>>().join("; ")
 }
 
 /// `status`: the task's joined channels and their liveness (receiver side).
@@ -224,10 +212,7 @@ fn task_status(shared: &Arc<Shared>, task_id: u32) -> Result<Value, Value> {
         shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
         return Err(error(format!("unknown task {task_id}")));
     };
-    let now = Instant::now();
-    let mut channels: Vec<_> = t.joined.iter().collect();
-    channels.sort_by_key(|(c, _)| **c);
-    let channels: Vec<Value> = channels.into_iter().map(|(c, l)| l.to_json(*c, now)).collect();
+    let channels = t.ledger.status(machine_time(shared.epoch));
     Ok(json!({"ok": true, "task_id": task_id, "senders": t.params.senders, "channels": channels}))
 }
 
@@ -245,19 +230,19 @@ fn release_region(shared: &Shared, task_id: u32) {
 /// `forget` (nobody will ever wait: the application is gone) the entry goes
 /// too. False if the task is unknown here.
 fn abort_task(shared: &Arc<Shared>, task_id: u32, reason: &str, forget: bool) -> bool {
-    let joined = {
+    let active = {
         let mut tasks = shared.tasks.lock().expect("tasks");
         let Some(entry) = tasks.get_mut(&task_id) else { return false };
         let _ = shared.receive[entry.receive_channel].0.send(ChannelCommand::Abort { task: task_id, reason: reason.into() });
-        let joined = std::mem::take(&mut entry.joined);
+        let active = entry.ledger.abort();
         if forget && entry.outcome.is_some() {
             tasks.remove(&task_id);
             shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
         }
-        joined
+        active
     };
     release_region(shared, task_id);
-    notify_senders(&joined, task_id, reason);
+    notify_senders(&active, task_id, reason);
     true
 }
 
@@ -292,8 +277,7 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
     sc.max_burst = crate::channel::MAX_BURST;
     sc.auth_key = member_key;
     sc.seal_clock_us = wall_clock_us();
-    let now = Time::from_nanos(shared.epoch.elapsed().as_nanos() as u64);
-    let machine = KvSender::new(sc, now).map_err(error)?;
+    let machine = KvSender::new(sc, machine_time(shared.epoch)).map_err(error)?;
     let (done, outcome) = mpsc::sync_channel::<SenderOutcome>(1);
     let idx = (shared.next_send.fetch_add(1, Ordering::Relaxed) as usize) % shared.send.len();
     let started = Instant::now();

@@ -7,11 +7,12 @@
 use super::*;
 use crate::api::{PeerRequest, PEER_OPS};
 
-/// Tell the daemons of the still active senders that the task is gone.
-pub(super) fn notify_senders(joined: &HashMap<u16, SenderLink>, task_id: u32, reason: &str) {
-    for (channel, link) in joined.iter().filter(|(_, l)| l.is_active()) {
+/// Tell the daemons of the still active senders (channel, control address)
+/// that the task is gone.
+pub(super) fn notify_senders(active: &[(u16, String)], task_id: u32, reason: &str) {
+    for (channel, control) in active {
         let msg = PeerRequest::Abort { task_id, channel: *channel, reason: reason.into() }.to_json();
-        let _ = peer_call(&link.control, &msg);
+        let _ = peer_call(control, &msg);
     }
 }
 
@@ -23,12 +24,9 @@ fn sender_failed(shared: &Arc<Shared>, task_id: u32, channel: u16, reason: Strin
     let control = {
         let mut tasks = shared.tasks.lock().expect("tasks");
         let Some(t) = tasks.get_mut(&task_id) else { return false };
-        let Some(link) = t.joined.get_mut(&channel) else { return false };
-        if !link.fail(reason.clone(), Instant::now()) {
-            return false;
-        }
+        let Some(control) = t.ledger.fail(channel, reason.clone(), machine_time(shared.epoch)) else { return false };
         let _ = shared.receive[t.receive_channel].0.send(ChannelCommand::SenderFailed { task: task_id, channel });
-        link.control.clone()
+        control
     };
     shared.stats.senders_failed.fetch_add(1, Ordering::Relaxed);
     // Usually the daemon is dead and this fails fast; a hung one may take
@@ -40,19 +38,16 @@ fn sender_failed(shared: &Arc<Shared>, task_id: u32, channel: u16, reason: Strin
 }
 
 /// Every active sender without progress for its task's silence timeout is
-/// declared failed. Checks five times per shortest timeout (50 ms at most).
+/// declared failed. Checks as often as the most demanding task asks
+/// ([`TaskLedger::check_interval`]: five times per timeout, 5..=50 ms).
 pub(super) fn watch_senders(shared: &Arc<Shared>) {
     while !shared.shutdown.load(Ordering::SeqCst) {
-        let now = Instant::now();
+        let now = machine_time(shared.epoch);
         let mut overdue = Vec::new();
         let mut tick = Duration::from_millis(50);
         for (task, t) in shared.tasks.lock().expect("tasks").iter() {
-            tick = tick.min(t.silence / 5).max(Duration::from_millis(5));
-            for (channel, link) in &t.joined {
-                if let Some(why) = link.overdue(now, t.silence) {
-                    overdue.push((*task, *channel, why));
-                }
-            }
+            tick = tick.min(t.ledger.check_interval());
+            overdue.extend(t.ledger.overdue(now).into_iter().map(|(channel, why)| (*task, channel, why)));
         }
         for (task, channel, why) in overdue {
             sender_failed(shared, task, channel, why);
@@ -83,13 +78,7 @@ fn peer_request(shared: &Arc<Shared>, req: &Value, joined_here: &mut Vec<(u32, u
                     shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
                     return Err(error(format!("unknown task {task_id} at the receiver's daemon (never created, finished or aborted)")));
                 };
-                if channel >= t.params.senders {
-                    return Err(error(format!("channel {channel} is out of range: task {task_id} has {} senders", t.params.senders)));
-                }
-                if t.joined.contains_key(&channel) {
-                    return Err(error(format!("channel {channel} of task {task_id} has already joined")));
-                }
-                t.joined.insert(channel, SenderLink::new(control, Instant::now()));
+                t.ledger.join(channel, control, machine_time(shared.epoch)).map_err(error)?;
                 joined_here.push((task_id, channel));
                 // The channel's member key travels in clear on this channel:
                 // it must be loopback or a trusted network (docs/security.md).
@@ -100,19 +89,23 @@ fn peer_request(shared: &Arc<Shared>, req: &Value, joined_here: &mut Vec<(u32, u
                 let mut tasks = shared.tasks.lock().expect("tasks");
                 let gone = || error(format!("task {task_id} is gone at the receiver's daemon (finished or aborted)"));
                 let t = tasks.get_mut(&task_id).ok_or_else(gone)?;
-                let link = t.joined.get_mut(&channel).ok_or_else(|| error(format!("channel {channel} has not joined task {task_id}")))?;
-                if let LinkState::Failed { reason } = &link.state {
-                    let message = format!("the receiver declared channel {channel} of task {task_id} failed: {reason}");
-                    return Err(json!({"ok": false, "error": message, "declared_failed": true}));
+                match t.ledger.progress(channel, progress, machine_time(shared.epoch)) {
+                    Ok(advanced) => {
+                        if advanced {
+                            let _ = shared.receive[t.receive_channel].0.send(ChannelCommand::SenderProgress { task: task_id });
+                        }
+                        Ok(json!({"ok": true}))
+                    }
+                    // The sender's daemon must stop sending on this channel.
+                    Err(e @ ProgressRefused::DeclaredFailed { .. }) => {
+                        Err(json!({"ok": false, "error": e.to_string(), "declared_failed": true}))
+                    }
+                    Err(e) => Err(error(e)),
                 }
-                if link.on_progress(progress, Instant::now()) {
-                    let _ = shared.receive[t.receive_channel].0.send(ChannelCommand::SenderProgress { task: task_id });
-                }
-                Ok(json!({"ok": true}))
             }
             PeerRequest::Finished { task_id, channel } => {
-                if let Some(link) = shared.tasks.lock().expect("tasks").get_mut(&task_id).and_then(|t| t.joined.get_mut(&channel)) {
-                    link.finish();
+                if let Some(t) = shared.tasks.lock().expect("tasks").get_mut(&task_id) {
+                    t.ledger.finished(channel);
                 }
                 Ok(json!({"ok": true}))
             }

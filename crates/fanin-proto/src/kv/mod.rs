@@ -9,6 +9,9 @@
 //! * [`KvSender`]: sender-assisted key-space partition, coalesced medium
 //!   keys, long-key bypass (§3.2), sliding window with a fine timeout and
 //!   FIN (§3.3).
+//! * [`TaskLedger`]: a task's life cycle at the receiver's daemon (joined,
+//!   finished and failed sender channels, silence), which the host daemon
+//!   drives from its control channel.
 //! * [`KvReceiver`]: deduplication, local aggregation of what the switch
 //!   could not absorb, swap / fetch / clear of shadow copies, and the final
 //!   fetch and merge.
@@ -32,6 +35,7 @@ mod receiver;
 mod sealing;
 mod sender;
 mod switch;
+mod task;
 mod window;
 
 /// The hash maps on the per-datagram and per-tuple paths (tasks, channels,
@@ -48,6 +52,10 @@ pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, Receive
 pub use sealing::{channel_key, receiver_key, AuthStats, HostAuth, RECEIVER_MEMBER};
 pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderProgress, SenderStats};
 pub use switch::{KvAdmitError, KvCounters, KvSwitch, KvSwitchConfig, KvTaskSpec, TaskStats};
+pub use task::{
+    check_senders, progress_interval, ChannelReport, ChannelState, JoinRefused, LinkState, ProgressRefused, ProgressReport, SenderLink,
+    TaskLedger, MAX_SENDERS,
+};
 pub use window::{Observation, SeenWindow};
 
 #[cfg(test)]
