@@ -15,6 +15,8 @@
 
 use fanin_wire::value::EXP_NONE;
 
+pub mod half;
+
 /// Fraction bits used for `n_sources` sources.
 pub fn frac_bits(n_sources: usize) -> i32 {
     let n = n_sources.max(1) as u64;

@@ -8,6 +8,7 @@ use std::cmp::Reverse;
 use std::time::Duration;
 
 use fanin_proto::bfp;
+use fanin_proto::bfp::half::{self, Half};
 use fanin_proto::fault::SplitMix64;
 use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, Tensor};
 use fanin_proto::job::SWITCH_RANK_BASE;
@@ -311,6 +312,48 @@ fn check_float(inputs: &[Vec<f32>], outcomes: &[Outcome], epp: usize) {
     }
 }
 
+/// 16-bit inputs whose sums stay finite in the format (float16 tops out
+/// at 65504; 16 workers of magnitudes up to 2^11 stay below 2^15).
+fn half_inputs(kind: Half, workers: usize, len: usize, seed: u64) -> Vec<Vec<u16>> {
+    let mut rng = SplitMix64::new(seed ^ 0x5678);
+    let span = if kind == Half::F16 { 24 } else { 60 };
+    (0..workers)
+        .map(|_| {
+            (0..len)
+                .map(|i| {
+                    let scale = 2f64.powi((i / 97 % span) as i32 - (span as i32 - 11));
+                    kind.from_f64((rng.next_f64() * 2.0 - 1.0) * scale)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Bit-identical on every worker, and within the documented bound of the
+/// float64 sum of the 16-bit inputs (docs/protocol.md §3.3).
+fn check_half(kind: Half, inputs: &[Vec<u16>], outcomes: &[Outcome], epp: usize) {
+    let n = inputs.len();
+    let first = &outcomes[0].tensor;
+    for o in outcomes {
+        assert_eq!(&o.tensor, first, "workers disagree");
+    }
+    let Tensor::Half(got_kind, got) = first else { panic!("dtype") };
+    assert_eq!(*got_kind, kind);
+    let fraction_bits = if kind == Half::F16 { 10 } else { 7 };
+    for (blk, chunk) in got.chunks(epp).enumerate() {
+        let range = blk * epp..blk * epp + chunk.len();
+        let exp = inputs.iter().map(|v| half::block_exponent_half(kind, &v[range.clone()]).unwrap()).max().unwrap();
+        let bound = half::error_bound(exp, n);
+        for (i, g) in range.clone().zip(chunk) {
+            let exact: f64 = inputs.iter().map(|v| kind.to_f32(v[i]) as f64).sum();
+            let g = kind.to_f32(*g) as f64;
+            // one unit in the last place of the result (subnormals: the smallest)
+            let ulp = 2f64.powi((g.abs().max(f64::MIN_POSITIVE).log2().floor() as i32).max(-14) - fraction_bits);
+            assert!((g - exact).abs() <= bound + ulp, "element {i}: {g} vs {exact} (bound {bound} + {ulp})");
+        }
+    }
+}
+
 fn net(loss: f64, dup: f64, jitter_ns: u64) -> NetParams {
     NetParams { loss, dup, jitter_ns }
 }
@@ -333,6 +376,25 @@ proptest! {
         let inputs = int_inputs(workers, len, seed);
         let outcomes = run(&cfg, inputs.iter().cloned().map(Tensor::I32).collect());
         check_int(&inputs, &outcomes);
+    }
+
+    #[test]
+    fn float16_and_bfloat16_within_bound_under_loss_dup_reorder(
+        workers in 1usize..=16,
+        len in 1usize..=3_000,
+        epp in prop_oneof![Just(64u16), Just(333u16), Just(1024u16)],
+        shards in 1u16..=3,
+        slots in 1u32..=16,
+        loss in 0.0f64..=0.3,
+        dup in 0.0f64..=0.1,
+        bf16 in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let kind = if bf16 { Half::BF16 } else { Half::F16 };
+        let cfg = Run::new(workers, shards, epp, slots, slots, net(loss, dup, 40_000), seed);
+        let inputs = half_inputs(kind, workers, len, seed);
+        let outcomes = run(&cfg, inputs.iter().map(|v| Tensor::Half(kind, v.clone())).collect());
+        check_half(kind, &inputs, &outcomes, epp as usize);
     }
 
     #[test]
@@ -646,6 +708,26 @@ proptest! {
         for o in &outcomes {
             prop_assert_eq!(o.min_src_cnt as usize, workers, "every block sums every worker");
         }
+    }
+
+    /// 16-bit lanes through a tree: a child's partial sum goes up in int16
+    /// lanes and the root's result comes down in them.
+    #[test]
+    fn tree_float16_within_bound_under_loss(
+        workers in 3usize..=8,
+        len in 1usize..=3_000,
+        shape in 0u8..=3,
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.2,
+        bf16 in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let kind = if bf16 { Half::BF16 } else { Half::F16 };
+        let mut cfg = Run::new(workers, 2, 64, slots, slots, net(loss, 0.05, 40_000), seed);
+        (cfg.parents, cfg.attach) = tree_shape(shape);
+        let inputs = half_inputs(kind, workers, len, seed);
+        let outcomes = run(&cfg, inputs.iter().map(|v| Tensor::Half(kind, v.clone())).collect());
+        check_half(kind, &inputs, &outcomes, 64);
     }
 
     /// Float blocks negotiate their exponent through the tree (exponent

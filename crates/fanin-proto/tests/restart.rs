@@ -186,10 +186,12 @@ impl Net {
                         let out = self.outs[w].insert(match &t {
                             Tensor::I32(v) => Tensor::I32(vec![i32::MIN; v.len()]),
                             Tensor::F32(v) => Tensor::F32(vec![f32::NAN; v.len()]),
+                            Tensor::Half(kind, v) => Tensor::Half(*kind, vec![0x7e00; v.len()]),
                         });
                         let out = match out {
                             Tensor::I32(v) => TensorMut::I32(v),
                             Tensor::F32(v) => TensorMut::F32(v),
+                            Tensor::Half(kind, v) => TensorMut::Half(*kind, v),
                         };
                         let per = self.ws[w].config().elems_per_packet as usize;
                         let prepared = if self.lend == Lend::Both {

@@ -16,7 +16,8 @@
 //!  +---------------+---------------+---------------+---------------+
 //!  |           grad_cnt            |      exp      |   next_exp    | 20
 //!  +---------------+---------------+---------------+---------------+
-//!  |          payload: grad_cnt x int32, or a message body ...     | 24
+//!  |  payload: grad_cnt lanes (int32, or int16 for 16-bit dtypes)  | 24
+//!  |  or a message body ...                                        |
 //! ```
 //! F = `final`, D = `degraded`, E = `exp_only`. See `docs/protocol.md`.
 
@@ -40,7 +41,8 @@ mod field {
 
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = field::PAYLOAD;
-/// Bytes per element on the wire (every dtype travels as int32).
+/// Bytes per element on the wire for int32 and float32 (an int32 lane);
+/// float16 and bfloat16 travel in int16 lanes ([`Dtype::lane_len`]).
 pub const ELEM_LEN: usize = 4;
 /// Most elements one packet can carry and still fit one UDP datagram.
 pub const MAX_GRAD_CNT: usize = (MAX_DATAGRAM - HEADER_LEN) / ELEM_LEN;
@@ -54,10 +56,13 @@ const FLAG_EXP_ONLY: u8 = 0b0000_0010;
 const FLAG_RESERVED: u8 = 0b0000_0001;
 const AGE_OP_SHIFT: u8 = 4;
 
-/// The element type the worker reduces. Every dtype is carried as int32 on the
-/// wire: int32 exactly, floating types as block floating point (a per-block
-/// shared exponent, see `exp`). The switch uses the tag only to refuse mixing
-/// dtypes inside one block.
+/// The element type the worker reduces. int32 travels exactly in int32
+/// lanes; floating types as block floating point (a per-block shared
+/// exponent, see `exp`): float32 in int32 lanes, float16 and bfloat16 in
+/// int16 lanes, so a 16-bit tensor puts 2 bytes per element on the link.
+/// The switch sums every lane in an int32 accumulator, writes a 16-bit
+/// dtype's sums back as int16 (workers scale so that they fit,
+/// docs/protocol.md §3.3), and refuses mixing dtypes inside one block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Dtype {
@@ -82,13 +87,31 @@ impl Dtype {
     pub fn is_block_floating_point(self) -> bool {
         !matches!(self, Self::Int32)
     }
+
+    /// Bytes per element on the wire: 4 (int32 lanes) or 2 (int16 lanes).
+    pub const fn lane_len(self) -> usize {
+        match self {
+            Self::Int32 | Self::Float32 => 4,
+            Self::Float16 | Self::BFloat16 => 2,
+        }
+    }
+
+    /// The bits a lane's value may use: a sum of `n` contributions of
+    /// `|q| <= 2^(lane_bits - ceil(log2 n))` fits the lane (30 for int32
+    /// lanes, 14 for int16 lanes; one bit of headroom below the sign).
+    pub const fn lane_bits(self) -> i32 {
+        match self {
+            Self::Int32 | Self::Float32 => 30,
+            Self::Float16 | Self::BFloat16 => 14,
+        }
+    }
 }
 
 /// Byte length of the message body that follows the header.
-fn body_len(msg_type: MessageType, grad_cnt: u16, age_op: u8) -> usize {
+fn body_len(msg_type: MessageType, grad_cnt: u16, age_op: u8, dtype: Dtype) -> usize {
     match msg_type {
         MessageType::Contribution | MessageType::Retransmission | MessageType::Result => {
-            grad_cnt as usize * ELEM_LEN
+            grad_cnt as usize * dtype.lane_len()
         }
         MessageType::Join if age_op == JOIN_RECOVER => RecoverAnchor::LEN,
         MessageType::Join | MessageType::Membership => 0,
@@ -134,7 +157,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
         if flags & FLAG_RESERVED != 0 {
             return Err(WireError::ReservedBits(flags));
         }
-        Dtype::from_u8(bytes[field::DTYPE])?;
+        let dtype = Dtype::from_u8(bytes[field::DTYPE])?;
         let grad_cnt = self.grad_cnt();
         if grad_cnt as usize > MAX_GRAD_CNT {
             return Err(WireError::TooManyElements { grad_cnt: grad_cnt as usize, max: MAX_GRAD_CNT });
@@ -143,7 +166,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
         if grad_cnt != 0 && (!carries_block || flags & FLAG_EXP_ONLY != 0) {
             return Err(WireError::ExpOnlyWithPayload(grad_cnt));
         }
-        let expected = HEADER_LEN + body_len(preamble.msg_type, grad_cnt, flags >> AGE_OP_SHIFT);
+        let expected = HEADER_LEN + body_len(preamble.msg_type, grad_cnt, flags >> AGE_OP_SHIFT, dtype);
         if bytes.len() != expected {
             return Err(WireError::LengthMismatch { expected, got: bytes.len() });
         }
@@ -230,16 +253,21 @@ impl<T: AsRef<[u8]>> Packet<T> {
     pub fn next_exp(&self) -> i8 {
         self.buffer.as_ref()[field::NEXT_EXP] as i8
     }
-    /// Everything after the header: `grad_cnt` big-endian int32s for block
-    /// messages, the message body otherwise.
+    /// Everything after the header: `grad_cnt` big-endian lanes (int32, or
+    /// int16 for 16-bit dtypes) for block messages, the message body
+    /// otherwise.
     pub fn payload(&self) -> &[u8] {
         &self.buffer.as_ref()[field::PAYLOAD..]
     }
-    /// Element `i` of a block payload.
+    /// Element `i` of a block payload (an int16 lane sign-extended).
     pub fn element(&self, i: usize) -> i32 {
+        let b = self.buffer.as_ref();
+        if Dtype::from_u8(b[field::DTYPE]).map_or(4, Dtype::lane_len) == 2 {
+            let at = field::PAYLOAD + i * 2;
+            return i16::from_be_bytes([b[at], b[at + 1]]) as i32;
+        }
         let at = field::PAYLOAD + i * ELEM_LEN;
-        let b = &self.buffer.as_ref()[at..at + ELEM_LEN];
-        i32::from_be_bytes([b[0], b[1], b[2], b[3]])
+        i32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
     }
 }
 
@@ -371,7 +399,7 @@ impl Repr {
 
     /// Length of the whole datagram this header describes.
     pub fn buffer_len(&self) -> usize {
-        HEADER_LEN + body_len(self.msg_type, self.grad_cnt, self.age_op)
+        HEADER_LEN + body_len(self.msg_type, self.grad_cnt, self.age_op, self.dtype)
     }
 
     /// Write the header (not the payload) into a buffer of at least
@@ -415,6 +443,42 @@ pub fn add_elements(sum: &mut [i32], payload: &[u8]) {
     let done = crate::simd::add_be(sum, payload);
     for (acc, src) in sum[done..].iter_mut().zip(payload[ELEM_LEN * done..].chunks_exact(ELEM_LEN)) {
         *acc = acc.wrapping_add(i32::from_be_bytes([src[0], src[1], src[2], src[3]]));
+    }
+}
+
+/// Decode a block payload of `dtype`'s lanes into `out` (int16 lanes
+/// sign-extended; as many elements as both hold).
+pub fn read_lanes(dtype: Dtype, payload: &[u8], out: &mut [i32]) {
+    if dtype.lane_len() == 4 {
+        return read_elements(payload, out);
+    }
+    for (dst, src) in out.iter_mut().zip(payload.chunks_exact(2)) {
+        *dst = i16::from_be_bytes([src[0], src[1]]) as i32;
+    }
+}
+
+/// Encode sums as a block payload of `dtype`'s lanes (as many as both
+/// hold). An int16 lane saturates: honest workers scale so that every sum
+/// fits ([`Dtype::lane_bits`]), so only a job's own misbehaving member can
+/// reach the limit, and a saturated lane is still that job's own garbage,
+/// never another job's data.
+pub fn write_lanes(dtype: Dtype, values: &[i32], payload: &mut [u8]) {
+    if dtype.lane_len() == 4 {
+        return write_elements(values, payload);
+    }
+    for (dst, v) in payload.chunks_exact_mut(2).zip(values) {
+        dst.copy_from_slice(&((*v).clamp(i16::MIN as i32, i16::MAX as i32) as i16).to_be_bytes());
+    }
+}
+
+/// Add a block payload of `dtype`'s lanes into `sum` (int32 accumulators,
+/// wrapping; as many elements as both hold).
+pub fn add_lanes(dtype: Dtype, sum: &mut [i32], payload: &[u8]) {
+    if dtype.lane_len() == 4 {
+        return add_elements(sum, payload);
+    }
+    for (acc, src) in sum.iter_mut().zip(payload.chunks_exact(2)) {
+        *acc = acc.wrapping_add(i16::from_be_bytes([src[0], src[1]]) as i32);
     }
 }
 

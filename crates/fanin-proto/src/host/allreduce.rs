@@ -346,6 +346,9 @@ impl AllreduceSession {
         self.check_ready()?;
         let per = self.config.elems_per_packet as usize;
         let Prepared { input, local_exp, .. } = prepared.for_block_size(per)?;
+        if matches!(input.view(), TensorRef::Half(..)) {
+            crate::bfp::half::check_sources(self.n_sources as usize).map_err(SessionError::Config)?;
+        }
         let n_blocks = input.view().len().div_ceil(per) as u32;
         let input = match input {
             PreparedInput::Owned(t) => Input::Owned(t),

@@ -318,12 +318,14 @@ proptest! {
         let mut buf = vec![MARKER; repr.buffer_len()];
         let mut p = Packet::new_unchecked(&mut buf[..]);
         repr.emit(&mut p);
-        let values: Vec<i32> = (0..repr.grad_cnt as i32).map(|i| i.wrapping_mul(seed)).collect();
-        write_elements(&values, p.payload_mut());
+        // values that fit the dtype's lanes (int16 for 16-bit dtypes)
+        let fit = |v: i32| if repr.dtype.lane_len() == 2 { v as i16 as i32 } else { v };
+        let values: Vec<i32> = (0..repr.grad_cnt as i32).map(|i| fit(i.wrapping_mul(seed))).collect();
+        write_lanes(repr.dtype, &values, p.payload_mut());
         let checked = Packet::new_checked(&buf[..]).unwrap();
         prop_assert_eq!(Repr::parse(&checked).unwrap(), repr);
         let mut back = vec![0; values.len()];
-        read_elements(checked.payload(), &mut back);
+        read_lanes(repr.dtype, checked.payload(), &mut back);
         prop_assert_eq!(back, values);
     }
 
@@ -666,4 +668,51 @@ fn the_packet_size_for_an_mtu_leaves_room_for_every_header_and_the_seal() {
     assert_eq!(elems_fitting_mtu(0, false), 1);
     let d = 20 + 8 + HEADER_LEN + crate::auth::TRAILER_LEN + 358 * ELEM_LEN;
     assert_eq!(d, 1500);
+}
+
+/// The contribution above as float16: two int16 lanes (1, -1), 2 bytes per
+/// element (docs/protocol.md §5.6 and §9).
+const CONTRIBUTION_F16: [u8; 28] = [
+    0xFA, 0x17, 0x01, 0x01, // magic, version 1, Contribution
+    0x08, 0x02, 0x00, 0x03, // flags: final; dtype float16; src_id 3
+    0x00, 0x00, 0x00, 0x07, // src_cnt 0; gen_id 7
+    0x01, 0x02, 0x03, 0x04, // job_id
+    0x0A, 0x0B, 0x0C, 0x0D, // block_id
+    0x00, 0x02, 0x05, 0xFE, // grad_cnt 2; exp 5; next_exp -2
+    0x00, 0x01, 0xFF, 0xFF, // 1, -1 (int16 lanes)
+];
+
+#[test]
+fn golden_float16_contribution_has_int16_lanes() {
+    let p = Packet::new_checked(&CONTRIBUTION_F16[..]).unwrap();
+    assert_eq!(p.dtype_code(), 2);
+    assert_eq!((p.grad_cnt(), p.element(0), p.element(1)), (2, 1, -1));
+    let repr = Repr::parse(&p).unwrap();
+    assert_eq!(repr, Repr { dtype: Dtype::Float16, ..contribution_repr() });
+    assert_eq!(repr.buffer_len(), 28);
+    let mut buf = [MARKER; 28];
+    let mut out = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut out);
+    write_lanes(Dtype::Float16, &[1, -1], out.payload_mut());
+    assert_eq!(buf, CONTRIBUTION_F16);
+    // int32 lanes of the same count are a length mismatch for a 16-bit dtype
+    let mut long = CONTRIBUTION.to_vec();
+    long[5] = 3; // bfloat16
+    assert!(matches!(Packet::new_checked(&long[..]), Err(WireError::LengthMismatch { expected: 28, got: 32 })));
+}
+
+#[test]
+fn int16_lanes_add_in_int32_and_saturate_only_when_written() {
+    let mut sum = [0i32; 3];
+    let lanes = |v: &[i16]| v.iter().flat_map(|x| x.to_be_bytes()).collect::<Vec<u8>>();
+    add_lanes(Dtype::BFloat16, &mut sum, &lanes(&[i16::MAX, -1, 7]));
+    add_lanes(Dtype::BFloat16, &mut sum, &lanes(&[i16::MAX, -1, 7]));
+    assert_eq!(sum, [65534, -2, 14], "no wrap in the accumulator");
+    let mut back = [0i32; 3];
+    read_lanes(Dtype::BFloat16, &lanes(&[-5, 0, 300]), &mut back);
+    assert_eq!(back, [-5, 0, 300]);
+    let mut out = [0u8; 6];
+    write_lanes(Dtype::Float16, &sum, &mut out);
+    assert_eq!(out, [0x7F, 0xFF, 0xFF, 0xFE, 0x00, 0x0E], "a sum beyond int16 saturates");
+    assert_eq!((Dtype::Float16.lane_len(), Dtype::Float32.lane_len()), (2, 4));
 }

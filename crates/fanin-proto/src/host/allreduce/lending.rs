@@ -18,12 +18,15 @@
 use std::ptr::NonNull;
 
 use super::Tensor;
+use crate::bfp::half::Half;
 
 /// A tensor to reduce that the caller lends ([`Prepared::borrow`](super::Prepared::borrow)).
+/// 16-bit floats are passed as their bits, with which format they are.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum TensorRef<'a> {
     I32(&'a [i32]),
     F32(&'a [f32]),
+    Half(Half, &'a [u16]),
 }
 
 impl TensorRef<'_> {
@@ -31,6 +34,7 @@ impl TensorRef<'_> {
         match self {
             TensorRef::I32(v) => v.len(),
             TensorRef::F32(v) => v.len(),
+            TensorRef::Half(_, v) => v.len(),
         }
     }
 
@@ -42,6 +46,7 @@ impl TensorRef<'_> {
         match self {
             TensorRef::I32(_) => fanin_wire::value::Dtype::Int32,
             TensorRef::F32(_) => fanin_wire::value::Dtype::Float32,
+            TensorRef::Half(kind, _) => kind.dtype(),
         }
     }
 
@@ -49,6 +54,7 @@ impl TensorRef<'_> {
         match self {
             TensorRef::I32(v) => Tensor::I32(v.to_vec()),
             TensorRef::F32(v) => Tensor::F32(v.to_vec()),
+            TensorRef::Half(kind, v) => Tensor::Half(kind, v.to_vec()),
         }
     }
 
@@ -57,6 +63,7 @@ impl TensorRef<'_> {
         let (p, n) = match self {
             TensorRef::I32(v) => (v.as_ptr() as usize, std::mem::size_of_val(*v)),
             TensorRef::F32(v) => (v.as_ptr() as usize, std::mem::size_of_val(*v)),
+            TensorRef::Half(_, v) => (v.as_ptr() as usize, std::mem::size_of_val(*v)),
         };
         p..p + n
     }
@@ -67,6 +74,7 @@ impl Tensor {
         match self {
             Tensor::I32(v) => TensorRef::I32(v),
             Tensor::F32(v) => TensorRef::F32(v),
+            Tensor::Half(kind, v) => TensorRef::Half(*kind, v),
         }
     }
 }
@@ -84,6 +92,7 @@ pub(super) enum Input {
 pub(super) enum LentIn {
     I32(NonNull<i32>, usize),
     F32(NonNull<f32>, usize),
+    Half(Half, NonNull<u16>, usize),
 }
 
 // SAFETY: as for `Lent`: only read through the session holding it, and
@@ -96,6 +105,7 @@ impl Input {
         Input::Lent(match input {
             TensorRef::I32(v) => LentIn::I32(NonNull::from(v).cast(), v.len()),
             TensorRef::F32(v) => LentIn::F32(NonNull::from(v).cast(), v.len()),
+            TensorRef::Half(kind, v) => LentIn::Half(kind, NonNull::from(v).cast(), v.len()),
         })
     }
 
@@ -108,6 +118,9 @@ impl Input {
             // outlive that.
             Input::Lent(LentIn::I32(p, n)) => TensorRef::I32(unsafe { std::slice::from_raw_parts(p.as_ptr(), *n) }),
             Input::Lent(LentIn::F32(p, n)) => TensorRef::F32(unsafe { std::slice::from_raw_parts(p.as_ptr(), *n) }),
+            Input::Lent(LentIn::Half(kind, p, n)) => {
+                TensorRef::Half(*kind, unsafe { std::slice::from_raw_parts(p.as_ptr(), *n) })
+            }
         }
     }
 
@@ -118,6 +131,7 @@ impl Input {
             Input::Owned(t) => t,
             Input::Lent(LentIn::I32(..)) => Tensor::I32(Vec::new()),
             Input::Lent(LentIn::F32(..)) => Tensor::F32(Vec::new()),
+            Input::Lent(LentIn::Half(kind, ..)) => Tensor::Half(kind, Vec::new()),
         }
     }
 }
@@ -127,6 +141,7 @@ impl Input {
 pub enum TensorMut<'a> {
     I32(&'a mut [i32]),
     F32(&'a mut [f32]),
+    Half(Half, &'a mut [u16]),
 }
 
 impl TensorMut<'_> {
@@ -134,6 +149,7 @@ impl TensorMut<'_> {
         match self {
             TensorMut::I32(v) => v.len(),
             TensorMut::F32(v) => v.len(),
+            TensorMut::Half(_, v) => v.len(),
         }
     }
 
@@ -142,13 +158,18 @@ impl TensorMut<'_> {
     }
 
     fn same_dtype(&self, tensor: TensorRef<'_>) -> bool {
-        matches!((self, tensor), (TensorMut::I32(_), TensorRef::I32(_)) | (TensorMut::F32(_), TensorRef::F32(_)))
+        match (self, tensor) {
+            (TensorMut::I32(_), TensorRef::I32(_)) | (TensorMut::F32(_), TensorRef::F32(_)) => true,
+            (TensorMut::Half(a, _), TensorRef::Half(b, _)) => *a == b,
+            _ => false,
+        }
     }
 
     fn span(&self) -> std::ops::Range<usize> {
         match self {
             TensorMut::I32(v) => TensorRef::I32(v).span(),
             TensorMut::F32(v) => TensorRef::F32(v).span(),
+            TensorMut::Half(kind, v) => TensorRef::Half(*kind, v).span(),
         }
     }
 }
@@ -170,6 +191,7 @@ fn spans_overlap(a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> bool {
 pub(super) enum Lent {
     I32(NonNull<i32>, usize),
     F32(NonNull<f32>, usize),
+    Half(Half, NonNull<u16>, usize),
 }
 
 // SAFETY: a `Lent` is only dereferenced through the session that holds it,
@@ -189,6 +211,7 @@ impl Lent {
         Some(match out {
             TensorMut::I32(v) => Lent::I32(NonNull::from(v).cast(), input.len()),
             TensorMut::F32(v) => Lent::F32(NonNull::from(v).cast(), input.len()),
+            TensorMut::Half(kind, v) => Lent::Half(kind, NonNull::from(v).cast(), input.len()),
         })
     }
 
@@ -209,6 +232,10 @@ impl Lent {
                     assert!(start + count <= len, "block {start}+{count} beyond the output ({len})");
                     TensorMut::F32(std::slice::from_raw_parts_mut(p.as_ptr().add(start), count))
                 }
+                Lent::Half(kind, p, len) => {
+                    assert!(start + count <= len, "block {start}+{count} beyond the output ({len})");
+                    TensorMut::Half(kind, std::slice::from_raw_parts_mut(p.as_ptr().add(start), count))
+                }
             }
         }
     }
@@ -219,6 +246,7 @@ pub(super) fn tensor_block(tensor: &mut Tensor, start: usize, count: usize) -> T
     match tensor {
         Tensor::I32(v) => TensorMut::I32(&mut v[start..start + count]),
         Tensor::F32(v) => TensorMut::F32(&mut v[start..start + count]),
+        Tensor::Half(kind, v) => TensorMut::Half(*kind, &mut v[start..start + count]),
     }
 }
 

@@ -118,6 +118,9 @@ impl AllreduceSession {
         match op.output_block(start, count) {
             TensorMut::I32(v) => read_elements(payload, v),
             TensorMut::F32(v) => bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, v),
+            TensorMut::Half(kind, v) => {
+                bfp::half::dequantize_from_payload(kind, payload, repr.exp, self.n_sources as usize, v)
+            }
         }
         let block = &mut op.blocks[idx as usize];
         if let Some(first) = block.first_sent {
@@ -198,6 +201,7 @@ impl AllreduceSession {
         match op.output_block(start, count) {
             TensorMut::I32(v) => v.fill(0),
             TensorMut::F32(v) => v.fill(0.0),
+            TensorMut::Half(_, v) => v.fill(0), // +0.0 in both formats
         }
         op.missed += 1;
         op.last_progress = now;

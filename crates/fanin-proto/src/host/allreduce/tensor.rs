@@ -4,13 +4,16 @@
 use fanin_wire::value::Dtype;
 
 use super::lending::TensorRef;
+use crate::bfp::half::{self, Half};
 use crate::bfp::{self, NonFinite};
 
 /// A tensor to reduce, owned by the session while the allreduce runs.
+/// 16-bit floats are held as their bits, with which format they are.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Tensor {
     I32(Vec<i32>),
     F32(Vec<f32>),
+    Half(Half, Vec<u16>),
 }
 
 impl Tensor {
@@ -18,6 +21,7 @@ impl Tensor {
         match self {
             Tensor::I32(v) => v.len(),
             Tensor::F32(v) => v.len(),
+            Tensor::Half(_, v) => v.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -118,6 +122,17 @@ impl<'a> Prepared<'a> {
 fn exponents_of(input: TensorRef<'_>, per: usize) -> Result<Vec<i8>, NonFinite> {
     match input {
         TensorRef::F32(values) => block_exponents(values.chunks(per)),
+        TensorRef::Half(kind, values) => {
+            let mut offset = 0;
+            values
+                .chunks(per)
+                .map(|block| {
+                    let e = half::block_exponent_half(kind, block).map_err(|e| NonFinite { index: offset + e.index, ..e });
+                    offset += block.len();
+                    e
+                })
+                .collect()
+        }
         TensorRef::I32(_) => Ok(Vec::new()),
     }
 }

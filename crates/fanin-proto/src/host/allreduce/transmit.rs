@@ -137,8 +137,8 @@ pub(super) fn emit_block(
     let input = op.input.view();
     let (exp, next_exp) = match input {
         TensorRef::I32(_) => (EXP_NONE, EXP_NONE),
-        TensorRef::F32(_) if exp_only => (op.local_exp[idx as usize], EXP_NONE),
-        TensorRef::F32(_) => (state.exp, op.local_exp.get(ahead).copied().unwrap_or(EXP_NONE)),
+        TensorRef::F32(_) | TensorRef::Half(..) if exp_only => (op.local_exp[idx as usize], EXP_NONE),
+        TensorRef::F32(_) | TensorRef::Half(..) => (state.exp, op.local_exp.get(ahead).copied().unwrap_or(EXP_NONE)),
     };
     let repr = Repr {
         msg_type: if retransmission { MessageType::Retransmission } else { MessageType::Contribution },
@@ -171,6 +171,13 @@ pub(super) fn emit_block(
             TensorRef::F32(v) => {
                 bfp::quantize_into_payload(&v[start..start + count], exp, n_sources as usize, packet.payload_mut())
             }
+            TensorRef::Half(kind, v) => bfp::half::quantize_into_payload(
+                kind,
+                &v[start..start + count],
+                exp,
+                n_sources as usize,
+                packet.payload_mut(),
+            ),
         }
     });
 }

@@ -53,7 +53,7 @@ pub(super) fn build_result(block: &Block, job_id: u32, exp_only: bool, member_co
     let mut packet = Packet::new_unchecked(&mut scratch[..]);
     repr.emit(&mut packet);
     if !exp_only {
-        fanin_wire::value::write_elements(&block.sum[..block.grad_cnt as usize], packet.payload_mut());
+        fanin_wire::value::write_lanes(block.dtype, &block.sum[..block.grad_cnt as usize], packet.payload_mut());
     }
 }
 
@@ -210,13 +210,13 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
             let payload = packet.payload();
             let n = grad_cnt as usize;
             if block.has_data {
-                fanin_wire::value::add_elements(&mut block.sum[..n], payload);
+                fanin_wire::value::add_lanes(block.dtype, &mut block.sum[..n], payload);
             } else {
                 block.has_data = true;
                 block.grad_cnt = grad_cnt;
                 block.exp = packet.exp();
                 block.sum.resize(n, 0);
-                fanin_wire::value::read_elements(payload, &mut block.sum[..n]);
+                fanin_wire::value::read_lanes(block.dtype, payload, &mut block.sum[..n]);
             }
             block.next_exp = block.next_exp.max(packet.next_exp());
             block.final_block |= packet.final_block();

@@ -97,7 +97,7 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
             let mut packet = Packet::new_unchecked(buf);
             repr.emit(&mut packet);
             if !exp_only {
-                fanin_wire::value::write_elements(&block.sum[..block.grad_cnt as usize], packet.payload_mut());
+                fanin_wire::value::write_lanes(block.dtype, &block.sum[..block.grad_cnt as usize], packet.payload_mut());
             }
         });
         if again {

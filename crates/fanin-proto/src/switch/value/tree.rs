@@ -151,7 +151,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 }
                 let n = repr.grad_cnt as usize;
                 block.sum.resize(n, 0);
-                fanin_wire::value::read_elements(packet.payload(), &mut block.sum[..n]);
+                fanin_wire::value::read_lanes(repr.dtype, packet.payload(), &mut block.sum[..n]);
+                block.dtype = repr.dtype; // the lanes the result goes down in
                 block.grad_cnt = repr.grad_cnt;
                 block.has_data = true;
                 block.exp = repr.exp;

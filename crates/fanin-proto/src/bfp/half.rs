@@ -1,0 +1,324 @@
+//! Block floating point for 16-bit floats (float16, bfloat16): 2 bytes per
+//! element on the wire each way, summed exactly by the switch.
+//!
+//! The scheme is float32's ([`super`]) with int16 lanes: with `e` the
+//! block's shared exponent (every |x| < 2^e) and `N` sources, a value is
+//! quantised as `q = round(x * 2^(B - e))` with `B = 14 - ceil(log2 N)`, so
+//! |q| <= 2^B and the sum of N of them is at most 2^14: **it always fits
+//! the int16 lane the switch writes the result in** (it adds in int32).
+//! The result is `sum * 2^(e - B)`, exact in f64, rounded once to the
+//! tensor's type (round to nearest, ties to even).
+//!
+//! Error bound (docs/protocol.md §3.3, checked by the tests):
+//! |result - exact_sum| <= N * 2^(e - B - 1) + ulp(result), the last term
+//! the rounding to 16 bits (half an ulp for float16; bfloat16 rounds
+//! through float32, which can add a rounding of that size again).
+//! For 4 sources B = 12: 12 bits of the block maximum, one more than
+//! float16 carries and four more than bfloat16.
+//!
+//! The conversions are written out here (round to nearest even, subnormals,
+//! infinities, NaN) rather than taken from a crate; the tests check them
+//! against every one of the 65 536 bit patterns.
+
+use fanin_wire::value::{Dtype, EXP_NONE};
+
+use super::{block_exponent, pow2, quantize_one, NonFinite};
+
+/// Which 16-bit float a tensor holds (its elements are passed as their bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Half {
+    /// IEEE 754 binary16: 5 exponent bits, 10 fraction bits.
+    F16,
+    /// bfloat16: float32's 8 exponent bits, 7 fraction bits.
+    BF16,
+}
+
+impl Half {
+    pub fn dtype(self) -> Dtype {
+        match self {
+            Half::F16 => Dtype::Float16,
+            Half::BF16 => Dtype::BFloat16,
+        }
+    }
+
+    /// The value of `bits` (exact).
+    pub fn to_f32(self, bits: u16) -> f32 {
+        match self {
+            Half::F16 => f16_to_f32(bits),
+            Half::BF16 => f32::from_bits((bits as u32) << 16),
+        }
+    }
+
+    /// `x` rounded to this type, to nearest with ties to even (bfloat16:
+    /// through float32).
+    pub fn from_f64(self, x: f64) -> u16 {
+        match self {
+            Half::F16 => f16_from_f64(x),
+            Half::BF16 => bf16_from_f32(x as f32),
+        }
+    }
+}
+
+/// Fraction bits of a 16-bit lane for `n_sources` sources (may be small or
+/// negative for thousands of sources: see [`check_sources`]).
+pub fn frac_bits(n_sources: usize) -> i32 {
+    Dtype::Float16.lane_bits() - ceil_log2(n_sources)
+}
+
+/// Most sources a 16-bit allreduce may sum: 2^13 leaves one bit of the
+/// lane per value (B = 1); beyond that every value would round to 0 or 2^e.
+pub const MAX_SOURCES: usize = 1 << 13;
+
+/// Refuse a 16-bit allreduce over more sources than its lanes can carry.
+pub fn check_sources(n_sources: usize) -> Result<(), String> {
+    if n_sources > MAX_SOURCES {
+        return Err(format!(
+            "a 16-bit allreduce over {n_sources} workers leaves no fraction bit in its int16 lanes \
+             (at most {MAX_SOURCES}); reduce in float32"
+        ));
+    }
+    Ok(())
+}
+
+fn ceil_log2(n: usize) -> i32 {
+    let n = n.max(1) as u64;
+    64 - (n - 1).leading_zeros() as i32
+}
+
+/// The exponent of a block of 16-bit values (as [`block_exponent`] for
+/// float32: every |x| < 2^e, [`EXP_NONE`] for an all-zero block), or the
+/// first value it cannot carry.
+pub fn block_exponent_half(kind: Half, values: &[u16]) -> Result<i8, NonFinite> {
+    // Sign cleared, the bits of either format order like the magnitudes.
+    let max = values.iter().map(|v| v & 0x7fff).max().unwrap_or(0);
+    let exp = block_exponent(&[kind.to_f32(max)]);
+    exp.map_err(|e| {
+        let index = values.iter().position(|v| v & 0x7fff == max).unwrap_or(0);
+        NonFinite { index, value: e.value }
+    })
+}
+
+/// Quantise `values` (bits of `kind`) straight into a big-endian int16
+/// payload with shared exponent `exp`. Values larger than the exponent
+/// allows saturate at +-2^B, as for float32.
+pub fn quantize_into_payload(kind: Half, values: &[u16], exp: i8, n_sources: usize, payload: &mut [u8]) {
+    if exp == EXP_NONE {
+        payload.iter_mut().for_each(|b| *b = 0);
+        return;
+    }
+    let b = frac_bits(n_sources);
+    let scale = pow2(b - exp as i32);
+    let limit = pow2(b);
+    for (dst, &v) in payload.chunks_exact_mut(2).zip(values) {
+        // |q| <= 2^B <= 2^14: an int16
+        let q = quantize_one(kind.to_f32(v), scale, limit) as i16;
+        dst.copy_from_slice(&q.to_be_bytes());
+    }
+}
+
+/// Turn a big-endian int16 payload of sums back into values of `kind`.
+pub fn dequantize_from_payload(kind: Half, payload: &[u8], exp: i8, n_sources: usize, out: &mut [u16]) {
+    if exp == EXP_NONE {
+        out.iter_mut().for_each(|x| *x = 0);
+        return;
+    }
+    let scale = pow2(exp as i32 - frac_bits(n_sources));
+    for (x, src) in out.iter_mut().zip(payload.chunks_exact(2)) {
+        *x = kind.from_f64(i16::from_be_bytes([src[0], src[1]]) as f64 * scale);
+    }
+}
+
+/// The documented worst-case absolute error of a 16-bit block floating point
+/// sum before the final rounding to 16 bits.
+pub fn error_bound(exp: i8, n_sources: usize) -> f64 {
+    if exp == EXP_NONE {
+        return 0.0;
+    }
+    n_sources as f64 * pow2(exp as i32 - frac_bits(n_sources) - 1)
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = if h & 0x8000 != 0 { -1.0f32 } else { 1.0 };
+    let exp = (h >> 10) & 0x1f;
+    let frac = (h & 0x3ff) as u32;
+    match exp {
+        // subnormal: frac * 2^-24, exact in f32
+        0 => sign * frac as f32 * f32::from_bits(0x3380_0000),
+        31 => f32::from_bits(((h as u32 & 0x8000) << 16) | 0x7f80_0000 | (frac << 13)),
+        _ => f32::from_bits(((h as u32 & 0x8000) << 16) | ((exp as u32 + 112) << 23) | (frac << 13)),
+    }
+}
+
+fn f16_from_f64(x: f64) -> u16 {
+    let sign = if x.is_sign_negative() { 0x8000u16 } else { 0 };
+    let a = x.abs();
+    if a.is_nan() {
+        return sign | 0x7e00;
+    }
+    // 65520 is halfway between the largest float16 (65504, odd fraction)
+    // and 2^16: ties to even round it up, to infinity.
+    if a >= 65520.0 {
+        return sign | 0x7c00;
+    }
+    // At most half the smallest subnormal (2^-24): ties to even give 0.
+    if a <= pow2(-25) {
+        return sign;
+    }
+    let exp = ((a.to_bits() >> 52) as i32) - 1023; // a is a normal f64 here
+    // The unit of the last place at this magnitude: subnormals share 2^-24.
+    let ulp_exp = if exp < -14 { -24 } else { exp - 10 };
+    // Exact (a power-of-two scaling), then rounded once, ties to even.
+    let units = (a * pow2(-ulp_exp)).round_ties_even() as u32;
+    // A carry out of the fraction (units == 2048, or 1024 for the largest
+    // subnormal) lands on the next exponent by itself.
+    let bits = if exp < -14 { units } else { (((exp + 15) as u32) << 10) + (units - 1024) };
+    sign | bits as u16
+}
+
+fn bf16_from_f32(f: f32) -> u16 {
+    let b = f.to_bits();
+    if f.is_nan() {
+        return ((b >> 16) | 0x0040) as u16; // stays a (quiet) NaN
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_float16_converts_exactly_and_back() {
+        for bits in 0..=u16::MAX {
+            let x = f16_to_f32(bits);
+            if x.is_nan() {
+                assert!(f16_to_f32(f16_from_f64(x as f64)).is_nan());
+                continue;
+            }
+            assert_eq!(f16_from_f64(x as f64), bits, "{bits:#06x} = {x}");
+        }
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+        assert_eq!(f16_to_f32(0x7bff), 65504.0);
+        assert_eq!(f16_to_f32(0xfc00), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn float16_rounds_to_nearest_with_ties_to_even() {
+        // Between every two neighbours (positive finite): just below, at and
+        // just above the midpoint.
+        for bits in 0..0x7bffu16 {
+            let (lo, hi) = (f16_to_f32(bits) as f64, f16_to_f32(bits + 1) as f64);
+            let mid = (lo + hi) / 2.0;
+            let even = if bits % 2 == 0 { bits } else { bits + 1 };
+            assert_eq!(f16_from_f64(mid), even, "tie at {mid}");
+            assert_eq!(f16_from_f64(mid - (hi - lo) / 8.0), bits);
+            assert_eq!(f16_from_f64(mid + (hi - lo) / 8.0), bits + 1);
+            assert_eq!(f16_from_f64(-mid), even | 0x8000);
+        }
+        assert_eq!(f16_from_f64(65519.99), 0x7bff);
+        assert_eq!(f16_from_f64(65520.0), 0x7c00, "the tie above the largest rounds to infinity");
+        assert_eq!(f16_from_f64(1e300), 0x7c00);
+        assert_eq!(f16_from_f64(2f64.powi(-25)), 0, "the tie below the smallest subnormal rounds to 0");
+        assert_eq!(f16_from_f64(2f64.powi(-25) * 1.01), 1);
+    }
+
+    #[test]
+    fn every_bfloat16_converts_exactly_and_back_and_rounds_to_even() {
+        for bits in 0..=u16::MAX {
+            let x = Half::BF16.to_f32(bits);
+            if x.is_nan() {
+                assert!(Half::BF16.to_f32(Half::BF16.from_f64(x as f64)).is_nan());
+                continue;
+            }
+            assert_eq!(Half::BF16.from_f64(x as f64), bits);
+        }
+        // 1 + 2^-8 is the tie between 1 and 1 + 2^-7: to even (1.0)
+        assert_eq!(Half::BF16.from_f64(1.0 + 2f64.powi(-8)), 0x3f80);
+        assert_eq!(Half::BF16.from_f64(1.0 + 3.0 * 2f64.powi(-8)), 0x3f82, "tie to even upwards");
+    }
+
+    /// docs/protocol.md §9: float16 1.5 and bfloat16 -0.75 with exponent 1
+    /// for 4 sources (B = 12) are the lanes 3072 and -1536, and back.
+    #[test]
+    fn golden_quantisation_vectors() {
+        let mut payload = [0u8; 4];
+        quantize_into_payload(Half::F16, &[0x3e00, 0x0000], 1, 4, &mut payload);
+        assert_eq!(payload, [0x0c, 0x00, 0x00, 0x00]);
+        quantize_into_payload(Half::BF16, &[0xbf40, 0x3f80], 1, 4, &mut payload);
+        assert_eq!(payload, [0xfa, 0x00, 0x08, 0x00]);
+        let mut out = [0u16; 2];
+        dequantize_from_payload(Half::BF16, &payload, 1, 4, &mut out);
+        assert_eq!(out, [0xbf40, 0x3f80]);
+        dequantize_from_payload(Half::F16, &[0x0c, 0x00, 0x00, 0x00], 1, 4, &mut out);
+        assert_eq!(out, [0x3e00, 0x0000]);
+    }
+
+    #[test]
+    fn exponents_of_16_bit_blocks_and_what_is_refused() {
+        let f16 = |x: f64| f16_from_f64(x);
+        assert_eq!(block_exponent_half(Half::F16, &[f16(0.75), f16(-3.0)]), Ok(2));
+        assert_eq!(block_exponent_half(Half::F16, &[0, 0x8000]), Ok(EXP_NONE));
+        let err = block_exponent_half(Half::F16, &[f16(1.0), 0x7c00]).unwrap_err();
+        assert_eq!(err.index, 1);
+        assert_eq!(block_exponent_half(Half::BF16, &[0x3f80]), Ok(1));
+        assert!(block_exponent_half(Half::BF16, &[0x7f7f]).is_err(), "bfloat16 above 2^127");
+        assert!(check_sources(MAX_SOURCES).is_ok() && check_sources(MAX_SOURCES + 1).is_err());
+        assert_eq!(frac_bits(1), 14);
+        assert_eq!(frac_bits(4), 12);
+        assert_eq!(frac_bits(5), 11);
+    }
+
+    #[test]
+    fn sums_fit_the_lane_and_stay_within_the_bound() {
+        // N sources at the largest magnitude the exponent allows, with the
+        // same sign: the int16 sum is at most 2^14.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for kind in [Half::F16, Half::BF16] {
+            for n in [1usize, 2, 3, 4, 7, 8, 64, 256] {
+                for _ in 0..200 {
+                    let blocks: Vec<Vec<u16>> = (0..n)
+                        .map(|_| {
+                            (0..16)
+                                .map(|_| {
+                                    let mag = (next() % 60_000) as f64 / 1000.0 * [1.0, 1e-3, 1e-6][next() as usize % 3];
+                                    kind.from_f64(if next() % 2 == 0 { mag } else { -mag })
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    let exp = blocks.iter().map(|b| block_exponent_half(kind, b).unwrap()).max().unwrap();
+                    let mut sum = [0i32; 16];
+                    for block in &blocks {
+                        let mut payload = [0u8; 32];
+                        quantize_into_payload(kind, block, exp, n, &mut payload);
+                        for (s, q) in sum.iter_mut().zip(payload.chunks_exact(2)) {
+                            *s += i16::from_be_bytes([q[0], q[1]]) as i32;
+                        }
+                    }
+                    assert!(sum.iter().all(|s| s.abs() <= 1 << 14), "{kind:?} n={n}: {sum:?}");
+                    let payload: Vec<u8> = sum.iter().flat_map(|s| (*s as i16).to_be_bytes()).collect();
+                    let mut out = [0u16; 16];
+                    dequantize_from_payload(kind, &payload, exp, n, &mut out);
+                    for (i, &got) in out.iter().enumerate() {
+                        let exact: f64 = blocks.iter().map(|b| kind.to_f32(b[i]) as f64).sum();
+                        let got = kind.to_f32(got) as f64;
+                        let ulp = match kind {
+                            Half::F16 => 2f64.powi((exact.abs().max(6.2e-5).log2().floor() as i32) - 10),
+                            Half::BF16 => 2f64.powi((exact.abs().max(1e-30).log2().floor() as i32) - 7),
+                        };
+                        let bound = error_bound(exp, n) + ulp;
+                        assert!((got - exact).abs() <= bound, "{kind:?} n={n} i={i}: {got} vs {exact} (bound {bound})");
+                    }
+                }
+            }
+        }
+    }
+}
