@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from fanin.torch._connect import Connection, ConnectOptions, connect
@@ -59,6 +58,52 @@ def _op_kind(op: Any) -> Any:
 
 def _op_name(op: Any) -> str:
     return str(getattr(_op_kind(op), "name", op))
+
+
+class _Work(dist.Work):
+    """The handle of a collective running on the group's worker thread.
+
+    Not ``_create_work_from_future``: the Work that makes (torch 2.15)
+    reports success for a Python future completed with ``set_exception``
+    (its ``wait()`` returns True and its future's value is the exception
+    object), so a failed allreduce (a lost switch, a refused tensor) would
+    leave the tensor unchanged without a word. ``wait()`` here raises the
+    collective's error, as it must."""
+
+    def __init__(self, fut: Future) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._fut.wait()  # raises what the collective raised
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.wait()
+        except Exception:
+            return False
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.wait()
+        except Exception as e:
+            return e
+        return None
+
+    def result(self) -> Any:
+        return self._fut.wait()
+
+    def get_future(self) -> Future:
+        return self._fut
 
 
 class _Worker:
@@ -104,8 +149,9 @@ class FaninProcessGroup(dist.ProcessGroup):
     :func:`create_backend` for how it finds its switch.
 
     Guarantee: every rank receives the same allreduce result, bit for bit.
-    float32/float16/bfloat16 travel as float32 block floating point (error
-    bound in :class:`fanin.Session`); int32 sums are exact. AVG divides each
+    float32 travels as block floating point in int32 lanes, float16 and
+    bfloat16 as themselves in int16 lanes, 2 bytes per element each way
+    (error bounds in :class:`fanin.Session`); int32 sums are exact. AVG divides each
     element by the number of workers its block summed (``src_cnt``); SUM of a
     block that straggler mitigation emitted without a slow worker is the sum
     over the workers it included (read :meth:`step_stats` to see it).
@@ -190,7 +236,7 @@ class FaninProcessGroup(dist.ProcessGroup):
     def _submit(self, fn: Callable[[], Any]) -> Any:
         if self._closed:
             raise RuntimeError("fanin: the process group was destroyed")
-        return _create_work_from_future(self._worker.submit(fn))
+        return _Work(self._worker.submit(fn))
 
     def _check_allreduce(self, tensors: list, opts: Any, what: str) -> bool:
         op = _op_kind(getattr(opts, "reduceOp", dist.ReduceOp.SUM))
