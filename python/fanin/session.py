@@ -30,6 +30,22 @@ def _member_key(key: Optional[Union[bytes, str]]) -> Optional[bytes]:
     raise TypeError(f"auth_key must be bytes or a hex string, not {type(key).__name__}")
 
 
+def _half_format(array: np.ndarray, dtype: Optional[str]) -> Optional[str]:
+    """"float16" / "bfloat16" for a 16-bit float allreduce, None otherwise."""
+    if dtype is not None:
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"dtype={dtype!r}: give 'float16' or 'bfloat16' (other dtypes come from the array)")
+        if array.dtype.itemsize != 2:
+            raise TypeError(f"dtype={dtype!r} takes the values' bits as a 2-byte array (uint16, int16, float16), "
+                            f"got {array.dtype}")
+        return dtype
+    if array.dtype == np.float16:
+        return "float16"
+    if array.dtype.name == "bfloat16":  # ml_dtypes
+        return "bfloat16"
+    return None
+
+
 class Session:
     """A worker's session with a fanin switch for one job.
 
@@ -43,7 +59,9 @@ class Session:
     two's complement hardware). float32 travels as block floating point: the
     error of each element is at most ``N * 2**(e - B - 1)`` plus the final
     float32 rounding, where ``e`` is the block's shared exponent and
-    ``B = 30 - ceil(log2 N)`` (see docs/protocol.md).
+    ``B = 30 - ceil(log2 N)`` (see docs/protocol.md). float16 and bfloat16
+    travel in 16-bit lanes with ``B = 14 - ceil(log2 N)`` and the same bound
+    plus the final 16-bit rounding (docs/protocol.md 5.6).
 
     Args:
         switch: ``"HOST:PORT"`` of the switch's data port (shard 0).
@@ -161,11 +179,16 @@ class Session:
         self.rank = rank
 
     def allreduce(self, array: np.ndarray, *, average: bool = False,
-                  out: Optional[np.ndarray] = None) -> np.ndarray:
+                  out: Optional[np.ndarray] = None, dtype: Optional[str] = None) -> np.ndarray:
         """Return the element-wise sum of ``array`` over every member.
 
-        ``array`` must be int32 or float32 (any shape and memory layout; it
-        is not modified unless it is also ``out``). With ``average=True``
+        ``array`` must be int32, float32 or float16 (any shape and memory
+        layout; it is not modified unless it is also ``out``). float16
+        travels as 2 bytes per element each way (docs/protocol.md 5.6).
+        numpy has no bfloat16: pass a bfloat16 tensor's bits as a uint16 or
+        int16 array with ``dtype="bfloat16"`` (from torch:
+        ``t.view(torch.int16).numpy()``); the result is bits too. An
+        ``ml_dtypes.bfloat16`` array is taken as it is. With ``average=True``
         (float32 only) the result is the mean: each block is divided by the
         number of sources its result summed, which is fewer than the job
         size when the switch gave up on a straggler (a partial result, see
@@ -190,7 +213,17 @@ class Session:
             raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")
         if out is not None and not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-        return self._native.allreduce(array, average=average, out=out)
+        fmt = _half_format(array, dtype)
+        if fmt is None:
+            return self._native.allreduce(array, average=average, out=out)
+        # 16-bit floats go to the switch as their bits (uint16 views: no copy)
+        if out is not None and (out.dtype.itemsize != 2 or out.shape != array.shape):
+            raise TypeError(f"out must have the input's 16-bit dtype and shape {array.shape} "
+                            f"(got {out.dtype}, {out.shape})")
+        bits = array.view(np.uint16) if array.flags.c_contiguous else np.ascontiguousarray(array).view(np.uint16)
+        result = self._native.allreduce_half(bits, fmt, average=average,
+                                             out=None if out is None else out.view(np.uint16))
+        return out if out is not None else result.view(array.dtype)
 
     @property
     def last_stats(self) -> Optional[dict[str, Any]]:

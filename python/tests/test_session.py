@@ -146,7 +146,7 @@ def test_loss_everywhere_is_recovered():
 def test_wrong_dtype_and_non_arrays_are_refused_clearly():
     with fanin.local_switch(workers=1) as sw:
         s = fanin.Session(sw.data_addr, 1, 0)
-        with pytest.raises(TypeError, match="int32 or float32.*float64"):
+        with pytest.raises(TypeError, match="int32, float32 or float16.*float64"):
             s.allreduce(np.zeros(4))
         with pytest.raises(TypeError, match="numpy array"):
             s.allreduce([1.0, 2.0])
@@ -277,3 +277,73 @@ def test_a_bad_result_group_is_refused_with_the_reason():
         s = fanin.Session(sw.data_addr, 1, 0, result_group=free_result_group())
         assert not s.params["results_on_group"]
         assert np.array_equal(s.allreduce(np.arange(5000, dtype=np.int32)), np.arange(5000, dtype=np.int32))
+
+
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits, rounded to nearest even."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_value(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+def test_16_bit_floats_travel_as_2_bytes_each_way_within_the_bound(fmt):
+    """float16 (a numpy dtype) and bfloat16 (its bits, dtype="bfloat16") are
+    summed through the switch under loss: identical bits on every worker,
+    within N * 2^(e - B - 1) + one ulp of the float64 sum with B = 14 -
+    ceil(log2 N) (docs/protocol.md 5.6), the mean rounded once; and a
+    datagram carries 2 bytes per element: 24 + 2k bytes for k elements."""
+    n, size, epp = 3, 30_011, 512
+    rng = np.random.default_rng(7)
+    # magnitudes vary across blocks (sums stay inside float16's range)
+    scale = 2.0 ** (np.arange(size) // 700 % 20 - 10)
+    values = [rng.uniform(-1, 1, size) * scale for _ in range(n)]
+    if fmt == "float16":
+        inputs = [v.astype(np.float16) for v in values]
+        exact_of = [x.astype(np.float64) for x in inputs]
+    else:
+        inputs = [_bf16_bits(v) for v in values]
+        exact_of = [_bf16_value(x).astype(np.float64) for x in inputs]
+    with fanin.local_switch(workers=n, ingress_drop=0.05, egress_drop=0.05, seed=3) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=epp, rto_ms=5, rto_min_ms=2)
+            kw = {} if fmt == "float16" else {"dtype": "bfloat16"}
+            total = s.allreduce(inputs[rank], **kw)
+            mean = s.allreduce(inputs[rank], average=True, **kw)
+            inplace = inputs[rank].copy()
+            s.allreduce(inplace, out=inplace, **kw)
+            before = s.socket_stats()
+            s.allreduce(inputs[rank][:epp], **kw)  # exactly one block
+            after = s.socket_stats()
+            return total, mean, inplace, before, after
+
+        results = in_threads(n, work)
+    total = results[0][0]
+    assert total.dtype == inputs[0].dtype and total.shape == (size,)
+    for t, m, inplace, _, _ in results:
+        assert t.tobytes() == total.tobytes() and inplace.tobytes() == total.tobytes()
+        assert m.tobytes() == results[0][1].tobytes()
+    value = (lambda b: b.astype(np.float64)) if fmt == "float16" else (lambda b: _bf16_value(b).astype(np.float64))
+    got, mean = value(total), value(results[0][1])
+    exact = sum(exact_of)
+    fraction_bits = 10 if fmt == "float16" else 7
+    b = 14 - int(np.ceil(np.log2(n)))
+    for start in range(0, size, epp):
+        blk = slice(start, start + epp)
+        e = max(int(np.frexp(np.abs(x[blk]).max())[1]) for x in exact_of)
+        ulp = 2.0 ** (np.maximum(np.floor(np.log2(np.maximum(np.abs(got[blk]), 2.0 ** -14))), -14) - fraction_bits)
+        bound = n * 2.0 ** (e - b - 1) + ulp
+        assert (np.abs(got[blk] - exact[blk]) <= bound).all(), start
+        mulp = 2.0 ** (np.maximum(np.floor(np.log2(np.maximum(np.abs(mean[blk]), 2.0 ** -14))), -14) - fraction_bits)
+        assert (np.abs(mean[blk] - got[blk] / n) <= mulp).all(), start
+    # one block of epp elements: headers of 24 bytes (the exponent round's
+    # have no elements) and 2 * epp bytes of elements per data datagram
+    # (more than one if lost and resent), never the 4 * epp of float32 lanes
+    _, _, _, before, after = results[0]
+    sent = after["bytes_sent"] - before["bytes_sent"]
+    datagrams = after["datagrams_sent"] - before["datagrams_sent"]
+    data_datagrams, rest = divmod(sent - 24 * datagrams, 2 * epp)
+    assert rest == 0 and 1 <= data_datagrams <= datagrams, (sent, datagrams)

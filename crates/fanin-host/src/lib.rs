@@ -78,6 +78,10 @@ pub enum HostError {
 pub struct SessionStats {
     pub datagrams_sent: u64,
     pub datagrams_received: u64,
+    /// UDP payload bytes of `datagrams_sent` / `datagrams_received`
+    /// (fanin header, elements and seal; not the IP and UDP headers).
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
     pub dropped_by_fault_injection: u64,
     pub duplicated_by_fault_injection: u64,
     pub reordered_by_fault_injection: u64,
@@ -123,6 +127,7 @@ struct ShardTx<'a> {
     faults: &'a mut DropInjector,
     discard: Vec<u8>,
     sent: u64,
+    sent_bytes: u64,
 }
 
 impl Transmit<u16> for ShardTx<'_> {
@@ -137,6 +142,7 @@ impl Transmit<u16> for ShardTx<'_> {
         let mut dest = self.switch;
         dest.set_port(self.switch.port().wrapping_add(shard));
         self.sent += 1;
+        self.sent_bytes += len as u64;
         self.batch.push(dest, len)
     }
 }
@@ -345,14 +351,16 @@ impl Session {
             faults: &mut self.faults,
             discard: Vec::new(),
             sent: 0,
+            sent_bytes: 0,
         };
         // Send everything the window allows, in bounded bursts.
         while self.machine.poll_transmit(now, &mut out) > 0 {}
-        let sent = out.sent;
+        let (sent, sent_bytes) = (out.sent, out.sent_bytes);
         if !self.tx.is_empty() {
             self.socket.send_batch(&mut self.tx)?;
         }
         self.stats.datagrams_sent += sent;
+        self.stats.bytes_sent += sent_bytes;
         let recv = self.recv_faults.counts();
         self.stats.dropped_by_fault_injection = self.faults.dropped() + recv.dropped;
         self.stats.duplicated_by_fault_injection = recv.duplicated;
@@ -404,6 +412,7 @@ impl Session {
         }
         let now = self.now();
         self.stats.datagrams_received += self.rx.len() as u64;
+        self.stats.bytes_received += self.rx.iter().map(|(_, d)| d.len() as u64).sum::<u64>();
         if from_group {
             self.stats.datagrams_from_group += self.rx.len() as u64;
         }

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use fanin_host::{HostError, Session as HostSession, SessionOptions};
+use fanin_proto::bfp::half::Half;
 use fanin_proto::bfp::NonFinite;
 use fanin_proto::host::{Outcome, Prepared, Tensor, TensorMut, TensorRef};
 
@@ -158,7 +159,7 @@ impl Session {
         } else {
             let dtype = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
             return Err(PyTypeError::new_err(format!(
-                "fanin allreduce takes a numpy array of int32 or float32 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
+                "fanin allreduce takes a numpy array of int32, float32 or float16 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
             )));
         };
         if average && !is_f32 {
@@ -178,6 +179,77 @@ impl Session {
         };
         self.last = Some(outcome);
         Ok(o.clone())
+    }
+
+    /// Sum a 16-bit float array given as its bits (`bits`: uint16, any
+    /// shape) over every member: `format` "float16" or "bfloat16". It
+    /// travels as 2 bytes per element each way (docs/protocol.md §5.6).
+    /// Returns a new uint16 array of the result's bits, or writes them into
+    /// `out` (uint16, the input's shape, C-contiguous; may be `bits`
+    /// itself) and returns it, as `allreduce` does; `average` as there,
+    /// each element divided and rounded once.
+    #[pyo3(signature = (bits, format, average=false, out=None))]
+    fn allreduce_half<'py>(
+        &mut self,
+        py: Python<'py>,
+        bits: &Bound<'py, PyAny>,
+        format: &str,
+        average: bool,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kind = match format {
+            "float16" => Half::F16,
+            "bfloat16" => Half::BF16,
+            other => return Err(PyValueError::new_err(format!("format {other:?}: give \"float16\" or \"bfloat16\""))),
+        };
+        if bits.cast::<PyArrayDyn<u16>>().is_err() {
+            let dtype = bits.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
+            return Err(PyTypeError::new_err(format!(
+                "allreduce_half takes the bits as a numpy uint16 array (got {dtype}); e.g. a.view(np.uint16)"
+            )));
+        }
+        // `out` is checked before the input is borrowed (it may be the input)
+        // and before anything is sent
+        if let Some(o) = out {
+            check_out::<u16>(bits, o)?;
+        }
+        let input = bits.extract::<PyReadonlyArrayDyn<'py, u16>>()?;
+        let per = self.inner.elems_per_packet() as usize;
+        let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
+        let shape = input.shape().to_vec();
+        if let Some(o) = out {
+            let out_start = o.cast::<PyArrayDyn<u16>>()?.data() as usize;
+            // lent as it is when it shares no memory with `out`, else staged
+            let lendable = match input.as_slice() {
+                Ok(s) if input.is_c_contiguous() => {
+                    let (start, len) = (s.as_ptr() as usize, std::mem::size_of_val(s));
+                    (!(start < out_start + len && out_start < start + len)).then_some(s)
+                }
+                _ => None,
+            };
+            let outcome = match lendable {
+                Some(s) => {
+                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(value_err)?;
+                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average, per)?
+                }
+                None => {
+                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
+                    drop(input); // `out` may be the input: its read borrow ends before the write borrow
+                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average, per)?
+                }
+            };
+            self.last = Some(outcome);
+            return Ok(o.clone());
+        }
+        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
+        let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
+        if average {
+            outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        }
+        let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
+        self.last = Some(outcome);
+        let Tensor::Half(_, v) = tensor else { unreachable!("a 16-bit allreduce returns its own dtype") };
+        Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any())
     }
 
     /// Statistics of the last allreduce: retransmissions, trimmed (Trimmed
@@ -240,6 +312,8 @@ impl Session {
         let d = PyDict::new(py);
         d.set_item("datagrams_sent", s.datagrams_sent)?;
         d.set_item("datagrams_received", s.datagrams_received)?;
+        d.set_item("bytes_sent", s.bytes_sent)?;
+        d.set_item("bytes_received", s.bytes_received)?;
         d.set_item("dropped_by_fault_injection", s.dropped_by_fault_injection)?;
         d.set_item("duplicated_by_fault_injection", s.duplicated_by_fault_injection)?;
         d.set_item("reordered_by_fault_injection", s.reordered_by_fault_injection)?;
@@ -310,6 +384,7 @@ impl Session {
         match tensor {
             Tensor::F32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
             Tensor::I32(v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
+            Tensor::Half(_, v) => Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any()),
         }
     }
 
@@ -357,6 +432,29 @@ impl Session {
         }
         Ok(outcome)
     }
+}
+
+/// A 16-bit `allreduce_into` of `prepared` into `o` (checked by
+/// `check_out`) with the GIL released, then the mean if asked for.
+fn reduce_half_into<'py>(
+    py: Python<'py>,
+    inner: &mut HostSession,
+    prepared: Prepared<'_>,
+    o: &Bound<'py, PyAny>,
+    kind: Half,
+    average: bool,
+    per: usize,
+) -> PyResult<Outcome> {
+    let mut w = o.extract::<PyReadwriteArrayDyn<'py, u16>>()?;
+    let dst = w.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    py.detach(|| {
+        let outcome = inner.allreduce_into(prepared, TensorMut::Half(kind, &mut *dst))?;
+        if average {
+            outcome.average_half_into(kind, dst, per, inner.n_sources());
+        }
+        Ok::<_, HostError>(outcome)
+    })
+    .map_err(host_err)
 }
 
 /// `allreduce_into` with the GIL released, then the mean if asked for.

@@ -15,15 +15,18 @@ from fanin.session import Session
 
 __all__ = ["SUPPORTED_DTYPES", "StepStats", "StepLog", "check_tensor", "switch_allreduce"]
 
-# dtype -> the dtype that travels through the switch. float16/bfloat16 are
-# widened to float32 (block floating point on the wire either way), so the
-# sum is never accumulated at half precision.
+# dtype -> the dtype that travels through the switch. float16 and bfloat16
+# travel as themselves: 2 bytes per element each way, block floating point
+# in int16 lanes that the switch sums in int32 (docs/protocol.md 5.6), so the
+# sum is never accumulated at half precision and INA's point, fewer bytes on
+# the link, holds.
 SUPPORTED_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float32: torch.float32,
-    torch.float16: torch.float32,
-    torch.bfloat16: torch.float32,
+    torch.float16: torch.float16,
+    torch.bfloat16: torch.bfloat16,
     torch.int32: torch.int32,
 }
+_HALF_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def check_tensor(t: Any, what: str = "allreduce") -> None:
@@ -137,6 +140,9 @@ def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log:
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return
+    if wire in _HALF_FORMATS:
+        _half_allreduce(session, tensor, flat, _HALF_FORMATS[wire], average, log)
+        return
     # A contiguous tensor of the wire dtype is reduced in place (no result
     # array, no copy back); anything else goes through a converted copy.
     in_place = flat.dtype == wire and tensor.is_contiguous()
@@ -164,3 +170,19 @@ def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log:
                 result.div_(n)
         if not in_place:
             tensor.copy_(result.reshape(tensor.shape))
+
+
+def _half_allreduce(session: Session, tensor: torch.Tensor, flat: torch.Tensor, fmt: str, average: bool,
+                    log: Optional[StepLog]) -> None:
+    """A float16/bfloat16 tensor through the switch as its bits (numpy has no
+    bfloat16): in place when contiguous, else through a contiguous copy. The
+    session averages each block by its own ``src_cnt`` and rounds once."""
+    in_place = tensor.is_contiguous()
+    src = flat if in_place else flat.contiguous()
+    bits = src.view(torch.int16).numpy().view(np.uint16)
+    session.allreduce(bits, dtype=fmt, average=average, out=bits)
+    if log is not None:
+        log.record(session.last_stats, flat.numel())
+    if not in_place:
+        with torch.no_grad():
+            tensor.copy_(src.reshape(tensor.shape))

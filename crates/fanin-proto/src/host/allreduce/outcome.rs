@@ -6,6 +6,7 @@ use std::time::Duration;
 use fanin_wire::value::{JoinParams, NackReason};
 
 use super::Tensor;
+use crate::bfp::half::Half;
 use crate::bfp::NonFinite;
 
 /// Why a session or an allreduce failed. Messages say what to check.
@@ -122,17 +123,39 @@ impl Outcome {
     /// partial result averages the contributions it has. Blocks that summed
     /// no source stay zero. Float tensors only.
     pub fn average(&mut self, elems_per_packet: usize, n_sources: u16) -> Result<(), SessionError> {
-        let Tensor::F32(values) = &mut self.tensor else {
-            return Err(SessionError::Config("averaging needs a float tensor".into()));
-        };
-        average_blocks(values, &self.degraded_blocks, elems_per_packet, n_sources);
+        match &mut self.tensor {
+            Tensor::F32(values) => average_blocks(values, &self.degraded_blocks, elems_per_packet, n_sources),
+            Tensor::Half(kind, values) => {
+                average_half_into(*kind, values, &self.degraded_blocks, elems_per_packet, n_sources)
+            }
+            Tensor::I32(_) => return Err(SessionError::Config("averaging needs a float tensor".into())),
+        }
         Ok(())
+    }
+
+    /// [`average`](Self::average) of a 16-bit sum written into the caller's
+    /// buffer: each element divided in f64 and rounded once to `kind`.
+    pub fn average_half_into(&self, kind: Half, values: &mut [u16], elems_per_packet: usize, n_sources: u16) {
+        average_half_into(kind, values, &self.degraded_blocks, elems_per_packet, n_sources);
     }
 
     /// [`average`](Self::average) of a sum written into the caller's buffer
     /// ([`AllreduceSession::begin_into`](super::AllreduceSession::begin_into)).
     pub fn average_into(&self, values: &mut [f32], elems_per_packet: usize, n_sources: u16) {
         average_blocks(values, &self.degraded_blocks, elems_per_packet, n_sources);
+    }
+}
+
+/// Divide each block of 16-bit `values` by the sources its result summed.
+fn average_half_into(kind: Half, values: &mut [u16], degraded: &[(u32, u16)], per: usize, n_sources: u16) {
+    // degraded blocks are few and in no promised order
+    let partial: std::collections::BTreeMap<u32, u16> = degraded.iter().copied().collect();
+    for (idx, block) in values.chunks_mut(per.max(1)).enumerate() {
+        let by = partial.get(&(idx as u32)).copied().unwrap_or(n_sources.max(1));
+        for v in block {
+            // a block that summed no source stays zero
+            *v = if by == 0 { 0 } else { kind.from_f64(kind.to_f32(*v) as f64 / by as f64) };
+        }
     }
 }
 
