@@ -277,6 +277,11 @@ impl Session {
         self.machine.elems_per_packet()
     }
 
+    /// Elements per block of a float16/bfloat16 allreduce.
+    pub fn half_elems_per_packet(&self) -> u16 {
+        self.machine.half_elems_per_packet()
+    }
+
     /// Reduce `tensor` with every other member of the job; blocks until done
     /// or failed (a silent switch fails after `session.dead_after`).
     pub fn allreduce(&mut self, tensor: Tensor) -> Result<Outcome, HostError> {

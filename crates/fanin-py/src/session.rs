@@ -214,7 +214,8 @@ impl Session {
             check_out::<u16>(bits, o)?;
         }
         let input = bits.extract::<PyReadonlyArrayDyn<'py, u16>>()?;
-        let per = self.inner.elems_per_packet() as usize;
+        // the block size a 16-bit allreduce uses (exponents are taken per block)
+        let per = self.inner.half_elems_per_packet().max(1) as usize;
         let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
         let shape = input.shape().to_vec();
         if let Some(o) = out {
@@ -230,12 +231,12 @@ impl Session {
             let outcome = match lendable {
                 Some(s) => {
                     let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(value_err)?;
-                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average, per)?
+                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
                 None => {
                     let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
                     drop(input); // `out` may be the input: its read borrow ends before the write borrow
-                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average, per)?
+                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
             };
             self.last = Some(outcome);
@@ -244,6 +245,7 @@ impl Session {
         let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
+            let per = outcome.elems_per_block;
             outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
         }
         let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
@@ -288,6 +290,14 @@ impl Session {
     #[getter]
     fn elems_per_packet(&self) -> u16 {
         self.inner.elems_per_packet()
+    }
+
+    /// Elements per packet of a float16/bfloat16 allreduce (int16 lanes:
+    /// twice `elems_per_packet` within the job's block_grad_max when the
+    /// packet size is the job's).
+    #[getter]
+    fn half_elems_per_packet(&self) -> u16 {
+        self.inner.half_elems_per_packet()
     }
 
     /// The job parameters the switch announced when this worker joined.
@@ -443,14 +453,14 @@ fn reduce_half_into<'py>(
     o: &Bound<'py, PyAny>,
     kind: Half,
     average: bool,
-    per: usize,
 ) -> PyResult<Outcome> {
     let mut w = o.extract::<PyReadwriteArrayDyn<'py, u16>>()?;
     let dst = w.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
     py.detach(|| {
         let outcome = inner.allreduce_into(prepared, TensorMut::Half(kind, &mut *dst))?;
         if average {
-            outcome.average_half_into(kind, dst, per, inner.n_sources());
+            // 16-bit blocks may hold more elements than `per`
+            outcome.average_half_into(kind, dst, outcome.elems_per_block, inner.n_sources());
         }
         Ok::<_, HostError>(outcome)
     })

@@ -114,6 +114,12 @@ pub struct AllreduceSession {
     params: Option<JoinParams>,
     /// Number of sources in the job (block floating point scales for it).
     n_sources: u16,
+    /// Elements per block of a 16-bit allreduce: as many as fill the same
+    /// datagram as `elems_per_packet` int32 lanes (twice as many, within
+    /// the job's block_grad_max) when the packet size is the job's, so a
+    /// 16-bit tensor costs 2 bytes per element on the link, headers
+    /// included; the session's own size when it set one.
+    half_elems_per_packet: u16,
     /// Next block id of the job's stream.
     next_block: u32,
     gen_id: u16,
@@ -175,6 +181,7 @@ impl AllreduceSession {
             state,
             params: None,
             n_sources: 1,
+            half_elems_per_packet: 0,
             next_block: 0,
             gen_id: 0,
             op: None,
@@ -222,6 +229,12 @@ impl AllreduceSession {
     /// or the job's packet size once joined (0 before).
     pub fn elems_per_packet(&self) -> u16 {
         self.config.elems_per_packet
+    }
+
+    /// Elements per block of a float16/bfloat16 allreduce (0 before the
+    /// join): see `half_elems_per_packet`.
+    pub fn half_elems_per_packet(&self) -> u16 {
+        self.half_elems_per_packet
     }
 
     /// Sources the switch currently reports as permanently slow.
@@ -344,7 +357,10 @@ impl AllreduceSession {
     /// copies it otherwise).
     fn begin_op(&mut self, now: Time, prepared: Prepared<'_>, lent: Option<Lent>) -> Result<(), SessionError> {
         self.check_ready()?;
-        let per = self.config.elems_per_packet as usize;
+        let per = match prepared.input.view() {
+            TensorRef::Half(..) => self.half_elems_per_packet.max(1) as usize,
+            _ => self.config.elems_per_packet as usize,
+        };
         let Prepared { input, local_exp, .. } = prepared.for_block_size(per)?;
         if matches!(input.view(), TensorRef::Half(..)) {
             crate::bfp::half::check_sources(self.n_sources as usize).map_err(SessionError::Config)?;
@@ -379,6 +395,7 @@ impl AllreduceSession {
             space,
             blocks,
             local_exp,
+            per,
             low: 0,
             next_new: 0,
             done: 0,
@@ -703,6 +720,7 @@ impl AllreduceSession {
         let Some(op) = self.end_op() else { return };
         self.events.push_back(Event::Completed(Outcome {
             blocks: op.blocks.len() as u32,
+            elems_per_block: op.per,
             tensor: op.input.into_outcome_tensor(),
             gen_id: self.gen_id,
             retransmissions: op.retransmissions,

@@ -57,7 +57,12 @@ impl AllreduceSession {
             // the job's packet size, within what a block and a datagram hold;
             // never 0 (min before max: a malformed JoinAck with
             // block_grad_max 0 must not panic a clamp)
-            self.config.elems_per_packet = params.packet_elems.min(params.block_grad_max).min(MAX_GRAD_CNT as u32).max(1) as u16;
+            let per = params.packet_elems.min(params.block_grad_max).min(MAX_GRAD_CNT as u32).max(1);
+            self.config.elems_per_packet = per as u16;
+            // int16 lanes: twice the elements in the same datagram
+            self.half_elems_per_packet = (2 * per).min(params.block_grad_max).min(MAX_GRAD_CNT as u32).max(1) as u16;
+        } else if self.half_elems_per_packet == 0 {
+            self.half_elems_per_packet = self.config.elems_per_packet;
         }
         self.params = Some(params);
         self.n_sources = repr.src_cnt.max(1);

@@ -57,6 +57,9 @@ pub(super) struct Op {
     pub(super) blocks: Vec<BlockState>,
     /// This worker's own exponent per block (float tensors).
     pub(super) local_exp: Vec<i8>,
+    /// Elements per block of this allreduce (16-bit tensors may use more
+    /// than the session's `elems_per_packet`: the same bytes per datagram).
+    pub(super) per: usize,
     /// Lowest block index without a result.
     pub(super) low: u32,
     /// Next block index never sent.

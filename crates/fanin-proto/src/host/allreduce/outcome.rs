@@ -81,6 +81,10 @@ pub struct Outcome {
     pub tensor: Tensor,
     pub gen_id: u16,
     pub blocks: u32,
+    /// Elements per block of this allreduce (block `i` covers elements
+    /// `[i * elems_per_block, (i + 1) * elems_per_block)`): the session's
+    /// `elems_per_packet`, or its 16-bit block size for float16/bfloat16.
+    pub elems_per_block: usize,
     /// Contributions this worker sent again (after a timeout, fast
     /// retransmit or a trim).
     pub retransmissions: u64,
@@ -193,6 +197,7 @@ mod averaging_tests {
             tensor: Tensor::F32(vec![8.0, 8.0, 6.0, 6.0, 4.0]),
             gen_id: 1,
             blocks: 3,
+            elems_per_block: 2,
             retransmissions: 0,
             trimmed: 0,
             fast_retransmits: 0,
@@ -209,7 +214,14 @@ mod averaging_tests {
         assert_eq!(o.src_cnt_of(1, 4), 3);
         o.average(2, 4).unwrap();
         assert_eq!(o.tensor, Tensor::F32(vec![2.0, 2.0, 2.0, 2.0, 0.0]));
-        let mut ints = Outcome { tensor: Tensor::I32(vec![1]), ..o };
+        let mut ints = Outcome { tensor: Tensor::I32(vec![1]), ..o.clone() };
         assert!(ints.average(2, 4).is_err());
+        // float16: divided per block by its own src_cnt, rounded once
+        // (8/4 = 2, 6/3 = 2, a block that summed no source stays 0; 1/3
+        // rounds to float16's nearest, 0x3555)
+        let f16 = |x: f64| Half::F16.from_f64(x);
+        let mut half = Outcome { tensor: Tensor::Half(Half::F16, vec![f16(8.0), f16(4.0), f16(6.0), f16(1.0), f16(4.0)]), ..o };
+        half.average(2, 4).unwrap();
+        assert_eq!(half.tensor, Tensor::Half(Half::F16, vec![f16(2.0), f16(1.0), f16(2.0), 0x3555, 0]));
     }
 }

@@ -30,7 +30,7 @@ impl AllreduceSession {
         // (none: a result of an earlier allreduce, duplicated by the network)
         let Some(idx) = self.block_index(repr) else { return };
         let (Some(params), Some(op)) = (self.params, self.op.as_mut()) else { return };
-        let per = self.config.elems_per_packet as usize;
+        let per = op.per;
         let start = idx as usize * per;
         let count = (op.input.view().len() - start).min(per);
         let phase = op.blocks[idx as usize].phase;
@@ -195,7 +195,7 @@ impl AllreduceSession {
             }
         }
         let Some(op) = self.op.as_mut() else { return };
-        let per = self.config.elems_per_packet as usize;
+        let per = op.per;
         let start = idx as usize * per;
         let count = (op.input.view().len() - start).min(per);
         match op.output_block(start, count) {

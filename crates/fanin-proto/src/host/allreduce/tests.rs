@@ -370,6 +370,11 @@ fn stall_timer_resends_only_after_an_rto_without_progress() {
 /// What the JoinAck `packet_elems` gives a session that left its packet
 /// size to the job: a 1500-byte data link's cap, or the job's block size.
 fn packet_size_from(packet_elems_max: u32, block_grad_max: u32) -> u16 {
+    packet_sizes_from(packet_elems_max, block_grad_max).0
+}
+
+/// (elems_per_packet, half_elems_per_packet) a session takes from the job.
+fn packet_sizes_from(packet_elems_max: u32, block_grad_max: u32) -> (u16, u16) {
     let mut sw = ValueSwitch::new(ShardConfig { packet_elems_max, ..ShardConfig::single(1 << 24) });
     sw.add_job(JobSpec::with_sources(1, 1, 16, block_grad_max)).unwrap();
     let mut s = AllreduceSession::new(SessionConfig::new(1, 0), Time::ZERO);
@@ -384,7 +389,7 @@ fn packet_size_from(packet_elems_max: u32, block_grad_max: u32) -> u16 {
         }
     }
     assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
-    s.elems_per_packet()
+    (s.elems_per_packet(), s.half_elems_per_packet())
 }
 
 #[test]
@@ -393,6 +398,33 @@ fn a_session_takes_the_jobs_packet_size_which_fits_the_switchs_link() {
     assert_eq!(packet_size_from(mtu_1500, 1024), 358);
     assert_eq!(packet_size_from(mtu_1500, 100), 100, "never above the job's block size");
     assert_eq!(packet_size_from(u32::MAX, 1024), 1024, "no MTU known: the job's block size");
+}
+
+#[test]
+fn a_16_bit_allreduce_fills_the_same_datagram_with_twice_the_elements() {
+    let mtu_1500 = fanin_wire::value::elems_fitting_mtu(1500, false);
+    let (per, half) = packet_sizes_from(mtu_1500, 1024);
+    assert_eq!((per, half), (358, 716));
+    // 716 int16 lanes: a 1456-byte UDP payload, a 1484-byte IP packet
+    assert!(24 + 2 * half as usize + 8 + 20 <= 1500);
+    assert_eq!(packet_sizes_from(mtu_1500, 500), (358, 500), "never above the job's block size");
+    assert_eq!(packet_sizes_from(u32::MAX, 1024), (1024, 1024));
+    // a session that chose its packet size keeps it for every dtype
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.elems_per_packet = 64;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    let mut sw = ValueSwitch::new(ShardConfig { packet_elems_max: mtu_1500, ..ShardConfig::single(1 << 24) });
+    sw.add_job(JobSpec::with_sources(1, 1, 16, 1024)).unwrap();
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    for (_, join) in out.drain() {
+        let mut reply = VecTransmit::new();
+        let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
+        for (_, b) in reply.drain() {
+            s.handle_datagram(Time::ZERO, &b);
+        }
+    }
+    assert_eq!((s.elems_per_packet(), s.half_elems_per_packet()), (64, 64));
 }
 
 #[test]

@@ -128,7 +128,7 @@ pub(super) fn emit_block(
     sealer: Option<&mut Sealer>,
     out: &mut impl Transmit<u16>,
 ) {
-    let per = config.elems_per_packet as usize;
+    let per = op.per;
     let start = idx as usize * per;
     let count = (op.input.view().len() - start).min(per);
     let block_id = op.block_id(idx);
