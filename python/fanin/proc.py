@@ -25,6 +25,9 @@ __all__ = [
     "worker_inputs",
     "reference_sum",
     "float_error_bound",
+    "HALF_DTYPES",
+    "bf16_bits",
+    "half_values",
     "scrape_counters",
 ]
 
@@ -142,18 +145,43 @@ def scrape_counters(metrics_addr: str) -> dict[str, int]:
     return out
 
 
+#: The 16-bit float formats, as `dtype` names: float16 is a numpy dtype;
+#: bfloat16 (which numpy lacks) is held as its bits in uint16 arrays.
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bits (uint16), rounded to nearest even."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def half_values(a: np.ndarray, dtype: str) -> np.ndarray:
+    """The float64 values of a 16-bit array (float16, or bfloat16 bits)."""
+    if dtype == "bfloat16":
+        return (np.asarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return np.asarray(a).astype(np.float64)
+
+
 def worker_inputs(rank: int, n: int, dtype: str, iteration: int = 0) -> np.ndarray:
-    """Deterministic per-rank input, so any process can rebuild the reference."""
+    """Deterministic per-rank input, so any process can rebuild the reference:
+    int32, float32, float16 (the float32 input rounded), or bfloat16 (its
+    bits, uint16)."""
     rng = np.random.default_rng([rank, iteration, 0xFA17])
     if dtype == "int32":
         return rng.integers(-(2**31), 2**31, size=n, dtype=np.int64).astype(np.int32)
     # magnitudes spanning many binades, as gradients do
     scale = np.exp2(rng.integers(-20, 4, size=n)).astype(np.float32)
-    return (rng.standard_normal(n, dtype=np.float32) * scale).astype(np.float32)
+    x = (rng.standard_normal(n, dtype=np.float32) * scale).astype(np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16)
+    if dtype == "bfloat16":
+        return bf16_bits(x)
+    return x
 
 
 def reference_sum(workers: int, n: int, dtype: str, iteration: int = 0) -> np.ndarray:
-    """Exact reference: int32 wrapping sum, or the float64 sum of float32 inputs."""
+    """Exact reference: int32 wrapping sum, or the float64 sum of the float inputs."""
     if dtype == "int32":
         acc = np.zeros(n, dtype=np.int64)
         for r in range(workers):
@@ -161,38 +189,54 @@ def reference_sum(workers: int, n: int, dtype: str, iteration: int = 0) -> np.nd
         return acc.astype(np.int32)  # wraps modulo 2**32 like the switch
     acc = np.zeros(n, dtype=np.float64)
     for r in range(workers):
-        acc += worker_inputs(r, n, dtype, iteration)
+        x = worker_inputs(r, n, dtype, iteration)
+        acc += half_values(x, dtype) if dtype in HALF_DTYPES else x
     return acc
 
 
-def float_error_bound(workers: int, n: int, elems_per_packet: int, iteration: int = 0) -> np.ndarray:
+def float_error_bound(workers: int, n: int, elems_per_packet: int, iteration: int = 0,
+                      dtype: str = "float32") -> np.ndarray:
     """The documented per-element block-floating-point bound (docs/protocol.md):
-    N * 2**(e - B - 1) with e the block's shared exponent, B = 30 - ceil(log2 N)."""
-    maxabs = np.zeros(n, dtype=np.float32)
+    N * 2**(e - B - 1) with e the block's shared exponent, B = 30 - ceil(log2 N)
+    for float32 (int32 lanes), 14 - ceil(log2 N) for float16 and bfloat16
+    (int16 lanes, §5.6); `elems_per_packet` is the allreduce's block size."""
+    maxabs = np.zeros(n, dtype=np.float64)
     for r in range(workers):
-        np.maximum(maxabs, np.abs(worker_inputs(r, n, "float32", iteration)), out=maxabs)
+        x = worker_inputs(r, n, dtype, iteration)
+        np.maximum(maxabs, np.abs(half_values(x, dtype) if dtype in HALF_DTYPES else x), out=maxabs)
     blocks = math.ceil(n / elems_per_packet)
-    padded = np.zeros(blocks * elems_per_packet, dtype=np.float32)
+    padded = np.zeros(blocks * elems_per_packet, dtype=np.float64)
     padded[:n] = maxabs
     block_max = padded.reshape(blocks, elems_per_packet).max(axis=1)
     _, e = np.frexp(block_max)  # block_max < 2**e
     e = np.maximum(e, -127)
-    b = 30 - math.ceil(math.log2(workers)) if workers > 1 else 30
+    lane_bits = 14 if dtype in HALF_DTYPES else 30
+    b = lane_bits - (math.ceil(math.log2(workers)) if workers > 1 else 0)
     bound = np.where(block_max > 0, workers * np.exp2(e.astype(np.float64) - b - 1), 0.0)
     return np.repeat(bound, elems_per_packet)[:n]
 
 
+def _ulp(values: np.ndarray, dtype: str) -> np.ndarray:
+    """One unit in the last place of each result value in its dtype."""
+    if dtype == "float32":
+        return np.abs(values) * np.finfo(np.float32).eps
+    fraction_bits, min_exp = (10, -14) if dtype == "float16" else (7, -126)
+    mag = np.maximum(np.abs(values), 2.0 ** min_exp)
+    return np.exp2(np.floor(np.log2(mag)) - fraction_bits)
+
+
 def check_result(result: np.ndarray, workers: int, dtype: str, elems_per_packet: int, iteration: int = 0) -> dict[str, Any]:
-    """Compare one worker's result with the reference; returns a report."""
+    """Compare one worker's result with the reference; returns a report.
+    A bfloat16 result is given as its bits (uint16)."""
     n = result.size
     ref = reference_sum(workers, n, dtype, iteration)
     if dtype == "int32":
         ok = bool(np.array_equal(result, ref))
         return {"ok": ok, "max_abs_error": 0 if ok else int(np.max(np.abs(result.astype(np.int64) - ref)))}
-    bound = float_error_bound(workers, n, elems_per_packet, iteration)
-    err = np.abs(result.astype(np.float64) - ref)
-    ulp = np.abs(result).astype(np.float64) * np.finfo(np.float32).eps
-    allowed = bound + ulp
+    bound = float_error_bound(workers, n, elems_per_packet, iteration, dtype)
+    got = half_values(result, dtype) if dtype in HALF_DTYPES else result.astype(np.float64)
+    err = np.abs(got - ref)
+    allowed = bound + _ulp(got, dtype)
     ok = bool(np.all(err <= allowed))
     # the worst element's error as a fraction of its own allowance (<= 1 when ok)
     worst = float(np.max(np.where(allowed > 0, err / np.where(allowed > 0, allowed, 1), np.where(err > 0, np.inf, 0.0)))) if n else 0.0

@@ -249,6 +249,13 @@ class Session:
         return self._native.elems_per_packet
 
     @property
+    def half_elems_per_packet(self) -> int:
+        """Elements per block of a float16/bfloat16 allreduce: twice
+        :attr:`elems_per_packet` within the job's block_grad_max when the
+        packet size is the job's (int16 lanes fill the same datagram)."""
+        return self._native.half_elems_per_packet
+
+    @property
     def n_sources(self) -> int:
         """Number of members in the job."""
         return self._native.n_sources

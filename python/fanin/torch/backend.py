@@ -3,8 +3,9 @@ allreduce goes through a fanin switch.
 
 What goes where (see docs/torch.md):
 
-* ``allreduce`` (SUM, AVG; float32, float16, bfloat16, int32, CPU tensors)
-  and ``allreduce_coalesced``: through the switch.
+* ``allreduce`` (SUM, AVG; float32, float16, bfloat16, int32, CPU tensors),
+  ``allreduce_coalesced`` and ``reduce_scatter_tensor`` (and its list and
+  coalesced forms, which FSDP uses): through the switch.
 * ``broadcast``, ``allgather``, ``all_gather_single`` (all_gather_into_tensor,
   all_gather_object),
   ``barrier``: through a Gloo group built on the same c10d store under the
@@ -176,6 +177,19 @@ class FaninProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "fanin"
 
+    # torch keeps a group's name in the backend registered under it, which a
+    # Python process group has none of, so DeviceMesh (FSDP2) asking for the
+    # name it was given got "ProcessGroup name not set"
+    def _set_group_name(self, name: str) -> None:
+        self._fanin_group_name = name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_fanin_group_name", None)
+        if name is None:
+            raise RuntimeError("fanin process group: no name set yet (torch names a group when it registers it)")
+        return name
+
     @property
     def switch_addr(self) -> str:
         """``HOST:PORT`` of the switch this group aggregates on."""
@@ -306,6 +320,55 @@ class FaninProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    # -- reduce-scatter: through the switch --------------------------------
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        """``reduce_scatter_tensor``: the switch sums the whole input and this
+        rank keeps its shard. Each rank's link carries the input once up, as
+        a reduce-scatter should, but the whole sum down: twice the result
+        traffic a switch that delivers each shard only to its owner would
+        send (docs/torch.md, "Reduce-scatter")."""
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
+        if opts is None or not hasattr(opts, "reduceOp"):
+            o = dist.ReduceScatterOptions()
+            o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
+            opts = o
+        average = self._check_allreduce(list(inputs) + list(outputs), opts, "reduce_scatter_tensor")
+        if len(outputs) != len(inputs) or len({t.dtype for t in list(inputs) + list(outputs)}) != 1:
+            raise TypeError("fanin reduce_scatter_tensor: one output per input, all of one dtype")
+        world = self.size()
+        for out, inp in zip(outputs, inputs):
+            if inp.numel() != out.numel() * world:
+                raise ValueError(f"fanin reduce_scatter_tensor: the input has {inp.numel()} elements, the output "
+                                 f"{out.numel()}; the input must be the world size ({world}) times the output")
+        session, log, epp, rank = self._conn.session, self._log, self._conn.elems_per_packet, self.rank()
+
+        def run() -> list:
+            # one switch allreduce for all the pairs (the input stays as it is)
+            flat = torch.cat([t.detach().reshape(-1) for t in inputs])
+            switch_allreduce(session, flat, average, log, epp)
+            offset = 0
+            with torch.no_grad():
+                for out, inp in zip(outputs, inputs):
+                    k = out.numel()
+                    out.copy_(flat[offset + rank * k:offset + (rank + 1) * k].reshape(out.shape))
+                    offset += inp.numel()
+            return outputs
+
+        return self._submit(run)
+
+    def reduce_scatter(self, outputs: list, input_lists: list, opts: Any = None) -> Any:
+        """``reduce_scatter`` (a list of per-rank inputs): as ``reduce_scatter_tensor``."""
+        if len(outputs) != 1 or len(input_lists) != 1 or len(input_lists[0]) != self.size():
+            raise ValueError("fanin reduce_scatter: one output and one list of world-size inputs")
+        if any(t.numel() != outputs[0].numel() for t in input_lists[0]):
+            raise ValueError("fanin reduce_scatter: every input must have the output's size")
+        flat = torch.cat([t.detach().reshape(-1) for t in input_lists[0]])
+        return self.reduce_scatter_single(outputs[0], flat, opts)
+
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.BarrierOptions()
         return self._via_gloo(lambda: self._gloo.barrier(opts), [])
@@ -313,8 +376,8 @@ class FaninProcessGroup(dist.ProcessGroup):
     # -- everything else --------------------------------------------------
     def _unsupported(self, name: str) -> Any:
         raise NotImplementedError(
-            f"fanin process group: {name} is not supported (supported: all_reduce SUM/AVG through the switch; "
-            "broadcast, all_gather, all_gather_into_tensor and barrier through Gloo). "
+            f"fanin process group: {name} is not supported (supported: all_reduce and reduce_scatter SUM/AVG "
+            "through the switch; broadcast, all_gather, all_gather_into_tensor and barrier through Gloo). "
             "Create a Gloo group for it: torch.distributed.new_group(backend='gloo')")
 
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
@@ -325,12 +388,6 @@ class FaninProcessGroup(dist.ProcessGroup):
 
     def scatter(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("scatter")
-
-    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("reduce_scatter")
-
-    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("reduce_scatter_tensor")
 
     def alltoall(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("all_to_all")
@@ -343,17 +400,18 @@ class FaninProcessGroup(dist.ProcessGroup):
     def gather_single(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("gather")
 
-    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("reduce_scatter_tensor")
-
-    def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("reduce_scatter_tensor (coalesced)")
-
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("all_gather_coalesced")
 
-    def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("all_gather_into_tensor (coalesced)")
+    def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+
+        def run() -> list:
+            for out, inp in zip(outputs, inputs):
+                self._gloo.all_gather_single(out, inp, opts).wait()
+            return outputs
+
+        return self._submit(run)
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("send")

@@ -7,9 +7,10 @@ allreduce without paying a process start (or a Gloo rendezvous) each time.
     python -m fanin_bench.bench.net_worker gloo --master 10.1.0.2:29500 --rank 0 --workers 4 --elements 2000000
     python -m fanin_bench.bench.net_worker blast --to 10.1.0.1:9999 --mbit 250
 
-Both allreduce kinds reduce the same float32 tensor (`fanin.proc.worker_inputs`)
-and check the sum against the float64 reference: fanin within its block
-floating point bound, Gloo with a relative tolerance. fanin's session is
+Both allreduce kinds reduce the same tensor (`fanin.proc.worker_inputs`;
+float32, float16 or bfloat16 with --dtype) and check the sum against the
+float64 reference: fanin within its block floating point bound, Gloo with a
+relative tolerance. fanin's session is
 made with every tunable left at its default unless the driver passes one.
 """
 
@@ -23,7 +24,7 @@ import time
 
 import numpy as np
 
-from fanin.proc import check_result, reference_sum, worker_inputs
+from fanin.proc import HALF_DTYPES, check_result, half_values, reference_sum, worker_inputs
 
 # socket.UDP_SEGMENT (Linux >= 4.18, Python >= 3.12 names it): one send of up
 # to 64 KB that the kernel cuts into MTU-sized datagrams, so a Python blaster
@@ -36,18 +37,21 @@ def _fanin(a: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window)) if v is not None}
     s = fanin.Session(a.addr, a.job, a.rank, dead_after_s=60, **overrides)
-    x = worker_inputs(a.rank, a.elements, "float32")
-    print(json.dumps({"ready": True, "params": s.params, "elems_per_packet": s.elems_per_packet}), flush=True)
+    x = worker_inputs(a.rank, a.elements, a.dtype)
+    # bfloat16 travels as its bits (numpy has no bfloat16)
+    kw = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
+    per = s.elems_per_packet if a.dtype == "float32" else s.half_elems_per_packet
+    print(json.dumps({"ready": True, "params": s.params, "elems_per_packet": per}), flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break
         t0 = time.perf_counter()
-        out = s.allreduce(x)
+        out = s.allreduce(x, **kw)
         dt = time.perf_counter() - t0
         st = s.last_stats or {}
-        check = check_result(out, a.workers, "float32", s.elems_per_packet)
+        check = check_result(out, a.workers, a.dtype, per)
         print(json.dumps({"s": dt, "verified": check["ok"], "retransmissions": st.get("retransmissions", 0),
-                          "trimmed": st.get("trimmed", 0), "elems_per_packet": s.elems_per_packet,
+                          "trimmed": st.get("trimmed", 0), "elems_per_packet": per,
                           "fast_retransmits": st.get("fast_retransmits", 0), "timeouts": st.get("timeouts", 0),
                           "window": st.get("window")}), flush=True)
     return 0
@@ -62,8 +66,21 @@ def _gloo(a: argparse.Namespace) -> int:
     host, port = a.master.rsplit(":", 1)
     os.environ["GLOO_SOCKET_IFNAME"] = a.ifname
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=a.rank, world_size=a.workers)
-    x = torch.from_numpy(worker_inputs(a.rank, a.elements, "float32"))
-    ref = reference_sum(a.workers, a.elements, "float32")
+    x = worker_inputs(a.rank, a.elements, a.dtype)
+    if a.dtype == "bfloat16":
+        x = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    else:
+        x = torch.from_numpy(x)
+    ref = reference_sum(a.workers, a.elements, a.dtype)
+    # Gloo adds in the tensor's own precision along the ring: the classic
+    # bound of a recursive sum, N * u * sum(|x_i|) (u the unit roundoff),
+    # plus the last rounding
+    u = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[a.dtype]
+    abs_sum = np.zeros(a.elements)
+    for r in range(a.workers):
+        xr = worker_inputs(r, a.elements, a.dtype)
+        abs_sum += np.abs(half_values(xr, a.dtype) if a.dtype in HALF_DTYPES else xr)
+    allowed = a.workers * u * abs_sum + 2 * u * np.abs(ref) + 2.0 ** -24
     buf = x.clone()
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -74,7 +91,7 @@ def _gloo(a: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         dist.all_reduce(buf)
         dt = time.perf_counter() - t0
-        ok = bool(np.allclose(buf.numpy(), ref, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(ref)) or 1)))
+        ok = bool(np.all(np.abs(buf.double().numpy() - ref) <= allowed))
         print(json.dumps({"s": dt, "verified": ok}), flush=True)
     dist.destroy_process_group()
     return 0
@@ -135,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--rank", type=int, required=True)
         q.add_argument("--workers", type=int, required=True)
         q.add_argument("--elements", type=int, required=True)
+        q.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     b = sub.add_parser("blast")
     b.add_argument("--to", action="append", required=True, help="HOST:PORT (repeat for several)")
     b.add_argument("--mbit", type=float, required=True, help="total send rate over every --to")

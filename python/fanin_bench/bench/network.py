@@ -12,8 +12,10 @@ the kernel) run in the host namespaces. For every link rate:
    capacity each link really offers with all links busy (above a few Gbit/s
    the veths and the CPU, not tbf, set it);
 2. **allreduce**: one fanin allreduce and one Gloo allreduce of the same
-   float32 tensor, alternating (the order swapped every repetition), each
-   result checked against the float64 reference.
+   tensor (float32, or float16 / bfloat16 with --dtype), alternating (the
+   order swapped every repetition), each result checked against the float64
+   reference; the veth counters around every allreduce give the bytes each
+   worker's link carried per element, each direction.
 
 Reported per rate: medians; the ideal times at the measured capacity (S/C
 for fanin, whose every link carries the tensor once each way, 2(N-1)/N * S/C
@@ -114,6 +116,36 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
             "uplink_mbit": up, "downlink_mbit": dn}
 
 
+class _LinkBytes:
+    """Bytes every worker's link carried during one system's allreduces, each
+    direction, from the veth counters read just before and after each one
+    (Ethernet frames: the headers of every layer are counted)."""
+
+    def __init__(self, tb: Any, hosts: list[str]) -> None:
+        self.tb, self.hosts = tb, hosts
+        self.up = {h: 0 for h in hosts}
+        self.down = {h: 0 for h in hosts}
+        self.allreduces = 0
+        self._at: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self._at = {h: self.tb.link_bytes(h, "s0") for h in self.hosts}
+
+    def stop(self) -> None:
+        for h in self.hosts:
+            now = self.tb.link_bytes(h, "s0")
+            self.up[h] += now.a_to_b - self._at[h].a_to_b
+            self.down[h] += now.b_to_a - self._at[h].b_to_a
+        self.allreduces += 1
+
+    def per_element(self, elements: int, system: str) -> dict[str, Any]:
+        per = elements * self.allreduces
+        up = [self.up[h] / per for h in self.hosts]
+        down = [self.down[h] / per for h in self.hosts]
+        return {f"{system}_link_bytes_per_element_up": up, f"{system}_link_bytes_per_element_down": down,
+                f"{system}_link_bytes_per_element_max": max(up + down)}
+
+
 def _frag_counts(tb: Any, nodes: list[str]) -> dict[str, int]:
     return {n: tb.ip_stats(n).get("Ip.FragCreates", 0) for n in nodes}
 
@@ -136,12 +168,13 @@ def run_network(args: Any) -> int:
     rates = _parse_rates(args.rates or ("200" if args.quick else "100,200,400"))
     n = args.workers
     size = parse_size(args.size) if args.size else (4_000_000 if args.quick else 16_000_000)
-    elements = max(1, size // 4)
+    elem_bytes = 4 if args.dtype == "float32" else 2
+    elements = max(1, size // elem_bytes)
     reps = args.reps or (3 if args.quick else 7)
     seconds = 2.0 if args.quick else 3.0
     hosts = [f"h{i}" for i in range(n)]
     out = Path(args.out)
-    print(f"network: star:{n}, {format_size(size)} float32 per worker, links {', '.join(f'{r:g}' for r in rates)} "
+    print(f"network: star:{n}, {format_size(size)} {args.dtype} per worker, links {', '.join(f'{r:g}' for r in rates)} "
           f"Mbit/s, {reps} allreduces per system per rate", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
@@ -151,7 +184,7 @@ def run_network(args: Any) -> int:
                if v is not None}
         sw = tb.switch("s0", jobs=[job_config(JOB, n, **job)], **({"shards": args.shards} if args.shards else {}))
         fanin_procs = [tb.popen(h, _worker_argv("fanin", addr=f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}",
-                                                rank=r, workers=n, elements=elements,
+                                                rank=r, workers=n, elements=elements, dtype=args.dtype,
                                                 elems_per_packet=args.elems_per_packet, window=args.window),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                        for r, h in enumerate(hosts)]
@@ -161,7 +194,7 @@ def run_network(args: Any) -> int:
         if gloo:
             master = f"{tb.addr('h0', toward='s0')}:{GLOO_PORT}"
             gloo_procs = [tb.popen(h, _worker_argv("gloo", master=master, ifname=tb.interface(h, "s0"), rank=r,
-                                                   workers=n, elements=elements),
+                                                   workers=n, elements=elements, dtype=args.dtype),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                           for r, h in enumerate(hosts)]
             stack.callback(stop_workers, gloo_procs)
@@ -172,6 +205,7 @@ def run_network(args: Any) -> int:
             frags0 = _frag_counts(tb, ["s0", *hosts])
             sw0 = sw.counters()
             fanin_t, gloo_t, fanin_answers = [], [], []
+            link_bytes = {"fanin": _LinkBytes(tb, hosts), "gloo": _LinkBytes(tb, hosts)}
             step_workers(fanin_procs, "fanin")  # warm-up at this rate
             if gloo:
                 step_workers(gloo_procs, "gloo")
@@ -179,11 +213,15 @@ def run_network(args: Any) -> int:
                 order = ["fanin", "gloo"] if rep % 2 == 0 else ["gloo", "fanin"]
                 for system in order:
                     if system == "fanin":
+                        link_bytes["fanin"].start()
                         answers = step_workers(fanin_procs, "fanin")
+                        link_bytes["fanin"].stop()
                         fanin_answers += answers
                         fanin_t.append(max(a["s"] for a in answers))
                     elif gloo:
+                        link_bytes["gloo"].start()
                         answers = step_workers(gloo_procs, "gloo")
+                        link_bytes["gloo"].stop()
                         if not all(a["verified"] for a in answers):
                             raise RuntimeError("gloo: a rank's sum is wrong")
                         gloo_t.append(max(a["s"] for a in answers))
@@ -191,11 +229,16 @@ def run_network(args: Any) -> int:
                       + (f", gloo {gloo_t[-1]:.3f} s" if gloo_t else ""), file=sys.stderr)
             frags1 = _frag_counts(tb, ["s0", *hosts])
             sw1 = sw.counters()
-            rows.append(_row(rate, n, size, cap, fanin_t, gloo_t, fanin_answers, frags0, frags1, sw0, sw1))
+            row = _row(rate, n, size, cap, fanin_t, gloo_t, fanin_answers, frags0, frags1, sw0, sw1)
+            for system, counted in link_bytes.items():
+                if counted.allreduces:
+                    row.update(counted.per_element(elements, system))
+            rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "network.csv", rows)
-    _plot(rows, out / "network.png", n, size)
-    result = {"workers": n, "size_bytes": size, "dtype": "float32", "reps": reps, "queue_ms": args.queue_ms,
+    _plot(rows, out / "network.png", n, size, args.dtype)
+    result = {"workers": n, "size_bytes": size, "dtype": args.dtype, "elements": elements, "reps": reps,
+              "queue_ms": args.queue_ms,
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
                                  "window": args.window, "shards": args.shards, "overrides": bool(
@@ -207,7 +250,8 @@ def run_network(args: Any) -> int:
         + (f", Gloo {r['gloo_median_s']:.3f} s, fanin {r['speedup_vs_gloo']:.2f}x Gloo (ideal {r['ideal_speedup']:.2f}x)"
            if r.get("gloo_median_s") else "")
         + f", {r['retransmissions']} retransmissions ({r['fast_retransmits']} losses found fast, {r['timeouts']} "
-          f"timeouts), {r['ip_fragments']} IP fragments"
+          f"timeouts), {r['ip_fragments']} IP fragments, fanin's busiest link {r['fanin_link_bytes_per_element_max']:.2f} "
+          f"bytes per element each way"
         for r in rows)
     emit(result, f"network, {n} workers x {format_size(size)}: {human}", args.json)
     return 0
@@ -254,14 +298,15 @@ def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> Optional[int]:
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    cols = [k for k in rows[0] if not k.endswith("_times_s")] if rows else []
+    # per-run times and per-link lists stay in the JSON
+    cols = [k for k, v in rows[0].items() if not k.endswith("_times_s") and not isinstance(v, list)] if rows else []
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
 
 
-def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int) -> None:
+def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int, dtype: str) -> None:
     try:
         import matplotlib
         import matplotlib.ticker
@@ -287,7 +332,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int) -> None:
     ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("link rate (Mbit/s, tbf on every link)")
     ax.set_ylabel("allreduce time (s)")
-    ax.set_title(f"star:{n}, {format_size(size)} float32 per worker; C = measured capacity")
+    ax.set_title(f"star:{n}, {format_size(size)} {dtype} per worker; C = measured capacity")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,0 +1,161 @@
+"""A small GPT-style byte-level language model trained from scratch on real
+text this machine has offline (the Debian documentation in /usr/share/doc:
+READMEs, changelogs, copyright files; nothing is downloaded), data-parallel,
+with gradients averaged by a fanin switch.
+
+    torchrun --nproc-per-node 4 examples/train_lm.py
+    torchrun --nproc-per-node 4 examples/train_lm.py --compress float16   # gradients as 2 bytes each way
+    torchrun --nproc-per-node 4 examples/train_lm.py --backend gloo       # the same steps on Gloo
+
+By default rank 0 starts the switch inside its own process; point the
+workers at a running one with FANIN_SWITCH=HOST:PORT (and FANIN_JOB_ID).
+Runs on the CPU (fanin's backend takes CPU tensors). Every rank reads the
+same corpus and draws its own windows of it; rank 0 reports the training
+loss, the loss on held-out text (the last 5 % of the corpus) in bits per
+byte, and steps per second.
+"""
+
+import argparse
+import gzip
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fanin.torch  # registers the "fanin" backend
+
+
+def corpus(megabytes: float, root: str = "/usr/share/doc") -> torch.Tensor:
+    """The first `megabytes` of the text files under `root`, in sorted path
+    order (gzip files unpacked, binary files skipped), as bytes."""
+    want, parts, have = int(megabytes * 1e6), [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            try:
+                data = gzip.open(path).read() if name.endswith(".gz") else open(path, "rb").read()
+            except (OSError, EOFError):
+                continue
+            if b"\0" in data[:4096]:
+                continue
+            parts.append(data)
+            have += len(data)
+            if have >= want:
+                return torch.frombuffer(bytearray(b"".join(parts)[:want]), dtype=torch.uint8).long()
+    if have == 0:
+        raise SystemExit(f"train_lm: no text found under {root}")
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class ByteGPT(nn.Module):
+    """A decoder-only transformer over bytes (256 symbols)."""
+
+    def __init__(self, context: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(256, d), nn.Embedding(context, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(data) - context - 1, (size,), generator=gen)
+    x = torch.stack([data[s:s + context] for s in starts])
+    y = torch.stack([data[s + 1:s + 1 + context] for s in starts])
+    return x, y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16, help="windows per worker per step")
+    ap.add_argument("--context", type=int, default=64, help="bytes per window")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of /usr/share/doc text")
+    ap.add_argument("--backend", default="fanin", help="fanin, or gloo to compare")
+    ap.add_argument("--compress", choices=("none", "float16", "bfloat16"), default="none",
+                    help="fanin: gradients travel as 16-bit floats, 2 bytes per element each way")
+    ap.add_argument("--log-every", type=int, default=50)
+    args = ap.parse_args()
+
+    dist.init_process_group(args.backend)  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = corpus(args.corpus_mb)
+    split = int(len(data) * 0.95)
+    train, held_out = data[:split], data[split:]
+
+    torch.manual_seed(rank)  # different on purpose: DDP broadcasts rank 0's parameters
+    model = DDP(ByteGPT(args.context, args.d_model, args.layers, args.heads))
+    if args.backend == "fanin":
+        hook = {"none": fanin.torch.allreduce_hook, "float16": fanin.torch.fp16_compress_hook,
+                "bfloat16": fanin.torch.bf16_compress_hook}[args.compress]
+        model.register_comm_hook(None, hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    eval_gen = torch.Generator().manual_seed(7)
+    eval_batches = [batch(held_out, 32, args.context, eval_gen) for _ in range(4)]
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{world} workers on {args.backend}, {params / 1e6:.2f} M parameters, corpus {len(data) / 1e6:.1f} MB "
+              f"(held out {len(held_out) / 1e6:.2f} MB)", flush=True)
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            return sum(F.cross_entropy(model.module(x).flatten(0, 1), y.flatten()).item()
+                       for x, y in eval_batches) / len(eval_batches)
+
+    first = held_out_loss()
+    t0, last_t, last_step = time.perf_counter(), time.perf_counter(), 0
+    for step in range(1, args.steps + 1):
+        x, y = batch(train, args.batch, args.context, gen)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            now = time.perf_counter()
+            rate = (step - last_step) / (now - last_t)
+            val = held_out_loss()
+            print(f"step {step:5d}  train loss {loss.item():.3f}  held-out {val / math.log(2):.3f} bits/byte  "
+                  f"{rate:.1f} steps/s", flush=True)
+            last_t, last_step = time.perf_counter(), step
+    if rank == 0:
+        last = held_out_loss()
+        print(f"held-out loss {first / math.log(2):.3f} -> {last / math.log(2):.3f} bits per byte in {args.steps} "
+              f"steps ({args.steps / (time.perf_counter() - t0):.1f} steps/s)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
