@@ -17,7 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+import fanin  # noqa: E402
 import fanin.torch as ft  # noqa: E402
+from threads import in_threads  # noqa: E402
 from fanin.torch._reduce import StepLog, block_divisors, switch_allreduce  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -590,3 +592,90 @@ def test_fsdp2_trains_on_fanin_as_on_gloo():
         for name, value in gloo_run["params"].items():
             assert np.allclose(fanin_run["params"][name], value, rtol=1e-4, atol=1e-5), name
     assert runs["fanin"][0]["params"] == runs["fanin"][1]["params"], "every rank holds the same model"
+
+
+# ------------------------------------------------------------------ device tensors
+def test_staged_allreduce_queues_every_copy_out_first_then_reduces_chunk_by_chunk():
+    """The pipeline the CUDA path runs (fanin.torch._staged), driven with CPU
+    copies: all copies out are queued before the first reduction, each
+    chunk waits for its own copy, is reduced once and copied back."""
+    from fanin.torch._staged import staged_allreduce
+
+    log = []
+    dev, host = torch.arange(10, dtype=torch.float32), torch.zeros(10)
+
+    def to_host(dst, src):
+        dst.copy_(src)
+        log.append(("out", int(src[0])))
+        return int(src[0])
+
+    def wait(marker):
+        log.append(("wait", marker))
+
+    def reduce(chunk):
+        chunk.mul_(3)
+        log.append(("reduce", int(chunk[0]) // 3))
+
+    def to_device(dst, src):
+        dst.copy_(src)
+        log.append(("in", int(src[0]) // 3))
+        return ("in", int(src[0]) // 3)
+
+    last = staged_allreduce(reduce, dev, host, 4, to_host, wait, to_device)
+    assert dev.tolist() == [3.0 * i for i in range(10)]
+    assert log[:3] == [("out", 0), ("out", 4), ("out", 8)]
+    assert log[3:] == [("wait", 0), ("reduce", 0), ("in", 0), ("wait", 4), ("reduce", 4), ("in", 4),
+                       ("wait", 8), ("reduce", 8), ("in", 8)]
+    assert last == ("in", 8)
+
+
+def test_staged_chunks_through_a_real_switch_give_the_exact_sum():
+    """Chunks of an int32 tensor, each its own switch allreduce (as the CUDA
+    path does them), add up to the exact sum; two workers."""
+    from fanin.torch._staged import reduce_host_chunk, staged_allreduce
+
+    n, size = 2, 10_007
+    with fanin.local_switch(workers=n) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank)
+            dev = torch.arange(size, dtype=torch.int32) * (rank + 1)
+            host = torch.empty_like(dev)
+            copy = lambda dst, src: dst.copy_(src)  # noqa: E731
+            staged_allreduce(reduce_host_chunk(s, False, None, s.elems_per_packet), dev, host, 3_000,
+                             copy, lambda _: None, copy)
+            return dev
+
+        results = in_threads(n, work)
+    for r in results:
+        assert torch.equal(r, torch.arange(size, dtype=torch.int32) * 3)
+
+
+def _cuda_vs_cpu(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    dist.init_process_group("fanin")
+    out = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = (torch.randn(3_000_001, generator=torch.Generator().manual_seed(rank)) * 10).to(dtype)
+        cpu = x.clone()
+        dist.all_reduce(cpu)
+        dev = x.cuda()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            dev.mul_(1)  # pending work on the caller's stream the copy out must wait for
+            w = dist.all_reduce(dev, async_op=True)
+            w.wait()
+            after = dev * 1  # a kernel launched after wait() on the caller's stream sees the result
+        stream.synchronize()
+        out[str(dtype)] = bool(torch.equal(after.cpu(), cpu))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine: the CUDA path's "
+                    "pipeline is tested on the CPU above; this test runs where a GPU is")
+def test_cuda_tensors_give_the_cpu_paths_bits():
+    for r in _spawn(_cuda_vs_cpu, 2):
+        assert all(r.values()), r

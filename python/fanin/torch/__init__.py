@@ -56,7 +56,8 @@ def register() -> None:
     on import, and by torch itself through the ``torch.distributed.backends``
     entry point when fanin is installed)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+        # CUDA tensors are staged through pinned host memory (fanin.torch._staged)
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
 
 
 def fanin_group(group: Optional[Any] = None) -> FaninProcessGroup:

@@ -37,9 +37,9 @@ def check_tensor(t: Any, what: str = "allreduce") -> None:
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise TypeError(f"fanin {what}: dtype {str(t.dtype).replace('torch.', '')} is not supported "
                         f"(the switch sums {names}); cast the tensor or use a Gloo group for it")
-    if t.device.type != "cpu":
-        raise ValueError(f"fanin {what}: tensors must be on the CPU, this one is on {t.device} "
-                         "(copy it with .cpu(), or use NCCL for device tensors)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fanin {what}: tensors must be on the CPU or a CUDA device, this one is on {t.device} "
+                          "(copy it with .cpu())")
     if t.is_sparse:
         raise ValueError(f"fanin {what}: sparse tensors are not supported")
 

@@ -3,7 +3,9 @@ allreduce goes through a fanin switch.
 
 What goes where (see docs/torch.md):
 
-* ``allreduce`` (SUM, AVG; float32, float16, bfloat16, int32, CPU tensors),
+* ``allreduce`` (SUM, AVG; float32, float16, bfloat16, int32; CPU tensors,
+  and CUDA tensors staged through pinned host memory in chunks pipelined
+  with the network, ``fanin.torch._staged``),
   ``allreduce_coalesced`` and ``reduce_scatter_tensor`` (and its list and
   coalesced forms, which FSDP uses): through the switch.
 * ``broadcast``, ``allgather``, ``all_gather_single`` (all_gather_into_tensor,
@@ -33,6 +35,7 @@ from torch.futures import Future
 
 from fanin.torch._connect import Connection, ConnectOptions, connect
 from fanin.torch._reduce import StepLog, StepStats, check_tensor, switch_allreduce
+from fanin.torch._staged import CudaStaging, reduce_host_chunk
 
 __all__ = ["FaninProcessGroup", "create_backend"]
 
@@ -172,6 +175,7 @@ class FaninProcessGroup(dist.ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("fanin-gloo/", store), rank, size, timeout)
         self._log = StepLog(self._conn.n_sources)
         self._closed = False
+        self._cuda: Optional[CudaStaging] = None
 
     # -- identity ---------------------------------------------------------
     def getBackendName(self) -> str:
@@ -270,18 +274,39 @@ class FaninProcessGroup(dist.ProcessGroup):
             opts = o
         average = self._check_allreduce(tensors, opts, "allreduce")
         session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
+        # CUDA tensors: an event on the caller's stream now, after which the
+        # tensor is final; staged through pinned host memory on the worker
+        issued = [self._staging().issued(t) if t.is_cuda else None for t in tensors]
 
         def run() -> list:
-            for t in tensors:
-                switch_allreduce(session, t, average, log, epp)
+            for t, ev in zip(tensors, issued):
+                if ev is None:
+                    switch_allreduce(session, t, average, log, epp)
+                else:
+                    half = t.dtype in (torch.float16, torch.bfloat16)
+                    block = session.half_elems_per_packet if half else epp
+                    self._staging().allreduce(t, ev, reduce_host_chunk(session, average, log, epp), block)
             return tensors
 
         return self._submit(run)
+
+    def _staging(self) -> CudaStaging:
+        if self._cuda is None:
+            self._cuda = CudaStaging()
+        return self._cuda
+
+    @staticmethod
+    def _host_only(tensors: list, what: str) -> None:
+        for t in tensors:
+            if t.is_cuda:
+                raise ValueError(f"fanin {what}: CUDA tensors are not supported here yet (all_reduce takes them); "
+                                 "copy to the CPU first")
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
         average = self._check_allreduce(tensors, opts, "allreduce_coalesced")
+        self._host_only(tensors, "allreduce_coalesced")
         if len({t.dtype for t in tensors}) != 1:
             raise TypeError("fanin allreduce_coalesced: all tensors must have one dtype")
         session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
@@ -337,6 +362,7 @@ class FaninProcessGroup(dist.ProcessGroup):
             o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
             opts = o
         average = self._check_allreduce(list(inputs) + list(outputs), opts, "reduce_scatter_tensor")
+        self._host_only(list(inputs) + list(outputs), "reduce_scatter_tensor")
         if len(outputs) != len(inputs) or len({t.dtype for t in list(inputs) + list(outputs)}) != 1:
             raise TypeError("fanin reduce_scatter_tensor: one output per input, all of one dtype")
         world = self.size()
