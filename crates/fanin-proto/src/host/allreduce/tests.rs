@@ -7,14 +7,8 @@ use crate::job::JobSpec;
 use crate::switch::{ShardConfig, ValueSwitch};
 use crate::transmit::VecTransmit;
 
-/// One worker, one switch shard, datagrams moved by hand.
-fn joined(window: u32) -> (AllreduceSession, ValueSwitch<u16>) {
-    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
-    sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
-    let mut cfg = SessionConfig::new(1, 0);
-    cfg.elems_per_packet = 4;
-    cfg.window = window;
-    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+/// Move a session's Join to the switch and the answers back, by hand.
+fn join_by_hand(s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>) {
     let mut out = VecTransmit::new();
     s.poll_transmit(Time::ZERO, &mut out);
     for (_, join) in out.drain() {
@@ -24,6 +18,17 @@ fn joined(window: u32) -> (AllreduceSession, ValueSwitch<u16>) {
             s.handle_datagram(Time::ZERO, &b);
         }
     }
+}
+
+/// One worker, one switch shard, datagrams moved by hand.
+fn joined(window: u32) -> (AllreduceSession, ValueSwitch<u16>) {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.elems_per_packet = 4;
+    cfg.window = window;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    join_by_hand(&mut s, &mut sw);
     assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
     (s, sw)
 }
@@ -379,15 +384,7 @@ fn packet_sizes_from(packet_elems_max: u32, block_grad_max: u32) -> (u16, u16) {
     sw.add_job(JobSpec::with_sources(1, 1, 16, block_grad_max)).unwrap();
     let mut s = AllreduceSession::new(SessionConfig::new(1, 0), Time::ZERO);
     assert_eq!(s.elems_per_packet(), 0, "the job's, once joined");
-    let mut out = VecTransmit::new();
-    s.poll_transmit(Time::ZERO, &mut out);
-    for (_, join) in out.drain() {
-        let mut reply = VecTransmit::new();
-        let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
-        for (_, b) in reply.drain() {
-            s.handle_datagram(Time::ZERO, &b);
-        }
-    }
+    join_by_hand(&mut s, &mut sw);
     assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
     (s.elems_per_packet(), s.half_elems_per_packet())
 }
@@ -415,15 +412,7 @@ fn a_16_bit_allreduce_fills_the_same_datagram_with_twice_the_elements() {
     let mut s = AllreduceSession::new(cfg, Time::ZERO);
     let mut sw = ValueSwitch::new(ShardConfig { packet_elems_max: mtu_1500, ..ShardConfig::single(1 << 24) });
     sw.add_job(JobSpec::with_sources(1, 1, 16, 1024)).unwrap();
-    let mut out = VecTransmit::new();
-    s.poll_transmit(Time::ZERO, &mut out);
-    for (_, join) in out.drain() {
-        let mut reply = VecTransmit::new();
-        let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
-        for (_, b) in reply.drain() {
-            s.handle_datagram(Time::ZERO, &b);
-        }
-    }
+    join_by_hand(&mut s, &mut sw);
     assert_eq!((s.elems_per_packet(), s.half_elems_per_packet()), (64, 64));
 }
 
