@@ -384,6 +384,7 @@ impl AllreduceSession {
             sent_at: now,
             later_results: 0,
             queued: false,
+            timer_resend: false,
             send_seq: 0,
             first_sent: None,
         };
@@ -516,6 +517,7 @@ impl AllreduceSession {
                             resent[shard] = true;
                             if !op.blocks[idx as usize].queued {
                                 op.blocks[idx as usize].queued = true;
+                                op.blocks[idx as usize].timer_resend = true;
                                 op.retransmit.push_back(idx);
                             }
                             if resent.iter().all(|r| *r) {

@@ -170,6 +170,45 @@ fn a_lost_contribution_is_resent_after_three_later_results_without_waiting_for_a
     }
 }
 
+#[test]
+fn a_burst_lost_at_the_tail_is_resent_after_one_stall_timeout_not_one_per_block() {
+    // found on a 100 Mbit/s testbed link: 200 blocks lost at the end of a
+    // window were repaired one per stall timeout, each longer than the last
+    // (39 s for one allreduce). No later block is left to overtake them.
+    let (mut s, mut sw) = joined(16);
+    let t0 = Time::from_nanos(1_000);
+    s.begin(t0, Tensor::I32((0..40).collect())).unwrap();
+    let mut out = VecTransmit::new();
+    while s.poll_transmit(t0, &mut out) > 0 {}
+    let mut sent: Vec<_> = out.drain().collect();
+    assert_eq!(sent.len(), 10, "40 elements / 4 per packet");
+    sent.truncate(4); // blocks 4..9 are lost on the way
+    deliver(&mut s, &mut sw, t0, sent);
+    // nothing more comes back: the stall timer resends the oldest one
+    let stalled = t0 + Duration::from_secs(2);
+    s.handle_timeout(stalled);
+    let mut out = VecTransmit::new();
+    while s.poll_transmit(stalled, &mut out) > 0 {}
+    let resent: Vec<_> = out.drain().collect();
+    assert_eq!(resent.len(), 1, "one block per stall, as TCP");
+    deliver(&mut s, &mut sw, stalled, resent);
+    // its result came back first: the other five were sent before it, so
+    // they are lost, and go out at once, without another timeout
+    let mut out = VecTransmit::new();
+    while s.poll_transmit(stalled, &mut out) > 0 {}
+    let rest: Vec<_> = out.drain().collect();
+    let ids: Vec<u32> = rest.iter().map(|(_, d)| Packet::new_checked(&d[..]).unwrap().block_id()).collect();
+    assert_eq!(ids, vec![5, 6, 7, 8, 9]);
+    deliver(&mut s, &mut sw, stalled, rest);
+    match s.poll_event() {
+        Some(Event::Completed(o)) => {
+            assert_eq!(o.tensor, Tensor::I32((0..40).collect()));
+            assert_eq!((o.retransmissions, o.timeouts), (6, 1));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 /// How a test's allreduce holds its tensors.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Lending {
