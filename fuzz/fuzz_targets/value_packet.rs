@@ -11,7 +11,7 @@
 //!   and that buffer parses back to the same `Repr`.
 #![no_main]
 
-use fanin_wire::value::{read_elements, JoinParams, Nack, Packet, Repr};
+use fanin_wire::value::{read_lanes, JoinParams, Nack, Packet, Repr};
 use fanin_wire::{MessageType, Preamble};
 use libfuzzer_sys::fuzz_target;
 
@@ -40,8 +40,9 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(packet.grad_cnt(), repr.grad_cnt);
     let payload = packet.payload();
     if repr.msg_type.carries_block() {
+        // int32 lanes, or int16 lanes for the 16-bit dtypes
         let mut values = vec![0i32; repr.grad_cnt as usize];
-        read_elements(payload, &mut values);
+        read_lanes(repr.dtype, payload, &mut values);
         for (i, v) in values.iter().enumerate() {
             assert_eq!(packet.element(i), *v);
         }
