@@ -38,7 +38,7 @@ def test_python_workers_see_trims_and_still_get_the_exact_sum(keyed):
     job = job_config(1, 3, block_cnt_max=128, block_grad_max=1024, key=key, slow_after_windows=0,
                      member_timeout_ms=120_000)
     cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", trim=True,
-                        trim_watermark=0.05, socket_buffer=256 << 10, jobs=[job])
+                        trim_watermark=0.05, socket_buffer=64 << 10, jobs=[job])
     n = 128 * 1024 * 2
     with LocalSwitch(cfg) as sw:
         def work(rank):
