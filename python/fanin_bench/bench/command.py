@@ -272,6 +272,26 @@ def _add_tree_benches(bsub: Any) -> None:
     tune.add_argument("--block-cnt-max", type=int, help="the job's slots (the most blocks in flight)")
     _common(nw)
     nw.set_defaults(func=_lazy("network", "run_network"))
+    lm = bsub.add_parser(
+        "lm-steps", help="DDP steps/s of the byte-level GPT (examples/train_lm.py) on rate-limited links, fanin vs Gloo",
+        description="The namespace testbed (star:N, tbf on every link, needs root), the switch daemon in the switch "
+                    "namespace, one training process per host namespace. Every system trains the same model from the "
+                    "same seed for the same steps: fanin (allreduce_hook), fanin-fp16 (fp16_compress_hook: 2 bytes "
+                    "per gradient element each way), gloo. Reports steps per second and the final held-out loss "
+                    "(the systems must agree) per link rate; CSV + PNG to --out.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: fanin bench lm-steps --quick --json")
+    lm.add_argument("--workers", type=int, default=4)
+    lm.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 50,100,200; 100 with --quick)")
+    lm.add_argument("--steps", type=int, help="training steps per system per rate (default 80, 30 with --quick)")
+    lm.add_argument("--systems", default="fanin,fanin-fp16,gloo", help="comma-separated (default %(default)s)")
+    lm.add_argument("--layers", type=int, default=2)
+    lm.add_argument("--d-model", type=int, default=128)
+    lm.add_argument("--corpus-mb", type=float, default=2.0)
+    lm.add_argument("--name", default="fblm", help="testbed name (namespace prefix; default %(default)s)")
+    lm.add_argument("--out", default="out/lm-steps")
+    _common(lm)
+    lm.set_defaults(func=_lazy("lm_steps", "run_lm_steps"))
     tl = bsub.add_parser("tree-levels", help="trees of 1, 2, 3 levels vs one switch on the testbed (SwitchML++ thesis)",
                          description="2 workers, CHUNKS blocks, loss in each worker-switch direction, rate-limited "
                                      "links: one switch (job admitted directly) and trees of 1, 2 and 3 levels "

@@ -1,0 +1,57 @@
+"""One rank of `fanin bench lm-steps`, started in a testbed host namespace:
+sets the environment torchrun would (rank, world, master) plus the fanin
+switch and the interface Gloo uses, runs `examples/train_lm.py`'s
+``train`` with the arguments after ``--``, and prints its figures as one
+JSON line.
+
+    python -m fanin_bench.bench.lm_worker --rank 0 --world 4 --master 10.1.0.2:29701 \\
+        --ifname veth-h0 --switch 10.1.0.1:9000 --job 1 -- --backend fanin --steps 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def load_example() -> object:
+    """`examples/train_lm.py` of this checkout, as a module."""
+    path = Path(__file__).resolve().parents[3] / "examples" / "train_lm.py"
+    if not path.is_file():
+        raise SystemExit(f"lm_worker: {path} not found (the benchmark runs from a checkout)")
+    spec = importlib.util.spec_from_file_location("train_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog="python -m fanin_bench.bench.lm_worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True, help="HOST:PORT of rank 0's c10d store")
+    p.add_argument("--ifname", required=True, help="the interface Gloo uses")
+    p.add_argument("--switch", required=True, help="HOST:PORT of the switch's data port")
+    p.add_argument("--job", type=int, default=1)
+    a = p.parse_args(argv[:split])
+    host, port = a.master.rsplit(":", 1)
+    os.environ.update({"RANK": str(a.rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(a.world), "MASTER_ADDR": host,
+                       "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": a.ifname, "FANIN_SWITCH": a.switch,
+                       "FANIN_JOB_ID": str(a.job), "OMP_NUM_THREADS": "1"})
+    import torch
+
+    torch.set_num_threads(1)
+    example = load_example()
+    figures = example.train(example.parser().parse_args(argv[split + 1:]), log=lambda line: None)
+    print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
