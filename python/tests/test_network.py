@@ -62,3 +62,37 @@ def test_a_shallow_queue_is_found_by_congestion_signals_not_timeouts(tmp_path):
     assert row["timeouts"] == 0, row
     assert all(w < 256 for w in row["window_final"]), row
     assert len(set(row["window_final"])) == 1, row  # the same marks, the same window
+
+
+def test_float16_puts_about_2_bytes_per_element_on_each_link(tmp_path):
+    """16-bit lanes on a real link: 716 elements per 1500-byte packet, and the
+    veth counters around each allreduce see about 2.1 bytes per element each
+    way (float32 takes 4.2): 2 MB of float16 is 1 M elements, so the exponent
+    rounds of the first 256 blocks weigh a little more than at 16 MB."""
+    # 50 Mbit/s with a 100 ms queue (625 KB): the queue holds a whole
+    # window's burst and 2 cores keep up, so what is counted is the format,
+    # not repairs (a 20 ms queue at 100 Mbit/s overflows at each allreduce's
+    # start: docs/congestion.md)
+    report = _bench(tmp_path, "--dtype", "float16", "--size", "2MB", "--rates", "50", "--queue-ms", "100")
+    (row,) = report["rates"]
+    assert report["dtype"] == "float16" and row["elems_per_packet"] == 716, row
+    assert row["fanin_verified"] and row["ip_fragments"] == 0
+    per_element = row["fanin_link_bytes_per_element_up"] + row["fanin_link_bytes_per_element_down"]
+    assert all(2.09 <= b <= 2.2 for b in per_element), (per_element, row["retransmissions"])
+
+
+def test_lm_steps_trains_the_same_model_on_fanin_and_gloo(tmp_path):
+    """`fanin bench lm-steps`, tiny: one training process per host namespace
+    on fanin (float32 and float16 gradients) and on Gloo, from the same seed:
+    the same held-out loss at the end."""
+    pytest.importorskip("torch")
+    name = f"fbl{os.getpid() % 36**4:x}"[:8]
+    argv = [sys.executable, "-m", "fanin", "bench", "lm-steps", "--quick", "--json", "--workers", "2", "--steps", "4",
+            "--layers", "1", "--d-model", "32", "--corpus-mb", "0.2", "--name", name, "--out", str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(r.stdout)["rates"]
+    losses = {s: row[f"{s}_held_out_bits_per_byte"] for s in ("fanin", "fanin-fp16", "gloo")}
+    assert abs(losses["fanin"] - losses["gloo"]) < 1e-3 and abs(losses["fanin-fp16"] - losses["gloo"]) < 0.05, losses
+    assert all(row[f"{s}_steps_per_s"] > 0 for s in losses)
+    assert (tmp_path / "lm_steps.csv").exists() and (tmp_path / "lm_steps.png").stat().st_size > 0
