@@ -93,7 +93,7 @@ def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator) -> 
     return x, y
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16, help="windows per worker per step")
@@ -107,8 +107,12 @@ def main() -> None:
     ap.add_argument("--compress", choices=("none", "float16", "bfloat16"), default="none",
                     help="fanin: gradients travel as 16-bit floats, 2 bytes per element each way")
     ap.add_argument("--log-every", type=int, default=50)
-    args = ap.parse_args()
+    return ap
 
+
+def train(args: argparse.Namespace, log=print) -> dict:
+    """Train as the arguments say; rank 0 reports through `log`. Returns
+    this rank's figures (the held-out losses are rank 0's)."""
     dist.init_process_group(args.backend)  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     data = corpus(args.corpus_mb)
@@ -125,10 +129,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1000 + rank)
     eval_gen = torch.Generator().manual_seed(7)
     eval_batches = [batch(held_out, 32, args.context, eval_gen) for _ in range(4)]
+    params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        print(f"{world} workers on {args.backend}, {params / 1e6:.2f} M parameters, corpus {len(data) / 1e6:.1f} MB "
-              f"(held out {len(held_out) / 1e6:.2f} MB)", flush=True)
+        log(f"{world} workers on {args.backend}, {params / 1e6:.2f} M parameters, corpus {len(data) / 1e6:.1f} MB "
+            f"(held out {len(held_out) / 1e6:.2f} MB)")
 
     def held_out_loss() -> float:
         with torch.no_grad():
@@ -147,14 +151,22 @@ def main() -> None:
             now = time.perf_counter()
             rate = (step - last_step) / (now - last_t)
             val = held_out_loss()
-            print(f"step {step:5d}  train loss {loss.item():.3f}  held-out {val / math.log(2):.3f} bits/byte  "
-                  f"{rate:.1f} steps/s", flush=True)
+            log(f"step {step:5d}  train loss {loss.item():.3f}  held-out {val / math.log(2):.3f} bits/byte  "
+                f"{rate:.1f} steps/s")
             last_t, last_step = time.perf_counter(), step
+    seconds = time.perf_counter() - t0
+    last = held_out_loss()
     if rank == 0:
-        last = held_out_loss()
-        print(f"held-out loss {first / math.log(2):.3f} -> {last / math.log(2):.3f} bits per byte in {args.steps} "
-              f"steps ({args.steps / (time.perf_counter() - t0):.1f} steps/s)", flush=True)
+        log(f"held-out loss {first / math.log(2):.3f} -> {last / math.log(2):.3f} bits per byte in {args.steps} "
+            f"steps ({args.steps / seconds:.1f} steps/s)")
     dist.destroy_process_group()
+    return {"rank": rank, "world": world, "backend": args.backend, "compress": args.compress, "params": params,
+            "steps": args.steps, "seconds": seconds, "steps_per_s": args.steps / seconds,
+            "held_out_bits_per_byte_first": first / math.log(2), "held_out_bits_per_byte_last": last / math.log(2)}
+
+
+def main() -> None:
+    train(parser().parse_args(), log=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":
