@@ -73,7 +73,8 @@ def test_backend_is_registered():
     assert "fanin" in dist.Backend.backend_list
     assert dist.Backend("fanin") == "fanin"
     assert "FANIN" in dist.Backend._plugins
-    assert dist.Backend.backend_capability["fanin"] == ["cpu"]
+    # CUDA tensors are staged through pinned host memory (fanin.torch._staged)
+    assert dist.Backend.backend_capability["fanin"] == ["cpu", "cuda"]
     ft.register()  # idempotent
 
 
