@@ -100,6 +100,12 @@ fn quantize_one(x: f32, scale: f64, limit: f64) -> i32 {
     unsafe { rounded.to_int_unchecked::<i32>() }
 }
 
+/// `(scale, limit)` of a quantisation with `b` fraction bits and shared
+/// exponent `exp`: `q = clamp(x * scale, -limit, limit)`, rounded.
+fn quantize_scale(b: i32, exp: i8) -> (f64, f64) {
+    (pow2(b - exp as i32), pow2(b))
+}
+
 /// 2^k as f64 for the range block floating point needs (|k| < 400).
 fn pow2(k: i32) -> f64 {
     f64::from_bits(((k + 1023) as u64) << 52)
@@ -113,9 +119,7 @@ pub fn quantize(values: &[f32], exp: i8, n_sources: usize, out: &mut [i32]) {
         out.iter_mut().for_each(|q| *q = 0);
         return;
     }
-    let b = frac_bits(n_sources);
-    let scale = pow2(b - exp as i32);
-    let limit = pow2(b);
+    let (scale, limit) = quantize_scale(frac_bits(n_sources), exp);
     for (q, &x) in out.iter_mut().zip(values) {
         *q = quantize_one(x, scale, limit);
     }
@@ -127,9 +131,7 @@ pub fn quantize_into_payload(values: &[f32], exp: i8, n_sources: usize, payload:
         payload.iter_mut().for_each(|b| *b = 0);
         return;
     }
-    let b = frac_bits(n_sources);
-    let scale = pow2(b - exp as i32);
-    let limit = pow2(b);
+    let (scale, limit) = quantize_scale(frac_bits(n_sources), exp);
     let n = values.len().min(payload.len() / 4);
     let (values, payload) = (&values[..n], &mut payload[..4 * n]);
     #[cfg(target_arch = "x86_64")]

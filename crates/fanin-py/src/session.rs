@@ -219,16 +219,8 @@ impl Session {
         let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
         let shape = input.shape().to_vec();
         if let Some(o) = out {
-            let out_start = o.cast::<PyArrayDyn<u16>>()?.data() as usize;
             // lent as it is when it shares no memory with `out`, else staged
-            let lendable = match input.as_slice() {
-                Ok(s) if input.is_c_contiguous() => {
-                    let (start, len) = (s.as_ptr() as usize, std::mem::size_of_val(s));
-                    (!(start < out_start + len && out_start < start + len)).then_some(s)
-                }
-                _ => None,
-            };
-            let outcome = match lendable {
+            let outcome = match lendable(&input, o.cast::<PyArrayDyn<u16>>()?.data() as usize) {
                 Some(s) => {
                     let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(value_err)?;
                     reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
@@ -347,6 +339,17 @@ fn stage<T: Element + Copy>(array: &PyReadonlyArrayDyn<'_, T>, mut buf: Vec<T>) 
     buf
 }
 
+/// `array`'s elements, if the session may read them in place while the sum
+/// is written to an `out` starting at `out_start`: C-contiguous, and no byte
+/// shared with `out` (which has the input's shape and is C-contiguous, so
+/// it spans as many bytes).
+fn lendable<'a, T: Element>(array: &'a PyReadonlyArrayDyn<'_, T>, out_start: usize) -> Option<&'a [T]> {
+    let s = array.as_slice().ok().filter(|_| array.is_c_contiguous())?;
+    let (start, bytes) = (s.as_ptr() as usize, std::mem::size_of_val(s));
+    let shared = start < out_start + bytes && out_start < start + bytes;
+    (!shared).then_some(s)
+}
+
 /// Whether `out` can take the sum of `array`: same dtype and shape,
 /// C-contiguous and writable (numpy's own flag and nobody else borrowing it).
 fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -416,17 +419,7 @@ impl Session {
         let per = self.inner.elems_per_packet() as usize;
         let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
         let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
-        let out_start = o.cast::<PyArrayDyn<T>>()?.data() as usize;
-        let lendable = match a.as_slice() {
-            Ok(s) if a.is_c_contiguous() => {
-                let (start, bytes) = (s.as_ptr() as usize, std::mem::size_of_val(s));
-                // `out` has the input's shape and is C-contiguous: it spans `bytes` too
-                let shared = start < out_start + bytes && out_start < start + bytes;
-                (!shared).then_some(s)
-            }
-            _ => None,
-        };
-        if let Some(s) = lendable {
+        if let Some(s) = lendable(&a, o.cast::<PyArrayDyn<T>>()?.data() as usize) {
             let prepared = Prepared::borrow(T::view(s), per).map_err(value_err)?;
             let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
             return reduce_into(py, &mut self.inner, prepared, &mut w, average, per);

@@ -22,7 +22,7 @@
 
 use fanin_wire::value::{Dtype, EXP_NONE};
 
-use super::{block_exponent, pow2, quantize_one, NonFinite};
+use super::{block_exponent, pow2, quantize_one, quantize_scale, NonFinite};
 
 /// Which 16-bit float a tensor holds (its elements are passed as their bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -106,9 +106,7 @@ pub fn quantize_into_payload(kind: Half, values: &[u16], exp: i8, n_sources: usi
         payload.iter_mut().for_each(|b| *b = 0);
         return;
     }
-    let b = frac_bits(n_sources);
-    let scale = pow2(b - exp as i32);
-    let limit = pow2(b);
+    let (scale, limit) = quantize_scale(frac_bits(n_sources), exp);
     for (dst, &v) in payload.chunks_exact_mut(2).zip(values) {
         // |q| <= 2^B <= 2^14: an int16
         let q = quantize_one(kind.to_f32(v), scale, limit) as i16;
