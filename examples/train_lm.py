@@ -9,10 +9,12 @@ with gradients averaged by a fanin switch.
 
 By default rank 0 starts the switch inside its own process; point the
 workers at a running one with FANIN_SWITCH=HOST:PORT (and FANIN_JOB_ID).
-Runs on the CPU (fanin's backend takes CPU tensors). Every rank reads the
-same corpus and draws its own windows of it; rank 0 reports the training
-loss, the loss on held-out text (the last 5 % of the corpus) in bits per
-byte, and steps per second.
+Runs on a CUDA device when there is one (`--device cuda`; ranks may share
+one GPU), else on the CPU. DDP by default; `--fsdp` shards the model with
+FSDP2 (`fully_shard`: gradients reduce-scattered through the switch). Every
+rank reads the same corpus and draws its own windows of it; rank 0 reports
+the training loss, the loss on held-out text (the last 5 % of the corpus)
+in bits per byte, and steps per second (evaluation time excluded).
 """
 
 import argparse
@@ -31,10 +33,12 @@ import fanin.torch  # registers the "fanin" backend
 
 
 def corpus(megabytes: float, root: str = "/usr/share/doc") -> torch.Tensor:
-    """The first `megabytes` of the text files under `root`, in sorted path
-    order (gzip files unpacked, binary files skipped), as bytes."""
+    """The first `megabytes` of the text files under `root` (a directory,
+    or one file), in sorted path order (gzip files unpacked, binary files
+    skipped), as bytes."""
     want, parts, have = int(megabytes * 1e6), [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
+    walk = [(os.path.dirname(root), [], [os.path.basename(root)])] if os.path.isfile(root) else os.walk(root)
+    for dirpath, dirnames, filenames in walk:
         dirnames.sort()
         for name in sorted(filenames):
             path = os.path.join(dirpath, name)
@@ -82,7 +86,7 @@ class ByteGPT(nn.Module):
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         return self.head(self.ln(self.blocks(x)))
 
 
@@ -102,67 +106,135 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of /usr/share/doc text")
+    ap.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of text to train on")
+    ap.add_argument("--corpus", default="/usr/share/doc", help="a directory of text files or one file "
+                    "(default %(default)s)")
     ap.add_argument("--backend", default="fanin", help="fanin, or gloo to compare")
     ap.add_argument("--compress", choices=("none", "float16", "bfloat16"), default="none",
                     help="fanin: gradients travel as 16-bit floats, 2 bytes per element each way")
-    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard with FSDP2 instead of DDP (gradients reduce-scattered; --compress sets the "
+                         "reduce dtype)")
+    ap.add_argument("--log-every", type=int, default=50, help="evaluate the held-out loss every N steps")
     return ap
 
 
-def train(args: argparse.Namespace, log=print) -> dict:
-    """Train as the arguments say; rank 0 reports through `log`. Returns
-    this rank's figures (the held-out losses are rank 0's)."""
-    dist.init_process_group(args.backend)  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
-    rank, world = dist.get_rank(), dist.get_world_size()
-    data = corpus(args.corpus_mb)
-    split = int(len(data) * 0.95)
-    train, held_out = data[:split], data[split:]
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("train_lm: --device cuda but PyTorch sees no CUDA device; use --device cpu")
+    return device
 
-    torch.manual_seed(rank)  # different on purpose: DDP broadcasts rank 0's parameters
-    model = DDP(ByteGPT(args.context, args.d_model, args.layers, args.heads))
+
+def wrap(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """DDP with fanin's averaging hook, or FSDP2 (``fully_shard`` per block)."""
+    half = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.compress]
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(reduce_dtype=half) if half is not None else MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     if args.backend == "fanin":
         hook = {"none": fanin.torch.allreduce_hook, "float16": fanin.torch.fp16_compress_hook,
                 "bfloat16": fanin.torch.bf16_compress_hook}[args.compress]
-        model.register_comm_hook(None, hook)
+        ddp.register_comm_hook(None, hook)
+    elif half is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if half == torch.float16
+                               else default_hooks.bf16_compress_hook)
+    return ddp
+
+
+def train(args: argparse.Namespace, log=print, delay=None) -> dict:
+    """Train as the arguments say; rank 0 reports through `log`. Returns
+    this rank's figures (the held-out losses are rank 0's). `delay(rank)`,
+    if given, is called at three points of every step (before the forward
+    pass, before the backward pass, before the optimizer step): the hook a
+    benchmark uses to inject stragglers."""
+    dist.init_process_group(args.backend)  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = pick_device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    data = corpus(args.corpus_mb, args.corpus)
+    split = int(len(data) * 0.95)
+    train, held_out = data[:split], data[split:]
+
+    # different on purpose under DDP: it broadcasts rank 0's parameters;
+    # FSDP2 shards what each rank holds, so there every rank starts alike
+    torch.manual_seed(0 if args.fsdp else rank)
+    model = wrap(ByteGPT(args.context, args.d_model, args.layers, args.heads).to(device), args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1000 + rank)
     eval_gen = torch.Generator().manual_seed(7)
-    eval_batches = [batch(held_out, 32, args.context, eval_gen) for _ in range(4)]
-    params = sum(p.numel() for p in model.parameters())
+    eval_batches = [tuple(t.to(device) for t in batch(held_out, 32, args.context, eval_gen)) for _ in range(4)]
+    params = sum(p.numel() for p in ByteGPT(args.context, args.d_model, args.layers, args.heads).parameters())
+    delay = delay or (lambda rank: None)
     if rank == 0:
-        log(f"{world} workers on {args.backend}, {params / 1e6:.2f} M parameters, corpus {len(data) / 1e6:.1f} MB "
-            f"(held out {len(held_out) / 1e6:.2f} MB)")
+        log(f"{world} workers on {args.backend} ({'FSDP2' if args.fsdp else 'DDP'}, {device}), "
+            f"{params / 1e6:.2f} M parameters, corpus {len(data) / 1e6:.1f} MB (held out {len(held_out) / 1e6:.2f} MB)")
 
     def held_out_loss() -> float:
+        # every rank evaluates (FSDP2's forward is a collective)
         with torch.no_grad():
-            return sum(F.cross_entropy(model.module(x).flatten(0, 1), y.flatten()).item()
+            return sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
                        for x, y in eval_batches) / len(eval_batches)
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     first = held_out_loss()
-    t0, last_t, last_step = time.perf_counter(), time.perf_counter(), 0
+    curve = [{"step": 0, "seconds": 0.0, "held_out_bits_per_byte": first / math.log(2)}]
+    trained_s, last_step = 0.0, 0
+    sync()
+    t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
-        x, y = batch(train, args.batch, args.context, gen)
+        x, y = (t.to(device, non_blocking=True) for t in batch(train, args.batch, args.context, gen))
+        delay(rank)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
+        delay(rank)
         loss.backward()
+        delay(rank)
         opt.step()
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+        if step % args.log_every == 0 or step == args.steps:
+            sync()
             now = time.perf_counter()
-            rate = (step - last_step) / (now - last_t)
-            val = held_out_loss()
-            log(f"step {step:5d}  train loss {loss.item():.3f}  held-out {val / math.log(2):.3f} bits/byte  "
-                f"{rate:.1f} steps/s")
-            last_t, last_step = time.perf_counter(), step
-    seconds = time.perf_counter() - t0
-    last = held_out_loss()
+            trained_s += now - t0
+            val = held_out_loss()  # not on the training clock
+            curve.append({"step": step, "seconds": trained_s, "held_out_bits_per_byte": val / math.log(2)})
+            if rank == 0:
+                rate = (step - last_step) / (now - t0)
+                log(f"step {step:5d}  train loss {loss.item():.3f}  held-out {val / math.log(2):.3f} bits/byte  "
+                    f"{rate:.1f} steps/s")
+            last_step = step
+            sync()
+            t0 = time.perf_counter()
+    last = curve[-1]["held_out_bits_per_byte"]
     if rank == 0:
-        log(f"held-out loss {first / math.log(2):.3f} -> {last / math.log(2):.3f} bits per byte in {args.steps} "
-            f"steps ({args.steps / seconds:.1f} steps/s)")
+        log(f"held-out loss {first / math.log(2):.3f} -> {last:.3f} bits per byte in {args.steps} "
+            f"steps ({args.steps / trained_s:.1f} steps/s)")
+    switch = {}
+    if args.backend == "fanin":  # what the switch did: blocks aged out, blocks resent
+        st = fanin.torch.fanin_group().total_stats()
+        switch = {"degraded_blocks": st.degraded_blocks, "missed_blocks": st.missed_blocks,
+                  "retransmissions": st.retransmissions}
     dist.destroy_process_group()
-    return {"rank": rank, "world": world, "backend": args.backend, "compress": args.compress, "params": params,
-            "steps": args.steps, "seconds": seconds, "steps_per_s": args.steps / seconds,
-            "held_out_bits_per_byte_first": first / math.log(2), "held_out_bits_per_byte_last": last / math.log(2)}
+    return {**switch, "rank": rank, "world": world, "backend": args.backend, "compress": args.compress,
+            "parallel": "fsdp" if args.fsdp else "ddp", "device": str(device), "params": params,
+            "steps": args.steps, "seconds": trained_s, "steps_per_s": args.steps / trained_s,
+            "held_out_bits_per_byte_first": first / math.log(2), "held_out_bits_per_byte_last": last,
+            "curve": curve}
 
 
 def main() -> None:

@@ -558,9 +558,10 @@ def _fsdp2_steps(rank, world):
     import fanin.torch  # noqa: F401
 
     dist.init_process_group(os.environ["FSDP_TEST_BACKEND"])
+    device = os.environ.get("FSDP_TEST_DEVICE", "cpu")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
+    mesh = init_device_mesh(device, (world,))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -569,13 +570,24 @@ def _fsdp2_steps(rank, world):
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
     for _ in range(6):
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = torch.randn(8, 16, generator=gen).to(device), torch.randn(8, 4, generator=gen).to(device)
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    def full(v):
+        if device == "cpu":
+            return v.full_tensor()
+        # DTensor.full_tensor() on CUDA goes through torch's functional
+        # collectives, which find no backend for "cuda" on a Python process
+        # group (docs/torch.md, "Limits"): gather the dim-0 shards instead
+        local = v.to_local().contiguous()
+        whole = torch.empty((world * local.shape[0], *local.shape[1:]), device=device)
+        dist.all_gather_into_tensor(whole, local)
+        return whole
+
+    params = {k: full(v).tolist() for k, v in model.state_dict().items()}
     dist.destroy_process_group()
     return {"losses": losses, "params": params}
 
@@ -662,15 +674,45 @@ def _cuda_vs_cpu(rank, world):
         x = (torch.randn(3_000_001, generator=torch.Generator().manual_seed(rank)) * 10).to(dtype)
         cpu = x.clone()
         dist.all_reduce(cpu)
-        dev = x.cuda()
+        src = x.cuda()
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            dev.mul_(1)  # pending work on the caller's stream the copy out must wait for
+            dev = torch.zeros_like(src)
+            # pending work on the caller's stream that the copy out must wait
+            # for: a long sleep, then the values; a copy out that did not wait
+            # for the event would reduce zeros
+            torch.cuda._sleep(200_000_000)
+            dev.copy_(src)
             w = dist.all_reduce(dev, async_op=True)
             w.wait()
             after = dev * 1  # a kernel launched after wait() on the caller's stream sees the result
         stream.synchronize()
-        out[str(dtype)] = bool(torch.equal(after.cpu(), cpu))
+        out[f"all_reduce {dtype}"] = bool(torch.equal(after.cpu(), cpu))
+        # the coalesced form and reduce-scatter (FSDP2's gradients) on CUDA
+        parts = [x[:1000].clone(), x[1000:5001].clone()]
+        cpu_parts = [p.clone() for p in parts]
+        dist.all_reduce_coalesced(cpu_parts)
+        dev_parts = [p.cuda() for p in parts]
+        dist.all_reduce_coalesced(dev_parts)
+        out[f"coalesced {dtype}"] = all(torch.equal(d.cpu(), c) for d, c in zip(dev_parts, cpu_parts))
+        inp = x[:world * 4099]
+        cpu_shard = torch.empty(4099, dtype=dtype)
+        dist.reduce_scatter_tensor(cpu_shard, inp.clone(), op=dist.ReduceOp.AVG)
+        dev_shard = torch.empty(4099, dtype=dtype, device="cuda")
+        dist.reduce_scatter_tensor(dev_shard, inp.cuda(), op=dist.ReduceOp.AVG)
+        out[f"reduce_scatter {dtype}"] = bool(torch.equal(dev_shard.cpu(), cpu_shard))
+    # Gloo's fallback from a caller's side stream (as FSDP2 all-gathers):
+    # the input is written late on that stream, the output read right after
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        mine = torch.zeros(3, device="cuda")
+        torch.cuda._sleep(200_000_000)
+        mine.fill_(float(rank + 1))
+        gathered = torch.empty(world * 3, device="cuda")
+        dist.all_gather_into_tensor(gathered, mine)
+        seen = gathered * 1
+    stream.synchronize()
+    out["all_gather_into_tensor"] = seen.cpu().tolist() == [float(r + 1) for r in range(world) for _ in range(3)]
     dist.destroy_process_group()
     return out
 
@@ -680,3 +722,56 @@ def _cuda_vs_cpu(rank, world):
 def test_cuda_tensors_give_the_cpu_paths_bits():
     for r in _spawn(_cuda_vs_cpu, 2):
         assert all(r.values()), r
+
+
+def _ddp_cuda(rank, world):
+    """DDP of the same small net on CUDA: fanin's hooks (float32 and
+    float16 on the wire) against a Gloo group on the CPU."""
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("fanin")
+    gloo = dist.new_group(backend="gloo")
+    ref = _ddp_steps(_net(0), gloo, None, None, 5, rank)
+    got = {}
+    for name, hook in (("float32", ft.allreduce_hook), ("float16", ft.fp16_compress_hook)):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = _net(rank).cuda()
+        ddp = DDP(model, device_ids=[0])
+        ddp.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(5):
+            x = torch.randn(8, 20, generator=gen).cuda()
+            y = torch.randint(0, 5, (8,), generator=gen).cuda()
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+        got[name] = {"error": (flat - ref).abs().max().item(), "digest": flat.sum().item()}
+    dist.destroy_process_group()
+    return got
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_ddp_on_cuda_with_the_fanin_hooks_matches_gloo_on_the_cpu():
+    reports = _spawn(_ddp_cuda, 2)
+    for r in reports:
+        assert r["float32"]["error"] < 1e-4, r
+        assert r["float16"]["error"] < 2e-2, r  # gradients rounded to float16 each step
+    for name in ("float32", "float16"):
+        assert reports[0][name]["digest"] == reports[1][name]["digest"], "every rank holds the same model"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_fsdp2_on_cuda_trains_on_fanin_as_on_the_cpu():
+    world = 2
+    cuda = _spawn(_fsdp2_steps, world, env={"FSDP_TEST_BACKEND": "fanin", "FSDP_TEST_DEVICE": "cuda"})
+    cpu = _spawn(_fsdp2_steps, world, env={"FSDP_TEST_BACKEND": "gloo"})
+    for rank in range(world):
+        assert np.allclose(cuda[rank]["losses"], cpu[rank]["losses"], rtol=1e-4, atol=1e-6), (cuda[rank], cpu[rank])
+        for name, value in cpu[rank]["params"].items():
+            assert np.allclose(cuda[rank]["params"][name], value, rtol=1e-4, atol=1e-5), name

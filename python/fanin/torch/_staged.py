@@ -125,6 +125,19 @@ class CudaStaging:
         if last is not None:
             last.synchronize()  # this collective's copies only, not the device
 
+    def run_and_wait(self, device: Any, fn: Callable[[], None], after: Any = None) -> None:
+        """On the group's worker thread: run ``fn`` (work on ``device``) with
+        the side stream current, after everything queued there before (and
+        after the event ``after``, if given), and wait for it alone."""
+        side = self._stream(device)
+        if after is not None:
+            side.wait_event(after)
+        with torch.cuda.stream(side):
+            fn()
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()
+
 
 def reduce_host_chunk(session: Session, average: bool, log: Optional[Any], epp: int) -> Callable[[torch.Tensor], None]:
     """``reduce`` for :func:`staged_allreduce`: one switch allreduce of a host chunk."""

@@ -55,6 +55,13 @@ def _scoped_store(store: Any) -> Any:
     return dist.PrefixStore(f"fanin/attempt-{attempt}/", store)
 
 
+def _gloo_all_gather_single(gloo: Any) -> Callable[..., Any]:
+    """Gloo's all_gather_into_tensor under either name: ``all_gather_single``
+    (recent torch) or ``_allgather_base`` (torch 2.11 has only this one)."""
+    fn = getattr(gloo, "all_gather_single", None)
+    return fn if fn is not None else gloo._allgather_base
+
+
 def _op_kind(op: Any) -> Any:
     """The RedOpType of a ReduceOp (options carry a ReduceOp wrapper, users pass RedOpType)."""
     return getattr(op, "op", op)
@@ -108,6 +115,13 @@ class _Work(dist.Work):
 
     def get_future(self) -> Future:
         return self._fut
+
+
+class _Done:
+    """A finished work, for a call made of several Gloo works already waited for."""
+
+    def wait(self) -> bool:
+        return True
 
 
 class _Worker:
@@ -221,6 +235,12 @@ class FaninProcessGroup(dist.ProcessGroup):
         """Totals since the group was created (never reset)."""
         return self._log.totals()
 
+    def socket_stats(self) -> dict[str, int]:
+        """The switch socket's counters (``bytes_sent``, ``bytes_received``,
+        datagrams, ...: :meth:`fanin.Session.socket_stats`), read on the
+        worker thread after every collective issued before."""
+        return self._submit(lambda: self._conn.session.socket_stats()).result()
+
     def __repr__(self) -> str:
         return f"FaninProcessGroup(rank={self._rank}, size={self._size}, switch={self.switch_addr}, job={self.job_id})"
 
@@ -273,19 +293,11 @@ class FaninProcessGroup(dist.ProcessGroup):
             o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
             opts = o
         average = self._check_allreduce(tensors, opts, "allreduce")
-        session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
-        # CUDA tensors: an event on the caller's stream now, after which the
-        # tensor is final; staged through pinned host memory on the worker
-        issued = [self._staging().issued(t) if t.is_cuda else None for t in tensors]
+        issued = [self._issued(t) for t in tensors]
 
         def run() -> list:
             for t, ev in zip(tensors, issued):
-                if ev is None:
-                    switch_allreduce(session, t, average, log, epp)
-                else:
-                    half = t.dtype in (torch.float16, torch.bfloat16)
-                    block = session.half_elems_per_packet if half else epp
-                    self._staging().allreduce(t, ev, reduce_host_chunk(session, average, log, epp), block)
+                self._reduce(t, ev, average)
             return tensors
 
         return self._submit(run)
@@ -295,53 +307,103 @@ class FaninProcessGroup(dist.ProcessGroup):
             self._cuda = CudaStaging()
         return self._cuda
 
+    def _issued(self, t: torch.Tensor) -> Any:
+        """At issue, on the caller's thread: for a CUDA tensor, an event on
+        the caller's stream after which its contents are final (None on the
+        CPU, where they are final already)."""
+        return self._staging().issued(t) if t.is_cuda else None
+
+    def _reduce(self, t: torch.Tensor, issued: Any, average: bool) -> None:
+        """On the worker thread: one switch allreduce of ``t`` in place; a
+        CUDA tensor is staged through pinned host memory, pipelined in
+        chunks that are whole blocks (so the result has the CPU path's bits)."""
+        session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
+        if issued is None:
+            switch_allreduce(session, t, average, log, epp)
+            return
+        half = t.dtype in (torch.float16, torch.bfloat16)
+        block = session.half_elems_per_packet if half else epp
+        self._staging().allreduce(t, issued, reduce_host_chunk(session, average, log, epp), block)
+
+    def _then_on_device(self, t: torch.Tensor, fn: Callable[[], None]) -> None:
+        """On the worker thread, after ``_reduce(t)``: run ``fn`` (copies out
+        of ``t``) where ``t`` lives; on a CUDA device on the side stream,
+        waiting for those copies alone before the collective completes."""
+        if t.is_cuda:
+            self._staging().run_and_wait(t.device, fn)
+        else:
+            fn()
+
     @staticmethod
-    def _host_only(tensors: list, what: str) -> None:
-        for t in tensors:
-            if t.is_cuda:
-                raise ValueError(f"fanin {what}: CUDA tensors are not supported here yet (all_reduce takes them); "
-                                 "copy to the CPU first")
+    def _one_device(tensors: list, what: str) -> None:
+        if len({t.device for t in tensors}) != 1:
+            raise ValueError(f"fanin {what}: all tensors must be on one device, got "
+                             f"{sorted({str(t.device) for t in tensors})}")
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
         average = self._check_allreduce(tensors, opts, "allreduce_coalesced")
-        self._host_only(tensors, "allreduce_coalesced")
+        self._one_device(tensors, "allreduce_coalesced")
         if len({t.dtype for t in tensors}) != 1:
             raise TypeError("fanin allreduce_coalesced: all tensors must have one dtype")
-        session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
+        # flattened on the caller's thread (and stream, for CUDA tensors)
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        issued = self._issued(flat)
 
-        def run() -> list:
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            switch_allreduce(session, flat, average, log, epp)
+        def scatter_back() -> None:
             offset = 0
             with torch.no_grad():
                 for t in tensors:
                     t.copy_(flat[offset:offset + t.numel()].reshape(t.shape))
                     offset += t.numel()
+
+        def run() -> list:
+            self._reduce(flat, issued, average)
+            self._then_on_device(flat, scatter_back)
             return tensors
 
         return self._submit(run)
 
     # -- the Gloo fallback ------------------------------------------------
-    def _via_gloo(self, call: Callable[[], Any], result: Any) -> Any:
+    def _via_gloo(self, call: Callable[[], Any], result: Any, tensors: list = ()) -> Any:
+        """Run a Gloo collective on the worker thread, in issue order.
+
+        CUDA tensors: Gloo's CUDA path orders its copies after the *calling
+        thread's* current stream and, in ``wait()``, makes that thread's
+        current stream wait for them. Called from the worker thread, that
+        was the default stream, not the caller's: under FSDP2, which issues
+        its all-gathers on side streams, Gloo read inputs not yet written
+        and the caller read outputs not yet copied back (seen on an H100 as
+        a different loss than Gloo's own FSDP2 run). So the call runs on the
+        staging side stream after an event recorded on the caller's stream
+        at issue, and the work completes once that side stream has caught
+        up (the CPU waits on its event, never on the whole device)."""
+        cuda = next((t for t in tensors if t.is_cuda), None)
+        issued = self._issued(cuda) if cuda is not None else None
+
         def run() -> Any:
-            call().wait()
+            if issued is None:
+                call().wait()
+            else:
+                self._staging().run_and_wait(cuda.device, lambda: call().wait(), after=issued)
             return result
 
         return self._submit(run)
 
     def broadcast(self, tensors: list, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._via_gloo(lambda: self._gloo.broadcast(tensors, opts), tensors)
+        return self._via_gloo(lambda: self._gloo.broadcast(tensors, opts), tensors, tensors)
 
     def allgather(self, output_tensors: list, input_tensors: list, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._via_gloo(lambda: self._gloo.allgather(output_tensors, input_tensors, opts), output_tensors)
+        return self._via_gloo(lambda: self._gloo.allgather(output_tensors, input_tensors, opts), output_tensors,
+                              [*input_tensors, *[t for ts in output_tensors for t in ts]])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._via_gloo(lambda: self._gloo.all_gather_single(output, input, opts), [output])
+        return self._via_gloo(lambda: _gloo_all_gather_single(self._gloo)(output, input, opts), [output],
+                              [output, input])
 
     _allgather_base = all_gather_single
 
@@ -362,7 +424,7 @@ class FaninProcessGroup(dist.ProcessGroup):
             o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
             opts = o
         average = self._check_allreduce(list(inputs) + list(outputs), opts, "reduce_scatter_tensor")
-        self._host_only(list(inputs) + list(outputs), "reduce_scatter_tensor")
+        self._one_device(list(inputs) + list(outputs), "reduce_scatter_tensor")
         if len(outputs) != len(inputs) or len({t.dtype for t in list(inputs) + list(outputs)}) != 1:
             raise TypeError("fanin reduce_scatter_tensor: one output per input, all of one dtype")
         world = self.size()
@@ -370,18 +432,23 @@ class FaninProcessGroup(dist.ProcessGroup):
             if inp.numel() != out.numel() * world:
                 raise ValueError(f"fanin reduce_scatter_tensor: the input has {inp.numel()} elements, the output "
                                  f"{out.numel()}; the input must be the world size ({world}) times the output")
-        session, log, epp, rank = self._conn.session, self._log, self._conn.elems_per_packet, self.rank()
+        rank = self.rank()
+        # one switch allreduce for all the pairs (the inputs stay as they
+        # are); flattened on the caller's thread and stream
+        flat = torch.cat([t.detach().reshape(-1) for t in inputs])
+        issued = self._issued(flat)
 
-        def run() -> list:
-            # one switch allreduce for all the pairs (the input stays as it is)
-            flat = torch.cat([t.detach().reshape(-1) for t in inputs])
-            switch_allreduce(session, flat, average, log, epp)
+        def keep_own_shards() -> None:
             offset = 0
             with torch.no_grad():
                 for out, inp in zip(outputs, inputs):
                     k = out.numel()
                     out.copy_(flat[offset + rank * k:offset + (rank + 1) * k].reshape(out.shape))
                     offset += inp.numel()
+
+        def run() -> list:
+            self._reduce(flat, issued, average)
+            self._then_on_device(flat, keep_own_shards)
             return outputs
 
         return self._submit(run)
@@ -431,13 +498,14 @@ class FaninProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllgatherOptions()
+        gather = _gloo_all_gather_single(self._gloo)
 
-        def run() -> list:
+        def call() -> Any:
             for out, inp in zip(outputs, inputs):
-                self._gloo.all_gather_single(out, inp, opts).wait()
-            return outputs
+                gather(out, inp, opts).wait()
+            return _Done()
 
-        return self._submit(run)
+        return self._via_gloo(call, outputs, [*outputs, *inputs])
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("send")

@@ -31,8 +31,27 @@ def _run_torch(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"fanin bench {args.bench}: {e} (pip install -r requirements-bench.txt)", file=sys.stderr)
         return 2
-    return torch_bench.run_torch_allreduce(args) if args.bench == "torch-allreduce" else \
-        torch_bench.run_time_to_accuracy(args)
+    if args.bench == "torch-allreduce":
+        return torch_bench.run_torch_allreduce(args)
+    if args.model == "lm":
+        from fanin_bench.bench import lm_steps
+
+        return lm_steps.run_lm_time_to_accuracy(args)
+    return torch_bench.run_time_to_accuracy(args)
+
+
+def _lm_model_args(p: argparse.ArgumentParser) -> None:
+    """The language model's size and device (examples/train_lm.py)."""
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="windows per worker per step (default %(default)s)")
+    p.add_argument("--context", type=int, default=64, help="bytes per window (default %(default)s)")
+    p.add_argument("--corpus-mb", type=float, default=2.0)
+    p.add_argument("--corpus", default="/usr/share/doc", help="text to train on: a directory or one file "
+                   "(default %(default)s)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or auto (the ranks share the GPU; the namespaces do not hide it) "
+                        "(default %(default)s)")
 
 
 def _common(b: argparse.ArgumentParser) -> None:
@@ -284,10 +303,10 @@ def _add_tree_benches(bsub: Any) -> None:
     lm.add_argument("--workers", type=int, default=4)
     lm.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 50,100,200; 100 with --quick)")
     lm.add_argument("--steps", type=int, help="training steps per system per rate (default 80, 30 with --quick)")
-    lm.add_argument("--systems", default="fanin,fanin-fp16,gloo", help="comma-separated (default %(default)s)")
-    lm.add_argument("--layers", type=int, default=2)
-    lm.add_argument("--d-model", type=int, default=128)
-    lm.add_argument("--corpus-mb", type=float, default=2.0)
+    lm.add_argument("--systems", default="fanin,fanin-fp16,gloo",
+                    help="comma-separated, from fanin, fanin-fp16, gloo (DDP) and fanin-fsdp, fanin-fsdp-fp16, "
+                         "gloo-fsdp (FSDP2) (default %(default)s)")
+    _lm_model_args(lm)
     lm.add_argument("--name", default="fblm", help="testbed name (namespace prefix; default %(default)s)")
     lm.add_argument("--out", default="out/lm-steps")
     _common(lm)
@@ -329,16 +348,32 @@ def _add_torch_benches(bsub: Any) -> None:
     ta.add_argument("--elems-per-packet", type=int, default=1024)
     ta.add_argument("--window", type=int, default=256)
     ta.add_argument("--iters", type=int, help="timed iterations per point (default 5, 3 for >=64MB or --quick)")
+    ta.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the tensors live: cuda stages them through pinned host memory for fanin and "
+                         "lets Gloo do its own CUDA path (default %(default)s)")
+    ta.add_argument("--dtypes", default="float32",
+                    help="comma-separated from float32, float16, bfloat16 (default %(default)s); 16-bit tensors "
+                         "travel as 2 bytes per element on fanin's wire")
     ta.add_argument("--switch-process", action="store_true",
                     help="run the switch as its own process (FANIN_SWITCH) instead of embedded in rank 0")
     ta.add_argument("--out", default="out/bench/torch", help="directory for CSV and PNG (default %(default)s)")
     _common(ta)
     ta.set_defaults(func=_run_torch)
 
-    tt = bsub.add_parser("time-to-accuracy", help="digits MLP training with stragglers (cf. Trio-ML Fig. 12)",
-                         description="Train an MLP on scikit-learn's digits with torchrun: fanin with straggler "
-                                     "mitigation (block_exp_ms), fanin without it, and Gloo without stragglers "
-                                     "(the ideal), under the Slow Worker Pattern; writes CSV and PNG to --out.")
+    tt = bsub.add_parser("time-to-accuracy", help="training with stragglers: digits MLP or the language model "
+                                                  "(cf. Trio-ML Fig. 12)",
+                         description="Under the Slow Worker Pattern (Trio-ML §6.1): fanin with straggler mitigation "
+                                     "(block_exp_ms), fanin without it, and Gloo without stragglers (the ideal), "
+                                     "plus fanin without stragglers; writes CSV and PNG to --out.\n\n"
+                                     "--model digits (default): an MLP on scikit-learn's digits under torchrun on "
+                                     "loopback; time to --target-acc.\n"
+                                     "--model lm: the byte-level GPT of examples/train_lm.py on the namespace "
+                                     "testbed (star:N, tbf at --rate-mbit, needs root); time to --target-bits "
+                                     "of held-out loss (default: what the ideal reaches at 80%% of its steps).",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="examples:\n  fanin bench time-to-accuracy --quick --json\n"
+                                "  fanin bench time-to-accuracy --model lm --rate-mbit 1000 --device cuda --workers 8")
+    tt.add_argument("--model", choices=("digits", "lm"), default="digits")
     tt.add_argument("--workers", type=int, default=4)
     tt.add_argument("--straggler-p", type=float, default=0.16)
     tt.add_argument("--block-exp-ms", type=int, default=10, help="block aging of the mitigation arm (default 10)")
@@ -346,7 +381,13 @@ def _add_torch_benches(bsub: Any) -> None:
     tt.add_argument("--target-acc", type=float, default=0.95)
     tt.add_argument("--epochs", type=int, help="epochs per run (default 30, 10 with --quick)")
     tt.add_argument("--eval-every", type=int, default=5)
-    tt.add_argument("--repeats", type=int, help="runs per arm (default 3, 1 with --quick)")
+    tt.add_argument("--repeats", type=int, help="runs per arm (default 3, 1 with --quick; lm: 1)")
+    lm = tt.add_argument_group("--model lm")
+    lm.add_argument("--rate-mbit", type=float, default=100.0, help="tbf on every link (default %(default)s)")
+    lm.add_argument("--steps", type=int, help="training steps per arm (default 200, 60 with --quick)")
+    lm.add_argument("--target-bits", type=float, help="held-out loss target in bits per byte")
+    lm.add_argument("--name", default="fbtta", help="testbed name (namespace prefix; default %(default)s)")
+    _lm_model_args(lm)
     tt.add_argument("--out", default="out/bench/torch", help="directory for CSV and PNG (default %(default)s)")
     _common(tt)
     tt.set_defaults(func=_run_torch)

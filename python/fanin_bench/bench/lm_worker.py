@@ -19,10 +19,14 @@ from pathlib import Path
 
 
 def load_example() -> object:
-    """`examples/train_lm.py` of this checkout, as a module."""
-    path = Path(__file__).resolve().parents[3] / "examples" / "train_lm.py"
-    if not path.is_file():
-        raise SystemExit(f"lm_worker: {path} not found (the benchmark runs from a checkout)")
+    """`examples/train_lm.py` of this checkout (the one this package was
+    installed from in editable mode, or the working directory's), as a module."""
+    candidates = [Path(__file__).resolve().parents[3] / "examples" / "train_lm.py",
+                  Path.cwd() / "examples" / "train_lm.py"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise SystemExit(f"lm_worker: examples/train_lm.py not found at {' or '.join(map(str, candidates))} "
+                         "(the benchmark runs from a checkout: cd into it)")
     spec = importlib.util.spec_from_file_location("train_lm", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
@@ -39,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ifname", required=True, help="the interface Gloo uses")
     p.add_argument("--switch", required=True, help="HOST:PORT of the switch's data port")
     p.add_argument("--job", type=int, default=1)
+    p.add_argument("--straggler-p", type=float, default=0.0,
+                   help="Slow Worker Pattern (Trio-ML §6.1): probability per delay point")
+    p.add_argument("--typical-step-s", type=float, default=0.0, help="the straggler sleeps' scale")
+    p.add_argument("--seed", type=int, default=1, help="of the straggler schedule (the same on every rank)")
     a = p.parse_args(argv[:split])
     host, port = a.master.rsplit(":", 1)
     os.environ.update({"RANK": str(a.rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(a.world), "MASTER_ADDR": host,
@@ -47,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from fanin_bench.bench.torch_train import SlowWorkerPattern
+
+    slow = SlowWorkerPattern(a.straggler_p, a.typical_step_s, a.world, a.seed + 7)
     example = load_example()
-    figures = example.train(example.parser().parse_args(argv[split + 1:]), log=lambda line: None)
+    figures = example.train(example.parser().parse_args(argv[split + 1:]), log=lambda line: None, delay=slow.point)
+    figures.update({"straggle_events": slow.events, "slept_s": slow.slept_s})
     print(json.dumps(figures), flush=True)
     return 0
 

@@ -36,7 +36,7 @@ __all__ = ["run_torch_allreduce", "run_time_to_accuracy"]
 
 # ---------------------------------------------------------------- torch-allreduce
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, iters: int, env: dict[str, str],
-                      results: Any) -> None:
+                      results: Any, device: str = "cpu", dtype_name: str = "float32") -> None:
     try:
         os.environ.update(env)
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -48,40 +48,57 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, it
         if backend == "fanin":
             import fanin.torch  # registers the backend
         dist.init_process_group(backend)
-        # the same inputs for both backends: rank-dependent, exactly representable sums
+        dtype = getattr(torch, dtype_name)
+        # the same inputs for both backends (rank-dependent), in the dtype measured
         gen = torch.Generator().manual_seed(1234 + rank)
-        x = torch.rand(n, generator=gen, dtype=torch.float32) * 2 - 1
+        x = (torch.rand(n, generator=gen, dtype=torch.float32) * 2 - 1).to(dtype)
         # the reference covers a prefix: the same generator yields the same prefix
         m = min(n, 1 << 22)
         ref = torch.zeros(m, dtype=torch.float64)
         for r in range(world):
             g = torch.Generator().manual_seed(1234 + r)
-            ref += (torch.rand(m, generator=g, dtype=torch.float32) * 2 - 1).double()
+            ref += (torch.rand(m, generator=g, dtype=torch.float32) * 2 - 1).to(dtype).double()
+        x = x.to(device)
         buf = x.clone()
         dist.all_reduce(buf)
-        err = float((buf[:m].double() - ref).abs().max())
+        err = float((buf[:m].cpu().double() - ref).abs().max())
         del ref
+        group = fanin.torch.fanin_group() if backend == "fanin" else None
+        sent0 = group.socket_stats() if group else None
         times = []
         for _ in range(iters):
             buf.copy_(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            dist.all_reduce(buf)  # complete on return (device memory included)
+            if device == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+        wire = {}
+        if group:
+            sent1 = group.socket_stats()
+            # UDP payload bytes per element, each way (the 8-byte UDP and
+            # 20-byte IP headers are not counted by the socket)
+            wire = {"sent_bytes_per_elem": (sent1["bytes_sent"] - sent0["bytes_sent"]) / (iters * n),
+                    "received_bytes_per_elem": (sent1["bytes_received"] - sent0["bytes_received"]) / (iters * n)}
         digest = float(buf.double().sum())
-        retrans = fanin.torch.fanin_group().total_stats().retransmissions if backend == "fanin" else 0
+        retrans = group.total_stats().retransmissions if group else 0
         dist.destroy_process_group()
         results.put({"rank": rank, "ok": True, "times": times, "max_abs_error": err, "digest": digest,
-                     "retransmissions": retrans})
+                     "retransmissions": retrans, **wire})
     except BaseException as e:
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
 
-def _run_allreduce_point(backend: str, world: int, n: int, iters: int, env: dict[str, str]) -> dict[str, Any]:
+def _run_allreduce_point(backend: str, world: int, n: int, iters: int, env: dict[str, str], device: str = "cpu",
+                         dtype: str = "float32") -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, backend, n, iters, env, results), daemon=True)
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, backend, n, iters, env, results, device,
+                                                          dtype), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -101,48 +118,74 @@ def _run_allreduce_point(backend: str, world: int, n: int, iters: int, env: dict
     if bad:
         raise RuntimeError(f"{backend} x{world}: " + "; ".join(f"rank {r['rank']}: {r['error']}" for r in bad))
     times = [max(r["times"][i] for r in reports) for i in range(iters)]
-    return {"median_s": statistics.median(times), "times_s": times,
-            "max_abs_error": max(r["max_abs_error"] for r in reports),
-            "retransmissions": sum(r["retransmissions"] for r in reports),
-            "identical_on_all_ranks": len({r["digest"] for r in reports}) == 1}
+    point = {"median_s": statistics.median(times), "times_s": times,
+             "max_abs_error": max(r["max_abs_error"] for r in reports),
+             "retransmissions": sum(r["retransmissions"] for r in reports),
+             "identical_on_all_ranks": len({r["digest"] for r in reports}) == 1}
+    if "sent_bytes_per_elem" in reports[0]:
+        point["sent_bytes_per_elem"] = max(r["sent_bytes_per_elem"] for r in reports)
+        point["received_bytes_per_elem"] = max(r["received_bytes_per_elem"] for r in reports)
+    return point
+
+
+_ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def run_torch_allreduce(args: Any) -> int:
     worlds = [int(w) for w in args.workers.split(",")] if args.workers else ([2, 4] if args.quick else [2, 4, 8])
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else (
         [1_000_000, 16_000_000] if args.quick else [1_000_000, 16_000_000, 64_000_000, 256_000_000])
+    dtypes = args.dtypes.split(",")
+    for d in dtypes:
+        if d not in _ELEM_BYTES:
+            raise SystemExit(f"fanin bench torch-allreduce: unknown dtype {d!r} (choose from {', '.join(_ELEM_BYTES)})")
+    device = args.device
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("fanin bench torch-allreduce: --device cuda but PyTorch sees no CUDA device", file=sys.stderr)
+            return 2
     env = {"FANIN_ELEMS_PER_PACKET": str(args.elems_per_packet), "FANIN_WINDOW": str(args.window)}
     points: list[dict[str, Any]] = []
-    for world in worlds:
-        for size in sizes:
-            n = max(1, size // 4)
-            iters = args.iters or (3 if args.quick or size >= 64_000_000 else 5)
-            # alternate the order so drift on a noisy machine hits both
-            order = ["gloo", "fanin"] if len(points) % 2 == 0 else ["fanin", "gloo"]
-            res = {}
-            for b in order:
-                if b == "fanin" and args.switch_process:
-                    # the switch in its own process instead of rank 0's (FANIN_SWITCH)
-                    cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None,
-                                        memory_mb=4096, jobs=[job_config(1, world, block_cnt_max=args.window,
-                                                                         block_grad_max=args.elems_per_packet)])
-                    with SwitchProcess(cfg) as sw:
-                        res[b] = _run_allreduce_point(b, world, n, iters, {**env, "FANIN_SWITCH": sw.data_addr})
-                else:
-                    res[b] = _run_allreduce_point(b, world, n, iters, env)
-            pt = {"workers": world, "size_bytes": size, "iters": iters,
-                  "gloo_median_s": res["gloo"]["median_s"], "fanin_median_s": res["fanin"]["median_s"],
-                  "speedup_vs_gloo": res["gloo"]["median_s"] / res["fanin"]["median_s"],
-                  "gloo_max_abs_error": res["gloo"]["max_abs_error"], "fanin_max_abs_error": res["fanin"]["max_abs_error"],
-                  "fanin_identical_on_all_ranks": res["fanin"]["identical_on_all_ranks"],
-                  "fanin_retransmissions": res["fanin"]["retransmissions"],
-                  "gloo_times_s": res["gloo"]["times_s"], "fanin_times_s": res["fanin"]["times_s"]}
-            points.append(pt)
-            print(f"  {world} procs x {format_size(size)}: Gloo {pt['gloo_median_s'] * 1e3:8.1f} ms, "
-                  f"fanin {pt['fanin_median_s'] * 1e3:8.1f} ms -> {pt['speedup_vs_gloo']:.2f}x "
-                  f"({pt['fanin_retransmissions']} retransmissions)", file=sys.stderr)
+    for dtype in dtypes:
+        for world in worlds:
+            for size in sizes:
+                n = max(1, size // _ELEM_BYTES[dtype])
+                iters = args.iters or (3 if args.quick or size >= 64_000_000 else 5)
+                # alternate the order so drift on a noisy machine hits both
+                order = ["gloo", "fanin"] if len(points) % 2 == 0 else ["fanin", "gloo"]
+                res = {}
+                for b in order:
+                    if b == "fanin" and args.switch_process:
+                        # the switch in its own process instead of rank 0's (FANIN_SWITCH)
+                        cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None,
+                                            memory_mb=4096, jobs=[job_config(1, world, block_cnt_max=args.window,
+                                                                             block_grad_max=args.elems_per_packet)])
+                        with SwitchProcess(cfg) as sw:
+                            res[b] = _run_allreduce_point(b, world, n, iters, {**env, "FANIN_SWITCH": sw.data_addr},
+                                                          device, dtype)
+                    else:
+                        res[b] = _run_allreduce_point(b, world, n, iters, env, device, dtype)
+                pt = {"device": device, "dtype": dtype, "workers": world, "size_bytes": size, "elements": n,
+                      "iters": iters, "gloo_median_s": res["gloo"]["median_s"],
+                      "fanin_median_s": res["fanin"]["median_s"],
+                      "speedup_vs_gloo": res["gloo"]["median_s"] / res["fanin"]["median_s"],
+                      "gloo_max_abs_error": res["gloo"]["max_abs_error"],
+                      "fanin_max_abs_error": res["fanin"]["max_abs_error"],
+                      "fanin_identical_on_all_ranks": res["fanin"]["identical_on_all_ranks"],
+                      "fanin_retransmissions": res["fanin"]["retransmissions"],
+                      "fanin_sent_bytes_per_elem": res["fanin"].get("sent_bytes_per_elem"),
+                      "fanin_received_bytes_per_elem": res["fanin"].get("received_bytes_per_elem"),
+                      "gloo_times_s": res["gloo"]["times_s"], "fanin_times_s": res["fanin"]["times_s"]}
+                points.append(pt)
+                print(f"  {device} {dtype} {world} procs x {format_size(size)}: Gloo {pt['gloo_median_s'] * 1e3:8.1f} ms, "
+                      f"fanin {pt['fanin_median_s'] * 1e3:8.1f} ms -> {pt['speedup_vs_gloo']:.2f}x "
+                      f"({pt['fanin_sent_bytes_per_elem']:.3f} B/elem up, {pt['fanin_retransmissions']} "
+                      "retransmissions)", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
-    stem = "torch-allreduce-switch-process" if args.switch_process else "torch-allreduce"
+    stem = "torch-allreduce" + ("-switch-process" if args.switch_process else "") + (
+        "-cuda" if device == "cuda" else "")
     csv_path = os.path.join(args.out, f"{stem}.csv")
     cols = [k for k in points[0] if not k.endswith("times_s")]
     with open(csv_path, "w", newline="") as f:
@@ -150,12 +193,13 @@ def run_torch_allreduce(args: Any) -> int:
         w.writeheader()
         w.writerows(points)
     png_path = os.path.join(args.out, f"{stem}.png")
-    _plot_allreduce(points, png_path, "switch in its own process" if args.switch_process else "embedded switch")
-    result = {"bench": "torch-allreduce", "switch": "own process (FANIN_SWITCH)" if args.switch_process else
-              "embedded in rank 0 (default)", "testbed": "loopback (127.0.0.1, one machine); the namespace testbed does "
-              "not exist yet", "elems_per_packet": args.elems_per_packet, "window": args.window,
-              "csv": csv_path, "png": png_path, "points": points}
-    human = f"torch-allreduce: {len(points)} points; wrote {csv_path} and {png_path}"
+    _plot_allreduce(points, png_path, ("switch in its own process" if args.switch_process else "embedded switch")
+                    + f", {device} tensors")
+    result = {"bench": "torch-allreduce", "device": device, "dtypes": dtypes,
+              "switch": "own process (FANIN_SWITCH)" if args.switch_process else "embedded in rank 0 (default)",
+              "testbed": "loopback (127.0.0.1, one machine)", "elems_per_packet": args.elems_per_packet,
+              "window": args.window, "csv": csv_path, "png": png_path, "points": points}
+    human = f"torch-allreduce ({device}): {len(points)} points; wrote {csv_path} and {png_path}"
     _emit(result, human, args.json)
     return 0
 
@@ -167,19 +211,21 @@ def _plot_allreduce(points: list[dict[str, Any]], path: str, where: str) -> None
     import matplotlib.pyplot as plt
 
     worlds = sorted({p["workers"] for p in points})
+    dtypes = list(dict.fromkeys(p["dtype"] for p in points))
     fig, axes = plt.subplots(1, len(worlds), figsize=(4.2 * len(worlds), 3.8), squeeze=False)
     for ax, world in zip(axes[0], worlds):
-        pts = [p for p in points if p["workers"] == world]
-        x = [p["size_bytes"] / 1e6 for p in pts]
-        ax.plot(x, [p["gloo_median_s"] * 1e3 for p in pts], "s--", label="Gloo (ring)")
-        ax.plot(x, [p["fanin_median_s"] * 1e3 for p in pts], "o-", label="fanin (switch)")
+        for i, dtype in enumerate(dtypes):
+            pts = [p for p in points if p["workers"] == world and p["dtype"] == dtype]
+            x = [p["size_bytes"] / 1e6 for p in pts]
+            ax.plot(x, [p["gloo_median_s"] * 1e3 for p in pts], "s--", color=f"C{2 * i}", label=f"Gloo {dtype}")
+            ax.plot(x, [p["fanin_median_s"] * 1e3 for p in pts], "o-", color=f"C{2 * i + 1}", label=f"fanin {dtype}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tensor size (MB)")
         ax.set_ylabel("all_reduce time, median (ms)")
         ax.set_title(f"{world} processes")
-        ax.legend()
-    fig.suptitle(f"torch.distributed all_reduce, float32, loopback ({where})")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"torch.distributed all_reduce, loopback ({where})")
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU and 16-core checks of issues 28 and 29, as one command for the
+# lent device machine (see ../.library/device/README.md; nothing in CI runs
+# this). Here, first:
+#     ../shared/device/prepare.sh && scripts/device-checks.sh --prepare
+# then on the device, with carry [".device"]:
+#     . .device/setup.sh; scripts/device-checks.sh [STAGE ...]
+# Every stage writes its log and JSON to $OUT (or out/device); a stage that
+# fails or runs past its limit does not stop the next.
+set -uo pipefail
+out=${OUT:-out/device}
+mkdir -p "$out"
+if [ "${1:-}" = "--prepare" ]; then
+  # the device machine may have no /usr/share/doc: carry 4 MB of this one's
+  python3 - <<'PYEOF'
+import importlib.util, pathlib
+spec = importlib.util.spec_from_file_location("train_lm", "examples/train_lm.py")
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+data = m.corpus(4.0)
+pathlib.Path(".device/corpus.txt").write_bytes(bytes(data.to(dtype=__import__("torch").uint8).tolist()))
+print(f"wrote .device/corpus.txt ({len(data)} bytes)")
+PYEOF
+  exit 0
+fi
+corpus=.device/corpus.txt
+stages=${*:-"tests allreduce lm-steps tta"}
+run() {  # run NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T), limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.json" 2> "$out/$name.log"
+  echo "== $name: exit $? after $((SECONDS - t0)) s"; tail -n 12 "$out/$name.log"
+}
+nvidia-smi -L; nproc
+for s in $stages; do
+  case $s in
+    tests) run cuda-tests 80 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_backend.py -k cuda -rs ;;
+    allreduce) run torch-allreduce-cuda 80 fanin bench torch-allreduce --device cuda --workers 4 \
+                 --sizes 16MB,64MB --dtypes float32,float16 --iters 3 --json --out "$out" ;;
+    lm-steps) run lm-steps-cuda 140 fanin bench lm-steps --device cuda --workers 8 --rates 1000 --steps 30 \
+                --layers 4 --d-model 256 --corpus "$corpus" --systems fanin,fanin-fp16,gloo,fanin-fsdp,gloo-fsdp \
+                --json --out "$out" ;;
+    lm-fsdp) run lm-fsdp-cuda 90 fanin bench lm-steps --device cuda --workers 8 --rates 1000 --steps 20 \
+               --layers 4 --d-model 256 --corpus "$corpus" --systems fanin-fsdp,gloo-fsdp --json --out "$out/fsdp" ;;
+    tta) run lm-tta-cuda 200 fanin bench time-to-accuracy --model lm --device cuda --workers 8 --rate-mbit 1000 \
+           --steps 100 --layers 4 --d-model 256 --corpus "$corpus" --json --out "$out" ;;
+    network) run network-16core 100 fanin bench network --workers 8 --rates 1000,2000,5000 --size 16MB --reps 3 --shards 4 \
+               --json --out "$out" ;;
+    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-fsdp, tta, network)"; exit 2 ;;
+  esac
+done
