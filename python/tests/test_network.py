@@ -83,16 +83,64 @@ def test_float16_puts_about_2_bytes_per_element_on_each_link(tmp_path):
 
 def test_lm_steps_trains_the_same_model_on_fanin_and_gloo(tmp_path):
     """`fanin bench lm-steps`, tiny: one training process per host namespace
-    on fanin (float32 and float16 gradients) and on Gloo, from the same seed:
-    the same held-out loss at the end."""
+    on fanin (float32 and float16 gradients) and on Gloo, DDP and FSDP2,
+    from the same seed: the same held-out loss at the end."""
     pytest.importorskip("torch")
     name = f"fbl{os.getpid() % 36**4:x}"[:8]
+    systems = ("fanin", "fanin-fp16", "gloo", "fanin-fsdp", "gloo-fsdp")
     argv = [sys.executable, "-m", "fanin", "bench", "lm-steps", "--quick", "--json", "--workers", "2", "--steps", "4",
-            "--layers", "1", "--d-model", "32", "--corpus-mb", "0.2", "--name", name, "--out", str(tmp_path)]
+            "--layers", "1", "--d-model", "32", "--corpus-mb", "0.2", "--name", name, "--out", str(tmp_path),
+            "--systems", ",".join(systems)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = json.loads(r.stdout)["rates"]
-    losses = {s: row[f"{s}_held_out_bits_per_byte"] for s in ("fanin", "fanin-fp16", "gloo")}
+    losses = {s: row[f"{s}_held_out_bits_per_byte"] for s in systems}
     assert abs(losses["fanin"] - losses["gloo"]) < 1e-3 and abs(losses["fanin-fp16"] - losses["gloo"]) < 0.05, losses
+    assert abs(losses["fanin-fsdp"] - losses["gloo-fsdp"]) < 1e-3, losses
     assert all(row[f"{s}_steps_per_s"] > 0 for s in losses)
+    assert set(k for k in row if k.endswith("_vs_gloo")) == {"fanin_vs_gloo", "fanin-fp16_vs_gloo",
+                                                               "fanin-fsdp_vs_gloo"}
     assert (tmp_path / "lm_steps.csv").exists() and (tmp_path / "lm_steps.png").stat().st_size > 0
+
+
+def test_lm_time_to_accuracy_runs_every_arm_with_stragglers(tmp_path):
+    """`fanin bench time-to-accuracy --model lm`, tiny: Gloo and fanin
+    without stragglers reach the same loss; the straggler arms saw straggle
+    events (the same schedule: one seeded generator); the mitigation arm's
+    job ages blocks, the other's never does; CSV and PNG are written."""
+    pytest.importorskip("torch")
+    name = f"fbt{os.getpid() % 36**4:x}"[:8]
+    argv = [sys.executable, "-m", "fanin", "bench", "time-to-accuracy", "--model", "lm", "--json", "--workers", "2",
+            "--steps", "10", "--straggler-p", "0.5", "--block-exp-ms", "5", "--rate-mbit", "100", "--layers", "1",
+            "--d-model", "32", "--corpus-mb", "0.2", "--name", name, "--out", str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    s = report["summary"]
+    assert set(s) == {"gloo_ideal", "fanin_no_stragglers", "fanin_no_mitigation", "fanin_mitigation"}
+    assert abs(s["gloo_ideal"]["final_bits_per_byte"][0] - s["fanin_no_stragglers"]["final_bits_per_byte"][0]) < 1e-3
+    assert s["gloo_ideal"]["straggle_events"] == s["fanin_no_stragglers"]["straggle_events"] == 0
+    assert s["fanin_no_mitigation"]["straggle_events"] == s["fanin_mitigation"]["straggle_events"] > 0
+    assert s["fanin_no_mitigation"]["degraded_blocks"] == 0 and s["fanin_mitigation"]["degraded_blocks"] > 0, s
+    assert s["gloo_ideal"]["vs_ideal"] == 1.0
+    assert (tmp_path / "lm-time-to-accuracy.csv").exists() and (tmp_path / "lm-time-to-accuracy.png").stat().st_size > 0
+
+
+def test_image_steps_trains_resnet18_on_fanin_and_gloo(tmp_path):
+    """`fanin bench image-steps`, tiny: ResNet-18 (11.7 M parameters, 46.8 MB
+    of gradients a step) on synthetic 32x32 images, one training process per
+    host namespace, fanin and Gloo: images per second for both, and every
+    rank of each ends with the same parameters."""
+    pytest.importorskip("torch")
+    name = f"fbi{os.getpid() % 36**4:x}"[:8]
+    argv = [sys.executable, "-m", "fanin", "bench", "image-steps", "--json", "--workers", "2", "--rates", "400",
+            "--steps", "2", "--warmup", "1", "--batch", "2", "--image-size", "32", "--systems", "fanin,gloo",
+            "--name", name, "--out", str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    (row,) = report["rates"]
+    assert report["params"] == 11_689_512, report["params"]  # torchvision's resnet18
+    assert row["fanin_replicas_agree"] and row["gloo_replicas_agree"], row
+    assert row["fanin_images_per_s"] > 0 and row["gloo_images_per_s"] > 0 and row["fanin_vs_gloo"] > 0
+    assert (tmp_path / "image_steps.csv").exists() and (tmp_path / "image_steps.png").stat().st_size > 0

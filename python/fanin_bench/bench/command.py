@@ -311,6 +311,29 @@ def _add_tree_benches(bsub: Any) -> None:
     lm.add_argument("--out", default="out/lm-steps")
     _common(lm)
     lm.set_defaults(func=_lazy("lm_steps", "run_lm_steps"))
+    im = bsub.add_parser(
+        "image-steps", help="DDP images/s of ResNet-18 (examples/train_resnet.py) on rate-limited links, fanin vs Gloo",
+        description="ResNet-18 (random initialisation, 11.7 M parameters: 46.8 MB of float32 gradients per step) on "
+                    "synthetic images, one training process per host namespace of the testbed (star:N, tbf on every "
+                    "link, needs root), the switch daemon in the switch namespace: fanin (allreduce_hook), "
+                    "fanin-fp16 (fp16_compress_hook) and gloo from the same seed. Reports images per second per link "
+                    "rate and whether every rank ended with the same parameters; CSV + PNG to --out.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  fanin bench image-steps --quick --json\n"
+               "  fanin bench image-steps --device cuda --workers 8 --rates 1000,2500 --image-size 224")
+    im.add_argument("--workers", type=int, default=4)
+    im.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 200,400; 200 with --quick)")
+    im.add_argument("--steps", type=int, help="timed steps per system per rate (default 20, 4 with --quick)")
+    im.add_argument("--warmup", type=int, default=2, help="steps before the clock starts (default %(default)s)")
+    im.add_argument("--systems", default="fanin,fanin-fp16,gloo", help="comma-separated (default %(default)s)")
+    im.add_argument("--batch", type=int, default=8, help="images per worker per step (default %(default)s)")
+    im.add_argument("--image-size", type=int, default=64,
+                    help="pixels per side (default %(default)s: a CPU step stays short; 224 on a GPU)")
+    im.add_argument("--device", default="cpu", help="cpu, cuda or auto (default %(default)s)")
+    im.add_argument("--name", default="fbim", help="testbed name (namespace prefix; default %(default)s)")
+    im.add_argument("--out", default="out/image-steps")
+    _common(im)
+    im.set_defaults(func=_lazy("image_steps", "run_image_steps"))
     tl = bsub.add_parser("tree-levels", help="trees of 1, 2, 3 levels vs one switch on the testbed (SwitchML++ thesis)",
                          description="2 workers, CHUNKS blocks, loss in each worker-switch direction, rate-limited "
                                      "links: one switch (job admitted directly) and trees of 1, 2 and 3 levels "

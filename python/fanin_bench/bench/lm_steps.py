@@ -49,15 +49,19 @@ def baseline(system: str) -> str:
     return "gloo-fsdp" if SYSTEMS[system][2] else "gloo"
 
 
-def _run_system(tb: Any, hosts: list[str], system: str, steps: int, port: int, extra: list[str],
-                job: int = JOB, worker_extra: tuple[str, ...] = (), log_every: int = 0) -> dict[str, Any]:
+def run_system(tb: Any, hosts: list[str], system: str, steps: int, port: int, extra: list[str],
+               job: int = JOB, worker_extra: tuple[str, ...] = (), log_every: int = 0,
+               example: str = "train_lm") -> dict[str, Any]:
+    """One training run of `examples/<example>.py` on every host: rank 0's
+    figures, with the switch's counters summed over the ranks."""
     backend, compress, fsdp = SYSTEMS[system]
     master = tb.addr(hosts[0], toward="s0")
     procs = []
     for rank, h in enumerate(hosts):
         argv = [sys.executable, "-m", "fanin_bench.bench.lm_worker", "--rank", str(rank), "--world", str(len(hosts)),
                 "--master", f"{master}:{port}", "--ifname", tb.interface(h, "s0"),
-                "--switch", f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}", "--job", str(job), *worker_extra,
+                "--switch", f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}", "--job", str(job),
+                "--example", example, *worker_extra,
                 "--", "--backend", backend, "--compress", compress, "--steps", str(steps),
                 "--log-every", str(log_every or steps), *(["--fsdp"] if fsdp else []), *extra]
         procs.append(tb.popen(h, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -70,12 +74,11 @@ def _run_system(tb: Any, hosts: list[str], system: str, steps: int, port: int, e
             raise RuntimeError(f"lm-steps {system} rank {rank} failed: {err[-2000:]}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
     r0 = reports[0]
-    return {"system": system, "steps_per_s": r0["steps_per_s"], "seconds": r0["seconds"],
-            "held_out_bits_per_byte": r0["held_out_bits_per_byte_last"], "params": r0["params"],
-            "device": r0["device"], "curve": r0["curve"],
+    return {**r0, "system": system, "held_out_bits_per_byte": r0.get("held_out_bits_per_byte_last"),
             "straggle_events": r0.get("straggle_events", 0),
             "degraded_blocks": sum(r.get("degraded_blocks", 0) for r in reports),
-            "missed_blocks": sum(r.get("missed_blocks", 0) for r in reports)}
+            "missed_blocks": sum(r.get("missed_blocks", 0) for r in reports),
+            "replicas_agree": len({r.get("param_digest") for r in reports}) == 1}
 
 
 def model_args(args: Any) -> list[str]:
@@ -118,7 +121,7 @@ def run_lm_steps(args: Any) -> int:
             row: dict[str, Any] = {"rate_mbit": rate}
             for system in systems:
                 port += 1
-                r = _run_system(tb, hosts, system, steps, port, extra)
+                r = run_system(tb, hosts, system, steps, port, extra)
                 row[f"{system}_steps_per_s"] = r["steps_per_s"]
                 row[f"{system}_held_out_bits_per_byte"] = r["held_out_bits_per_byte"]
                 row["params"] = r["params"]
@@ -134,7 +137,8 @@ def run_lm_steps(args: Any) -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    _plot(rows, systems, out / "lm_steps.png", n)
+    _plot(rows, systems, out / "lm_steps.png",
+          f"byte-level GPT, star:{n}, {rows[0]['params'] / 1e6:.2f} M parameters, {rows[0]['device']}")
     result = {"workers": n, "steps": steps, "systems": systems, "device": rows[0]["device"],
               "model": {"layers": args.layers, "d_model": args.d_model, "batch": args.batch,
                         "context": args.context, "params": rows[0]["params"]}, "rates": rows,
@@ -147,14 +151,14 @@ def run_lm_steps(args: Any) -> int:
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], systems: list[str], path: Path, n: int) -> None:
+def _plot(rows: list[dict[str, Any]], systems: list[str], path: Path, title: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("fanin bench lm-steps: matplotlib is not installed, no PNG", file=sys.stderr)
+        print("fanin bench: matplotlib is not installed, no PNG", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     x = [r["rate_mbit"] for r in rows]
@@ -165,7 +169,7 @@ def _plot(rows: list[dict[str, Any]], systems: list[str], path: Path, n: int) ->
     ax.set_xticklabels([f"{v:g}" for v in x])
     ax.set_xlabel("link rate (Mbit/s, tbf on every link)")
     ax.set_ylabel("training steps per second")
-    ax.set_title(f"byte-level GPT, star:{n}, {rows[0]['params'] / 1e6:.2f} M parameters, {rows[0]['device']}")
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -221,8 +225,8 @@ def run_lm_time_to_accuracy(args: Any) -> int:
         def run(arm: str, system: str, job: int, slow: tuple[str, ...]) -> None:
             nonlocal port
             port += 1
-            r = _run_system(tb, hosts, system, steps, port, extra, job=job,
-                            worker_extra=("--seed", str(args.seed), *slow), log_every=every)
+            r = run_system(tb, hosts, system, steps, port, extra, job=job,
+                           worker_extra=("--seed", str(args.seed), *slow), log_every=every)
             arms.setdefault(arm, []).append(r)
             print(f"  {arm}: {r['steps_per_s']:.2f} steps/s, held-out {r['held_out_bits_per_byte']:.3f} bits/byte, "
                   f"{r['straggle_events']} straggle events, {r['degraded_blocks']} degraded blocks",

@@ -1,8 +1,9 @@
-"""One rank of `fanin bench lm-steps`, started in a testbed host namespace:
-sets the environment torchrun would (rank, world, master) plus the fanin
-switch and the interface Gloo uses, runs `examples/train_lm.py`'s
-``train`` with the arguments after ``--``, and prints its figures as one
-JSON line.
+"""One rank of `fanin bench lm-steps` (and `image-steps`, `time-to-accuracy
+--model lm`), started in a testbed host namespace: sets the environment
+torchrun would (rank, world, master) plus the fanin switch and the interface
+Gloo uses, runs ``train`` of `examples/train_lm.py` (or `--example
+train_resnet`) with the arguments after ``--``, and prints its figures as
+one JSON line.
 
     python -m fanin_bench.bench.lm_worker --rank 0 --world 4 --master 10.1.0.2:29701 \\
         --ifname veth-h0 --switch 10.1.0.1:9000 --job 1 -- --backend fanin --steps 80
@@ -18,16 +19,16 @@ import sys
 from pathlib import Path
 
 
-def load_example() -> object:
-    """`examples/train_lm.py` of this checkout (the one this package was
+def load_example(name: str = "train_lm") -> object:
+    """`examples/<name>.py` of this checkout (the one this package was
     installed from in editable mode, or the working directory's), as a module."""
-    candidates = [Path(__file__).resolve().parents[3] / "examples" / "train_lm.py",
-                  Path.cwd() / "examples" / "train_lm.py"]
+    candidates = [Path(__file__).resolve().parents[3] / "examples" / f"{name}.py",
+                  Path.cwd() / "examples" / f"{name}.py"]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise SystemExit(f"lm_worker: examples/train_lm.py not found at {' or '.join(map(str, candidates))} "
+        raise SystemExit(f"lm_worker: examples/{name}.py not found at {' or '.join(map(str, candidates))} "
                          "(the benchmark runs from a checkout: cd into it)")
-    spec = importlib.util.spec_from_file_location("train_lm", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ifname", required=True, help="the interface Gloo uses")
     p.add_argument("--switch", required=True, help="HOST:PORT of the switch's data port")
     p.add_argument("--job", type=int, default=1)
+    p.add_argument("--example", default="train_lm", choices=("train_lm", "train_resnet"),
+                   help="the training script of examples/ to run (default %(default)s)")
     p.add_argument("--straggler-p", type=float, default=0.0,
                    help="Slow Worker Pattern (Trio-ML §6.1): probability per delay point")
     p.add_argument("--typical-step-s", type=float, default=0.0, help="the straggler sleeps' scale")
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from fanin_bench.bench.torch_train import SlowWorkerPattern
 
     slow = SlowWorkerPattern(a.straggler_p, a.typical_step_s, a.world, a.seed + 7)
-    example = load_example()
+    example = load_example(a.example)
     figures = example.train(example.parser().parse_args(argv[split + 1:]), log=lambda line: None, delay=slow.point)
     figures.update({"straggle_events": slow.events, "slept_s": slow.slept_s})
     print(json.dumps(figures), flush=True)
