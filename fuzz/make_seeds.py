@@ -98,6 +98,9 @@ SEEDS["kv_packet"] = {
     "golden-nack": kv_header(KV_NACK, channel=5, task_id=0x01020304, seq=7) + struct.pack(">HHI", 1, 0, 0x01020304),
     "long-data": kv_header(KV_LONG, slot_count=1, channel=1, task_id=1, seq=2)
     + struct.pack(">Hq", 9, -1) + b"long-key!",
+    # one fragment of a 5 000-byte key: key_id 4, total 5000, offset 1176, 9 bytes
+    "long-key-fragment": kv_header(KV_LONG, flags=4, slot_count=1, channel=1, task_id=1, seq=3)
+    + struct.pack(">III", 4, 5000, 1176) + struct.pack(">Hq", 9, 7) + b"fragment!",
     "fetch-reply": kv_header(KV_FETCH_REPLY, task_id=1, seq=3) + struct.pack(">BBHII", 0, 1, 1, 0, 18)
     + struct.pack(">II", 17, 2) + KEY_AB + struct.pack(">qqq", -5, -7, 2),
     "clear": kv_header(KV_CLEAR, task_id=1, seq=3) + bytes([1, 0, 0, 0]),

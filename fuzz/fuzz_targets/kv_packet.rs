@@ -5,13 +5,13 @@
 //!   (same accept/reject decision, same error);
 //! * every accessor of an accepted view is in bounds, and so is the body
 //!   parser of its message type (`FetchRequest`, `FetchReplyHead` + entries,
-//!   `Nack`, the `LongData` tuple walk, the `Data` slots);
+//!   `Nack`, the `LongData` tuple walk or key fragment, the `Data` slots);
 //! * an accepted `Data` packet has no bitmap bit beyond `slot_count`;
 //! * round trip: emitting the parsed `Repr` into a buffer pre-filled with a
 //!   marker and copying the body reproduces the input exactly.
 #![no_main]
 
-use fanin_wire::kv::{slot_mask, FetchReplyHead, FetchRequest, Nack, Packet, Repr, HEADER_LEN};
+use fanin_wire::kv::{slot_mask, FetchReplyHead, FetchRequest, Nack, Packet, Repr, FLAG_KEY_FRAGMENT, HEADER_LEN};
 use fanin_wire::MessageType;
 use libfuzzer_sys::fuzz_target;
 
@@ -40,9 +40,15 @@ fuzz_target!(|data: &[u8]| {
             }
             assert_eq!(repr.buffer_len(), data.len());
         }
+        MessageType::KvLongData if repr.flags & FLAG_KEY_FRAGMENT != 0 => {
+            let f = packet.key_fragment().expect("accepted key fragment does not parse");
+            assert!(!f.bytes.is_empty() && f.offset as u64 + f.bytes.len() as u64 <= f.total_len as u64);
+            assert_eq!(packet.long_tuples().count(), 0);
+        }
         MessageType::KvLongData => {
             let n = packet.long_tuples().count();
             assert_eq!(n, repr.slot_count as usize, "the tuple walk disagrees with the check");
+            assert!(packet.key_fragment().is_none());
         }
         MessageType::KvFetch => {
             FetchRequest::parse(body).expect("accepted Fetch has a bad body");

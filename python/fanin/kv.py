@@ -33,7 +33,8 @@ import uuid
 import weakref
 from typing import Any, Iterable, Optional, Union
 
-__all__ = ["Client", "KvError", "SenderFailed", "Ticket", "DaemonProcess", "encode_tuples", "decode_results", "DEFAULT_SOCKET"]
+__all__ = ["Client", "KvError", "SenderFailed", "KeyDecodeError", "Ticket", "DaemonProcess", "encode_tuples",
+           "decode_results", "DEFAULT_SOCKET"]
 
 DEFAULT_SOCKET = "/tmp/fanin-kv.sock"
 Key = Union[str, bytes]
@@ -66,6 +67,35 @@ class SenderFailed(KvError):
         self.task_id = reply.get("task_id")
 
 
+class KeyDecodeError(KvError, UnicodeDecodeError):
+    """The task's results are complete, but a key is not UTF-8 and str keys
+    were asked for with ``errors="strict"``. Nothing is lost: ``results``
+    holds them all with bytes keys. Ask for ``keys="bytes"`` or
+    ``errors="surrogateescape"`` (lossless) instead."""
+
+    def __init__(self, cause: UnicodeDecodeError, results: dict) -> None:
+        UnicodeDecodeError.__init__(self, cause.encoding, cause.object, cause.start, cause.end, cause.reason)
+        self.results = results
+        key = bytes(cause.object)
+        self.message = (f"fanin.kv: key {key[:40]!r}{'...' if len(key) > 40 else ''} is not UTF-8 ({cause.reason} at "
+                        f"byte {cause.start}); the complete results, with bytes keys, are in .results; ask for "
+                        "keys='bytes' or errors='surrogateescape' to get them directly")
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_LOSSLESS = ("strict", "surrogateescape")
+
+
+def _check_keys(keys: Optional[str], errors: str) -> None:
+    if keys not in (None, "str", "bytes"):
+        raise ValueError(f"fanin.kv: keys={keys!r}; use 'str' or 'bytes' (or leave it unset)")
+    if errors not in _LOSSLESS:
+        raise ValueError(f"fanin.kv: errors={errors!r} could map two different keys to one str and lose a "
+                         "count; use 'strict', 'surrogateescape' (lossless) or keys='bytes'")
+
+
 Ticket = dict  # {"task_id": int, "control": "ip:port"}: what senders need
 
 
@@ -82,16 +112,18 @@ def encode_tuples(pairs: Iterable[tuple[Key, int]]) -> bytes:
         raise KvError(str(e)) from None
 
 
-def decode_results(data: bytes, *, as_str: bool = True) -> dict[Key, int]:
+def decode_results(data: bytes, *, as_str: bool = True, errors: str = "strict") -> dict[Key, int]:
     """Result records (``key_len | sum | count | min | max | key``) -> {key: sum}.
 
-    Keys are str (UTF-8; ``UnicodeDecodeError`` otherwise) or, with
-    ``as_str=False``, bytes. A file cut inside a record raises ``ValueError``.
-    Decoded in the extension: the Python loop took ~25 ms of the 64 MB
-    word count's 130 207 keys."""
+    Keys are str (UTF-8; with ``errors="strict"`` a key that is not raises
+    ``UnicodeDecodeError``, with ``"surrogateescape"`` it decodes
+    losslessly) or, with ``as_str=False``, bytes. A file cut inside a record
+    raises ``ValueError``. Decoded in the extension: the Python loop took
+    ~25 ms of the 64 MB word count's 130 207 keys."""
     from fanin import _native
 
-    return _native.decode_results(data, as_str)
+    _check_keys(None, errors)
+    return _native.decode_results(data, as_str, errors)
 
 
 def _shm_path(tag: str) -> str:
@@ -150,12 +182,17 @@ class Client:
         reply = self.request({"op": "create", "senders": senders, **options})
         return {"task_id": reply["task_id"], "control": reply["control"]}
 
-    def wait(self, ticket: Ticket, *, as_str: bool = True, with_stats: bool = False) -> Any:
+    def wait(self, ticket: Ticket, *, as_str: bool = True, errors: str = "strict", with_stats: bool = False) -> Any:
         """Block until the task's results are complete; {key: sum}.
 
-        Raises ``SenderFailed`` (with ``.failed`` and ``.partial``) when
-        senders failed and the others finished, ``KvError`` for other
-        failures (e.g. the switch went silent: no aggregate to give)."""
+        Keys are str with ``as_str`` (``errors``: "strict" or the lossless
+        "surrogateescape"), else bytes. Raises ``SenderFailed`` (with
+        ``.failed`` and ``.partial``) when senders failed and the others
+        finished, ``KeyDecodeError`` (with the complete ``.results``, bytes
+        keys) when a key is not UTF-8 and ``errors`` is "strict", and
+        ``KvError`` for other failures (e.g. the switch went silent: no
+        aggregate to give)."""
+        _check_keys(None, errors)
         path = _shm_path("res")
         try:
             reply = self._exchange({"op": "wait", "task_id": ticket["task_id"], "path": path})
@@ -163,12 +200,23 @@ class Client:
             if not reply.get("ok") and not incomplete:
                 raise KvError(reply.get("error", "request refused"))
             with open(path, "rb") as f:
-                results = decode_results(f.read(), as_str=as_str)
+                data = f.read()
         finally:
             if os.path.exists(path):
                 os.unlink(path)
         if incomplete:
-            raise SenderFailed(reply["error"], reply.get("failed", []), results, reply)
+            # the senders' failure is the error to report: a partial result
+            # is decoded so that no key can mask it
+            partial = decode_results(data, as_str=as_str, errors="surrogateescape" if as_str else errors)
+            raise SenderFailed(reply["error"], reply.get("failed", []), partial, reply)
+        try:
+            results = decode_results(data, as_str=as_str, errors=errors)
+        except UnicodeDecodeError as e:
+            raise KeyDecodeError(e, decode_results(data, as_str=False)) from None
+        refused = reply.get("receiver", {}).get("keys_refused", 0)
+        if refused:
+            raise KvError(f"fanin.kv: {refused} key fragments were of keys longer than the receiver's daemon "
+                          "accepts (max_key_len); those keys are missing, so there is no result")
         overflowed = reply.get("receiver", {}).get("overflowed", 0)
         if overflowed:
             # saturated sums are no answer: say which
@@ -212,26 +260,34 @@ class Client:
         return self.request({"op": "stats"})
 
     # -- both --------------------------------------------------------------
-    def aggregate(self, inputs: Any, *, format: str = "tuples", **options: Any) -> dict[Key, int]:
+    def aggregate(self, inputs: Any, *, format: str = "tuples", keys: Optional[str] = None, errors: str = "strict",
+                  **options: Any) -> dict[Key, int]:
         """Sum values per key over one or several inputs, one sender channel each.
 
         ``inputs`` is an iterable of (key, int) pairs, or a list of such
         iterables (one channel each), or with ``format="text"`` a list of
-        bytes or file paths (WordCount: each word counts 1). Returns
-        {key: sum}; keys come back as ``str`` unless they were bytes.
+        bytes or file paths (WordCount: each word, split as ``bytes.split()``
+        splits, counts 1). Keys of any length are summed exactly. Returns
+        {key: sum}. ``keys``: "bytes" or "str"; by default text gives bytes
+        (text is bytes: a word need not be UTF-8) and tuples give back the
+        type they were sent with. ``errors`` for str keys: "strict" (a key
+        that is not UTF-8 raises ``KeyDecodeError``, which carries the
+        complete result with bytes keys) or "surrogateescape" (lossless).
+        A sender's error is raised as that error.
         """
         _check_format(format)
+        _check_keys(keys, errors)
         channels = _split_inputs(inputs, format)
         # Bad input is refused before a task exists, not found by a sender
         # seconds later.
         missing = [c for c in channels if format == "text" and isinstance(c, str) and not os.path.isfile(c)]
         if missing:
             raise FileNotFoundError(f"fanin.kv: input {missing[0]!r} does not exist (or is not a file)")
-        as_str = _keys_are_str(channels, format)
+        as_str = keys == "str" if keys is not None else _keys_are_str(channels, format)
         if format == "tuples":
             channels = [encode_tuples(ch) for ch in channels]
         ticket = self.create(len(channels), **options)
-        errors: list[BaseException] = []
+        failures: list[BaseException] = []
 
         def feed(i: int, item: Any) -> None:
             try:
@@ -243,25 +299,25 @@ class Client:
                     else:
                         c.send_bytes(ticket, i, item)  # encoded above
             except BaseException as e:  # reported below, after the wait
-                errors.append(e)
+                failures.append(e)
 
         threads = [threading.Thread(target=feed, args=(i, item), daemon=True) for i, item in enumerate(channels)]
         for t in threads:
             t.start()
         try:
-            results = self.wait(ticket, as_str=as_str)
-        except SenderFailed:
+            results = self.wait(ticket, as_str=as_str, errors=errors)
+        except (SenderFailed, KeyDecodeError):
             for t in threads:
                 t.join(timeout=5)
             raise
         except KvError as e:
             for t in threads:
                 t.join(timeout=5)
-            raise KvError(f"{e}" + (f" (sender: {errors[0]})" if errors else "")) from None
+            raise KvError(f"{e}" + (f" (sender: {failures[0]})" if failures else "")) from None
         for t in threads:
             t.join()
-        if errors:
-            raise KvError(f"a sender failed: {errors[0]}")
+        if failures:
+            raise KvError(f"a sender failed: {failures[0]}")
         return results
 
 
@@ -287,7 +343,7 @@ def _is_pair(x: Any) -> bool:
 
 def _keys_are_str(channels: list[Any], format: str) -> bool:
     if format == "text":
-        return True
+        return False
     for ch in channels:
         for k, _ in ch:
             return isinstance(k, str)

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from fanin.control.client import ControlClient
-from fanin.kv import Client, DaemonProcess, KvError
+from fanin.kv import Client, DaemonProcess, KeyDecodeError, KvError, SenderFailed
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +65,93 @@ def test_text_mode_counts_words(daemon, tmp_path):
     text = b"the cat sat on the mat\n\tthe end \x0b"
     path = tmp_path / "words.txt"
     path.write_bytes(text)
+    expected = Counter(text.split() + [b"cat", b"cat"])
     with daemon.client() as c:
-        got = c.aggregate([str(path), b"cat cat"], format="text")
-    assert got == {k.decode(): v for k, v in Counter(text.split() + [b"cat", b"cat"]).items()}
+        got = c.aggregate([str(path), b"cat cat"], format="text")  # text is bytes: so are its words
+        assert got == dict(expected)
+        got = c.aggregate([str(path), b"cat cat"], format="text", keys="str")
+    assert got == {k.decode(): v for k, v in expected.items()}
 
 
-def test_oversized_key_fails_the_task_with_a_clear_error(switch, daemon):
+def _awkward_text(seed: int) -> bytes:
+    """Words of every length a real corpus has, and some it rarely has:
+    short, medium, just over 1 KiB, base64 blobs of 5 KB and 100 KB, and
+    bytes that are not UTF-8 (Latin-1 text, a truncated sequence)."""
+    import base64
+
+    rng = random.Random(seed)
+    blob = lambda n: base64.b64encode(rng.randbytes(n * 3 // 4))  # noqa: E731
+    words = [b"the", b"a", b"configuration", b"caf\xe9", b"na\xefve", b"\xe2\x82", b"\xff\xfe\x00x"]
+    words += [blob(1_100), blob(5_000), blob(5_000)]
+    out = [rng.choice(words) for _ in range(3_000)] + [blob(100_000), blob(100_000)]
+    rng.shuffle(out)
+    return b" \n".join(out)
+
+
+def test_text_with_long_words_and_invalid_utf8_counts_exactly(daemon, tmp_path):
+    """Every word of a text is counted exactly, whatever its length (keys
+    over 1 KiB travel in fragments) or encoding (bytes keys); str keys on
+    request, strict (the complete result comes with the error) or lossless."""
+    texts = [_awkward_text(1), _awkward_text(2), _awkward_text(1)]
+    paths = []
+    for i, t in enumerate(texts):
+        paths.append(tmp_path / f"part{i}.txt")
+        paths[-1].write_bytes(t)
+    expected = Counter(w for t in texts for w in t.split())
+    assert max(map(len, expected)) >= 100_000 and any(b"\xff" in k for k in expected)
     with daemon.client() as c:
+        got = c.aggregate([str(p) for p in paths], format="text")
+        assert got == dict(expected)
+        with pytest.raises(KeyDecodeError, match=r"is not UTF-8.*keys='bytes' or errors='surrogateescape'") as e:
+            c.aggregate([str(p) for p in paths], format="text", keys="str")
+        assert e.value.results == dict(expected)
+        assert isinstance(e.value, UnicodeDecodeError) and isinstance(e.value, KvError)
+        lossless = c.aggregate([str(p) for p in paths], format="text", keys="str", errors="surrogateescape")
+        assert {k.encode("utf-8", "surrogateescape"): v for k, v in lossless.items()} == dict(expected)
+        with pytest.raises(ValueError, match=r"errors='replace' could map two different keys to one str"):
+            c.aggregate([str(paths[0])], format="text", keys="str", errors="replace")
+
+
+def test_tuples_with_keys_of_any_length_sum_exactly(daemon):
+    """Keys beyond one datagram and beyond a u16 length (the records'
+    length escape), from two senders: exact sums."""
+    big = {n: "k" * n for n in (1_025, 65_534, 65_535, 70_000, 200_000)}
+    inputs = [[(k, n) for n, k in big.items()] + [("short", 1)], [(big[200_000], 5), (big[1_025], -1), ("short", 2)]]
+    expected: Counter = Counter()
+    for chan in inputs:
+        for k, v in chan:
+            expected[k] += v
+    with daemon.client() as c:
+        got, reply = c.wait(_send_all(c, inputs), with_stats=True)
+    assert got == dict(expected)
+    assert reply["receiver"]["keys_reassembled"] == 7
+
+
+def _send_all(c, inputs):
+    ticket = c.create(len(inputs))
+    for i, chan in enumerate(inputs):
+        c.send(ticket, i, chan)
+    return ticket
+
+
+def test_oversized_key_fails_the_task_with_a_clear_error(switch):
+    with DaemonProcess(switch.control_addr, silence_ms=1500, max_key_len=1024) as d, d.client() as c:
         with pytest.raises(KvError, match=r"key of 2000 bytes exceeds the limit of 1024 bytes"):
             c.aggregate([("x" * 2000, 1), ("ok", 1)])
         assert c.stats()["sends_failed"] >= 1
+    assert _wait_no_regions(switch) == []
+
+
+def test_a_senders_error_is_reported_never_masked_by_decoding(switch, tmp_path):
+    """A sender fails on a word over its daemon's limit while the partial
+    result holds keys that are not UTF-8 and str keys were asked for: the
+    error raised is the sender's (once, a UnicodeDecodeError of the partial
+    result hid it)."""
+    text = b"caf\xe9 ok ok " + b"x" * 2_000 + b" tail"
+    with DaemonProcess(switch.control_addr, silence_ms=1500, max_key_len=1024) as d, d.client() as c:
+        with pytest.raises(SenderFailed, match=r"key of 2000 bytes exceeds the limit of 1024 bytes") as e:
+            c.aggregate([b"caf\xe9 more words", text], format="text", keys="str")
+        assert e.value.partial.get("caf\udce9", 0) >= 1  # the partial result, decoded losslessly
     assert _wait_no_regions(switch) == []
 
 

@@ -24,8 +24,9 @@ SILENCE_MS = 1000
 
 @pytest.fixture(scope="module")
 def receiver(switch):
-    """The receiving host's daemon (also sends the surviving channels)."""
-    d = DaemonProcess(switch.control_addr, silence_ms=SILENCE_MS)
+    """The receiving host's daemon (also sends the surviving channels); its
+    longest key is 1 KiB, so that a 2 000-byte key is bad input here."""
+    d = DaemonProcess(switch.control_addr, silence_ms=SILENCE_MS, max_key_len=1024)
     yield d
     d.stop()
 

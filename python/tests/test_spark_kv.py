@@ -21,7 +21,9 @@ from fanin.switch import switch_config  # noqa: E402
 @pytest.fixture(scope="module")
 def service():
     sw = SwitchProcess(switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None))
-    d = DaemonProcess(sw.control_addr)
+    # longest key 1 KiB (the default is 64 MiB), so that a 5 000-byte key is
+    # a partition's bad input in the failure test
+    d = DaemonProcess(sw.control_addr, max_key_len=1024)
     yield d
     d.stop()
     sw.stop()
@@ -64,7 +66,7 @@ def test_empty_partitions(sc, service):
 
 
 def test_a_failed_partition_is_named_and_the_others_partial_sums_are_kept(sc, service):
-    """A partition whose sender fails (a key over the 1024-byte limit) ends
+    """A partition whose sender fails (a key over the daemon's 1024-byte limit) ends
     the task with SenderFailed naming its channel; the other partition's
     sums come back exactly (docs/kv.md, "Failed senders")."""
     from fanin.kv import SenderFailed

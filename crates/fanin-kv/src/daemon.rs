@@ -95,6 +95,8 @@ pub struct KvDaemonConfig {
     /// senders' `dead_after` (nothing acknowledged this long).
     #[serde(default = "default_silence_ms")]
     pub silence_ms: u64,
+    /// Longest key a task accepts (default 64 MiB): keys over 1 KiB travel
+    /// in fragments, reassembled by the receiver (docs/kv.md).
     #[serde(default = "default_max_key_len")]
     pub max_key_len: usize,
     #[serde(default = "default_socket_buffer")]
@@ -127,7 +129,7 @@ fn default_silence_ms() -> u64 {
     5_000
 }
 fn default_max_key_len() -> usize {
-    1024
+    fanin_proto::kv::MAX_KEY_LEN
 }
 fn default_socket_buffer() -> usize {
     4 << 20

@@ -12,6 +12,9 @@
 //! Results go back the same way: the daemon writes records
 //! `key_len u16 LE | sum i64 LE | count u64 LE | min i64 LE | max i64 LE |
 //! key bytes` into a new file and returns its path.
+//!
+//! Keys of 65 535 bytes or more: `key_len` is 0xFFFF and a `u32 LE` with
+//! the real length follows the fixed head, before the key (both formats).
 
 use std::fs::File;
 use std::io::Write;
@@ -23,6 +26,28 @@ use fanin_proto::kv::Aggregate;
 pub const TUPLE_HEAD: usize = 10;
 /// Bytes before the key in a result record.
 pub const RESULT_HEAD: usize = 34;
+/// `key_len` meaning "the length is the `u32 LE` after the fixed head".
+pub const LONG_KEY_MARK: u16 = u16::MAX;
+
+/// Write a key's length as `key_len` (returned) and the extension to put
+/// after the fixed head (empty for keys under 65 535 bytes).
+fn key_len_fields(len: usize) -> Result<(u16, Vec<u8>), KeyTooLong> {
+    if len < LONG_KEY_MARK as usize {
+        return Ok((len as u16, Vec::new()));
+    }
+    let len = u32::try_from(len).map_err(|_| KeyTooLong(len))?;
+    Ok((LONG_KEY_MARK, len.to_le_bytes().to_vec()))
+}
+
+/// The key length of a record whose fixed head ends at `after_head`, and
+/// where its key starts; `None` if the extension is cut short.
+fn read_key_len(bytes: &[u8], key_len: u16, after_head: usize) -> Option<(usize, usize)> {
+    if key_len != LONG_KEY_MARK {
+        return Some((key_len as usize, after_head));
+    }
+    let ext = bytes.get(after_head..after_head + 4)?;
+    Some((u32::from_le_bytes(ext.try_into().expect("4 bytes")) as usize, after_head + 4))
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InputFormat {
@@ -42,7 +67,7 @@ impl InputFormat {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InputError {
-    #[error("truncated record at byte {offset} of the input ({len} bytes): records are key_len u16 | value i64 | key")]
+    #[error("truncated record at byte {offset} of the input ({len} bytes): records are key_len u16 | value i64 | [key_len u32 if 0xFFFF] | key")]
     Truncated { offset: usize, len: usize },
 }
 
@@ -84,10 +109,10 @@ impl<'a> Cursor<'a> {
                 }
                 let truncated = InputError::Truncated { offset: self.pos, len: b.len() };
                 let head = b.get(self.pos..self.pos + TUPLE_HEAD).ok_or(truncated.clone())?;
-                let key_len = u16::from_le_bytes([head[0], head[1]]) as usize;
                 let value = i64::from_le_bytes(head[2..10].try_into().expect("8 bytes"));
-                let start = self.pos + TUPLE_HEAD;
-                let key = b.get(start..start + key_len).ok_or(truncated)?;
+                let (key_len, start) = read_key_len(b, u16::from_le_bytes([head[0], head[1]]), self.pos + TUPLE_HEAD)
+                    .ok_or(truncated.clone())?;
+                let key = b.get(start..start.saturating_add(key_len)).ok_or(truncated)?;
                 self.pos = start + key_len;
                 Ok(Some((key, value)))
             }
@@ -163,11 +188,13 @@ pub fn write_results<'a>(
     let mut out = std::io::BufWriter::new(File::create(path)?);
     let mut n = 0;
     for (key, agg) in results {
-        out.write_all(&(key.len() as u16).to_le_bytes())?;
+        let (key_len, ext) = key_len_fields(key.len()).map_err(std::io::Error::other)?;
+        out.write_all(&key_len.to_le_bytes())?;
         out.write_all(&agg.sum.to_le_bytes())?;
         out.write_all(&agg.count.to_le_bytes())?;
         out.write_all(&agg.min.to_le_bytes())?;
         out.write_all(&agg.max.to_le_bytes())?;
+        out.write_all(&ext)?;
         out.write_all(key)?;
         n += 1;
     }
@@ -197,28 +224,32 @@ pub fn read_results(bytes: &[u8]) -> impl Iterator<Item = Result<(&[u8], Aggrega
             return Some(Err(cut));
         };
         let word = |i: usize| u64::from_le_bytes(head[2 + 8 * i..10 + 8 * i].try_into().expect("8 bytes"));
-        let klen = u16::from_le_bytes([head[0], head[1]]) as usize;
-        let Some(key) = bytes.get(at + RESULT_HEAD..at + RESULT_HEAD + klen) else {
+        let Some((klen, start)) = read_key_len(bytes, u16::from_le_bytes([head[0], head[1]]), at + RESULT_HEAD) else {
             at = bytes.len();
             return Some(Err(cut));
         };
-        at += RESULT_HEAD + klen;
+        let Some(key) = bytes.get(start..start.saturating_add(klen)) else {
+            at = bytes.len();
+            return Some(Err(cut));
+        };
+        at = start + klen;
         let agg = Aggregate { sum: word(0) as i64, count: word(1), min: word(2) as i64, max: word(3) as i64 };
         Some(Ok((key, agg)))
     })
 }
 
-/// A key longer than a `tuples` record's u16 length can say.
+/// A key longer than a record's u32 length can say.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("key of {0} bytes cannot be encoded (at most 65535)")]
+#[error("key of {0} bytes cannot be encoded (at most 4294967295)")]
 pub struct KeyTooLong(pub usize);
 
 /// Append one record of the `tuples` format (the one encoder: Rust callers,
 /// and `fanin.kv.encode_tuples` through the Python extension).
 pub fn push_tuple(out: &mut Vec<u8>, key: &[u8], value: i64) -> Result<(), KeyTooLong> {
-    let len = u16::try_from(key.len()).map_err(|_| KeyTooLong(key.len()))?;
-    out.extend_from_slice(&len.to_le_bytes());
+    let (key_len, ext) = key_len_fields(key.len())?;
+    out.extend_from_slice(&key_len.to_le_bytes());
     out.extend_from_slice(&value.to_le_bytes());
+    out.extend_from_slice(&ext);
     out.extend_from_slice(key);
     Ok(())
 }
@@ -239,7 +270,17 @@ mod tests {
     #[test]
     fn tuples_round_trip_and_truncation_is_reported() {
         let bytes = encode_tuples([(&b"ab"[..], 3), (&b""[..], -1)]).unwrap();
-        assert_eq!(encode_tuples([(&[0u8; 65536][..], 1)]), Err(KeyTooLong(65536)));
+        // keys of 65 535 bytes and more: key_len 0xFFFF, the length after the head
+        for len in [65_534usize, 65_535, 65_536, 200_000] {
+            let key = vec![b'x'; len];
+            let bytes = encode_tuples([(&key[..], -3), (&b"k"[..], 4)]).unwrap();
+            let mut c = Cursor::new(&bytes, InputFormat::Tuples);
+            assert_eq!(c.next_tuple().unwrap(), Some((&key[..], -3)), "{len}");
+            assert_eq!(c.next_tuple().unwrap(), Some((&b"k"[..], 4)));
+            assert_eq!(c.next_tuple().unwrap(), None);
+            let cut = &bytes[..TUPLE_HEAD + 2];
+            assert!(Cursor::new(cut, InputFormat::Tuples).next_tuple().is_err() || len < 65_535);
+        }
         let mut c = Cursor::new(&bytes, InputFormat::Tuples);
         assert_eq!(c.next_tuple().unwrap(), Some((&b"ab"[..], 3)));
         assert_eq!(c.next_tuple().unwrap(), Some((&b""[..], -1)));
@@ -256,6 +297,7 @@ mod tests {
         let entries = [
             (b"ab".to_vec(), Aggregate { sum: -7, count: 3, min: -5, max: 1 }),
             (Vec::new(), Aggregate { sum: i64::MAX, count: u64::MAX, min: i64::MIN, max: i64::MAX }),
+            (vec![0xfe; 70_000], Aggregate { sum: 2, count: 2, min: 1, max: 1 }),
         ];
         write_results(&dir, entries.iter().map(|(k, a)| (k, a))).unwrap();
         let bytes = std::fs::read(&dir).unwrap();
@@ -267,6 +309,10 @@ mod tests {
         let got: Vec<_> = read_results(&bytes[..first + 5]).collect();
         assert_eq!(got.len(), 2);
         assert_eq!(got[1], Err(TruncatedResults { offset: first, len: first + 5 }));
+        // cut inside the third record's length extension
+        let third = first + RESULT_HEAD;
+        let got: Vec<_> = read_results(&bytes[..third + RESULT_HEAD + 2]).collect();
+        assert_eq!(got[2], Err(TruncatedResults { offset: third, len: third + RESULT_HEAD + 2 }));
         let got: Vec<_> = read_results(&bytes[..RESULT_HEAD + 1]).collect();
         assert_eq!(got, [Err(TruncatedResults { offset: 0, len: RESULT_HEAD + 1 })]);
         assert_eq!(read_results(&[]).count(), 0);

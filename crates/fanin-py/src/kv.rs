@@ -57,25 +57,41 @@ pub(crate) fn encode_tuples<'py>(py: Python<'py>, pairs: &Bound<'py, PyAny>) -> 
 }
 
 /// `fanin.kv.decode_results`: a result file (`key_len u16 | sum | count |
-/// min | max | key` records) as {key: sum}, keys str (UTF-8) or bytes. In
-/// Rust because the Python loop over 10^5 records was most of the time a
-/// word count's `wait` took after the task had finished.
+/// min | max | [key_len u32] | key` records) as {key: sum}, keys bytes or
+/// str. In Rust because the Python loop over 10^5 records was most of the
+/// time a word count's `wait` took after the task had finished.
+///
+/// `errors` for str keys: "strict" raises UnicodeDecodeError at the first
+/// key that is not UTF-8; "surrogateescape" decodes every key losslessly
+/// (the bytes come back with `key.encode("utf-8", "surrogateescape")`).
+/// Lossy handlers ("replace", "ignore", ...) are refused: they can map two
+/// keys to one str and lose a count.
 #[pyfunction]
-#[pyo3(signature = (data, as_str = true))]
-pub(crate) fn decode_results<'py>(py: Python<'py>, data: &[u8], as_str: bool) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (data, as_str = true, errors = "strict"))]
+pub(crate) fn decode_results<'py>(py: Python<'py>, data: &[u8], as_str: bool, errors: &str) -> PyResult<Bound<'py, PyDict>> {
+    if !matches!(errors, "strict" | "surrogateescape") {
+        return Err(PyValueError::new_err(format!(
+            "errors={errors:?} could map two different keys to one str and lose a count; use \"strict\", \
+             \"surrogateescape\" (lossless) or bytes keys"
+        )));
+    }
     let out = PyDict::new(py);
     for record in fanin_kv::records::read_results(data) {
         let (key, agg) = record.map_err(|e| PyValueError::new_err(e.to_string()))?;
-        if as_str {
-            let text = std::str::from_utf8(key).map_err(|e| {
-                match pyo3::exceptions::PyUnicodeDecodeError::new_utf8(py, key, e) {
+        if !as_str {
+            out.set_item(PyBytes::new(py, key), agg.sum)?;
+            continue;
+        }
+        match std::str::from_utf8(key) {
+            Ok(text) => out.set_item(PyString::new(py, text), agg.sum)?,
+            Err(e) if errors == "strict" => {
+                return Err(match pyo3::exceptions::PyUnicodeDecodeError::new_utf8(py, key, e) {
                     Ok(exc) => PyErr::from_value(exc.into_any()),
                     Err(err) => err,
-                }
-            })?;
-            out.set_item(PyString::new(py, text), agg.sum)?;
-        } else {
-            out.set_item(PyBytes::new(py, key), agg.sum)?;
+                })
+            }
+            // the rare key that is not UTF-8: Python's own codec
+            Err(_) => out.set_item(PyBytes::new(py, key).call_method1("decode", ("utf-8", errors))?, agg.sum)?,
         }
     }
     Ok(out)

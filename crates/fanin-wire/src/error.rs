@@ -28,6 +28,8 @@ pub enum WireError {
     UnknownNackReason(u16),
     #[error("bitmap 0x{bitmap:016x} names slots beyond slot_count {slot_count}")]
     BitmapBeyondSlots { bitmap: u64, slot_count: u8 },
+    #[error("key fragment of {len} bytes at offset {offset} does not lie within a key of {total} bytes (or is empty)")]
+    FragmentOutOfRange { offset: u64, len: u64, total: u64 },
 }
 
 impl WireError {
@@ -46,11 +48,12 @@ impl WireError {
             Self::ExpOnlyWithPayload(_) => "unexpected_payload",
             Self::UnknownNackReason(_) => "unknown_nack_reason",
             Self::BitmapBeyondSlots { .. } => "bitmap_beyond_slots",
+            Self::FragmentOutOfRange { .. } => "fragment_out_of_range",
         }
     }
 
     /// Every label `kind` can return, for exporting zero-valued counters.
-    pub const KINDS: [&'static str; 12] = [
+    pub const KINDS: [&'static str; 13] = [
         "truncated",
         "bad_magic",
         "bad_version",
@@ -63,5 +66,6 @@ impl WireError {
         "unexpected_payload",
         "unknown_nack_reason",
         "bitmap_beyond_slots",
+        "fragment_out_of_range",
     ];
 }

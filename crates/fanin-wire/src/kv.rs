@@ -22,7 +22,10 @@
 //!   tuple that is not yet aggregated.
 //! * `LongData`: `slot_count` variable-length tuples
 //!   (`key_len u16 | value i64 | key [key_len]`), for keys that bypass the
-//!   switch's aggregators.
+//!   switch's aggregators. With flag `KEY_FRAGMENT`: one fragment of a key
+//!   too long for one datagram, `key_id u32 | total_len u32 | offset u32`
+//!   then one tuple whose key bytes are `key[offset .. offset + key_len]`
+//!   (`slot_count` 1).
 //! * `Fetch`: `copy u8 | aa u8 | max_entries u16 | start u32`.
 //! * `FetchReply`: `copy u8 | aa u8 | entry_count u16 | start u32 | next u32`
 //!   then `entry_count` entries of 40 bytes
@@ -71,13 +74,33 @@ pub const LONG_TUPLE_FIXED: usize = 10;
 pub const FLAG_BY_SWITCH: u8 = 0b0000_0001;
 /// Flag of `Swap` / `SwapAck`: end of task, freeze the region for reading.
 pub const FLAG_FINAL: u8 = 0b0000_0010;
-const FLAGS_KNOWN: u8 = FLAG_BY_SWITCH | FLAG_FINAL;
+/// Flag of `LongData`: the packet carries one fragment of a key too long
+/// for one datagram (docs/kv.md, "Keys of any length").
+pub const FLAG_KEY_FRAGMENT: u8 = 0b0000_0100;
+const FLAGS_KNOWN: u8 = FLAG_BY_SWITCH | FLAG_FINAL | FLAG_KEY_FRAGMENT;
+/// Bytes before the tuple of a key-fragment `LongData` body.
+pub const FRAGMENT_FIXED: usize = 12;
 
 /// Length of the body of a message, given its header, or why it is invalid.
 /// `LongData` is variable; its length is checked by walking the tuples.
-fn expected_body_len(msg_type: MessageType, slot_count: u8, body: &[u8]) -> Result<usize, WireError> {
+fn expected_body_len(msg_type: MessageType, flags: u8, slot_count: u8, body: &[u8]) -> Result<usize, WireError> {
     Ok(match msg_type {
         MessageType::KvData => BITMAP_LEN + slot_count as usize * SLOT_LEN,
+        MessageType::KvLongData if flags & FLAG_KEY_FRAGMENT != 0 => {
+            if slot_count != 1 {
+                return Err(WireError::TooManyElements { grad_cnt: slot_count as usize, max: 1 });
+            }
+            let at = FRAGMENT_FIXED;
+            if body.len() < at + LONG_TUPLE_FIXED {
+                return Err(WireError::Truncated { needed: HEADER_LEN + at + LONG_TUPLE_FIXED, got: HEADER_LEN + body.len() });
+            }
+            let frag_len = u16::from_be_bytes([body[at], body[at + 1]]) as u64;
+            let (total, offset) = (read_u32(&body[4..]) as u64, read_u32(&body[8..]) as u64);
+            if frag_len == 0 || offset + frag_len > total {
+                return Err(WireError::FragmentOutOfRange { offset, len: frag_len, total });
+            }
+            at + LONG_TUPLE_FIXED + frag_len as usize
+        }
         MessageType::KvLongData => {
             let mut at = 0usize;
             for _ in 0..slot_count {
@@ -156,7 +179,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
             return Err(WireError::TooManyElements { grad_cnt: slot_count as usize, max: MAX_SLOTS });
         }
         let body = &bytes[HEADER_LEN..];
-        let expected = HEADER_LEN + expected_body_len(preamble.msg_type, slot_count, body)?;
+        let expected = HEADER_LEN + expected_body_len(preamble.msg_type, flags, slot_count, body)?;
         if bytes.len() != expected {
             return Err(WireError::LengthMismatch { expected, got: bytes.len() });
         }
@@ -223,9 +246,20 @@ impl<T: AsRef<[u8]>> Packet<T> {
         let at = field::BODY + BITMAP_LEN + i * SLOT_LEN + KEY_PART_LEN;
         read_u64(&self.bytes()[at..]) as i64
     }
-    /// `LongData` only: the tuples, in order.
+    /// `LongData` only: the tuples, in order (none for a key fragment:
+    /// see [`Packet::key_fragment`]).
     pub fn long_tuples(&self) -> LongTuples<'_> {
-        LongTuples { rest: self.body(), left: self.slot_count() }
+        let left = if self.flags() & FLAG_KEY_FRAGMENT != 0 { 0 } else { self.slot_count() };
+        LongTuples { rest: self.body(), left }
+    }
+    /// `LongData` with `KEY_FRAGMENT` only: the fragment.
+    pub fn key_fragment(&self) -> Option<KeyFragment<'_>> {
+        if self.flags() & FLAG_KEY_FRAGMENT == 0 {
+            return None;
+        }
+        let body = self.body();
+        let (key, value) = LongTuples { rest: &body[FRAGMENT_FIXED..], left: 1 }.next()?;
+        Some(KeyFragment { key_id: read_u32(body), total_len: read_u32(&body[4..]), offset: read_u32(&body[8..]), bytes: key, value })
     }
 }
 
@@ -243,6 +277,34 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
     pub fn body_mut(&mut self) -> &mut [u8] {
         &mut self.buffer.as_mut()[field::BODY..]
     }
+}
+
+/// One fragment of a key too long for one datagram (checked: `offset +
+/// bytes.len() <= total_len`, `bytes` not empty).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyFragment<'a> {
+    /// Which key of the channel (the sender's push index, mod 2^32).
+    pub key_id: u32,
+    /// The whole key's length.
+    pub total_len: u32,
+    /// Where `bytes` start in the key.
+    pub offset: u32,
+    pub bytes: &'a [u8],
+    /// The tuple's value (the same in every fragment of the key).
+    pub value: i64,
+}
+
+/// Write a key-fragment `LongData` body (`body` sized
+/// `FRAGMENT_FIXED + LONG_TUPLE_FIXED + bytes.len()`); returns the bytes used.
+pub fn emit_key_fragment(key_id: u32, total_len: u32, offset: u32, bytes: &[u8], value: i64, body: &mut [u8]) -> usize {
+    body[0..4].copy_from_slice(&key_id.to_be_bytes());
+    body[4..8].copy_from_slice(&total_len.to_be_bytes());
+    body[8..12].copy_from_slice(&offset.to_be_bytes());
+    FRAGMENT_FIXED + emit_long_tuple(bytes, value, &mut body[FRAGMENT_FIXED..])
+}
+
+fn read_u32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
 }
 
 fn read_u64(b: &[u8]) -> u64 {
@@ -331,7 +393,7 @@ impl Repr {
     /// but `LongData` and `FetchReply`, whose callers add their body length
     /// to [`HEADER_LEN`]).
     pub fn buffer_len(&self) -> usize {
-        HEADER_LEN + expected_body_len(self.msg_type, self.slot_count, &[]).unwrap_or(0)
+        HEADER_LEN + expected_body_len(self.msg_type, self.flags, self.slot_count, &[]).unwrap_or(0)
     }
 
     /// Write the header into the first [`HEADER_LEN`] bytes of `packet`.

@@ -94,6 +94,7 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
                 rc.rto = Duration::from_micros(shared.config.rto_us.max(1_000));
                 rc.auth_key = key.map(|k| receiver_key(&k, task_id));
                 rc.seal_clock_us = wall_clock_us();
+                rc.max_key_len = shared.config.max_key_len;
                 let now = machine_time(shared.epoch);
                 let machine = match KvReceiver::new(rc, now) {
                     Ok(m) => m,
@@ -168,7 +169,8 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
             let receiver = json!({"data_packets": stats.data_packets, "duplicate_packets": stats.duplicate_packets,
                                   "tuples_local": stats.tuples_local, "swaps": stats.swaps,
                                   "entries_fetched": stats.entries_fetched, "fetch_requests": stats.fetch_requests,
-                                  "overflowed": stats.overflowed});
+                                  "overflowed": stats.overflowed, "keys_reassembled": stats.keys_reassembled,
+                                  "keys_refused": stats.keys_refused});
             if failed.is_empty() {
                 shared.stats.tasks_finished.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "complete": true, "task_id": task_id, "keys": keys, "path": path,

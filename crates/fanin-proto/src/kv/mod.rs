@@ -50,7 +50,7 @@ pub type KvResults = FastMap<Vec<u8>, Aggregate>;
 pub use layout::{aggregator_index, decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
 pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
 pub use sealing::{channel_key, receiver_key, AuthStats, HostAuth, RECEIVER_MEMBER};
-pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderProgress, SenderStats};
+pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderProgress, SenderStats, MAX_KEY_LEN};
 pub use switch::{KvAdmitError, KvCounters, KvSwitch, KvSwitchConfig, KvTaskSpec, TaskStats};
 pub use task::{
     check_senders, progress_interval, ChannelReport, ChannelState, JoinRefused, LinkState, ProgressRefused, ProgressReport, SenderLink,

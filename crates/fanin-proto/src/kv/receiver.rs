@@ -36,7 +36,7 @@ use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::time::Duration;
 
 use fanin_wire::kv::{
-    FetchEntry, FetchReplyHead, FetchRequest, Nack, NackReason, Packet, Repr, FLAG_FINAL, HEADER_LEN,
+    FetchEntry, FetchReplyHead, FetchRequest, KeyFragment, Nack, NackReason, Packet, Repr, FLAG_FINAL, HEADER_LEN,
     MAX_FETCH_ENTRIES,
 };
 use fanin_wire::MessageType;
@@ -74,6 +74,8 @@ pub struct ReceiverConfig {
     pub auth_key: Option<Key>,
     /// Wall clock in microseconds: where sealed sequence numbers start.
     pub seal_clock_us: u64,
+    /// Longest key reassembled from fragments (the senders' `max_key_len`).
+    pub max_key_len: usize,
 }
 
 impl ReceiverConfig {
@@ -92,6 +94,7 @@ impl ReceiverConfig {
             max_burst: 64,
             auth_key: None,
             seal_clock_us: 1,
+            max_key_len: super::sender::MAX_KEY_LEN,
         }
     }
 }
@@ -169,8 +172,21 @@ pub struct ReceiverStats {
     /// Merges whose int64 sum overflowed: the key's sum saturated at the
     /// bound, and the task's result is refused (never a wrapped sum).
     pub overflowed: u64,
+    /// Keys reassembled from fragments.
+    pub keys_reassembled: u64,
+    /// Key fragments of keys longer than `max_key_len`: those keys are not
+    /// in the results, and the task's result is refused.
+    pub keys_refused: u64,
     /// Datagrams refused before they were read (keyed tasks).
     pub auth: AuthStats,
+}
+
+/// A key arriving in fragments: its bytes so far and how many arrived
+/// (each fragment arrives once: packets are deduplicated by seq).
+struct Reassembly {
+    total: usize,
+    got: usize,
+    bytes: Vec<u8>,
 }
 
 /// Refusals of control requests in a row, without progress, before the
@@ -220,6 +236,8 @@ pub struct KvReceiver {
     config: ReceiverConfig,
     results: KvResults,
     windows: FastMap<u16, DedupWindow>,
+    /// Keys arriving in fragments, by (channel, key id).
+    fragments: FastMap<(u16, u32), Reassembly>,
     fins: HashSet<u16>,
     /// Channels declared failed (no FIN will come); disjoint from `fins`.
     failed: BTreeSet<u16>,
@@ -246,6 +264,7 @@ impl KvReceiver {
         Ok(Self {
             results: KvResults::default(),
             windows: FastMap::default(),
+            fragments: FastMap::default(),
             fins: HashSet::new(),
             failed: BTreeSet::new(),
             epoch: 0,
@@ -490,6 +509,8 @@ impl KvReceiver {
         win.max_seq = Some(win.max_seq.map_or(seq, |m| m.max(seq)));
         if duplicate {
             self.stats.duplicate_packets += 1;
+        } else if let Some(f) = p.key_fragment() {
+            self.on_key_fragment(channel, f);
         } else if p.msg_type() == MessageType::KvLongData {
             for (key, value) in p.long_tuples() {
                 self.stats.overflowed += merge(&mut self.results, key, Aggregate::of(value));
@@ -499,6 +520,35 @@ impl KvReceiver {
             self.aggregate_local(p);
         }
         self.replies.push_back(self.control(MessageType::KvAck, channel, seq));
+    }
+
+    /// One fragment of a long key: merged once the key is whole. The bytes
+    /// are kept as they arrive (fragments may come out of order), never
+    /// more than the key's announced length, itself at most `max_key_len`.
+    fn on_key_fragment(&mut self, channel: u16, f: KeyFragment<'_>) {
+        let total = f.total_len as usize;
+        if total > self.config.max_key_len {
+            self.stats.keys_refused += 1;
+            return;
+        }
+        let r = self.fragments.entry((channel, f.key_id)).or_insert_with(|| Reassembly { total, got: 0, bytes: Vec::new() });
+        if r.total != total {
+            // two keys under one id: the sender is broken; refuse both
+            self.stats.keys_refused += 1;
+            return;
+        }
+        let end = f.offset as usize + f.bytes.len();
+        if r.bytes.len() < end {
+            r.bytes.resize(end, 0);
+        }
+        r.bytes[f.offset as usize..end].copy_from_slice(f.bytes);
+        r.got += f.bytes.len();
+        if r.got >= r.total {
+            let r = self.fragments.remove(&(channel, f.key_id)).expect("present");
+            self.stats.overflowed += merge(&mut self.results, &r.bytes, Aggregate::of(f.value));
+            self.stats.keys_reassembled += 1;
+            self.stats.tuples_local += 1;
+        }
     }
 
     fn aggregate_local(&mut self, p: &Packet<&[u8]>) {

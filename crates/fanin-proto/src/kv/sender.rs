@@ -5,7 +5,11 @@
 //! `hash(key) % short_slots`, a medium key into the coalesced group
 //! `hash(key) % medium_groups`, a long key into `LongData` packets that
 //! bypass the switch's aggregators. A packet takes the oldest queued tuple
-//! of every slot (blank slots have their bit clear).
+//! of every slot (blank slots have their bit clear). A key longer than
+//! `whole_key_len` travels in fragments, one per `LongData` packet (flag
+//! `KEY_FRAGMENT`); the last fragment is sent only once every earlier one
+//! is acknowledged, so an acknowledged last fragment means the receiver
+//! holds the whole key (docs/kv.md, "Keys of any length").
 //!
 //! Reliability (§3.3): at most `window` (W) packets are unacknowledged; a
 //! packet is retransmitted only when its own fine timeout `rto` expires,
@@ -28,7 +32,10 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use fanin_wire::kv::{emit_long_tuple, Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, HEADER_LEN, LONG_TUPLE_FIXED};
+use fanin_wire::kv::{
+    emit_key_fragment, emit_long_tuple, Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, FLAG_KEY_FRAGMENT,
+    FRAGMENT_FIXED, HEADER_LEN, LONG_TUPLE_FIXED,
+};
 use fanin_wire::MessageType;
 
 use super::layout::{encode_parts_into, KeyClass, Layout, LayoutError};
@@ -48,8 +55,12 @@ pub struct SenderConfig {
     pub rto: Duration,
     /// Fail when nothing was acknowledged for this long.
     pub dead_after: Duration,
-    /// Longest key accepted (long keys travel whole in `LongData`).
+    /// Longest key accepted (the bound a receiver's reassembly memory
+    /// needs; default 64 MiB).
     pub max_key_len: usize,
+    /// Longest key sent whole in one `LongData` tuple; longer ones travel
+    /// in fragments of about `long_packet_bytes`.
+    pub whole_key_len: usize,
     /// Target body size of a `LongData` packet.
     pub long_packet_bytes: usize,
     /// Most datagrams one `poll_transmit` writes.
@@ -61,6 +72,10 @@ pub struct SenderConfig {
     pub seal_clock_us: u64,
 }
 
+/// Default longest key (64 MiB): no token of a real corpus comes near it,
+/// and a receiver reassembling one holds at most this much per key.
+pub const MAX_KEY_LEN: usize = 64 << 20;
+
 impl SenderConfig {
     pub fn new(task_id: u32, channel: u16, layout: Layout) -> Self {
         Self {
@@ -70,7 +85,8 @@ impl SenderConfig {
             window: 256,
             rto: Duration::from_micros(100),
             dead_after: Duration::from_secs(10),
-            max_key_len: 1024,
+            max_key_len: MAX_KEY_LEN,
+            whole_key_len: 1024,
             long_packet_bytes: 1200,
             max_burst: 64,
             auth_key: None,
@@ -106,6 +122,8 @@ pub enum SenderEvent {
 pub struct SenderStats {
     pub tuples: u64,
     pub long_tuples: u64,
+    /// Keys longer than `whole_key_len`, sent in fragments.
+    pub fragmented_keys: u64,
     pub packets: u64,
     pub retransmissions: u64,
     pub acks_from_switch: u64,
@@ -145,9 +163,20 @@ struct InFlight {
     deadline: Time,
     acked: bool,
     /// Push index of the oldest tuple in the packet and how many it holds
-    /// (progress accounting).
+    /// (progress accounting; a key's fragments hold it in the last one).
     first: u64,
     tuples: u32,
+    /// A fragment of the key pushed with this index, but not its last.
+    fragment_of: Option<u64>,
+}
+
+/// A key being sent in fragments.
+struct Fragmenting {
+    index: u64,
+    key: Vec<u8>,
+    value: i64,
+    /// Bytes of the key already sent.
+    offset: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,6 +198,8 @@ pub struct KvSender {
     /// Buffers of acknowledged packets, reused for new ones.
     spare: Vec<Vec<u8>>,
     long: VecDeque<(u64, Vec<u8>, i64)>,
+    /// The key at the head of `long` once its fragments started.
+    fragmenting: Option<Fragmenting>,
     queued: usize,
     tuples_acked: u64,
     packets_acked: u64,
@@ -196,6 +227,7 @@ impl KvSender {
             medium_words: vec![VecDeque::new(); config.layout.medium_groups as usize],
             spare: Vec::new(),
             long: VecDeque::new(),
+            fragmenting: None,
             queued: 0,
             tuples_acked: 0,
             packets_acked: 0,
@@ -234,7 +266,7 @@ impl KvSender {
         let pushed = self.stats.tuples;
         let queued = self.short.iter().filter_map(|q| q.front().map(|t| t.0));
         let queued = queued.chain(self.medium.iter().filter_map(|q| q.front().map(|t| t.0)));
-        let queued = queued.chain(self.long.front().map(|t| t.0));
+        let queued = queued.chain(self.long.front().map(|t| t.0)).chain(self.fragmenting.as_ref().map(|f| f.index));
         let unacked = self.inflight.iter().filter(|p| !p.acked && p.tuples > 0).map(|p| p.first);
         SenderProgress {
             tuples_pushed: pushed,
@@ -252,7 +284,7 @@ impl KvSender {
         if self.input_closed {
             return Err(SenderError::Finished);
         }
-        if key.len() > self.config.max_key_len || key.len() > u16::MAX as usize {
+        if key.len() > self.config.max_key_len || key.len() > u32::MAX as usize {
             return Err(SenderError::KeyTooLong { len: key.len(), max: self.config.max_key_len });
         }
         let index = self.stats.tuples;
@@ -407,10 +439,11 @@ impl KvSender {
             }
         }
         while sent < self.config.max_burst && (self.next_seq - self.base()) < self.config.window {
-            let Some((bytes, first, tuples)) = self.build_packet() else { break };
+            let Some((bytes, first, tuples, fragment_of)) = self.build_packet() else { break };
             host_send_copy(self.auth.as_mut(), out, &bytes);
             let deadline = now + self.config.rto;
-            self.inflight.push_back(InFlight { seq: self.next_seq, bytes, deadline, acked: false, first, tuples });
+            self.inflight.push_back(InFlight { seq: self.next_seq, bytes, deadline, acked: false, first, tuples,
+                                               fragment_of });
             self.next_seq += 1;
             self.stats.packets += 1;
             sent += 1;
@@ -435,10 +468,11 @@ impl KvSender {
 
     /// The next packet, if the queues hold enough: a full packet's worth of
     /// tuples, or anything once the input is closed. With the push index of
-    /// its oldest tuple and its tuple count.
-    fn build_packet(&mut self) -> Option<(Vec<u8>, u64, u32)> {
+    /// its oldest tuple, its tuple count, and the key it is a non-final
+    /// fragment of.
+    fn build_packet(&mut self) -> Option<(Vec<u8>, u64, u32, Option<u64>)> {
         let layout = self.config.layout;
-        let short_medium = self.queued - self.long.len();
+        let short_medium = self.queued - self.long.len() - self.fragmenting.is_some() as usize;
         let enough = short_medium >= layout.slot_count() || (self.input_closed && short_medium > 0);
         if !enough {
             return self.build_long();
@@ -478,18 +512,29 @@ impl KvSender {
             }
         }
         p.set_bitmap(bitmap);
-        Some((bytes, first, tuples))
+        Some((bytes, first, tuples, None))
     }
 
-    fn build_long(&mut self) -> Option<(Vec<u8>, u64, u32)> {
+    fn build_long(&mut self) -> Option<(Vec<u8>, u64, u32, Option<u64>)> {
+        if self.fragmenting.is_some() {
+            return self.build_fragment();
+        }
         if self.long.is_empty() || !(self.input_closed || self.long_bytes_queued() >= self.config.long_packet_bytes) {
             return None;
+        }
+        if self.long.front().is_some_and(|(_, k, _)| k.len() > self.config.whole_key_len) {
+            let (index, key, value) = self.long.pop_front().expect("checked");
+            self.fragmenting = Some(Fragmenting { index, key, value, offset: 0 });
+            self.stats.fragmented_keys += 1;
+            return self.build_fragment();
         }
         let mut take = 0usize;
         let mut len = 0usize;
         for (_, k, _) in self.long.iter() {
             let l = LONG_TUPLE_FIXED + k.len();
-            if take > 0 && (len + l > self.config.long_packet_bytes || take == u8::MAX as usize) {
+            if k.len() > self.config.whole_key_len
+                || (take > 0 && (len + l > self.config.long_packet_bytes || take == u8::MAX as usize))
+            {
                 break;
             }
             take += 1;
@@ -509,7 +554,39 @@ impl KvSender {
             first = first.min(index);
         }
         self.queued -= take;
-        Some((bytes, first, take as u32))
+        Some((bytes, first, take as u32, None))
+    }
+
+    /// The next fragment of the key being fragmented; its last only once
+    /// every earlier fragment is acknowledged.
+    fn build_fragment(&mut self) -> Option<(Vec<u8>, u64, u32, Option<u64>)> {
+        let f = self.fragmenting.as_ref()?;
+        let room = self.config.long_packet_bytes.saturating_sub(FRAGMENT_FIXED + LONG_TUPLE_FIXED).clamp(64, u16::MAX as usize);
+        let len = room.min(f.key.len() - f.offset);
+        let last = f.offset + len == f.key.len();
+        if last && self.inflight.iter().any(|p| !p.acked && p.fragment_of == Some(f.index)) {
+            return None;
+        }
+        let repr = Repr {
+            flags: FLAG_KEY_FRAGMENT,
+            slot_count: 1,
+            ..Repr::new(MessageType::KvLongData, self.config.task_id, self.config.channel, self.next_seq)
+        };
+        let mut bytes = vec![0u8; HEADER_LEN + FRAGMENT_FIXED + LONG_TUPLE_FIXED + len];
+        let mut p = Packet::new_unchecked(&mut bytes[..]);
+        repr.emit(&mut p);
+        // the push index names the key (mod 2^32: keys of one channel in
+        // flight together are never 2^32 pushes apart)
+        emit_key_fragment(f.index as u32, f.key.len() as u32, f.offset as u32, &f.key[f.offset..f.offset + len],
+                          f.value, p.body_mut());
+        let index = f.index;
+        if last {
+            self.fragmenting = None;
+            self.queued -= 1;
+            return Some((bytes, index, 1, None));
+        }
+        self.fragmenting.as_mut().expect("checked").offset += len;
+        Some((bytes, index, 0, Some(index)))
     }
 
     fn long_bytes_queued(&self) -> usize {

@@ -3,7 +3,10 @@
 
 use std::time::Duration;
 
-use fanin_wire::kv::{Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, FLAG_FINAL, HEADER_LEN};
+use fanin_wire::kv::{
+    emit_key_fragment, Nack, NackReason, Packet, Repr, FLAG_BY_SWITCH, FLAG_FINAL, FLAG_KEY_FRAGMENT, FRAGMENT_FIXED,
+    HEADER_LEN, LONG_TUPLE_FIXED,
+};
 use fanin_wire::MessageType;
 
 use super::loopback::{Direction, LinkConfig, Loopback, Node, RunOutcome};
@@ -284,6 +287,66 @@ fn end_to_end_lossless_with_swaps_and_all_key_classes() {
     assert_eq!(lb.receiver.stats().undecodable, 0);
 }
 
+/// Keys longer than `whole_key_len` in fragments, beside whole long keys
+/// and switch-aggregated ones, under loss, duplication and reordering:
+/// two senders, the same giant keys from both.
+fn keys_of_any_length(link: LinkConfig) {
+    let layout = Layout { short_slots: 3, medium_groups: 2, medium_parts: 2 };
+    let giant = |n: usize, b: u8| -> Vec<u8> { (0..n).map(|i| b.wrapping_add((i % 251) as u8)).collect() };
+    let mut streams = vec![Vec::new(), Vec::new()];
+    for (c, stream) in streams.iter_mut().enumerate() {
+        for i in 0..120i64 {
+            let key = match i % 6 {
+                0 => format!("s{}", i % 11).into_bytes(),
+                1 => format!("medium-{:04}", i % 13).into_bytes(),
+                2 => format!("a-long-key-that-bypasses-the-switch-{}", i % 5).into_bytes(),
+                3 => giant(1_025 + (i as usize % 3), b'a'), // just over whole_key_len
+                4 => giant(70_000 + 1_000 * (i as usize % 2), b'z'), // beyond one datagram and a u16
+                _ => giant(5_000, c as u8), // each sender's own
+            };
+            stream.push((key, i * 3 - 50));
+        }
+    }
+    let mut setup = Setup::new(layout, 4);
+    setup.senders = 2;
+    let lb = run(&setup, link, &streams);
+    let fragmented: u64 = lb.senders.iter().map(|s| s.stats().fragmented_keys).sum();
+    assert_eq!(fragmented, 2 * 60);
+    assert_eq!(lb.receiver.stats().keys_reassembled, 2 * 60);
+    assert_eq!(lb.receiver.stats().keys_refused, 0);
+}
+
+#[test]
+fn keys_of_any_length_travel_in_fragments_and_sum_exactly() {
+    keys_of_any_length(LinkConfig::perfect());
+}
+
+#[test]
+fn keys_of_any_length_survive_loss_duplication_and_reordering() {
+    keys_of_any_length(LinkConfig { delay_ns: 2_000, jitter_ns: 30_000, loss: 0.05, duplicate: 0.05, seed: 7 });
+}
+
+#[test]
+fn a_key_fragment_beyond_the_receivers_limit_is_refused_and_counted() {
+    let layout = Layout::short_only(2);
+    let mut rc = ReceiverConfig::new(TASK, layout, 1, 1);
+    rc.max_key_len = 2_000;
+    let mut rx = KvReceiver::new(rc, Time::ZERO).unwrap();
+    let repr = Repr { flags: FLAG_KEY_FRAGMENT, slot_count: 1, ..Repr::new(MessageType::KvLongData, TASK, 1, 0) };
+    let piece = [b'k'; 100];
+    let mut bytes = vec![0u8; HEADER_LEN + FRAGMENT_FIXED + LONG_TUPLE_FIXED + piece.len()];
+    let mut p = Packet::new_unchecked(&mut bytes[..]);
+    repr.emit(&mut p);
+    emit_key_fragment(9, 5_000, 0, &piece, 1, p.body_mut());
+    rx.handle_datagram(t(1), &bytes);
+    assert_eq!(rx.stats().keys_refused, 1);
+    assert!(rx.results().is_empty());
+    // a fragment that does not lie within its key is malformed on the wire
+    let mut bad = bytes.clone();
+    bad[HEADER_LEN + 8..HEADER_LEN + 12].copy_from_slice(&4_950u32.to_be_bytes());
+    assert!(matches!(Packet::new_checked(&bad[..]), Err(fanin_wire::WireError::FragmentOutOfRange { .. })));
+}
+
 #[test]
 fn lost_forward_of_partial_packet_end_to_end() {
     let layout = Layout::short_only(2);
@@ -480,6 +543,7 @@ fn malformed_and_mismatched_packets_are_counted_by_reason() {
 
 #[test]
 fn oversized_keys_are_refused_at_push() {
+    assert_eq!(SenderConfig::new(TASK, 1, Layout::short_only(2)).max_key_len, 64 << 20);
     let mut cfg = SenderConfig::new(TASK, 1, Layout::short_only(2));
     cfg.max_key_len = 64;
     let mut tx = KvSender::new(cfg, Time::ZERO).unwrap();

@@ -138,6 +138,35 @@ fn long_data_round_trip() {
 }
 
 #[test]
+fn key_fragment_golden_vector() {
+    // one fragment of a 5 000-byte key: key_id 4, offset 1176, 9 bytes, value 7
+    // (the seed `long-key-fragment` of the kv_packet fuzz target)
+    let piece = b"fragment!";
+    let mut buf = vec![MARKER; HEADER_LEN + FRAGMENT_FIXED + LONG_TUPLE_FIXED + piece.len()];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    Repr { flags: FLAG_KEY_FRAGMENT, slot_count: 1, ..Repr::new(MessageType::KvLongData, 1, 1, 3) }.emit(&mut p);
+    emit_key_fragment(4, 5000, 1176, piece, 7, p.body_mut());
+    let mut want = vec![0xFA, 0x17, 0x01, 0x21, 0x04, 0x01, 0x00, 0x01, 0, 0, 0, 1, 0, 0, 0, 3];
+    want.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0x13, 0x88, 0, 0, 0x04, 0x98, 0, 9, 0, 0, 0, 0, 0, 0, 0, 7]);
+    want.extend_from_slice(piece);
+    assert_eq!(buf, want);
+    let p = Packet::new_checked(&buf[..]).unwrap();
+    let f = p.key_fragment().unwrap();
+    assert_eq!((f.key_id, f.total_len, f.offset, f.bytes, f.value), (4, 5000, 1176, &piece[..], 7));
+    assert_eq!(p.long_tuples().count(), 0, "a fragment is not a whole tuple");
+    // beyond the key, or empty: malformed
+    let mut beyond = buf.clone();
+    beyond[HEADER_LEN + 8..HEADER_LEN + 12].copy_from_slice(&4_992u32.to_be_bytes());
+    assert_eq!(
+        Packet::new_checked(&beyond[..]).unwrap_err(),
+        WireError::FragmentOutOfRange { offset: 4_992, len: 9, total: 5_000 }
+    );
+    let mut two = buf.clone();
+    two[5] = 2;
+    assert!(matches!(Packet::new_checked(&two[..]), Err(WireError::TooManyElements { .. })));
+}
+
+#[test]
 fn rejects_say_why() {
     let mut bad = DATA;
     bad[field::BODY + 7] = 0b100; // bit 2 with slot_count 2
