@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import csv
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from fanin import topology
-from fanin.switch import job_config
-from fanin_bench.bench.lm_steps import JOB, _plot, run_system
+from fanin_bench.bench.lm_steps import _plot, rates_by_systems, run_system
 from fanin_bench.report import emit
 
 SYSTEMS = ("fanin", "fanin-fp16", "gloo")
 
 
 def run_image_steps(args: Any) -> int:
-    from fanin_bench.testbed import Testbed, why_unavailable
+    from fanin_bench.testbed import why_unavailable
 
     why = why_unavailable()
     if why:
@@ -54,28 +51,15 @@ def run_image_steps(args: Any) -> int:
     print(f"image-steps: star:{n}, ResNet-18, {steps} timed steps per system, {args.batch} images of "
           f"{args.image_size}x{args.image_size} per worker, links {','.join(f'{r:g}' for r in rates)} Mbit/s",
           file=sys.stderr)
-    rows: list[dict[str, Any]] = []
-    port = 29900
-    with ExitStack() as stack:
-        tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=args.name, rate_mbit=rates[0],
-                                            routing=True))
-        tb.switch("s0", jobs=[job_config(JOB, n)])
-        for rate in rates:
-            tb.set_rate(rate)
-            row: dict[str, Any] = {"rate_mbit": rate}
-            for system in systems:
-                port += 1
-                r = run_system(tb, hosts, system, steps, port, extra, example="train_resnet")
-                row[f"{system}_steps_per_s"] = r["steps_per_s"]
-                row[f"{system}_images_per_s"] = r["images_per_s"]
-                row[f"{system}_replicas_agree"] = r["replicas_agree"]
-                row["params"], row["device"] = r["params"], r["device"]
-                print(f"  {rate:g} Mbit/s {system}: {r['images_per_s']:.1f} images/s ({r['steps_per_s']:.2f} steps/s)"
-                      + ("" if r["replicas_agree"] else "  REPLICAS DIFFER"), file=sys.stderr, flush=True)
-            for system in systems:
-                if system != "gloo" and "gloo" in systems:
-                    row[f"{system}_vs_gloo"] = row[f"{system}_steps_per_s"] / row["gloo_steps_per_s"]
-            rows.append(row)
+    def record(rate: float, system: str, r: dict[str, Any], row: dict[str, Any]) -> None:
+        row[f"{system}_images_per_s"] = r["images_per_s"]
+        row[f"{system}_replicas_agree"] = r["replicas_agree"]
+        print(f"  {rate:g} Mbit/s {system}: {r['images_per_s']:.1f} images/s ({r['steps_per_s']:.2f} steps/s)"
+              + ("" if r["replicas_agree"] else "  REPLICAS DIFFER"), file=sys.stderr, flush=True)
+
+    rows = rates_by_systems(args.name, n, rates, systems, 29900,
+                            lambda tb, system, port: run_system(tb, hosts, system, steps, port, extra,
+                                                                example="train_resnet"), record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "image_steps.csv").open("w", newline="") as f:

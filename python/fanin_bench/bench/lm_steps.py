@@ -81,6 +81,36 @@ def run_system(tb: Any, hosts: list[str], system: str, steps: int, port: int, ex
             "replicas_agree": len({r.get("param_digest") for r in reports}) == 1}
 
 
+def rates_by_systems(name: str, n: int, rates: list[float], systems: list[str], port: int,
+                     run: Any, record: Any) -> list[dict[str, Any]]:
+    """The training benches' procedure: a `star:n` testbed with one switch
+    job of n members; at every link rate, every system in turn
+    (``run(tb, system, port)`` -> rank 0's figures, ``record(rate, system,
+    figures, row)`` adds the bench's own columns and prints). Each row has
+    the steps per second, the parameters, the device, and each fanin
+    system's speed over its Gloo baseline."""
+    from fanin_bench.testbed import Testbed
+
+    rows: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=name, rate_mbit=rates[0], routing=True))
+        tb.switch("s0", jobs=[job_config(JOB, n)])
+        for rate in rates:
+            tb.set_rate(rate)
+            row: dict[str, Any] = {"rate_mbit": rate}
+            for system in systems:
+                port += 1
+                r = run(tb, system, port)
+                row[f"{system}_steps_per_s"] = r["steps_per_s"]
+                row["params"], row["device"] = r["params"], r["device"]
+                record(rate, system, r, row)
+            for system in systems:
+                if not system.startswith("gloo") and baseline(system) in systems:
+                    row[f"{system}_vs_gloo"] = row[f"{system}_steps_per_s"] / row[f"{baseline(system)}_steps_per_s"]
+            rows.append(row)
+    return rows
+
+
 def model_args(args: Any) -> list[str]:
     """The example's arguments for the model and the device."""
     return ["--layers", str(args.layers), "--d-model", str(args.d_model), "--corpus-mb", str(args.corpus_mb),
@@ -88,7 +118,7 @@ def model_args(args: Any) -> list[str]:
 
 
 def run_lm_steps(args: Any) -> int:
-    from fanin_bench.testbed import Testbed, why_unavailable
+    from fanin_bench.testbed import why_unavailable
 
     why = why_unavailable()
     if why:
@@ -110,28 +140,13 @@ def run_lm_steps(args: Any) -> int:
     extra = model_args(args)
     out = Path(args.out)
     print(f"lm-steps: star:{n}, {steps} steps per system, links {args.rates or rates} Mbit/s", file=sys.stderr)
-    rows: list[dict[str, Any]] = []
-    port = 29700
-    with ExitStack() as stack:
-        tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=args.name, rate_mbit=rates[0],
-                                            routing=True))
-        tb.switch("s0", jobs=[job_config(JOB, n)])
-        for rate in rates:
-            tb.set_rate(rate)
-            row: dict[str, Any] = {"rate_mbit": rate}
-            for system in systems:
-                port += 1
-                r = run_system(tb, hosts, system, steps, port, extra)
-                row[f"{system}_steps_per_s"] = r["steps_per_s"]
-                row[f"{system}_held_out_bits_per_byte"] = r["held_out_bits_per_byte"]
-                row["params"] = r["params"]
-                print(f"  {rate:g} Mbit/s {system}: {r['steps_per_s']:.2f} steps/s, held-out "
-                      f"{r['held_out_bits_per_byte']:.3f} bits/byte", file=sys.stderr)
-                row["device"] = r["device"]
-            for system in systems:
-                if not system.startswith("gloo") and baseline(system) in systems:
-                    row[f"{system}_vs_gloo"] = row[f"{system}_steps_per_s"] / row[f"{baseline(system)}_steps_per_s"]
-            rows.append(row)
+    def record(rate: float, system: str, r: dict[str, Any], row: dict[str, Any]) -> None:
+        row[f"{system}_held_out_bits_per_byte"] = r["held_out_bits_per_byte"]
+        print(f"  {rate:g} Mbit/s {system}: {r['steps_per_s']:.2f} steps/s, held-out "
+              f"{r['held_out_bits_per_byte']:.3f} bits/byte", file=sys.stderr, flush=True)
+
+    rows = rates_by_systems(args.name, n, rates, systems, 29700,
+                            lambda tb, system, port: run_system(tb, hosts, system, steps, port, extra), record)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "lm_steps.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
