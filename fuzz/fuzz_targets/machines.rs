@@ -30,7 +30,7 @@ use libfuzzer_sys::fuzz_target;
 const GROUP: std::net::SocketAddrV4 = std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(239, 1, 0, 7), 47001);
 
 fn switch(shard: u16) -> ValueSwitch<u8> {
-    let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1) };
+    let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1), ..AgingConfig::default() };
     let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging, seal_clock_us: 1, rate_limit: None, packet_elems_max: u32::MAX });
     let mut job = JobSpec::with_sources(1, 3, 4, 8);
     job.block_exp_ms = 1;

@@ -126,6 +126,7 @@ def switch_config(
     batch: int = 64,
     scanners: int = 8,
     checks: int = 4,
+    max_factor: int = 16,
     trim: bool = False,
     trim_watermark: float = 0.5,
     socket_buffer: Optional[int] = None,
@@ -138,8 +139,9 @@ def switch_config(
     default, one per two cores, 1 to 8). ``control_addr`` and
     ``metrics_addr``: ``"auto"`` (127.0.0.1 at the data port + 100 and
     + 101, or a free port if taken), ``"ip:port"``, or None (off).
-    ``scanners`` and ``checks``
-    configure the straggler detector; ``trim``
+    ``scanners``, ``checks`` and ``max_factor`` (skew-aware expiry's
+    ceiling, in multiples of a job's ``block_exp_ms``; 1 = a fixed timeout)
+    configure the straggler detector (docs/stragglers.md); ``trim``
     and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
     ``socket_buffer`` the receive buffer per data socket in bytes (default
     the daemon's). ``ingress_drop``/``ingress_duplicate``/``ingress_reorder``
@@ -151,7 +153,7 @@ def switch_config(
     and no token (docs/security.md). ``rate_limit=(pps, burst)`` is the per-source rate
     limit of jobs that set none (docs/overload.md)."""
     cfg: dict[str, Any] = {
-        "aging": {"scanners": scanners, "checks": checks},
+        "aging": {"scanners": scanners, "checks": checks, "max_factor": max_factor},
         "trim": {"enabled": trim, "watermark": trim_watermark},
         "data_addr": data_addr,
         "control_addr": control_addr,

@@ -164,18 +164,36 @@ pub struct AgingSection {
     /// Finest scan tick allowed, in microseconds (software timers).
     #[serde(default = "default_min_tick_us")]
     pub min_tick_us: u64,
+    /// Skew-aware expiry's ceiling, in multiples of `block_exp_ms` (1 =
+    /// Trio's fixed timeout; docs/stragglers.md).
+    #[serde(default = "default_max_factor")]
+    pub max_factor: u8,
 }
 
 impl Default for AgingSection {
     fn default() -> Self {
-        Self { scanners: default_scanners(), checks: default_checks(), min_tick_us: default_min_tick_us() }
+        Self {
+            scanners: default_scanners(),
+            checks: default_checks(),
+            min_tick_us: default_min_tick_us(),
+            max_factor: default_max_factor(),
+        }
     }
 }
 
 impl AgingSection {
     pub fn to_config(&self) -> AgingConfig {
-        AgingConfig { scanners: self.scanners, checks: self.checks, min_tick: Duration::from_micros(self.min_tick_us) }
+        AgingConfig {
+            scanners: self.scanners,
+            checks: self.checks,
+            min_tick: Duration::from_micros(self.min_tick_us),
+            max_factor: self.max_factor,
+        }
     }
+}
+
+fn default_max_factor() -> u8 {
+    AgingConfig::default().max_factor
 }
 
 /// Trimming on overload (docs/trimming-daemon.md): when a shard's receive
@@ -564,6 +582,7 @@ mod tests {
         assert!(err("[trim]\nwatermark = -0.5").contains("trim.watermark = -0.5 is out of range"));
         assert!(err("[trim]\nenable = true").contains("unknown field `enable`"));
         assert!(err("[aging]\nchecks = 20").contains("aging.checks 20 is out of range"));
+        assert!(err("[aging]\nmax_factor = 0").contains("aging.max_factor 0 is out of range (1..=63 with checks 4"));
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nblock_exp_ms = 700000").contains("block_exp_ms 700000"));
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\nslow_after_windows = 20000").contains("slow_after_windows 20000"));
     }

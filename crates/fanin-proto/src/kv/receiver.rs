@@ -76,6 +76,9 @@ pub struct ReceiverConfig {
     pub seal_clock_us: u64,
     /// Longest key reassembled from fragments (the senders' `max_key_len`).
     pub max_key_len: usize,
+    /// Most fragment bytes held at once, over every key being reassembled
+    /// (a correct sender has one key in fragments at a time per channel).
+    pub max_pending_key_bytes: usize,
 }
 
 impl ReceiverConfig {
@@ -95,6 +98,7 @@ impl ReceiverConfig {
             auth_key: None,
             seal_clock_us: 1,
             max_key_len: super::sender::MAX_KEY_LEN,
+            max_pending_key_bytes: 2 * super::sender::MAX_KEY_LEN,
         }
     }
 }
@@ -181,12 +185,28 @@ pub struct ReceiverStats {
     pub auth: AuthStats,
 }
 
-/// A key arriving in fragments: its bytes so far and how many arrived
-/// (each fragment arrives once: packets are deduplicated by seq).
+/// A key arriving in fragments: the fragments so far, as they came (held
+/// sparsely: memory is what arrived, never what an offset claims), and how
+/// many bytes that is (each packet arrives once: deduplicated by seq).
 struct Reassembly {
     total: usize,
     got: usize,
-    bytes: Vec<u8>,
+    parts: Vec<(usize, Vec<u8>)>,
+}
+
+impl Reassembly {
+    /// The whole key, if the fragments tile `0..total` exactly.
+    fn assemble(mut self) -> Option<Vec<u8>> {
+        self.parts.sort_unstable_by_key(|(offset, _)| *offset);
+        let mut key = Vec::with_capacity(self.total);
+        for (offset, bytes) in self.parts {
+            if offset != key.len() {
+                return None;
+            }
+            key.extend_from_slice(&bytes);
+        }
+        (key.len() == self.total).then_some(key)
+    }
 }
 
 /// Refusals of control requests in a row, without progress, before the
@@ -236,8 +256,9 @@ pub struct KvReceiver {
     config: ReceiverConfig,
     results: KvResults,
     windows: FastMap<u16, DedupWindow>,
-    /// Keys arriving in fragments, by (channel, key id).
+    /// Keys arriving in fragments, by (channel, key id), and the bytes they hold.
     fragments: FastMap<(u16, u32), Reassembly>,
+    pending_key_bytes: usize,
     fins: HashSet<u16>,
     /// Channels declared failed (no FIN will come); disjoint from `fins`.
     failed: BTreeSet<u16>,
@@ -265,6 +286,7 @@ impl KvReceiver {
             results: KvResults::default(),
             windows: FastMap::default(),
             fragments: FastMap::default(),
+            pending_key_bytes: 0,
             fins: HashSet::new(),
             failed: BTreeSet::new(),
             epoch: 0,
@@ -522,32 +544,39 @@ impl KvReceiver {
         self.replies.push_back(self.control(MessageType::KvAck, channel, seq));
     }
 
-    /// One fragment of a long key: merged once the key is whole. The bytes
-    /// are kept as they arrive (fragments may come out of order), never
-    /// more than the key's announced length, itself at most `max_key_len`.
+    /// One fragment of a long key: merged once the key is whole. A key over
+    /// `max_key_len`, fragments beyond `max_pending_key_bytes`, or fragments
+    /// that do not tile their key are `keys_refused`: that key is missing,
+    /// so the task's result is refused (never given without it).
     fn on_key_fragment(&mut self, channel: u16, f: KeyFragment<'_>) {
         let total = f.total_len as usize;
-        if total > self.config.max_key_len {
+        if total > self.config.max_key_len
+            || self.pending_key_bytes + f.bytes.len() > self.config.max_pending_key_bytes
+        {
             self.stats.keys_refused += 1;
             return;
         }
-        let r = self.fragments.entry((channel, f.key_id)).or_insert_with(|| Reassembly { total, got: 0, bytes: Vec::new() });
+        let r = self.fragments.entry((channel, f.key_id)).or_insert_with(|| Reassembly { total, got: 0, parts: Vec::new() });
         if r.total != total {
-            // two keys under one id: the sender is broken; refuse both
+            // two keys under one id: the sender is broken
             self.stats.keys_refused += 1;
             return;
         }
-        let end = f.offset as usize + f.bytes.len();
-        if r.bytes.len() < end {
-            r.bytes.resize(end, 0);
-        }
-        r.bytes[f.offset as usize..end].copy_from_slice(f.bytes);
+        r.parts.push((f.offset as usize, f.bytes.to_vec()));
         r.got += f.bytes.len();
-        if r.got >= r.total {
-            let r = self.fragments.remove(&(channel, f.key_id)).expect("present");
-            self.stats.overflowed += merge(&mut self.results, &r.bytes, Aggregate::of(f.value));
-            self.stats.keys_reassembled += 1;
-            self.stats.tuples_local += 1;
+        self.pending_key_bytes += f.bytes.len();
+        if r.got < r.total {
+            return;
+        }
+        let r = self.fragments.remove(&(channel, f.key_id)).expect("present");
+        self.pending_key_bytes -= r.got;
+        match r.assemble() {
+            Some(key) => {
+                self.stats.overflowed += merge(&mut self.results, &key, Aggregate::of(f.value));
+                self.stats.keys_reassembled += 1;
+                self.stats.tuples_local += 1;
+            }
+            None => self.stats.keys_refused += 1,
         }
     }
 

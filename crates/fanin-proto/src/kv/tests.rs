@@ -341,6 +341,31 @@ fn a_key_fragment_beyond_the_receivers_limit_is_refused_and_counted() {
     rx.handle_datagram(t(1), &bytes);
     assert_eq!(rx.stats().keys_refused, 1);
     assert!(rx.results().is_empty());
+    // two fragments that add up to the key's length but overlap (a broken
+    // or hostile sender) do not make a key: refused, not merged
+    let fragment = |seq: u32, id: u32, total: u32, offset: u32, piece: &[u8]| {
+        let repr = Repr { flags: FLAG_KEY_FRAGMENT, slot_count: 1, ..Repr::new(MessageType::KvLongData, TASK, 1, seq) };
+        let mut bytes = vec![0u8; HEADER_LEN + FRAGMENT_FIXED + LONG_TUPLE_FIXED + piece.len()];
+        let mut p = Packet::new_unchecked(&mut bytes[..]);
+        repr.emit(&mut p);
+        emit_key_fragment(id, total, offset, piece, 1, p.body_mut());
+        bytes
+    };
+    rx.handle_datagram(t(2), &fragment(1, 3, 200, 0, &[b'a'; 100]));
+    rx.handle_datagram(t(2), &fragment(2, 3, 200, 50, &[b'b'; 100]));
+    assert_eq!((rx.stats().keys_refused, rx.stats().keys_reassembled), (2, 0));
+    // memory held is what arrived, and bounded: a fragment past the bound is refused
+    let mut rc = ReceiverConfig::new(TASK, layout, 1, 1);
+    rc.max_pending_key_bytes = 150;
+    let mut rx = KvReceiver::new(rc, Time::ZERO).unwrap();
+    rx.handle_datagram(t(1), &fragment(1, 4, 1_000_000, 999_900, &[b'z'; 100]));
+    rx.handle_datagram(t(1), &fragment(2, 5, 1_000_000, 0, &[b'z'; 100]));
+    assert_eq!(rx.stats().keys_refused, 1, "the second would hold 200 bytes");
+    // and the pieces of a key in any order make it
+    let mut rx = KvReceiver::new(ReceiverConfig::new(TASK, layout, 1, 1), Time::ZERO).unwrap();
+    rx.handle_datagram(t(1), &fragment(1, 6, 6, 4, b"ef"));
+    rx.handle_datagram(t(1), &fragment(2, 6, 6, 0, b"abcd"));
+    assert_eq!(rx.results()[&b"abcdef"[..]].sum, 1);
     // a fragment that does not lie within its key is malformed on the wire
     let mut bad = bytes.clone();
     bad[HEADER_LEN + 8..HEADER_LEN + 12].copy_from_slice(&4_950u32.to_be_bytes());

@@ -224,6 +224,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 checks: cfg.checks,
                 next_tick: Time::ZERO,
                 slow_after_blocks: spec.slow_after_windows as u64 * local_slots as u64,
+                needed_checks: cfg.checks,
+                max_checks: cfg.checks.saturating_mul(cfg.max_factor),
+                clock: Time::ZERO,
+                spread: SpreadSamples::default(),
             })
         } else {
             None
@@ -513,6 +517,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 check_members(job, now, &mut self.counters, out, &mut self.scratch);
             }
             let Some(aging) = job.aging.as_mut() else { continue };
+            aging.clock = now;
             if job.open_blocks == 0 {
                 continue;
             }
@@ -524,7 +529,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             if late >= slices {
                 aging.next_tick = Time::from_nanos(aging.next_tick.as_nanos() + (late + 1 - slices) * tick);
             }
-            let checks = aging.checks;
+            let checks = aging.needed_checks;
             let mut newly_slow = Vec::new();
             while job.open_blocks > 0 {
                 let aging = job.aging.as_mut().expect("checked above");
@@ -562,7 +567,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         self.counters.rx_datagrams += 1;
         // A keyed job's datagrams are verified before anything else is
         // looked at: a forgery or a replay changes nothing but a counter.
-        let job = bytes.get(12..16).and_then(|b| self.jobs.get_mut(&u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
+        let mut job = bytes.get(12..16).and_then(|b| self.jobs.get_mut(&u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
+        if let Some(aging) = job.as_mut().and_then(|j| j.aging.as_mut()) {
+            aging.clock = now; // what a block's spread is measured with
+        }
         let job_known = job.is_some();
         let Some(bytes) = sealing::admit(job.and_then(|j| j.auth.as_mut()), job_known, bytes, &mut self.counters) else {
             return Verdict::Consumed;

@@ -74,6 +74,9 @@ pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
             reply.counters.accepted += 1;
             block.exp = block.exp.max(exp);
             if block.satisfied() {
+                if !block.aged {
+                    reply.sample_spread(block);
+                }
                 finish_exponent_round(block, reply);
             }
             Outcome { accepted: true, ..Outcome::default() }
@@ -122,6 +125,7 @@ pub(super) fn announce_exponent<A: Copy, T: Transmit<A>>(block: &mut Block, repl
         block.expected_count = block.rcvd.count() as u16;
     }
     block.restart_collection();
+    reply.start_phase(block);
     block.referenced = true;
     block.idle_checks = 0;
 }
@@ -148,6 +152,7 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
         block.negotiated = true;
         reply.send_to_all(block, true);
         block.restart_collection();
+        reply.start_phase(block);
     }
     match block.phase {
         Phase::Exponent | Phase::ExponentUp => unreachable!("left above"),
@@ -176,6 +181,11 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
             // A straggler's contribution to a block emitted without it is
             // never added anywhere; it gets the partial result instead.
             let late = count_unadded(block, src, reply.counters);
+            if late && block.aged {
+                // how late the skew made it: a sample, so a job whose ranks
+                // are always further apart than block_exp learns to wait
+                reply.sample_spread(block);
+            }
             reply.send_to_sender(block, false);
             Outcome { late, ..Outcome::default() }
         }
@@ -222,6 +232,9 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
             block.final_block |= packet.final_block();
             let completed = block.satisfied();
             if completed {
+                if !block.aged {
+                    reply.sample_spread(block);
+                }
                 finish_block(block, reply);
             }
             Outcome { accepted: true, completed, ..Outcome::default() }

@@ -40,6 +40,9 @@ pub(super) struct Block {
     pub(super) sum: Vec<i32>,
     /// Trio's block_start_time: when the first packet arrived.
     pub(super) start_time: Time,
+    /// When the current phase began (creation, or the exponent announced):
+    /// a phase's spread is measured from here.
+    pub(super) phase_start: Time,
     /// Sources this block waits for: the job's active sources when it was
     /// created (after an aged exponent round, the sources in that round).
     pub(super) expected: SourceMask,
@@ -86,6 +89,7 @@ impl Block {
             rcvd: SourceMask::with_capacity(source_capacity),
             sum: Vec::new(),
             start_time: Time::ZERO,
+            phase_start: Time::ZERO,
             expected: SourceMask::with_capacity(source_capacity),
             expected_count: 0,
             expected_rcvd: 0,
@@ -177,6 +181,7 @@ impl Block {
         }
         self.rcvd.clear();
         self.start_time = now;
+        self.phase_start = now;
         self.expected.clone_from(active);
         self.expected_count = active.count() as u16;
         self.expected_rcvd = 0;

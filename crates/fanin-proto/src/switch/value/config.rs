@@ -55,11 +55,16 @@ pub struct AgingConfig {
     /// Finest scan tick (`block_exp / (scanners * checks)`) the runtime's
     /// timers keep; a job asking for a finer one is refused at admission.
     pub min_tick: Duration,
+    /// Skew-aware expiry: a block ages after `max(block_exp, S + 4V)` (S and
+    /// V the mean and mean deviation of the job's recent complete blocks'
+    /// spreads, first to last contribution), at most `max_factor` ×
+    /// `block_exp` (docs/stragglers.md). 1 = Trio's fixed timeout.
+    pub max_factor: u8,
 }
 
 impl Default for AgingConfig {
     fn default() -> Self {
-        Self { scanners: 8, checks: 4, min_tick: Duration::from_micros(20) }
+        Self { scanners: 8, checks: 4, min_tick: Duration::from_micros(20), max_factor: 16 }
     }
 }
 
@@ -75,6 +80,14 @@ impl AgingConfig {
         }
         if self.checks == 0 || self.checks > MAX_CHECKS {
             return Err(format!("aging.checks {} is out of range (1..={MAX_CHECKS})", self.checks));
+        }
+        if self.max_factor == 0 || self.checks as u32 * self.max_factor as u32 > u8::MAX as u32 {
+            return Err(format!(
+                "aging.max_factor {} is out of range (1..={} with checks {}: checks x max_factor visits must fit 255)",
+                self.max_factor,
+                u8::MAX / self.checks,
+                self.checks
+            ));
         }
         Ok(())
     }

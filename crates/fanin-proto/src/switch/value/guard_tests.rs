@@ -221,7 +221,7 @@ fn under_fail_a_source_already_declared_slow_that_dies_still_fails_the_job() {
     spec.block_exp_ms = 10;
     spec.slow_after_windows = 1;
     let mut sw = ValueSwitch::new(ShardConfig {
-        aging: AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1) },
+        aging: AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1), ..AgingConfig::default() },
         ..ShardConfig::single(1 << 30)
     });
     sw.add_job(spec).unwrap();

@@ -91,6 +91,84 @@ pub(super) struct JobAging {
     /// Aged blocks a source may miss in a row before it is declared
     /// permanently slow (K windows of this shard's slots); 0 = never.
     pub(super) slow_after_blocks: u64,
+    /// Unreferenced visits that age a block now: `checks` for `block_exp`,
+    /// more while the job's complete blocks show a larger spread.
+    pub(super) needed_checks: u8,
+    /// `checks` x `max_factor`: the ceiling of `needed_checks`.
+    pub(super) max_checks: u8,
+    /// The time of the event being handled (set where the job is looked up).
+    pub(super) clock: Time,
+    /// Recent spreads: how far apart the contributions to a block arrive.
+    pub(super) spread: SpreadSamples,
+}
+
+/// The last [`SPREAD_SAMPLES`] spreads (µs) of the job's blocks on this
+/// shard: a phase that completed with every source it waited for gives the
+/// time from its start to its last contribution; a contribution that
+/// arrives after its block aged without it gives its own arrival time from
+/// the phase's start (without these, a job whose members are always further
+/// apart than `block_exp` would age every block and learn nothing). The
+/// expiry is twice the median: the delays members ordinarily have (ranks
+/// that share cores or a GPU, descheduled or starting a bucket late) lie
+/// below it, a straggler's (the Slow Worker Pattern sleeps half an
+/// iteration or more) above it, and a median is not moved by how long the
+/// stragglers are (docs/stragglers.md, "Skew-aware expiry").
+#[derive(Debug, Clone)]
+pub(super) struct SpreadSamples {
+    ring: [u32; SPREAD_SAMPLES],
+    len: usize,
+    next: usize,
+    since_update: usize,
+}
+
+/// Spreads kept per job.
+pub(super) const SPREAD_SAMPLES: usize = 64;
+/// New samples between two updates of the expiry (a median of 64 costs a
+/// selection; once per 8 blocks keeps it off the per-block path).
+const SPREAD_UPDATE_EVERY: usize = 8;
+
+impl Default for SpreadSamples {
+    fn default() -> Self {
+        Self { ring: [0; SPREAD_SAMPLES], len: 0, next: 0, since_update: 0 }
+    }
+}
+
+impl SpreadSamples {
+    /// The median of the samples (µs), or `None` before the first.
+    pub(super) fn median(&self) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut v = self.ring;
+        let v = &mut v[..self.len];
+        // the lower median: with two samples, the smaller
+        let mid = (v.len() - 1) / 2;
+        Some(*v.select_nth_unstable(mid).1)
+    }
+}
+
+impl JobAging {
+    /// One spread sample (ns); every few samples, re-derive how many
+    /// unreferenced visits age a block: `2 x median`, at least `block_exp`
+    /// (`checks` visits), at most `max_factor x block_exp`.
+    pub(super) fn sample_spread(&mut self, spread_ns: u64) {
+        let s = &mut self.spread;
+        s.ring[s.next] = (spread_ns / 1_000).min(u32::MAX as u64) as u32;
+        s.next = (s.next + 1) % SPREAD_SAMPLES;
+        s.len = (s.len + 1).min(SPREAD_SAMPLES);
+        s.since_update += 1;
+        // the first samples each count (a job learns its skew at once), then
+        // one update per SPREAD_UPDATE_EVERY
+        if s.len > SPREAD_UPDATE_EVERY && s.since_update < SPREAD_UPDATE_EVERY {
+            return;
+        }
+        s.since_update = 0;
+        let median_ns = s.median().unwrap_or(0) as u64 * 1_000;
+        // a block is visited once per period = tick x slices
+        let period = (self.tick * self.slices).max(1);
+        let visits = (2 * median_ns).div_ceil(period);
+        self.needed_checks = visits.clamp(self.checks as u64, self.max_checks as u64) as u8;
+    }
 }
 
 impl<A> Job<A> {

@@ -22,6 +22,7 @@ macro_rules! job_reply {
             out: $out,
             scratch: $scratch,
             tag: $job.tag,
+            aging: $job.aging.as_mut(),
         }
     };
 }
@@ -50,9 +51,29 @@ pub(super) struct Reply<'a, A, T> {
     pub(super) scratch: &'a mut Vec<u8>,
     /// This switch's incarnation tag, carried in results and nacks.
     pub(super) tag: u16,
+    /// The job's straggler detector, if it ages blocks: its clock stamps a
+    /// phase's start, and phases and late contributions are its samples.
+    pub(super) aging: Option<&'a mut JobAging>,
 }
 
 impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
+    /// A block's phase begins now (its first contribution, or the exponent
+    /// announced): where its spread is measured from.
+    pub(super) fn start_phase(&self, block: &mut Block) {
+        if let Some(aging) = self.aging.as_ref() {
+            block.phase_start = aging.clock;
+        }
+    }
+
+    /// A spread sample of `block`, taken now, from its phase's start: a
+    /// phase that completed with every source it waited for (not aged), or
+    /// a contribution arriving after its block aged without it.
+    pub(super) fn sample_spread(&mut self, block: &Block) {
+        if let Some(aging) = self.aging.as_mut() {
+            aging.sample_spread(aging.clock.as_nanos().saturating_sub(block.phase_start.as_nanos()));
+        }
+    }
+
     /// Send the result to every member with a known address (members that
     /// never sent anything fetch it by retransmitting): once to the job's
     /// result group for the members listening there, if the runtime can

@@ -57,6 +57,10 @@ impl Pkt {
         self.repr.msg_type = MessageType::Retransmission;
         self
     }
+    fn gen(mut self, gen_id: u16) -> Self {
+        self.repr.gen_id = gen_id;
+        self
+    }
     fn bytes(&self) -> Vec<u8> {
         let mut buf = vec![0; self.repr.buffer_len()];
         let mut p = Packet::new_unchecked(&mut buf[..]);
@@ -492,7 +496,7 @@ fn at(ms: u64) -> Time {
 /// A switch whose scanners tick every `block_exp / (scanners * checks)`.
 fn aging_switch(spec: JobSpec, scanners: u16, checks: u8) -> ValueSwitch<Addr> {
     let mut cfg = ShardConfig::single(1 << 30);
-    cfg.aging = AgingConfig { scanners, checks, min_tick: Duration::from_micros(1) };
+    cfg.aging = AgingConfig { scanners, checks, min_tick: Duration::from_micros(1), ..AgingConfig::default() };
     let mut sw = ValueSwitch::new(cfg);
     sw.add_job(spec).unwrap();
     sw
@@ -571,6 +575,74 @@ fn more_checks_age_within_a_fraction_of_the_timeout() {
     }
     let out = tick(&mut sw, at(10));
     assert_eq!((out.len(), out[0].1.src_cnt), (1, 1), "aged 9 ms after the contribution");
+}
+
+/// Two sources, source 1 `skew_ms` behind source 0, on block `b`, the
+/// first block of its own allreduce (generation b + 1), starting at `t` ms,
+/// with the scanners ticking every ms up to `until`: whether the block aged
+/// (its result went out degraded).
+fn skewed_block(sw: &mut ValueSwitch<Addr>, b: u32, t: u64, skew_ms: u64, until: u64) -> bool {
+    let mut degraded = false;
+    let gen = b as u16 + 1;
+    send_at(sw, at(t), Pkt::data(1, 0, b, &[1]).gen(gen));
+    for ms in t + 1..=until {
+        let mut out = tick(sw, at(ms));
+        if ms == t + skew_ms {
+            out.extend(send_at(sw, at(ms), Pkt::data(1, 1, b, &[2]).gen(gen)));
+        }
+        degraded |= out.iter().any(|(_, r, _)| r.block_id == b && r.degraded);
+    }
+    degraded
+}
+
+#[test]
+fn a_job_whose_ranks_are_always_apart_learns_to_wait_for_them() {
+    // block_exp 4 ms, 1 scanner x 1 check: a visit every 4 ms. Source 1 is
+    // 10 ms behind on every block (ranks sharing cores start each allreduce
+    // apart): the first block ages, source 1's late arrival is a 10 ms
+    // spread sample, and the expiry becomes 2 x 10 ms: the next blocks wait.
+    let mut sw = aging_switch(aging_job(2, 8, 4, 0), 1, 1);
+    assert!(skewed_block(&mut sw, 0, 0, 10, 20), "the first block ages at the fixed 4 ms");
+    for b in 1..6u32 {
+        let t = 20 * b as u64;
+        assert!(!skewed_block(&mut sw, b, t, 10, t + 19), "block {b} completes with both sources");
+    }
+    assert_eq!((sw.counters().blocks_aged, sw.counters().late), (1, 1));
+}
+
+#[test]
+fn a_straggler_far_beyond_the_learnt_skew_still_ages_and_does_not_move_it() {
+    let mut sw = aging_switch(aging_job(2, 8, 4, 0), 1, 1);
+    for b in 0..4u32 {
+        skewed_block(&mut sw, b, 20 * b as u64, 10, 20 * b as u64 + 19);
+    }
+    // a 300 ms straggle: the block ages about 20-24 ms after source 0
+    assert!(skewed_block(&mut sw, 4, 100, 300, 400), "the straggled block ages");
+    let aged = sw.counters().blocks_aged;
+    // its 300 ms late sample is one of several: the median stays 10 ms
+    for b in 5..9u32 {
+        let t = 400 + 20 * (b - 5) as u64;
+        assert!(!skewed_block(&mut sw, b, t, 10, t + 19), "block {b}: ordinary skew, waited for");
+    }
+    assert!(skewed_block(&mut sw, 9, 500, 60, 600), "60 ms is beyond 2 x the median: ages");
+    assert_eq!(sw.counters().blocks_aged, aged + 1);
+}
+
+#[test]
+fn the_learnt_expiry_is_capped_and_max_factor_1_is_trios_fixed_timeout() {
+    // a job that is always 200 ms apart: the expiry stops at 16 x 4 ms
+    let mut sw = aging_switch(aging_job(2, 8, 4, 0), 1, 1);
+    for b in 0..3u32 {
+        assert!(skewed_block(&mut sw, b, 300 * b as u64, 200, 300 * b as u64 + 299), "block {b} ages");
+    }
+    // max_factor 1: the skew is never learnt
+    let mut cfg = ShardConfig::single(1 << 30);
+    cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1), max_factor: 1 };
+    let mut fixed = ValueSwitch::new(cfg);
+    fixed.add_job(aging_job(2, 8, 4, 0)).unwrap();
+    for b in 0..4u32 {
+        assert!(skewed_block(&mut fixed, b, 20 * b as u64, 10, 20 * b as u64 + 19), "block {b} ages");
+    }
 }
 
 #[test]
@@ -689,7 +761,7 @@ fn aging_configuration_is_validated() {
     assert!(bad.validate().unwrap_err().contains("aging.checks 16"));
     // 1 ms with 100 scanners x 4 checks is a 2.5 us tick: refused, clearly
     let mut cfg = ShardConfig::single(1 << 30);
-    cfg.aging = AgingConfig { scanners: 100, checks: 4, min_tick: Duration::from_micros(20) };
+    cfg.aging = AgingConfig { scanners: 100, checks: 4, min_tick: Duration::from_micros(20), ..AgingConfig::default() };
     let mut sw = ValueSwitch::<Addr>::new(cfg);
     let err = sw.add_job(aging_job(2, 4, 1, 1)).unwrap_err();
     assert!(matches!(err, AdmitError::AgingTooFine { .. }));
@@ -1055,7 +1127,7 @@ fn aging_emits_in_job_order_whatever_the_admission_order() {
     let specs: Vec<JobSpec> = (1..=24).map(|id| JobSpec { job_id: id, ..aging_job(2, 4, 10, 0) }).collect();
     let run = |order: &mut dyn Iterator<Item = &JobSpec>| {
         let mut cfg = ShardConfig::single(1 << 30);
-        cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1) };
+        cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1), ..AgingConfig::default() };
         let mut sw = ValueSwitch::new(cfg);
         for spec in order {
             sw.add_job(spec.clone()).unwrap();
