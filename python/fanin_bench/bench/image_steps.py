@@ -19,24 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fanin_bench.bench.lm_steps import _plot, rates_by_systems, run_system
+from fanin_bench.bench.lm_steps import _plot, cannot_run, rates_by_systems, run_system
 from fanin_bench.report import emit
 
 SYSTEMS = ("fanin", "fanin-fp16", "gloo")
 
 
 def run_image_steps(args: Any) -> int:
-    from fanin_bench.testbed import why_unavailable
-
-    why = why_unavailable()
-    if why:
-        print(f"fanin bench image-steps: needs the namespace testbed: {why}", file=sys.stderr)
-        return 2
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("fanin bench image-steps: PyTorch is not installed (pip install -r requirements-bench.txt)",
-              file=sys.stderr)
+    if cannot_run("image-steps"):
         return 2
     rates = [float(r) for r in (args.rates or ("200" if args.quick else "200,400")).split(",")]
     steps = args.steps or (4 if args.quick else 20)

@@ -117,17 +117,25 @@ def model_args(args: Any) -> list[str]:
             "--corpus", args.corpus, "--batch", str(args.batch), "--context", str(args.context), "--device", args.device]
 
 
-def run_lm_steps(args: Any) -> int:
+def cannot_run(bench: str) -> bool:
+    """Say why a training bench cannot run here (no namespace testbed, no
+    PyTorch) on stderr; True if so (the command exits 2)."""
     from fanin_bench.testbed import why_unavailable
 
     why = why_unavailable()
     if why:
-        print(f"fanin bench lm-steps: needs the namespace testbed: {why}", file=sys.stderr)
-        return 2
+        print(f"fanin bench {bench}: needs the namespace testbed: {why}", file=sys.stderr)
+        return True
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("fanin bench lm-steps: PyTorch is not installed (pip install -r requirements-bench.txt)", file=sys.stderr)
+        print(f"fanin bench {bench}: PyTorch is not installed (pip install -r requirements-bench.txt)", file=sys.stderr)
+        return True
+    return False
+
+
+def run_lm_steps(args: Any) -> int:
+    if cannot_run("lm-steps"):
         return 2
     rates = [float(r) for r in (args.rates or ("100" if args.quick else "50,100,200")).split(",")]
     steps = args.steps or (30 if args.quick else 80)
@@ -216,11 +224,9 @@ def run_lm_time_to_accuracy(args: Any) -> int:
     ideal), fanin without stragglers, and fanin with the Slow Worker Pattern
     without and with straggler mitigation (job 1: ``block_exp_ms`` 0, job 2:
     ``block_exp_ms`` as given), on the namespace testbed at one link rate."""
-    from fanin_bench.testbed import Testbed, why_unavailable
+    from fanin_bench.testbed import Testbed
 
-    why = why_unavailable()
-    if why:
-        print(f"fanin bench time-to-accuracy --model lm: needs the namespace testbed: {why}", file=sys.stderr)
+    if cannot_run("time-to-accuracy --model lm"):
         return 2
     n, rate = args.workers, args.rate_mbit
     steps = args.steps or (60 if args.quick else 200)
