@@ -23,7 +23,8 @@ PYEOF
   exit 0
 fi
 corpus=.device/corpus.txt
-stages=${*:-"tests allreduce lm-steps tta"}
+# what has not run on a GPU yet comes first (docs/torch.md, docs/stragglers.md)
+stages=${*:-"tests lm-fsdp tta image"}
 run() {  # run NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name ($(date +%T), limit ${limit}s): $*"
@@ -44,8 +45,10 @@ for s in $stages; do
                --layers 4 --d-model 256 --corpus "$corpus" --systems fanin-fsdp,gloo-fsdp --json --out "$out/fsdp" ;;
     tta) run lm-tta-cuda 200 fanin bench time-to-accuracy --model lm --device cuda --workers 8 --rate-mbit 1000 \
            --steps 100 --layers 4 --d-model 256 --corpus "$corpus" --json --out "$out" ;;
-    network) run network-16core 100 fanin bench network --workers 8 --rates 1000,2000,5000 --size 16MB --reps 3 --shards 4 \
+    image) run image-steps-cuda 100 fanin bench image-steps --device cuda --workers 8 --rates 1000 --steps 8 \
+             --batch 32 --image-size 224 --json --out "$out" ;;
+    network) run network-16core 120 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB --reps 3 \
                --json --out "$out" ;;
-    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-fsdp, tta, network)"; exit 2 ;;
+    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-fsdp, tta, image, network)"; exit 2 ;;
   esac
 done
