@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fanin_bench.bench.lm_steps import _plot, cannot_run, rates_by_systems, run_system
+from fanin_bench.bench.lm_steps import _plot, bench_plan, cannot_run, rates_by_systems, run_system
 from fanin_bench.report import emit
 
 SYSTEMS = ("fanin", "fanin-fp16", "gloo")
@@ -28,14 +28,8 @@ SYSTEMS = ("fanin", "fanin-fp16", "gloo")
 def run_image_steps(args: Any) -> int:
     if cannot_run("image-steps"):
         return 2
-    rates = [float(r) for r in (args.rates or ("200" if args.quick else "200,400")).split(",")]
-    steps = args.steps or (4 if args.quick else 20)
-    systems = args.systems.split(",")
-    for s in systems:
-        if s not in SYSTEMS:
-            raise SystemExit(f"fanin bench image-steps: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
+    rates, steps, systems, hosts = bench_plan(args, "image-steps", SYSTEMS, ("200", "200,400"), (4, 20))
     n = args.workers
-    hosts = [f"h{i}" for i in range(n)]
     extra = ["--batch", str(args.batch), "--image-size", str(args.image_size), "--device", args.device,
              "--warmup", str(args.warmup)]
     print(f"image-steps: star:{n}, ResNet-18, {steps} timed steps per system, {args.batch} images of "

@@ -134,17 +134,23 @@ def cannot_run(bench: str) -> bool:
     return False
 
 
+def bench_plan(args: Any, bench: str, known: Any, rates: tuple[str, str], steps: tuple[int, int]
+               ) -> tuple[list[float], int, list[str], list[str]]:
+    """A training bench's link rates, steps, systems (checked against
+    `known`) and hosts, from its arguments and its (quick, full) defaults."""
+    rate_list = [float(r) for r in (args.rates or (rates[0] if args.quick else rates[1])).split(",")]
+    systems = args.systems.split(",")
+    for s in systems:
+        if s not in known:
+            raise SystemExit(f"fanin bench {bench}: unknown system {s!r} (choose from {', '.join(known)})")
+    return rate_list, args.steps or (steps[0] if args.quick else steps[1]), systems, [f"h{i}" for i in range(args.workers)]
+
+
 def run_lm_steps(args: Any) -> int:
     if cannot_run("lm-steps"):
         return 2
-    rates = [float(r) for r in (args.rates or ("100" if args.quick else "50,100,200")).split(",")]
-    steps = args.steps or (30 if args.quick else 80)
-    systems = args.systems.split(",")
-    for s in systems:
-        if s not in SYSTEMS:
-            raise SystemExit(f"fanin bench lm-steps: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
+    rates, steps, systems, hosts = bench_plan(args, "lm-steps", SYSTEMS, ("100", "50,100,200"), (30, 80))
     n = args.workers
-    hosts = [f"h{i}" for i in range(n)]
     extra = model_args(args)
     out = Path(args.out)
     print(f"lm-steps: star:{n}, {steps} steps per system, links {args.rates or rates} Mbit/s", file=sys.stderr)
