@@ -108,7 +108,7 @@ def encode_tuples(pairs: Iterable[tuple[Key, int]]) -> bytes:
 
     try:
         return _native.encode_tuples(pairs)
-    except (ValueError, OverflowError) as e:
+    except _native.InvalidPair as e:  # not an error the iterable itself raised
         raise KvError(str(e)) from None
 
 

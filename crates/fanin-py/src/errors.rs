@@ -30,6 +30,13 @@ create_exception!(
     "The switch no longer holds (or never completed with every member) a result this allreduce needs, and the job does not accept partial results."
 );
 
+create_exception!(
+    _native,
+    InvalidPair,
+    PyValueError,
+    "A (key, value) pair fanin.kv cannot encode (not a pair, a value that is not an int64, a key too long); not raised for errors of the iterable itself."
+);
+
 /// The exception a signal handler raised while a call waited with the GIL
 /// released (KeyboardInterrupt for Ctrl-C): the call ends and re-raises it.
 static SIGNALLED: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);

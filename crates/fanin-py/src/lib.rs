@@ -11,7 +11,7 @@ mod switch;
 
 use auth::{derive_member_key, seal_datagram};
 use errors::{FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, StaleResult};
-use kv::{decode_results, encode_tuples, run_kv_daemon};
+use kv::{decode_results, encode_tuples, encode_tuples_partitioned, receiver_partition, run_kv_daemon};
 use session::{session_defaults, Session};
 use switch::{job_defaults, job_schema, load_config, run_switch, Switch};
 
@@ -26,6 +26,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_kv_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(load_config, m)?)?;
     m.add_function(wrap_pyfunction!(encode_tuples, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_tuples_partitioned, m)?)?;
+    m.add_function(wrap_pyfunction!(receiver_partition, m)?)?;
     m.add_function(wrap_pyfunction!(decode_results, m)?)?;
     m.add_function(wrap_pyfunction!(derive_member_key, m)?)?;
     m.add_function(wrap_pyfunction!(seal_datagram, m)?)?;
@@ -35,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MemberFailed", m.py().get_type::<MemberFailed>())?;
     m.add("MemberRestarted", m.py().get_type::<MemberRestarted>())?;
     m.add("StaleResult", m.py().get_type::<StaleResult>())?;
+    m.add("InvalidPair", m.py().get_type::<errors::InvalidPair>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -195,6 +195,19 @@ pub fn hash_partition(key: &[u8]) -> u64 {
     hash_words(key.len(), key.chunks(8).map(load_be_padded))
 }
 
+/// The receiver (reduce partition) of a key when a task's key space is
+/// split over `partitions` receivers: ASK's sender-assisted partition
+/// (§3.2.2) one level up, as its evaluation's many reducers need. Every
+/// sender must agree, so this is the one definition. Not `hash_partition
+/// mod P`: a receiver's keys would then share their residue mod P, and with
+/// `short_slots` a multiple of P they would use only 1/P of the slots; the
+/// hash is re-mixed and scaled by its high bits (Lemire's range reduction),
+/// independent of the low bits that pick the slot.
+pub fn receiver_partition(key: &[u8], partitions: u32) -> u32 {
+    let h = mix(hash_partition(key) ^ 0x5851_F42D_4C95_7F2D);
+    ((h as u128 * partitions as u128) >> 64) as u32
+}
+
 /// [`hash_partition`] over a key's length and its padded 8-byte words (a
 /// caller that loaded the word of a short key already passes it).
 fn hash_words(len: usize, words: impl IntoIterator<Item = u64>) -> u64 {
@@ -240,6 +253,32 @@ pub(super) fn aggregator_index_of(n: usize, part: impl Fn(usize) -> u64, aa_size
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn receiver_partitions_are_balanced_and_use_every_slot() {
+        // 4 receivers, 16 short slots: a receiver's keys must not share a
+        // residue of the slot hash (they would with hash_partition mod 4).
+        let layout = Layout::short_only(16);
+        let mut per_receiver = [0u32; 4];
+        let mut slots = [[0u32; 16]; 4];
+        for i in 0..40_000u32 {
+            let key = format!("w{i}");
+            let r = receiver_partition(key.as_bytes(), 4) as usize;
+            per_receiver[r] += 1;
+            if let KeyClass::Short { slot, .. } = layout.classify(key.as_bytes()) {
+                slots[r][slot as usize] += 1;
+            }
+        }
+        for (r, n) in per_receiver.iter().enumerate() {
+            assert!((9_000..11_000).contains(n), "receiver {r} got {n} of 40000 keys");
+            assert!(slots[r].iter().all(|&c| c > 300), "receiver {r} slots {:?}", slots[r]);
+        }
+        // One partition: everything to receiver 0; the definition is frozen
+        // (senders of different builds must agree).
+        assert_eq!(receiver_partition(b"anything", 1), 0);
+        assert_eq!((0..8).map(|p| receiver_partition(format!("k{p}").as_bytes(), 7)).collect::<Vec<_>>(), GOLDEN);
+    }
+    const GOLDEN: [u32; 8] = [2, 0, 5, 2, 2, 6, 4, 2];
 
     /// The plain definitions the fast paths must equal.
     fn padded_reference(b: &[u8]) -> u64 {

@@ -47,7 +47,7 @@ pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomS
 /// A receiver's results: key bytes to their aggregate.
 pub type KvResults = FastMap<Vec<u8>, Aggregate>;
 
-pub use layout::{aggregator_index, decode_parts, encode_parts, hash_index, hash_partition, KeyClass, Layout, LayoutError};
+pub use layout::{aggregator_index, decode_parts, encode_parts, hash_index, hash_partition, receiver_partition, KeyClass, Layout, LayoutError};
 pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
 pub use sealing::{channel_key, receiver_key, AuthStats, HostAuth, RECEIVER_MEMBER};
 pub use sender::{KvSender, SenderConfig, SenderError, SenderEvent, SenderProgress, SenderStats, MAX_KEY_LEN};

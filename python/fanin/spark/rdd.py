@@ -1,0 +1,251 @@
+"""``reduceByKey(add)`` through fanin with distributed receivers.
+
+One Spark stage in barrier execution mode (all its tasks start together or
+none does) does the whole reduce:
+
+1. Each task encodes its input partition's (key, int) pairs in the extension,
+   split by ``receiver_partition(key, R)`` into R inputs (ASK's
+   sender-assisted partition one level up, ``docs/kv.md`` §10 "Distributed
+   receivers").
+2. Task ``r < R`` is also receiver ``r``: it creates a key-value task at the
+   daemon of its own host (``socket_path``) with one channel per task.
+3. ``BarrierTaskContext.allGather`` hands every task the R tickets (and the
+   key types seen, so receivers give keys back as str or bytes).
+4. Each task streams input ``r`` to ticket ``r`` as channel ``task index``
+   (R sends at once, a thread each); each receiver waits for its sums.
+5. Receiver ``r``'s sums are task ``r``'s output. A shuffle then places them
+   in the requested partitions: with as many partitions as receivers it uses
+   the same ``receiver_partition``, so each receiver's keys stay one
+   partition. Only aggregated keys cross it, never the input.
+
+Why barrier mode: receivers and senders must run at the same time (a
+receiver waits for every sender), and a plain stage would run some tasks
+only after others finish — with fewer task slots than tasks, receivers
+would wait for senders that never start. A barrier stage is scheduled whole
+or not at all, and the stage has at most as many tasks as the cluster runs
+at once (the input is coalesced, without a shuffle, when it has more
+partitions), so it cannot deadlock. When any task fails (bad input, a lost
+executor, a sender whose daemon died) Spark kills the stage's other tasks
+and retries the stage as a whole; a killed task's connection to its daemon
+closes, which aborts its key-value task and releases its switch region,
+and the retry creates new tasks with new ids. No sum can be counted twice:
+a task of an aborted attempt accepts nothing more, and nothing of an
+attempt that did not finish is ever returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from typing import Any, Iterable, Iterator, Optional
+
+from fanin.kv import DEFAULT_SOCKET, Client, KvError
+
+__all__ = ["reduce_by_key", "reduce_by_key_as_map", "default_socket", "task_slots"]
+
+#: Environment variable naming the kv daemon's socket on an executor's host
+#: (a standalone worker passes its environment to its executors).
+SOCKET_ENV = "FANIN_KV_SOCKET"
+
+# An input partition is computed (and encoded) before it is streamed, so a
+# sender can be silent for as long as Spark takes to compute a partition.
+# Dead executors are noticed by Spark itself (the stage fails and its tasks
+# are killed); the daemon's silence timer is only the backstop here.
+SPARK_SILENCE_MS = 300_000
+
+
+def default_socket() -> str:
+    """The daemon socket of this host: ``$FANIN_KV_SOCKET`` or fanin's default."""
+    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+def task_slots(sc: Any) -> int:
+    """How many tasks this SparkContext runs at once (what a barrier stage may use).
+
+    Spark's own count for barrier stages (``maxNumConcurrentTasks`` of the
+    default resource profile), which knows executors and ``spark.task.cpus``;
+    ``defaultParallelism`` where that internal call is not available."""
+    try:
+        jsc = sc._jsc.sc()
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        slots = int(jsc.maxNumConcurrentTasks(profile))
+        if slots > 0:
+            return slots
+    except Exception:  # an internal API: fall back to the public figure
+        pass
+    return max(1, int(sc.defaultParallelism))
+
+
+def _encode(index: int, pairs: Iterable[Any], receivers: int) -> tuple[list, int]:
+    """A partition's pairs as ``receivers`` tuples inputs (in the extension)."""
+    from fanin import _native
+
+    try:
+        return _native.encode_tuples_partitioned(pairs, receivers)
+    except _native.InvalidPair as e:  # the input's own errors pass unchanged
+        raise KvError(f"partition {index}: {e}") from None
+
+
+class _EncodeForTask:
+    """Map side when the input has more partitions than the cluster has
+    slots: encode each partition, keyed by the barrier task that sends it."""
+
+    def __init__(self, receivers: int, tasks: int) -> None:
+        self.receivers = receivers
+        self.tasks = tasks
+
+    def __call__(self, index: int, pairs: Iterable[Any]) -> Iterator[tuple[int, tuple[list, int]]]:
+        yield index % self.tasks, _encode(index, pairs, self.receivers)
+
+
+class _ReduceTask:
+    """The body of one barrier task (pickled to the executors)."""
+
+    def __init__(self, receivers: int, socket_path: Optional[str], options: dict, encoded: bool) -> None:
+        self.receivers = receivers
+        self.encoded = encoded
+        self.socket_path = socket_path
+        self.options = options
+
+    def __call__(self, index: int, items: Iterable[Any]) -> Iterator[tuple[Any, int]]:
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        socket_path = self.socket_path or default_socket()
+        tasks = len(ctx.getTaskInfos())
+        # Encode first: bad input fails this task before any key-value task
+        # exists (Spark then kills the others, which abort theirs).
+        if self.encoded:
+            # (input partition, (inputs, key_types)) groups of _encode
+            parts = [group for _, group in items]
+            inputs = [b"".join(group[0][r] for group in parts) for r in range(self.receivers)]
+            key_types = 0
+            for group in parts:
+                key_types |= group[1]
+        else:
+            inputs, key_types = _encode(index, items, self.receivers)
+        receiver = Client(socket_path) if index < self.receivers else None
+        try:
+            ticket = receiver.create(tasks, **self.options) if receiver else None
+            shared = [json.loads(m) for m in ctx.allGather(json.dumps({"ticket": ticket, "key_types": key_types}))]
+            tickets = [m["ticket"] for m in shared[: self.receivers]]
+            seen = 0
+            for m in shared:
+                seen |= m["key_types"]
+            if seen == 3:
+                raise KvError("fanin.spark: keys mix str and bytes; Spark would count 'a' and b'a' apart, the "
+                              "daemons compare bytes: make every key one type")
+            results: dict = {}
+            failures: list[BaseException] = []
+
+            def send(r: int) -> None:
+                try:
+                    with Client(socket_path) as c:
+                        c.send_bytes(tickets[r], index, inputs[r])
+                except BaseException as e:  # raised below, after the wait
+                    failures.append(e)
+
+            senders = [threading.Thread(target=send, args=(r,), daemon=True) for r in range(self.receivers)]
+            for t in senders:
+                t.start()
+            if receiver is not None:
+                # a sender's failure reaches this receiver as SenderFailed
+                results = receiver.wait(ticket, as_str=seen != 2)
+            for t in senders:
+                t.join()
+            if failures:
+                raise KvError(f"partition {index}: a sender failed: {failures[0]}")
+        finally:
+            if receiver is not None:
+                receiver.close()  # an unfinished task is aborted with it
+        return iter(results.items())
+
+
+def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path: Optional[str] = None,
+                  **options: Any) -> Any:
+    """Drop-in for ``rdd.reduceByKey(operator.add, num_partitions)`` on (key, int) pairs.
+
+    Keys are str or bytes (not both), values int64. The sums are computed
+    by fanin, each receiver on an executor, and returned as an RDD of
+    ``num_partitions`` partitions (default: as many as there are
+    receivers). The reduce runs when this is called (like a shuffle that
+    has been written), and an error of any task raises ``KvError`` here.
+
+    ``socket_path``: the kv daemon's socket on every executor host
+    (default ``$FANIN_KV_SOCKET`` there, else ``/tmp/fanin-kv.sock``).
+    ``options`` go to every key-value task (``aa_size``, ``window``, ...
+    of :meth:`fanin.kv.Client.create`); ``silence_ms`` defaults to 5 minutes.
+    """
+    from pyspark import StorageLevel  # noqa: F401  (pyspark must be importable)
+
+    if num_partitions is not None and num_partitions < 1:
+        raise ValueError(f"fanin.spark: num_partitions must be at least 1, not {num_partitions}")
+    options.setdefault("silence_ms", SPARK_SILENCE_MS)
+    sc = rdd.context
+    inputs = rdd.getNumPartitions()
+    if inputs == 0:
+        return sc.parallelize([], num_partitions or 1)
+    # A barrier stage runs all its tasks at once, and Spark refuses one
+    # whose input has another partition count (a coalesce), so an input
+    # with more partitions than slots is encoded by an ordinary stage and
+    # its encoded tuples (not Python pairs) shuffled to `slots` tasks.
+    tasks = min(inputs, task_slots(sc))
+    receivers = min(num_partitions or tasks, tasks)
+    partitions = num_partitions or receivers
+    encoded = tasks < inputs
+    if encoded:
+        source = rdd.mapPartitionsWithIndex(_EncodeForTask(receivers, tasks)).partitionBy(tasks, _identity)
+    else:
+        source = rdd
+    reduced = source.barrier().mapPartitionsWithIndex(_ReduceTask(receivers, socket_path, options, encoded))
+    if partitions == receivers:
+        # each receiver's keys stay together: partition r holds receiver r's sums
+        placed = reduced.partitionBy(partitions, _ReceiverOf(receivers))
+    else:
+        placed = reduced.partitionBy(partitions)
+    try:
+        # run the barrier stage now (the shuffle keeps its output, so later
+        # actions do not redo it): one reduce task forces the whole map side
+        sc.runJob(placed, lambda it: [], partitions=[0])
+    except Exception as e:
+        raise KvError(f"fanin.spark.reduce_by_key failed: {_task_error(e)}") from None
+    return placed
+
+
+def reduce_by_key_as_map(rdd: Any, **kwargs: Any) -> dict:
+    """:func:`reduce_by_key`, collected into a dict on the driver (for small results)."""
+    return reduce_by_key(rdd, **kwargs).collectAsMap()
+
+
+def _identity(task: int) -> int:
+    return task
+
+
+class _ReceiverOf:
+    """``partitionFunc`` placing a key in the partition of its receiver."""
+
+    def __init__(self, receivers: int) -> None:
+        self.receivers = receivers
+
+    def __call__(self, key: Any) -> int:
+        from fanin import _native
+
+        return _native.receiver_partition(key, self.receivers)
+
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Failed)): (.*)$", re.M)
+
+
+def _task_error(e: BaseException) -> str:
+    """The executor's own error out of Spark's wrapping (a Python traceback
+    inside a Java exception's text; fanin's errors first), else Spark's."""
+    text = str(e)
+    found = [(name, message) for name, message in _ERROR_LINE.findall(text) if "py4j" not in name]
+    ours = [f for f in found if f[0].startswith("fanin.")]
+    if ours or found:
+        name, message = (ours or found)[-1]
+        return f"{name.rsplit('.', 1)[-1]}: {message}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
