@@ -193,6 +193,25 @@ class Client:
         ``KvError`` for other failures (e.g. the switch went silent: no
         aggregate to give)."""
         _check_keys(None, errors)
+        data, reply = self.wait_records(ticket, partial_ok=True)
+        if not reply.get("ok"):
+            # the senders' failure is the error to report: a partial result
+            # is decoded so that no key can mask it
+            partial = decode_results(data, as_str=as_str, errors="surrogateescape" if as_str else errors)
+            raise SenderFailed(reply["error"], reply.get("failed", []), partial, reply)
+        try:
+            results = decode_results(data, as_str=as_str, errors=errors)
+        except UnicodeDecodeError as e:
+            raise KeyDecodeError(e, decode_results(data, as_str=False)) from None
+        return (results, reply) if with_stats else results
+
+    def wait_records(self, ticket: Ticket, *, partial_ok: bool = False) -> tuple[bytes, dict[str, Any]]:
+        """``wait``, but the result file's records as they are (``key_len |
+        sum | count | min | max | key``, ``fanin_kv::records``) and the
+        daemon's reply: for callers that decode them their own way (the
+        DataFrame path). Raises like ``wait``; with ``partial_ok`` a task
+        whose senders failed returns the partial records and a reply with
+        ``ok`` false instead."""
         path = _shm_path("res")
         try:
             reply = self._exchange({"op": "wait", "task_id": ticket["task_id"], "path": path})
@@ -205,25 +224,19 @@ class Client:
             if os.path.exists(path):
                 os.unlink(path)
         if incomplete:
-            # the senders' failure is the error to report: a partial result
-            # is decoded so that no key can mask it
-            partial = decode_results(data, as_str=as_str, errors="surrogateescape" if as_str else errors)
-            raise SenderFailed(reply["error"], reply.get("failed", []), partial, reply)
-        try:
-            results = decode_results(data, as_str=as_str, errors=errors)
-        except UnicodeDecodeError as e:
-            raise KeyDecodeError(e, decode_results(data, as_str=False)) from None
+            if partial_ok:
+                return data, reply
+            raise SenderFailed(reply["error"], reply.get("failed", []), {}, reply)
         refused = reply.get("receiver", {}).get("keys_refused", 0)
         if refused:
             raise KvError(f"fanin.kv: {refused} key fragments were of keys longer than the receiver's daemon "
                           "accepts (max_key_len); those keys are missing, so there is no result")
         overflowed = reply.get("receiver", {}).get("overflowed", 0)
         if overflowed:
-            # saturated sums are no answer: say which
-            some = [k for k, v in results.items() if v in (2**63 - 1, -2**63)][:3]
-            raise KvError(f"fanin.kv: int64 sums overflowed {overflowed} times (keys such as {some}); "
-                          "the task's values are too large to sum in 64 bits")
-        return (results, reply) if with_stats else results
+            # saturated sums are no answer
+            raise KvError(f"fanin.kv: int64 sums overflowed {overflowed} times; the task's values are too large "
+                          "to sum in 64 bits")
+        return data, reply
 
     def status(self, ticket: Ticket) -> dict[str, Any]:
         """The task's joined channels as the receiver's daemon sees them:

@@ -76,6 +76,23 @@ def test_each_worker_host_runs_a_receiver_and_the_sums_equal_spark(sc, cluster, 
     settle(cluster, switch)
 
 
+def test_a_dataframe_group_by_on_the_cluster_equals_spark(sc, cluster, switch):
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("pandas")
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    from fanin.spark import aggregate
+
+    spark = SparkSession(sc)
+    df = spark.createDataFrame([(f"k{i % 101}", i % 7, i) for i in range(30_000)], "k string, g long, v long")
+    got = aggregate(df.repartition(2), by=["k", "g"], agg={"v": ["sum", "max"], "*": "count"})
+    expected = df.groupBy("k", "g").agg(F.sum("v").alias("sum(v)"), F.max("v").alias("max(v)"),
+                                        F.count(F.lit(1)).alias("count(1)"))
+    assert sorted(map(tuple, got.collect())) == sorted(map(tuple, expected.collect()))
+    settle(cluster, switch)
+
+
 def test_an_executor_killed_mid_stream_gives_the_exact_sums_once(sc, cluster, switch):
     """SIGKILL worker 1's executor JVM while its daemon streams: Spark loses
     the executor, retries the barrier stage on the new one, and the killed

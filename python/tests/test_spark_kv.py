@@ -182,3 +182,15 @@ def test_a_spark_job_that_fails_upstream_raises_spark_s_error_promptly(sc, servi
         reduce_by_key(rdd, socket_path=service.socket_path)
     assert time.monotonic() - t0 < 60
     assert tasks_active(service, settle_s=30) == 0
+
+
+def test_an_int64_overflow_fails_the_reduce_and_never_hangs(sc, service):
+    """The overflowing receiver's task fails after its wait while the other
+    receiver's task has nothing wrong: before the final barrier of
+    barrier_reduce, Spark let that one succeed, re-ran only the failed task,
+    and the re-run waited for a partner that never came."""
+    rdd = sc.parallelize([("k", 2**62)] * 4, 2)
+    t0 = time.monotonic()
+    with pytest.raises(KvError, match="overflowed"):
+        reduce_by_key(rdd, socket_path=service.socket_path)
+    assert time.monotonic() - t0 < 120

@@ -14,8 +14,9 @@
 //!
 //! `docs/kv.md` §10 describes the local API and the failure handling.
 
-pub mod channel;
 pub mod api;
+pub mod channel;
+pub mod columns;
 mod daemon;
 pub mod liveness;
 pub mod records;

@@ -4,12 +4,14 @@
 use pyo3::prelude::*;
 
 mod auth;
+mod columns;
 mod errors;
 mod kv;
 mod session;
 mod switch;
 
 use auth::{derive_member_key, seal_datagram};
+use columns::{decode_groups, GroupEncoder};
 use errors::{FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, StaleResult};
 use kv::{decode_results, encode_tuples, encode_tuples_partitioned, receiver_partition, run_kv_daemon};
 use session::{session_defaults, Session};
@@ -29,6 +31,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_tuples_partitioned, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_partition, m)?)?;
     m.add_function(wrap_pyfunction!(decode_results, m)?)?;
+    m.add_class::<GroupEncoder>()?;
+    m.add_function(wrap_pyfunction!(decode_groups, m)?)?;
     m.add_function(wrap_pyfunction!(derive_member_key, m)?)?;
     m.add_function(wrap_pyfunction!(seal_datagram, m)?)?;
     m.add("FaninError", m.py().get_type::<FaninError>())?;

@@ -1,7 +1,9 @@
 """PySpark integration: Spark's reduce stage replaced by fanin (ASK, ``docs/kv.md`` §10).
 
-``reduce_by_key(rdd)`` replaces ``rdd.reduceByKey(operator.add)`` for
-integer sums: every executor task is a sender, and receivers run as
+``aggregate(df, by=[...], agg={...})`` replaces ``df.groupBy(...).agg(...)``
+(sum, count, min, max of integer columns) with Arrow batches end to end
+(``fanin.spark.frame``). ``reduce_by_key(rdd)`` replaces
+``rdd.reduceByKey(operator.add)`` for integer sums: every executor task is a sender, and receivers run as
 executor tasks too, each owning a hash range of the keys (distributed
 receivers, ``fanin.spark.rdd``). Nothing is collected on the driver.
 
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import os
 
+from fanin.spark.frame import aggregate
 from fanin.spark.rdd import SOCKET_ENV, default_socket, reduce_by_key, reduce_by_key_as_map, task_slots
 
-__all__ = ["reduce_by_key", "reduce_by_key_as_map", "ensure_java_home", "default_socket", "task_slots", "SOCKET_ENV"]
+__all__ = ["reduce_by_key", "reduce_by_key_as_map", "aggregate", "ensure_java_home", "default_socket", "task_slots",
+           "SOCKET_ENV"]
 
 
 def ensure_java_home() -> None:

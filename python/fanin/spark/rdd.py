@@ -100,11 +100,64 @@ class _EncodeForTask:
         yield index % self.tasks, _encode(index, pairs, self.receivers)
 
 
+def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, inputs: list, socket_path: Optional[str],
+                   options: dict, note: Any = None) -> tuple[Optional[bytes], list]:
+    """One barrier task's part of a distributed reduce (RDD and DataFrame paths).
+
+    Task ``index < receivers`` creates receiver ``index`` at its own daemon;
+    ``allGather`` shares the tickets (and each task's ``note``); every task
+    sends ``inputs[r]`` to receiver ``r`` as channel ``index``. Returns the
+    receiver's result records (None for a task without one) and the notes.
+
+    Two guards keep a result from ever missing a sender: a stage attempt
+    must run all ``planned_tasks`` tasks (Spark re-runs only the failed tasks
+    of a stage when the others had already succeeded; their receivers could
+    then never hear every sender, so the attempt fails instead of giving
+    partial sums), and no task returns before every task has finished its
+    part (a final ``barrier()``), so one task cannot succeed while another
+    fails, which is what makes Spark re-run a stage partially."""
+    index, tasks = ctx.partitionId(), len(ctx.getTaskInfos())
+    if tasks != planned_tasks:
+        raise KvError(f"fanin.spark: this attempt of the barrier stage runs {tasks} of its {planned_tasks} tasks "
+                      "(Spark re-ran only some); a receiver needs every sender, so it cannot give complete sums: "
+                      "run the job again")
+    socket_path = socket_path or default_socket()
+    receiver = Client(socket_path) if index < receivers else None
+    try:
+        ticket = receiver.create(tasks, **options) if receiver else None
+        shared = [json.loads(m) for m in ctx.allGather(json.dumps({"ticket": ticket, "note": note}))]
+        tickets = [m["ticket"] for m in shared[:receivers]]
+        failures: list[BaseException] = []
+
+        def send(r: int) -> None:
+            try:
+                with Client(socket_path) as c:
+                    c.send_bytes(tickets[r], index, inputs[r])
+            except BaseException as e:  # raised below, after the wait
+                failures.append(e)
+
+        senders = [threading.Thread(target=send, args=(r,), daemon=True) for r in range(receivers)]
+        for t in senders:
+            t.start()
+        # a sender's failure reaches this receiver as SenderFailed
+        data = receiver.wait_records(ticket)[0] if receiver else None
+        for t in senders:
+            t.join()
+        if failures:
+            raise KvError(f"task {index}: a sender failed: {failures[0]}")
+    finally:
+        if receiver is not None:
+            receiver.close()  # an unfinished task is aborted with it
+    ctx.barrier()
+    return data, [m["note"] for m in shared]
+
+
 class _ReduceTask:
     """The body of one barrier task (pickled to the executors)."""
 
-    def __init__(self, receivers: int, socket_path: Optional[str], options: dict, encoded: bool) -> None:
+    def __init__(self, receivers: int, tasks: int, socket_path: Optional[str], options: dict, encoded: bool) -> None:
         self.receivers = receivers
+        self.tasks = tasks
         self.encoded = encoded
         self.socket_path = socket_path
         self.options = options
@@ -112,9 +165,8 @@ class _ReduceTask:
     def __call__(self, index: int, items: Iterable[Any]) -> Iterator[tuple[Any, int]]:
         from pyspark import BarrierTaskContext
 
-        ctx = BarrierTaskContext.get()
-        socket_path = self.socket_path or default_socket()
-        tasks = len(ctx.getTaskInfos())
+        from fanin.kv import decode_results
+
         # Encode first: bad input fails this task before any key-value task
         # exists (Spark then kills the others, which abort theirs).
         if self.encoded:
@@ -126,41 +178,15 @@ class _ReduceTask:
                 key_types |= group[1]
         else:
             inputs, key_types = _encode(index, items, self.receivers)
-        receiver = Client(socket_path) if index < self.receivers else None
-        try:
-            ticket = receiver.create(tasks, **self.options) if receiver else None
-            shared = [json.loads(m) for m in ctx.allGather(json.dumps({"ticket": ticket, "key_types": key_types}))]
-            tickets = [m["ticket"] for m in shared[: self.receivers]]
-            seen = 0
-            for m in shared:
-                seen |= m["key_types"]
-            if seen == 3:
-                raise KvError("fanin.spark: keys mix str and bytes; Spark would count 'a' and b'a' apart, the "
-                              "daemons compare bytes: make every key one type")
-            results: dict = {}
-            failures: list[BaseException] = []
-
-            def send(r: int) -> None:
-                try:
-                    with Client(socket_path) as c:
-                        c.send_bytes(tickets[r], index, inputs[r])
-                except BaseException as e:  # raised below, after the wait
-                    failures.append(e)
-
-            senders = [threading.Thread(target=send, args=(r,), daemon=True) for r in range(self.receivers)]
-            for t in senders:
-                t.start()
-            if receiver is not None:
-                # a sender's failure reaches this receiver as SenderFailed
-                results = receiver.wait(ticket, as_str=seen != 2)
-            for t in senders:
-                t.join()
-            if failures:
-                raise KvError(f"partition {index}: a sender failed: {failures[0]}")
-        finally:
-            if receiver is not None:
-                receiver.close()  # an unfinished task is aborted with it
-        return iter(results.items())
+        data, notes = barrier_reduce(BarrierTaskContext.get(), self.tasks, self.receivers, inputs, self.socket_path,
+                                     self.options, note=key_types)
+        seen = 0
+        for t in notes:  # every task's key types, this one's included
+            seen |= t
+        if seen == 3:
+            raise KvError("fanin.spark: keys mix str and bytes; Spark would count 'a' and b'a' apart, the "
+                          "daemons compare bytes: make every key one type")
+        return iter(decode_results(data, as_str=seen != 2).items()) if data is not None else iter(())
 
 
 def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path: Optional[str] = None,
@@ -199,7 +225,7 @@ def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path
         source = rdd.mapPartitionsWithIndex(_EncodeForTask(receivers, tasks)).partitionBy(tasks, _identity)
     else:
         source = rdd
-    reduced = source.barrier().mapPartitionsWithIndex(_ReduceTask(receivers, socket_path, options, encoded))
+    reduced = source.barrier().mapPartitionsWithIndex(_ReduceTask(receivers, tasks, socket_path, options, encoded))
     if partitions == receivers:
         # each receiver's keys stay together: partition r holds receiver r's sums
         placed = reduced.partitionBy(partitions, _ReceiverOf(receivers))

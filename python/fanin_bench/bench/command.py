@@ -250,6 +250,22 @@ def _add_kv_benches(bsub: Any) -> None:
         _corpus_options(wc, "runs per system, median reported (default 3, 1 with --quick)")
         wc.set_defaults(func=func)
 
+    gb = bsub.add_parser(
+        "kv-groupby", help="DataFrame group-by: fanin.spark.aggregate vs Spark's groupBy().agg(), results checked equal",
+        description="A generated table (k long, v long; uniform or Zipf-like keys) cached in Spark on local[2]; "
+                    "Spark's groupBy('k').agg(sum, count, min, max of v) and fanin.spark.aggregate with the same "
+                    "aggregates alternate (a real switch and kv daemon). Results are compared in Spark. Medians, "
+                    "speed-up; JSON with --json, CSV and PNG to --out.",
+        epilog="example: fanin bench kv-groupby --quick --json\n"
+               "         fanin bench kv-groupby --rows 10000000 --groups 100000,1000000 --dists uniform,zipf")
+    gb.add_argument("--out", default="out/kv", help="directory for CSV and PNG (default %(default)s)")
+    gb.add_argument("--rows", type=int, help="rows of the table (default 10^7, 10^6 with --quick)")
+    gb.add_argument("--groups", help="comma list of distinct keys (default 100000,1000000; 100000 with --quick)")
+    gb.add_argument("--dists", help="comma list of uniform,zipf (default both)")
+    gb.add_argument("--repeats", type=int, help="runs per system, median reported (default 3, 1 with --quick)")
+    _common(gb)
+    gb.set_defaults(func=_lazy("kv_groupby", "run_kv_groupby"))
+
     kw = bsub.add_parser("kv-window", help="fanin WordCount time at several sender windows (the default W's measurement)",
                          description="The fanin arm of kv-wordcount only, at each window of --windows, interleaved "
                                      "in one process against one switch and daemon; every count is checked against "

@@ -1,0 +1,397 @@
+//! Columnar input for group-by aggregation: Arrow columns in, `tuples`
+//! records out, and the result records back into groups.
+//!
+//! A Spark DataFrame reaches Python as Arrow record batches; the extension
+//! hands their buffers here without touching a row in Python. A row of
+//! group columns `by` and value columns `v₀..vₙ` becomes one tuple per value
+//! column: key = the group key ([`KeyFormat`]) followed, when the format is
+//! `tagged`, by the value column's index byte; value = the row's value
+//! (int64). A null value sends nothing (Spark's `sum`, `min`, `max` and
+//! `count` skip nulls), so a row whose values are all null sends a
+//! *presence* tuple (index [`PRESENCE`]) to keep its group in the result.
+//! The receivers' per-key `sum | count | min | max` then give every
+//! aggregate Spark's `groupBy().agg()` offers for integers.
+
+use std::collections::HashMap;
+
+use fanin_proto::kv::{receiver_partition, Aggregate};
+
+use crate::records::{push_tuple, read_results, KeyTooLong, TruncatedResults};
+
+/// Value-column index of a presence tuple (a row whose values were all null).
+pub const PRESENCE: u8 = 0xFF;
+/// Most value columns one aggregation takes (an index byte, [`PRESENCE`] reserved).
+pub const MAX_VALUE_COLUMNS: usize = 255;
+
+/// The physical type of an Arrow column this module reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Signed integers of 1, 2, 4 or 8 bytes (little-endian).
+    Int(usize),
+    /// `utf8` / `binary` (`large`: 64-bit offsets).
+    Bytes { large: bool },
+    /// No column: every row counts 1 (`count(*)`).
+    One,
+}
+
+impl Kind {
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "int8" => Kind::Int(1),
+            "int16" => Kind::Int(2),
+            "int32" => Kind::Int(4),
+            "int64" => Kind::Int(8),
+            "utf8" | "binary" => Kind::Bytes { large: false },
+            "large_utf8" | "large_binary" => Kind::Bytes { large: true },
+            "one" => Kind::One,
+            _ => return None,
+        })
+    }
+}
+
+/// Columns that do not describe valid Arrow data.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ColumnError {
+    #[error("column {0}: {1}")]
+    Invalid(usize, &'static str),
+    #[error("columns of {0} and {1} rows in one batch")]
+    Lengths(usize, usize),
+    #[error("{0}")]
+    KeyTooLong(#[from] KeyTooLong),
+    #[error("a value column of type {0:?} cannot be aggregated (integers only)")]
+    ValueKind(Kind),
+    #[error("{0} value columns; at most {MAX_VALUE_COLUMNS}")]
+    TooManyValues(usize),
+    #[error("{0}")]
+    Results(#[from] TruncatedResults),
+    #[error("result key of {0} bytes does not match the group key format")]
+    BadKey(usize),
+}
+
+/// One Arrow array (its buffers, as pyarrow's `Array.buffers()` gives them).
+#[derive(Debug, Clone, Copy)]
+pub struct Column<'a> {
+    pub kind: Kind,
+    /// The array's offset into its buffers (a sliced array).
+    pub offset: usize,
+    pub len: usize,
+    pub validity: Option<&'a [u8]>,
+    /// Value offsets (`Bytes`); empty otherwise.
+    pub offsets: &'a [u8],
+    /// Values (`Int`: `len` integers; `Bytes`: the bytes).
+    pub data: &'a [u8],
+}
+
+impl<'a> Column<'a> {
+    /// Check every buffer is long enough for `len` rows, once, so that the
+    /// row accessors cannot read out of bounds.
+    pub fn validate(&self, index: usize) -> Result<(), ColumnError> {
+        let end = self.offset + self.len;
+        if let Some(v) = self.validity {
+            if v.len() * 8 < end {
+                return Err(ColumnError::Invalid(index, "validity bitmap shorter than the rows"));
+            }
+        }
+        match self.kind {
+            Kind::One => Ok(()),
+            Kind::Int(w) if self.data.len() < end * w => Err(ColumnError::Invalid(index, "data shorter than the rows")),
+            Kind::Int(_) => Ok(()),
+            Kind::Bytes { large } => {
+                let w = if large { 8 } else { 4 };
+                if self.len > 0 && self.offsets.len() < (end + 1) * w {
+                    return Err(ColumnError::Invalid(index, "offsets shorter than the rows"));
+                }
+                for i in 0..self.len {
+                    let (a, b) = (self.offset_at(i), self.offset_at(i + 1));
+                    if a > b || b > self.data.len() {
+                        return Err(ColumnError::Invalid(index, "offsets out of order or beyond the data"));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    pub fn is_null(&self, i: usize) -> bool {
+        let bit = self.offset + i;
+        self.validity.is_some_and(|v| v[bit / 8] & (1 << (bit % 8)) == 0)
+    }
+
+    fn offset_at(&self, i: usize) -> usize {
+        let at = self.offset + i;
+        match self.kind {
+            Kind::Bytes { large: true } => i64::from_le_bytes(self.offsets[at * 8..at * 8 + 8].try_into().unwrap()) as usize,
+            _ => i32::from_le_bytes(self.offsets[at * 4..at * 4 + 4].try_into().unwrap()) as usize,
+        }
+    }
+
+    pub fn int(&self, i: usize) -> i64 {
+        let at = self.offset + i;
+        match self.kind {
+            Kind::Int(1) => self.data[at] as i8 as i64,
+            Kind::Int(2) => i16::from_le_bytes(self.data[at * 2..at * 2 + 2].try_into().unwrap()) as i64,
+            Kind::Int(4) => i32::from_le_bytes(self.data[at * 4..at * 4 + 4].try_into().unwrap()) as i64,
+            Kind::Int(_) => i64::from_le_bytes(self.data[at * 8..at * 8 + 8].try_into().unwrap()),
+            Kind::One => 1,
+            Kind::Bytes { .. } => 0,
+        }
+    }
+
+    pub fn bytes(&self, i: usize) -> &'a [u8] {
+        &self.data[self.offset_at(i)..self.offset_at(i + 1)]
+    }
+}
+
+/// How group keys are laid out in a tuple key. Per group column: a tag byte
+/// (0 null, 1 value) if the column is nullable; an integer as its own width,
+/// big-endian; bytes with a `u32 LE` length unless the column is the last.
+/// Then, if `tagged`, the value column's index byte. A single non-nullable
+/// string column with one value column is thus the string itself (a word
+/// count's keys stay as short as the words, for the switch's short slots).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyFormat {
+    /// (kind, nullable) per group column.
+    pub columns: Vec<(Kind, bool)>,
+    pub tagged: bool,
+}
+
+impl KeyFormat {
+    fn push_key(&self, keys: &[Column], row: usize, out: &mut Vec<u8>) {
+        let last = self.columns.len().saturating_sub(1);
+        for (j, (col, &(kind, nullable))) in keys.iter().zip(&self.columns).enumerate() {
+            let null = col.is_null(row);
+            if nullable {
+                out.push(!null as u8);
+            }
+            if null {
+                continue;
+            }
+            match kind {
+                Kind::Int(w) => out.extend_from_slice(&col.int(row).to_be_bytes()[8 - w..]),
+                Kind::Bytes { .. } => {
+                    let b = col.bytes(row);
+                    if j != last {
+                        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+                    }
+                    out.extend_from_slice(b);
+                }
+                Kind::One => {}
+            }
+        }
+    }
+
+    /// The group columns of a key built by [`KeyFormat::push_key`] (without
+    /// the index byte): `None` for a null.
+    pub fn split<'k>(&self, mut key: &'k [u8]) -> Result<Vec<Option<&'k [u8]>>, ColumnError> {
+        let whole = key.len();
+        let last = self.columns.len().saturating_sub(1);
+        let mut out = Vec::with_capacity(self.columns.len());
+        for (j, &(kind, nullable)) in self.columns.iter().enumerate() {
+            if nullable {
+                let (&tag, rest) = key.split_first().ok_or(ColumnError::BadKey(whole))?;
+                key = rest;
+                if tag == 0 {
+                    out.push(None);
+                    continue;
+                }
+            }
+            let n = match kind {
+                Kind::Int(w) => w,
+                Kind::Bytes { .. } if j == last => key.len(),
+                Kind::Bytes { .. } => {
+                    let head: [u8; 4] = key.get(..4).ok_or(ColumnError::BadKey(whole))?.try_into().unwrap();
+                    key = &key[4..];
+                    u32::from_le_bytes(head) as usize
+                }
+                Kind::One => 0,
+            };
+            let (value, rest) = key.split_at_checked(n).ok_or(ColumnError::BadKey(whole))?;
+            out.push(Some(value));
+            key = rest;
+        }
+        if !key.is_empty() {
+            return Err(ColumnError::BadKey(whole));
+        }
+        Ok(out)
+    }
+}
+
+/// Append one batch's tuples to `outs` (one `tuples` input per receiver,
+/// split by [`receiver_partition`] of the group key).
+pub fn encode_batch(format: &KeyFormat, keys: &[Column], values: &[Column], outs: &mut [Vec<u8>]) -> Result<(), ColumnError> {
+    if values.len() > MAX_VALUE_COLUMNS {
+        return Err(ColumnError::TooManyValues(values.len()));
+    }
+    let rows = keys.first().or(values.first()).map_or(0, |c| c.len);
+    for (i, c) in keys.iter().chain(values).enumerate() {
+        if c.len != rows {
+            return Err(ColumnError::Lengths(rows, c.len));
+        }
+        c.validate(i)?;
+    }
+    if let Some(v) = values.iter().find(|v| matches!(v.kind, Kind::Bytes { .. })) {
+        return Err(ColumnError::ValueKind(v.kind));
+    }
+    let receivers = outs.len() as u32;
+    let mut key = Vec::with_capacity(64);
+    for row in 0..rows {
+        key.clear();
+        format.push_key(keys, row, &mut key);
+        let group_len = key.len();
+        let out = &mut outs[receiver_partition(&key[..group_len], receivers) as usize];
+        let mut sent = false;
+        for (v, col) in values.iter().enumerate() {
+            if col.is_null(row) {
+                continue;
+            }
+            if format.tagged {
+                key.truncate(group_len);
+                key.push(v as u8);
+            }
+            push_tuple(out, &key, col.int(row))?;
+            sent = true;
+        }
+        if !sent {
+            key.truncate(group_len);
+            key.push(PRESENCE);
+            push_tuple(out, &key, 0)?;
+        }
+    }
+    Ok(())
+}
+
+/// The groups of a result file: group key (as [`KeyFormat`] wrote it, index
+/// byte removed) and, per value column, its aggregate (`None`: no non-null
+/// value in the group). Order: as the file lists them.
+pub fn group_results(data: &[u8], format: &KeyFormat, values: usize) -> Result<Vec<(Vec<u8>, Vec<Option<Aggregate>>)>, ColumnError> {
+    let mut at: HashMap<Vec<u8>, usize> = HashMap::new();
+    let mut groups: Vec<(Vec<u8>, Vec<Option<Aggregate>>)> = Vec::new();
+    for record in read_results(data) {
+        let (key, agg) = record?;
+        let (group, index) = if format.tagged {
+            let (&i, g) = key.split_last().ok_or(ColumnError::BadKey(0))?;
+            (g, i as usize)
+        } else {
+            (key, 0)
+        };
+        let slot = *at.entry(group.to_vec()).or_insert_with(|| {
+            groups.push((group.to_vec(), vec![None; values]));
+            groups.len() - 1
+        });
+        if index == PRESENCE as usize {
+            continue;
+        }
+        let cell = groups[slot].1.get_mut(index).ok_or(ColumnError::BadKey(key.len()))?;
+        // one record per key: a second would be a receiver bug, merge anyway
+        match cell {
+            Some(a) => {
+                a.merge(&agg);
+            }
+            None => *cell = Some(agg),
+        }
+    }
+    Ok(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::{Cursor, InputFormat};
+
+    /// Result records as the daemon writes them (short keys).
+    fn result_file<'a>(entries: impl IntoIterator<Item = (&'a [u8], &'a Aggregate)>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (key, a) in entries {
+            out.extend_from_slice(&(key.len() as u16).to_le_bytes());
+            for w in [a.sum as u64, a.count, a.min as u64, a.max as u64] {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
+            out.extend_from_slice(key);
+        }
+        out
+    }
+
+    fn utf8<'a>(offsets: &'a [u8], data: &'a [u8], len: usize, validity: Option<&'a [u8]>) -> Column<'a> {
+        Column { kind: Kind::Bytes { large: false }, offset: 0, len, validity, offsets, data }
+    }
+
+    fn offsets(strs: &[&str]) -> (Vec<u8>, Vec<u8>) {
+        let mut off = vec![0i32];
+        let mut data = Vec::new();
+        for s in strs {
+            data.extend_from_slice(s.as_bytes());
+            off.push(data.len() as i32);
+        }
+        (off.iter().flat_map(|o| o.to_le_bytes()).collect(), data)
+    }
+
+    #[test]
+    fn rows_become_tuples_and_results_come_back_as_groups() {
+        // group by (s: nullable utf8, n: int32), values a (int64, a null) and b (int16)
+        let (off, data) = offsets(&["x", "", "x"]);
+        let validity_s = [0b101u8]; // row 1's string is null
+        let s = utf8(&off, &data, 3, Some(&validity_s));
+        let n_data: Vec<u8> = [7i32, 7, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let n = Column { kind: Kind::Int(4), offset: 0, len: 3, validity: None, offsets: &[], data: &n_data };
+        let a_data: Vec<u8> = [5i64, 6, -2].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let validity_a = [0b011u8]; // row 2's a is null
+        let a = Column { kind: Kind::Int(8), offset: 0, len: 3, validity: Some(&validity_a), offsets: &[], data: &a_data };
+        let b_data: Vec<u8> = [1i16, 2, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let b = Column { kind: Kind::Int(2), offset: 0, len: 3, validity: None, offsets: &[], data: &b_data };
+        let format = KeyFormat { columns: vec![(Kind::Bytes { large: false }, true), (Kind::Int(4), false)], tagged: true };
+        let mut outs = vec![Vec::new(); 1];
+        encode_batch(&format, &[s, n], &[a, b], &mut outs).unwrap();
+        // sum them as a receiver would, write results, read groups back
+        let mut sums: HashMap<Vec<u8>, Aggregate> = HashMap::new();
+        let mut reader = Cursor::new(&outs[0], InputFormat::Tuples);
+        let mut tuples = 0;
+        while let Some((k, v)) = reader.next_tuple().unwrap() {
+            tuples += 1;
+            sums.entry(k.to_vec()).and_modify(|a| { a.merge(&Aggregate::of(v)); }).or_insert(Aggregate::of(v));
+        }
+        assert_eq!(tuples, 5); // row 2 sends b only
+        let file = result_file(sums.iter().map(|(k, a)| (k.as_slice(), a)));
+        let mut groups = group_results(&file, &format, 2).unwrap();
+        groups.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(groups.len(), 2);
+        let keys: Vec<_> = groups.iter().map(|(k, _)| format.split(k).unwrap()).collect();
+        assert_eq!(keys[0], vec![None, Some(&7i32.to_be_bytes()[..])]);
+        assert_eq!(keys[1], vec![Some(&b"x"[..]), Some(&7i32.to_be_bytes()[..])]);
+        let x = &groups[1].1;
+        assert_eq!((x[0].unwrap().sum, x[0].unwrap().count), (5, 1));
+        assert_eq!((x[1].unwrap().sum, x[1].unwrap().min, x[1].unwrap().max), (4, 1, 3));
+        let null_group = &groups[0].1;
+        assert_eq!((null_group[0].unwrap().sum, null_group[1].unwrap().sum), (6, 2));
+    }
+
+    #[test]
+    fn a_row_with_only_null_values_keeps_its_group() {
+        let (off, data) = offsets(&["k"]);
+        let s = utf8(&off, &data, 1, None);
+        let v_data = 0i64.to_le_bytes();
+        let none = [0u8];
+        let v = Column { kind: Kind::Int(8), offset: 0, len: 1, validity: Some(&none), offsets: &[], data: &v_data };
+        let format = KeyFormat { columns: vec![(Kind::Bytes { large: false }, false)], tagged: true };
+        let mut outs = vec![Vec::new()];
+        encode_batch(&format, &[s], &[v], &mut outs).unwrap();
+        let mut key = b"k".to_vec();
+        key.push(PRESENCE);
+        let file = result_file([(key.as_slice(), &Aggregate::of(0))]);
+        assert_eq!(group_results(&file, &format, 1).unwrap(), vec![(b"k".to_vec(), vec![None])]);
+        assert_eq!(outs[0].len(), crate::records::TUPLE_HEAD + 2);
+    }
+
+    #[test]
+    fn bad_buffers_and_value_kinds_are_refused() {
+        let (off, data) = offsets(&["ab", "c"]);
+        let short = utf8(&off[..8], &data, 2, None);
+        let format = KeyFormat { columns: vec![(Kind::Bytes { large: false }, false)], tagged: false };
+        let one = Column { kind: Kind::One, offset: 0, len: 2, validity: None, offsets: &[], data: &[] };
+        let mut outs = vec![Vec::new()];
+        assert!(matches!(encode_batch(&format, &[short], &[one], &mut outs), Err(ColumnError::Invalid(0, _))));
+        let good = utf8(&off, &data, 2, None);
+        assert!(matches!(encode_batch(&format, &[good], &[good], &mut outs), Err(ColumnError::ValueKind(_))));
+        let three = Column { len: 3, ..one };
+        assert!(matches!(encode_batch(&format, &[good], &[three], &mut outs), Err(ColumnError::Lengths(2, 3))));
+    }
+}

@@ -1,0 +1,172 @@
+//! `fanin.spark.aggregate`'s columnar path: Arrow buffers (as numpy uint8
+//! views, no copy, no row in Python) into `tuples` inputs, and result files
+//! back into Arrow buffers (`fanin_kv::columns` does the work).
+
+use numpy::PyReadonlyArray1;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use fanin_kv::columns::{encode_batch, group_results, Column, KeyFormat, Kind};
+
+use crate::errors::InvalidPair;
+
+/// One Arrow array from Python: (kind, offset, length, validity, offsets,
+/// data), the buffers uint8 numpy views or None.
+type ColumnSpec<'py> = (
+    String,
+    usize,
+    usize,
+    Option<PyReadonlyArray1<'py, u8>>,
+    Option<PyReadonlyArray1<'py, u8>>,
+    Option<PyReadonlyArray1<'py, u8>>,
+);
+
+fn kind(name: &str) -> PyResult<Kind> {
+    Kind::parse(name).ok_or_else(|| PyValueError::new_err(format!("column kind {name:?} is not one fanin reads")))
+}
+
+fn key_format(columns: Vec<(String, bool)>, tagged: bool) -> PyResult<KeyFormat> {
+    let columns = columns.into_iter().map(|(k, n)| Ok((kind(&k)?, n))).collect::<PyResult<Vec<_>>>()?;
+    Ok(KeyFormat { columns, tagged })
+}
+
+fn slice<'a>(a: &'a Option<PyReadonlyArray1<'_, u8>>) -> PyResult<Option<&'a [u8]>> {
+    a.as_ref().map(|a| a.as_slice().map_err(|e| PyValueError::new_err(format!("buffer: {e}")))).transpose()
+}
+
+fn columns<'a>(specs: &'a [ColumnSpec<'_>]) -> PyResult<Vec<Column<'a>>> {
+    specs
+        .iter()
+        .map(|(k, offset, len, validity, offsets, data)| {
+            Ok(Column {
+                kind: kind(k)?,
+                offset: *offset,
+                len: *len,
+                validity: slice(validity)?,
+                offsets: slice(offsets)?.unwrap_or(&[]),
+                data: slice(data)?.unwrap_or(&[]),
+            })
+        })
+        .collect()
+}
+
+/// `GroupEncoder(key_columns, tagged, receivers)`: ``add(keys, values)``
+/// per record batch, then ``finish()`` gives one `tuples` input per
+/// receiver. `key_columns`: [(kind, nullable)] of the group columns.
+#[pyclass(module = "fanin._native")]
+pub(crate) struct GroupEncoder {
+    format: KeyFormat,
+    outs: Vec<Vec<u8>>,
+}
+
+#[pymethods]
+impl GroupEncoder {
+    #[new]
+    fn new(key_columns: Vec<(String, bool)>, tagged: bool, receivers: u32) -> PyResult<Self> {
+        if receivers == 0 {
+            return Err(PyValueError::new_err("receivers must be at least 1"));
+        }
+        Ok(Self { format: key_format(key_columns, tagged)?, outs: vec![Vec::new(); receivers as usize] })
+    }
+
+    fn add(&mut self, py: Python<'_>, keys: Vec<ColumnSpec<'_>>, values: Vec<ColumnSpec<'_>>) -> PyResult<()> {
+        let keys = columns(&keys)?;
+        let values = columns(&values)?;
+        let (format, outs) = (&self.format, &mut self.outs);
+        py.detach(|| encode_batch(format, &keys, &values, outs)).map_err(|e| InvalidPair::new_err(e.to_string()))
+    }
+
+    /// The inputs, one per receiver (the encoder is empty afterwards).
+    fn finish<'py>(&mut self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        let n = self.outs.len();
+        std::mem::replace(&mut self.outs, vec![Vec::new(); n]).iter().map(|o| PyBytes::new(py, o)).collect()
+    }
+}
+
+/// Arrow buffers of one output column: (validity or None, offsets or None, data).
+type Buffers<'py> = (Option<Bound<'py, PyBytes>>, Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>);
+
+/// `decode_groups(data, key_columns, tagged, values, aggs)`: a result file
+/// as Arrow buffers: `(rows, key buffers, agg buffers)`. `aggs`: [(value
+/// column, "sum" | "count" | "min" | "max")]; aggregates are int64, null
+/// where the group had no non-null value (count: 0). Key columns keep their
+/// kind (integers in their width, bytes with int32 offsets).
+#[pyfunction]
+pub(crate) fn decode_groups<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    key_columns: Vec<(String, bool)>,
+    tagged: bool,
+    values: usize,
+    aggs: Vec<(usize, String)>,
+) -> PyResult<(usize, Vec<Buffers<'py>>, Vec<Buffers<'py>>)> {
+    let format = key_format(key_columns, tagged)?;
+    let bad = |e: fanin_kv::columns::ColumnError| PyValueError::new_err(e.to_string());
+    let groups = py.detach(|| group_results(data, &format, values)).map_err(bad)?;
+    let rows = groups.len();
+    let bitmap = |valid: &dyn Fn(usize) -> bool| {
+        let mut bits = vec![0u8; rows.div_ceil(8)];
+        let mut all = true;
+        for i in 0..rows {
+            if valid(i) {
+                bits[i / 8] |= 1 << (i % 8);
+            } else {
+                all = false;
+            }
+        }
+        (!all).then(|| PyBytes::new(py, &bits))
+    };
+    let split = groups.iter().map(|(k, _)| format.split(k)).collect::<Result<Vec<_>, _>>().map_err(bad)?;
+    let mut key_out = Vec::new();
+    for (j, &(kind, _)) in format.columns.iter().enumerate() {
+        let validity = bitmap(&|i| split[i][j].is_some());
+        match kind {
+            Kind::Int(w) => {
+                let mut out = Vec::with_capacity(rows * w);
+                for parts in &split {
+                    let mut be = [0u8; 8];
+                    if let Some(v) = parts[j] {
+                        be[8 - w..].copy_from_slice(v);
+                    }
+                    out.extend(be[8 - w..].iter().rev());
+                }
+                key_out.push((validity, None, PyBytes::new(py, &out)));
+            }
+            _ => {
+                let mut offsets = Vec::with_capacity((rows + 1) * 4);
+                let mut bytes = Vec::new();
+                offsets.extend_from_slice(&0i32.to_le_bytes());
+                for parts in &split {
+                    bytes.extend_from_slice(parts[j].unwrap_or(&[]));
+                    let end = i32::try_from(bytes.len())
+                        .map_err(|_| PyValueError::new_err("group keys over 2 GiB in one result: use more receivers"))?;
+                    offsets.extend_from_slice(&end.to_le_bytes());
+                }
+                key_out.push((validity, Some(PyBytes::new(py, &offsets)), PyBytes::new(py, &bytes)));
+            }
+        }
+    }
+    let mut agg_out = Vec::new();
+    for (v, name) in &aggs {
+        if *v >= values {
+            return Err(PyValueError::new_err(format!("aggregate of value column {v}; there are {values}")));
+        }
+        let pick: fn(&fanin_proto::kv::Aggregate) -> i64 = match name.as_str() {
+            "sum" => |a| a.sum,
+            "count" => |a| a.count as i64,
+            "min" => |a| a.min,
+            "max" => |a| a.max,
+            other => return Err(PyValueError::new_err(format!("aggregate {other:?}: use sum, count, min or max"))),
+        };
+        let is_count = name == "count";
+        let validity = if is_count { None } else { bitmap(&|i| groups[i].1[*v].is_some()) };
+        let mut out = Vec::with_capacity(rows * 8);
+        for (_, aggs) in &groups {
+            let x = aggs[*v].as_ref().map_or(0, pick);
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        agg_out.push((validity, None, PyBytes::new(py, &out)));
+    }
+    Ok((rows, key_out, agg_out))
+}

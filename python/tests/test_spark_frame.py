@@ -1,0 +1,108 @@
+"""fanin.spark.aggregate: DataFrame groupBy().agg() through fanin with Arrow
+batches end to end, on a real local Spark, a real switch and kv daemon;
+every result must equal Spark's own groupBy().agg()."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("pyspark")
+pytest.importorskip("pyarrow")
+pytest.importorskip("pandas")  # PySpark's mapInArrow imports it
+
+from fanin.kv import DaemonProcess, KvError  # noqa: E402
+from fanin.proc import SwitchProcess  # noqa: E402
+from fanin.spark import aggregate, ensure_java_home  # noqa: E402
+from fanin.switch import switch_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def service():
+    sw = SwitchProcess(switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None))
+    d = DaemonProcess(sw.control_addr)
+    yield d
+    d.stop()
+    sw.stop()
+
+
+@pytest.fixture(scope="module")
+def spark():
+    ensure_java_home()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    from pyspark.sql import SparkSession
+
+    session = (SparkSession.builder.master("local[2,4]").appName("fanin-frame-test")
+               .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4").getOrCreate())
+    session.sparkContext.setLogLevel("FATAL")
+    yield session
+    session.stop()
+
+
+def spark_agg(df, by, pairs):
+    from pyspark.sql import functions as F
+
+    exprs = [(F.count(F.lit(1)).alias("count(1)") if col == "*" else
+              getattr(F, fn)(col).alias(f"{fn}({col})")) for col, fn in pairs]
+    return df.groupBy(*by).agg(*exprs)
+
+
+def rows_of(df):
+    return sorted(map(tuple, df.collect()), key=repr)
+
+
+@pytest.mark.parametrize("input_partitions", [2, 5])
+def test_nullable_string_and_int_groups_with_every_aggregate_equal_spark(spark, service, input_partitions):
+    """2 partitions: one barrier stage; 5 (more than the 2 slots): encoded
+    first, then moved to the barrier tasks. Null keys form a group, null
+    values are skipped, a group whose values are all null keeps its row."""
+    rows = [(f"k{i % 37}" if i % 11 else None, i % 5, (i * 7) - 300 if i % 13 else None) for i in range(20_000)]
+    rows += [("all-null", 9, None)] * 3
+    df = spark.createDataFrame(rows, "k string, g int, v long").repartition(input_partitions)
+    pairs = [("v", "sum"), ("v", "count"), ("v", "min"), ("v", "max"), ("*", "count")]
+    got = aggregate(df, by=["k", "g"], agg=pairs, socket_path=service.socket_path)
+    assert got.columns == ["k", "g", "sum(v)", "count(v)", "min(v)", "max(v)", "count(1)"]
+    assert got.schema == spark_agg(df, ["k", "g"], pairs).schema
+    assert rows_of(got) == rows_of(spark_agg(df, ["k", "g"], pairs))
+    assert got.filter("k = 'all-null'").collect()[0][2:] == (None, 0, None, None, 3)
+    assert got.limit(2).count() == 2  # an ordinary DataFrame: partial jobs work
+
+
+def test_binary_long_and_invalid_utf8_keys_and_small_integer_types(spark, service):
+    keys = [b"\xff\xfe", b"L" * 5000, bytes(range(256)) * 8, b"", b"plain"]
+    rows = [(keys[i % len(keys)], -(i % 3), i % 128 - 64, i - 1000) for i in range(5000)]
+    df = spark.createDataFrame(rows, "b binary, n long, s short, v int").repartition(2)
+    pairs = [("v", "sum"), ("s", "min"), ("s", "max"), ("v", "max")]
+    got = aggregate(df, by=["b", "n"], agg=pairs, socket_path=service.socket_path)
+    assert got.schema == spark_agg(df, ["b", "n"], pairs).schema
+    assert rows_of(got) == rows_of(spark_agg(df, ["b", "n"], pairs))
+
+
+def test_word_count_and_num_partitions(spark, service):
+    words = spark.createDataFrame([(w,) for w in ("to be or not to be " * 2000).split()], "word string")
+    got = aggregate(words, by="word", agg={"*": "count"}, num_partitions=3, socket_path=service.socket_path)
+    assert got.rdd.getNumPartitions() == 3
+    assert dict(map(tuple, got.collect())) == {"to": 4000, "be": 4000, "or": 2000, "not": 2000}
+
+
+def test_bad_requests_are_refused_at_once_with_what_to_change(spark, service):
+    df = spark.createDataFrame([("a", 1.5, 1)], "k string, x double, v long")
+    with pytest.raises(TypeError, match="'x' is double; fanin aggregates integer columns"):
+        aggregate(df, by="k", agg={"x": "sum"}, socket_path=service.socket_path)
+    with pytest.raises(TypeError, match="group column 'x' is double"):
+        aggregate(df, by="x", agg={"v": "sum"}, socket_path=service.socket_path)
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        aggregate(df, by="k", agg={"nope": "sum"}, socket_path=service.socket_path)
+    with pytest.raises(ValueError, match="'avg' for 'v'; fanin computes sum, count, min, max"):
+        aggregate(df, by="k", agg={"v": "avg"}, socket_path=service.socket_path)
+    with pytest.raises(ValueError, match="'\\*' takes only 'count'"):
+        aggregate(df, by="k", agg={"*": "sum"}, socket_path=service.socket_path)
+
+
+def test_an_int64_overflow_raises_instead_of_a_wrapped_sum(spark, service):
+    df = spark.createDataFrame([("k", 2**62)] * 4, "k string, v long").repartition(2)
+    with pytest.raises(KvError, match="overflowed"):
+        aggregate(df, by="k", agg={"v": "sum"}, socket_path=service.socket_path)
