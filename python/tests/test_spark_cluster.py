@@ -49,8 +49,10 @@ def daemon_stats(cluster) -> list[dict]:
     return out
 
 
-def settle(cluster, switch, timeout: float = 30) -> None:
-    """Every daemon's tasks ended and every switch region released."""
+def settle(cluster, switch, timeout: float = 60) -> None:
+    """Every daemon's tasks ended and every switch region released (a
+    receiver of a killed attempt whose sender never joined ends after
+    2 x silence_ms, 20 s)."""
     deadline = time.monotonic() + timeout
     with ControlClient(switch.control_addr) as control:
         while time.monotonic() < deadline:

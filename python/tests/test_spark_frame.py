@@ -106,3 +106,22 @@ def test_an_int64_overflow_raises_instead_of_a_wrapped_sum(spark, service):
     df = spark.createDataFrame([("k", 2**62)] * 4, "k string, v long").repartition(2)
     with pytest.raises(KvError, match="overflowed"):
         aggregate(df, by="k", agg={"v": "sum"}, socket_path=service.socket_path)
+
+
+def test_the_kv_groupby_bench_checks_results_and_prints_json(tmp_path):
+    """A small `fanin bench kv-groupby` run: its own Spark and switch, the
+    result compared with Spark's in Spark, JSON with the speed-up."""
+    import json
+    import subprocess
+
+    import fanin
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(fanin.__file__)))
+    r = subprocess.run([sys.executable, "-m", "fanin", "bench", "kv-groupby", "--rows", "20000", "--groups", "500",
+                        "--dists", "uniform,zipf", "--repeats", "1", "--json", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["all_equal"] and [x["dist"] for x in out["results"]] == ["uniform", "zipf"]
+    assert all(x["speedup_vs_dataframe"] > 0 and x["distinct_keys"] <= 500 for x in out["results"])
+    assert (tmp_path / "kv-groupby.png").stat().st_size > 0 and (tmp_path / "kv-groupby.csv").exists()

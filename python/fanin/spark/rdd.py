@@ -49,11 +49,14 @@ __all__ = ["reduce_by_key", "reduce_by_key_as_map", "default_socket", "task_slot
 #: (a standalone worker passes its environment to its executors).
 SOCKET_ENV = "FANIN_KV_SOCKET"
 
-# An input partition is computed (and encoded) before it is streamed, so a
-# sender can be silent for as long as Spark takes to compute a partition.
-# Dead executors are noticed by Spark itself (the stage fails and its tasks
-# are killed); the daemon's silence timer is only the backstop here.
-SPARK_SILENCE_MS = 300_000
+# Every task encodes its whole input before the tickets are exchanged, so
+# once a receiver exists its senders join within milliseconds and report
+# progress every silence_ms / 5. A sender that never joins or stops
+# (its task killed by Spark before its send began, its executor lost) is
+# then declared failed after 2 x / 1 x silence_ms and its receiver's task
+# ends, instead of holding a switch region for many minutes; 10 s leaves
+# room for a loaded machine's pauses.
+SPARK_SILENCE_MS = 10_000
 
 
 def default_socket() -> str:
@@ -202,7 +205,7 @@ def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path
     ``socket_path``: the kv daemon's socket on every executor host
     (default ``$FANIN_KV_SOCKET`` there, else ``/tmp/fanin-kv.sock``).
     ``options`` go to every key-value task (``aa_size``, ``window``, ...
-    of :meth:`fanin.kv.Client.create`); ``silence_ms`` defaults to 5 minutes.
+    of :meth:`fanin.kv.Client.create`); ``silence_ms`` defaults to 10 s.
     """
     from pyspark import StorageLevel  # noqa: F401  (pyspark must be importable)
 
