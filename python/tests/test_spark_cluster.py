@@ -15,17 +15,8 @@ import pytest
 pytest.importorskip("pyspark")
 
 from fanin.control import ControlClient  # noqa: E402
-from fanin.proc import SwitchProcess  # noqa: E402
 from fanin.spark import reduce_by_key  # noqa: E402
 from fanin.spark.cluster import StandaloneCluster  # noqa: E402
-from fanin.switch import switch_config  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def switch():
-    sw = SwitchProcess(switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None))
-    yield sw
-    sw.stop()
 
 
 @pytest.fixture(scope="module")

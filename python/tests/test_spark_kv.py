@@ -16,16 +16,7 @@ pyspark = pytest.importorskip("pyspark")
 
 from fanin import _native  # noqa: E402
 from fanin.kv import DaemonProcess, KvError  # noqa: E402
-from fanin.proc import SwitchProcess  # noqa: E402
 from fanin.spark import ensure_java_home, reduce_by_key, reduce_by_key_as_map  # noqa: E402
-from fanin.switch import switch_config  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def switch():
-    sw = SwitchProcess(switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None))
-    yield sw
-    sw.stop()
 
 
 @pytest.fixture(scope="module")

@@ -260,12 +260,16 @@ pub fn encode_batch(format: &KeyFormat, keys: &[Column], values: &[Column], outs
     Ok(())
 }
 
+/// One group of a result: its key ([`KeyFormat`], index byte removed) and
+/// per value column its aggregate (`None`: no non-null value).
+pub type Group = (Vec<u8>, Vec<Option<Aggregate>>);
+
 /// The groups of a result file: group key (as [`KeyFormat`] wrote it, index
 /// byte removed) and, per value column, its aggregate (`None`: no non-null
 /// value in the group). Order: as the file lists them.
-pub fn group_results(data: &[u8], format: &KeyFormat, values: usize) -> Result<Vec<(Vec<u8>, Vec<Option<Aggregate>>)>, ColumnError> {
+pub fn group_results(data: &[u8], format: &KeyFormat, values: usize) -> Result<Vec<Group>, ColumnError> {
     let mut at: HashMap<Vec<u8>, usize> = HashMap::new();
-    let mut groups: Vec<(Vec<u8>, Vec<Option<Aggregate>>)> = Vec::new();
+    let mut groups: Vec<Group> = Vec::new();
     for record in read_results(data) {
         let (key, agg) = record?;
         let (group, index) = if format.tagged {

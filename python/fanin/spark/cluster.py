@@ -193,15 +193,21 @@ class StandaloneCluster:
 
     def executor_pids(self, worker: int) -> list[int]:
         """PIDs of the executor JVMs worker ``worker`` launched."""
-        out = subprocess.run(["pgrep", "-P", str(self._worker_jvms[worker].proc.pid)], capture_output=True,
-                             text=True).stdout
+        parent = self._worker_jvms[worker].proc.pid
         pids = []
-        for pid in out.split():
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
             try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    # pid (comm) state ppid ...: comm may hold spaces, so split after ')'
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                if ppid != parent:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
                     if b"CoarseGrainedExecutorBackend" in f.read():
-                        pids.append(int(pid))
-            except OSError:
+                        pids.append(int(entry))
+            except (OSError, IndexError, ValueError):
                 pass
         return pids
 
