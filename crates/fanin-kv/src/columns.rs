@@ -142,12 +142,16 @@ impl<'a> Column<'a> {
     }
 }
 
-/// How group keys are laid out in a tuple key. Per group column: a tag byte
-/// (0 null, 1 value) if the column is nullable; an integer as its own width,
-/// big-endian; bytes with a `u32 LE` length unless the column is the last.
-/// Then, if `tagged`, the value column's index byte. A single non-nullable
-/// string column with one value column is thus the string itself (a word
-/// count's keys stay as short as the words, for the switch's short slots).
+/// How group keys are laid out in a tuple key. Per group column: an integer
+/// as the LEB128 varint of its zigzag code (plus 1 if the column is
+/// nullable, 0 being null), so small keys take one to three bytes whatever
+/// the column's width; bytes after a tag byte (0 null, 1 value) if the
+/// column is nullable, with a `u32 LE` length unless the column is the last.
+/// Then, if `tagged`, the value column's index byte. Keys stay short for the
+/// switch's short slots (at most 7 bytes): a single non-nullable string
+/// column with one value column is the string itself, a nullable long key
+/// under 2^20 with an index byte is 4 bytes (it was 10 at full width, a
+/// medium slot).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyFormat {
     /// (kind, nullable) per group column.
@@ -160,6 +164,11 @@ impl KeyFormat {
         let last = self.columns.len().saturating_sub(1);
         for (j, (col, &(kind, nullable))) in keys.iter().zip(&self.columns).enumerate() {
             let null = col.is_null(row);
+            if let Kind::Int(_) = kind {
+                let code = if null { 0 } else { zigzag(col.int(row)) as u128 + nullable as u128 };
+                push_varint(out, code);
+                continue;
+            }
             if nullable {
                 out.push(!null as u8);
             }
@@ -167,7 +176,7 @@ impl KeyFormat {
                 continue;
             }
             match kind {
-                Kind::Int(w) => out.extend_from_slice(&col.int(row).to_be_bytes()[8 - w..]),
+                Kind::Int(_) => {}
                 Kind::Bytes { .. } => {
                     let b = col.bytes(row);
                     if j != last {
@@ -181,39 +190,90 @@ impl KeyFormat {
     }
 
     /// The group columns of a key built by [`KeyFormat::push_key`] (without
-    /// the index byte): `None` for a null.
-    pub fn split<'k>(&self, mut key: &'k [u8]) -> Result<Vec<Option<&'k [u8]>>, ColumnError> {
+    /// the index byte).
+    pub fn split<'k>(&self, mut key: &'k [u8]) -> Result<Vec<Part<'k>>, ColumnError> {
         let whole = key.len();
+        let bad = || ColumnError::BadKey(whole);
         let last = self.columns.len().saturating_sub(1);
         let mut out = Vec::with_capacity(self.columns.len());
         for (j, &(kind, nullable)) in self.columns.iter().enumerate() {
+            if let Kind::Int(_) = kind {
+                let (code, n) = read_varint(key).ok_or_else(bad)?;
+                key = &key[n..];
+                out.push(match (nullable, code) {
+                    (true, 0) => Part::Null,
+                    (true, c) => Part::Int(unzigzag(u64::try_from(c - 1).map_err(|_| bad())?)),
+                    (false, c) => Part::Int(unzigzag(u64::try_from(c).map_err(|_| bad())?)),
+                });
+                continue;
+            }
             if nullable {
-                let (&tag, rest) = key.split_first().ok_or(ColumnError::BadKey(whole))?;
+                let (&tag, rest) = key.split_first().ok_or_else(bad)?;
                 key = rest;
                 if tag == 0 {
-                    out.push(None);
+                    out.push(Part::Null);
                     continue;
                 }
             }
             let n = match kind {
-                Kind::Int(w) => w,
                 Kind::Bytes { .. } if j == last => key.len(),
                 Kind::Bytes { .. } => {
-                    let head: [u8; 4] = key.get(..4).ok_or(ColumnError::BadKey(whole))?.try_into().unwrap();
+                    let head: [u8; 4] = key.get(..4).ok_or_else(bad)?.try_into().unwrap();
                     key = &key[4..];
                     u32::from_le_bytes(head) as usize
                 }
-                Kind::One => 0,
+                Kind::Int(_) | Kind::One => 0,
             };
-            let (value, rest) = key.split_at_checked(n).ok_or(ColumnError::BadKey(whole))?;
-            out.push(Some(value));
+            let (value, rest) = key.split_at_checked(n).ok_or_else(bad)?;
+            out.push(Part::Bytes(value));
             key = rest;
         }
         if !key.is_empty() {
-            return Err(ColumnError::BadKey(whole));
+            return Err(bad());
         }
         Ok(out)
     }
+}
+
+/// One group column's value in a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part<'k> {
+    Null,
+    Int(i64),
+    Bytes(&'k [u8]),
+}
+
+fn zigzag(v: i64) -> u64 {
+    ((v << 1) ^ (v >> 63)) as u64
+}
+
+fn unzigzag(u: u64) -> i64 {
+    ((u >> 1) as i64) ^ -((u & 1) as i64)
+}
+
+/// LEB128 of a code up to 2^64 (10 bytes at most).
+fn push_varint(out: &mut Vec<u8>, mut v: u128) {
+    loop {
+        let byte = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(byte);
+            return;
+        }
+        out.push(byte | 0x80);
+    }
+}
+
+/// A varint at the start of `key` and its length; `None` if cut or over 10 bytes.
+fn read_varint(key: &[u8]) -> Option<(u128, usize)> {
+    let mut v = 0u128;
+    for (i, &b) in key.iter().enumerate().take(10) {
+        v |= ((b & 0x7f) as u128) << (7 * i);
+        if b & 0x80 == 0 {
+            return Some((v, i + 1));
+        }
+    }
+    None
 }
 
 /// Append one batch's tuples to `outs` (one `tuples` input per receiver,
@@ -359,13 +419,35 @@ mod tests {
         groups.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(groups.len(), 2);
         let keys: Vec<_> = groups.iter().map(|(k, _)| format.split(k).unwrap()).collect();
-        assert_eq!(keys[0], vec![None, Some(&7i32.to_be_bytes()[..])]);
-        assert_eq!(keys[1], vec![Some(&b"x"[..]), Some(&7i32.to_be_bytes()[..])]);
+        assert_eq!(keys[0], vec![Part::Null, Part::Int(7)]);
+        assert_eq!(keys[1], vec![Part::Bytes(b"x"), Part::Int(7)]);
         let x = &groups[1].1;
         assert_eq!((x[0].unwrap().sum, x[0].unwrap().count), (5, 1));
         assert_eq!((x[1].unwrap().sum, x[1].unwrap().min, x[1].unwrap().max), (4, 1, 3));
         let null_group = &groups[0].1;
         assert_eq!((null_group[0].unwrap().sum, null_group[1].unwrap().sum), (6, 2));
+    }
+
+    #[test]
+    fn integer_keys_are_varints_that_round_trip_at_every_width_and_null() {
+        for nullable in [false, true] {
+            let format = KeyFormat { columns: vec![(Kind::Int(8), nullable)], tagged: false };
+            for v in [0i64, 1, -1, 63, -64, 64, 1 << 20, i64::MIN, i64::MAX] {
+                let data = v.to_le_bytes();
+                let col = Column { kind: Kind::Int(8), offset: 0, len: 1, validity: None, offsets: &[], data: &data };
+                let mut key = Vec::new();
+                format.push_key(&[col], 0, &mut key);
+                assert_eq!(format.split(&key).unwrap(), vec![Part::Int(v)], "{v} nullable {nullable}");
+                assert!(key.len() <= 10);
+                if (-63..63).contains(&v) {
+                    assert_eq!(key.len(), 1, "{v} takes one byte");
+                }
+            }
+        }
+        let format = KeyFormat { columns: vec![(Kind::Int(4), true)], tagged: false };
+        assert_eq!(format.split(&[0]).unwrap(), vec![Part::Null]);
+        assert!(format.split(&[0x80]).is_err()); // cut varint
+        assert!(format.split(&[0xff; 11]).is_err()); // too long
     }
 
     #[test]

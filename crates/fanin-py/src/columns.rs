@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use fanin_kv::columns::{encode_batch, group_results, Column, KeyFormat, Kind};
+use fanin_kv::columns::{encode_batch, group_results, Column, KeyFormat, Kind, Part};
 
 use crate::errors::InvalidPair;
 
@@ -120,16 +120,13 @@ pub(crate) fn decode_groups<'py>(
     let split = groups.iter().map(|(k, _)| format.split(k)).collect::<Result<Vec<_>, _>>().map_err(bad)?;
     let mut key_out = Vec::new();
     for (j, &(kind, _)) in format.columns.iter().enumerate() {
-        let validity = bitmap(&|i| split[i][j].is_some());
+        let validity = bitmap(&|i| split[i][j] != Part::Null);
         match kind {
             Kind::Int(w) => {
                 let mut out = Vec::with_capacity(rows * w);
                 for parts in &split {
-                    let mut be = [0u8; 8];
-                    if let Some(v) = parts[j] {
-                        be[8 - w..].copy_from_slice(v);
-                    }
-                    out.extend(be[8 - w..].iter().rev());
+                    let v = if let Part::Int(v) = parts[j] { v } else { 0 };
+                    out.extend_from_slice(&v.to_le_bytes()[..w]);
                 }
                 key_out.push((validity, None, PyBytes::new(py, &out)));
             }
@@ -138,7 +135,9 @@ pub(crate) fn decode_groups<'py>(
                 let mut bytes = Vec::new();
                 offsets.extend_from_slice(&0i32.to_le_bytes());
                 for parts in &split {
-                    bytes.extend_from_slice(parts[j].unwrap_or(&[]));
+                    if let Part::Bytes(b) = parts[j] {
+                        bytes.extend_from_slice(b);
+                    }
                     let end = i32::try_from(bytes.len())
                         .map_err(|_| PyValueError::new_err("group keys over 2 GiB in one result: use more receivers"))?;
                     offsets.extend_from_slice(&end.to_le_bytes());
