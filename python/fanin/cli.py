@@ -36,6 +36,7 @@ examples:
   fanin bench kv-traffic --quick               # word counts: share absorbed by the switch
   fanin bench kv-wordcount --quick             # fanin vs PreAggr vs PySpark vs DataFrame
   fanin bench kv-window --quick                # fanin WordCount at sender windows 1024, 2048, 4096
+  fanin bench kv-groupby --quick --json        # DataFrame group-by: fanin.spark.aggregate vs groupBy().agg()
   fanin kv daemon --socket /tmp/fanin-kv.sock  # key-value host daemon (docs/kv.md)
 """
 

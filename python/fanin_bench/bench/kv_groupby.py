@@ -34,14 +34,14 @@ __all__ = ["run_kv_groupby"]
 AGGS = [("v", "sum"), ("v", "count"), ("v", "min"), ("v", "max")]
 
 
-def _table(spark: Any, rows: int, groups: int, dist: str) -> Any:
+def _table(spark: Any, rows: int, groups: int, dist: str, seed: int) -> Any:
     from pyspark.sql import functions as F
 
     base = spark.range(0, rows, numPartitions=SENDERS)
     if dist == "uniform":
         key = F.pmod(F.xxhash64("id"), F.lit(groups))
     elif dist == "zipf":
-        key = F.least(F.floor(F.exp(F.rand(7) * F.log(F.lit(float(groups))))), F.lit(groups)) - 1
+        key = F.least(F.floor(F.exp(F.rand(seed) * F.log(F.lit(float(groups))))), F.lit(groups)) - 1
     else:
         raise SystemExit(f"kv-groupby: unknown distribution {dist!r}; use uniform or zipf")
     value = F.pmod(F.xxhash64("id", F.lit(1)), F.lit(2_000_001)) - 1_000_000
@@ -68,7 +68,7 @@ def run_kv_groupby(args: Any) -> int:
     with kv_service(send_channels=SENDERS) as svc:
         for dist in dists:
             for groups in groups_list:
-                table = _table(spark, rows_n, groups, dist).cache()
+                table = _table(spark, rows_n, groups, dist, args.seed).cache()
                 table.count()
                 expected = _spark_groupby(table)
                 got = aggregate(table, by="k", agg=AGGS, socket_path=svc.daemon.socket_path)
