@@ -164,20 +164,15 @@ impl KeyFormat {
         let last = self.columns.len().saturating_sub(1);
         for (j, (col, &(kind, nullable))) in keys.iter().zip(&self.columns).enumerate() {
             let null = col.is_null(row);
-            if let Kind::Int(_) = kind {
-                let code = if null { 0 } else { zigzag(col.int(row)) as u128 + nullable as u128 };
-                push_varint(out, code);
-                continue;
-            }
-            if nullable {
-                out.push(!null as u8);
-            }
-            if null {
-                continue;
-            }
             match kind {
-                Kind::Int(_) => {}
+                Kind::Int(_) => push_varint(out, if null { 0 } else { zigzag(col.int(row)) as u128 + nullable as u128 }),
                 Kind::Bytes { .. } => {
+                    if nullable {
+                        out.push(!null as u8);
+                    }
+                    if null {
+                        continue;
+                    }
                     let b = col.bytes(row);
                     if j != last {
                         out.extend_from_slice(&(b.len() as u32).to_le_bytes());
@@ -328,7 +323,8 @@ pub type Group = (Vec<u8>, Vec<Option<Aggregate>>);
 /// byte removed) and, per value column, its aggregate (`None`: no non-null
 /// value in the group). Order: as the file lists them.
 pub fn group_results(data: &[u8], format: &KeyFormat, values: usize) -> Result<Vec<Group>, ColumnError> {
-    let mut at: HashMap<Vec<u8>, usize> = HashMap::new();
+    // group keys borrowed from the file: one copy each, in `groups`
+    let mut at: HashMap<&[u8], usize> = HashMap::new();
     let mut groups: Vec<Group> = Vec::new();
     for record in read_results(data) {
         let (key, agg) = record?;
@@ -338,7 +334,7 @@ pub fn group_results(data: &[u8], format: &KeyFormat, values: usize) -> Result<V
         } else {
             (key, 0)
         };
-        let slot = *at.entry(group.to_vec()).or_insert_with(|| {
+        let slot = *at.entry(group).or_insert_with(|| {
             groups.push((group.to_vec(), vec![None; values]));
             groups.len() - 1
         });

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator, Optional, Union
 
 from fanin.kv import KvError
-from fanin.spark.rdd import SPARK_SILENCE_MS, _task_error, barrier_reduce, task_slots
+from fanin.spark.rdd import SPARK_SILENCE_MS, _task_error, barrier_reduce, barrier_shape, join_encoded
 
 __all__ = ["aggregate", "AGGREGATES"]
 
@@ -123,7 +123,7 @@ class _Plan:
 
 class _EncodeForTask:
     """Map side when the input has more partitions than slots: one row per
-    receiver with the partition's encoded tuples, for barrier task ``task``."""
+    partition, its encoded tuples per receiver, for barrier task ``task``."""
 
     def __init__(self, plan: _Plan, task_ids: list[int]) -> None:
         self.plan, self.task_ids = plan, task_ids
@@ -134,9 +134,8 @@ class _EncodeForTask:
 
         inputs = self.plan.encode(batches)
         task = self.task_ids[TaskContext.get().partitionId() % len(self.task_ids)]
-        yield pa.RecordBatch.from_arrays([pa.array([task] * len(inputs), pa.int64()),
-                                          pa.array(range(len(inputs)), pa.int32()), pa.array(inputs, pa.binary())],
-                                         names=["task", "receiver", "tuples"])
+        yield pa.RecordBatch.from_arrays([pa.array([task], pa.int64()), pa.array([inputs], pa.list_(pa.binary()))],
+                                         names=["task", "tuples"])
 
 
 class _GroupTask:
@@ -152,12 +151,8 @@ class _GroupTask:
         plan = self.plan
         ctx = BarrierTaskContext.get()
         if self.encoded:
-            inputs = [[] for _ in range(plan.receivers)]
-            for batch in batches:
-                rows = batch.to_pydict()  # a few rows per input partition, not per tuple
-                for r, data in zip(rows["receiver"], rows["tuples"]):
-                    inputs[r].append(data)
-            inputs = [b"".join(parts) for parts in inputs]
+            # one row per input partition, its receivers' inputs in a list
+            inputs = join_encoded((t for b in batches for t in b.column("tuples").to_pylist()), plan.receivers)
         else:
             inputs = plan.encode(batches)
         data, _ = barrier_reduce(ctx, self.tasks, plan.receivers, inputs, plan.socket_path, plan.options)
@@ -203,8 +198,6 @@ def aggregate(df: Any, by: Union[str, list[str]], agg: Union[dict, list], *, num
     by = [by] if isinstance(by, str) else list(by)
     if not by:
         raise ValueError("fanin.spark.aggregate: give at least one group column in by=")
-    if num_partitions is not None and num_partitions < 1:
-        raise ValueError(f"fanin.spark.aggregate: num_partitions must be at least 1, not {num_partitions}")
     pairs = _normalise(agg)
     fields = {f.name: f for f in df.schema.fields}
     key_kinds = []
@@ -247,14 +240,13 @@ def aggregate(df: Any, by: Union[str, list[str]], agg: Union[dict, list], *, num
     spark = df.sparkSession
     selected = df.select(*by, *[c for c in values if c != "*"])
     inputs = selected.rdd.getNumPartitions()
-    tasks = max(1, min(inputs, task_slots(spark.sparkContext)))
-    receivers = min(num_partitions or tasks, tasks)
+    tasks, receivers = barrier_shape(spark.sparkContext, inputs, num_partitions, "fanin.spark.aggregate")
     tagged = len(values) > 1 or any(fields[c].nullable for c in values if c != "*")
     plan = _Plan(by, key_kinds, values, value_kinds, tagged, aggs, out_types, receivers, socket_path, options)
     schema = T.StructType(out_fields)
     if inputs > tasks:
         ids = _task_ids(spark, tasks)
-        encoded = selected.mapInArrow(_EncodeForTask(plan, ids), "task long, receiver int, tuples binary")
+        encoded = selected.mapInArrow(_EncodeForTask(plan, ids), "task long, tuples array<binary>")
         source, is_encoded = encoded.repartition(tasks, "task"), True
     else:
         source, is_encoded = selected, False

@@ -81,6 +81,30 @@ def task_slots(sc: Any) -> int:
     return max(1, int(sc.defaultParallelism))
 
 
+def barrier_shape(sc: Any, inputs: int, num_partitions: Optional[int], who: str) -> tuple[int, int]:
+    """(tasks, receivers) of a distributed reduce over ``inputs`` partitions.
+
+    A barrier stage runs all its tasks at once, so at most as many tasks as
+    slots; Spark refuses one whose input has another partition count (a
+    coalesce), so an input with more partitions than that is encoded by an
+    ordinary stage and its encoded tuples moved to the tasks (the callers).
+    Receivers: ``num_partitions`` of them, at most one per task."""
+    if num_partitions is not None and num_partitions < 1:
+        raise ValueError(f"{who}: num_partitions must be at least 1, not {num_partitions}")
+    tasks = max(1, min(inputs, task_slots(sc)))
+    return tasks, min(num_partitions or tasks, tasks)
+
+
+def join_encoded(groups: Iterable[list], receivers: int) -> list[bytes]:
+    """The per-receiver inputs of several encoded partitions, concatenated
+    (records are self-delimiting)."""
+    parts: list[list[bytes]] = [[] for _ in range(receivers)]
+    for group in groups:
+        for r in range(receivers):
+            parts[r].append(group[r])
+    return [b"".join(p) for p in parts]
+
+
 def _encode(index: int, pairs: Iterable[Any], receivers: int) -> tuple[list, int]:
     """A partition's pairs as ``receivers`` tuples inputs (in the extension)."""
     from fanin import _native
@@ -175,10 +199,10 @@ class _ReduceTask:
         if self.encoded:
             # (input partition, (inputs, key_types)) groups of _encode
             parts = [group for _, group in items]
-            inputs = [b"".join(group[0][r] for group in parts) for r in range(self.receivers)]
+            inputs = join_encoded((encoded for encoded, _ in parts), self.receivers)
             key_types = 0
-            for group in parts:
-                key_types |= group[1]
+            for _, types in parts:
+                key_types |= types
         else:
             inputs, key_types = _encode(index, items, self.receivers)
         data, notes = barrier_reduce(BarrierTaskContext.get(), self.tasks, self.receivers, inputs, self.socket_path,
@@ -207,21 +231,12 @@ def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path
     ``options`` go to every key-value task (``aa_size``, ``window``, ...
     of :meth:`fanin.kv.Client.create`); ``silence_ms`` defaults to 10 s.
     """
-    from pyspark import StorageLevel  # noqa: F401  (pyspark must be importable)
-
-    if num_partitions is not None and num_partitions < 1:
-        raise ValueError(f"fanin.spark: num_partitions must be at least 1, not {num_partitions}")
     options.setdefault("silence_ms", SPARK_SILENCE_MS)
     sc = rdd.context
     inputs = rdd.getNumPartitions()
+    tasks, receivers = barrier_shape(sc, inputs, num_partitions, "fanin.spark")
     if inputs == 0:
         return sc.parallelize([], num_partitions or 1)
-    # A barrier stage runs all its tasks at once, and Spark refuses one
-    # whose input has another partition count (a coalesce), so an input
-    # with more partitions than slots is encoded by an ordinary stage and
-    # its encoded tuples (not Python pairs) shuffled to `slots` tasks.
-    tasks = min(inputs, task_slots(sc))
-    receivers = min(num_partitions or tasks, tasks)
     partitions = num_partitions or receivers
     encoded = tasks < inputs
     if encoded:
