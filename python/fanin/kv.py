@@ -99,21 +99,27 @@ def _check_keys(keys: Optional[str], errors: str) -> None:
 Ticket = dict  # {"task_id": int, "control": "ip:port"}: what senders need
 
 
-def encode_tuples(pairs: Iterable[tuple[Key, int]]) -> bytes:
+def encode_tuples(pairs: Iterable[tuple[Key, Any]], value_type: str = "int64") -> bytes:
     """Records ``key_len u16 | value i64 | key`` (little-endian), the daemon's input format.
 
-    Keys are str (UTF-8) or bytes-like, values anything ``int()`` takes; the
-    loop runs in the extension (``fanin_kv::records::push_tuple``)."""
+    Keys are str (UTF-8) or bytes-like. Values: integers for an int64 task;
+    with ``value_type="float64"`` anything ``float()`` takes, sent as its
+    float64 bits (for a task created with that value type). The loop runs
+    in the extension (``fanin_kv::records::push_tuple``)."""
     from fanin import _native
 
     try:
-        return _native.encode_tuples(pairs)
+        return _native.encode_tuples(pairs, value_type)
     except _native.InvalidPair as e:  # not an error the iterable itself raised
         raise KvError(str(e)) from None
 
 
-def decode_results(data: bytes, *, as_str: bool = True, errors: str = "strict") -> dict[Key, int]:
+def decode_results(data: bytes, *, as_str: bool = True, errors: str = "strict",
+                   value_type: str = "int64") -> dict[Key, Any]:
     """Result records (``key_len | sum | count | min | max | key``) -> {key: sum}.
+
+    Sums are int, or float when ``value_type`` is "float64" (the task's:
+    ``wait`` passes the daemon's word for it).
 
     Keys are str (UTF-8; with ``errors="strict"`` a key that is not raises
     ``UnicodeDecodeError``, with ``"surrogateescape"`` it decodes
@@ -123,7 +129,7 @@ def decode_results(data: bytes, *, as_str: bool = True, errors: str = "strict") 
     from fanin import _native
 
     _check_keys(None, errors)
-    return _native.decode_results(data, as_str, errors)
+    return _native.decode_results(data, as_str, errors, value_type)
 
 
 def _shm_path(tag: str) -> str:
@@ -177,10 +183,14 @@ class Client:
         shadow_copies, swap_threshold, silence_ms, auth (default True: a
         keyed task, every datagram sealed and verified, docs/security.md;
         False for an unkeyed one), key (32 hex digits: a keyed task with
-        this task key) (see docs/kv.md §10).
+        this task key), value_type ("int64", the default, or "float64":
+        how the switch and the receiver add the values; a float64 task's
+        senders send float bits, ``send`` does that from the ticket) (see
+        docs/kv.md §10).
         """
         reply = self.request({"op": "create", "senders": senders, **options})
-        return {"task_id": reply["task_id"], "control": reply["control"]}
+        return {"task_id": reply["task_id"], "control": reply["control"],
+                "value_type": reply.get("value_type", "int64")}
 
     def wait(self, ticket: Ticket, *, as_str: bool = True, errors: str = "strict", with_stats: bool = False) -> Any:
         """Block until the task's results are complete; {key: sum}.
@@ -194,15 +204,17 @@ class Client:
         aggregate to give)."""
         _check_keys(None, errors)
         data, reply = self.wait_records(ticket, partial_ok=True)
+        value_type = reply.get("value_type", "int64")
         if not reply.get("ok"):
             # the senders' failure is the error to report: a partial result
             # is decoded so that no key can mask it
-            partial = decode_results(data, as_str=as_str, errors="surrogateescape" if as_str else errors)
+            partial = decode_results(data, as_str=as_str, errors="surrogateescape" if as_str else errors,
+                                     value_type=value_type)
             raise SenderFailed(reply["error"], reply.get("failed", []), partial, reply)
         try:
-            results = decode_results(data, as_str=as_str, errors=errors)
+            results = decode_results(data, as_str=as_str, errors=errors, value_type=value_type)
         except UnicodeDecodeError as e:
-            raise KeyDecodeError(e, decode_results(data, as_str=False)) from None
+            raise KeyDecodeError(e, decode_results(data, as_str=False, value_type=value_type)) from None
         return (results, reply) if with_stats else results
 
     def wait_records(self, ticket: Ticket, *, partial_ok: bool = False) -> tuple[bytes, dict[str, Any]]:
@@ -265,9 +277,9 @@ class Client:
         return self.request({"op": "send", "ticket": ticket, "channel": channel,
                              "path": os.path.abspath(path), "format": format})
 
-    def send(self, ticket: Ticket, channel: int, pairs: Iterable[tuple[Key, int]]) -> dict[str, Any]:
-        """Stream (key, int) pairs as one channel of the task."""
-        return self.send_bytes(ticket, channel, encode_tuples(pairs))
+    def send(self, ticket: Ticket, channel: int, pairs: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
+        """Stream (key, value) pairs as one channel of the task (values of the ticket's value type)."""
+        return self.send_bytes(ticket, channel, encode_tuples(pairs, ticket.get("value_type", "int64")))
 
     def stats(self) -> dict[str, Any]:
         return self.request({"op": "stats"})
@@ -298,7 +310,7 @@ class Client:
             raise FileNotFoundError(f"fanin.kv: input {missing[0]!r} does not exist (or is not a file)")
         as_str = keys == "str" if keys is not None else _keys_are_str(channels, format)
         if format == "tuples":
-            channels = [encode_tuples(ch) for ch in channels]
+            channels = [encode_tuples(ch, options.get("value_type", "int64")) for ch in channels]
         ticket = self.create(len(channels), **options)
         failures: list[BaseException] = []
 

@@ -266,6 +266,38 @@ def test_an_int64_sum_that_overflows_raises_instead_of_wrapping(daemon):
         assert c.aggregate([("a", 2**62), ("a", -(2**62)), ("b", 2)]) == {"a": 0, "b": 2}
 
 
+def test_float64_tasks_sum_floats_and_refuse_what_would_be_misread(switch, daemon, tmp_path):
+    """A float64 task: the switch's registers add floats (ints are taken as
+    floats); values are quarter multiples, so every order gives the same
+    sums. What would read integer bits as floats (text, a ticket of the
+    other type, a value type the daemon does not know) is refused."""
+    pairs = [(f"k{i % 97}", (i % 301 - 150) * 0.25) for i in range(50_000)] + [("int", 3), ("int", 4)]
+    want: dict = {}
+    for k, v in pairs:
+        want[k] = want.get(k, 0.0) + v
+    with daemon.client() as c:
+        got = c.aggregate([pairs[0::2], pairs[1::2]], value_type="float64")
+        assert got == want and all(isinstance(v, float) for v in got.values())
+        ticket = c.create(1, value_type="float64")
+        assert ticket["value_type"] == "float64"
+        assert [r["value_type"] for r in _regions(switch) if r["task_id"] == ticket["task_id"]] == ["float64"]
+        text = tmp_path / "words.txt"
+        text.write_bytes(b"a b a\n")
+        with daemon.client() as s:
+            with pytest.raises(KvError, match="sums float64 values; text input counts integer ones"):
+                s.send_file(ticket, 0, str(text), format="text")
+            with pytest.raises(KvError, match="sums float64 values but this input's are int64 .text counts integer"):
+                s.send_file(dict(ticket, value_type=None), 0, str(text), format="text")
+            with pytest.raises(KvError, match="task .* sums float64 values but this input's are int64"):
+                s.send(dict(ticket, value_type="int64"), 0, [("a", 1)])
+        c.abort(ticket)
+        with pytest.raises(KvError, match='value_type "float32": give "int64" or "float64"'):
+            c.create(1, value_type="float32")
+        with pytest.raises(KvError, match="value 'x' for key a is not a number"):
+            c.aggregate([("a", "x")], value_type="float64")
+    assert _wait_no_regions(switch) == []
+
+
 def _raw(daemon):
     import socket as socket_mod
 

@@ -4,6 +4,7 @@ every result must equal Spark's own groupBy().agg()."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -88,10 +89,69 @@ def test_word_count_and_num_partitions(spark, service):
     assert dict(map(tuple, got.collect())) == {"to": 4000, "be": 4000, "or": 2000, "not": 2000}
 
 
+def close(a, b, count_and_magnitude):
+    """float64 sums within rounding: both systems add in an order of their own."""
+    if a is None or b is None or isinstance(a, (str, bytes)) or isinstance(a, int):
+        return a == b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    n, magnitude = count_and_magnitude
+    return abs(a - b) <= max(n, 1) * 2**-52 * magnitude
+
+
+@pytest.mark.parametrize("input_partitions", [2, 5])
+def test_float_and_int_columns_together_equal_spark_within_rounding(spark, service, input_partitions):
+    """A double column (nulls, negatives, NaN, ±inf in some groups), a float
+    column and an int column in one call: two key-value tasks per receiver
+    (int64 and float64 registers). Sums within the bound of docs/kv.md,
+    min/max/count exact; Spark's types (sum of float is double)."""
+    import random
+
+    rng = random.Random(5)
+    rows = []
+    for i in range(30_000):
+        g = f"g{i % 101}"
+        x = None if i % 17 == 0 else rng.uniform(-1e6, 1e6)
+        if g == "g7":
+            x = float("nan") if i % 2 else 1.0
+        if g == "g8":
+            x = float("inf") if i % 3 == 0 else -2.5
+        rows.append((g, x, rng.uniform(-10, 10), i % 1000 - 500))
+    df = spark.createDataFrame(rows, "g string, x double, f float, n long").repartition(input_partitions)
+    pairs = [("x", "sum"), ("x", "min"), ("x", "max"), ("x", "count"), ("f", "sum"), ("f", "min"), ("f", "max"),
+             ("n", "sum"), ("n", "max"), ("*", "count")]
+    got = aggregate(df, by="g", agg=pairs, socket_path=service.socket_path)
+    want = spark_agg(df, ["g"], pairs)
+    assert got.schema == want.schema
+    got_rows, want_rows = rows_of(got), rows_of(want)
+    assert [r[0] for r in got_rows] == [r[0] for r in want_rows]
+    magnitude = {}
+    for g, x, f, _ in rows:
+        m = magnitude.setdefault(g, [0, 0.0, 0, 0.0])
+        if x is not None and math.isfinite(x):
+            m[0] += 1
+            m[1] += abs(x)
+        m[2] += 1
+        m[3] += abs(f)
+    for a, b in zip(got_rows, want_rows):
+        m = magnitude[a[0]]
+        assert close(a[1], b[1], (m[0], m[1])), (a, b)  # sum(x)
+        assert a[2:5] == b[2:5] or (a[0] == "g7" and math.isnan(a[3]) and math.isnan(b[3])), (a, b)
+        assert close(a[5], b[5], (m[2], m[3])), (a, b)  # sum(f)
+        assert a[6:] == b[6:], (a, b)
+    g7 = got.filter("g = 'g7'").collect()[0]
+    assert g7["min(x)"] == 1.0 and math.isnan(g7["max(x)"]), "NaN is above every number, as in Spark"
+    assert got.filter("g = 'g8'").collect()[0]["sum(x)"] == float("inf")
+
+
 def test_bad_requests_are_refused_at_once_with_what_to_change(spark, service):
-    df = spark.createDataFrame([("a", 1.5, 1)], "k string, x double, v long")
-    with pytest.raises(TypeError, match="'x' is double; fanin aggregates integer columns"):
-        aggregate(df, by="k", agg={"x": "sum"}, socket_path=service.socket_path)
+    from decimal import Decimal
+
+    df = spark.createDataFrame([("a", 1.5, 1, Decimal("1.5"))], "k string, x double, v long, d decimal(4,2)")
+    with pytest.raises(TypeError, match="'d' is decimal\\(4,2\\); fanin aggregates integer and float columns"):
+        aggregate(df, by="k", agg={"d": "sum"}, socket_path=service.socket_path)
     with pytest.raises(TypeError, match="group column 'x' is double"):
         aggregate(df, by="x", agg={"v": "sum"}, socket_path=service.socket_path)
     with pytest.raises(ValueError, match="no column 'nope'"):
@@ -123,5 +183,6 @@ def test_the_kv_groupby_bench_checks_results_and_prints_json(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["all_equal"] and [x["dist"] for x in out["results"]] == ["uniform", "zipf"]
+    assert out["value_type"] == "float64"
     assert all(x["speedup_vs_dataframe"] > 0 and x["distinct_keys"] <= 500 for x in out["results"])
     assert (tmp_path / "kv-groupby.png").stat().st_size > 0 and (tmp_path / "kv-groupby.csv").exists()

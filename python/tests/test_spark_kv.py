@@ -102,11 +102,25 @@ def test_empty_partitions_and_an_empty_rdd(sc, service):
     assert reduce_by_key(sc.emptyRDD(), socket_path=service.socket_path).collect() == []
 
 
+@pytest.mark.parametrize("input_partitions", [2, 5])
+def test_float64_values_sum_as_spark_does(sc, service, input_partitions):
+    """value_type="float64": floats (and ints, taken as floats) summed in
+    the switch's float registers; quarter multiples keep every sum exact
+    in any order, so the result must equal Spark's exactly."""
+    pairs = [(f"k{i % 53}", (i % 401 - 200) * 0.25 if i % 3 else i % 7) for i in range(40_000)]
+    rdd = sc.parallelize(pairs, input_partitions)
+    got = reduce_by_key_as_map(rdd, value_type="float64", socket_path=service.socket_path)
+    want = rdd.reduceByKey(operator.add).collectAsMap()
+    assert got == want and all(isinstance(v, float) for v in got.values())
+
+
 def test_mixed_key_types_and_float_values_are_refused_with_the_reason(sc, service):
     with pytest.raises(KvError, match="keys mix str and bytes"):
         reduce_by_key(sc.parallelize([("a", 1), (b"b", 1)], 2), socket_path=service.socket_path)
-    with pytest.raises(KvError, match=r"value 1.5 for key a is not an integer"):
+    with pytest.raises(KvError, match=r"value 1.5 for key a is not an integer \(an int64 task; value_type=.float64."):
         reduce_by_key(sc.parallelize([("a", 1.5)], 2), socket_path=service.socket_path)
+    with pytest.raises(ValueError, match="value_type 'float32'; use one of int64, float64"):
+        reduce_by_key(sc.parallelize([("a", 1.5)], 2), value_type="float32", socket_path=service.socket_path)
     with pytest.raises(ValueError, match="num_partitions"):
         reduce_by_key(sc.parallelize([("a", 1)], 2), num_partitions=0, socket_path=service.socket_path)
     t0 = time.monotonic()

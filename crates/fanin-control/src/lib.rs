@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use fanin_proto::job::{FailurePolicy, JobMode, JobSpec, JobSpecError, RateLimit, MAX_SOURCES, SWITCH_RANK_BASE};
-use fanin_proto::kv::{KvAdmitError, KvCounters, KvTaskSpec, Layout, TaskStats};
+use fanin_proto::kv::{KvAdmitError, KvCounters, KvTaskSpec, Layout, TaskStats, ValueType};
 use fanin_proto::switch::{AdmitError, Counters};
 use tonic::metadata::MetadataMap;
 use tonic::transport::server::TcpIncoming;
@@ -582,6 +582,16 @@ pub fn kv_spec_from_pb(spec: pb::KvRegionSpec) -> Result<KvTaskSpec<SocketAddr>,
     let max_channels = u16::try_from(spec.max_channels)
         .map_err(|_| Status::invalid_argument(format!("task {id}: max_channels {} is too large", spec.max_channels)))?;
     let mut out = KvTaskSpec::new(id, receiver, layout, spec.aa_size);
+    out.value_type = match pb::KvValueType::try_from(spec.value_type) {
+        Ok(pb::KvValueType::Int64) => ValueType::Int64,
+        Ok(pb::KvValueType::Float64) => ValueType::Float64,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "task {id}: value_type {} is unknown (0 = int64, 1 = float64)",
+                spec.value_type
+            )))
+        }
+    };
     out.tenant = spec.tenant;
     out.shadow_copies = spec.shadow_copies;
     out.window = spec.window;
@@ -611,6 +621,10 @@ pub fn kv_spec_to_pb(spec: &KvTaskSpec<SocketAddr>) -> pb::KvRegionSpec {
         max_channels: spec.max_channels.into(),
         idle_timeout_ms: spec.idle_timeout.as_millis().min(u32::MAX as u128) as u32,
         key: spec.key.map_or_else(Vec::new, |k| k.0.to_vec()),
+        value_type: match spec.value_type {
+            ValueType::Int64 => pb::KvValueType::Int64,
+            ValueType::Float64 => pb::KvValueType::Float64,
+        } as i32,
     }
 }
 
@@ -811,6 +825,12 @@ mod tests {
         let err = kv_spec_from_pb(bad).unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
         assert!(err.message().contains("key"), "{}", err.message());
+        spec.value_type = ValueType::Float64;
+        assert_eq!(kv_spec_from_pb(kv_spec_to_pb(&spec)).unwrap(), spec);
+        let mut bad = kv_spec_to_pb(&spec);
+        bad.value_type = 7;
+        let err = kv_spec_from_pb(bad).unwrap_err();
+        assert!(err.message().contains("value_type 7 is unknown"), "{}", err.message());
     }
 
     #[test]

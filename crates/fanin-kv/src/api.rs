@@ -57,6 +57,9 @@ pub struct CreateTask {
     pub swap_threshold: Option<u64>,
     /// A sender silent this long is declared failed (the daemon's setting).
     pub silence_ms: Option<u64>,
+    /// "int64" (unset) or "float64": how the switch and the receiver read
+    /// the values' 8 bytes (`fanin_proto::kv::ValueType`).
+    pub value_type: Option<String>,
     /// The task key, 32 hex digits; unset: one drawn here unless `auth` is false.
     pub key: Option<Value>,
     /// false: an unkeyed task (docs/security.md). Kept as JSON so that a
@@ -71,6 +74,10 @@ pub struct Ticket {
     pub task_id: u32,
     /// The receiver's daemon's control channel, ip:port.
     pub control: String,
+    /// The task's value type as `create` said it; a send checks it against
+    /// the task's (unset: not checked; text input is refused for floats anyway).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_type: Option<String>,
 }
 
 /// `send`.
@@ -112,8 +119,16 @@ pub struct NoFields {}
 #[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
 pub enum PeerRequest {
     /// A sender joins `channel` of the task; `control` is its daemon's
-    /// control channel (where an abort reaches it).
-    Join { task_id: u32, channel: u16, control: String },
+    /// control channel (where an abort reaches it). `value_type`: the type
+    /// its input's values are of, if it knows (text: int64; a ticket's);
+    /// refused before the channel joins when the task's differs.
+    Join {
+        task_id: u32,
+        channel: u16,
+        control: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        value_type: Option<String>,
+    },
     /// The sender's progress (its liveness, docs/kv.md §10).
     Progress { task_id: u32, channel: u16, progress: ProgressReport },
     /// The channel's FIN was acknowledged.
@@ -163,7 +178,7 @@ mod tests {
 
     #[test]
     fn peer_requests_round_trip() {
-        let join = PeerRequest::Join { task_id: 7, channel: 1, control: "127.0.0.1:5".into() };
+        let join = PeerRequest::Join { task_id: 7, channel: 1, control: "127.0.0.1:5".into(), value_type: None };
         let v = join.to_json();
         assert_eq!(v, json!({"op": "join", "task_id": 7, "channel": 1, "control": "127.0.0.1:5"}));
         assert!(matches!(parse::<PeerRequest>(&v, PEER_OPS, "control request"), Ok(PeerRequest::Join { task_id: 7, .. })));

@@ -6,15 +6,21 @@
 //! group columns `by` and value columns `v₀..vₙ` becomes one tuple per value
 //! column: key = the group key ([`KeyFormat`]) followed, when the format is
 //! `tagged`, by the value column's index byte; value = the row's value
-//! (int64). A null value sends nothing (Spark's `sum`, `min`, `max` and
-//! `count` skip nulls), so a row whose values are all null sends a
-//! *presence* tuple (index [`PRESENCE`]) to keep its group in the result.
-//! The receivers' per-key `sum | count | min | max` then give every
-//! aggregate Spark's `groupBy().agg()` offers for integers.
+//! (int64 or float64 bits). A null value sends nothing (Spark's `sum`,
+//! `min`, `max` and `count` skip nulls), so a row whose values are all null
+//! sends a *presence* tuple (index [`PRESENCE`]) to keep its group in the
+//! result. The receivers' per-key `sum | count | min | max` then give every
+//! aggregate Spark's `groupBy().agg()` offers for integers and floats.
+//!
+//! A key-value task has one value type (the switch's registers read every
+//! value of it as int64 or as float64), so integer and float value columns
+//! of one aggregation go to two tasks ([`ValueTasks`]): each receiver runs
+//! one task per value type present, and its result files are read together
+//! (the index byte says which column, hence which type, a key belongs to).
 
 use std::collections::HashMap;
 
-use fanin_proto::kv::{receiver_partition, Aggregate};
+use fanin_proto::kv::{float_bits, receiver_partition, Aggregate, ValueType};
 
 use crate::records::{push_tuple, read_results, KeyTooLong, TruncatedResults};
 
@@ -28,6 +34,8 @@ pub const MAX_VALUE_COLUMNS: usize = 255;
 pub enum Kind {
     /// Signed integers of 1, 2, 4 or 8 bytes (little-endian).
     Int(usize),
+    /// IEEE floats of 4 or 8 bytes (value columns only; aggregated as float64).
+    Float(usize),
     /// `utf8` / `binary` (`large`: 64-bit offsets).
     Bytes { large: bool },
     /// No column: every row counts 1 (`count(*)`).
@@ -41,11 +49,68 @@ impl Kind {
             "int16" => Kind::Int(2),
             "int32" => Kind::Int(4),
             "int64" => Kind::Int(8),
+            // pyarrow's names of float32 and float64
+            "float" => Kind::Float(4),
+            "double" => Kind::Float(8),
             "utf8" | "binary" => Kind::Bytes { large: false },
             "large_utf8" | "large_binary" => Kind::Bytes { large: true },
             "one" => Kind::One,
             _ => return None,
         })
+    }
+
+    /// The value type a value column of this kind is aggregated in (`One`:
+    /// none of its own; it counts rows in whatever task it joins).
+    pub fn value_type(self) -> Option<ValueType> {
+        match self {
+            Kind::Int(_) => Some(ValueType::Int64),
+            Kind::Float(_) => Some(ValueType::Float64),
+            Kind::Bytes { .. } | Kind::One => None,
+        }
+    }
+}
+
+/// The key-value tasks of one aggregation: one per value type among its
+/// value columns, in order of first appearance, and the task of each
+/// column. `count(*)` (`One`) and presence tuples join the first task,
+/// whatever its type: they only use the `count` register.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValueTasks {
+    pub types: Vec<ValueType>,
+    pub of_column: Vec<usize>,
+}
+
+impl ValueTasks {
+    pub fn new(kinds: &[Kind]) -> Result<Self, ColumnError> {
+        let mut types = Vec::new();
+        for k in kinds {
+            match k {
+                Kind::Bytes { .. } => return Err(ColumnError::ValueKind(*k)),
+                Kind::One => {}
+                _ => {
+                    let t = k.value_type().expect("numeric kinds have a value type");
+                    if !types.contains(&t) {
+                        types.push(t);
+                    }
+                }
+            }
+        }
+        if types.is_empty() {
+            types.push(ValueType::Int64);
+        }
+        let of_column =
+            kinds.iter().map(|k| k.value_type().and_then(|t| types.iter().position(|&x| x == t)).unwrap_or(0)).collect();
+        Ok(Self { types, of_column })
+    }
+
+    /// The value bits a row's value is sent as in its column's task.
+    fn value(&self, column: usize, col: &Column, row: usize) -> i64 {
+        match col.kind {
+            Kind::One if self.types[self.of_column[column]] == ValueType::Float64 => float_bits(1.0),
+            Kind::Float(4) => float_bits(f32::from_le_bytes(col.fixed::<4>(row)) as f64),
+            Kind::Float(_) => i64::from_le_bytes(col.fixed::<8>(row)),
+            _ => col.int(row),
+        }
     }
 }
 
@@ -58,8 +123,12 @@ pub enum ColumnError {
     Lengths(usize, usize),
     #[error("{0}")]
     KeyTooLong(#[from] KeyTooLong),
-    #[error("a value column of type {0:?} cannot be aggregated (integers only)")]
+    #[error("a value column of type {0:?} cannot be aggregated (integers and floats only)")]
     ValueKind(Kind),
+    #[error("a group column of type {0:?}: fanin groups by integers and bytes")]
+    KeyKind(Kind),
+    #[error("{outputs} outputs for {tasks} value tasks: give receivers x tasks")]
+    Outputs { outputs: usize, tasks: usize },
     #[error("{0} value columns; at most {MAX_VALUE_COLUMNS}")]
     TooManyValues(usize),
     #[error("{0}")]
@@ -94,8 +163,10 @@ impl<'a> Column<'a> {
         }
         match self.kind {
             Kind::One => Ok(()),
-            Kind::Int(w) if self.data.len() < end * w => Err(ColumnError::Invalid(index, "data shorter than the rows")),
-            Kind::Int(_) => Ok(()),
+            Kind::Int(w) | Kind::Float(w) if self.data.len() < end * w => {
+                Err(ColumnError::Invalid(index, "data shorter than the rows"))
+            }
+            Kind::Int(_) | Kind::Float(_) => Ok(()),
             Kind::Bytes { large } => {
                 let w = if large { 8 } else { 4 };
                 if self.len > 0 && self.offsets.len() < (end + 1) * w {
@@ -133,8 +204,14 @@ impl<'a> Column<'a> {
             Kind::Int(4) => i32::from_le_bytes(self.data[at * 4..at * 4 + 4].try_into().unwrap()) as i64,
             Kind::Int(_) => i64::from_le_bytes(self.data[at * 8..at * 8 + 8].try_into().unwrap()),
             Kind::One => 1,
-            Kind::Bytes { .. } => 0,
+            Kind::Bytes { .. } | Kind::Float(_) => 0,
         }
+    }
+
+    /// Row `i`'s `N` bytes (a fixed-width column).
+    fn fixed<const N: usize>(&self, i: usize) -> [u8; N] {
+        let at = (self.offset + i) * N;
+        self.data[at..at + N].try_into().unwrap()
     }
 
     pub fn bytes(&self, i: usize) -> &'a [u8] {
@@ -160,6 +237,14 @@ pub struct KeyFormat {
 }
 
 impl KeyFormat {
+    /// A format for group columns of integer and bytes kinds.
+    pub fn new(columns: Vec<(Kind, bool)>, tagged: bool) -> Result<Self, ColumnError> {
+        if let Some(&(k, _)) = columns.iter().find(|(k, _)| !matches!(k, Kind::Int(_) | Kind::Bytes { .. })) {
+            return Err(ColumnError::KeyKind(k));
+        }
+        Ok(Self { columns, tagged })
+    }
+
     fn push_key(&self, keys: &[Column], row: usize, out: &mut Vec<u8>) {
         let last = self.columns.len().saturating_sub(1);
         for (j, (col, &(kind, nullable))) in keys.iter().zip(&self.columns).enumerate() {
@@ -179,7 +264,7 @@ impl KeyFormat {
                     }
                     out.extend_from_slice(b);
                 }
-                Kind::One => {}
+                Kind::One | Kind::Float(_) => {} // refused by `KeyFormat::new`
             }
         }
     }
@@ -217,7 +302,7 @@ impl KeyFormat {
                     key = &key[4..];
                     u32::from_le_bytes(head) as usize
                 }
-                Kind::Int(_) | Kind::One => 0,
+                Kind::Int(_) | Kind::One | Kind::Float(_) => 0,
             };
             let (value, rest) = key.split_at_checked(n).ok_or_else(bad)?;
             out.push(Part::Bytes(value));
@@ -271,11 +356,22 @@ fn read_varint(key: &[u8]) -> Option<(u128, usize)> {
     None
 }
 
-/// Append one batch's tuples to `outs` (one `tuples` input per receiver,
-/// split by [`receiver_partition`] of the group key).
-pub fn encode_batch(format: &KeyFormat, keys: &[Column], values: &[Column], outs: &mut [Vec<u8>]) -> Result<(), ColumnError> {
+/// Append one batch's tuples to `outs`: one `tuples` input per receiver
+/// (split by [`receiver_partition`] of the group key) and value task,
+/// `outs[receiver * tasks.types.len() + task]`.
+pub fn encode_batch(
+    format: &KeyFormat,
+    tasks: &ValueTasks,
+    keys: &[Column],
+    values: &[Column],
+    outs: &mut [Vec<u8>],
+) -> Result<(), ColumnError> {
     if values.len() > MAX_VALUE_COLUMNS {
         return Err(ColumnError::TooManyValues(values.len()));
+    }
+    let per_receiver = tasks.types.len();
+    if values.len() != tasks.of_column.len() || outs.is_empty() || outs.len() % per_receiver != 0 {
+        return Err(ColumnError::Outputs { outputs: outs.len(), tasks: per_receiver });
     }
     let rows = keys.first().or(values.first()).map_or(0, |c| c.len);
     for (i, c) in keys.iter().chain(values).enumerate() {
@@ -287,13 +383,13 @@ pub fn encode_batch(format: &KeyFormat, keys: &[Column], values: &[Column], outs
     if let Some(v) = values.iter().find(|v| matches!(v.kind, Kind::Bytes { .. })) {
         return Err(ColumnError::ValueKind(v.kind));
     }
-    let receivers = outs.len() as u32;
+    let receivers = (outs.len() / per_receiver) as u32;
     let mut key = Vec::with_capacity(64);
     for row in 0..rows {
         key.clear();
         format.push_key(keys, row, &mut key);
         let group_len = key.len();
-        let out = &mut outs[receiver_partition(&key[..group_len], receivers) as usize];
+        let first = receiver_partition(&key[..group_len], receivers) as usize * per_receiver;
         let mut sent = false;
         for (v, col) in values.iter().enumerate() {
             if col.is_null(row) {
@@ -303,13 +399,14 @@ pub fn encode_batch(format: &KeyFormat, keys: &[Column], values: &[Column], outs
                 key.truncate(group_len);
                 key.push(v as u8);
             }
-            push_tuple(out, &key, col.int(row))?;
+            push_tuple(&mut outs[first + tasks.of_column[v]], &key, tasks.value(v, col, row))?;
             sent = true;
         }
         if !sent {
             key.truncate(group_len);
             key.push(PRESENCE);
-            push_tuple(out, &key, 0)?;
+            // 0 is 0.0 in a float task too
+            push_tuple(&mut outs[first], &key, 0)?;
         }
     }
     Ok(())
@@ -319,10 +416,13 @@ pub fn encode_batch(format: &KeyFormat, keys: &[Column], values: &[Column], outs
 /// per value column its aggregate (`None`: no non-null value).
 pub type Group = (Vec<u8>, Vec<Option<Aggregate>>);
 
-/// The groups of a result file: group key (as [`KeyFormat`] wrote it, index
-/// byte removed) and, per value column, its aggregate (`None`: no non-null
-/// value in the group). Order: as the file lists them.
-pub fn group_results(data: &[u8], format: &KeyFormat, values: usize) -> Result<Vec<Group>, ColumnError> {
+/// The groups of a receiver's result files (one per value task, read as
+/// one: records are self-delimiting): group key (as [`KeyFormat`] wrote it,
+/// index byte removed) and, per value column, its aggregate (`None`: no
+/// non-null value in the group; the value bits are of the column's type,
+/// `value_types`). Order: as the files list them.
+pub fn group_results(data: &[u8], format: &KeyFormat, value_types: &[ValueType]) -> Result<Vec<Group>, ColumnError> {
+    let values = value_types.len();
     // group keys borrowed from the file: one copy each, in `groups`
     let mut at: HashMap<&[u8], usize> = HashMap::new();
     let mut groups: Vec<Group> = Vec::new();
@@ -345,7 +445,7 @@ pub fn group_results(data: &[u8], format: &KeyFormat, values: usize) -> Result<V
         // one record per key: a second would be a receiver bug, merge anyway
         match cell {
             Some(a) => {
-                a.merge(&agg);
+                a.merge(&agg, value_types[index]);
             }
             None => *cell = Some(agg),
         }
@@ -400,18 +500,20 @@ mod tests {
         let b = Column { kind: Kind::Int(2), offset: 0, len: 3, validity: None, offsets: &[], data: &b_data };
         let format = KeyFormat { columns: vec![(Kind::Bytes { large: false }, true), (Kind::Int(4), false)], tagged: true };
         let mut outs = vec![Vec::new(); 1];
-        encode_batch(&format, &[s, n], &[a, b], &mut outs).unwrap();
+        let tasks = ValueTasks::new(&[a.kind, b.kind]).unwrap();
+        assert_eq!(tasks.types, vec![ValueType::Int64]);
+        encode_batch(&format, &tasks, &[s, n], &[a, b], &mut outs).unwrap();
         // sum them as a receiver would, write results, read groups back
         let mut sums: HashMap<Vec<u8>, Aggregate> = HashMap::new();
         let mut reader = Cursor::new(&outs[0], InputFormat::Tuples);
         let mut tuples = 0;
         while let Some((k, v)) = reader.next_tuple().unwrap() {
             tuples += 1;
-            sums.entry(k.to_vec()).and_modify(|a| { a.merge(&Aggregate::of(v)); }).or_insert(Aggregate::of(v));
+            sums.entry(k.to_vec()).and_modify(|a| { a.merge(&Aggregate::of(v), ValueType::Int64); }).or_insert(Aggregate::of(v));
         }
         assert_eq!(tuples, 5); // row 2 sends b only
         let file = result_file(sums.iter().map(|(k, a)| (k.as_slice(), a)));
-        let mut groups = group_results(&file, &format, 2).unwrap();
+        let mut groups = group_results(&file, &format, &[ValueType::Int64; 2]).unwrap();
         groups.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(groups.len(), 2);
         let keys: Vec<_> = groups.iter().map(|(k, _)| format.split(k).unwrap()).collect();
@@ -455,11 +557,11 @@ mod tests {
         let v = Column { kind: Kind::Int(8), offset: 0, len: 1, validity: Some(&none), offsets: &[], data: &v_data };
         let format = KeyFormat { columns: vec![(Kind::Bytes { large: false }, false)], tagged: true };
         let mut outs = vec![Vec::new()];
-        encode_batch(&format, &[s], &[v], &mut outs).unwrap();
+        encode_batch(&format, &ValueTasks::new(&[v.kind]).unwrap(), &[s], &[v], &mut outs).unwrap();
         let mut key = b"k".to_vec();
         key.push(PRESENCE);
         let file = result_file([(key.as_slice(), &Aggregate::of(0))]);
-        assert_eq!(group_results(&file, &format, 1).unwrap(), vec![(b"k".to_vec(), vec![None])]);
+        assert_eq!(group_results(&file, &format, &[ValueType::Int64]).unwrap(), vec![(b"k".to_vec(), vec![None])]);
         assert_eq!(outs[0].len(), crate::records::TUPLE_HEAD + 2);
     }
 
@@ -470,10 +572,66 @@ mod tests {
         let format = KeyFormat { columns: vec![(Kind::Bytes { large: false }, false)], tagged: false };
         let one = Column { kind: Kind::One, offset: 0, len: 2, validity: None, offsets: &[], data: &[] };
         let mut outs = vec![Vec::new()];
-        assert!(matches!(encode_batch(&format, &[short], &[one], &mut outs), Err(ColumnError::Invalid(0, _))));
+        let tasks = ValueTasks::new(&[Kind::One]).unwrap();
+        assert!(matches!(encode_batch(&format, &tasks, &[short], &[one], &mut outs), Err(ColumnError::Invalid(0, _))));
         let good = utf8(&off, &data, 2, None);
-        assert!(matches!(encode_batch(&format, &[good], &[good], &mut outs), Err(ColumnError::ValueKind(_))));
+        assert!(matches!(encode_batch(&format, &tasks, &[good], &[good], &mut outs), Err(ColumnError::ValueKind(_))));
+        assert!(matches!(ValueTasks::new(&[good.kind]), Err(ColumnError::ValueKind(_))));
         let three = Column { len: 3, ..one };
-        assert!(matches!(encode_batch(&format, &[good], &[three], &mut outs), Err(ColumnError::Lengths(2, 3))));
+        assert!(matches!(encode_batch(&format, &tasks, &[good], &[three], &mut outs), Err(ColumnError::Lengths(2, 3))));
+        let two_tasks = ValueTasks::new(&[Kind::Int(8), Kind::Float(8)]).unwrap();
+        assert!(matches!(encode_batch(&format, &two_tasks, &[good], &[one, one], &mut vec![Vec::new(); 3]),
+                         Err(ColumnError::Outputs { outputs: 3, tasks: 2 })));
+        assert!(matches!(KeyFormat::new(vec![(Kind::Float(8), false)], false), Err(ColumnError::KeyKind(_))));
+    }
+
+    #[test]
+    fn int_and_float_columns_go_to_a_task_each_and_come_back_as_one_group() {
+        // group by s; values i (int32), f (float64, a null), g (float32), count(*)
+        let (off, data) = offsets(&["a", "a", "b"]);
+        let s = utf8(&off, &data, 3, None);
+        let i_data: Vec<u8> = [1i32, 2, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let i = Column { kind: Kind::Int(4), offset: 0, len: 3, validity: None, offsets: &[], data: &i_data };
+        let f_data: Vec<u8> = [0.5f64, -1.25, 9.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f_valid = [0b011u8];
+        let f = Column { kind: Kind::Float(8), offset: 0, len: 3, validity: Some(&f_valid), offsets: &[], data: &f_data };
+        let g_data: Vec<u8> = [1.5f32, -3.0, 0.1].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let g = Column { kind: Kind::Float(4), offset: 0, len: 3, validity: None, offsets: &[], data: &g_data };
+        let one = Column { kind: Kind::One, offset: 0, len: 3, validity: None, offsets: &[], data: &[] };
+        let tasks = ValueTasks::new(&[Kind::One, i.kind, f.kind, g.kind]).unwrap();
+        assert_eq!(tasks.types, vec![ValueType::Int64, ValueType::Float64]);
+        assert_eq!(tasks.of_column, vec![0, 0, 1, 1]);
+        let format = KeyFormat::new(vec![(Kind::Bytes { large: false }, false)], true).unwrap();
+        let receivers = 2;
+        let mut outs = vec![Vec::new(); receivers * 2];
+        encode_batch(&format, &tasks, &[s], &[one, i, f, g], &mut outs).unwrap();
+        // each (receiver, task) input summed as that task's receiver would
+        let mut file = Vec::new();
+        for (n, input) in outs.iter().enumerate() {
+            let t = tasks.types[n % 2];
+            let mut sums: HashMap<Vec<u8>, Aggregate> = HashMap::new();
+            let mut reader = Cursor::new(input, InputFormat::Tuples);
+            while let Some((k, v)) = reader.next_tuple().unwrap() {
+                let index = *k.last().unwrap() as usize;
+                assert_eq!(tasks.of_column[index], n % 2, "column {index} in the wrong task");
+                sums.entry(k.to_vec()).and_modify(|a| { a.merge(&Aggregate::of(v), t); }).or_insert(Aggregate::of(v));
+            }
+            file.extend(result_file(sums.iter().map(|(k, a)| (k.as_slice(), a))));
+        }
+        let types: Vec<ValueType> = [Kind::One, i.kind, f.kind, g.kind].iter().map(|k| k.value_type().unwrap_or(ValueType::Int64)).collect();
+        let mut groups = group_results(&file, &format, &types).unwrap();
+        groups.sort_by(|a, b| a.0.cmp(&b.0));
+        let float = |bits: i64| fanin_proto::kv::as_float(bits);
+        let a = &groups[0].1;
+        assert_eq!(groups[0].0, b"a");
+        assert_eq!(a[0].unwrap().count, 2);
+        assert_eq!((a[1].unwrap().sum, a[1].unwrap().min, a[1].unwrap().max), (3, 1, 2));
+        let fa = a[2].unwrap();
+        assert_eq!((float(fa.sum), float(fa.min), float(fa.max), fa.count), (-0.75, -1.25, 0.5, 2));
+        let ga = a[3].unwrap();
+        assert_eq!((float(ga.sum), float(ga.min), float(ga.max)), (-1.5, -3.0, 1.5));
+        let b = &groups[1].1;
+        assert_eq!(b[2], None); // b's only f is null
+        assert_eq!(float(b[3].unwrap().sum), 0.1f32 as f64); // float32 widened exactly
     }
 }

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use fanin_proto::auth::Key;
 use fanin_proto::kv::{
     channel_key, receiver_key, ChannelReport, KvReceiver, KvSender, KvTaskSpec, Layout, ProgressRefused, ReceiverConfig,
-    SenderConfig, TaskLedger,
+    SenderConfig, TaskLedger, ValueType,
 };
 use fanin_proto::Time;
 use fanin_udp::BatchSocket;
@@ -151,6 +151,15 @@ pub struct TaskParams {
     /// How often the sender's daemon reports progress (liveness).
     #[serde(default)]
     pub progress_ms: u64,
+    /// "int64" or "float64" (`ValueType::name`): what the values' bits mean.
+    /// A sender checks its ticket's type against it and refuses text input
+    /// for a float task (text counts integer ones).
+    #[serde(default = "int64_name")]
+    pub value_type: String,
+}
+
+fn int64_name() -> String {
+    ValueType::Int64.name().to_string()
 }
 
 impl TaskParams {

@@ -10,6 +10,7 @@ use fanin_proto::kv::loopback::{LinkConfig, Loopback, Node, RunOutcome};
 use fanin_proto::auth::Key;
 use fanin_proto::kv::{
     channel_key, receiver_key, Aggregate, KvReceiver, KvResults, KvSender, KvSwitch, KvSwitchConfig, KvTaskSpec, Layout, ReceiverConfig, SenderConfig,
+    ValueType,
 };
 use fanin_proto::Time;
 use proptest::prelude::*;
@@ -62,7 +63,7 @@ fn case() -> impl Strategy<Value = Case> {
 fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> KvResults {
     let mut m = KvResults::default();
     for (k, v) in streams.iter().flatten() {
-        m.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
+        m.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v), ValueType::Int64)).or_insert(Aggregate::of(*v));
     }
     m
 }

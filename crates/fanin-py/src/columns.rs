@@ -7,7 +7,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use fanin_kv::columns::{encode_batch, group_results, Column, KeyFormat, Kind, Part};
+use fanin_kv::columns::{encode_batch, group_results, Column, KeyFormat, Kind, Part, ValueTasks};
+use fanin_proto::kv::ValueType;
 
 use crate::errors::InvalidPair;
 
@@ -28,7 +29,12 @@ fn kind(name: &str) -> PyResult<Kind> {
 
 fn key_format(columns: Vec<(String, bool)>, tagged: bool) -> PyResult<KeyFormat> {
     let columns = columns.into_iter().map(|(k, n)| Ok((kind(&k)?, n))).collect::<PyResult<Vec<_>>>()?;
-    Ok(KeyFormat { columns, tagged })
+    KeyFormat::new(columns, tagged).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn value_tasks(kinds: &[String]) -> PyResult<ValueTasks> {
+    let kinds = kinds.iter().map(|k| kind(k)).collect::<PyResult<Vec<_>>>()?;
+    ValueTasks::new(&kinds).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 fn slice<'a>(a: &'a Option<PyReadonlyArray1<'_, u8>>) -> PyResult<Option<&'a [u8]>> {
@@ -51,33 +57,44 @@ fn columns<'a>(specs: &'a [ColumnSpec<'_>]) -> PyResult<Vec<Column<'a>>> {
         .collect()
 }
 
-/// `GroupEncoder(key_columns, tagged, receivers)`: ``add(keys, values)``
-/// per record batch, then ``finish()`` gives one `tuples` input per
-/// receiver. `key_columns`: [(kind, nullable)] of the group columns.
+/// `GroupEncoder(key_columns, tagged, receivers, value_kinds)`:
+/// ``add(keys, values)`` per record batch, then ``finish()`` gives one
+/// `tuples` input per receiver and value task (``receiver * len(value_types)
+/// + task``). `key_columns`: [(kind, nullable)] of the group columns;
+/// `value_kinds`: the value columns' kinds ("one" for ``count(*)``);
+/// ``value_types``: the tasks' value types ("int64", "float64").
 #[pyclass(module = "fanin._native")]
 pub(crate) struct GroupEncoder {
     format: KeyFormat,
+    tasks: ValueTasks,
     outs: Vec<Vec<u8>>,
 }
 
 #[pymethods]
 impl GroupEncoder {
     #[new]
-    fn new(key_columns: Vec<(String, bool)>, tagged: bool, receivers: u32) -> PyResult<Self> {
+    fn new(key_columns: Vec<(String, bool)>, tagged: bool, receivers: u32, value_kinds: Vec<String>) -> PyResult<Self> {
         if receivers == 0 {
             return Err(PyValueError::new_err("receivers must be at least 1"));
         }
-        Ok(Self { format: key_format(key_columns, tagged)?, outs: vec![Vec::new(); receivers as usize] })
+        let tasks = value_tasks(&value_kinds)?;
+        let outs = vec![Vec::new(); receivers as usize * tasks.types.len()];
+        Ok(Self { format: key_format(key_columns, tagged)?, tasks, outs })
+    }
+
+    #[getter]
+    fn value_types(&self) -> Vec<&'static str> {
+        self.tasks.types.iter().map(|t| t.name()).collect()
     }
 
     fn add(&mut self, py: Python<'_>, keys: Vec<ColumnSpec<'_>>, values: Vec<ColumnSpec<'_>>) -> PyResult<()> {
         let keys = columns(&keys)?;
         let values = columns(&values)?;
-        let (format, outs) = (&self.format, &mut self.outs);
-        py.detach(|| encode_batch(format, &keys, &values, outs)).map_err(|e| InvalidPair::new_err(e.to_string()))
+        let (format, tasks, outs) = (&self.format, &self.tasks, &mut self.outs);
+        py.detach(|| encode_batch(format, tasks, &keys, &values, outs)).map_err(|e| InvalidPair::new_err(e.to_string()))
     }
 
-    /// The inputs, one per receiver (the encoder is empty afterwards).
+    /// The inputs, per receiver one per value task (the encoder is empty afterwards).
     fn finish<'py>(&mut self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         let n = self.outs.len();
         std::mem::replace(&mut self.outs, vec![Vec::new(); n]).iter().map(|o| PyBytes::new(py, o)).collect()
@@ -87,23 +104,29 @@ impl GroupEncoder {
 /// Arrow buffers of one output column: (validity or None, offsets or None, data).
 type Buffers<'py> = (Option<Bound<'py, PyBytes>>, Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>);
 
-/// `decode_groups(data, key_columns, tagged, values, aggs)`: a result file
-/// as Arrow buffers: `(rows, key buffers, agg buffers)`. `aggs`: [(value
-/// column, "sum" | "count" | "min" | "max")]; aggregates are int64, null
-/// where the group had no non-null value (count: 0). Key columns keep their
-/// kind (integers in their width, bytes with int32 offsets).
+/// `decode_groups(data, key_columns, tagged, value_kinds, aggs)`: a
+/// receiver's result files (its value tasks' files, concatenated) as Arrow
+/// buffers: `(rows, key buffers, agg buffers)`. `aggs`: [(value column,
+/// "sum" | "count" | "min" | "max")]; each aggregate is 8 bytes a row:
+/// int64, or float64 for `sum`/`min`/`max` of a float column; null where
+/// the group had no non-null value (count: 0). Key columns keep their kind
+/// (integers in their width, bytes with int32 offsets).
 #[pyfunction]
 pub(crate) fn decode_groups<'py>(
     py: Python<'py>,
     data: &[u8],
     key_columns: Vec<(String, bool)>,
     tagged: bool,
-    values: usize,
+    value_kinds: Vec<String>,
     aggs: Vec<(usize, String)>,
 ) -> PyResult<(usize, Vec<Buffers<'py>>, Vec<Buffers<'py>>)> {
     let format = key_format(key_columns, tagged)?;
+    let tasks = value_tasks(&value_kinds)?;
+    // a column's aggregates are of its task's type (count(*) too: only its count is read)
+    let types: Vec<ValueType> = tasks.of_column.iter().map(|&t| tasks.types[t]).collect();
+    let values = types.len();
     let bad = |e: fanin_kv::columns::ColumnError| PyValueError::new_err(e.to_string());
-    let groups = py.detach(|| group_results(data, &format, values)).map_err(bad)?;
+    let groups = py.detach(|| group_results(data, &format, &types)).map_err(bad)?;
     let rows = groups.len();
     let bitmap = |valid: &dyn Fn(usize) -> bool| {
         let mut bits = vec![0u8; rows.div_ceil(8)];

@@ -5,16 +5,27 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
+use fanin_proto::kv::{as_float, float_bits, ValueType};
+
 use crate::errors::{FaninError, InvalidPair};
+
+fn value_type(name: &str) -> PyResult<ValueType> {
+    ValueType::parse(name)
+        .ok_or_else(|| PyValueError::new_err(format!("value_type {name:?}: use \"int64\" or \"float64\"")))
+}
 
 /// `fanin.kv.encode_tuples`: (key, int) pairs as `tuples` records
 /// (`key_len u16 | value i64 | key`, little-endian). A key is a str (UTF-8)
 /// or bytes-like; a value anything `int()` takes. In Rust because the
 /// Python loop took 4.5 s for the 5.8 M pairs of a Spark partition.
+/// With `value_type="float64"` a value is anything `float()` takes, sent
+/// as its float64 bits (for a task created with that value type).
 #[pyfunction]
-pub(crate) fn encode_tuples<'py>(py: Python<'py>, pairs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+#[pyo3(signature = (pairs, value_type = "int64"))]
+pub(crate) fn encode_tuples<'py>(py: Python<'py>, pairs: &Bound<'py, PyAny>, value_type: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let vt = self::value_type(value_type)?;
     let mut out = Vec::new();
-    for_each_pair(py, pairs, |key, value, _| fanin_kv::records::push_tuple(&mut out, key, value))?;
+    for_each_pair(py, pairs, vt, |key, value, _| fanin_kv::records::push_tuple(&mut out, key, value))?;
     Ok(PyBytes::new(py, &out))
 }
 
@@ -27,19 +38,23 @@ const KEYS_BYTES: u8 = 2;
 /// `fanin_proto::kv::receiver_partition(key, partitions)` (the sender's side
 /// of distributed receivers, `fanin.spark`); returns `(inputs, key_types)`,
 /// `key_types` a mask of 1 (str keys seen) and 2 (bytes keys seen), so the
-/// receivers can give keys back as they were sent.
+/// receivers can give keys back as they were sent. `value_type` as for
+/// [`encode_tuples`].
 #[pyfunction]
+#[pyo3(signature = (pairs, partitions, value_type = "int64"))]
 pub(crate) fn encode_tuples_partitioned<'py>(
     py: Python<'py>,
     pairs: &Bound<'py, PyAny>,
     partitions: u32,
+    value_type: &str,
 ) -> PyResult<(Vec<Bound<'py, PyBytes>>, u8)> {
     if partitions == 0 {
         return Err(PyValueError::new_err("partitions must be at least 1"));
     }
+    let vt = self::value_type(value_type)?;
     let mut outs = vec![Vec::new(); partitions as usize];
     let mut kinds = 0u8;
-    for_each_pair(py, pairs, |key, value, is_str| {
+    for_each_pair(py, pairs, vt, |key, value, is_str| {
         kinds |= if is_str { KEYS_STR } else { KEYS_BYTES };
         let p = fanin_proto::kv::receiver_partition(key, partitions) as usize;
         fanin_kv::records::push_tuple(&mut outs[p], key, value)
@@ -63,11 +78,12 @@ pub(crate) fn receiver_partition(key: &Bound<'_, PyAny>, partitions: u32) -> PyR
     Ok(p)
 }
 
-/// Call `push(key bytes, value, key_was_str)` for every (key, int) pair of
-/// `pairs` (the one reading of Python pairs behind both encoders).
+/// Call `push(key bytes, value bits, key_was_str)` for every (key, value)
+/// pair of `pairs` (the one reading of Python pairs behind both encoders).
 fn for_each_pair<'py>(
     py: Python<'py>,
     pairs: &Bound<'py, PyAny>,
+    value_type: ValueType,
     mut push: impl FnMut(&[u8], i64, bool) -> Result<(), fanin_kv::records::KeyTooLong>,
 ) -> PyResult<()> {
     let builtins = py.import("builtins")?;
@@ -83,15 +99,27 @@ fn for_each_pair<'py>(
                 (key, value)
             }
         };
-        // Values are summed as int64: an integer (anything with __index__:
-        // int, numpy integers) in range, never a float cut to its integer
-        // part or a big int wrapped.
+        // float64: anything float() takes (an int too: a float task sums floats).
+        if value_type == ValueType::Float64 {
+            let v: f64 = value.extract().map_err(|_| {
+                let shown = value.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+                InvalidPair::new_err(format!("value {shown} for key {key} is not a number (a float64 task)"))
+            })?;
+            let pushed = push_keyed(&builtins, &key, float_bits(v), &mut push)?;
+            pushed.map_err(|e| InvalidPair::new_err(e.to_string()))?;
+            continue;
+        }
+        // int64 values: an integer (anything with __index__: int, numpy
+        // integers) in range, never a float cut to its integer part or a
+        // big int wrapped.
         let value: i64 = match value.extract() {
             Ok(v) => v,
             Err(_) => {
                 let refuse = |why: &str| {
                     let shown = value.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
-                    InvalidPair::new_err(format!("value {shown} for key {key} {why} (fanin.kv sums int64 values)"))
+                    InvalidPair::new_err(format!(
+                        "value {shown} for key {key} {why} (an int64 task; value_type=\"float64\" sums floats)"
+                    ))
                 };
                 let Ok(index) = operator.getattr("index")?.call1((&value,)) else {
                     return Err(refuse("is not an integer"));
@@ -99,17 +127,27 @@ fn for_each_pair<'py>(
                 index.extract().map_err(|_| refuse("does not fit in int64"))?
             }
         };
-        let pushed = if let Ok(s) = key.cast::<PyString>() {
-            push(s.to_cow()?.as_bytes(), value, true)
-        } else if let Ok(b) = key.cast::<PyBytes>() {
-            push(b.as_bytes(), value, false)
-        } else {
-            let b = builtins.getattr("bytes")?.call1((key,))?;
-            push(b.cast::<PyBytes>()?.as_bytes(), value, false)
-        };
+        let pushed = push_keyed(&builtins, &key, value, &mut push)?;
         pushed.map_err(|e| InvalidPair::new_err(e.to_string()))?;
     }
     Ok(())
+}
+
+/// `push` a key (str as UTF-8, bytes, or anything `bytes()` takes) with `value`.
+fn push_keyed<'py, E>(
+    builtins: &Bound<'py, pyo3::types::PyModule>,
+    key: &Bound<'py, PyAny>,
+    value: i64,
+    push: &mut impl FnMut(&[u8], i64, bool) -> Result<(), E>,
+) -> PyResult<Result<(), E>> {
+    Ok(if let Ok(s) = key.cast::<PyString>() {
+        push(s.to_cow()?.as_bytes(), value, true)
+    } else if let Ok(b) = key.cast::<PyBytes>() {
+        push(b.as_bytes(), value, false)
+    } else {
+        let b = builtins.getattr("bytes")?.call1((key,))?;
+        push(b.cast::<PyBytes>()?.as_bytes(), value, false)
+    })
 }
 
 /// `fanin.kv.decode_results`: a result file (`key_len u16 | sum | count |
@@ -122,9 +160,18 @@ fn for_each_pair<'py>(
 /// (the bytes come back with `key.encode("utf-8", "surrogateescape")`).
 /// Lossy handlers ("replace", "ignore", ...) are refused: they can map two
 /// keys to one str and lose a count.
+///
+/// `value_type` (the wait reply's): sums are int, or float for "float64".
 #[pyfunction]
-#[pyo3(signature = (data, as_str = true, errors = "strict"))]
-pub(crate) fn decode_results<'py>(py: Python<'py>, data: &[u8], as_str: bool, errors: &str) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (data, as_str = true, errors = "strict", value_type = "int64"))]
+pub(crate) fn decode_results<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    as_str: bool,
+    errors: &str,
+    value_type: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let is_float = self::value_type(value_type)? == ValueType::Float64;
     if !matches!(errors, "strict" | "surrogateescape") {
         return Err(PyValueError::new_err(format!(
             "errors={errors:?} could map two different keys to one str and lose a count; use \"strict\", \
@@ -134,12 +181,13 @@ pub(crate) fn decode_results<'py>(py: Python<'py>, data: &[u8], as_str: bool, er
     let out = PyDict::new(py);
     for record in fanin_kv::records::read_results(data) {
         let (key, agg) = record.map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let sum = if is_float { as_float(agg.sum).into_pyobject(py)?.into_any() } else { agg.sum.into_pyobject(py)?.into_any() };
         if !as_str {
-            out.set_item(PyBytes::new(py, key), agg.sum)?;
+            out.set_item(PyBytes::new(py, key), sum)?;
             continue;
         }
         match std::str::from_utf8(key) {
-            Ok(text) => out.set_item(PyString::new(py, text), agg.sum)?,
+            Ok(text) => out.set_item(PyString::new(py, text), sum)?,
             Err(e) if errors == "strict" => {
                 return Err(match pyo3::exceptions::PyUnicodeDecodeError::new_utf8(py, key, e) {
                     Ok(exc) => PyErr::from_value(exc.into_any()),
@@ -147,7 +195,7 @@ pub(crate) fn decode_results<'py>(py: Python<'py>, data: &[u8], as_str: bool, er
                 })
             }
             // the rare key that is not UTF-8: Python's own codec
-            Err(_) => out.set_item(PyBytes::new(py, key).call_method1("decode", ("utf-8", errors))?, agg.sum)?,
+            Err(_) => out.set_item(PyBytes::new(py, key).call_method1("decode", ("utf-8", errors))?, sum)?,
         }
     }
     Ok(out)

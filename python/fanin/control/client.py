@@ -226,6 +226,7 @@ class ControlClient:
                 "task_id": spec.task_id, "tenant": spec.tenant, "receiver_addr": spec.receiver_addr,
                 "slots": spec.short_slots + spec.medium_groups * spec.medium_parts, "aa_size": spec.aa_size,
                 "shadow_copies": spec.shadow_copies, "data_addr": region.data_addr,
+                "value_type": pb.KvValueType.Name(spec.value_type).removeprefix("KV_VALUE_TYPE_").lower(),
                 "tuples_in": region.tuples_in, "tuples_aggregated": region.tuples_aggregated,
                 "packets_acked": region.packets_acked, "packets_forwarded": region.packets_forwarded,
                 "swaps": region.swaps,

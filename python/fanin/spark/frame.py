@@ -36,7 +36,12 @@ def _kinds(spark_type: Any) -> Optional[str]:
     from pyspark.sql import types as T
 
     return {T.ByteType: "int8", T.ShortType: "int16", T.IntegerType: "int32", T.LongType: "int64",
-            T.StringType: "utf8", T.BinaryType: "binary"}.get(type(spark_type))
+            T.StringType: "utf8", T.BinaryType: "binary", T.FloatType: "float",
+            T.DoubleType: "double"}.get(type(spark_type))
+
+
+INTEGERS = ("int8", "int16", "int32", "int64")
+FLOATS = ("float", "double")  # pyarrow's names of float32 and float64
 
 
 def _arrow_kind(array: Any) -> str:
@@ -47,7 +52,7 @@ def _arrow_kind(array: Any) -> str:
                        (pa.types.is_string, "utf8"), (pa.types.is_binary, "binary")):
         if test(t):
             return name
-    return str(t)  # int8 .. int64
+    return str(t)  # int8 .. int64, float, double
 
 
 def _column(array: Any) -> tuple:
@@ -72,16 +77,21 @@ class _Plan:
     def __init__(self, by: list[str], key_kinds: list[tuple[str, bool]], values: list[str],
                  value_kinds: list[str], tagged: bool, aggs: list[tuple[int, str]], out_types: list[str],
                  receivers: int, socket_path: Optional[str], options: dict) -> None:
+        from fanin import _native
+
         self.by, self.key_kinds, self.values = by, key_kinds, values
         # tagged: keys end in the value column's index byte (needed unless
         # there is one value column without nulls; KeyFormat)
         self.value_kinds, self.tagged, self.aggs, self.out_types = value_kinds, tagged, aggs, out_types
         self.receivers, self.socket_path, self.options = receivers, socket_path, options
+        # one key-value task per value type among the columns (ValueTasks):
+        # the switch's registers of a task read every value as one type
+        self.value_types = tuple(_native.GroupEncoder(key_kinds, tagged, 1, value_kinds).value_types)
 
     def encode(self, batches: Iterable[Any]) -> list[bytes]:
         from fanin import _native
 
-        encoder = _native.GroupEncoder(self.key_kinds, self.tagged, self.receivers)
+        encoder = _native.GroupEncoder(self.key_kinds, self.tagged, self.receivers, self.value_kinds)
         for batch in batches:
             keys = [_column(batch.column(i)) for i in range(len(self.by))]
             values = []
@@ -102,9 +112,9 @@ class _Plan:
         from fanin import _native
 
         rows, key_buffers, agg_buffers = _native.decode_groups(data, self.key_kinds, self.tagged,
-                                                               len(self.values), self.aggs)
+                                                               self.value_kinds, self.aggs)
         types = {"int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
-                 "utf8": pa.string(), "binary": pa.binary()}
+                 "utf8": pa.string(), "binary": pa.binary(), "float": pa.float32(), "double": pa.float64()}
         arrays = []
         for i, ((validity, offsets, payload), type_name) in enumerate(zip(key_buffers + agg_buffers, self.out_types)):
             buffers = [None if validity is None else pa.py_buffer(validity)]
@@ -114,10 +124,12 @@ class _Plan:
             if i < len(key_buffers):
                 arrays.append(pa.Array.from_buffers(types[type_name], rows, buffers))
                 continue
-            # aggregates come as int64; min and max go back to the column's
+            # aggregates come as 8 bytes a row: int64, float64 for sum, min
+            # and max of a float column; min and max go back to the column's
             # type (they are values of it, so the cast is exact)
-            array = pa.Array.from_buffers(pa.int64(), rows, buffers)
-            arrays.append(array if type_name in ("int64", "int64agg") else array.cast(types[type_name]))
+            wide = pa.float64() if type_name in FLOATS else pa.int64()
+            array = pa.Array.from_buffers(wide, rows, buffers)
+            arrays.append(array if type_name in ("int64", "int64agg", "double") else array.cast(types[type_name]))
         return arrays
 
 
@@ -152,10 +164,12 @@ class _GroupTask:
         ctx = BarrierTaskContext.get()
         if self.encoded:
             # one row per input partition, its receivers' inputs in a list
-            inputs = join_encoded((t for b in batches for t in b.column("tuples").to_pylist()), plan.receivers)
+            inputs = join_encoded((t for b in batches for t in b.column("tuples").to_pylist()),
+                                  plan.receivers * len(plan.value_types))
         else:
             inputs = plan.encode(batches)
-        data, _ = barrier_reduce(ctx, self.tasks, plan.receivers, inputs, plan.socket_path, plan.options)
+        data, _ = barrier_reduce(ctx, self.tasks, plan.receivers, inputs, plan.socket_path, plan.options,
+                                 value_types=plan.value_types)
         if data is not None:
             yield pa.RecordBatch.from_arrays(plan.decode(data), names=_output_names(plan))
 
@@ -186,9 +200,12 @@ def aggregate(df: Any, by: Union[str, list[str]], agg: Union[dict, list], *, num
     ``by``: group columns (string, binary or integer types; nulls form a
     group, as in Spark). ``agg``: {column: "sum" | "count" | "min" | "max"
     or a list of them}, or [(column, fn), ...]; ``"*": "count"`` counts
-    rows. Values: integer columns (summed in int64; an overflow raises);
-    nulls are skipped as Spark skips them (``sum`` of none is null,
-    ``count`` 0). Output columns: the group columns, then ``fn(column)``
+    rows. Values: integer columns (summed in int64, exact; an overflow
+    raises) and float/double columns (summed in float64, within rounding
+    of Spark's sums, whose order of additions differs too; NaN and ±inf as
+    in Spark); nulls are skipped as Spark skips them (``sum`` of none is
+    null, ``count`` 0). Integer and float columns in one call run as two
+    key-value tasks per receiver. Output columns: the group columns, then ``fn(column)``
     (``count(1)`` for ``*``), Spark's names. ``num_partitions``: of the
     result (default: the number of receivers). ``socket_path`` and
     ``options`` as for :func:`fanin.spark.reduce_by_key`.
@@ -205,7 +222,7 @@ def aggregate(df: Any, by: Union[str, list[str]], agg: Union[dict, list], *, num
         if name not in fields:
             raise ValueError(f"fanin.spark.aggregate: no column {name!r} to group by; columns: {sorted(fields)}")
         kind = _kinds(fields[name].dataType)
-        if kind is None:
+        if kind is None or kind in FLOATS:
             raise TypeError(f"fanin.spark.aggregate: group column {name!r} is {fields[name].dataType.simpleString()};"
                             " fanin groups by string, binary and integer columns (cast it first)")
         key_kinds.append((kind, bool(fields[name].nullable)))
@@ -222,15 +239,18 @@ def aggregate(df: Any, by: Union[str, list[str]], agg: Union[dict, list], *, num
                 raise ValueError(f"fanin.spark.aggregate: '*' takes only 'count', not {fn!r}")
         elif col not in fields:
             raise ValueError(f"fanin.spark.aggregate: no column {col!r} to aggregate; columns: {sorted(fields)}")
-        elif _kinds(fields[col].dataType) not in ("int8", "int16", "int32", "int64"):
+        elif _kinds(fields[col].dataType) not in INTEGERS + FLOATS:
             raise TypeError(f"fanin.spark.aggregate: {col!r} is {fields[col].dataType.simpleString()}; fanin "
-                            "aggregates integer columns (the switch sums int64)")
+                            "aggregates integer and float columns (cast decimals to double first)")
         if col not in values:
             values.append(col)
             value_kinds.append("one" if col == "*" else _kinds(fields[col].dataType))
         v = values.index(col)
         aggs.append((v, fn))
-        if fn in ("sum", "count"):
+        if fn == "sum" and value_kinds[v] in FLOATS:
+            out_types.append("double")  # Spark sums float and double columns as double
+            out_fields.append(T.StructField(f"sum({col})", T.DoubleType(), True))
+        elif fn in ("sum", "count"):
             out_types.append("int64agg")
             out_fields.append(T.StructField("count(1)" if col == "*" else f"{fn}({col})", T.LongType(), fn == "sum"))
         else:

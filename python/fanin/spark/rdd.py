@@ -58,6 +58,9 @@ SOCKET_ENV = "FANIN_KV_SOCKET"
 # room for a loaded machine's pauses.
 SPARK_SILENCE_MS = 10_000
 
+#: The value types a key-value task sums (``fanin_proto::kv::ValueType``).
+VALUE_TYPES = ("int64", "float64")
+
 
 def default_socket() -> str:
     """The daemon socket of this host: ``$FANIN_KV_SOCKET`` or fanin's default."""
@@ -95,22 +98,22 @@ def barrier_shape(sc: Any, inputs: int, num_partitions: Optional[int], who: str)
     return tasks, min(num_partitions or tasks, tasks)
 
 
-def join_encoded(groups: Iterable[list], receivers: int) -> list[bytes]:
-    """The per-receiver inputs of several encoded partitions, concatenated
-    (records are self-delimiting)."""
-    parts: list[list[bytes]] = [[] for _ in range(receivers)]
+def join_encoded(groups: Iterable[list], inputs: int) -> list[bytes]:
+    """The ``inputs`` inputs (per receiver and value task) of several encoded
+    partitions, concatenated (records are self-delimiting)."""
+    parts: list[list[bytes]] = [[] for _ in range(inputs)]
     for group in groups:
-        for r in range(receivers):
-            parts[r].append(group[r])
+        for i in range(inputs):
+            parts[i].append(group[i])
     return [b"".join(p) for p in parts]
 
 
-def _encode(index: int, pairs: Iterable[Any], receivers: int) -> tuple[list, int]:
+def _encode(index: int, pairs: Iterable[Any], receivers: int, value_type: str) -> tuple[list, int]:
     """A partition's pairs as ``receivers`` tuples inputs (in the extension)."""
     from fanin import _native
 
     try:
-        return _native.encode_tuples_partitioned(pairs, receivers)
+        return _native.encode_tuples_partitioned(pairs, receivers, value_type)
     except _native.InvalidPair as e:  # the input's own errors pass unchanged
         raise KvError(f"partition {index}: {e}") from None
 
@@ -119,22 +122,27 @@ class _EncodeForTask:
     """Map side when the input has more partitions than the cluster has
     slots: encode each partition, keyed by the barrier task that sends it."""
 
-    def __init__(self, receivers: int, tasks: int) -> None:
+    def __init__(self, receivers: int, tasks: int, value_type: str) -> None:
         self.receivers = receivers
         self.tasks = tasks
+        self.value_type = value_type
 
     def __call__(self, index: int, pairs: Iterable[Any]) -> Iterator[tuple[int, tuple[list, int]]]:
-        yield index % self.tasks, _encode(index, pairs, self.receivers)
+        yield index % self.tasks, _encode(index, pairs, self.receivers, self.value_type)
 
 
 def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, inputs: list, socket_path: Optional[str],
-                   options: dict, note: Any = None) -> tuple[Optional[bytes], list]:
+                   options: dict, note: Any = None, value_types: tuple = ("int64",)) -> tuple[Optional[bytes], list]:
     """One barrier task's part of a distributed reduce (RDD and DataFrame paths).
 
-    Task ``index < receivers`` creates receiver ``index`` at its own daemon;
-    ``allGather`` shares the tickets (and each task's ``note``); every task
-    sends ``inputs[r]`` to receiver ``r`` as channel ``index``. Returns the
-    receiver's result records (None for a task without one) and the notes.
+    Task ``index < receivers`` creates receiver ``index`` at its own daemon:
+    one key-value task per entry of ``value_types`` (a task's switch
+    registers hold one type; the DataFrame path sends int and float columns
+    to a task each). ``allGather`` shares the tickets (and each task's
+    ``note``); every task sends ``inputs[r * K + k]`` (K = len(value_types))
+    to receiver ``r``'s task ``k`` as channel ``index``. Returns the
+    receiver's result records, its K files concatenated (None for a task
+    without one), and the notes.
 
     Two guards keep a result from ever missing a sender: a stage attempt
     must run all ``planned_tasks`` tasks (Spark re-runs only the failed tasks
@@ -149,25 +157,28 @@ def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, inputs: list, s
                       "(Spark re-ran only some); a receiver needs every sender, so it cannot give complete sums: "
                       "run the job again")
     socket_path = socket_path or default_socket()
+    per_receiver = len(value_types)
+    if len(inputs) != receivers * per_receiver:
+        raise ValueError(f"barrier_reduce: {len(inputs)} inputs for {receivers} receivers x {per_receiver} tasks")
     receiver = Client(socket_path) if index < receivers else None
     try:
-        ticket = receiver.create(tasks, **options) if receiver else None
-        shared = [json.loads(m) for m in ctx.allGather(json.dumps({"ticket": ticket, "note": note}))]
-        tickets = [m["ticket"] for m in shared[:receivers]]
+        mine = [receiver.create(tasks, **options, value_type=t) for t in value_types] if receiver else None
+        shared = [json.loads(m) for m in ctx.allGather(json.dumps({"tickets": mine, "note": note}))]
+        tickets = [ticket for m in shared[:receivers] for ticket in m["tickets"]]
         failures: list[BaseException] = []
 
-        def send(r: int) -> None:
+        def send(i: int) -> None:
             try:
                 with Client(socket_path) as c:
-                    c.send_bytes(tickets[r], index, inputs[r])
+                    c.send_bytes(tickets[i], index, inputs[i])
             except BaseException as e:  # raised below, after the wait
                 failures.append(e)
 
-        senders = [threading.Thread(target=send, args=(r,), daemon=True) for r in range(receivers)]
+        senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(tickets))]
         for t in senders:
             t.start()
         # a sender's failure reaches this receiver as SenderFailed
-        data = receiver.wait_records(ticket)[0] if receiver else None
+        data = b"".join(receiver.wait_records(t)[0] for t in mine) if receiver else None
         for t in senders:
             t.join()
         if failures:
@@ -182,12 +193,14 @@ def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, inputs: list, s
 class _ReduceTask:
     """The body of one barrier task (pickled to the executors)."""
 
-    def __init__(self, receivers: int, tasks: int, socket_path: Optional[str], options: dict, encoded: bool) -> None:
+    def __init__(self, receivers: int, tasks: int, socket_path: Optional[str], options: dict, encoded: bool,
+                 value_type: str) -> None:
         self.receivers = receivers
         self.tasks = tasks
         self.encoded = encoded
         self.socket_path = socket_path
         self.options = options
+        self.value_type = value_type
 
     def __call__(self, index: int, items: Iterable[Any]) -> Iterator[tuple[Any, int]]:
         from pyspark import BarrierTaskContext
@@ -204,23 +217,28 @@ class _ReduceTask:
             for _, types in parts:
                 key_types |= types
         else:
-            inputs, key_types = _encode(index, items, self.receivers)
+            inputs, key_types = _encode(index, items, self.receivers, self.value_type)
         data, notes = barrier_reduce(BarrierTaskContext.get(), self.tasks, self.receivers, inputs, self.socket_path,
-                                     self.options, note=key_types)
+                                     self.options, note=key_types, value_types=(self.value_type,))
         seen = 0
         for t in notes:  # every task's key types, this one's included
             seen |= t
         if seen == 3:
             raise KvError("fanin.spark: keys mix str and bytes; Spark would count 'a' and b'a' apart, the "
                           "daemons compare bytes: make every key one type")
-        return iter(decode_results(data, as_str=seen != 2).items()) if data is not None else iter(())
+        if data is None:
+            return iter(())
+        return iter(decode_results(data, as_str=seen != 2, value_type=self.value_type).items())
 
 
 def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path: Optional[str] = None,
-                  **options: Any) -> Any:
-    """Drop-in for ``rdd.reduceByKey(operator.add, num_partitions)`` on (key, int) pairs.
+                  value_type: str = "int64", **options: Any) -> Any:
+    """Drop-in for ``rdd.reduceByKey(operator.add, num_partitions)`` on (key, number) pairs.
 
-    Keys are str or bytes (not both), values int64. The sums are computed
+    Keys are str or bytes (not both). Values are int64 (exact; an overflow
+    raises), or with ``value_type="float64"`` floats (ints are taken as
+    floats; sums within rounding of Spark's, whose order of additions
+    differs too: docs/kv.md "float64 values"). The sums are computed
     by fanin, each receiver on an executor, and returned as an RDD of
     ``num_partitions`` partitions (default: as many as there are
     receivers). The reduce runs when this is called (like a shuffle that
@@ -231,6 +249,8 @@ def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path
     ``options`` go to every key-value task (``aa_size``, ``window``, ...
     of :meth:`fanin.kv.Client.create`); ``silence_ms`` defaults to 10 s.
     """
+    if value_type not in VALUE_TYPES:
+        raise ValueError(f"fanin.spark: value_type {value_type!r}; use one of {', '.join(VALUE_TYPES)}")
     options.setdefault("silence_ms", SPARK_SILENCE_MS)
     sc = rdd.context
     inputs = rdd.getNumPartitions()
@@ -240,10 +260,11 @@ def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path
     partitions = num_partitions or receivers
     encoded = tasks < inputs
     if encoded:
-        source = rdd.mapPartitionsWithIndex(_EncodeForTask(receivers, tasks)).partitionBy(tasks, _identity)
+        source = rdd.mapPartitionsWithIndex(_EncodeForTask(receivers, tasks, value_type)).partitionBy(tasks, _identity)
     else:
         source = rdd
-    reduced = source.barrier().mapPartitionsWithIndex(_ReduceTask(receivers, tasks, socket_path, options, encoded))
+    reduced = source.barrier().mapPartitionsWithIndex(
+        _ReduceTask(receivers, tasks, socket_path, options, encoded, value_type))
     if partitions == receivers:
         # each receiver's keys stay together: partition r holds receiver r's sums
         placed = reduced.partitionBy(partitions, _ReceiverOf(receivers))

@@ -252,10 +252,11 @@ def _add_kv_benches(bsub: Any) -> None:
 
     gb = bsub.add_parser(
         "kv-groupby", help="DataFrame group-by: fanin.spark.aggregate vs Spark's groupBy().agg(), results checked equal",
-        description="A generated table (k long, v long; uniform or Zipf-like keys) cached in Spark on local[2]; "
-                    "Spark's groupBy('k').agg(sum, count, min, max of v) and fanin.spark.aggregate with the same "
-                    "aggregates alternate (a real switch and kv daemon). Results are compared in Spark. Medians, "
-                    "speed-up; JSON with --json, CSV and PNG to --out.",
+        description="A generated table (k long, v double by default; uniform or Zipf-like keys) cached in Spark "
+                    "on local[2]; Spark's groupBy('k').agg(sum, count, min, max of v) and fanin.spark.aggregate "
+                    "with the same aggregates alternate (a real switch and kv daemon). Results are compared in "
+                    "Spark (float sums within rounding, everything else exactly). Medians, speed-up; JSON with "
+                    "--json, CSV and PNG to --out.",
         epilog="example: fanin bench kv-groupby --quick --json\n"
                "         fanin bench kv-groupby --rows 10000000 --groups 100000,1000000 --dists uniform,zipf")
     gb.add_argument("--out", default="out/kv", help="directory for CSV and PNG (default %(default)s)")
@@ -263,6 +264,9 @@ def _add_kv_benches(bsub: Any) -> None:
     gb.add_argument("--groups", help="comma list of distinct keys (default 100000,1000000; 100000 with --quick)")
     gb.add_argument("--dists", help="comma list of uniform,zipf (default both)")
     gb.add_argument("--repeats", type=int, help="runs per system, median reported (default 3, 1 with --quick)")
+    gb.add_argument("--value-type", choices=("float64", "int64"), default="float64",
+                    help="type of the value column v: double (float64 registers on the switch) or long "
+                         "(default %(default)s)")
     _common(gb)
     gb.set_defaults(func=_lazy("kv_groupby", "run_kv_groupby"))
 

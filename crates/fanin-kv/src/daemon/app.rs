@@ -3,7 +3,7 @@
 //! hands its inputs to this daemon to send (docs/kv.md §10).
 
 use super::*;
-use fanin_proto::kv::check_senders;
+use fanin_proto::kv::{check_senders, ValueType};
 use crate::api::{AppRequest, CreateTask, PeerRequest, SendInput, WaitTask, APP_OPS};
 
 pub(super) fn serve_app(shared: &Arc<Shared>, stream: UnixStream) {
@@ -60,6 +60,11 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
     let swap_threshold = req.swap_threshold.unwrap_or(1024);
     let silence = Duration::from_millis(req.silence_ms.unwrap_or(shared.config.silence_ms));
     let key = task_key(req)?;
+    let value_type = match req.value_type.as_deref() {
+        None => ValueType::Int64,
+        Some(name) => ValueType::parse(name)
+            .ok_or_else(|| error(format!("value_type {name:?}: give \"int64\" or \"float64\"")))?,
+    };
     let idx = (shared.next_send.fetch_add(1, Ordering::Relaxed) as usize) % shared.receive.len();
     let (commands, receiver_addr) = shared.receive[idx].clone();
     // Task ids are unique at the switch across daemons: a random start,
@@ -76,11 +81,12 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
         // The switch frees the region of a task nobody talks to any more.
         spec.idle_timeout = silence * 2;
         spec.key = key;
+        spec.value_type = value_type;
         match shared.switch.alloc(&spec) {
             Ok(switch_addr) => {
                 let switch_addr = reachable_switch_addr(switch_addr, &shared.config);
                 let progress_ms = progress_interval(silence).as_millis() as u64;
-                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders, switch_addr, progress_ms };
+                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders, switch_addr, progress_ms, value_type: value_type.name().to_string() };
                 let mut rc = ReceiverConfig::new(task_id, layout, aa_size, senders);
                 rc.shadow_copies = shadow_copies;
                 rc.window = window;
@@ -95,6 +101,7 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
                 rc.auth_key = key.map(|k| receiver_key(&k, task_id));
                 rc.seal_clock_us = wall_clock_us();
                 rc.max_key_len = shared.config.max_key_len;
+                rc.value_type = value_type;
                 let now = machine_time(shared.epoch);
                 let machine = match KvReceiver::new(rc, now) {
                     Ok(m) => m,
@@ -111,7 +118,8 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
                 );
                 shared.stats.tasks_created.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "task_id": task_id, "control": shared.control_addr.to_string(),
-                                  "switch_addr": switch_addr.to_string(), "keyed": key.is_some()}));
+                                  "switch_addr": switch_addr.to_string(), "keyed": key.is_some(),
+                                  "value_type": value_type.name()}));
             }
             Err(e) if e.already_exists() => last = Some(e),
             Err(e) => return Err(error(e)),
@@ -157,6 +165,7 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
     let result = outcome.recv().unwrap_or_else(|_| Err("the receiver's data channel stopped".into()));
     let entry = shared.tasks.lock().expect("tasks").remove(&task_id);
     let seconds = entry.as_ref().map_or(0.0, |e| e.started.elapsed().as_secs_f64());
+    let value_type = entry.as_ref().map_or(ValueType::Int64.name(), |e| e.params.value_type.as_str());
     let now = machine_time(shared.epoch);
     // The channels the daemon declared failed, as the application sees them.
     let report = |channels: Vec<u16>| -> Vec<ChannelReport> {
@@ -174,7 +183,7 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
             if failed.is_empty() {
                 shared.stats.tasks_finished.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "complete": true, "task_id": task_id, "keys": keys, "path": path,
-                                 "seconds": seconds, "receiver": receiver}));
+                                 "seconds": seconds, "receiver": receiver, "value_type": value_type}));
             }
             shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
             shared.stats.tasks_incomplete.fetch_add(1, Ordering::Relaxed);
@@ -186,7 +195,7 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
             );
             // Not an error of the request: the reply carries the outcome.
             Ok(json!({"ok": false, "complete": false, "error": message, "task_id": task_id, "failed": failed,
-                      "keys": keys, "path": path, "seconds": seconds, "receiver": receiver}))
+                      "keys": keys, "path": path, "seconds": seconds, "receiver": receiver, "value_type": value_type}))
         }
         Err(reason) => {
             shared.stats.tasks_failed.fetch_add(1, Ordering::Relaxed);
@@ -258,7 +267,17 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
     // and channel and tells us the task's parameters.
     // The session stays open while we send: it is how the receiver's daemon
     // knows this sender is alive (docs/kv.md §10, failed senders).
-    let join = PeerRequest::Join { task_id, channel, control: shared.control_addr.to_string() }.to_json();
+    // Text counts integer ones; a ticket names its task's value type.
+    let value_type = match (format, req.ticket.value_type.as_deref()) {
+        (InputFormat::Text, Some(t)) if t != ValueType::Int64.name() => {
+            return Err(error(format!(
+                "task {task_id} sums {t} values; text input counts integer ones: create an int64 task for text"
+            )))
+        }
+        (InputFormat::Text, _) => Some(ValueType::Int64.name().to_string()),
+        (_, t) => t.map(str::to_string),
+    };
+    let join = PeerRequest::Join { task_id, channel, control: shared.control_addr.to_string(), value_type }.to_json();
     let unreachable = |e: std::io::Error| error(format!("cannot reach the receiver's daemon at {control}: {e}"));
     let mut session = ControlSession::connect(&control).map_err(unreachable)?;
     let reply = session.call(&join).map_err(unreachable)?;

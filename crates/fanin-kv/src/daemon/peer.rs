@@ -72,12 +72,20 @@ pub(super) fn serve_peer(shared: &Arc<Shared>, stream: TcpStream) {
 fn peer_request(shared: &Arc<Shared>, req: &Value, joined_here: &mut Vec<(u32, u16)>) -> Value {
     let result = (|| -> Result<Value, Value> {
         match crate::api::parse::<PeerRequest>(req, PEER_OPS, "control request").map_err(error)? {
-            PeerRequest::Join { task_id, channel, control } => {
+            PeerRequest::Join { task_id, channel, control, value_type } => {
                 let mut tasks = shared.tasks.lock().expect("tasks");
                 let Some(t) = tasks.get_mut(&task_id) else {
                     shared.stats.unknown_task.fetch_add(1, Ordering::Relaxed);
                     return Err(error(format!("unknown task {task_id} at the receiver's daemon (never created, finished or aborted)")));
                 };
+                // Before the channel joins: its values would be read as the wrong type.
+                if let Some(input) = value_type.filter(|v| *v != t.params.value_type) {
+                    return Err(error(format!(
+                        "task {task_id} sums {} values but this input's are {input} (text counts integer ones; \
+                         a ticket names its task's type): create the task with value_type={input:?}",
+                        t.params.value_type
+                    )));
+                }
                 t.ledger.join(channel, control, machine_time(shared.epoch)).map_err(error)?;
                 joined_here.push((task_id, channel));
                 // The channel's member key travels in clear on this channel:

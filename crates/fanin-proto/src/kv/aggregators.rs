@@ -8,6 +8,8 @@
 //! next and a clear touch only those: the same entries in the same order,
 //! at a fraction of the memory traffic.
 
+use super::ValueType;
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Aggregator {
     pub key: u64,
@@ -78,16 +80,18 @@ impl Aggregators {
     }
 
     /// Algorithm 1's `Write` into an aggregator that is empty or holds `key`.
-    pub fn add(&mut self, at: usize, key: u64, value: i64) {
+    /// The caller has checked (`ValueType::checked_add`) that an int64 sum
+    /// does not overflow.
+    pub fn add(&mut self, at: usize, key: u64, value: i64, value_type: ValueType) {
         let agg = &mut self.aggs[at];
         if agg.count == 0 {
             *agg = Aggregator { key, count: 1, sum: value, min: value, max: value };
             self.occupied[at / 64] |= 1 << (at % 64);
         } else {
             agg.count = agg.count.saturating_add(1);
-            agg.sum = agg.sum.wrapping_add(value);
-            agg.min = agg.min.min(value);
-            agg.max = agg.max.max(value);
+            agg.sum = value_type.saturating_add(agg.sum, value).0;
+            agg.min = value_type.min(agg.min, value);
+            agg.max = value_type.max(agg.max, value);
         }
     }
 
@@ -138,9 +142,9 @@ mod tests {
     fn occupancy_follows_the_aggregators_across_word_edges() {
         let mut a = Aggregators::new(200);
         for at in [0, 63, 64, 130, 199] {
-            a.add(at, at as u64, 5);
+            a.add(at, at as u64, 5, ValueType::Int64);
         }
-        a.add(64, 64, -1);
+        a.add(64, 64, -1, ValueType::Int64);
         let scan = |a: &Aggregators, from, end| {
             let mut seen = Vec::new();
             let mut at = from;

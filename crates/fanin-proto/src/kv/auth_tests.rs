@@ -364,7 +364,7 @@ fn keyed_task_end_to_end_exact_and_every_datagram_sealed() {
     assert_eq!(lb.run(Time::from_secs_f64(10.0)), RunOutcome::Finished);
     let mut expected = super::KvResults::default();
     for (k, v) in streams.iter().flatten() {
-        expected.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
+        expected.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v), ValueType::Int64)).or_insert(Aggregate::of(*v));
     }
     assert_eq!(lb.receiver.results(), &expected);
     assert_eq!(unsealed.get(), 0, "a keyed task sends nothing unsealed");

@@ -36,6 +36,7 @@ mod sealing;
 mod sender;
 mod switch;
 mod task;
+mod value;
 mod window;
 
 /// The hash maps on the per-datagram and per-tuple paths (tasks, channels,
@@ -56,6 +57,7 @@ pub use task::{
     check_senders, progress_interval, ChannelReport, ChannelState, JoinRefused, LinkState, ProgressRefused, ProgressReport, SenderLink,
     TaskLedger, MAX_SENDERS,
 };
+pub use value::{as_float, float_bits, ValueType};
 pub use window::{Observation, SeenWindow};
 
 #[cfg(test)]

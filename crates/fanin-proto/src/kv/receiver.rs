@@ -41,7 +41,7 @@ use fanin_wire::kv::{
 };
 use fanin_wire::MessageType;
 
-use super::{FastMap, KvResults};
+use super::{FastMap, KvResults, ValueType};
 use super::layout::{decode_parts, decode_short, Layout, LayoutError};
 use super::sealing::{host_send_copy, unsealed_unknown_task, AuthStats, HostAuth};
 use crate::auth::Key;
@@ -76,6 +76,8 @@ pub struct ReceiverConfig {
     pub seal_clock_us: u64,
     /// Longest key reassembled from fragments (the senders' `max_key_len`).
     pub max_key_len: usize,
+    /// How values are merged; must match the switch region's.
+    pub value_type: ValueType,
     /// Most fragment bytes held at once, over every key being reassembled
     /// (a correct sender has one key in fragments at a time per channel).
     pub max_pending_key_bytes: usize,
@@ -98,6 +100,7 @@ impl ReceiverConfig {
             auth_key: None,
             seal_clock_us: 1,
             max_key_len: super::sender::MAX_KEY_LEN,
+            value_type: ValueType::Int64,
             max_pending_key_bytes: 2 * super::sender::MAX_KEY_LEN,
         }
     }
@@ -134,7 +137,8 @@ fn list_channels(channels: &[u16]) -> String {
     s
 }
 
-/// A key's aggregate: sum, count, min and max of its values.
+/// A key's aggregate: sum, count, min and max of its values (as bits of
+/// the task's [`ValueType`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Aggregate {
     pub sum: i64,
@@ -147,14 +151,15 @@ impl Aggregate {
     pub fn of(value: i64) -> Self {
         Self { sum: value, count: 1, min: value, max: value }
     }
-    /// Add `o` in. The sum saturates at the int64 bounds instead of
-    /// wrapping; true when it overflowed (the caller reports it).
-    pub fn merge(&mut self, o: &Aggregate) -> bool {
-        let overflowed = self.sum.checked_add(o.sum).is_none();
-        self.sum = self.sum.saturating_add(o.sum);
+    /// Add `o` in, reading the value bits as `value_type`. An int64 sum
+    /// saturates at the bounds instead of wrapping; true when it overflowed
+    /// (the caller reports it).
+    pub fn merge(&mut self, o: &Aggregate, value_type: ValueType) -> bool {
+        let (sum, overflowed) = value_type.saturating_add(self.sum, o.sum);
+        self.sum = sum;
         self.count += o.count;
-        self.min = self.min.min(o.min);
-        self.max = self.max.max(o.max);
+        self.min = value_type.min(self.min, o.min);
+        self.max = value_type.max(self.max, o.max);
         overflowed
     }
 }
@@ -535,7 +540,7 @@ impl KvReceiver {
             self.on_key_fragment(channel, f);
         } else if p.msg_type() == MessageType::KvLongData {
             for (key, value) in p.long_tuples() {
-                self.stats.overflowed += merge(&mut self.results, key, Aggregate::of(value));
+                self.stats.overflowed += merge(&mut self.results, key, Aggregate::of(value), self.config.value_type);
                 self.stats.tuples_local += 1;
             }
         } else {
@@ -572,7 +577,7 @@ impl KvReceiver {
         self.pending_key_bytes -= r.got;
         match r.assemble() {
             Some(key) => {
-                self.stats.overflowed += merge(&mut self.results, &key, Aggregate::of(f.value));
+                self.stats.overflowed += merge(&mut self.results, &key, Aggregate::of(f.value), self.config.value_type);
                 self.stats.keys_reassembled += 1;
                 self.stats.tuples_local += 1;
             }
@@ -586,7 +591,7 @@ impl KvReceiver {
         for slot in 0..layout.short_slots as usize {
             if bitmap >> slot & 1 == 1 {
                 match decode_short(u64::from_be_bytes(p.key_part(slot))) {
-                    Some((key, len)) => self.stats.overflowed += merge(&mut self.results, &key[..len], Aggregate::of(p.value(slot))),
+                    Some((key, len)) => self.stats.overflowed += merge(&mut self.results, &key[..len], Aggregate::of(p.value(slot)), self.config.value_type),
                     None => self.stats.undecodable += 1,
                 }
                 self.stats.tuples_local += 1;
@@ -598,7 +603,7 @@ impl KvReceiver {
                 let n = layout.medium_parts as usize;
                 let parts: Vec<u64> = (0..n).map(|j| u64::from_be_bytes(p.key_part(first + j))).collect();
                 match decode_parts(&parts) {
-                    Some(key) => self.stats.overflowed += merge(&mut self.results, &key, Aggregate::of(p.value(first + n - 1))),
+                    Some(key) => self.stats.overflowed += merge(&mut self.results, &key, Aggregate::of(p.value(first + n - 1)), self.config.value_type),
                     None => self.stats.undecodable += 1,
                 }
                 self.stats.tuples_local += 1;
@@ -715,7 +720,7 @@ impl KvReceiver {
             if aa_usize < layout.short_slots as usize {
                 let agg = Aggregate { sum: e.sum, count: e.count as u64, min: e.min, max: e.max };
                 match decode_short(u64::from_be_bytes(e.key_part)) {
-                    Some((key, len)) => self.stats.overflowed += merge(&mut self.results, &key[..len], agg),
+                    Some((key, len)) => self.stats.overflowed += merge(&mut self.results, &key[..len], agg, self.config.value_type),
                     None => self.stats.undecodable += 1,
                 }
                 continue;
@@ -730,7 +735,7 @@ impl KvReceiver {
                 (0..n as u8).map(|j| staged.get(&(first + j, index)).map(|x| u64::from_be_bytes(x.key_part))).collect();
             let agg = Aggregate { sum: e.sum, count: e.count as u64, min: e.min, max: e.max };
             match parts.as_deref().and_then(decode_parts) {
-                Some(key) => self.stats.overflowed += merge(&mut self.results, &key, agg),
+                Some(key) => self.stats.overflowed += merge(&mut self.results, &key, agg, self.config.value_type),
                 None => self.stats.undecodable += 1,
             }
         }
@@ -778,9 +783,9 @@ impl KvReceiver {
 
 /// Merge `agg` into `key`'s aggregate; 1 if its sum overflowed int64 now
 /// (it saturates, and the receiver counts it: never a wrapped sum).
-fn merge(results: &mut KvResults, key: &[u8], agg: Aggregate) -> u64 {
+fn merge(results: &mut KvResults, key: &[u8], agg: Aggregate, value_type: ValueType) -> u64 {
     match results.get_mut(key) {
-        Some(a) => a.merge(&agg) as u64,
+        Some(a) => a.merge(&agg, value_type) as u64,
         None => {
             results.insert(key.to_vec(), agg);
             0

@@ -34,6 +34,7 @@ use super::layout::{aggregator_index, aggregator_index_of, Layout, LayoutError};
 use super::sealing::{self, Peer, TaskAuth};
 use crate::auth::{push_sealed, Key};
 use super::window::{Observation, SeenWindow};
+use super::ValueType;
 use crate::time::Time;
 use crate::transmit::Transmit;
 
@@ -79,6 +80,8 @@ pub struct KvTaskSpec<A> {
     /// accepted and everything sent is sealed, under member keys derived
     /// from it ([`super::sealing`]).
     pub key: Option<Key>,
+    /// How the `sum`, `min` and `max` registers read a value's bits.
+    pub value_type: ValueType,
 }
 
 impl<A> KvTaskSpec<A> {
@@ -94,6 +97,7 @@ impl<A> KvTaskSpec<A> {
             max_channels: 64,
             idle_timeout: Duration::from_secs(30),
             key: None,
+            value_type: ValueType::Int64,
         }
     }
     pub fn copies(&self) -> u32 {
@@ -663,6 +667,7 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
     }
     let copy = task.copy_indicator();
     let aa_size = task.spec.aa_size;
+    let value_type = task.spec.value_type;
     let parts_n = layout.medium_parts as usize;
     // Step 1: where each tuple goes (short slots by slot, medium groups by
     // group), with a prefetch of every aggregator it will read. The
@@ -704,8 +709,8 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
         let agg = task.aggs.get(at);
         // A value whose sum would overflow the register is left for the
         // receiver, which saturates and reports it (never a wrapped sum).
-        if agg.count == 0 || (agg.key == key && agg.sum.checked_add(p.value(slot)).is_some()) {
-            task.aggs.add(at, key, p.value(slot));
+        if agg.count == 0 || (agg.key == key && value_type.checked_add(agg.sum, p.value(slot)).is_some()) {
+            task.aggs.add(at, key, p.value(slot), value_type);
             remaining &= !(1 << slot);
             absorbed += 1;
         }
@@ -727,12 +732,12 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
             let a = task.aggs.get(task.base(copy, first + j) + index);
             a.count > 0 && a.key == part(j)
         });
-        let fits = blank || task.aggs.get(task.base(copy, last) + index).sum.checked_add(p.value(last)).is_some();
+        let fits = blank || value_type.checked_add(task.aggs.get(task.base(copy, last) + index).sum, p.value(last)).is_some();
         if (blank || same) && fits {
             for j in 0..parts_n {
                 let at = task.base(copy, first + j) + index;
                 let value = if first + j == last { p.value(last) } else { 0 };
-                task.aggs.add(at, part(j), value);
+                task.aggs.add(at, part(j), value, value_type);
             }
             remaining &= !layout.group_mask(g);
             absorbed += 1;

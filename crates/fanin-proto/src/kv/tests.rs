@@ -212,11 +212,12 @@ struct Setup {
     senders: usize,
     swap_threshold: Option<u64>,
     window: u32,
+    value_type: ValueType,
 }
 
 impl Setup {
     fn new(layout: Layout, aa_size: u32) -> Self {
-        Self { layout, aa_size, shadow: true, senders: 1, swap_threshold: Some(4), window: 8 }
+        Self { layout, aa_size, shadow: true, senders: 1, swap_threshold: Some(4), window: 8, value_type: ValueType::Int64 }
     }
 
     fn build(&self, link: LinkConfig) -> Loopback {
@@ -224,6 +225,7 @@ impl Setup {
         let mut spec = KvTaskSpec::new(TASK, R, self.layout, self.aa_size);
         spec.shadow_copies = self.shadow;
         spec.window = self.window;
+        spec.value_type = self.value_type;
         sw.add_task(Time::ZERO, spec).unwrap();
         let senders = (0..self.senders)
             .map(|i| {
@@ -239,6 +241,7 @@ impl Setup {
         rc.window = self.window;
         rc.rto = Duration::from_micros(50);
         rc.linger = Duration::from_millis(1);
+        rc.value_type = self.value_type;
         Loopback::new(sw, senders, KvReceiver::new(rc, Time::ZERO).unwrap(), link)
     }
 }
@@ -247,7 +250,7 @@ fn reference(streams: &[Vec<(Vec<u8>, i64)>]) -> KvResults {
     let mut m = KvResults::default();
     for s in streams {
         for (k, v) in s {
-            m.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v))).or_insert(Aggregate::of(*v));
+            m.entry(k.clone()).and_modify(|a| _ = a.merge(&Aggregate::of(*v), ValueType::Int64)).or_insert(Aggregate::of(*v));
         }
     }
     m
@@ -267,6 +270,52 @@ fn run(setup: &Setup, link: LinkConfig, streams: &[Vec<(Vec<u8>, i64)>]) -> Loop
     assert_eq!(lb.switch.memory_used(), 0, "the receiver released the region");
     assert_eq!(lb.switch.counters().rx_datagrams, lb.switch.counters().outcomes());
     lb
+}
+
+/// A float64 task over a lossy, duplicating link: every key class, swaps,
+/// negative values. The values are multiples of 1/4 under 2^20, so every
+/// sum is exact in any order and the result can be compared exactly with
+/// the sums in f64; min and max must follow float order, not the order of
+/// the bits (negative floats have larger bit patterns as integers).
+#[test]
+fn float64_tasks_sum_floats_in_the_switch_and_the_receiver() {
+    let layout = Layout { short_slots: 3, medium_groups: 2, medium_parts: 2 };
+    let mut setup = Setup::new(layout, 4);
+    setup.value_type = ValueType::Float64;
+    setup.senders = 2;
+    let mut streams = vec![Vec::new(), Vec::new()];
+    let mut expected: std::collections::HashMap<Vec<u8>, (f64, u64, f64, f64)> = Default::default();
+    for i in 0..600i64 {
+        let key = match i % 5 {
+            0 | 1 => format!("s{}", i % 17),
+            2 | 3 => format!("medium-{:04}", i % 23),
+            _ => format!("a-long-key-that-bypasses-the-switch-{}", i % 7),
+        }
+        .into_bytes();
+        let v = (i - 300) as f64 * 0.25;
+        let e = expected.entry(key.clone()).or_insert((0.0, 0, f64::INFINITY, f64::NEG_INFINITY));
+        *e = (e.0 + v, e.1 + 1, e.2.min(v), e.3.max(v));
+        streams[(i % 2) as usize].push((key, float_bits(v)));
+    }
+    let link = LinkConfig { delay_ns: 2_000, jitter_ns: 30_000, loss: 0.05, duplicate: 0.05, seed: 11 };
+    let mut lb = setup.build(link);
+    lb.wait_for_release = true;
+    for (s, stream) in lb.senders.iter_mut().zip(&streams) {
+        for (k, v) in stream {
+            s.push(k, *v).unwrap();
+        }
+        s.finish();
+    }
+    assert_eq!(lb.run(Time::from_secs_f64(10.0)), RunOutcome::Finished);
+    assert!(lb.switch.counters().tuples_aggregated > 100, "the switch summed floats too");
+    let got = lb.receiver.results();
+    assert_eq!(got.len(), expected.len());
+    for (key, &(sum, count, min, max)) in &expected {
+        let a = got[key];
+        let shown = String::from_utf8_lossy(key);
+        assert_eq!((as_float(a.sum), a.count, as_float(a.min), as_float(a.max)), (sum, count, min, max), "{shown}");
+    }
+    assert_eq!(lb.receiver.stats().overflowed, 0);
 }
 
 #[test]
@@ -881,7 +930,7 @@ fn a_sum_that_overflows_int64_saturates_and_is_reported_never_wrapped() {
     assert_eq!(lb.receiver.results()[&big].count, 3);
     assert_eq!(lb.receiver.results()[&small], Aggregate { sum: 5, count: 1, min: 5, max: 5 });
     let mut a = Aggregate::of(i64::MIN + 1);
-    assert!(a.merge(&Aggregate::of(-2)) && a.sum == i64::MIN);
-    assert!(a.merge(&Aggregate::of(-2)) && a.sum == i64::MIN, "every overflow is reported");
-    assert!(!a.merge(&Aggregate::of(7)) && a.sum == i64::MIN + 7);
+    assert!(a.merge(&Aggregate::of(-2), ValueType::Int64) && a.sum == i64::MIN);
+    assert!(a.merge(&Aggregate::of(-2), ValueType::Int64) && a.sum == i64::MIN, "every overflow is reported");
+    assert!(!a.merge(&Aggregate::of(7), ValueType::Int64) && a.sum == i64::MIN + 7);
 }

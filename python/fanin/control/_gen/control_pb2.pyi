@@ -16,10 +16,17 @@ class FailurePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FAILURE_POLICY_DEGRADE: _ClassVar[FailurePolicy]
     FAILURE_POLICY_FAIL: _ClassVar[FailurePolicy]
+
+class KvValueType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_VALUE_TYPE_INT64: _ClassVar[KvValueType]
+    KV_VALUE_TYPE_FLOAT64: _ClassVar[KvValueType]
 JOB_MODE_AGGREGATE: JobMode
 JOB_MODE_FORWARD: JobMode
 FAILURE_POLICY_DEGRADE: FailurePolicy
 FAILURE_POLICY_FAIL: FailurePolicy
+KV_VALUE_TYPE_INT64: KvValueType
+KV_VALUE_TYPE_FLOAT64: KvValueType
 
 class JobSpec(_message.Message):
     __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit", "result_group")
@@ -246,7 +253,7 @@ class GetTreeResponse(_message.Message):
     def __init__(self, tree_json: _Optional[str] = ...) -> None: ...
 
 class KvRegionSpec(_message.Message):
-    __slots__ = ("task_id", "tenant", "receiver_addr", "short_slots", "medium_groups", "medium_parts", "aa_size", "shadow_copies", "window", "max_channels", "idle_timeout_ms", "key")
+    __slots__ = ("task_id", "tenant", "receiver_addr", "short_slots", "medium_groups", "medium_parts", "aa_size", "shadow_copies", "window", "max_channels", "idle_timeout_ms", "key", "value_type")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +266,7 @@ class KvRegionSpec(_message.Message):
     MAX_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_TYPE_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     tenant: int
     receiver_addr: str
@@ -271,7 +279,8 @@ class KvRegionSpec(_message.Message):
     max_channels: int
     idle_timeout_ms: int
     key: bytes
-    def __init__(self, task_id: _Optional[int] = ..., tenant: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., short_slots: _Optional[int] = ..., medium_groups: _Optional[int] = ..., medium_parts: _Optional[int] = ..., aa_size: _Optional[int] = ..., shadow_copies: _Optional[bool] = ..., window: _Optional[int] = ..., max_channels: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+    value_type: KvValueType
+    def __init__(self, task_id: _Optional[int] = ..., tenant: _Optional[int] = ..., receiver_addr: _Optional[str] = ..., short_slots: _Optional[int] = ..., medium_groups: _Optional[int] = ..., medium_parts: _Optional[int] = ..., aa_size: _Optional[int] = ..., shadow_copies: _Optional[bool] = ..., window: _Optional[int] = ..., max_channels: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., key: _Optional[bytes] = ..., value_type: _Optional[_Union[KvValueType, str]] = ...) -> None: ...
 
 class AllocKvRegionRequest(_message.Message):
     __slots__ = ("spec",)
