@@ -118,6 +118,7 @@ def switch_config(
     control_addr: Optional[str] = "auto",
     metrics_addr: Optional[str] = "auto",
     memory_mb: int = 1024,
+    memory_model: Optional[str] = None,
     ingress_drop: float = 0.0,
     egress_drop: float = 0.0,
     seed: int = 0,
@@ -144,7 +145,9 @@ def switch_config(
     configure the straggler detector (docs/stragglers.md); ``trim``
     and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
     ``socket_buffer`` the receive buffer per data socket in bytes (default
-    the daemon's). ``ingress_drop``/``ingress_duplicate``/``ingress_reorder``
+    the daemon's). ``memory_model``: "pooled" (the daemon's default:
+    Trio-ML's shared memory, block buffers taken on demand) or "reserved"
+    (SwitchML: every job's buffers reserved at admission); docs/memory.md. ``ingress_drop``/``ingress_duplicate``/``ingress_reorder``
     and ``egress_drop`` are seeded fault-injection probabilities (reordering
     swaps a datagram with the next one of its receive batch).
     ``control_token`` is the bearer token the control API
@@ -168,6 +171,8 @@ def switch_config(
         cfg["shards"] = shards
     if socket_buffer is not None:
         cfg["socket_buffer"] = socket_buffer
+    if memory_model is not None:
+        cfg["memory_model"] = memory_model
     if control_token is not None:
         cfg["control_token"] = control_token
     if rate_limit is not None:

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use fanin_proto::auth::Key;
 use fanin_proto::job::{FailurePolicy, JobMode, JobSpec, RateLimit, DEFAULT_SLOW_AFTER_WINDOWS};
-use fanin_proto::switch::AgingConfig;
+use fanin_proto::switch::{AgingConfig, MemoryModel};
 use fanin_proto::trim::Watermark;
 use serde::{Deserialize, Serialize};
 
@@ -123,6 +123,14 @@ pub struct DaemonConfig {
     /// Aggregation memory for all jobs together, in MiB.
     #[serde(default = "default_memory_mb")]
     pub memory_mb: u64,
+    /// How jobs get that memory (docs/memory.md): `"pooled"` (Trio-ML: a
+    /// block record takes a buffer when its block opens and gives it back
+    /// when freed; jobs share the memory and their caps, two buffers per
+    /// slot, may add up to twice it; a job reserves its record and one
+    /// buffer per slot) or `"reserved"` (SwitchML: two buffers per slot
+    /// reserved at admission).
+    #[serde(default = "default_memory_model")]
+    pub memory_model: String,
     /// Key-value (ASK) aggregator memory for all tasks together, in MiB
     /// (one aggregator = `KV_AGGREGATOR_BYTES`), split evenly over shards.
     #[serde(default = "default_kv_memory_mb")]
@@ -329,6 +337,9 @@ pub fn auto_shards(cores: usize) -> u16 {
 fn default_memory_mb() -> u64 {
     1024
 }
+fn default_memory_model() -> String {
+    "pooled".into()
+}
 fn default_batch() -> usize {
     64
 }
@@ -392,6 +403,17 @@ impl DaemonConfig {
         }
     }
 
+    /// The shards' memory model (`memory_model`).
+    pub fn memory_model(&self) -> Result<MemoryModel, ConfigError> {
+        match self.memory_model.as_str() {
+            "reserved" => Ok(MemoryModel::Reserved),
+            "pooled" => Ok(MemoryModel::Pooled),
+            other => Err(ConfigError::Invalid(format!(
+                "memory_model = {other:?}: use \"pooled\" (Trio-ML, shared) or \"reserved\" (SwitchML, per job)"
+            ))),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.shards == 0 || self.shards > 64 {
@@ -409,6 +431,7 @@ impl DaemonConfig {
         if self.memory_mb == 0 {
             return bad("memory_mb must be at least 1".into());
         }
+        self.memory_model()?;
         for (name, p) in [
             ("faults.ingress_drop", self.faults.ingress_drop),
             ("faults.ingress_duplicate", self.faults.ingress_duplicate),
@@ -578,6 +601,10 @@ mod tests {
         assert!(err("[[jobs]]\njob_id = 1\nsources = 2\n[[jobs]]\njob_id = 1\nsources = 2").contains("defined twice"));
         assert!(err("[faults]\ningress_drop = 1.5").contains("not a probability"));
         assert!(err("[aging]\nscanners = 0").contains("aging.scanners 0 is out of range"));
+        assert!(err("memory_model = \"shared\"").contains("memory_model = \"shared\": use \"pooled\""));
+        assert_eq!(DaemonConfig::default().memory_model().unwrap(), MemoryModel::Pooled, "Trio's model by default");
+        let reserved = DaemonConfig::from_toml_str("memory_model = \"reserved\"").unwrap();
+        assert_eq!(reserved.memory_model().unwrap(), MemoryModel::Reserved);
         assert!(err("[trim]\nenabled = true\nwatermark = 1.0").contains("trim.watermark = 1 is out of range"));
         assert!(err("[trim]\nwatermark = -0.5").contains("trim.watermark = -0.5 is out of range"));
         assert!(err("[trim]\nenable = true").contains("unknown field `enable`"));

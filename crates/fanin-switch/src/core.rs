@@ -401,6 +401,7 @@ impl SwitchHandle {
                     seal_clock_us: wall_clock_us(),
                     rate_limit: config.rate_limit,
                     packet_elems_max,
+                    memory_model: config.memory_model().expect("validated with the config"),
                 }),
                 kv: KvSwitch::new(KvSwitchConfig {
                     memory_limit: (config.kv_memory_mb << 20) / config.shards as u64 / KV_AGGREGATOR_BYTES,

@@ -27,6 +27,13 @@ pub struct Counters {
     /// A new block needs a slot whose current block is still aggregating
     /// (the sender's window exceeds `block_cnt_max`).
     pub slot_busy: u64,
+    /// A new block found the shard's pooled memory taken (other jobs' block
+    /// records, `MemoryModel::Pooled`): answered with the same back-pressure
+    /// trim nack as `slot_busy`; the sender retries.
+    pub memory_exhausted: u64,
+    /// A new block took the record of its slot's previous block once every
+    /// active member had moved past it (pooled memory under pressure).
+    pub records_recycled: u64,
     /// Block beyond the job's window.
     pub out_of_window: u64,
     /// Contribution for a block whose result the switch no longer holds (a
@@ -154,6 +161,8 @@ impl Counters {
         f("non_member", None, self.non_member);
         f("over_cap", None, self.over_cap);
         f("slot_busy", None, self.slot_busy);
+        f("memory_exhausted", None, self.memory_exhausted);
+        f("records_recycled", None, self.records_recycled);
         f("out_of_window", None, self.out_of_window);
         f("expired", None, self.expired);
         f("mismatch", None, self.mismatch);
@@ -205,7 +214,7 @@ impl Counters {
         }
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
-            slot_busy, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
+            slot_busy, memory_exhausted, records_recycled, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,

@@ -14,6 +14,15 @@
 //! member had the older result). Nobody is ever stranded, and memory per job
 //! is bounded by `2 * block_cnt_max * block_grad_max` elements.
 //!
+//! **Memory** (docs/memory.md). [`MemoryModel::Reserved`] reserves that
+//! bound at admission (SwitchML). [`MemoryModel::Pooled`] is Trio-ML's
+//! shared memory: a job reserves one buffer per slot; a shadow copy takes a
+//! buffer from the shard's free memory when its slot's next block opens and
+//! gives it back when freed, so jobs' caps may add up to twice the memory.
+//! With none free the next block waits (a Trimmed nack, `MemoryExhausted`)
+//! until every member that was in the done block has sent it (so has the
+//! older result), then takes the done block's own record.
+//!
 //! **Exponents.** Float blocks travel as block floating point. A block's
 //! shared exponent is negotiated either by an exponent-only round on the block
 //! itself, or ahead of time: each data contribution to block `b` announces the
@@ -193,18 +202,27 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         (0..spec.block_cnt_max).filter(|&k| shard_of(spec.job_id, k, spec.block_cnt_max, count) == shard).count()
     }
 
-    /// Admit a job. Its memory is reserved up front, so an admitted job can
-    /// never be starved by another one.
+    /// Admit a job. With [`MemoryModel::Reserved`] its buffers are reserved
+    /// up front, so an admitted job can never be starved by another one;
+    /// with [`MemoryModel::Pooled`] only its record and floor are, and its
+    /// cap (two buffers per slot) must fit the shard's memory by itself.
     pub fn add_job(&mut self, spec: JobSpec) -> Result<(), AdmitError> {
         spec.validate()?;
         if self.jobs.contains_key(&spec.job_id) {
             return Err(AdmitError::Duplicate(spec.job_id));
         }
         let local_slots = self.local_slot_count(&spec);
-        let memory = match spec.mode {
-            JobMode::Aggregate => 2 * local_slots as u64 * spec.block_grad_max as u64 * ELEM_LEN as u64,
+        let record_cost = spec.block_grad_max as u64 * ELEM_LEN as u64;
+        // the job's cap: a block and its shadow in every slot
+        let cap = match spec.mode {
+            JobMode::Aggregate => 2 * local_slots as u64 * record_cost,
             JobMode::Forward => 0,
         };
+        let pool_floor = match self.config.memory_model {
+            MemoryModel::Pooled if spec.mode == JobMode::Aggregate => Some(local_slots as u32),
+            _ => None,
+        };
+        let memory = pool_floor.map_or(cap, |floor| floor as u64 * record_cost);
         let aging = if spec.block_exp_ms > 0 && spec.mode == JobMode::Aggregate {
             let cfg = self.config.aging;
             let tick = cfg.tick(spec.block_exp_ms);
@@ -258,6 +276,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             slots: (0..slot_count).map(|_| Slot::default()).collect(),
             memory,
             data_memory: memory,
+            record_cost,
+            pool_floor,
+            live_records: 0,
             start_block: 0,
             anchor: RecoverAnchor { block: 0, gen_id: 1 },
             missed_streak: vec![0; capacity],
@@ -286,6 +307,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let needed = memory + job.record_bytes();
         let available = self.config.memory_limit.saturating_sub(self.memory_used);
         if needed > available {
+            return Err(AdmitError::OutOfMemory { job_id, needed, available, limit: self.config.memory_limit });
+        }
+        if pool_floor.is_some() && cap + job.record_bytes() > self.config.memory_limit {
+            // a cap beyond the whole memory could never be reached
+            let needed = cap + job.record_bytes();
             return Err(AdmitError::OutOfMemory { job_id, needed, available, limit: self.config.memory_limit });
         }
         job.memory = needed;
@@ -365,6 +391,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             for block in [&mut slot.cur, &mut slot.prev, &mut slot.spare].into_iter().flatten() {
                 block.rcvd.grow(capacity);
                 block.expected.grow(capacity);
+                block.moved_on.grow(capacity);
             }
         }
         let mut new_members = SourceMask::with_capacity(capacity);
@@ -421,6 +448,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         settle_slow_sources(job, &mut newly_slow, &mut self.counters, out, &mut self.scratch);
         // members added or removed change what the record costs
+        job.settle_memory(&mut self.memory_used);
         let cost = job.data_memory + job.record_bytes();
         self.memory_used = self.memory_used - job.memory + cost;
         job.memory = cost;
@@ -463,6 +491,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if let Some(job) = self.jobs.get_mut(&job_id) {
             reset_for_round(job, start);
         }
+        self.settle_memory(job_id);
     }
 
     /// Another shard's [`Verdict::RoundEnded`]: the job's round is over
@@ -471,6 +500,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if let Some(job) = self.jobs.get_mut(&job_id) {
             end_round(job, Some(end), start);
         }
+        self.settle_memory(job_id);
     }
 
     /// Another shard's [`Verdict::Listening`] (or `Joined`): `member` does
@@ -560,10 +590,29 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 settle_slow_sources(job, &mut newly_slow, &mut self.counters, out, &mut self.scratch);
             }
         }
+        for job in self.jobs.values_mut() {
+            job.settle_memory(&mut self.memory_used);
+        }
+    }
+
+    /// Charge `job_id` for the block records it holds now (pooled memory).
+    fn settle_memory(&mut self, job_id: u32) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            job.settle_memory(&mut self.memory_used);
+        }
     }
 
     /// Process one datagram from `from`.
     pub fn handle_datagram(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) -> Verdict {
+        let job_id = bytes.get(12..16).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+        let verdict = self.handle_datagram_of_job(now, from, bytes, out);
+        if let Some(job_id) = job_id {
+            self.settle_memory(job_id);
+        }
+        verdict
+    }
+
+    fn handle_datagram_of_job(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) -> Verdict {
         self.counters.rx_datagrams += 1;
         // A keyed job's datagrams are verified before anything else is
         // looked at: a forgery or a replay changes nothing but a counter.
@@ -620,7 +669,7 @@ mod nacks;
 mod rounds;
 
 use block::*;
-pub use config::{AgingConfig, ShardConfig, MAX_CHECKS, MAX_SCANNERS};
+pub use config::{AgingConfig, MemoryModel, ShardConfig, MAX_CHECKS, MAX_SCANNERS};
 use job::*;
 use reply::*;
 
@@ -637,3 +686,5 @@ mod auth_tests;
 mod tests;
 #[cfg(test)]
 mod guard_tests;
+#[cfg(test)]
+mod memory_tests;

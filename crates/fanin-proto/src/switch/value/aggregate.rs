@@ -379,7 +379,9 @@ pub(super) fn expired<A: Copy>(
 }
 
 /// Start a new block in `slot`: the current block becomes the shadow copy
-/// and the old shadow's storage is reused.
+/// and the old shadow's storage is reused; with `recycle`, the current
+/// block's own record is (pooled memory: every member has its result, and
+/// there is no memory for a shadow).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn open_block(
     slot: &mut Slot,
@@ -391,8 +393,12 @@ pub(super) fn open_block(
     active: &SourceMask,
     start_of: &HashMap<u16, u32>,
     space: BlockSpace,
+    recycle: bool,
 ) {
-    let mut block = slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity));
+    let mut block = match recycle {
+        true => slot.cur.take().expect("a recycled record is the slot's current block"),
+        false => slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity)),
+    };
     let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
     block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
     // members that joined later are not waited for before their start

@@ -71,6 +71,12 @@ pub(super) struct Block {
     pub(super) expired_up: bool,
     /// Children's retransmissions since the cached partial last went up.
     pub(super) asks_since_resend: u16,
+    /// Pooled memory: members that sent the slot's next block while this
+    /// one (done) held the slot and no memory was free. A member sends
+    /// block `b + block_cnt_max` only once it has `b`'s result, so when
+    /// every active member is here this record is needed no more and the
+    /// next block takes it.
+    pub(super) moved_on: SourceMask,
 }
 
 impl Block {
@@ -102,6 +108,7 @@ impl Block {
             parent_result: None,
             expired_up: false,
             asks_since_resend: 0,
+            moved_on: SourceMask::with_capacity(source_capacity),
         }
     }
 
@@ -194,6 +201,10 @@ impl Block {
         self.parent_result = None;
         self.expired_up = false;
         self.asks_since_resend = 0;
+        if self.moved_on.capacity() < active.capacity() {
+            self.moved_on = SourceMask::with_capacity(active.capacity());
+        }
+        self.moved_on.clear();
     }
 
     /// Header of this block's result (exponent-only while negotiating).
@@ -228,6 +239,16 @@ impl Block {
             next_exp: if exp_only { EXP_NONE } else { self.next_exp },
         }
     }
+}
+
+/// A record the job no longer holds goes to its slot's spare; with pooled
+/// memory its buffer goes back to the shard first (the record's masks stay:
+/// they are counted in the job's `record_bytes`).
+pub(super) fn release(mut block: Block, pooled: bool) -> Block {
+    if pooled {
+        block.sum = Vec::new();
+    }
+    block
 }
 
 /// One slot of a job: the newest block and the shadow copy of its predecessor.

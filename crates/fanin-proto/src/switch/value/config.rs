@@ -27,6 +27,27 @@ pub struct ShardConfig {
     /// its MTU; `u32::MAX`: no limit). A job's packet size, announced in
     /// every JoinAck, is its `block_grad_max` capped to this.
     pub packet_elems_max: u32,
+    /// How jobs get aggregation buffers: reserved at admission (SwitchML)
+    /// or taken per block from memory every job shares (Trio-ML).
+    pub memory_model: MemoryModel,
+}
+
+/// How a shard hands out the buffers of block records (docs/memory.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryModel {
+    /// SwitchML's static pool: a job reserves two buffers per slot (the
+    /// block and its shadow copy) when it is admitted; jobs' reservations
+    /// never exceed the memory, and a job is never slowed by another.
+    Reserved,
+    /// Trio-ML's shared memory (§4): a block record takes a buffer when its
+    /// first packet arrives and gives it back when it is freed, so jobs
+    /// share the memory statistically and their caps (two buffers per
+    /// slot) may add up to more than it. A job reserves its record and one
+    /// buffer per slot, which it can always use (the least with which a
+    /// job whose memory is all taken still progresses: docs/memory.md);
+    /// shadow copies beyond them wait for free memory (the back-pressure
+    /// nack) and never take another job's.
+    Pooled,
 }
 
 impl ShardConfig {
@@ -41,6 +62,7 @@ impl ShardConfig {
             seal_clock_us: 1,
             rate_limit: None,
             packet_elems_max: u32::MAX,
+            memory_model: MemoryModel::Pooled,
         }
     }
 }

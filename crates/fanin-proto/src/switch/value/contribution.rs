@@ -90,6 +90,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.addrs[src] = Some(from);
 
         let local = job.slot_of(block_id, shard_count);
+        let may_take_record = job.may_take_record(self.memory_used, self.config.memory_limit);
+        let pooled = job.pool_floor.is_some();
         let slot = &mut job.slots[local];
         // Find the record this packet belongs to: the slot's current block,
         // its shadow, or a new block if the packet opens the next use of the
@@ -135,8 +137,33 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 }
             }
         };
+        // A new block needs a record: its slot's shadow is reused if it has
+        // one; otherwise a new record takes a buffer from pooled memory if
+        // the job may have one, or, with no memory free, the slot's done
+        // block gives up its own once every member still active that was
+        // in it has sent this block (so has its result). Until then: the
+        // back-pressure nack, never another job's memory.
+        let mut recycle = false;
+        if opens && slot.prev.is_none() && !may_take_record {
+            let done = slot.cur.as_mut().filter(|cur| cur.phase == Phase::Done);
+            let all_moved_on = done.is_some_and(|cur| {
+                cur.moved_on.insert(src);
+                cur.rcvd.iter().all(|m| !job.active.contains(m) || cur.moved_on.contains(m))
+            });
+            if !all_moved_on {
+                counters.memory_exhausted += 1;
+                let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                send_trim_nack(counters, out, from, env, packet, TrimCause::MemoryExhausted);
+                return Verdict::Consumed;
+            }
+            recycle = true;
+            counters.records_recycled += 1;
+        }
         if opens {
-            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of, job.space);
+            if slot.prev.is_none() && !recycle {
+                job.live_records += 1;
+            }
+            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of, job.space, recycle);
             job.high_block = Some(job.high_block.map_or(block_id, |h| job.space.later(h, block_id)));
             if job.open_blocks == 0 {
                 job.liveness.arm(now);
@@ -214,7 +241,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // stays until the slot is reused, for the stragglers that lack it.
             if block.rcvd.count() == job.member_count as usize {
                 if let Some(old) = slot.prev.take() {
-                    slot.spare = Some(old);
+                    slot.spare = Some(release(old, pooled));
+                    job.live_records -= 1;
                 }
             }
         }

@@ -21,6 +21,13 @@ pub(super) struct Job<A> {
     /// buffers) plus its record ([`Job::record_bytes`]).
     pub(super) memory: u64,
     pub(super) data_memory: u64,
+    /// Bytes of one block record's buffer (`block_grad_max` elements).
+    pub(super) record_cost: u64,
+    /// Pooled memory (`MemoryModel::Pooled`): the buffers the job reserved
+    /// and may always use; `None`: its buffers are all reserved.
+    pub(super) pool_floor: Option<u32>,
+    /// Block records holding a buffer (a slot's block and its shadow).
+    pub(super) live_records: u32,
     /// First block id of the job's stream (the SwitchML++ sync offset).
     pub(super) start_block: u32,
     /// An allreduce boundary of the running round and its generation: the
@@ -207,6 +214,33 @@ impl<A> Job<A> {
             + self.slots.capacity() * (size_of::<Slot>() + 2 * per_block)
             + maps;
         bytes as u64
+    }
+
+    /// Pooled memory: may the job take one more block record? Within its
+    /// floor always; beyond it if the shard has the bytes free.
+    pub(super) fn may_take_record(&self, memory_used: u64, limit: u64) -> bool {
+        match self.pool_floor {
+            None => true,
+            Some(floor) => self.live_records < floor || memory_used + self.record_cost <= limit,
+        }
+    }
+
+    /// With pooled memory, charge the job for the block records it holds
+    /// (never less than its floor, which it reserved at admission); the
+    /// switch calls this after every event that touched the job, so
+    /// `memory_used` is exact whenever a new block asks for a record.
+    pub(super) fn settle_memory(&mut self, memory_used: &mut u64) {
+        #[cfg(debug_assertions)]
+        {
+            let held: usize = self.slots.iter().map(|s| s.cur.is_some() as usize + s.prev.is_some() as usize).sum();
+            debug_assert_eq!(held, self.live_records as usize, "live block records miscounted");
+        }
+        if let Some(floor) = self.pool_floor {
+            let data = self.live_records.max(floor) as u64 * self.record_cost;
+            *memory_used = *memory_used - self.data_memory + data;
+            self.memory = self.memory - self.data_memory + data;
+            self.data_memory = data;
+        }
     }
 
     pub(super) fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {

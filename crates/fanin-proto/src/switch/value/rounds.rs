@@ -218,15 +218,17 @@ pub(super) fn reset_for_round<A>(job: &mut Job<A>, start: u32) {
 }
 
 /// Free every block record of the job on this shard (spares are kept for
-/// reuse; the job's memory stays reserved).
+/// reuse; reserved memory stays reserved, pooled buffers go back).
 pub(super) fn drop_blocks<A>(job: &mut Job<A>) {
+    let pooled = job.pool_floor.is_some();
     for slot in &mut job.slots {
         let (cur, prev) = (slot.cur.take(), slot.prev.take());
         if slot.spare.is_none() {
-            slot.spare = cur.or(prev);
+            slot.spare = cur.or(prev).map(|b| release(b, pooled));
         }
     }
     job.open_blocks = 0;
+    job.live_records = 0;
 }
 
 /// Tell the members `to` (at the addresses given) that their round is over

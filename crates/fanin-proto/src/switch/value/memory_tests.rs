@@ -1,0 +1,209 @@
+//! Packet traces of pooled aggregation memory (Trio-ML's model,
+//! docs/memory.md): records take buffers on demand, shadows wait for free
+//! memory or recycle, and jobs whose caps exceed the memory run together.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::*;
+use crate::transmit::VecTransmit;
+use fanin_wire::value::{read_elements, write_elements, Nack};
+
+/// Member `src` of job `job` lives at address `job * 100 + src`.
+type Addr = u32;
+
+fn addr(job: u32, src: u16) -> Addr {
+    job * 100 + src as u32
+}
+
+fn data(job: u32, src: u16, block: u32, values: &[i32], retransmission: bool) -> Vec<u8> {
+    let t = if retransmission { MessageType::Retransmission } else { MessageType::Contribution };
+    let repr = Repr { grad_cnt: values.len() as u16, block_id: block, ..Repr::new(t, job, src) };
+    let mut buf = vec![0; repr.buffer_len()];
+    let mut p = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut p);
+    write_elements(values, p.payload_mut());
+    buf
+}
+
+/// What the switch sent: (destination, header, nack if one, values).
+type Sent = (Addr, Repr, Option<Nack>, Vec<i32>);
+
+fn send(sw: &mut ValueSwitch<Addr>, job: u32, src: u16, bytes: &[u8]) -> Vec<Sent> {
+    let mut out = VecTransmit::new();
+    let _ = sw.handle_datagram(Time::ZERO, addr(job, src), bytes, &mut out);
+    out.drain()
+        .map(|(a, bytes)| {
+            let p = Packet::new_checked(&bytes[..]).expect("valid");
+            let repr = Repr::parse(&p).unwrap();
+            let nack = (repr.msg_type == MessageType::Nack).then(|| Nack::parse(p.payload()).unwrap());
+            let mut values = vec![0; if repr.msg_type.carries_block() { repr.grad_cnt as usize } else { 0 }];
+            read_elements(p.payload(), &mut values);
+            (a, repr, nack, values)
+        })
+        .collect()
+}
+
+fn is_memory_nack(s: &Sent) -> bool {
+    s.2.is_some_and(|n| n.reason == NackReason::Trimmed && n.detail == TrimCause::MemoryExhausted as u32)
+}
+
+fn pooled(limit: u64) -> ValueSwitch<Addr> {
+    ValueSwitch::new(ShardConfig { memory_model: MemoryModel::Pooled, ..ShardConfig::single(limit) })
+}
+
+/// What admitting `spec` alone costs a switch of that memory model.
+fn admission_cost(model: MemoryModel, spec: &JobSpec) -> u64 {
+    let mut sw = ValueSwitch::<Addr>::new(ShardConfig { memory_model: model, ..ShardConfig::single(1 << 30) });
+    sw.add_job(spec.clone()).unwrap();
+    sw.memory_used()
+}
+
+#[test]
+fn a_pooled_job_reserves_one_buffer_per_slot_and_its_cap_must_fit_the_memory() {
+    let spec = JobSpec::with_sources(1, 2, 4, 64);
+    let reserved = admission_cost(MemoryModel::Reserved, &spec);
+    let pooled_cost = admission_cost(MemoryModel::Pooled, &spec);
+    assert_eq!(reserved - pooled_cost, 4 * 64 * 4, "the shadows' buffers are not reserved");
+    // a cap (two buffers per slot) beyond the whole memory is refused at once
+    let mut sw = pooled(pooled_cost + 64 * 4);
+    let err = sw.add_job(spec.clone()).unwrap_err();
+    assert!(matches!(err, AdmitError::OutOfMemory { job_id: 1, .. }), "{err}");
+    let mut sw = pooled(reserved);
+    sw.add_job(spec).unwrap();
+    assert_eq!(sw.memory_used(), pooled_cost);
+}
+
+#[test]
+fn a_shadow_waits_for_free_memory_then_recycles_once_every_member_moved_on() {
+    // memory for the reserved buffers of two jobs, and less than one more:
+    // job 1 (2 slots) can never keep a shadow; job 2 only holds memory
+    let spec = JobSpec::with_sources(1, 2, 2, 64);
+    let filler = JobSpec::with_sources(2, 1, 1, 64);
+    let floors = admission_cost(MemoryModel::Pooled, &spec) + admission_cost(MemoryModel::Pooled, &filler);
+    let mut sw = pooled(floors + 100);
+    sw.add_job(spec).unwrap();
+    sw.add_job(filler).unwrap();
+    let full = sw.memory_used();
+    assert_eq!(full, floors);
+    for b in 0..2 {
+        send(&mut sw, 1, 0, &data(1, 0, b, &[1], false));
+        assert_eq!(send(&mut sw, 1, 1, &data(1, 1, b, &[2], false)).len(), 2, "block {b}'s result");
+    }
+    // member 0 moves on to block 2 (slot 0): block 0 must stay for member
+    // 1, and there is no memory for a second buffer: back-pressure
+    let out = send(&mut sw, 1, 0, &data(1, 0, 2, &[10], false));
+    assert!(out.len() == 1 && is_memory_nack(&out[0]) && out[0].0 == addr(1, 0), "{out:?}");
+    assert_eq!(sw.counters().memory_exhausted, 1);
+    // member 1 lost block 0's result: the record still answers
+    let out = send(&mut sw, 1, 1, &data(1, 1, 0, &[2], true));
+    assert_eq!((out.len(), out[0].0, out[0].3.clone()), (1, addr(1, 1), vec![3]));
+    // member 1 moves on too: every member has block 0, its record is reused
+    let out = send(&mut sw, 1, 1, &data(1, 1, 2, &[20], false));
+    assert!(out.is_empty(), "accepted: {out:?}");
+    assert_eq!(sw.counters().records_recycled, 1);
+    // member 0 retries after the nack and completes block 2
+    let out = send(&mut sw, 1, 0, &data(1, 0, 2, &[10], true));
+    assert_eq!(out.iter().map(|s| (s.0, s.3.clone())).collect::<Vec<_>>(), [(addr(1, 0), vec![30]), (addr(1, 1), vec![30])]);
+    // a late duplicate of block 0 is told the slot moved on, never added
+    let out = send(&mut sw, 1, 0, &data(1, 0, 0, &[1], true));
+    assert_eq!(out[0].2.map(|n| n.reason), Some(NackReason::BlockExpired));
+    assert_eq!(sw.memory_used(), full, "no buffer beyond the floors was ever taken");
+    // with memory free again (the filler job leaves) shadows are kept as
+    // usual and charged while they live
+    assert!(sw.remove_job(2));
+    let before = sw.memory_used();
+    send(&mut sw, 1, 0, &data(1, 0, 3, &[1], false));
+    send(&mut sw, 1, 1, &data(1, 1, 3, &[1], false));
+    send(&mut sw, 1, 0, &data(1, 0, 4, &[1], false)); // block 2 stays as 4's shadow
+    assert_eq!(sw.memory_used(), before + 64 * 4);
+    send(&mut sw, 1, 1, &data(1, 1, 4, &[1], false)); // 4 complete: the shadow is freed
+    assert_eq!(sw.memory_used(), before);
+}
+
+/// Deterministic pseudo-random numbers (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) % n
+    }
+}
+
+/// A member as the host library runs it: a window of `block_cnt_max`
+/// blocks past the lowest one without a result, every block without a
+/// result sent again until its result arrives.
+struct Member {
+    job: u32,
+    src: u16,
+    results: BTreeMap<u32, Vec<i32>>,
+    sent: BTreeSet<u32>,
+}
+
+fn value_of(job: u32, src: u16, block: u32) -> Vec<i32> {
+    (0..4).map(|i| (job * 1000 + src as u32 * 100 + block * 7 + i) as i32 % 997).collect()
+}
+
+#[test]
+fn jobs_whose_caps_add_up_to_twice_the_memory_all_finish_exactly_under_loss() {
+    let (jobs, members, slots, blocks) = (6u32, 3u16, 8u32, 60u32);
+    let specs: Vec<JobSpec> = (1..=jobs).map(|j| JobSpec::with_sources(j, members, slots, 256)).collect();
+    let floors: u64 = specs.iter().map(|s| admission_cost(MemoryModel::Pooled, s)).sum();
+    // the floors and one shadow fit; the buffers the jobs may hold (two
+    // per slot) are about twice the buffer memory
+    let buffer = 256 * 4;
+    let limit = floors + buffer;
+    let caps: u64 = jobs as u64 * 2 * slots as u64 * buffer;
+    let buffer_memory = jobs as u64 * slots as u64 * buffer + buffer;
+    assert!(caps as f64 > 1.8 * buffer_memory as f64, "caps {caps} vs buffer memory {buffer_memory}");
+    let mut sw = pooled(limit);
+    for s in &specs {
+        sw.add_job(s.clone()).unwrap();
+    }
+    let mut all: Vec<Member> = (1..=jobs)
+        .flat_map(|job| (0..members).map(move |src| Member { job, src, results: BTreeMap::new(), sent: BTreeSet::new() }))
+        .collect();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let (mut steps, mut lost) = (0u64, 0u64);
+    while all.iter().any(|m| m.results.len() < blocks as usize) {
+        steps += 1;
+        assert!(steps < 2_000_000, "no progress: {:?}", sw.counters());
+        let m = &mut all[rng.below(jobs as u64 * members as u64) as usize];
+        let base = (0..blocks).find(|b| !m.results.contains_key(b)).unwrap_or(blocks);
+        let window: Vec<u32> = (base..(base + slots).min(blocks)).filter(|b| !m.results.contains_key(b)).collect();
+        if window.is_empty() {
+            continue;
+        }
+        let b = window[rng.below(window.len() as u64) as usize];
+        let again = !m.sent.insert(b);
+        let (job, src) = (m.job, m.src);
+        for (to, repr, nack, values) in send(&mut sw, job, src, &data(job, src, b, &value_of(job, src, b), again)) {
+            assert!(sw.memory_used() <= limit, "{} of {limit}", sw.memory_used());
+            if let Some(n) = nack {
+                assert!(is_memory_nack(&(to, repr, nack, values)) || n.reason == NackReason::Trimmed, "{n:?} for {b}");
+                continue;
+            }
+            // a result: 5 % of deliveries are lost (the member resends)
+            if rng.below(100) < 5 {
+                lost += 1;
+                continue;
+            }
+            let receiver = all.iter_mut().find(|x| addr(x.job, x.src) == to).expect("a member");
+            receiver.results.insert(repr.block_id, values);
+        }
+    }
+    for m in &all {
+        for b in 0..blocks {
+            let want: Vec<i32> = (0..4)
+                .map(|i| (0..members).map(|s| value_of(m.job, s, b)[i]).sum())
+                .collect();
+            assert_eq!(m.results[&b], want, "job {} member {} block {b}", m.job, m.src);
+        }
+    }
+    let c = sw.counters();
+    assert!(c.memory_exhausted > 0 && c.records_recycled > 0, "memory was short: {c:?}");
+    assert!(lost > 0);
+    assert_eq!(c.blocks_degraded, 0);
+}
