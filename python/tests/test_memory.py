@@ -58,3 +58,14 @@ def test_jobs_whose_caps_exceed_the_memory_run_together_and_are_exact():
     assert len(results) == JOBS * MEMBERS and all(v is True for v in results.values()), results
     assert counters["blocks_completed"] >= JOBS * (SIZE // ELEMS)
     print(f"memory_exhausted {counters.get('memory_exhausted')}, records_recycled {counters.get('records_recycled')}")
+
+
+def test_the_memory_bench_runs_both_models_and_prints_json(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fanin", "bench", "memory", "--quick", "--json", "--elems", "20000",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    by = {x["model"]: x for x in out["results"]}
+    assert by["reserved"]["jobs_admitted"] == 3 and by["pooled"]["jobs_admitted"] == 6 and out["jobs_ratio"] == 2.0
+    assert all(x["exact"] for x in out["results"]) and "job 4 needs" in by["reserved"]["refused"]
+    assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "memory.csv").exists()
