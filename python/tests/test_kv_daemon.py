@@ -298,6 +298,30 @@ def test_float64_tasks_sum_floats_and_refuse_what_would_be_misread(switch, daemo
     assert _wait_no_regions(switch) == []
 
 
+def test_join_ms_lets_senders_join_after_the_silence_timeout(daemon):
+    """A task created before its senders' inputs are ready (fanin.spark
+    creates receivers, then encodes): with join_ms, senders joining after
+    2 x silence_ms are waited for; without it, the receiver fails as silent."""
+    with daemon.client() as c:
+        ticket = c.create(1, silence_ms=300, join_ms=5000)
+        time.sleep(1.5)
+        with daemon.client() as s:
+            s.send(ticket, 0, [("a", 1), ("b", 2)])
+        assert c.wait(ticket) == {"a": 1, "b": 2}
+        ticket = c.create(1, silence_ms=300)
+        time.sleep(1.5)
+        with pytest.raises(KvError, match="nothing arrived"):
+            c.wait(ticket)
+        # a channel that never joins within join_ms ends the task at once, saying so
+        ticket = c.create(2, silence_ms=5000, join_ms=500)
+        with daemon.client() as s:
+            s.send(ticket, 0, [("a", 1)])
+        t0 = time.monotonic()
+        with pytest.raises(KvError, match="sender channels 1 never joined within the task's join_ms"):
+            c.wait(ticket)
+        assert time.monotonic() - t0 < 3, "not after 2 x silence_ms"
+
+
 def _raw(daemon):
     import socket as socket_mod
 

@@ -124,7 +124,7 @@ def test_mixed_key_types_and_float_values_are_refused_with_the_reason(sc, servic
     with pytest.raises(ValueError, match="num_partitions"):
         reduce_by_key(sc.parallelize([("a", 1)], 2), num_partitions=0, socket_path=service.socket_path)
     t0 = time.monotonic()
-    assert tasks_active(service, settle_s=30) == 0
+    assert tasks_active(service, settle_s=45) == 0
     print(f"tasks gone {time.monotonic() - t0:.2f} s after the error")
 
 
@@ -139,7 +139,7 @@ def test_a_failed_sender_fails_the_reduce_with_its_reason_and_releases_the_regio
         rdd = sc.parallelize([[("a", 1), ("b", 2)] * 50, [("x" * 5000, 1)]], 2).flatMap(lambda part: part)
         with pytest.raises(KvError, match="exceeds the limit of 1024 bytes"):
             reduce_by_key(rdd, socket_path=small.socket_path)
-        assert tasks_active(small, settle_s=30) == 0
+        assert tasks_active(small, settle_s=45) == 0
         # (finished tasks of earlier tests may still linger, §7: wait)
         deadline = time.monotonic() + 30
         with ControlClient(switch.control_addr) as control:
@@ -186,7 +186,7 @@ def test_a_spark_job_that_fails_upstream_raises_spark_s_error_promptly(sc, servi
     with pytest.raises(KvError, match="ValueError: upstream failure"):
         reduce_by_key(rdd, socket_path=service.socket_path)
     assert time.monotonic() - t0 < 60
-    assert tasks_active(service, settle_s=30) == 0
+    assert tasks_active(service, settle_s=45) == 0
 
 
 def test_an_int64_overflow_fails_the_reduce_and_never_hangs(sc, service):

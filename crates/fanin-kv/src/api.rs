@@ -57,6 +57,10 @@ pub struct CreateTask {
     pub swap_threshold: Option<u64>,
     /// A sender silent this long is declared failed (the daemon's setting).
     pub silence_ms: Option<u64>,
+    /// Channels may take this long to join after `create` (unset: the
+    /// receiver waits 2 x silence_ms, as for any silence): for applications
+    /// that create the task before their senders' inputs are ready.
+    pub join_ms: Option<u64>,
     /// "int64" (unset) or "float64": how the switch and the receiver read
     /// the values' 8 bytes (`fanin_proto::kv::ValueType`).
     pub value_type: Option<String>,

@@ -162,13 +162,15 @@ class _GroupTask:
 
         plan = self.plan
         ctx = BarrierTaskContext.get()
-        if self.encoded:
-            # one row per input partition, its receivers' inputs in a list
-            inputs = join_encoded((t for b in batches for t in b.column("tuples").to_pylist()),
-                                  plan.receivers * len(plan.value_types))
-        else:
-            inputs = plan.encode(batches)
-        data, _ = barrier_reduce(ctx, self.tasks, plan.receivers, inputs, plan.socket_path, plan.options,
+
+        def prepare() -> tuple[list, None]:
+            if self.encoded:
+                # one row per input partition, its receivers' inputs in a list
+                return join_encoded((t for b in batches for t in b.column("tuples").to_pylist()),
+                                    plan.receivers * len(plan.value_types)), None
+            return plan.encode(batches), None
+
+        data, _ = barrier_reduce(ctx, self.tasks, plan.receivers, prepare, plan.socket_path, plan.options,
                                  value_types=plan.value_types)
         if data is not None:
             yield pa.RecordBatch.from_arrays(plan.decode(data), names=_output_names(plan))

@@ -39,7 +39,7 @@ import json
 import os
 import re
 import threading
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from fanin.kv import DEFAULT_SOCKET, Client, KvError
 
@@ -57,6 +57,11 @@ SOCKET_ENV = "FANIN_KV_SOCKET"
 # ends, instead of holding a switch region for many minutes; 10 s leaves
 # room for a loaded machine's pauses.
 SPARK_SILENCE_MS = 10_000
+
+# Receivers exist before their senders have encoded their input (the ticket
+# exchange overlaps the encoding): channels may join this long after the
+# receiver's task was created (the daemon's join_ms) before it is failed.
+SPARK_JOIN_MS = 20_000
 
 #: The value types a key-value task sums (``fanin_proto::kv::ValueType``).
 VALUE_TYPES = ("int64", "float64")
@@ -131,26 +136,31 @@ class _EncodeForTask:
         yield index % self.tasks, _encode(index, pairs, self.receivers, self.value_type)
 
 
-def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, inputs: list, socket_path: Optional[str],
-                   options: dict, note: Any = None, value_types: tuple = ("int64",)) -> tuple[Optional[bytes], list]:
+def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, prepare: Callable[[], tuple[list, Any]],
+                   socket_path: Optional[str], options: dict,
+                   value_types: tuple = ("int64",)) -> tuple[Optional[bytes], list]:
     """One barrier task's part of a distributed reduce (RDD and DataFrame paths).
 
     Task ``index < receivers`` creates receiver ``index`` at its own daemon:
     one key-value task per entry of ``value_types`` (a task's switch
     registers hold one type; the DataFrame path sends int and float columns
-    to a task each). ``allGather`` shares the tickets (and each task's
-    ``note``); every task sends ``inputs[r * K + k]`` (K = len(value_types))
-    to receiver ``r``'s task ``k`` as channel ``index``. Returns the
-    receiver's result records, its K files concatenated (None for a task
-    without one), and the notes.
+    to a task each). ``allGather`` shares the tickets **while** ``prepare()``
+    reads and encodes this task's input (Spark 3.5 answers a barrier sync
+    only at its next once-a-second poll, so the encoding hides that second);
+    ``prepare`` returns the inputs and this task's note. Every task sends
+    ``inputs[r * K + k]`` (K = len(value_types)) to receiver ``r``'s task
+    ``k`` as channel ``index``. Returns the receiver's result records, its
+    K files concatenated (None for a task without one), and every task's
+    note, exchanged by the final sync.
 
     Two guards keep a result from ever missing a sender: a stage attempt
     must run all ``planned_tasks`` tasks (Spark re-runs only the failed tasks
     of a stage when the others had already succeeded; their receivers could
     then never hear every sender, so the attempt fails instead of giving
     partial sums), and no task returns before every task has finished its
-    part (a final ``barrier()``), so one task cannot succeed while another
-    fails, which is what makes Spark re-run a stage partially."""
+    part (the final ``allGather``, a barrier that also carries the notes),
+    so one task cannot succeed while another fails, which is what makes
+    Spark re-run a stage partially."""
     index, tasks = ctx.partitionId(), len(ctx.getTaskInfos())
     if tasks != planned_tasks:
         raise KvError(f"fanin.spark: this attempt of the barrier stage runs {tasks} of its {planned_tasks} tasks "
@@ -158,13 +168,21 @@ def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, inputs: list, s
                       "run the job again")
     socket_path = socket_path or default_socket()
     per_receiver = len(value_types)
-    if len(inputs) != receivers * per_receiver:
-        raise ValueError(f"barrier_reduce: {len(inputs)} inputs for {receivers} receivers x {per_receiver} tasks")
     receiver = Client(socket_path) if index < receivers else None
     try:
+        # the receivers wait for senders that are still encoding: join_ms
+        options = dict(options, join_ms=options.get("join_ms", SPARK_JOIN_MS))
         mine = [receiver.create(tasks, **options, value_type=t) for t in value_types] if receiver else None
-        shared = [json.loads(m) for m in ctx.allGather(json.dumps({"tickets": mine, "note": note}))]
-        tickets = [ticket for m in shared[:receivers] for ticket in m["tickets"]]
+        gathered: list = []
+        exchange = threading.Thread(target=lambda: gathered.append(ctx.allGather(json.dumps(mine))), daemon=True)
+        exchange.start()
+        inputs, note = prepare()  # a failure here fails the stage; Spark ends the exchange
+        exchange.join()
+        if not gathered:
+            raise KvError(f"task {index}: the barrier's ticket exchange failed")
+        tickets = [ticket for m in gathered[0][:receivers] for ticket in json.loads(m)]
+        if len(inputs) != receivers * per_receiver:
+            raise ValueError(f"barrier_reduce: {len(inputs)} inputs for {receivers} receivers x {per_receiver} tasks")
         failures: list[BaseException] = []
 
         def send(i: int) -> None:
@@ -186,8 +204,8 @@ def barrier_reduce(ctx: Any, planned_tasks: int, receivers: int, inputs: list, s
     finally:
         if receiver is not None:
             receiver.close()  # an unfinished task is aborted with it
-    ctx.barrier()
-    return data, [m["note"] for m in shared]
+    notes = [json.loads(m) for m in ctx.allGather(json.dumps(note))]
+    return data, notes
 
 
 class _ReduceTask:
@@ -207,19 +225,20 @@ class _ReduceTask:
 
         from fanin.kv import decode_results
 
-        # Encode first: bad input fails this task before any key-value task
-        # exists (Spark then kills the others, which abort theirs).
-        if self.encoded:
-            # (input partition, (inputs, key_types)) groups of _encode
-            parts = [group for _, group in items]
-            inputs = join_encoded((encoded for encoded, _ in parts), self.receivers)
-            key_types = 0
-            for _, types in parts:
-                key_types |= types
-        else:
-            inputs, key_types = _encode(index, items, self.receivers, self.value_type)
-        data, notes = barrier_reduce(BarrierTaskContext.get(), self.tasks, self.receivers, inputs, self.socket_path,
-                                     self.options, note=key_types, value_types=(self.value_type,))
+        def prepare() -> tuple[list, int]:
+            # bad input fails this task (Spark then kills the others, whose
+            # key-value tasks abort with their connections)
+            if self.encoded:
+                # (input partition, (inputs, key_types)) groups of _encode
+                parts = [group for _, group in items]
+                key_types = 0
+                for _, types in parts:
+                    key_types |= types
+                return join_encoded((encoded for encoded, _ in parts), self.receivers), key_types
+            return _encode(index, items, self.receivers, self.value_type)
+
+        data, notes = barrier_reduce(BarrierTaskContext.get(), self.tasks, self.receivers, prepare, self.socket_path,
+                                     self.options, value_types=(self.value_type,))
         seen = 0
         for t in notes:  # every task's key types, this one's included
             seen |= t

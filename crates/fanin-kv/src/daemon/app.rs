@@ -72,14 +72,18 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
     let mut last = None;
     for _ in 0..8 {
         let task_id = shared.next_task.fetch_add(1, Ordering::Relaxed) as u32;
-        let ledger = TaskLedger::new(task_id, senders.into(), silence).map_err(error)?;
+        let mut ledger = TaskLedger::new(task_id, senders.into(), silence).map_err(error)?;
+        if let Some(join_ms) = req.join_ms {
+            ledger.expect_joins_until(machine_time(shared.epoch) + Duration::from_millis(join_ms));
+        }
         let mut spec = KvTaskSpec::new(task_id, receiver_addr, layout, aa_size);
         spec.tenant = shared.config.tenant;
         spec.shadow_copies = shadow_copies;
         spec.window = window;
         spec.max_channels = senders;
-        // The switch frees the region of a task nobody talks to any more.
-        spec.idle_timeout = silence * 2;
+        // The switch frees the region of a task nobody talks to any more
+        // (nobody does while its senders may still be joining).
+        spec.idle_timeout = silence * 2 + Duration::from_millis(req.join_ms.unwrap_or(0));
         spec.key = key;
         spec.value_type = value_type;
         match shared.switch.alloc(&spec) {
@@ -240,7 +244,7 @@ fn release_region(shared: &Shared, task_id: u32) {
 /// buffered), the region is released, the senders' daemons are told. With
 /// `forget` (nobody will ever wait: the application is gone) the entry goes
 /// too. False if the task is unknown here.
-fn abort_task(shared: &Arc<Shared>, task_id: u32, reason: &str, forget: bool) -> bool {
+pub(super) fn abort_task(shared: &Arc<Shared>, task_id: u32, reason: &str, forget: bool) -> bool {
     let active = {
         let mut tasks = shared.tasks.lock().expect("tasks");
         let Some(entry) = tasks.get_mut(&task_id) else { return false };

@@ -40,14 +40,33 @@ fn sender_failed(shared: &Arc<Shared>, task_id: u32, channel: u16, reason: Strin
 /// Every active sender without progress for its task's silence timeout is
 /// declared failed. Checks as often as the most demanding task asks
 /// ([`TaskLedger::check_interval`]: five times per timeout, 5..=50 ms).
+/// A task still awaiting joins within its `join_ms` has its receiver's
+/// silence clock held: its senders are preparing their input, not gone.
 pub(super) fn watch_senders(shared: &Arc<Shared>) {
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = machine_time(shared.epoch);
         let mut overdue = Vec::new();
+        let mut missed = Vec::new();
         let mut tick = Duration::from_millis(50);
-        for (task, t) in shared.tasks.lock().expect("tasks").iter() {
+        for (task, t) in shared.tasks.lock().expect("tasks").iter_mut() {
             tick = tick.min(t.ledger.check_interval());
             overdue.extend(t.ledger.overdue(now).into_iter().map(|(channel, why)| (*task, channel, why)));
+            if t.ledger.awaiting_joins(now) {
+                let _ = shared.receive[t.receive_channel].0.send(ChannelCommand::SenderProgress { task: *task });
+            }
+            let never = t.ledger.take_missed_joins(now);
+            if !never.is_empty() {
+                missed.push((*task, never));
+            }
+        }
+        // a channel that never joined within join_ms: no complete result can come
+        for (task, channels) in missed {
+            let list = channels.iter().map(u16::to_string).collect::<Vec<_>>().join(", ");
+            let reason = format!(
+                "sender channels {list} never joined within the task's join_ms (their applications failed before \
+                 sending, or took longer to prepare their input: give a longer join_ms)"
+            );
+            super::app::abort_task(shared, task, &reason, false);
         }
         for (task, channel, why) in overdue {
             sender_failed(shared, task, channel, why);

@@ -227,13 +227,41 @@ pub struct TaskLedger {
     /// A joined sender without progress this long is declared failed.
     silence: Duration,
     links: BTreeMap<u16, SenderLink>,
+    /// Until then, channels that have not joined yet are still expected
+    /// (their applications may prepare their input after the task was
+    /// created): [`TaskLedger::awaiting_joins`].
+    join_by: Option<Time>,
 }
 
 impl TaskLedger {
     /// A task waiting for `senders` channels (1..=[`MAX_SENDERS`]).
     pub fn new(task_id: u32, senders: u64, silence: Duration) -> Result<Self, String> {
         let senders = check_senders(senders)?;
-        Ok(Self { task_id, senders, silence, links: BTreeMap::new() })
+        Ok(Self { task_id, senders, silence, links: BTreeMap::new(), join_by: None })
+    }
+
+    /// Channels may join until `deadline` (creation + the task's join
+    /// time): while some have not, the receiver's silence clock is held
+    /// ([`TaskLedger::awaiting_joins`]), so a task created before its
+    /// senders' inputs are ready is not failed as silent.
+    pub fn expect_joins_until(&mut self, deadline: Time) {
+        self.join_by = Some(deadline);
+    }
+
+    /// Channels have still to join and may still do so: the receiver is
+    /// waiting for them, not silent.
+    pub fn awaiting_joins(&self, now: Time) -> bool {
+        self.links.len() < self.senders as usize && self.join_by.is_some_and(|t| now < t)
+    }
+
+    /// Once the join time has passed: the channels that never joined (the
+    /// task cannot be complete without them), said once.
+    pub fn take_missed_joins(&mut self, now: Time) -> Vec<u16> {
+        if !self.join_by.is_some_and(|t| now >= t) {
+            return Vec::new();
+        }
+        self.join_by = None;
+        (0..self.senders).filter(|c| !self.links.contains_key(c)).collect()
     }
 
     pub fn senders(&self) -> u16 {
@@ -416,5 +444,20 @@ mod tests {
         assert_eq!(progress_interval(ms(1500)), ms(300));
         assert_eq!(progress_interval(ms(10)), ms(20));
         assert_eq!(progress_interval(Duration::from_secs(60)), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn channels_are_awaited_until_the_join_time_and_not_after() {
+        let t0 = Time::from_nanos(0);
+        let mut task = TaskLedger::new(3, 2, ms(100)).unwrap();
+        assert!(!task.awaiting_joins(t0), "no join time: the receiver's own timeout decides");
+        task.expect_joins_until(t0 + ms(250));
+        assert!(task.awaiting_joins(t0 + ms(10)) && !task.awaiting_joins(t0 + ms(250)));
+        assert_eq!(task.take_missed_joins(t0 + ms(10)), Vec::<u16>::new(), "not yet");
+        task.join(1, "b:1".into(), t0).unwrap();
+        assert_eq!(task.take_missed_joins(t0 + ms(250)), vec![0]);
+        assert_eq!(task.take_missed_joins(t0 + ms(300)), Vec::<u16>::new(), "said once");
+        task.join(0, "a:1".into(), t0).unwrap();
+        assert!(!task.awaiting_joins(t0 + ms(10)), "every channel joined");
     }
 }
