@@ -36,6 +36,20 @@ def test_trimming_figure_6_quick_writes_csv_and_png(tmp_path):
     assert Image.open(tmp_path / "fig6_senders.png").text.get("Description") == QUICK_NOTE
 
 
+def test_end_to_end_quick_compares_drop_tail_and_trimming_latency():
+    r = run("end-to-end", "--quick", "--clients", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    ping = {(p["system"], p["busy"]): p["rtt_us"]["median"] for p in out["pings"]}
+    assert ping[("baseline", True)] > 5 * ping[("trimming", True)] > 5 * ping[("trimming", False)] / 2
+    req = {(q["system"], q["busy"]): q["total_ms"] for q in out["requests"]}
+    assert all(v is not None for v in req.values()), "every request completed"
+    assert req[("baseline", True)] / req[("baseline", False)] > 2 * req[("trimming", True)] / req[("trimming", False)]
+    assert "closed-loop requests" in r.stderr
+    bad = run("end-to-end", "--clients", "two")
+    assert bad.returncode != 0 and "--clients is a comma list of counts" in bad.stderr
+
+
 def test_bad_arguments_are_refused_with_a_message():
     r = run("trimming", "--figure", "42", "--quick")
     assert r.returncode != 0

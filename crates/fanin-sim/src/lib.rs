@@ -19,6 +19,7 @@
 pub mod allreduce;
 pub mod fabric;
 pub mod goat;
+pub mod e2e;
 pub mod kernel;
 pub mod ndp;
 pub mod net;

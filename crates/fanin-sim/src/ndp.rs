@@ -20,7 +20,40 @@ pub(crate) enum SeqState {
     Queued,
 }
 
-/// One NDP flow: sender state at `src`, receiver state at `dst`.
+/// How a flow's sender decides what to send.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Transport {
+    /// NDP: the initial window unsolicited, then one packet per PULL.
+    Ndp,
+    /// A TCP-like window (the end-to-end baseline of the trimming paper,
+    /// §6.5: kernel TCP over drop-tail switches): Reno's slow start and
+    /// congestion avoidance on per-packet ACKs; a packet is lost when three
+    /// packets sent after it were acknowledged (fast retransmit, the window
+    /// halved once per window of data) or on the retransmission timeout
+    /// (the window back to one packet).
+    Window(WindowState),
+}
+
+/// Congestion state of a [`Transport::Window`] sender.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WindowState {
+    pub cwnd: f64,
+    pub ssthresh: f64,
+    inflight: u32,
+    highest_acked: Option<u32>,
+    /// Losses of sequence numbers below this belong to the episode that
+    /// already halved the window.
+    recover: u32,
+}
+
+impl WindowState {
+    /// Linux's initial window (10 packets), no ssthresh yet.
+    pub fn reno() -> Self {
+        Self { cwnd: 10.0, ssthresh: f64::INFINITY, inflight: 0, highest_acked: None, recover: 0 }
+    }
+}
+
+/// One flow: sender state at `src`, receiver state at `dst`.
 #[derive(Debug, Clone)]
 pub struct Flow {
     pub src: u32,
@@ -43,6 +76,14 @@ pub struct Flow {
     // receiver
     pub(crate) received: Vec<u64>,
     pub stats: FlowStats,
+    pub transport: Transport,
+    /// Bytes of each data packet (None: the network's MTU).
+    pub pkt_size: Option<u32>,
+    /// A flow to start, `delay` after this one is complete at its receiver
+    /// (a request's response, the next request of a closed loop).
+    pub then: Option<(u32, Ps)>,
+    /// Started by another flow's `then`, not at a time of its own.
+    pub(crate) triggered: bool,
 }
 
 /// What happened to one flow.
@@ -79,6 +120,10 @@ impl Flow {
             unacked: VecDeque::new(),
             received: Vec::new(),
             stats: FlowStats::default(),
+            transport: Transport::Ndp,
+            pkt_size: None,
+            then: None,
+            triggered: false,
         }
     }
 
@@ -89,6 +134,24 @@ impl Flow {
     /// The next sequence number to send if the flow may send now.
     pub(crate) fn next_to_send(&mut self) -> Option<(u32, bool)> {
         if !self.started {
+            return None;
+        }
+        if let Transport::Window(w) = &self.transport {
+            if w.inflight as f64 >= w.cwnd.floor().max(1.0) {
+                return None;
+            }
+            while let Some(seq) = self.rtx.pop_front() {
+                if self.state[seq as usize] == SeqState::Queued {
+                    return Some((seq, true));
+                }
+            }
+            if self.next_seq < self.size_pkts {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                self.state.push(SeqState::InFlight);
+                self.last_sent.push(0);
+                return Some((seq, false));
+            }
             return None;
         }
         if self.credit > 0 {
@@ -109,8 +172,10 @@ impl Flow {
     }
 
     pub(crate) fn on_sent(&mut self, seq: u32, retransmit: bool, now: Ps) {
-        if retransmit || seq >= self.initial_window {
-            self.credit -= 1;
+        match &mut self.transport {
+            Transport::Window(w) => w.inflight += 1,
+            Transport::Ndp if retransmit || seq >= self.initial_window => self.credit -= 1,
+            Transport::Ndp => {}
         }
         self.state[seq as usize] = SeqState::InFlight;
         self.last_sent[seq as usize] = now;
@@ -120,8 +185,37 @@ impl Flow {
     }
 
     pub(crate) fn on_ack(&mut self, seq: u32) {
-        if let Some(s) = self.state.get_mut(seq as usize) {
-            *s = SeqState::Acked;
+        let Some(s) = self.state.get_mut(seq as usize) else { return };
+        let was_in_flight = *s == SeqState::InFlight;
+        *s = SeqState::Acked;
+        let Transport::Window(w) = &mut self.transport else { return };
+        if !was_in_flight {
+            return; // a duplicate, or the ACK of a copy already given up
+        }
+        w.inflight -= 1;
+        w.cwnd += if w.cwnd < w.ssthresh { 1.0 } else { 1.0 / w.cwnd };
+        w.highest_acked = Some(w.highest_acked.map_or(seq, |h| h.max(seq)));
+        let highest = w.highest_acked.unwrap_or(0);
+        // fast retransmit: the oldest packets in flight that three later
+        // packets overtook
+        while let Some(&(old, t)) = self.unacked.front() {
+            let i = old as usize;
+            if self.state[i] != SeqState::InFlight || self.last_sent[i] != t {
+                self.unacked.pop_front();
+                continue;
+            }
+            if old + 3 > highest {
+                break;
+            }
+            self.unacked.pop_front();
+            self.state[i] = SeqState::Queued;
+            self.rtx.push_back(old);
+            w.inflight -= 1;
+            if old >= w.recover {
+                w.ssthresh = (w.cwnd / 2.0).max(2.0);
+                w.cwnd = w.ssthresh;
+                w.recover = self.next_seq;
+            }
         }
     }
 
@@ -131,6 +225,9 @@ impl Flow {
             if *s == SeqState::InFlight {
                 *s = SeqState::Queued;
                 self.rtx.push_back(seq);
+                if let Transport::Window(w) = &mut self.transport {
+                    w.inflight -= 1;
+                }
             }
         }
     }
@@ -145,7 +242,16 @@ impl Flow {
                 self.unacked.pop_front();
                 self.state[i] = SeqState::Queued;
                 self.rtx.push_back(seq);
-                self.credit += 1; // the fallback resends without waiting for a pull
+                match &mut self.transport {
+                    // the fallback resends without waiting for a pull
+                    Transport::Ndp => self.credit += 1,
+                    Transport::Window(w) => {
+                        w.inflight -= 1;
+                        w.ssthresh = (w.cwnd / 2.0).max(2.0);
+                        w.cwnd = 1.0;
+                        w.recover = self.next_seq;
+                    }
+                }
                 self.stats.timeouts += 1;
             } else {
                 return Some(t + rto);

@@ -15,7 +15,7 @@ use fanin_proto::Time;
 use serde::Serialize;
 
 use crate::kernel::{tx_time, EventQueue, Ps, PS_PER_NS, PS_PER_US};
-use crate::ndp::Flow;
+use crate::ndp::{Flow, Transport};
 use crate::packet::{Kind, Packet, TrimPoint};
 
 /// What a switch does when an egress data queue is full.
@@ -395,13 +395,38 @@ impl Sim {
 
     /// Add an NDP flow of `size_pkts` MTU packets (`u32::MAX`: endless).
     pub fn add_flow(&mut self, src: u32, dst: u32, size_pkts: u32, start: Ps) -> u32 {
+        self.add_flow_with(src, dst, size_pkts, Some(start), Transport::Ndp, None)
+    }
+
+    /// Add a flow with its transport and packet size (None: the MTU). With
+    /// `start` None it waits until another flow's `then` starts it.
+    pub fn add_flow_with(
+        &mut self,
+        src: u32,
+        dst: u32,
+        size_pkts: u32,
+        start: Option<Ps>,
+        transport: Transport,
+        pkt_size: Option<u32>,
+    ) -> u32 {
         let id = self.flows.len() as u32;
-        self.flows.push(Flow::new(src, dst, size_pkts, start, self.cfg.initial_window));
-        let hn = self.hosts[src as usize];
-        if let Node::Host(h) = &mut self.nodes[hn as usize] {
-            h.sending.push(id);
+        let mut flow = Flow::new(src, dst, size_pkts, start.unwrap_or(0), self.cfg.initial_window);
+        flow.transport = transport;
+        flow.pkt_size = pkt_size;
+        flow.triggered = start.is_none();
+        self.flows.push(flow);
+        // a flow another starts joins its host's senders when it starts
+        // (Ev::Start) and leaves once complete: closed loops chain
+        // thousands of them on one host
+        if start.is_some() {
+            let hn = self.hosts[src as usize];
+            if let Node::Host(h) = &mut self.nodes[hn as usize] {
+                h.sending.push(id);
+            }
         }
-        self.events.schedule(start, Ev::Start { flow: id });
+        if let Some(start) = start {
+            self.events.schedule(start, Ev::Start { flow: id });
+        }
         id
     }
 
@@ -421,8 +446,15 @@ impl Sim {
                 Ev::Rto { node } => self.rto_tick(node, now),
                 Ev::Notify { node, pipeline, egress } => self.notify(node, pipeline, egress, now),
                 Ev::Start { flow } => {
-                    self.flows[flow as usize].started = true;
-                    let hn = self.hosts[self.flows[flow as usize].src as usize];
+                    let f = &mut self.flows[flow as usize];
+                    f.started = true;
+                    f.start = now; // a flow another one started begins now
+                    let hn = self.hosts[f.src as usize];
+                    if let Node::Host(h) = &mut self.nodes[hn as usize] {
+                        if !h.sending.contains(&flow) {
+                            h.sending.push(flow);
+                        }
+                    }
                     self.try_send(hn, 0, now);
                 }
             }
@@ -560,11 +592,27 @@ impl Sim {
             (Kind::Data, _) => {
                 self.stats.data_arrivals += 1;
                 let flow = &mut self.flows[f];
+                let was_finished = flow.is_finished();
                 flow.on_receive(pkt.seq, pkt.size, now);
+                let then = if !was_finished && flow.is_finished() { flow.then } else { None };
+                let pulled = flow.transport == Transport::Ndp;
                 let ack = Packet::control(Kind::Ack, pkt.flow, pkt.seq, flow.dst, flow.src, now);
                 let dst = flow.dst;
                 self.send_control(dst, ack, now);
-                self.pull_request(node, pkt.flow, now);
+                if pulled {
+                    self.pull_request(node, pkt.flow, now);
+                }
+                if let Some((next, delay)) = then {
+                    self.events.schedule(now + delay, Ev::Start { flow: next });
+                }
+                if self.flows[f].triggered && self.flows[f].is_finished() && !was_finished {
+                    // the receiver has it all: the sender has nothing left to do
+                    let src = self.hosts[self.flows[f].src as usize];
+                    if let Node::Host(h) = &mut self.nodes[src as usize] {
+                        h.sending.retain(|&x| x != pkt.flow);
+                        h.rr = 0;
+                    }
+                }
             }
             (Kind::Header, false) => {
                 self.stats.header_arrivals += 1;
@@ -587,7 +635,13 @@ impl Sim {
                 flow.credit += 1;
                 self.try_send(node, 0, now);
             }
-            (Kind::Ack, _) => self.flows[f].on_ack(pkt.seq),
+            (Kind::Ack, _) => {
+                let flow = &mut self.flows[f];
+                flow.on_ack(pkt.seq);
+                if flow.transport != Transport::Ndp {
+                    self.try_send(node, 0, now); // the window opened
+                }
+            }
             (Kind::Nack, _) => {
                 let flow = &mut self.flows[f];
                 flow.stats.nacks += 1;
@@ -801,7 +855,7 @@ fn next_data(h: &mut Host, flows: &mut [Flow], now: Ps, mtu: u32) -> Option<Pack
                 trim: TrimPoint::None,
                 bounced: false,
                 retransmit,
-                size: mtu,
+                size: flow.pkt_size.unwrap_or(mtu),
                 flow: f,
                 seq,
                 src: flow.src,

@@ -13,18 +13,21 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
-    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, permutation, allreduce, GOAT, event rate",
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, end-to-end latency, permutation, allreduce, GOAT, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",
                          epilog="examples:\n  fanin sim trimming --figure 6 --quick --json\n"
                                 "  fanin sim trimming --figure 5 --out out/sim\n  fanin sim bench-events --runs 5\n"
+                                "  fanin sim end-to-end --quick --json   (the trimming paper's §6.5: ping and request "
+                                "latency with small buffers)\n"
                                 "  fanin sim allreduce --quick --loss 0.01 --json   (see fanin sim allreduce --help; "
                                 "--star: the one-switch fanin-sim allreduce)\n"
                                 "  fanin sim goat --quick --json   (a GOAT study point at packet level vs flow level; "
                                 "see fanin sim goat --help)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("sim", choices=["trimming", "incast", "permutation", "allreduce", "goat", "bench-events"],
+    sim.add_argument("sim", choices=["trimming", "incast", "end-to-end", "permutation", "allreduce", "goat",
+                                     "bench-events"],
                      help="simulator command (see `fanin-sim --help`)")
     sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
     sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")

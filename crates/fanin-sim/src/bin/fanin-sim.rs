@@ -22,6 +22,12 @@ usage:
       the paper's §6.4 table: ingress-meter vs deflect-on-drop trims in a sustained N:1 (4:1)
       incast, open loop, over P (20000) packets arriving at the receiver, senders in one ingress
       pipeline (or --spread: one per pipeline); the paper's figures beside
+  fanin-sim end-to-end [--quick] [--clients 1,2,4,8] [--requests N] [--pings N]
+                       [--baseline-queue-pkts 200] [--trimming-queue-pkts 12] [--incast 9]
+                       [--rto-us US] [--seed S] [--json]
+      the paper's §6.5 (Figs. 13, 14): ping times and closed-loop request/response
+      clients against a destination that is idle or busy with a 9-flow incast; drop-tail
+      200-packet buffers and TCP-like hosts vs trimming with 12 packets and NDP hosts
   fanin-sim permutation [--topology single|leaf-spine|fat-tree] [--k K] [--leaves L --spines S
                         --hosts-per-leaf H] [--ports P] [--model ideal|droptail|mod|dod-only|tofino]
                         [--lb spray|ecmp] [--pkts P] [--initial-window W] [--rate-gbps R]
@@ -416,6 +422,62 @@ fn command_usage(cmd: &str) -> Option<String> {
     (!out.is_empty()).then_some(out)
 }
 
+fn end_to_end(mut args: Args) -> Result<(), String> {
+    use fanin_sim::e2e::{figures, EndToEnd};
+    let quick = args.flag("--quick");
+    let d = EndToEnd::default();
+    let e = EndToEnd {
+        pings: args.value("--pings")?.unwrap_or(if quick { 50 } else { d.pings }),
+        requests_per_client: args.value("--requests")?.unwrap_or(if quick { 50 } else { d.requests_per_client }),
+        baseline_queue_pkts: args.value("--baseline-queue-pkts")?.unwrap_or(d.baseline_queue_pkts),
+        trimming_queue_pkts: args.value("--trimming-queue-pkts")?.unwrap_or(d.trimming_queue_pkts),
+        incast: args.value("--incast")?.unwrap_or(d.incast),
+        rto_us: args.value("--rto-us")?.unwrap_or(d.rto_us),
+        seed: args.value("--seed")?.unwrap_or(d.seed),
+        ..d
+    };
+    let clients: String = args.value("--clients")?.unwrap_or_else(|| if quick { "1,4".into() } else { "1,2,4,8".into() });
+    let clients: Vec<u32> = clients
+        .split(',')
+        .map(|c| c.trim().parse().map_err(|_| format!("--clients is a comma list of counts, got {c:?}")))
+        .collect::<Result<_, _>>()?;
+    if e.baseline_queue_pkts == 0 || e.trimming_queue_pkts == 0 || clients.contains(&0) {
+        return Err("queues and client counts must be at least 1".into());
+    }
+    let as_json = args.flag("--json");
+    args.finish()?;
+    let r = figures(&e, &clients);
+    if as_json {
+        println!("{r}");
+    }
+    let num = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.1}"));
+    eprintln!("ping RTT (µs, median / p99), {} pings every {} µs:", e.pings, e.ping_interval_us);
+    for p in r["pings"].as_array().into_iter().flatten() {
+        eprintln!(
+            "  {:9} {:5}  {:>7} / {:>7}  (resent {}, unanswered {})",
+            p["system"].as_str().unwrap_or(""),
+            if p["busy"] == true { "busy" } else { "idle" },
+            num(&p["rtt_us"]["median"]),
+            num(&p["rtt_us"]["p99"]),
+            p["resent"],
+            p["unanswered"]
+        );
+    }
+    eprintln!("closed-loop requests, {} per client (total ms; paper Fig. 14):", e.requests_per_client);
+    for q in r["requests"].as_array().into_iter().flatten() {
+        eprintln!(
+            "  {:9} {:5} {:2} clients  {:>8} ms  (median {} µs per request, resent {})",
+            q["system"].as_str().unwrap_or(""),
+            if q["busy"] == true { "busy" } else { "idle" },
+            q["clients"],
+            num(&q["total_ms"]),
+            num(&q["latency_us"]["median"]),
+            q["resent"]
+        );
+    }
+    Ok(())
+}
+
 fn trim_split(mut args: Args) -> Result<(), String> {
     let senders: usize = args.value("--senders")?.unwrap_or(4);
     let packets: u64 = args.value("--packets")?.unwrap_or(20_000);
@@ -469,6 +531,7 @@ fn main() -> ExitCode {
         "bench-events" => bench_events(args),
         "incast" => incast(args),
         "trim-split" => trim_split(args),
+        "end-to-end" => end_to_end(args),
         "allreduce" => allreduce(args),
         "permutation" => permutation(args),
         "goat" => goat(args),
