@@ -20,7 +20,7 @@ use fanin_proto::job::{JobMode, JobSpec};
 use std::time::Duration;
 
 use fanin_proto::job::SWITCH_RANK_BASE;
-use fanin_proto::switch::{AgingConfig, ShardConfig, Uplink, ValueSwitch, Verdict};
+use fanin_proto::switch::{AgingConfig, MemoryModel, ShardConfig, Uplink, ValueSwitch, Verdict};
 use fanin_proto::trim::{return_to_sender, TrimCause, TrimVerdict};
 use fanin_proto::{Time, VecTransmit};
 use fanin_wire::value::{JoinParams, Nack, NackReason, Packet, Repr};
@@ -31,7 +31,17 @@ const GROUP: std::net::SocketAddrV4 = std::net::SocketAddrV4::new(std::net::Ipv4
 
 fn switch(shard: u16) -> ValueSwitch<u8> {
     let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1), ..AgingConfig::default() };
-    let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, incarnation: 9, memory_limit: 1 << 24, aging, seal_clock_us: 1, rate_limit: None, packet_elems_max: u32::MAX });
+    let mut sw = ValueSwitch::new(ShardConfig {
+        shard,
+        shard_count: 2,
+        incarnation: 9,
+        memory_limit: 1 << 24,
+        aging,
+        seal_clock_us: 1,
+        rate_limit: None,
+        packet_elems_max: u32::MAX,
+        memory_model: MemoryModel::Pooled,
+    });
     let mut job = JobSpec::with_sources(1, 3, 4, 8);
     job.block_exp_ms = 1;
     job.slow_after_windows = 1;
