@@ -1,9 +1,10 @@
 """PySpark integration: Spark's reduce stage replaced by fanin (ASK, ``docs/kv.md`` §10).
 
 ``aggregate(df, by=[...], agg={...})`` replaces ``df.groupBy(...).agg(...)``
-(sum, count, min, max of integer columns) with Arrow batches end to end
-(``fanin.spark.frame``). ``reduce_by_key(rdd)`` replaces
-``rdd.reduceByKey(operator.add)`` for integer sums: every executor task is a sender, and receivers run as
+(sum, count, min, max of integer and float columns) with Arrow batches end
+to end (``fanin.spark.frame``). ``reduce_by_key(rdd)`` replaces
+``rdd.reduceByKey(operator.add)`` for integer sums (float sums with
+``value_type="float64"``): every executor task is a sender, and receivers run as
 executor tasks too, each owning a hash range of the keys (distributed
 receivers, ``fanin.spark.rdd``). Nothing is collected on the driver.
 
@@ -14,8 +15,9 @@ Example::
     counts.take(5)
 
 Guarantee: the result equals ``rdd.reduceByKey(operator.add)`` for integer
-values (int64; keys ``str`` or ``bytes`` of any length), whatever loss or
-reordering the network adds, or an error is raised. Preconditions: a
+values (int64; keys ``str`` or ``bytes`` of any length), and for float64
+values within the rounding of sums added in another order, whatever loss
+or reordering the network adds, or an error is raised. Preconditions: a
 ``fanin kv daemon`` on every executor host (``$FANIN_KV_SOCKET`` or
 ``/tmp/fanin-kv.sock``) with the switch reachable; no dynamic allocation
 (barrier stages refuse it).

@@ -3,16 +3,18 @@
 One Spark stage in barrier execution mode (all its tasks start together or
 none does) does the whole reduce:
 
-1. Each task encodes its input partition's (key, int) pairs in the extension,
-   split by ``receiver_partition(key, R)`` into R inputs (ASK's
-   sender-assisted partition one level up, ``docs/kv.md`` §10 "Distributed
-   receivers").
-2. Task ``r < R`` is also receiver ``r``: it creates a key-value task at the
+1. Task ``r < R`` is also receiver ``r``: it creates a key-value task at the
    daemon of its own host (``socket_path``) with one channel per task.
-3. ``BarrierTaskContext.allGather`` hands every task the R tickets (and the
-   key types seen, so receivers give keys back as str or bytes).
-4. Each task streams input ``r`` to ticket ``r`` as channel ``task index``
+2. ``BarrierTaskContext.allGather`` hands every task the R tickets, on a
+   second thread, while each task encodes its input partition's (key,
+   number) pairs in the extension, split by ``receiver_partition(key, R)``
+   into R inputs (ASK's sender-assisted partition one level up,
+   ``docs/kv.md`` §10 "Distributed receivers").
+3. Each task streams input ``r`` to ticket ``r`` as channel ``task index``
    (R sends at once, a thread each); each receiver waits for its sums.
+4. A final ``allGather`` shares the key types every task saw (so receivers
+   give keys back as str or bytes) and keeps any task from finishing while
+   another fails.
 5. Receiver ``r``'s sums are task ``r``'s output. A shuffle then places them
    in the requested partitions: with as many partitions as receivers it uses
    the same ``receiver_partition``, so each receiver's keys stay one
