@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::liveness::ProgressReport;
+use fanin_proto::kv::ValueType;
 
 /// The local API's operations, for the error that names them.
 pub const APP_OPS: &[&str] = &["create", "send", "wait", "status", "abort", "stats"];
@@ -81,7 +82,7 @@ pub struct Ticket {
     /// The task's value type as `create` said it; a send checks it against
     /// the task's (unset: not checked; text input is refused for floats anyway).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub value_type: Option<String>,
+    pub value_type: Option<ValueType>,
 }
 
 /// `send`.
@@ -131,7 +132,7 @@ pub enum PeerRequest {
         channel: u16,
         control: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        value_type: Option<String>,
+        value_type: Option<ValueType>,
     },
     /// The sender's progress (its liveness, docs/kv.md §10).
     Progress { task_id: u32, channel: u16, progress: ProgressReport },

@@ -151,15 +151,9 @@ pub struct TaskParams {
     /// How often the sender's daemon reports progress (liveness).
     #[serde(default)]
     pub progress_ms: u64,
-    /// "int64" or "float64" (`ValueType::name`): what the values' bits mean.
-    /// A sender checks its ticket's type against it and refuses text input
-    /// for a float task (text counts integer ones).
-    #[serde(default = "int64_name")]
-    pub value_type: String,
-}
-
-fn int64_name() -> String {
-    ValueType::Int64.name().to_string()
+    /// What the values' bits mean (a daemon that does not say: int64).
+    #[serde(default)]
+    pub value_type: ValueType,
 }
 
 impl TaskParams {

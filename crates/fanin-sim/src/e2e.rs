@@ -23,7 +23,7 @@
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::kernel::{Ps, PS_PER_NS, PS_PER_US};
+use crate::kernel::{percentile, Ps, PS_PER_NS, PS_PER_US};
 use crate::ndp::{Transport, WindowState};
 use crate::net::{Link, NetConfig, Sim, SwitchModel};
 use crate::topo::single_switch;
@@ -218,9 +218,9 @@ fn summary(v: &mut [f64]) -> Value {
         return Value::Null;
     }
     v.sort_by(|a, b| a.total_cmp(b));
-    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
     let mean = v.iter().sum::<f64>() / v.len() as f64;
-    json!({"median": round2(at(0.5)), "p99": round2(at(0.99)), "mean": round2(mean), "max": round2(v[v.len() - 1])})
+    json!({"median": round2(percentile(v, 0.5)), "p99": round2(percentile(v, 0.99)), "mean": round2(mean),
+           "max": round2(percentile(v, 1.0))})
 }
 
 fn round2(x: f64) -> f64 {

@@ -14,6 +14,16 @@ pub type Ps = u64;
 pub const PS_PER_NS: Ps = 1_000;
 pub const PS_PER_US: Ps = 1_000_000;
 
+/// The `q` quantile of ascending `sorted` values (the element at
+/// `floor(n q)`, the last for q = 1); NaN when empty. Every figure of the
+/// simulator takes its percentiles here.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    match sorted.len() {
+        0 => f64::NAN,
+        n => sorted[((n as f64 * q) as usize).min(n - 1)],
+    }
+}
+
 /// Serialisation time of `bytes` at `rate_bps`, in picoseconds (rounded up).
 pub fn tx_time(bytes: u32, rate_bps: u64) -> Ps {
     let bits = bytes as u128 * 8 * 1_000_000_000_000;

@@ -5,7 +5,7 @@
 use fanin_proto::trim::TrimControlConfig;
 use serde::Serialize;
 
-use crate::kernel::{PS_PER_NS, PS_PER_US};
+use crate::kernel::{percentile, PS_PER_NS, PS_PER_US};
 use crate::net::{Link, LoadBalance, NetConfig, NetStats, Sim, SwitchModel};
 use crate::topo::{fat_tree, leaf_spine, single_switch};
 use crate::trimming::thread_cpu_s;
@@ -88,7 +88,7 @@ pub fn run(cfg: &PermutationConfig) -> Result<PermutationResult, String> {
     let mut fct: Vec<f64> = sim.flows.iter().filter_map(|f| f.stats.finished_at_ps).map(|t| t as f64 / PS_PER_US as f64).collect();
     fct.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let k = fct.len();
-    let pct = |q: f64| if k == 0 { f64::NAN } else { fct[((k as f64 * q) as usize).min(k - 1)] };
+    let pct = |q: f64| percentile(&fct, q);
     let bytes = cfg.pkts_per_flow as f64 * sim.config().mtu as f64;
     let _ = PS_PER_NS;
     Ok(PermutationResult {

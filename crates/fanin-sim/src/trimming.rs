@@ -13,7 +13,7 @@ use fanin_proto::trim::{MeterDesign, NotifyScope, QueueConfig, TrimControlConfig
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::kernel::{tx_time, Ps, PS_PER_NS, PS_PER_US};
+use crate::kernel::{percentile, tx_time, Ps, PS_PER_NS, PS_PER_US};
 use crate::net::{Link, NetConfig, NetStats, SwitchModel};
 use crate::topo::single_switch;
 
@@ -345,7 +345,7 @@ pub fn figure5(study: &Study, quick: bool, progress: Progress) -> FigureOutput {
                 let _ = writeln!(csv, "{w},{},{k},{x:.4},{:.6}", r.design.name(), (k + 1) as f64 / n as f64);
             }
         }
-        let pct = |q: f64| if n == 0 { f64::NAN } else { t[((n as f64 * q) as usize).min(n - 1)] };
+        let pct = |q: f64| percentile(&t, q);
         let _ = writeln!(
             summary,
             "  {w:8} {:9} headers {:6}  p50 {:7.2}  p90 {:7.2}  p99 {:7.2}  max {:7.2}  RTS {:5}  maxDoD {:5}",

@@ -90,7 +90,7 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
             Ok(switch_addr) => {
                 let switch_addr = reachable_switch_addr(switch_addr, &shared.config);
                 let progress_ms = progress_interval(silence).as_millis() as u64;
-                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders, switch_addr, progress_ms, value_type: value_type.name().to_string() };
+                let params = TaskParams { task_id, short_slots: layout.short_slots, medium_groups: layout.medium_groups, medium_parts: layout.medium_parts, aa_size, shadow_copies, window, senders, switch_addr, progress_ms, value_type };
                 let mut rc = ReceiverConfig::new(task_id, layout, aa_size, senders);
                 rc.shadow_copies = shadow_copies;
                 rc.window = window;
@@ -169,7 +169,7 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
     let result = outcome.recv().unwrap_or_else(|_| Err("the receiver's data channel stopped".into()));
     let entry = shared.tasks.lock().expect("tasks").remove(&task_id);
     let seconds = entry.as_ref().map_or(0.0, |e| e.started.elapsed().as_secs_f64());
-    let value_type = entry.as_ref().map_or(ValueType::Int64.name(), |e| e.params.value_type.as_str());
+    let value_type = entry.as_ref().map_or(ValueType::Int64, |e| e.params.value_type).name();
     let now = machine_time(shared.epoch);
     // The channels the daemon declared failed, as the application sees them.
     let report = |channels: Vec<u16>| -> Vec<ChannelReport> {
@@ -272,14 +272,14 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
     // The session stays open while we send: it is how the receiver's daemon
     // knows this sender is alive (docs/kv.md §10, failed senders).
     // Text counts integer ones; a ticket names its task's value type.
-    let value_type = match (format, req.ticket.value_type.as_deref()) {
-        (InputFormat::Text, Some(t)) if t != ValueType::Int64.name() => {
+    let value_type = match (format, req.ticket.value_type) {
+        (InputFormat::Text, Some(t)) if t != ValueType::Int64 => {
             return Err(error(format!(
                 "task {task_id} sums {t} values; text input counts integer ones: create an int64 task for text"
             )))
         }
-        (InputFormat::Text, _) => Some(ValueType::Int64.name().to_string()),
-        (_, t) => t.map(str::to_string),
+        (InputFormat::Text, _) => Some(ValueType::Int64),
+        (_, t) => t,
     };
     let join = PeerRequest::Join { task_id, channel, control: shared.control_addr.to_string(), value_type }.to_json();
     let unreachable = |e: std::io::Error| error(format!("cannot reach the receiver's daemon at {control}: {e}"));

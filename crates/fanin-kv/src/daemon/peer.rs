@@ -101,7 +101,7 @@ fn peer_request(shared: &Arc<Shared>, req: &Value, joined_here: &mut Vec<(u32, u
                 if let Some(input) = value_type.filter(|v| *v != t.params.value_type) {
                     return Err(error(format!(
                         "task {task_id} sums {} values but this input's are {input} (text counts integer ones; \
-                         a ticket names its task's type): create the task with value_type={input:?}",
+                         a ticket names its task's type): create the task with value_type=\"{input}\"",
                         t.params.value_type
                     )));
                 }

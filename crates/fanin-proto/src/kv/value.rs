@@ -10,8 +10,9 @@
 //! `min`/`max` follow Spark's order, where NaN is above every number. ASK's
 //! Tofino has no float adder; a software switch does.
 
-/// How a task's value bits are read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+/// How a task's value bits are read (in JSON: "int64", "float64").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ValueType {
     #[default]
     Int64,
@@ -143,5 +144,8 @@ mod tests {
             assert_eq!(ValueType::parse(t.name()), Some(t));
         }
         assert_eq!(ValueType::parse("float32"), None);
+        for t in [ValueType::Int64, ValueType::Float64] {
+            assert_eq!(serde_json::to_value(t).unwrap(), serde_json::json!(t.name()), "the JSON name is the name");
+        }
     }
 }
