@@ -282,6 +282,21 @@ impl Session {
         self.machine.half_elems_per_packet()
     }
 
+    /// Make the next allreduce call (whether it starts or is refused) a
+    /// reduce-scatter: only the elements in `keep` (indices into the
+    /// flattened tensor) come back summed; the rest of the output is left
+    /// as it was, and the switch sends this worker a header instead of the
+    /// sum of every block outside `keep`
+    /// ([`AllreduceSession::keep_only`](fanin_proto::host::AllreduceSession::keep_only)).
+    pub fn keep_only(&mut self, keep: std::ops::Range<usize>) {
+        self.machine.keep_only(keep);
+    }
+
+    /// Drop a `keep_only` range that no allreduce call has taken.
+    pub fn keep_all(&mut self) {
+        self.machine.keep_all();
+    }
+
     /// Reduce `tensor` with every other member of the job; blocks until done
     /// or failed (a silent switch fails after `session.dead_after`).
     pub fn allreduce(&mut self, tensor: Tensor) -> Result<Outcome, HostError> {

@@ -201,6 +201,11 @@ fn a_keyed_job_on_two_shards_with_loss_sums_exactly_and_refuses_nothing_honest()
                 o.session.auth_key = Some(fanin_proto::auth::derive_member_key(&job_key, 1, rank));
                 let mut s = Session::connect(o).unwrap();
                 let out = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap();
+                // a keyed reduce-scatter: the withheld results are sealed too
+                s.keep_only(shard(rank, 3, len));
+                let Tensor::I32(part) = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap().tensor else { panic!() };
+                let Tensor::I32(whole) = &out.tensor else { panic!() };
+                assert_eq!(part[shard(rank, 3, len)], whole[shard(rank, 3, len)]);
                 (out, s.auth_stats())
             })
         })
@@ -219,6 +224,7 @@ fn a_keyed_job_on_two_shards_with_loss_sums_exactly_and_refuses_nothing_honest()
     }
     let c = sw.core().counters();
     assert_eq!((c.auth_bad_tag, c.auth_unsealed, c.auth_replayed), (0, 0, 0), "{c:?}");
+    assert!(c.results_without_data > 0, "{c:?}");
 }
 
 /// A free UDP port on loopback for a result group (the group address keeps
@@ -290,4 +296,83 @@ fn a_result_group_that_is_not_multicast_is_refused_clearly() {
     let out = s.allreduce(Tensor::I32(vec![3; 5000])).unwrap();
     assert_eq!(out.tensor, Tensor::I32(vec![3; 5000]));
     assert_eq!(s.stats().datagrams_from_group, 0);
+}
+
+/// Rank `r`'s shard of a reduce-scatter of `len` elements over `n` ranks.
+fn shard(r: u16, n: u16, len: usize) -> std::ops::Range<usize> {
+    let k = len / n as usize;
+    r as usize * k..if r + 1 == n { len } else { (r as usize + 1) * k }
+}
+
+#[test]
+fn reduce_scatter_gives_each_rank_its_shard_and_withholds_the_rest() {
+    // Shards of 25 000 elements do not line up with 1024-element blocks, so
+    // the blocks across a boundary have two owners. First without loss (the
+    // counters are exact), then with loss, duplication of resends and two
+    // shards: every kept element is the allreduce's, bit for bit.
+    for (loss, shards) in [(0.0, 1), (0.05, 2)] {
+        let n = 4u16;
+        let len = 100_000;
+        let sw = start(shards, loss, vec![job(1, n, JobMode::Aggregate)]);
+        let addr = sw.data_addr();
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let mut s = Session::connect(options(addr, 1, rank, loss)).unwrap();
+                    let full = s.allreduce(Tensor::F32(inputs_f32(rank, len))).unwrap();
+                    s.keep_only(shard(rank, n, len));
+                    let scattered = s.allreduce(Tensor::F32(inputs_f32(rank, len))).unwrap();
+                    s.keep_only(shard(rank, n, len));
+                    let ints = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap();
+                    // the range was for one call only: this one is whole again
+                    let again = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap();
+                    (full, scattered, ints, again, s.elems_per_packet() as usize)
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let mut expected = vec![0i32; len];
+        for r in 0..n {
+            for (e, x) in expected.iter_mut().zip(inputs_i32(r, len)) {
+                *e = e.wrapping_add(x);
+            }
+        }
+        let per = results[0].4;
+        for (rank, (full, scattered, ints, again, _)) in results.iter().enumerate() {
+            let keep = shard(rank as u16, n, len);
+            let (Tensor::F32(f), Tensor::F32(s)) = (&full.tensor, &scattered.tensor) else { panic!() };
+            assert_eq!(f[keep.clone()], s[keep.clone()], "rank {rank}: its shard is the allreduce's");
+            let Tensor::I32(i) = &ints.tensor else { panic!() };
+            assert_eq!(i[keep.clone()], expected[keep.clone()]);
+            // outside its blocks the in-place tensor still holds its input
+            let first_unowned = keep.end.div_ceil(per) * per;
+            if first_unowned < len {
+                assert_eq!(i[first_unowned..], inputs_i32(rank as u16, len)[first_unowned..], "rank {rank}");
+            }
+            assert_eq!(again.tensor, Tensor::I32(expected.clone()));
+        }
+        let c = sw.core().counters();
+        let blocks = len.div_ceil(per);
+        let owners: usize = (0..blocks)
+            .map(|b| (0..n).filter(|&r| { let k = shard(r, n, len); b * per < k.end && k.start < (b + 1) * per }).count())
+            .sum();
+        let withheld = 2 * (blocks * n as usize - owners) as u64; // two reduce-scatters
+        if loss == 0.0 {
+            assert_eq!(c.blocks_completed, 4 * blocks as u64, "{c:?}");
+            assert!(c.results_without_data >= withheld && c.results_without_data <= withheld + c.results_resent, "{c:?}");
+        } else {
+            assert!(c.results_without_data >= withheld / 2, "{c:?}");
+        }
+        assert_eq!(c.malformed_total(), 0);
+    }
+}
+
+#[test]
+fn a_keep_range_outside_the_tensor_is_refused_and_forgotten() {
+    let sw = start(1, 0.0, vec![job(1, 1, JobMode::Aggregate)]);
+    let mut s = Session::connect(options(sw.data_addr(), 1, 0, 0.0)).unwrap();
+    s.keep_only(10..20);
+    let err = s.allreduce(Tensor::I32(vec![1; 5])).unwrap_err();
+    assert!(err.to_string().contains("not within the tensor's 5 elements"), "{err}");
+    assert_eq!(s.allreduce(Tensor::I32(vec![3; 5])).unwrap().tensor, Tensor::I32(vec![3; 5]));
 }

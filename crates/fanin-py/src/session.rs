@@ -144,41 +144,27 @@ impl Session {
     /// each block is divided by the number of sources its result summed
     /// (`src_cnt`; fewer than the job size for a partial result). The GIL is
     /// released while communicating.
-    #[pyo3(signature = (array, average=false, out=None))]
+    ///
+    /// `keep=(start, stop)`: a reduce-scatter. Only the elements
+    /// `start..stop` of the flattened result are the sum; the rest are left
+    /// as they were (the input's, in place; unspecified in a new array),
+    /// and the switch sends this member a header instead of the sum of
+    /// every block outside the range.
+    #[pyo3(signature = (array, average=false, out=None, keep=None))]
     fn allreduce<'py>(
         &mut self,
         py: Python<'py>,
         array: &Bound<'py, PyAny>,
         average: bool,
         out: Option<&Bound<'py, PyAny>>,
+        keep: Option<(usize, usize)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let is_f32 = if array.cast::<PyArrayDyn<f32>>().is_ok() {
-            true
-        } else if array.cast::<PyArrayDyn<i32>>().is_ok() {
-            false
-        } else {
-            let dtype = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
-            return Err(PyTypeError::new_err(format!(
-                "fanin allreduce takes a numpy array of int32, float32 or float16 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
-            )));
-        };
-        if average && !is_f32 {
-            return Err(PyTypeError::new_err("average=True needs a float32 array (an int32 mean is not an int32)"));
+        if let Some((start, stop)) = keep {
+            self.inner.keep_only(start..stop);
         }
-        let Some(o) = out else {
-            return self.allreduce_new(py, array, is_f32, average);
-        };
-        // `out` is checked before anything is sent: a bad one must not cost
-        // a collective the other members are waiting on.
-        let outcome = if is_f32 {
-            check_out::<f32>(array, o)?;
-            self.allreduce_out::<f32>(py, array, o, average)?
-        } else {
-            check_out::<i32>(array, o)?;
-            self.allreduce_out::<i32>(py, array, o, average)?
-        };
-        self.last = Some(outcome);
-        Ok(o.clone())
+        let result = self.allreduce_any(py, array, average, out);
+        self.inner.keep_all(); // a range that was not used (the call was refused) ends here
+        result
     }
 
     /// Sum a 16-bit float array given as its bits (`bits`: uint16, any
@@ -187,8 +173,8 @@ impl Session {
     /// Returns a new uint16 array of the result's bits, or writes them into
     /// `out` (uint16, the input's shape, C-contiguous; may be `bits`
     /// itself) and returns it, as `allreduce` does; `average` as there,
-    /// each element divided and rounded once.
-    #[pyo3(signature = (bits, format, average=false, out=None))]
+    /// each element divided and rounded once; `keep` as there.
+    #[pyo3(signature = (bits, format, average=false, out=None, keep=None))]
     fn allreduce_half<'py>(
         &mut self,
         py: Python<'py>,
@@ -196,54 +182,14 @@ impl Session {
         format: &str,
         average: bool,
         out: Option<&Bound<'py, PyAny>>,
+        keep: Option<(usize, usize)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let kind = match format {
-            "float16" => Half::F16,
-            "bfloat16" => Half::BF16,
-            other => return Err(PyValueError::new_err(format!("format {other:?}: give \"float16\" or \"bfloat16\""))),
-        };
-        if bits.cast::<PyArrayDyn<u16>>().is_err() {
-            let dtype = bits.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
-            return Err(PyTypeError::new_err(format!(
-                "allreduce_half takes the bits as a numpy uint16 array (got {dtype}); e.g. a.view(np.uint16)"
-            )));
+        if let Some((start, stop)) = keep {
+            self.inner.keep_only(start..stop);
         }
-        // `out` is checked before the input is borrowed (it may be the input)
-        // and before anything is sent
-        if let Some(o) = out {
-            check_out::<u16>(bits, o)?;
-        }
-        let input = bits.extract::<PyReadonlyArrayDyn<'py, u16>>()?;
-        // the block size a 16-bit allreduce uses (exponents are taken per block)
-        let per = self.inner.half_elems_per_packet().max(1) as usize;
-        let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
-        let shape = input.shape().to_vec();
-        if let Some(o) = out {
-            // lent as it is when it shares no memory with `out`, else staged
-            let outcome = match lendable(&input, o.cast::<PyArrayDyn<u16>>()?.data() as usize) {
-                Some(s) => {
-                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(value_err)?;
-                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
-                }
-                None => {
-                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
-                    drop(input); // `out` may be the input: its read borrow ends before the write borrow
-                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
-                }
-            };
-            self.last = Some(outcome);
-            return Ok(o.clone());
-        }
-        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
-        let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
-        if average {
-            let per = outcome.elems_per_block;
-            outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        }
-        let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
-        self.last = Some(outcome);
-        let Tensor::Half(_, v) = tensor else { unreachable!("a 16-bit allreduce returns its own dtype") };
-        Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any())
+        let result = self.allreduce_half_any(py, bits, format, average, out);
+        self.inner.keep_all();
+        result
     }
 
     /// Statistics of the last allreduce: retransmissions, trimmed (Trimmed
@@ -369,6 +315,100 @@ fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> Py
 }
 
 impl Session {
+    fn allreduce_any<'py>(
+        &mut self,
+        py: Python<'py>,
+        array: &Bound<'py, PyAny>,
+        average: bool,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let is_f32 = if array.cast::<PyArrayDyn<f32>>().is_ok() {
+            true
+        } else if array.cast::<PyArrayDyn<i32>>().is_ok() {
+            false
+        } else {
+            let dtype = array.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
+            return Err(PyTypeError::new_err(format!(
+                "fanin allreduce takes a numpy array of int32, float32 or float16 (got {dtype}); convert it first, e.g. a.astype(np.float32)"
+            )));
+        };
+        if average && !is_f32 {
+            return Err(PyTypeError::new_err("average=True needs a float32 array (an int32 mean is not an int32)"));
+        }
+        let Some(o) = out else {
+            return self.allreduce_new(py, array, is_f32, average);
+        };
+        // `out` is checked before anything is sent: a bad one must not cost
+        // a collective the other members are waiting on.
+        let outcome = if is_f32 {
+            check_out::<f32>(array, o)?;
+            self.allreduce_out::<f32>(py, array, o, average)?
+        } else {
+            check_out::<i32>(array, o)?;
+            self.allreduce_out::<i32>(py, array, o, average)?
+        };
+        self.last = Some(outcome);
+        Ok(o.clone())
+    }
+
+
+    fn allreduce_half_any<'py>(
+        &mut self,
+        py: Python<'py>,
+        bits: &Bound<'py, PyAny>,
+        format: &str,
+        average: bool,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kind = match format {
+            "float16" => Half::F16,
+            "bfloat16" => Half::BF16,
+            other => return Err(PyValueError::new_err(format!("format {other:?}: give \"float16\" or \"bfloat16\""))),
+        };
+        if bits.cast::<PyArrayDyn<u16>>().is_err() {
+            let dtype = bits.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| "not an array".into());
+            return Err(PyTypeError::new_err(format!(
+                "allreduce_half takes the bits as a numpy uint16 array (got {dtype}); e.g. a.view(np.uint16)"
+            )));
+        }
+        // `out` is checked before the input is borrowed (it may be the input)
+        // and before anything is sent
+        if let Some(o) = out {
+            check_out::<u16>(bits, o)?;
+        }
+        let input = bits.extract::<PyReadonlyArrayDyn<'py, u16>>()?;
+        // the block size a 16-bit allreduce uses (exponents are taken per block)
+        let per = self.inner.half_elems_per_packet().max(1) as usize;
+        let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
+        let shape = input.shape().to_vec();
+        if let Some(o) = out {
+            // lent as it is when it shares no memory with `out`, else staged
+            let outcome = match lendable(&input, o.cast::<PyArrayDyn<u16>>()?.data() as usize) {
+                Some(s) => {
+                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(value_err)?;
+                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
+                }
+                None => {
+                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
+                    drop(input); // `out` may be the input: its read borrow ends before the write borrow
+                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
+                }
+            };
+            self.last = Some(outcome);
+            return Ok(o.clone());
+        }
+        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
+        let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
+        if average {
+            let per = outcome.elems_per_block;
+            outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        }
+        let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
+        self.last = Some(outcome);
+        let Tensor::Half(_, v) = tensor else { unreachable!("a 16-bit allreduce returns its own dtype") };
+        Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any())
+    }
+
     /// `allreduce` without `out`: the input is staged into a fresh vector,
     /// which the result overwrites and which becomes the returned array.
     fn allreduce_new<'py>(

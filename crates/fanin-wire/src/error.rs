@@ -24,6 +24,8 @@ pub enum WireError {
     TooManyElements { grad_cnt: usize, max: usize },
     #[error("exponent-only message carries grad_cnt {0} (must be 0)")]
     ExpOnlyWithPayload(u16),
+    #[error("result without data (no_data) carries grad_cnt {0} (must be 0)")]
+    NoDataWithPayload(u16),
     #[error("unknown nack reason code {0}")]
     UnknownNackReason(u16),
     #[error("bitmap 0x{bitmap:016x} names slots beyond slot_count {slot_count}")]
@@ -45,7 +47,7 @@ impl WireError {
             Self::ReservedBits(_) => "reserved_bits",
             Self::LengthMismatch { .. } => "length_mismatch",
             Self::TooManyElements { .. } => "too_many_elements",
-            Self::ExpOnlyWithPayload(_) => "unexpected_payload",
+            Self::ExpOnlyWithPayload(_) | Self::NoDataWithPayload(_) => "unexpected_payload",
             Self::UnknownNackReason(_) => "unknown_nack_reason",
             Self::BitmapBeyondSlots { .. } => "bitmap_beyond_slots",
             Self::FragmentOutOfRange { .. } => "fragment_out_of_range",

@@ -6,7 +6,7 @@
 //!  +---------------+---------------+---------------+---------------+
 //!  |          magic 0xFA17         |    version    |   msg_type    |  preamble
 //!  +-------+-+-+-+-+---------------+---------------+---------------+
-//!  |age_op |F|D|E|0|     dtype     |            src_id             |  4
+//!  |age_op |F|D|E|N|     dtype     |            src_id             |  4
 //!  +-------+-+-+-+-+---------------+---------------+---------------+
 //!  |            src_cnt            |            gen_id             |  8
 //!  +---------------+---------------+---------------+---------------+
@@ -19,7 +19,7 @@
 //!  |  payload: grad_cnt lanes (int32, or int16 for 16-bit dtypes)  | 24
 //!  |  or a message body ...                                        |
 //! ```
-//! F = `final`, D = `degraded`, E = `exp_only`. See `docs/protocol.md`.
+//! F = `final`, D = `degraded`, E = `exp_only`, N = `no_data`. See `docs/protocol.md`.
 
 use crate::preamble::{MessageType, Preamble};
 use crate::{WireError, MAX_DATAGRAM};
@@ -53,7 +53,10 @@ pub const EXP_NONE: i8 = i8::MIN;
 const FLAG_FINAL: u8 = 0b0000_1000;
 const FLAG_DEGRADED: u8 = 0b0000_0100;
 const FLAG_EXP_ONLY: u8 = 0b0000_0010;
-const FLAG_RESERVED: u8 = 0b0000_0001;
+/// Contribution or Retransmission: the sender does not need this block's
+/// sum (a reduce-scatter block another rank owns). Result: the sum was
+/// withheld from this receiver, whose contribution it contains; no body.
+const FLAG_NO_DATA: u8 = 0b0000_0001;
 const AGE_OP_SHIFT: u8 = 4;
 
 /// The element type the worker reduces. int32 travels exactly in int32
@@ -154,7 +157,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
             return Err(WireError::Truncated { needed: HEADER_LEN, got: bytes.len() });
         }
         let flags = bytes[field::FLAGS];
-        if flags & FLAG_RESERVED != 0 {
+        if flags & FLAG_NO_DATA != 0 && !preamble.msg_type.carries_block() {
             return Err(WireError::ReservedBits(flags));
         }
         let dtype = Dtype::from_u8(bytes[field::DTYPE])?;
@@ -165,6 +168,9 @@ impl<T: AsRef<[u8]>> Packet<T> {
         let carries_block = preamble.msg_type.carries_block();
         if grad_cnt != 0 && (!carries_block || flags & FLAG_EXP_ONLY != 0) {
             return Err(WireError::ExpOnlyWithPayload(grad_cnt));
+        }
+        if grad_cnt != 0 && preamble.msg_type == MessageType::Result && flags & FLAG_NO_DATA != 0 {
+            return Err(WireError::NoDataWithPayload(grad_cnt));
         }
         let expected = HEADER_LEN + body_len(preamble.msg_type, grad_cnt, flags >> AGE_OP_SHIFT, dtype);
         if bytes.len() != expected {
@@ -226,6 +232,11 @@ impl<T: AsRef<[u8]>> Packet<T> {
     pub fn exp_only(&self) -> bool {
         self.flags() & FLAG_EXP_ONLY != 0
     }
+    /// `no_data`: a contribution whose sender wants no sum back, or a
+    /// result without one ([`Repr::no_data`]).
+    pub fn no_data(&self) -> bool {
+        self.flags() & FLAG_NO_DATA != 0
+    }
     pub fn dtype_code(&self) -> u8 {
         self.buffer.as_ref()[field::DTYPE]
     }
@@ -281,8 +292,11 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
     pub fn set_msg_type(&mut self, t: MessageType) {
         Preamble::emit(t, self.buffer.as_mut());
     }
-    pub fn set_flags(&mut self, age_op: u8, final_block: bool, degraded: bool, exp_only: bool) {
+    pub fn set_flags(&mut self, age_op: u8, final_block: bool, degraded: bool, exp_only: bool, no_data: bool) {
         let mut flags = (age_op & 0x0f) << AGE_OP_SHIFT;
+        if no_data {
+            flags |= FLAG_NO_DATA;
+        }
         if final_block {
             flags |= FLAG_FINAL;
         }
@@ -340,6 +354,11 @@ pub struct Repr {
     /// Exponent negotiation only: no payload, `exp` carries the sender's
     /// block exponent (or, in a result, the negotiated maximum).
     pub exp_only: bool,
+    /// Owner-only results (reduce-scatter, docs/protocol.md §4.13). In a
+    /// data contribution: the sender does not need this block's sum. In a
+    /// result: the sum went to the block's owners only; this header (no
+    /// body) tells a member that its contribution is in it.
+    pub no_data: bool,
     pub dtype: Dtype,
     pub src_id: u16,
     /// In a result: how many sources the sum contains.
@@ -364,6 +383,7 @@ impl Repr {
             final_block: false,
             degraded: false,
             exp_only: false,
+            no_data: false,
             dtype: Dtype::Int32,
             src_id,
             src_cnt: 0,
@@ -385,6 +405,7 @@ impl Repr {
             final_block: packet.final_block(),
             degraded: packet.degraded(),
             exp_only: packet.exp_only(),
+            no_data: packet.no_data(),
             dtype: Dtype::from_u8(packet.dtype_code())?,
             src_id: packet.src_id(),
             src_cnt: packet.src_cnt(),
@@ -406,7 +427,7 @@ impl Repr {
     /// `buffer_len()` bytes.
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, packet: &mut Packet<T>) {
         packet.set_msg_type(self.msg_type);
-        packet.set_flags(self.age_op, self.final_block, self.degraded, self.exp_only);
+        packet.set_flags(self.age_op, self.final_block, self.degraded, self.exp_only, self.no_data);
         packet.set_dtype(self.dtype);
         packet.set_src_id(self.src_id);
         packet.set_src_cnt(self.src_cnt);

@@ -155,6 +155,8 @@ pub struct AllreduceSession {
     captured: recovery::Captured,
     /// Set while recovering from a switch restart.
     recovery: Option<Recovery>,
+    /// [`keep_only`](Self::keep_only)'s range, for the next allreduce.
+    next_keep: Option<std::ops::Range<usize>>,
 }
 
 /// Datagrams a keyed session dropped before looking at them.
@@ -200,6 +202,7 @@ impl AllreduceSession {
             spare: Vec::new(),
             captured: recovery::Captured::default(),
             recovery: None,
+            next_keep: None,
         };
         session.sealer = session.config.auth_key.map(|k| Sealer::new(k, 0, session.config.seal_clock_us));
         if let State::Failed(e) = &session.state {
@@ -280,10 +283,30 @@ impl AllreduceSession {
         }
     }
 
+    /// Make the next allreduce begun (whether it starts or is refused) a
+    /// **reduce-scatter**: only the elements in `keep` (indices into the
+    /// flattened tensor) are summed into the output; every other element
+    /// of it is left as it was. The blocks outside `keep` are contributed
+    /// with `no_data`, and the switch answers them with a result header
+    /// without the sum, so this worker's link carries about
+    /// `keep.len()` elements down instead of the whole tensor
+    /// (docs/protocol.md §4.13).
+    pub fn keep_only(&mut self, keep: std::ops::Range<usize>) {
+        self.next_keep = Some(keep);
+    }
+
+    /// Drop a [`keep_only`](Self::keep_only) range no allreduce has taken
+    /// (a driver whose call failed before it began one).
+    pub fn keep_all(&mut self) {
+        self.next_keep = None;
+    }
+
     /// Start an allreduce of `tensor`. The result comes as `Event::Completed`.
     pub fn begin(&mut self, now: Time, tensor: Tensor) -> Result<(), SessionError> {
+        let keep = self.next_keep.take();
         self.check_ready()?;
         let prepared = Prepared::new(tensor, self.config.elems_per_packet as usize)?;
+        self.next_keep = keep;
         self.begin_prepared(now, prepared)
     }
 
@@ -292,13 +315,14 @@ impl AllreduceSession {
     /// A borrowed input is copied first: the results overwrite the input
     /// the session owns.
     pub fn begin_prepared(&mut self, now: Time, prepared: Prepared<'_>) -> Result<(), SessionError> {
+        let keep = self.next_keep.take();
         self.check_ready()?;
         let Prepared { input, local_exp, per } = prepared;
         let tensor = match input {
             PreparedInput::Owned(t) => t,
             PreparedInput::Borrowed(v) => v.to_owned(),
         };
-        self.begin_op(now, Prepared { input: PreparedInput::Owned(tensor), local_exp, per }, None)
+        self.begin_op(now, Prepared { input: PreparedInput::Owned(tensor), local_exp, per }, None, keep)
     }
 
     /// Start an allreduce of `prepared` whose sum is written into `out`
@@ -324,6 +348,7 @@ impl AllreduceSession {
         prepared: Prepared<'_>,
         out: TensorMut<'_>,
     ) -> Result<(), SessionError> {
+        let keep = self.next_keep.take();
         let input = prepared.input.view();
         if matches!(prepared.input, PreparedInput::Borrowed(_)) && lending::overlaps(&out, input) {
             return Err(SessionError::Config(
@@ -336,7 +361,7 @@ impl AllreduceSession {
         let lent = Lent::new(out, input).ok_or_else(|| {
             SessionError::Config(format!("the output must match the input ({want:?}, {len} elements)"))
         })?;
-        self.begin_op(now, prepared, Some(lent))
+        self.begin_op(now, prepared, Some(lent), keep)
     }
 
     /// End the running allreduce, if any, without a result: its lent output
@@ -355,8 +380,23 @@ impl AllreduceSession {
 
     /// `lent` is `Some` whenever the input is borrowed (`begin_prepared`
     /// copies it otherwise).
-    fn begin_op(&mut self, now: Time, prepared: Prepared<'_>, lent: Option<Lent>) -> Result<(), SessionError> {
+    fn begin_op(
+        &mut self,
+        now: Time,
+        prepared: Prepared<'_>,
+        lent: Option<Lent>,
+        keep: Option<std::ops::Range<usize>>,
+    ) -> Result<(), SessionError> {
         self.check_ready()?;
+        if let Some(k) = &keep {
+            let len = prepared.input.view().len();
+            if k.start > k.end || k.end > len {
+                return Err(SessionError::Config(format!(
+                    "keep_only range {}..{} is not within the tensor's {len} elements",
+                    k.start, k.end
+                )));
+            }
+        }
         let per = match prepared.input.view() {
             TensorRef::Half(..) => self.half_elems_per_packet.max(1) as usize,
             _ => self.config.elems_per_packet as usize,
@@ -418,6 +458,7 @@ impl AllreduceSession {
             min_src_cnt: self.n_sources,
             recoveries: 0,
             next_probe: now,
+            keep,
         });
         self.last_heard = now;
         // Results the switch pushed for this allreduce before it began.

@@ -68,6 +68,10 @@ pub struct Counters {
     pub results_to_group: u64,
     /// Results sent again in answer to a retransmission.
     pub results_resent: u64,
+    /// Owner-only results (reduce-scatter): header-only results without the
+    /// sum, sent instead of a result to members whose data contribution
+    /// said `no_data` (counted in `results_sent` / `results_resent` too).
+    pub results_without_data: u64,
     pub joins: u64,
     pub nacks_sent: u64,
     /// NoAggr jobs: contributions returned to their sender unaggregated.
@@ -179,6 +183,7 @@ impl Counters {
         f("results_sent", None, self.results_sent);
         f("results_to_group", None, self.results_to_group);
         f("results_resent", None, self.results_resent);
+        f("results_without_data", None, self.results_without_data);
         f("joins", None, self.joins);
         f("nacks_sent", None, self.nacks_sent);
         f("forwarded", None, self.forwarded);
@@ -215,7 +220,7 @@ impl Counters {
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
-            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, joins, nacks_sent, forwarded,
+            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,

@@ -28,6 +28,7 @@ fn contribution_repr() -> Repr {
         final_block: true,
         degraded: false,
         exp_only: false,
+        no_data: false,
         dtype: Dtype::Float32,
         src_id: 3,
         src_cnt: 0,
@@ -92,7 +93,7 @@ fn contribution_write_fields() {
     let mut buf = [MARKER; 32];
     let mut p = Packet::new_unchecked(&mut buf[..]);
     p.set_msg_type(MessageType::Contribution);
-    p.set_flags(0, true, false, false);
+    p.set_flags(0, true, false, false, false);
     p.set_dtype(Dtype::Float32);
     p.set_src_id(3);
     p.set_src_cnt(0);
@@ -251,9 +252,37 @@ fn rejects_bad_magic_version_type_dtype_flags() {
     let mut b = CONTRIBUTION;
     b[5] = 9;
     assert_eq!(Packet::new_checked(&b[..]).unwrap_err(), WireError::UnknownDtype(9));
+}
+
+#[test]
+fn no_data_is_a_block_message_flag_and_a_result_with_it_has_no_body() {
+    // a contribution whose sender owns no part of the block's sum
     let mut b = CONTRIBUTION;
     b[4] |= 1;
-    assert_eq!(Packet::new_checked(&b[..]).unwrap_err(), WireError::ReservedBits(0x09));
+    let p = Packet::new_checked(&b[..]).unwrap();
+    assert!(p.no_data() && Repr::parse(&p).unwrap().no_data);
+    // the bit is reserved on every other message type
+    let mut join = [0u8; HEADER_LEN];
+    let repr = Repr::new(MessageType::Join, 1, 0);
+    repr.emit(&mut Packet::new_unchecked(&mut join[..]));
+    join[4] |= 1;
+    assert_eq!(Packet::new_checked(&join[..]).unwrap_err(), WireError::ReservedBits(0x01));
+    // a result without data: header only, 24 bytes
+    let ack = Repr { no_data: true, src_cnt: 3, block_id: 9, ..Repr::new(MessageType::Result, 1, 0) };
+    let mut buf = vec![0u8; ack.buffer_len()];
+    assert_eq!(buf.len(), HEADER_LEN);
+    ack.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    // docs/protocol.md §9, "Result without data"
+    let golden = [
+        0xfa, 0x17, 0x01, 0x03, 0x01, 0x00, 0x00, 0x00, 0x00, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,
+        0x09, 0x00, 0x00, 0x80, 0x80,
+    ];
+    assert_eq!(buf, golden);
+    assert_eq!(Repr::parse(&Packet::new_checked(&buf[..]).unwrap()).unwrap(), ack);
+    // ... and one that claims elements is malformed
+    let mut b = RESULT;
+    b[4] |= 1;
+    assert_eq!(Packet::new_checked(&b[..]).unwrap_err(), WireError::NoDataWithPayload(1));
 }
 
 #[test]
@@ -300,6 +329,8 @@ fn arb_repr() -> impl Strategy<Value = Repr> {
             final_block: f,
             degraded: d,
             exp_only: false,
+            // a result without data has no body
+            no_data: msg_type != MessageType::Result || n == 0,
             dtype: Dtype::from_u8(dt).unwrap(),
             src_id: s,
             src_cnt: c,
@@ -405,6 +436,7 @@ fn trim_nack_four_ways() {
     let repr = Repr::parse(&p).unwrap();
     let expected = Repr {
         exp_only: true,
+        no_data: false,
         dtype: Dtype::Float32,
         gen_id: 7,
         block_id: 0x0A0B_0C0D,

@@ -94,9 +94,22 @@ pub(super) struct Op {
     pub(super) recoveries: u32,
     /// Next probe join while the switch is silent (see `PROBE_INTERVAL`).
     pub(super) next_probe: Time,
+    /// Reduce-scatter: the elements whose sum this worker needs (the rest
+    /// of the output is left as it was); `None`: all of them.
+    pub(super) keep: Option<std::ops::Range<usize>>,
 }
 
 impl Op {
+    /// This worker needs block `idx`'s sum: some element of the block lies
+    /// in `keep`. Its contributions to other blocks say `no_data`, and the
+    /// switch answers them with a result header without the sum.
+    pub(super) fn wants(&self, idx: u32) -> bool {
+        let Some(keep) = &self.keep else { return true };
+        let start = idx as usize * self.per;
+        let end = (start + self.per).min(self.input.view().len());
+        start < keep.end && keep.start < end
+    }
+
     /// The stream id of tensor block `idx`.
     pub(super) fn block_id(&self, idx: u32) -> u32 {
         self.space.add(self.base_block, idx)

@@ -47,8 +47,14 @@ impl AllreduceSession {
             self.on_expired(now, repr);
             return;
         }
+        // A result without the sum completes a block this worker does not
+        // own (reduce-scatter) and nothing else: for a block it owns, it
+        // is ignored, and the retransmission (without `no_data`) gets the sum.
+        let wanted = op.wants(idx);
         let useful = if repr.exp_only {
             phase == BlockPhase::ExpSent
+        } else if repr.no_data {
+            phase != BlockPhase::Done && !wanted
         } else {
             // Any phase but done: a straggler may find the result of a block
             // it has not sent (or finished negotiating) yet.
@@ -115,11 +121,14 @@ impl AllreduceSession {
         };
         self.retained.insert(repr.block_id, kept);
         let Some(op) = self.op.as_mut() else { return };
-        match op.output_block(start, count) {
-            TensorMut::I32(v) => read_elements(payload, v),
-            TensorMut::F32(v) => bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, v),
-            TensorMut::Half(kind, v) => {
-                bfp::half::dequantize_from_payload(kind, payload, repr.exp, self.n_sources as usize, v)
+        // (outside `keep` the output is left as it was, whatever came)
+        if wanted && !repr.no_data {
+            match op.output_block(start, count) {
+                TensorMut::I32(v) => read_elements(payload, v),
+                TensorMut::F32(v) => bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, v),
+                TensorMut::Half(kind, v) => {
+                    bfp::half::dequantize_from_payload(kind, payload, repr.exp, self.n_sources as usize, v)
+                }
             }
         }
         let block = &mut op.blocks[idx as usize];

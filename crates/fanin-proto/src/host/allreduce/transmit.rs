@@ -146,6 +146,7 @@ pub(super) fn emit_block(
         final_block: idx as usize + 1 == op.blocks.len(),
         degraded: false,
         exp_only,
+        no_data: !exp_only && !op.wants(idx),
         dtype: input.dtype(),
         src_id: config.src_id,
         // the switch incarnation this contribution is meant for

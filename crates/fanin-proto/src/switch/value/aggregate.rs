@@ -21,6 +21,19 @@ pub(super) struct Outcome {
 pub(super) fn broadcast<A: Copy>(
     members: &SourceMask,
     addrs: &[Option<A>],
+    auth: Option<&mut JobAuth>,
+    out: &mut impl Transmit<A>,
+    scratch: &[u8],
+    sent: &mut u64,
+) {
+    send_to_members(members.iter(), addrs, auth, out, scratch, sent)
+}
+
+/// Copy the datagram in `scratch` to the members `ids` that have a known
+/// address (sealed for each, if the job is keyed).
+pub(super) fn send_to_members<A: Copy>(
+    ids: impl Iterator<Item = usize>,
+    addrs: &[Option<A>],
     mut auth: Option<&mut JobAuth>,
     out: &mut impl Transmit<A>,
     scratch: &[u8],
@@ -28,11 +41,11 @@ pub(super) fn broadcast<A: Copy>(
 ) {
     // Unkeyed: the same bytes for everyone, queued once.
     if auth.is_none() && !fanin_wire::auth::is_sealed(scratch) {
-        let dests = members.iter().filter_map(|id| addrs.get(id).copied().flatten());
+        let dests = ids.filter_map(|id| addrs.get(id).copied().flatten());
         *sent += out.push_fanout(dests, scratch) as u64;
         return;
     }
-    for id in members.iter() {
+    for id in ids {
         if let Some(addr) = addrs.get(id).copied().flatten() {
             if send_copy(out, addr, scratch, envelope(auth.as_deref_mut(), Peer::Member(id))) {
                 *sent += 1;
@@ -41,9 +54,24 @@ pub(super) fn broadcast<A: Copy>(
     }
 }
 
-pub(super) fn build_result(block: &Block, job_id: u32, exp_only: bool, member_count: u16, tag: u16, scratch: &mut Vec<u8>) {
+/// `no_data`: the header of a data result without its sum, for a member
+/// that owns no part of the block (reduce-scatter).
+pub(super) fn build_result(
+    block: &Block,
+    job_id: u32,
+    exp_only: bool,
+    no_data: bool,
+    member_count: u16,
+    tag: u16,
+    scratch: &mut Vec<u8>,
+) {
     // src_id of a result is the switch's incarnation tag (docs/restart.md)
-    let repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, member_count) };
+    let mut repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, member_count) };
+    let no_data = no_data && !exp_only;
+    if no_data {
+        repr.no_data = true;
+        repr.grad_cnt = 0;
+    }
     // Every byte is written below (header, then the payload when there is
     // one), so a scratch of the right length needs no zeroing first.
     if scratch.len() != repr.buffer_len() {
@@ -52,7 +80,7 @@ pub(super) fn build_result(block: &Block, job_id: u32, exp_only: bool, member_co
     }
     let mut packet = Packet::new_unchecked(&mut scratch[..]);
     repr.emit(&mut packet);
-    if !exp_only {
+    if !exp_only && !no_data {
         fanin_wire::value::write_lanes(block.dtype, &block.sum[..block.grad_cnt as usize], packet.payload_mut());
     }
 }
@@ -95,7 +123,7 @@ pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
         // The sender missed the negotiated exponent: tell it again.
         Phase::Data | Phase::DataUp | Phase::Done => {
             reply.counters.duplicate += 1;
-            reply.send_to_sender(block, true);
+            reply.send_to_sender(block, true, false);
             Outcome::default()
         }
     }
@@ -186,7 +214,7 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
                 // are always further apart than block_exp learns to wait
                 reply.sample_spread(block);
             }
-            reply.send_to_sender(block, false);
+            reply.send_to_sender(block, false, packet.no_data());
             Outcome { late, ..Outcome::default() }
         }
         Phase::Data => {
@@ -216,6 +244,9 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
                 return Outcome::default();
             }
             reply.counters.accepted += 1;
+            if packet.no_data() {
+                block.no_data.insert(src);
+            }
             block.child_degraded |= src >= SWITCH_RANK_BASE as usize && packet.degraded();
             let payload = packet.payload();
             let n = grad_cnt as usize;

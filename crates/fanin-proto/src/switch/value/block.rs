@@ -77,6 +77,10 @@ pub(super) struct Block {
     /// every active member is here this record is needed no more and the
     /// next block takes it.
     pub(super) moved_on: SourceMask,
+    /// Sources whose data contribution in this phase said `no_data` (they
+    /// own no part of a reduce-scatter's block): they get a result header
+    /// without the sum.
+    pub(super) no_data: SourceMask,
 }
 
 impl Block {
@@ -109,6 +113,7 @@ impl Block {
             expired_up: false,
             asks_since_resend: 0,
             moved_on: SourceMask::with_capacity(source_capacity),
+            no_data: SourceMask::with_capacity(source_capacity),
         }
     }
 
@@ -125,6 +130,7 @@ impl Block {
     /// Start a phase's collection afresh (the exponent round ended).
     pub(super) fn restart_collection(&mut self) {
         self.rcvd.clear();
+        self.no_data.clear();
         self.expected_rcvd = 0;
         self.workers = 0;
         self.child_degraded = false;
@@ -205,6 +211,10 @@ impl Block {
             self.moved_on = SourceMask::with_capacity(active.capacity());
         }
         self.moved_on.clear();
+        if self.no_data.capacity() < active.capacity() {
+            self.no_data = SourceMask::with_capacity(active.capacity());
+        }
+        self.no_data.clear();
     }
 
     /// Header of this block's result (exponent-only while negotiating).
@@ -228,6 +238,7 @@ impl Block {
             final_block: self.final_block,
             degraded: !exp_only && degraded,
             exp_only,
+            no_data: false,
             dtype: self.dtype,
             src_id: 0,
             src_cnt,

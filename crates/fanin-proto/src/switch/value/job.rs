@@ -192,14 +192,14 @@ impl<A> Job<A> {
     /// Bytes the job's record takes beyond its aggregation buffers (those
     /// are `data_memory`): the record, its per-member tables and masks, its
     /// slots and the block records they hold at most (two per slot, each
-    /// with two source masks). Counted against the switch's memory limit
+    /// with four source masks: rcvd, expected, moved_on, no_data). Counted against the switch's memory limit
     /// like the buffers, so the number of jobs and members is bounded by it
     /// (issue: 6 256 jobs of 4 096 members took 2.3 GB that memory_used did
     /// not show).
     pub(super) fn record_bytes(&self) -> u64 {
         use std::mem::size_of;
         let mask = |m: &SourceMask| m.capacity().div_ceil(64) * 8;
-        let per_block = size_of::<Block>() + 2 * mask(&self.members);
+        let per_block = size_of::<Block>() + 4 * mask(&self.members);
         let maps = (self.pending_sync.capacity() + self.start_of.capacity() + self.sync_answers.capacity())
             * (size_of::<(u16, u32)>() + 8)
             + self.recover_lows.capacity() * (size_of::<(u16, u32)>() + 8);

@@ -78,8 +78,17 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
     /// never sent anything fetch it by retransmitting): once to the job's
     /// result group for the members listening there, if the runtime can
     /// reach groups, and to each other member's own address.
+    ///
+    /// A data result of a block some members said `no_data` to (a
+    /// reduce-scatter block they do not own) goes whole to the others and
+    /// as a header without the sum to them, each to its own address: a
+    /// group would carry the sum to every listener.
     pub(super) fn send_to_all(&mut self, block: &Block, exp_only: bool) {
-        build_result(block, self.job_id, exp_only, self.member_count, self.tag, self.scratch);
+        if !exp_only && !block.no_data.is_empty() {
+            self.send_by_ownership(block);
+            return;
+        }
+        build_result(block, self.job_id, exp_only, false, self.member_count, self.tag, self.scratch);
         if let Some((group, listeners)) = self.group {
             // (a keyed job has no group: validation refuses it)
             let any = self.members.iter().any(|id| listeners.contains(id));
@@ -94,12 +103,28 @@ impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
         broadcast(self.members, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, &mut self.counters.results_sent);
     }
 
-    /// Send the result again to the sender only.
-    pub(super) fn send_to_sender(&mut self, block: &Block, exp_only: bool) {
+    fn send_by_ownership(&mut self, block: &Block) {
+        let sent = &mut self.counters.results_sent;
+        build_result(block, self.job_id, false, false, self.member_count, self.tag, self.scratch);
+        let owners = self.members.iter().filter(|&id| !block.no_data.contains(id));
+        send_to_members(owners, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, sent);
+        build_result(block, self.job_id, false, true, self.member_count, self.tag, self.scratch);
+        let before = *sent;
+        let others = self.members.iter().filter(|&id| block.no_data.contains(id));
+        send_to_members(others, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, sent);
+        self.counters.results_without_data += *sent - before;
+    }
+
+    /// Send the result again to the sender only (`no_data`: the header
+    /// without the sum, for a sender that owns no part of the block).
+    pub(super) fn send_to_sender(&mut self, block: &Block, exp_only: bool, no_data: bool) {
         let Some(from) = self.from else { return };
-        build_result(block, self.job_id, exp_only, self.member_count, self.tag, self.scratch);
+        build_result(block, self.job_id, exp_only, no_data, self.member_count, self.tag, self.scratch);
         send_copy(self.out, from, self.scratch, envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src)));
         self.counters.results_resent += 1;
+        if no_data && !exp_only {
+            self.counters.results_without_data += 1;
+        }
     }
 
     /// Send this switch's partial (exponent or data) to the parent, as one

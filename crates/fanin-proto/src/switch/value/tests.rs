@@ -29,6 +29,7 @@ impl Pkt {
                 final_block: false,
                 degraded: false,
                 exp_only: false,
+                no_data: false,
                 dtype: Dtype::Int32,
                 src_id: src,
                 src_cnt: 0,
@@ -428,6 +429,51 @@ fn a_result_goes_once_to_the_group_and_by_unicast_to_members_not_listening() {
     }
     assert!(out.group_datagrams.is_empty());
     assert_eq!(decode(out).len(), 3);
+}
+
+#[test]
+fn owner_only_results_give_the_sum_to_owners_and_a_header_to_the_others() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let mut sw = switch_with(&[JobSpec { result_group: Some(group), ..job(1, 3, 4) }]);
+    for src in 0..3 {
+        assert!(join_listening(&mut sw, 1, src, true).results_on_group);
+    }
+    let no_data = |mut p: Pkt| {
+        p.repr.no_data = true;
+        p
+    };
+    // member 1 owns block 0; members 0 and 2 do not
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for p in [no_data(Pkt::data(1, 0, 0, &[1])), Pkt::data(1, 1, 0, &[10]), no_data(Pkt::data(1, 2, 0, &[100]))] {
+        let _ = sw.handle_datagram(T0, 100 + p.repr.src_id as u32, &p.bytes(), &mut out);
+    }
+    assert!(out.group_datagrams.is_empty(), "a group would carry the sum to every listener");
+    let got = decode(out);
+    assert_eq!(got.len(), 3);
+    for (to, repr, vals) in &got {
+        assert_eq!((repr.msg_type, repr.src_cnt, repr.degraded), (MessageType::Result, 3, false));
+        if *to == 101 {
+            assert_eq!((repr.no_data, vals.as_slice()), (false, &[111][..]), "the owner gets the sum");
+        } else {
+            assert_eq!((repr.no_data, repr.grad_cnt), (true, 0), "to {to}: a header without the sum");
+        }
+    }
+    let c = sw.counters();
+    assert_eq!((c.results_sent, c.results_without_data, c.results_to_group), (3, 2, 0));
+    // a retransmission to the completed block is answered by its own bit
+    let again = send(&mut sw, no_data(Pkt::data(1, 2, 0, &[100])).retransmission());
+    assert_eq!((again[0].0, again[0].1.no_data), (102, true));
+    let again = send(&mut sw, Pkt::data(1, 2, 0, &[100]).retransmission());
+    assert_eq!((again[0].1.no_data, again[0].2.as_slice()), (false, &[111][..]));
+    assert_eq!(sw.counters().results_without_data, 3);
+    // a block nobody says no_data to still goes once to the group
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for src in 0..3u16 {
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &Pkt::data(1, src, 1, &[1]).bytes(), &mut out);
+    }
+    assert_eq!(out.group_datagrams.len(), 1);
 }
 
 #[test]
