@@ -61,7 +61,9 @@ for s in $stages; do
              --batch 32 --image-size 224 --json --out "$out" ;;
     network) run network-16core 130 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB --reps 3 \
                --json --out "$out" ;;
+    network-rs) run network-rs-16core 60 fanin bench network --workers 8 --rates 1000 --size 16MB --reps 3 \
+                  --collective reduce-scatter --json --out "$out/rs" ;;
     auth) for w in 4 8; do run auth-$w 45 fanin bench allreduce --auth --quick --iters 9 --workers $w --shards 4 --json; done ;;
-    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, auth)"; exit 2 ;;
+    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, network-rs, auth)"; exit 2 ;;
   esac
 done

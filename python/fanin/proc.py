@@ -225,15 +225,20 @@ def _ulp(values: np.ndarray, dtype: str) -> np.ndarray:
     return np.exp2(np.floor(np.log2(mag)) - fraction_bits)
 
 
-def check_result(result: np.ndarray, workers: int, dtype: str, elems_per_packet: int, iteration: int = 0) -> dict[str, Any]:
+def check_result(result: np.ndarray, workers: int, dtype: str, elems_per_packet: int, iteration: int = 0,
+                 keep: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     """Compare one worker's result with the reference; returns a report.
-    A bfloat16 result is given as its bits (uint16)."""
+    A bfloat16 result is given as its bits (uint16). ``keep=(start, stop)``:
+    a reduce-scatter's result, only those elements are compared."""
+    full = result.size
+    ref = reference_sum(workers, full, dtype, iteration)
+    cut = slice(*keep) if keep is not None else slice(None)
+    result, ref = result.reshape(-1)[cut], ref[cut]
     n = result.size
-    ref = reference_sum(workers, n, dtype, iteration)
     if dtype == "int32":
         ok = bool(np.array_equal(result, ref))
         return {"ok": ok, "max_abs_error": 0 if ok else int(np.max(np.abs(result.astype(np.int64) - ref)))}
-    bound = float_error_bound(workers, n, elems_per_packet, iteration, dtype)
+    bound = float_error_bound(workers, full, elems_per_packet, iteration, dtype)[cut]
     got = half_values(result, dtype) if dtype in HALF_DTYPES else result.astype(np.float64)
     err = np.abs(got - ref)
     allowed = bound + _ulp(got, dtype)

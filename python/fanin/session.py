@@ -179,7 +179,8 @@ class Session:
         self.rank = rank
 
     def allreduce(self, array: np.ndarray, *, average: bool = False,
-                  out: Optional[np.ndarray] = None, dtype: Optional[str] = None) -> np.ndarray:
+                  out: Optional[np.ndarray] = None, dtype: Optional[str] = None,
+                  keep: Optional[tuple[int, int]] = None) -> np.ndarray:
         """Return the element-wise sum of ``array`` over every member.
 
         ``array`` must be int32, float32 or float16 (any shape and memory
@@ -208,21 +209,37 @@ class Session:
         without the GIL: no other thread may use ``out``, nor write
         ``array``, until the call returns, and if the call raises, ``out``
         holds a partial result.
+
+        ``keep=(start, stop)`` makes the call a **reduce-scatter**: every
+        member contributes the whole array, but only the elements
+        ``start:stop`` of the flattened result are the sum; the others are
+        left as they were (``array``'s own values when reducing in place,
+        unspecified in a new array). The switch sends this member the sums
+        of the blocks that hold those elements and a 24-byte header for
+        every other block, so its link carries about ``stop - start``
+        elements down instead of the whole array (docs/protocol.md 4.13).
+        Each member passes its own range; the ranges need not be disjoint.
         """
         if not isinstance(array, np.ndarray):
             raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")
         if out is not None and not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
         fmt = _half_format(array, dtype)
+        if keep is not None:
+            start, stop = (int(k) for k in keep)
+            if not 0 <= start <= stop <= array.size:
+                raise ValueError(f"keep={keep!r} is not a range (start, stop) within the array's {array.size} "
+                                 "elements")
+            keep = (start, stop)
         if fmt is None:
-            return self._native.allreduce(array, average=average, out=out)
+            return self._native.allreduce(array, average=average, out=out, keep=keep)
         # 16-bit floats go to the switch as their bits (uint16 views: no copy)
         if out is not None and (out.dtype.itemsize != 2 or out.shape != array.shape):
             raise TypeError(f"out must have the input's 16-bit dtype and shape {array.shape} "
                             f"(got {out.dtype}, {out.shape})")
         bits = array.view(np.uint16) if array.flags.c_contiguous else np.ascontiguousarray(array).view(np.uint16)
         result = self._native.allreduce_half(bits, fmt, average=average,
-                                             out=None if out is None else out.view(np.uint16))
+                                             out=None if out is None else out.view(np.uint16), keep=keep)
         return out if out is not None else result.view(array.dtype)
 
     @property

@@ -81,6 +81,24 @@ def test_float16_puts_about_2_bytes_per_element_on_each_link(tmp_path):
     assert all(2.09 <= b <= 2.2 for b in per_element), (per_element, row["retransmissions"])
 
 
+def test_reduce_scatter_brings_each_worker_about_its_shard_down(tmp_path):
+    """Owner-only results on real links: 4 workers reduce-scatter 2 MB of
+    float32; each link carries the tensor up (4.2 bytes per element) but
+    only its quarter of the sum down, plus a 66-byte frame per block of the
+    others: (1514/4 + 66*3/4) / 358 = 1.20 bytes per element (an allreduce
+    brings 4.2). Every worker's shard is checked against the reference."""
+    report = _bench(tmp_path, "--workers", "4", "--size", "2MB", "--rates", "50", "--queue-ms", "100",
+                    "--collective", "reduce-scatter")
+    (row,) = report["rates"]
+    assert report["collective"] == "reduce-scatter" and row["fanin_verified"], row
+    up, down = row["fanin_link_bytes_per_element_up"], row["fanin_link_bytes_per_element_down"]
+    assert all(4.15 <= b <= 4.4 for b in up), (up, row["retransmissions"])
+    assert all(1.15 <= b <= 1.35 for b in down), (down, row["retransmissions"])
+    # 2 reps + the warm-up, 4 members, 1397 blocks, 3 of every 4 withheld
+    # (boundary blocks go whole to both owners)
+    assert row["results_without_data"] >= 3 * 1397 * 3 - 3 * 3, row
+
+
 def test_lm_steps_trains_the_same_model_on_fanin_and_gloo(tmp_path):
     """`fanin bench lm-steps`, tiny: one training process per host namespace
     on fanin (float32 and float16 gradients) and on Gloo, DDP and FSDP2,

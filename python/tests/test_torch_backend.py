@@ -625,7 +625,8 @@ def test_staged_allreduce_queues_every_copy_out_first_then_reduces_chunk_by_chun
     def wait(marker):
         log.append(("wait", marker))
 
-    def reduce(chunk):
+    def reduce(chunk, start):
+        assert int(chunk[0]) == start
         chunk.mul_(3)
         log.append(("reduce", int(chunk[0]) // 3))
 

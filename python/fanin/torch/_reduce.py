@@ -128,8 +128,12 @@ def block_divisors(length: int, n_sources: int, degraded: list[tuple[int, int]],
 
 
 def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log: Optional[StepLog],
-                     elems_per_packet: int) -> None:
+                     elems_per_packet: int, keep: Optional[tuple[int, int]] = None) -> None:
     """Sum (or average) ``tensor`` in place over the job's members through the switch.
+
+    ``keep=(start, stop)``: a reduce-scatter; only those elements of the
+    flattened tensor become the sum (the switch sends this rank the other
+    blocks' headers, not their sums), the rest keep this rank's values.
 
     Averages divide each element by the number of workers its block actually
     summed (``src_cnt``), so a block the switch emitted without a straggler is
@@ -141,14 +145,17 @@ def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log:
     if flat.numel() == 0:
         return
     if wire in _HALF_FORMATS:
-        _half_allreduce(session, tensor, flat, _HALF_FORMATS[wire], average, log)
+        _half_allreduce(session, tensor, flat, _HALF_FORMATS[wire], average, log, keep)
         return
     # A contiguous tensor of the wire dtype is reduced in place (no result
     # array, no copy back); anything else goes through a converted copy.
     in_place = flat.dtype == wire and tensor.is_contiguous()
     src = flat if flat.dtype == wire else flat.to(wire)
     arr = src.contiguous().numpy()
-    out = session.allreduce(arr, out=arr if in_place else None)
+    # A reduce-scatter always reduces into `arr` (a new array would be
+    # unspecified outside `keep`, and the copy back below writes it all).
+    out = session.allreduce(arr, out=arr if in_place or keep is not None else None,
+                            **({"keep": keep} if keep is not None else {}))
     stats = session.last_stats
     if log is not None:
         log.record(stats, flat.numel())
@@ -173,14 +180,14 @@ def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log:
 
 
 def _half_allreduce(session: Session, tensor: torch.Tensor, flat: torch.Tensor, fmt: str, average: bool,
-                    log: Optional[StepLog]) -> None:
+                    log: Optional[StepLog], keep: Optional[tuple[int, int]] = None) -> None:
     """A float16/bfloat16 tensor through the switch as its bits (numpy has no
     bfloat16): in place when contiguous, else through a contiguous copy. The
     session averages each block by its own ``src_cnt`` and rounds once."""
     in_place = tensor.is_contiguous()
     src = flat if in_place else flat.contiguous()
     bits = src.view(torch.int16).numpy().view(np.uint16)
-    session.allreduce(bits, dtype=fmt, average=average, out=bits)
+    session.allreduce(bits, dtype=fmt, average=average, out=bits, **({"keep": keep} if keep is not None else {}))
     if log is not None:
         log.record(session.last_stats, flat.numel())
     if not in_place:

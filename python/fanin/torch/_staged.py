@@ -47,12 +47,13 @@ def chunks(n: int, per: int) -> list[tuple[int, int]]:
     return [(s, min(s + per, n)) for s in range(0, n, per)]
 
 
-def staged_allreduce(reduce: Callable[[torch.Tensor], None], device_flat: torch.Tensor, host: torch.Tensor,
+def staged_allreduce(reduce: Callable[[torch.Tensor, int], None], device_flat: torch.Tensor, host: torch.Tensor,
                      per: int, to_host: Callable[[torch.Tensor, torch.Tensor], Any],
                      wait: Callable[[Any], None], to_device: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
     """Reduce ``device_flat`` chunk by chunk through ``host`` (same length
     and dtype). ``to_host(dst, src)`` queues a copy and returns a marker
-    that ``wait`` blocks on; ``reduce(chunk)`` reduces a host chunk in place;
+    that ``wait`` blocks on; ``reduce(chunk, start)`` reduces a host chunk
+    (elements ``start:start + len(chunk)`` of the tensor) in place;
     ``to_device(dst, src)`` queues a copy back and returns its marker, the
     last of which is returned (the collective is complete once it is)."""
     spans = chunks(device_flat.numel(), per)
@@ -62,7 +63,7 @@ def staged_allreduce(reduce: Callable[[torch.Tensor], None], device_flat: torch.
     last = None
     for (s, e), marker in zip(spans, copied):
         wait(marker)
-        reduce(host[s:e])
+        reduce(host[s:e], s)
         last = to_device(device_flat[s:e], host[s:e])
     return last
 
@@ -96,7 +97,7 @@ class CudaStaging:
             self._buffers[dtype] = buf
         return buf[:n]
 
-    def allreduce(self, tensor: torch.Tensor, issued: Any, reduce: Callable[[torch.Tensor], None],
+    def allreduce(self, tensor: torch.Tensor, issued: Any, reduce: Callable[[torch.Tensor, int], None],
                   block: int = 1) -> None:
         """On the group's worker thread: reduce a CUDA tensor in place.
         Chunks are whole multiples of the session's ``block`` size, so the
@@ -139,8 +140,18 @@ class CudaStaging:
         done.synchronize()
 
 
-def reduce_host_chunk(session: Session, average: bool, log: Optional[Any], epp: int) -> Callable[[torch.Tensor], None]:
-    """``reduce`` for :func:`staged_allreduce`: one switch allreduce of a host chunk."""
+def reduce_host_chunk(session: Session, average: bool, log: Optional[Any], epp: int,
+                      keep: Optional[tuple[int, int]] = None) -> Callable[[torch.Tensor, int], None]:
+    """``reduce`` for :func:`staged_allreduce`: one switch allreduce of a host
+    chunk; with ``keep`` (a range of the whole tensor), a reduce-scatter of
+    the chunk's part of that range (an empty one for chunks outside it)."""
     from fanin.torch._reduce import switch_allreduce
 
-    return lambda chunk: switch_allreduce(session, chunk, average, log, epp)
+    def reduce(chunk: torch.Tensor, start: int) -> None:
+        own = None
+        if keep is not None:
+            lo = min(max(keep[0] - start, 0), chunk.numel())
+            own = (lo, max(lo, min(keep[1] - start, chunk.numel())))
+        switch_allreduce(session, chunk, average, log, epp, own)
+
+    return reduce

@@ -313,17 +313,18 @@ class FaninProcessGroup(dist.ProcessGroup):
         CPU, where they are final already)."""
         return self._staging().issued(t) if t.is_cuda else None
 
-    def _reduce(self, t: torch.Tensor, issued: Any, average: bool) -> None:
+    def _reduce(self, t: torch.Tensor, issued: Any, average: bool, keep: Optional[tuple[int, int]] = None) -> None:
         """On the worker thread: one switch allreduce of ``t`` in place; a
         CUDA tensor is staged through pinned host memory, pipelined in
-        chunks that are whole blocks (so the result has the CPU path's bits)."""
+        chunks that are whole blocks (so the result has the CPU path's bits).
+        ``keep``: a reduce-scatter, only that range of ``t`` becomes the sum."""
         session, log, epp = self._conn.session, self._log, self._conn.elems_per_packet
         if issued is None:
-            switch_allreduce(session, t, average, log, epp)
+            switch_allreduce(session, t, average, log, epp, keep)
             return
         half = t.dtype in (torch.float16, torch.bfloat16)
         block = session.half_elems_per_packet if half else epp
-        self._staging().allreduce(t, issued, reduce_host_chunk(session, average, log, epp), block)
+        self._staging().allreduce(t, issued, reduce_host_chunk(session, average, log, epp, keep), block)
 
     def _then_on_device(self, t: torch.Tensor, fn: Callable[[], None]) -> None:
         """On the worker thread, after ``_reduce(t)``: run ``fn`` (copies out
@@ -409,11 +410,11 @@ class FaninProcessGroup(dist.ProcessGroup):
 
     # -- reduce-scatter: through the switch --------------------------------
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        """``reduce_scatter_tensor``: the switch sums the whole input and this
-        rank keeps its shard. Each rank's link carries the input once up, as
-        a reduce-scatter should, but the whole sum down: twice the result
-        traffic a switch that delivers each shard only to its owner would
-        send (docs/torch.md, "Reduce-scatter")."""
+        """``reduce_scatter_tensor``: every rank contributes its whole input
+        once, and the switch sends each rank the sums of the blocks of its
+        own shard only (a header for every other block): each link carries
+        the input once up and about one shard down (docs/torch.md,
+        "Reduce-scatter")."""
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -433,21 +434,26 @@ class FaninProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"fanin reduce_scatter_tensor: the input has {inp.numel()} elements, the output "
                                  f"{out.numel()}; the input must be the world size ({world}) times the output")
         rank = self.rank()
-        # one switch allreduce for all the pairs (the inputs stay as they
-        # are); flattened on the caller's thread and stream
-        flat = torch.cat([t.detach().reshape(-1) for t in inputs])
+        # One switch reduce-scatter for all the pairs (the inputs stay as
+        # they are), laid out rank by rank so that every rank's shards of
+        # all the pairs are one contiguous range, its `keep`: rank r's part
+        # is [shard r of pair 0, shard r of pair 1, ...]. Flattened on the
+        # caller's thread and stream.
+        sizes = [out.numel() for out in outputs]
+        flats = [t.detach().reshape(-1) for t in inputs]
+        flat = torch.cat([f[r * k:(r + 1) * k] for r in range(world) for f, k in zip(flats, sizes)])
+        total = sum(sizes)
         issued = self._issued(flat)
 
         def keep_own_shards() -> None:
-            offset = 0
+            offset = rank * total
             with torch.no_grad():
-                for out, inp in zip(outputs, inputs):
-                    k = out.numel()
-                    out.copy_(flat[offset + rank * k:offset + (rank + 1) * k].reshape(out.shape))
-                    offset += inp.numel()
+                for out, k in zip(outputs, sizes):
+                    out.copy_(flat[offset:offset + k].reshape(out.shape))
+                    offset += k
 
         def run() -> list:
-            self._reduce(flat, issued, average)
+            self._reduce(flat, issued, average, (rank * total, (rank + 1) * total))
             self._then_on_device(flat, keep_own_shards)
             return outputs
 

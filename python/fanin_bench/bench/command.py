@@ -310,7 +310,8 @@ def _add_tree_benches(bsub: Any) -> None:
                     "it, the speed-up vs Gloo, retransmissions, trims and IP fragments. fanin runs with its "
                     "defaults unless told otherwise. JSON with --json, CSV and PNG to --out. Needs root.",
         epilog="example: fanin bench network --workers 4 --rates 100,200,400 --json\n"
-               "         fanin bench network --quick --dtype float16 --json")
+               "         fanin bench network --quick --dtype float16 --json\n"
+               "         fanin bench network --quick --collective reduce-scatter --json")
     nw.add_argument("--workers", type=int, default=4)
     nw.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,200,400; 200 with --quick)")
     nw.add_argument("--size", help="tensor per worker (default 16MB, 4MB with --quick)")
@@ -318,6 +319,11 @@ def _add_tree_benches(bsub: Any) -> None:
     nw.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                     help="element type of the tensor (both systems): 16-bit floats travel as 2 bytes per element "
                          "each way; the bytes per element each link carried are reported (default %(default)s)")
+    nw.add_argument("--collective", choices=("allreduce", "reduce-scatter"), default="allreduce",
+                    help="reduce-scatter: every worker keeps only its 1/N shard of the sum (fanin: owner-only "
+                         "results, the other blocks come down as headers; Gloo: reduce_scatter_tensor). Its ideal "
+                         "is S/C for fanin (the whole tensor goes up) and (N-1)/N S/C for the ring: the gain is the "
+                         "link bytes down, reported per element (default %(default)s)")
     nw.add_argument("--no-gloo", action="store_true", help="fanin only (no PyTorch needed)")
     nw.add_argument("--queue-ms", type=float, default=20.0,
                     help="each link's queue, in ms at its rate (tbf latency; default %(default)s)")

@@ -41,6 +41,9 @@ def _fanin(a: argparse.Namespace) -> int:
     # bfloat16 travels as its bits (numpy has no bfloat16)
     kw = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
     per = s.elems_per_packet if a.dtype == "float32" else s.half_elems_per_packet
+    keep = shard_range(a.rank, a.workers, a.elements) if a.collective == "reduce-scatter" else None
+    if keep is not None:
+        kw["keep"] = keep
     print(json.dumps({"ready": True, "params": s.params, "elems_per_packet": per}), flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
@@ -49,12 +52,18 @@ def _fanin(a: argparse.Namespace) -> int:
         out = s.allreduce(x, **kw)
         dt = time.perf_counter() - t0
         st = s.last_stats or {}
-        check = check_result(out, a.workers, a.dtype, per)
+        check = check_result(out, a.workers, a.dtype, per, keep=keep)
         print(json.dumps({"s": dt, "verified": check["ok"], "retransmissions": st.get("retransmissions", 0),
                           "trimmed": st.get("trimmed", 0), "elems_per_packet": per,
                           "fast_retransmits": st.get("fast_retransmits", 0), "timeouts": st.get("timeouts", 0),
                           "window": st.get("window")}), flush=True)
     return 0
+
+
+def shard_range(rank: int, workers: int, elements: int) -> tuple[int, int]:
+    """Rank `rank`'s shard of a reduce-scatter (the last rank takes the rest)."""
+    k = elements // workers
+    return rank * k, elements if rank == workers - 1 else (rank + 1) * k
 
 
 def _gloo(a: argparse.Namespace) -> int:
@@ -82,6 +91,13 @@ def _gloo(a: argparse.Namespace) -> int:
         abs_sum += np.abs(half_values(xr, a.dtype) if a.dtype in HALF_DTYPES else xr)
     allowed = a.workers * u * abs_sum + 2 * u * np.abs(ref) + 2.0 ** -24
     buf = x.clone()
+    scatter = a.collective == "reduce-scatter"
+    if scatter:
+        # torch's reduce_scatter_tensor wants equal shards: the last rank's
+        # remainder (shard_range) is reduced by a second, small all_reduce
+        k = a.elements // a.workers
+        shard = torch.empty(k, dtype=buf.dtype)
+        lo, hi = shard_range(a.rank, a.workers, a.elements)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
@@ -89,6 +105,16 @@ def _gloo(a: argparse.Namespace) -> int:
         buf.copy_(x)
         dist.barrier()
         t0 = time.perf_counter()
+        if scatter:
+            dist.reduce_scatter_tensor(shard, buf[:k * a.workers])
+            tail = buf[k * a.workers:]
+            if tail.numel():
+                dist.all_reduce(tail)
+            dt = time.perf_counter() - t0
+            got = torch.cat([shard, tail]) if a.rank == a.workers - 1 else shard
+            ok = bool(np.all(np.abs(got.double().numpy() - ref[lo:hi]) <= allowed[lo:hi]))
+            print(json.dumps({"s": dt, "verified": ok}), flush=True)
+            continue
         dist.all_reduce(buf)
         dt = time.perf_counter() - t0
         ok = bool(np.all(np.abs(buf.double().numpy() - ref) <= allowed))
@@ -153,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--workers", type=int, required=True)
         q.add_argument("--elements", type=int, required=True)
         q.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+        q.add_argument("--collective", choices=("allreduce", "reduce-scatter"), default="allreduce")
     b = sub.add_parser("blast")
     b.add_argument("--to", action="append", required=True, help="HOST:PORT (repeat for several)")
     b.add_argument("--mbit", type=float, required=True, help="total send rate over every --to")

@@ -17,9 +17,15 @@ the kernel) run in the host namespaces. For every link rate:
    reference; the veth counters around every allreduce give the bytes each
    worker's link carried per element, each direction.
 
+With ``--collective reduce-scatter`` both systems reduce-scatter instead
+(fanin: owner-only results, each worker keeps its 1/N shard and gets the
+other blocks as 24-byte headers; Gloo: ``reduce_scatter_tensor``); the ideal
+is then S/C for fanin (its whole tensor still goes up) and (N-1)/N * S/C for
+the ring, and what fanin gains is the bytes down each link.
+
 Reported per rate: medians; the ideal times at the measured capacity (S/C
 for fanin, whose every link carries the tensor once each way, 2(N-1)/N * S/C
-for the ring); fanin's fraction of the capacity (ideal / median); the
+for the ring's allreduce); fanin's fraction of the capacity (ideal / median); the
 speed-up vs Gloo; fanin's retransmissions and trims; the IP fragments every
 namespace created. fanin runs with every setting at its default: nothing is
 tuned per rate.
@@ -174,8 +180,9 @@ def run_network(args: Any) -> int:
     seconds = 2.0 if args.quick else 3.0
     hosts = [f"h{i}" for i in range(n)]
     out = Path(args.out)
+    scatter = args.collective == "reduce-scatter"
     print(f"network: star:{n}, {format_size(size)} {args.dtype} per worker, links {', '.join(f'{r:g}' for r in rates)} "
-          f"Mbit/s, {reps} allreduces per system per rate", file=sys.stderr)
+          f"Mbit/s, {reps} {args.collective}s per system per rate", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=args.name, rate_mbit=rates[0],
@@ -185,7 +192,8 @@ def run_network(args: Any) -> int:
         sw = tb.switch("s0", jobs=[job_config(JOB, n, **job)], **({"shards": args.shards} if args.shards else {}))
         fanin_procs = [tb.popen(h, _worker_argv("fanin", addr=f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}",
                                                 rank=r, workers=n, elements=elements, dtype=args.dtype,
-                                                elems_per_packet=args.elems_per_packet, window=args.window),
+                                                elems_per_packet=args.elems_per_packet, window=args.window,
+                                                collective=args.collective),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                        for r, h in enumerate(hosts)]
         stack.callback(stop_workers, fanin_procs)
@@ -194,7 +202,8 @@ def run_network(args: Any) -> int:
         if gloo:
             master = f"{tb.addr('h0', toward='s0')}:{GLOO_PORT}"
             gloo_procs = [tb.popen(h, _worker_argv("gloo", master=master, ifname=tb.interface(h, "s0"), rank=r,
-                                                   workers=n, elements=elements, dtype=args.dtype),
+                                                   workers=n, elements=elements, dtype=args.dtype,
+                                                   collective=args.collective),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                           for r, h in enumerate(hosts)]
             stack.callback(stop_workers, gloo_procs)
@@ -229,15 +238,16 @@ def run_network(args: Any) -> int:
                       + (f", gloo {gloo_t[-1]:.3f} s" if gloo_t else ""), file=sys.stderr)
             frags1 = _frag_counts(tb, ["s0", *hosts])
             sw1 = sw.counters()
-            row = _row(rate, n, size, cap, fanin_t, gloo_t, fanin_answers, frags0, frags1, sw0, sw1)
+            row = _row(rate, n, size, cap, fanin_t, gloo_t, fanin_answers, frags0, frags1, sw0, sw1, scatter)
             for system, counted in link_bytes.items():
                 if counted.allreduces:
                     row.update(counted.per_element(elements, system))
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "network.csv", rows)
-    _plot(rows, out / "network.png", n, size, args.dtype)
-    result = {"workers": n, "size_bytes": size, "dtype": args.dtype, "elements": elements, "reps": reps,
+    _plot(rows, out / "network.png", n, size, args.dtype, args.collective)
+    result = {"workers": n, "size_bytes": size, "dtype": args.dtype, "collective": args.collective,
+              "elements": elements, "reps": reps,
               "queue_ms": args.queue_ms,
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
@@ -253,16 +263,17 @@ def run_network(args: Any) -> int:
           f"timeouts), {r['ip_fragments']} IP fragments, fanin's busiest link {r['fanin_link_bytes_per_element_max']:.2f} "
           f"bytes per element each way"
         for r in rows)
-    emit(result, f"network, {n} workers x {format_size(size)}: {human}", args.json)
+    emit(result, f"network, {args.collective}, {n} workers x {format_size(size)}: {human}", args.json)
     return 0
 
 
 def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[float], gloo_t: list[float],
          answers: list[dict[str, Any]], frags0: dict[str, int], frags1: dict[str, int],
-         sw0: dict[str, Any], sw1: dict[str, Any]) -> dict[str, Any]:
+         sw0: dict[str, Any], sw1: dict[str, Any], scatter: bool = False) -> dict[str, Any]:
     payload_bps = cap["capacity_mbit"] * 1e6 * PAYLOAD_PER_FRAME / 8
     fanin_ideal = size / payload_bps
-    ring_ideal = 2 * (n - 1) / n * size / payload_bps
+    # a ring reduce-scatter is the first half of its allreduce
+    ring_ideal = (1 if scatter else 2) * (n - 1) / n * size / payload_bps
     row: dict[str, Any] = {
         "rate_mbit": rate,
         "capacity_mbit": cap["capacity_mbit"],
@@ -281,6 +292,7 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
         "elems_per_packet": answers[0].get("elems_per_packet") if answers else None,
         "ip_fragments": sum(frags1[k] - frags0[k] for k in frags1),
         "switch_socket_drops": _delta(sw0, sw1, "socket_drops"),
+        "results_without_data": _delta(sw0, sw1, "results_without_data"),
         "fanin_times_s": fanin_t,
     }
     if gloo_t:
@@ -306,7 +318,8 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         w.writerows(rows)
 
 
-def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int, dtype: str) -> None:
+def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int, dtype: str,
+          collective: str = "allreduce") -> None:
     try:
         import matplotlib
         import matplotlib.ticker
@@ -322,7 +335,8 @@ def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int, dtype: str)
     ax.plot(x, [r["fanin_ideal_s"] for r in rows], "--", color="tab:blue", label="fanin ideal S/C")
     if all("gloo_median_s" in r for r in rows):
         ax.plot(x, [r["gloo_median_s"] for r in rows], "s-", color="tab:orange", label="Gloo ring (median)")
-    ax.plot(x, [r["ring_ideal_s"] for r in rows], "--", color="tab:orange", label="ring ideal 2(N-1)/N S/C")
+    ring = "(N-1)/N S/C" if collective == "reduce-scatter" else "2(N-1)/N S/C"
+    ax.plot(x, [r["ring_ideal_s"] for r in rows], "--", color="tab:orange", label=f"ring ideal {ring}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(x)
@@ -331,8 +345,8 @@ def _plot(rows: list[dict[str, Any]], path: Path, n: int, size: int, dtype: str)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("link rate (Mbit/s, tbf on every link)")
-    ax.set_ylabel("allreduce time (s)")
-    ax.set_title(f"star:{n}, {format_size(size)} {dtype} per worker; C = measured capacity")
+    ax.set_ylabel(f"{collective} time (s)")
+    ax.set_title(f"star:{n}, {collective}, {format_size(size)} {dtype} per worker; C = measured capacity")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
