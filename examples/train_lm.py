@@ -117,6 +117,13 @@ def parser() -> argparse.ArgumentParser:
                     help="shard with FSDP2 instead of DDP (gradients reduce-scattered; --compress sets the "
                          "reduce dtype)")
     ap.add_argument("--log-every", type=int, default=50, help="evaluate the held-out loss every N steps")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="DDP's gradient bucket size (torch's bucket_cap_mb; default %(default)s): smaller buckets "
+                         "start communicating earlier in the backward pass")
+    ap.add_argument("--overlap-steps", type=int, default=0,
+                    help="DDP: after training, time this many forward+backward passes with and without gradient "
+                         "communication, and as many allreduces of the gradients alone, to report how much of the "
+                         "communication the backward pass hides (no optimizer step: the model is unchanged)")
     return ap
 
 
@@ -141,7 +148,7 @@ def wrap(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
-    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb)
     if args.backend == "fanin":
         hook = {"none": fanin.torch.allreduce_hook, "float16": fanin.torch.fp16_compress_hook,
                 "bfloat16": fanin.torch.bf16_compress_hook}[args.compress]
@@ -152,6 +159,50 @@ def wrap(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if half == torch.float16
                                else default_hooks.bf16_compress_hook)
     return ddp
+
+
+def measure_overlap(model: nn.Module, xy: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+                    k: int) -> dict:
+    """How much of a DDP step's gradient communication its backward pass
+    hides. Times, per pass, over `k` passes each (after one untimed pass of
+    each kind): forward+backward with DDP's communication (`step_s`),
+    the same under `no_sync` (`compute_s`: no communication), and one
+    `all_reduce` of a flat tensor of all the gradients' bytes on the same
+    group (`comm_s`: communication alone). `overlap` = the part of `comm_s`
+    that `step_s` does not add to `compute_s`, as a fraction of `comm_s`
+    (0: serial, 1: fully hidden). No optimizer step: the replicas stay equal."""
+    x, y = (t.to(device) for t in xy)
+    grads = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad), device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def fwd_bwd() -> None:
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+
+    def compute_only() -> None:
+        with model.no_sync():
+            fwd_bwd()
+
+    def timed(fn) -> float:
+        fn()  # untimed: buckets built, buffers allocated
+        sync()
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(k):
+            fn()
+        sync()
+        return (time.perf_counter() - t) / k
+
+    step_s = timed(fwd_bwd)
+    compute_s = timed(compute_only)
+    comm_s = timed(lambda: dist.all_reduce(grads))
+    model.zero_grad(set_to_none=True)
+    hidden = compute_s + comm_s - step_s
+    return {"step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
+            "overlap": min(max(hidden / comm_s, 0.0), 1.0) if comm_s > 0 else 0.0}
 
 
 def train(args: argparse.Namespace, log=print, delay=None) -> dict:
@@ -224,13 +275,15 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
     if rank == 0:
         log(f"held-out loss {first / math.log(2):.3f} -> {last:.3f} bits per byte in {args.steps} "
             f"steps ({args.steps / trained_s:.1f} steps/s)")
+    overlap = measure_overlap(model, batch(train, args.batch, args.context, gen), device, args.overlap_steps) \
+        if args.overlap_steps > 0 and not args.fsdp else {}
     switch = {}
     if args.backend == "fanin":  # what the switch did: blocks aged out, blocks resent
         st = fanin.torch.fanin_group().total_stats()
         switch = {"degraded_blocks": st.degraded_blocks, "missed_blocks": st.missed_blocks,
                   "retransmissions": st.retransmissions}
     dist.destroy_process_group()
-    return {**switch, "rank": rank, "world": world, "backend": args.backend, "compress": args.compress,
+    return {**switch, **overlap, "rank": rank, "world": world, "backend": args.backend, "compress": args.compress,
             "parallel": "fsdp" if args.fsdp else "ddp", "device": str(device), "params": params,
             "steps": args.steps, "seconds": trained_s, "steps_per_s": args.steps / trained_s,
             "held_out_bits_per_byte_first": first / math.log(2), "held_out_bits_per_byte_last": last,

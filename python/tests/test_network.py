@@ -107,7 +107,7 @@ def test_lm_steps_trains_the_same_model_on_fanin_and_gloo(tmp_path):
     name = f"fbl{os.getpid() % 36**4:x}"[:8]
     systems = ("fanin", "fanin-fp16", "gloo", "fanin-fsdp", "gloo-fsdp")
     argv = [sys.executable, "-m", "fanin", "bench", "lm-steps", "--quick", "--json", "--workers", "2", "--steps", "4",
-            "--layers", "1", "--d-model", "32", "--corpus-mb", "0.2", "--name", name, "--out", str(tmp_path),
+            "--overlap-steps", "2", "--layers", "1", "--d-model", "32", "--corpus-mb", "0.2", "--name", name, "--out", str(tmp_path),
             "--systems", ",".join(systems)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -119,6 +119,10 @@ def test_lm_steps_trains_the_same_model_on_fanin_and_gloo(tmp_path):
     assert set(k for k in row if k.endswith("_vs_gloo")) == {"fanin_vs_gloo", "fanin-fp16_vs_gloo",
                                                                "fanin-fsdp_vs_gloo"}
     assert (tmp_path / "lm_steps.csv").exists() and (tmp_path / "lm_steps.png").stat().st_size > 0
+    # DDP's overlap of communication with the backward pass was measured
+    for s in ("fanin", "gloo"):
+        assert row[f"{s}_comm_s"] > 0 and row[f"{s}_compute_s"] > 0 and 0 <= row[f"{s}_overlap"] <= 1, row
+    assert "fanin-fsdp_overlap" not in row
 
 
 def test_lm_time_to_accuracy_runs_every_arm_with_stragglers(tmp_path):

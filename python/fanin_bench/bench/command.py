@@ -47,6 +47,8 @@ def _lm_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="windows per worker per step (default %(default)s)")
     p.add_argument("--context", type=int, default=64, help="bytes per window (default %(default)s)")
     p.add_argument("--corpus-mb", type=float, default=2.0)
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DDP's gradient bucket size, MB (torch's default %(default)s)")
     p.add_argument("--corpus", default="/usr/share/doc", help="text to train on: a directory or one file "
                    "(default %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -353,6 +355,10 @@ def _add_tree_benches(bsub: Any) -> None:
                     help="comma-separated, from fanin, fanin-fp16, gloo (DDP) and fanin-fsdp, fanin-fsdp-fp16, "
                          "gloo-fsdp (FSDP2) (default %(default)s)")
     _lm_model_args(lm)
+    lm.add_argument("--overlap-steps", type=int, default=10,
+                    help="DDP systems: after training, this many timed forward+backward passes with and without "
+                         "gradient communication and allreduces of the gradients alone: how much of the "
+                         "communication the backward pass hides (0: skip; default %(default)s)")
     lm.add_argument("--name", default="fblm", help="testbed name (namespace prefix; default %(default)s)")
     lm.add_argument("--out", default="out/lm-steps")
     _common(lm)

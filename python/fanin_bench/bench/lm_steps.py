@@ -51,7 +51,7 @@ def baseline(system: str) -> str:
 
 def run_system(tb: Any, hosts: list[str], system: str, steps: int, port: int, extra: list[str],
                job: int = JOB, worker_extra: tuple[str, ...] = (), log_every: int = 0,
-               example: str = "train_lm") -> dict[str, Any]:
+               example: str = "train_lm", overlap_steps: int = 0) -> dict[str, Any]:
     """One training run of `examples/<example>.py` on every host: rank 0's
     figures, with the switch's counters summed over the ranks."""
     backend, compress, fsdp = SYSTEMS[system]
@@ -63,7 +63,8 @@ def run_system(tb: Any, hosts: list[str], system: str, steps: int, port: int, ex
                 "--switch", f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}", "--job", str(job),
                 "--example", example, *worker_extra,
                 "--", "--backend", backend, "--compress", compress, "--steps", str(steps),
-                "--log-every", str(log_every or steps), *(["--fsdp"] if fsdp else []), *extra]
+                "--log-every", str(log_every or steps), *(["--fsdp"] if fsdp else []),
+                *(["--overlap-steps", str(overlap_steps)] if overlap_steps and not fsdp else []), *extra]
         procs.append(tb.popen(h, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     reports = []
     for rank, p in enumerate(procs):
@@ -114,7 +115,8 @@ def rates_by_systems(name: str, n: int, rates: list[float], systems: list[str], 
 def model_args(args: Any) -> list[str]:
     """The example's arguments for the model and the device."""
     return ["--layers", str(args.layers), "--d-model", str(args.d_model), "--corpus-mb", str(args.corpus_mb),
-            "--corpus", args.corpus, "--batch", str(args.batch), "--context", str(args.context), "--device", args.device]
+            "--corpus", args.corpus, "--batch", str(args.batch), "--context", str(args.context), "--device", args.device,
+            "--bucket-mb", str(args.bucket_mb)]
 
 
 def cannot_run(bench: str) -> bool:
@@ -156,11 +158,18 @@ def run_lm_steps(args: Any) -> int:
     print(f"lm-steps: star:{n}, {steps} steps per system, links {args.rates or rates} Mbit/s", file=sys.stderr)
     def record(rate: float, system: str, r: dict[str, Any], row: dict[str, Any]) -> None:
         row[f"{system}_held_out_bits_per_byte"] = r["held_out_bits_per_byte"]
+        timing = ""
+        if "overlap" in r:  # rank 0's: DDP's communication hidden by the backward pass
+            for k in ("step_s", "compute_s", "comm_s", "overlap"):
+                row[f"{system}_{k}"] = r[k]
+            timing = (f"; forward+backward {r['step_s'] * 1e3:.1f} ms = compute {r['compute_s'] * 1e3:.1f} ms + "
+                      f"gradients alone {r['comm_s'] * 1e3:.1f} ms, {r['overlap']:.0%} of it hidden")
         print(f"  {rate:g} Mbit/s {system}: {r['steps_per_s']:.2f} steps/s, held-out "
-              f"{r['held_out_bits_per_byte']:.3f} bits/byte", file=sys.stderr, flush=True)
+              f"{r['held_out_bits_per_byte']:.3f} bits/byte{timing}", file=sys.stderr, flush=True)
 
     rows = rates_by_systems(args.name, n, rates, systems, 29700,
-                            lambda tb, system, port: run_system(tb, hosts, system, steps, port, extra), record)
+                            lambda tb, system, port: run_system(tb, hosts, system, steps, port, extra,
+                                                                overlap_steps=args.overlap_steps), record)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "lm_steps.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
