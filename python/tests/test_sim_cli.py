@@ -81,3 +81,17 @@ def test_allreduce_tree_vs_ring_quick_is_exact_deterministic_and_plotted(tmp_pat
     assert len(rows) == 1 + 2 * 48  # header + every fat-tree:4 link for each algorithm
     for name in ("allreduce_completion.png", "allreduce_layers.png", "allreduce_summary.csv", "allreduce_spec.json"):
         assert os.path.exists(tmp_path / "a" / name), name
+
+
+def test_allreduce_with_background_traffic_reports_it_and_stays_exact(tmp_path):
+    # fat-tree:4, 8 workers one per edge switch, the other 8 hosts busy
+    r = run("allreduce", "--quick", "--workers", "8", "--spread", "--background-load", "0.3", "--json",
+             "--out", str(tmp_path), "--no-plot")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (scenario,) = json.loads(r.stdout)["scenarios"]
+    for a in scenario["algorithms"]:
+        assert a["exact"] and a["background_bytes"] > 0, a
+        assert 0 < a["goodput_fraction_of_line_rate"] < 1, a
+    # every host runs a worker: no room for background, and the message says so
+    r = run("allreduce", "--quick", "--background-load", "0.3", "--out", str(tmp_path), "--no-plot")
+    assert r.returncode != 0 and "hosts that run no worker" in r.stderr, r.stderr[-2000:]

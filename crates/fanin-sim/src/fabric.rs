@@ -24,6 +24,28 @@ pub enum NetEv {
     /// Datagram `buf` reaches the far end of channel `chan`.
     Arrive { chan: u32, buf: u32 },
     TxDone { chan: u32 },
+    /// Background flow `flow` sends its next datagram.
+    Background { flow: u32 },
+}
+
+/// Background traffic (other tenants): a flow sends datagrams of `bytes`
+/// (wire overhead included) from `src` to `dst` every `interval`, from its
+/// start until [`Fabric::stop_background`]; its datagrams share the queues
+/// and links with the experiment's and are absorbed where they arrive.
+#[derive(Debug, Clone, Copy)]
+pub struct BackgroundFlow {
+    pub src: u32,
+    pub dst: u32,
+    pub bytes: u32,
+    pub interval: Ps,
+}
+
+/// What the background flows sent and what reached its destination.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct BackgroundStats {
+    pub flows: u32,
+    pub sent_bytes: u64,
+    pub delivered_bytes: u64,
 }
 
 /// The links of an experiment, as its configuration states them.
@@ -86,6 +108,8 @@ pub struct Dgram {
     pub src: u32,
     pub dst: u32,
     pub bytes: Vec<u8>,
+    /// Background traffic: absorbed at its destination, never handed on.
+    pub background: bool,
 }
 
 struct Channel {
@@ -109,6 +133,9 @@ pub struct Fabric {
     /// Optional per-class byte counts of every channel (`with_classes`).
     classify: Option<fn(&[u8]) -> usize>,
     class_sent: Vec<Vec<u64>>,
+    background: Vec<BackgroundFlow>,
+    background_on: bool,
+    pub background_stats: BackgroundStats,
     pub datagrams: u64,
     pub queue_drops: u64,
     pub link_drops: u64,
@@ -151,7 +178,40 @@ impl Fabric {
                 dist
             })
             .collect();
-        Fabric { chans, adj, dist, bufs: Vec::new(), free: Vec::new(), cfg, classify: None, class_sent: Vec::new(), datagrams: 0, queue_drops: 0, link_drops: 0 }
+        Fabric {
+            chans,
+            adj,
+            dist,
+            bufs: Vec::new(),
+            free: Vec::new(),
+            cfg,
+            classify: None,
+            class_sent: Vec::new(),
+            background: Vec::new(),
+            background_on: false,
+            background_stats: BackgroundStats::default(),
+            datagrams: 0,
+            queue_drops: 0,
+            link_drops: 0,
+        }
+    }
+
+    /// Start background flows now; each sends its first datagram at a
+    /// seeded offset within its interval, so the flows are not in phase.
+    pub fn start_background<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, flows: Vec<BackgroundFlow>, seed: u64) {
+        let mut rng = SplitMix64::new(seed ^ 0xB6);
+        for (i, f) in flows.iter().enumerate() {
+            assert!(f.interval > 0 && f.bytes > WIRE_OVERHEAD && f.src != f.dst, "background flow {i}: {f:?}");
+            ev.schedule(ev.now() + rng.below(f.interval), NetEv::Background { flow: i as u32 }.into());
+        }
+        self.background_stats.flows = flows.len() as u32;
+        self.background = flows;
+        self.background_on = true;
+    }
+
+    /// The flows send nothing more (what is queued or in flight still goes).
+    pub fn stop_background(&mut self) {
+        self.background_on = false;
     }
 
     /// Also count each channel's sent bytes per class: `classify` maps a
@@ -185,13 +245,18 @@ impl Fabric {
     /// Node `src` sends `bytes` to node `dst`.
     pub fn send<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, src: u32, dst: u32, bytes: Vec<u8>) {
         self.datagrams += 1;
+        self.inject(ev, Dgram { src, dst, bytes, background: false });
+    }
+
+    fn inject<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, d: Dgram) {
+        let src = d.src;
         let buf = match self.free.pop() {
             Some(i) => {
-                self.bufs[i as usize] = Some(Dgram { src, dst, bytes });
+                self.bufs[i as usize] = Some(d);
                 i
             }
             None => {
-                self.bufs.push(Some(Dgram { src, dst, bytes }));
+                self.bufs.push(Some(d));
                 self.bufs.len() as u32 - 1
             }
         };
@@ -260,6 +325,16 @@ impl Fabric {
     /// destination node; forwards it otherwise.
     pub fn handle<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, e: NetEv) -> Option<Dgram> {
         match e {
+            NetEv::Background { flow } => {
+                if self.background_on {
+                    let f = self.background[flow as usize];
+                    self.background_stats.sent_bytes += f.bytes as u64;
+                    let bytes = vec![0xB6; (f.bytes - WIRE_OVERHEAD) as usize];
+                    self.inject(ev, Dgram { src: f.src, dst: f.dst, bytes, background: true });
+                    ev.schedule(ev.now() + f.interval, NetEv::Background { flow }.into());
+                }
+                None
+            }
             NetEv::TxDone { chan } => {
                 self.chans[chan as usize].busy = false;
                 self.kick(ev, chan);
@@ -273,6 +348,10 @@ impl Fabric {
                 if self.bufs[buf as usize].as_ref().is_some_and(|d| d.dst == at) {
                     let d = self.bufs[buf as usize].take();
                     self.free.push(buf);
+                    if d.as_ref().is_some_and(|d| d.background) {
+                        self.background_stats.delivered_bytes += len;
+                        return None;
+                    }
                     d
                 } else {
                     self.forward(ev, at, buf);

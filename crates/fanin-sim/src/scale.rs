@@ -34,8 +34,8 @@ use fanin_proto::{JobSpec, Time, VecTransmit};
 use fanin_wire::value::{ELEM_LEN, HEADER_LEN};
 use serde::{Deserialize, Serialize};
 
-use crate::fabric::{ChannelStats, Fabric, LinkParams, NetEv, WIRE_OVERHEAD};
-use crate::kernel::{EventQueue, Ps, PS_PER_NS};
+use crate::fabric::{BackgroundFlow, BackgroundStats, ChannelStats, Fabric, LinkParams, NetEv, WIRE_OVERHEAD};
+use crate::kernel::{tx_time, EventQueue, Ps, PS_PER_NS};
 
 /// The network and the aggregation tree (written by `fanin sim allreduce`).
 #[derive(Debug, Clone, Deserialize)]
@@ -114,6 +114,10 @@ pub struct ScaleConfig {
     pub block_exp_ms: u32,
     pub rto_min_us: u64,
     pub seed: u64,
+    /// Background traffic: every host that runs no worker sends full-size
+    /// datagrams at this fraction of its link rate to another such host (a
+    /// seeded derangement), for the whole run (0 = none).
+    pub background_load: f64,
 }
 
 impl Default for ScaleConfig {
@@ -128,6 +132,7 @@ impl Default for ScaleConfig {
             block_exp_ms: 0,
             rto_min_us: 50,
             seed: 1,
+            background_load: 0.0,
         }
     }
 }
@@ -171,6 +176,8 @@ pub struct ScaleResult {
     pub events: u64,
     /// Ranks that started late.
     pub stragglers: Vec<u16>,
+    /// The background flows and what they carried during the run.
+    pub background: BackgroundStats,
     /// Per channel (2i: link i a -> b, 2i + 1: b -> a).
     pub channels: Vec<ChannelStats>,
 }
@@ -226,6 +233,34 @@ impl Workload {
     }
 }
 
+/// The background flows of `cfg.background_load`: every host without a
+/// worker sends to another (a seeded shuffle, each to the next in it).
+fn background_flows(spec: &Spec, cfg: &ScaleConfig) -> Result<Vec<BackgroundFlow>, String> {
+    if cfg.background_load <= 0.0 {
+        return Ok(Vec::new());
+    }
+    if !(cfg.background_load <= 1.0) {
+        return Err(format!("background load {} is not a fraction of the link rate in (0, 1]", cfg.background_load));
+    }
+    let busy: std::collections::HashSet<u32> = spec.workers.iter().map(|w| w.host).collect();
+    let mut free: Vec<u32> =
+        (0..spec.nodes.len() as u32).filter(|&v| !spec.nodes[v as usize].switch && !busy.contains(&v)).collect();
+    if free.len() < 2 {
+        return Err(format!(
+            "background traffic needs at least 2 hosts that run no worker ({} on {}): use fewer workers or a larger topology",
+            free.len(),
+            spec.name
+        ));
+    }
+    let mut rng = SplitMix64::new(cfg.seed ^ 0xBAC6);
+    for i in (1..free.len()).rev() {
+        free.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let bytes = (HEADER_LEN + ELEM_LEN * cfg.elems_per_packet as usize) as u32 + WIRE_OVERHEAD;
+    let interval = (tx_time(bytes, cfg.links.rate_gbps * 1_000_000_000) as f64 / cfg.background_load) as Ps;
+    Ok((0..free.len()).map(|i| BackgroundFlow { src: free[i], dst: free[(i + 1) % free.len()], bytes, interval }).collect())
+}
+
 fn fabric(spec: &Spec, cfg: &ScaleConfig) -> Fabric {
     let is_switch: Vec<bool> = spec.nodes.iter().map(|n| n.switch).collect();
     let links: Vec<(u32, u32)> = spec.links.iter().map(|l| (l[0], l[1])).collect();
@@ -236,6 +271,7 @@ fn fabric(spec: &Spec, cfg: &ScaleConfig) -> Fabric {
 /// Run one allreduce of `cfg.elements` int32 values per worker.
 pub fn run(spec: &Spec, cfg: &ScaleConfig, algorithm: Algorithm, progress: Progress) -> Result<ScaleResult, String> {
     spec.validate()?;
+    background_flows(spec, cfg)?;
     let load = Workload::new(spec.workers.len(), cfg);
     match algorithm {
         Algorithm::Fanin => FaninRun::new(spec, cfg, load)?.run(progress),
@@ -258,7 +294,12 @@ struct Common<E> {
 
 impl<E: From<NetEv>> Common<E> {
     fn new(spec: &Spec, cfg: &ScaleConfig) -> Self {
-        Common { ev: EventQueue::new(), net: fabric(spec, cfg), done_at: vec![None; spec.workers.len()], done: 0, exact: true, retransmissions: 0, start: 0 }
+        let mut c = Common { ev: EventQueue::new(), net: fabric(spec, cfg), done_at: vec![None; spec.workers.len()], done: 0, exact: true, retransmissions: 0, start: 0 };
+        let flows = background_flows(spec, cfg).expect("checked by run()");
+        if !flows.is_empty() {
+            c.net.start_background(&mut c.ev, flows, cfg.seed);
+        }
+        c
     }
 
     fn complete(&mut self, w: usize, exact: bool, progress: &mut dyn FnMut(usize, usize)) {
@@ -274,6 +315,7 @@ impl<E: From<NetEv>> Common<E> {
     /// reach its end (delivered datagrams are discarded, timers ignored), so
     /// every channel's bytes add up.
     fn drain(&mut self, net_ev: impl Fn(E) -> Option<NetEv>) {
+        self.net.stop_background();
         while let Some((_, e)) = self.ev.pop_until(LIMIT * 2) {
             if let Some(n) = net_ev(e) {
                 self.net.handle(&mut self.ev, n);
@@ -298,6 +340,7 @@ impl<E: From<NetEv>> Common<E> {
             link_drops: self.net.link_drops,
             events: self.ev.events_handled(),
             stragglers,
+            background: self.net.background_stats,
             channels: (0..self.net.channels()).map(|c| self.net.channel_stats(c)).collect(),
         })
     }

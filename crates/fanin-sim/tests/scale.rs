@@ -96,3 +96,40 @@ fn fanin_halves_the_bytes_and_stragglers_delay_both() {
         assert!(x.completion_us >= 300.0, "{a:?}: {} µs", x.completion_us);
     }
 }
+
+/// 8 workers, one per edge switch of fat-tree:4 (`build_spec(..., 8,
+/// spread=True)`), so the 8 hosts left over, one per edge switch, carry
+/// background traffic.
+fn spread_spec() -> Spec {
+    serde_json::from_str(include_str!("golden/fat_tree_4_8_spread_spec.json")).expect("spec")
+}
+
+#[test]
+fn background_traffic_shares_the_links_is_absorbed_and_slows_the_allreduce() {
+    let s = spread_spec();
+    assert_eq!(s.workers.len(), 8);
+    let quiet = config(0.0);
+    let busy = ScaleConfig { background_load: 0.5, ..quiet.clone() };
+    for a in [Algorithm::Fanin, Algorithm::Ring] {
+        let q = go(&s, &quiet, a);
+        let b = go(&s, &busy, a);
+        assert!(q.exact && b.exact, "{a:?}");
+        assert_eq!((q.background.flows, q.background.sent_bytes), (0, 0));
+        assert_eq!(b.background.flows, 8, "{a:?}: every host without a worker sends");
+        assert!(b.background.sent_bytes > 0 && b.background.delivered_bytes > 0, "{a:?}: {:?}", b.background);
+        // background datagrams are never handed to a worker or a switch
+        // program, yet they cross the links: conservation still holds
+        for c in &b.channels {
+            assert_eq!(c.offered_bytes, c.sent_bytes + c.queue_dropped_bytes);
+            assert_eq!(c.sent_bytes, c.delivered_bytes + c.lost_bytes);
+        }
+        let link_bytes = |x: &ScaleResult| x.channels.iter().map(|c| c.sent_bytes).sum::<u64>();
+        assert!(link_bytes(&b) > link_bytes(&q), "{a:?}");
+        assert_eq!(b.datagrams, go(&s, &busy, a).datagrams, "{a:?}: deterministic");
+        assert!(b.completion_us >= q.completion_us, "{a:?}: {} vs {} µs", b.completion_us, q.completion_us);
+    }
+    // a spec whose every host runs a worker has no room for background
+    let full = spec();
+    let err = run(&full, &busy, Algorithm::Fanin, &mut |_, _| {}).unwrap_err();
+    assert!(err.contains("at least 2 hosts that run no worker"), "{err}");
+}

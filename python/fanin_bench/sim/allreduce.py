@@ -32,14 +32,26 @@ from fanin.topology import Topology, load
 __all__ = ["build_spec", "link_layers", "top_layer", "main"]
 
 
-def build_spec(topo: Topology, workers: int) -> dict:
+def build_spec(topo: Topology, workers: int, spread: bool = False) -> dict:
     """The simulator's input: nodes, links and the tree of a job whose rank
-    r runs on the r-th host of the topology."""
-    hosts = [h.name for h in topo.hosts]
-    if not 1 <= workers <= len(hosts):
-        raise ValueError(f"--workers must be between 1 and {len(hosts)} on {topo.name}")
+    r runs on the r-th host of the topology, or, with `spread`, on the
+    hosts taken evenly from every edge switch (the first hosts of each, in
+    turn), so that the hosts left over, free for background traffic, are
+    spread over the edge switches too."""
+    all_hosts = [h.name for h in topo.hosts]
+    if not 1 <= workers <= len(all_hosts):
+        raise ValueError(f"--workers must be between 1 and {len(all_hosts)} on {topo.name}")
+    hosts = all_hosts
+    if spread:
+        groups: dict[str, list[str]] = {}
+        for h in all_hosts:
+            edge = next(link.b if link.a == h else link.a for link in topo.links if h in (link.a, link.b))
+            groups.setdefault(edge, []).append(h)
+        per = -(-workers // len(groups))
+        chosen = [h for g in groups.values() for h in g[:per]][:workers]
+        hosts = chosen + [h for h in all_hosts if h not in chosen]
     tree = build_tree(topo, {r: hosts[r] for r in range(workers)})
-    names = hosts + [s.name for s in topo.switches]
+    names = all_hosts + [s.name for s in topo.switches]
     index = {n: i for i, n in enumerate(names)}
     return {
         "name": topo.name,
@@ -77,7 +89,11 @@ def top_layer(layers: list[str]) -> str:
     return max(layers, key=lambda n: order.get(n) or int(n.removeprefix("level")))
 
 
-def _summary(result: dict, layers: list[str]) -> dict:
+def _summary(result: dict, layers: list[str], config: Optional[dict] = None) -> dict:
+    """One algorithm's figures. Link bytes count every datagram on the
+    link, background traffic's included (`background_bytes` says how much
+    it sent). `goodput_fraction_of_line_rate`: the tensor's bytes over the
+    link rate times the completion time (headers make 1 unreachable)."""
     sent = [c["sent_bytes"] for c in result["channels"]]
     per_link = [sent[2 * i] + sent[2 * i + 1] for i in range(len(layers))]
     top = top_layer(layers)
@@ -100,6 +116,10 @@ def _summary(result: dict, layers: list[str]) -> dict:
         "core_bytes": by_layer.get(top, 0),
         "max_link_bytes": max(max(sent), 0),
         "bytes_by_layer": by_layer,
+        "background_bytes": result.get("background", {}).get("sent_bytes", 0),
+        **({"goodput_fraction_of_line_rate": config["elements"] * 4 * 8 / (config["rate_gbps"] * 1e3
+                                                                          * result["completion_us"])}
+           if config and result["completion_us"] > 0 else {}),
     }
 
 
@@ -124,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-exp-ms", type=int, default=0, help="fanin block aging (0: off; with it results may degrade)")
     p.add_argument("--algorithms", default="fanin,ring")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--background-load", type=float, default=0.0,
+                   help="other tenants' traffic: every host that runs no worker sends at this fraction of its link "
+                        "rate to another such host for the whole run (0: none; needs --workers below the host count)")
+    p.add_argument("--spread", action="store_true",
+                   help="take the workers evenly from every edge switch instead of the first hosts, so the hosts "
+                        "left for background traffic are on every edge switch too")
     p.add_argument("--sweep", action="store_true",
                    help="three scenarios: clean, --loss (default 0.01), --stragglers (default 0.1)")
     p.add_argument("--quick", action="store_true", help="fat-tree:4, 16 workers, 16384 elements")
@@ -139,7 +165,7 @@ def main(binary: str, argv: list[str]) -> int:
         args.topology, args.size = "fat-tree:4", min(args.size, 1 << 14)
     try:
         topo = load(args.topology)
-        spec = build_spec(topo, args.workers or len(topo.hosts))
+        spec = build_spec(topo, args.workers or len(topo.hosts), spread=args.spread)
     except ValueError as e:
         print(f"fanin sim allreduce: {e}", file=sys.stderr)
         return 2
@@ -154,14 +180,15 @@ def main(binary: str, argv: list[str]) -> int:
                 "--elements", str(args.size), "--elems-per-packet", str(args.elems_per_packet),
                 "--window", str(args.window), "--rate-gbps", str(args.rate_gbps), "--delay-ns", str(args.delay_ns),
                 "--loss", str(loss), "--stragglers", str(stragglers), "--straggler-delay-us",
-                str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms), "--seed", str(args.seed)]
+                str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms), "--seed", str(args.seed),
+                "--background-load", str(args.background_load)]
         print(f"fanin sim allreduce: scenario {name} (loss {loss}, stragglers {stragglers})", file=sys.stderr)
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             return proc.returncode
         out = json.loads(proc.stdout)
         runs.append({"scenario": name, "loss": loss, "stragglers": stragglers, "raw": out,
-                     "summary": [_summary(r, layers) for r in out["results"]]})
+                     "summary": [_summary(r, layers, out.get("config")) for r in out["results"]]})
     report = _report(spec, topo, args, runs)
     _write(args.out, topo, layers, runs, report)
     if not args.no_plot:

@@ -39,7 +39,7 @@ usage:
   fanin-sim allreduce --spec FILE [--algorithms fanin,ring] [--elements E] [--elems-per-packet P]
                       [--window W] [--loss P] [--rate-gbps R] [--delay-ns D] [--queue-pkts Q]
                       [--stragglers FRACTION --straggler-delay-us US] [--block-exp-ms MS]
-                      [--seed S] [--json]
+                      [--seed S] [--background-load F] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
   fanin-sim goat --spec FILE [--elems-per-packet P] [--window W] [--rate-gbps R] [--delay-ns D]
@@ -297,6 +297,7 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
     opt!("--straggler-delay-us", straggler_delay_us);
     opt!("--block-exp-ms", block_exp_ms);
     opt!("--seed", seed);
+    opt!("--background-load", background_load);
     let algorithms: Vec<Algorithm> =
         args.value::<String>("--algorithms")?.unwrap_or_else(|| "fanin,ring".into()).split(',').map(str::parse).collect::<Result<_, _>>()?;
     let as_json = args.flag("--json");
