@@ -239,7 +239,7 @@ fn background_flows(spec: &Spec, cfg: &ScaleConfig) -> Result<Vec<BackgroundFlow
     if cfg.background_load <= 0.0 {
         return Ok(Vec::new());
     }
-    if !(cfg.background_load <= 1.0) {
+    if cfg.background_load.is_nan() || cfg.background_load > 1.0 {
         return Err(format!("background load {} is not a fraction of the link rate in (0, 1]", cfg.background_load));
     }
     let busy: std::collections::HashSet<u32> = spec.workers.iter().map(|w| w.host).collect();
