@@ -159,12 +159,7 @@ impl Session {
         out: Option<&Bound<'py, PyAny>>,
         keep: Option<(usize, usize)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some((start, stop)) = keep {
-            self.inner.keep_only(start..stop);
-        }
-        let result = self.allreduce_any(py, array, average, out);
-        self.inner.keep_all(); // a range that was not used (the call was refused) ends here
-        result
+        self.keeping(keep, |s| s.allreduce_any(py, array, average, out))
     }
 
     /// Sum a 16-bit float array given as its bits (`bits`: uint16, any
@@ -184,12 +179,7 @@ impl Session {
         out: Option<&Bound<'py, PyAny>>,
         keep: Option<(usize, usize)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some((start, stop)) = keep {
-            self.inner.keep_only(start..stop);
-        }
-        let result = self.allreduce_half_any(py, bits, format, average, out);
-        self.inner.keep_all();
-        result
+        self.keeping(keep, |s| s.allreduce_half_any(py, bits, format, average, out))
     }
 
     /// Statistics of the last allreduce: retransmissions, trimmed (Trimmed
@@ -315,6 +305,22 @@ fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> Py
 }
 
 impl Session {
+    /// Run `call` with `keep` as the range of its allreduce (a
+    /// reduce-scatter); a range the call did not use (it was refused before
+    /// it began one) ends with it all the same.
+    fn keeping<'py>(
+        &mut self,
+        keep: Option<(usize, usize)>,
+        call: impl FnOnce(&mut Self) -> PyResult<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some((start, stop)) = keep {
+            self.inner.keep_only(start..stop);
+        }
+        let result = call(self);
+        self.inner.keep_all();
+        result
+    }
+
     fn allreduce_any<'py>(
         &mut self,
         py: Python<'py>,
@@ -350,7 +356,6 @@ impl Session {
         self.last = Some(outcome);
         Ok(o.clone())
     }
-
 
     fn allreduce_half_any<'py>(
         &mut self,
