@@ -36,6 +36,36 @@ def test_three_workers_get_identical_correct_results_and_shape(dtype):
     assert check_result(results[0], n, dtype, 1024)["ok"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int32", "float16"])
+def test_keep_makes_a_reduce_scatter_of_each_ranks_own_range(dtype):
+    """Each rank keeps a third of the sum (shard boundaries inside blocks),
+    the switch withholds the rest from it; a refused call forgets its range
+    and the next allreduce is whole again."""
+    n, size = 3, 30_001
+    with fanin.local_switch(workers=n) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank)
+            x = worker_inputs(rank, size, dtype)
+            whole = s.allreduce(x)
+            k = size // n
+            keep = (rank * k, size if rank == n - 1 else (rank + 1) * k)
+            part = x.copy()
+            s.allreduce(part, out=part, keep=keep)
+            with pytest.raises(ValueError, match="not a range"):
+                s.allreduce(x, keep=(5, 2))
+            with pytest.raises(TypeError):
+                s.allreduce(x.astype(np.float64), keep=keep)
+            again = s.allreduce(x)
+            return whole, part, keep, again
+
+        results = run_workers(sw.data_addr, n, work)
+        withheld = sw.counters()["results_without_data"]
+    for whole, part, (lo, hi), again in results:
+        assert part[lo:hi].tobytes() == whole[lo:hi].tobytes(), "the shard is the allreduce's, bit for bit"
+        assert again.tobytes() == whole.tobytes()
+    assert withheld > 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int32"])
 def test_out_receives_the_sum_in_place_and_in_a_given_array(dtype):
     n, size = 3, 20_011
