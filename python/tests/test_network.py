@@ -95,8 +95,9 @@ def test_reduce_scatter_brings_each_worker_about_its_shard_down(tmp_path):
     assert all(4.15 <= b <= 4.4 for b in up), (up, row["retransmissions"])
     assert all(1.15 <= b <= 1.35 for b in down), (down, row["retransmissions"])
     # 2 reps + the warm-up, 4 members, 1397 blocks, 3 of every 4 withheld
-    # (boundary blocks go whole to both owners)
-    assert row["results_without_data"] >= 3 * 1397 * 3 - 3 * 3, row
+    # (boundary blocks go whole to both owners); the switch publishes its
+    # counters after each batch it sends, so the last batch may not be in
+    assert row["results_without_data"] >= 0.95 * (3 * 1397 * 3 - 3 * 3), row
 
 
 def test_lm_steps_trains_the_same_model_on_fanin_and_gloo(tmp_path):
