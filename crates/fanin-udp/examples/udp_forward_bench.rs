@@ -100,6 +100,20 @@ fn socket() -> BatchSocket {
 struct Run {
     forwarded_pps: f64,
     delivered_pps: f64,
+    /// The forwarder thread's CPU time per datagram it handled (each
+    /// forwarded datagram is one received and one sent), from its
+    /// schedstat: comparable with the switch's `switch_ns_per_datagram`
+    /// of `fanin bench allreduce` whether or not the thread had a core to
+    /// itself.
+    forwarder_cpu_ns_per_datagram: f64,
+}
+
+/// CPU nanoseconds thread `tid` of this process has run (0 if unknown).
+fn thread_cpu_ns(tid: u64) -> u64 {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
 }
 
 fn run_once(mode: Mode, cfg: &Config) -> Run {
@@ -112,11 +126,14 @@ fn run_once(mode: Mode, cfg: &Config) -> Run {
     let forwarded = Arc::new(AtomicU64::new(0));
     let delivered = Arc::new(AtomicU64::new(0));
 
+    // a receive slot holds the largest datagram (a smaller one truncates it)
+    let slot = cfg.size.max(2048);
+    let fwd_tid = Arc::new(AtomicU64::new(0));
     let sink_thread = {
         let (sink, stop, delivered) = (sink.clone(), stop.clone(), delivered.clone());
         thread::spawn(move || {
             let gro = sink.enable_gro().unwrap_or(false);
-            let mut rx = RecvBatch::new(64, if gro { GRO_SLOT_SIZE } else { 2048 });
+            let mut rx = RecvBatch::new(64, if gro { GRO_SLOT_SIZE } else { slot });
             while !stop.load(Ordering::Relaxed) {
                 let n = sink.recv_batch(&mut rx).unwrap_or(0);
                 delivered.fetch_add(n as u64, Ordering::Relaxed);
@@ -125,9 +142,13 @@ fn run_once(mode: Mode, cfg: &Config) -> Run {
     };
 
     let fwd_thread = {
-        let (fwd, stop, forwarded) = (forwarder.clone(), stop.clone(), forwarded.clone());
+        let (fwd, stop, forwarded, tid) = (forwarder.clone(), stop.clone(), forwarded.clone(), fwd_tid.clone());
         let batch = cfg.batch;
-        thread::spawn(move || forward(mode, &fwd, sink_addr, batch, &stop, &forwarded))
+        thread::spawn(move || {
+            // SAFETY: gettid has no preconditions
+            tid.store(unsafe { libc::gettid() } as u64, Ordering::Relaxed);
+            forward(mode, &fwd, sink_addr, batch, slot, &stop, &forwarded)
+        })
     };
 
     let gen_thread = {
@@ -152,15 +173,18 @@ fn run_once(mode: Mode, cfg: &Config) -> Run {
 
     // Warm up (buffers, page faults, scheduler), then measure a window.
     thread::sleep(Duration::from_millis(200));
-    let (f0, d0, t0) = (
+    let tid = fwd_tid.load(Ordering::Relaxed);
+    let (f0, d0, c0, t0) = (
         forwarded.load(Ordering::Relaxed),
         delivered.load(Ordering::Relaxed),
+        thread_cpu_ns(tid),
         Instant::now(),
     );
     thread::sleep(Duration::from_secs_f64(cfg.secs));
-    let (f1, d1, t1) = (
+    let (f1, d1, c1, t1) = (
         forwarded.load(Ordering::Relaxed),
         delivered.load(Ordering::Relaxed),
+        thread_cpu_ns(tid),
         Instant::now(),
     );
     stop.store(true, Ordering::Relaxed);
@@ -171,6 +195,7 @@ fn run_once(mode: Mode, cfg: &Config) -> Run {
     Run {
         forwarded_pps: (f1 - f0) as f64 / secs,
         delivered_pps: (d1 - d0) as f64 / secs,
+        forwarder_cpu_ns_per_datagram: if f1 > f0 { (c1 - c0) as f64 / (2 * (f1 - f0)) as f64 } else { 0.0 },
     }
 }
 
@@ -179,6 +204,7 @@ fn forward(
     sock: &BatchSocket,
     to: SocketAddr,
     batch: usize,
+    slot: usize,
     stop: &AtomicBool,
     forwarded: &AtomicU64,
 ) {
@@ -197,7 +223,7 @@ fn forward(
         Mode::Batch | Mode::GsoGro => {
             let gso = mode == Mode::GsoGro;
             let gro = gso && sock.enable_gro().unwrap_or(false);
-            let mut rx = RecvBatch::new(batch, if gro { GRO_SLOT_SIZE } else { 2048 });
+            let mut rx = RecvBatch::new(batch, if gro { GRO_SLOT_SIZE } else { slot });
             // With GRO one slot holds up to 64 datagrams.
             let mut tx = SendBatch::new(if gro { batch * 64 } else { batch });
             tx.set_gso(gso && sock.gso_supported());
@@ -240,6 +266,7 @@ fn main() {
     let modes = [Mode::SendTo, Mode::Batch, Mode::GsoGro];
     let mut fwd: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut del: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     // Interleave modes across repetitions so slow drift in machine load
     // hits them all alike.
     for _ in 0..cfg.reps {
@@ -247,6 +274,7 @@ fn main() {
             let r = run_once(mode, &cfg);
             fwd[i].push(r.forwarded_pps);
             del[i].push(r.delivered_pps);
+            cpu[i].push(r.forwarder_cpu_ns_per_datagram);
         }
     }
 
@@ -256,10 +284,11 @@ fn main() {
         .enumerate()
         .map(|(i, m)| {
             format!(
-                "{{\"mode\":\"{}\",\"forwarded_pps_median\":{:.0},\"delivered_pps_median\":{:.0},\"forwarded_pps\":{},\"delivered_pps\":{}}}",
+                "{{\"mode\":\"{}\",\"forwarded_pps_median\":{:.0},\"delivered_pps_median\":{:.0},\"forwarder_cpu_ns_per_datagram_median\":{:.1},\"forwarded_pps\":{},\"delivered_pps\":{}}}",
                 m.name(),
                 med[i],
                 median(del[i].clone()),
+                median(cpu[i].clone()),
                 json_list(&fwd[i]),
                 json_list(&del[i]),
             )
@@ -285,10 +314,11 @@ fn main() {
     );
     for (i, m) in modes.iter().enumerate() {
         eprintln!(
-            "  {:8} {:>10.0} datagrams/s forwarded ({:.2}× send_to)",
+            "  {:8} {:>10.0} datagrams/s forwarded ({:.2}× send_to), forwarder {:.0} ns of CPU per datagram in or out",
             m.name(),
             med[i],
-            ratio(i)
+            ratio(i),
+            median(cpu[i].clone())
         );
     }
 }

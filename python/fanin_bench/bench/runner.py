@@ -133,6 +133,18 @@ class AllreduceRun:
         out["cpu_s_per_allreduce"] = {
             k: {"total": statistics.median(v), "switch": statistics.median(self.switch_cpu_s[k])}
             for k, v in self.cpu_s.items() if v}
+        # The switch's cost per datagram it handled (received plus sent, a
+        # group datagram counted once), per arm: its CPU time per allreduce
+        # over N contributions and the results of every block (float32's
+        # exponent rounds, a few blocks per allreduce, are left out). Next
+        # to `udp_forward_bench` (raw recvmmsg/sendmmsg forwarding on the
+        # same cores: 2 datagrams per forwarded one) it says what the
+        # protocol costs over moving the bytes (issue 28, docs/network.md).
+        blocks = -(-p.elements // p.elems_per_packet)
+        handled = {"fanin": blocks * (p.workers + (1 if p.results == "multicast" else p.workers)),
+                   "noaggr": 2 * blocks * p.workers, "auth": 2 * blocks * p.workers}
+        out["switch_ns_per_datagram"] = {k: statistics.median(v) * 1e9 / handled[k]
+                                         for k, v in self.switch_cpu_s.items() if v}
         return out
 
 
