@@ -202,6 +202,8 @@ struct Workload {
     inputs: Vec<Vec<i32>>,
     expected: Vec<i32>,
     delay: Vec<Ps>,
+    /// Other tenants' flows (`background_load`), started with the run.
+    background: Vec<BackgroundFlow>,
 }
 
 impl Workload {
@@ -225,7 +227,7 @@ impl Workload {
         for &w in &order[..count] {
             delay[w] = cfg.straggler_delay_us * 1_000 * PS_PER_NS;
         }
-        Workload { inputs, expected, delay }
+        Workload { inputs, expected, delay, background: Vec::new() }
     }
 
     fn stragglers(&self) -> Vec<u16> {
@@ -271,8 +273,7 @@ fn fabric(spec: &Spec, cfg: &ScaleConfig) -> Fabric {
 /// Run one allreduce of `cfg.elements` int32 values per worker.
 pub fn run(spec: &Spec, cfg: &ScaleConfig, algorithm: Algorithm, progress: Progress) -> Result<ScaleResult, String> {
     spec.validate()?;
-    background_flows(spec, cfg)?;
-    let load = Workload::new(spec.workers.len(), cfg);
+    let load = Workload { background: background_flows(spec, cfg)?, ..Workload::new(spec.workers.len(), cfg) };
     match algorithm {
         Algorithm::Fanin => FaninRun::new(spec, cfg, load)?.run(progress),
         Algorithm::Ring => RingRun::new(spec, cfg, load).run(progress),
@@ -293,9 +294,8 @@ struct Common<E> {
 }
 
 impl<E: From<NetEv>> Common<E> {
-    fn new(spec: &Spec, cfg: &ScaleConfig) -> Self {
+    fn new(spec: &Spec, cfg: &ScaleConfig, flows: Vec<BackgroundFlow>) -> Self {
         let mut c = Common { ev: EventQueue::new(), net: fabric(spec, cfg), done_at: vec![None; spec.workers.len()], done: 0, exact: true, retransmissions: 0, start: 0 };
-        let flows = background_flows(spec, cfg).expect("checked by run()");
         if !flows.is_empty() {
             c.net.start_background(&mut c.ev, flows, cfg.seed);
         }
@@ -414,7 +414,7 @@ impl<'a> FaninRun<'a> {
         let inputs = std::mem::take(&mut load.inputs).into_iter().map(Some).collect();
         Ok(FaninRun {
             spec,
-            c: Common::new(spec, cfg),
+            c: Common::new(spec, cfg, std::mem::take(&mut load.background)),
             sessions,
             switch_armed: vec![None; switches.len()],
             switches,
@@ -616,7 +616,7 @@ impl<'a> RingRun<'a> {
             })
             .collect();
         let worker_of_node = spec.workers.iter().enumerate().map(|(i, w)| (w.host, i)).collect();
-        RingRun { spec, cfg, c: Common::new(spec, cfg), workers, worker_of_node, load }
+        RingRun { spec, cfg, c: Common::new(spec, cfg, std::mem::take(&mut load.background)), workers, worker_of_node, load }
     }
 
     fn n(&self) -> usize {

@@ -306,8 +306,7 @@ impl AllreduceSession {
         let keep = self.next_keep.take();
         self.check_ready()?;
         let prepared = Prepared::new(tensor, self.config.elems_per_packet as usize)?;
-        self.next_keep = keep;
-        self.begin_prepared(now, prepared)
+        self.begin_owned(now, prepared, keep)
     }
 
     /// Start an allreduce of a tensor whose exponents are already known
@@ -316,6 +315,16 @@ impl AllreduceSession {
     /// the session owns.
     pub fn begin_prepared(&mut self, now: Time, prepared: Prepared<'_>) -> Result<(), SessionError> {
         let keep = self.next_keep.take();
+        self.begin_owned(now, prepared, keep)
+    }
+
+    /// `begin_prepared` with the `keep_only` range its caller took.
+    fn begin_owned(
+        &mut self,
+        now: Time,
+        prepared: Prepared<'_>,
+        keep: Option<std::ops::Range<usize>>,
+    ) -> Result<(), SessionError> {
         self.check_ready()?;
         let Prepared { input, local_exp, per } = prepared;
         let tensor = match input {
