@@ -282,6 +282,10 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
         st = fanin.torch.fanin_group().total_stats()
         switch = {"degraded_blocks": st.degraded_blocks, "missed_blocks": st.missed_blocks,
                   "retransmissions": st.retransmissions}
+    # every rank is done with the group before any tears it down (rank 0
+    # holds the store: a Gloo rank that exits while a peer still uses it
+    # can abort with "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return {**switch, **overlap, "rank": rank, "world": world, "backend": args.backend, "compress": args.compress,
             "parallel": "fsdp" if args.fsdp else "ddp", "device": str(device), "params": params,
