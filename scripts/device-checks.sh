@@ -64,6 +64,25 @@ for s in $stages; do
     network-rs) run network-rs-16core 60 fanin bench network --workers 8 --rates 1000 --size 16MB --reps 3 \
                   --collective reduce-scatter --json --out "$out/rs" ;;
     auth) for w in 4 8; do run auth-$w 45 fanin bench allreduce --auth --quick --iters 9 --workers $w --shards 4 --json; done ;;
-    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, network-rs, auth)"; exit 2 ;;
+    auth-default) for w in 4 8; do run auth-default-$w 45 fanin bench allreduce --auth --quick --iters 9 --workers $w --json; done ;;
+    auth-shards8) for w in 4 8; do run auth-shards8-$w 45 fanin bench allreduce --auth --quick --iters 9 --workers $w --shards 8 --json; done ;;
+    # 64 MB per worker: at 10 Gbit/s a 16 MB allreduce takes ~15 ms, where fixed costs show
+    jumbo-64) run network-jumbo-64 150 fanin bench network --workers 8 --rates 5000,10000 --size 64MB --reps 3 \
+                --mtu 9000 --auth --json --out "$out/jumbo-64" ;;
+    jumbo-full-64) run network-jumbo-full-64 90 fanin bench network --workers 8 --rates 5000,10000 --size 64MB --reps 3 \
+                     --mtu 9000 --block-grad-max 4096 --no-gloo --json --out "$out/jumbo-full-64" ;;
+    # jumbo frames on every link (fanin learns the MTU at join), with a keyed arm
+    jumbo) run network-jumbo 220 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB --reps 3 \
+             --mtu 9000 --auth --json --out "$out/jumbo" ;;
+    # the same with blocks that fill a 9000-byte frame (the switch caps 4096 to the MTU)
+    jumbo-full) run network-jumbo-full 80 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
+                  --mtu 9000 --block-grad-max 4096 --no-gloo --json --out "$out/jumbo-full" ;;
+    # per-datagram cost on these cores: the switch (bench allreduce) and a raw forwarding thread
+    cost) run switch-cost-8 60 fanin bench allreduce --quick --workers 8 --iters 7 --json
+          if [ -x .device/bin/udp_forward_bench ]; then
+            run udp-forward-4120 40 .device/bin/udp_forward_bench --secs 1 --reps 5 --size 4120
+          fi ;;
+    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, network-rs, auth," \
+            "auth-default, auth-shards8, jumbo, jumbo-full, jumbo-64, jumbo-full-64, cost)"; exit 2 ;;
   esac
 done

@@ -249,12 +249,16 @@ class Testbed:
 
     @classmethod
     def up(cls, topology: Topology, *, name: str = DEFAULT_NAME, rate_mbit: Optional[float] = None,
-           state_dir: Optional[Path] = None, routing: bool = False) -> "Testbed":
+           state_dir: Optional[Path] = None, routing: bool = False, mtu: Optional[int] = None) -> "Testbed":
         """Build `topology` as namespaces and veth links and return it.
 
         ``rate_mbit`` overrides every link's own ``rate_mbit`` (None: use the
         links' values; a link without one is unlimited). ``routing`` also
         installs static routes along shortest paths (:meth:`enable_routing`).
+        ``mtu`` sets every interface of the testbed (data links and the
+        management network) to that MTU, e.g. 9000 for jumbo frames (None:
+        the veth default, 1500); the daemons and workers learn it from their
+        interfaces, nothing else needs telling.
         Raises TestbedError
         when not privileged or when a testbed called `name` is already up, and
         TopologyError for an unsound topology. On any failure everything
@@ -265,6 +269,8 @@ class Testbed:
         topology.validate()
         if rate_mbit is not None and not rate_mbit > 0:
             raise TestbedError(f"rate_mbit {rate_mbit} must be > 0 (or absent for the links' own rates)")
+        if mtu is not None and not 1280 <= mtu <= 65535:
+            raise TestbedError(f"mtu {mtu} must be between 1280 (IPv6's minimum) and 65535; 9000 gives jumbo frames")
         path = _state_path(name, state_dir)
         leftovers = _our_namespaces(name) + _our_root_links(name)
         if path.exists() or leftovers:
@@ -272,6 +278,7 @@ class Testbed:
                                f"{len(leftovers)} namespaces/links with prefix '{name}-'); take it down first with "
                                f"`fanin testbed down --name {name}`, or choose another --name")
         state = _plan(topology, name, rate_mbit)
+        state["mtu"] = mtu
         try:
             _build(state)
             if routing:
@@ -574,17 +581,22 @@ def _build(state: dict[str, Any]) -> None:
         root.append(f"link set {info['root_if']} master {state['bridge']} up")
     _ip_batch(root)
 
+    # the management network too: a daemon bound to 0.0.0.0 sizes its packets
+    # to the smallest MTU among its interfaces
+    mtu = f" mtu {state['mtu']}" if state.get("mtu") else ""
+    if mtu:
+        _ip_batch([f"link set {info['root_if']}{mtu}" for info in nodes.values()] + [f"link set {state['bridge']}{mtu}"])
     inside: dict[str, list[str]] = {n: ["link set lo up"] for n in nodes}
     shaping: dict[str, list[str]] = {n: [] for n in nodes}
     for link in links:
         plen = ipaddress.ip_network(link["subnet"]).prefixlen
         for end in ("a", "b"):
             node, ifname = link[end], link[f"{end}_if"]
-            inside[node] += [f"addr add {link[f'{end}_addr']}/{plen} dev {ifname}", f"link set {ifname} up"]
+            inside[node] += [f"addr add {link[f'{end}_addr']}/{plen} dev {ifname}", f"link set {ifname}{mtu} up"]
             if link["rate_mbit"] is not None:
                 shaping[node].append(_tbf(ifname, link["rate_mbit"]))
     for node, info in nodes.items():
-        inside[node] += [f"addr add {info['mgmt_addr']}/{prefix} dev {info['mgmt_if']}", f"link set {info['mgmt_if']} up"]
+        inside[node] += [f"addr add {info['mgmt_addr']}/{prefix} dev {info['mgmt_if']}", f"link set {info['mgmt_if']}{mtu} up"]
         _ip_batch(inside[node], netns=info["netns"])
         if shaping[node]:
             _sh(["tc", "-n", info["netns"], "-batch", "-"], stdin="\n".join(shaping[node]) + "\n")

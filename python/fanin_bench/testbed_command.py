@@ -39,7 +39,8 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
     try:
         if args.action == "up":
             topo = topology.load(args.topology)
-            tb = testbed.Testbed.up(topo, name=args.name, rate_mbit=args.rate_mbit, routing=args.routing)
+            tb = testbed.Testbed.up(topo, name=args.name, rate_mbit=args.rate_mbit, routing=args.routing,
+                                    mtu=args.mtu)
             st = tb.state
             emit(tb.status(), f"fanin testbed {tb.name}: {topo.name} up, {len(st['nodes'])} namespaces "
                               f"({tb.name}-*), {len(st['links'])} links, management {st['mgmt_net']} "
@@ -106,6 +107,8 @@ def register(sub: Any) -> None:
     up.add_argument("topology", help="topology file or generator spec, e.g. fat-tree:4")
     up.add_argument("--rate-mbit", type=float, help="tc tbf limit on every link, both directions "
                                                     "(default: each link's rate_mbit; none = unlimited)")
+    up.add_argument("--mtu", type=int, help="MTU of every interface, e.g. 9000 for jumbo frames (default: the veth "
+                                            "default, 1500); fanin learns it at join")
     up.add_argument("--routing", action="store_true",
                     help="static routes along shortest paths, IP forwarding in switches (every node reaches every "
                          "data address; docs/testbed.md)")

@@ -48,6 +48,22 @@ def test_the_old_default_of_1024_elements_is_cut_into_fragments(tmp_path):
     assert report["fanin_settings"]["overrides"]
 
 
+def test_a_jumbo_link_carries_frame_sized_packets_and_a_keyed_arm_runs_beside(tmp_path):
+    # every interface at MTU 9000: the switch learns it and sizes the job's
+    # packets to one frame (capped by the job's block_grad_max, here above
+    # it): 9000 - 20 - 8 - 24 - 16 = 8932 bytes = 2233 float32
+    report = _bench(tmp_path, "--mtu", "9000", "--block-grad-max", "4096", "--auth")
+    (row,) = report["rates"]
+    assert report["mtu"] == row["mtu"] == 9000
+    assert row["elems_per_packet"] == 2233, row
+    assert row["ip_fragments"] == 0, row
+    assert 50 < row["capacity_mbit"] <= 105, row  # the blast sent jumbo frames through the same tbf
+    # the keyed job ran the same allreduce, checked, and is reported against the unkeyed one
+    assert row["keyed_median_s"] > 0 and len(row["keyed_times_s"]) == 2
+    assert row["keyed_goodput_ratio"] == pytest.approx(row["fanin_median_s"] / row["keyed_median_s"])
+    assert report["fanin_settings"]["keyed_arm"]
+
+
 def test_a_shallow_queue_is_found_by_congestion_signals_not_timeouts(tmp_path):
     # 4 workers whose links queue 8 ms (100 KB at 100 Mbit/s, 66 frames):
     # the default window (256 blocks, 367 KB) would overrun it almost 4x.

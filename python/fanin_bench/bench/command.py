@@ -313,7 +313,8 @@ def _add_tree_benches(bsub: Any) -> None:
                     "defaults unless told otherwise. JSON with --json, CSV and PNG to --out. Needs root.",
         epilog="example: fanin bench network --workers 4 --rates 100,200,400 --json\n"
                "         fanin bench network --quick --dtype float16 --json\n"
-               "         fanin bench network --quick --collective reduce-scatter --json")
+               "         fanin bench network --quick --collective reduce-scatter --json\n"
+               "         fanin bench network --workers 8 --rates 5000,10000 --mtu 9000 --auth --json")
     nw.add_argument("--workers", type=int, default=4)
     nw.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,200,400; 200 with --quick)")
     nw.add_argument("--size", help="tensor per worker (default 16MB, 4MB with --quick)")
@@ -327,6 +328,12 @@ def _add_tree_benches(bsub: Any) -> None:
                          "is S/C for fanin (the whole tensor goes up) and (N-1)/N S/C for the ring: the gain is the "
                          "link bytes down, reported per element (default %(default)s)")
     nw.add_argument("--no-gloo", action="store_true", help="fanin only (no PyTorch needed)")
+    nw.add_argument("--auth", action="store_true",
+                    help="a third arm: the same allreduce in a keyed job (every datagram sealed, docs/security.md); "
+                         "reports keyed_goodput_ratio, keyed goodput over unkeyed")
+    nw.add_argument("--mtu", type=int,
+                    help="MTU of every testbed interface, e.g. 9000 for jumbo frames (default: 1500); fanin learns "
+                         "it at join, the capacity blast sends full frames")
     nw.add_argument("--queue-ms", type=float, default=20.0,
                     help="each link's queue, in ms at its rate (tbf latency; default %(default)s)")
     nw.add_argument("--name", default="fbnet", help="testbed name (namespace prefix; default %(default)s)")

@@ -29,11 +29,18 @@ for the ring's allreduce); fanin's fraction of the capacity (ideal / median); th
 speed-up vs Gloo; fanin's retransmissions and trims; the IP fragments every
 namespace created. fanin runs with every setting at its default: nothing is
 tuned per rate.
+
+``--mtu 9000`` builds the testbed with jumbo frames (every interface); fanin
+learns the MTU at join, the capacity blast sends full frames. ``--auth`` adds
+a third arm, the same allreduce in a keyed job (docs/security.md), and
+reports its goodput against the unkeyed one (``keyed_goodput_ratio``).
 """
 
 from __future__ import annotations
 
 import csv
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,18 +50,25 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fanin import topology
+from fanin.auth import derive_member_key, new_job_key
 from fanin.proc import format_size, parse_size
 from fanin.switch import job_config
+from fanin_bench.bench.net_worker import MEMBER_KEY_ENV
 from fanin_bench.bench.trees import step_workers, stop_workers, wait_ready
 from fanin_bench.report import emit
 from fanin_bench.plotting import save_figure
 
 JOB = 1
+KEYED_JOB = 2  # --auth: the same allreduce in a keyed job, every datagram sealed
 GLOO_PORT = 29500
 BLAST_PORT = 9  # discard: nothing listens; the counters measure what arrived
-# A 1472-byte UDP payload in a 1514-byte Ethernet frame (IPv4, 1500 MTU):
-# capacity in UDP payload terms is the frame rate times this.
-PAYLOAD_PER_FRAME = 1472 / 1514
+
+
+def payload_per_frame(mtu: int) -> float:
+    """UDP payload per byte of Ethernet frame on a full-size frame: a
+    1472-byte payload in a 1514-byte frame at MTU 1500 (IPv4). Capacity in
+    UDP payload terms is the frame rate times this."""
+    return (mtu - 28) / (mtu + 14)
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -75,7 +89,7 @@ def _worker_argv(kind: str, **kw: Any) -> list[str]:
     return argv
 
 
-def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float) -> dict[str, Any]:
+def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float, mtu: int = 1500) -> dict[str, Any]:
     """What each direction of each link carries with every link of that
     direction busy at once, from the veth counters: first all uplinks (every
     host blasts UDP at the switch), then all downlinks (one blaster per host
@@ -86,12 +100,15 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
 
     def blast(direction: str) -> list[float]:
         offer = rate_mbit * 1.3  # over the limit, so tbf's queue stays full
+        payload = mtu - 28  # full frames, as the allreduces send
         if direction == "up":
             procs = [tb.popen(h, _worker_argv("blast", to=f"{tb.addr('s0', toward=h)}:{BLAST_PORT}", mbit=offer,
-                                              seconds=seconds), stdout=subprocess.DEVNULL) for h in hosts]
+                                              seconds=seconds, payload=payload),
+                             stdout=subprocess.DEVNULL) for h in hosts]
         else:
             procs = [tb.popen("s0", _worker_argv("blast", to=f"{tb.addr(h, toward='s0')}:{BLAST_PORT}", mbit=offer,
-                                                 seconds=seconds), stdout=subprocess.DEVNULL) for h in hosts]
+                                                 seconds=seconds, payload=payload),
+                             stdout=subprocess.DEVNULL) for h in hosts]
 
         def read() -> dict[str, tuple[float, Any]]:
             out = {}
@@ -118,7 +135,7 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
     up = blast("up")
     dn = blast("down")
     both = up + dn
-    return {"capacity_mbit": statistics.median(both), "capacity_min_mbit": min(both),
+    return {"capacity_mbit": statistics.median(both), "capacity_min_mbit": min(both), "mtu": mtu,
             "uplink_mbit": up, "downlink_mbit": dn}
 
 
@@ -163,6 +180,9 @@ def run_network(args: Any) -> int:
     if why:
         print(f"fanin bench network: needs the namespace testbed: {why}", file=sys.stderr)
         return 2
+    # a `timeout` or `kill` must still take the testbed down (SIGTERM would
+    # otherwise end the process without unwinding the ExitStack below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     gloo = not args.no_gloo
     if gloo:
         try:
@@ -181,23 +201,39 @@ def run_network(args: Any) -> int:
     hosts = [f"h{i}" for i in range(n)]
     out = Path(args.out)
     scatter = args.collective == "reduce-scatter"
+    mtu = args.mtu or 1500
     print(f"network: star:{n}, {format_size(size)} {args.dtype} per worker, links {', '.join(f'{r:g}' for r in rates)} "
           f"Mbit/s, {reps} {args.collective}s per system per rate", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=args.name, rate_mbit=rates[0],
-                                            routing=True))
+                                            routing=True, mtu=args.mtu))
         job = {k: v for k, v in (("block_grad_max", args.block_grad_max), ("block_cnt_max", args.block_cnt_max))
                if v is not None}
-        sw = tb.switch("s0", jobs=[job_config(JOB, n, **job)], **({"shards": args.shards} if args.shards else {}))
-        fanin_procs = [tb.popen(h, _worker_argv("fanin", addr=f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}",
-                                                rank=r, workers=n, elements=elements, dtype=args.dtype,
-                                                elems_per_packet=args.elems_per_packet, window=args.window,
-                                                collective=args.collective),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                       for r, h in enumerate(hosts)]
-        stack.callback(stop_workers, fanin_procs)
-        wait_ready(fanin_procs, "fanin")
+        jobs = [job_config(JOB, n, **job)]
+        job_key = new_job_key() if args.auth else None
+        if job_key:
+            jobs.append(job_config(KEYED_JOB, n, key=job_key, **job))
+        sw = tb.switch("s0", jobs=jobs, **({"shards": args.shards} if args.shards else {}))
+
+        def fanin_workers(job_id: int) -> list[subprocess.Popen]:
+            procs = []
+            for r, h in enumerate(hosts):
+                env = dict(os.environ)
+                if job_id == KEYED_JOB:
+                    # not on the command line, where every process could read it
+                    env[MEMBER_KEY_ENV] = derive_member_key(job_key, KEYED_JOB, r).hex()
+                procs.append(tb.popen(h, _worker_argv(
+                    "fanin", addr=f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}", job=job_id, rank=r,
+                    workers=n, elements=elements, dtype=args.dtype, elems_per_packet=args.elems_per_packet,
+                    window=args.window, collective=args.collective),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+            stack.callback(stop_workers, procs)
+            wait_ready(procs, "fanin")
+            return procs
+
+        fanin_procs = fanin_workers(JOB)
+        keyed_procs = fanin_workers(KEYED_JOB) if job_key else []
         gloo_procs: list[subprocess.Popen] = []
         if gloo:
             master = f"{tb.addr('h0', toward='s0')}:{GLOO_PORT}"
@@ -210,18 +246,26 @@ def run_network(args: Any) -> int:
             wait_ready(gloo_procs, "gloo")
         for rate in rates:
             tb.set_rate(rate, args.queue_ms)
-            cap = measure_capacity(tb, hosts, rate, seconds)
+            cap = measure_capacity(tb, hosts, rate, seconds, mtu)
             frags0 = _frag_counts(tb, ["s0", *hosts])
             sw0 = sw.counters()
-            fanin_t, gloo_t, fanin_answers = [], [], []
+            fanin_t, gloo_t, keyed_t, fanin_answers, keyed_answers = [], [], [], [], []
             link_bytes = {"fanin": _LinkBytes(tb, hosts), "gloo": _LinkBytes(tb, hosts)}
             step_workers(fanin_procs, "fanin")  # warm-up at this rate
+            if keyed_procs:
+                step_workers(keyed_procs, "fanin-keyed")
             if gloo:
                 step_workers(gloo_procs, "gloo")
+            systems = ["fanin"] + (["fanin-keyed"] if keyed_procs else []) + (["gloo"] if gloo else [])
             for rep in range(reps):
-                order = ["fanin", "gloo"] if rep % 2 == 0 else ["gloo", "fanin"]
+                # every system goes first in turn
+                order = systems[rep % len(systems):] + systems[:rep % len(systems)]
                 for system in order:
-                    if system == "fanin":
+                    if system == "fanin-keyed":
+                        answers = step_workers(keyed_procs, "fanin-keyed")
+                        keyed_answers += answers
+                        keyed_t.append(max(a["s"] for a in answers))
+                    elif system == "fanin":
                         link_bytes["fanin"].start()
                         answers = step_workers(fanin_procs, "fanin")
                         link_bytes["fanin"].stop()
@@ -235,6 +279,7 @@ def run_network(args: Any) -> int:
                             raise RuntimeError("gloo: a rank's sum is wrong")
                         gloo_t.append(max(a["s"] for a in answers))
                 print(f"  {rate:g} Mbit/s rep {rep + 1}/{reps}: fanin {fanin_t[-1]:.3f} s"
+                      + (f", keyed {keyed_t[-1]:.3f} s" if keyed_t else "")
                       + (f", gloo {gloo_t[-1]:.3f} s" if gloo_t else ""), file=sys.stderr)
             frags1 = _frag_counts(tb, ["s0", *hosts])
             sw1 = sw.counters()
@@ -242,16 +287,19 @@ def run_network(args: Any) -> int:
             for system, counted in link_bytes.items():
                 if counted.allreduces:
                     row.update(counted.per_element(elements, system))
+            if keyed_t:
+                row.update(_keyed(rate, row, keyed_t, keyed_answers))
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "network.csv", rows)
     _plot(rows, out / "network.png", n, size, args.dtype, args.collective)
-    result = {"workers": n, "size_bytes": size, "dtype": args.dtype, "collective": args.collective,
+    result = {"workers": n, "size_bytes": size, "dtype": args.dtype, "collective": args.collective, "mtu": mtu,
               "elements": elements, "reps": reps,
               "queue_ms": args.queue_ms,
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
-                                 "window": args.window, "shards": args.shards, "overrides": bool(
+                                 "window": args.window, "shards": args.shards, "keyed_arm": bool(args.auth),
+                                 "overrides": bool(
                                      args.elems_per_packet or args.window or args.shards or args.block_grad_max or args.block_cnt_max)},
               "csv": str(out / "network.csv"), "png": str(out / "network.png")}
     human = "; ".join(
@@ -262,6 +310,8 @@ def run_network(args: Any) -> int:
         + f", {r['retransmissions']} retransmissions ({r['fast_retransmits']} losses found fast, {r['timeouts']} "
           f"timeouts), {r['ip_fragments']} IP fragments, fanin's busiest link {r['fanin_link_bytes_per_element_max']:.2f} "
           f"bytes per element each way"
+        + (f", keyed {r['keyed_median_s']:.3f} s = {r['keyed_goodput_ratio']:.2f} of unkeyed goodput"
+           if "keyed_median_s" in r else "")
         for r in rows)
     emit(result, f"network, {args.collective}, {n} workers x {format_size(size)}: {human}", args.json)
     return 0
@@ -270,12 +320,13 @@ def run_network(args: Any) -> int:
 def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[float], gloo_t: list[float],
          answers: list[dict[str, Any]], frags0: dict[str, int], frags1: dict[str, int],
          sw0: dict[str, Any], sw1: dict[str, Any], scatter: bool = False) -> dict[str, Any]:
-    payload_bps = cap["capacity_mbit"] * 1e6 * PAYLOAD_PER_FRAME / 8
+    payload_bps = cap["capacity_mbit"] * 1e6 * payload_per_frame(cap["mtu"]) / 8
     fanin_ideal = size / payload_bps
     # a ring reduce-scatter is the first half of its allreduce
     ring_ideal = (1 if scatter else 2) * (n - 1) / n * size / payload_bps
     row: dict[str, Any] = {
         "rate_mbit": rate,
+        "mtu": cap["mtu"],
         "capacity_mbit": cap["capacity_mbit"],
         "capacity_min_mbit": cap["capacity_min_mbit"],
         "fanin_median_s": statistics.median(fanin_t),
@@ -303,6 +354,17 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
     if not row["fanin_verified"]:
         raise RuntimeError(f"fanin at {rate:g} Mbit/s: a worker's sum is outside its bound")
     return row
+
+
+def _keyed(rate: float, row: dict[str, Any], keyed_t: list[float], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The keyed arm next to the unkeyed one of the same run."""
+    if not all(a["verified"] for a in answers):
+        raise RuntimeError(f"fanin keyed at {rate:g} Mbit/s: a worker's sum is outside its bound")
+    median = statistics.median(keyed_t)
+    return {"keyed_median_s": median, "keyed_fraction_of_capacity": row["fanin_ideal_s"] / median,
+            "keyed_goodput_ratio": row["fanin_median_s"] / median,
+            "keyed_retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
+            "keyed_times_s": keyed_t}
 
 
 def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> Optional[int]:
