@@ -1,6 +1,7 @@
 //! A network of links that carry real datagrams (bytes), for experiments
 //! that drive fanin-proto's machines: every undirected link is two channels
-//! (rate, propagation delay, drop-tail queue, seeded independent loss),
+//! (rate, propagation delay, a drop-tail or NDP trimming queue, seeded
+//! independent loss),
 //! switches forward store-and-forward along shortest paths (hosts are never
 //! transit; among equal-cost next hops a flow hashes to one, ECMP), and every
 //! channel counts what it was offered, sent, lost and delivered.
@@ -11,6 +12,7 @@
 use std::collections::VecDeque;
 
 use fanin_proto::fault::{DropInjector, SplitMix64};
+use fanin_proto::trim::{NdpVerdict, PortQueue, QueueConfig, Trimmable};
 use serde::Serialize;
 
 use crate::kernel::{tx_time, EventQueue, Ps};
@@ -57,11 +59,17 @@ pub struct LinkParams {
     pub queue_pkts: u64,
     /// Independent loss probability on every link.
     pub loss: f64,
+    /// NDP trimming in every link queue (`fanin_proto::trim::PortQueue`):
+    /// a datagram that finds the data queue full is cut to its fanin header
+    /// and queued with priority instead of dropped (docs/protocol.md §4.14);
+    /// false: drop-tail. Same buffer either way.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub trimming: bool,
 }
 
 impl Default for LinkParams {
     fn default() -> Self {
-        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0 }
+        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0, trimming: false }
     }
 }
 
@@ -74,6 +82,7 @@ impl LinkParams {
             cap_bytes: self.queue_pkts * max_dgram,
             loss: self.loss,
             seed,
+            trimming: self.trimming,
         }
     }
 }
@@ -87,20 +96,50 @@ pub struct ChannelConfig {
     /// Independent loss probability per datagram.
     pub loss: f64,
     pub seed: u64,
+    /// NDP trimming instead of drop-tail when the queue is full.
+    pub trimming: bool,
+}
+
+/// A queued datagram as the port queue sees it: its buffer, its length on
+/// the wire, and whether a trim cut it (the bytes are cut when it is sent).
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    buf: u32,
+    wire_len: u32,
+    cut: bool,
+}
+
+impl Trimmable for Queued {
+    fn wire_len(&self) -> u32 {
+        self.wire_len
+    }
+    fn trim(&mut self) {
+        // what a trimming switch keeps: the fanin header (headers are
+        // never cut further: a datagram that short is all header)
+        self.wire_len = self.wire_len.min((fanin_wire::value::HEADER_LEN as u32) + WIRE_OVERHEAD);
+        self.cut = true;
+    }
 }
 
 /// One direction of a link. Bytes include `WIRE_OVERHEAD`.
-/// Conservation: `offered = queue_dropped + sent`, `sent = lost + delivered`
-/// once nothing is queued or in flight.
+/// Conservation: `offered = queue_dropped + trimmed + sent`, `sent = lost +
+/// delivered` once nothing is queued or in flight.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
 pub struct ChannelStats {
     pub offered_bytes: u64,
     pub queue_dropped_bytes: u64,
+    /// Payload bytes a trimming queue cut off (the headers still went).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub trimmed_bytes: u64,
     /// Serialised onto the link (the per-link traffic figure).
     pub sent_bytes: u64,
     pub sent_pkts: u64,
     pub lost_bytes: u64,
     pub delivered_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A datagram between two nodes, with the bytes a machine emitted.
@@ -114,8 +153,7 @@ pub struct Dgram {
 
 struct Channel {
     to: u32,
-    queue: VecDeque<u32>,
-    queued_bytes: u64,
+    queue: PortQueue<Queued>,
     busy: bool,
     loss: DropInjector,
     stats: ChannelStats,
@@ -139,6 +177,8 @@ pub struct Fabric {
     pub datagrams: u64,
     pub queue_drops: u64,
     pub link_drops: u64,
+    /// Datagrams a trimming queue cut to their header (`trimming` links).
+    pub trims: u64,
 }
 
 impl Fabric {
@@ -153,7 +193,10 @@ impl Fabric {
                 let chan = (2 * i + c) as u32;
                 adj[from as usize].push((to, chan));
                 let seed = cfg.seed ^ (chan as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                chans.push(Channel { to, queue: VecDeque::new(), queued_bytes: 0, busy: false, loss: DropInjector::new(cfg.loss, seed), stats: ChannelStats::default() });
+                // NDP's port: the header queue (64 KiB) is served ten to one
+                // ahead of data; with drop-tail it stays empty
+                let queue = QueueConfig { data_capacity_bytes: cfg.cap_bytes, ..QueueConfig::ndp(1500) };
+                chans.push(Channel { to, queue: PortQueue::new(queue), busy: false, loss: DropInjector::new(cfg.loss, seed), stats: ChannelStats::default() });
             }
         }
         for a in &mut adj {
@@ -193,6 +236,7 @@ impl Fabric {
             datagrams: 0,
             queue_drops: 0,
             link_drops: 0,
+            trims: 0,
         }
     }
 
@@ -279,14 +323,28 @@ impl Fabric {
         let chan = self.next_hop(at, d);
         let c = &mut self.chans[chan as usize];
         c.stats.offered_bytes += len;
-        if c.queued_bytes + len > self.cfg.cap_bytes {
+        let item = Queued { buf, wire_len: len as u32, cut: false };
+        let queued = if self.cfg.trimming {
+            match c.queue.enqueue_ndp(item) {
+                NdpVerdict::Queued => true,
+                NdpVerdict::Trimmed => {
+                    self.trims += 1;
+                    true
+                }
+                // the header queue is full too: NDP returns the header to
+                // its sender; here it is dropped (counted), and the sender
+                // recovers as after any loss
+                NdpVerdict::ReturnToSender(_) => false,
+            }
+        } else {
+            c.queue.try_enqueue_data(item).is_ok()
+        };
+        if !queued {
             c.stats.queue_dropped_bytes += len;
             self.queue_drops += 1;
             self.release(buf);
             return;
         }
-        c.queued_bytes += len;
-        c.queue.push_back(buf);
         self.kick(ev, chan);
     }
 
@@ -300,13 +358,17 @@ impl Fabric {
         if c.busy {
             return;
         }
-        let Some(buf) = c.queue.pop_front() else { return };
-        let bytes = &self.bufs[buf as usize].as_ref().expect("live buffer").bytes;
+        let Some((Queued { buf, cut, .. }, _)) = c.queue.dequeue() else { return };
+        let d = self.bufs[buf as usize].as_mut().expect("live buffer");
+        if cut && d.bytes.len() > fanin_wire::value::HEADER_LEN {
+            c.stats.trimmed_bytes += (d.bytes.len() - fanin_wire::value::HEADER_LEN) as u64;
+            d.bytes.truncate(fanin_wire::value::HEADER_LEN);
+        }
+        let bytes = &d.bytes;
         let len = bytes.len() as u32 + WIRE_OVERHEAD;
         if let Some(classify) = self.classify {
             self.class_sent[chan as usize][classify(bytes)] += len as u64;
         }
-        c.queued_bytes -= len as u64;
         c.busy = true;
         c.stats.sent_bytes += len as u64;
         c.stats.sent_pkts += 1;

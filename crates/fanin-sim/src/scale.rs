@@ -173,6 +173,9 @@ pub struct ScaleResult {
     pub datagrams: u64,
     pub queue_drops: u64,
     pub link_drops: u64,
+    /// Datagrams a trimming link queue cut to their header (`--trimming`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub trims: u64,
     pub events: u64,
     /// Ranks that started late.
     pub stragglers: Vec<u16>,
@@ -180,6 +183,10 @@ pub struct ScaleResult {
     pub background: BackgroundStats,
     /// Per channel (2i: link i a -> b, 2i + 1: b -> a).
     pub channels: Vec<ChannelStats>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Progress callback: (workers done, workers).
@@ -338,6 +345,7 @@ impl<E: From<NetEv>> Common<E> {
             datagrams: self.net.datagrams,
             queue_drops: self.net.queue_drops,
             link_drops: self.net.link_drops,
+            trims: self.net.trims,
             events: self.ev.events_handled(),
             stragglers,
             background: self.net.background_stats,

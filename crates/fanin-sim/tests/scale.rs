@@ -133,3 +133,32 @@ fn background_traffic_shares_the_links_is_absorbed_and_slows_the_allreduce() {
     let err = run(&full, &busy, Algorithm::Fanin, &mut |_, _| {}).unwrap_err();
     assert!(err.contains("at least 2 hosts that run no worker"), "{err}");
 }
+
+#[test]
+fn trimming_links_turn_queue_drops_into_headers_and_fanin_recovers_sooner() {
+    // docs/protocol.md §4.14, docs/simulator.md "Trimming meets aggregation":
+    // shallow queues and background traffic overflow the tree's links
+    let s = spread_spec();
+    let shallow = |trimming| ScaleConfig {
+        background_load: 0.5,
+        links: LinkParams { queue_pkts: 8, trimming, ..LinkParams::default() },
+        ..config(0.0)
+    };
+    let drop_tail = go(&s, &shallow(false), Algorithm::Fanin);
+    let trimming = go(&s, &shallow(true), Algorithm::Fanin);
+    assert!(drop_tail.exact && trimming.exact);
+    assert!(drop_tail.queue_drops > 0 && drop_tail.trims == 0, "{} drops", drop_tail.queue_drops);
+    assert!(trimming.trims > 0, "the same overflow is trimmed instead");
+    assert!(trimming.queue_drops < drop_tail.queue_drops, "{} vs {}", trimming.queue_drops, drop_tail.queue_drops);
+    for c in &trimming.channels {
+        assert_eq!(c.offered_bytes, c.sent_bytes + c.queue_dropped_bytes + c.trimmed_bytes);
+        assert_eq!(c.sent_bytes, c.delivered_bytes + c.lost_bytes);
+    }
+    assert!(
+        trimming.completion_us < drop_tail.completion_us,
+        "a cut header tells the switch or worker at once: {} vs {} µs",
+        trimming.completion_us,
+        drop_tail.completion_us
+    );
+    assert_eq!(trimming.datagrams, go(&s, &shallow(true), Algorithm::Fanin).datagrams, "deterministic");
+}

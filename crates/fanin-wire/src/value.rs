@@ -186,6 +186,26 @@ impl<T: AsRef<[u8]>> Packet<T> {
         self.buffer
     }
 
+    /// A datagram that a trimming link cut to its header (NDP; docs/protocol.md
+    /// §4.14): a Contribution, Retransmission or Result whose header is valid
+    /// and announces `grad_cnt` > 0 lanes, but which is exactly
+    /// [`HEADER_LEN`] bytes long. Its header fields may be read; its payload
+    /// is empty. Any other length mismatch stays malformed: only a cut at the
+    /// header boundary is a trim.
+    pub fn trimmed_header(buffer: T) -> Option<Self> {
+        if buffer.as_ref().len() != HEADER_LEN {
+            return None;
+        }
+        let packet = Self { buffer };
+        // `check` passed every test before the length, so the header is
+        // sound; a LengthMismatch at exactly HEADER_LEN with a nonzero
+        // grad_cnt can only be a data message without its lanes.
+        let cut = matches!(packet.check(), Err(WireError::LengthMismatch { got: HEADER_LEN, .. }))
+            && MessageType::from_u8(packet.msg_type_code()).is_ok_and(|t| t.carries_block())
+            && packet.grad_cnt() > 0;
+        cut.then_some(packet)
+    }
+
     fn u16_at(&self, range: core::ops::Range<usize>) -> u16 {
         let b = &self.buffer.as_ref()[range];
         u16::from_be_bytes([b[0], b[1]])
@@ -693,6 +713,9 @@ pub enum TrimCause {
     /// The sender exceeded its per-source rate limit (a token bucket per
     /// job and source).
     RateLimited = 3,
+    /// A trimming link on the way cut the contribution to its header
+    /// ([`trimmed_header`]): the network, not the switch, was congested.
+    Network = 4,
 }
 
 impl TrimCause {
@@ -703,6 +726,7 @@ impl TrimCause {
             1 => Some(Self::ProcessingQueue),
             2 => Some(Self::MemoryExhausted),
             3 => Some(Self::RateLimited),
+            4 => Some(Self::Network),
             _ => None,
         }
     }

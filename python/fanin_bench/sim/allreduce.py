@@ -110,6 +110,7 @@ def _summary(result: dict, layers: list[str], config: Optional[dict] = None) -> 
         "retransmissions": result["retransmissions"],
         "link_drops": result["link_drops"],
         "queue_drops": result["queue_drops"],
+        "trims": result.get("trims", 0),
         "stragglers": len(result["stragglers"]),
         "events": result["events"],
         "total_bytes": sum(per_link),
@@ -138,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=128, help="packets (fanin: blocks) in flight per worker")
     p.add_argument("--rate-gbps", type=int, default=100)
     p.add_argument("--delay-ns", type=int, default=500)
+    p.add_argument("--queue-pkts", type=int, default=1000,
+                   help="every link queue's buffer, in datagrams of the largest size (default %(default)s)")
     p.add_argument("--loss", type=float, default=0.0, help="independent loss on every link")
     p.add_argument("--stragglers", type=float, default=0.0, help="fraction of workers that start late")
     p.add_argument("--straggler-delay-us", type=int, default=200)
@@ -147,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--background-load", type=float, default=0.0,
                    help="other tenants' traffic: every host that runs no worker sends at this fraction of its link "
                         "rate to another such host for the whole run (0: none; needs --workers below the host count)")
+    p.add_argument("--trimming", action="store_true",
+                   help="NDP trimming in every link queue instead of drop-tail (same buffer): a datagram that finds "
+                        "the queue full is cut to its fanin header, which tells the switch or worker of the loss at "
+                        "once (docs/protocol.md 4.14); the ring's transport sees a cut packet as a loss")
     p.add_argument("--spread", action="store_true",
                    help="take the workers evenly from every edge switch instead of the first hosts, so the hosts "
                         "left for background traffic are on every edge switch too")
@@ -179,9 +186,10 @@ def main(binary: str, argv: list[str]) -> int:
         argv = [binary, "allreduce", "--spec", spec_path, "--json", "--algorithms", args.algorithms,
                 "--elements", str(args.size), "--elems-per-packet", str(args.elems_per_packet),
                 "--window", str(args.window), "--rate-gbps", str(args.rate_gbps), "--delay-ns", str(args.delay_ns),
+                "--queue-pkts", str(args.queue_pkts),
                 "--loss", str(loss), "--stragglers", str(stragglers), "--straggler-delay-us",
                 str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms), "--seed", str(args.seed),
-                "--background-load", str(args.background_load)]
+                "--background-load", str(args.background_load)] + (["--trimming"] if args.trimming else [])
         print(f"fanin sim allreduce: scenario {name} (loss {loss}, stragglers {stragglers})", file=sys.stderr)
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
@@ -247,7 +255,7 @@ def _write(out: str, topo: Topology, layers: list[str], runs: list, report: dict
     with open(os.path.join(out, "allreduce.json"), "w") as f:
         json.dump({"report": report, "runs": [{"scenario": r["scenario"], **r["raw"]} for r in runs]}, f)
     fields = ["scenario", "algorithm", "join_us", "completion_us", "mean_completion_us", "exact", "degraded_blocks", "retransmissions",
-              "link_drops", "queue_drops", "stragglers", "events", "total_bytes", "core_bytes", "max_link_bytes"]
+              "link_drops", "queue_drops", "trims", "stragglers", "events", "total_bytes", "core_bytes", "max_link_bytes"]
     layer_names = sorted(set(layers))
     with open(os.path.join(out, "allreduce_summary.csv"), "w", newline="") as f:
         w = csv.writer(f)

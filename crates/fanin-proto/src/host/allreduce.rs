@@ -672,7 +672,24 @@ impl AllreduceSession {
             }
             None => bytes,
         };
-        let Ok(packet) = Packet::new_checked(bytes) else { return };
+        let packet = match Packet::new_checked(bytes) {
+            Ok(packet) => packet,
+            Err(_) => {
+                // A result a trimming link cut to its header on the way
+                // (docs/protocol.md §4.14): the sum is lost, and known to be
+                // lost now, one trip before any timer would say so. Ask for
+                // it again at once and count the trim as congestion, as if
+                // the switch had trimmed the contribution.
+                if let Some(cut) = Packet::trimmed_header(bytes) {
+                    if cut.job_id() == self.config.job_id && cut.msg_type_code() == MessageType::Result as u8 {
+                        self.last_heard = now;
+                        let repr = Repr { block_id: cut.block_id(), gen_id: cut.gen_id(), ..Repr::new(MessageType::Result, cut.job_id(), cut.src_id()) };
+                        self.on_trimmed(now, &repr);
+                    }
+                }
+                return;
+            }
+        };
         if packet.job_id() != self.config.job_id {
             return;
         }

@@ -174,3 +174,39 @@ fn stale_and_duplicate_trims_are_ignored_and_nothing_is_counted_twice() {
     assert_eq!(send_all(&mut s, t2).len(), 0);
     assert!(s.is_ready());
 }
+
+/// A trimming link (docs/protocol.md §4.14) cuts datagrams to their header.
+fn cut(datagrams: &[(u16, Vec<u8>)]) -> Datagrams {
+    datagrams.iter().map(|(a, b)| (*a, b[..fanin_wire::value::HEADER_LEN].to_vec())).collect()
+}
+
+#[test]
+fn trims_by_the_network_either_way_are_recovered_in_one_round_trip_and_cut_the_window() {
+    let (mut s, mut sw) = joined();
+    let t0 = Time::from_nanos(1_000);
+    s.begin(t0, Tensor::I32((0..32).collect())).unwrap();
+    let first = send_all(&mut s, t0);
+    assert_eq!(first.len(), 8);
+    // blocks 0 and 1 are cut on their way up: the real switch program
+    // answers the headers with Trimmed nacks; 2..8 arrive whole, but the
+    // results of 2 and 3 are cut on their way down
+    let t1 = t0 + RTT;
+    let mut answers = through_switch(&mut sw, t1, cut(&first[..2]));
+    assert_eq!(answers.len(), 2, "one nack per cut contribution");
+    let results = through_switch(&mut sw, t1, first[2..].to_vec());
+    answers.extend(cut(&results[..2]));
+    answers.extend(results[2..].iter().cloned());
+    deliver(&mut s, t1, answers);
+    assert_eq!(s.congestion().decreases, 1, "one congestion signal for the round trip");
+    assert!(s.window() < 8, "the window was cut (and regrows with the results after the trims)");
+    // every lost block goes again at once: no timer, no duplicate
+    let resent = send_all(&mut s, t1);
+    let retx = MessageType::Retransmission as u8;
+    assert_eq!(blocks_and_types(&resent), vec![(0, retx), (1, retx), (2, retx), (3, retx)]);
+    let t2 = t1 + RTT;
+    deliver(&mut s, t2, through_switch(&mut sw, t2, resent));
+    let o = completed(&mut s);
+    assert_eq!(o.tensor, Tensor::I32((0..32).collect()), "each contribution added once");
+    assert_eq!((o.trimmed, o.retransmissions, o.timeouts), (4, 4, 0));
+    assert_eq!(sw.counters().trimmed_in_network, 2);
+}

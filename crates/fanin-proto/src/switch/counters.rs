@@ -98,6 +98,11 @@ pub struct Counters {
     /// the program, so not in `rx_datagrams`; a keyed job's after their tag
     /// verified).
     pub trimmed: u64,
+    /// Data messages that arrived cut to their header by a trimming link
+    /// (docs/protocol.md §4.14): a contribution is answered with a Trimmed
+    /// nack (cause `Network`), a parent's result with the cached partial
+    /// resent up, which fetches the result again.
+    pub trimmed_in_network: u64,
     /// Daemon: datagrams the kernel dropped on the shard's full receive
     /// queue (never seen by the switch; silent loss).
     pub socket_drops: u64,
@@ -195,6 +200,7 @@ impl Counters {
         f("syncs_forwarded", None, self.syncs_forwarded);
         f("sync_deferred", None, self.sync_deferred);
         f("trimmed", None, self.trimmed);
+        f("trimmed_in_network", None, self.trimmed_in_network);
         f("socket_drops", None, self.socket_drops);
         f("auth_bad_tag", None, self.auth_bad_tag);
         f("auth_replayed", None, self.auth_replayed);
@@ -221,7 +227,7 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, socket_drops,
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
             stale_incarnation, recover_waiting, recoveries, rounds_started, rounds_ended, barrier_waiting, stale_round

@@ -627,6 +627,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let packet = match Packet::new_checked(bytes) {
             Ok(p) => p,
             Err(err) => {
+                if let Some(cut) = Packet::trimmed_header(bytes) {
+                    return self.handle_trimmed_in_network(now, from, &cut, out);
+                }
                 self.counters.count_malformed(&err);
                 return Verdict::Consumed;
             }

@@ -39,7 +39,7 @@ usage:
   fanin-sim allreduce --spec FILE [--algorithms fanin,ring] [--elements E] [--elems-per-packet P]
                       [--window W] [--loss P] [--rate-gbps R] [--delay-ns D] [--queue-pkts Q]
                       [--stragglers FRACTION --straggler-delay-us US] [--block-exp-ms MS]
-                      [--seed S] [--background-load F] [--json]
+                      [--seed S] [--background-load F] [--trimming] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
   fanin-sim goat --spec FILE [--elems-per-packet P] [--window W] [--rate-gbps R] [--delay-ns D]
@@ -298,6 +298,7 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
     opt!("--block-exp-ms", block_exp_ms);
     opt!("--seed", seed);
     opt!("--background-load", background_load);
+    c.links.trimming = args.flag("--trimming");
     let algorithms: Vec<Algorithm> =
         args.value::<String>("--algorithms")?.unwrap_or_else(|| "fanin,ring".into()).split(',').map(str::parse).collect::<Result<_, _>>()?;
     let as_json = args.flag("--json");
@@ -307,9 +308,9 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
         let mut bar = progress_bar(format!("{a:?} ({} workers)", spec.workers.len()).to_lowercase());
         let r = run(&spec, &c, a, &mut bar)?;
         eprintln!(
-            "{} on {}: {} workers x {} int32, loss {}, {} stragglers: {:.1} µs (mean {:.1}), exact={}, {} retransmissions, {} link drops, {} queue drops, {:.2} MB on links",
+            "{} on {}: {} workers x {} int32, loss {}, {} stragglers: {:.1} µs (mean {:.1}), exact={}, {} retransmissions, {} link drops, {} queue drops, {} trims, {:.2} MB on links",
             format!("{:?}", r.algorithm).to_lowercase(), spec.name, spec.workers.len(), c.elements, c.links.loss, r.stragglers.len(), r.completion_us, r.mean_completion_us, r.exact,
-            r.retransmissions, r.link_drops, r.queue_drops, r.channels.iter().map(|s| s.sent_bytes).sum::<u64>() as f64 / 1e6
+            r.retransmissions, r.link_drops, r.queue_drops, r.trims, r.channels.iter().map(|s| s.sent_bytes).sum::<u64>() as f64 / 1e6
         );
         results.push(r);
     }

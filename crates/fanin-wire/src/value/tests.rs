@@ -286,6 +286,43 @@ fn no_data_is_a_block_message_flag_and_a_result_with_it_has_no_body() {
 }
 
 #[test]
+fn a_data_message_cut_at_its_header_is_a_trimmed_header_and_nothing_else_is() {
+    // docs/protocol.md §4.14: a trimming link cut the lanes, kept the header
+    for whole in [&CONTRIBUTION[..], &RESULT[..]] {
+        let cut = &whole[..HEADER_LEN];
+        assert!(matches!(Packet::new_checked(cut), Err(WireError::LengthMismatch { got: HEADER_LEN, .. })));
+        let p = Packet::trimmed_header(cut).expect("a trimmed header");
+        let whole = Packet::new_checked(whole).unwrap();
+        assert_eq!((p.msg_type_code(), p.job_id(), p.src_id(), p.block_id()), (whole.msg_type_code(), whole.job_id(), whole.src_id(), whole.block_id()));
+        assert_eq!(p.grad_cnt(), whole.grad_cnt());
+    }
+    // a whole datagram, a cut anywhere else, a header of a type without
+    // lanes, an exponent-only round and a no-data result are not trims
+    assert!(Packet::trimmed_header(&CONTRIBUTION[..]).is_none());
+    assert!(Packet::trimmed_header(&CONTRIBUTION[..HEADER_LEN + 4]).is_none());
+    assert!(Packet::trimmed_header(&CONTRIBUTION[..HEADER_LEN - 1]).is_none());
+    let join = Repr::new(MessageType::Join, 1, 0);
+    let mut buf = vec![0u8; join.buffer_len()];
+    join.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    assert!(Packet::trimmed_header(&buf[..]).is_none());
+    for repr in [
+        Repr { exp_only: true, ..Repr::new(MessageType::Contribution, 1, 0) },
+        Repr { no_data: true, ..Repr::new(MessageType::Result, 1, 0) },
+    ] {
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+        assert_eq!(buf.len(), HEADER_LEN);
+        assert!(Packet::new_checked(&buf[..]).is_ok(), "a valid header-only message");
+        assert!(Packet::trimmed_header(&buf[..]).is_none());
+    }
+    // a corrupted header is malformed, not a trim
+    let mut bad = CONTRIBUTION;
+    bad[0] ^= 0xFF;
+    assert!(Packet::trimmed_header(&bad[..HEADER_LEN]).is_none());
+    assert_eq!(TrimCause::from_detail(4), Some(TrimCause::Network));
+}
+
+#[test]
 fn rejects_oversized_grad_cnt() {
     let mut b = CONTRIBUTION;
     b[20] = 0xFF;

@@ -943,6 +943,64 @@ fn leaf_sends_one_partial_up_and_relays_the_result_down() {
 }
 
 #[test]
+fn a_contribution_cut_to_its_header_by_the_network_is_answered_with_a_trimmed_nack_and_never_added() {
+    // docs/protocol.md §4.14
+    let mut sw = switch_with(&[job(1, 2, 4)]);
+    let whole = Pkt::data(1, 0, 0, &[5, 6, 7]).bytes();
+    let out = send_from(&mut sw, 100, &whole[..HEADER_LEN]);
+    assert_eq!(out.len(), 1, "one nack, to the sender");
+    let (dest, repr, _) = &out[0];
+    assert_eq!((*dest, repr.msg_type, repr.src_id, repr.block_id), (100, MessageType::Nack, 0, 0));
+    let c = sw.counters();
+    assert_eq!((c.trimmed_in_network, c.accepted, c.malformed.iter().sum::<u64>()), (1, 0, 0));
+    // the nack says why: the network trimmed it
+    let mut out = VecTransmit::new();
+    sw.handle_datagram(T0, 100, &whole[..HEADER_LEN], &mut out);
+    let (_, nack) = out.drain().next().unwrap();
+    let nack = Nack::parse(Packet::new_checked(&nack[..]).unwrap().payload()).unwrap();
+    assert_eq!((nack.reason, TrimCause::from_detail(nack.detail)), (NackReason::Trimmed, Some(TrimCause::Network)));
+    // the resent whole contribution is added once, and the block completes
+    assert!(send(&mut sw, Pkt::data(1, 0, 0, &[5, 6, 7]).retransmission()).is_empty());
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[1, 1, 1]));
+    assert!(out.iter().all(|o| o.2 == vec![6, 7, 8]) && out.len() == 2);
+    // a cut anywhere else than the header is malformed, not a trim
+    send_from(&mut sw, 100, &Pkt::data(1, 0, 1, &[5, 6, 7]).bytes()[..HEADER_LEN + 4]);
+    assert_eq!(sw.counters().trimmed_in_network, 2);
+    assert_eq!(sw.counters().malformed.iter().sum::<u64>(), 1);
+}
+
+#[test]
+fn in_a_tree_a_trim_on_either_side_of_the_uplink_resends_the_partial_at_once() {
+    let mut sw = leaf();
+    send(&mut sw, Pkt::data(1, 0, 0, &[1, 2]));
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 0, &[10, 20])).len(), 1, "the partial went up");
+    // the parent's answer: a Trimmed nack of cause Network (the partial was
+    // cut on the uplink): the cached partial goes up again at once
+    let mut nack = vec![0u8; HEADER_LEN + Nack::LEN];
+    let partial = Pkt::data(1, RANK, 0, &[11, 22]).bytes();
+    Nack { reason: NackReason::Trimmed, detail: TrimCause::Network as u32 }
+        .emit_reply(&Packet::new_checked(&partial[..]).unwrap(), true, &mut nack);
+    let out = send_from(&mut sw, PARENT, &nack);
+    assert_eq!(out.len(), 1);
+    assert_eq!((out[0].0, out[0].1.msg_type, out[0].2.clone()), (PARENT, MessageType::Retransmission, vec![11, 22]));
+    // an overloaded parent's own trim is left to the children's pace
+    let mut busy = nack.clone();
+    Nack { reason: NackReason::Trimmed, detail: TrimCause::ProcessingQueue as u32 }
+        .emit_reply(&Packet::new_checked(&partial[..]).unwrap(), true, &mut busy);
+    assert!(send_from(&mut sw, PARENT, &busy).is_empty());
+    // the parent's result cut to its header on the way down: ask again
+    let cut = parent_result(0, 5, &[111, 222]);
+    let out = send_from(&mut sw, PARENT, &cut[..HEADER_LEN]);
+    assert_eq!(out.len(), 1);
+    assert_eq!((out[0].0, out[0].1.msg_type, out[0].2.clone()), (PARENT, MessageType::Retransmission, vec![11, 22]));
+    assert_eq!((sw.counters().resent_up, sw.counters().trimmed_in_network), (2, 1));
+    // the whole result then goes down; a cut copy after it is stale
+    assert_eq!(send_from(&mut sw, PARENT, &cut).len(), 2);
+    assert!(send_from(&mut sw, PARENT, &cut[..HEADER_LEN]).is_empty());
+    assert_eq!(sw.counters().parent_stale, 2, "the overloaded parent's trim and the late cut copy");
+}
+
+#[test]
 fn in_a_tree_a_mark_goes_up_with_the_partial_and_the_roots_verdict_comes_down() {
     // block 0: worker 1's first transmission was lost; its retransmission
     // fills the hole, so the partial going up carries the mark

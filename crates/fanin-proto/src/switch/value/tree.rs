@@ -6,6 +6,37 @@
 use super::*;
 
 impl<A: Copy + PartialEq> ValueSwitch<A> {
+    /// Resend this switch's cached partial of a block that waits for its
+    /// parent's answer (the data partial, or the exponent one when
+    /// `exp_only`), because the partial or the answer was trimmed on the
+    /// way: the parent adds a retransmission once and answers a block it
+    /// completed with its result. Anything else is stale.
+    pub(super) fn resend_partial_up(
+        &mut self,
+        job_id: u32,
+        block_id: u32,
+        gen_id: u16,
+        exp_only: bool,
+        out: &mut impl Transmit<A>,
+    ) -> Verdict {
+        let counters = &mut self.counters;
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            counters.unknown_job += 1;
+            return Verdict::Consumed;
+        };
+        let local = job.slot_of(block_id, self.config.shard_count);
+        let waiting = if exp_only { Phase::ExponentUp } else { Phase::DataUp };
+        let Some(block) = job.slots.get_mut(local).and_then(|s| s.cur.as_mut()).filter(|b| {
+            b.block_id == block_id && b.gen_id == gen_id && b.phase == waiting
+        }) else {
+            counters.parent_stale += 1;
+            return Verdict::Consumed;
+        };
+        let mut reply = job_reply!(job, counters, out, &mut self.scratch, from: None, from_src: 0, uplink: job.uplink.as_ref());
+        reply.send_up(block, exp_only, true);
+        Verdict::Consumed
+    }
+
     /// A child switch forwards a worker's join toward the root.
     pub(super) fn handle_sync(&mut self, from: A, packet: &Packet<&[u8]>, out: &mut impl Transmit<A>) -> Verdict {
         let Ok(request) = SyncRequest::parse(packet.payload()) else {
@@ -82,6 +113,17 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
             MessageType::Membership => {
                 broadcast(&job.members, &job.addrs, job.auth.as_mut(), out, packet.into_inner(), &mut counters.notices_sent);
+            }
+            MessageType::Nack
+                if Nack::parse(packet.payload()).is_ok_and(|n| {
+                    n.reason == NackReason::Trimmed && TrimCause::from_detail(n.detail) == Some(TrimCause::Network)
+                }) =>
+            {
+                // A trimming link cut this switch's partial on its way up
+                // (§4.14): resend it now rather than after the children's
+                // next retransmissions. (An overloaded parent's own trims
+                // are left to the children, whose windows shrink on them.)
+                return self.resend_partial_up(repr.job_id, repr.block_id, repr.gen_id, repr.exp_only, out);
             }
             MessageType::Nack => {
                 let expired = Nack::parse(packet.payload()).is_ok_and(|n| n.reason == NackReason::BlockExpired);

@@ -15,14 +15,59 @@
 //! what back-pressure is for.
 
 use fanin_wire::value::{Packet, TrimCause};
+use fanin_wire::MessageType;
 
 use super::sealing::{self, envelope, Peer};
-use super::{send_trim_nack, ValueSwitch};
+use super::{send_trim_nack, ValueSwitch, Verdict};
 use crate::time::Time;
 use crate::transmit::Transmit;
 use crate::trim::{is_trimmable, return_to_sender, TrimVerdict};
 
-impl<A: Copy> ValueSwitch<A> {
+impl<A: Copy + PartialEq> ValueSwitch<A> {
+    /// A data message that a trimming link cut to its header on the way
+    /// here (docs/protocol.md §4.14; NDP): the sender learns of the loss in
+    /// one trip instead of a timeout. A member's contribution is answered
+    /// with a Trimmed nack of cause `Network` (the worker resends it and
+    /// cuts its window, as for any trim); a result cut on the way down from
+    /// the parent makes this switch resend its cached partial, which the
+    /// parent answers with the result again. Nothing is added anywhere: a
+    /// header has no lanes. A keyed job's cut datagram lost its seal with
+    /// its tail and was refused before this (counted under `auth_*`); its
+    /// sender recovers by retransmission as after a drop.
+    pub(super) fn handle_trimmed_in_network(
+        &mut self,
+        now: Time,
+        from: A,
+        cut: &Packet<&[u8]>,
+        out: &mut impl Transmit<A>,
+    ) -> Verdict {
+        self.counters.trimmed_in_network += 1;
+        let Some(job) = self.jobs.get_mut(&cut.job_id()) else {
+            self.counters.unknown_job += 1;
+            return Verdict::Consumed;
+        };
+        match MessageType::from_u8(cut.msg_type_code()) {
+            Ok(MessageType::Contribution | MessageType::Retransmission) => {
+                let src = cut.src_id() as usize;
+                if !job.members.contains(src) {
+                    self.counters.non_member += 1;
+                    return Verdict::Consumed;
+                }
+                job.liveness.heard(src, now);
+                let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                send_trim_nack(&mut self.counters, out, from, env, cut, TrimCause::Network);
+                Verdict::Consumed
+            }
+            Ok(MessageType::Result) if job.uplink.as_ref().is_some_and(|up| up.parent.contains(&from)) => {
+                self.resend_partial_up(cut.job_id(), cut.block_id(), cut.gen_id(), false, out)
+            }
+            _ => {
+                self.counters.protocol_violation += 1;
+                Verdict::Consumed
+            }
+        }
+    }
+
     /// Answer a data contribution with a Trimmed nack of `cause` instead of
     /// processing it. [`TrimVerdict::Process`] for anything else (joins,
     /// exponent rounds, malformed datagrams: the program counts those);
