@@ -95,3 +95,23 @@ def test_allreduce_with_background_traffic_reports_it_and_stays_exact(tmp_path):
     # every host runs a worker: no room for background, and the message says so
     r = run("allreduce", "--quick", "--background-load", "0.3", "--out", str(tmp_path), "--no-plot")
     assert r.returncode != 0 and "hosts that run no worker" in r.stderr, r.stderr[-2000:]
+
+
+def test_allreduce_with_a_spread_root_and_trimming_links_reports_both_and_stays_exact(tmp_path):
+    # a leaf-spine with 3 spines: the root's role on every spine, NDP queues
+    # on every link, shallow enough to overflow under background traffic
+    r = run("allreduce", "--topology", "leaf-spine:3,4,4", "--workers", "8", "--spread", "--size", "8192",
+            "--background-load", "0.5", "--queue-pkts", "8", "--multi-root", "--trimming", "--json",
+            "--out", str(tmp_path), "--no-plot")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["root_shards"] == 3
+    spec = json.loads((tmp_path / "allreduce_spec.json").read_text())
+    assert len(spec["root_shards"]) == 3 and spec["root_shards"][0] == spec["nodes"].index(
+        next(n for n in spec["nodes"] if n["name"] == report["tree_root"]))
+    (scenario,) = report["scenarios"]
+    for a in scenario["algorithms"]:
+        assert a["exact"], a
+    # a topology where no other switch reaches all the root's children
+    r = run("allreduce", "--topology", "star:4", "--multi-root", "--out", str(tmp_path), "--no-plot")
+    assert r.returncode != 0 and "--multi-root" in r.stderr, r.stderr[-2000:]

@@ -221,6 +221,7 @@ impl Session {
                 results_on_group: false,
                 partial_results: false,
                 packet_elems: 0,
+                order_shards: 0,
             },
             stats: SessionStats::default(),
             options,

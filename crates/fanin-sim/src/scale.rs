@@ -49,6 +49,13 @@ pub struct Spec {
     pub workers: Vec<SpecWorker>,
     /// Every switch of the aggregation tree.
     pub tree: Vec<SpecSwitch>,
+    /// A root spread over several switches (docs/simulator.md, "One job,
+    /// many roots"): the tree's root first, then the switches that share
+    /// its role, each the root of the blocks `shard_of` gives its index,
+    /// as the shards of one switch daemon are; the root's children send
+    /// each block's partial to its root. Empty: one root.
+    #[serde(default)]
+    pub root_shards: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -90,8 +97,19 @@ impl Spec {
                 return Err(format!("spec: worker {i} must have rank {i} and a host node (got {w:?})"));
             }
         }
-        if self.tree.iter().filter(|s| s.parent.is_none()).count() != 1 {
+        let roots: Vec<&SpecSwitch> = self.tree.iter().filter(|s| s.parent.is_none()).collect();
+        if roots.len() != 1 {
             return Err("spec: the tree needs exactly one root".into());
+        }
+        if let Some(&first) = self.root_shards.first() {
+            if first != roots[0].node || self.root_shards.len() > u16::MAX as usize {
+                return Err(format!("spec: root_shards must start with the tree's root (node {})", roots[0].node));
+            }
+            for &r in &self.root_shards[1..] {
+                if r >= n || !self.nodes[r as usize].switch || self.tree.iter().any(|s| s.node == r) {
+                    return Err(format!("spec: root shard {r} must be a switch outside the tree"));
+                }
+            }
         }
         Ok(())
     }
@@ -377,6 +395,10 @@ struct FaninRun<'a> {
     /// Tree switches, and node id -> index into them.
     switches: Vec<ValueSwitch<u32>>,
     switch_of_node: HashMap<u32, usize>,
+    /// The node each switch runs on.
+    switch_nodes: Vec<u32>,
+    /// A root spread over several switches: their indices, by shard.
+    root_shards: Vec<usize>,
     worker_of_node: HashMap<u32, usize>,
     worker_armed: Vec<Option<Ps>>,
     switch_armed: Vec<Option<Ps>>,
@@ -395,18 +417,33 @@ impl<'a> FaninRun<'a> {
         job.block_exp_ms = cfg.block_exp_ms;
         let mut switches = Vec::new();
         let mut switch_of_node = HashMap::new();
-        for s in &spec.tree {
-            let mut sw: ValueSwitch<u32> = ValueSwitch::new(ShardConfig::single(1 << 34));
+        let mut switch_nodes = Vec::new();
+        let shards = spec.root_shards.len().max(1) as u16;
+        let root = spec.tree.iter().find(|s| s.parent.is_none()).ok_or("spec: no root")?;
+        // the root's extra shards: the root's members, no parent
+        let extra = spec.root_shards.iter().skip(1).map(|&node| SpecSwitch { node, parent: None, rank: None, members: root.members.clone() });
+        for s in spec.tree.iter().cloned().chain(extra) {
+            let shard = spec.root_shards.iter().position(|&r| r == s.node);
+            let config = match shard {
+                Some(i) => ShardConfig { shard: i as u16, shard_count: shards, ..ShardConfig::single(1 << 34) },
+                None => ShardConfig::single(1 << 34),
+            };
+            let mut sw: ValueSwitch<u32> = ValueSwitch::new(config);
             sw.add_job(JobSpec { members: s.members.clone(), ..job.clone() }).map_err(|e| format!("switch {}: {e}", spec.nodes[s.node as usize].name))?;
             let uplink = match (s.parent, s.rank) {
+                // the root's children send each block to the root shard of its shard
+                (Some(p), Some(rank)) if p == root.node && !spec.root_shards.is_empty() => Some(Uplink { parent: spec.root_shards.clone(), rank }),
                 (Some(p), Some(rank)) => Some(Uplink { parent: vec![p], rank }),
                 (None, _) => None,
                 (Some(_), None) => return Err(format!("switch {}: a parent but no rank", spec.nodes[s.node as usize].name)),
             };
             sw.set_uplink(job_id, uplink).map_err(|e| e.to_string())?;
             switch_of_node.insert(s.node, switches.len());
+            switch_nodes.push(s.node);
             switches.push(sw);
         }
+        // the root's shards, by shard index, as indices into `switches`
+        let root_shards = spec.root_shards.iter().map(|r| switch_of_node[r]).collect();
         let sessions = (0..n)
             .map(|w| {
                 let mut c = SessionConfig::new(job_id, w as u16);
@@ -427,6 +464,8 @@ impl<'a> FaninRun<'a> {
             switch_armed: vec![None; switches.len()],
             switches,
             switch_of_node,
+            switch_nodes,
+            root_shards,
             worker_of_node: spec.workers.iter().enumerate().map(|(i, w)| (w.host, i)).collect(),
             worker_armed: vec![None; n],
             load,
@@ -447,9 +486,20 @@ impl<'a> FaninRun<'a> {
                     let Some(d) = self.c.net.handle(&mut self.c.ev, e) else { continue };
                     if let Some(&s) = self.switch_of_node.get(&d.dst) {
                         let mut out = VecTransmit::new();
-                        // one shard: a Join's effects need passing on to no other
-                        if let Verdict::WrongShard(k) = self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
-                            return Err(format!("single-shard switch answered WrongShard({k})"));
+                        match self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
+                            Verdict::Consumed => {}
+                            Verdict::WrongShard(k) => {
+                                return Err(format!("switch {s} answered WrongShard({k}): children route by shard"));
+                            }
+                            // A root spread over several switches: what a
+                            // Join changed reaches the other root shards as
+                            // the daemon passes it between its shards (here
+                            // at once: the controller's relay, idealised).
+                            verdict => {
+                                for &t in self.root_shards.iter().filter(|&&t| t != s) {
+                                    self.switches[t].learn(verdict);
+                                }
+                            }
                         }
                         self.switch_sent(s, out);
                     } else {
@@ -493,7 +543,7 @@ impl<'a> FaninRun<'a> {
     }
 
     fn switch_sent(&mut self, s: usize, mut out: VecTransmit<u32>) {
-        let node = self.spec.tree[s].node;
+        let node = self.switch_nodes[s];
         for (dest, b) in out.drain() {
             self.c.net.send(&mut self.c.ev, node, dest, b);
         }
@@ -679,6 +729,12 @@ impl<'a> RingRun<'a> {
                     let seq = u32::from_be_bytes([d.bytes[4], d.bytes[5], d.bytes[6], d.bytes[7]]);
                     if d.bytes[0] == RING_ACK {
                         self.on_ack(j, step, seq, now);
+                    } else if d.bytes.len() <= HEADER_LEN {
+                        // a data packet a trimming link cut to its header:
+                        // the ring's transport has no trim path, so it is
+                        // lost (no ack; the sender's timeout resends it), as
+                        // a cut TCP segment fails its checksum
+                        continue;
                     } else {
                         self.on_data(j, step, seq, &d.bytes[HEADER_LEN..], progress);
                         let ack = ring_header(RING_ACK, step as u16, seq, 0);

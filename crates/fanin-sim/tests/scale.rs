@@ -162,3 +162,42 @@ fn trimming_links_turn_queue_drops_into_headers_and_fanin_recovers_sooner() {
     );
     assert_eq!(trimming.datagrams, go(&s, &shallow(true), Algorithm::Fanin).datagrams, "deterministic");
 }
+
+/// The spread spec with its root shared by every switch outside the tree
+/// that is a neighbour of all the root's children (a core switch of the
+/// same group in fat-tree:4).
+fn multi_root_spec() -> Spec {
+    let mut s = spread_spec();
+    let root = s.tree.iter().find(|t| t.parent.is_none()).unwrap().node;
+    let children: Vec<u32> = s.tree.iter().filter(|t| t.parent == Some(root)).map(|t| t.node).collect();
+    let adjacent = |a: u32, b: u32| s.links.iter().any(|l| (l[0] == a && l[1] == b) || (l[0] == b && l[1] == a));
+    let peers: Vec<u32> = (0..s.nodes.len() as u32)
+        .filter(|&n| s.nodes[n as usize].switch && n != root && !s.tree.iter().any(|t| t.node == n))
+        .filter(|&n| children.iter().all(|&c| adjacent(n, c)))
+        .collect();
+    assert!(!peers.is_empty(), "fat-tree:4 has a second core per group");
+    s.root_shards = std::iter::once(root).chain(peers).collect();
+    s
+}
+
+#[test]
+fn a_root_spread_over_several_switches_is_exact_uses_every_uplink_and_keeps_results_in_order() {
+    let one = spread_spec();
+    let many = multi_root_spec();
+    many.validate().unwrap();
+    let busy = ScaleConfig { background_load: 0.5, ..config(0.0) };
+    let (a, b) = (go(&one, &busy, Algorithm::Fanin), go(&many, &busy, Algorithm::Fanin));
+    assert!(a.exact && b.exact);
+    // the root's children now send to every root shard: more links carry the job
+    let used = |r: &ScaleResult| r.channels.iter().filter(|c| c.sent_bytes > 0).count();
+    assert!(used(&b) > used(&a), "{} vs {} channels", used(&b), used(&a));
+    // results of different root shards come back on different paths; the
+    // JoinAck's order_shards keeps fast retransmission to one shard's
+    // results, so reordering across shards is not taken for loss
+    assert_eq!(b.queue_drops, 0);
+    assert_eq!(b.retransmissions, 0, "no drops, so no retransmission is needed");
+    // a root shard must be a switch outside the tree
+    let mut bad = many.clone();
+    bad.root_shards.push(bad.tree[0].node);
+    assert!(bad.validate().unwrap_err().contains("outside the tree"));
+}

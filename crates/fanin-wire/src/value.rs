@@ -541,7 +541,8 @@ pub fn add_lanes(dtype: Dtype, sum: &mut [i32], payload: &[u8]) {
 /// carried [`Packet::listens_on_group`]); bit 1 ([`JOINACK_PARTIAL_RESULTS`]):
 /// the job opted into partial results (straggler aging, `on_failure =
 /// degrade`, or forward mode), so a degraded or missed block is a result the
-/// caller asked for, not an error; the other bits are sent as 0 and ignored.
+/// caller asked for, not an error; bits 8..15: `order_shards` (see the
+/// field); the other bits are sent as 0 and ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JoinParams {
     /// Concurrent blocks (slots) the job may hold; also the exponent lookahead.
@@ -566,7 +567,18 @@ pub struct JoinParams {
     /// Elements per packet of the job's members (at most `block_grad_max`):
     /// the same for every member, since a block's elements must line up.
     pub packet_elems: u32,
+    /// In how many classes of blocks (`shard_of` with this count) results
+    /// come back in the order their blocks were sent (docs/protocol.md §6.3,
+    /// what fast retransmission relies on): 0 = `shard_count`'s (one switch,
+    /// each shard in order); a tree whose root is spread over several
+    /// switches sends results of different root shards on different paths,
+    /// so a child says how many (the lcm with its own shard count);
+    /// [`ORDER_ANY`] = no order to rely on. Old switches send 0.
+    pub order_shards: u8,
 }
+
+/// `order_shards` of a JoinAck whose results may come in any order.
+pub const ORDER_ANY: u8 = 255;
 
 /// Most elements a value packet may carry so that its datagram (sealed,
 /// in a keyed job) fits one frame of a link with this `mtu`, over IPv4 or
@@ -602,7 +614,26 @@ impl JoinParams {
             results_on_group: u16::from_be_bytes([body[18], body[19]]) & JOINACK_RESULTS_ON_GROUP != 0,
             partial_results: u16::from_be_bytes([body[18], body[19]]) & JOINACK_PARTIAL_RESULTS != 0,
             packet_elems: u32_at(24),
+            order_shards: body[18],
         })
+    }
+
+    /// The classes of blocks within which results come back in order
+    /// (`shard_of` with this count), None when in no order at all.
+    pub fn order_classes(&self) -> Option<u16> {
+        match self.order_shards {
+            ORDER_ANY => None,
+            0 => Some(self.shard_count.max(1)),
+            n => Some(n as u16),
+        }
+    }
+
+    /// `order_shards` for the children of a switch with `shard_count`
+    /// shards that got these parameters from its parent: results come in
+    /// order only within both its own shard and the parent's class, i.e.
+    /// in lcm(both) classes (`shard_of` is a residue of the block's slot).
+    pub fn order_below(&self, shard_count: u16) -> u8 {
+        order_shards_below(self.order_classes(), shard_count)
     }
 
     pub fn emit(&self, body: &mut [u8]) {
@@ -612,10 +643,32 @@ impl JoinParams {
         body[12..16].copy_from_slice(&self.incarnation.to_be_bytes());
         body[16..18].copy_from_slice(&self.shard_count.to_be_bytes());
         let flags = if self.results_on_group { JOINACK_RESULTS_ON_GROUP } else { 0 }
-            | if self.partial_results { JOINACK_PARTIAL_RESULTS } else { 0 };
+            | if self.partial_results { JOINACK_PARTIAL_RESULTS } else { 0 }
+            | (self.order_shards as u16) << 8;
         body[18..20].copy_from_slice(&flags.to_be_bytes());
         body[20..24].copy_from_slice(&self.next_block.to_be_bytes());
         body[24..28].copy_from_slice(&self.packet_elems.to_be_bytes());
+    }
+}
+
+/// `order_shards` for the members of a switch with `shard_count` shards
+/// whose results come from upstream in `upstream` classes (None: in any
+/// order): the lcm of both, 0 when that is `shard_count` itself.
+pub fn order_shards_below(upstream: Option<u16>, shard_count: u16) -> u8 {
+    let Some(up) = upstream else { return ORDER_ANY };
+    let up = up.max(1);
+    let own = shard_count.max(1) as u64;
+    let (mut a, mut b) = (up as u64, own);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    let lcm = up as u64 / a * own;
+    if lcm == own {
+        0
+    } else if lcm < ORDER_ANY as u64 {
+        lcm as u8
+    } else {
+        ORDER_ANY
     }
 }
 

@@ -32,12 +32,17 @@ from fanin.topology import Topology, load
 __all__ = ["build_spec", "link_layers", "top_layer", "main"]
 
 
-def build_spec(topo: Topology, workers: int, spread: bool = False) -> dict:
+def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: bool = False) -> dict:
     """The simulator's input: nodes, links and the tree of a job whose rank
     r runs on the r-th host of the topology, or, with `spread`, on the
     hosts taken evenly from every edge switch (the first hosts of each, in
     turn), so that the hosts left over, free for background traffic, are
-    spread over the edge switches too."""
+    spread over the edge switches too.
+
+    `multi_root` spreads the root's role over every switch that is a
+    neighbour of all the root's children (a leaf-spine's spines): each is
+    the root of the blocks `shard_of` assigns it (`root_shards`), so each
+    child's partials leave over all its uplinks instead of one."""
     all_hosts = [h.name for h in topo.hosts]
     if not 1 <= workers <= len(all_hosts):
         raise ValueError(f"--workers must be between 1 and {len(all_hosts)} on {topo.name}")
@@ -53,6 +58,16 @@ def build_spec(topo: Topology, workers: int, spread: bool = False) -> dict:
     tree = build_tree(topo, {r: hosts[r] for r in range(workers)})
     names = all_hosts + [s.name for s in topo.switches]
     index = {n: i for i, n in enumerate(names)}
+    switch_roles = roles(topo, tree)
+    root_shards: list[str] = []
+    if multi_root:
+        children = [s for s, role in switch_roles.items() if role.parent == tree.root]
+        peers = [s.name for s in topo.switches if s.name != tree.root and s.name not in switch_roles
+                 and children and all(c in topo.neighbours(s.name) for c in children)]
+        if not peers:
+            raise ValueError(f"--multi-root: no switch of {topo.name} besides {tree.root} reaches every child of the "
+                             f"root ({', '.join(children) or 'none'}); a leaf-spine has one per spine")
+        root_shards = [tree.root, *sorted(peers)]
     return {
         "name": topo.name,
         "nodes": [{"name": n, "switch": topo.is_switch(n)} for n in names],
@@ -61,8 +76,9 @@ def build_spec(topo: Topology, workers: int, spread: bool = False) -> dict:
         "tree": [
             {"node": index[s], "parent": None if role.parent is None else index[role.parent], "rank": role.rank,
              "members": list(role.members)}
-            for s, role in sorted(roles(topo, tree).items())
+            for s, role in sorted(switch_roles.items())
         ],
+        "root_shards": [index[s] for s in root_shards],
         "root": tree.root,
         "levels": tree.depth(),
     }
@@ -150,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--background-load", type=float, default=0.0,
                    help="other tenants' traffic: every host that runs no worker sends at this fraction of its link "
                         "rate to another such host for the whole run (0: none; needs --workers below the host count)")
+    p.add_argument("--multi-root", action="store_true",
+                   help="spread the tree's root over every switch that reaches all the root's children (a "
+                        "leaf-spine's spines): each is the root of a share of the blocks, so a leaf's partials use "
+                        "all its uplinks, not one")
     p.add_argument("--trimming", action="store_true",
                    help="NDP trimming in every link queue instead of drop-tail (same buffer): a datagram that finds "
                         "the queue full is cut to its fanin header, which tells the switch or worker of the loss at "
@@ -172,7 +192,7 @@ def main(binary: str, argv: list[str]) -> int:
         args.topology, args.size = "fat-tree:4", min(args.size, 1 << 14)
     try:
         topo = load(args.topology)
-        spec = build_spec(topo, args.workers or len(topo.hosts), spread=args.spread)
+        spec = build_spec(topo, args.workers or len(topo.hosts), spread=args.spread, multi_root=args.multi_root)
     except ValueError as e:
         print(f"fanin sim allreduce: {e}", file=sys.stderr)
         return 2
@@ -245,6 +265,7 @@ def _report(spec: dict, topo: Topology, args, runs: list) -> dict:
         "tree_root": spec["root"],
         "tree_levels": spec["levels"],
         "tree_switches": len(spec["tree"]),
+        "root_shards": len(spec.get("root_shards") or [spec["root"]]),
         "size_elements": args.size,
         "seed": args.seed,
         "scenarios": scenarios,

@@ -155,6 +155,7 @@ fn join_ack_parse_and_emit() {
             results_on_group: false,
             partial_results: false,
             packet_elems: 358,
+            order_shards: 0,
         }
     );
     let mut buf = [MARKER; 52];
@@ -162,6 +163,29 @@ fn join_ack_parse_and_emit() {
     repr.emit(&mut q);
     params.emit(q.payload_mut());
     assert_eq!(buf, JOIN_ACK);
+}
+
+#[test]
+fn order_shards_travel_in_the_high_byte_of_the_join_ack_flags() {
+    let p = Packet::new_checked(&JOIN_ACK[..]).unwrap();
+    let mut params = JoinParams::parse(p.payload()).unwrap();
+    assert_eq!((params.order_shards, params.order_classes()), (0, Some(2)), "0: the shard count's order");
+    params.order_shards = 10;
+    let mut body = [0u8; JoinParams::LEN];
+    params.emit(&mut body);
+    assert_eq!(body[18], 10, "flags bits 8..15");
+    assert_eq!(JoinParams::parse(&body).unwrap(), params);
+    assert_eq!(params.order_classes(), Some(10));
+    params.order_shards = ORDER_ANY;
+    assert_eq!(params.order_classes(), None);
+    // below a switch: the lcm of its shards and the upstream's classes
+    assert_eq!(order_shards_below(Some(5), 1), 5);
+    assert_eq!(order_shards_below(Some(4), 2), 4, "lcm 4, not the own 2");
+    assert_eq!(order_shards_below(Some(2), 4), 0, "lcm = own shard count");
+    assert_eq!(order_shards_below(Some(6), 4), 12);
+    assert_eq!(order_shards_below(Some(1), 8), 0);
+    assert_eq!(order_shards_below(Some(200), 3), ORDER_ANY, "600 classes do not fit a byte");
+    assert_eq!(order_shards_below(None, 1), ORDER_ANY);
 }
 
 #[test]

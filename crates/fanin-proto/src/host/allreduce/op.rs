@@ -167,11 +167,21 @@ impl Op {
 /// then costs one spurious resend of the window, once.
 pub(super) fn note_later_result(op: &mut Op, idx: u32, params: &JoinParams, job_id: u32) {
     let answered = op.blocks[idx as usize];
-    let shard = |op: &Op, j: u32| shard_of(job_id, op.block_id(j), params.block_cnt_max, params.shard_count);
-    let own = (params.shard_count > 1).then(|| shard(op, idx));
+    // Results come back in order within a class of blocks: the switch's
+    // shard, or, below a root spread over several switches, the class the
+    // JoinAck names (`order_shards`); a result overtakes only its class.
+    let Some(classes) = params.order_classes() else {
+        if !answered.timer_resend {
+            return; // no order to rely on: the stall timer finds losses
+        }
+        (op.low..op.next_new).filter(|&j| j != idx).for_each(|j| overtaken(op, j, answered.send_seq, 1));
+        return;
+    };
+    let class = |op: &Op, j: u32| shard_of(job_id, op.block_id(j), params.block_cnt_max, classes);
+    let own = (classes > 1).then(|| class(op, idx));
     let (end, thresh) = if answered.timer_resend { (op.next_new, 1) } else { (idx, DUP_THRESH) };
     for j in op.low..end {
-        if j == idx || own.is_some_and(|s| shard(op, j) != s) {
+        if j == idx || own.is_some_and(|s| class(op, j) != s) {
             continue;
         }
         overtaken(op, j, answered.send_seq, thresh);

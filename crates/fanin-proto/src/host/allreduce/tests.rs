@@ -470,6 +470,7 @@ fn a_join_ack_announcing_nothing_fits_does_not_panic_the_worker() {
         results_on_group: false,
         partial_results: false,
         packet_elems: 0,
+        order_shards: 0,
     };
     let mut buf = vec![0; repr.buffer_len()];
     let mut p = Packet::new_unchecked(&mut buf[..]);
@@ -477,4 +478,59 @@ fn a_join_ack_announcing_nothing_fits_does_not_panic_the_worker() {
     params.emit(p.payload_mut());
     s.handle_datagram(Time::ZERO, &buf);
     assert!(s.elems_per_packet() <= 1);
+}
+
+/// Joined like `joined(8)`, but the JoinAck is rewritten to say results come
+/// in order only within `order_shards` classes (what a child of a root spread
+/// over several switches says, docs/protocol.md §6.3).
+fn joined_with_order(order_shards: u8) -> (AllreduceSession, ValueSwitch<u16>) {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.elems_per_packet = 4;
+    cfg.window = 8;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    for (_, join) in out.drain() {
+        let mut reply = VecTransmit::new();
+        let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
+        for (_, mut b) in reply.drain() {
+            let p = Packet::new_checked(&b[..]).unwrap();
+            let mut params = JoinParams::parse(p.payload()).unwrap();
+            params.order_shards = order_shards;
+            params.emit(&mut b[fanin_wire::value::HEADER_LEN..]);
+            s.handle_datagram(Time::ZERO, &b);
+        }
+    }
+    assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+    (s, sw)
+}
+
+#[test]
+fn results_of_another_order_class_do_not_make_a_block_look_lost() {
+    for (order_shards, resent) in [(0u8, true), (2, false)] {
+        let (mut s, mut sw) = joined_with_order(order_shards);
+        let t0 = Time::from_nanos(1_000);
+        s.begin(t0, Tensor::I32((0..32).collect())).unwrap();
+        let mut out = VecTransmit::new();
+        while s.poll_transmit(t0, &mut out) > 0 {}
+        let sent: Vec<_> = out.drain().collect();
+        assert_eq!(sent.len(), 8);
+        // block 0's result is late; the results of the blocks in the other
+        // of two classes (shard_of over 2) arrive: 1, 3, 5, 7 with job 1
+        let other: Vec<u32> = (1..8).filter(|&b| shard_of(1, b, 16, 2) != shard_of(1, 0, 16, 2)).collect();
+        assert_eq!(other, vec![1, 3, 5, 7]);
+        let t1 = t0 + Duration::from_micros(20);
+        for (_, bytes) in sent.iter().filter(|(_, b)| other.contains(&Packet::new_checked(&b[..]).unwrap().block_id())) {
+            let mut reply = VecTransmit::new();
+            let _ = sw.handle_datagram(t1, 0, bytes, &mut reply);
+            for (_, r) in reply.drain() {
+                s.handle_datagram(t1, &r);
+            }
+        }
+        while s.poll_transmit(t1, &mut out) > 0 {}
+        let again: Vec<u32> = out.drain().map(|(_, b)| Packet::new_checked(&b[..]).unwrap().block_id()).collect();
+        assert_eq!(again.contains(&0), resent, "order_shards {order_shards}: sent {again:?}");
+    }
 }

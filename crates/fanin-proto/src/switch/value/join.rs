@@ -86,6 +86,15 @@ pub(super) fn answer_join_as<A: Copy>(
         } else {
             job.spec.block_grad_max
         },
+        // A root's results come in order per shard. A child whose parent is
+        // spread over several switches (a root per spine) gets results of
+        // different parents on different paths: in order only per parent
+        // (`shard_of` over the parents, as it sends its partials) and per
+        // own shard. (A relayed JoinAck adds what the parent knows, tree.rs.)
+        order_shards: match job.uplink.as_ref().map(|up| up.parent.len()) {
+            Some(parents) if parents > 1 => fanin_wire::value::order_shards_below(Some(parents as u16), config.shard_count),
+            _ => 0,
+        },
     };
     let env = envelope(job.auth.as_mut(), Peer::Member(to as usize));
     send(out, dest, repr.buffer_len(), env, |buf| {

@@ -1252,3 +1252,15 @@ fn aging_emits_in_job_order_whatever_the_admission_order() {
     let jobs: Vec<u32> = forward.iter().map(|o| o.1).collect();
     assert!(jobs.windows(2).all(|w| w[0] < w[1]), "in job_id order: {jobs:?}");
 }
+
+#[test]
+fn a_child_of_a_root_spread_over_switches_tells_its_workers_the_order_classes() {
+    // one parent: results come in this switch's own order
+    assert_eq!(join_listening(&mut leaf(), 1, 0, false).order_shards, 0);
+    // five root shards (a root per spine): results of different parents come
+    // on different paths, in order only per parent (shard_of over 5)
+    let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
+    sw.set_uplink(1, Some(Uplink { parent: vec![1, 2, 3, 4, 5], rank: RANK })).unwrap();
+    let params = join_listening(&mut sw, 1, 0, false);
+    assert_eq!((params.shard_count, params.order_shards, params.order_classes()), (1, 5, Some(5)));
+}

@@ -101,6 +101,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // The worker talks to this switch's shards, not the root's,
                 // and gets its results the way this switch sends them.
                 params.incarnation = self.config.incarnation;
+                // results reach the worker in order only within both this
+                // switch's shard and the parent's order class
+                params.order_shards = params.order_below(self.config.shard_count);
                 params.shard_count = self.config.shard_count;
                 params.results_on_group = job.listens_on_group.contains(via as usize);
                 let env = envelope(job.auth.as_mut(), Peer::Member(via as usize));
