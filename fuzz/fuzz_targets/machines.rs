@@ -105,6 +105,7 @@ fn session() -> AllreduceSession {
         results_on_group: false,
         partial_results: false,
         packet_elems: 8,
+        order_shards: 0,
     }
     .emit(p.payload_mut());
     s.handle_datagram(Time::ZERO, &buf);

@@ -134,6 +134,7 @@ def switch_config(
     rate_limit: Optional[tuple[int, int]] = None,
     jobs: Iterable[dict[str, Any]] = (),
     control_token: Optional[str] = None,
+    data_mtu: Optional[int] = None,
 ) -> dict[str, Any]:
     """The daemon configuration (the same fields as the TOML config file).
     ``shards``: processing threads, one data port each (None: the daemon's
@@ -171,6 +172,9 @@ def switch_config(
         cfg["shards"] = shards
     if socket_buffer is not None:
         cfg["socket_buffer"] = socket_buffer
+    if data_mtu is not None:
+        # the data port's MTU instead of the interface's (0 = detect)
+        cfg["data_mtu"] = data_mtu
     if memory_model is not None:
         cfg["memory_model"] = memory_model
     if control_token is not None:

@@ -64,6 +64,7 @@ class FakeSwitch(pb_grpc.ControlServicer):
             incarnation=0xDEADBEEF,
             memory_limit=MEMORY_LIMIT,
             memory_used=used,
+            packet_elems_max=358,
         )
 
     def AdmitJob(self, request, context):
@@ -143,6 +144,7 @@ def test_every_call_returns_plain_values(serve):
             "incarnation": 0xDEADBEEF,
             "memory_limit": MEMORY_LIMIT,
             "memory_used": 0,
+            "packet_elems_max": 358,
         }
         assert c.info()["api_version"] == API_VERSION
 

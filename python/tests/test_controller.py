@@ -453,3 +453,32 @@ def test_workers_join_and_leave_while_allreduces_stream():
             assert all(v >> 2 & 1 for v in blocks), (k, blocks)
         for k, blocks in results[1].items():
             assert np.array_equal(blocks, results[0][k]), k
+
+
+def test_a_tree_job_is_sized_to_the_smallest_mtu_of_its_switches_and_never_fragments():
+    # every switch of a tree uses the job's block_grad_max as its packet
+    # size: the controller caps it to the smallest data-port MTU it finds
+    # (1500 here: 358 float32 per datagram), once, for the job's life
+    topo = topology.leaf_spine(1, 2, 2)
+    hosts = ["h0_0", "h0_1", "h1_0", "h1_1"]
+    with LoopbackSwitches(topo, data_mtu=1500) as sws:
+        ctl = Controller(topo, sws.fabric)
+        ctl.create_job(JobParams(1, max_workers=4, auth=False))
+        ctl.create_job(JobParams(2, max_workers=4, block_grad_max=256, auth=False))
+        subs = {r: ctl.subscribe(1, r, hosts[r]) for r in range(4)}
+        ctl.subscribe(2, 0, hosts[0])
+        ctl.subscribe(2, 2, hosts[2])
+        jobs = _switch_jobs(sws)
+        assert {j[1]["block_grad_max"] for j in jobs.values() if 1 in j} == {358}
+        assert {j[2]["block_grad_max"] for j in jobs.values() if 2 in j} == {256}, "already fits"
+        # the workers learn it, and their sums are exact through the tree
+        x = np.arange(5000, dtype=np.int32)
+
+        def worker(r):
+            s = fanin.Session(subs[r]["data_addr"], 1, r)
+            assert s.elems_per_packet == 358
+            return s.allreduce(x + r)
+
+        for y in in_threads(4, worker):
+            np.testing.assert_array_equal(y, 4 * x + 6)
+        ctl.close()

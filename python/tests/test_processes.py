@@ -303,6 +303,8 @@ def test_control_api_admits_lists_and_removes_jobs_on_the_real_daemon():
         c = ControlClient(sw.control_addr, token="s3cret")
         info = c.info()
         assert info["api_version"] == "v1" and info["data_addr"] == sw.data_addr
+        # loopback's MTU (65536) caps a datagram's elements at the wire's maximum
+        assert info["packet_elems_max"] > 1024, info
         c.admit_job(7, [0, 1], block_cnt_max=16, block_grad_max=256)
         assert [j["job_id"] for j in c.list_jobs()] == [7]
         with pytest.raises(ControlError) as e:

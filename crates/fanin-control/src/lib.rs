@@ -70,6 +70,9 @@ pub struct SwitchInfo {
     pub memory_used: u64,
     /// Daemon software version.
     pub version: String,
+    /// Most elements one value packet carries over the data port without
+    /// IP fragmentation (`u32::MAX`: no limit known).
+    pub packet_elems_max: u32,
 }
 
 /// A non-root switch's place in a job's aggregation tree, as the control
@@ -660,6 +663,7 @@ impl pb::control_server::Control for Service {
             incarnation: info.incarnation,
             memory_limit: info.memory_limit,
             memory_used: info.memory_used,
+            packet_elems_max: if info.packet_elems_max == u32::MAX { 0 } else { info.packet_elems_max },
         }))
     }
 

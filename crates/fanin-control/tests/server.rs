@@ -84,6 +84,7 @@ impl ControlPlane for FakePlane {
             memory_limit: MEMORY_LIMIT,
             memory_used: Self::used(&self.jobs.lock().unwrap()),
             version: "0.1.0-test".into(),
+            packet_elems_max: 358,
         }
     }
 
@@ -142,6 +143,7 @@ async fn every_rpc_round_trips() {
     assert_eq!(info.incarnation, 0xdead_beef);
     assert_eq!(info.memory_limit, MEMORY_LIMIT);
     assert_eq!(info.memory_used, 0);
+    assert_eq!(info.packet_elems_max, 358);
 
     c.admit_job(admit(spec(9, vec![0, 1, 2]))).await.unwrap();
     let mut forward = spec(2, vec![3, 1]);

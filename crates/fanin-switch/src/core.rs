@@ -246,6 +246,7 @@ impl SwitchCore {
             memory_limit: self.memory_limit,
             memory_used: self.shards.iter().map(|s| s.stats.memory_used.load(Ordering::Relaxed)).sum(),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            packet_elems_max: self.packet_elems_max,
         }
     }
 

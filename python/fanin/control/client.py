@@ -118,6 +118,8 @@ class ControlClient:
             "incarnation": r.incarnation,
             "memory_limit": r.memory_limit,
             "memory_used": r.memory_used,
+            # 0: no limit known (an older daemon, or loopback without one)
+            "packet_elems_max": r.packet_elems_max,
         }
 
     def admit_job(

@@ -93,6 +93,9 @@ class _Job:
     #: ranks rebuilt from the switches, whose host is only known up to its
     #: switch until the worker subscribes again
     unconfirmed: set[int] = field(default_factory=set)
+    #: the packet size of the job's tree, every switch's block_grad_max
+    #: (`_fit_packets`); None until the job is first programmed
+    packet_elems: Optional[int] = None
 
 
 class Controller:
@@ -329,7 +332,7 @@ class Controller:
             "job_id": p.job_id,
             "members": list(role.members),
             "block_cnt_max": p.block_cnt_max,
-            "block_grad_max": p.block_grad_max,
+            "block_grad_max": job.packet_elems or p.block_grad_max,
             "block_exp_ms": p.block_exp_ms,
             "slow_after_windows": p.slow_after_windows,
             "mode": "aggregate",
@@ -342,6 +345,24 @@ class Controller:
             "key": job.key,
         }
 
+    def _fit_packets(self, job: _Job, new_roles: dict[str, Role]) -> None:
+        """Fix the job's packet size at its first programming: its
+        block_grad_max, capped to what one unfragmented datagram carries
+        over the data port of the tree's switch with the smallest MTU
+        (GetInfo's `packet_elems_max`). Every switch of a tree sends and
+        expects blocks of the job's block_grad_max, and every worker learns
+        it as its packet size, so it must fit every link, and it must stay
+        the same for the job's life: a switch that joins the tree later
+        with a smaller MTU gets the same size (docs/trees.md)."""
+        if job.packet_elems is not None:
+            return
+        size = job.params.block_grad_max
+        for s in sorted(new_roles):
+            limit = int(self._client(s).info().get("packet_elems_max") or 0)
+            if limit:
+                size = min(size, limit)
+        job.packet_elems = size
+
     def _apply(self, job: _Job, new_roles: dict[str, Role], awaiting: dict[str, set[int]]) -> list[str]:
         """Program the switches whose role differs between the job's current
         roles and `new_roles`; returns their names in programming order."""
@@ -350,6 +371,7 @@ class Controller:
         diff = diff_roles(job.roles, new_roles)
         done: list[str] = []
         try:
+            self._fit_packets(job, new_roles)
             for s, role in diff.added.items():
                 spec = self._spec(job, s, role)
                 self._client(s).admit_job(**spec)

@@ -83,7 +83,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("api_version", "version", "data_addr", "shard_count", "incarnation", "memory_limit", "memory_used")
+    __slots__ = ("api_version", "version", "data_addr", "shard_count", "incarnation", "memory_limit", "memory_used", "packet_elems_max")
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class GetInfoResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    PACKET_ELEMS_MAX_FIELD_NUMBER: _ClassVar[int]
     api_version: str
     version: str
     data_addr: str
@@ -98,7 +99,8 @@ class GetInfoResponse(_message.Message):
     incarnation: int
     memory_limit: int
     memory_used: int
-    def __init__(self, api_version: _Optional[str] = ..., version: _Optional[str] = ..., data_addr: _Optional[str] = ..., shard_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., memory_limit: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
+    packet_elems_max: int
+    def __init__(self, api_version: _Optional[str] = ..., version: _Optional[str] = ..., data_addr: _Optional[str] = ..., shard_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., memory_limit: _Optional[int] = ..., memory_used: _Optional[int] = ..., packet_elems_max: _Optional[int] = ...) -> None: ...
 
 class AdmitJobRequest(_message.Message):
     __slots__ = ("spec",)
