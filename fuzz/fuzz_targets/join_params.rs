@@ -3,11 +3,13 @@
 //! Oracles: a body of at least `LEN` bytes parses (a shorter one is
 //! `Truncated`), and emit(parse(x)) equals the first `LEN` bytes of x with the
 //! flags field (bytes 18..20) reduced to its defined bits,
-//! `JOINACK_RESULTS_ON_GROUP` and `JOINACK_PARTIAL_RESULTS` (the others are
-//! ignored on receipt and sent as 0).
+//! `JOINACK_RESULTS_ON_GROUP`, `JOINACK_PARTIAL_RESULTS` and the high byte,
+//! `order_shards` (the others are ignored on receipt and sent as 0); the
+//! order classes are `shard_count`'s for 0, none for `ORDER_ANY`, else the
+//! byte.
 #![no_main]
 
-use fanin_wire::value::{JoinParams, JOINACK_PARTIAL_RESULTS, JOINACK_RESULTS_ON_GROUP};
+use fanin_wire::value::{JoinParams, JOINACK_PARTIAL_RESULTS, JOINACK_RESULTS_ON_GROUP, ORDER_ANY};
 use fanin_wire::WireError;
 use libfuzzer_sys::fuzz_target;
 
@@ -31,10 +33,17 @@ fuzz_target!(|data: &[u8]| {
     params.emit(&mut buf);
     let mut expected = [0u8; LEN];
     expected.copy_from_slice(&data[..LEN]);
-    let flags = u16::from_be_bytes([expected[18], expected[19]]) & (JOINACK_RESULTS_ON_GROUP | JOINACK_PARTIAL_RESULTS);
+    let flags = u16::from_be_bytes([expected[18], expected[19]]) & (JOINACK_RESULTS_ON_GROUP | JOINACK_PARTIAL_RESULTS | 0xFF00);
     expected[FLAGS].copy_from_slice(&flags.to_be_bytes());
     assert_eq!(params.results_on_group, flags & JOINACK_RESULTS_ON_GROUP != 0);
     assert_eq!(params.partial_results, flags & JOINACK_PARTIAL_RESULTS != 0);
+    assert_eq!(params.order_shards as u16, flags >> 8);
+    let classes = match params.order_shards {
+        0 => Some(params.shard_count.max(1)),
+        ORDER_ANY => None,
+        n => Some(n as u16),
+    };
+    assert_eq!(params.order_classes(), classes);
     assert_eq!(buf, expected, "emit(parse(x)) != x; params: {params:?}");
     assert_eq!(JoinParams::parse(&buf), Ok(params));
 });

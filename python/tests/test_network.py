@@ -64,6 +64,20 @@ def test_a_jumbo_link_carries_frame_sized_packets_and_a_keyed_arm_runs_beside(tm
     assert report["fanin_settings"]["keyed_arm"]
 
 
+def test_a_leaf_spine_runs_fanin_as_a_controller_tree_and_nothing_fragments(tmp_path):
+    # two leaves under one spine, every host a worker: the controller
+    # programs a tree (root: the spine) and sizes its packets to the links
+    report = _bench(tmp_path, "--topology", "leaf-spine:1,2,2")
+    assert report["topology"] == "leaf-spine-1-2-2" and report["workers"] == 4
+    (row,) = report["rates"]
+    assert row["elems_per_packet"] == 358, row
+    assert row["ip_fragments"] == 0, row
+    assert row["fanin_verified"]
+    assert 50 < row["capacity_mbit"] <= 105, row  # the host links, measured to each host's leaf
+    # each worker's link carries the tensor about once each way, as on a star
+    assert row["fanin_link_bytes_per_element_max"] < 4.6, row
+
+
 def test_a_shallow_queue_is_found_by_congestion_signals_not_timeouts(tmp_path):
     # 4 workers whose links queue 8 ms (100 KB at 100 Mbit/s, 66 frames):
     # the default window (256 blocks, 367 KB) would overrun it almost 4x.

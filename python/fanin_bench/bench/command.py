@@ -315,7 +315,11 @@ def _add_tree_benches(bsub: Any) -> None:
                "         fanin bench network --quick --dtype float16 --json\n"
                "         fanin bench network --quick --collective reduce-scatter --json\n"
                "         fanin bench network --workers 8 --rates 5000,10000 --mtu 9000 --auth --json")
-    nw.add_argument("--workers", type=int, default=4)
+    nw.add_argument("--workers", type=int, default=4, help="hosts of the star (default %(default)s)")
+    nw.add_argument("--topology",
+                    help="leaf-spine:S,L,H for a two-level fabric (S spines, L leaves, H hosts each, every host a "
+                         "worker): fanin runs as an aggregation tree the controller programs (docs/trees.md), Gloo's "
+                         "ring crosses the leaves' uplinks; default star:--workers")
     nw.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,200,400; 200 with --quick)")
     nw.add_argument("--size", help="tensor per worker (default 16MB, 4MB with --quick)")
     nw.add_argument("--reps", type=int, help="allreduces per system per rate (default 7, 3 with --quick)")

@@ -51,6 +51,7 @@ from typing import Any, Optional
 
 from fanin import topology
 from fanin.auth import derive_member_key, new_job_key
+from fanin.controller import Controller, JobParams, TestbedFabric
 from fanin.proc import format_size, parse_size
 from fanin.switch import job_config
 from fanin_bench.bench.net_worker import MEMBER_KEY_ENV
@@ -89,7 +90,8 @@ def _worker_argv(kind: str, **kw: Any) -> list[str]:
     return argv
 
 
-def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float, mtu: int = 1500) -> dict[str, Any]:
+def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float, mtu: int = 1500,
+                     edge: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """What each direction of each link carries with every link of that
     direction busy at once, from the veth counters: first all uplinks (every
     host blasts UDP at the switch), then all downlinks (one blaster per host
@@ -98,15 +100,17 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
     limit being measured; each link is read with its own timestamps, since
     one read takes milliseconds."""
 
+    edge = edge or {h: "s0" for h in hosts}  # each host's switch
+
     def blast(direction: str) -> list[float]:
         offer = rate_mbit * 1.3  # over the limit, so tbf's queue stays full
         payload = mtu - 28  # full frames, as the allreduces send
         if direction == "up":
-            procs = [tb.popen(h, _worker_argv("blast", to=f"{tb.addr('s0', toward=h)}:{BLAST_PORT}", mbit=offer,
+            procs = [tb.popen(h, _worker_argv("blast", to=f"{tb.addr(edge[h], toward=h)}:{BLAST_PORT}", mbit=offer,
                                               seconds=seconds, payload=payload),
                              stdout=subprocess.DEVNULL) for h in hosts]
         else:
-            procs = [tb.popen("s0", _worker_argv("blast", to=f"{tb.addr(h, toward='s0')}:{BLAST_PORT}", mbit=offer,
+            procs = [tb.popen(edge[h], _worker_argv("blast", to=f"{tb.addr(h, toward=edge[h])}:{BLAST_PORT}", mbit=offer,
                                                  seconds=seconds, payload=payload),
                              stdout=subprocess.DEVNULL) for h in hosts]
 
@@ -114,7 +118,7 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
             out = {}
             for h in hosts:
                 t = time.monotonic()
-                b = tb.link_bytes(h, "s0")
+                b = tb.link_bytes(h, edge[h])
                 out[h] = ((t + time.monotonic()) / 2, b)
             return out
 
@@ -144,19 +148,19 @@ class _LinkBytes:
     direction, from the veth counters read just before and after each one
     (Ethernet frames: the headers of every layer are counted)."""
 
-    def __init__(self, tb: Any, hosts: list[str]) -> None:
-        self.tb, self.hosts = tb, hosts
+    def __init__(self, tb: Any, hosts: list[str], edge: dict[str, str]) -> None:
+        self.tb, self.hosts, self.edge = tb, hosts, edge
         self.up = {h: 0 for h in hosts}
         self.down = {h: 0 for h in hosts}
         self.allreduces = 0
         self._at: dict[str, Any] = {}
 
     def start(self) -> None:
-        self._at = {h: self.tb.link_bytes(h, "s0") for h in self.hosts}
+        self._at = {h: self.tb.link_bytes(h, self.edge[h]) for h in self.hosts}
 
     def stop(self) -> None:
         for h in self.hosts:
-            now = self.tb.link_bytes(h, "s0")
+            now = self.tb.link_bytes(h, self.edge[h])
             self.up[h] += now.a_to_b - self._at[h].a_to_b
             self.down[h] += now.b_to_a - self._at[h].b_to_a
         self.allreduces += 1
@@ -192,39 +196,69 @@ def run_network(args: Any) -> int:
                   "(pip install -r requirements-bench.txt, or --no-gloo)", file=sys.stderr)
             return 2
     rates = _parse_rates(args.rates or ("200" if args.quick else "100,200,400"))
-    n = args.workers
+    topo = _topology(args)
+    if topo is None:
+        return 2
+    n = len(topo.hosts)
     size = parse_size(args.size) if args.size else (4_000_000 if args.quick else 16_000_000)
     elem_bytes = 4 if args.dtype == "float32" else 2
     elements = max(1, size // elem_bytes)
     reps = args.reps or (3 if args.quick else 7)
     seconds = 2.0 if args.quick else 3.0
-    hosts = [f"h{i}" for i in range(n)]
+    hosts = [h.name for h in topo.hosts]
+    edge = {h: topo.attachment(h) for h in hosts}
     out = Path(args.out)
     scatter = args.collective == "reduce-scatter"
     mtu = args.mtu or 1500
-    print(f"network: star:{n}, {format_size(size)} {args.dtype} per worker, links {', '.join(f'{r:g}' for r in rates)} "
+    print(f"network: {topo.name}, {n} workers, {format_size(size)} {args.dtype} per worker, links {', '.join(f'{r:g}' for r in rates)} "
           f"Mbit/s, {reps} {args.collective}s per system per rate", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        tb = stack.enter_context(Testbed.up(topology.load(f"star:{n}"), name=args.name, rate_mbit=rates[0],
-                                            routing=True, mtu=args.mtu))
+        tb = stack.enter_context(Testbed.up(topo, name=args.name, rate_mbit=rates[0], routing=True, mtu=args.mtu))
         job = {k: v for k, v in (("block_grad_max", args.block_grad_max), ("block_cnt_max", args.block_cnt_max))
                if v is not None}
-        jobs = [job_config(JOB, n, **job)]
-        job_key = new_job_key() if args.auth else None
-        if job_key:
-            jobs.append(job_config(KEYED_JOB, n, key=job_key, **job))
-        sw = tb.switch("s0", jobs=jobs, **({"shards": args.shards} if args.shards else {}))
+        switch_config = {"shards": args.shards} if args.shards else {}
+        targets: dict[int, dict[int, tuple[str, Optional[bytes]]]] = {}  # job -> rank -> (data address, member key)
+        if len(topo.switches) == 1:
+            jobs = [job_config(JOB, n, **job)]
+            job_key = new_job_key() if args.auth else None
+            if job_key:
+                jobs.append(job_config(KEYED_JOB, n, key=job_key, **job))
+            switches = [tb.switch(topo.switches[0].name, jobs=jobs, **switch_config)]
+            for job_id in (JOB, KEYED_JOB) if job_key else (JOB,):
+                targets[job_id] = {r: (f"{tb.addr(edge[h], toward=h)}:{tb.SWITCH_DATA_PORT}",
+                                       derive_member_key(job_key, job_id, r) if job_id == KEYED_JOB else None)
+                                   for r, h in enumerate(hosts)}
+        else:
+            # an aggregation tree over the switches, programmed by the
+            # controller (docs/trees.md) as a user's would be
+            switches = list(tb.switches(**switch_config).values())
+            ctl = Controller(topo, TestbedFabric(tb))
+            stack.callback(ctl.close)
+            for job_id in (JOB, KEYED_JOB) if args.auth else (JOB,):
+                ctl.create_job(JobParams(job_id, max_workers=n, auth=job_id == KEYED_JOB, **job))
+                subs = {r: ctl.subscribe(job_id, r, h) for r, h in enumerate(hosts)}
+                targets[job_id] = {r: (sub["data_addr"], sub["member_key"]) for r, sub in subs.items()}
+            print(f"  tree: root {ctl.tree(JOB).root}, {len(ctl.tree(JOB).parent)} switches", file=sys.stderr)
+
+        def counters() -> dict[str, Any]:
+            total: dict[str, Any] = {}
+            for s in switches:
+                for k, v in s.counters().items():
+                    if isinstance(v, int):
+                        total[k] = total.get(k, 0) + v
+            return total
 
         def fanin_workers(job_id: int) -> list[subprocess.Popen]:
             procs = []
             for r, h in enumerate(hosts):
                 env = dict(os.environ)
-                if job_id == KEYED_JOB:
+                addr, key = targets[job_id][r]
+                if key is not None:
                     # not on the command line, where every process could read it
-                    env[MEMBER_KEY_ENV] = derive_member_key(job_key, KEYED_JOB, r).hex()
+                    env[MEMBER_KEY_ENV] = key.hex()
                 procs.append(tb.popen(h, _worker_argv(
-                    "fanin", addr=f"{tb.addr('s0', toward=h)}:{tb.SWITCH_DATA_PORT}", job=job_id, rank=r,
+                    "fanin", addr=addr, job=job_id, rank=r,
                     workers=n, elements=elements, dtype=args.dtype, elems_per_packet=args.elems_per_packet,
                     window=args.window, collective=args.collective),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
@@ -233,11 +267,11 @@ def run_network(args: Any) -> int:
             return procs
 
         fanin_procs = fanin_workers(JOB)
-        keyed_procs = fanin_workers(KEYED_JOB) if job_key else []
+        keyed_procs = fanin_workers(KEYED_JOB) if args.auth else []
         gloo_procs: list[subprocess.Popen] = []
         if gloo:
-            master = f"{tb.addr('h0', toward='s0')}:{GLOO_PORT}"
-            gloo_procs = [tb.popen(h, _worker_argv("gloo", master=master, ifname=tb.interface(h, "s0"), rank=r,
+            master = f"{tb.addr(hosts[0], toward=edge[hosts[0]])}:{GLOO_PORT}"
+            gloo_procs = [tb.popen(h, _worker_argv("gloo", master=master, ifname=tb.interface(h, edge[h]), rank=r,
                                                    workers=n, elements=elements, dtype=args.dtype,
                                                    collective=args.collective),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -246,11 +280,12 @@ def run_network(args: Any) -> int:
             wait_ready(gloo_procs, "gloo")
         for rate in rates:
             tb.set_rate(rate, args.queue_ms)
-            cap = measure_capacity(tb, hosts, rate, seconds, mtu)
-            frags0 = _frag_counts(tb, ["s0", *hosts])
-            sw0 = sw.counters()
+            cap = measure_capacity(tb, hosts, rate, seconds, mtu, edge)
+            nodes = [s.name for s in topo.switches] + hosts
+            frags0 = _frag_counts(tb, nodes)
+            sw0 = counters()
             fanin_t, gloo_t, keyed_t, fanin_answers, keyed_answers = [], [], [], [], []
-            link_bytes = {"fanin": _LinkBytes(tb, hosts), "gloo": _LinkBytes(tb, hosts)}
+            link_bytes = {"fanin": _LinkBytes(tb, hosts, edge), "gloo": _LinkBytes(tb, hosts, edge)}
             step_workers(fanin_procs, "fanin")  # warm-up at this rate
             if keyed_procs:
                 step_workers(keyed_procs, "fanin-keyed")
@@ -281,8 +316,8 @@ def run_network(args: Any) -> int:
                 print(f"  {rate:g} Mbit/s rep {rep + 1}/{reps}: fanin {fanin_t[-1]:.3f} s"
                       + (f", keyed {keyed_t[-1]:.3f} s" if keyed_t else "")
                       + (f", gloo {gloo_t[-1]:.3f} s" if gloo_t else ""), file=sys.stderr)
-            frags1 = _frag_counts(tb, ["s0", *hosts])
-            sw1 = sw.counters()
+            frags1 = _frag_counts(tb, nodes)
+            sw1 = counters()
             row = _row(rate, n, size, cap, fanin_t, gloo_t, fanin_answers, frags0, frags1, sw0, sw1, scatter)
             for system, counted in link_bytes.items():
                 if counted.allreduces:
@@ -293,7 +328,7 @@ def run_network(args: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "network.csv", rows)
     _plot(rows, out / "network.png", n, size, args.dtype, args.collective)
-    result = {"workers": n, "size_bytes": size, "dtype": args.dtype, "collective": args.collective, "mtu": mtu,
+    result = {"topology": topo.name, "workers": n, "size_bytes": size, "dtype": args.dtype, "collective": args.collective, "mtu": mtu,
               "elements": elements, "reps": reps,
               "queue_ms": args.queue_ms,
               "rates": rows,
@@ -313,8 +348,25 @@ def run_network(args: Any) -> int:
         + (f", keyed {r['keyed_median_s']:.3f} s = {r['keyed_goodput_ratio']:.2f} of unkeyed goodput"
            if "keyed_median_s" in r else "")
         for r in rows)
-    emit(result, f"network, {args.collective}, {n} workers x {format_size(size)}: {human}", args.json)
+    emit(result, f"network, {topo.name}, {args.collective}, {n} workers x {format_size(size)}: {human}", args.json)
     return 0
+
+
+def _topology(args: Any) -> Optional[Any]:
+    """star:N (--workers) by default; --topology leaf-spine:S,L,H for a
+    two-level fabric, every host a worker."""
+    if not args.topology:
+        return topology.star(args.workers)
+    try:
+        topo = topology.load(args.topology)
+    except (ValueError, OSError) as e:
+        print(f"fanin bench network: --topology {args.topology!r}: {e}", file=sys.stderr)
+        return None
+    if not topo.name.startswith(("star", "leaf-spine")) or len(topo.hosts) < 2:
+        print(f"fanin bench network: --topology must be star:N or leaf-spine:S,L,H with at least 2 hosts "
+              f"(got {topo.name}, {len(topo.hosts)} hosts)", file=sys.stderr)
+        return None
+    return topo
 
 
 def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[float], gloo_t: list[float],
