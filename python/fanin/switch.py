@@ -36,6 +36,7 @@ def job_config(
     rate_limit: Optional[tuple[int, int]] = None,
     result_group: Optional[str] = None,
     workers: int = JOB_SCHEMA["workers"],
+    quorum: int = 0,
 ) -> dict[str, Any]:
     """A job as the switch config (and ``LocalSwitch.admit_job``) expects it.
 
@@ -67,6 +68,10 @@ def job_config(
 
     ``workers``: the workers of the whole job when this switch is one of an
     aggregation tree's (docs/trees.md); 0 = its member count.
+
+    ``quorum`` (GOAT's K, docs/goat.md): a block completes with the first
+    ``quorum`` members' contributions, the others' arrive late and get the
+    result; 0 = every member. Workers get partial (degraded) results.
     """
     job: dict[str, Any] = {
         "job_id": job_id,
@@ -79,6 +84,8 @@ def job_config(
     }
     if workers:
         job["workers"] = workers
+    if quorum:
+        job["quorum"] = quorum
     if on_failure is not None:
         job["on_failure"] = on_failure
     if result_group is not None:

@@ -88,6 +88,7 @@ class FakeSwitch:
 
     def __init__(self, log, addr, fail_on=None):
         self.log, self.addr, self.fail_on = log, addr, fail_on
+        self.jobs = {}
 
     def info(self):
         return {"shard_count": 2}
@@ -99,6 +100,14 @@ class FakeSwitch:
             raise ControlError("RESOURCE_EXHAUSTED", "full")
         self.log.append(("admit", self.addr, job_id, tuple(members), kw["workers"], kw["tree"]))
         self.keys.setdefault(job_id, set()).add(kw.get("key"))
+        self.jobs[job_id] = {"job_id": job_id, "members": list(members), **kw, "quorum": 0}
+
+    def list_jobs(self):
+        return list(self.jobs.values())
+
+    def update_job(self, spec):
+        self.log.append(("update", self.addr, spec["job_id"], spec["quorum"]))
+        self.jobs[spec["job_id"]] = spec
 
     def remove_job(self, job_id):
         self.log.append(("remove", self.addr, job_id))
@@ -143,6 +152,27 @@ def test_install_programs_the_ps_first_and_removes_in_reverse():
     dep.remove()
     assert log == [("remove", "tor0", 11), ("remove", "agg", 10), ("remove", "ps", 12), ("remove", "ps", 11),
                    ("remove", "ps", 10)]
+
+
+def test_an_epoch_installs_k_on_every_aggregation_node_for_the_workers_taking_part():
+    # GOAT Algorithm 2 (docs/goat.md): w0, w1, w2 and w5 take part this epoch
+    FakeSwitch.keys = {}
+    log = []
+    dep = _install(hand_plan(), log)
+    log.clear()
+    ks = dep.install_quorums([0, 1, 2, 5])
+    assert ks == {
+        ("agg", 10): 4,  # g0: everyone's aggregation node; four of its members take part
+        ("tor0", 11): 3,  # g1 for w0-w3: three of them
+        ("ps", 10): 1,  # g0 at the PS: the agg switch, which has participants
+        ("ps", 11): 2,  # g1 at the PS: tor0 and w5 directly
+        ("ps", 12): 4,  # g2: every worker directly
+    }
+    assert sorted(log) == sorted(("update", node, job, k) for (node, job), k in ks.items())
+    # nobody of tor0's workers takes part next epoch: tor0 keeps waiting for
+    # all (K = 0), and the PS stops counting it
+    ks = dep.install_quorums([4, 5])
+    assert ks[("tor0", 11)] == 0 and ks[("ps", 11)] == 2 and ks[("agg", 10)] == 2
 
 
 def test_a_failed_install_removes_what_it_admitted():

@@ -111,3 +111,46 @@ def test_aging_configuration_errors_name_the_field():
     with pytest.raises(Exception, match="block_exp_ms 1 with 100 scanners x 4 checks"):
         LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, scanners=100,
                                   jobs=[job_config(1, 2, block_exp_ms=1)]))
+
+
+def test_a_quorum_completes_blocks_with_the_first_k_workers_and_a_controller_changes_k():
+    # GOAT's K_t (docs/goat.md): 4 members, K = 3, on the real daemon
+    from fanin.control import ControlClient
+    from fanin.proc import SwitchProcess
+
+    job = job_config(1, members=[0, 1, 2, 3], block_cnt_max=16, block_grad_max=256, quorum=3)
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0", jobs=[job])
+    n = 8 * 256
+    x = [np.full(n, 1 << r, dtype=np.int32) for r in range(4)]
+    with SwitchProcess(cfg) as sw:
+        first_three, epoch = threading.Barrier(4), threading.Barrier(4)
+
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=256)
+            if rank == 3:
+                first_three.wait(timeout=30)  # joined; contributes after the others have their sums
+            out = s.allreduce(x[rank])
+            stats = s.last_stats
+            if rank != 3:
+                first_three.wait(timeout=30)
+            epoch.wait(timeout=30)
+            if rank == 0:
+                # the controller installs K = 0 (every member) for the next epoch
+                with ControlClient(sw.control_addr) as c:
+                    (spec,) = c.list_jobs()
+                    assert spec["quorum"] == 3
+                    c.update_job({**spec, "quorum": 0})
+                    assert c.list_jobs()[0]["quorum"] == 0
+            epoch.wait(timeout=30)
+            return out, stats, s.allreduce(x[rank]), s.last_stats
+
+        results = in_threads(4, work)
+        late = sw.counters()["late"]
+    for out, stats, everyone, stats2 in results:
+        # the first three complete every block: 1 + 2 + 4, never the late 8
+        assert np.all(out == 7), out[:4]
+        assert stats["min_src_cnt"] == 3 and len(stats["degraded_blocks"]) == 8
+        # then every member's: 15, nothing degraded
+        assert np.all(everyone == 15), everyone[:4]
+        assert not stats2["degraded_blocks"]
+    assert late >= 8

@@ -520,6 +520,8 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
                 ))
             })?),
         },
+        quorum: u16::try_from(spec.quorum)
+            .map_err(|_| Status::invalid_argument(format!("job {job_id}: quorum {} is above any job's members", spec.quorum)))?,
     };
     spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(spec)
@@ -548,6 +550,7 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
         member_timeout_ms: spec.member_timeout_ms,
         rate_limit: spec.rate_limit.map(|r| pb::RateLimit { pps: r.pps, burst: r.burst }),
         result_group: spec.result_group.map_or_else(String::new, |g| g.to_string()),
+        quorum: spec.quorum.into(),
     }
 }
 

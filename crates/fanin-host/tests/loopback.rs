@@ -27,6 +27,7 @@ fn job(job_id: u32, sources: u16, mode: JobMode) -> JobConfig {
         member_timeout_ms: 0,
         rate_limit: None,
         result_group: None,
+        quorum: 0,
     }
 }
 

@@ -40,6 +40,7 @@ fn start(trim: bool) -> SwitchHandle {
             member_timeout_ms: 60_000,
             rate_limit: None,
             result_group: None,
+            quorum: 0,
         }],
         ..DaemonConfig::default()
     };

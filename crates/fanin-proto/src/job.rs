@@ -184,6 +184,21 @@ pub struct JobSpec {
     /// sealed for each member. None: unicast to every member.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result_group: Option<std::net::SocketAddrV4>,
+    /// GOAT's K (§V, Algorithm 2; docs/goat.md): a block completes with the
+    /// first `quorum` of the members it waits for instead of all of them;
+    /// the others' contributions arrive late, are never added, and are
+    /// answered with the result, as a straggler's after aging. Such a
+    /// result sums fewer members than the job has, so it is degraded and
+    /// the job's members accept partial results. 0 = every member
+    /// (SwitchML). May change while the job runs (`UpdateJob`: a GOAT
+    /// controller installs K_t^s every epoch); a block opened before the
+    /// change completes by the new K too.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub quorum: u16,
+}
+
+fn is_zero(n: &u16) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -198,6 +213,8 @@ pub enum JobSpecError {
     BlockCnt { job_id: u32, value: u32 },
     #[error("job {job_id}: block_grad_max {value} is out of range (1..={MAX_GRAD_CNT}, the most elements one UDP datagram carries)")]
     BlockGrad { job_id: u32, value: u32 },
+    #[error("job {job_id}: quorum {value} is above the job's {members} members (0 = every member)")]
+    Quorum { job_id: u32, value: u16, members: usize },
     #[error("job {job_id}: block_exp_ms {value} is out of range (0 disables aging, at most {MAX_BLOCK_EXP_MS})")]
     BlockExp { job_id: u32, value: u32 },
     #[error("job {job_id}: slow_after_windows {value} is out of range (0 never declares a source permanently slow, at most {MAX_SLOW_AFTER_WINDOWS})")]
@@ -231,6 +248,7 @@ impl JobSpec {
             member_timeout_ms: 0,
             rate_limit: None,
             result_group: None,
+            quorum: 0,
         }
     }
 
@@ -259,6 +277,9 @@ impl JobSpec {
         }
         if self.block_grad_max == 0 || self.block_grad_max as usize > MAX_GRAD_CNT {
             return Err(JobSpecError::BlockGrad { job_id, value: self.block_grad_max });
+        }
+        if self.quorum as usize > self.members.len() {
+            return Err(JobSpecError::Quorum { job_id, value: self.quorum, members: self.members.len() });
         }
         if self.block_exp_ms > MAX_BLOCK_EXP_MS {
             return Err(JobSpecError::BlockExp { job_id, value: self.block_exp_ms });

@@ -317,6 +317,10 @@ pub struct JobConfig {
     /// (docs/protocol.md §4.5); unset = unicast to every member.
     #[serde(default)]
     pub result_group: Option<std::net::SocketAddrV4>,
+    /// GOAT's K: a block completes with the first `quorum` members'
+    /// contributions (0 = every member; docs/goat.md).
+    #[serde(default)]
+    pub quorum: u16,
 }
 
 fn default_data_addr() -> SocketAddr {
@@ -498,6 +502,7 @@ impl JobConfig {
             member_timeout_ms: self.member_timeout_ms,
             rate_limit: self.rate_limit,
             result_group: self.result_group,
+            quorum: self.quorum,
         })
     }
 }

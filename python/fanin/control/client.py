@@ -138,6 +138,7 @@ class ControlClient:
         rate_limit: Optional[Any] = None,
         key: Optional[Any] = None,
         result_group: Optional[str] = None,
+        quorum: int = 0,
     ) -> None:
         """Admit a job; ``members`` are the source ids (ranks) of its workers.
 
@@ -162,24 +163,27 @@ class ControlClient:
         job key: members must seal their datagrams (docs/security.md).
         ``result_group`` (``"239.1.0.7:47001"``, unkeyed jobs) makes the switch
         send each result once to that multicast group for the workers
-        listening there (docs/protocol.md 4.5).
+        listening there (docs/protocol.md 4.5). ``quorum`` (GOAT's K; 0 =
+        every member): a block completes with the first ``quorum`` members'
+        contributions; it may change later through :meth:`update_job`.
         """
         self._call("AdmitJob", pb.AdmitJobRequest(spec=_job_spec(
             job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows, workers, tree,
             on_failure=on_failure, member_timeout_ms=member_timeout_ms, rate_limit=rate_limit, key=key,
-            result_group=result_group)))
+            result_group=result_group, quorum=quorum)))
 
     def update_job(self, job: Dict[str, Any], awaiting: Iterable[int] = ()) -> None:
         """Change a running job in place: ``job`` as :meth:`list_jobs` gives
-        it, with new ``members``, ``workers`` or ``tree`` (the other fields
-        must stay as admitted: ``FAILED_PRECONDITION`` otherwise). New
+        it, with new ``members``, ``workers``, ``tree`` or ``quorum`` (the
+        other fields must stay as admitted: ``FAILED_PRECONDITION``
+        otherwise). New
         members listed in ``awaiting`` join a running job: blocks wait for
         them only from the start block their sync names."""
         spec = _job_spec(job["job_id"], job["members"], job["block_cnt_max"], job["block_grad_max"],
                          job["block_exp_ms"], job["mode"], job["slow_after_windows"], job.get("workers", 0),
                          job.get("tree"), on_failure=job.get("on_failure"),
                          member_timeout_ms=job.get("member_timeout_ms", 0), rate_limit=job.get("rate_limit"),
-                         key=job.get("key"), result_group=job.get("result_group"))
+                         key=job.get("key"), result_group=job.get("result_group"), quorum=job.get("quorum", 0))
         awaiting = [int(m) for m in awaiting]
         for m in awaiting:
             _check_u32(m, "awaiting member")
@@ -273,7 +277,7 @@ _POLICY_NAMES = {v: k for k, v in FAILURE_POLICIES.items()}
 
 def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows,
               workers, tree, *, on_failure=None, member_timeout_ms=0, rate_limit=None,
-              key=None, result_group=None) -> "pb.JobSpec":
+              key=None, result_group=None, quorum=0) -> "pb.JobSpec":
     try:
         mode_value = MODES[mode]
     except KeyError:
@@ -312,6 +316,9 @@ def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode
         spec.rate_limit.CopyFrom(pb.RateLimit(pps=pps, burst=burst))
     if workers:
         spec.workers = workers
+    if quorum:
+        _check_u32(quorum, "quorum")
+        spec.quorum = quorum
     if tree is not None:
         unknown = set(tree) - {"parent_addr", "parent_shards", "rank"}
         if unknown:
@@ -340,4 +347,5 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         # loopback), so that update_job(list_jobs()[i]) keeps it
         "key": bytes(j.key) or None,
         "result_group": j.result_group or None,
+        "quorum": j.quorum,
     }

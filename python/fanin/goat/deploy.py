@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ..controller.fabric import Fabric
 from ..controller.tree import SWITCH_RANK_BASE, switch_rank
@@ -176,6 +176,35 @@ class Deployment:
     def remove(self) -> None:
         _remove_jobs(self.installed, self._client)
         self.installed.clear()
+
+    def install_quorums(self, participating: Iterable[int]) -> dict[tuple[str, int], int]:
+        """One epoch of GOAT's asynchronous training (§V, Algorithm 2):
+        install K_t^s on every aggregation node for the workers (ranks)
+        `participating` this epoch. Each sub-model's job on a node then
+        completes a block with the first K contributions (the switch's
+        `quorum`, docs/protocol.md): on a switch, K is the number of its
+        members taking part; at the PS, the switches of the job with any
+        participant plus its direct participating workers. A node whose job
+        has no participant gets K = 0 (every member), so a job nobody feeds
+        is not completed by nobody. Returns ``{(node, job_id): K}``."""
+        part = {int(r) for r in participating}
+        quorums: dict[tuple[str, int], int] = {}
+        active_ranks: dict[int, set[int]] = {}
+        for j in self.installed:  # switches first: they decide who counts at the PS
+            if j.parent is not None:
+                k = sum(1 for m in j.members if m in part)
+                quorums[(j.node, j.job_id)] = k
+                if k:
+                    active_ranks.setdefault(j.job_id, set()).add(j.rank)
+        for j in self.installed:
+            if j.parent is None:
+                counted = part | active_ranks.get(j.job_id, set())
+                quorums[(j.node, j.job_id)] = sum(1 for m in j.members if m in counted)
+        for (node, job_id), k in quorums.items():
+            client = self._client(node)
+            (spec,) = [s for s in client.list_jobs() if s["job_id"] == job_id]
+            client.update_job({**spec, "quorum": k})
+        return quorums
 
 
 def _remove_jobs(jobs: list[AggregatorJob], client: Callable[[str], Any]) -> list[AggregatorJob]:

@@ -426,15 +426,17 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let became_root = job.uplink.is_some() && uplink.is_none();
         job.uplink = uplink;
         let _ = now;
-        // No block waits for a member that left.
+        // No block waits for a member that left, nor for more members than
+        // a (new) quorum asks for.
         let mut newly_slow = Vec::new();
+        let quorum = job.spec.quorum;
         for local in 0..job.slots.len() {
             let Some(block) = job.slots[local].cur.as_mut() else { continue };
             if block.aggregating() {
                 for &m in &left {
                     block.forget(m);
                 }
-                if block.satisfied() {
+                if block.satisfied(quorum) {
                     close_phase(job, local, &mut self.counters, out, &mut self.scratch, &mut newly_slow);
                 }
             } else if became_root && matches!(block.phase, Phase::ExponentUp | Phase::DataUp) {

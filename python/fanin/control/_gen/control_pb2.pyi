@@ -29,7 +29,7 @@ KV_VALUE_TYPE_INT64: KvValueType
 KV_VALUE_TYPE_FLOAT64: KvValueType
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit", "result_group")
+    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit", "result_group", "quorum")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class JobSpec(_message.Message):
     MEMBER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     RESULT_GROUP_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     block_cnt_max: int
@@ -58,7 +59,8 @@ class JobSpec(_message.Message):
     member_timeout_ms: int
     rate_limit: RateLimit
     result_group: str
-    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., result_group: _Optional[str] = ...) -> None: ...
+    quorum: int
+    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., result_group: _Optional[str] = ..., quorum: _Optional[int] = ...) -> None: ...
 
 class RateLimit(_message.Message):
     __slots__ = ("pps", "burst")

@@ -101,7 +101,7 @@ pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
             }
             reply.counters.accepted += 1;
             block.exp = block.exp.max(exp);
-            if block.satisfied() {
+            if block.satisfied(reply.quorum) {
                 if !block.aged {
                     reply.sample_spread(block);
                 }
@@ -261,7 +261,7 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
             }
             block.next_exp = block.next_exp.max(packet.next_exp());
             block.final_block |= packet.final_block();
-            let completed = block.satisfied();
+            let completed = block.satisfied(reply.quorum);
             if completed {
                 if !block.aged {
                     reply.sample_spread(block);

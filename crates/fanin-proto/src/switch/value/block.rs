@@ -140,8 +140,10 @@ impl Block {
     /// Every source the block waits for has contributed in this phase, and
     /// at least one did: a result always sums at least one source (the
     /// sources it waited for may all have been declared slow meanwhile).
-    pub(super) fn satisfied(&self) -> bool {
-        self.expected_rcvd >= self.expected_count && !self.rcvd.is_empty()
+    pub(super) fn satisfied(&self, quorum: u16) -> bool {
+        // with a quorum (GOAT's K), the first K of them suffice
+        let need = if quorum == 0 { self.expected_count } else { self.expected_count.min(quorum) };
+        self.expected_rcvd >= need && !self.rcvd.is_empty()
     }
 
     /// Count `src` (summing `weight` workers) in the current phase; false

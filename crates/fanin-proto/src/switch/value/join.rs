@@ -73,6 +73,7 @@ pub(super) fn answer_join_as<A: Copy>(
         // Blocks of this job may complete without every member, and the
         // job asked for that (docs/protocol.md §6.2).
         partial_results: job.spec.block_exp_ms > 0
+            || job.spec.quorum > 0
             || job.spec.on_failure == FailurePolicy::Degrade
             || job.spec.mode == JobMode::Forward,
         // One packet size for the whole job (a block's elements must line

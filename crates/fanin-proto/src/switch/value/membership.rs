@@ -22,13 +22,14 @@ pub(super) fn settle_slow_sources<A: Copy>(
         counters.declared_slow += 1;
         let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);
         notify_membership(job, src, MEMBERSHIP_SLOW, block_id, counters, out, scratch);
+        let quorum = job.spec.quorum;
         for local in 0..job.slots.len() {
             let Some(block) = job.slots[local].cur.as_mut() else { continue };
             if !block.aggregating() {
                 continue;
             }
             block.forget(src);
-            if block.satisfied() {
+            if block.satisfied(quorum) {
                 close_phase(job, local, counters, out, scratch, newly_slow);
             }
         }

@@ -12,6 +12,7 @@ macro_rules! job_reply {
             block_cnt_max: $job.spec.block_cnt_max,
             members: &$job.members,
             member_count: $job.member_count,
+            quorum: $job.spec.quorum,
             addrs: &$job.addrs,
             group: $job.spec.result_group.map(|g| (g, &$job.listens_on_group)),
             uplink: $uplink,
@@ -34,6 +35,8 @@ pub(super) struct Reply<'a, A, T> {
     pub(super) block_cnt_max: u32,
     pub(super) members: &'a SourceMask,
     pub(super) member_count: u16,
+    /// GOAT's K: a phase completes with this many contributions (0: all).
+    pub(super) quorum: u16,
     pub(super) addrs: &'a [Option<A>],
     /// The job's result group and the members listening on it.
     pub(super) group: Option<(std::net::SocketAddrV4, &'a SourceMask)>,

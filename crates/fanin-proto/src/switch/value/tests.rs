@@ -955,7 +955,7 @@ fn a_contribution_cut_to_its_header_by_the_network_is_answered_with_a_trimmed_na
     assert_eq!((c.trimmed_in_network, c.accepted, c.malformed.iter().sum::<u64>()), (1, 0, 0));
     // the nack says why: the network trimmed it
     let mut out = VecTransmit::new();
-    sw.handle_datagram(T0, 100, &whole[..HEADER_LEN], &mut out);
+    let _ = sw.handle_datagram(T0, 100, &whole[..HEADER_LEN], &mut out);
     let (_, nack) = out.drain().next().unwrap();
     let nack = Nack::parse(Packet::new_checked(&nack[..]).unwrap().payload()).unwrap();
     assert_eq!((nack.reason, TrimCause::from_detail(nack.detail)), (NackReason::Trimmed, Some(TrimCause::Network)));
@@ -1263,4 +1263,37 @@ fn a_child_of_a_root_spread_over_switches_tells_its_workers_the_order_classes() 
     sw.set_uplink(1, Some(Uplink { parent: vec![1, 2, 3, 4, 5], rank: RANK })).unwrap();
     let params = join_listening(&mut sw, 1, 0, false);
     assert_eq!((params.shard_count, params.order_shards, params.order_classes()), (1, 5, Some(5)));
+}
+
+#[test]
+fn a_quorum_completes_a_block_with_the_first_k_members_and_can_change_while_the_job_runs() {
+    // GOAT's K_t (docs/goat.md): 4 members, K = 3
+    let mut sw = switch_with(&[JobSpec { quorum: 3, ..job(1, 4, 4) }]);
+    for src in 0..4 {
+        assert!(join_listening(&mut sw, 1, src, false).partial_results, "members accept partial results");
+    }
+    assert!(send(&mut sw, Pkt::data(1, 0, 0, &[1])).is_empty());
+    assert!(send(&mut sw, Pkt::data(1, 2, 0, &[10])).is_empty());
+    let out = send(&mut sw, Pkt::data(1, 3, 0, &[100]));
+    // the third completes it: the result goes to all four, summing three
+    assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![100, 101, 102, 103]);
+    assert!(out.iter().all(|o| o.2 == vec![111] && o.1.src_cnt == 3 && o.1.degraded));
+    // the fourth arrives late: never added, answered with the result
+    let late = send(&mut sw, Pkt::data(1, 1, 0, &[1000]));
+    assert_eq!((late.len(), late[0].0, late[0].2.clone()), (1, 101, vec![111]));
+    assert_eq!(sw.counters().late, 1);
+    // the controller installs K = 0 (every member): block 1 waits for all
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, job(1, 4, 4), None, &[], &mut out).unwrap();
+    for src in 0..3 {
+        assert!(send(&mut sw, Pkt::data(1, src, 1, &[1])).is_empty());
+    }
+    // lowering K to 2 completes the open block that already has three
+    sw.update_job(T0, JobSpec { quorum: 2, ..job(1, 4, 4) }, None, &[], &mut out).unwrap();
+    let done = decode(out);
+    assert_eq!(done.len(), 4);
+    assert!(done.iter().all(|o| o.2 == vec![3] && o.1.src_cnt == 3));
+    // a quorum above the members is refused at admission
+    let err = ValueSwitch::<Addr>::new(ShardConfig::single(1 << 20)).add_job(JobSpec { quorum: 5, ..job(2, 4, 4) });
+    assert!(err.unwrap_err().to_string().contains("quorum 5"));
 }
