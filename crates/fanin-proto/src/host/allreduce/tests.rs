@@ -9,12 +9,18 @@ use crate::transmit::VecTransmit;
 
 /// Move a session's Join to the switch and the answers back, by hand.
 fn join_by_hand(s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>) {
+    join_rewriting(s, sw, |_| {})
+}
+
+/// `join_by_hand`, with each answer rewritten on its way to the worker.
+fn join_rewriting(s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>, rewrite: impl Fn(&mut Vec<u8>)) {
     let mut out = VecTransmit::new();
     s.poll_transmit(Time::ZERO, &mut out);
     for (_, join) in out.drain() {
         let mut reply = VecTransmit::new();
         let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
-        for (_, b) in reply.drain() {
+        for (_, mut b) in reply.drain() {
+            rewrite(&mut b);
             s.handle_datagram(Time::ZERO, &b);
         }
     }
@@ -22,13 +28,18 @@ fn join_by_hand(s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>) {
 
 /// One worker, one switch shard, datagrams moved by hand.
 fn joined(window: u32) -> (AllreduceSession, ValueSwitch<u16>) {
+    joined_rewriting(window, |_| {})
+}
+
+/// `joined`, with the switch's answers to the join rewritten.
+fn joined_rewriting(window: u32, rewrite: impl Fn(&mut Vec<u8>)) -> (AllreduceSession, ValueSwitch<u16>) {
     let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
     sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
     let mut cfg = SessionConfig::new(1, 0);
     cfg.elems_per_packet = 4;
     cfg.window = window;
     let mut s = AllreduceSession::new(cfg, Time::ZERO);
-    join_by_hand(&mut s, &mut sw);
+    join_rewriting(&mut s, &mut sw, rewrite);
     assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
     (s, sw)
 }
@@ -484,27 +495,11 @@ fn a_join_ack_announcing_nothing_fits_does_not_panic_the_worker() {
 /// in order only within `order_shards` classes (what a child of a root spread
 /// over several switches says, docs/protocol.md §6.3).
 fn joined_with_order(order_shards: u8) -> (AllreduceSession, ValueSwitch<u16>) {
-    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
-    sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
-    let mut cfg = SessionConfig::new(1, 0);
-    cfg.elems_per_packet = 4;
-    cfg.window = 8;
-    let mut s = AllreduceSession::new(cfg, Time::ZERO);
-    let mut out = VecTransmit::new();
-    s.poll_transmit(Time::ZERO, &mut out);
-    for (_, join) in out.drain() {
-        let mut reply = VecTransmit::new();
-        let _ = sw.handle_datagram(Time::ZERO, 0, &join, &mut reply);
-        for (_, mut b) in reply.drain() {
-            let p = Packet::new_checked(&b[..]).unwrap();
-            let mut params = JoinParams::parse(p.payload()).unwrap();
-            params.order_shards = order_shards;
-            params.emit(&mut b[fanin_wire::value::HEADER_LEN..]);
-            s.handle_datagram(Time::ZERO, &b);
-        }
-    }
-    assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
-    (s, sw)
+    joined_rewriting(8, |b| {
+        let mut params = JoinParams::parse(Packet::new_checked(&b[..]).unwrap().payload()).unwrap();
+        params.order_shards = order_shards;
+        params.emit(&mut b[fanin_wire::value::HEADER_LEN..]);
+    })
 }
 
 #[test]
