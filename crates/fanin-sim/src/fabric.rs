@@ -34,12 +34,33 @@ pub enum NetEv {
 /// (wire overhead included) from `src` to `dst` every `interval`, from its
 /// start until [`Fabric::stop_background`]; its datagrams share the queues
 /// and links with the experiment's and are absorbed where they arrive.
+///
+/// A `responsive` flow is a congestion-controlled tenant, TCP-like in the
+/// large (AIMD on its rate): `interval` is its fastest pace; each datagram
+/// of its lost in a queue (dropped, or trimmed) halves its rate, at most
+/// once per [`RESPONSIVE_CUT_GAP`], and each datagram sent adds 1 % of
+/// the fastest rate back. The sender learns of the loss at once (as from
+/// an ECN echo or a trimmed header, without the round trip), which favours
+/// the background, if anything.
 #[derive(Debug, Clone, Copy)]
 pub struct BackgroundFlow {
     pub src: u32,
     pub dst: u32,
     pub bytes: u32,
     pub interval: Ps,
+    pub responsive: bool,
+}
+
+/// A responsive background flow halves its rate at most once per this long
+/// (about a round trip across a few 100 Gbit/s hops).
+pub const RESPONSIVE_CUT_GAP: Ps = 10_000 * crate::kernel::PS_PER_NS;
+
+/// A background flow's pace now (responsive flows change it).
+#[derive(Debug, Clone, Copy)]
+struct BackgroundPace {
+    /// Datagrams per ps, at most `1 / flow.interval`.
+    rate: f64,
+    last_cut: Option<Ps>,
 }
 
 /// What the background flows sent and what reached its destination.
@@ -48,6 +69,9 @@ pub struct BackgroundStats {
     pub flows: u32,
     pub sent_bytes: u64,
     pub delivered_bytes: u64,
+    /// Responsive flows: times a flow halved its rate on a loss.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub rate_cuts: u64,
 }
 
 /// The links of an experiment, as its configuration states them.
@@ -149,6 +173,8 @@ pub struct Dgram {
     pub bytes: Vec<u8>,
     /// Background traffic: absorbed at its destination, never handed on.
     pub background: bool,
+    /// The background flow that sent it (`u32::MAX`: none).
+    pub flow: u32,
 }
 
 struct Channel {
@@ -172,6 +198,7 @@ pub struct Fabric {
     classify: Option<fn(&[u8]) -> usize>,
     class_sent: Vec<Vec<u64>>,
     background: Vec<BackgroundFlow>,
+    pace: Vec<BackgroundPace>,
     background_on: bool,
     pub background_stats: BackgroundStats,
     pub datagrams: u64,
@@ -231,6 +258,7 @@ impl Fabric {
             classify: None,
             class_sent: Vec::new(),
             background: Vec::new(),
+            pace: Vec::new(),
             background_on: false,
             background_stats: BackgroundStats::default(),
             datagrams: 0,
@@ -249,6 +277,7 @@ impl Fabric {
             ev.schedule(ev.now() + rng.below(f.interval), NetEv::Background { flow: i as u32 }.into());
         }
         self.background_stats.flows = flows.len() as u32;
+        self.pace = flows.iter().map(|f| BackgroundPace { rate: 1.0 / f.interval as f64, last_cut: None }).collect();
         self.background = flows;
         self.background_on = true;
     }
@@ -289,7 +318,7 @@ impl Fabric {
     /// Node `src` sends `bytes` to node `dst`.
     pub fn send<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, src: u32, dst: u32, bytes: Vec<u8>) {
         self.datagrams += 1;
-        self.inject(ev, Dgram { src, dst, bytes, background: false });
+        self.inject(ev, Dgram { src, dst, bytes, background: false, flow: u32::MAX });
     }
 
     fn inject<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, d: Dgram) {
@@ -324,11 +353,14 @@ impl Fabric {
         let c = &mut self.chans[chan as usize];
         c.stats.offered_bytes += len;
         let item = Queued { buf, wire_len: len as u32, cut: false };
+        let flow = d.flow;
+        let mut trimmed = false;
         let queued = if self.cfg.trimming {
             match c.queue.enqueue_ndp(item) {
                 NdpVerdict::Queued => true,
                 NdpVerdict::Trimmed => {
                     self.trims += 1;
+                    trimmed = true;
                     true
                 }
                 // the header queue is full too: NDP returns the header to
@@ -343,9 +375,24 @@ impl Fabric {
             c.stats.queue_dropped_bytes += len;
             self.queue_drops += 1;
             self.release(buf);
+            self.background_loss(flow, ev.now());
             return;
         }
+        if trimmed {
+            self.background_loss(flow, ev.now());
+        }
         self.kick(ev, chan);
+    }
+
+    /// A responsive background flow lost a datagram: halve its rate.
+    fn background_loss(&mut self, flow: u32, now: Ps) {
+        let Some(f) = self.background.get(flow as usize).filter(|f| f.responsive) else { return };
+        let p = &mut self.pace[flow as usize];
+        if p.last_cut.map_or(true, |t| now >= t + RESPONSIVE_CUT_GAP) {
+            p.rate = (p.rate / 2.0).max(1e-3 / f.interval as f64);
+            p.last_cut = Some(now);
+            self.background_stats.rate_cuts += 1;
+        }
     }
 
     fn release(&mut self, buf: u32) {
@@ -392,8 +439,12 @@ impl Fabric {
                     let f = self.background[flow as usize];
                     self.background_stats.sent_bytes += f.bytes as u64;
                     let bytes = vec![0xB6; (f.bytes - WIRE_OVERHEAD) as usize];
-                    self.inject(ev, Dgram { src: f.src, dst: f.dst, bytes, background: true });
-                    ev.schedule(ev.now() + f.interval, NetEv::Background { flow }.into());
+                    self.inject(ev, Dgram { src: f.src, dst: f.dst, bytes, background: true, flow });
+                    let p = &mut self.pace[flow as usize];
+                    if f.responsive {
+                        p.rate = (p.rate + 0.01 / f.interval as f64).min(1.0 / f.interval as f64);
+                    }
+                    ev.schedule(ev.now() + (1.0 / p.rate).round() as Ps, NetEv::Background { flow }.into());
                 }
                 None
             }

@@ -136,6 +136,10 @@ pub struct ScaleConfig {
     /// datagrams at this fraction of its link rate to another such host (a
     /// seeded derangement), for the whole run (0 = none).
     pub background_load: f64,
+    /// The background flows are congestion-controlled (AIMD on their rate,
+    /// `fabric::BackgroundFlow::responsive`), not constant-rate.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub background_responsive: bool,
 }
 
 impl Default for ScaleConfig {
@@ -151,6 +155,7 @@ impl Default for ScaleConfig {
             rto_min_us: 50,
             seed: 1,
             background_load: 0.0,
+            background_responsive: false,
         }
     }
 }
@@ -285,7 +290,7 @@ fn background_flows(spec: &Spec, cfg: &ScaleConfig) -> Result<Vec<BackgroundFlow
     }
     let bytes = (HEADER_LEN + ELEM_LEN * cfg.elems_per_packet as usize) as u32 + WIRE_OVERHEAD;
     let interval = (tx_time(bytes, cfg.links.rate_gbps * 1_000_000_000) as f64 / cfg.background_load) as Ps;
-    Ok((0..free.len()).map(|i| BackgroundFlow { src: free[i], dst: free[(i + 1) % free.len()], bytes, interval }).collect())
+    Ok((0..free.len()).map(|i| BackgroundFlow { src: free[i], dst: free[(i + 1) % free.len()], bytes, interval, responsive: cfg.background_responsive }).collect())
 }
 
 fn fabric(spec: &Spec, cfg: &ScaleConfig) -> Fabric {

@@ -201,3 +201,21 @@ fn a_root_spread_over_several_switches_is_exact_uses_every_uplink_and_keeps_resu
     bad.root_shards.push(bad.tree[0].node);
     assert!(bad.validate().unwrap_err().contains("outside the tree"));
 }
+
+#[test]
+fn responsive_background_backs_off_on_loss_and_constant_background_does_not() {
+    let s = spread_spec();
+    let busy = |responsive| ScaleConfig {
+        background_load: 0.9,
+        background_responsive: responsive,
+        links: LinkParams { queue_pkts: 8, ..LinkParams::default() },
+        ..config(0.0)
+    };
+    let (fixed, aimd) = (go(&s, &busy(false), Algorithm::Fanin), go(&s, &busy(true), Algorithm::Fanin));
+    assert!(fixed.exact && aimd.exact);
+    assert_eq!(fixed.background.rate_cuts, 0);
+    assert!(aimd.background.rate_cuts > 0, "{:?}", aimd.background);
+    // halving on every loss episode, it offers less per microsecond
+    let per_us = |r: &ScaleResult| r.background.sent_bytes as f64 / r.completion_us;
+    assert!(per_us(&aimd) < per_us(&fixed), "{} vs {} bytes/us", per_us(&aimd), per_us(&fixed));
+}

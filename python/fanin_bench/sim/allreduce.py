@@ -174,6 +174,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="NDP trimming in every link queue instead of drop-tail (same buffer): a datagram that finds "
                         "the queue full is cut to its fanin header, which tells the switch or worker of the loss at "
                         "once (docs/protocol.md 4.14); the ring's transport sees a cut packet as a loss")
+    p.add_argument("--responsive-background", action="store_true",
+                   help="the background flows are congestion-controlled (AIMD on their rate: halved on a loss, "
+                        "regrown by 1%% of their pace per datagram) instead of constant-rate")
     p.add_argument("--spread", action="store_true",
                    help="take the workers evenly from every edge switch instead of the first hosts, so the hosts "
                         "left for background traffic are on every edge switch too")
@@ -209,7 +212,8 @@ def main(binary: str, argv: list[str]) -> int:
                 "--queue-pkts", str(args.queue_pkts),
                 "--loss", str(loss), "--stragglers", str(stragglers), "--straggler-delay-us",
                 str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms), "--seed", str(args.seed),
-                "--background-load", str(args.background_load)] + (["--trimming"] if args.trimming else [])
+                "--background-load", str(args.background_load)] + (["--trimming"] if args.trimming else []) \
+            + (["--responsive-background"] if args.responsive_background else [])
         print(f"fanin sim allreduce: scenario {name} (loss {loss}, stragglers {stragglers})", file=sys.stderr)
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:

@@ -39,7 +39,7 @@ usage:
   fanin-sim allreduce --spec FILE [--algorithms fanin,ring] [--elements E] [--elems-per-packet P]
                       [--window W] [--loss P] [--rate-gbps R] [--delay-ns D] [--queue-pkts Q]
                       [--stragglers FRACTION --straggler-delay-us US] [--block-exp-ms MS]
-                      [--seed S] [--background-load F] [--trimming] [--json]
+                      [--seed S] [--background-load F [--responsive-background]] [--trimming] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
   fanin-sim goat --spec FILE [--elems-per-packet P] [--window W] [--rate-gbps R] [--delay-ns D]
@@ -299,6 +299,7 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
     opt!("--seed", seed);
     opt!("--background-load", background_load);
     c.links.trimming = args.flag("--trimming");
+    c.background_responsive = args.flag("--responsive-background");
     let algorithms: Vec<Algorithm> =
         args.value::<String>("--algorithms")?.unwrap_or_else(|| "fanin,ring".into()).split(',').map(str::parse).collect::<Result<_, _>>()?;
     let as_json = args.flag("--json");
