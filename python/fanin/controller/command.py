@@ -67,8 +67,9 @@ def add_parser(sub: Any) -> None:
     cj.add_argument("job_id", type=int)
     cj.add_argument("--block-cnt-max", type=int, default=JOB_DEFAULTS["block_cnt_max"],
                     help="slots (blocks in flight) per switch (default %(default)s)")
-    cj.add_argument("--block-grad-max", type=int, default=JOB_DEFAULTS["block_grad_max"],
-                    help="elements per block (default %(default)s)")
+    cj.add_argument("--block-grad-max", type=int, default=None,
+                    help="elements per block and packet (default: %d, capped to what one unfragmented datagram "
+                         "carries on the tree's smallest-MTU switch)" % JOB_DEFAULTS["block_grad_max"])
     cj.add_argument("--block-exp-ms", type=int, default=0, help="straggler timeout (0: wait for every member)")
     cj.add_argument("--max-workers", type=int, default=64, help="most workers at once (block floating point scales for it)")
     cj.add_argument("--on-failure", choices=["degrade", "fail"], default=None,

@@ -44,7 +44,8 @@ class _Servicer(pb_grpc.ControllerServicer):
             self.c.create_job(JobParams(
                 job_id=request.job_id,
                 block_cnt_max=request.block_cnt_max or JOB_DEFAULTS["block_cnt_max"],
-                block_grad_max=request.block_grad_max or JOB_DEFAULTS["block_grad_max"],
+                # 0 (unset): the default, sized to the tree's links
+                block_grad_max=request.block_grad_max or None,
                 block_exp_ms=request.block_exp_ms,
                 slow_after_windows=(request.slow_after_windows if request.HasField("slow_after_windows")
                                     else JOB_DEFAULTS["slow_after_windows"]),
@@ -164,7 +165,7 @@ class ControllerClient:
         return call_rpc(self._stub, method, request, addr=self.addr, timeout=self.timeout, metadata=self._metadata)
 
     def create_job(self, job_id: int, *, block_cnt_max: int = JOB_DEFAULTS["block_cnt_max"],
-                   block_grad_max: int = JOB_DEFAULTS["block_grad_max"], block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"],
+                   block_grad_max: Optional[int] = None, block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"],
                    slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"], max_workers: int = 64,
                    on_failure: Optional[str] = None, member_timeout_ms: int = 0, auth: bool = True) -> None:
         """Create a job. ``auth`` (default True): the controller draws a job
@@ -176,7 +177,7 @@ class ControllerClient:
             raise ValueError(f"on_failure must be degrade, fail or None (the default for block_exp_ms), "
                              f"not {on_failure!r}")
         self._call("CreateJob", pb.CreateJobRequest(
-            job_id=job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max, block_exp_ms=block_exp_ms,
+            job_id=job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max or 0, block_exp_ms=block_exp_ms,
             slow_after_windows=slow_after_windows, max_workers=max_workers, on_failure=policy[on_failure],
             member_timeout_ms=member_timeout_ms, auth=auth))
 

@@ -25,6 +25,7 @@ role with its key.
 from __future__ import annotations
 
 import threading
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -50,7 +51,11 @@ class ControllerError(Exception):
 class JobParams:
     job_id: int
     block_cnt_max: int = JOB_DEFAULTS["block_cnt_max"]
-    block_grad_max: int = JOB_DEFAULTS["block_grad_max"]
+    #: Elements per block, and the packet size of every switch of the tree.
+    #: None: the default (1024) capped to what one unfragmented datagram
+    #: carries on the tree's smallest-MTU switch (docs/trees.md); a value is
+    #: used as given (a caller that chose its packets keeps them).
+    block_grad_max: Optional[int] = None
     block_exp_ms: int = JOB_DEFAULTS["block_exp_ms"]
     slow_after_windows: int = JOB_DEFAULTS["slow_after_windows"]
     #: Most workers at once; workers scale block floating point for it.
@@ -93,9 +98,6 @@ class _Job:
     #: ranks rebuilt from the switches, whose host is only known up to its
     #: switch until the worker subscribes again
     unconfirmed: set[int] = field(default_factory=set)
-    #: the packet size of the job's tree, every switch's block_grad_max
-    #: (`_fit_packets`); None until the job is first programmed
-    packet_elems: Optional[int] = None
 
 
 class Controller:
@@ -332,7 +334,7 @@ class Controller:
             "job_id": p.job_id,
             "members": list(role.members),
             "block_cnt_max": p.block_cnt_max,
-            "block_grad_max": job.packet_elems or p.block_grad_max,
+            "block_grad_max": p.block_grad_max or JOB_DEFAULTS["block_grad_max"],
             "block_exp_ms": p.block_exp_ms,
             "slow_after_windows": p.slow_after_windows,
             "mode": "aggregate",
@@ -346,22 +348,22 @@ class Controller:
         }
 
     def _fit_packets(self, job: _Job, new_roles: dict[str, Role]) -> None:
-        """Fix the job's packet size at its first programming: its
-        block_grad_max, capped to what one unfragmented datagram carries
+        """Fix the job's packet size at its first programming: the given
+        block_grad_max, or the default capped to what one unfragmented datagram carries
         over the data port of the tree's switch with the smallest MTU
         (GetInfo's `packet_elems_max`). Every switch of a tree sends and
         expects blocks of the job's block_grad_max, and every worker learns
         it as its packet size, so it must fit every link, and it must stay
         the same for the job's life: a switch that joins the tree later
         with a smaller MTU gets the same size (docs/trees.md)."""
-        if job.packet_elems is not None:
-            return
-        size = job.params.block_grad_max
+        if job.params.block_grad_max is not None:
+            return  # the caller's choice, or fixed at the first programming
+        size = JOB_DEFAULTS["block_grad_max"]
         for s in sorted(new_roles):
             limit = int(self._client(s).info().get("packet_elems_max") or 0)
             if limit:
                 size = min(size, limit)
-        job.packet_elems = size
+        job.params = dataclasses.replace(job.params, block_grad_max=size)
 
     def _apply(self, job: _Job, new_roles: dict[str, Role], awaiting: dict[str, set[int]]) -> list[str]:
         """Program the switches whose role differs between the job's current
