@@ -30,8 +30,9 @@ from fanin.proc import HALF_DTYPES, check_result, half_values, reference_sum, wo
 # to 64 KB that the kernel cuts into MTU-sized datagrams, so a Python blaster
 # can fill a 10 Gbit/s link.
 _UDP_SEGMENT = 103
-# a keyed job's member key (hex), from the driver's environment
-MEMBER_KEY_ENV = "FANIN_BENCH_MEMBER_KEY"
+# a keyed job's member key (hex), from the driver's environment: the name
+# the tree benchmark's workers read too (tree_worker.py)
+MEMBER_KEY_ENV = "FANIN_MEMBER_KEY"
 
 
 def _fanin(a: argparse.Namespace) -> int:

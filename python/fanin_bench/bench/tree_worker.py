@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 import fanin
+from fanin_bench.bench.net_worker import MEMBER_KEY_ENV
 
 
 def contribution(rank: int, elements: int, step: int) -> np.ndarray:
@@ -49,7 +50,7 @@ def main() -> int:
                         "an uncapped exponential backoff would measure the backoff, not the tree")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    key = os.environ.get("FANIN_MEMBER_KEY")
+    key = os.environ.get(MEMBER_KEY_ENV)
     s = fanin.Session(a.addr, a.job, a.rank, elems_per_packet=a.elems_per_packet, window=a.window,
                       send_drop=a.send_drop, recv_drop=a.recv_drop, seed=a.seed, rto_ms=a.rto_ms,
                       rto_min_ms=a.rto_min_ms, rto_max_ms=a.rto_max_ms, dead_after_s=60,

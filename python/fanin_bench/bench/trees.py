@@ -34,6 +34,7 @@ from fanin import derive_member_key, new_job_key, topology
 from fanin.controller import Controller, JobParams, TestbedFabric
 from fanin.switch import job_config
 from fanin_bench.plotting import save_figure
+from fanin_bench.bench.net_worker import MEMBER_KEY_ENV
 
 JOB = 1
 DATA_PORT = 9000
@@ -75,7 +76,7 @@ class TestbedJob:
                     "--elems-per-packet", str(epp), "--window", str(window), "--send-drop", str(send_drop),
                     "--recv-drop", str(recv_drop), "--seed", str(seed * 1000 + r)]
             # the key in the environment, not argv (which other local users can read)
-            env = {**os.environ, "FANIN_MEMBER_KEY": keys[r].hex()}
+            env = {**os.environ, MEMBER_KEY_ENV: keys[r].hex()}
             proc = self.tb.popen(h, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             self.procs.append(proc)
         wait_ready(self.procs, label)
