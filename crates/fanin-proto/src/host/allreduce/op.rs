@@ -170,12 +170,12 @@ pub(super) fn note_later_result(op: &mut Op, idx: u32, params: &JoinParams, job_
     // Results come back in order within a class of blocks: the switch's
     // shard, or, below a root spread over several switches, the class the
     // JoinAck names (`order_shards`); a result overtakes only its class.
-    let Some(classes) = params.order_classes() else {
-        if !answered.timer_resend {
-            return; // no order to rely on: the stall timer finds losses
-        }
-        (op.low..op.next_new).filter(|&j| j != idx).for_each(|j| overtaken(op, j, answered.send_seq, 1));
-        return;
+    // With no order to rely on, only a timer resend's answer says anything
+    // (about every block sent before it); the stall timer finds the rest.
+    let classes = match params.order_classes() {
+        Some(classes) => classes,
+        None if answered.timer_resend => 1,
+        None => return,
     };
     let class = |op: &Op, j: u32| shard_of(job_id, op.block_id(j), params.block_cnt_max, classes);
     let own = (classes > 1).then(|| class(op, idx));
