@@ -35,6 +35,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -730,16 +731,24 @@ def list_testbeds(state_dir: Optional[Path] = None) -> list[str]:
     return sorted(p.name[len("testbed-"):-len(".json")] for p in d.glob("testbed-*.json"))
 
 
+_TOKEN_LOCK = threading.Lock()
+
+
 def _control_token() -> str:
     """The testbed's control API token: ``FANIN_CONTROL_TOKEN`` if set,
-    else a random one set there for this process and its children."""
+    else a random one set there for this process and its children. Under a
+    lock: `Testbed.switches` starts daemons on several threads, and two that
+    both found no token would each draw one, starting a daemon whose token
+    the process's clients no longer send (CI: "UNAUTHENTICATED: wrong
+    token" from one switch of a GOAT deployment)."""
     import os
     import secrets
 
     from fanin.control.client import CONTROL_TOKEN_ENV
 
-    token = os.environ.get(CONTROL_TOKEN_ENV)
-    if not token:
-        token = secrets.token_hex(16)
-        os.environ[CONTROL_TOKEN_ENV] = token
-    return token
+    with _TOKEN_LOCK:
+        token = os.environ.get(CONTROL_TOKEN_ENV)
+        if not token:
+            token = secrets.token_hex(16)
+            os.environ[CONTROL_TOKEN_ENV] = token
+        return token
