@@ -145,7 +145,7 @@ def test_a_quorum_completes_blocks_with_the_first_k_workers_and_a_controller_cha
             return out, stats, s.allreduce(x[rank]), s.last_stats
 
         results = in_threads(4, work)
-        late = sw.counters()["late"]
+        counters = sw.counters()
     for out, stats, everyone, stats2 in results:
         # the first three complete every block: 1 + 2 + 4, never the late 8
         assert np.all(out == 7), out[:4]
@@ -153,4 +153,8 @@ def test_a_quorum_completes_blocks_with_the_first_k_workers_and_a_controller_cha
         # then every member's: 15, nothing degraded
         assert np.all(everyone == 15), everyone[:4]
         assert not stats2["degraded_blocks"]
-    assert late >= 8
+    # The late worker's 8 blocks reached the switch after completion and were
+    # counted late, not added; or its session read their results while it
+    # was still joining (they go to every member) and it sent nothing for
+    # them: 4 joins, the first three's 3 x 8 blocks, then everyone's 4 x 8.
+    assert counters["late"] == 8 or (counters["late"] == 0 and counters["rx_datagrams"] == 4 + 3 * 8 + 4 * 8), counters

@@ -374,7 +374,10 @@ pub(super) fn account_missing(
     }
 }
 
-/// NoAggr: return the contribution to its sender as a result, untouched.
+/// NoAggr: return the contribution to its sender as a result, untouched;
+/// a `no_data` one (a reduce-scatter block its sender does not own) as the
+/// header without lanes, as an aggregating job answers it: a result never
+/// carries both.
 pub(super) fn reflect<A: Copy>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
@@ -384,12 +387,17 @@ pub(super) fn reflect<A: Copy>(
     tag: u16,
 ) {
     let bytes = packet.into_inner();
-    send(out, from, bytes.len(), env, |buf| {
-        buf.copy_from_slice(bytes);
+    let no_data = packet.no_data();
+    let len = if no_data { HEADER_LEN } else { bytes.len() };
+    send(out, from, len, env, |buf| {
+        buf.copy_from_slice(&bytes[..len]);
         let mut reply = Packet::new_unchecked(buf);
         reply.set_msg_type(MessageType::Result);
         reply.set_src_cnt(1);
         reply.set_src_id(tag);
+        if no_data {
+            reply.set_grad_cnt(0);
+        }
     });
     counters.forwarded += 1;
 }

@@ -312,6 +312,23 @@ fn forward_mode_reflects_without_state() {
 }
 
 #[test]
+fn forward_mode_reflects_a_no_data_contribution_as_a_header() {
+    // found by the `machines` fuzz target: a reduce-scatter worker's
+    // contribution to a block it does not own (no_data, with its lanes) came
+    // back as a Result with no_data *and* lanes, a packet no receiver accepts
+    let mut spec = job(5, 2, 4);
+    spec.mode = JobMode::Forward;
+    let mut sw = switch_with(&[spec]);
+    let mut p = Pkt::data(5, 1, 0, &[9, 8]);
+    p.repr.no_data = true;
+    let out = send(&mut sw, p);
+    assert_eq!(out.len(), 1);
+    let (to, repr, vals) = &out[0];
+    assert_eq!((*to, repr.msg_type, repr.no_data, repr.grad_cnt, vals.len()), (101, MessageType::Result, true, 0, 0));
+    assert_eq!(sw.counters().forwarded, 1);
+}
+
+#[test]
 fn job_records_count_against_the_limit_so_many_large_jobs_are_bounded_and_exact() {
     // found by a user: 6 256 jobs of block_cnt_max 1 with 4 096 members took
     // the switch to 2.3 GB while memory_used stayed 0 of 1 GiB
