@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fanin import topology
-from fanin.goat.deploy import AggregatorJob, WorkerTarget, install_goat_plan, plan_jobs, ps_only_plan
+from fanin.goat.deploy import AggregatorJob, WorkerTarget, atp_like_plan, install_goat_plan, plan_jobs, ps_only_plan
 from fanin.goat.model import GoatError
 
 TOPO = Path(__file__).resolve().parents[2] / "examples" / "goat-testbed.toml"
@@ -75,6 +75,32 @@ def test_inconsistent_plans_are_refused():
         plan_jobs(bad, topo)
     with pytest.raises(GoatError, match="schema"):
         plan_jobs({**hand_plan(), "schema": "x"}, topo)
+
+
+def test_atp_like_placement_fills_the_first_switch_on_each_path_in_submodel_order():
+    # six 2 MB sub-models, B(s) = 4 MB: each rack switch takes g0 and g1 for
+    # its four workers, then the aggregation switch (next on every path) g2
+    # and g3 for all eight; g4 and g5 find no room anywhere: straight to the PS
+    topo = topology.load(str(TOPO))
+    base = hand_plan()
+    base["submodels"] = [{"id": g, "name": f"g{g}", "size_mb": 2.0} for g in range(6)]
+    base["workers"] = [{"name": w, "aggregation_node": ["ps"] * 6} for w in WORKERS]
+    atp = atp_like_plan(base, topo)
+    nodes = {w["name"]: w["aggregation_node"] for w in atp["workers"]}
+    assert nodes["w0"] == ["tor0", "tor0", "agg", "agg", "ps", "ps"]
+    assert nodes["w6"] == ["tor1", "tor1", "agg", "agg", "ps", "ps"]
+    used = {sw["name"]: sw["memory_used_mb"] for sw in atp["switches"]}
+    assert used == {"agg": 4.0, "tor0": 4.0, "tor1": 4.0}
+    # the PS gets 2 partials of g0 and g1, 1 of g2 and g3, 8 raw g4 and g5
+    assert [e["expected_sources"] for e in atp["parameter_server"]["expect"]] == [2, 2, 1, 1, 8, 8]
+    assert atp["ps_mb"] == 2.0 * 22
+    jp = plan_jobs(atp, topo)  # a plan the deployment installs as it is
+    assert sorted((j.node, j.submodel, len(j.members)) for j in jp.jobs if j.node != "ps") == [
+        ("agg", 2, 8), ("agg", 3, 8), ("tor0", 0, 4), ("tor0", 1, 4), ("tor1", 0, 4), ("tor1", 1, 4)]
+    # a switch with no memory for anything aggregates nothing
+    for sw in base["switches"]:
+        sw["memory_mb"] = 0
+    assert all(n == "ps" for w in atp_like_plan(base, topo)["workers"] for n in w["aggregation_node"])
 
 
 def test_ps_only_baseline_sends_everything_to_the_ps():

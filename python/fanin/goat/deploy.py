@@ -37,7 +37,7 @@ from ..topology import Topology
 from .model import GoatError
 
 __all__ = ["AggregatorJob", "JobPlan", "WorkerTarget", "Deployment", "plan_jobs", "install_goat_plan",
-           "remove_goat_plan", "ps_only_plan"]
+           "remove_goat_plan", "ps_only_plan", "atp_like_plan"]
 
 PLAN_SCHEMA = "fanin.goat.plan/1"
 
@@ -142,6 +142,67 @@ def ps_only_plan(plan: dict[str, Any]) -> dict[str, Any]:
     out["parameter_server"]["expect"] = [
         {"submodel": s["id"], "from_switches": [], "direct_workers": list(names), "expected_sources": len(names)}
         for s in out["submodels"]]
+    out["ps_mb"] = len(names) * sum(float(s["size_mb"]) for s in out["submodels"])
+    return out
+
+
+def atp_like_plan(plan: dict[str, Any], topo: Topology) -> dict[str, Any]:
+    """The same instance placed as ATP's memory sharing settles without
+    contention (§VII-A's baseline, as a static plan a controller can
+    install): every worker's sub-models, in id order (ATP serves fragments
+    first come, and a step sends them in order), are aggregated at the
+    first programmable switch on the worker's shortest path to the PS that
+    already aggregates that sub-model or still has B(s) for it; a sub-model
+    no switch on the path can hold goes to the PS directly. Unlike GOAT's
+    plan it is chosen per switch, greedily, with no view of the whole tree.
+    ESA differs from ATP only by preempting another job's (or a lower
+    priority fragment's) memory at runtime: with one job and sub-models in
+    priority order its static placement is this one, and its dynamics are
+    in the flow-level evaluator (`fanin.goat.baselines`)."""
+    from .evaluate import tree_to_ps
+
+    out = copy.deepcopy(plan)
+    ps = out["parameter_server"]["name"]
+    parent, _ = tree_to_ps(topo, ps)
+    sizes = {int(s["id"]): float(s["size_mb"]) for s in out["submodels"]}
+    by_name = {sw["name"]: sw for sw in out["switches"]}
+    for sw in out["switches"]:
+        sw["filters"], sw["memory_used_mb"] = [], 0.0
+    filters: dict[tuple[str, int], list[str]] = {}
+    direct: dict[int, list[str]] = {g: [] for g in sizes}
+    for w in out["workers"]:
+        nodes = []
+        for g in sorted(sizes):
+            node = ps
+            hop = parent.get(w["name"])
+            while hop is not None and hop != ps:
+                sw = by_name.get(hop)
+                if sw is not None and sw["memory_mb"] > 0:
+                    if (hop, g) in filters:
+                        node = hop
+                        break
+                    if sw["memory_used_mb"] + sizes[g] <= sw["memory_mb"] + 1e-9:
+                        sw["memory_used_mb"] += sizes[g]
+                        filters[(hop, g)] = []
+                        node = hop
+                        break
+                hop = parent.get(hop)
+            if node == ps:
+                direct[g].append(w["name"])
+            else:
+                filters[(node, g)].append(w["name"])
+            nodes.append(node)
+        w["aggregation_node"] = nodes
+    for (name, g), workers in sorted(filters.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        by_name[name]["filters"].append({"submodel": g, "expected_sources": len(workers), "workers": workers})
+    out["parameter_server"]["expect"] = [
+        {"submodel": g, "from_switches": sorted(n for (n, h) in filters if h == g), "direct_workers": direct[g],
+         "expected_sources": sum(1 for (n, h) in filters if h == g) + len(direct[g])}
+        for g in sorted(sizes)]
+    out["ps_mb"] = sum(e["expected_sources"] * sizes[e["submodel"]] for e in out["parameter_server"]["expect"])
+    out.pop("krgs", None)
+    out.pop("lp", None)
+    out.pop("objective", None)
     return out
 
 

@@ -525,3 +525,32 @@ def _add_goat_benches(bsub: Any) -> None:
     d.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
     _common(d)
     d.set_defaults(func=_lazy("goat_deploy", "run_goat_deploy"))
+
+    t = bsub.add_parser("goat-train", help="a training run scheduled by a GOAT plan on the testbed vs ATP-like and "
+                                           "PS-only placements",
+                        description="Train the digits MLP (examples/train_digits.py) on the 8 workers of "
+                                    "examples/goat-testbed.toml (3 switches and a PS, rate-limited links, static "
+                                    "routing) by synchronous SGD, each step's gradient cut into the plan's "
+                                    "sub-models and each averaged through its aggregation node. Arms, side by side "
+                                    "on the same daemons, stepped in turn: GOAT's plan, ATP's placement (first "
+                                    "switch on the path with room), every sub-model to the PS. Reports step time, "
+                                    "time to --target-loss, held-out loss and accuracy, the PS's ingress per step. "
+                                    "CSV + PNG to --out. Needs root.")
+    t.add_argument("--topology", help="topology file with one host of role ps (default examples/goat-testbed.toml)")
+    tsrc = t.add_mutually_exclusive_group()
+    tsrc.add_argument("--even", metavar="TOTAL_MB,PARTS", help="the planned sub-models (default 12,6); the "
+                                                              "model's parameters are cut in their proportions")
+    tsrc.add_argument("--submodels", metavar="FILE.json")
+    t.add_argument("--arms", default=",".join(("goat", "atp-like", "ps-only")),
+                   help="comma-separated, of goat, atp-like, ps-only (default all three)")
+    t.add_argument("--steps", type=int, help="SGD steps per arm (default 100, 60 with --quick)")
+    t.add_argument("--target-loss", type=float, default=0.3, help="held-out loss for time-to-target (default 0.3)")
+    t.add_argument("--batch", type=int, default=16, help="per-worker batch (default %(default)s)")
+    t.add_argument("--lr", type=float, default=0.1, help="SGD learning rate, momentum 0.9 (default %(default)s)")
+    t.add_argument("--rate-mbit", type=float, default=100.0, help="tbf limit on every link (default 100 Mbit/s)")
+    t.add_argument("--elems-per-packet", type=int, default=256)
+    t.add_argument("--window", type=int, default=64)
+    t.add_argument("--no-plot", action="store_true", help="CSV and JSON only")
+    t.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
+    _common(t)
+    t.set_defaults(func=_lazy("goat_train", "run_goat_train"))

@@ -46,7 +46,10 @@ class Arm:
     """One installed plan and its worker processes."""
 
     def __init__(self, stack: ExitStack, tb, label: str, plan: dict[str, Any], *, job_base: int,
-                 bytes_per_mb: float, epp: int, window: int, seed: int, parallel: int = 0):
+                 bytes_per_mb: float, epp: int, window: int, seed: int, parallel: int = 0,
+                 elements: list[int] | None = None, worker_extra: tuple[str, ...] = ()):
+        """`elements`: each sub-model's length (default: its planned size
+        at `bytes_per_mb`); `worker_extra`: more goat_worker arguments."""
         from fanin.controller import TestbedFabric
         from fanin.goat.deploy import install_goat_plan
 
@@ -55,14 +58,14 @@ class Arm:
                                      block_cnt_max=window, block_grad_max=epp)
         stack.callback(self.dep.close)
         stack.callback(self.dep.remove)
-        self.elements = [max(1, round(s["size_mb"] * bytes_per_mb / 4)) for s in plan["submodels"]]
+        self.elements = elements or [max(1, round(s["size_mb"] * bytes_per_mb / 4)) for s in plan["submodels"]]
         n = len(self.dep.jobs.ranks)
         self.procs = []
         for w, targets in self.dep.addrs.items():
             spec = [[t.job_id, addr, self.elements[t.submodel]] for t, addr in targets]
             argv = [sys.executable, "-m", "fanin_bench.bench.goat_worker", "--rank", str(self.dep.jobs.ranks[w]),
                     "--workers", str(n), "--targets", json.dumps(spec), "--elems-per-packet", str(epp),
-                    "--window", str(window), "--seed", str(seed), "--parallel", str(parallel)]
+                    "--window", str(window), "--seed", str(seed), "--parallel", str(parallel), *worker_extra]
             # Member keys (one per sub-model job) through the environment,
             # not argv, which other local users can read.
             keys = {t.job_id: self.dep.member_key(t.job_id, self.dep.jobs.ranks[w]) for t, _ in targets}
@@ -74,15 +77,22 @@ class Arm:
         self.ps_sources = [len(j.members) for j in self.dep.jobs.on(self.dep.jobs.ps)]
         self.payload = sum(src * e * 4 for src, e in zip(self.ps_sources, self.elements))
 
-    def run_once(self) -> dict[str, Any]:
+    def step(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """One step on every worker: their answers (in rank order), and the
+        step as a whole (slowest worker's time, exactness, retransmissions,
+        bytes on the PS's link)."""
         ps = self.dep.jobs.ps
         (peer,) = self.tb.topology.neighbours(ps)
         before = self.tb.link_bytes(peer, ps)
         answers = step_workers(self.procs, self.label)
         after = self.tb.link_bytes(peer, ps)
-        return {"s": max(a["s"] for a in answers), "exact": all(a["exact"] for a in answers),
-                "retransmissions": sum(a["retransmissions"] for a in answers),
-                "ps_ingress_bytes": after.a_to_b - before.a_to_b, "ps_egress_bytes": after.b_to_a - before.b_to_a}
+        return answers, {"s": max(a["s"] for a in answers), "exact": all(a["exact"] for a in answers),
+                         "retransmissions": sum(a["retransmissions"] for a in answers),
+                         "ps_ingress_bytes": after.a_to_b - before.a_to_b,
+                         "ps_egress_bytes": after.b_to_a - before.b_to_a}
+
+    def run_once(self) -> dict[str, Any]:
+        return self.step()[1]
 
     def stop(self) -> None:
         stop_workers(self.procs)

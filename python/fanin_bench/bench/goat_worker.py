@@ -7,6 +7,16 @@ answers one JSON line: seconds, whether every sum was exact (int32, the
 sum over all workers), retransmissions.
 
     python -m fanin_bench.bench.goat_worker --rank 0 --workers 8 --targets '[[100, "10.1.0.9:9000", 16384], ...]'
+
+With ``--train digits`` a "go" is one step of synchronous data-parallel SGD
+instead (`fanin bench goat-train`): the digits MLP of
+`examples/train_digits.py`, the same initial weights on every rank, this
+rank's shard of the data; its gradient, flattened, is cut into the
+sub-models (the targets' element counts add up to the parameter count),
+each averaged through its aggregation node (float32), and the step is
+taken. The answer adds the training loss, the held-out loss and accuracy
+(every rank holds the same replica, so rank 0's are the job's), and a
+digest of the parameters (replicas that drifted apart would differ).
 """
 
 from __future__ import annotations
@@ -44,9 +54,10 @@ class Lane:
             self.replies.put(e)
             return
         self.replies.put(0)
-        while (inputs := self.requests.get()) is not None:
+        while (request := self.requests.get()) is not None:
+            inputs, average = request
             try:
-                outs = [s.allreduce(x) for s, x in zip(sessions, inputs)]
+                outs = [s.allreduce(x, average=average) for s, x in zip(sessions, inputs)]
                 self.replies.put((outs, sum((s.last_stats or {}).get("retransmissions") or 0 for s in sessions)))
             except Exception as e:
                 self.replies.put(e)
@@ -56,6 +67,102 @@ class Lane:
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+
+def allreduce_parts(lanes: list[Lane], owned: list[list[int]], parts: list,
+                    average: bool = False) -> tuple[list, int]:
+    """Allreduce parts[g] through sub-model g's session (on its lane; the
+    mean with `average`); the results in sub-model order and the
+    retransmissions."""
+    for lane, gs in zip(lanes, owned):
+        lane.requests.put(([parts[g] for g in gs], average))
+    outs: list = [None] * len(parts)
+    retx = 0
+    for lane, gs in zip(lanes, owned):
+        lane_outs, lane_retx = Lane._check(lane.replies.get())
+        retx += lane_retx
+        for g, out in zip(gs, lane_outs):
+            outs[g] = out
+    return outs, retx
+
+
+#: examples/train_digits.py's MLP: 64 inputs, two hidden layers, 10 classes
+DIGITS_LAYERS = (64, 256, 128, 10)
+
+
+def digits_param_count() -> int:
+    """The MLP's parameters (weights and biases), without importing torch."""
+    return sum(i * o + o for i, o in zip(DIGITS_LAYERS[:-1], DIGITS_LAYERS[1:]))
+
+
+class DigitsTrainer:
+    """One replica of `examples/train_digits.py`'s MLP, trained by steps whose
+    gradient is averaged sub-model by sub-model through the GOAT deployment."""
+
+    def __init__(self, rank: int, world: int, batch: int, lr: float, seed: int, elements: list[int]):
+        import torch
+        from torch import nn
+
+        torch.set_num_threads(1)
+        self.torch, self.nn = torch, nn
+        example = _load_example("train_digits")
+        xtr, ytr, self.xte, self.yte = example.data(seed=0)
+        self.xs, self.ys = xtr[rank::world], ytr[rank::world]
+        torch.manual_seed(seed)  # the same initial weights on every rank (no broadcast needed)
+        layers: list = []
+        for i, o in zip(DIGITS_LAYERS[:-1], DIGITS_LAYERS[1:]):
+            layers += [nn.Linear(i, o), nn.ReLU()]
+        self.model = nn.Sequential(*layers[:-1])
+        self.params = list(self.model.parameters())
+        self.n_params = sum(p.numel() for p in self.params)
+        if sum(elements) != self.n_params:
+            raise SystemExit(f"goat_worker: the targets cover {sum(elements)} elements, "
+                             f"the model has {self.n_params} parameters")
+        self.bounds = np.cumsum([0, *elements])
+        self.opt = torch.optim.SGD(self.params, lr=lr, momentum=0.9)
+        self.batch, self.rank = batch, rank
+        self.gen = torch.Generator().manual_seed(seed * 7919 + rank)
+        self.perm, self.pos = None, 0
+
+    def _next_batch(self):
+        if self.perm is None or self.pos + self.batch > len(self.xs):
+            self.perm, self.pos = self.torch.randperm(len(self.xs), generator=self.gen), 0
+        idx = self.perm[self.pos:self.pos + self.batch]
+        self.pos += self.batch
+        return self.xs[idx], self.ys[idx]
+
+    def step(self, lanes: list[Lane], owned: list[list[int]]) -> dict:
+        torch, nn = self.torch, self.nn
+        t0 = time.perf_counter()
+        x, y = self._next_batch()
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params]).numpy()
+        t1 = time.perf_counter()
+        parts = [flat[lo:hi] for lo, hi in zip(self.bounds[:-1], self.bounds[1:])]
+        outs, retx = allreduce_parts(lanes, owned, parts, average=True)
+        comm = time.perf_counter() - t1
+        mean = torch.from_numpy(np.concatenate(outs))
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.copy_(mean[offset:offset + n].view_as(p))
+            offset += n
+        self.opt.step()
+        with torch.no_grad():
+            logits = self.model(self.xte)
+            held_out = nn.functional.cross_entropy(logits, self.yte).item()
+            accuracy = (logits.argmax(1) == self.yte).float().mean().item()
+            digest = float(sum(p.double().sum().item() for p in self.params))
+        return {"rank": self.rank, "s": time.perf_counter() - t0, "comm_s": comm, "exact": True, "retransmissions": retx,
+                "loss": loss.item(), "held_out_loss": held_out, "accuracy": accuracy, "param_digest": digest}
+
+
+def _load_example(name: str):
+    from fanin_bench.bench.lm_worker import load_example
+
+    return load_example(name)
 
 
 def main() -> int:
@@ -68,8 +175,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallel", type=int, default=0, metavar="N",
                    help="allreduce up to N sub-models at once (threads; 0 or 1: one after the other)")
+    p.add_argument("--train", choices=("digits",), help="each step trains this model (see the module's doc)")
+    p.add_argument("--batch", type=int, default=16, help="--train: per-worker batch size")
+    p.add_argument("--lr", type=float, default=0.05, help="--train: SGD learning rate (momentum 0.9)")
     a = p.parse_args()
     targets = json.loads(a.targets)
+    trainer = DigitsTrainer(a.rank, a.workers, a.batch, a.lr, a.seed, [e for _, _, e in targets]) if a.train else None
     lanes_n = max(1, min(a.parallel, len(targets)))
     # sub-model g on lane g % lanes_n, in sub-model order: the same on every worker, so no job waits on another
     owned = [[g for g in range(len(targets)) if g % lanes_n == k] for k in range(lanes_n)]
@@ -91,18 +202,14 @@ def main() -> int:
     for line in sys.stdin:
         if line.strip() != "go":
             break
+        if trainer is not None:
+            print(json.dumps(trainer.step(lanes, owned)), flush=True)
+            step += 1
+            continue
         inputs = [contribution(a.rank, elements, step * 4096 + g)  # different data per sub-model and step
                   for g, (_, _, elements) in enumerate(targets)]
         t0 = time.perf_counter()
-        for lane, gs in zip(lanes, owned):
-            lane.requests.put([inputs[g] for g in gs])
-        outs: list = [None] * len(targets)
-        retx = 0
-        for lane, gs in zip(lanes, owned):
-            lane_outs, lane_retx = Lane._check(lane.replies.get())
-            retx += lane_retx
-            for g, out in zip(gs, lane_outs):
-                outs[g] = out
+        outs, retx = allreduce_parts(lanes, owned, inputs)
         dt = time.perf_counter() - t0
         exact = all(np.array_equal(out, sum(contribution(r, elements, step * 4096 + g).astype(np.int64)
                                             for r in range(a.workers)).astype(np.int32))

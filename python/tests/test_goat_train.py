@@ -1,0 +1,54 @@
+"""`fanin bench goat-train` (issue 31 part 2): the parameters cut into the
+plan's sub-models, time to target, and a short training run of the digits MLP
+scheduled by a GOAT plan on the namespace testbed (root only; skipped with
+the reason otherwise)."""
+
+import os
+
+import pytest
+
+from fanin_bench.bench.goat_train import split_elements, time_to
+from fanin_bench.bench.goat_worker import digits_param_count
+
+
+def test_the_parameters_are_cut_in_the_planned_proportions():
+    plan = {"submodels": [{"size_mb": 1.0}, {"size_mb": 2.0}, {"size_mb": 1.0}]}
+    assert split_elements(plan, 10) == [2, 5, 3]  # rounding lands on the last
+    assert sum(split_elements(plan, digits_param_count())) == digits_param_count() == 50826
+    with pytest.raises(ValueError, match="cannot fill 3 sub-models"):
+        split_elements(plan, 2)
+
+
+def test_time_to_target_is_the_first_point_at_or_below_it():
+    curve = [{"time_s": 1.0, "held_out_loss": 2.0}, {"time_s": 2.5, "held_out_loss": 0.3},
+             {"time_s": 3.0, "held_out_loss": 0.1}]
+    assert time_to(curve, 0.3) == 2.5
+    assert time_to(curve, 0.05) is None
+
+
+def test_a_goat_plan_trains_the_digits_mlp_on_the_testbed():
+    """Every replica the same after every step, the same loss on GOAT's plan
+    as on the PS alone (the same mean gradient, summed exactly in
+    integers either way), and the PS receiving what the plan says."""
+    from fanin_bench.testbed import why_unavailable
+
+    why = why_unavailable("fbtt-probe")
+    if why:
+        pytest.skip(f"no network namespaces: {why}")
+    from test_goat_deploy import _testbed_plan
+    from test_testbed import _tag
+
+    from fanin_bench.bench.goat_train import plans_of, train_arms
+
+    topo, plan = _testbed_plan()
+    plans = plans_of(plan, topo, ["goat", "ps-only"])
+    curves = train_arms(topo, plans, name=f"fbtt{_tag(os.getpid())}", steps=3, rate_mbit=100, epp=256,
+                        window=64, seed=1, batch=16, lr=0.1)
+    for arm, curve in curves.items():
+        assert [p["step"] for p in curve] == [1, 2, 3]
+        assert all(p["replicas_agree"] for p in curve), arm
+        assert curve[-1]["held_out_loss"] < curve[0]["held_out_loss"], (arm, curve)
+    for a, b in zip(curves["goat"], curves["ps-only"]):
+        assert a["held_out_loss"] == pytest.approx(b["held_out_loss"], rel=1e-6)
+    ingress = {arm: sorted(p["ps_ingress_bytes"] for p in c)[1] for arm, c in curves.items()}
+    assert ingress["ps-only"] / ingress["goat"] == pytest.approx(plans["ps-only"]["ps_mb"] / plan["ps_mb"], rel=0.1)
