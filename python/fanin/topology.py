@@ -48,6 +48,7 @@ __all__ = [
     "generate",
     "GENERATORS",
     "with_programmable",
+    "with_memory",
     "with_ps",
 ]
 
@@ -460,6 +461,22 @@ def with_programmable(topo: Topology, fraction: float, seed: int = 0,
     chosen = set(random.Random(seed).sample(names, count))
     switches = [Switch(s.name, s.memory_mb if memory_mb is None or s.name not in chosen else float(memory_mb),
                        s.name in chosen) for s in topo.switches]
+    return Topology(topo.name, switches, list(topo.hosts), list(topo.links)).validate()
+
+
+def with_memory(topo: Topology, memory_mb: dict[str, float]) -> Topology:
+    """A copy of `topo` where each switch named in `memory_mb` has that
+    memory B(s) (programmable if it is > 0, not if it is 0)."""
+    names = {s.name for s in topo.switches}
+    unknown = sorted(set(memory_mb) - names)
+    if unknown:
+        raise TopologyError(f"no switch {', '.join(map(repr, unknown))} in topology {topo.name} "
+                            f"(its switches: {', '.join(sorted(names))})")
+    for name, mb in memory_mb.items():
+        if not (mb >= 0):
+            raise TopologyError(f"memory of switch {name!r}: {mb!r} must be >= 0 MB")
+    switches = [Switch(s.name, float(memory_mb[s.name]), memory_mb[s.name] > 0) if s.name in memory_mb else s
+                for s in topo.switches]
     return Topology(topo.name, switches, list(topo.hosts), list(topo.links)).validate()
 
 

@@ -133,3 +133,18 @@ def test_queries():
         t.switch("x")
     with pytest.raises(TopologyError, match="no host named 's0'"):
         t.attachment("s0")
+
+
+def test_with_memory_sets_b_of_the_named_switches_and_refuses_unknown_ones():
+    from pathlib import Path
+
+    from fanin.topology import with_memory
+
+    topo = topology.load(str(Path(__file__).resolve().parents[2] / "examples" / "goat-testbed.toml"))
+    big = with_memory(topo, {"agg": 12, "tor1": 0})
+    assert {s.name: (s.memory_mb, s.programmable) for s in big.switches} == {
+        "agg": (12.0, True), "tor0": (4.0, True), "tor1": (0.0, False)}
+    with pytest.raises(TopologyError, match="no switch 'core' in topology goat-testbed"):
+        with_memory(topo, {"core": 4})
+    with pytest.raises(TopologyError, match="must be >= 0"):
+        with_memory(topo, {"agg": -1})

@@ -541,6 +541,9 @@ def _add_goat_benches(bsub: Any) -> None:
     tsrc.add_argument("--even", metavar="TOTAL_MB,PARTS", help="the planned sub-models (default 12,6); the "
                                                               "model's parameters are cut in their proportions")
     tsrc.add_argument("--submodels", metavar="FILE.json")
+    t.add_argument("--switch-memory", metavar="NAME=MB,...",
+                   help="B(s) of the named switches (e.g. agg=12: a large aggregation switch above small rack "
+                        "switches, where placing greedily on the first switch with room falls short of GOAT's plan)")
     t.add_argument("--arms", default=",".join(("goat", "atp-like", "ps-only")),
                    help="comma-separated, of goat, atp-like, ps-only (default all three)")
     t.add_argument("--steps", type=int, help="SGD steps per arm (default 100, 60 with --quick)")

@@ -61,6 +61,20 @@ def split_elements(plan: dict[str, Any], total: int) -> list[int]:
     return out
 
 
+def parse_memory(text: str) -> dict[str, float]:
+    """`agg=12,tor0=4` -> {"agg": 12.0, "tor0": 4.0}."""
+    out: dict[str, float] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, eq, mb = item.partition("=")
+        try:
+            out[name.strip()] = float(mb)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            raise SystemExit(f"fanin bench goat-train: --switch-memory {text!r}: expected NAME=MB,..., e.g. agg=12")
+    return out
+
+
 def plans_of(plan: dict[str, Any], topo: topology.Topology, arms: list[str]) -> dict[str, dict[str, Any]]:
     from fanin.goat.deploy import atp_like_plan, ps_only_plan
 
@@ -119,6 +133,8 @@ def run_goat_train(args) -> int:
 
     check_privileges()
     topo = topology.load(args.topology or str(DEFAULT_TOPOLOGY))
+    if args.switch_memory:
+        topo = topology.with_memory(topo, parse_memory(args.switch_memory))
     if not (args.even or args.submodels):
         args.even = "12,6"
     args.model, args.max_submodel_mb = None, None  # (make_plan's other sources of sub-models)
@@ -167,6 +183,7 @@ def run_goat_train(args) -> int:
     if not args.no_plot:
         _plot(curves, target, png, args.rate_mbit)
     result = {"bench": "goat-train", "topology": topo.name, "workers": len(plan["workers"]),
+              "switch_memory_mb": {s.name: s.memory_mb for s in topo.switches},
               "submodels": len(plan["submodels"]), "params": digits_param_count(),
               "elements": split_elements(plan, digits_param_count()), "steps": steps, "rate_mbit": args.rate_mbit,
               "batch_per_worker": args.batch, "lr": args.lr, "target_loss": target, "arms": summary,
