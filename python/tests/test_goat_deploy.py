@@ -199,6 +199,10 @@ def test_an_epoch_installs_k_on_every_aggregation_node_for_the_workers_taking_pa
     # all (K = 0), and the PS stops counting it
     ks = dep.install_quorums([4, 5])
     assert ks[("tor0", 11)] == 0 and ks[("ps", 11)] == 2 and ks[("agg", 10)] == 2
+    # the same participants again: nothing to update
+    log.clear()
+    assert dep.install_quorums([5, 4]) == ks
+    assert not [e for e in log if e[0] == "update"]
 
 
 def test_a_failed_install_removes_what_it_admitted():

@@ -29,7 +29,10 @@ def test_time_to_target_is_the_first_point_at_or_below_it():
 def test_a_goat_plan_trains_the_digits_mlp_on_the_testbed():
     """Every replica the same after every step, the same loss on GOAT's plan
     as on the PS alone (the same mean gradient, summed exactly in
-    integers either way), and the PS receiving what the plan says."""
+    integers either way), and the PS receiving what the plan says; with
+    rank 7 straggling 300 ms a step, GOAT-Async's controller leaves it out
+    after the first step (Algorithm 2's K < 8 installed on the switches),
+    its steps no longer wait for it, and its replicas still agree."""
     from fanin_bench.testbed import why_unavailable
 
     why = why_unavailable("fbtt-probe")
@@ -41,14 +44,20 @@ def test_a_goat_plan_trains_the_digits_mlp_on_the_testbed():
     from fanin_bench.bench.goat_train import plans_of, train_arms
 
     topo, plan = _testbed_plan()
-    plans = plans_of(plan, topo, ["goat", "ps-only"])
-    curves = train_arms(topo, plans, name=f"fbtt{_tag(os.getpid())}", steps=3, rate_mbit=100, epp=256,
-                        window=64, seed=1, batch=16, lr=0.1)
+    plans = plans_of(plan, topo, ["goat", "ps-only", "goat-async"])
+    curves = train_arms(topo, plans, name=f"fbtt{_tag(os.getpid())}", steps=4, rate_mbit=100, epp=256,
+                        window=64, seed=1, batch=16, lr=0.1, slow_ranks=[7], slow_ms=300)
     for arm, curve in curves.items():
-        assert [p["step"] for p in curve] == [1, 2, 3]
+        assert [p["step"] for p in curve] == [1, 2, 3, 4]
         assert all(p["replicas_agree"] for p in curve), arm
         assert curve[-1]["held_out_loss"] < curve[0]["held_out_loss"], (arm, curve)
     for a, b in zip(curves["goat"], curves["ps-only"]):
         assert a["held_out_loss"] == pytest.approx(b["held_out_loss"], rel=1e-6)
     ingress = {arm: sorted(p["ps_ingress_bytes"] for p in c)[1] for arm, c in curves.items()}
     assert ingress["ps-only"] / ingress["goat"] == pytest.approx(plans["ps-only"]["ps_mb"] / plan["ps_mb"], rel=0.1)
+    sync, late = curves["goat"], curves["goat-async"]
+    assert all(p["k"] == 8 and p["cut"] == 0 and p["step_s"] > 0.2 for p in sync)  # every step waits for rank 7
+    assert late[0]["k"] == 8  # nothing known yet: every member
+    for p in late[1:]:
+        assert p["k"] < 8 and p["cut"] >= 1, p  # rank 7 (at least) left out, told the epoch ended
+    assert max(p["step_s"] for p in late[1:]) < min(p["step_s"] for p in sync[1:]), (late, sync)

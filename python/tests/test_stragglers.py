@@ -158,3 +158,20 @@ def test_a_quorum_completes_blocks_with_the_first_k_workers_and_a_controller_cha
     # was still joining (they go to every member) and it sent nothing for
     # them: 4 joins, the first three's 3 x 8 blocks, then everyone's 4 x 8.
     assert counters["late"] == 8 or (counters["late"] == 0 and counters["rx_datagrams"] == 4 + 3 * 8 + 4 * 8), counters
+
+
+def test_a_quorum_is_not_added_to_a_running_job_whose_workers_refuse_partial_results():
+    # its workers joined told that every result sums every member: a K below
+    # that would hand them sums they raise on (docs/protocol.md §4.15)
+    from fanin.control import ControlClient, ControlError
+    from fanin.proc import SwitchProcess
+
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr=None,
+                        jobs=[job_config(1, members=[0, 1, 2]), job_config(2, members=[0, 1, 2], quorum=3)])
+    with SwitchProcess(cfg) as sw, ControlClient(sw.control_addr) as c:
+        specs = {s["job_id"]: s for s in c.list_jobs()}
+        with pytest.raises(ControlError, match="quorum = its member count"):
+            c.update_job({**specs[1], "quorum": 2})
+        assert {s["job_id"]: s["quorum"] for s in c.list_jobs()} == {1: 0, 2: 3}
+        c.update_job({**specs[2], "quorum": 2})  # admitted with one: K may change
+        assert {s["job_id"]: s["quorum"] for s in c.list_jobs()} == {1: 0, 2: 2}

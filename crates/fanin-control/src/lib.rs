@@ -134,7 +134,7 @@ impl From<AdmitError> for AdmitFailure {
             AdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
             AdmitError::OutOfMemory { .. } => AdmitFailure::OutOfMemory(msg),
             AdmitError::Unknown(_) => AdmitFailure::NotFound(msg),
-            AdmitError::Immutable { .. } => AdmitFailure::Immutable(msg),
+            AdmitError::Immutable { .. } | AdmitError::PartialResultsAdded { .. } => AdmitFailure::Immutable(msg),
         }
     }
 }

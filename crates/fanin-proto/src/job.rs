@@ -334,6 +334,20 @@ impl JobSpec {
         .find_map(|(field, same)| (!same).then_some(field))
     }
 
+    /// Whether blocks of this job may complete without every member, as
+    /// the job asked (docs/protocol.md §6.2): aging, a quorum, degrading on
+    /// a failure, or forwarding (NoAggr: each member gets its own data).
+    pub fn partial_results(&self) -> bool {
+        self.block_exp_ms > 0 || self.quorum > 0 || self.on_failure == FailurePolicy::Degrade || self.mode == JobMode::Forward
+    }
+
+    /// Whether `new` would make a job that hands only complete results hand
+    /// partial ones: refused while it runs, since its members joined
+    /// refusing them (their JoinAck said so). Dropping them is allowed.
+    pub fn adds_partial_results(&self, new: &JobSpec) -> bool {
+        !self.partial_results() && new.partial_results()
+    }
+
     /// The job's worker count (see [`JobSpec::workers`]).
     pub fn worker_count(&self) -> u16 {
         if self.workers == 0 { self.members.len() as u16 } else { self.workers }

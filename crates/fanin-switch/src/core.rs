@@ -120,6 +120,9 @@ impl SwitchCore {
         if let Some(field) = entry.spec.fixed_field_changed(&spec) {
             return Err(AdmitError::Immutable { job_id: spec.job_id, field }.into());
         }
+        if entry.spec.adds_partial_results(&spec) {
+            return Err(AdmitError::PartialResultsAdded { job_id: spec.job_id }.into());
+        }
         for (i, shard) in self.shards.iter().enumerate() {
             let (reply, answer) = mpsc::sync_channel(1);
             let result = shard

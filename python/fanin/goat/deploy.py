@@ -261,10 +261,21 @@ class Deployment:
             if j.parent is None:
                 counted = part | active_ranks.get(j.job_id, set())
                 quorums[(j.node, j.job_id)] = sum(1 for m in j.members if m in counted)
-        for (node, job_id), k in quorums.items():
+        # one listing per node, and an update only where K changes (the
+        # controller runs this every epoch). "Every member" is written as
+        # the member count on a job admitted with a quorum (`quorum_ready`):
+        # K = 0 would take its partial results away for good.
+        for node in sorted({node for node, _ in quorums}):
             client = self._client(node)
-            (spec,) = [s for s in client.list_jobs() if s["job_id"] == job_id]
-            client.update_job({**spec, "quorum": k})
+            specs = {s["job_id"]: s for s in client.list_jobs()}
+            for (n, job_id), k in quorums.items():
+                if n != node:
+                    continue
+                spec = specs[job_id]
+                if k == 0 and spec["quorum"] != 0:
+                    k = len(spec["members"])
+                if spec["quorum"] != k:
+                    client.update_job({**spec, "quorum": k})
         return quorums
 
 
@@ -315,7 +326,8 @@ def _clients(fabric: Fabric, factory: Optional[Callable[[str], Any]]):
 
 def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, job_base: int = 100,
                       block_cnt_max: int = 64, block_grad_max: int = 256, auth: bool = True,
-                      client_factory: Optional[Callable[[str], Any]] = None) -> Deployment:
+                      client_factory: Optional[Callable[[str], Any]] = None,
+                      quorum_ready: bool = False) -> Deployment:
     """Admit `plan`'s jobs on the PS's host aggregator and the switches.
 
     `fabric` says where nodes are, as for the controller
@@ -329,6 +341,11 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
     fresh job key on every node that holds it, and workers seal with
     ``Deployment.member_key(job_id, rank)`` (docs/security.md). On a failure
     the jobs admitted so far are removed again.
+
+    `quorum_ready`: admit every job with a quorum of all its members, so
+    its workers join accepting results of fewer (docs/protocol.md §4.15)
+    and `Deployment.install_quorums` can set GOAT-Async's K_t^s later; a
+    job admitted without one refuses a quorum while it runs.
     """
     from ..auth import new_job_key
 
@@ -347,7 +364,7 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
                         "rank": j.rank}
             client(j.node).admit_job(j.job_id, list(j.members), block_cnt_max=block_cnt_max,
                                      block_grad_max=block_grad_max, workers=len(jp.ranks), tree=tree,
-                                     key=keys.get(j.job_id))
+                                     key=keys.get(j.job_id), quorum=len(j.members) if quorum_ready else 0)
             dep.installed.append(j)
     except Exception:
         dep.remove()

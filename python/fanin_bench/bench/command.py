@@ -544,8 +544,12 @@ def _add_goat_benches(bsub: Any) -> None:
     t.add_argument("--switch-memory", metavar="NAME=MB,...",
                    help="B(s) of the named switches (e.g. agg=12: a large aggregation switch above small rack "
                         "switches, where placing greedily on the first switch with room falls short of GOAT's plan)")
-    t.add_argument("--arms", default=",".join(("goat", "atp-like", "ps-only")),
-                   help="comma-separated, of goat, atp-like, ps-only (default all three)")
+    t.add_argument("--arms", default=",".join(("goat", "atp-like", "ps-only", "goat-async")),
+                   help="comma-separated, of goat, atp-like, ps-only, goat-async (default all four; goat-async is "
+                        "GOAT's plan with Algorithm 2's K_t^s installed on the switches as it goes)")
+    t.add_argument("--slow-ranks", metavar="R,...", help="workers that straggle every step (e.g. 7)")
+    t.add_argument("--slow-ms", type=float, default=0.0,
+                   help="how long --slow-ranks straggle per step, ±25%% (e.g. 200)")
     t.add_argument("--steps", type=int, help="SGD steps per arm (default 100, 60 with --quick)")
     t.add_argument("--target-loss", type=float, default=0.3, help="held-out loss for time-to-target (default 0.3)")
     t.add_argument("--batch", type=int, default=16, help="per-worker batch (default %(default)s)")

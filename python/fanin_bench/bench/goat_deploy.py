@@ -47,7 +47,8 @@ class Arm:
 
     def __init__(self, stack: ExitStack, tb, label: str, plan: dict[str, Any], *, job_base: int,
                  bytes_per_mb: float, epp: int, window: int, seed: int, parallel: int = 0,
-                 elements: list[int] | None = None, worker_extra: tuple[str, ...] = ()):
+                 elements: list[int] | None = None, worker_extra: tuple[str, ...] = (),
+                 quorum_ready: bool = False):
         """`elements`: each sub-model's length (default: its planned size
         at `bytes_per_mb`); `worker_extra`: more goat_worker arguments."""
         from fanin.controller import TestbedFabric
@@ -55,12 +56,12 @@ class Arm:
 
         self.label, self.plan, self.tb = label, plan, tb
         self.dep = install_goat_plan(plan, tb.topology, TestbedFabric(tb), job_base=job_base,
-                                     block_cnt_max=window, block_grad_max=epp)
+                                     block_cnt_max=window, block_grad_max=epp, quorum_ready=quorum_ready)
         stack.callback(self.dep.close)
         stack.callback(self.dep.remove)
         self.elements = elements or [max(1, round(s["size_mb"] * bytes_per_mb / 4)) for s in plan["submodels"]]
         n = len(self.dep.jobs.ranks)
-        self.procs = []
+        self.procs, self.ranks = [], []
         for w, targets in self.dep.addrs.items():
             spec = [[t.job_id, addr, self.elements[t.submodel]] for t, addr in targets]
             argv = [sys.executable, "-m", "fanin_bench.bench.goat_worker", "--rank", str(self.dep.jobs.ranks[w]),
@@ -71,25 +72,52 @@ class Arm:
             keys = {t.job_id: self.dep.member_key(t.job_id, self.dep.jobs.ranks[w]) for t, _ in targets}
             env = {**os.environ, "FANIN_MEMBER_KEYS": json.dumps({j: k.hex() for j, k in keys.items() if k})}
             self.procs.append(tb.popen(w, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+            self.ranks.append(self.dep.jobs.ranks[w])
         stack.callback(self.stop)
         wait_ready(self.procs, label)
         # what the PS must receive per allreduce: one contribution per source of each sub-model
         self.ps_sources = [len(j.members) for j in self.dep.jobs.on(self.dep.jobs.ps)]
         self.payload = sum(src * e * 4 for src, e in zip(self.ps_sources, self.elements))
 
-    def step(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """One step on every worker: their answers (in rank order), and the
-        step as a whole (slowest worker's time, exactness, retransmissions,
-        bytes on the PS's link)."""
+    def step(self, delays_ms: dict[int, float] | None = None,
+             epoch_ends_with: set[int] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """One step on every worker: their answers, and the step as a whole
+        (slowest worker's time, exactness, retransmissions, bytes on the
+        PS's link). `delays_ms`: rank -> how long it straggles before it
+        sends (training workers); `epoch_ends_with`: the ranks whose
+        answers end the epoch (GOAT-Async's participants): the others are
+        then told "cut", and send at once (late, not added)."""
         ps = self.dep.jobs.ps
         (peer,) = self.tb.topology.neighbours(ps)
         before = self.tb.link_bytes(peer, ps)
-        answers = step_workers(self.procs, self.label)
+        if delays_ms is None and epoch_ends_with is None:
+            answers = step_workers(self.procs, self.label)
+        else:
+            answers = self._step_epoch(delays_ms or {}, epoch_ends_with)
         after = self.tb.link_bytes(peer, ps)
         return answers, {"s": max(a["s"] for a in answers), "exact": all(a["exact"] for a in answers),
                          "retransmissions": sum(a["retransmissions"] for a in answers),
                          "ps_ingress_bytes": after.a_to_b - before.a_to_b,
                          "ps_egress_bytes": after.b_to_a - before.b_to_a}
+
+    def _step_epoch(self, delays_ms: dict[int, float], ends_with: set[int] | None) -> list[dict[str, Any]]:
+        for proc, rank in zip(self.procs, self.ranks):
+            proc.stdin.write(f"go {delays_ms.get(rank, 0.0):.3f}\n")
+            proc.stdin.flush()
+        first = [i for i, r in enumerate(self.ranks) if ends_with is None or r in ends_with]
+        rest = [i for i in range(len(self.procs)) if i not in first]
+        answers: list[Any] = [None] * len(self.procs)
+        for group in (first, rest):
+            if group is rest:
+                for i in rest:
+                    self.procs[i].stdin.write("cut\n")
+                    self.procs[i].stdin.flush()
+            for i in group:
+                line = self.procs[i].stdout.readline()
+                if not line:
+                    raise RuntimeError(f"{self.label}: a worker died (exit {self.procs[i].poll()})")
+                answers[i] = json.loads(line)
+        return answers
 
     def run_once(self) -> dict[str, Any]:
         return self.step()[1]

@@ -17,7 +17,20 @@ with the same initial weights and data order:
   (`deploy.atp_like_plan`: the first switch on each worker's path with room
   for the sub-model, in sub-model order);
 * **ps-only**: every sub-model straight to the PS (Geryon without in-network
-  aggregation; a parameter server alone).
+  aggregation; a parameter server alone);
+* **goat-async**: GOAT's plan trained as §V's asynchronous data plane: after
+  each step the controller runs Algorithm 2 on the workers' last intervals
+  (`async_.algorithm2`), and when K or the fastest K change it installs
+  K_t^s on every aggregation node (`Deployment.install_quorums`, through the
+  control API; its time counts in the arm's clock). A node completes a block
+  with the first K_t^s contributions; once the participants have their
+  result the controller ends the epoch ("cut"), and the others send at once,
+  are not added, and take the same result (K-SGD: every replica stays the
+  same).
+
+Slow workers (``--slow-ranks``, ``--slow-ms``) model GOAT's heterogeneous
+workers: each step they straggle that long (±25 %, the same draw in every
+arm) before sending.
 
 Every arm computes the same mathematics (the mean gradient), so their loss
 curves agree step by step up to block floating point rounding; what differs
@@ -44,7 +57,7 @@ from fanin_bench.bench.goat_worker import digits_param_count
 from fanin_bench.bench.trees import _write_csv
 from fanin_bench.plotting import save_figure
 
-ARMS = ("goat", "atp-like", "ps-only")
+ARMS = ("goat", "atp-like", "ps-only", "goat-async")
 
 
 def split_elements(plan: dict[str, Any], total: int) -> list[int]:
@@ -78,7 +91,7 @@ def parse_memory(text: str) -> dict[str, float]:
 def plans_of(plan: dict[str, Any], topo: topology.Topology, arms: list[str]) -> dict[str, dict[str, Any]]:
     from fanin.goat.deploy import atp_like_plan, ps_only_plan
 
-    every = {"goat": plan, "atp-like": atp_like_plan(plan, topo), "ps-only": ps_only_plan(plan)}
+    every = {"goat": plan, "atp-like": atp_like_plan(plan, topo), "ps-only": ps_only_plan(plan), "goat-async": plan}
     return {a: every[a] for a in arms}
 
 
@@ -91,9 +104,50 @@ def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
+def step_delays(slow_ranks: list[int], slow_ms: float, seed: int, step: int) -> dict[int, float]:
+    """How long each slow rank straggles in `step`: slow_ms ±25 %, the same
+    draw for every arm."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + step)
+    return {r: slow_ms * rng.uniform(0.75, 1.25) for r in slow_ranks}
+
+
+class AsyncController:
+    """GOAT-Async's controller (§V) for one deployment: Algorithm 2 on the
+    workers' last intervals chooses K, the K fastest take part, and K_t^s
+    goes to the switches when that changes."""
+
+    def __init__(self, dep, ranks: list[int]):
+        from fanin.goat.async_ import Convergence
+
+        n = len(ranks)
+        # ψ's constants are not in the paper: σ²/ε = |W|/4, as `fanin bench goat` assumes
+        self.conv = Convergence(epsilon=1.0, sigma2=n / 4.0, n=1)
+        self.dep, self.ranks = dep, sorted(ranks)
+        self.participants: set[int] | None = None  # None: every member (as admitted)
+        self.k_history: list[int] = []
+
+    def after(self, intervals: dict[int, float]) -> float:
+        """Choose the next epoch's participants; seconds spent installing."""
+        import time
+
+        from fanin.goat.async_ import algorithm2
+
+        k, _ = algorithm2([intervals[r] for r in self.ranks], self.conv)
+        chosen = set(sorted(self.ranks, key=lambda r: (intervals[r], r))[:k])
+        self.k_history.append(k)
+        if chosen == (self.participants or set(self.ranks)):
+            return 0.0
+        t0 = time.perf_counter()
+        self.dep.install_quorums(chosen)
+        self.participants = chosen
+        return time.perf_counter() - t0
+
+
 def train_arms(topo: topology.Topology, plans: dict[str, dict[str, Any]], *, name: str, steps: int,
                rate_mbit: float, epp: int, window: int, seed: int, batch: int, lr: float,
-               progress=None) -> dict[str, list[dict[str, Any]]]:
+               slow_ranks: list[int] = (), slow_ms: float = 0.0, progress=None) -> dict[str, list[dict[str, Any]]]:
     """Every arm on one testbed, step by step in turn; {arm: curve}, a point
     per step."""
     from fanin_bench.testbed import Testbed, down
@@ -108,17 +162,26 @@ def train_arms(topo: topology.Topology, plans: dict[str, dict[str, Any]], *, nam
         tb.host_aggregator(first["parameter_server"]["name"])
         extra = ("--train", "digits", "--batch", str(batch), "--lr", str(lr))
         arms = [Arm(stack, tb, label, plan, job_base=100 + 2 * k * len(plan["submodels"]), bytes_per_mb=0,
-                    epp=epp, window=window, seed=seed, elements=elements, worker_extra=extra)
+                    epp=epp, window=window, seed=seed, elements=elements, worker_extra=extra,
+                    quorum_ready=label == "goat-async")
                 for k, (label, plan) in enumerate(plans.items())]
+        controllers = {a.label: AsyncController(a.dep, a.ranks) for a in arms if a.label == "goat-async"}
         clock = {a.label: 0.0 for a in arms}
         for step in range(steps):
+            delays = step_delays(list(slow_ranks), slow_ms, seed, step)
             for k in range(len(arms)):
                 arm = arms[(step + k) % len(arms)]  # each arm goes first in turn
-                answers, whole = arm.step()
+                ctl = controllers.get(arm.label)
+                k_used = len(ctl.participants) if ctl and ctl.participants else len(arm.ranks)
+                answers, whole = arm.step(delays, ctl.participants if ctl else None)
                 rank0 = min(answers, key=lambda a: a["rank"])
-                clock[arm.label] += whole["s"]
+                control_s = 0.0
+                if ctl:
+                    control_s = ctl.after({a["rank"]: a["compute_s"] + delays.get(a["rank"], 0.0) for a in answers})
+                clock[arm.label] += whole["s"] + control_s
                 curves[arm.label].append({
-                    "step": step + 1, "time_s": clock[arm.label], "step_s": whole["s"],
+                    "step": step + 1, "time_s": clock[arm.label], "step_s": whole["s"], "control_s": control_s,
+                    "k": k_used, "cut": sum(1 for a in answers if a["cut"]),
                     "comm_s": max(a["comm_s"] for a in answers), "loss": statistics.mean(a["loss"] for a in answers),
                     "held_out_loss": rank0["held_out_loss"], "accuracy": rank0["accuracy"],
                     "replicas_agree": len({a["param_digest"] for a in answers}) == 1,
@@ -153,8 +216,15 @@ def run_goat_train(args) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=steps, unit="step", file=sys.stderr)
+    slow_ranks = [int(r) for r in args.slow_ranks.split(",") if r.strip()] if args.slow_ranks else []
+    n_workers = len(plan["workers"])
+    if any(not 0 <= r < n_workers for r in slow_ranks):
+        raise SystemExit(f"fanin bench goat-train: --slow-ranks {args.slow_ranks!r}: ranks are 0..{n_workers - 1}")
+    if slow_ranks and not args.slow_ms > 0:
+        raise SystemExit("fanin bench goat-train: --slow-ranks needs --slow-ms > 0 (how long they straggle)")
     curves = train_arms(topo, plans, name=f"gt{os.getpid() % 100000}", steps=steps, rate_mbit=args.rate_mbit,
                         epp=args.elems_per_packet, window=args.window, seed=args.seed, batch=args.batch, lr=args.lr,
+                        slow_ranks=slow_ranks, slow_ms=args.slow_ms,
                         progress=(lambda n: bar.update(1)) if bar else None)
     if bar:
         bar.close()
@@ -172,6 +242,8 @@ def run_goat_train(args) -> int:
             "time_to_target_s": time_to(curve, target),
             "held_out_loss_final": curve[-1]["held_out_loss"], "accuracy_final": curve[-1]["accuracy"],
             "replicas_agree": all(p["replicas_agree"] for p in curve),
+            "k_median": statistics.median(p["k"] for p in curve), "control_s": sum(p["control_s"] for p in curve),
+            "cut_gradients": sum(p["cut"] for p in curve),
             "retransmissions": sum(p["retransmissions"] for p in curve)}
     base = summary.get("ps-only")
     for arm, s in summary.items():
@@ -186,7 +258,8 @@ def run_goat_train(args) -> int:
               "switch_memory_mb": {s.name: s.memory_mb for s in topo.switches},
               "submodels": len(plan["submodels"]), "params": digits_param_count(),
               "elements": split_elements(plan, digits_param_count()), "steps": steps, "rate_mbit": args.rate_mbit,
-              "batch_per_worker": args.batch, "lr": args.lr, "target_loss": target, "arms": summary,
+              "batch_per_worker": args.batch, "lr": args.lr, "target_loss": target,
+              "slow_ranks": slow_ranks, "slow_ms": args.slow_ms, "arms": summary,
               "all_replicas_agree": all(s["replicas_agree"] for s in summary.values()),
               "csv": str(out / "goat_train.csv"), "png": None if args.no_plot else str(png)}
     human = f"goat-train: {steps} steps per arm at {args.rate_mbit:g} Mbit/s, target held-out loss {target}\n" + "\n".join(

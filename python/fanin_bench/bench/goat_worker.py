@@ -131,7 +131,13 @@ class DigitsTrainer:
         self.pos += self.batch
         return self.xs[idx], self.ys[idx]
 
-    def step(self, lanes: list[Lane], owned: list[list[int]]) -> dict:
+    def step(self, lanes: list[Lane], owned: list[list[int]], delay: float = 0.0,
+             commands: "Commands | None" = None) -> dict:
+        """One step. `delay`: seconds this worker straggles before it sends
+        (a slow worker, GOAT's heterogeneous p_w), cut short by a "cut"
+        command: the controller saying the epoch ended without it (K-SGD;
+        its late gradient is then not added, and it takes the epoch's
+        result like every worker)."""
         torch, nn = self.torch, self.nn
         t0 = time.perf_counter()
         x, y = self._next_batch()
@@ -139,6 +145,12 @@ class DigitsTrainer:
         self.opt.zero_grad()
         loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in self.params]).numpy()
+        compute = time.perf_counter() - t0
+        cut = False
+        if delay > 0:
+            cut = commands is not None and commands.wait_for("cut", delay)
+            if commands is None:
+                time.sleep(delay)
         t1 = time.perf_counter()
         parts = [flat[lo:hi] for lo, hi in zip(self.bounds[:-1], self.bounds[1:])]
         outs, retx = allreduce_parts(lanes, owned, parts, average=True)
@@ -155,8 +167,49 @@ class DigitsTrainer:
             held_out = nn.functional.cross_entropy(logits, self.yte).item()
             accuracy = (logits.argmax(1) == self.yte).float().mean().item()
             digest = float(sum(p.double().sum().item() for p in self.params))
-        return {"rank": self.rank, "s": time.perf_counter() - t0, "comm_s": comm, "exact": True, "retransmissions": retx,
+        return {"rank": self.rank, "s": time.perf_counter() - t0, "compute_s": compute, "cut": cut, "comm_s": comm,
+                "exact": True, "retransmissions": retx,
                 "loss": loss.item(), "held_out_loss": held_out, "accuracy": accuracy, "param_digest": digest}
+
+
+class Commands:
+    """Lines from the driver on stdin, read from the descriptor itself (no
+    read-ahead buffer hides a line from `select`), so a worker can wait for
+    one with a timeout."""
+
+    def __init__(self, fd: int = 0):
+        self.fd, self.buf, self.eof = fd, b"", False
+
+    def _fill(self, timeout: float | None) -> bool:
+        import select
+
+        if self.eof or not select.select([self.fd], [], [], timeout)[0]:
+            return False
+        chunk = os.read(self.fd, 4096)
+        self.eof = not chunk
+        self.buf += chunk
+        return bool(chunk)
+
+    def readline(self) -> str | None:
+        while b"\n" not in self.buf:
+            if not self._fill(None):
+                return None
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode()
+
+    def wait_for(self, word: str, timeout: float) -> bool:
+        """Wait up to `timeout` s for a line `word` (consumed); True if it came."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if b"\n" in self.buf:
+                line, _, rest = self.buf.partition(b"\n")
+                if line.decode().strip() == word:
+                    self.buf = rest
+                    return True
+                return False  # something else is next: leave it for the main loop
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._fill(left):
+                return False
 
 
 def _load_example(name: str):
@@ -199,11 +252,16 @@ def main() -> int:
         Lane._check(lane.joined)
     print(json.dumps({"ready": True}), flush=True)
     step = 0
-    for line in sys.stdin:
-        if line.strip() != "go":
+    commands = Commands()
+    while (line := commands.readline()) is not None:
+        words = line.split()
+        if words == ["cut"]:
+            continue  # an epoch's end that came after this worker finished it
+        if not words or words[0] != "go":
             break
         if trainer is not None:
-            print(json.dumps(trainer.step(lanes, owned)), flush=True)
+            delay = float(words[1]) / 1e3 if len(words) > 1 else 0.0
+            print(json.dumps(trainer.step(lanes, owned, delay, commands)), flush=True)
             step += 1
             continue
         inputs = [contribution(a.rank, elements, step * 4096 + g)  # different data per sub-model and step

@@ -97,6 +97,8 @@ pub enum AdmitError {
     Unknown(u32),
     #[error("job {job_id}: {field} cannot change while the job runs (remove and re-admit it)")]
     Immutable { job_id: u32, field: &'static str },
+    #[error("job {job_id} was admitted with complete results only (no quorum, no aging, on_failure = fail), and its workers joined refusing partial ones: a quorum, aging or on_failure = degrade cannot be added while it runs. Admit it with quorum = its member count (every member; K can then change at runtime), or remove and re-admit it")]
+    PartialResultsAdded { job_id: u32 },
     #[error("job {job_id}: tree rank {rank} must be at least {SWITCH_RANK_BASE} (ranks below name workers), and the parent needs at least one address")]
     BadUplink { job_id: u32, rank: u16 },
 }
@@ -367,6 +369,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             let Some(job) = self.jobs.get(&job_id) else { return Err(AdmitError::Unknown(job_id)) };
             if let Some(field) = job.spec.fixed_field_changed(&spec) {
                 return Err(AdmitError::Immutable { job_id, field });
+            }
+            if job.spec.adds_partial_results(&spec) {
+                return Err(AdmitError::PartialResultsAdded { job_id });
             }
             spec.source_capacity().max(job.members.capacity())
         };

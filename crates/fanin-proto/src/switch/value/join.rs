@@ -72,10 +72,7 @@ pub(super) fn answer_join_as<A: Copy>(
         results_on_group: job.listens_on_group.contains(to as usize),
         // Blocks of this job may complete without every member, and the
         // job asked for that (docs/protocol.md §6.2).
-        partial_results: job.spec.block_exp_ms > 0
-            || job.spec.quorum > 0
-            || job.spec.on_failure == FailurePolicy::Degrade
-            || job.spec.mode == JobMode::Forward,
+        partial_results: job.spec.partial_results(),
         // One packet size for the whole job (a block's elements must line
         // up across members), chosen here where the data port's MTU is
         // known, not by each worker. A tree's switches (`workers` set by

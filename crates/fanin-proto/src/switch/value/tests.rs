@@ -1314,3 +1314,27 @@ fn a_quorum_completes_a_block_with_the_first_k_members_and_can_change_while_the_
     let err = ValueSwitch::<Addr>::new(ShardConfig::single(1 << 20)).add_job(JobSpec { quorum: 5, ..job(2, 4, 4) });
     assert!(err.unwrap_err().to_string().contains("quorum 5"));
 }
+
+#[test]
+fn a_quorum_cannot_be_added_to_a_job_whose_workers_joined_refusing_partial_results() {
+    // Found wiring GOAT-Async (docs/goat.md): a deployment admitted without
+    // a quorum, then given K_t by the controller, handed sums of K members
+    // to workers whose JoinAck said every result sums every member, and
+    // they failed with PartialResult. The update is refused instead, with
+    // what to do; a job admitted with quorum = members may change K freely.
+    let complete = JobSpec { on_failure: FailurePolicy::Fail, ..job(1, 4, 4) };
+    let mut sw = switch_with(&[complete.clone()]);
+    assert!(!join_listening(&mut sw, 1, 0, false).partial_results);
+    let mut out = VecTransmit::new();
+    let err = sw.update_job(T0, JobSpec { quorum: 2, ..complete.clone() }, None, &[], &mut out).unwrap_err();
+    assert_eq!(err, AdmitError::PartialResultsAdded { job_id: 1 });
+    assert!(err.to_string().contains("quorum = its member count"), "{err}");
+    let mut sw = switch_with(&[JobSpec { quorum: 4, ..complete.clone() }]);
+    assert!(join_listening(&mut sw, 1, 0, false).partial_results);
+    sw.update_job(T0, JobSpec { quorum: 2, ..complete.clone() }, None, &[], &mut out).unwrap();
+    sw.update_job(T0, JobSpec { quorum: 4, ..complete.clone() }, None, &[], &mut out).unwrap();
+    // dropping the quorum drops partial results, for good: a joiner now refuses them
+    sw.update_job(T0, complete.clone(), None, &[], &mut out).unwrap();
+    assert!(!join_listening(&mut sw, 1, 1, false).partial_results);
+    assert!(sw.update_job(T0, JobSpec { quorum: 2, ..complete }, None, &[], &mut out).is_err());
+}
