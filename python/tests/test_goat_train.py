@@ -26,6 +26,36 @@ def test_time_to_target_is_the_first_point_at_or_below_it():
     assert time_to(curve, 0.05) is None
 
 
+class _Deployment:
+    def __init__(self):
+        self.installs = []
+
+    def install_quorums(self, participating):
+        self.installs.append(sorted(participating))
+
+
+def test_the_async_controller_leaves_out_a_persistent_straggler_once_and_ignores_noise():
+    from fanin_bench.bench.goat_train import AsyncController
+
+    dep = _Deployment()
+    ctl = AsyncController(dep, list(range(8)))
+    noisy = {r: 0.005 + 0.0004 * ((r * 5) % 8) for r in range(8)}  # 5.0-7.8 ms: noise, nobody slow
+    assert ctl.after(noisy) == 0.0 and dep.installs == [] and ctl.k_history == [8]
+    slow = {**noisy, 7: 0.2}
+    ctl.after(slow)
+    assert dep.installs == [[0, 1, 2, 3, 4, 5, 6]] and ctl.participants == set(range(7))
+    for _ in range(3):  # the same again, or the fast ones reshuffled by noise: nothing to reinstall
+        ctl.after({**slow, 0: 0.0079, 6: 0.005})
+    assert len(dep.installs) == 1 and ctl.k_history == [8, 7, 7, 7, 7]
+    for _ in range(30):  # rank 7 caught up: once its mean does, everyone again (ψ(8) < ψ(7) by 10 %)
+        ctl.after({r: 0.005 for r in range(8)})
+    assert dep.installs[-1] == list(range(8)) and ctl.k_history[-1] == 8
+    # margin 0 and no smoothing follow Algorithm 2 every epoch, noise included
+    eager = AsyncController(_Deployment(), list(range(8)), margin=0, smoothing=1)
+    eager.after(noisy)
+    assert eager.k_history[-1] < 8 and eager.dep.installs
+
+
 def test_a_goat_plan_trains_the_digits_mlp_on_the_testbed():
     """Every replica the same after every step, the same loss on GOAT's plan
     as on the PS alone (the same mean gradient, summed exactly in

@@ -20,7 +20,7 @@ import numpy as np
 
 from fanin.goat.model import GoatError
 
-__all__ = ["Convergence", "algorithm2", "per_switch_k", "run_epochs", "compare_async"]
+__all__ = ["Convergence", "algorithm2", "estimate_total", "per_switch_k", "run_epochs", "compare_async"]
 
 
 @dataclass(frozen=True)
@@ -44,24 +44,37 @@ def algorithm2(history: Sequence[float], conv: Convergence, rounds: Optional[int
                h_alpha: float = 0.0) -> tuple[int, float]:
     """Algorithm 2: the K minimising T · H̄, from the workers' last observed
     intervals p_w. Returns (K_{t+1}, its estimated total time)."""
-    p = np.asarray(history, dtype=float)
-    if p.ndim != 1 or len(p) == 0 or np.any(~(p > 0)):
-        raise GoatError("Algorithm 2 needs one positive history interval per worker")
-    n = len(p)
-    rounds = rounds or n                       # "we can set M as the number of workers"
-    best_k, best_h = n, math.inf
-    for k in range(1, n + 1):
-        est = p.copy()
-        hs = []
-        for _ in range(rounds):
-            h_t = float(np.partition(est, k - 1)[k - 1])          # K-th fastest estimated interval
-            late = est > h_t
-            est = np.where(late, est - h_t, p)                      # stragglers keep working; the others restart
-            hs.append(h_t + h_alpha)
-        total = conv.psi(k) * (sum(hs) / len(hs))
+    p = _intervals(history)
+    best_k, best_h = len(p), math.inf
+    for k in range(1, len(p) + 1):
+        total = estimate_total(p, k, conv, rounds, h_alpha)
         if math.isfinite(total) and total <= best_h:          # ties go to the larger K, as in line 16
             best_k, best_h = k, total
     return best_k, best_h
+
+
+def estimate_total(history: Sequence[float], k: int, conv: Convergence, rounds: Optional[int] = None,
+                   h_alpha: float = 0.0) -> float:
+    """Algorithm 2's estimate for one K: ψ(K) times the mean epoch time of
+    M simulated epochs from the intervals p_w (inf where ψ is)."""
+    p = _intervals(history)
+    if not 1 <= k <= len(p):
+        raise GoatError(f"K {k} is outside 1..{len(p)} workers")
+    est = p.copy()
+    hs = []
+    for _ in range(rounds or len(p)):                  # "we can set M as the number of workers"
+        h_t = float(np.partition(est, k - 1)[k - 1])          # K-th fastest estimated interval
+        late = est > h_t
+        est = np.where(late, est - h_t, p)                      # stragglers keep working; the others restart
+        hs.append(h_t + h_alpha)
+    return conv.psi(k) * (sum(hs) / len(hs))
+
+
+def _intervals(history: Sequence[float]) -> np.ndarray:
+    p = np.asarray(history, dtype=float)
+    if p.ndim != 1 or len(p) == 0 or np.any(~(p > 0)):
+        raise GoatError("Algorithm 2 needs one positive history interval per worker")
+    return p
 
 
 def per_switch_k(node: np.ndarray, participating: Sequence[int], alpha: int) -> dict[int, int]:

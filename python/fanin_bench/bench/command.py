@@ -548,6 +548,13 @@ def _add_goat_benches(bsub: Any) -> None:
                    help="comma-separated, of goat, atp-like, ps-only, goat-async (default all four; goat-async is "
                         "GOAT's plan with Algorithm 2's K_t^s installed on the switches as it goes)")
     t.add_argument("--slow-ranks", metavar="R,...", help="workers that straggle every step (e.g. 7)")
+    t.add_argument("--replan-margin", type=float, default=0.1,
+                   help="goat-async: keep the participants unless Algorithm 2's choice is estimated this much "
+                        "faster and they are still the fastest (default %(default)s; 0: re-plan every epoch, as "
+                        "the paper)")
+    t.add_argument("--smoothing", type=float, default=0.3,
+                   help="goat-async: Algorithm 2's p_w is a moving average of each worker's intervals, this the "
+                        "newest one's weight (default %(default)s; 1: the last interval only, as the paper)")
     t.add_argument("--slow-ms", type=float, default=0.0,
                    help="how long --slow-ranks straggle per step, ±25%% (e.g. 200)")
     t.add_argument("--steps", type=int, help="SGD steps per arm (default 100, 60 with --quick)")

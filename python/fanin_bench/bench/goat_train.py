@@ -116,9 +116,20 @@ def step_delays(slow_ranks: list[int], slow_ms: float, seed: int, step: int) -> 
 class AsyncController:
     """GOAT-Async's controller (§V) for one deployment: Algorithm 2 on the
     workers' last intervals chooses K, the K fastest take part, and K_t^s
-    goes to the switches when that changes."""
+    goes to the switches when that changes.
 
-    def __init__(self, dep, ranks: list[int]):
+    Two departures from the paper, both against churn: reinstalling K_t^s
+    costs control round trips (tens of ms on the testbed), and workers
+    whose intervals differ by noise (8 workers computing on 2 cores finish
+    in a different order every step) would otherwise swap in and out
+    every epoch. `smoothing`: p_w is an exponentially weighted mean of the
+    worker's intervals (the weight of the newest; 1: the last interval
+    only, as the paper). `margin`: keep the current participants unless
+    Algorithm 2's choice is estimated that much faster (T · H̄) than
+    keeping them, and none of them has become slower than a worker left
+    out (0: follow Algorithm 2 every epoch)."""
+
+    def __init__(self, dep, ranks: list[int], margin: float = 0.1, smoothing: float = 0.3):
         from fanin.goat.async_ import Convergence
 
         n = len(ranks)
@@ -127,17 +138,31 @@ class AsyncController:
         self.dep, self.ranks = dep, sorted(ranks)
         self.participants: set[int] | None = None  # None: every member (as admitted)
         self.k_history: list[int] = []
+        self.margin, self.smoothing = margin, smoothing
+        self.p: dict[int, float] = {}
 
-    def after(self, intervals: dict[int, float]) -> float:
-        """Choose the next epoch's participants; seconds spent installing."""
+    def after(self, observed: dict[int, float]) -> float:
+        """Choose the next epoch's participants from this epoch's intervals;
+        seconds spent installing."""
         import time
 
-        from fanin.goat.async_ import algorithm2
+        from fanin.goat.async_ import algorithm2, estimate_total
 
-        k, _ = algorithm2([intervals[r] for r in self.ranks], self.conv)
-        chosen = set(sorted(self.ranks, key=lambda r: (intervals[r], r))[:k])
-        self.k_history.append(k)
-        if chosen == (self.participants or set(self.ranks)):
+        a = self.smoothing
+        self.p = {r: observed[r] if r not in self.p else a * observed[r] + (1 - a) * self.p[r] for r in self.ranks}
+        intervals = self.p
+        p = [intervals[r] for r in self.ranks]
+        k, best = algorithm2(p, self.conv)
+        current = self.participants or set(self.ranks)
+        left_out = set(self.ranks) - current
+        still_fastest = not left_out or max(intervals[r] for r in current) <= min(intervals[r] for r in left_out)
+        if self.margin > 0 and still_fastest and \
+                estimate_total(p, len(current), self.conv) <= (1 + self.margin) * best:
+            chosen = current  # not worth a reinstall
+        else:
+            chosen = set(sorted(self.ranks, key=lambda r: (intervals[r], r))[:k])
+        self.k_history.append(len(chosen))
+        if chosen == current:
             return 0.0
         t0 = time.perf_counter()
         self.dep.install_quorums(chosen)
@@ -147,7 +172,8 @@ class AsyncController:
 
 def train_arms(topo: topology.Topology, plans: dict[str, dict[str, Any]], *, name: str, steps: int,
                rate_mbit: float, epp: int, window: int, seed: int, batch: int, lr: float,
-               slow_ranks: list[int] = (), slow_ms: float = 0.0, progress=None) -> dict[str, list[dict[str, Any]]]:
+               slow_ranks: list[int] = (), slow_ms: float = 0.0, replan_margin: float = 0.1,
+               smoothing: float = 0.3, progress=None) -> dict[str, list[dict[str, Any]]]:
     """Every arm on one testbed, step by step in turn; {arm: curve}, a point
     per step."""
     from fanin_bench.testbed import Testbed, down
@@ -165,7 +191,8 @@ def train_arms(topo: topology.Topology, plans: dict[str, dict[str, Any]], *, nam
                     epp=epp, window=window, seed=seed, elements=elements, worker_extra=extra,
                     quorum_ready=label == "goat-async")
                 for k, (label, plan) in enumerate(plans.items())]
-        controllers = {a.label: AsyncController(a.dep, a.ranks) for a in arms if a.label == "goat-async"}
+        controllers = {a.label: AsyncController(a.dep, a.ranks, replan_margin, smoothing) for a in arms
+                       if a.label == "goat-async"}
         clock = {a.label: 0.0 for a in arms}
         for step in range(steps):
             delays = step_delays(list(slow_ranks), slow_ms, seed, step)
@@ -224,7 +251,8 @@ def run_goat_train(args) -> int:
         raise SystemExit("fanin bench goat-train: --slow-ranks needs --slow-ms > 0 (how long they straggle)")
     curves = train_arms(topo, plans, name=f"gt{os.getpid() % 100000}", steps=steps, rate_mbit=args.rate_mbit,
                         epp=args.elems_per_packet, window=args.window, seed=args.seed, batch=args.batch, lr=args.lr,
-                        slow_ranks=slow_ranks, slow_ms=args.slow_ms,
+                        slow_ranks=slow_ranks, slow_ms=args.slow_ms, replan_margin=args.replan_margin,
+                        smoothing=args.smoothing,
                         progress=(lambda n: bar.update(1)) if bar else None)
     if bar:
         bar.close()
@@ -253,13 +281,16 @@ def run_goat_train(args) -> int:
                 s["time_to_target_vs_ps_only"] = base["time_to_target_s"] / s["time_to_target_s"]
     png = out / "goat_train.png"
     if not args.no_plot:
-        _plot(curves, target, png, args.rate_mbit)
+        _plot(curves, target, png, args.rate_mbit,
+              f", rank{'s' * (len(slow_ranks) > 1)} {args.slow_ranks} {args.slow_ms:g} ms slow" if slow_ranks else "")
     result = {"bench": "goat-train", "topology": topo.name, "workers": len(plan["workers"]),
               "switch_memory_mb": {s.name: s.memory_mb for s in topo.switches},
               "submodels": len(plan["submodels"]), "params": digits_param_count(),
               "elements": split_elements(plan, digits_param_count()), "steps": steps, "rate_mbit": args.rate_mbit,
               "batch_per_worker": args.batch, "lr": args.lr, "target_loss": target,
-              "slow_ranks": slow_ranks, "slow_ms": args.slow_ms, "arms": summary,
+              "slow_ranks": slow_ranks, "slow_ms": args.slow_ms, "replan_margin": args.replan_margin,
+              "smoothing": args.smoothing,
+              "arms": summary,
               "all_replicas_agree": all(s["replicas_agree"] for s in summary.values()),
               "csv": str(out / "goat_train.csv"), "png": None if args.no_plot else str(png)}
     human = f"goat-train: {steps} steps per arm at {args.rate_mbit:g} Mbit/s, target held-out loss {target}\n" + "\n".join(
@@ -280,7 +311,7 @@ def _secs(s: float | None) -> str:
     return "not reached" if s is None else f"{s:.1f} s"
 
 
-def _plot(curves: dict[str, list[dict[str, Any]]], target: float, path: Path, rate: float) -> None:
+def _plot(curves: dict[str, list[dict[str, Any]]], target: float, path: Path, rate: float, slow: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,7 +324,7 @@ def _plot(curves: dict[str, list[dict[str, Any]]], target: float, path: Path, ra
     ax.set_xlabel("training time (s, step times summed)")
     ax.set_ylabel("held-out loss")
     ax.set_yscale("log")
-    ax.set_title(f"GOAT training run: digits MLP, 8 workers, 3 switches + PS, {rate:g} Mbit/s links", fontsize=9)
+    ax.set_title(f"GOAT training run: digits MLP, 8 workers, 3 switches + PS, {rate:g} Mbit/s links{slow}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
