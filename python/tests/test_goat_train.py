@@ -19,6 +19,15 @@ def test_the_parameters_are_cut_in_the_planned_proportions():
         split_elements(plan, 2)
 
 
+def test_switch_memory_is_parsed_or_refused_with_the_form_to_use():
+    from fanin_bench.bench.goat_train import parse_memory
+
+    assert parse_memory("agg=12, tor0=4") == {"agg": 12.0, "tor0": 4.0}
+    for bad in ("agg", "agg=x", "=3"):
+        with pytest.raises(SystemExit, match="expected NAME=MB"):
+            parse_memory(bad)
+
+
 def test_time_to_target_is_the_first_point_at_or_below_it():
     curve = [{"time_s": 1.0, "held_out_loss": 2.0}, {"time_s": 2.5, "held_out_loss": 0.3},
              {"time_s": 3.0, "held_out_loss": 0.1}]

@@ -80,11 +80,12 @@ def parse_memory(text: str) -> dict[str, float]:
     for item in filter(None, (i.strip() for i in text.split(","))):
         name, eq, mb = item.partition("=")
         try:
-            out[name.strip()] = float(mb)
+            value = float(mb)
         except ValueError:
-            eq = ""
-        if not eq or not name.strip():
+            value = None
+        if not eq or not name.strip() or value is None:
             raise SystemExit(f"fanin bench goat-train: --switch-memory {text!r}: expected NAME=MB,..., e.g. agg=12")
+        out[name.strip()] = value
     return out
 
 
@@ -249,6 +250,10 @@ def run_goat_train(args) -> int:
         raise SystemExit(f"fanin bench goat-train: --slow-ranks {args.slow_ranks!r}: ranks are 0..{n_workers - 1}")
     if slow_ranks and not args.slow_ms > 0:
         raise SystemExit("fanin bench goat-train: --slow-ranks needs --slow-ms > 0 (how long they straggle)")
+    if not 0 < args.smoothing <= 1:
+        raise SystemExit(f"fanin bench goat-train: --smoothing {args.smoothing} must be in (0, 1] (1: the last interval)")
+    if not args.replan_margin >= 0:
+        raise SystemExit(f"fanin bench goat-train: --replan-margin {args.replan_margin} must be >= 0")
     curves = train_arms(topo, plans, name=f"gt{os.getpid() % 100000}", steps=steps, rate_mbit=args.rate_mbit,
                         epp=args.elems_per_packet, window=args.window, seed=args.seed, batch=args.batch, lr=args.lr,
                         slow_ranks=slow_ranks, slow_ms=args.slow_ms, replan_margin=args.replan_margin,
