@@ -171,7 +171,9 @@ impl<T: AsRef<[u8]>> Packet<T> {
             return Err(WireError::Truncated { needed: HEADER_LEN, got: bytes.len() });
         }
         let flags = bytes[field::FLAGS];
-        if flags & !FLAGS_KNOWN != 0 {
+        // KEY_FRAGMENT only means something on LongData (its body then
+        // starts with the fragment header): on anything else it is unknown
+        if flags & !FLAGS_KNOWN != 0 || (flags & FLAG_KEY_FRAGMENT != 0 && preamble.msg_type != MessageType::KvLongData) {
             return Err(WireError::ReservedBits(flags));
         }
         let slot_count = bytes[field::SLOT_COUNT];
@@ -254,7 +256,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
     }
     /// `LongData` with `KEY_FRAGMENT` only: the fragment.
     pub fn key_fragment(&self) -> Option<KeyFragment<'_>> {
-        if self.flags() & FLAG_KEY_FRAGMENT == 0 {
+        if self.flags() & FLAG_KEY_FRAGMENT == 0 || self.msg_type() != MessageType::KvLongData {
             return None;
         }
         let body = self.body();

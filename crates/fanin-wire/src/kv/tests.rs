@@ -178,6 +178,12 @@ fn rejects_say_why() {
     let mut flags = ACK;
     flags[4] = 0x80;
     assert_eq!(Packet::new_checked(&flags[..]).unwrap_err(), WireError::ReservedBits(0x80));
+    // found by the kv_machines fuzz target: a Data packet flagged as a key
+    // fragment passed the check and the receiver read its bitmap as a
+    // fragment header, slicing past the end of a short body
+    let mut fragment = DATA;
+    fragment[4] |= FLAG_KEY_FRAGMENT;
+    assert_eq!(Packet::new_checked(&fragment[..]).unwrap_err(), WireError::ReservedBits(fragment[4]));
     let mut slots = DATA;
     slots[5] = 65;
     assert!(matches!(Packet::new_checked(&slots[..]), Err(WireError::TooManyElements { .. })));
