@@ -105,7 +105,9 @@ class DigitsTrainer:
 
         torch.set_num_threads(1)
         self.torch, self.nn = torch, nn
-        example = _load_example("train_digits")
+        from fanin_bench.bench.lm_worker import load_example
+
+        example = load_example("train_digits")
         xtr, ytr, self.xte, self.yte = example.data(seed=0)
         self.xs, self.ys = xtr[rank::world], ytr[rank::world]
         torch.manual_seed(seed)  # the same initial weights on every rank (no broadcast needed)
@@ -210,12 +212,6 @@ class Commands:
             left = deadline - time.monotonic()
             if left <= 0 or not self._fill(left):
                 return False
-
-
-def _load_example(name: str):
-    from fanin_bench.bench.lm_worker import load_example
-
-    return load_example(name)
 
 
 def main() -> int:
