@@ -42,6 +42,14 @@ pub enum MessageType {
     /// that asked. The root answers with a `JoinAck` whose `src_id` is that
     /// worker, relayed down hop by hop.
     Sync = 0x08,
+    /// Worker → switch shard: the results this worker holds, sent when the
+    /// shard refused a block for want of memory (a `Trimmed` nack, cause
+    /// `MemoryExhausted`). `block_id` is the worker's lowest block without
+    /// a result: it holds every result before it, and bit `j` of body word
+    /// `k` (`grad_cnt` 64-bit words, least significant bit first) says it
+    /// holds block `block_id + 64k + j`. The shard frees the done blocks
+    /// every member holds (pooled memory, docs/memory.md).
+    ResultAck = 0x09,
     /// Key-value sender → switch → receiver: bitmap + tuple slots (ASK).
     KvData = 0x20,
     /// Key-value sender → switch → receiver: tuples whose keys bypass the
@@ -84,6 +92,7 @@ impl MessageType {
             0x06 => Self::Nack,
             0x07 => Self::Membership,
             0x08 => Self::Sync,
+            0x09 => Self::ResultAck,
             0x20 => Self::KvData,
             0x21 => Self::KvLongData,
             0x22 => Self::KvAck,

@@ -46,6 +46,28 @@ pub const HEADER_LEN: usize = field::PAYLOAD;
 pub const ELEM_LEN: usize = 4;
 /// Most elements one packet can carry and still fit one UDP datagram.
 pub const MAX_GRAD_CNT: usize = (MAX_DATAGRAM - HEADER_LEN) / ELEM_LEN;
+/// Bytes of one word of a `ResultAck`'s bitmap.
+pub const RESULT_ACK_WORD_LEN: usize = 8;
+/// Most bitmap words a `ResultAck` may carry (one datagram).
+pub const RESULT_ACK_MAX_WORDS: usize = (MAX_DATAGRAM - HEADER_LEN) / RESULT_ACK_WORD_LEN;
+
+/// Does the body of a `ResultAck` say its sender holds the block `offset`
+/// blocks after the header's `block_id`? (Bits past the body: no.)
+pub fn result_ack_holds(body: &[u8], offset: u32) -> bool {
+    let (word, bit) = (offset as usize / 64, offset % 64);
+    body.get(word * RESULT_ACK_WORD_LEN..(word + 1) * RESULT_ACK_WORD_LEN)
+        .is_some_and(|w| u64::from_be_bytes(w.try_into().expect("8 bytes")) >> bit & 1 == 1)
+}
+
+/// Write a `ResultAck` body: `holds(offset)` for each of its
+/// `body.len() / 8 * 64` offsets.
+pub fn write_result_ack(body: &mut [u8], mut holds: impl FnMut(u32) -> bool) {
+    for (k, chunk) in body.chunks_exact_mut(RESULT_ACK_WORD_LEN).enumerate() {
+        let word = (0..64).filter(|&j| holds(k as u32 * 64 + j)).fold(0u64, |w, j| w | 1 << j);
+        chunk.copy_from_slice(&word.to_be_bytes());
+    }
+}
+
 /// `exp` / `next_exp` value meaning "no exponent" (all-zero block, or no
 /// exponent announced). Smaller than every real exponent, so `max` ignores it.
 pub const EXP_NONE: i8 = i8::MIN;
@@ -120,6 +142,7 @@ fn body_len(msg_type: MessageType, grad_cnt: u16, age_op: u8, dtype: Dtype) -> u
         MessageType::Join | MessageType::Membership => 0,
         MessageType::JoinAck => JoinParams::LEN,
         MessageType::Sync => SyncRequest::LEN,
+        MessageType::ResultAck => grad_cnt as usize * RESULT_ACK_WORD_LEN,
         MessageType::Nack => Nack::LEN,
         // Rejected as WrongService by `Packet::check` before this is asked.
         _ => 0,
@@ -166,7 +189,15 @@ impl<T: AsRef<[u8]>> Packet<T> {
             return Err(WireError::TooManyElements { grad_cnt: grad_cnt as usize, max: MAX_GRAD_CNT });
         }
         let carries_block = preamble.msg_type.carries_block();
-        if grad_cnt != 0 && (!carries_block || flags & FLAG_EXP_ONLY != 0) {
+        let ack = preamble.msg_type == MessageType::ResultAck;
+        if ack && (grad_cnt as usize > RESULT_ACK_MAX_WORDS || flags != 0) {
+            return Err(if flags != 0 {
+                WireError::ReservedBits(flags)
+            } else {
+                WireError::TooManyElements { grad_cnt: grad_cnt as usize, max: RESULT_ACK_MAX_WORDS }
+            });
+        }
+        if grad_cnt != 0 && !ack && (!carries_block || flags & FLAG_EXP_ONLY != 0) {
             return Err(WireError::ExpOnlyWithPayload(grad_cnt));
         }
         if grad_cnt != 0 && preamble.msg_type == MessageType::Result && flags & FLAG_NO_DATA != 0 {

@@ -255,14 +255,16 @@ def _add_kv_benches(bsub: Any) -> None:
     mem = bsub.add_parser(
         "memory", help="the switch's memory models: jobs admitted and run at once, reserved vs pooled (Trio-ML)",
         description="One switch process with --memory-mb of aggregation memory, first reserving every job's "
-                    "buffers (SwitchML), then pooling them (Trio-ML, the default; docs/memory.md). Jobs of one "
+                    "buffers (SwitchML), then pooling them (Trio-ML, the default: one buffer reserved per job, "
+                    "the rest shared and freed as members acknowledge results; docs/memory.md). Jobs of one "
                     "shape are admitted until the switch refuses one, then all run an int32 allreduce at once; "
                     "every result is checked exactly. JSON with --json, CSV and PNG to --out.",
         epilog="example: fanin bench memory --quick --json\n"
-               "         fanin bench memory --memory-mb 1 --jobs 8 --slots 32 --packet 1024")
+               "         fanin bench memory --memory-mb 1 --jobs 32 --slots 32 --packet 1024")
     mem.add_argument("--out", default="out/memory", help="directory for CSV and PNG (default %(default)s)")
     mem.add_argument("--memory-mb", type=int, default=1, help="switch aggregation memory (default %(default)s)")
-    mem.add_argument("--jobs", type=int, default=8, help="most jobs to admit (default %(default)s)")
+    mem.add_argument("--jobs", type=int, default=16, help="most jobs to admit (default %(default)s: with the "
+                     "other defaults, caps four times the memory)")
     mem.add_argument("--members", type=int, default=2, help="workers per job (default %(default)s)")
     mem.add_argument("--slots", type=int, default=32, help="block_cnt_max of each job (default %(default)s)")
     mem.add_argument("--packet", type=int, default=1024, help="block_grad_max and elements per packet "

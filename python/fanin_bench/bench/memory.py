@@ -3,14 +3,16 @@
 One ``fanin switch`` process (one shard) with ``--memory-mb`` of
 aggregation memory, first with ``memory_model = "reserved"`` (SwitchML:
 two buffers per slot reserved per job), then ``"pooled"`` (Trio-ML: one
-buffer per slot reserved, shadow copies from the memory every job shares;
+buffer reserved per job, every other block record from the memory all
+jobs share, freed once every member acknowledged its result;
 docs/memory.md). Under each, jobs of the same shape are admitted through
 the control API until the switch refuses one, and then every admitted job
 runs at once (``--members`` workers each, threads of this process, an
 int32 allreduce of ``--elems`` elements, ``--repeats`` times). Reported
-per model: jobs admitted, wall time (median), aggregate and per-job
-goodput, the switch's back-pressure nacks for memory and recycled
-records; every result is checked exactly or the run fails.
+per model: jobs admitted and their caps over the memory, wall time
+(median), aggregate and per-job goodput, the switch's back-pressure nacks
+for memory, recycled, acknowledged and evicted records; every result is
+checked exactly or the run fails.
 """
 
 from __future__ import annotations
@@ -91,12 +93,17 @@ def _run_model(model: str, args: Any, elems: int, repeats: int) -> dict[str, Any
         raise SystemExit(f"bench memory: {model}: {failures[0]} ({len(failures)} failures)")
     wall = statistics.median(times)
     bits = elems * 4 * 8
-    return {"model": model, "jobs_admitted": len(admitted), "refused": refusal, "wall_s": round(wall, 3),
+    cap_bytes = 2 * args.slots * args.packet * 4  # a block and its shadow in every slot
+    return {"model": model, "jobs_admitted": len(admitted), "refused": refusal,
+            "caps_over_memory": round(len(admitted) * cap_bytes / (args.memory_mb << 20), 2),
+            "wall_s": round(wall, 3),
             "runs_s": [round(t, 3) for t in times],
             "aggregate_gbit_s": round(len(admitted) * bits / wall / 1e9, 3),
             "per_job_gbit_s": round(bits / wall / 1e9, 3),
             "memory_exhausted": counters.get("memory_exhausted", 0),
-            "records_recycled": counters.get("records_recycled", 0), "exact": True}
+            "records_recycled": counters.get("records_recycled", 0),
+            "result_acks": counters.get("result_acks", 0), "records_acked": counters.get("records_acked", 0),
+            "records_evicted": counters.get("records_evicted", 0), "exact": True}
 
 
 def run_memory(args: Any) -> int:
@@ -121,9 +128,10 @@ def run_memory(args: Any) -> int:
     print(f"{args.memory_mb} MiB, jobs of {args.members} workers x {args.slots} slots x {args.packet} elements, "
           f"{elems} int32 each, median of {repeats}; every result exact:", file=sys.stderr)
     for r in rows:
-        print(f"  {r['model']:8}  {r['jobs_admitted']} jobs at once  {r['wall_s']:6.2f} s  "
-              f"{r['aggregate_gbit_s']:6.3f} Gbit/s in all ({r['per_job_gbit_s']:.3f} per job)  "
-              f"memory nacks {r['memory_exhausted']}, recycled {r['records_recycled']}", file=sys.stderr)
+        print(f"  {r['model']:8}  {r['jobs_admitted']} jobs at once (caps {r['caps_over_memory']}x the memory)  "
+              f"{r['wall_s']:6.2f} s  {r['aggregate_gbit_s']:6.3f} Gbit/s in all ({r['per_job_gbit_s']:.3f} per job)  "
+              f"memory nacks {r['memory_exhausted']}, recycled {r['records_recycled']}, "
+              f"acknowledged {r['records_acked']}, evicted {r['records_evicted']}", file=sys.stderr)
     return 0
 
 

@@ -48,7 +48,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    JoinParams, Nack, NackReason, Packet, Repr, EXP_NONE, MEMBERSHIP_FAILED, MEMBERSHIP_MISMATCH, MEMBERSHIP_READMITTED,
+    JoinParams, Nack, NackReason, Packet, Repr, TrimCause, EXP_NONE, MEMBERSHIP_FAILED, MEMBERSHIP_MISMATCH, MEMBERSHIP_READMITTED,
     MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW,
 };
 use fanin_wire::MessageType;
@@ -67,6 +67,7 @@ mod op;
 mod outcome;
 mod recovery;
 mod results;
+mod result_ack;
 mod tensor;
 mod transmit;
 #[cfg(test)]
@@ -157,6 +158,8 @@ pub struct AllreduceSession {
     recovery: Option<Recovery>,
     /// [`keep_only`](Self::keep_only)'s range, for the next allreduce.
     next_keep: Option<std::ops::Range<usize>>,
+    /// Acknowledgements owed to shards short of memory.
+    result_acks: result_ack::ResultAcks,
 }
 
 /// Datagrams a keyed session dropped before looking at them.
@@ -203,6 +206,7 @@ impl AllreduceSession {
             captured: recovery::Captured::default(),
             recovery: None,
             next_keep: None,
+            result_acks: Default::default(),
         };
         session.sealer = session.config.auth_key.map(|k| Sealer::new(k, 0, session.config.seal_clock_us));
         if let State::Failed(e) = &session.state {
@@ -642,6 +646,7 @@ impl AllreduceSession {
                     return sent; // nothing goes out until the floor is known
                 }
                 sent += self.send_retained(now, out);
+                sent += self.send_result_acks(now, out);
                 sent + self.transmit_blocks(now, out)
             }
         }
@@ -714,6 +719,9 @@ impl AllreduceSession {
                         self.on_expired(now, &repr);
                     } else if nack.reason == NackReason::Trimmed {
                         self.last_heard = now;
+                        if nack.detail == TrimCause::MemoryExhausted as u32 {
+                            self.on_memory_refusal(now, repr.block_id);
+                        }
                         self.on_trimmed(now, &repr);
                     } else if nack.reason == NackReason::JobFailed {
                         self.fail(SessionError::MemberFailed { job_id: repr.job_id, rank: nack.detail as u16 });

@@ -85,6 +85,8 @@ pub struct CongestionStats {
     pub timeouts: u64,
     /// Times the window was cut (at most one per round trip).
     pub decreases: u64,
+    /// Times the memory window was cut (the switch short of memory).
+    pub memory_decreases: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -101,6 +103,16 @@ pub struct Congestion {
     window_at_mark: u32,
     /// MIN_WINDOW per shard, at most `max`.
     floor: u32,
+    /// The memory window: blocks the switch's pooled memory can take from
+    /// this worker now (docs/memory.md). A refusal for memory halves it,
+    /// down to one block, once per round trip; it grows back by one block
+    /// per window of answers. Kept apart from `cwnd` because its floor is
+    /// not the network's: memory shared by many jobs may fit only a few
+    /// blocks of each, and a window of 16 sending into it is refused over
+    /// and over (16 jobs on 1 MiB: 4.2 million refusals, 0.36x goodput).
+    mem: u32,
+    mem_credit: u32,
+    last_mem_decrease: Option<Time>,
     stats: CongestionStats,
 }
 
@@ -118,6 +130,9 @@ impl Congestion {
             last_decrease: None,
             answers_since_mark: 0,
             window_at_mark: 0,
+            mem: u32::MAX,
+            mem_credit: 0,
+            last_mem_decrease: None,
             floor,
             stats: CongestionStats::default(),
         }
@@ -125,7 +140,19 @@ impl Congestion {
 
     /// Blocks that may be outstanding now.
     pub fn window(&self) -> u32 {
-        self.cwnd
+        self.cwnd.min(self.mem)
+    }
+
+    /// The switch refused a block for want of pooled memory: halve the
+    /// memory window (at least one block), once per `round_trip`.
+    pub fn on_memory_short(&mut self, now: Time, round_trip: Duration) {
+        if self.last_mem_decrease.is_some_and(|t| now.saturating_since(t) < round_trip) {
+            return;
+        }
+        self.mem = (self.window() / 2).max(1);
+        self.mem_credit = 0;
+        self.last_mem_decrease = Some(now);
+        self.stats.memory_decreases += 1;
     }
 
     pub fn max(&self) -> u32 {
@@ -154,6 +181,13 @@ impl Congestion {
     /// One block was answered (its result came).
     pub fn on_answer(&mut self) {
         self.answers_since_mark = self.answers_since_mark.saturating_add(1);
+        if self.mem < self.max {
+            self.mem_credit += 1;
+            if self.mem_credit >= self.mem {
+                self.mem += 1;
+                self.mem_credit = 0;
+            }
+        }
         if self.cwnd >= self.max {
             return;
         }
@@ -284,6 +318,29 @@ mod tests {
             assert_eq!(a.window(), b.window(), "answer {i}");
         }
         assert!(a.stats().decreases > 10);
+    }
+
+    #[test]
+    fn a_memory_refusal_halves_below_the_floor_and_grows_back_one_block_per_window() {
+        let mut cc = Congestion::new(INITIAL_WINDOW, 32);
+        cc.on_signal(at(0), RTT, Signal::Trim);
+        assert_eq!(cc.window(), 16, "a trim stops at the floor");
+        for (t, want) in [(0, 8), (5, 8), (10, 4), (20, 2), (30, 1), (40, 1)] {
+            cc.on_memory_short(at(t), RTT);
+            assert_eq!(cc.window(), want, "at {t} ms");
+        }
+        assert_eq!(cc.stats().memory_decreases, 5);
+        // additive increase: 1 answer takes it to 2, 2 more to 3, ...
+        for want in 2..=16 {
+            for _ in 0..want - 1 {
+                cc.on_answer();
+            }
+            assert_eq!(cc.window(), want);
+        }
+        for _ in 0..1000 {
+            cc.on_answer();
+        }
+        assert_eq!(cc.window(), 32, "back to the job's limit");
     }
 
     #[test]

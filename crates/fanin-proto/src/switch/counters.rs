@@ -34,6 +34,15 @@ pub struct Counters {
     /// A new block took the record of its slot's previous block once every
     /// active member had moved past it (pooled memory under pressure).
     pub records_recycled: u64,
+    /// `ResultAck`s received: a member said which results it holds, in
+    /// answer to a `memory_exhausted` refusal.
+    pub result_acks: u64,
+    /// Done blocks whose buffers went back to the pool because every
+    /// member acknowledged their results.
+    pub records_acked: u64,
+    /// Blocks still aggregating whose records a lower block of the same
+    /// job took (memory short); their contributors were asked to resend.
+    pub records_evicted: u64,
     /// Block beyond the job's window.
     pub out_of_window: u64,
     /// Contribution for a block whose result the switch no longer holds (a
@@ -172,6 +181,9 @@ impl Counters {
         f("slot_busy", None, self.slot_busy);
         f("memory_exhausted", None, self.memory_exhausted);
         f("records_recycled", None, self.records_recycled);
+        f("result_acks", None, self.result_acks);
+        f("records_acked", None, self.records_acked);
+        f("records_evicted", None, self.records_evicted);
         f("out_of_window", None, self.out_of_window);
         f("expired", None, self.expired);
         f("mismatch", None, self.mismatch);
@@ -225,7 +237,7 @@ impl Counters {
         }
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
-            slot_busy, memory_exhausted, records_recycled, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
+            slot_busy, memory_exhausted, records_recycled, result_acks, records_acked, records_evicted, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,

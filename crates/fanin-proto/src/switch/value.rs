@@ -221,7 +221,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             JobMode::Forward => 0,
         };
         let pool_floor = match self.config.memory_model {
-            MemoryModel::Pooled if spec.mode == JobMode::Aggregate => Some(local_slots as u32),
+            MemoryModel::Pooled if spec.mode == JobMode::Aggregate => Some(pool_floor(&spec, local_slots)),
             _ => None,
         };
         let memory = pool_floor.map_or(cap, |floor| floor as u64 * record_cost);
@@ -375,11 +375,26 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
             spec.source_capacity().max(job.members.capacity())
         };
+        // Pooled memory: child switches joining the members need the floor
+        // of one buffer per slot (job.rs `pool_floor`), if it fits.
+        let new_floor = self.jobs[&job_id].pool_floor.map(|_| pool_floor(&spec, self.local_slot_count(&spec)));
+        if let Some(floor) = new_floor {
+            let job = &self.jobs[&job_id];
+            let grows = (floor.max(job.live_records) as u64 * job.record_cost).saturating_sub(job.data_memory);
+            if self.memory_used + grows > self.config.memory_limit {
+                let available = self.config.memory_limit.saturating_sub(self.memory_used);
+                return Err(AdmitError::OutOfMemory { job_id, needed: grows, available, limit: self.config.memory_limit });
+            }
+        }
         let limits_changed = self.jobs[&job_id].spec.rate_limit != spec.rate_limit;
         let buckets = limits_changed.then(|| self.buckets_for(&spec, capacity));
         let job = self.jobs.get_mut(&job_id).expect("checked above");
         if let Some(b) = buckets {
             job.buckets = b;
+        }
+        if new_floor.is_some() {
+            job.pool_floor = new_floor;
+            job.settle_memory(&mut self.memory_used);
         }
         job.buckets.grow(capacity);
         job.liveness.grow(capacity);
@@ -650,6 +665,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 self.handle_contribution(now, from, &packet, out)
             }
             Ok(MessageType::Sync) => self.handle_sync(from, &packet, out),
+            Ok(MessageType::ResultAck) => self.handle_result_ack(&packet),
             Ok(MessageType::Result | MessageType::Nack | MessageType::Membership | MessageType::JoinAck) => {
                 self.handle_from_parent(from, &packet, out)
             }
@@ -677,6 +693,7 @@ mod aggregate;
 mod membership;
 mod nacks;
 mod rounds;
+mod pool;
 
 use block::*;
 pub use config::{AgingConfig, MemoryModel, ShardConfig, MAX_CHECKS, MAX_SCANNERS};
@@ -687,6 +704,7 @@ use join::*;
 use aggregate::*;
 use membership::*;
 use nacks::*;
+use pool::*;
 pub use rounds::RoundEnd;
 use rounds::*;
 

@@ -632,6 +632,38 @@ fn sync_parse_and_emit() {
     assert!(Packet::new_checked(&SYNC[..30]).is_err());
 }
 
+/// Result acknowledgement of worker 3 in job 5: it lacks block 0x100 and
+/// holds blocks 0x101, 0x102 and 0x140 (bits 1, 2 and 64).
+const RESULT_ACK: [u8; 40] = [
+    0xFA, 0x17, 0x01, 0x09, // ResultAck
+    0x00, 0x00, 0x00, 0x03, // flags 0; int32; src_id 3
+    0x00, 0x00, 0x00, 0x00, // src_cnt 0; gen_id 0
+    0x00, 0x00, 0x00, 0x05, // job_id 5
+    0x00, 0x00, 0x01, 0x00, // block_id 0x100: the lowest block without a result
+    0x00, 0x02, 0x80, 0x80, // grad_cnt 2 (bitmap words); exp/next_exp NONE
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x06, // word 0: bits 1, 2
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, // word 1: bit 64
+];
+
+#[test]
+fn result_ack_parse_and_emit() {
+    let p = Packet::new_checked(&RESULT_ACK[..]).unwrap();
+    let repr = Repr::parse(&p).unwrap();
+    assert_eq!(repr, Repr { block_id: 0x100, grad_cnt: 2, ..Repr::new(MessageType::ResultAck, 5, 3) });
+    let held: Vec<u32> = (0..200).filter(|&i| result_ack_holds(p.payload(), i)).collect();
+    assert_eq!(held, [1, 2, 64]);
+    let mut buf = [MARKER; 40];
+    let mut packet = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut packet);
+    write_result_ack(packet.payload_mut(), |i| [1, 2, 64].contains(&i));
+    assert_eq!(buf, RESULT_ACK);
+    // the body is grad_cnt words long; flags have no meaning here
+    assert!(Packet::new_checked(&RESULT_ACK[..32]).is_err());
+    let mut flagged = RESULT_ACK;
+    flagged[4] = 0x08;
+    assert_eq!(Packet::new_checked(&flagged[..]).unwrap_err(), WireError::ReservedBits(0x08));
+}
+
 #[test]
 fn element_loops_equal_the_byte_by_byte_definition() {
     // On a CPU with AVX2 these take the vector loops (crate::simd); the

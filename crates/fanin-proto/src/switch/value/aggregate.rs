@@ -434,10 +434,15 @@ pub(super) fn open_block(
     space: BlockSpace,
     recycle: bool,
 ) {
+    let mut old = slot.cur.take();
     let mut block = match recycle {
-        true => slot.cur.take().expect("a recycled record is the slot's current block"),
+        true => old.take().expect("a recycled record is the slot's current block"),
         false => slot.prev.take().or_else(|| slot.spare.take()).unwrap_or_else(|| Block::new(capacity)),
     };
+    if old.as_ref().is_some_and(|b| b.released) {
+        // no shadow of a block every member acknowledged
+        slot.spare = old.take();
+    }
     let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
     block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
     // members that joined later are not waited for before their start
@@ -446,7 +451,7 @@ pub(super) fn open_block(
             block.expected_count -= 1;
         }
     }
-    slot.prev = slot.cur.take();
+    slot.prev = old;
     slot.cur = Some(block);
 }
 

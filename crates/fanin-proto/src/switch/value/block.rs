@@ -81,6 +81,12 @@ pub(super) struct Block {
     /// own no part of a reduce-scatter's block): they get a result header
     /// without the sum.
     pub(super) no_data: SourceMask,
+    /// Pooled memory: a done block whose result every member acknowledged
+    /// (a `ResultAck`) gave its buffer back; the record stays in its slot
+    /// without a sum, so a late copy of it is told the block expired and
+    /// the slot's next block opens as after any done block. Never set on a
+    /// slot's shadow (a shadow is dropped instead).
+    pub(super) released: bool,
 }
 
 impl Block {
@@ -114,7 +120,13 @@ impl Block {
             asks_since_resend: 0,
             moved_on: SourceMask::with_capacity(source_capacity),
             no_data: SourceMask::with_capacity(source_capacity),
+            released: false,
         }
+    }
+
+    /// Done, and its buffer still held (its result can be sent again).
+    pub(super) fn holds_result(&self) -> bool {
+        self.phase == Phase::Done && !self.released
     }
 
     pub(super) fn is_open(&self) -> bool {
@@ -217,6 +229,7 @@ impl Block {
             self.no_data = SourceMask::with_capacity(active.capacity());
         }
         self.no_data.clear();
+        self.released = false;
     }
 
     /// Header of this block's result (exponent-only while negotiating).
@@ -271,4 +284,14 @@ pub(super) struct Slot {
     pub(super) prev: Option<Block>,
     /// A freed record kept for reuse, so steady state allocates nothing.
     pub(super) spare: Option<Block>,
+}
+
+impl Slot {
+    /// Block records of this slot that hold a buffer (pooled memory counts
+    /// these): the current block unless released, and the shadow. (Debug
+    /// builds recount the job's records with it after every event.)
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
+    pub(super) fn held(&self) -> u32 {
+        self.cur.as_ref().is_some_and(|b| !b.released) as u32 + self.prev.is_some() as u32
+    }
 }

@@ -92,7 +92,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let local = job.slot_of(block_id, shard_count);
         let may_take_record = job.may_take_record(self.memory_used, self.config.memory_limit);
         let pooled = job.pool_floor.is_some();
-        let slot = &mut job.slots[local];
+        let slot = &job.slots[local];
         // Find the record this packet belongs to: the slot's current block,
         // its shadow, or a new block if the packet opens the next use of the
         // slot.
@@ -137,28 +137,47 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 }
             }
         };
+        if !opens && !is_prev && slot.cur.as_ref().is_some_and(|b| b.released) {
+            // Every member acknowledged this block's result and its buffer
+            // went back to the pool: a copy from one of them is stale; anyone
+            // else is told it expired, as after a slot reuse.
+            let cur = slot.cur.as_ref().expect("checked");
+            if cur.moved_on.contains(src) {
+                counters.duplicate += 1;
+            } else {
+                let held = cur.block_id;
+                let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                expired(counters, out, from, env, packet, held, job.tag);
+            }
+            return Verdict::Consumed;
+        }
         // A new block needs a record: its slot's shadow is reused if it has
         // one; otherwise a new record takes a buffer from pooled memory if
         // the job may have one, or, with no memory free, the slot's done
         // block gives up its own once every member still active that was
-        // in it has sent this block (so has its result). Until then: the
-        // back-pressure nack, never another job's memory.
+        // in it has sent this block (so has its result); or, in a job whose
+        // members acknowledge results, the latest block after this one that
+        // the job still aggregates gives up its own (pool.rs). Until then:
+        // the back-pressure nack, never another job's memory.
         let mut recycle = false;
         if opens && slot.prev.is_none() && !may_take_record {
-            let done = slot.cur.as_mut().filter(|cur| cur.phase == Phase::Done);
+            let slot = &mut job.slots[local];
+            let done = slot.cur.as_mut().filter(|cur| cur.holds_result());
             let all_moved_on = done.is_some_and(|cur| {
                 cur.moved_on.insert(src);
                 cur.rcvd.iter().all(|m| !job.active.contains(m) || cur.moved_on.contains(m))
             });
-            if !all_moved_on {
+            if all_moved_on {
+                recycle = true;
+                counters.records_recycled += 1;
+            } else if !(job.frees_at_acknowledgement() && evict_later_block(job, block_id, pooled, counters, out)) {
                 counters.memory_exhausted += 1;
                 let env = envelope(job.auth.as_mut(), Peer::Member(src));
                 send_trim_nack(counters, out, from, env, packet, TrimCause::MemoryExhausted);
                 return Verdict::Consumed;
             }
-            recycle = true;
-            counters.records_recycled += 1;
         }
+        let slot = &mut job.slots[local];
         if opens {
             if slot.prev.is_none() && !recycle {
                 job.live_records += 1;

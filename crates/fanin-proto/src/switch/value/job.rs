@@ -24,7 +24,8 @@ pub(super) struct Job<A> {
     /// Bytes of one block record's buffer (`block_grad_max` elements).
     pub(super) record_cost: u64,
     /// Pooled memory (`MemoryModel::Pooled`): the buffers the job reserved
-    /// and may always use; `None`: its buffers are all reserved.
+    /// and may always use ([`pool_floor`]); `None`: its buffers are all
+    /// reserved.
     pub(super) pool_floor: Option<u32>,
     /// Block records holding a buffer (a slot's block and its shadow).
     pub(super) live_records: u32,
@@ -232,7 +233,7 @@ impl<A> Job<A> {
     pub(super) fn settle_memory(&mut self, memory_used: &mut u64) {
         #[cfg(debug_assertions)]
         {
-            let held: usize = self.slots.iter().map(|s| s.cur.is_some() as usize + s.prev.is_some() as usize).sum();
+            let held: usize = self.slots.iter().map(|s| s.held() as usize).sum();
             debug_assert_eq!(held, self.live_records as usize, "live block records miscounted");
         }
         if let Some(floor) = self.pool_floor {
@@ -243,7 +244,37 @@ impl<A> Job<A> {
         }
     }
 
+    /// Pooled memory with a one-record floor: a done block is freed once
+    /// every member acknowledged its result, and a block lower than one
+    /// this job is aggregating may take that block's record (eviction).
+    pub(super) fn frees_at_acknowledgement(&self) -> bool {
+        self.pool_floor.is_some() && acknowledges_results(&self.spec)
+    }
+
     pub(super) fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {
         (block_id % self.spec.block_cnt_max) as usize / shard_count.max(1) as usize
+    }
+}
+
+/// Every member of the job is a worker, and workers acknowledge the results
+/// they hold when a shard is short of memory (a `ResultAck`). A child
+/// switch does not: its shard partition differs from its parent's, so it
+/// cannot say "every result before block b" for the parent's blocks.
+pub(super) fn acknowledges_results(spec: &JobSpec) -> bool {
+    spec.members.iter().all(|&m| m < SWITCH_RANK_BASE)
+}
+
+/// The buffers a pooled job reserves on a shard that owns `local_slots` of
+/// its slots (docs/memory.md). A job whose members acknowledge results
+/// needs one: its done blocks are freed once acknowledged, and its lowest
+/// block may take the record of a later one it aggregates, so one record
+/// always carries it forward. A job with child switches needs one per
+/// slot: a done block is freed only when every member sent the slot's
+/// next block, which must be able to open in every slot.
+pub(super) fn pool_floor(spec: &JobSpec, local_slots: usize) -> u32 {
+    if acknowledges_results(spec) {
+        local_slots.min(1) as u32
+    } else {
+        local_slots as u32
     }
 }
