@@ -4,14 +4,15 @@
 //! * `Repr::parse` on an unchecked view agrees with `Packet::new_checked`
 //!   (same accept/reject decision, same error);
 //! * every accessor of an accepted view is in bounds, and so is the body
-//!   parser of its message type (`JoinParams` for JoinAck, `Nack` for Nack);
+//!   parser of its message type (`JoinParams` for JoinAck, `Nack` for Nack,
+//!   the bitmap of a ResultAck, whose `grad_cnt` counts 64-bit words);
 //! * round trip: emitting the parsed `Repr` into a fresh buffer of
 //!   `buffer_len()` bytes (pre-filled with a marker, so a field `emit`
 //!   forgets shows) and copying the payload reproduces the input exactly,
 //!   and that buffer parses back to the same `Repr`.
 #![no_main]
 
-use fanin_wire::value::{read_lanes, JoinParams, Nack, Packet, Repr};
+use fanin_wire::value::{read_lanes, result_ack_holds, JoinParams, Nack, Packet, Repr};
 use fanin_wire::{MessageType, Preamble};
 use libfuzzer_sys::fuzz_target;
 
@@ -46,6 +47,12 @@ fuzz_target!(|data: &[u8]| {
         for (i, v) in values.iter().enumerate() {
             assert_eq!(packet.element(i), *v);
         }
+    } else if repr.msg_type == MessageType::ResultAck {
+        // grad_cnt counts the bitmap's 64-bit words; every bit is readable
+        assert_eq!(payload.len(), repr.grad_cnt as usize * 8);
+        let held = (0..repr.grad_cnt as u32 * 64).filter(|&i| result_ack_holds(payload, i)).count();
+        assert!(held <= payload.len() * 8);
+        assert!(!result_ack_holds(payload, repr.grad_cnt as u32 * 64), "a bit past the body");
     } else {
         assert_eq!(repr.grad_cnt, 0, "non-block message accepted with elements");
     }
