@@ -9,7 +9,11 @@
 //! of `from` also advance time, so blocks age and sources are declared slow.
 //! Every datagram also goes through the overloaded daemon's trimming
 //! (`trim::return_to_sender`), and the Trimmed nack, if any, to the worker.
+//! The same datagrams also reach job 1 on a switch whose pooled
+//! memory holds one buffer beyond its floor (refusals, recycling,
+//! eviction, result acknowledgements).
 //! Oracles: no panic; everything the machines emit is a valid packet;
+//! the short switch's memory never exceeds its limit;
 //! every datagram the switch saw is counted; accepted contributions never
 //! exceed what arrived; trimming answers with exactly one Trimmed nack for
 //! the same job, source and block, or with nothing.
@@ -67,6 +71,26 @@ fn switch(shard: u16) -> ValueSwitch<u8> {
     let mut out = VecTransmit::new();
     sw.update_job(Time::ZERO, tree, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE }), &[2], &mut out)
         .unwrap();
+    sw
+}
+
+/// Job 1 on a one-shard switch whose pooled memory holds its floor, a
+/// second job's and one buffer more: new blocks are refused, recycle, evict and are
+/// freed by result acknowledgements (docs/memory.md).
+fn tight() -> ValueSwitch<u8> {
+    let aging = AgingConfig { scanners: 2, checks: 2, min_tick: Duration::from_micros(1), ..AgingConfig::default() };
+    let config = |memory_limit| ShardConfig { memory_model: MemoryModel::Pooled, aging, ..ShardConfig::single(memory_limit) };
+    let mut job = JobSpec::with_sources(1, 3, 4, 8);
+    job.block_exp_ms = 1;
+    job.slow_after_windows = 1;
+    // a second job's floor takes the rest (job 1's cap must still fit)
+    let other = JobSpec::with_sources(6, 1, 1, 64);
+    let mut probe = ValueSwitch::<u8>::new(config(1 << 24));
+    probe.add_job(job.clone()).unwrap();
+    probe.add_job(other.clone()).unwrap();
+    let mut sw = ValueSwitch::new(config(probe.memory_used() + 8 * 4));
+    sw.add_job(job).unwrap();
+    sw.add_job(other).unwrap();
     sw
 }
 
@@ -129,6 +153,8 @@ fn check_emitted(out: &mut VecTransmit<impl Copy>) {
 
 fuzz_target!(|data: &[u8]| {
     let mut shards = [switch(0), switch(1)];
+    let mut short = tight();
+    let limit = short.memory_used() + 8 * 4;
     let mut worker = session();
     let mut out = VecTransmit::new();
     out.groups_reachable = true;
@@ -163,6 +189,12 @@ fuzz_target!(|data: &[u8]| {
             }
             verdict => shards[1 - target].learn(verdict),
         }
+        check_emitted(&mut out);
+        if short.poll_timeout().is_some_and(|d| d <= now) {
+            short.handle_timeout(now, &mut out);
+        }
+        let _ = short.handle_datagram(now, from, dgram, &mut out);
+        assert!(short.memory_used() <= limit, "pooled memory over its limit: {} > {limit}", short.memory_used());
         check_emitted(&mut out);
         worker.handle_datagram(now, dgram);
         let mut tout = VecTransmit::new();
