@@ -135,6 +135,7 @@ def switch_config(
     scanners: int = 8,
     checks: int = 4,
     max_factor: int = 16,
+    scanner_threads: bool = False,
     trim: bool = False,
     trim_watermark: float = 0.5,
     socket_buffer: Optional[int] = None,
@@ -150,7 +151,9 @@ def switch_config(
     + 101, or a free port if taken), ``"ip:port"``, or None (off).
     ``scanners``, ``checks`` and ``max_factor`` (skew-aware expiry's
     ceiling, in multiples of a job's ``block_exp_ms``; 1 = a fixed timeout)
-    configure the straggler detector (docs/stragglers.md); ``trim``
+    configure the straggler detector (docs/stragglers.md), and
+    ``scanner_threads`` runs its scanners as timer threads of their own
+    (Trio's design) instead of on the shard threads; ``trim``
     and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
     ``socket_buffer`` the receive buffer per data socket in bytes (default
     the daemon's). ``memory_model``: "pooled" (the daemon's default:
@@ -164,7 +167,7 @@ def switch_config(
     and no token (docs/security.md). ``rate_limit=(pps, burst)`` is the per-source rate
     limit of jobs that set none (docs/overload.md)."""
     cfg: dict[str, Any] = {
-        "aging": {"scanners": scanners, "checks": checks, "max_factor": max_factor},
+        "aging": {"scanners": scanners, "checks": checks, "max_factor": max_factor, "threads": scanner_threads},
         "trim": {"enabled": trim, "watermark": trim_watermark},
         "data_addr": data_addr,
         "control_addr": control_addr,

@@ -13,15 +13,18 @@ from fanin.switch import LocalSwitch, job_config, switch_config
 from threads import in_threads
 
 
-def straggler_switch(members, block_exp_ms, slow_after_windows=2, block_cnt_max=16, checks=4):
+def straggler_switch(members, block_exp_ms, slow_after_windows=2, block_cnt_max=16, checks=4, scanner_threads=False):
     job = job_config(1, members=members, block_cnt_max=block_cnt_max, block_grad_max=256,
                      block_exp_ms=block_exp_ms, slow_after_windows=slow_after_windows)
     return LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, checks=checks,
-                                     jobs=[job]))
+                                     scanner_threads=scanner_threads, jobs=[job]))
 
 
-def test_a_silent_member_yields_partial_results_within_the_timeout():
-    with straggler_switch([0, 1, 2], block_exp_ms=20, slow_after_windows=0) as sw:
+# scanners on the shard threads (between batches), or as timer threads of
+# their own visiting the shards' scan words (Trio's design, [aging] threads)
+@pytest.mark.parametrize("scanner_threads", [False, True], ids=["shard-scanners", "scanner-threads"])
+def test_a_silent_member_yields_partial_results_within_the_timeout(scanner_threads):
+    with straggler_switch([0, 1, 2], block_exp_ms=20, slow_after_windows=0, scanner_threads=scanner_threads) as sw:
         blocks = 10
         finished = threading.Semaphore(0)
 

@@ -176,6 +176,11 @@ pub struct AgingSection {
     /// Trio's fixed timeout; docs/stragglers.md).
     #[serde(default = "default_max_factor")]
     pub max_factor: u8,
+    /// Run the `scanners` as timer threads of their own (Trio's design),
+    /// visiting the shards' scan words from other cores, instead of on
+    /// each shard thread between batches (docs/stragglers.md).
+    #[serde(default)]
+    pub threads: bool,
 }
 
 impl Default for AgingSection {
@@ -185,6 +190,7 @@ impl Default for AgingSection {
             checks: default_checks(),
             min_tick_us: default_min_tick_us(),
             max_factor: default_max_factor(),
+            threads: false,
         }
     }
 }
@@ -196,6 +202,7 @@ impl AgingSection {
             checks: self.checks,
             min_tick: Duration::from_micros(self.min_tick_us),
             max_factor: self.max_factor,
+            threads: self.threads,
         }
     }
 }

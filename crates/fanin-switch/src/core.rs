@@ -19,6 +19,7 @@ use fanin_control::{
 
 use crate::config::{DaemonConfig, CONTROL_PORT_OFFSET, METRICS_PORT_OFFSET};
 use crate::metrics;
+use crate::scanners;
 use crate::shard::{kv_owner, Command, ShardStats, ShardThread};
 
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +34,8 @@ pub enum StartError {
     Job(AdmitFailure),
     #[error(transparent)]
     Control(#[from] fanin_control::ControlError),
+    #[error("cannot start the scanner threads ([aging] threads = true): eventfd: {0}")]
+    Scanners(std::io::Error),
 }
 
 struct ShardLink {
@@ -386,6 +389,18 @@ impl SwitchHandle {
         let epoch = Instant::now();
         let channels: Vec<_> = (0..config.shards).map(|_| mpsc::channel::<Command>()).collect();
         let senders: Vec<Sender<Command>> = channels.iter().map(|(tx, _)| tx.clone()).collect();
+        // Scanner threads (`[aging] threads`): a registry of the shards'
+        // scan schedules and an eventfd per shard to wake it with.
+        let scanning = if config.aging.threads {
+            let wakers = (0..config.shards)
+                .map(|_| scanners::Waker::new().map(Arc::new))
+                .collect::<std::io::Result<Vec<_>>>()
+                .map_err(StartError::Scanners)?;
+            let registry: scanners::Registry = Arc::new(Mutex::new(vec![Vec::new(); config.shards as usize]));
+            Some((registry, wakers))
+        } else {
+            None
+        };
         let mut links = Vec::new();
         let mut threads = Vec::new();
         for (i, ((_, rx), socket)) in channels.into_iter().zip(sockets).enumerate() {
@@ -436,6 +451,7 @@ impl SwitchHandle {
                 trim: config.trim.watermark()?,
                 trimmed: 0,
                 socket_drops: 0,
+                scan: scanning.as_ref().map(|(registry, wakers)| (registry.clone(), wakers[i].clone())),
             };
             threads.push(
                 std::thread::Builder::new()
@@ -444,6 +460,10 @@ impl SwitchHandle {
                     .expect("spawn shard thread"),
             );
             links.push(ShardLink { commands: senders[i].clone(), stats });
+        }
+        if let Some((registry, wakers)) = scanning {
+            let shards = Arc::new(scanners::Shards { commands: senders.clone(), wakers });
+            threads.extend(scanners::spawn(config.aging.scanners, registry, shards, epoch, shutdown.clone()));
         }
         let core = Arc::new(SwitchCore {
             data_addr,

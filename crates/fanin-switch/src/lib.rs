@@ -17,6 +17,7 @@
 pub mod config;
 mod core;
 mod metrics;
+mod scanners;
 mod shard;
 
 pub use crate::config::{ConfigError, DaemonConfig, FaultConfig, JobConfig, Listen, TrimSection};

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use fanin_proto::fault::{DropInjector, ReceiveFaults};
 use fanin_proto::job::JobSpec;
 use fanin_proto::kv::{KvAdmitError, KvCounters, KvSwitch, KvTaskSpec, TaskStats};
-use fanin_proto::switch::{AdmitError, Counters, Uplink, ValueSwitch, Verdict};
+use fanin_proto::switch::{AdmitError, Counters, Idle, Uplink, ValueSwitch, Verdict};
 use fanin_proto::trim::{TrimCause, TrimPlan, TrimVerdict, Watermark};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
@@ -47,6 +47,9 @@ pub(crate) enum Command {
     RemoveKvTask(u32, SyncSender<bool>),
     /// Which of these tasks still hold a region, with their figures.
     KvTaskStats(Vec<u32>, SyncSender<Vec<(u32, Option<TaskStats>)>>),
+    /// A scanner thread found these blocks of a job idle for enough visits
+    /// (`[aging] threads`): [`ValueSwitch::age_idle`].
+    AgeIdle(u32, Vec<Idle>),
 }
 
 /// What a shard publishes for metrics and the control API.
@@ -92,6 +95,9 @@ pub(crate) struct ShardThread {
     pub trimmed: u64,
     /// The kernel's drop count on this shard's socket.
     pub socket_drops: u64,
+    /// With scanner threads (`[aging] threads`): where this shard publishes
+    /// its scan schedules, and the eventfd the scanners wake it with.
+    pub scan: Option<(crate::scanners::Registry, Arc<crate::scanners::Waker>)>,
 }
 
 /// Sends through the batch, flushing when it fills; egress faults drop here.
@@ -182,12 +188,24 @@ impl ShardThread {
             }
             // When a scanner tick is due before the idle timeout, wait for it
             // with ppoll (high-resolution) and receive only what is queued.
-            let ready = match self.switch.poll_timeout() {
-                Some(deadline) => {
+            let ready = match (self.switch.poll_timeout(), &self.scan) {
+                // scanner threads wake this shard through its eventfd: wait
+                // for the socket or a wake-up, whichever comes first
+                (deadline, Some((_, waker))) => {
+                    let wait = deadline.map_or(IDLE, |d| {
+                        Duration::from_nanos(d.as_nanos().saturating_sub(self.now().as_nanos())).min(IDLE)
+                    });
+                    let (readable, woken) = wait_socket_or(&self.socket, waker.raw_fd(), wait);
+                    if woken {
+                        waker.clear();
+                    }
+                    readable
+                }
+                (Some(deadline), None) => {
                     let wait = Duration::from_nanos(deadline.as_nanos().saturating_sub(self.now().as_nanos()));
                     wait >= IDLE || self.socket.wait_readable(wait).unwrap_or(true)
                 }
-                None => true,
+                (None, None) => true,
             };
             // The backlog the batch is taken from (only needed to trim).
             let before = if ready && self.trim.is_some() { self.queued_bytes() } else { 0 };
@@ -294,18 +312,24 @@ impl ShardThread {
                         })
                     });
                     self.publish_memory();
+                    self.publish_schedules();
                     let _ = reply.send(result);
                 }
                 Ok(Command::UpdateJob(spec, uplink, awaiting, reply)) => {
                     let result =
                         self.with_out(tx, discard, |sw, _, now, out| sw.update_job(now, spec, uplink, &awaiting, out));
                     self.publish_memory();
+                    self.publish_schedules();
                     let _ = reply.send(result);
                 }
                 Ok(Command::RemoveJob(id, reply)) => {
                     let removed = self.switch.remove_job(id);
                     self.publish_memory();
+                    self.publish_schedules();
                     let _ = reply.send(removed);
+                }
+                Ok(Command::AgeIdle(job, idle)) => {
+                    self.with_out(tx, discard, |sw, _, now, out| sw.age_idle(now, job, &idle, out));
                 }
                 Ok(Command::Learn(verdict)) => self.switch.learn(verdict),
                 Ok(Command::AddKvTask(spec, reply)) => {
@@ -358,6 +382,15 @@ impl ShardThread {
     /// What the jobs cost, published before a job command is answered, so
     /// a caller that reads it after admitting or removing a job sees the
     /// change (it lagged until the shard's next batch).
+    /// Tell the scanner threads this shard's jobs' scan schedules.
+    fn publish_schedules(&self) {
+        if let Some((registry, _)) = &self.scan {
+            if let Ok(mut r) = registry.lock() {
+                r[self.index as usize] = self.switch.scan_schedules();
+            }
+        }
+    }
+
     fn publish_memory(&self) {
         self.stats.memory_used.store(self.switch.memory_used(), Ordering::Relaxed);
     }
@@ -407,4 +440,22 @@ fn tell_peers(peers: &[Sender<Command>], index: u16, verdict: Verdict) {
             let _ = peer.send(Command::Learn(verdict));
         }
     }
+}
+
+/// Wait up to `timeout` for the socket to be readable or the eventfd `wake`
+/// to be signalled: (readable, woken). An error or a signal: readable, so
+/// the loop goes round.
+fn wait_socket_or(socket: &BatchSocket, wake: i32, timeout: Duration) -> (bool, bool) {
+    use std::os::fd::AsRawFd;
+    let mut fds = [
+        libc::pollfd { fd: socket.as_std().as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
+    ];
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: two valid pollfds, a valid timespec, no signal mask.
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), 2, &ts, std::ptr::null()) };
+    if n < 0 {
+        return (true, false);
+    }
+    (fds[0].revents != 0, fds[1].revents != 0)
 }

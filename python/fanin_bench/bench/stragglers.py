@@ -35,15 +35,17 @@ JOB = 1
 
 # ---------------------------------------------------------------- recovery
 
-def _recovery_point(timeout_ms: int, checks: int, rounds: int, blocks: int, epp: int) -> dict[str, Any]:
+def _recovery_point(timeout_ms: int, checks: int, rounds: int, blocks: int, epp: int,
+                    threads: bool = False) -> dict[str, Any]:
     """Two active workers and one silent member; `rounds` allreduces of
-    `blocks` back-to-back blocks each."""
+    `blocks` back-to-back blocks each. `threads`: the scanners run as timer
+    threads of their own (Trio's design) instead of on the shard thread."""
     from fanin import Session
 
     job = job_config(JOB, members=[0, 1, 2], block_cnt_max=max(blocks, 8), block_grad_max=epp,
                      block_exp_ms=timeout_ms, slow_after_windows=0)
     cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", checks=checks,
-                        jobs=[job])
+                        scanner_threads=threads, jobs=[job])
     with SwitchProcess(cfg) as sw:
         inputs = [worker_inputs(r, blocks * epp, "int32") for r in (0, 1)]
         expected = (inputs[0].astype(np.int64) + inputs[1]).astype(np.int32)
@@ -94,6 +96,7 @@ def _recovery_point(timeout_ms: int, checks: int, rounds: int, blocks: int, epp:
     return {
         "timeout_ms": timeout_ms,
         "checks": checks,
+        "scanners": "threads" if threads else "shard",
         "rounds": rounds,
         "blocks_per_round": blocks,
         "latency_mean_ms": mean,
@@ -109,11 +112,13 @@ def run_recovery(args: Any) -> int:
     timeouts = [1, 2, 5, 10, 20, 50]
     rounds = 5 if args.quick else 20
     blocks, epp = 20, 256  # Trio sends 20 back-to-back packets
-    grid = [(t, c) for t in timeouts for c in (1, 4)]
+    # Trio's single flag, fanin's default, and the default with the
+    # scanners as timer threads of their own
+    grid = [(t, c, th) for t in timeouts for c, th in ((1, False), (4, False), (4, True))]
     points = []
-    for t, c in _bar(grid, "straggler-recovery"):
-        points.append(_recovery_point(t, c, rounds, blocks, epp))
-    fanin = [p for p in points if p["checks"] == 4]
+    for t, c, th in _bar(grid, "straggler-recovery"):
+        points.append(_recovery_point(t, c, rounds, blocks, epp, th))
+    fanin = [p for p in points if p["checks"] == 4 and p["scanners"] == "shard"]
     met = all(p["ratio_mean"] <= 1.5 for p in fanin)
     met_max = all(p["ratio_max"] <= 1.5 for p in fanin)
     result = {
@@ -126,7 +131,8 @@ def run_recovery(args: Any) -> int:
     paths = _write(args.out, "straggler-recovery", points)
     _plot_recovery(points, paths["png"])
     result.update(paths)
-    lines = [f"  timeout {p['timeout_ms']:3d} ms, checks {p['checks']}: mean {p['latency_mean_ms']:7.2f} ms "
+    lines = [f"  timeout {p['timeout_ms']:3d} ms, checks {p['checks']}, scanners on {p['scanners']:7}: "
+             f"mean {p['latency_mean_ms']:7.2f} ms "
              f"({p['ratio_mean']:.2f}x), max {p['latency_max_ms']:7.2f} ms ({p['ratio_max']:.2f}x)" for p in points]
     human = (f"straggler-recovery: target (mean <= 1.5x timeout) {'met' if met else 'NOT met'}, "
              f"max <= 1.5x {'met' if met_max else 'NOT met'}; wrote {paths['csv']} and {paths['png']}")
@@ -141,8 +147,12 @@ def _plot_recovery(points: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for checks, label in ((1, "Trio's single REF flag (checks=1)"), (4, "fanin default (checks=4)")):
-        ps = [p for p in points if p["checks"] == checks]
+    arms = ((1, "shard", "Trio's single REF flag (checks=1)"), (4, "shard", "fanin default (checks=4)"),
+            (4, "threads", "checks=4, scanners as timer threads"))
+    for checks, where, label in arms:
+        ps = [p for p in points if p["checks"] == checks and p.get("scanners", "shard") == where]
+        if not ps:
+            continue
         t = [p["timeout_ms"] for p in ps]
         ax.errorbar(t, [p["latency_mean_ms"] for p in ps],
                     yerr=[[0] * len(ps), [p["latency_max_ms"] - p["latency_mean_ms"] for p in ps]],

@@ -5,4 +5,7 @@ mod value;
 
 pub mod guard;
 pub use counters::Counters;
-pub use value::{AdmitError, AgingConfig, MemoryModel, ShardConfig, Uplink, ValueSwitch, Verdict, MAX_CHECKS, MAX_SCANNERS};
+pub use value::{
+    AdmitError, AgingConfig, Idle, MemoryModel, ScanBoard, ScanSchedule, ShardConfig, Uplink, ValueSwitch, Verdict, MAX_CHECKS,
+    MAX_SCANNERS,
+};

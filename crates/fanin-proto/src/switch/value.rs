@@ -70,6 +70,18 @@ use crate::time::Time;
 use crate::transmit::Transmit;
 use sealing::{envelope, send, send_copy, Envelope, JobAuth, Peer};
 
+/// One job's straggler scan on one shard, for a scanner thread: visit
+/// slice `i` of `slices` of `board` at `(i + k * slices) * tick_ns`
+/// nanoseconds of the shard's clock, and hand what it names to the shard
+/// ([`ValueSwitch::age_idle`]).
+#[derive(Debug, Clone)]
+pub struct ScanSchedule {
+    pub job_id: u32,
+    pub tick_ns: u64,
+    pub slices: u64,
+    pub board: std::sync::Arc<ScanBoard>,
+}
+
 /// A non-root switch's place in a job's aggregation tree (SwitchML++): where
 /// its partial results go. A switch without one is the root (or the only
 /// switch) and sends results down to its members.
@@ -225,6 +237,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             _ => None,
         };
         let memory = pool_floor.map_or(cap, |floor| floor as u64 * record_cost);
+        let slot_count = if spec.mode == JobMode::Aggregate {
+            // global slot k maps to local k / shard_count; size for the largest
+            (spec.block_cnt_max as usize).div_ceil(self.config.shard_count.max(1) as usize)
+        } else {
+            0
+        };
         let aging = if spec.block_exp_ms > 0 && spec.mode == JobMode::Aggregate {
             let cfg = self.config.aging;
             let tick = cfg.tick(spec.block_exp_ms);
@@ -248,6 +266,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 max_checks: cfg.checks.saturating_mul(cfg.max_factor),
                 clock: Time::ZERO,
                 spread: SpreadSamples::default(),
+                board: std::sync::Arc::new(AgingBoard::new(slot_count, cfg.checks)),
             })
         } else {
             None
@@ -257,12 +276,6 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         for &m in &spec.members {
             members.insert(m as usize);
         }
-        let slot_count = if spec.mode == JobMode::Aggregate {
-            // global slot k maps to local k / shard_count; size for the largest
-            (spec.block_cnt_max as usize).div_ceil(self.config.shard_count.max(1) as usize)
-        } else {
-            0
-        };
         let first_seq = fanin_wire::auth::first_seq(self.config.shard, self.config.seal_clock_us).max(self.seq_floor);
         let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq));
         let buckets = self.buckets_for(&spec, capacity);
@@ -552,12 +565,40 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// When [`handle_timeout`](Self::handle_timeout) must run next: the next
     /// scanner tick of a job with blocks still aggregating.
     pub fn poll_timeout(&self) -> Option<Time> {
+        // (with scanner threads, the scanners keep their own time)
+        let inline = !self.config.aging.threads;
         self.jobs
             .values()
             .filter(|j| j.open_blocks > 0)
-            .flat_map(|j| [j.aging.as_ref().map(|a| a.next_tick), j.liveness.deadline()])
+            .flat_map(|j| [j.aging.as_ref().filter(|_| inline).map(|a| a.next_tick), j.liveness.deadline()])
             .flatten()
             .min()
+    }
+
+    /// The scan schedule of every job this shard ages, for scanner threads
+    /// (`aging.threads`): scanner `i` of `N` visits slice `i` of each
+    /// board at `(i + k N) * tick_ns` (the inline schedule's ticks).
+    pub fn scan_schedules(&self) -> Vec<ScanSchedule> {
+        self.jobs
+            .values()
+            .filter_map(|j| j.aging.as_ref().map(|a| ScanSchedule { job_id: j.spec.job_id, tick_ns: a.tick, slices: a.slices, board: a.board.clone() }))
+            .collect()
+    }
+
+    /// Blocks a scanner thread found idle for enough visits: each one that
+    /// still aggregates and is still unreferenced (a contribution since the
+    /// visit wins) ages out now, as an inline visit would have done.
+    pub fn age_idle(&mut self, now: Time, job_id: u32, idle: &[Idle], out: &mut impl Transmit<A>) {
+        let Some(job) = self.jobs.get_mut(&job_id) else { return };
+        if let Some(aging) = job.aging.as_mut() {
+            aging.clock = now;
+        }
+        let mut newly_slow = Vec::new();
+        for &(local, block_id) in idle {
+            age_if_idle(job, local as usize, block_id, &mut self.counters, out, &mut self.scratch, &mut newly_slow);
+        }
+        settle_slow_sources(job, &mut newly_slow, &mut self.counters, out, &mut self.scratch);
+        job.settle_memory(&mut self.memory_used);
     }
 
     /// Run every scanner tick that is due: visit the tick's slice of the
@@ -570,7 +611,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
             let Some(aging) = job.aging.as_mut() else { continue };
             aging.clock = now;
-            if job.open_blocks == 0 {
+            if job.open_blocks == 0 || self.config.aging.threads {
                 continue;
             }
             // A runtime that fell behind (a long batch, a descheduled thread)
@@ -581,8 +622,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             if late >= slices {
                 aging.next_tick = Time::from_nanos(aging.next_tick.as_nanos() + (late + 1 - slices) * tick);
             }
-            let checks = aging.needed_checks;
             let mut newly_slow = Vec::new();
+            let mut idle = Vec::new();
             while job.open_blocks > 0 {
                 let aging = job.aging.as_mut().expect("checked above");
                 if aging.next_tick > now {
@@ -590,24 +631,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 }
                 let k = aging.next_tick.as_nanos() / tick;
                 aging.next_tick = Time::from_nanos(aging.next_tick.as_nanos() + tick);
-                let slice = (k % slices) as usize;
                 self.counters.scans += 1;
-                let n = job.slots.len();
-                let (lo, hi) = (slice * n / slices as usize, (slice + 1) * n / slices as usize);
-                for local in lo..hi {
-                    let Some(block) = job.slots[local].cur.as_mut() else { continue };
-                    if !block.aggregating() {
-                        continue;
-                    }
-                    if block.referenced {
-                        block.referenced = false;
-                        block.idle_checks = 0;
-                        continue;
-                    }
-                    block.idle_checks += 1;
-                    if block.idle_checks >= checks {
-                        age_out(job, local, &mut self.counters, out, &mut self.scratch, &mut newly_slow);
-                    }
+                let board = aging.board.clone();
+                let (lo, hi) = board.slice(k % slices, slices);
+                idle.clear();
+                board.visit(lo, hi, &mut idle);
+                for &(local, block_id) in &idle {
+                    age_if_idle(job, local as usize, block_id, &mut self.counters, out, &mut self.scratch, &mut newly_slow);
                 }
                 settle_slow_sources(job, &mut newly_slow, &mut self.counters, out, &mut self.scratch);
             }
@@ -694,6 +724,7 @@ mod membership;
 mod nacks;
 mod rounds;
 mod pool;
+mod board;
 
 use block::*;
 pub use config::{AgingConfig, MemoryModel, ShardConfig, MAX_CHECKS, MAX_SCANNERS};
@@ -705,6 +736,8 @@ use aggregate::*;
 use membership::*;
 use nacks::*;
 use pool::*;
+use board::AgingBoard;
+pub use board::{AgingBoard as ScanBoard, Idle};
 pub use rounds::RoundEnd;
 use rounds::*;
 

@@ -99,6 +99,7 @@ pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
                 reply.counters.duplicate += 1;
                 return Outcome::default();
             }
+            reply.touch(block);
             reply.counters.accepted += 1;
             block.exp = block.exp.max(exp);
             if block.satisfied(reply.quorum) {
@@ -154,8 +155,7 @@ pub(super) fn announce_exponent<A: Copy, T: Transmit<A>>(block: &mut Block, repl
     }
     block.restart_collection();
     reply.start_phase(block);
-    block.referenced = true;
-    block.idle_checks = 0;
+    reply.touch(block);
 }
 
 /// A data contribution.
@@ -243,6 +243,7 @@ pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
                 reply.counters.duplicate += 1;
                 return Outcome::default();
             }
+            reply.touch(block);
             reply.counters.accepted += 1;
             if packet.no_data() {
                 block.no_data.insert(src);
@@ -301,6 +302,35 @@ pub(super) fn finish_block<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &m
     reply.send_to_all(block, false);
 }
 
+/// A scanner named block `block_id` of slot `local` idle: age it out if it
+/// is still there, still aggregating and still unreferenced; a slot whose
+/// block stopped aggregating gets its scan word closed.
+pub(super) fn age_if_idle<A: Copy>(
+    job: &mut Job<A>,
+    local: usize,
+    block_id: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+    scratch: &mut Vec<u8>,
+    newly_slow: &mut Vec<usize>,
+) {
+    let Some(board) = job.aging.as_ref().map(|a| a.board.clone()) else { return };
+    let here = job.slots.get(local).and_then(|s| s.cur.as_ref()).filter(|b| b.block_id == block_id);
+    match here {
+        Some(block) if block.aggregating() => {
+            if board.still_idle(local, block_id) {
+                age_out(job, local, counters, out, scratch, newly_slow);
+            }
+        }
+        // done, waiting for the parent, evicted or dropped with its round
+        _ => {
+            if board.still_idle(local, block_id) {
+                board.close(local);
+            }
+        }
+    }
+}
+
 /// Block `local` of `job` was unreferenced for the job's `checks` visits:
 /// give up on the missing sources. An exponent round moves on with the
 /// exponents it has; a data block emits its partial sum.
@@ -317,7 +347,9 @@ pub(super) fn age_out<A: Copy>(
         // A data phase nobody has sent to yet (everyone in the exponent
         // round was declared slow): there is nothing to emit. Keep waiting;
         // the first data contribution re-arms the timeout.
-        block.idle_checks = 0;
+        if let Some(aging) = job.aging.as_ref() {
+            aging.board.restart_count(local, block.block_id);
+        }
         return;
     }
     block.aged = true;
@@ -424,6 +456,7 @@ pub(super) fn expired<A: Copy>(
 #[allow(clippy::too_many_arguments)]
 pub(super) fn open_block(
     slot: &mut Slot,
+    local: usize,
     capacity: usize,
     block_id: u32,
     packet: &Packet<&[u8]>,
@@ -445,6 +478,7 @@ pub(super) fn open_block(
     }
     let dtype = Dtype::from_u8(packet.dtype_code()).expect("checked by new_checked");
     block.reset(block_id, packet.gen_id(), dtype, exp_only, now, active);
+    block.local = local as u32;
     // members that joined later are not waited for before their start
     for (&m, &start) in start_of {
         if space.before(block_id, start) && block.expected.remove(m as usize) {

@@ -49,11 +49,9 @@ pub(super) struct Block {
     pub(super) expected_count: u16,
     /// How many of `expected` are in `rcvd`.
     pub(super) expected_rcvd: u16,
-    /// Trio's recently-referenced flag: set on creation and on every
-    /// contribution added; cleared by the scanner.
-    pub(super) referenced: bool,
-    /// Consecutive scanner visits that found the flag clear.
-    pub(super) idle_checks: u8,
+    /// The slot it lives in on this shard: where its scan word is (Trio's
+    /// REF flag and unreferenced visits, board.rs).
+    pub(super) local: u32,
     /// The block aged out (in either phase): its result is partial.
     pub(super) aged: bool,
     /// A retransmission filled a hole in this phase (a contribution was lost
@@ -109,8 +107,7 @@ impl Block {
             expected: SourceMask::with_capacity(source_capacity),
             expected_count: 0,
             expected_rcvd: 0,
-            referenced: false,
-            idle_checks: 0,
+            local: 0,
             aged: false,
             congested: false,
             workers: 0,
@@ -159,7 +156,8 @@ impl Block {
     }
 
     /// Count `src` (summing `weight` workers) in the current phase; false
-    /// if it already was.
+    /// if it already was. (The caller marks the block referenced:
+    /// `Reply::touch`.)
     pub(super) fn receive(&mut self, src: usize, weight: u16) -> bool {
         if !self.rcvd.insert(src) {
             return false;
@@ -168,8 +166,6 @@ impl Block {
         if self.expected.contains(src) {
             self.expected_rcvd += 1;
         }
-        self.referenced = true;
-        self.idle_checks = 0;
         true
     }
 
@@ -212,8 +208,6 @@ impl Block {
         self.expected.clone_from(active);
         self.expected_count = active.count() as u16;
         self.expected_rcvd = 0;
-        self.referenced = true;
-        self.idle_checks = 0;
         self.aged = false;
         self.congested = false;
         self.workers = 0;

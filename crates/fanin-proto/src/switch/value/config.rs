@@ -42,11 +42,13 @@ pub enum MemoryModel {
     /// Trio-ML's shared memory (§4): a block record takes a buffer when its
     /// first packet arrives and gives it back when it is freed, so jobs
     /// share the memory statistically and their caps (two buffers per
-    /// slot) may add up to more than it. A job reserves its record and one
-    /// buffer per slot, which it can always use (the least with which a
-    /// job whose memory is all taken still progresses: docs/memory.md);
-    /// shadow copies beyond them wait for free memory (the back-pressure
-    /// nack) and never take another job's.
+    /// slot) may add up to many times it. A job reserves its record and a
+    /// floor it can always use: one buffer if its members are workers (who
+    /// acknowledge the results they hold, so done blocks are freed in any
+    /// slot, and its lowest block may take a later one's record), one per
+    /// slot with child switches among them (docs/memory.md). Records
+    /// beyond the floor wait for free memory (the back-pressure nack) and
+    /// never take another job's.
     Pooled,
 }
 
@@ -82,11 +84,16 @@ pub struct AgingConfig {
     /// spreads, first to last contribution), at most `max_factor` ×
     /// `block_exp` (docs/stragglers.md). 1 = Trio's fixed timeout.
     pub max_factor: u8,
+    /// The N scanners run as timer threads of their own (the daemon's, on
+    /// other cores), as Trio's do: the shard's `handle_timeout` no longer
+    /// visits, and the threads hand the blocks they find idle to
+    /// `ValueSwitch::age_idle`. False: the shard visits between batches.
+    pub threads: bool,
 }
 
 impl Default for AgingConfig {
     fn default() -> Self {
-        Self { scanners: 8, checks: 4, min_tick: Duration::from_micros(20), max_factor: 16 }
+        Self { scanners: 8, checks: 4, min_tick: Duration::from_micros(20), max_factor: 16, threads: false }
     }
 }
 

@@ -182,7 +182,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             if slot.prev.is_none() && !recycle {
                 job.live_records += 1;
             }
-            open_block(slot, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of, job.space, recycle);
+            open_block(slot, local, job.members.capacity(), block_id, packet, exp_only, now, &job.active, &job.start_of, job.space, recycle);
+            if let Some(aging) = job.aging.as_ref() {
+                aging.board.touch(local, block_id);
+            }
             job.high_block = Some(job.high_block.map_or(block_id, |h| job.space.later(h, block_id)));
             if job.open_blocks == 0 {
                 job.liveness.arm(now);

@@ -108,6 +108,9 @@ pub(super) struct JobAging {
     pub(super) clock: Time,
     /// Recent spreads: how far apart the contributions to a block arrive.
     pub(super) spread: SpreadSamples,
+    /// The scan words of the job's slots on this shard (REF flags and
+    /// unreferenced visits), shared with scanner threads (board.rs).
+    pub(super) board: std::sync::Arc<AgingBoard>,
 }
 
 /// The last [`SPREAD_SAMPLES`] spreads (µs) of the job's blocks on this
@@ -176,6 +179,7 @@ impl JobAging {
         let period = (self.tick * self.slices).max(1);
         let visits = (2 * median_ns).div_ceil(period);
         self.needed_checks = visits.clamp(self.checks as u64, self.max_checks as u64) as u8;
+        self.board.set_needed_checks(self.needed_checks);
     }
 }
 

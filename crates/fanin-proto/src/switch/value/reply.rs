@@ -60,6 +60,14 @@ pub(super) struct Reply<'a, A, T> {
 }
 
 impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
+    /// The block was referenced (a contribution added, its data phase
+    /// began): Trio's REF flag, in the job's scan words.
+    pub(super) fn touch(&self, block: &Block) {
+        if let Some(aging) = self.aging.as_ref() {
+            aging.board.touch(block.local as usize, block.block_id);
+        }
+    }
+
     /// A block's phase begins now (its first contribution, or the exponent
     /// announced): where its spread is measured from.
     pub(super) fn start_phase(&self, block: &mut Block) {

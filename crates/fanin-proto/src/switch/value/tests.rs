@@ -612,6 +612,73 @@ fn blocks_age_at_the_second_visit_of_their_slice_with_trios_single_flag() {
     assert_eq!((c.blocks_aged, c.blocks_degraded, c.blocks_completed, c.scans), (2, 2, 2, 4));
 }
 
+/// What a scanner thread does at `now` for scanner `i`'s ticks up to it:
+/// visit its slice of every job's board on the schedule, hand the names to
+/// the shard.
+fn scanner_thread_tick(sw: &mut ValueSwitch<Addr>, i: u64, from: Time, now: Time) -> Vec<(Addr, Repr, Vec<i32>)> {
+    let mut out = VecTransmit::new();
+    for s in sw.scan_schedules() {
+        let mut k = from.as_nanos() / s.tick_ns + 1;
+        while k * s.tick_ns <= now.as_nanos() {
+            if k % s.slices == i {
+                let (lo, hi) = s.board.slice(i, s.slices);
+                let mut idle = Vec::new();
+                s.board.visit(lo, hi, &mut idle);
+                sw.age_idle(Time::from_nanos(k * s.tick_ns), s.job_id, &idle, &mut out);
+            }
+            k += 1;
+        }
+    }
+    decode(out)
+}
+
+#[test]
+fn scanner_threads_age_the_same_blocks_at_the_same_ticks_as_inline_scanning() {
+    // blocks_age_at_the_second_visit_of_their_slice_with_trios_single_flag,
+    // with the two scanners outside the shard (aging.threads)
+    let mut cfg = ShardConfig::single(1 << 30);
+    cfg.aging = AgingConfig { scanners: 2, checks: 1, min_tick: Duration::from_micros(1), threads: true, ..AgingConfig::default() };
+    let mut sw = ValueSwitch::new(cfg);
+    sw.add_job(aging_job(3, 4, 10, 0)).unwrap();
+    for src in 0..2 {
+        send_at(&mut sw, at(1), Pkt::data(1, src, 0, &[1, 2]));
+        send_at(&mut sw, at(1), Pkt::data(1, src, 2, &[10]));
+    }
+    assert!(!matches!(sw.poll_timeout(), Some(t) if t <= at(40)), "the shard keeps no scanner time (only the member timeout)");
+    assert!(tick(&mut sw, at(40)).is_empty(), "nor visits");
+    let mut outs = Vec::new();
+    for t in [5, 10, 15, 20] {
+        // scanner 1 ticks at 5 and 15 ms, scanner 0 at 10 and 20 ms
+        let out = scanner_thread_tick(&mut sw, (t / 5) % 2, at(t - 5), at(t));
+        outs.push(out);
+    }
+    assert!(outs[0].is_empty() && outs[1].is_empty(), "the flags are cleared first");
+    assert_eq!(outs[2].len(), 2, "slice 1 again: block 2 ages");
+    assert_eq!((outs[2][0].1.block_id, outs[2][0].1.age_op, outs[2][0].2.clone()), (2, AGE_OP_AGED, vec![20]));
+    assert_eq!((outs[3].len(), outs[3][0].1.block_id, outs[3][0].2.clone()), (2, 0, vec![2, 4]));
+    let c = sw.counters();
+    assert_eq!((c.blocks_aged, c.blocks_degraded, c.blocks_completed), (2, 2, 2));
+}
+
+#[test]
+fn a_contribution_after_a_scanner_thread_named_the_block_keeps_it_open() {
+    let mut cfg = ShardConfig::single(1 << 30);
+    cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1), threads: true, ..AgingConfig::default() };
+    let mut sw = ValueSwitch::new(cfg);
+    sw.add_job(aging_job(3, 2, 4, 0)).unwrap();
+    send_at(&mut sw, at(0), Pkt::data(1, 0, 0, &[1]));
+    let s = sw.scan_schedules().pop().unwrap();
+    let mut idle = Vec::new();
+    s.board.visit(0, 2, &mut idle); // clears REF
+    s.board.visit(0, 2, &mut idle); // names block 0
+    assert_eq!(idle, [(0, 0)]);
+    // member 1 contributes before the shard acts on the name: it wins
+    send_at(&mut sw, at(5), Pkt::data(1, 1, 0, &[2]));
+    let mut out = VecTransmit::new();
+    sw.age_idle(at(5), 1, &idle, &mut out);
+    assert!(out.drain().next().is_none() && sw.counters().blocks_aged == 0, "not aged");
+}
+
 #[test]
 fn a_contribution_refreshes_the_flag_and_delays_aging() {
     let mut sw = aging_switch(aging_job(3, 4, 10, 0), 2, 1);
@@ -700,7 +767,7 @@ fn the_learnt_expiry_is_capped_and_max_factor_1_is_trios_fixed_timeout() {
     }
     // max_factor 1: the skew is never learnt
     let mut cfg = ShardConfig::single(1 << 30);
-    cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1), max_factor: 1 };
+    cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1), max_factor: 1, threads: false };
     let mut fixed = ValueSwitch::new(cfg);
     fixed.add_job(aging_job(2, 8, 4, 0)).unwrap();
     for b in 0..4u32 {
