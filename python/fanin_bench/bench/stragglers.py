@@ -36,16 +36,16 @@ JOB = 1
 # ---------------------------------------------------------------- recovery
 
 def _recovery_point(timeout_ms: int, checks: int, rounds: int, blocks: int, epp: int,
-                    threads: bool = False) -> dict[str, Any]:
+                    scanner_threads: bool = False) -> dict[str, Any]:
     """Two active workers and one silent member; `rounds` allreduces of
-    `blocks` back-to-back blocks each. `threads`: the scanners run as timer
+    `blocks` back-to-back blocks each. `scanner_threads`: the scanners run as timer
     threads of their own (Trio's design) instead of on the shard thread."""
     from fanin import Session
 
     job = job_config(JOB, members=[0, 1, 2], block_cnt_max=max(blocks, 8), block_grad_max=epp,
                      block_exp_ms=timeout_ms, slow_after_windows=0)
     cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", checks=checks,
-                        scanner_threads=threads, jobs=[job])
+                        scanner_threads=scanner_threads, jobs=[job])
     with SwitchProcess(cfg) as sw:
         inputs = [worker_inputs(r, blocks * epp, "int32") for r in (0, 1)]
         expected = (inputs[0].astype(np.int64) + inputs[1]).astype(np.int32)
@@ -96,7 +96,7 @@ def _recovery_point(timeout_ms: int, checks: int, rounds: int, blocks: int, epp:
     return {
         "timeout_ms": timeout_ms,
         "checks": checks,
-        "scanners": "threads" if threads else "shard",
+        "scanners": "threads" if scanner_threads else "shard",
         "rounds": rounds,
         "blocks_per_round": blocks,
         "latency_mean_ms": mean,
