@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fanin_proto::switch::{Idle, ScanSchedule};
+use fanin_proto::switch::{Idle, ScanBoard, ScanSchedule};
 
 use crate::shard::Command;
 
@@ -89,8 +89,10 @@ fn run(i: u64, registry: Registry, shards: &Shards, epoch: Instant, shutdown: &A
     // The scans need wake-ups tens of microseconds apart (as the shards did).
     // SAFETY: prctl with an integer argument has no memory effects.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong, 0, 0, 0) };
-    // next tick number of this scanner per (shard, job)
-    let mut next: HashMap<(usize, u32), u64> = HashMap::new();
+    // next tick number of this scanner per board (a job removed and
+    // admitted again under its id gets a new board, and a new schedule)
+    // (the entry holds the board, so its address is not reused meanwhile)
+    let mut next: HashMap<*const ScanBoard, (u64, Arc<ScanBoard>)> = HashMap::new();
     let mut idle: Vec<Idle> = Vec::new();
     const IDLE_WAIT: Duration = Duration::from_millis(5);
     while !shutdown.load(Ordering::Relaxed) {
@@ -107,14 +109,15 @@ fn run(i: u64, registry: Registry, shards: &Shards, epoch: Instant, shutdown: &A
                     let k = now / s.tick_ns + 1;
                     k + (i + s.slices - k % s.slices) % s.slices
                 };
-                let k = next.entry((shard, s.job_id)).or_insert_with(first);
+                let (k, _) = next.entry(Arc::as_ptr(&s.board)).or_insert_with(|| (first(), s.board.clone()));
                 if *k * s.tick_ns <= now {
                     // a thread that fell behind visits once, not once per missed tick
                     let (lo, hi) = s.board.slice(i, s.slices);
                     idle.clear();
                     s.board.visit(lo, hi, &mut idle);
                     if !idle.is_empty() {
-                        let _ = shards.commands[shard].send(Command::AgeIdle(s.job_id, std::mem::take(&mut idle)));
+                        let names = std::mem::take(&mut idle);
+                        let _ = shards.commands[shard].send(Command::AgeIdle(s.job_id, s.board.clone(), names));
                         shards.wakers[shard].wake();
                     }
                     let behind = (now / s.tick_ns).saturating_sub(*k) / s.slices + 1;
@@ -123,7 +126,7 @@ fn run(i: u64, registry: Registry, shards: &Shards, epoch: Instant, shutdown: &A
                 wake_at = wake_at.min(*k * s.tick_ns);
             }
         }
-        next.retain(|(shard, job), _| schedules.get(*shard).is_some_and(|l| l.iter().any(|s| s.job_id == *job)));
+        next.retain(|board, _| schedules.iter().flatten().any(|s| Arc::as_ptr(&s.board) == *board));
         let now = epoch.elapsed().as_nanos() as u64;
         if wake_at > now {
             std::thread::sleep(Duration::from_nanos(wake_at - now));

@@ -233,7 +233,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             JobMode::Forward => 0,
         };
         let pool_floor = match self.config.memory_model {
-            MemoryModel::Pooled if spec.mode == JobMode::Aggregate => Some(pool_floor(&spec, local_slots)),
+            // (a tree role set later may raise it: set_uplink)
+            MemoryModel::Pooled if spec.mode == JobMode::Aggregate => Some(pool_floor(&spec, local_slots, false)),
             _ => None,
         };
         let memory = pool_floor.map_or(cap, |floor| floor as u64 * record_cost);
@@ -388,17 +389,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
             spec.source_capacity().max(job.members.capacity())
         };
-        // Pooled memory: child switches joining the members need the floor
-        // of one buffer per slot (job.rs `pool_floor`), if it fits.
-        let new_floor = self.jobs[&job_id].pool_floor.map(|_| pool_floor(&spec, self.local_slot_count(&spec)));
-        if let Some(floor) = new_floor {
-            let job = &self.jobs[&job_id];
-            let grows = (floor.max(job.live_records) as u64 * job.record_cost).saturating_sub(job.data_memory);
-            if self.memory_used + grows > self.config.memory_limit {
-                let available = self.config.memory_limit.saturating_sub(self.memory_used);
-                return Err(AdmitError::OutOfMemory { job_id, needed: grows, available, limit: self.config.memory_limit });
-            }
-        }
+        // Pooled memory: child switches joining the members, or a parent,
+        // need the floor of one buffer per slot (job.rs `pool_floor`), if it fits.
+        let new_floor = self.floor_for(job_id, &spec, uplink.is_some())?;
         let limits_changed = self.jobs[&job_id].spec.rate_limit != spec.rate_limit;
         let buckets = limits_changed.then(|| self.buckets_for(&spec, capacity));
         let job = self.jobs.get_mut(&job_id).expect("checked above");
@@ -554,12 +547,32 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 return Err(AdmitError::BadUplink { job_id, rank: up.rank });
             }
         }
-        let job = self.jobs.get_mut(&job_id).ok_or(AdmitError::Unknown(job_id))?;
+        let spec = self.jobs.get(&job_id).ok_or(AdmitError::Unknown(job_id))?.spec.clone();
+        let new_floor = self.floor_for(job_id, &spec, uplink.is_some())?;
+        let job = self.jobs.get_mut(&job_id).expect("checked above");
         if let Some(auth) = job.auth.as_mut() {
             auth.set_uplink_rank(uplink.as_ref().map(|u| u.rank));
         }
         job.uplink = uplink;
+        if new_floor.is_some() {
+            job.pool_floor = new_floor;
+            job.settle_memory(&mut self.memory_used);
+        }
         Ok(())
+    }
+
+    /// The pooled floor `job_id` needs with `spec` and this tree role
+    /// (`None` for reserved memory), refused if raising it does not fit.
+    fn floor_for(&self, job_id: u32, spec: &JobSpec, has_uplink: bool) -> Result<Option<u32>, AdmitError> {
+        let job = self.jobs.get(&job_id).ok_or(AdmitError::Unknown(job_id))?;
+        let Some(_) = job.pool_floor else { return Ok(None) };
+        let floor = pool_floor(spec, self.local_slot_count(spec), has_uplink);
+        let grows = (floor.max(job.live_records) as u64 * job.record_cost).saturating_sub(job.data_memory);
+        if self.memory_used + grows > self.config.memory_limit {
+            let available = self.config.memory_limit.saturating_sub(self.memory_used);
+            return Err(AdmitError::OutOfMemory { job_id, needed: grows, available, limit: self.config.memory_limit });
+        }
+        Ok(Some(floor))
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must run next: the next
@@ -585,11 +598,23 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             .collect()
     }
 
-    /// Blocks a scanner thread found idle for enough visits: each one that
-    /// still aggregates and is still unreferenced (a contribution since the
-    /// visit wins) ages out now, as an inline visit would have done.
-    pub fn age_idle(&mut self, now: Time, job_id: u32, idle: &[Idle], out: &mut impl Transmit<A>) {
+    /// Blocks a scanner thread found idle for enough visits of `board`:
+    /// each one that still aggregates and is still unreferenced (a
+    /// contribution since the visit wins) ages out now, as an inline visit
+    /// would have done. Names from the board of a job since removed (and
+    /// perhaps admitted again under the same id) are ignored.
+    pub fn age_idle(
+        &mut self,
+        now: Time,
+        job_id: u32,
+        board: &std::sync::Arc<ScanBoard>,
+        idle: &[Idle],
+        out: &mut impl Transmit<A>,
+    ) {
         let Some(job) = self.jobs.get_mut(&job_id) else { return };
+        if !job.aging.as_ref().is_some_and(|a| std::sync::Arc::ptr_eq(&a.board, board)) {
+            return;
+        }
         if let Some(aging) = job.aging.as_mut() {
             aging.clock = now;
         }

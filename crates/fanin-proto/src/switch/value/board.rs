@@ -57,7 +57,9 @@ impl AgingBoard {
 
     /// Slot `local` holds no aggregating block any more.
     pub(super) fn close(&self, local: usize) {
-        self.words[local].store(0, Ordering::Release);
+        if let Some(w) = self.words.get(local) {
+            w.store(0, Ordering::Release);
+        }
     }
 
     pub(super) fn set_needed_checks(&self, checks: u8) {
@@ -67,7 +69,7 @@ impl AgingBoard {
     /// Does slot `local` still say block `block_id` is idle for enough
     /// visits? (The owning shard asks before it acts on a visit's name.)
     pub(super) fn still_idle(&self, local: usize, block_id: u32) -> bool {
-        let w = self.words[local].load(Ordering::Acquire);
+        let Some(w) = self.words.get(local).map(|w| w.load(Ordering::Acquire)) else { return false };
         w & (LIVE | REF) == LIVE
             && w as u32 == block_id
             && ((w & IDLE_MASK) >> IDLE_SHIFT) as u8 >= self.needed_checks.load(Ordering::Relaxed)

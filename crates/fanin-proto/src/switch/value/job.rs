@@ -252,7 +252,7 @@ impl<A> Job<A> {
     /// every member acknowledged its result, and a block lower than one
     /// this job is aggregating may take that block's record (eviction).
     pub(super) fn frees_at_acknowledgement(&self) -> bool {
-        self.pool_floor.is_some() && acknowledges_results(&self.spec)
+        self.pool_floor.is_some() && acknowledges_results(&self.spec) && self.uplink.is_none()
     }
 
     pub(super) fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {
@@ -269,14 +269,18 @@ pub(super) fn acknowledges_results(spec: &JobSpec) -> bool {
 }
 
 /// The buffers a pooled job reserves on a shard that owns `local_slots` of
-/// its slots (docs/memory.md). A job whose members acknowledge results
-/// needs one: its done blocks are freed once acknowledged, and its lowest
-/// block may take the record of a later one it aggregates, so one record
-/// always carries it forward. A job with child switches needs one per
-/// slot: a done block is freed only when every member sent the slot's
-/// next block, which must be able to open in every slot.
-pub(super) fn pool_floor(spec: &JobSpec, local_slots: usize) -> u32 {
-    if acknowledges_results(spec) {
+/// its slots (docs/memory.md). A root job whose members acknowledge
+/// results needs one: its done blocks are freed once acknowledged, and its
+/// lowest block may take the record of a later one it aggregates, so one
+/// record always carries it forward. A job with child switches needs one
+/// per slot: a done block is freed only when every member sent the slot's
+/// next block, which must be able to open in every slot. So does a job at
+/// a non-root switch (`has_uplink`): blocks it sent up hold their records
+/// until the parent answers, and neither an acknowledgement nor an
+/// eviction frees them, so two leaves could each hold what the other's
+/// lowest block needs at the parent.
+pub(super) fn pool_floor(spec: &JobSpec, local_slots: usize, has_uplink: bool) -> u32 {
+    if acknowledges_results(spec) && !has_uplink {
         local_slots.min(1) as u32
     } else {
         local_slots as u32

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::*;
 use crate::transmit::VecTransmit;
-use fanin_wire::value::{read_elements, write_elements, Nack};
+use fanin_wire::value::{read_elements, write_elements, Dtype, Nack};
 
 /// Member `src` of job `job` lives at address `job * 100 + src`.
 type Addr = u32;
@@ -98,6 +98,71 @@ fn a_pooled_job_reserves_one_buffer_and_its_cap_must_fit_the_memory() {
     assert_eq!(sw.jobs[&1].data_memory, 64 * 4);
     sw.update_job(Time::ZERO, grown, None, &[], &mut out).unwrap();
     assert_eq!(sw.jobs[&1].data_memory, 4 * 64 * 4, "four buffers reserved now");
+}
+
+fn exponent(job: u32, src: u16, block: u32, exp: i8) -> Vec<u8> {
+    let repr = Repr { dtype: Dtype::Float32, exp_only: true, exp, block_id: block, ..Repr::new(MessageType::Contribution, job, src) };
+    let mut buf = vec![0; repr.buffer_len()];
+    repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    buf
+}
+
+/// `spec` on a shard whose memory holds its floor and a second job's
+/// (which leaves room for `spec`'s cap, but none free).
+fn full_with(spec: JobSpec) -> ValueSwitch<Addr> {
+    let filler = JobSpec::with_sources(99, 1, 1, 64 * 8);
+    let mut sw = pooled(admission_cost(MemoryModel::Pooled, &spec) + admission_cost(MemoryModel::Pooled, &filler));
+    sw.add_job(spec).unwrap();
+    sw.add_job(filler).unwrap();
+    sw
+}
+
+#[test]
+fn a_lower_block_evicts_a_later_one_unless_its_exponent_was_negotiated() {
+    // one buffer: the job's floor, and nothing else free
+    let mut sw = full_with(JobSpec::with_sources(1, 2, 4, 64));
+    // block 1's exponent round completes: its members were told exponent 3
+    send(&mut sw, 1, 0, &exponent(1, 0, 1, 3));
+    assert_eq!(send(&mut sw, 1, 1, &exponent(1, 1, 1, 2)).len(), 2, "the exponent announced");
+    // block 0 finds no memory and may not take block 1's record: a reopened
+    // exponent round could age into another exponent than the one announced
+    let out = send(&mut sw, 1, 0, &exponent(1, 0, 0, 1));
+    assert!(out.len() == 1 && is_memory_nack(&out[0]), "{out:?}");
+    assert_eq!(sw.counters().records_evicted, 0);
+    // an int32 block in its data phase is evicted for a lower one
+    let mut sw = full_with(JobSpec::with_sources(2, 2, 4, 64));
+    send(&mut sw, 2, 0, &data(2, 0, 1, &[1], false));
+    let out = send(&mut sw, 2, 1, &data(2, 1, 0, &[5], false));
+    assert_eq!(sw.counters().records_evicted, 1);
+    assert!(out.len() == 1 && out[0].0 == addr(2, 0) && is_memory_nack(&out[0]) && out[0].1.block_id == 1, "{out:?}");
+}
+
+#[test]
+fn a_job_at_a_non_root_switch_keeps_the_slot_floor() {
+    // its blocks sent up hold their records until the parent answers: no
+    // acknowledgement or eviction frees them, so one buffer would not do
+    let spec = JobSpec::with_sources(1, 2, 4, 64);
+    let up = Some(Uplink { parent: vec![9], rank: SWITCH_RANK_BASE });
+    let mut sw = pooled(1 << 20);
+    sw.add_job(spec.clone()).unwrap();
+    assert_eq!(sw.jobs[&1].data_memory, 64 * 4);
+    sw.set_uplink(1, up.clone()).unwrap();
+    assert_eq!(sw.jobs[&1].data_memory, 4 * 64 * 4, "one buffer per slot below a parent");
+    assert!(!sw.jobs[&1].frees_at_acknowledgement());
+    sw.set_uplink(1, None).unwrap();
+    assert_eq!(sw.jobs[&1].data_memory, 64 * 4, "a root again: one buffer");
+    // a switch with room for the one-buffer floor only refuses the role
+    let cost = admission_cost(MemoryModel::Pooled, &spec);
+    let cap_room = cost + 7 * 64 * 4;
+    let filler = JobSpec::with_sources(2, 1, 1, 64 * 6);
+    let mut tight = pooled(cap_room + admission_cost(MemoryModel::Pooled, &filler) - 6 * 64 * 4);
+    tight.add_job(spec).unwrap();
+    tight.add_job(filler).unwrap();
+    let before = tight.memory_used();
+    let err = tight.set_uplink(1, up).unwrap_err();
+    assert!(matches!(err, AdmitError::OutOfMemory { job_id: 1, .. }), "{err}");
+    assert_eq!(tight.memory_used(), before);
+    assert!(tight.uplink(1).is_none(), "a refused role changes nothing");
 }
 
 #[test]

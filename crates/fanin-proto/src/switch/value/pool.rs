@@ -88,7 +88,11 @@ pub(super) fn evict_later_block<A: Copy>(
         .slots
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| s.cur.as_ref().filter(|b| b.aggregating() && space.before(block_id, b.block_id)).map(|b| (i, b.block_id)))
+        // (not a block whose exponent was negotiated: its members were told
+        // it, and a reopened exponent round could age into another one)
+        .filter_map(|(i, s)| {
+            s.cur.as_ref().filter(|b| b.aggregating() && !b.negotiated && space.before(block_id, b.block_id)).map(|b| (i, b.block_id))
+        })
         .reduce(|a, b| if space.before(a.1, b.1) { b } else { a });
     let Some((local, victim_id)) = victim else { return false };
     let s = job.spec.block_cnt_max;

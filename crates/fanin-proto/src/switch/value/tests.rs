@@ -624,7 +624,7 @@ fn scanner_thread_tick(sw: &mut ValueSwitch<Addr>, i: u64, from: Time, now: Time
                 let (lo, hi) = s.board.slice(i, s.slices);
                 let mut idle = Vec::new();
                 s.board.visit(lo, hi, &mut idle);
-                sw.age_idle(Time::from_nanos(k * s.tick_ns), s.job_id, &idle, &mut out);
+                sw.age_idle(Time::from_nanos(k * s.tick_ns), s.job_id, &s.board, &idle, &mut out);
             }
             k += 1;
         }
@@ -675,8 +675,15 @@ fn a_contribution_after_a_scanner_thread_named_the_block_keeps_it_open() {
     // member 1 contributes before the shard acts on the name: it wins
     send_at(&mut sw, at(5), Pkt::data(1, 1, 0, &[2]));
     let mut out = VecTransmit::new();
-    sw.age_idle(at(5), 1, &idle, &mut out);
+    sw.age_idle(at(5), 1, &s.board, &idle, &mut out);
     assert!(out.drain().next().is_none() && sw.counters().blocks_aged == 0, "not aged");
+    // names from the board of a job removed and admitted again are ignored
+    // (its slots may differ: a stale slot index must not reach them)
+    assert!(sw.remove_job(1));
+    sw.add_job(aging_job(3, 1, 4, 0)).unwrap();
+    send_at(&mut sw, at(6), Pkt::data(1, 0, 0, &[1]));
+    sw.age_idle(at(7), 1, &s.board, &[(0, 0), (5, 0)], &mut out);
+    assert_eq!(sw.counters().blocks_aged, 0);
 }
 
 #[test]
