@@ -1,7 +1,7 @@
 //! The straggler scanners as timer threads of their own (`[aging] threads
 //! = true`), as Trio-ML's are (§5): scanner `i` of N wakes at `i/N` of each
 //! job's visit period after scanner `i-1`, visits slice `i` of the job's
-//! scan words on every shard (`fanin_proto::switch::ScanBoard::visit`,
+//! scan words on every shard (`fanin_proto::switch::AgingBoard::visit`,
 //! atomic REF flags and counts the shard threads set), and hands the
 //! blocks it finds idle to the shard that owns them, waking it. The shard
 //! ages a block out only if its word still says idle, so a contribution
@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fanin_proto::switch::{Idle, ScanBoard, ScanSchedule};
+use fanin_proto::switch::{Idle, AgingBoard, ScanSchedule};
 
 use crate::shard::Command;
 
@@ -92,7 +92,7 @@ fn run(i: u64, registry: Registry, shards: &Shards, epoch: Instant, shutdown: &A
     // next tick number of this scanner per board (a job removed and
     // admitted again under its id gets a new board, and a new schedule)
     // (the entry holds the board, so its address is not reused meanwhile)
-    let mut next: HashMap<*const ScanBoard, (u64, Arc<ScanBoard>)> = HashMap::new();
+    let mut next: HashMap<*const AgingBoard, (u64, Arc<AgingBoard>)> = HashMap::new();
     let mut idle: Vec<Idle> = Vec::new();
     const IDLE_WAIT: Duration = Duration::from_millis(5);
     while !shutdown.load(Ordering::Relaxed) {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use fanin_proto::fault::{DropInjector, ReceiveFaults};
 use fanin_proto::job::JobSpec;
 use fanin_proto::kv::{KvAdmitError, KvCounters, KvSwitch, KvTaskSpec, TaskStats};
-use fanin_proto::switch::{AdmitError, Counters, Idle, ScanBoard, Uplink, ValueSwitch, Verdict};
+use fanin_proto::switch::{AdmitError, Counters, Idle, AgingBoard, Uplink, ValueSwitch, Verdict};
 use fanin_proto::trim::{TrimCause, TrimPlan, TrimVerdict, Watermark};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
@@ -49,7 +49,7 @@ pub(crate) enum Command {
     KvTaskStats(Vec<u32>, SyncSender<Vec<(u32, Option<TaskStats>)>>),
     /// A scanner thread found these blocks of a job idle for enough visits
     /// (`[aging] threads`): [`ValueSwitch::age_idle`].
-    AgeIdle(u32, Arc<ScanBoard>, Vec<Idle>),
+    AgeIdle(u32, Arc<AgingBoard>, Vec<Idle>),
 }
 
 /// What a shard publishes for metrics and the control API.

@@ -6,6 +6,6 @@ mod value;
 pub mod guard;
 pub use counters::Counters;
 pub use value::{
-    AdmitError, AgingConfig, Idle, MemoryModel, ScanBoard, ScanSchedule, ShardConfig, Uplink, ValueSwitch, Verdict, MAX_CHECKS,
+    AdmitError, AgingBoard, AgingConfig, Idle, MemoryModel, ScanSchedule, ShardConfig, Uplink, ValueSwitch, Verdict, MAX_CHECKS,
     MAX_SCANNERS,
 };

@@ -79,7 +79,7 @@ pub struct ScanSchedule {
     pub job_id: u32,
     pub tick_ns: u64,
     pub slices: u64,
-    pub board: std::sync::Arc<ScanBoard>,
+    pub board: std::sync::Arc<AgingBoard>,
 }
 
 /// A non-root switch's place in a job's aggregation tree (SwitchML++): where
@@ -607,7 +607,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         &mut self,
         now: Time,
         job_id: u32,
-        board: &std::sync::Arc<ScanBoard>,
+        board: &std::sync::Arc<AgingBoard>,
         idle: &[Idle],
         out: &mut impl Transmit<A>,
     ) {
@@ -761,8 +761,7 @@ use aggregate::*;
 use membership::*;
 use nacks::*;
 use pool::*;
-use board::AgingBoard;
-pub use board::{AgingBoard as ScanBoard, Idle};
+pub use board::{AgingBoard, Idle};
 pub use rounds::RoundEnd;
 use rounds::*;
 

@@ -25,8 +25,6 @@ use crate::transmit::Transmit;
 pub(super) struct ResultAcks {
     due: Vec<u16>,
     last_sent: Vec<(u16, Time)>,
-    /// Acknowledgements sent (for the outcome's counters and tests).
-    pub(super) sent: u64,
 }
 
 impl ResultAcks {
@@ -43,7 +41,6 @@ impl ResultAcks {
     }
 
     fn sent_to(&mut self, shard: u16, now: Time) {
-        self.sent += 1;
         match self.last_sent.iter_mut().find(|(s, _)| *s == shard) {
             Some(entry) => entry.1 = now,
             None => self.last_sent.push((shard, now)),

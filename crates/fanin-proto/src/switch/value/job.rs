@@ -252,7 +252,7 @@ impl<A> Job<A> {
     /// every member acknowledged its result, and a block lower than one
     /// this job is aggregating may take that block's record (eviction).
     pub(super) fn frees_at_acknowledgement(&self) -> bool {
-        self.pool_floor.is_some() && acknowledges_results(&self.spec) && self.uplink.is_none()
+        self.pool_floor.is_some() && one_buffer_carries(&self.spec, self.uplink.is_some())
     }
 
     pub(super) fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {
@@ -268,6 +268,13 @@ pub(super) fn acknowledges_results(spec: &JobSpec) -> bool {
     spec.members.iter().all(|&m| m < SWITCH_RANK_BASE)
 }
 
+/// A root job whose members all acknowledge results: one reserved buffer
+/// carries it forward (its done blocks freed at acknowledgement, its later
+/// blocks evicted for its lowest one); see [`pool_floor`].
+pub(super) fn one_buffer_carries(spec: &JobSpec, has_uplink: bool) -> bool {
+    acknowledges_results(spec) && !has_uplink
+}
+
 /// The buffers a pooled job reserves on a shard that owns `local_slots` of
 /// its slots (docs/memory.md). A root job whose members acknowledge
 /// results needs one: its done blocks are freed once acknowledged, and its
@@ -280,7 +287,7 @@ pub(super) fn acknowledges_results(spec: &JobSpec) -> bool {
 /// eviction frees them, so two leaves could each hold what the other's
 /// lowest block needs at the parent.
 pub(super) fn pool_floor(spec: &JobSpec, local_slots: usize, has_uplink: bool) -> u32 {
-    if acknowledges_results(spec) && !has_uplink {
+    if one_buffer_carries(spec, has_uplink) {
         local_slots.min(1) as u32
     } else {
         local_slots as u32
