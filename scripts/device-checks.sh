@@ -59,7 +59,7 @@ for s in $stages; do
            --steps 100 --layers 4 --d-model 256 --corpus "$corpus" --json --out "$out" ;;
     image) run image-steps-cuda 100 fanin bench image-steps --device cuda --workers 8 --rates 1000 --steps 8 \
              --batch 32 --image-size 224 --json --out "$out" ;;
-    network) run network-16core 130 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB --reps 3 \
+    network) run network-16core 170 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB --reps 3 \
                --json --out "$out" ;;
     network-rs) run network-rs-16core 60 fanin bench network --workers 8 --rates 1000 --size 16MB --reps 3 \
                   --collective reduce-scatter --json --out "$out/rs" ;;
@@ -77,12 +77,18 @@ for s in $stages; do
     # the same with blocks that fill a 9000-byte frame (the switch caps 4096 to the MTU)
     jumbo-full) run network-jumbo-full 80 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
                   --mtu 9000 --block-grad-max 4096 --no-gloo --json --out "$out/jumbo-full" ;;
+    # the rates that miss 0.9 of capacity with 1500-byte frames, with jumbo
+    # frames and a keyed arm; and with 4 switch shards instead of the default 8
+    jumbo-hi) run network-jumbo-hi 110 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
+                --mtu 9000 --auth --json --out "$out/jumbo-hi" ;;
+    shards4) run network-shards4 70 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
+               --shards 4 --no-gloo --json --out "$out/shards4" ;;
     # per-datagram cost on these cores: the switch (bench allreduce) and a raw forwarding thread
     cost) run switch-cost-8 60 fanin bench allreduce --quick --workers 8 --iters 7 --json
           if [ -x .device/bin/udp_forward_bench ]; then
             run udp-forward-4120 40 .device/bin/udp_forward_bench --secs 1 --reps 5 --size 4120
           fi ;;
     *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, network-rs, auth," \
-            "auth-default, auth-shards8, jumbo, jumbo-full, jumbo-64, jumbo-full-64, cost)"; exit 2 ;;
+            "auth-default, auth-shards8, jumbo, jumbo-hi, jumbo-full, jumbo-64, jumbo-full-64, shards4, cost)"; exit 2 ;;
   esac
 done

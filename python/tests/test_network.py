@@ -34,6 +34,9 @@ def test_default_packets_fit_a_1500_byte_link_and_nothing_is_fragmented(tmp_path
     assert row["ip_fragments"] == 0, row
     assert row["fanin_verified"]
     assert 50 < row["capacity_mbit"] <= 105, row  # tbf at 100 Mbit/s, measured
+    # both directions at once: at 100 Mbit/s tbf, not the machine, is the limit
+    assert 50 < row["capacity_duplex_mbit"] <= 105, row
+    assert row["fanin_fraction_of_duplex_capacity"] > 0
     assert (tmp_path / "network.csv").exists() and (tmp_path / "network.png").stat().st_size > 0
     assert not report["fanin_settings"]["overrides"]
 

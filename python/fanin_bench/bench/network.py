@@ -7,10 +7,13 @@ switch namespace; N long-lived fanin workers and N long-lived Gloo ranks
 (``torch.distributed``, TCP, its ring routed through the switch namespace by
 the kernel) run in the host namespaces. For every link rate:
 
-1. **capacity**: every host blasts UDP at the switch and the switch at every
-   host at once for a few seconds; what the veth counters saw pass is the
-   capacity each link really offers with all links busy (above a few Gbit/s
-   the veths and the CPU, not tbf, set it);
+1. **capacity**: every host blasts UDP at the switch, then the switch at
+   every host, for a few seconds each; what the veth counters saw pass is the
+   capacity each link really offers with all links of a direction busy (above
+   a few Gbit/s the veths and the CPU, not tbf, set it). Then both directions
+   at once, the load an allreduce makes: the duplex capacity, reported beside
+   it (``fanin_fraction_of_duplex_capacity``) to show how much of a shortfall
+   is the testbed machine's own;
 2. **allreduce**: one fanin allreduce and one Gloo allreduce of the same
    tensor (float32, or float16 / bfloat16 with --dtype), alternating (the
    order swapped every repetition), each result checked against the float64
@@ -95,24 +98,33 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
     """What each direction of each link carries with every link of that
     direction busy at once, from the veth counters: first all uplinks (every
     host blasts UDP at the switch), then all downlinks (one blaster per host
-    in the switch namespace). One direction at a time, so the blasters'
-    CPU (Python, on a machine the size of the 2-core VM) does not become the
-    limit being measured; each link is read with its own timestamps, since
-    one read takes milliseconds."""
+    in the switch namespace); each link is read with its own timestamps, since
+    one read takes milliseconds. That is ``capacity_mbit``, the figure every
+    fraction of capacity is taken against.
+
+    Then both directions at once (``capacity_duplex_mbit``), the load an
+    allreduce puts on the testbed: every link busy each way. Where the links
+    (tbf) are the limit the two agree; where the machine running the testbed
+    is (veths, softirqs and every endpoint on shared cores, docs/network.md)
+    the duplex figure is lower and says how much of a shortfall is the
+    testbed's. The blasters send 64 KB GSO batches, so their own CPU stays
+    small even on the 2-core VM."""
 
     edge = edge or {h: "s0" for h in hosts}  # each host's switch
 
     def blast(direction: str) -> list[float]:
+        """Per-link Mbit/s up, down, or (``both``) up then down of one run."""
         offer = rate_mbit * 1.3  # over the limit, so tbf's queue stays full
         payload = mtu - 28  # full frames, as the allreduces send
-        if direction == "up":
-            procs = [tb.popen(h, _worker_argv("blast", to=f"{tb.addr(edge[h], toward=h)}:{BLAST_PORT}", mbit=offer,
-                                              seconds=seconds, payload=payload),
-                             stdout=subprocess.DEVNULL) for h in hosts]
-        else:
-            procs = [tb.popen(edge[h], _worker_argv("blast", to=f"{tb.addr(h, toward=edge[h])}:{BLAST_PORT}", mbit=offer,
-                                                 seconds=seconds, payload=payload),
-                             stdout=subprocess.DEVNULL) for h in hosts]
+        procs = []
+        if direction in ("up", "both"):
+            procs += [tb.popen(h, _worker_argv("blast", to=f"{tb.addr(edge[h], toward=h)}:{BLAST_PORT}", mbit=offer,
+                                               seconds=seconds, payload=payload),
+                               stdout=subprocess.DEVNULL) for h in hosts]
+        if direction in ("down", "both"):
+            procs += [tb.popen(edge[h], _worker_argv("blast", to=f"{tb.addr(h, toward=edge[h])}:{BLAST_PORT}", mbit=offer,
+                                                  seconds=seconds, payload=payload),
+                               stdout=subprocess.DEVNULL) for h in hosts]
 
         def read() -> dict[str, tuple[float, Any]]:
             out = {}
@@ -130,17 +142,23 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
         for p in procs:
             p.wait(timeout=seconds + 30)
         rates = []
-        for h in hosts:
-            (t0, b0), (t1, b1) = first[h], last[h]
-            sent = b1.a_to_b - b0.a_to_b if direction == "up" else b1.b_to_a - b0.b_to_a
-            rates.append(sent * 8 / (t1 - t0) / 1e6)
+        for way in ("up", "down"):
+            if direction not in (way, "both"):
+                continue
+            for h in hosts:
+                (t0, b0), (t1, b1) = first[h], last[h]
+                sent = b1.a_to_b - b0.a_to_b if way == "up" else b1.b_to_a - b0.b_to_a
+                rates.append(sent * 8 / (t1 - t0) / 1e6)
         return rates
 
     up = blast("up")
     dn = blast("down")
-    both = up + dn
-    return {"capacity_mbit": statistics.median(both), "capacity_min_mbit": min(both), "mtu": mtu,
-            "uplink_mbit": up, "downlink_mbit": dn}
+    one_way = up + dn
+    duplex = blast("both")
+    return {"capacity_mbit": statistics.median(one_way), "capacity_min_mbit": min(one_way), "mtu": mtu,
+            "uplink_mbit": up, "downlink_mbit": dn,
+            "capacity_duplex_mbit": statistics.median(duplex), "capacity_duplex_min_mbit": min(duplex),
+            "duplex_uplink_mbit": duplex[:len(hosts)], "duplex_downlink_mbit": duplex[len(hosts):]}
 
 
 class _LinkBytes:
@@ -338,8 +356,9 @@ def run_network(args: Any) -> int:
                                      args.elems_per_packet or args.window or args.shards or args.block_grad_max or args.block_cnt_max)},
               "csv": str(out / "network.csv"), "png": str(out / "network.png")}
     human = "; ".join(
-        f"{r['rate_mbit']:g} Mbit/s (measured {r['capacity_mbit']:.0f}): fanin {r['fanin_median_s']:.3f} s = "
-        f"{r['fanin_fraction_of_capacity']:.2f} of capacity"
+        f"{r['rate_mbit']:g} Mbit/s (measured {r['capacity_mbit']:.0f}, both ways at once "
+        f"{r['capacity_duplex_mbit']:.0f}): fanin {r['fanin_median_s']:.3f} s = "
+        f"{r['fanin_fraction_of_capacity']:.2f} of capacity ({r['fanin_fraction_of_duplex_capacity']:.2f} of duplex)"
         + (f", Gloo {r['gloo_median_s']:.3f} s, fanin {r['speedup_vs_gloo']:.2f}x Gloo (ideal {r['ideal_speedup']:.2f}x)"
            if r.get("gloo_median_s") else "")
         + f", {r['retransmissions']} retransmissions ({r['fast_retransmits']} losses found fast, {r['timeouts']} "
@@ -386,6 +405,11 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
         "ring_ideal_s": ring_ideal,
         "ideal_speedup": ring_ideal / fanin_ideal,
         "fanin_fraction_of_capacity": fanin_ideal / statistics.median(fanin_t),
+        # the same against what the testbed carries both ways at once
+        "capacity_duplex_mbit": cap["capacity_duplex_mbit"],
+        "capacity_duplex_min_mbit": cap["capacity_duplex_min_mbit"],
+        "fanin_fraction_of_duplex_capacity":
+            fanin_ideal * cap["capacity_mbit"] / cap["capacity_duplex_mbit"] / statistics.median(fanin_t),
         "fanin_verified": all(a["verified"] for a in answers),
         "retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
         "trimmed": sum(a.get("trimmed") or 0 for a in answers),
@@ -401,6 +425,8 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
     if gloo_t:
         row.update({"gloo_median_s": statistics.median(gloo_t),
                     "gloo_fraction_of_ideal": ring_ideal / statistics.median(gloo_t),
+                    "gloo_fraction_of_duplex_ideal":
+                        ring_ideal * cap["capacity_mbit"] / cap["capacity_duplex_mbit"] / statistics.median(gloo_t),
                     "speedup_vs_gloo": statistics.median(gloo_t) / statistics.median(fanin_t),
                     "gloo_times_s": gloo_t})
     if not row["fanin_verified"]:
