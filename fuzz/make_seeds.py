@@ -114,6 +114,26 @@ SEEDS["kv_machines"] = {
     + bytes([16, 0]) + kv_header(KV_SWAP, task_id=1, seq=1),
 }
 
+
+def records(*pairs):
+    """[len][from][datagram] records for machines (from's low bit picks the shard)."""
+    return b"".join(bytes([len(d), frm]) + d for frm, d in pairs)
+
+
+# machines: job 5 relayed (GOAT on-path filtering, next hops 8 and 9): a
+# worker's contribution, a result from the next hop, a trimmed header, a join
+# and its answer, and job 1 relayed for a source that is not its member
+SEEDS["machines"] = {
+    "relay": records(
+        (20, header(CONTRIBUTION, src_id=3, job_id=5, grad_cnt=2) + elements(1, 2)),
+        (8, header(RESULT, src_id=9, job_id=5, grad_cnt=2) + elements(3, 4)),
+        (20, header(CONTRIBUTION, src_id=3, job_id=5, block_id=1, grad_cnt=2)),
+        (22, header(JOIN, src_id=4, job_id=5)),
+        (8, header(JOIN_ACK, src_id=4, job_id=5) + JOIN_ACK_BODY),
+        (24, header(CONTRIBUTION, src_id=7, job_id=1, grad_cnt=1) + elements(5)),
+    ),
+}
+
 assert len(SEEDS["value_packet"]["golden-contribution"]) == 32
 assert len(SEEDS["kv_packet"]["golden-data"]) == 56
 assert len(SEEDS["value_packet"]["golden-join-ack"]) == 48

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from fanin import topology
-from fanin.goat.deploy import AggregatorJob, WorkerTarget, atp_like_plan, install_goat_plan, plan_jobs, ps_only_plan
+from fanin.goat.deploy import (AggregatorJob, TransitEntry, WorkerTarget, atp_like_plan, install_goat_plan, plan_jobs,
+                               ps_only_plan)
 from fanin.goat.model import GoatError
 
 TOPO = Path(__file__).resolve().parents[2] / "examples" / "goat-testbed.toml"
@@ -61,6 +62,33 @@ def test_plan_to_jobs_on_a_hand_checked_plan():
         behind = sum(len(j.members) for j in jp.jobs if j.node != "ps" and j.submodel == g)
         direct = sum(1 for m in jp.on("ps")[g].members if m < 2048)
         assert behind + direct == 8
+
+
+def test_on_path_every_worker_sends_to_its_first_hop_and_the_switches_on_the_way_relay():
+    # GOAT's on-path filtering (docs/goat.md): w0-w3 sit under tor0, w4-w7
+    # under tor1, both under agg, which connects the PS
+    jp = plan_jobs(hand_plan(), topology.load(str(TOPO)), job_base=10, on_path=True)
+    assert [t.sends_to for t in jp.targets["w1"]] == ["tor0"] * 3
+    assert [t.sends_to for t in jp.targets["w6"]] == ["tor1"] * 3
+    assert [t.node for t in jp.targets["w6"]] == ["agg", "ps", "ps"]  # the nodes do not change
+    assert jp.transits == [
+        TransitEntry("agg", 1, 11, "ps"),  # w4-w7's g1 (to the PS); w0-w3's is aggregated at tor0
+        TransitEntry("agg", 2, 12, "ps"),
+        TransitEntry("tor0", 0, 10, "agg"),  # tor0 aggregates g1 itself and relays g0, g2
+        TransitEntry("tor0", 2, 12, "agg"),
+        TransitEntry("tor1", 0, 10, "agg"),
+        TransitEntry("tor1", 1, 11, "agg"),
+        TransitEntry("tor1", 2, 12, "agg"),
+    ]
+    assert plan_jobs(hand_plan(), topology.load(str(TOPO)), job_base=10).transits == []
+    # a node off a worker's path cannot be reached by relaying
+    off = hand_plan()
+    off["switches"][1]["filters"][0]["workers"] = ["w0", "w1", "w2", "w3", "w4"]
+    off["parameter_server"]["expect"][1]["direct_workers"] = WORKERS[5:]
+    off["workers"][4]["aggregation_node"][1] = "tor0"
+    plan_jobs(off, topology.load(str(TOPO)))  # fine when workers address the node directly
+    with pytest.raises(GoatError, match="w4 sends sub-model 1 to 'tor0', which is not on its path"):
+        plan_jobs(off, topology.load(str(TOPO)), on_path=True)
 
 
 def test_inconsistent_plans_are_refused():
@@ -138,6 +166,12 @@ class FakeSwitch:
     def remove_job(self, job_id):
         self.log.append(("remove", self.addr, job_id))
 
+    def install_transit(self, job_id, next_addr, next_shards):
+        self.log.append(("transit", self.addr, job_id, next_addr, next_shards))
+
+    def remove_transit(self, job_id):
+        self.log.append(("untransit", self.addr, job_id))
+
     def close(self):
         pass
 
@@ -150,10 +184,25 @@ class NamesFabric:
         return f"{node}@{toward}"
 
 
-def _install(plan, log, fail=None):
+def _install(plan, log, fail=None, **kw):
     return install_goat_plan(
         plan, topology.load(str(TOPO)), NamesFabric(), job_base=10,
-        client_factory=lambda addr: FakeSwitch(log, addr, fail_on=fail.get(addr) if fail else None))
+        client_factory=lambda addr: FakeSwitch(log, addr, fail_on=fail.get(addr) if fail else None), **kw)
+
+
+def test_on_path_install_adds_the_relays_after_the_jobs_and_removes_them_first():
+    log = []
+    with pytest.raises(GoatError, match="auth=False"):
+        _install(hand_plan(), log, on_path=True)
+    assert log == []
+    dep = _install(hand_plan(), log, on_path=True, auth=False)
+    assert [e[0] for e in log] == ["admit"] * 5 + ["transit"] * 7
+    assert log[5:7] == [("transit", "agg", 11, "ps@agg", 2), ("transit", "agg", 12, "ps@agg", 2)]
+    assert ("transit", "tor1", 10, "agg@tor1", 2) in log
+    assert [addr for _, addr in dep.addrs["w6"]] == ["tor1@w6"] * 3
+    log.clear()
+    dep.remove()
+    assert [e[0] for e in log] == ["untransit"] * 7 + ["remove"] * 5
 
 
 def test_install_programs_the_ps_first_and_removes_in_reverse():
@@ -227,10 +276,13 @@ def _testbed_plan(seed=1):
     return topo, make_plan(topo, Namespace(even="12,6", model=None, submodels=None, max_submodel_mb=None, seed=seed))
 
 
-def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_path):
+@pytest.mark.parametrize("on_path", [False, True], ids=["direct", "on-path"])
+def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_path, on_path):
     """`fanin controller install-goat --fabric` on one daemon per switch and
     one for the PS (all on 127.0.0.1), then 8 worker processes: every
-    sub-model's sum exact on every worker; --remove empties the daemons."""
+    sub-model's sum exact on every worker; --remove empties the daemons.
+    `--on-path` (unkeyed): every worker sends to its rack switch, which
+    relays what it does not aggregate; the PS gets what it gets directly."""
     import json
     import subprocess
     import sys
@@ -246,6 +298,8 @@ def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_
         (tmp_path / "fabric.json").write_text(json.dumps(daemons.fabric.table))
         cli = [sys.executable, "-m", "fanin", "controller", "install-goat", str(tmp_path / "plan.json"),
                "--fabric", str(tmp_path / "fabric.json"), "--topology", str(TOPO)]
+        if on_path:
+            cli += ["--on-path", "--no-auth"]
         r = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0, r.stderr
         targets = json.loads(r.stdout)
@@ -253,14 +307,21 @@ def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_
         with ControlClient(daemons.fabric.control_addr("agg")) as c:
             agg_jobs = c.list_jobs()
         assert agg_jobs and all(j["tree"]["parent_addr"] == daemons.fabric.data_addr("ps", "agg") for j in agg_jobs)
-        # keyed by default: every target comes with its member key
-        assert all(len(bytes.fromhex(t["member_key"])) == 16 for ts in targets.values() for t in ts)
-        assert all(j["key"] for j in agg_jobs)
+        if on_path:
+            # one address per worker: its rack switch's
+            racks = {w: {t["data_addr"] for t in ts} for w, ts in targets.items()}
+            assert racks["w0"] == {daemons.fabric.data_addr("tor0", "w0")}, racks
+            assert racks["w7"] == {daemons.fabric.data_addr("tor1", "w7")}, racks
+            assert all(t["member_key"] is None for ts in targets.values() for t in ts)
+        else:
+            # keyed by default: every target comes with its member key
+            assert all(len(bytes.fromhex(t["member_key"])) == 16 for ts in targets.values() for t in ts)
+            assert all(j["key"] for j in agg_jobs)
         procs = []
         try:
             for w, ts in targets.items():
                 spec = [[t["job_id"], t["data_addr"], 1000 + 37 * t["submodel"]] for t in ts]
-                keys = json.dumps({t["job_id"]: t["member_key"] for t in ts})
+                keys = json.dumps({t["job_id"]: t["member_key"] for t in ts if t["member_key"]})
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "fanin_bench.bench.goat_worker", "--rank", str(ts[0]["rank"]),
                      "--workers", "8", "--targets", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -270,10 +331,18 @@ def test_install_goat_cli_on_loopback_daemons_and_every_worker_gets_the_sum(tmp_
                 assert all(a["exact"] for a in step_workers(procs, "loopback"))
         finally:
             stop_workers(procs)
+        counters = {}
         for node in ("agg", "tor0", "tor1", "ps"):
             with ControlClient(daemons.fabric.control_addr(node)) as c:
-                refused = {x["name"]: x["value"] for x in c.counters() if x["name"].startswith("auth_") and x["value"]}
+                counters[node] = {x["name"]: x["value"] for x in c.counters() if x["value"]}
+            refused = {k: v for k, v in counters[node].items() if k.startswith("auth_") or k == "transit_refused"}
             assert not refused, (node, refused)
+        relayed = {node: counters[node].get("transit_up", 0) for node in counters}
+        if on_path:
+            # every rack switch relays; the PS only aggregates
+            assert relayed["tor0"] > 0 and relayed["tor1"] > 0 and relayed["ps"] == 0, relayed
+        else:
+            assert not any(relayed.values()), relayed
         r = subprocess.run(cli + ["--remove"], capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0, r.stderr
         for node in ("agg", "tor0", "tor1", "ps"):
@@ -305,3 +374,24 @@ def test_goat_plan_end_to_end_on_the_testbed():
     measured = runs["ps-only"][0]["ps_ingress_bytes"] / runs["goat"][0]["ps_ingress_bytes"]
     planned = 12 * 8 / plan["ps_mb"]
     assert measured == pytest.approx(planned, rel=0.05)
+
+
+def test_on_path_filtering_on_the_testbed_gives_the_ps_what_direct_addressing_does():
+    """GOAT's on-path filtering (docs/goat.md): every worker sends every
+    sub-model to its rack switch; the switches relay what they do not
+    aggregate. Every sum exact, and the PS receives the same bytes as when
+    the workers address each sub-model's node (all arms unkeyed)."""
+    from fanin_bench.testbed import why_unavailable
+
+    why = why_unavailable("fbto-probe")
+    if why:
+        pytest.skip(f"no network namespaces: {why}")
+    from fanin_bench.bench.goat_deploy import deploy_and_run
+    from test_testbed import _tag
+
+    topo, plan = _testbed_plan()
+    runs = deploy_and_run(topo, plan, name=f"fbto{_tag(os.getpid())}", reps=1, bytes_per_mb=8192, on_path=True)
+    assert all(r["exact"] for rs in runs.values() for r in rs), runs
+    (direct,), (on_path,) = runs["goat"], runs["goat-on-path"]
+    assert on_path["ps_ingress_bytes"] == pytest.approx(direct["ps_ingress_bytes"], rel=0.02), (direct, on_path)
+    assert on_path["payload_bytes"] == direct["payload_bytes"]

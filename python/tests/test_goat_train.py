@@ -100,3 +100,28 @@ def test_a_goat_plan_trains_the_digits_mlp_on_the_testbed():
     for p in late[1:]:
         assert p["k"] < 8 and p["cut"] >= 1, p  # rank 7 (at least) left out, told the epoch ended
     assert max(p["step_s"] for p in late[1:]) < min(p["step_s"] for p in sync[1:]), (late, sync)
+
+
+def test_goat_async_through_on_path_relays_leaves_the_straggler_out():
+    """Algorithm 2's K_t^s installed on the switches while every worker
+    sends to its rack switch and the switches relay (on-path filtering):
+    the replicas agree, the straggler is left out after the first step."""
+    from fanin_bench.testbed import why_unavailable
+
+    why = why_unavailable("fbtp-probe")
+    if why:
+        pytest.skip(f"no network namespaces: {why}")
+    from test_goat_deploy import _testbed_plan
+    from test_testbed import _tag
+
+    from fanin_bench.bench.goat_train import plans_of, train_arms
+
+    topo, plan = _testbed_plan()
+    curves = train_arms(topo, plans_of(plan, topo, ["goat", "goat-async"]), name=f"fbtp{_tag(os.getpid())}",
+                        steps=3, rate_mbit=100, epp=256, window=64, seed=1, batch=16, lr=0.1, slow_ranks=[7],
+                        slow_ms=300, on_path=True)
+    for arm, curve in curves.items():
+        assert all(p["replicas_agree"] for p in curve), arm
+    late = curves["goat-async"]
+    assert all(p["k"] < 8 and p["cut"] >= 1 for p in late[1:]), late
+    assert max(p["step_s"] for p in late[1:]) < min(p["step_s"] for p in curves["goat"][1:])

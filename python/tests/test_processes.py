@@ -338,3 +338,17 @@ def test_control_api_admits_lists_and_removes_jobs_on_the_real_daemon():
         with pytest.raises(ControlError) as e:
             c.remove_job(7)
         assert "NOT_FOUND" in str(e.value)
+        # on-path relays (docs/goat.md): the next hop runs as many shards as this switch
+        shards = info["shard_count"]
+        with pytest.raises(ControlError) as e:
+            c.install_transit(5, "127.0.0.1:9000", shards + 1)
+        assert "INVALID_ARGUMENT" in str(e.value) and "same number of shards" in str(e.value)
+        with pytest.raises(ControlError) as e:
+            c.install_transit(5, "nowhere", shards)
+        assert "INVALID_ARGUMENT" in str(e.value) and "not ip:port" in str(e.value)
+        c.install_transit(5, "127.0.0.1:9000", shards)
+        c.install_transit(5, "127.0.0.1:9100", shards)  # moved
+        c.remove_transit(5)
+        with pytest.raises(ControlError) as e:
+            c.remove_transit(5)
+        assert "NOT_FOUND" in str(e.value)

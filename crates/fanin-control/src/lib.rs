@@ -93,6 +93,21 @@ impl TreeRole {
     }
 }
 
+/// The next switch on a relayed job's path (`NextHop` in the .proto).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextHop {
+    /// Its shard-0 data-plane address; shard `k` listens on port + k.
+    pub addr: SocketAddr,
+    pub shards: u16,
+}
+
+impl NextHop {
+    /// Its data-plane address of each shard.
+    pub fn addrs(&self) -> Vec<SocketAddr> {
+        (0..self.shards).map(|k| SocketAddr::new(self.addr.ip(), self.addr.port() + k)).collect()
+    }
+}
+
 /// A job as the switch holds it: the spec and, off the root, its tree role.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobEntry {
@@ -128,7 +143,10 @@ impl From<AdmitError> for AdmitFailure {
     fn from(e: AdmitError) -> Self {
         let msg = e.to_string();
         match e {
-            AdmitError::Invalid(_) | AdmitError::AgingTooFine { .. } | AdmitError::BadUplink { .. } => {
+            AdmitError::Invalid(_)
+            | AdmitError::AgingTooFine { .. }
+            | AdmitError::BadUplink { .. }
+            | AdmitError::BadTransit { .. } => {
                 AdmitFailure::Invalid(msg)
             }
             AdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
@@ -194,6 +212,16 @@ pub trait ControlPlane: Send + Sync + 'static {
     fn remove_job(&self, job_id: u32) -> Result<(), String>;
     /// The admitted jobs, in any order (the API sorts them by job_id).
     fn list_jobs(&self) -> Vec<JobEntry>;
+    /// Relay `job_id` toward `next` (GOAT's on-path filtering, docs/goat.md).
+    /// A daemon without a value program refuses.
+    fn install_transit(&self, job_id: u32, next: NextHop) -> Result<(), AdmitFailure> {
+        let _ = next;
+        Err(AdmitFailure::Internal(format!("job {job_id}: this switch cannot relay jobs")))
+    }
+    /// Stop relaying `job_id`; `Err` (NOT_FOUND) if it was not relayed.
+    fn remove_transit(&self, job_id: u32) -> Result<(), String> {
+        Err(format!("job {job_id} is not relayed here"))
+    }
     fn info(&self) -> SwitchInfo;
     /// Counters merged over all shards.
     fn counters(&self) -> Counters;
@@ -695,6 +723,34 @@ impl pb::control_server::Control for Service {
             .collect::<Result<Vec<u16>, Status>>()?;
         self.call(move |p| p.update_job(job, awaiting)).await??;
         Ok(Response::new(pb::UpdateJobResponse {}))
+    }
+
+    async fn install_transit(
+        &self,
+        request: Request<pb::InstallTransitRequest>,
+    ) -> Result<Response<pb::InstallTransitResponse>, Status> {
+        let request = request.into_inner();
+        let job_id = request.job_id;
+        let next = request.next.ok_or_else(|| Status::invalid_argument(format!("job {job_id}: InstallTransit needs next")))?;
+        let addr: SocketAddr = next
+            .addr
+            .parse()
+            .map_err(|_| Status::invalid_argument(format!("job {job_id}: next.addr {:?} is not ip:port", next.addr)))?;
+        let shards = u16::try_from(next.shards)
+            .ok()
+            .filter(|&n| n >= 1 && addr.port() as u32 + n as u32 <= 65536)
+            .ok_or_else(|| Status::invalid_argument(format!("job {job_id}: next.shards {} is out of range", next.shards)))?;
+        self.call(move |p| p.install_transit(job_id, NextHop { addr, shards })).await??;
+        Ok(Response::new(pb::InstallTransitResponse {}))
+    }
+
+    async fn remove_transit(
+        &self,
+        request: Request<pb::RemoveTransitRequest>,
+    ) -> Result<Response<pb::RemoveTransitResponse>, Status> {
+        let job_id = request.into_inner().job_id;
+        self.call(move |p| p.remove_transit(job_id)).await?.map_err(Status::not_found)?;
+        Ok(Response::new(pb::RemoveTransitResponse {}))
     }
 
     async fn remove_job(

@@ -14,7 +14,8 @@ use fanin_proto::switch::{AdmitError, Counters, ShardConfig, Uplink, ValueSwitch
 use fanin_udp::BatchSocket;
 
 use fanin_control::{
-    AdmitFailure, ControlPlane, ControlServerHandle, JobEntry, KvRegion, SwitchInfo, TreeRole, KV_AGGREGATOR_BYTES,
+    AdmitFailure, ControlPlane, ControlServerHandle, JobEntry, KvRegion, NextHop, SwitchInfo, TreeRole,
+    KV_AGGREGATOR_BYTES,
 };
 
 use crate::config::{DaemonConfig, CONTROL_PORT_OFFSET, METRICS_PORT_OFFSET};
@@ -54,6 +55,9 @@ pub struct SwitchCore {
     data_addr: SocketAddr,
     shards: Vec<ShardLink>,
     jobs: Mutex<BTreeMap<u32, JobEntry>>,
+    /// Jobs relayed for sources this switch does not aggregate (GOAT's
+    /// on-path filtering), with their next hop.
+    transits: Mutex<BTreeMap<u32, NextHop>>,
     /// Key-value regions allocated through the control plane. The shards
     /// may free one on their own (the receiver's Release, the idle timer);
     /// `list_kv_regions` prunes those.
@@ -151,6 +155,46 @@ impl SwitchCore {
         for shard in &self.shards {
             let (reply, answer) = mpsc::sync_channel(1);
             if shard.commands.send(Command::RemoveJob(job_id, reply)).is_ok() {
+                let _ = answer.recv_timeout(Duration::from_secs(5));
+            }
+        }
+        Ok(())
+    }
+
+    /// Relay `job_id` toward `next` on every shard (docs/goat.md, "On-path
+    /// filtering"); again for a job already relayed: move its next hop.
+    pub fn install_transit(&self, job_id: u32, next: NextHop) -> Result<(), AdmitFailure> {
+        let shards = self.shards.len() as u16;
+        if next.shards != shards {
+            return Err(AdmitError::BadTransit { job_id, hops: next.shards as usize, shards }.into());
+        }
+        let mut transits = self.transits.lock().expect("transits lock");
+        for (i, shard) in self.shards.iter().enumerate() {
+            let (reply, answer) = mpsc::sync_channel(1);
+            let result = shard
+                .commands
+                .send(Command::AddTransit(job_id, next.addrs(), reply))
+                .ok()
+                .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
+            match result {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(AdmitFailure::Internal(format!("shard {i} did not answer"))),
+            }
+        }
+        transits.insert(job_id, next);
+        Ok(())
+    }
+
+    /// Stop relaying `job_id` on every shard.
+    pub fn remove_transit(&self, job_id: u32) -> Result<(), String> {
+        let mut transits = self.transits.lock().expect("transits lock");
+        if transits.remove(&job_id).is_none() {
+            return Err(format!("job {job_id} is not relayed here"));
+        }
+        for shard in &self.shards {
+            let (reply, answer) = mpsc::sync_channel(1);
+            if shard.commands.send(Command::RemoveTransit(job_id, reply)).is_ok() {
                 let _ = answer.recv_timeout(Duration::from_secs(5));
             }
         }
@@ -336,6 +380,12 @@ impl ControlPlane for SwitchCore {
     fn list_jobs(&self) -> Vec<JobEntry> {
         SwitchCore::list_jobs(self)
     }
+    fn install_transit(&self, job_id: u32, next: NextHop) -> Result<(), AdmitFailure> {
+        SwitchCore::install_transit(self, job_id, next)
+    }
+    fn remove_transit(&self, job_id: u32) -> Result<(), String> {
+        SwitchCore::remove_transit(self, job_id)
+    }
     fn info(&self) -> SwitchInfo {
         SwitchCore::info(self)
     }
@@ -469,6 +519,7 @@ impl SwitchHandle {
             data_addr,
             shards: links,
             jobs: Mutex::new(BTreeMap::new()),
+            transits: Mutex::new(BTreeMap::new()),
             kv_regions: Mutex::new(BTreeMap::new()),
             incarnation,
             memory_limit,

@@ -36,6 +36,10 @@ pub(crate) enum Command {
     AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
     UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     RemoveJob(u32, SyncSender<bool>),
+    /// Relay a job toward the next hop's shard of this index (GOAT's
+    /// on-path filtering): [`ValueSwitch::add_transit`].
+    AddTransit(u32, Vec<SocketAddr>, SyncSender<Result<(), AdmitError>>),
+    RemoveTransit(u32, SyncSender<bool>),
     /// A datagram received by another shard for a block (or key-value
     /// task) this shard owns.
     Handover(SocketAddr, Vec<u8>),
@@ -327,6 +331,12 @@ impl ShardThread {
                     self.publish_memory();
                     self.publish_schedules();
                     let _ = reply.send(removed);
+                }
+                Ok(Command::AddTransit(job_id, next, reply)) => {
+                    let _ = reply.send(self.switch.add_transit(job_id, next));
+                }
+                Ok(Command::RemoveTransit(job_id, reply)) => {
+                    let _ = reply.send(self.switch.remove_transit(job_id));
                 }
                 Ok(Command::AgeIdle(job, board, idle)) => {
                     self.with_out(tx, discard, |sw, _, now, out| sw.age_idle(now, job, &board, &idle, out));

@@ -119,6 +119,11 @@ def add_parser(sub: Any) -> None:
     ig.add_argument("--no-auth", action="store_true",
                     help="install unkeyed jobs (default: every sub-model's job gets a fresh job key and each "
                          "worker's member key is printed with its target; docs/security.md)")
+    ig.add_argument("--on-path", action="store_true",
+                    help="GOAT's on-path filtering: every worker sends every sub-model to its first-hop switch, "
+                         "and the plan's switches on the way relay what they do not aggregate toward its node "
+                         "(docs/goat.md). Needs --no-auth (a relay holds no key) and the same shard count on "
+                         "every daemon; with --remove, removes the relays too")
     ig.add_argument("--remove", action="store_true", help="remove the plan's jobs instead")
     ig.set_defaults(func=_install_goat)
 
@@ -169,11 +174,11 @@ def _install_goat(args: argparse.Namespace) -> int:
                 raise GoatError("--fabric needs --topology")
             topo, fabric = topology.load(args.topology), StaticFabric.load(args.fabric)
         if args.remove:
-            done = remove_goat_plan(plan, topo, fabric, job_base=args.job_base)
+            done = remove_goat_plan(plan, topo, fabric, job_base=args.job_base, on_path=args.on_path)
             print(json.dumps({"removed": [{"node": j.node, "job_id": j.job_id} for j in done]}, indent=1))
             return 0
         dep = install_goat_plan(plan, topo, fabric, job_base=args.job_base, block_cnt_max=args.block_cnt_max,
-                                block_grad_max=args.block_grad_max, auth=not args.no_auth)
+                                block_grad_max=args.block_grad_max, auth=not args.no_auth, on_path=args.on_path)
         dep.close()
     except (OSError, ValueError, GoatError, FabricError, ControlError, topology.TopologyError) as e:
         print(f"fanin controller install-goat: {e}", file=sys.stderr)
@@ -183,7 +188,8 @@ def _install_goat(args: argparse.Namespace) -> int:
         return key.hex() if key else None
 
     print(json.dumps({w: [{"submodel": t.submodel, "job_id": t.job_id, "rank": t.rank, "node": t.node,
-                           "data_addr": addr, "member_key": key_hex(t)} for t, addr in targets]
+                           "sends_to": t.sends_to, "data_addr": addr, "member_key": key_hex(t)}
+                          for t, addr in targets]
                       for w, targets in dep.addrs.items()}, indent=1))
     return 0
 

@@ -18,6 +18,13 @@ A plan (schema ``fanin.goat.plan/1``) becomes one fanin job per sub-model g
 * worker ranks are their index in the plan's ``workers`` list; each worker
   runs one session per sub-model, to its aggregation node for that g.
 
+With ``on_path`` (GOAT's on-path filtering, docs/goat.md) workers send every
+sub-model to their first-hop switch instead: each plan switch on a worker's
+path to its node for g holds a *transit* for job g that relays g's
+datagrams (unchanged) to the next plan switch toward the PS and fans the
+results back down; a switch aggregates only what its job's members send.
+One path for every fragment, no per-sub-model addresses at the workers.
+
 `plan_jobs` is the pure translation (tested on a hand-checked plan);
 `install_goat_plan` admits the jobs through the control APIs and returns a
 `Deployment` that tells every worker where to send and removes the jobs.
@@ -28,7 +35,7 @@ sub-model straight to the PS, Geryon without in-network aggregation).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional
 
 from ..controller.fabric import Fabric
@@ -36,7 +43,7 @@ from ..controller.tree import SWITCH_RANK_BASE, switch_rank
 from ..topology import Topology
 from .model import GoatError
 
-__all__ = ["AggregatorJob", "JobPlan", "WorkerTarget", "Deployment", "plan_jobs", "install_goat_plan",
+__all__ = ["AggregatorJob", "JobPlan", "TransitEntry", "WorkerTarget", "Deployment", "plan_jobs", "install_goat_plan",
            "remove_goat_plan", "ps_only_plan", "atp_like_plan"]
 
 PLAN_SCHEMA = "fanin.goat.plan/1"
@@ -64,6 +71,25 @@ class WorkerTarget:
     job_id: int
     rank: int
     node: str
+    #: on-path filtering: the switch the worker sends to (its first plan
+    #: switch toward the PS), which relays to `node`; None: `node` itself
+    first_hop: Optional[str] = None
+
+    @property
+    def sends_to(self) -> str:
+        return self.first_hop or self.node
+
+
+@dataclass(frozen=True)
+class TransitEntry:
+    """On-path filtering: `node` relays job `job_id` (sub-model g) for the
+    workers whose path to their aggregation node passes it, toward `next`
+    (the next plan switch toward the PS, or the PS)."""
+
+    node: str
+    submodel: int
+    job_id: int
+    next: str
 
 
 @dataclass
@@ -73,16 +99,21 @@ class JobPlan:
     #: worker -> its targets, in sub-model order
     targets: dict[str, list[WorkerTarget]]
     ranks: dict[str, int]
+    #: on-path filtering's relays (empty without it), sorted by node and job
+    transits: list[TransitEntry] = field(default_factory=list)
 
     def on(self, node: str) -> list[AggregatorJob]:
         return [j for j in self.jobs if j.node == node]
 
 
-def plan_jobs(plan: dict[str, Any], topo: Topology, *, job_base: int = 100) -> JobPlan:
+def plan_jobs(plan: dict[str, Any], topo: Topology, *, job_base: int = 100, on_path: bool = False) -> JobPlan:
     """The jobs that realise `plan` on `topo`: PS jobs first (roots), then
     switch jobs; filters with no worker (``expected_sources`` 0) are not
     installed. Raises GoatError when the plan does not fit the topology or
-    is inconsistent (a worker's node disagrees with the filters)."""
+    is inconsistent (a worker's node disagrees with the filters).
+
+    `on_path`: also the transits of on-path filtering, and every worker's
+    first hop (:func:`on_path_transits`)."""
     if plan.get("schema") != PLAN_SCHEMA:
         raise GoatError(f"plan schema {plan.get('schema')!r} is not {PLAN_SCHEMA}")
     ps = plan["parameter_server"]["name"]
@@ -126,7 +157,45 @@ def plan_jobs(plan: dict[str, Any], topo: Topology, *, job_base: int = 100) -> J
                 raise GoatError(f"worker {w['name']} sends sub-model {g} to {node!r}, but the filters say {expected!r}")
             out.append(WorkerTarget(g, job_id(g), ranks[w["name"]], node))
         targets[w["name"]] = out
-    return JobPlan(ps, ps_jobs + switch_jobs, targets, ranks)
+    jp = JobPlan(ps, ps_jobs + switch_jobs, targets, ranks)
+    if on_path:
+        jp.targets, jp.transits = on_path_transits(plan, topo, jp)
+    return jp
+
+
+def on_path_transits(plan: dict[str, Any], topo: Topology,
+                     jp: JobPlan) -> tuple[dict[str, list[WorkerTarget]], list[TransitEntry]]:
+    """GOAT's on-path filtering on fanin (docs/goat.md): the routes toward
+    the PS are the shortest-path tree rooted at it (as the evaluator's and
+    the testbed's). A worker's *path* is the plan switches (those with
+    memory, which run a daemon) it passes toward the PS, then the PS. Each
+    sub-model's node must lie on that path; every plan switch before it
+    relays the sub-model to the next one. Returns the targets with their
+    first hop and the transits. Raises GoatError where a node is off a
+    worker's path (the plan then needs the direct addressing)."""
+    from .evaluate import tree_to_ps
+
+    parent, _ = tree_to_ps(topo, jp.ps)
+    programmable = {sw["name"] for sw in plan["switches"]}
+    transits: dict[tuple[str, int], TransitEntry] = {}
+    targets: dict[str, list[WorkerTarget]] = {}
+    for w, ts in jp.targets.items():
+        path, hop = [], parent.get(w)
+        while hop is not None and hop != jp.ps:
+            if hop in programmable:
+                path.append(hop)
+            hop = parent.get(hop)
+        path.append(jp.ps)
+        out = []
+        for t in ts:
+            if t.node not in path:
+                raise GoatError(f"on-path filtering: worker {w} sends sub-model {t.submodel} to {t.node!r}, which "
+                                f"is not on its path to the PS ({' -> '.join(path)}); install the plan without on_path")
+            for here, nxt in zip(path[:path.index(t.node)], path[1:]):
+                transits[(here, t.job_id)] = TransitEntry(here, t.submodel, t.job_id, nxt)
+            out.append(replace(t, first_hop=path[0]))
+        targets[w] = out
+    return targets, [transits[k] for k in sorted(transits)]
 
 
 def ps_only_plan(plan: dict[str, Any]) -> dict[str, Any]:
@@ -215,6 +284,8 @@ class Deployment:
     #: worker -> [(target, "ip:port" of its node as the worker reaches it)]
     addrs: dict[str, list[tuple[WorkerTarget, str]]]
     installed: list[AggregatorJob] = field(default_factory=list)
+    #: on-path filtering's relays, as installed
+    transits: list[TransitEntry] = field(default_factory=list)
     #: job id -> its job key (docs/security.md); empty when installed with
     #: ``auth=False``. Every node of a sub-model's job holds the same key.
     _keys: dict[int, bytes] = field(default_factory=dict, repr=False)
@@ -235,6 +306,9 @@ class Deployment:
         self._clients.clear()
 
     def remove(self) -> None:
+        # relays first: nothing is relayed to a job that is gone
+        _remove_transits(self.transits, self._client)
+        self.transits.clear()
         _remove_jobs(self.installed, self._client)
         self.installed.clear()
 
@@ -297,13 +371,32 @@ def _remove_jobs(jobs: list[AggregatorJob], client: Callable[[str], Any]) -> lis
     return removed
 
 
+def _remove_transits(transits: list[TransitEntry], client: Callable[[str], Any]) -> None:
+    """Remove on-path relays; one already gone is not an error."""
+    from ..control import ControlError
+
+    errors = []
+    for t in transits:
+        try:
+            client(t.node).remove_transit(t.job_id)
+        except ControlError as e:
+            if e.code != "NOT_FOUND":
+                errors.append(f"{t.node} transit {t.job_id}: {e}")
+    if errors:
+        raise GoatError("removing the plan's transits failed: " + "; ".join(errors))
+
+
 def remove_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, job_base: int = 100,
-                     client_factory: Optional[Callable[[str], Any]] = None) -> list[AggregatorJob]:
+                     client_factory: Optional[Callable[[str], Any]] = None,
+                     on_path: bool = False) -> list[AggregatorJob]:
     """Remove what :func:`install_goat_plan` admitted for `plan` (e.g. from
-    another process); jobs already gone are skipped. Returns the removed."""
+    another process), with its transits when installed `on_path`; jobs
+    already gone are skipped. Returns the removed jobs."""
     clients, client = _clients(fabric, client_factory)
     try:
-        return _remove_jobs(plan_jobs(plan, topo, job_base=job_base).jobs, client)
+        jp = plan_jobs(plan, topo, job_base=job_base, on_path=on_path)
+        _remove_transits(jp.transits, client)
+        return _remove_jobs(jp.jobs, client)
     finally:
         for c in clients.values():
             c.close()
@@ -327,7 +420,7 @@ def _clients(fabric: Fabric, factory: Optional[Callable[[str], Any]]):
 def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, job_base: int = 100,
                       block_cnt_max: int = 64, block_grad_max: int = 256, auth: bool = True,
                       client_factory: Optional[Callable[[str], Any]] = None,
-                      quorum_ready: bool = False) -> Deployment:
+                      quorum_ready: bool = False, on_path: bool = False) -> Deployment:
     """Admit `plan`'s jobs on the PS's host aggregator and the switches.
 
     `fabric` says where nodes are, as for the controller
@@ -346,10 +439,19 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
     its workers join accepting results of fewer (docs/protocol.md §4.15)
     and `Deployment.install_quorums` can set GOAT-Async's K_t^s later; a
     job admitted without one refuses a quorum while it runs.
+
+    `on_path`: GOAT's on-path filtering (:func:`on_path_transits`): workers
+    send every sub-model to their first-hop switch and the plan switches on
+    the way relay it. Needs ``auth=False``: a keyed job's results are sealed
+    for each member, so a relay, which holds no key, cannot fan them out.
+    Every switch on a path must run as many shards as the PS daemon.
     """
     from ..auth import new_job_key
 
-    jp = plan_jobs(plan, topo, job_base=job_base)
+    if on_path and auth:
+        raise GoatError("on-path filtering relays results unsealed: install with auth=False "
+                        "(a keyed job's results are sealed per member; a relay holds no key)")
+    jp = plan_jobs(plan, topo, job_base=job_base, on_path=on_path)
     clients, client = _clients(fabric, client_factory)
     keys = {j.job_id: new_job_key() for j in jp.jobs} if auth else {}
     dep = Deployment(jp, {}, _client=client, _clients=clients, _keys=keys)
@@ -366,9 +468,14 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
                                      block_grad_max=block_grad_max, workers=len(jp.ranks), tree=tree,
                                      key=keys.get(j.job_id), quorum=len(j.members) if quorum_ready else 0)
             dep.installed.append(j)
+        for t in jp.transits:  # before any worker sends: the whole path relays
+            if t.next not in shards:
+                shards[t.next] = int(client(t.next).info()["shard_count"])
+            client(t.node).install_transit(t.job_id, fabric.data_addr(t.next, toward=t.node), shards[t.next])
+            dep.transits.append(t)
     except Exception:
         dep.remove()
         dep.close()
         raise
-    dep.addrs = {w: [(t, fabric.data_addr(t.node, toward=w)) for t in ts] for w, ts in jp.targets.items()}
+    dep.addrs = {w: [(t, fabric.data_addr(t.sends_to, toward=w)) for t in ts] for w, ts in jp.targets.items()}
     return dep

@@ -524,6 +524,10 @@ def _add_goat_benches(bsub: Any) -> None:
     d.add_argument("--parallel", type=int, default=0, metavar="N",
                    help="each worker allreduces up to N sub-models at once (default 0: one after the other)")
     d.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf limit on every link (default 1 Gbit/s)")
+    d.add_argument("--on-path", action="store_true",
+                   help="a third arm, goat-on-path: the same plan with GOAT's on-path filtering (every worker sends "
+                        "to its rack switch, the switches relay what they do not aggregate; docs/goat.md); every "
+                        "arm then runs unkeyed, so the PS's ingress compares like for like")
     d.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
     _common(d)
     d.set_defaults(func=_lazy("goat_deploy", "run_goat_deploy"))
@@ -566,6 +570,9 @@ def _add_goat_benches(bsub: Any) -> None:
     t.add_argument("--rate-mbit", type=float, default=100.0, help="tbf limit on every link (default 100 Mbit/s)")
     t.add_argument("--elems-per-packet", type=int, default=256)
     t.add_argument("--window", type=int, default=64)
+    t.add_argument("--on-path", action="store_true",
+                   help="install every arm's plan with GOAT's on-path filtering (every worker sends to its rack "
+                        "switch, the switches relay what they do not aggregate; docs/goat.md), every arm unkeyed")
     t.add_argument("--no-plot", action="store_true", help="CSV and JSON only")
     t.add_argument("--out", default="out/goat", help="directory for CSV and PNG (default %(default)s)")
     _common(t)

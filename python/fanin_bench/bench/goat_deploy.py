@@ -12,6 +12,12 @@ side in one testbed, allreduce by allreduce, with the same workers' data:
 * **ps-only**: every sub-model straight to the PS, the switches only
   forwarding (Geryon without aggregation).
 
+With ``--on-path`` a third arm, **goat-on-path**, runs the same plan with
+GOAT's on-path filtering (docs/goat.md): every worker sends every sub-model
+to its rack switch, and the plan's switches relay what they do not
+aggregate toward its node. Every arm then runs unkeyed (a relay holds no
+key), so the PS's ingress compares like for like.
+
 Every worker checks every sub-model's sum exactly (int32). Measured: the
 PS's ingress bytes on its veth link (per allreduce of the whole model),
 next to what the plan predicts (``ps_mb`` scaled) and the time of a step.
@@ -48,7 +54,7 @@ class Arm:
     def __init__(self, stack: ExitStack, tb, label: str, plan: dict[str, Any], *, job_base: int,
                  bytes_per_mb: float, epp: int, window: int, seed: int, parallel: int = 0,
                  elements: list[int] | None = None, worker_extra: tuple[str, ...] = (),
-                 quorum_ready: bool = False):
+                 quorum_ready: bool = False, on_path: bool = False, auth: bool = True):
         """`elements`: each sub-model's length (default: its planned size
         at `bytes_per_mb`); `worker_extra`: more goat_worker arguments."""
         from fanin.controller import TestbedFabric
@@ -56,7 +62,8 @@ class Arm:
 
         self.label, self.plan, self.tb = label, plan, tb
         self.dep = install_goat_plan(plan, tb.topology, TestbedFabric(tb), job_base=job_base,
-                                     block_cnt_max=window, block_grad_max=epp, quorum_ready=quorum_ready)
+                                     block_cnt_max=window, block_grad_max=epp, quorum_ready=quorum_ready,
+                                     on_path=on_path, auth=auth and not on_path)
         stack.callback(self.dep.close)
         stack.callback(self.dep.remove)
         self.elements = elements or [max(1, round(s["size_mb"] * bytes_per_mb / 4)) for s in plan["submodels"]]
@@ -129,20 +136,27 @@ class Arm:
 
 def deploy_and_run(topo: topology.Topology, plan: dict[str, Any], *, name: str, reps: int, bytes_per_mb: float,
                    epp: int = 256, window: int = 64, rate_mbit=None, seed: int = 1,
-                   parallel: int = 0) -> dict[str, list[dict]]:
-    """The two arms on one testbed, interleaved; {arm: [run_once() ...]}."""
+                   parallel: int = 0, on_path: bool = False) -> dict[str, list[dict]]:
+    """The arms on one testbed, interleaved; {arm: [run_once() ...]}.
+    `on_path`: a third arm with on-path filtering, every arm unkeyed."""
     from fanin.goat.deploy import ps_only_plan
     from fanin_bench.testbed import Testbed, down
 
     down(name)  # leftovers of an interrupted earlier run of the same name
     runs: dict[str, list[dict]] = {"goat": [], "ps-only": []}
+    if on_path:
+        runs["goat-on-path"] = []
     with ExitStack() as stack:
         tb = stack.enter_context(Testbed.up(topo, name=name, rate_mbit=rate_mbit, routing=True))
         tb.switches()
         tb.host_aggregator(plan["parameter_server"]["name"])
-        kw = dict(bytes_per_mb=bytes_per_mb, epp=epp, window=window, seed=seed, parallel=parallel)
+        kw = dict(bytes_per_mb=bytes_per_mb, epp=epp, window=window, seed=seed, parallel=parallel,
+                  auth=not on_path)
+        n_sub = len(plan["submodels"])
         arms = [Arm(stack, tb, "goat", plan, job_base=100, **kw),
-                Arm(stack, tb, "ps-only", ps_only_plan(plan), job_base=100 + 2 * len(plan["submodels"]), **kw)]
+                Arm(stack, tb, "ps-only", ps_only_plan(plan), job_base=100 + 2 * n_sub, **kw)]
+        if on_path:
+            arms.append(Arm(stack, tb, "goat-on-path", plan, job_base=100 + 4 * n_sub, on_path=True, **kw))
         for rep in range(reps):
             for k in range(len(arms)):
                 arm = arms[(rep + k) % len(arms)]
@@ -168,7 +182,7 @@ def run_goat_deploy(args) -> int:
     bytes_per_mb = args.bytes_per_mb or (16384 if args.quick else 131072)
     runs = deploy_and_run(topo, plan, name=f"gd{os.getpid() % 100000}", reps=reps, bytes_per_mb=bytes_per_mb,
                           epp=args.elems_per_packet, window=args.window, rate_mbit=args.rate_mbit, seed=args.seed,
-                          parallel=args.parallel)
+                          parallel=args.parallel, on_path=args.on_path)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"arm": arm, "rep": i, **{k: v for k, v in r.items()}} for arm, rs in runs.items() for i, r in enumerate(rs)]
@@ -194,15 +208,22 @@ def run_goat_deploy(args) -> int:
                  "switch_filters": {s["name"]: [f["submodel"] for f in s["filters"] if f["workers"]]
                                     for s in plan["switches"]}},
         "arms": summary, "ps_ingress_reduction_measured": measured, "ps_ingress_reduction_planned": planned,
+        "keyed": not args.on_path,
         "all_exact": all(s["exact"] for s in summary.values()),
         "csv": str(out / "goat_deploy.csv"), "png": str(out / "goat_deploy.png"),
     }
     human = (f"goat-deploy: {n_workers} workers, {len(plan['submodels'])} sub-models, {reps} allreduces per arm, "
              f"every sum exact: {result['all_exact']}\n" + "\n".join(
-                 f"{arm:>8}: PS ingress {s['ps_ingress_bytes_median'] / 1e6:.2f} MB per step (payload "
+                 f"{arm:>12}: PS ingress {s['ps_ingress_bytes_median'] / 1e6:.2f} MB per step (payload "
                  f"{s['ps_payload_bytes'] / 1e6:.2f} MB from {s['ps_sources']} sources), step {s['step_ms_median']:.0f} ms"
                  for arm, s in summary.items())
              + f"\nPS ingress reduction: measured {measured:.2f}x, planned {planned:.2f}x")
+    if args.on_path:
+        on = summary["goat-on-path"]
+        result["on_path_ps_ingress_vs_direct"] = on["ps_ingress_bytes_median"] / summary["goat"]["ps_ingress_bytes_median"]
+        result["on_path_step_vs_direct"] = on["step_ms_median"] / summary["goat"]["step_ms_median"]
+        human += (f"\non-path filtering: PS ingress {result['on_path_ps_ingress_vs_direct']:.3f}x the direct "
+                  f"addressing's, step {result['on_path_step_vs_direct']:.2f}x")
     if args.json:
         print(json.dumps(result, indent=2))
         print(human, file=sys.stderr)

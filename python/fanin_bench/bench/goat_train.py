@@ -174,9 +174,10 @@ class AsyncController:
 def train_arms(topo: topology.Topology, plans: dict[str, dict[str, Any]], *, name: str, steps: int,
                rate_mbit: float, epp: int, window: int, seed: int, batch: int, lr: float,
                slow_ranks: list[int] = (), slow_ms: float = 0.0, replan_margin: float = 0.1,
-               smoothing: float = 0.3, progress=None) -> dict[str, list[dict[str, Any]]]:
+               smoothing: float = 0.3, progress=None, on_path: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Every arm on one testbed, step by step in turn; {arm: curve}, a point
-    per step."""
+    per step. `on_path`: every arm's plan with GOAT's on-path filtering
+    (workers send to their rack switch, which relays), every arm unkeyed."""
     from fanin_bench.testbed import Testbed, down
 
     down(name)  # leftovers of an interrupted earlier run of the same name
@@ -190,7 +191,7 @@ def train_arms(topo: topology.Topology, plans: dict[str, dict[str, Any]], *, nam
         extra = ("--train", "digits", "--batch", str(batch), "--lr", str(lr))
         arms = [Arm(stack, tb, label, plan, job_base=100 + 2 * k * len(plan["submodels"]), bytes_per_mb=0,
                     epp=epp, window=window, seed=seed, elements=elements, worker_extra=extra,
-                    quorum_ready=label == "goat-async")
+                    quorum_ready=label == "goat-async", on_path=on_path, auth=not on_path)
                 for k, (label, plan) in enumerate(plans.items())]
         controllers = {a.label: AsyncController(a.dep, a.ranks, replan_margin, smoothing) for a in arms
                        if a.label == "goat-async"}
@@ -257,7 +258,7 @@ def run_goat_train(args) -> int:
     curves = train_arms(topo, plans, name=f"gt{os.getpid() % 100000}", steps=steps, rate_mbit=args.rate_mbit,
                         epp=args.elems_per_packet, window=args.window, seed=args.seed, batch=args.batch, lr=args.lr,
                         slow_ranks=slow_ranks, slow_ms=args.slow_ms, replan_margin=args.replan_margin,
-                        smoothing=args.smoothing,
+                        smoothing=args.smoothing, on_path=args.on_path,
                         progress=(lambda n: bar.update(1)) if bar else None)
     if bar:
         bar.close()
@@ -294,7 +295,7 @@ def run_goat_train(args) -> int:
               "elements": split_elements(plan, digits_param_count()), "steps": steps, "rate_mbit": args.rate_mbit,
               "batch_per_worker": args.batch, "lr": args.lr, "target_loss": target,
               "slow_ranks": slow_ranks, "slow_ms": args.slow_ms, "replan_margin": args.replan_margin,
-              "smoothing": args.smoothing,
+              "smoothing": args.smoothing, "on_path": args.on_path, "keyed": not args.on_path,
               "arms": summary,
               "all_replicas_agree": all(s["replicas_agree"] for s in summary.values()),
               "csv": str(out / "goat_train.csv"), "png": None if args.no_plot else str(png)}

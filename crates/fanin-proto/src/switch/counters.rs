@@ -97,6 +97,22 @@ pub struct Counters {
     /// Parent datagrams for blocks this switch no longer holds, or refusals
     /// from the parent (dropped: the children's retransmissions retry).
     pub parent_stale: u64,
+    /// GOAT on-path filtering (docs/goat.md): datagrams of a sub-model this
+    /// switch does not aggregate for their sender, relayed unchanged toward
+    /// the switch that does.
+    pub transit_up: u64,
+    /// Datagrams from that switch relayed down: one per distinct address
+    /// behind this one (a result or notice), or to the one source it names
+    /// (a join answer, a refusal).
+    pub transit_down: u64,
+    /// Results relayed down once already (same block, same bytes) and not
+    /// again: a copy the aggregating switch sent per member behind us.
+    pub transit_duplicate: u64,
+    /// Transit datagrams dropped: sealed (a keyed job's per-member seals
+    /// cannot be fanned out), a source beyond the table, a message that
+    /// never travels that way, or a join answer or refusal for a source
+    /// this shard never relayed for.
+    pub transit_refused: u64,
     /// Sync requests forwarded toward the root.
     pub syncs_forwarded: u64,
     /// Sync requests a root left unanswered because it has not seen the
@@ -197,6 +213,10 @@ impl Counters {
         f("declared_slow", None, self.declared_slow);
         f("readmitted", None, self.readmitted);
         f("notices_sent", None, self.notices_sent);
+        f("transit_up", None, self.transit_up);
+        f("transit_down", None, self.transit_down);
+        f("transit_duplicate", None, self.transit_duplicate);
+        f("transit_refused", None, self.transit_refused);
         f("results_sent", None, self.results_sent);
         f("results_to_group", None, self.results_to_group);
         f("results_resent", None, self.results_resent);
@@ -238,7 +258,7 @@ impl Counters {
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, result_acks, records_acked, records_evicted, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
-            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
+            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, transit_up, transit_down, transit_duplicate, transit_refused, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,

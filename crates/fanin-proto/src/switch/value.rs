@@ -113,6 +113,8 @@ pub enum AdmitError {
     PartialResultsAdded { job_id: u32 },
     #[error("job {job_id}: tree rank {rank} must be at least {SWITCH_RANK_BASE} (ranks below name workers), and the parent needs at least one address")]
     BadUplink { job_id: u32, rank: u16 },
+    #[error("job {job_id}: a transit needs the next hop's address of each of this switch's {shards} shards, got {hops}: every switch on a worker's path must run the same number of shards (a worker picks the shard from the aggregation node's answer)")]
+    BadTransit { job_id: u32, hops: usize, shards: u16 },
 }
 
 /// What the runtime must do with a datagram after the program saw it.
@@ -165,11 +167,22 @@ pub struct ValueSwitch<A> {
     /// Above every sequence number a removed keyed job used: a job admitted
     /// again continues from here, so its members' windows accept it.
     seq_floor: u64,
+    /// Jobs relayed for sources this switch does not aggregate (GOAT's
+    /// on-path filtering, [`transit`]).
+    transits: BTreeMap<u32, transit::Transit<A>>,
 }
 
 impl<A: Copy + PartialEq> ValueSwitch<A> {
     pub fn new(config: ShardConfig) -> Self {
-        Self { config, jobs: BTreeMap::new(), memory_used: 0, counters: Counters::default(), scratch: Vec::new(), seq_floor: 0 }
+        Self {
+            config,
+            jobs: BTreeMap::new(),
+            memory_used: 0,
+            counters: Counters::default(),
+            scratch: Vec::new(),
+            seq_floor: 0,
+            transits: BTreeMap::new(),
+        }
     }
 
     pub fn config(&self) -> &ShardConfig {
@@ -287,7 +300,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             member_count: spec.members.len() as u16,
             active: members.clone(),
             members,
-            addrs: vec![None; capacity],
+            addrs: MemberAddrs::new(capacity),
             listens_on_group: SourceMask::with_capacity(capacity),
             slots: (0..slot_count).map(|_| Slot::default()).collect(),
             memory,
@@ -409,7 +422,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.active.grow(capacity);
         job.awaiting.grow(capacity);
         if job.addrs.len() < capacity {
-            job.addrs.resize(capacity, None);
+            job.addrs.grow(capacity);
             job.incarnations.resize(capacity, 0);
             job.missed_streak.resize(capacity, 0);
         }
@@ -439,7 +452,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             job.active.remove(m);
             job.awaiting.remove(m);
             job.start_of.remove(&(m as u16));
-            job.addrs[m] = None;
+            job.addrs.clear(m);
             job.pending_sync.retain(|_, via| *via as usize != m);
         }
         job.members = new_members;
@@ -691,6 +704,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
 
     fn handle_datagram_of_job(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) -> Verdict {
         self.counters.rx_datagrams += 1;
+        // A sub-model relayed for sources this switch does not aggregate
+        // passes unchanged, before any tag is checked (a relay holds no key).
+        if !self.transits.is_empty() {
+            if let Some(verdict) = self.relay(from, bytes, out) {
+                return verdict;
+            }
+        }
         // A keyed job's datagrams are verified before anything else is
         // looked at: a forgery or a replay changes nothing but a counter.
         let mut job = bytes.get(12..16).and_then(|b| self.jobs.get_mut(&u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
@@ -750,6 +770,7 @@ mod nacks;
 mod rounds;
 mod pool;
 mod board;
+mod transit;
 
 use block::*;
 pub use config::{AgingConfig, MemoryModel, ShardConfig, MAX_CHECKS, MAX_SCANNERS};
@@ -763,6 +784,7 @@ use nacks::*;
 use pool::*;
 pub use board::{AgingBoard, Idle};
 pub use rounds::RoundEnd;
+pub use transit::MAX_TRANSIT_SOURCES;
 use rounds::*;
 
 #[cfg(test)]
@@ -773,3 +795,5 @@ mod tests;
 mod guard_tests;
 #[cfg(test)]
 mod memory_tests;
+#[cfg(test)]
+mod transit_tests;

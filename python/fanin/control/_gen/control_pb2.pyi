@@ -80,6 +80,36 @@ class TreeRole(_message.Message):
     rank: int
     def __init__(self, parent_addr: _Optional[str] = ..., parent_shards: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
+class NextHop(_message.Message):
+    __slots__ = ("addr", "shards")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    addr: str
+    shards: int
+    def __init__(self, addr: _Optional[str] = ..., shards: _Optional[int] = ...) -> None: ...
+
+class InstallTransitRequest(_message.Message):
+    __slots__ = ("job_id", "next")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    next: NextHop
+    def __init__(self, job_id: _Optional[int] = ..., next: _Optional[_Union[NextHop, _Mapping]] = ...) -> None: ...
+
+class InstallTransitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveTransitRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class RemoveTransitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,16 @@ class ControlStub:
                 request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
                 response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
                 _registered_method=True)
+        self.InstallTransit = channel.unary_unary(
+                '/fanin.control.v1.Control/InstallTransit',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.InstallTransitRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.InstallTransitResponse.FromString,
+                _registered_method=True)
+        self.RemoveTransit = channel.unary_unary(
+                '/fanin.control.v1.Control/RemoveTransit',
+                request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.RemoveTransitRequest.SerializeToString,
+                response_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.RemoveTransitResponse.FromString,
+                _registered_method=True)
         self.AllocKvRegion = channel.unary_unary(
                 '/fanin.control.v1.Control/AllocKvRegion',
                 request_serializer=fanin_dot_control_dot_v1_dot_control__pb2.AllocKvRegionRequest.SerializeToString,
@@ -129,6 +139,27 @@ class ControlServicer:
         """Change an admitted job while it runs (SwitchML++ runtime scaling): its
         members, worker count and tree role. Open blocks stop waiting for
         members that left; new blocks wait for members that joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InstallTransit(self, request, context):
+        """GOAT's on-path filtering (docs/goat.md): relay a job's datagrams from
+        sources this switch does not aggregate (not members of its own job of
+        that id, if any) to `next` unchanged, and the answers back down: results
+        once per distinct address behind it, join answers and refusals to the
+        source they name. Installing again moves the next hop (a plan change).
+        INVALID_ARGUMENT: a bad address, or next.shards differs from this
+        switch's shard count (a worker picks the shard from the aggregation
+        node's answer, so every switch on its path runs the same number).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveTransit(self, request, context):
+        """Stop relaying a job. NOT_FOUND if this switch does not relay it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,6 +231,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.UpdateJob,
                     request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.FromString,
                     response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.SerializeToString,
+            ),
+            'InstallTransit': grpc.unary_unary_rpc_method_handler(
+                    servicer.InstallTransit,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.InstallTransitRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.InstallTransitResponse.SerializeToString,
+            ),
+            'RemoveTransit': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveTransit,
+                    request_deserializer=fanin_dot_control_dot_v1_dot_control__pb2.RemoveTransitRequest.FromString,
+                    response_serializer=fanin_dot_control_dot_v1_dot_control__pb2.RemoveTransitResponse.SerializeToString,
             ),
             'AllocKvRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.AllocKvRegion,
@@ -384,6 +425,60 @@ class Control:
             '/fanin.control.v1.Control/UpdateJob',
             fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobRequest.SerializeToString,
             fanin_dot_control_dot_v1_dot_control__pb2.UpdateJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InstallTransit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/InstallTransit',
+            fanin_dot_control_dot_v1_dot_control__pb2.InstallTransitRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.InstallTransitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveTransit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fanin.control.v1.Control/RemoveTransit',
+            fanin_dot_control_dot_v1_dot_control__pb2.RemoveTransitRequest.SerializeToString,
+            fanin_dot_control_dot_v1_dot_control__pb2.RemoveTransitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,9 +18,9 @@ pub(super) struct Outcome {
 
 /// Copy the datagram in `scratch` to every member with a known address
 /// (sealed for each, if the job is keyed).
-pub(super) fn broadcast<A: Copy>(
+pub(super) fn broadcast<A: Copy + PartialEq>(
     members: &SourceMask,
-    addrs: &[Option<A>],
+    addrs: &MemberAddrs<A>,
     auth: Option<&mut JobAuth>,
     out: &mut impl Transmit<A>,
     scratch: &[u8],
@@ -30,10 +30,12 @@ pub(super) fn broadcast<A: Copy>(
 }
 
 /// Copy the datagram in `scratch` to the members `ids` that have a known
-/// address (sealed for each, if the job is keyed).
-pub(super) fn send_to_members<A: Copy>(
+/// address (sealed for each, if the job is keyed); unkeyed, once per
+/// distinct address (members behind one GOAT relay share its address, and
+/// the relay fans the one copy out, docs/goat.md).
+pub(super) fn send_to_members<A: Copy + PartialEq>(
     ids: impl Iterator<Item = usize>,
-    addrs: &[Option<A>],
+    addrs: &MemberAddrs<A>,
     mut auth: Option<&mut JobAuth>,
     out: &mut impl Transmit<A>,
     scratch: &[u8],
@@ -42,7 +44,17 @@ pub(super) fn send_to_members<A: Copy>(
     // Unkeyed: the same bytes for everyone, queued once.
     if auth.is_none() && !fanin_wire::auth::is_sealed(scratch) {
         let dests = ids.filter_map(|id| addrs.get(id).copied().flatten());
-        *sent += out.push_fanout(dests, scratch) as u64;
+        if addrs.shared() {
+            let mut distinct: Vec<A> = Vec::new();
+            for addr in dests {
+                if !distinct.contains(&addr) {
+                    distinct.push(addr);
+                }
+            }
+            *sent += out.push_fanout(distinct, scratch) as u64;
+        } else {
+            *sent += out.push_fanout(dests, scratch) as u64;
+        }
         return;
     }
     for id in ids {
@@ -86,7 +98,7 @@ pub(super) fn build_result(
 }
 
 /// An exponent-only contribution.
-pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
+pub(super) fn contribute_exponent<A: Copy + PartialEq, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
     weight: u16,
@@ -133,7 +145,7 @@ pub(super) fn contribute_exponent<A: Copy, T: Transmit<A>>(
 /// The exponent round is over (everyone expected sent one, or it aged): the
 /// root announces the exponent; a non-root switch sends its maximum up and
 /// waits for the parent's.
-pub(super) fn finish_exponent_round<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+pub(super) fn finish_exponent_round<A: Copy + PartialEq, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
     if reply.uplink.is_some() {
         block.phase = Phase::ExponentUp;
         reply.send_up(block, true, false);
@@ -144,7 +156,7 @@ pub(super) fn finish_exponent_round<A: Copy, T: Transmit<A>>(block: &mut Block, 
 
 /// Tell the members the block's exponent and collect data from the sources
 /// that took part in the exponent round.
-pub(super) fn announce_exponent<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+pub(super) fn announce_exponent<A: Copy + PartialEq, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
     block.phase = Phase::Data;
     block.negotiated = true;
     reply.send_to_all(block, true);
@@ -159,7 +171,7 @@ pub(super) fn announce_exponent<A: Copy, T: Transmit<A>>(block: &mut Block, repl
 }
 
 /// A data contribution.
-pub(super) fn contribute_data<A: Copy, T: Transmit<A>>(
+pub(super) fn contribute_data<A: Copy + PartialEq, T: Transmit<A>>(
     block: &mut Block,
     src: usize,
     weight: u16,
@@ -288,7 +300,7 @@ pub(super) fn count_unadded(block: &Block, src: usize, counters: &mut Counters) 
 
 /// The data phase is over: the root emits the block's final result to
 /// every member; a non-root switch sends its partial up and waits.
-pub(super) fn finish_block<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
+pub(super) fn finish_block<A: Copy + PartialEq, T: Transmit<A>>(block: &mut Block, reply: &mut Reply<'_, A, T>) {
     if reply.uplink.is_some() {
         block.phase = Phase::DataUp;
         reply.send_up(block, false, false);
@@ -305,7 +317,7 @@ pub(super) fn finish_block<A: Copy, T: Transmit<A>>(block: &mut Block, reply: &m
 /// A scanner named block `block_id` of slot `local` idle: age it out if it
 /// is still there, still aggregating and still unreferenced; a slot whose
 /// block stopped aggregating gets its scan word closed.
-pub(super) fn age_if_idle<A: Copy>(
+pub(super) fn age_if_idle<A: Copy + PartialEq>(
     job: &mut Job<A>,
     local: usize,
     block_id: u32,
@@ -334,7 +346,7 @@ pub(super) fn age_if_idle<A: Copy>(
 /// Block `local` of `job` was unreferenced for the job's `checks` visits:
 /// give up on the missing sources. An exponent round moves on with the
 /// exponents it has; a data block emits its partial sum.
-pub(super) fn age_out<A: Copy>(
+pub(super) fn age_out<A: Copy + PartialEq>(
     job: &mut Job<A>,
     local: usize,
     counters: &mut Counters,
@@ -360,7 +372,7 @@ pub(super) fn age_out<A: Copy>(
 /// End the current phase of the open block in slot `local` with what it
 /// has: an exponent round announces its exponent, a data phase emits its
 /// result (and counts the sources missing from it).
-pub(super) fn close_phase<A: Copy>(
+pub(super) fn close_phase<A: Copy + PartialEq>(
     job: &mut Job<A>,
     local: usize,
     counters: &mut Counters,
@@ -410,7 +422,7 @@ pub(super) fn account_missing(
 /// a `no_data` one (a reduce-scatter block its sender does not own) as the
 /// header without lanes, as an aggregating job answers it: a result never
 /// carries both.
-pub(super) fn reflect<A: Copy>(
+pub(super) fn reflect<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     from: A,
@@ -436,7 +448,7 @@ pub(super) fn reflect<A: Copy>(
 
 /// A contribution for a block whose result is gone: count it and tell the
 /// sender which block the slot holds now.
-pub(super) fn expired<A: Copy>(
+pub(super) fn expired<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     from: A,

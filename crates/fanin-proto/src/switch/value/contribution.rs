@@ -87,7 +87,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             counters.protocol_violation += 1;
             return Verdict::Consumed;
         }
-        job.addrs[src] = Some(from);
+        job.addrs.set(src, from);
 
         let local = job.slot_of(block_id, shard_count);
         let may_take_record = job.may_take_record(self.memory_used, self.config.memory_limit);

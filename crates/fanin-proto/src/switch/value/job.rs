@@ -4,6 +4,64 @@
 
 use super::*;
 
+/// Each member's address, learned from its packets, and whether two
+/// members share one (hosts behind a GOAT relay, docs/goat.md, or a NAT):
+/// then a datagram for every member goes once to each distinct address.
+/// Written only through [`MemberAddrs::set`] and [`MemberAddrs::clear`], so
+/// `shared` is never stale (it may stay set after the sharing ended, which
+/// costs a deduplication pass, never a datagram).
+#[derive(Debug)]
+pub(super) struct MemberAddrs<A> {
+    by_member: Vec<Option<A>>,
+    shared: bool,
+}
+
+impl<A: Copy + PartialEq> MemberAddrs<A> {
+    pub(super) fn new(capacity: usize) -> Self {
+        Self { by_member: vec![None; capacity], shared: false }
+    }
+
+    /// Member `id` sends from `addr`. Checking for sharing costs a pass over
+    /// the members, only when a member's address changes (its first datagram).
+    pub(super) fn set(&mut self, id: usize, addr: A) {
+        if self.by_member[id] == Some(addr) {
+            return;
+        }
+        if !self.shared {
+            self.shared = self.by_member.iter().enumerate().any(|(i, a)| i != id && *a == Some(addr));
+        }
+        self.by_member[id] = Some(addr);
+    }
+
+    pub(super) fn clear(&mut self, id: usize) {
+        self.by_member[id] = None;
+    }
+
+    pub(super) fn grow(&mut self, capacity: usize) {
+        if self.by_member.len() < capacity {
+            self.by_member.resize(capacity, None);
+        }
+    }
+
+    /// Whether two members were seen at one address.
+    pub(super) fn shared(&self) -> bool {
+        self.shared
+    }
+}
+
+impl<A> MemberAddrs<A> {
+    pub(super) fn capacity(&self) -> usize {
+        self.by_member.capacity()
+    }
+}
+
+impl<A> std::ops::Deref for MemberAddrs<A> {
+    type Target = [Option<A>];
+    fn deref(&self) -> &[Option<A>] {
+        &self.by_member
+    }
+}
+
 /// A job record (Trio-ML `trio_ml_job_ctx_t`) as seen by one shard.
 #[derive(Debug)]
 pub(super) struct Job<A> {
@@ -11,7 +69,7 @@ pub(super) struct Job<A> {
     pub(super) members: SourceMask,
     pub(super) member_count: u16,
     /// Where each member's results go, learned from its packets.
-    pub(super) addrs: Vec<Option<A>>,
+    pub(super) addrs: MemberAddrs<A>,
     /// Members whose latest Join said they listen on the job's result group
     /// (only kept when the job has one): completion results reach them there.
     pub(super) listens_on_group: SourceMask,

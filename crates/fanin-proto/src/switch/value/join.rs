@@ -5,7 +5,7 @@ use super::*;
 /// Forward a worker's join toward the root as a Sync request; `newcomer`:
 /// this switch, or one below, holds the joiner (or the switch it joins
 /// through) as awaiting ([`SYNC_NEWCOMER`]).
-pub(super) fn forward_sync<A: Copy>(
+pub(super) fn forward_sync<A: Copy + PartialEq>(
     job: &mut Job<A>,
     origin: u16,
     align_blocks: u32,
@@ -27,7 +27,7 @@ pub(super) fn forward_sync<A: Copy>(
 
 /// Answer a join (direct, or forwarded as a Sync) with the job's parameters
 /// and the block offset the worker starts at.
-pub(super) fn answer_join<A: Copy>(
+pub(super) fn answer_join<A: Copy + PartialEq>(
     job: &mut Job<A>,
     config: &ShardConfig,
     origin: u16,
@@ -43,7 +43,7 @@ pub(super) fn answer_join<A: Copy>(
 /// [`answer_join`] with `age_op` set (`JOIN_RECOVER` for a recovery floor),
 /// and the generation a sync joiner's allreduces continue from in `gen_id`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn answer_join_as<A: Copy>(
+pub(super) fn answer_join_as<A: Copy + PartialEq>(
     job: &mut Job<A>,
     config: &ShardConfig,
     origin: u16,
@@ -195,7 +195,7 @@ impl JoinStart {
 /// needs) goes to all, and again to any repeated recovery join. Members
 /// resend their retained contributions from the floor on (docs/restart.md).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn recover_join<A: Copy>(
+pub(super) fn recover_join<A: Copy + PartialEq>(
     job: &mut Job<A>,
     config: &ShardConfig,
     src: u16,
@@ -339,7 +339,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
             return Verdict::Consumed;
         }
-        job.addrs[src as usize] = Some(from);
+        job.addrs.set(src as usize, from);
         // Every Join says afresh whether the worker listens on the group: a
         // worker that restarted without it gets unicast again.
         job.set_listening(src, packet.listens_on_group());

@@ -5,7 +5,7 @@ use super::*;
 /// Declare the sources in `newly_slow` permanently slow: notify every
 /// member, and stop waiting for them in every open block of this shard
 /// (which may complete blocks, and so declare more sources slow).
-pub(super) fn settle_slow_sources<A: Copy>(
+pub(super) fn settle_slow_sources<A: Copy + PartialEq>(
     job: &mut Job<A>,
     newly_slow: &mut Vec<usize>,
     counters: &mut Counters,
@@ -38,7 +38,7 @@ pub(super) fn settle_slow_sources<A: Copy>(
 
 /// A permanently slow source caught up (or rejoined): wait for it again, in
 /// the open blocks and in every block created from now on.
-pub(super) fn readmit<A: Copy>(
+pub(super) fn readmit<A: Copy + PartialEq>(
     job: &mut Job<A>,
     src: usize,
     block_id: u32,
@@ -63,7 +63,7 @@ pub(super) fn readmit<A: Copy>(
 }
 
 /// Tell every member that `src`'s status changed.
-pub(super) fn notify_membership<A: Copy>(
+pub(super) fn notify_membership<A: Copy + PartialEq>(
     job: &mut Job<A>,
     src: usize,
     status: u8,
@@ -88,7 +88,7 @@ pub(super) fn notify_membership<A: Copy>(
 /// timeout that an open block has waited that long for is dead. Policy
 /// `degrade` declares it permanently slow (blocks complete without it);
 /// `fail` fails the job and tells every member which source died.
-pub(super) fn check_members<A: Copy>(
+pub(super) fn check_members<A: Copy + PartialEq>(
     job: &mut Job<A>,
     now: Time,
     counters: &mut Counters,
@@ -129,7 +129,7 @@ pub(super) fn check_members<A: Copy>(
 /// Policy `fail`: the job takes nothing more (contributions and joins get a
 /// JobFailed nack naming `dead`) until the control plane re-admits it; its
 /// blocks are dropped, its memory stays reserved until it is removed.
-pub(super) fn fail_job<A: Copy>(job: &mut Job<A>, dead: usize, counters: &mut Counters, out: &mut impl Transmit<A>, scratch: &mut Vec<u8>) {
+pub(super) fn fail_job<A: Copy + PartialEq>(job: &mut Job<A>, dead: usize, counters: &mut Counters, out: &mut impl Transmit<A>, scratch: &mut Vec<u8>) {
     job.liveness.failed = Some(dead as u16);
     counters.jobs_failed += 1;
     let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);

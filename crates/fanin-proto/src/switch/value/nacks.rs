@@ -4,7 +4,7 @@ use super::*;
 
 /// Over its rate: back-pressure to the sender while its nack budget
 /// lasts (docs/overload.md), counted either way.
-pub(super) fn rate_limited<A: Copy>(
+pub(super) fn rate_limited<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     from: A,
@@ -24,7 +24,7 @@ pub(super) fn rate_limited<A: Copy>(
 /// sealed like every other reply of a keyed job (a keyed worker ignores an
 /// unsealed one): slot exhaustion and rate limits here, the shard's queue
 /// trim in `trimming.rs`.
-pub(super) fn send_trim_nack<A: Copy>(
+pub(super) fn send_trim_nack<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     dest: A,
@@ -37,7 +37,7 @@ pub(super) fn send_trim_nack<A: Copy>(
     });
 }
 
-pub(super) fn send_nack<A: Copy>(
+pub(super) fn send_nack<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     dest: A,
@@ -52,7 +52,7 @@ pub(super) fn send_nack<A: Copy>(
 /// [`send_nack`], with this switch's incarnation tag in the body when given
 /// (BlockExpired: workers drop one from another incarnation).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn send_nack_tagged<A: Copy>(
+pub(super) fn send_nack_tagged<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     dest: A,
@@ -71,7 +71,7 @@ pub(super) fn send_nack_tagged<A: Copy>(
 }
 
 /// Send a nack `fill` writes (sealed per `env`), counted once it went out.
-pub(super) fn send_counted_nack<A: Copy>(
+pub(super) fn send_counted_nack<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
     dest: A,

@@ -76,7 +76,7 @@ pub(super) fn every_holder_moved_on(
 /// held before. The lowest blocks of a job are the ones its members wait
 /// for first, so a job never waits on memory its own later blocks hold.
 /// Returns whether a record was freed (the caller's block takes it).
-pub(super) fn evict_later_block<A: Copy>(
+pub(super) fn evict_later_block<A: Copy + PartialEq>(
     job: &mut Job<A>,
     block_id: u32,
     pooled: bool,

@@ -37,7 +37,7 @@ pub(super) struct Reply<'a, A, T> {
     pub(super) member_count: u16,
     /// GOAT's K: a phase completes with this many contributions (0: all).
     pub(super) quorum: u16,
-    pub(super) addrs: &'a [Option<A>],
+    pub(super) addrs: &'a MemberAddrs<A>,
     /// The job's result group and the members listening on it.
     pub(super) group: Option<(std::net::SocketAddrV4, &'a SourceMask)>,
     /// A non-root switch sends completed phases to its parent.
@@ -59,7 +59,7 @@ pub(super) struct Reply<'a, A, T> {
     pub(super) aging: Option<&'a mut JobAging>,
 }
 
-impl<A: Copy, T: Transmit<A>> Reply<'_, A, T> {
+impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     /// The block was referenced (a contribution added, its data phase
     /// began): Trio's REF flag, in the job's scan words.
     pub(super) fn touch(&self, block: &Block) {

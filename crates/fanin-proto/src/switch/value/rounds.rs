@@ -79,7 +79,7 @@ pub(super) enum RoundJoin {
 /// A Join from `src` carrying member incarnation `inc` (non-zero) of a job
 /// that uses rounds.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn join_round<A: Copy>(
+pub(super) fn join_round<A: Copy + PartialEq>(
     job: &mut Job<A>,
     config: &ShardConfig,
     src: u16,
@@ -130,7 +130,7 @@ pub(super) fn join_round<A: Copy>(
 /// End the running round here for `end` and tell the members (all but
 /// `except`, whose new process caused it); the verdict passes it on to the
 /// other shards.
-pub(super) fn finish_round<A: Copy>(
+pub(super) fn finish_round<A: Copy + PartialEq>(
     job: &mut Job<A>,
     config: &ShardConfig,
     end: RoundEnd,
@@ -177,7 +177,7 @@ pub(super) fn end_round<A>(job: &mut Job<A>, ended: Option<RoundEnd>, start: u32
 
 /// Start the next round at block `start` on the shard holding the
 /// barrier: every member that joined is answered.
-pub(super) fn begin_round<A: Copy>(
+pub(super) fn begin_round<A: Copy + PartialEq>(
     job: &mut Job<A>,
     config: &ShardConfig,
     start: u32,
@@ -192,7 +192,7 @@ pub(super) fn begin_round<A: Copy>(
     joined.sort_by_key(|(m, _)| *m);
     for (m, (inc, addr)) in joined {
         job.incarnations[m as usize] = inc;
-        job.addrs[m as usize] = Some(addr);
+        job.addrs.set(m as usize, addr);
         answer_join_as(job, config, m, m, addr, JoinStart::at(start), JOIN_ROUND_START, out);
     }
 }
@@ -234,7 +234,7 @@ pub(super) fn drop_blocks<A>(job: &mut Job<A>) {
 /// Tell the members `to` (at the addresses given) that their round is over
 /// and why (Membership notice: `age_op` = the cause, `src_id` = the rank,
 /// `block_id` = where the next round starts).
-pub(super) fn notify_round_end<A: Copy>(
+pub(super) fn notify_round_end<A: Copy + PartialEq>(
     job: &mut Job<A>,
     end: RoundEnd,
     to: &[(usize, A)],

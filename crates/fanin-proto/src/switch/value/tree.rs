@@ -52,7 +52,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             self.counters.non_member += 1;
             return Verdict::Consumed;
         }
-        job.addrs[via as usize] = Some(from);
+        job.addrs.set(via as usize, from);
         job.pending_sync.insert(request.origin, via);
         let newcomer = request.flags & SYNC_NEWCOMER != 0 || job.awaiting.contains(via as usize);
         if job.uplink.is_some() {
