@@ -37,6 +37,9 @@ def test_default_packets_fit_a_1500_byte_link_and_nothing_is_fragmented(tmp_path
     # both directions at once: at 100 Mbit/s tbf, not the machine, is the limit
     assert 50 < row["capacity_duplex_mbit"] <= 105, row
     assert row["fanin_fraction_of_duplex_capacity"] > 0
+    # the machine's CPU during fanin's allreduces, by kind (clock ticks: some work is seen)
+    cpu = row["fanin_cpu_s_per_allreduce"]
+    assert set(cpu) == {"user", "system", "softirq", "idle", "steal"} and sum(cpu.values()) > 0, cpu
     assert (tmp_path / "network.csv").exists() and (tmp_path / "network.png").stat().st_size > 0
     assert not report["fanin_settings"]["overrides"]
 

@@ -169,6 +169,7 @@ impl SwitchCore {
             return Err(AdmitError::BadTransit { job_id, hops: next.shards as usize, shards }.into());
         }
         let mut transits = self.transits.lock().expect("transits lock");
+        let previous = transits.get(&job_id).copied();
         for (i, shard) in self.shards.iter().enumerate() {
             let (reply, answer) = mpsc::sync_channel(1);
             let result = shard
@@ -176,11 +177,29 @@ impl SwitchCore {
                 .send(Command::AddTransit(job_id, next.addrs(), reply))
                 .ok()
                 .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
-            match result {
-                Some(Ok(())) => {}
-                Some(Err(e)) => return Err(e.into()),
-                None => return Err(AdmitFailure::Internal(format!("shard {i} did not answer"))),
+            let failure = match result {
+                Some(Ok(())) => continue,
+                Some(Err(e)) => e.into(),
+                None => AdmitFailure::Internal(format!("shard {i} did not answer")),
+            };
+            // all shards or none: the ones that took it go back to before
+            for shard in &self.shards[..i] {
+                let (reply, answer) = mpsc::sync_channel(1);
+                let undo = match previous {
+                    Some(p) => shard.commands.send(Command::AddTransit(job_id, p.addrs(), reply)).is_ok(),
+                    None => {
+                        let (gone, answer) = mpsc::sync_channel(1);
+                        if shard.commands.send(Command::RemoveTransit(job_id, gone)).is_ok() {
+                            let _ = answer.recv_timeout(Duration::from_secs(5));
+                        }
+                        false
+                    }
+                };
+                if undo {
+                    let _ = answer.recv_timeout(Duration::from_secs(5));
+                }
             }
+            return Err(failure);
         }
         transits.insert(job_id, next);
         Ok(())

@@ -306,11 +306,14 @@ class Deployment:
         self._clients.clear()
 
     def remove(self) -> None:
-        # relays first: nothing is relayed to a job that is gone
-        _remove_transits(self.transits, self._client)
-        self.transits.clear()
-        _remove_jobs(self.installed, self._client)
-        self.installed.clear()
+        # relays first: nothing is relayed to a job that is gone; the jobs
+        # go even if a relay could not be removed
+        try:
+            _remove_transits(self.transits, self._client)
+            self.transits.clear()
+        finally:
+            _remove_jobs(self.installed, self._client)
+            self.installed.clear()
 
     def install_quorums(self, participating: Iterable[int]) -> dict[tuple[str, int], int]:
         """One epoch of GOAT's asynchronous training (§V, Algorithm 2):
@@ -395,8 +398,11 @@ def remove_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, jo
     clients, client = _clients(fabric, client_factory)
     try:
         jp = plan_jobs(plan, topo, job_base=job_base, on_path=on_path)
-        _remove_transits(jp.transits, client)
-        return _remove_jobs(jp.jobs, client)
+        try:
+            _remove_transits(jp.transits, client)
+        finally:
+            removed = _remove_jobs(jp.jobs, client)
+        return removed
     finally:
         for c in clients.values():
             c.close()
@@ -473,9 +479,14 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
                 shards[t.next] = int(client(t.next).info()["shard_count"])
             client(t.node).install_transit(t.job_id, fabric.data_addr(t.next, toward=t.node), shards[t.next])
             dep.transits.append(t)
-    except Exception:
-        dep.remove()
-        dep.close()
+    except Exception as failure:
+        try:
+            dep.remove()
+        except Exception as cleanup:  # the install's own failure is the one to report
+            if hasattr(failure, "add_note"):  # Python 3.11+
+                failure.add_note(f"removing what was installed also failed: {cleanup}")
+        finally:
+            dep.close()
         raise
     dep.addrs = {w: [(t, fabric.data_addr(t.sends_to, toward=w)) for t in ts] for w, ts in jp.targets.items()}
     return dep

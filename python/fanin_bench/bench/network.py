@@ -191,6 +191,26 @@ class _LinkBytes:
                 f"{system}_link_bytes_per_element_max": max(up + down)}
 
 
+def _cpu_per_allreduce(steps: list[list[dict[str, Any]]], system: str) -> dict[str, Any]:
+    """What the whole machine's CPUs did during a system's allreduces, per
+    allreduce: each step's slowest worker read /proc/stat around its own
+    allreduce, which every other worker's overlaps (clock ticks, coarse:
+    summed over the repetitions). Where a rate is CPU-bound it says whether
+    user space (the workers' and the switch's work) or the kernel (sockets,
+    veths, softirqs) takes the cores."""
+    windows = [max(answers, key=lambda a: a["s"]) for answers in steps]
+    windows = [w for w in windows if "cpu_ticks" in w]
+    if not windows:
+        return {}
+    hz = os.sysconf("SC_CLK_TCK")
+    total = [sum(w["cpu_ticks"][i] for w in windows) / hz / len(windows) for i in range(8)]
+    user, nice, sys_, idle, iowait, irq, softirq, steal = total
+    busy = user + nice + sys_ + irq + softirq + steal
+    return {f"{system}_cpu_s_per_allreduce": {"user": user + nice, "system": sys_, "softirq": softirq + irq,
+                                              "idle": idle + iowait, "steal": steal},
+            f"{system}_cpu_busy_fraction": busy / (busy + idle + iowait) if busy + idle + iowait else None}
+
+
 def _frag_counts(tb: Any, nodes: list[str]) -> dict[str, int]:
     return {n: tb.ip_stats(n).get("Ip.FragCreates", 0) for n in nodes}
 
@@ -303,6 +323,7 @@ def run_network(args: Any) -> int:
             frags0 = _frag_counts(tb, nodes)
             sw0 = counters()
             fanin_t, gloo_t, keyed_t, fanin_answers, keyed_answers = [], [], [], [], []
+            steps: dict[str, list[list[dict[str, Any]]]] = {"fanin": [], "gloo": []}
             link_bytes = {"fanin": _LinkBytes(tb, hosts, edge), "gloo": _LinkBytes(tb, hosts, edge)}
             step_workers(fanin_procs, "fanin")  # warm-up at this rate
             if keyed_procs:
@@ -322,12 +343,14 @@ def run_network(args: Any) -> int:
                         link_bytes["fanin"].start()
                         answers = step_workers(fanin_procs, "fanin")
                         link_bytes["fanin"].stop()
+                        steps["fanin"].append(answers)
                         fanin_answers += answers
                         fanin_t.append(max(a["s"] for a in answers))
                     elif gloo:
                         link_bytes["gloo"].start()
                         answers = step_workers(gloo_procs, "gloo")
                         link_bytes["gloo"].stop()
+                        steps["gloo"].append(answers)
                         if not all(a["verified"] for a in answers):
                             raise RuntimeError("gloo: a rank's sum is wrong")
                         gloo_t.append(max(a["s"] for a in answers))
@@ -340,6 +363,7 @@ def run_network(args: Any) -> int:
             for system, counted in link_bytes.items():
                 if counted.allreduces:
                     row.update(counted.per_element(elements, system))
+                    row.update(_cpu_per_allreduce(steps[system], system))
             if keyed_t:
                 row.update(_keyed(rate, row, keyed_t, keyed_answers))
             rows.append(row)
@@ -451,7 +475,7 @@ def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> Optional[int]:
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     # per-run times and per-link lists stay in the JSON
-    cols = [k for k, v in rows[0].items() if not k.endswith("_times_s") and not isinstance(v, list)] if rows else []
+    cols = [k for k, v in rows[0].items() if not k.endswith("_times_s") and not isinstance(v, (list, dict))] if rows else []
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

@@ -739,8 +739,14 @@ impl AllreduceSession {
                 }
                 if repr.age_op == MEMBERSHIP_RESTARTED || repr.age_op == MEMBERSHIP_MISMATCH {
                     // Our round is over. (A session still joining is of the
-                    // next round: notices of the last one are not for it.)
-                    if matches!(self.state, State::Ready) {
+                    // next round: notices of the last one are not for it;
+                    // nor is a notice whose next round starts at or before
+                    // the block this session joined at: an ended round's,
+                    // meant for a straggler of it, which a relay fans out to
+                    // every host behind it, docs/goat.md.)
+                    let ours =
+                        self.params.as_ref().map_or(true, |p| (repr.block_id.wrapping_sub(p.next_block) as i32) > 0);
+                    if matches!(self.state, State::Ready) && ours {
                         let (job_id, rank) = (repr.job_id, repr.src_id);
                         self.fail(if repr.age_op == MEMBERSHIP_RESTARTED {
                             SessionError::MemberRestarted { job_id, rank }

@@ -529,3 +529,27 @@ fn results_of_another_order_class_do_not_make_a_block_look_lost() {
         assert_eq!(again.contains(&0), resent, "order_shards {order_shards}: sent {again:?}");
     }
 }
+
+#[test]
+fn an_ended_rounds_notice_for_a_straggler_does_not_end_the_round_a_session_joined() {
+    // A relay (docs/goat.md, on-path filtering) fans a notice meant for one
+    // straggler of the ended round out to every host behind it: its next
+    // round starts where this session joined, so it is not about its round.
+    let (mut s, _sw) = joined(4);
+    let joined_at = s.params.as_ref().unwrap().next_block;
+    let notice = |block: u32| {
+        let repr = Repr {
+            age_op: MEMBERSHIP_RESTARTED,
+            block_id: block,
+            ..Repr::new(MessageType::Membership, 1, 5)
+        };
+        let mut b = vec![0; repr.buffer_len()];
+        repr.emit(&mut Packet::new_unchecked(&mut b[..]));
+        b
+    };
+    s.handle_datagram(Time::ZERO, &notice(joined_at));
+    assert!(s.error().is_none(), "an ended round's notice is not about this one");
+    // the end of this session's own round (its next round starts later) is
+    s.handle_datagram(Time::ZERO, &notice(joined_at.wrapping_add(64)));
+    assert!(matches!(s.error(), Some(SessionError::MemberRestarted { rank: 5, .. })), "{:?}", s.error());
+}

@@ -167,7 +167,9 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     /// The parent refused this block as expired: pass that on to the sender.
     pub(super) fn nack_expired(&mut self, block_id: u32) {
         let Some(from) = self.from else { return };
-        let repr = Repr { block_id, ..Repr::new(MessageType::Nack, self.job_id, 0) };
+        // src_id names the source refused, as every nack's does: a relay
+        // on the way (docs/goat.md) routes it by that
+        let repr = Repr { block_id, ..Repr::new(MessageType::Nack, self.job_id, self.from_src as u16) };
         let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
         let tag = self.tag;
         send(self.out, from, HEADER_LEN + Nack::LEN, env, |buf| {

@@ -36,9 +36,14 @@
 //! ([`AdmitError::BadTransit`]). A keyed job's results are sealed per
 //! member, so they cannot be fanned out by a relay that holds no key: a
 //! sealed datagram of a job this switch does not aggregate is refused
-//! (`transit_refused`), and the controller refuses keyed jobs with
-//! transit hops, as it refuses owner-only results (different bytes per
-//! member) there.
+//! (`transit_refused`), and the GOAT deployment refuses keyed jobs with
+//! transit hops. What a relay fans out must be the same for every host
+//! behind it: an allreduce's results are. (Owner-only results, different
+//! per member, would reach hosts that ignore the copies meant for others:
+//! bandwidth, not a wrong sum; a forward-mode job's reflections would not
+//! be right for another host, so transits are for aggregating jobs.)
+//! Relays carry no hop count: the controller builds them along the tree
+//! toward the PS, which has no cycle.
 
 use super::*;
 
@@ -57,9 +62,10 @@ pub(super) struct Transit<A> {
     next: A,
     /// Source id to the address it last sent from.
     sources: BTreeMap<u16, A>,
-    /// The distinct addresses of `sources`, in first-seen order: sources
-    /// behind one relay share its address and get one copy.
-    distinct: Vec<A>,
+    /// The distinct addresses of `sources` with how many sources use each,
+    /// in first-seen order: sources behind one relay share its address and
+    /// get one copy.
+    distinct: Vec<(A, u32)>,
     /// `(block, header digest)` of the last result fanned out, by `block % FANNED`.
     fanned: Vec<Option<(u32, u64)>>,
 }
@@ -69,23 +75,32 @@ impl<A: Copy + PartialEq> Transit<A> {
         Self { next, sources: BTreeMap::new(), distinct: Vec::new(), fanned: vec![None; FANNED] }
     }
 
-    /// Learn that `src` sends from `from`; false if the table is full.
+    /// Learn that `src` sends from `from`; false if the table is full. A
+    /// new or moved source costs a pass over the distinct addresses.
     fn learn(&mut self, src: u16, from: A) -> bool {
-        match self.sources.get(&src) {
+        let old = match self.sources.get(&src) {
             Some(&known) if known == from => return true,
             None if self.sources.len() >= MAX_TRANSIT_SOURCES => return false,
-            _ => {}
-        }
+            known => known.copied(),
+        };
         self.sources.insert(src, from);
-        // rare (a source's first datagram, or a host that moved): rebuild
-        let mut distinct: Vec<A> = Vec::new();
-        for &addr in self.sources.values() {
-            if !distinct.contains(&addr) {
-                distinct.push(addr);
+        if let Some(old) = old {
+            if let Some(i) = self.distinct.iter().position(|&(a, _)| a == old) {
+                self.distinct[i].1 -= 1;
+                if self.distinct[i].1 == 0 {
+                    self.distinct.remove(i);
+                }
             }
         }
-        self.distinct = distinct;
+        match self.distinct.iter_mut().find(|(a, _)| *a == from) {
+            Some((_, n)) => *n += 1,
+            None => self.distinct.push((from, 1)),
+        }
         true
+    }
+
+    fn addresses(&self) -> impl Iterator<Item = A> + '_ {
+        self.distinct.iter().map(|&(a, _)| a)
     }
 
     /// Whether this result (block, header digest) goes down: false for a
@@ -183,7 +198,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             match msg {
                 MessageType::Result | MessageType::Membership => {
                     if msg == MessageType::Membership || transit.first_copy(packet.block_id(), header_digest(bytes)) {
-                        counters.transit_down += out.push_fanout(transit.distinct.iter().copied(), bytes) as u64;
+                        counters.transit_down += out.push_fanout(transit.addresses(), bytes) as u64;
                     } else {
                         counters.transit_duplicate += 1;
                     }
@@ -195,10 +210,21 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                         Some(Verdict::Consumed)
                     }
                 }
+                // a member of this switch's own job (one a plan change moved
+                // here) is answered through the job, not the transit
+                MessageType::JoinAck | MessageType::Nack if job.is_some_and(|j| j.members.contains(src as usize)) => None,
                 MessageType::JoinAck | MessageType::Nack => match transit.sources.get(&src) {
                     Some(&dest) => {
                         out.push_copy(dest, bytes);
                         counters.transit_down += 1;
+                        Some(Verdict::Consumed)
+                    }
+                    // A refusal that names no source behind us: a tree node
+                    // below the PS passes its parent's on with its own rank,
+                    // to every member it has, so every host behind us gets
+                    // it. (From our own parent it is our tree job's.)
+                    None if msg == MessageType::Nack && !ours => {
+                        counters.transit_down += out.push_fanout(transit.addresses(), bytes) as u64;
                         Some(Verdict::Consumed)
                     }
                     None => own(counters),

@@ -268,3 +268,61 @@ fn a_transit_needs_one_next_hop_per_shard_and_can_be_moved_and_removed() {
     assert!(two.remove_transit(1) && !two.remove_transit(1));
     assert_eq!(two.transit_ids().count(), 0);
 }
+
+#[test]
+fn a_tree_nodes_expiry_refusal_reaches_every_host_behind_a_relay() {
+    // EDGE relays job 1 to a tree node at RELAY (members 0 and 1, parent
+    // NODE, here a bare address). The parent refuses the node's partial as
+    // expired; the node passes the refusal to its members with its own rank
+    // as src_id, which names no source behind EDGE: every host gets it.
+    let rank = SWITCH_RANK_BASE;
+    let mut tree = switch();
+    tree.add_job(JobSpec { workers: 4, ..JobSpec::with_sources(1, 2, 4, 64) }).unwrap();
+    tree.set_uplink(1, Some(Uplink { parent: vec![NODE], rank })).unwrap();
+    let mut edge = switch();
+    edge.add_transit(1, vec![RELAY]).unwrap();
+    let mut net = Net::new(vec![(RELAY, tree), (EDGE, edge)]);
+    net.send(100, EDGE, contribution(1, 0, 0, &[1]));
+    net.send(101, EDGE, contribution(1, 1, 0, &[2]));
+    let partial = net.take_hosts();
+    assert_eq!((partial.len(), partial[0].0, partial[0].2), (1, NODE, rank), "one partial up, from the node's rank");
+    let mut nack = datagram(MessageType::Nack, 1, rank, 0, &[]);
+    nack.truncate(HEADER_LEN);
+    nack.extend_from_slice(&[0; Nack::LEN]);
+    Nack { reason: NackReason::BlockExpired, detail: 0 }.emit(&mut nack[HEADER_LEN..]);
+    net.send(NODE, RELAY, nack);
+    let got = net.take_hosts();
+    assert_eq!(got.iter().map(|h| (h.0, h.1, h.2)).collect::<Vec<_>>(), vec![
+        (100, MessageType::Nack, rank),
+        (101, MessageType::Nack, rank)
+    ]);
+    assert_eq!(net.count(RELAY, EDGE), 1, "one copy for both members behind EDGE");
+}
+
+#[test]
+fn a_source_that_became_a_member_here_is_answered_by_the_job_not_the_transit() {
+    // worker 2 was relayed (its node was the PS); a plan change made it a
+    // member of this switch's own job. A JoinAck from the PS naming it is
+    // then the job's (a sync answer), not the transit's to pass on.
+    let mut relay = switch();
+    relay.add_transit(1, vec![NODE]).unwrap();
+    let mut out = VecTransmit::new();
+    let _ = relay.handle_datagram(T0, 102, &contribution(1, 2, 0, &[1]), &mut out);
+    assert_eq!(relay.transit_sources(1), vec![(2, 102)]);
+    relay.add_job(JobSpec { members: vec![2], workers: 3, ..JobSpec::with_sources(1, 0, 4, 64) }).unwrap();
+    let mut out = VecTransmit::new();
+    let _ = relay.handle_datagram(T0, NODE, &datagram(MessageType::JoinAck, 1, 2, 0, &[]), &mut out);
+    assert!(out.drain().all(|(to, _)| to != 102), "not relayed to the member");
+    assert_eq!(relay.counters().transit_down, 0);
+}
+
+#[test]
+fn the_distinct_addresses_follow_sources_that_move() {
+    let mut net = one_relay();
+    net.send(100, RELAY, contribution(1, 0, 0, &[1]));
+    net.send(100, RELAY, contribution(1, 1, 0, &[1])); // two sources behind one address (a NAT)
+    net.send(105, RELAY, contribution(1, 1, 1, &[1])); // source 1 moved
+    net.send(102, NODE, contribution(1, 2, 0, &[1]));
+    let got = net.take_hosts();
+    assert_eq!(got.iter().filter(|h| h.1 == MessageType::Result).map(|h| h.0).collect::<Vec<_>>(), vec![100, 105, 102]);
+}
