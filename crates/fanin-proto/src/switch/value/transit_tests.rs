@@ -12,23 +12,7 @@ const RELAY: Addr = 10;
 const EDGE: Addr = 5; // a relay below RELAY
 
 fn datagram(msg: MessageType, job: u32, src: u16, block: u32, values: &[i32]) -> Vec<u8> {
-    let repr = Repr {
-        msg_type: msg,
-        age_op: 0,
-        final_block: false,
-        degraded: false,
-        exp_only: false,
-        no_data: false,
-        dtype: Dtype::Int32,
-        src_id: src,
-        src_cnt: 0,
-        gen_id: 0,
-        job_id: job,
-        block_id: block,
-        grad_cnt: values.len() as u16,
-        exp: EXP_NONE,
-        next_exp: EXP_NONE,
-    };
+    let repr = Repr { block_id: block, grad_cnt: values.len() as u16, ..Repr::new(msg, job, src) };
     let mut buf = vec![0; repr.buffer_len()];
     let mut p = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut p);
