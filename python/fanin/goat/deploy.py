@@ -455,8 +455,9 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
     from ..auth import new_job_key
 
     if on_path and auth:
-        raise GoatError("on-path filtering relays results unsealed: install with auth=False "
-                        "(a keyed job's results are sealed per member; a relay holds no key)")
+        raise GoatError("on-path filtering relays results unsealed: install unkeyed jobs (auth=False; "
+                        "--no-auth on the command line): a keyed job's results are sealed per member, and a "
+                        "relay holds no key")
     jp = plan_jobs(plan, topo, job_base=job_base, on_path=on_path)
     clients, client = _clients(fabric, client_factory)
     keys = {j.job_id: new_job_key() for j in jp.jobs} if auth else {}
