@@ -9,7 +9,7 @@
 //! of `from` also advance time, so blocks age and sources are declared slow.
 //! Every datagram also goes through the overloaded daemon's trimming
 //! (`trim::return_to_sender`), and the Trimmed nack, if any, to the worker.
-//! The switch also relays job 5 and job 1 (GOAT's on-path filtering) to
+//! The switch also relays job 5 (sources 3, 4 and 7 only) and job 1 (GOAT's on-path filtering) to
 //! the next hop at addresses 8 and 9 (one per shard): job 1 is aggregated
 //! for its members and relayed for anyone else, and what comes from 8 or 9
 //! goes down.
@@ -76,8 +76,8 @@ fn switch(shard: u16) -> ValueSwitch<u8> {
     let mut out = VecTransmit::new();
     sw.update_job(Time::ZERO, tree, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE }), &[2], &mut out)
         .unwrap();
-    sw.add_transit(5, vec![8, 9]).unwrap();
-    sw.add_transit(1, vec![8, 9]).unwrap();
+    sw.add_transit(5, vec![8, 9], &[3, 4, 7]).unwrap(); // only these sources pass
+    sw.add_transit(1, vec![8, 9], &[]).unwrap();
     sw
 }
 

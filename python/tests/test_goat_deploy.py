@@ -71,14 +71,15 @@ def test_on_path_every_worker_sends_to_its_first_hop_and_the_switches_on_the_way
     assert [t.sends_to for t in jp.targets["w1"]] == ["tor0"] * 3
     assert [t.sends_to for t in jp.targets["w6"]] == ["tor1"] * 3
     assert [t.node for t in jp.targets["w6"]] == ["agg", "ps", "ps"]  # the nodes do not change
+    left, right, every = (0, 1, 2, 3), (4, 5, 6, 7), tuple(range(8))
     assert jp.transits == [
-        TransitEntry("agg", 1, 11, "ps"),  # w4-w7's g1 (to the PS); w0-w3's is aggregated at tor0
-        TransitEntry("agg", 2, 12, "ps"),
-        TransitEntry("tor0", 0, 10, "agg"),  # tor0 aggregates g1 itself and relays g0, g2
-        TransitEntry("tor0", 2, 12, "agg"),
-        TransitEntry("tor1", 0, 10, "agg"),
-        TransitEntry("tor1", 1, 11, "agg"),
-        TransitEntry("tor1", 2, 12, "agg"),
+        TransitEntry("agg", 1, 11, "ps", right),  # w4-w7's g1 (to the PS); w0-w3's is aggregated at tor0
+        TransitEntry("agg", 2, 12, "ps", every),
+        TransitEntry("tor0", 0, 10, "agg", left),  # tor0 aggregates g1 itself and relays g0, g2
+        TransitEntry("tor0", 2, 12, "agg", left),
+        TransitEntry("tor1", 0, 10, "agg", right),
+        TransitEntry("tor1", 1, 11, "agg", right),
+        TransitEntry("tor1", 2, 12, "agg", right),
     ]
     assert plan_jobs(hand_plan(), topology.load(str(TOPO)), job_base=10).transits == []
     # a node off a worker's path cannot be reached by relaying
@@ -166,8 +167,8 @@ class FakeSwitch:
     def remove_job(self, job_id):
         self.log.append(("remove", self.addr, job_id))
 
-    def install_transit(self, job_id, next_addr, next_shards):
-        self.log.append(("transit", self.addr, job_id, next_addr, next_shards))
+    def install_transit(self, job_id, next_addr, next_shards, sources=()):
+        self.log.append(("transit", self.addr, job_id, next_addr, next_shards, tuple(sources)))
 
     def remove_transit(self, job_id):
         self.log.append(("untransit", self.addr, job_id))
@@ -197,8 +198,9 @@ def test_on_path_install_adds_the_relays_after_the_jobs_and_removes_them_first()
     assert log == []
     dep = _install(hand_plan(), log, on_path=True, auth=False)
     assert [e[0] for e in log] == ["admit"] * 5 + ["transit"] * 7
-    assert log[5:7] == [("transit", "agg", 11, "ps@agg", 2), ("transit", "agg", 12, "ps@agg", 2)]
-    assert ("transit", "tor1", 10, "agg@tor1", 2) in log
+    assert log[5:7] == [("transit", "agg", 11, "ps@agg", 2, (4, 5, 6, 7)),
+                        ("transit", "agg", 12, "ps@agg", 2, tuple(range(8)))]
+    assert ("transit", "tor1", 10, "agg@tor1", 2, (4, 5, 6, 7)) in log
     assert [addr for _, addr in dep.addrs["w6"]] == ["tor1@w6"] * 3
     log.clear()
     dep.remove()

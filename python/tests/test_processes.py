@@ -346,8 +346,11 @@ def test_control_api_admits_lists_and_removes_jobs_on_the_real_daemon():
         with pytest.raises(ControlError) as e:
             c.install_transit(5, "nowhere", shards)
         assert "INVALID_ARGUMENT" in str(e.value) and "not ip:port" in str(e.value)
+        with pytest.raises(ControlError) as e:
+            c.install_transit(5, "127.0.0.1:9000", shards, sources=[70000])
+        assert "INVALID_ARGUMENT" in str(e.value) and "source 70000" in str(e.value)
         c.install_transit(5, "127.0.0.1:9000", shards)
-        c.install_transit(5, "127.0.0.1:9100", shards)  # moved
+        c.install_transit(5, "127.0.0.1:9100", shards, sources=[0, 3])  # moved, for two workers only
         c.remove_transit(5)
         with pytest.raises(ControlError) as e:
             c.remove_transit(5)

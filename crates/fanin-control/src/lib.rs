@@ -212,10 +212,11 @@ pub trait ControlPlane: Send + Sync + 'static {
     fn remove_job(&self, job_id: u32) -> Result<(), String>;
     /// The admitted jobs, in any order (the API sorts them by job_id).
     fn list_jobs(&self) -> Vec<JobEntry>;
-    /// Relay `job_id` toward `next` (GOAT's on-path filtering, docs/goat.md).
-    /// A daemon without a value program refuses.
-    fn install_transit(&self, job_id: u32, next: NextHop) -> Result<(), AdmitFailure> {
-        let _ = next;
+    /// Relay `job_id` toward `next` for `sources` (empty: any) (GOAT's
+    /// on-path filtering, docs/goat.md). A daemon without a value program
+    /// refuses.
+    fn install_transit(&self, job_id: u32, next: NextHop, sources: Vec<u16>) -> Result<(), AdmitFailure> {
+        let _ = (next, sources);
         Err(AdmitFailure::Internal(format!("job {job_id}: this switch cannot relay jobs")))
     }
     /// Stop relaying `job_id`; `Err` (NOT_FOUND) if it was not relayed.
@@ -740,7 +741,16 @@ impl pb::control_server::Control for Service {
             .ok()
             .filter(|&n| n >= 1 && addr.port() as u32 + n as u32 <= 65536)
             .ok_or_else(|| Status::invalid_argument(format!("job {job_id}: next.shards {} is out of range", next.shards)))?;
-        self.call(move |p| p.install_transit(job_id, NextHop { addr, shards })).await??;
+        let sources = request
+            .sources
+            .iter()
+            .map(|&s| {
+                u16::try_from(s).ok().filter(|&s| (s as usize) < MAX_SOURCES).ok_or_else(|| {
+                    Status::invalid_argument(format!("job {job_id}: source {s} must lie below {MAX_SOURCES}"))
+                })
+            })
+            .collect::<Result<Vec<u16>, Status>>()?;
+        self.call(move |p| p.install_transit(job_id, NextHop { addr, shards }, sources)).await??;
         Ok(Response::new(pb::InstallTransitResponse {}))
     }
 

@@ -57,7 +57,7 @@ pub struct SwitchCore {
     jobs: Mutex<BTreeMap<u32, JobEntry>>,
     /// Jobs relayed for sources this switch does not aggregate (GOAT's
     /// on-path filtering), with their next hop.
-    transits: Mutex<BTreeMap<u32, NextHop>>,
+    transits: Mutex<BTreeMap<u32, (NextHop, Vec<u16>)>>,
     /// Key-value regions allocated through the control plane. The shards
     /// may free one on their own (the receiver's Release, the idle timer);
     /// `list_kv_regions` prunes those.
@@ -163,18 +163,18 @@ impl SwitchCore {
 
     /// Relay `job_id` toward `next` on every shard (docs/goat.md, "On-path
     /// filtering"); again for a job already relayed: move its next hop.
-    pub fn install_transit(&self, job_id: u32, next: NextHop) -> Result<(), AdmitFailure> {
+    pub fn install_transit(&self, job_id: u32, next: NextHop, sources: Vec<u16>) -> Result<(), AdmitFailure> {
         let shards = self.shards.len() as u16;
         if next.shards != shards {
             return Err(AdmitError::BadTransit { job_id, hops: next.shards as usize, shards }.into());
         }
         let mut transits = self.transits.lock().expect("transits lock");
-        let previous = transits.get(&job_id).copied();
+        let previous = transits.get(&job_id).cloned();
         for (i, shard) in self.shards.iter().enumerate() {
             let (reply, answer) = mpsc::sync_channel(1);
             let result = shard
                 .commands
-                .send(Command::AddTransit(job_id, next.addrs(), reply))
+                .send(Command::AddTransit(job_id, next.addrs(), sources.clone(), reply))
                 .ok()
                 .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
             let failure = match result {
@@ -185,8 +185,8 @@ impl SwitchCore {
             // all shards or none: the ones that took it go back to before
             for shard in &self.shards[..i] {
                 let (reply, answer) = mpsc::sync_channel(1);
-                let undo = match previous {
-                    Some(p) => shard.commands.send(Command::AddTransit(job_id, p.addrs(), reply)).is_ok(),
+                let undo = match &previous {
+                    Some((p, s)) => shard.commands.send(Command::AddTransit(job_id, p.addrs(), s.clone(), reply)).is_ok(),
                     None => {
                         let (gone, answer) = mpsc::sync_channel(1);
                         if shard.commands.send(Command::RemoveTransit(job_id, gone)).is_ok() {
@@ -201,7 +201,7 @@ impl SwitchCore {
             }
             return Err(failure);
         }
-        transits.insert(job_id, next);
+        transits.insert(job_id, (next, sources));
         Ok(())
     }
 
@@ -399,8 +399,8 @@ impl ControlPlane for SwitchCore {
     fn list_jobs(&self) -> Vec<JobEntry> {
         SwitchCore::list_jobs(self)
     }
-    fn install_transit(&self, job_id: u32, next: NextHop) -> Result<(), AdmitFailure> {
-        SwitchCore::install_transit(self, job_id, next)
+    fn install_transit(&self, job_id: u32, next: NextHop, sources: Vec<u16>) -> Result<(), AdmitFailure> {
+        SwitchCore::install_transit(self, job_id, next, sources)
     }
     fn remove_transit(&self, job_id: u32) -> Result<(), String> {
         SwitchCore::remove_transit(self, job_id)

@@ -38,7 +38,7 @@ pub(crate) enum Command {
     RemoveJob(u32, SyncSender<bool>),
     /// Relay a job toward the next hop's shard of this index (GOAT's
     /// on-path filtering): [`ValueSwitch::add_transit`].
-    AddTransit(u32, Vec<SocketAddr>, SyncSender<Result<(), AdmitError>>),
+    AddTransit(u32, Vec<SocketAddr>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     RemoveTransit(u32, SyncSender<bool>),
     /// A datagram received by another shard for a block (or key-value
     /// task) this shard owns.
@@ -332,8 +332,8 @@ impl ShardThread {
                     self.publish_schedules();
                     let _ = reply.send(removed);
                 }
-                Ok(Command::AddTransit(job_id, next, reply)) => {
-                    let _ = reply.send(self.switch.add_transit(job_id, next));
+                Ok(Command::AddTransit(job_id, next, sources, reply)) => {
+                    let _ = reply.send(self.switch.add_transit(job_id, next, &sources));
                 }
                 Ok(Command::RemoveTransit(job_id, reply)) => {
                     let _ = reply.send(self.switch.remove_transit(job_id));

@@ -194,17 +194,18 @@ class ControlClient:
         _check_u32(job_id, "job_id")
         self._call("RemoveJob", pb.RemoveJobRequest(job_id=job_id))
 
-    def install_transit(self, job_id: int, next_addr: str, next_shards: int) -> None:
+    def install_transit(self, job_id: int, next_addr: str, next_shards: int, sources: Iterable[int] = ()) -> None:
         """Relay job ``job_id`` for sources this switch does not aggregate
         (GOAT's on-path filtering, docs/goat.md): their datagrams go unchanged
         to the next switch on their path (``next_addr`` "ip:port" of its
         shard 0, ``next_shards`` its shards, which must equal this switch's),
-        results come back down once per distinct address. Installing again
-        moves the next hop. ``INVALID_ARGUMENT`` on a bad address or a shard
-        count that differs."""
+        results come back down once per distinct address. ``sources``: the
+        ranks whose path passes this switch; only they are relayed (empty:
+        any). Installing again moves the next hop and replaces the sources.
+        ``INVALID_ARGUMENT`` on a bad address or a shard count that differs."""
         _check_u32(job_id, "job_id")
         self._call("InstallTransit", pb.InstallTransitRequest(
-            job_id=job_id, next=pb.NextHop(addr=next_addr, shards=next_shards)))
+            job_id=job_id, next=pb.NextHop(addr=next_addr, shards=next_shards), sources=list(sources)))
 
     def remove_transit(self, job_id: int) -> None:
         """Stop relaying a job (``NOT_FOUND`` if not relayed here)."""

@@ -90,6 +90,8 @@ class TransitEntry:
     submodel: int
     job_id: int
     next: str
+    #: the worker ranks whose path to their node passes `node` (only they are relayed)
+    sources: tuple[int, ...] = ()
 
 
 @dataclass
@@ -178,6 +180,7 @@ def on_path_transits(plan: dict[str, Any], topo: Topology,
     parent, _ = tree_to_ps(topo, jp.ps)
     programmable = {sw["name"] for sw in plan["switches"]}
     transits: dict[tuple[str, int], TransitEntry] = {}
+    behind: dict[tuple[str, int], set[int]] = {}
     targets: dict[str, list[WorkerTarget]] = {}
     for w, ts in jp.targets.items():
         path, hop = [], parent.get(w)
@@ -193,9 +196,10 @@ def on_path_transits(plan: dict[str, Any], topo: Topology,
                                 f"is not on its path to the PS ({' -> '.join(path)}); install the plan without on_path")
             for here, nxt in zip(path[:path.index(t.node)], path[1:]):
                 transits[(here, t.job_id)] = TransitEntry(here, t.submodel, t.job_id, nxt)
+                behind.setdefault((here, t.job_id), set()).add(t.rank)
             out.append(replace(t, first_hop=path[0]))
         targets[w] = out
-    return targets, [transits[k] for k in sorted(transits)]
+    return targets, [replace(transits[k], sources=tuple(sorted(behind[k]))) for k in sorted(transits)]
 
 
 def ps_only_plan(plan: dict[str, Any]) -> dict[str, Any]:
@@ -478,7 +482,8 @@ def install_goat_plan(plan: dict[str, Any], topo: Topology, fabric: Fabric, *, j
         for t in jp.transits:  # before any worker sends: the whole path relays
             if t.next not in shards:
                 shards[t.next] = int(client(t.next).info()["shard_count"])
-            client(t.node).install_transit(t.job_id, fabric.data_addr(t.next, toward=t.node), shards[t.next])
+            client(t.node).install_transit(t.job_id, fabric.data_addr(t.next, toward=t.node), shards[t.next],
+                                           sources=t.sources)
             dep.transits.append(t)
     except Exception as failure:
         try:

@@ -89,12 +89,14 @@ class NextHop(_message.Message):
     def __init__(self, addr: _Optional[str] = ..., shards: _Optional[int] = ...) -> None: ...
 
 class InstallTransitRequest(_message.Message):
-    __slots__ = ("job_id", "next")
+    __slots__ = ("job_id", "next", "sources")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     next: NextHop
-    def __init__(self, job_id: _Optional[int] = ..., next: _Optional[_Union[NextHop, _Mapping]] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[int] = ..., next: _Optional[_Union[NextHop, _Mapping]] = ..., sources: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InstallTransitResponse(_message.Message):
     __slots__ = ()

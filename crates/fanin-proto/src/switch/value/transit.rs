@@ -30,6 +30,10 @@
 //! wrong: a host that misses a result retransmits, and that resend clears
 //! the entry.
 //!
+//! A transit may name the sources whose path passes it (the plan's
+//! workers behind it): then no other source's datagram is relayed, so a
+//! forged source id cannot add an address to the fan-out.
+//!
 //! Shard `k` of a relay forwards to shard `k` of its next hop: a worker
 //! picks the shard from the aggregation node's JoinAck (relayed unchanged),
 //! so every switch on the path runs the same number of shards
@@ -60,6 +64,11 @@ pub(super) struct Transit<A> {
     /// This shard's hop toward the aggregation node (that switch's shard of
     /// the same index).
     next: A,
+    /// The source ids whose path passes this switch (the plan's workers
+    /// behind it), or any (None). Anyone else's upward datagram is refused:
+    /// a relay never learns an address it was not told to expect, so a
+    /// forged source cannot add itself to the fan-out.
+    allowed: Option<SourceMask>,
     /// Source id to the address it last sent from.
     sources: BTreeMap<u16, A>,
     /// The distinct addresses of `sources` with how many sources use each,
@@ -71,20 +80,17 @@ pub(super) struct Transit<A> {
 }
 
 impl<A: Copy + PartialEq> Transit<A> {
-    fn new(next: A) -> Self {
-        Self { next, sources: BTreeMap::new(), distinct: Vec::new(), fanned: vec![None; FANNED] }
+    fn new(next: A, allowed: Option<SourceMask>) -> Self {
+        Self { next, allowed, sources: BTreeMap::new(), distinct: Vec::new(), fanned: vec![None; FANNED] }
     }
 
-    /// Learn that `src` sends from `from`; false if the table is full. A
-    /// new or moved source costs a pass over the distinct addresses.
-    fn learn(&mut self, src: u16, from: A) -> bool {
-        let old = match self.sources.get(&src) {
-            Some(&known) if known == from => return true,
-            None if self.sources.len() >= MAX_TRANSIT_SOURCES => return false,
-            known => known.copied(),
-        };
-        self.sources.insert(src, from);
-        if let Some(old) = old {
+    fn allows(&self, src: u16) -> bool {
+        self.allowed.as_ref().map_or(true, |a| a.contains(src as usize))
+    }
+
+    /// Forget a source (no longer allowed after a re-install).
+    fn forget_source(&mut self, src: u16) {
+        if let Some(old) = self.sources.remove(&src) {
             if let Some(i) = self.distinct.iter().position(|&(a, _)| a == old) {
                 self.distinct[i].1 -= 1;
                 if self.distinct[i].1 == 0 {
@@ -92,6 +98,18 @@ impl<A: Copy + PartialEq> Transit<A> {
                 }
             }
         }
+    }
+
+    /// Learn that `src` sends from `from`; false if the table is full. A
+    /// new or moved source costs a pass over the distinct addresses.
+    fn learn(&mut self, src: u16, from: A) -> bool {
+        match self.sources.get(&src) {
+            Some(&known) if known == from => return true,
+            None if self.sources.len() >= MAX_TRANSIT_SOURCES => return false,
+            Some(_) => self.forget_source(src),
+            None => {}
+        }
+        self.sources.insert(src, from);
         match self.distinct.iter_mut().find(|(a, _)| *a == from) {
             Some((_, n)) => *n += 1,
             None => self.distinct.push((from, 1)),
@@ -135,18 +153,33 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// Relay `job_id` for sources that are not members of this switch's own
     /// job of that id (if any): up to `next[this shard]`, and back down.
     /// `next` holds the next hop's address of every shard, one per shard of
-    /// this switch. Installing again changes the next hop and keeps the
-    /// sources learnt.
-    pub fn add_transit(&mut self, job_id: u32, next: Vec<A>) -> Result<(), AdmitError> {
+    /// this switch; `sources` the source ids whose path passes this switch
+    /// (empty: any). Installing again changes the next hop and the sources,
+    /// and keeps the addresses learnt of sources still allowed.
+    pub fn add_transit(&mut self, job_id: u32, next: Vec<A>, sources: &[u16]) -> Result<(), AdmitError> {
         let shards = self.config.shard_count;
         if next.len() != shards as usize {
             return Err(AdmitError::BadTransit { job_id, hops: next.len(), shards });
         }
         let hop = next[self.config.shard as usize];
+        let allowed = (!sources.is_empty()).then(|| {
+            let mut mask = SourceMask::with_capacity(sources.iter().map(|&s| s as usize + 1).max().unwrap_or(0));
+            for &s in sources {
+                mask.insert(s as usize);
+            }
+            mask
+        });
         match self.transits.get_mut(&job_id) {
-            Some(transit) => transit.next = hop,
+            Some(transit) => {
+                transit.next = hop;
+                transit.allowed = allowed;
+                let gone: Vec<u16> = transit.sources.keys().copied().filter(|&s| !transit.allows(s)).collect();
+                for s in gone {
+                    transit.forget_source(s);
+                }
+            }
             None => {
-                self.transits.insert(job_id, Transit::new(hop));
+                self.transits.insert(job_id, Transit::new(hop, allowed));
             }
         }
         Ok(())
@@ -243,7 +276,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     | MessageType::ResultAck
                     | MessageType::Sync
             );
-            if !up || !transit.learn(src, from) {
+            if !up || !transit.allows(src) || !transit.learn(src, from) {
                 return own(counters);
             }
             if msg.carries_block() {

@@ -85,7 +85,7 @@ fn one_relay() -> Net {
     let mut node = switch();
     node.add_job(JobSpec::with_sources(1, 3, 4, 64)).unwrap();
     let mut relay = switch();
-    relay.add_transit(1, vec![NODE]).unwrap();
+    relay.add_transit(1, vec![NODE], &[]).unwrap();
     Net::new(vec![(NODE, node), (RELAY, relay)])
 }
 
@@ -148,7 +148,7 @@ fn join_answers_and_refusals_go_to_the_source_they_name() {
     assert_eq!((got[0].0, got[0].1, got[0].2), (101, MessageType::JoinAck, 1));
     // joins to a job the node does not have: each refusal names its
     // worker and reaches that worker alone
-    net.sw(RELAY).add_transit(7, vec![NODE]).unwrap();
+    net.sw(RELAY).add_transit(7, vec![NODE], &[]).unwrap();
     net.send(100, RELAY, datagram(MessageType::Join, 7, 0, 0, &[]));
     net.send(101, RELAY, datagram(MessageType::Join, 7, 1, 0, &[]));
     let got = net.take_hosts();
@@ -163,7 +163,7 @@ fn two_relays_deep_each_hop_sends_one_copy_down() {
     // EDGE -> RELAY -> NODE for workers 0 and 1, worker 2 at RELAY directly
     let mut net = one_relay();
     let mut edge = switch();
-    edge.add_transit(1, vec![RELAY]).unwrap();
+    edge.add_transit(1, vec![RELAY], &[]).unwrap();
     net.switches.push((EDGE, edge));
     net.send(100, EDGE, contribution(1, 0, 3, &[1]));
     net.send(101, EDGE, contribution(1, 1, 3, &[2]));
@@ -191,7 +191,7 @@ fn a_switch_aggregates_its_members_and_relays_the_same_job_for_others() {
     let mut tor = switch();
     tor.add_job(JobSpec { workers: 3, ..JobSpec::with_sources(1, 2, 4, 64) }).unwrap();
     tor.set_uplink(1, Some(Uplink { parent: vec![NODE], rank })).unwrap();
-    tor.add_transit(1, vec![NODE]).unwrap();
+    tor.add_transit(1, vec![NODE], &[]).unwrap();
     let mut net = Net::new(vec![(NODE, ps), (RELAY, tor)]);
     net.send(100, RELAY, contribution(1, 0, 0, &[1]));
     net.send(102, RELAY, contribution(1, 2, 0, &[100]));
@@ -238,14 +238,14 @@ fn what_a_relay_cannot_carry_is_refused_and_counted() {
 #[test]
 fn a_transit_needs_one_next_hop_per_shard_and_can_be_moved_and_removed() {
     let mut sw = switch();
-    assert!(matches!(sw.add_transit(1, vec![1, 2]), Err(AdmitError::BadTransit { hops: 2, shards: 1, .. })));
+    assert!(matches!(sw.add_transit(1, vec![1, 2], &[]), Err(AdmitError::BadTransit { hops: 2, shards: 1, .. })));
     let mut two = ValueSwitch::<Addr>::new(ShardConfig { shard: 1, shard_count: 2, ..ShardConfig::single(1 << 30) });
-    two.add_transit(1, vec![30, 31]).unwrap();
+    two.add_transit(1, vec![30, 31], &[]).unwrap();
     let mut out = VecTransmit::new();
     let _ = two.handle_datagram(T0, 100, &contribution(1, 0, 1, &[1]), &mut out);
     assert_eq!(out.drain().map(|(to, _)| to).collect::<Vec<_>>(), vec![31], "shard 1 to the next hop's shard 1");
     // a plan change moves the sub-model: the sources stay known
-    two.add_transit(1, vec![40, 41]).unwrap();
+    two.add_transit(1, vec![40, 41], &[]).unwrap();
     let _ = two.handle_datagram(T0, 100, &contribution(1, 0, 3, &[1]), &mut out);
     assert_eq!(out.drain().map(|(to, _)| to).collect::<Vec<_>>(), vec![41]);
     assert_eq!(two.transit_sources(1), vec![(0, 100)]);
@@ -264,7 +264,7 @@ fn a_tree_nodes_expiry_refusal_reaches_every_host_behind_a_relay() {
     tree.add_job(JobSpec { workers: 4, ..JobSpec::with_sources(1, 2, 4, 64) }).unwrap();
     tree.set_uplink(1, Some(Uplink { parent: vec![NODE], rank })).unwrap();
     let mut edge = switch();
-    edge.add_transit(1, vec![RELAY]).unwrap();
+    edge.add_transit(1, vec![RELAY], &[]).unwrap();
     let mut net = Net::new(vec![(RELAY, tree), (EDGE, edge)]);
     net.send(100, EDGE, contribution(1, 0, 0, &[1]));
     net.send(101, EDGE, contribution(1, 1, 0, &[2]));
@@ -289,7 +289,7 @@ fn a_source_that_became_a_member_here_is_answered_by_the_job_not_the_transit() {
     // member of this switch's own job. A JoinAck from the PS naming it is
     // then the job's (a sync answer), not the transit's to pass on.
     let mut relay = switch();
-    relay.add_transit(1, vec![NODE]).unwrap();
+    relay.add_transit(1, vec![NODE], &[]).unwrap();
     let mut out = VecTransmit::new();
     let _ = relay.handle_datagram(T0, 102, &contribution(1, 2, 0, &[1]), &mut out);
     assert_eq!(relay.transit_sources(1), vec![(2, 102)]);
@@ -309,4 +309,23 @@ fn the_distinct_addresses_follow_sources_that_move() {
     net.send(102, NODE, contribution(1, 2, 0, &[1]));
     let got = net.take_hosts();
     assert_eq!(got.iter().filter(|h| h.1 == MessageType::Result).map(|h| h.0).collect::<Vec<_>>(), vec![100, 105, 102]);
+}
+
+#[test]
+fn a_transit_told_its_sources_relays_no_one_else_and_forgets_those_taken_off() {
+    let mut net = one_relay();
+    net.sw(RELAY).add_transit(1, vec![NODE], &[0, 1]).unwrap();
+    // a forged source (not behind this switch in the plan) adds no address
+    net.send(66, RELAY, contribution(1, 2, 0, &[1]));
+    assert_eq!((net.count(RELAY, NODE), net.sw(RELAY).counters().transit_refused), (0, 1));
+    assert!(net.sw(RELAY).transit_sources(1).is_empty());
+    net.send(100, RELAY, contribution(1, 0, 0, &[1]));
+    net.send(101, RELAY, contribution(1, 1, 0, &[1]));
+    assert_eq!(net.sw(RELAY).transit_sources(1), vec![(0, 100), (1, 101)]);
+    // a plan change leaves only source 0 behind this switch
+    net.sw(RELAY).add_transit(1, vec![NODE], &[0]).unwrap();
+    assert_eq!(net.sw(RELAY).transit_sources(1), vec![(0, 100)]);
+    net.send(102, NODE, contribution(1, 2, 0, &[1]));
+    let got = net.take_hosts();
+    assert_eq!(got.iter().map(|h| h.0).collect::<Vec<_>>(), vec![100, 102], "101 is no longer fanned to");
 }
