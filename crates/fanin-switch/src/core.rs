@@ -169,35 +169,18 @@ impl SwitchCore {
             return Err(AdmitError::BadTransit { job_id, hops: next.shards as usize, shards }.into());
         }
         let mut transits = self.transits.lock().expect("transits lock");
-        let previous = transits.get(&job_id).cloned();
-        for (i, shard) in self.shards.iter().enumerate() {
-            let (reply, answer) = mpsc::sync_channel(1);
-            let result = shard
-                .commands
-                .send(Command::AddTransit(job_id, next.addrs(), sources.clone(), reply))
-                .ok()
-                .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
-            let failure = match result {
+        for i in 0..shards {
+            let failure = match self.ask(i, |reply| Command::AddTransit(job_id, next.addrs(), sources.clone(), reply)) {
                 Some(Ok(())) => continue,
                 Some(Err(e)) => e.into(),
                 None => AdmitFailure::Internal(format!("shard {i} did not answer")),
             };
             // all shards or none: the ones that took it go back to before
-            for shard in &self.shards[..i] {
-                let (reply, answer) = mpsc::sync_channel(1);
-                let undo = match &previous {
-                    Some((p, s)) => shard.commands.send(Command::AddTransit(job_id, p.addrs(), s.clone(), reply)).is_ok(),
-                    None => {
-                        let (gone, answer) = mpsc::sync_channel(1);
-                        if shard.commands.send(Command::RemoveTransit(job_id, gone)).is_ok() {
-                            let _ = answer.recv_timeout(Duration::from_secs(5));
-                        }
-                        false
-                    }
+            for j in 0..i {
+                match transits.get(&job_id) {
+                    Some((p, s)) => self.ask(j, |reply| Command::AddTransit(job_id, p.addrs(), s.clone(), reply)).map(drop),
+                    None => self.ask(j, |reply| Command::RemoveTransit(job_id, reply)).map(drop),
                 };
-                if undo {
-                    let _ = answer.recv_timeout(Duration::from_secs(5));
-                }
             }
             return Err(failure);
         }
@@ -211,11 +194,8 @@ impl SwitchCore {
         if transits.remove(&job_id).is_none() {
             return Err(format!("job {job_id} is not relayed here"));
         }
-        for shard in &self.shards {
-            let (reply, answer) = mpsc::sync_channel(1);
-            if shard.commands.send(Command::RemoveTransit(job_id, reply)).is_ok() {
-                let _ = answer.recv_timeout(Duration::from_secs(5));
-            }
+        for i in 0..self.shards.len() as u16 {
+            let _ = self.ask(i, |reply| Command::RemoveTransit(job_id, reply));
         }
         Ok(())
     }
