@@ -185,4 +185,32 @@ def test_the_kv_groupby_bench_checks_results_and_prints_json(tmp_path):
     assert out["all_equal"] and [x["dist"] for x in out["results"]] == ["uniform", "zipf"]
     assert out["value_type"] == "float64"
     assert all(x["speedup_vs_dataframe"] > 0 and x["distinct_keys"] <= 500 for x in out["results"])
+    # the Arrow hand-over floor ran beside them, and the barrier sync was timed
+    assert all(x["arrow_floor_s"] > 0 and x["ceiling_vs_dataframe"] > 0 for x in out["results"])
+    assert out["barrier_sync_s"] > 0
     assert (tmp_path / "kv-groupby.png").stat().st_size > 0 and (tmp_path / "kv-groupby.csv").exists()
+
+
+def test_the_kv_wordcount_bench_checks_every_system_and_reports_its_floors(tmp_path):
+    """A small `fanin bench kv-wordcount`: every system's counts checked
+    against the reference, and beside them the hand-over floors with the
+    ceilings they put on the Spark forms' speed-ups."""
+    import json
+    import subprocess
+
+    import fanin
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(fanin.__file__)))
+    r = subprocess.run([sys.executable, "-m", "fanin", "bench", "kv-wordcount", "--corpus-mb", "1", "--repeats", "1",
+                        "--json", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    systems = {row["system"]: row for row in out["rows"]}
+    assert {"fanin", "PySpark RDD reduceByKey", "fanin.spark.reduce_by_key", "fanin.spark.aggregate",
+            "floor: RDD pairs reach Python", "floor: words reach Python as Arrow",
+            "floor: words computed in the JVM"} <= set(systems)
+    assert out["all_equal"] and all(row["median_s"] > 0 for row in out["rows"])
+    assert out["ceiling_rdd_form_vs_rdd"] > 0 and out["ceiling_dataframe_form_vs_dataframe"] > 0
+    assert out["barrier_sync_s"] > 0
+    assert (tmp_path / "kv-wordcount.png").stat().st_size > 0

@@ -6,7 +6,9 @@ distinct keys drawn uniformly or Zipf-like) is cached in Spark on
 min, max of v)`` (written to Spark's ``noop`` sink, which computes every
 column and keeps nothing) and ``fanin.spark.aggregate`` with the same
 aggregates (a real switch and kv daemon; receivers on the executors; the
-call computes and caches its result). Both results are compared in Spark
+call computes and caches its result), and a floor: the table handed to
+Python as Arrow and dropped, what any design fed by Arrow pays before it
+aggregates (``spark_floors.py``; the JSON's ``ceiling_vs_dataframe``). Both results are compared in Spark
 once per table: the same keys, count, min and max equal, and each sum
 within the rounding bound of docs/kv.md (|a - b| <= count x 2^-52 x
 sum |v|: the two systems add in orders of their own); ``--value-type
@@ -31,6 +33,7 @@ import time
 from typing import Any
 
 from fanin_bench.bench.kv_wordcount import SENDERS, _spark_session, _write_csv, kv_service
+from fanin_bench.bench.spark_floors import arrow_drain, barrier_sync_seconds
 from fanin_bench.plotting import save_figure
 
 __all__ = ["run_kv_groupby"]
@@ -92,6 +95,7 @@ def run_kv_groupby(args: Any) -> int:
     spark = _spark_session()
     spark.sparkContext.setLogLevel("ERROR")
     results = []
+    barrier_s = barrier_sync_seconds(spark.sparkContext, SENDERS)
     with kv_service(send_channels=SENDERS) as svc:
         for dist in dists:
             for groups in groups_list:
@@ -105,7 +109,7 @@ def run_kv_groupby(args: Any) -> int:
                 if differ:
                     raise SystemExit(f"kv-groupby: fanin's result differs from Spark's in {differ} groups "
                                      f"({dist}, {groups} groups)")
-                times: dict[str, list[float]] = {"spark": [], "fanin": []}
+                times: dict[str, list[float]] = {"spark": [], "fanin": [], "arrow_floor": []}
                 for i in range(repeats):
                     # alternating, so drift in the machine's speed hits both
                     t0 = time.perf_counter()
@@ -114,22 +118,37 @@ def run_kv_groupby(args: Any) -> int:
                     t0 = time.perf_counter()
                     aggregate(table, by="k", agg=AGGS, socket_path=svc.daemon.socket_path).unpersist()
                     times["fanin"].append(time.perf_counter() - t0)
+                    # the floor: the table's rows reach Python as Arrow and
+                    # are dropped (spark_floors.py)
+                    t0 = time.perf_counter()
+                    arrow_drain(table)
+                    times["arrow_floor"].append(time.perf_counter() - t0)
                     print(f"kv-groupby: {dist}, {groups} groups, run {i + 1}/{repeats}: Spark "
-                          f"{times['spark'][-1]:.2f} s, fanin {times['fanin'][-1]:.2f} s", file=sys.stderr)
+                          f"{times['spark'][-1]:.2f} s, fanin {times['fanin'][-1]:.2f} s, Arrow hand-over "
+                          f"{times['arrow_floor'][-1]:.2f} s", file=sys.stderr)
                 table.unpersist()
                 med = {k: statistics.median(v) for k, v in times.items()}
                 results.append({"dist": dist, "groups": groups, "distinct_keys": distinct, "rows": rows_n,
                                 "spark_s": round(med["spark"], 3), "fanin_s": round(med["fanin"], 3),
                                 "spark_runs_s": [round(x, 3) for x in times["spark"]],
                                 "fanin_runs_s": [round(x, 3) for x in times["fanin"]],
-                                "speedup_vs_dataframe": round(med["spark"] / med["fanin"], 2), "equal": True})
+                                "arrow_floor_s": round(med["arrow_floor"], 3),
+                                "arrow_floor_runs_s": [round(x, 3) for x in times["arrow_floor"]],
+                                "speedup_vs_dataframe": round(med["spark"] / med["fanin"], 2),
+                                # the most any design fed by Arrow could reach, were
+                                # everything after the hand-over free; a barrier
+                                # stage adds barrier_sync_s per sync on top
+                                "ceiling_vs_dataframe": round(med["spark"] / med["arrow_floor"], 2),
+                                "ceiling_vs_dataframe_one_sync": round(
+                                    med["spark"] / (med["arrow_floor"] + barrier_s), 2),
+                                "equal": True})
     spark.stop()
     csv_path = os.path.join(args.out, "kv-groupby.csv")
     _write_csv(csv_path, [{k: v for k, v in r.items() if not k.endswith("runs_s")} for r in results])
     png_path = os.path.join(args.out, "kv-groupby.png")
     _plot(results, png_path, rows_n)
     out = {"benchmark": "kv-groupby", "rows": rows_n, "cores": SENDERS, "repeats": repeats, "aggregates": AGGS,
-           "value_type": value_type, "all_equal": True, "results": results,
+           "value_type": value_type, "all_equal": True, "results": results, "barrier_sync_s": round(barrier_s, 3),
            "target_1_5x_dataframe": all(r["speedup_vs_dataframe"] >= 1.5 for r in results),
            "csv": csv_path, "png": png_path}
     if args.json:
@@ -138,7 +157,10 @@ def run_kv_groupby(args: Any) -> int:
           f"{repeats}; results equal (float sums within rounding):", file=sys.stderr)
     for r in results:
         print(f"  {r['dist']:8} {r['groups']:>8} groups  Spark {r['spark_s']:6.2f} s  fanin {r['fanin_s']:6.2f} s  "
-              f"{r['speedup_vs_dataframe']:.2f}x", file=sys.stderr)
+              f"{r['speedup_vs_dataframe']:.2f}x  (Arrow hand-over {r['arrow_floor_s']:.2f} s: at most "
+              f"{r['ceiling_vs_dataframe']:.2f}x, {r['ceiling_vs_dataframe_one_sync']:.2f}x with one barrier sync)",
+              file=sys.stderr)
+    print(f"  one barrier sync: {barrier_s:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -151,10 +173,12 @@ def _plot(results: list[dict], path: str, rows_n: int) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['dist']}\n{r['groups']:,} groups" for r in results]
     x = range(len(results))
-    ax.bar([i - 0.2 for i in x], [r["spark_s"] for r in results], 0.4, label="Spark DataFrame groupBy().agg()")
-    ax.bar([i + 0.2 for i in x], [r["fanin_s"] for r in results], 0.4, label="fanin.spark.aggregate")
+    ax.bar([i - 0.27 for i in x], [r["spark_s"] for r in results], 0.27, label="Spark DataFrame groupBy().agg()")
+    ax.bar(list(x), [r["fanin_s"] for r in results], 0.27, label="fanin.spark.aggregate")
+    ax.bar([i + 0.27 for i in x], [r["arrow_floor_s"] for r in results], 0.27, color="0.7",
+           label="floor: rows handed to Python as Arrow, dropped")
     for i, r in enumerate(results):
-        ax.text(i + 0.2, r["fanin_s"], f"{r['speedup_vs_dataframe']:.2f}x", ha="center", va="bottom")
+        ax.text(i, r["fanin_s"], f"{r['speedup_vs_dataframe']:.2f}x", ha="center", va="bottom")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("wall seconds (median)")
     ax.set_title(f"group-by of {rows_n / 1e6:g} M rows: sum, count, min, max (2 cores)")
