@@ -84,11 +84,13 @@ for s in $stages; do
     shards4) run network-shards4 70 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
                --shards 4 --no-gloo --json --out "$out/shards4" ;;
     # per-datagram cost on these cores: the switch (bench allreduce) and a raw forwarding thread
+    lanes) for l in 2 3; do run network-lanes-$l 70 fanin bench network --workers 8 --rates 5000,10000 --size 16MB \
+               --reps 3 --lanes $l --no-gloo --json --out "$out/lanes-$l"; done ;;
     cost) run switch-cost-8 60 fanin bench allreduce --quick --workers 8 --iters 7 --json
           if [ -x .device/bin/udp_forward_bench ]; then
             run udp-forward-4120 40 .device/bin/udp_forward_bench --secs 1 --reps 5 --size 4120
           fi ;;
     *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, network-rs, auth," \
-            "auth-default, auth-shards8, jumbo, jumbo-hi, jumbo-full, jumbo-64, jumbo-full-64, shards4, cost)"; exit 2 ;;
+            "auth-default, auth-shards8, jumbo, jumbo-hi, jumbo-full, jumbo-64, jumbo-full-64, shards4, lanes, cost)"; exit 2 ;;
   esac
 done

@@ -70,6 +70,26 @@ def test_a_jumbo_link_carries_frame_sized_packets_and_a_keyed_arm_runs_beside(tm
     assert report["fanin_settings"]["keyed_arm"]
 
 
+def test_lanes_spread_each_worker_over_jobs_and_threads_and_every_sum_is_checked(tmp_path):
+    # --lanes 3: each worker is three sessions (jobs 1, 17, 33 and, keyed,
+    # 2, 18, 34), each on its own thread and socket reducing a third of the
+    # tensor; the bench fails unless every worker's whole sum is right
+    report = _bench(tmp_path, "--lanes", "3", "--auth")
+    (row,) = report["rates"]
+    assert report["fanin_settings"]["lanes"] == 3 and report["fanin_settings"]["overrides"]
+    assert row["fanin_verified"] and row["keyed_median_s"] > 0
+    assert row["ip_fragments"] == 0, row
+
+
+def test_lane_cuts_fall_on_packet_boundaries():
+    from fanin_bench.bench.net_worker import lane_cuts
+
+    assert lane_cuts(1000, 3, 358) == [(0, 358), (358, 716), (716, 1000)]
+    cuts = lane_cuts(4_000_000, 2, 358)
+    assert cuts[0][0] == 0 and cuts[-1][1] == 4_000_000 and cuts[0][1] % 358 == 0
+    assert lane_cuts(10, 2, 358) == [(0, 0), (0, 10)]  # an empty lane sits the call out
+
+
 def test_a_leaf_spine_runs_fanin_as_a_controller_tree_and_nothing_fragments(tmp_path):
     # two leaves under one spine, every host a worker: the controller
     # programs a tree (root: the spine) and sizes its packets to the links

@@ -350,6 +350,11 @@ def _add_tree_benches(bsub: Any) -> None:
     tune.add_argument("--shards", type=int)
     tune.add_argument("--block-grad-max", type=int)
     tune.add_argument("--block-cnt-max", type=int, help="the job's slots (the most blocks in flight)")
+    nw.add_argument("--lanes", type=int, default=1,
+                    help="threads per fanin worker: each lane is a session of its own (its own job, thread and "
+                         "socket) reducing a contiguous part of the tensor, so a worker's per-frame kernel work "
+                         "spreads over that many cores (docs/network.md, 'A worker on several threads'; default "
+                         "%(default)s)")
     _common(nw)
     nw.set_defaults(func=_lazy("network", "run_network"))
     lm = bsub.add_parser(

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import socket
 import sys
+import threading
 import time
+from typing import Any, Optional
 
 import numpy as np
 
@@ -49,17 +52,37 @@ MEMBER_KEY_ENV = "FANIN_MEMBER_KEY"
 
 
 def _fanin(a: argparse.Namespace) -> int:
-    import fanin
-
     import os
 
-    overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window),
-                                   ("auth_key", os.environ.get(MEMBER_KEY_ENV))) if v is not None}
-    s = fanin.Session(a.addr, a.job, a.rank, dead_after_s=60, **overrides)
+    jobs = [int(j) for j in str(a.job).split(",")]
+    addrs = a.addr.split(",")
+    keys = os.environ.get(MEMBER_KEY_ENV, "").split(",") if os.environ.get(MEMBER_KEY_ENV) else [None] * len(jobs)
+    if len(addrs) == 1:
+        addrs *= len(jobs)
+    if not len(addrs) == len(keys) == len(jobs):
+        raise SystemExit(f"net_worker: {len(jobs)} jobs need as many addresses and keys "
+                         f"(got {len(addrs)} and {len(keys)})")
+    if len(jobs) > 1 and a.collective == "reduce-scatter":
+        raise SystemExit("net_worker: lanes (several --job) run allreduces only, not reduce-scatter")
+    overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window)) if v is not None}
+    if len(jobs) == 1:
+        # one session on this thread, as a user's script has it
+        import fanin
+
+        lanes: list[_Lane] = []
+        first = fanin.Session(addrs[0], jobs[0], a.rank, dead_after_s=60,
+                              **dict(overrides, **({"auth_key": keys[0]} if keys[0] else {})))
+    else:
+        lanes = [_Lane(addr, job, a.rank, key, overrides) for addr, job, key in zip(addrs, jobs, keys)]
+        for lane in lanes:
+            lane.start()
+        # a native session answers only on its own thread: each lane says
+        # its join's parameters once ready
+        first = [lane.wait() for lane in lanes][0]
     x = worker_inputs(a.rank, a.elements, a.dtype)
     # bfloat16 travels as its bits (numpy has no bfloat16)
     kw = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
-    per = s.elems_per_packet if a.dtype == "float32" else s.half_elems_per_packet
+    per = (_get(first, "elems_per_packet") if a.dtype == "float32" else _get(first, "half_elems_per_packet"))
     keep = shard_range(a.rank, a.workers, a.elements) if a.collective == "reduce-scatter" else None
     if keep is not None:
         kw["keep"] = keep
@@ -68,21 +91,87 @@ def _fanin(a: argparse.Namespace) -> int:
     # array per call costs its page faults (milliseconds, more than the
     # whole allreduce's slack at 10 Gbit/s) inside the timed region
     out = np.empty_like(x)
-    print(json.dumps({"ready": True, "params": s.params, "elems_per_packet": per}), flush=True)
+    # each lane reduces its own contiguous part of the tensor, cut at
+    # packet boundaries so each part's blocks are the whole tensor's
+    cuts = lane_cuts(a.elements, len(jobs), per)
+    print(json.dumps({"ready": True, "params": _get(first, "params"), "elems_per_packet": per, "lanes": len(jobs)}),
+          flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break
         c0, t0 = cpu_ticks(), time.perf_counter()
-        out = s.allreduce(x, out=out, **kw)
+        if not lanes:
+            out = first.allreduce(x, out=out, **kw)
+            stats = [first.last_stats or {}]
+        else:
+            busy = [(lane, lo, hi) for lane, (lo, hi) in zip(lanes, cuts) if hi > lo]
+            for lane, lo, hi in busy:
+                lane.go(x[lo:hi], out[lo:hi], kw)
+            stats = [lane.wait() for lane, _, _ in busy]
         dt = time.perf_counter() - t0
         cpu = _ticks_since(c0)
-        st = s.last_stats or {}
         check = check_result(out, a.workers, a.dtype, per, keep=keep)
-        print(json.dumps({"s": dt, "cpu_ticks": cpu, "verified": check["ok"], "retransmissions": st.get("retransmissions", 0),
-                          "trimmed": st.get("trimmed", 0), "elems_per_packet": per,
-                          "fast_retransmits": st.get("fast_retransmits", 0), "timeouts": st.get("timeouts", 0),
-                          "window": st.get("window")}), flush=True)
+        print(json.dumps({"s": dt, "cpu_ticks": cpu, "verified": check["ok"], "elems_per_packet": per,
+                          **{k: sum(st.get(k, 0) for st in stats)
+                             for k in ("retransmissions", "trimmed", "fast_retransmits", "timeouts")},
+                          "window": stats[0].get("window")}), flush=True)
+    for lane in lanes:
+        lane.stop()
     return 0
+
+
+def _get(session: Any, name: str) -> Any:
+    """``name`` of a session, or of a lane's description of its own."""
+    return session[name] if isinstance(session, dict) else getattr(session, name)
+
+
+def lane_cuts(elements: int, lanes: int, per: int) -> list[tuple[int, int]]:
+    """``lanes`` contiguous parts of ``elements``, each but the last a
+    whole number of ``per``-element packets (so a part's packets are the
+    whole tensor's), as even as that allows."""
+    packets = -(-elements // per)
+    bounds = [min(elements, (packets * i // lanes) * per) for i in range(lanes + 1)]
+    bounds[-1] = elements
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class _Lane(threading.Thread):
+    """One session on a thread of its own (a native session is used only by
+    the thread that made it): a lane of a worker that reduces its tensor
+    over several jobs, each with its own socket and thread."""
+
+    def __init__(self, addr: str, job: int, rank: int, key: Optional[str], overrides: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.args = (addr, job, rank, dict(overrides, **({"auth_key": key} if key else {})))
+        self.todo: queue.Queue = queue.Queue()
+        self.done: queue.Queue = queue.Queue()
+        self.session: Any = None
+
+    def run(self) -> None:
+        import fanin
+
+        try:
+            addr, job, rank, kw = self.args
+            self.session = fanin.Session(addr, job, rank, dead_after_s=60, **kw)
+            self.done.put({k: getattr(self.session, k) for k in ("params", "elems_per_packet", "half_elems_per_packet")})
+            while (work := self.todo.get()) is not None:
+                x, out, kw = work
+                self.session.allreduce(x, out=out, **kw)
+                self.done.put(self.session.last_stats or {})
+        except BaseException as e:  # noqa: BLE001 - raised by wait() in the main thread
+            self.done.put(e)
+
+    def go(self, x: np.ndarray, out: np.ndarray, kw: dict[str, Any]) -> None:
+        self.todo.put((x, out, kw))
+
+    def wait(self) -> dict[str, Any]:
+        got = self.done.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got or {}
+
+    def stop(self) -> None:
+        self.todo.put(None)
 
 
 def shard_range(rank: int, workers: int, elements: int) -> tuple[int, int]:
@@ -194,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fanin_bench.bench.net_worker")
     sub = p.add_subparsers(dest="kind", required=True)
     f = sub.add_parser("fanin")
-    f.add_argument("--addr", required=True)
-    f.add_argument("--job", type=int, default=1)
+    f.add_argument("--addr", required=True, help="the switch's data address (a comma list: one per --job)")
+    f.add_argument("--job", default="1",
+                   help="job id; a comma list makes the worker a lane per job, each reducing its part of the tensor "
+                        "on its own thread and socket (member keys then a comma list in the environment)")
     f.add_argument("--elems-per-packet", type=int)
     f.add_argument("--window", type=int)
     g = sub.add_parser("gloo")

@@ -68,6 +68,14 @@ GLOO_PORT = 29500
 BLAST_PORT = 9  # discard: nothing listens; the counters measure what arrived
 
 
+# --lanes: lane k of an arm's job J runs as job J + LANE_JOB_STRIDE * k
+LANE_JOB_STRIDE = 16
+
+
+def lane_jobs(arm: int, lanes: int) -> list[int]:
+    return [arm + LANE_JOB_STRIDE * k for k in range(lanes)]
+
+
 def payload_per_frame(mtu: int) -> float:
     """UDP payload per byte of Ethernet frame on a full-size frame: a
     1472-byte payload in a 1514-byte frame at MTU 1500 (IPv4). Capacity in
@@ -234,6 +242,12 @@ def run_network(args: Any) -> int:
                   "(pip install -r requirements-bench.txt, or --no-gloo)", file=sys.stderr)
             return 2
     rates = _parse_rates(args.rates or ("200" if args.quick else "100,200,400"))
+    if not 1 <= args.lanes <= LANE_JOB_STRIDE:
+        print(f"fanin bench network: --lanes {args.lanes} must be 1 to {LANE_JOB_STRIDE}", file=sys.stderr)
+        return 2
+    if args.lanes > 1 and args.collective != "allreduce":
+        print("fanin bench network: --lanes runs allreduces only; drop --lanes or --collective", file=sys.stderr)
+        return 2
     topo = _topology(args)
     if topo is None:
         return 2
@@ -257,24 +271,27 @@ def run_network(args: Any) -> int:
                if v is not None}
         switch_config = {"shards": args.shards} if args.shards else {}
         targets: dict[int, dict[int, tuple[str, Optional[bytes]]]] = {}  # job -> rank -> (data address, member key)
+        # each arm's jobs: one, or with --lanes one per lane (each worker a
+        # thread and socket per lane, reducing its part of the tensor)
+        arm_jobs = {arm: lane_jobs(arm, args.lanes) for arm in ((JOB, KEYED_JOB) if args.auth else (JOB,))}
         if len(topo.switches) == 1:
-            jobs = [job_config(JOB, n, **job)]
             job_key = new_job_key() if args.auth else None
-            if job_key:
-                jobs.append(job_config(KEYED_JOB, n, key=job_key, **job))
+            jobs = [job_config(j, n, **(dict(job, key=job_key) if arm == KEYED_JOB else job))
+                    for arm, ids in arm_jobs.items() for j in ids]
             switches = [tb.switch(topo.switches[0].name, jobs=jobs, **switch_config)]
-            for job_id in (JOB, KEYED_JOB) if job_key else (JOB,):
-                targets[job_id] = {r: (f"{tb.addr(edge[h], toward=h)}:{tb.SWITCH_DATA_PORT}",
-                                       derive_member_key(job_key, job_id, r) if job_id == KEYED_JOB else None)
-                                   for r, h in enumerate(hosts)}
+            for arm, ids in arm_jobs.items():
+                for job_id in ids:
+                    targets[job_id] = {r: (f"{tb.addr(edge[h], toward=h)}:{tb.SWITCH_DATA_PORT}",
+                                           derive_member_key(job_key, job_id, r) if arm == KEYED_JOB else None)
+                                       for r, h in enumerate(hosts)}
         else:
             # an aggregation tree over the switches, programmed by the
             # controller (docs/trees.md) as a user's would be
             switches = list(tb.switches(**switch_config).values())
             ctl = Controller(topo, TestbedFabric(tb))
             stack.callback(ctl.close)
-            for job_id in (JOB, KEYED_JOB) if args.auth else (JOB,):
-                ctl.create_job(JobParams(job_id, max_workers=n, auth=job_id == KEYED_JOB, **job))
+            for job_id, arm in ((j, arm) for arm, ids in arm_jobs.items() for j in ids):
+                ctl.create_job(JobParams(job_id, max_workers=n, auth=arm == KEYED_JOB, **job))
                 subs = {r: ctl.subscribe(job_id, r, h) for r, h in enumerate(hosts)}
                 targets[job_id] = {r: (sub["data_addr"], sub["member_key"]) for r, sub in subs.items()}
             print(f"  tree: root {ctl.tree(JOB).root}, {len(ctl.tree(JOB).parent)} switches", file=sys.stderr)
@@ -287,16 +304,17 @@ def run_network(args: Any) -> int:
                         total[k] = total.get(k, 0) + v
             return total
 
-        def fanin_workers(job_id: int) -> list[subprocess.Popen]:
+        def fanin_workers(arm: int) -> list[subprocess.Popen]:
             procs = []
+            ids = arm_jobs[arm]
             for r, h in enumerate(hosts):
                 env = dict(os.environ)
-                addr, key = targets[job_id][r]
-                if key is not None:
+                addr = ",".join(targets[j][r][0] for j in ids)
+                if arm == KEYED_JOB:
                     # not on the command line, where every process could read it
-                    env[MEMBER_KEY_ENV] = key.hex()
+                    env[MEMBER_KEY_ENV] = ",".join(targets[j][r][1].hex() for j in ids)
                 procs.append(tb.popen(h, _worker_argv(
-                    "fanin", addr=addr, job=job_id, rank=r,
+                    "fanin", addr=addr, job=",".join(map(str, ids)), rank=r,
                     workers=n, elements=elements, dtype=args.dtype, elems_per_packet=args.elems_per_packet,
                     window=args.window, collective=args.collective),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
@@ -376,8 +394,10 @@ def run_network(args: Any) -> int:
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
                                  "window": args.window, "shards": args.shards, "keyed_arm": bool(args.auth),
+                                 "lanes": args.lanes,
                                  "overrides": bool(
-                                     args.elems_per_packet or args.window or args.shards or args.block_grad_max or args.block_cnt_max)},
+                                     args.elems_per_packet or args.window or args.shards or args.block_grad_max or args.block_cnt_max
+                                     or args.lanes > 1)},
               "csv": str(out / "network.csv"), "png": str(out / "network.png")}
     human = "; ".join(
         f"{r['rate_mbit']:g} Mbit/s (measured {r['capacity_mbit']:.0f}, both ways at once "
