@@ -127,3 +127,24 @@ def test_an_executor_killed_mid_stream_gives_the_exact_sums_once(sc, cluster, sw
     assert end["tasks_created"] - start["tasks_created"] == 2
     assert (end["tasks_finished"] + end["tasks_failed"]) - (start["tasks_finished"] + start["tasks_failed"]) == 2
     cluster.wait_for_executors(sc)
+
+
+def test_the_kv_benchmarks_run_their_spark_systems_on_a_standalone_cluster(tmp_path):
+    """`fanin bench kv-wordcount --cluster` (and kv-groupby's): the Spark
+    systems and both fanin.spark forms on a master and two worker JVMs
+    with a daemon each, every result checked against the reference."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import fanin
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(fanin.__file__)))
+    r = subprocess.run([sys.executable, "-m", "fanin", "bench", "kv-wordcount", "--cluster", "--corpus-mb", "1",
+                        "--repeats", "1", "--json", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["spark"].startswith("a standalone cluster of 2 workers") and out["all_equal"]
+    assert {"fanin.spark.reduce_by_key", "fanin.spark.aggregate"} <= {row["system"] for row in out["rows"]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 from typing import Any, Callable
 
 from fanin._cli_util import rate_limit_tuple
@@ -54,6 +55,13 @@ def _lm_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda or auto (the ranks share the GPU; the namespaces do not hide it) "
                         "(default %(default)s)")
+
+
+def _cluster_option(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--cluster", action="store_true",
+                   help="run Spark as a standalone cluster started here (a master and 2 worker JVMs with 1 core "
+                        "each, each worker with its own fanin kv daemon; fanin.spark.cluster) instead of local[2]: "
+                        "tasks in executor processes apart from the driver, each receiver on its worker's daemon")
 
 
 def _common(b: argparse.ArgumentParser) -> None:
@@ -250,6 +258,8 @@ def _add_kv_benches(bsub: Any) -> None:
         wc = bsub.add_parser(name, help=help_text, description=help_text + "; writes CSV and PNG to --out.")
         wc.add_argument("--out", default="out/kv", help="directory for CSV and PNG (default %(default)s)")
         _corpus_options(wc, "runs per system, median reported (default 3, 1 with --quick)")
+        if name == "kv-wordcount":
+            _cluster_option(wc)
         wc.set_defaults(func=func)
 
     mem = bsub.add_parser(
@@ -276,13 +286,15 @@ def _add_kv_benches(bsub: Any) -> None:
 
     gb = bsub.add_parser(
         "kv-groupby", help="DataFrame group-by: fanin.spark.aggregate vs Spark's groupBy().agg(), results checked equal",
-        description="A generated table (k long, v double by default; uniform or Zipf-like keys) cached in Spark "
-                    "on local[2]; Spark's groupBy('k').agg(sum, count, min, max of v) and fanin.spark.aggregate "
+        description=textwrap.fill("A generated table (k long, v double by default; uniform or Zipf-like keys) cached in Spark "
+                    "on local[2] (or --cluster); Spark's groupBy('k').agg(sum, count, min, max of v) and fanin.spark.aggregate "
                     "with the same aggregates alternate (a real switch and kv daemon). Results are compared in "
                     "Spark (float sums within rounding, everything else exactly). Medians, speed-up; JSON with "
-                    "--json, CSV and PNG to --out.",
+                    "--json, CSV and PNG to --out.", 100),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: fanin bench kv-groupby --quick --json\n"
-               "         fanin bench kv-groupby --rows 10000000 --groups 100000,1000000 --dists uniform,zipf")
+               "         fanin bench kv-groupby --rows 10000000 --groups 100000,1000000 --dists uniform,zipf\n"
+               "         fanin bench kv-groupby --cluster --quick --json")
     gb.add_argument("--out", default="out/kv", help="directory for CSV and PNG (default %(default)s)")
     gb.add_argument("--rows", type=int, help="rows of the table (default 10^7, 10^6 with --quick)")
     gb.add_argument("--groups", help="comma list of distinct keys (default 100000,1000000; 100000 with --quick)")
@@ -291,6 +303,7 @@ def _add_kv_benches(bsub: Any) -> None:
     gb.add_argument("--value-type", choices=("float64", "int64"), default="float64",
                     help="type of the value column v: double (float64 registers on the switch) or long "
                          "(default %(default)s)")
+    _cluster_option(gb)
     _common(gb)
     gb.set_defaults(func=_lazy("kv_groupby", "run_kv_groupby"))
 

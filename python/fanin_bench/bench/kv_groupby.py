@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from fanin_bench.bench.kv_wordcount import SENDERS, _spark_session, _write_csv, kv_service
+from fanin_bench.bench.kv_wordcount import SENDERS, _write_csv, kv_service, spark_for_bench, spark_label
 from fanin_bench.bench.spark_floors import arrow_drain, barrier_sync_seconds
 from fanin_bench.plotting import save_figure
 
@@ -92,17 +92,16 @@ def run_kv_groupby(args: Any) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     value_type = getattr(args, "value_type", None) or "float64"
     os.makedirs(args.out, exist_ok=True)
-    spark = _spark_session()
-    spark.sparkContext.setLogLevel("ERROR")
     results = []
-    barrier_s = barrier_sync_seconds(spark.sparkContext, SENDERS)
-    with kv_service(send_channels=SENDERS) as svc:
+    with kv_service(send_channels=SENDERS) as svc, spark_for_bench(svc, args.cluster) as bench_spark:
+        spark, socket_path = bench_spark.spark, bench_spark.socket_path
+        barrier_s = barrier_sync_seconds(spark.sparkContext, SENDERS)
         for dist in dists:
             for groups in groups_list:
                 table = _table(spark, rows_n, groups, dist, args.seed, value_type).cache()
                 table.count()
                 expected = _spark_groupby(table)
-                got = aggregate(table, by="k", agg=AGGS, socket_path=svc.daemon.socket_path)
+                got = aggregate(table, by="k", agg=AGGS, socket_path=socket_path)
                 distinct = got.count()
                 differ = _differences(table, got, expected, value_type)
                 got.unpersist()
@@ -116,7 +115,7 @@ def run_kv_groupby(args: Any) -> int:
                     _spark_groupby(table).write.format("noop").mode("overwrite").save()
                     times["spark"].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
-                    aggregate(table, by="k", agg=AGGS, socket_path=svc.daemon.socket_path).unpersist()
+                    aggregate(table, by="k", agg=AGGS, socket_path=socket_path).unpersist()
                     times["fanin"].append(time.perf_counter() - t0)
                     # the floor: the table's rows reach Python as Arrow and
                     # are dropped (spark_floors.py)
@@ -142,19 +141,19 @@ def run_kv_groupby(args: Any) -> int:
                                 "ceiling_vs_dataframe_one_sync": round(
                                     med["spark"] / (med["arrow_floor"] + barrier_s), 2),
                                 "equal": True})
-    spark.stop()
     csv_path = os.path.join(args.out, "kv-groupby.csv")
     _write_csv(csv_path, [{k: v for k, v in r.items() if not k.endswith("runs_s")} for r in results])
     png_path = os.path.join(args.out, "kv-groupby.png")
-    _plot(results, png_path, rows_n)
-    out = {"benchmark": "kv-groupby", "rows": rows_n, "cores": SENDERS, "repeats": repeats, "aggregates": AGGS,
+    _plot(results, png_path, rows_n, spark_label(args))
+    out = {"benchmark": "kv-groupby", "rows": rows_n, "cores": SENDERS, "spark": spark_label(args), "repeats": repeats,
+           "aggregates": AGGS,
            "value_type": value_type, "all_equal": True, "results": results, "barrier_sync_s": round(barrier_s, 3),
            "target_1_5x_dataframe": all(r["speedup_vs_dataframe"] >= 1.5 for r in results),
            "csv": csv_path, "png": png_path}
     if args.json:
         print(json.dumps(out))
-    print(f"group-by of {rows_n} rows, sum/count/min/max of a {value_type} column, {SENDERS} cores, median of "
-          f"{repeats}; results equal (float sums within rounding):", file=sys.stderr)
+    print(f"group-by of {rows_n} rows, sum/count/min/max of a {value_type} column, {SENDERS} cores, Spark on "
+          f"{spark_label(args)}, median of {repeats}; results equal (float sums within rounding):", file=sys.stderr)
     for r in results:
         print(f"  {r['dist']:8} {r['groups']:>8} groups  Spark {r['spark_s']:6.2f} s  fanin {r['fanin_s']:6.2f} s  "
               f"{r['speedup_vs_dataframe']:.2f}x  (Arrow hand-over {r['arrow_floor_s']:.2f} s: at most "
@@ -164,7 +163,7 @@ def run_kv_groupby(args: Any) -> int:
     return 0
 
 
-def _plot(results: list[dict], path: str, rows_n: int) -> None:
+def _plot(results: list[dict], path: str, rows_n: int, spark: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,7 +180,7 @@ def _plot(results: list[dict], path: str, rows_n: int) -> None:
         ax.text(i, r["fanin_s"], f"{r['speedup_vs_dataframe']:.2f}x", ha="center", va="bottom")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("wall seconds (median)")
-    ax.set_title(f"group-by of {rows_n / 1e6:g} M rows: sum, count, min, max (2 cores)")
+    ax.set_title(f"group-by of {rows_n / 1e6:g} M rows: sum, count, min, max (2 cores, Spark on {spark})", fontsize=9)
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path)

@@ -239,6 +239,52 @@ def _spark_session():
             .config("spark.driver.memory", "2g").getOrCreate())
 
 
+def spark_label(args: Any) -> str:
+    return (f"a standalone cluster of {SENDERS} workers with 1 core each" if getattr(args, "cluster", False)
+            else f"local[{SENDERS}]")
+
+
+class spark_for_bench:
+    """The Spark the kv benchmarks run on, entered after ``svc`` is up:
+    ``local[2]`` by default, or with ``cluster`` a standalone cluster of
+    ``SENDERS`` worker JVMs with one core each, each with its own kv daemon
+    against ``svc``'s switch (``fanin.spark.cluster``), so the Spark
+    systems' tasks run in executor processes apart from the driver and
+    each fanin receiver in the daemon of "its host". ``socket_path`` is
+    what the fanin.spark forms are given: ``svc``'s daemon on ``local[2]``,
+    None on the cluster (each executor its worker's daemon)."""
+
+    def __init__(self, svc: "kv_service", cluster: bool) -> None:
+        self.svc, self.cluster, self._cluster = svc, cluster, None
+
+    def __enter__(self) -> Any:
+        if not self.cluster:
+            self.spark = _spark_session()
+            self.socket_path = self.svc.daemon.socket_path
+        else:
+            from pyspark.sql import SparkSession
+
+            from fanin.spark.cluster import StandaloneCluster
+
+            self._cluster = StandaloneCluster(self.svc.switch.control_addr, workers=SENDERS, cores_per_worker=1)
+            try:
+                sc = self._cluster.context("fanin-kv-bench", **{"spark.sql.shuffle.partitions": str(SENDERS),
+                                                                 "spark.driver.memory": "2g",
+                                                                 "spark.executor.memory": "1g"})
+                self.spark = SparkSession(sc)
+            except BaseException:
+                self._cluster.stop()
+                raise
+            self.socket_path = None
+        self.spark.sparkContext.setLogLevel("ERROR")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.spark.stop()
+        if self._cluster is not None:
+            self._cluster.stop()
+
+
 def run_kv_wordcount(args: Any) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
@@ -265,9 +311,16 @@ def _wordcount_runs(args: Any, manifest: dict, parts: list[str], ref: dict, repe
     per system the wall seconds, CPU seconds and the switch's CPU seconds
     of each run (the CPU lists stay empty without ``groups``)."""
     corpus = os.path.abspath(manifest["path"])
-    spark = _spark_session()
+    # One daemon data channel (thread and socket) per sender, as PreAggr
+    # and Spark get one process or task per core.
+    with kv_service(send_channels=SENDERS) as svc, spark_for_bench(svc, args.cluster) as bench_spark:
+        return _wordcount_systems(args, svc, bench_spark, corpus, parts, ref, repeats, groups)
+
+
+def _wordcount_systems(args: Any, svc: kv_service, bench_spark: spark_for_bench, corpus: str, parts: list[str],
+                       ref: dict, repeats: int, groups: Optional[CpuGroups]) -> tuple[dict, dict, dict]:
+    spark = bench_spark.spark
     sc = spark.sparkContext
-    sc.setLogLevel("ERROR")
     from operator import add
 
     from pyspark.sql import functions as F
@@ -293,63 +346,59 @@ def _wordcount_runs(args: Any, manifest: dict, parts: list[str], ref: dict, repe
     def df_count_job() -> dict:
         return {r["word"]: r["count"] for r in words_frame().groupBy("word").count().collect()}
 
-    # One daemon data channel (thread and socket) per sender, as PreAggr
-    # and Spark get one process or task per core.
-    with kv_service(send_channels=SENDERS) as svc:
-        from fanin.spark import aggregate, reduce_by_key_as_map
+    from fanin.spark import aggregate, reduce_by_key_as_map
 
-        # Every system ends with a dict of str keys, the form the reference
-        # has; fanin's are decoded from the result file in the extension.
-        def fanin_job() -> dict:
-            return _fanin_run(svc, parts, args.aa_size, as_str=True, auth=False)[0]
+    # Every system ends with a dict of str keys, the form the reference
+    # has; fanin's are decoded from the result file in the extension.
+    def fanin_job() -> dict:
+        return _fanin_run(svc, parts, args.aa_size, as_str=True, auth=False)[0]
 
-        def fanin_keyed_job() -> dict:
-            return _fanin_run(svc, parts, args.aa_size, as_str=True, auth=True)[0]
+    def fanin_keyed_job() -> dict:
+        return _fanin_run(svc, parts, args.aa_size, as_str=True, auth=True)[0]
 
-        def fanin_spark_job() -> dict:
-            return reduce_by_key_as_map(pairs(), socket_path=svc.daemon.socket_path, aa_size=args.aa_size)
+    def fanin_spark_job() -> dict:
+        return reduce_by_key_as_map(pairs(), socket_path=bench_spark.socket_path, aa_size=args.aa_size)
 
-        def fanin_frame_job() -> dict:
-            counts = aggregate(words_frame(), by="word", agg={"*": "count"}, socket_path=svc.daemon.socket_path,
-                               aa_size=args.aa_size)
-            try:
-                return {r[0]: r[1] for r in counts.collect()}
-            finally:
-                counts.unpersist()
+    def fanin_frame_job() -> dict:
+        counts = aggregate(words_frame(), by="word", agg={"*": "count"}, socket_path=bench_spark.socket_path,
+                           aa_size=args.aa_size)
+        try:
+            return {r[0]: r[1] for r in counts.collect()}
+        finally:
+            counts.unpersist()
 
-        systems: list[tuple[str, Callable[[], Optional[dict]]]] = [
-            # The same task keyed (every datagram sealed, docs/security.md),
-            # side by side: the cost of authentication.
-            ("fanin", fanin_job), ("fanin keyed", fanin_keyed_job), ("PreAggr", lambda: {k.decode(): v for k, v in _preaggr(parts).items()}),
-            ("PySpark RDD reduceByKey", rdd_job), ("Spark DataFrame groupBy.sum", df_job),
-            ("Spark DataFrame groupBy.count", df_count_job),
-            ("fanin.spark.reduce_by_key", fanin_spark_job), ("fanin.spark.aggregate", fanin_frame_job),
-            # Floors (spark_floors.py): the hand-over every Spark form pays
-            # before aggregating, the data dropped; they return nothing.
-            (FLOOR_RDD, lambda: rdd_drain(pairs())), (FLOOR_ARROW, lambda: arrow_drain(words_frame())),
-            (FLOOR_JVM, lambda: jvm_drain(words_frame())),
-        ]
-        times: dict[str, list[float]] = {name: [] for name, _ in systems}
-        cpu: dict[str, list[float]] = {name: [] for name, _ in systems}
-        switch_cpu: dict[str, list[float]] = {name: [] for name, _ in systems}
-        if groups is not None:
-            groups.adopt(svc.switch.proc.pid, "switch")
-        for _ in range(repeats):
-            # Interleaved, so drift in the machine's load hits every system.
-            for name, job in systems:
-                c0, s0 = (groups.seconds(), groups.seconds("switch")) if groups else (0.0, 0.0)
-                t0 = time.perf_counter()
-                got = job()
-                times[name].append(time.perf_counter() - t0)
-                if groups is not None:
-                    cpu[name].append(groups.seconds() - c0)
-                    switch_cpu[name].append(groups.seconds("switch") - s0)
-                if got is not None and got != ref:
-                    diff = len(set(got.items()) ^ set(ref.items()))
-                    raise SystemExit(f"kv-wordcount: {name} differs from the reference ({diff} entries)")
-                print(f"kv-wordcount: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
-        times[BARRIER_SYNC] = [barrier_sync_seconds(sc, SENDERS) for _ in range(repeats)]
-    spark.stop()
+    systems: list[tuple[str, Callable[[], Optional[dict]]]] = [
+        # The same task keyed (every datagram sealed, docs/security.md),
+        # side by side: the cost of authentication.
+        ("fanin", fanin_job), ("fanin keyed", fanin_keyed_job), ("PreAggr", lambda: {k.decode(): v for k, v in _preaggr(parts).items()}),
+        ("PySpark RDD reduceByKey", rdd_job), ("Spark DataFrame groupBy.sum", df_job),
+        ("Spark DataFrame groupBy.count", df_count_job),
+        ("fanin.spark.reduce_by_key", fanin_spark_job), ("fanin.spark.aggregate", fanin_frame_job),
+        # Floors (spark_floors.py): the hand-over every Spark form pays
+        # before aggregating, the data dropped; they return nothing.
+        (FLOOR_RDD, lambda: rdd_drain(pairs())), (FLOOR_ARROW, lambda: arrow_drain(words_frame())),
+        (FLOOR_JVM, lambda: jvm_drain(words_frame())),
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _ in systems}
+    cpu: dict[str, list[float]] = {name: [] for name, _ in systems}
+    switch_cpu: dict[str, list[float]] = {name: [] for name, _ in systems}
+    if groups is not None:
+        groups.adopt(svc.switch.proc.pid, "switch")
+    for _ in range(repeats):
+        # Interleaved, so drift in the machine's load hits every system.
+        for name, job in systems:
+            c0, s0 = (groups.seconds(), groups.seconds("switch")) if groups else (0.0, 0.0)
+            t0 = time.perf_counter()
+            got = job()
+            times[name].append(time.perf_counter() - t0)
+            if groups is not None:
+                cpu[name].append(groups.seconds() - c0)
+                switch_cpu[name].append(groups.seconds("switch") - s0)
+            if got is not None and got != ref:
+                diff = len(set(got.items()) ^ set(ref.items()))
+                raise SystemExit(f"kv-wordcount: {name} differs from the reference ({diff} entries)")
+            print(f"kv-wordcount: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
+    times[BARRIER_SYNC] = [barrier_sync_seconds(sc, SENDERS) for _ in range(repeats)]
     return times, cpu, switch_cpu
 
 
@@ -373,10 +422,11 @@ def _wordcount_report(args: Any, manifest: dict, ref: dict, repeats: int, times:
     csv_path = os.path.join(args.out, "kv-wordcount.csv")
     _write_csv(csv_path, rows)
     png_path = os.path.join(args.out, "kv-wordcount.png")
-    _plot_wordcount(rows, png_path, manifest)
+    _plot_wordcount(rows, png_path, manifest, spark_label(args))
     by = {r["system"]: r for r in rows}
     med = {n: r["median_s"] for n, r in by.items()}
     result = {"benchmark": "kv-wordcount", "corpus": manifest, "cores": SENDERS, "repeats": repeats,
+              "spark": spark_label(args),
               "distinct_words": len(ref), "rows": rows, "all_equal": True,
               "target_10x_rdd": med["PySpark RDD reduceByKey"] / med["fanin"] >= 10,
               "target_faster_than_dataframe": med["fanin"] < med["Spark DataFrame groupBy.sum"],
@@ -406,9 +456,9 @@ def _wordcount_report(args: Any, manifest: dict, ref: dict, repeats: int, times:
     if args.json:
         print(json.dumps(result))
     print(f"WordCount of {manifest['words']} words ({manifest['bytes'] / 1e6:.0f} MB, {len(ref)} distinct), "
-          f"{SENDERS} cores, median of {repeats}; all results equal:", file=sys.stderr)
+          f"{SENDERS} cores, Spark on {spark_label(args)}, median of {repeats}; all results equal:", file=sys.stderr)
     for r in rows:
-        line = f"  {r['system']:32} {r['median_s']:8.2f} s  {r['speedup_vs_rdd']:6.2f}x RDD"
+        line = f"  {r['system']:36} {r['median_s']:8.2f} s  {r['speedup_vs_rdd']:6.2f}x RDD"
         if "cpu_s" in r:
             line += f"   CPU {r['cpu_s']:6.2f} s (switch {r['switch_cpu_s']:.2f}, hosts {r['host_cpu_s']:.2f})"
         print(line, file=sys.stderr)
@@ -455,7 +505,7 @@ def run_kv_window(args: Any) -> int:
     return 0
 
 
-def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, Any]) -> None:
+def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, Any], spark: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,7 +520,7 @@ def _plot_wordcount(rows: list[dict[str, Any]], path: str, manifest: dict[str, A
         ax.text(r["median_s"], i, f" {r['median_s']:.2f} s ({r['speedup_vs_rdd']:.1f}x RDD)", va="center")
     ax.invert_yaxis()
     ax.set_xlabel("wall seconds (median)")
-    ax.set_title(f"WordCount, {manifest['words'] / 1e6:.1f} M words, 2 cores (local[2])")
+    ax.set_title(f"WordCount, {manifest['words'] / 1e6:.1f} M words, 2 cores, Spark on {spark}", fontsize=9)
     ax.set_xlim(0, max(r["median_s"] for r in rows) * 1.45)
     if with_cpu:
         _plot_wordcount_cpu(axes[0][1], rows, names)
