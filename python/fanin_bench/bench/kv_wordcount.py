@@ -280,9 +280,11 @@ class spark_for_bench:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.spark.stop()
-        if self._cluster is not None:
-            self._cluster.stop()
+        try:
+            self.spark.stop()
+        finally:
+            if self._cluster is not None:
+                self._cluster.stop()
 
 
 def run_kv_wordcount(args: Any) -> int:
