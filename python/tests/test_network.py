@@ -77,6 +77,7 @@ def test_lanes_spread_each_worker_over_jobs_and_threads_and_every_sum_is_checked
     report = _bench(tmp_path, "--lanes", "3", "--auth")
     (row,) = report["rates"]
     assert report["fanin_settings"]["lanes"] == 3 and report["fanin_settings"]["overrides"]
+    assert row["fanin_lanes"] == 3  # as the workers report: three sessions ran each allreduce
     assert row["fanin_verified"] and row["keyed_median_s"] > 0
     assert row["ip_fragments"] == 0, row
 
@@ -88,6 +89,20 @@ def test_lane_cuts_fall_on_packet_boundaries():
     cuts = lane_cuts(4_000_000, 2, 358)
     assert cuts[0][0] == 0 and cuts[-1][1] == 4_000_000 and cuts[0][1] % 358 == 0
     assert lane_cuts(10, 2, 358) == [(0, 0), (0, 10)]  # an empty lane sits the call out
+
+
+def test_a_lanes_error_is_raised_at_once_whichever_lane_has_it():
+    import queue
+
+    from fanin_bench.bench.net_worker import collect
+
+    answers: queue.Queue = queue.Queue()
+    answers.put((2, RuntimeError("lane 2 failed")))  # lanes 0 and 1 have not answered (and never will)
+    with pytest.raises(RuntimeError, match="lane 2 failed"):
+        collect(answers, 3)
+    for i in (1, 0):
+        answers.put((i, {"lane": i}))
+    assert collect(answers, 2) == [{"lane": 0}, {"lane": 1}]
 
 
 def test_a_leaf_spine_runs_fanin_as_a_controller_tree_and_nothing_fragments(tmp_path):

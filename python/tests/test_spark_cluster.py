@@ -130,9 +130,10 @@ def test_an_executor_killed_mid_stream_gives_the_exact_sums_once(sc, cluster, sw
 
 
 def test_the_kv_benchmarks_run_their_spark_systems_on_a_standalone_cluster(tmp_path):
-    """`fanin bench kv-wordcount --cluster` (and kv-groupby's): the Spark
-    systems and both fanin.spark forms on a master and two worker JVMs
-    with a daemon each, every result checked against the reference."""
+    """`fanin bench kv-wordcount --cluster`: the Spark systems and both
+    fanin.spark forms on a master and two worker JVMs with a daemon each,
+    every result checked against the reference (kv-groupby's --cluster
+    uses the same `spark_for_bench`)."""
     import json
     import os
     import subprocess

@@ -191,6 +191,25 @@ def test_the_kv_groupby_bench_checks_results_and_prints_json(tmp_path):
     assert (tmp_path / "kv-groupby.png").stat().st_size > 0 and (tmp_path / "kv-groupby.csv").exists()
 
 
+def test_each_floor_hands_over_every_row(spark):
+    """A floor is a lower bound only if Spark computes and hands over every
+    row: a failure in the last row must surface through each of them."""
+    from pyspark.sql import functions as F
+
+    from fanin_bench.bench.spark_floors import arrow_drain, jvm_drain, rdd_drain
+
+    last = 9_999
+    frame = spark.range(0, last + 1, numPartitions=2).select(
+        F.when(F.col("id") == last, F.raise_error(F.lit("the last row was computed"))).otherwise(F.col("id"))
+        .alias("id"))
+    for drain in (arrow_drain, jvm_drain):
+        with pytest.raises(Exception, match="the last row was computed"):
+            drain(frame)
+    rdd = spark.sparkContext.parallelize(range(last + 1), 2).map(lambda i: 1 // (i - last))
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        rdd_drain(rdd)
+
+
 def test_the_kv_wordcount_bench_checks_every_system_and_reports_its_floors(tmp_path):
     """A small `fanin bench kv-wordcount`: every system's counts checked
     against the reference, and beside them the hand-over floors with the

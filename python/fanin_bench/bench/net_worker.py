@@ -73,12 +73,14 @@ def _fanin(a: argparse.Namespace) -> int:
         first = fanin.Session(addrs[0], jobs[0], a.rank, dead_after_s=60,
                               **dict(overrides, **({"auth_key": keys[0]} if keys[0] else {})))
     else:
-        lanes = [_Lane(addr, job, a.rank, key, overrides) for addr, job, key in zip(addrs, jobs, keys)]
+        answers: queue.Queue = queue.Queue()
+        lanes = [_Lane(i, answers, addr, job, a.rank, key, overrides)
+                 for i, (addr, job, key) in enumerate(zip(addrs, jobs, keys))]
         for lane in lanes:
             lane.start()
         # a native session answers only on its own thread: each lane says
         # its join's parameters once ready
-        first = [lane.wait() for lane in lanes][0]
+        first = collect(answers, len(lanes))[0]
     x = worker_inputs(a.rank, a.elements, a.dtype)
     # bfloat16 travels as its bits (numpy has no bfloat16)
     kw = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
@@ -107,14 +109,14 @@ def _fanin(a: argparse.Namespace) -> int:
             busy = [(lane, lo, hi) for lane, (lo, hi) in zip(lanes, cuts) if hi > lo]
             for lane, lo, hi in busy:
                 lane.go(x[lo:hi], out[lo:hi], kw)
-            stats = [lane.wait() for lane, _, _ in busy]
+            stats = collect(answers, len(busy))
         dt = time.perf_counter() - t0
         cpu = _ticks_since(c0)
         check = check_result(out, a.workers, a.dtype, per, keep=keep)
         print(json.dumps({"s": dt, "cpu_ticks": cpu, "verified": check["ok"], "elems_per_packet": per,
                           **{k: sum(st.get(k, 0) for st in stats)
                              for k in ("retransmissions", "trimmed", "fast_retransmits", "timeouts")},
-                          "window": stats[0].get("window")}), flush=True)
+                          "window": stats[0].get("window"), "lanes": len(stats)}), flush=True)
     for lane in lanes:
         lane.stop()
     return 0
@@ -136,42 +138,56 @@ def lane_cuts(elements: int, lanes: int, per: int) -> list[tuple[int, int]]:
 
 
 class _Lane(threading.Thread):
-    """One session on a thread of its own (a native session is used only by
-    the thread that made it): a lane of a worker that reduces its tensor
-    over several jobs, each with its own socket and thread."""
+    """One session on a thread of its own (a native session may be used, and
+    dropped, only by the thread that made it): a lane of a worker that
+    reduces its tensor over several jobs, each with its own socket and
+    thread. Every lane answers on the worker's one ``answers`` queue as
+    ``(lane index, result or exception)``, so the first error is seen at
+    once whichever lane has it."""
 
-    def __init__(self, addr: str, job: int, rank: int, key: Optional[str], overrides: dict[str, Any]) -> None:
+    def __init__(self, index: int, answers: queue.Queue, addr: str, job: int, rank: int, key: Optional[str],
+                 overrides: dict[str, Any]) -> None:
         super().__init__(daemon=True)
+        self.index, self.answers = index, answers
         self.args = (addr, job, rank, dict(overrides, **({"auth_key": key} if key else {})))
         self.todo: queue.Queue = queue.Queue()
-        self.done: queue.Queue = queue.Queue()
-        self.session: Any = None
 
     def run(self) -> None:
         import fanin
 
         try:
             addr, job, rank, kw = self.args
-            self.session = fanin.Session(addr, job, rank, dead_after_s=60, **kw)
-            self.done.put({k: getattr(self.session, k) for k in ("params", "elems_per_packet", "half_elems_per_packet")})
-            while (work := self.todo.get()) is not None:
-                x, out, kw = work
-                self.session.allreduce(x, out=out, **kw)
-                self.done.put(self.session.last_stats or {})
-        except BaseException as e:  # noqa: BLE001 - raised by wait() in the main thread
-            self.done.put(e)
+            session = fanin.Session(addr, job, rank, dead_after_s=60, **kw)
+            try:
+                self.answers.put((self.index, {k: getattr(session, k)
+                                               for k in ("params", "elems_per_packet", "half_elems_per_packet")}))
+                while (work := self.todo.get()) is not None:
+                    x, out, kw = work
+                    session.allreduce(x, out=out, **kw)
+                    self.answers.put((self.index, session.last_stats or {}))
+            finally:
+                del session  # here, on its own thread
+        except BaseException as e:  # noqa: BLE001 - raised by collect() in the main thread
+            self.answers.put((self.index, e))
 
     def go(self, x: np.ndarray, out: np.ndarray, kw: dict[str, Any]) -> None:
         self.todo.put((x, out, kw))
 
-    def wait(self) -> dict[str, Any]:
-        got = self.done.get()
-        if isinstance(got, BaseException):
-            raise got
-        return got or {}
-
     def stop(self) -> None:
         self.todo.put(None)
+        self.join(timeout=10)
+
+
+def collect(answers: queue.Queue, count: int) -> list[Any]:
+    """``count`` lanes' answers in lane order; the first error raises as soon
+    as it arrives."""
+    got: dict[int, Any] = {}
+    while len(got) < count:
+        index, answer = answers.get()
+        if isinstance(answer, BaseException):
+            raise answer
+        got[index] = answer
+    return [got[i] for i in sorted(got)]
 
 
 def shard_range(rank: int, workers: int, elements: int) -> tuple[int, int]:

@@ -455,6 +455,8 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
         "fanin_fraction_of_duplex_capacity":
             fanin_ideal * cap["capacity_mbit"] / cap["capacity_duplex_mbit"] / statistics.median(fanin_t),
         "fanin_verified": all(a["verified"] for a in answers),
+        # sessions (lanes) each worker's allreduce ran on, as the workers report
+        "fanin_lanes": max(a.get("lanes", 1) for a in answers),
         "retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
         "trimmed": sum(a.get("trimmed") or 0 for a in answers),
         "fast_retransmits": sum(a.get("fast_retransmits") or 0 for a in answers),
