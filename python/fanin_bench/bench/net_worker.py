@@ -70,8 +70,9 @@ def _fanin(a: argparse.Namespace) -> int:
         import fanin
 
         lanes: list[_Lane] = []
-        first = fanin.Session(addrs[0], jobs[0], a.rank, dead_after_s=60,
-                              **dict(overrides, **({"auth_key": keys[0]} if keys[0] else {})))
+        session = fanin.Session(addrs[0], jobs[0], a.rank, dead_after_s=60,
+                                **dict(overrides, **({"auth_key": keys[0]} if keys[0] else {})))
+        joined = describe(session)
     else:
         answers: queue.Queue = queue.Queue()
         lanes = [_Lane(i, answers, addr, job, a.rank, key, overrides)
@@ -80,11 +81,11 @@ def _fanin(a: argparse.Namespace) -> int:
             lane.start()
         # a native session answers only on its own thread: each lane says
         # its join's parameters once ready
-        first = collect(answers, len(lanes))[0]
+        joined = collect(answers, len(lanes))[0]
     x = worker_inputs(a.rank, a.elements, a.dtype)
     # bfloat16 travels as its bits (numpy has no bfloat16)
     kw = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
-    per = (_get(first, "elems_per_packet") if a.dtype == "float32" else _get(first, "half_elems_per_packet"))
+    per = joined["elems_per_packet"] if a.dtype == "float32" else joined["half_elems_per_packet"]
     keep = shard_range(a.rank, a.workers, a.elements) if a.collective == "reduce-scatter" else None
     if keep is not None:
         kw["keep"] = keep
@@ -96,15 +97,15 @@ def _fanin(a: argparse.Namespace) -> int:
     # each lane reduces its own contiguous part of the tensor, cut at
     # packet boundaries so each part's blocks are the whole tensor's
     cuts = lane_cuts(a.elements, len(jobs), per)
-    print(json.dumps({"ready": True, "params": _get(first, "params"), "elems_per_packet": per, "lanes": len(jobs)}),
+    print(json.dumps({"ready": True, "params": joined["params"], "elems_per_packet": per, "lanes": len(jobs)}),
           flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break
         c0, t0 = cpu_ticks(), time.perf_counter()
         if not lanes:
-            out = first.allreduce(x, out=out, **kw)
-            stats = [first.last_stats or {}]
+            out = session.allreduce(x, out=out, **kw)
+            stats = [session.last_stats or {}]
         else:
             busy = [(lane, lo, hi) for lane, (lo, hi) in zip(lanes, cuts) if hi > lo]
             for lane, lo, hi in busy:
@@ -122,9 +123,10 @@ def _fanin(a: argparse.Namespace) -> int:
     return 0
 
 
-def _get(session: Any, name: str) -> Any:
-    """``name`` of a session, or of a lane's description of its own."""
-    return session[name] if isinstance(session, dict) else getattr(session, name)
+def describe(session: Any) -> dict[str, Any]:
+    """What the worker needs of a session's join, as plain data (a lane's
+    session may not be touched by another thread)."""
+    return {k: getattr(session, k) for k in ("params", "elems_per_packet", "half_elems_per_packet")}
 
 
 def lane_cuts(elements: int, lanes: int, per: int) -> list[tuple[int, int]]:
@@ -159,8 +161,7 @@ class _Lane(threading.Thread):
             addr, job, rank, kw = self.args
             session = fanin.Session(addr, job, rank, dead_after_s=60, **kw)
             try:
-                self.answers.put((self.index, {k: getattr(session, k)
-                                               for k in ("params", "elems_per_packet", "half_elems_per_packet")}))
+                self.answers.put((self.index, describe(session)))
                 while (work := self.todo.get()) is not None:
                     x, out, kw = work
                     session.allreduce(x, out=out, **kw)
