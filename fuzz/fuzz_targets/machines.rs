@@ -62,6 +62,7 @@ fn switch(shard: u16) -> ValueSwitch<u8> {
     // a keyed job: arbitrary bytes exercise the tag check and never get past it
     let mut keyed = JobSpec::with_sources(4, 2, 4, 8);
     keyed.key = Some(fanin_proto::auth::Key([0x4b; 16]));
+    keyed.result_group = Some(GROUP); // its results sealed once for the group
     sw.add_job(keyed).unwrap();
     // a tree node: children 0, 1 and a child switch; parent at address 7
     let mut tree = JobSpec::with_sources(3, 2, 4, 8);
@@ -137,6 +138,7 @@ fn session() -> AllreduceSession {
         partial_results: false,
         packet_elems: 8,
         order_shards: 0,
+        result_key: None,
     }
     .emit(p.payload_mut());
     s.handle_datagram(Time::ZERO, &buf);
@@ -156,7 +158,9 @@ fn check_emitted(out: &mut VecTransmit<impl Copy>) {
     }
     for (group, bytes) in out.group_datagrams.drain(..) {
         assert_eq!(group, GROUP);
-        let p = Packet::new_checked(&bytes[..]).expect("machines emit only valid packets");
+        // (a keyed job's group result is sealed once, under its result key)
+        let inner = fanin_wire::auth::Sealed::split(&bytes[..]).map_or(&bytes[..], |s| s.inner);
+        let p = Packet::new_checked(inner).expect("machines emit only valid packets");
         assert_eq!(p.msg_type_code(), MessageType::Result as u8, "only results go to the group");
     }
 }

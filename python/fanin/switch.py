@@ -61,10 +61,13 @@ def job_config(
     ``"fail"``. ``rate_limit=(pps, burst)``
     limits each source (docs/overload.md).
 
-    ``result_group`` (``"239.1.0.7:47001"``, unkeyed jobs only): the switch
-    sends each result once to this IPv4 multicast group for the workers
-    listening there (``fanin.Session(..., result_group=...)``) instead of a
-    copy to each (docs/protocol.md 4.5).
+    ``result_group`` (``"239.1.0.7:47001"``): the switch sends each result
+    once to this IPv4 multicast group for the workers listening there
+    (``fanin.Session(..., result_group=...)``) instead of a copy to each
+    (docs/protocol.md 4.5). A keyed job's group results are sealed once
+    under the job's result key, which every listening member learns from
+    its JoinAck: any member could then forge results to the others
+    (docs/security.md says what that changes).
 
     ``workers``: the workers of the whole job when this switch is one of an
     aggregation tree's (docs/trees.md); 0 = its member count.

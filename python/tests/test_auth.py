@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ import fanin
 from fanin import _native
 from fanin.proc import SwitchProcess
 from fanin.switch import job_config, switch_config
+from threads import in_threads
 
 JOB, OTHER_JOB = 1, 2
 WORKERS = 2
@@ -261,3 +263,99 @@ def test_a_control_api_off_loopback_without_a_token_does_not_start(monkeypatch):
     monkeypatch.setenv("FANIN_CONTROL_TOKEN", "s3cret")
     with fanin.LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr="0.0.0.0:0", metrics_addr=None)):
         pass
+
+
+def _group_attacker(group: str, stop: threading.Event, captured: list, counts: dict) -> None:
+    """On the job's result group: capture the first sealed results and send
+    each back to the group twice (replays), and send results sealed with a
+    random key on the group lanes (forgeries), while the job runs."""
+    host, port = group.rsplit(":", 1)
+    dest = (host, int(port))
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    rx.bind((host, int(port)))
+    rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(host) + socket.inet_aton("127.0.0.1"))
+    rx.settimeout(0.05)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+    poison = np.full(EPP, 10_000, dtype=np.int32)
+    i, forged = 0, []
+    while not stop.is_set():
+        try:
+            data, _ = rx.recvfrom(65535)
+        except socket.timeout:
+            continue
+        # (the group loops the attacker's own forgeries back to it: skip them)
+        if data[3] == 0x83 and len(captured) < counts["captures"] and data not in captured + forged:
+            captured.append(data)
+            for _ in range(2):
+                tx.sendto(data, dest)
+                counts["replayed"] += 1
+            # a result for the same block, sealed with a guessed key on the
+            # group lanes (bit 63 of seq: lane 0x8000)
+            raw = bytearray(_contribution(JOB, 0, struct.unpack(">I", data[16:20])[0], poison))
+            raw[3] = 0x03
+            forged.append(_native.seal_datagram(os.urandom(16), 1 << 63 | (1 << 40) + i, bytes(raw)))
+            tx.sendto(forged[-1], dest)
+            counts["forged"] += 1
+            i += 1
+            if len(captured) == counts["captures"]:
+                counts["done"].set()
+    rx.close()
+    tx.close()
+
+
+def test_a_keyed_job_sends_each_result_once_to_its_group_and_refuses_forged_and_replayed_ones():
+    """A keyed job with a result group: the switch seals each result once
+    under the job's result key and sends it to the group (not once per
+    member); listening workers learn the key from their JoinAck, the last
+    worker does not listen and gets its own seals by unicast. A process on
+    the group replays captured results and forges others: every one is
+    refused and counted, the sums stay exact and equal."""
+    from fanin.switch import free_result_group
+
+    n, group, job_key = 3, free_result_group(), fanin.new_job_key()
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", shards=2,
+                        jobs=[job_config(JOB, n, block_cnt_max=8, block_grad_max=EPP, key=job_key,
+                                         result_group=group)])
+    stop, captured = threading.Event(), []
+    counts = {"captures": 5, "replayed": 0, "forged": 0, "done": threading.Event()}
+    with fanin.LocalSwitch(cfg) as sw:
+        attacker = threading.Thread(target=_group_attacker, args=(group, stop, captured, counts), daemon=True)
+        attacker.start()
+        time.sleep(0.2)  # the attacker listens before the first result
+
+        def work(rank):
+            s = fanin.Session(sw.data_addr, JOB, rank, elems_per_packet=EPP, window=8,
+                              auth_key=fanin.derive_member_key(job_key, JOB, rank),
+                              result_group=group if rank < n - 1 else None)
+            assert s.params["results_on_group"] == (rank < n - 1)
+            x = (np.arange(ELEMS, dtype=np.int32) * (rank + 1)) % 1000
+            ys = [s.allreduce(x)]
+            # the attack lands between calls: the next call reads it first
+            assert counts["done"].wait(timeout=10)
+            ys += [s.allreduce(x) for _ in range(2)]
+            return ys, s.socket_stats()
+
+        results = in_threads(n, work)
+        stop.set()
+        attacker.join(timeout=5)
+        counters = sw.counters()
+    want = sum((np.arange(ELEMS, dtype=np.int64) * (r + 1)) % 1000 for r in range(n))
+    for ys, _ in results:
+        for y in ys:
+            assert np.array_equal(y, want), "a forged or replayed result reached the sum"
+    blocks = 3 * ELEMS // EPP
+    # about one group datagram per block (int32: no exponent rounds), and
+    # unicast to the worker that does not listen; a listener's first
+    # results from the shard that did not answer its Join come unicast
+    # until that shard learns it listens (docs/protocol.md §4.5)
+    assert counters["results_to_group"] >= 0.9 * blocks
+    assert counters["results_sent"] < 1.25 * blocks, counters
+    assert counts["replayed"] == 10 and counts["forged"] == 5
+    for ys, stats in results[:-1]:
+        assert stats["datagrams_from_group"] >= 0.9 * blocks
+        assert stats["auth_replayed"] == 10 and stats["auth_bad_tag"] == 5, stats
+    assert results[-1][1]["datagrams_from_group"] == 0
+    assert counters["auth_bad_tag"] == 0 and counters["malformed"] == 0

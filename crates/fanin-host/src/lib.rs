@@ -222,6 +222,7 @@ impl Session {
                 partial_results: false,
                 packet_elems: 0,
                 order_shards: 0,
+                result_key: None,
             },
             stats: SessionStats::default(),
             options,

@@ -106,7 +106,9 @@ impl LaneWindows {
     }
 
     pub fn accept(&mut self, seq: u64) -> Result<(), Replay> {
-        let lane = auth::lane_of(seq) as usize;
+        // (a receiver keeps the group lanes' numbers in windows of their
+        // own, so the group bit is not part of the index)
+        let lane = (auth::lane_of(seq) & !auth::GROUP_LANE) as usize;
         if lane >= MAX_LANES {
             return Err(Replay::BadLane);
         }

@@ -227,8 +227,6 @@ pub enum JobSpecError {
     RateLimit { job_id: u32, message: String },
     #[error("job {job_id}: result_group {group} is not an IPv4 multicast group with a port (use e.g. 239.1.0.7:47001)")]
     ResultGroup { job_id: u32, group: std::net::SocketAddrV4 },
-    #[error("job {job_id}: result_group needs an unkeyed job (a keyed job's results are sealed for each member, so they cannot share one datagram)")]
-    KeyedResultGroup { job_id: u32 },
 }
 
 impl JobSpec {
@@ -299,9 +297,6 @@ impl JobSpec {
         if let Some(group) = self.result_group {
             if !group.ip().is_multicast() || group.port() == 0 {
                 return Err(JobSpecError::ResultGroup { job_id, group });
-            }
-            if self.key.is_some() {
-                return Err(JobSpecError::KeyedResultGroup { job_id });
             }
         }
         Ok(())
@@ -407,8 +402,10 @@ mod tests {
         assert!(spec.validate().unwrap_err().to_string().contains("with a port"));
         spec.result_group = Some("239.1.0.7:47001".parse().unwrap());
         assert!(spec.validate().is_ok());
+        // a keyed job may have one too: its results are sealed once under
+        // the job's result key (docs/security.md)
         spec.key = Some(fanin_wire::auth::Key([7; 16]));
-        assert!(spec.validate().unwrap_err().to_string().contains("needs an unkeyed job"));
+        assert!(spec.validate().is_ok());
     }
 
     #[test]

@@ -110,6 +110,66 @@ pub fn derive_member_key(job_key: &Key, job_id: u32, src_id: u16) -> Key {
     Key(key)
 }
 
+/// The job's *result key*: what a switch seals a result sent once to the
+/// job's result group with (one tag every listening member checks, where
+/// unicast results carry one tag per member). Derived like a member key,
+/// under its own label, so it is independent of every member key; a
+/// member learns it only from its JoinAck, wrapped ([`wrap_result_key`]).
+/// Every member of a group-keyed job holds it: docs/security.md says what
+/// that gives a malicious member.
+pub fn derive_result_key(job_key: &Key, job_id: u32) -> Key {
+    // "fanin-result-k" | half | 0 | job_id | 0xffff
+    let mut input = [0u8; 22];
+    input[..14].copy_from_slice(b"fanin-result-k");
+    input[16..20].copy_from_slice(&job_id.to_be_bytes());
+    input[20..22].copy_from_slice(&u16::MAX.to_be_bytes());
+    let lo = siphash24(job_key, &input);
+    input[14] = 1;
+    let hi = siphash24(job_key, &input);
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&lo.to_be_bytes());
+    key[8..].copy_from_slice(&hi.to_be_bytes());
+    Key(key)
+}
+
+/// The result key as carried in a JoinAck to the member holding
+/// `member_key`: XORed with a pad that is SipHash under the member key (a
+/// PRF) of a label and the job id. The plaintext never changes for a given
+/// member key (both keys come from the same job key and job id), so a
+/// fixed pad reveals nothing; the JoinAck's tag authenticates it. The same
+/// call unwraps.
+pub fn wrap_result_key(member_key: &Key, job_id: u32, key: &Key) -> [u8; 16] {
+    // "fanin-rkey-wrap" | half | job_id
+    let mut input = [0u8; 20];
+    input[..15].copy_from_slice(b"fanin-rkey-wrap");
+    input[16..20].copy_from_slice(&job_id.to_be_bytes());
+    let lo = siphash24(member_key, &input);
+    input[15] = 1;
+    let hi = siphash24(member_key, &input);
+    let mut out = key.0;
+    for (b, p) in out.iter_mut().zip(lo.to_be_bytes().into_iter().chain(hi.to_be_bytes())) {
+        *b ^= p;
+    }
+    out
+}
+
+/// Lane bit of a sequence number sealed under the job's result key (a
+/// result sent to the result group): the receiver checks it with the
+/// result key instead of its member key, and keeps a window apart for it.
+/// Bound by the tag like every bit of `seq`, so flipping it only fails
+/// the check.
+pub const GROUP_LANE: u16 = 0x8000;
+
+/// `seq` moved to the group lanes (the same counter, so still unique).
+pub fn group_seq(seq: u64) -> u64 {
+    seq | (GROUP_LANE as u64) << LANE_SHIFT
+}
+
+/// True when `seq` was sealed under the result key.
+pub fn is_group_seq(seq: u64) -> bool {
+    lane_of(seq) & GROUP_LANE != 0
+}
+
 /// True when the preamble marks the datagram sealed.
 pub fn is_sealed(bytes: &[u8]) -> bool {
     bytes.len() >= PREAMBLE_LEN && bytes[3] & SEALED != 0

@@ -559,7 +559,7 @@ pub fn add_lanes(dtype: Dtype, sum: &mut [i32], payload: &[u8]) {
 /// ```text
 ///  0 block_cnt_max u32 | 4 block_grad_max u32 | 8 block_exp_ms u32
 /// 12 incarnation u32   | 16 shard_count u16   | 18 flags u16 | 20 next_block u32
-/// 24 packet_elems u32
+/// 24 packet_elems u32 | 28 result_key [u8; 16]
 /// ```
 ///
 /// `packet_elems` is the job's packet size: the elements per packet every
@@ -572,8 +572,10 @@ pub fn add_lanes(dtype: Dtype, sum: &mut [i32], payload: &[u8]) {
 /// carried [`Packet::listens_on_group`]); bit 1 ([`JOINACK_PARTIAL_RESULTS`]):
 /// the job opted into partial results (straggler aging, `on_failure =
 /// degrade`, or forward mode), so a degraded or missed block is a result the
-/// caller asked for, not an error; bits 8..15: `order_shards` (see the
-/// field); the other bits are sent as 0 and ignored.
+/// caller asked for, not an error; bit 2 ([`JOINACK_RESULT_KEY`]):
+/// `result_key` holds the keyed job's result key, wrapped for this member
+/// (zeros otherwise); bits 8..15: `order_shards` (see the field); the
+/// other bits are sent as 0 and ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JoinParams {
     /// Concurrent blocks (slots) the job may hold; also the exponent lookahead.
@@ -606,6 +608,10 @@ pub struct JoinParams {
     /// so a child says how many (the lcm with its own shard count);
     /// [`ORDER_ANY`] = no order to rely on. Old switches send 0.
     pub order_shards: u8,
+    /// A keyed job's result key, wrapped under the receiving member's key
+    /// (`fanin_wire::auth::wrap_result_key`), when this member's results
+    /// come on the job's result group sealed once for all listeners.
+    pub result_key: Option<[u8; 16]>,
 }
 
 /// `order_shards` of a JoinAck whose results may come in any order.
@@ -626,9 +632,11 @@ pub fn elems_fitting_mtu(mtu: u32, ipv6: bool) -> u32 {
 pub const JOINACK_RESULTS_ON_GROUP: u16 = 0x0001;
 /// JoinAck `flags` bit: the job opted into partial results.
 pub const JOINACK_PARTIAL_RESULTS: u16 = 0x0002;
+/// JoinAck `flags` bit: `result_key` carries the wrapped result key.
+pub const JOINACK_RESULT_KEY: u16 = 0x0004;
 
 impl JoinParams {
-    pub const LEN: usize = 28;
+    pub const LEN: usize = 44;
 
     pub fn parse(body: &[u8]) -> Result<Self, WireError> {
         if body.len() < Self::LEN {
@@ -646,6 +654,8 @@ impl JoinParams {
             partial_results: u16::from_be_bytes([body[18], body[19]]) & JOINACK_PARTIAL_RESULTS != 0,
             packet_elems: u32_at(24),
             order_shards: body[18],
+            result_key: (u16::from_be_bytes([body[18], body[19]]) & JOINACK_RESULT_KEY != 0)
+                .then(|| body[28..44].try_into().expect("16 bytes")),
         })
     }
 
@@ -675,10 +685,12 @@ impl JoinParams {
         body[16..18].copy_from_slice(&self.shard_count.to_be_bytes());
         let flags = if self.results_on_group { JOINACK_RESULTS_ON_GROUP } else { 0 }
             | if self.partial_results { JOINACK_PARTIAL_RESULTS } else { 0 }
+            | if self.result_key.is_some() { JOINACK_RESULT_KEY } else { 0 }
             | (self.order_shards as u16) << 8;
         body[18..20].copy_from_slice(&flags.to_be_bytes());
         body[20..24].copy_from_slice(&self.next_block.to_be_bytes());
         body[24..28].copy_from_slice(&self.packet_elems.to_be_bytes());
+        body[28..44].copy_from_slice(&self.result_key.unwrap_or_default());
     }
 }
 

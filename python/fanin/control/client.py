@@ -161,9 +161,10 @@ class ControlClient:
         ``rate_limit`` ``(pps, burst)`` limits each source (docs/overload.md).
         ``key`` (16 bytes or 32 hex digits; None = unauthenticated) is the
         job key: members must seal their datagrams (docs/security.md).
-        ``result_group`` (``"239.1.0.7:47001"``, unkeyed jobs) makes the switch
-        send each result once to that multicast group for the workers
-        listening there (docs/protocol.md 4.5). ``quorum`` (GOAT's K; 0 =
+        ``result_group`` (``"239.1.0.7:47001"``) makes the switch send each
+        result once to that multicast group for the workers listening there
+        (docs/protocol.md 4.5; keyed: sealed once under the job's result
+        key, docs/security.md). ``quorum`` (GOAT's K; 0 =
         every member): a block completes with the first ``quorum`` members'
         contributions; it may change later through :meth:`update_job`.
         """

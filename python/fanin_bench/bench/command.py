@@ -73,8 +73,8 @@ def _common(b: argparse.ArgumentParser) -> None:
 def _results_option(b: argparse.ArgumentParser) -> None:
     b.add_argument("--results", choices=["multicast", "unicast"], default="multicast",
                    help="how the switch delivers results: once to the job's multicast group on loopback, which "
-                        "every worker listens on, or a copy to each worker (default %(default)s; NoAggr and "
-                        "keyed jobs are unicast either way)")
+                        "every worker listens on, or a copy to each worker (default %(default)s; a keyed job's "
+                        "group results are sealed once under its result key; NoAggr is unicast either way)")
 
 
 def _corpus_options(b: argparse.ArgumentParser, repeats_help: str) -> None:

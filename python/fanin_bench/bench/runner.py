@@ -43,7 +43,8 @@ class AllreduceParams:
     job_key: Optional[bytes] = None
     # How the switch delivers the fanin arm's results: "multicast" (once to
     # the job's result group, which every worker listens on) or "unicast"
-    # (a copy to each worker). NoAggr and keyed jobs are unicast either way.
+    # (a copy to each worker). The keyed arm goes the same way (sealed once
+    # under the job's result key on the group); NoAggr is unicast either way.
     results: str = "multicast"
     # set by run_allreduce: rank 0 reads the switch's CPU time per arm
     switch_pid: Optional[int] = None
@@ -141,8 +142,11 @@ class AllreduceRun:
         # same cores: 2 datagrams per forwarded one) it says what the
         # protocol costs over moving the bytes (issue 28, docs/network.md).
         blocks = -(-p.elements // p.elems_per_packet)
-        handled = {"fanin": blocks * (p.workers + (1 if p.results == "multicast" else p.workers)),
-                   "noaggr": 2 * blocks * p.workers, "auth": 2 * blocks * p.workers}
+        # (the keyed arm's results go the same way as the unkeyed arm's:
+        # to the group sealed once under the job's result key, or unicast)
+        results_out = 1 if p.results == "multicast" else p.workers
+        handled = {"fanin": blocks * (p.workers + results_out), "noaggr": 2 * blocks * p.workers,
+                   "auth": blocks * (p.workers + results_out)}
         out["switch_ns_per_datagram"] = {k: statistics.median(v) * 1e9 / handled[k]
                                          for k, v in self.switch_cpu_s.items() if v}
         return out
@@ -161,7 +165,10 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         if p.auth:
             from fanin.auth import derive_member_key
 
-            authed = Session(switch, AUTH_JOB, rank, auth_key=derive_member_key(p.job_key, AUTH_JOB, rank), **kw)
+            authed = Session(switch, AUTH_JOB, rank, auth_key=derive_member_key(p.job_key, AUTH_JOB, rank),
+                             result_group=p.result_group, **kw)
+            if p.result_group and not authed.params["results_on_group"]:
+                raise RuntimeError(f"the switch does not send job {AUTH_JOB}'s results to {p.result_group}")
         x = worker_inputs(rank, p.elements, p.dtype)
         sync = np.zeros(1, dtype=np.int32)
         report: dict[str, Any] = {"rank": rank, "ok": True}
@@ -229,7 +236,7 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
 
         p.job_key = p.job_key or new_job_key()
         jobs.append(job_config(AUTH_JOB, p.workers, block_cnt_max=p.window, block_grad_max=p.elems_per_packet,
-                               key=p.job_key))
+                               key=p.job_key, result_group=p.result_group))
     cfg = switch_config(data_addr="127.0.0.1:0", shards=p.shards, control_addr=None, metrics_addr="127.0.0.1:0",
                         memory_mb=4096, ingress_drop=p.loss, egress_drop=p.loss, seed=p.seed, jobs=jobs)
     run = AllreduceRun(params=p)

@@ -54,7 +54,7 @@ use fanin_wire::value::{
 use fanin_wire::MessageType;
 
 use super::congestion::{Congestion, CongestionStats, Signal, INITIAL_WINDOW};
-use crate::auth::{open_and_accept, push_sealed, LaneWindows, Refusal, Sealer};
+use crate::auth::{open_and_accept, push_sealed, Key, LaneWindows, Refusal, Sealer};
 use crate::job::shard_of;
 use crate::serial::BlockSpace;
 use crate::time::Time;
@@ -143,6 +143,10 @@ pub struct AllreduceSession {
     sealer: Option<Sealer>,
     /// Keyed job: replay windows over the switch shards' sequence numbers.
     windows: LaneWindows,
+    /// Keyed job whose results come on its result group: the key they are
+    /// sealed with (from the JoinAck) and the windows over their numbers.
+    result_key: Option<Key>,
+    group_windows: LaneWindows,
     auth_stats: AuthStats,
     /// The data contribution of every recent block that has its result, by
     /// block id: the blocks at most `block_cnt_max` behind the lowest block
@@ -200,6 +204,8 @@ impl AllreduceSession {
             stash_len: 0,
             sealer: None,
             windows: LaneWindows::default(),
+            result_key: None,
+            group_windows: LaneWindows::default(),
             auth_stats: AuthStats::default(),
             retained: BTreeMap::new(),
             spare: Vec::new(),
@@ -652,11 +658,32 @@ impl AllreduceSession {
         }
     }
 
+    /// Verify a datagram of a keyed job: a result sealed once for the
+    /// job's result group (its sequence number on the group lanes) under
+    /// the result key the JoinAck gave, anything else under this worker's
+    /// own key; each with replay windows of its own.
+    fn open_sealed<'a>(&mut self, key: &Key, bytes: &'a [u8]) -> Result<&'a [u8], Refusal> {
+        let group = fanin_wire::auth::Sealed::split(bytes).is_ok_and(|s| fanin_wire::auth::is_group_seq(s.seq));
+        match (group, &self.result_key) {
+            (false, _) => open_and_accept(key, &mut self.windows, bytes),
+            (true, Some(result_key)) => open_and_accept(result_key, &mut self.group_windows, bytes),
+            // not told the key (yet): nothing to check it with
+            (true, None) => Err(Refusal::NoKey),
+        }
+    }
+
+    /// Learn the result key a JoinAck carries (wrapped under our key).
+    pub(super) fn learn_result_key(&mut self, params: &JoinParams) {
+        if let (Some(wrapped), Some(key)) = (params.result_key, self.config.auth_key) {
+            self.result_key = Some(Key(fanin_wire::auth::wrap_result_key(&key, self.config.job_id, &Key(wrapped))));
+        }
+    }
+
     pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
         // Keyed job: only what the switch sealed with this worker's key,
         // once; checked before anything else is looked at.
-        let bytes = match &self.config.auth_key {
-            Some(key) => match open_and_accept(key, &mut self.windows, bytes) {
+        let bytes = match self.config.auth_key {
+            Some(key) => match self.open_sealed(&key, bytes) {
                 Ok(inner) => inner,
                 Err(Refusal::Replay(_)) => {
                     self.auth_stats.replayed += 1;

@@ -16,9 +16,15 @@ const JOB_KEY: Key = Key([0x5a; 16]);
 /// Two workers of job 1; worker 0 is the session under test, worker 1's
 /// contributions are sealed by hand.
 fn keyed_pair() -> (AllreduceSession, ValueSwitch<u16>) {
+    keyed_pair_on(None)
+}
+
+/// [`keyed_pair`], the job with a result group worker 0 listens on.
+fn keyed_pair_on(group: Option<std::net::SocketAddrV4>) -> (AllreduceSession, ValueSwitch<u16>) {
     let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
-    sw.add_job(JobSpec { key: Some(JOB_KEY), ..JobSpec::with_sources(1, 2, 16, 64) }).unwrap();
+    sw.add_job(JobSpec { key: Some(JOB_KEY), result_group: group, ..JobSpec::with_sources(1, 2, 16, 64) }).unwrap();
     let mut cfg = SessionConfig::new(1, 0);
+    cfg.listens_on_group = group.is_some();
     cfg.elems_per_packet = 4;
     cfg.auth_key = Some(derive_member_key(&JOB_KEY, 1, 0));
     cfg.seal_clock_us = 1_000;
@@ -117,4 +123,51 @@ fn an_unkeyed_session_refuses_sealed_datagrams() {
     auth::seal(&Key([1; 16]), 1, &mut sealed).unwrap();
     s.handle_datagram(Time::ZERO, &sealed);
     assert_eq!(s.auth_stats().bad_tag, 1);
+}
+
+#[test]
+fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let result_key = auth::derive_result_key(&JOB_KEY, 1);
+    let key0 = derive_member_key(&JOB_KEY, 1, 0);
+    // before any JoinAck a worker has no result key: a group result, even
+    // a genuine one, cannot be checked and is refused
+    let mut early = result_block(0, &[1; 4]);
+    auth::seal(&result_key, auth::group_seq(1 << 40), &mut early).unwrap();
+    let mut fresh = AllreduceSession::new(SessionConfig { auth_key: Some(key0), ..SessionConfig::new(1, 0) }, Time::ZERO);
+    fresh.handle_datagram(Time::ZERO, &early);
+    assert_eq!(fresh.auth_stats().bad_tag, 1);
+
+    let (mut s, mut sw) = keyed_pair_on(Some(group));
+    s.begin(Time::ZERO, Tensor::I32(vec![1, 2, 3, 4])).unwrap();
+    let mut out = VecTransmit::new();
+    s.poll_transmit(Time::ZERO, &mut out);
+    for (_, b) in out.drain() {
+        assert!(to_switch(&mut sw, 0, &b).is_empty());
+    }
+    // a group-lane result sealed under the worker's own key (what a forger
+    // holding a member key could make) is not a group result
+    let mut posing = result_block(0, &[1000; 4]);
+    auth::seal(&key0, auth::group_seq(1 << 41), &mut posing).unwrap();
+    s.handle_datagram(Time::ZERO, &posing);
+    assert_eq!(s.auth_stats().bad_tag, 1);
+
+    // worker 1 completes the block: the switch sends one group datagram
+    let repr = Repr { grad_cnt: 4, block_id: 0, gen_id: 1, final_block: true, ..Repr::new(MessageType::Contribution, 1, 1) };
+    let mut buf = vec![0; repr.buffer_len() + auth::TRAILER_LEN];
+    let mut p = Packet::new_unchecked(&mut buf[..repr.buffer_len()]);
+    repr.emit(&mut p);
+    write_elements(&[10, 20, 30, 40], p.payload_mut());
+    auth::seal(&derive_member_key(&JOB_KEY, 1, 1), 2, &mut buf).unwrap();
+    let mut reply = VecTransmit::new();
+    reply.groups_reachable = true;
+    let _ = sw.handle_datagram(Time::ZERO, 1, &buf, &mut reply);
+    assert_eq!(reply.group_datagrams.len(), 1);
+    assert!(reply.datagrams.iter().all(|(to, _)| *to != 0), "worker 0 listens: no unicast copy");
+    let on_group = reply.group_datagrams[0].1.clone();
+    s.handle_datagram(Time::ZERO, &on_group);
+    s.handle_datagram(Time::ZERO, &on_group); // replayed on the group
+    let Some(Event::Completed(outcome)) = s.poll_event() else { panic!("allreduce did not complete") };
+    assert_eq!(outcome.tensor, Tensor::I32(vec![11, 22, 33, 44]));
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 1, replayed: 1, unsealed: 0 });
 }

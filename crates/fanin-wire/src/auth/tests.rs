@@ -192,3 +192,40 @@ fn keys_parse_from_hex_and_never_print() {
     assert!(Key::from_hex("zz0102030405060708090a0b0c0d0e0f").is_err());
     assert_eq!(format!("{k:?}"), "Key(..)");
 }
+
+#[test]
+fn the_result_key_is_no_member_key_and_travels_wrapped() {
+    let result = derive_result_key(&REF_KEY, 7);
+    assert_eq!(result.to_hex(), GOLDEN_RESULT_KEY);
+    assert_ne!(derive_result_key(&REF_KEY, 8), result, "another job");
+    for src in [0u16, 3, u16::MAX] {
+        assert_ne!(derive_member_key(&REF_KEY, 7, src), result, "a member key");
+    }
+    // each member gets other bytes, and only its own key unwraps them
+    let (k3, k4) = (derive_member_key(&REF_KEY, 7, 3), derive_member_key(&REF_KEY, 7, 4));
+    let (w3, w4) = (wrap_result_key(&k3, 7, &result), wrap_result_key(&k4, 7, &result));
+    assert_ne!(w3, w4);
+    assert_ne!(w3, result.0, "the key is not sent in clear");
+    assert_eq!(Key(wrap_result_key(&k3, 7, &Key(w3))), result);
+    assert_ne!(Key(wrap_result_key(&k4, 7, &Key(w3))), result);
+}
+
+#[test]
+fn a_group_lane_sequence_number_stays_unique_and_is_bound_by_the_tag() {
+    let seq = first_seq(3, 1_000);
+    let g = group_seq(seq);
+    assert!(is_group_seq(g) && !is_group_seq(seq));
+    assert_eq!(lane_of(g), GROUP_LANE | 3);
+    assert_eq!(g & ((1 << LANE_SHIFT) - 1), seq & ((1 << LANE_SHIFT) - 1), "same counter");
+    assert!(is_group_seq(next_seq(g)), "the counter stays in its lane");
+    // flipping the group bit of a sealed datagram breaks its tag
+    let result = derive_result_key(&REF_KEY, 7);
+    let mut packet = golden_unsealed();
+    packet.extend_from_slice(&[0; TRAILER_LEN]);
+    seal(&result, g, &mut packet).unwrap();
+    assert_eq!(open(&result, &packet).map(|(_, s)| s), Ok(g));
+    let at = packet.len() - TRAILER_LEN;
+    packet[at] ^= 0x80;
+    assert_eq!(open(&result, &packet), Err(AuthError::BadTag));
+}
+const GOLDEN_RESULT_KEY: &str = "3d231c9a8783407cfb3a72b815995405";

@@ -53,7 +53,7 @@ const RESULT: [u8; 28] = [
 ];
 
 /// JoinAck for job 9, src 2 of 4.
-const JOIN_ACK: [u8; 52] = [
+const JOIN_ACK: [u8; 68] = [
     0xFA, 0x17, 0x01, 0x05, // JoinAck
     0x00, 0x00, 0x00, 0x02, // flags; int32; src_id 2
     0x00, 0x04, 0x00, 0x00, // src_cnt 4; gen_id 0
@@ -67,6 +67,10 @@ const JOIN_ACK: [u8; 52] = [
     0x00, 0x02, 0x00, 0x00, // shard_count 2; flags
     0x00, 0x00, 0x10, 0x00, // next_block 4096
     0x00, 0x00, 0x01, 0x66, // packet_elems 358 (a 1500-byte MTU)
+    0x00, 0x00, 0x00, 0x00, // result_key: zeros, flags bit 2 clear
+    0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00,
 ];
 
 /// Nack: not a member, detail 17.
@@ -156,9 +160,10 @@ fn join_ack_parse_and_emit() {
             partial_results: false,
             packet_elems: 358,
             order_shards: 0,
+            result_key: None,
         }
     );
-    let mut buf = [MARKER; 52];
+    let mut buf = [MARKER; 68];
     let mut q = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut q);
     params.emit(q.payload_mut());
@@ -204,6 +209,28 @@ fn golden_join_ack_with_results_on_the_group() {
     // other flag bits are ignored on receipt
     golden[42] = 0x80;
     assert!(JoinParams::parse(&golden[24..]).unwrap().results_on_group);
+}
+
+#[test]
+fn golden_join_ack_with_a_wrapped_result_key() {
+    // flags bits 0 and 2 (offset 24 + 19): on the group, and the 16 bytes
+    // at body offset 28 are the wrapped result key
+    let mut golden = JOIN_ACK;
+    golden[43] = 0x05;
+    for (i, b) in golden[52..].iter_mut().enumerate() {
+        *b = 0xA0 + i as u8;
+    }
+    let params = JoinParams::parse(&golden[24..]).unwrap();
+    let want: [u8; 16] = core::array::from_fn(|i| 0xA0 + i as u8);
+    assert_eq!(params.result_key, Some(want));
+    assert!(params.results_on_group);
+    let mut buf = golden;
+    buf[24..].fill(MARKER);
+    params.emit(&mut buf[24..]);
+    assert_eq!(buf, golden);
+    // without bit 2 the bytes are not a key, whatever they hold
+    golden[43] = 0x01;
+    assert_eq!(JoinParams::parse(&golden[24..]).unwrap().result_key, None);
 }
 
 #[test]

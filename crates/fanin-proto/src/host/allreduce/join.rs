@@ -21,6 +21,7 @@ impl AllreduceSession {
 
     pub(super) fn on_join_ack(&mut self, now: Time, repr: &Repr, body: &[u8]) {
         let Ok(params) = JoinParams::parse(body) else { return };
+        self.learn_result_key(&params);
         let expected = self.config.expected_members;
         if expected != 0 && repr.src_cnt != expected && matches!(self.state, State::Joining { .. }) {
             self.fail(SessionError::MemberCount { job_id: self.config.job_id, members: repr.src_cnt, expected });

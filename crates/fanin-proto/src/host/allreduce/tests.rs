@@ -482,6 +482,7 @@ fn a_join_ack_announcing_nothing_fits_does_not_panic_the_worker() {
         partial_results: false,
         packet_elems: 0,
         order_shards: 0,
+        result_key: None,
     };
     let mut buf = vec![0; repr.buffer_len()];
     let mut p = Packet::new_unchecked(&mut buf[..]);

@@ -248,3 +248,61 @@ fn a_queue_trim_of_a_keyed_job_is_verified_first_and_answered_with_a_sealed_nack
     assert_eq!((v, out.len()), (TrimVerdict::Trimmed, 1));
     assert!(!auth::is_sealed(&out[0].1));
 }
+
+/// A sealed Join of `src`, saying whether it listens on the result group;
+/// returns the JoinAck's parameters, opened with the member's key.
+fn sealed_join(sw: &mut ValueSwitch<Addr>, job: u32, src: u16, listens: bool, seq: u64) -> JoinParams {
+    let repr = Repr { final_block: listens, ..Repr::new(MessageType::Join, job, src) };
+    let mut buf = vec![0; repr.buffer_len()];
+    repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    let mut out = VecTransmit::new();
+    let _ = sw.handle_datagram(T0, 100 + src as u32, &sealed(&member(job, src), seq, &buf), &mut out);
+    let (inner, _) = open(&member(job, src), &out.datagrams[0].1).expect("the JoinAck is sealed for the joiner");
+    JoinParams::parse(Packet::new_checked(inner).unwrap().payload()).unwrap()
+}
+
+#[test]
+fn a_keyed_job_seals_a_group_result_once_under_the_result_key_its_listeners_learnt() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec { result_group: Some(group), ..keyed(1, 3, JOB_KEY) }).unwrap();
+    let result_key = auth::derive_result_key(&JOB_KEY, 1);
+    // listeners get the result key wrapped under their own key; the member
+    // not listening gets none
+    for src in [0u16, 2] {
+        let params = sealed_join(&mut sw, 1, src, true, 1);
+        assert!(params.results_on_group);
+        let wrapped = params.result_key.expect("a listener is told the result key");
+        assert_ne!(wrapped, result_key.0, "never in clear");
+        assert_eq!(Key(auth::wrap_result_key(&member(1, src), 1, &Key(wrapped))), result_key);
+    }
+    let params = sealed_join(&mut sw, 1, 1, false, 1);
+    assert!(!params.results_on_group && params.result_key.is_none());
+
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for (src, v) in [(0u16, 1), (1, 10), (2, 100)] {
+        let c = sealed(&member(1, src), 2, &contribution(1, src, 0, &[v]));
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &c, &mut out);
+    }
+    // one group datagram, sealed under the result key on the group lanes
+    assert_eq!(out.group_datagrams.len(), 1);
+    let (to, bytes) = &out.group_datagrams[0];
+    assert_eq!(*to, group);
+    for src in 0..3 {
+        assert_eq!(open(&member(1, src), bytes), Err(auth::AuthError::BadTag), "no member key seals it");
+    }
+    let (inner, seq) = open(&result_key, bytes).expect("sealed under the result key");
+    assert!(auth::is_group_seq(seq));
+    let p = Packet::new_checked(inner).unwrap();
+    assert_eq!((Repr::parse(&p).unwrap().msg_type, p.element(0)), (MessageType::Result, 111));
+    // the member not listening: its own seal of the same bytes
+    assert_eq!(out.datagrams.len(), 1);
+    let (addr, unicast) = &out.datagrams[0];
+    assert_eq!(*addr, 101);
+    let (inner_u, seq_u) = open(&member(1, 1), unicast).unwrap();
+    assert_eq!(inner_u[4..], inner[4..], "the same result (the sealed bit aside)");
+    assert!(!auth::is_group_seq(seq_u));
+    let c = sw.counters();
+    assert_eq!((c.results_to_group, c.results_sent, c.auth_bad_tag), (1, 1, 0));
+}

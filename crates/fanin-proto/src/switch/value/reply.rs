@@ -101,17 +101,37 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
         }
         build_result(block, self.job_id, exp_only, false, self.member_count, self.tag, self.scratch);
         if let Some((group, listeners)) = self.group {
-            // (a keyed job has no group: validation refuses it)
             let any = self.members.iter().any(|id| listeners.contains(id));
-            if any && self.auth.is_none() && self.out.push_group(group, self.scratch) {
+            if any && self.push_to_group(group) {
                 self.counters.results_to_group += 1;
                 let rest = self.members.iter().filter(|&id| !listeners.contains(id));
-                let dests = rest.filter_map(|id| self.addrs.get(id).copied().flatten());
-                self.counters.results_sent += self.out.push_fanout(dests, self.scratch) as u64;
+                let sent = &mut self.counters.results_sent;
+                send_to_members(rest, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, sent);
                 return;
             }
         }
         broadcast(self.members, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, &mut self.counters.results_sent);
+    }
+
+    /// Queue the result in `scratch` once to the job's result group: as it
+    /// is for an unkeyed job, sealed once under the job's result key for a
+    /// keyed one (every listener checks the same tag; docs/security.md).
+    /// False if the runtime cannot reach groups.
+    fn push_to_group(&mut self, group: std::net::SocketAddrV4) -> bool {
+        let Some(auth) = self.auth.as_deref_mut() else {
+            return self.out.push_group(group, self.scratch);
+        };
+        let Some(Envelope::Sealed(key, seq)) = auth.group_envelope() else { return false };
+        // Seal in place behind the result, send, and cut the trailer off
+        // again: the members not on the group get their own seals of the
+        // unsealed bytes.
+        let len = self.scratch.len();
+        self.scratch.resize(len + fanin_wire::auth::TRAILER_LEN, 0);
+        fanin_wire::auth::seal(&key, seq, self.scratch).expect("sized for the trailer");
+        let sent = self.out.push_group(group, self.scratch);
+        self.scratch.truncate(len);
+        fanin_wire::auth::clear_sealed_bit(self.scratch);
+        sent
     }
 
     fn send_by_ownership(&mut self, block: &Block) {

@@ -25,11 +25,16 @@ pub(super) struct JobAuth {
     /// The next sequence number this shard seals with (one counter for all
     /// of the job's destinations: receivers tolerate gaps).
     next_seq: u64,
+    /// The job's result key, for a job with a result group: a result sent
+    /// to the group is sealed once under it (on the group lanes of the same
+    /// counter) instead of once per member.
+    result_key: Option<Key>,
 }
 
 impl JobAuth {
-    pub(super) fn new(job_key: Key, job_id: u32, members: &[u16], first_seq: u64) -> Self {
+    pub(super) fn new(job_key: Key, job_id: u32, members: &[u16], first_seq: u64, group: bool) -> Self {
         let mut auth = Self {
+            result_key: group.then(|| auth::derive_result_key(&job_key, job_id)),
             job_key,
             job_id,
             keys: Vec::new(),
@@ -71,6 +76,20 @@ impl JobAuth {
     /// The sequence number after the last one used (for the next job's start).
     pub(super) fn next_seq(&self) -> u64 {
         self.next_seq
+    }
+
+    /// The result key as the JoinAck to `member` carries it (wrapped under
+    /// the member's key), for a job with a result group.
+    pub(super) fn wrapped_result_key(&self, member: usize) -> Option<[u8; 16]> {
+        let member_key = self.keys.get(member).copied().flatten()?;
+        Some(auth::wrap_result_key(&member_key, self.job_id, self.result_key.as_ref()?))
+    }
+
+    /// The envelope of a result sent once to the job's result group: sealed
+    /// under the result key, `None` if the job has none.
+    pub(super) fn group_envelope(&mut self) -> Option<Envelope> {
+        let key = self.result_key?;
+        Some(Envelope::Sealed(key, auth::group_seq(self.take_seq())))
     }
 
     fn take_seq(&mut self) -> u64 {

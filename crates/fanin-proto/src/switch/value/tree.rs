@@ -106,6 +106,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 params.order_shards = params.order_below(self.config.shard_count);
                 params.shard_count = self.config.shard_count;
                 params.results_on_group = job.listens_on_group.contains(via as usize);
+                // the parent's result key (wrapped for this switch) is not
+                // this switch's group's: the worker gets this switch's own
+                params.result_key = match &job.auth {
+                    Some(auth) if params.results_on_group => auth.wrapped_result_key(via as usize),
+                    _ => None,
+                };
                 let env = envelope(job.auth.as_mut(), Peer::Member(via as usize));
                 send(out, dest, repr.buffer_len(), env, |buf| {
                     let mut reply = Packet::new_unchecked(buf);
