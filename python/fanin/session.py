@@ -101,7 +101,9 @@ class Session:
             to the group for every listening member instead of a copy to
             each (docs/protocol.md 4.5). ``params["results_on_group"]``
             says whether the switch does; if the job has no group, results
-            come by unicast as without it.
+            come by unicast as without it. In a keyed job the group's
+            results are sealed once under the job's result key, which the
+            JoinAck gives this worker (docs/security.md).
         barrier_timeout_s: how long to wait for the job's other members:
             the switch starts a job's round only when every member has
             joined (each Session is a new incarnation of its rank, so a new
