@@ -96,11 +96,16 @@ pub enum AuthError {
 /// `job_id` is an input so one job key reused for two jobs still gives
 /// unrelated member keys (no cross-job replay).
 pub fn derive_member_key(job_key: &Key, job_id: u32, src_id: u16) -> Key {
-    // "fanin-member-k" | half | 0 | job_id | src_id
+    derive_key(job_key, b"fanin-member-k", job_id, src_id)
+}
+
+/// A 128-bit key under `job_key`: `SipHash(job_key, label | half | 0 |
+/// job_id | tail)` for half 0 and 1, each big endian.
+fn derive_key(job_key: &Key, label: &[u8; 14], job_id: u32, tail: u16) -> Key {
     let mut input = [0u8; 22];
-    input[..14].copy_from_slice(b"fanin-member-k");
+    input[..14].copy_from_slice(label);
     input[16..20].copy_from_slice(&job_id.to_be_bytes());
-    input[20..22].copy_from_slice(&src_id.to_be_bytes());
+    input[20..22].copy_from_slice(&tail.to_be_bytes());
     let lo = siphash24(job_key, &input);
     input[14] = 1;
     let hi = siphash24(job_key, &input);
@@ -118,18 +123,8 @@ pub fn derive_member_key(job_key: &Key, job_id: u32, src_id: u16) -> Key {
 /// Every member of a group-keyed job holds it: docs/security.md says what
 /// that gives a malicious member.
 pub fn derive_result_key(job_key: &Key, job_id: u32) -> Key {
-    // "fanin-result-k" | half | 0 | job_id | 0xffff
-    let mut input = [0u8; 22];
-    input[..14].copy_from_slice(b"fanin-result-k");
-    input[16..20].copy_from_slice(&job_id.to_be_bytes());
-    input[20..22].copy_from_slice(&u16::MAX.to_be_bytes());
-    let lo = siphash24(job_key, &input);
-    input[14] = 1;
-    let hi = siphash24(job_key, &input);
-    let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&lo.to_be_bytes());
-    key[8..].copy_from_slice(&hi.to_be_bytes());
-    Key(key)
+    // (tail 0xffff: no source id, and the label differs from a member key's)
+    derive_key(job_key, b"fanin-result-k", job_id, u16::MAX)
 }
 
 /// The result key as carried in a JoinAck to the member holding
