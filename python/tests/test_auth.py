@@ -194,6 +194,27 @@ def test_sealed_kv_ack_golden_vector_matches_the_reference():
     assert int.from_bytes(sealed[-8:], "big") == _ref_tag(member, 0x0000_0102_0304_0506, sealed[:-16])
 
 
+def _ref_prf128(key: bytes, label: bytes, job_id: int, tail: bytes) -> bytes:
+    """128 bits as docs/protocol.md §2.4 defines them: SipHash of label ‖ i
+    (the half, one byte) ‖ zero padding to 16 bytes ‖ job_id ‖ tail, for
+    i = 0, 1, each big endian."""
+    def half(i):
+        head = (label + bytes([i])).ljust(16, b"\0")
+        return _ref_siphash24(key, head + struct.pack(">I", job_id) + tail).to_bytes(8, "big")
+    return half(0) + half(1)
+
+
+def test_the_result_key_and_its_wrap_match_the_documented_derivation():
+    # GOLDEN_RESULT_KEY and GOLDEN_WRAPPED_FOR_3 in crates/fanin-wire/src/auth/tests.rs
+    job_key, inc = bytes(range(16)), 0x1234_5679
+    member = _ref_prf128(job_key, b"fanin-member-k", 7, struct.pack(">H", 3))
+    assert member == fanin.derive_member_key(job_key, 7, 3)
+    result = _ref_prf128(job_key, b"fanin-result-k", 7, struct.pack(">I", inc))
+    pad = _ref_prf128(member, b"fanin-rkey-wrap", 7, struct.pack(">I", inc))
+    assert result.hex() == "d86c0ee4e6fefb421d35b647aa3b322e"
+    assert bytes(a ^ b for a, b in zip(result, pad)).hex() == "46a9bc09b45e1da7cb3da6c5a1dc7fab"
+
+
 def test_derive_member_key_matches_the_switch_derivation_and_is_pinned():
     key = fanin.derive_member_key(bytes(range(16)), 7, 3)
     assert key.hex() == "8b5638aa5b5876fd2805b96de9d9ab72"  # docs/protocol.md §2.4

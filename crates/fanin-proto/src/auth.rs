@@ -106,9 +106,7 @@ impl LaneWindows {
     }
 
     pub fn accept(&mut self, seq: u64) -> Result<(), Replay> {
-        // (a receiver keeps the group lanes' numbers in windows of their
-        // own, so the group bit is not part of the index)
-        let lane = (auth::lane_of(seq) & !auth::GROUP_LANE) as usize;
+        let lane = auth::lane_of(seq) as usize;
         if lane >= MAX_LANES {
             return Err(Replay::BadLane);
         }
@@ -146,6 +144,23 @@ pub fn open_and_accept<'a>(key: &Key, window: &mut LaneWindows, bytes: &'a [u8])
     let sealed = Sealed::split(bytes)?;
     sealed.verify(key)?;
     window.accept(sealed.seq)?;
+    Ok(sealed.inner)
+}
+
+/// [`open_and_accept`] for a result sent to a job's result group: sealed
+/// under the job's result key on a group lane (`fanin_wire::auth::GROUP_LANE`
+/// set) and a Result, the one message a switch sends to a group; anything
+/// else sealed under that key (which every listening member holds) is
+/// refused before `window` moves. `window` holds the group lanes' numbers
+/// apart from the member key's, indexed by the lane without the group bit.
+pub fn open_group_and_accept<'a>(key: &Key, window: &mut LaneWindows, bytes: &'a [u8]) -> Result<&'a [u8], Refusal> {
+    let sealed = Sealed::split(bytes)?;
+    let result = bytes[3] & !auth::SEALED == fanin_wire::MessageType::Result as u8;
+    if !auth::is_group_seq(sealed.seq) || !result {
+        return Err(Refusal::Auth(AuthError::BadTag));
+    }
+    sealed.verify(key)?;
+    window.accept(sealed.seq & !((auth::GROUP_LANE as u64) << auth::LANE_SHIFT))?;
     Ok(sealed.inner)
 }
 

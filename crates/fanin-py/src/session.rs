@@ -260,6 +260,7 @@ impl Session {
         d.set_item("auth_bad_tag", a.bad_tag)?;
         d.set_item("auth_replayed", a.replayed)?;
         d.set_item("auth_unsealed", a.unsealed)?;
+        d.set_item("auth_before_result_key", a.before_result_key)?;
         Ok(d)
     }
 }

@@ -96,53 +96,54 @@ pub enum AuthError {
 /// `job_id` is an input so one job key reused for two jobs still gives
 /// unrelated member keys (no cross-job replay).
 pub fn derive_member_key(job_key: &Key, job_id: u32, src_id: u16) -> Key {
-    derive_key(job_key, b"fanin-member-k", job_id, src_id)
+    Key(prf128(job_key, b"fanin-member-k\0\0", 14, job_id, &src_id.to_be_bytes()))
 }
 
-/// A 128-bit key under `job_key`: `SipHash(job_key, label | half | 0 |
-/// job_id | tail)` for half 0 and 1, each big endian.
-fn derive_key(job_key: &Key, label: &[u8; 14], job_id: u32, tail: u16) -> Key {
-    let mut input = [0u8; 22];
-    input[..14].copy_from_slice(label);
+/// 128 bits of SipHash-2-4 under `key`: `SipHash(key, input) ‖
+/// SipHash(key, input')` (each big endian), where `input` = `label` ‖
+/// `job_id` (u32 BE) ‖ `tail` and `input'` is `input` with byte `half_at`
+/// (inside the label's zero padding) set to 1.
+fn prf128(key: &Key, label: &[u8; 16], half_at: usize, job_id: u32, tail: &[u8]) -> [u8; 16] {
+    let mut input = [0u8; 24];
+    let len = 20 + tail.len();
+    input[..16].copy_from_slice(label);
     input[16..20].copy_from_slice(&job_id.to_be_bytes());
-    input[20..22].copy_from_slice(&tail.to_be_bytes());
-    let lo = siphash24(job_key, &input);
-    input[14] = 1;
-    let hi = siphash24(job_key, &input);
-    let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&lo.to_be_bytes());
-    key[8..].copy_from_slice(&hi.to_be_bytes());
-    Key(key)
+    input[20..len].copy_from_slice(tail);
+    let lo = siphash24(key, &input[..len]);
+    input[half_at] = 1;
+    let hi = siphash24(key, &input[..len]);
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&lo.to_be_bytes());
+    out[8..].copy_from_slice(&hi.to_be_bytes());
+    out
 }
 
-/// The job's *result key*: what a switch seals a result sent once to the
-/// job's result group with (one tag every listening member checks, where
-/// unicast results carry one tag per member). Derived like a member key,
-/// under its own label, so it is independent of every member key; a
-/// member learns it only from its JoinAck, wrapped ([`wrap_result_key`]).
-/// Every member of a group-keyed job holds it: docs/security.md says what
-/// that gives a malicious member.
-pub fn derive_result_key(job_key: &Key, job_id: u32) -> Key {
-    // (tail 0xffff: no source id, and the label differs from a member key's)
-    derive_key(job_key, b"fanin-result-k", job_id, u16::MAX)
+/// The job's *result key* on the switch of `incarnation`: what that switch
+/// seals a result sent once to the job's result group with (one tag every
+/// listening member checks, where unicast results carry one tag per
+/// member). Under its own label (and 24 bytes of input, a member key's 22)
+/// it is independent of every member key; bound to the switch's
+/// incarnation, it differs between the switches of one tree (which share
+/// the job key) and across restarts, so one switch's group results never
+/// verify at another's listeners. A member learns it only from its
+/// JoinAck, wrapped ([`wrap_result_key`]). Every listening member holds
+/// it: docs/security.md says what that gives a malicious member.
+pub fn derive_result_key(job_key: &Key, job_id: u32, incarnation: u32) -> Key {
+    Key(prf128(job_key, b"fanin-result-k\0\0", 14, job_id, &incarnation.to_be_bytes()))
 }
 
-/// The result key as carried in a JoinAck to the member holding
-/// `member_key`: XORed with a pad that is SipHash under the member key (a
-/// PRF) of a label and the job id. The plaintext never changes for a given
-/// member key (both keys come from the same job key and job id), so a
-/// fixed pad reveals nothing; the JoinAck's tag authenticates it. The same
-/// call unwraps.
-pub fn wrap_result_key(member_key: &Key, job_id: u32, key: &Key) -> [u8; 16] {
-    // "fanin-rkey-wrap" | half | job_id
-    let mut input = [0u8; 20];
-    input[..15].copy_from_slice(b"fanin-rkey-wrap");
-    input[16..20].copy_from_slice(&job_id.to_be_bytes());
-    let lo = siphash24(member_key, &input);
-    input[15] = 1;
-    let hi = siphash24(member_key, &input);
+/// The result key of the switch of `incarnation` as carried in a JoinAck
+/// to the member holding `member_key`: XORed with a pad that is SipHash
+/// under the member key (a PRF) of a label, the job id and the
+/// incarnation. Each pad hides one value only (the result key is a
+/// function of the same job, job id and incarnation), so a fixed pad
+/// reveals nothing; the JoinAck's tag authenticates it. Under the member
+/// key the input (24 bytes) differs in length from NH's key expansion (16)
+/// and from every tag's (32 or more). The same call unwraps.
+pub fn wrap_result_key(member_key: &Key, job_id: u32, incarnation: u32, key: &Key) -> [u8; 16] {
+    let pad = prf128(member_key, b"fanin-rkey-wrap\0", 15, job_id, &incarnation.to_be_bytes());
     let mut out = key.0;
-    for (b, p) in out.iter_mut().zip(lo.to_be_bytes().into_iter().chain(hi.to_be_bytes())) {
+    for (b, p) in out.iter_mut().zip(pad) {
         *b ^= p;
     }
     out

@@ -54,7 +54,7 @@ use fanin_wire::value::{
 use fanin_wire::MessageType;
 
 use super::congestion::{Congestion, CongestionStats, Signal, INITIAL_WINDOW};
-use crate::auth::{open_and_accept, push_sealed, Key, LaneWindows, Refusal, Sealer};
+use crate::auth::{open_and_accept, open_group_and_accept, push_sealed, Key, LaneWindows, Refusal, Sealer};
 use crate::job::shard_of;
 use crate::serial::BlockSpace;
 use crate::time::Time;
@@ -176,6 +176,10 @@ pub struct AuthStats {
     pub replayed: u64,
     /// No tag although the job is keyed.
     pub unsealed: u64,
+    /// A result on the group's lanes before a JoinAck gave the key to check
+    /// it with (a late joiner's first group results): dropped, and fetched
+    /// again by retransmission.
+    pub before_result_key: u64,
 }
 
 impl AllreduceSession {
@@ -666,17 +670,20 @@ impl AllreduceSession {
         let group = fanin_wire::auth::Sealed::split(bytes).is_ok_and(|s| fanin_wire::auth::is_group_seq(s.seq));
         match (group, &self.result_key) {
             (false, _) => open_and_accept(key, &mut self.windows, bytes),
-            (true, Some(result_key)) => open_and_accept(result_key, &mut self.group_windows, bytes),
+            (true, Some(result_key)) => open_group_and_accept(result_key, &mut self.group_windows, bytes),
             // not told the key (yet): nothing to check it with
             (true, None) => Err(Refusal::NoKey),
         }
     }
 
-    /// Learn the result key a JoinAck carries (wrapped under our key).
+    /// Take the result key a JoinAck carries (wrapped under our key, bound
+    /// to the answering switch's incarnation), or forget the one we had if
+    /// it carries none: our results no longer come on a group.
     pub(super) fn learn_result_key(&mut self, params: &JoinParams) {
-        if let (Some(wrapped), Some(key)) = (params.result_key, self.config.auth_key) {
-            self.result_key = Some(Key(fanin_wire::auth::wrap_result_key(&key, self.config.job_id, &Key(wrapped))));
-        }
+        let Some(key) = self.config.auth_key else { return };
+        let (job_id, incarnation) = (self.config.job_id, params.incarnation);
+        self.result_key =
+            params.result_key.map(|wrapped| Key(fanin_wire::auth::wrap_result_key(&key, job_id, incarnation, &Key(wrapped))));
     }
 
     pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
@@ -691,6 +698,10 @@ impl AllreduceSession {
                 }
                 Err(Refusal::Auth(fanin_wire::auth::AuthError::Unsealed)) => {
                     self.auth_stats.unsealed += 1;
+                    return;
+                }
+                Err(Refusal::NoKey) => {
+                    self.auth_stats.before_result_key += 1;
                     return;
                 }
                 Err(_) => {

@@ -8,7 +8,7 @@ use crate::switch::{ShardConfig, ValueSwitch};
 use crate::time::Time;
 use crate::transmit::VecTransmit;
 use fanin_wire::auth;
-use fanin_wire::value::{write_elements, Packet, Repr};
+use fanin_wire::value::{write_elements, JoinParams, Packet, Repr, HEADER_LEN};
 use fanin_wire::MessageType;
 
 const JOB_KEY: Key = Key([0x5a; 16]);
@@ -85,7 +85,7 @@ fn forged_replayed_and_unsealed_results_are_ignored_and_the_sum_stays_exact() {
     let plain = result_block(0, &[1000; 4]);
     s.handle_datagram(Time::ZERO, &plain[..plain.len() - auth::TRAILER_LEN]);
     assert!(s.poll_event().is_none(), "nothing completed");
-    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 0, unsealed: 1 });
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 0, unsealed: 1, before_result_key: 0 });
 
     // Worker 1 contributes; the switch's sealed results complete the tensor.
     let key1 = derive_member_key(&JOB_KEY, 1, 1);
@@ -113,7 +113,7 @@ fn forged_replayed_and_unsealed_results_are_ignored_and_the_sum_stays_exact() {
     s.handle_datagram(Time::ZERO, &results[1]);
     let Some(Event::Completed(outcome)) = s.poll_event() else { panic!("allreduce did not complete") };
     assert_eq!(outcome.tensor, Tensor::I32(vec![11, 22, 33, 44, 55, 66, 77, 88]));
-    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 1, unsealed: 1 });
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 1, unsealed: 1, before_result_key: 0 });
 }
 
 #[test]
@@ -128,7 +128,7 @@ fn an_unkeyed_session_refuses_sealed_datagrams() {
 #[test]
 fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
-    let result_key = auth::derive_result_key(&JOB_KEY, 1);
+    let result_key = auth::derive_result_key(&JOB_KEY, 1, ShardConfig::single(1 << 20).incarnation);
     let key0 = derive_member_key(&JOB_KEY, 1, 0);
     // before any JoinAck a worker has no result key: a group result, even
     // a genuine one, cannot be checked and is refused
@@ -136,7 +136,7 @@ fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     auth::seal(&result_key, auth::group_seq(1 << 40), &mut early).unwrap();
     let mut fresh = AllreduceSession::new(SessionConfig { auth_key: Some(key0), ..SessionConfig::new(1, 0) }, Time::ZERO);
     fresh.handle_datagram(Time::ZERO, &early);
-    assert_eq!(fresh.auth_stats().bad_tag, 1);
+    assert_eq!(fresh.auth_stats(), AuthStats { before_result_key: 1, ..AuthStats::default() });
 
     let (mut s, mut sw) = keyed_pair_on(Some(group));
     s.begin(Time::ZERO, Tensor::I32(vec![1, 2, 3, 4])).unwrap();
@@ -169,5 +169,34 @@ fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     s.handle_datagram(Time::ZERO, &on_group); // replayed on the group
     let Some(Event::Completed(outcome)) = s.poll_event() else { panic!("allreduce did not complete") };
     assert_eq!(outcome.tensor, Tensor::I32(vec![11, 22, 33, 44]));
-    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 1, replayed: 1, unsealed: 0 });
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 1, replayed: 1, unsealed: 0, before_result_key: 0 });
+
+    // Every listener holds the result key, so a member could seal anything
+    // under it: only Results on the group lanes are taken. A JoinAck that
+    // would hand the worker a junk key and a failure notice are refused
+    // and change nothing.
+    let mut join_ack = vec![0; HEADER_LEN + JoinParams::LEN + auth::TRAILER_LEN];
+    let ack = Repr { src_cnt: 2, ..Repr::new(MessageType::JoinAck, 1, 0) };
+    ack.emit(&mut Packet::new_unchecked(&mut join_ack[..HEADER_LEN + JoinParams::LEN]));
+    let junk = JoinParams { result_key: Some([0xEE; 16]), results_on_group: true, ..*s.params().unwrap() };
+    junk.emit(&mut join_ack[HEADER_LEN..HEADER_LEN + JoinParams::LEN]);
+    auth::seal(&result_key, auth::group_seq(1 << 42), &mut join_ack).unwrap();
+    let notice = Repr { age_op: fanin_wire::value::MEMBERSHIP_FAILED, ..Repr::new(MessageType::Membership, 1, 1) };
+    let mut failed = vec![0; notice.buffer_len() + auth::TRAILER_LEN];
+    notice.emit(&mut Packet::new_unchecked(&mut failed[..notice.buffer_len()]));
+    auth::seal(&result_key, auth::group_seq(1 << 42) + 1, &mut failed).unwrap();
+    // (the same bytes on the worker's own lanes fail too: not its key)
+    let mut unicast_lane = result_block(1, &[1000; 4]);
+    auth::seal(&result_key, 1 << 42, &mut unicast_lane).unwrap();
+    for forged in [&join_ack, &failed, &unicast_lane] {
+        s.handle_datagram(Time::ZERO, forged);
+    }
+    assert!(s.poll_event().is_none(), "nothing happened");
+    assert_eq!(s.auth_stats().bad_tag, 4);
+    s.begin(Time::ZERO, Tensor::I32(vec![1, 2, 3, 4])).expect("the session still works");
+    // the key it knows is still the true one
+    let mut again = result_block(1, &[5; 4]);
+    auth::seal(&result_key, auth::group_seq(1 << 43), &mut again).unwrap();
+    s.handle_datagram(Time::ZERO, &again);
+    assert_eq!(s.auth_stats().bad_tag, 4, "a true group result still verifies");
 }

@@ -291,7 +291,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             members.insert(m as usize);
         }
         let first_seq = fanin_wire::auth::first_seq(self.config.shard, self.config.seal_clock_us).max(self.seq_floor);
-        let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq, spec.result_group.is_some()));
+        let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq, spec.result_group.map(|_| self.config.incarnation)));
         let buckets = self.buckets_for(&spec, capacity);
         let liveness = Liveness::new(spec.member_timeout(), capacity);
         let space = BlockSpace::new(spec.block_cnt_max);

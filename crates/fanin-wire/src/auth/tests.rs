@@ -194,20 +194,32 @@ fn keys_parse_from_hex_and_never_print() {
 }
 
 #[test]
-fn the_result_key_is_no_member_key_and_travels_wrapped() {
-    let result = derive_result_key(&REF_KEY, 7);
+fn the_result_key_is_no_member_key_is_bound_to_its_switch_and_travels_wrapped() {
+    const INC: u32 = 0x1234_5679;
+    let result = derive_result_key(&REF_KEY, 7, INC);
     assert_eq!(result.to_hex(), GOLDEN_RESULT_KEY);
-    assert_ne!(derive_result_key(&REF_KEY, 8), result, "another job");
+    assert_ne!(derive_result_key(&REF_KEY, 8, INC), result, "another job");
+    assert_ne!(derive_result_key(&REF_KEY, 7, INC + 2), result, "another switch, or a restart");
     for src in [0u16, 3, u16::MAX] {
         assert_ne!(derive_member_key(&REF_KEY, 7, src), result, "a member key");
     }
     // each member gets other bytes, and only its own key unwraps them
     let (k3, k4) = (derive_member_key(&REF_KEY, 7, 3), derive_member_key(&REF_KEY, 7, 4));
-    let (w3, w4) = (wrap_result_key(&k3, 7, &result), wrap_result_key(&k4, 7, &result));
+    let (w3, w4) = (wrap_result_key(&k3, 7, INC, &result), wrap_result_key(&k4, 7, INC, &result));
+    assert_eq!(hex(&w3), GOLDEN_WRAPPED_FOR_3);
     assert_ne!(w3, w4);
     assert_ne!(w3, result.0, "the key is not sent in clear");
-    assert_eq!(Key(wrap_result_key(&k3, 7, &Key(w3))), result);
-    assert_ne!(Key(wrap_result_key(&k4, 7, &Key(w3))), result);
+    assert_eq!(Key(wrap_result_key(&k3, 7, INC, &Key(w3))), result);
+    assert_ne!(Key(wrap_result_key(&k4, 7, INC, &Key(w3))), result);
+    // another incarnation's key travels under another pad
+    let other = derive_result_key(&REF_KEY, 7, INC + 2);
+    let w3_other = wrap_result_key(&k3, 7, INC + 2, &other);
+    let xor = |a: [u8; 16], b: [u8; 16]| -> [u8; 16] { core::array::from_fn(|i| a[i] ^ b[i]) };
+    assert_ne!(xor(w3, w3_other), xor(result.0, other.0), "no pad used twice");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[test]
@@ -219,7 +231,7 @@ fn a_group_lane_sequence_number_stays_unique_and_is_bound_by_the_tag() {
     assert_eq!(g & ((1 << LANE_SHIFT) - 1), seq & ((1 << LANE_SHIFT) - 1), "same counter");
     assert!(is_group_seq(next_seq(g)), "the counter stays in its lane");
     // flipping the group bit of a sealed datagram breaks its tag
-    let result = derive_result_key(&REF_KEY, 7);
+    let result = derive_result_key(&REF_KEY, 7, 1);
     let mut packet = golden_unsealed();
     packet.extend_from_slice(&[0; TRAILER_LEN]);
     seal(&result, g, &mut packet).unwrap();
@@ -228,4 +240,7 @@ fn a_group_lane_sequence_number_stays_unique_and_is_bound_by_the_tag() {
     packet[at] ^= 0x80;
     assert_eq!(open(&result, &packet), Err(AuthError::BadTag));
 }
-const GOLDEN_RESULT_KEY: &str = "3d231c9a8783407cfb3a72b815995405";
+// Pinned here and recomputed from protocol.md §2.4 by an independent
+// SipHash in python/tests/test_auth.py.
+const GOLDEN_RESULT_KEY: &str = "d86c0ee4e6fefb421d35b647aa3b322e";
+const GOLDEN_WRAPPED_FOR_3: &str = "46a9bc09b45e1da7cb3da6c5a1dc7fab";

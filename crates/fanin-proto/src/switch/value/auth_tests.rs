@@ -266,7 +266,8 @@ fn a_keyed_job_seals_a_group_result_once_under_the_result_key_its_listeners_lear
     let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
     let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
     sw.add_job(JobSpec { result_group: Some(group), ..keyed(1, 3, JOB_KEY) }).unwrap();
-    let result_key = auth::derive_result_key(&JOB_KEY, 1);
+    let incarnation = ShardConfig::single(1 << 20).incarnation;
+    let result_key = auth::derive_result_key(&JOB_KEY, 1, incarnation);
     // listeners get the result key wrapped under their own key; the member
     // not listening gets none
     for src in [0u16, 2] {
@@ -274,7 +275,8 @@ fn a_keyed_job_seals_a_group_result_once_under_the_result_key_its_listeners_lear
         assert!(params.results_on_group);
         let wrapped = params.result_key.expect("a listener is told the result key");
         assert_ne!(wrapped, result_key.0, "never in clear");
-        assert_eq!(Key(auth::wrap_result_key(&member(1, src), 1, &Key(wrapped))), result_key);
+        assert_eq!(params.incarnation, incarnation, "what the worker unwraps with");
+        assert_eq!(Key(auth::wrap_result_key(&member(1, src), 1, incarnation, &Key(wrapped))), result_key);
     }
     let params = sealed_join(&mut sw, 1, 1, false, 1);
     assert!(!params.results_on_group && params.result_key.is_none());

@@ -25,16 +25,18 @@ pub(super) struct JobAuth {
     /// The next sequence number this shard seals with (one counter for all
     /// of the job's destinations: receivers tolerate gaps).
     next_seq: u64,
-    /// The job's result key, for a job with a result group: a result sent
-    /// to the group is sealed once under it (on the group lanes of the same
-    /// counter) instead of once per member.
-    result_key: Option<Key>,
+    /// The job's result key on this switch (its incarnation) for a job with
+    /// a result group: a result sent to the group is sealed once under it
+    /// (on the group lanes of the same counter) instead of once per member.
+    result_key: Option<(Key, u32)>,
 }
 
 impl JobAuth {
-    pub(super) fn new(job_key: Key, job_id: u32, members: &[u16], first_seq: u64, group: bool) -> Self {
+    /// `group`: the job has a result group, and this switch's incarnation
+    /// (what its result key is bound to).
+    pub(super) fn new(job_key: Key, job_id: u32, members: &[u16], first_seq: u64, group: Option<u32>) -> Self {
         let mut auth = Self {
-            result_key: group.then(|| auth::derive_result_key(&job_key, job_id)),
+            result_key: group.map(|inc| (auth::derive_result_key(&job_key, job_id, inc), inc)),
             job_key,
             job_id,
             keys: Vec::new(),
@@ -82,13 +84,14 @@ impl JobAuth {
     /// the member's key), for a job with a result group.
     pub(super) fn wrapped_result_key(&self, member: usize) -> Option<[u8; 16]> {
         let member_key = self.keys.get(member).copied().flatten()?;
-        Some(auth::wrap_result_key(&member_key, self.job_id, self.result_key.as_ref()?))
+        let (key, incarnation) = self.result_key.as_ref()?;
+        Some(auth::wrap_result_key(&member_key, self.job_id, *incarnation, key))
     }
 
     /// The envelope of a result sent once to the job's result group: sealed
     /// under the result key, `None` if the job has none.
     pub(super) fn group_envelope(&mut self) -> Option<Envelope> {
-        let key = self.result_key?;
+        let (key, _) = self.result_key?;
         Some(Envelope::Sealed(key, auth::group_seq(self.take_seq())))
     }
 

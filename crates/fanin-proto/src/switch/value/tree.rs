@@ -106,8 +106,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 params.order_shards = params.order_below(self.config.shard_count);
                 params.shard_count = self.config.shard_count;
                 params.results_on_group = job.listens_on_group.contains(via as usize);
-                // the parent's result key (wrapped for this switch) is not
-                // this switch's group's: the worker gets this switch's own
+                // the parent's result key (if any) is bound to the parent's
+                // incarnation and wrapped for this switch: the worker gets
+                // this switch's own, which its group results are sealed with
                 params.result_key = match &job.auth {
                     Some(auth) if params.results_on_group => auth.wrapped_result_key(via as usize),
                     _ => None,
