@@ -776,3 +776,49 @@ def test_fsdp2_on_cuda_trains_on_fanin_as_on_the_cpu():
         assert np.allclose(cuda[rank]["losses"], cpu[rank]["losses"], rtol=1e-4, atol=1e-6), (cuda[rank], cpu[rank])
         for name, value in cpu[rank]["params"].items():
             assert np.allclose(cuda[rank]["params"][name], value, rtol=1e-4, atol=1e-5), name
+
+
+def _on_a_controller_job(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    os.environ["FANIN_HOST"] = f"h{rank}"  # this rank's host in the controller's topology
+    dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=60))
+    want = sum(torch.linspace(-1, 1, 50_000) * (r + 1) for r in range(world))
+    x = torch.linspace(-1, 1, 50_000) * (rank + 1)
+    dist.all_reduce(x)
+    group = fanin.torch.fanin_group()
+    out = {"diff": (x - want).abs().max().item(), "switch": group.switch_addr, "job": group.job_id}
+    from fanin.control.client import ControlClient
+
+    # while the group runs, the switch holds the job, keyed
+    with ControlClient(os.environ["TEST_SWITCH_CONTROL"]) as cc:
+        out["keyed"] = [j["key"] is not None for j in cc.list_jobs() if j["job_id"] == 7]
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_keyed_job_made_by_the_controller_reaches_torch_through_fanin_controller():
+    """FANIN_CONTROLLER: each rank subscribes at a real `fanin controller`
+    (gRPC) on its FANIN_HOST, gets its switch and member key, and the keyed
+    job (the controller's default) sums exactly; destroying the group
+    unsubscribes every rank, so the ranks are free again."""
+    from fanin import topology
+    from fanin.controller import Controller, ControllerClient, ControllerServer
+    from fanin.controller.loopback import LoopbackSwitches
+
+    topo = topology.star(2)
+    with LoopbackSwitches(topo) as sws:
+        with ControllerServer(Controller(topo, sws.fabric), "127.0.0.1:0") as srv, ControllerClient(srv.addr) as c:
+            c.create_job(7, max_workers=2)  # keyed: the controller's default
+            reports = _spawn(_on_a_controller_job, 2, env={"FANIN_CONTROLLER": srv.addr, "FANIN_JOB_ID": "7",
+                                                           "TEST_SWITCH_CONTROL": sws.fabric.control_addr("s0")})
+            # both ranks left at destroy_process_group: they can subscribe again
+            assert c.subscribe(7, 0, "h0")["member_key"] is not None
+        data_addr = sws.fabric.data_addr("s0", "h0")
+    for r in reports:
+        assert r["keyed"] == [True], r
+        assert r["diff"] < 1e-5, r
+        assert (r["switch"], r["job"]) == (data_addr, 7)

@@ -6,6 +6,11 @@ there. Either
 
 * ``FANIN_SWITCH=HOST:PORT`` names a running switch on which the job
   ``FANIN_JOB_ID`` (default 1) is admitted with the group's size, or
+* ``FANIN_CONTROLLER=HOST:PORT`` names a ``fanin controller`` on which the
+  job ``FANIN_JOB_ID`` was created (``fanin controller create-job``, keyed
+  by default): every rank subscribes as its rank on its topology host
+  ``FANIN_HOST`` and gets its switch and, for a keyed job, its member key
+  (docs/security.md); the ranks unsubscribe when the group is destroyed, or
 * by default rank 0 starts a switch inside its own process (the embedded
   default: the real daemon on background threads) with one job for the group.
 
@@ -56,6 +61,8 @@ class ConnectOptions:
     bind: Optional[str] = None        # FANIN_SWITCH_BIND: where the embedded switch listens
     shards: int = 1                   # FANIN_SWITCH_SHARDS: processing threads of the embedded switch
     result_group: Optional[str] = None  # FANIN_RESULT_GROUP: "off", or IPV4:PORT; None = automatic
+    controller: Optional[str] = None  # FANIN_CONTROLLER: HOST:PORT of a `fanin controller` that made the job
+    host: Optional[str] = None        # FANIN_HOST: this rank's host in the controller's topology
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ConnectOptions":
@@ -68,6 +75,8 @@ class ConnectOptions:
             bind=os.environ.get("FANIN_SWITCH_BIND") or None,
             shards=_env_int("FANIN_SWITCH_SHARDS", 1),
             result_group=os.environ.get("FANIN_RESULT_GROUP") or None,
+            controller=os.environ.get("FANIN_CONTROLLER") or None,
+            host=os.environ.get("FANIN_HOST") or None,
         )
         for k, v in overrides.items():
             if v is not None:
@@ -84,6 +93,17 @@ class Connection:
     n_sources: int
     embedded: Optional[LocalSwitch]  # set on the rank that runs the embedded switch
     results_on_group: bool = False   # the switch sends this rank's results to the job's result group
+    controller: Optional[str] = None  # the controller this rank subscribed at (unsubscribed at shutdown)
+
+    def leave(self, rank: int) -> None:
+        """Unsubscribe from the controller this rank subscribed at, if any."""
+        if self.controller is None:
+            return
+        from fanin.controller import ControllerClient
+
+        with ControllerClient(self.controller) as client:
+            client.unsubscribe(self.job_id, rank)
+        self.controller = None
 
 
 def _embedded_bind(world: int) -> tuple[str, Optional[str]]:
@@ -122,9 +142,55 @@ def _decide(world: int, opts: ConnectOptions) -> tuple[Optional[LocalSwitch], st
     return embedded, f"{addr}|{job_id}|{opts.elems_per_packet}|{group or ''}"
 
 
+def _subscribe(store: Any, rank: int, world: int, timeout: datetime.timedelta,
+               opts: ConnectOptions) -> tuple[str, Optional[bytes]]:
+    """Subscribe this rank at the controller: (switch data address, member
+    key or None), once every rank of the group has subscribed (so that each
+    one's Join finds the job at the group's size)."""
+    from fanin.controller import ControllerClient
+
+    if opts.switch:
+        raise RuntimeError("fanin: set FANIN_CONTROLLER or FANIN_SWITCH, not both (the controller names the switch)")
+    if not opts.host:
+        raise RuntimeError("fanin: FANIN_CONTROLLER is set but FANIN_HOST is not: name this rank's host in the "
+                           "controller's topology (e.g. h0_0)")
+    try:
+        with ControllerClient(opts.controller) as client:
+            sub = client.subscribe(opts.job_id, rank, opts.host)
+    except Exception as e:
+        store.set(f"fanin/subscribed/{rank}", f"!{e}")
+        raise RuntimeError(f"fanin: the controller at {opts.controller} did not subscribe rank {rank} of job "
+                           f"{opts.job_id} on host {opts.host}: {e}") from e
+    store.set(f"fanin/subscribed/{rank}", "ok")
+    keys = [f"fanin/subscribed/{r}" for r in range(world)]
+    store.wait(keys, timeout)
+    failed = [r for r, k in enumerate(keys) if store.get(k).decode().startswith("!")]
+    if failed:
+        with ControllerClient(opts.controller) as client:
+            client.unsubscribe(opts.job_id, rank)
+        raise RuntimeError(f"fanin: ranks {failed} could not subscribe at the controller {opts.controller}")
+    return sub["data_addr"], sub["member_key"]
+
+
 def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions) -> Connection:
     """Agree on a switch and job through ``store`` and join it (all ranks call this)."""
     embedded: Optional[LocalSwitch] = None
+    if opts.controller:
+        addr, member_key = _subscribe(store, rank, world, timeout, opts)
+        dead_after = max(10.0, timeout.total_seconds())
+        conn = Connection(session=None, switch_addr=addr, job_id=opts.job_id, elems_per_packet=0, n_sources=0,
+                          embedded=None, controller=opts.controller)
+        try:
+            session = Session(addr, opts.job_id, rank, elems_per_packet=opts.elems_per_packet, window=opts.window,
+                              join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after, auth_key=member_key,
+                              barrier_timeout_s=max(120.0, timeout.total_seconds()), members=world)
+        except BaseException as e:
+            conn.leave(rank)  # not a member of a group that never formed
+            if isinstance(e, FaninRefused):
+                raise RuntimeError(f"fanin: {e}") from e
+            raise
+        conn.session, conn.elems_per_packet, conn.n_sources = session, session.elems_per_packet, session.n_sources
+        return conn
     if rank == 0:
         try:
             embedded, published = _decide(world, opts)

@@ -27,6 +27,7 @@ import datetime
 import os
 import queue
 import threading
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -269,6 +270,10 @@ class FaninProcessGroup(dist.ProcessGroup):
         self._worker.join(10.0)
         if self._conn.embedded is not None:
             self._conn.embedded.stop()
+        try:
+            self._conn.leave(self._rank)
+        except Exception as e:  # the group is gone either way; say why the job keeps the rank
+            warnings.warn(f"fanin: rank {self._rank} could not unsubscribe from the controller: {e}")
 
     # -- the switch path --------------------------------------------------
     def _submit(self, fn: Callable[[], Any]) -> Any:
