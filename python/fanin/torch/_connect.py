@@ -97,13 +97,16 @@ class Connection:
 
     def leave(self, rank: int) -> None:
         """Unsubscribe from the controller this rank subscribed at, if any."""
-        if self.controller is None:
-            return
-        from fanin.controller import ControllerClient
+        if self.controller is not None:
+            _unsubscribe(self.controller, self.job_id, rank)
+            self.controller = None
 
-        with ControllerClient(self.controller) as client:
-            client.unsubscribe(self.job_id, rank)
-        self.controller = None
+
+def _unsubscribe(controller: str, job_id: int, rank: int) -> None:
+    from fanin.controller import ControllerClient
+
+    with ControllerClient(controller) as client:
+        client.unsubscribe(job_id, rank)
 
 
 def _embedded_bind(world: int) -> tuple[str, Optional[str]]:
@@ -166,58 +169,57 @@ def _subscribe(store: Any, rank: int, world: int, timeout: datetime.timedelta,
     store.wait(keys, timeout)
     failed = [r for r, k in enumerate(keys) if store.get(k).decode().startswith("!")]
     if failed:
-        with ControllerClient(opts.controller) as client:
-            client.unsubscribe(opts.job_id, rank)
+        _unsubscribe(opts.controller, opts.job_id, rank)
         raise RuntimeError(f"fanin: ranks {failed} could not subscribe at the controller {opts.controller}")
     return sub["data_addr"], sub["member_key"]
 
 
-def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions) -> Connection:
-    """Agree on a switch and job through ``store`` and join it (all ranks call this)."""
-    embedded: Optional[LocalSwitch] = None
-    if opts.controller:
-        addr, member_key = _subscribe(store, rank, world, timeout, opts)
-        dead_after = max(10.0, timeout.total_seconds())
-        conn = Connection(session=None, switch_addr=addr, job_id=opts.job_id, elems_per_packet=0, n_sources=0,
-                          embedded=None, controller=opts.controller)
-        try:
-            session = Session(addr, opts.job_id, rank, elems_per_packet=opts.elems_per_packet, window=opts.window,
-                              join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after, auth_key=member_key,
-                              barrier_timeout_s=max(120.0, timeout.total_seconds()), members=world)
-        except BaseException as e:
-            conn.leave(rank)  # not a member of a group that never formed
-            if isinstance(e, FaninRefused):
-                raise RuntimeError(f"fanin: {e}") from e
-            raise
-        conn.session, conn.elems_per_packet, conn.n_sources = session, session.elems_per_packet, session.n_sources
-        return conn
-    if rank == 0:
-        try:
-            embedded, published = _decide(world, opts)
-        except Exception as e:
-            # tell the other ranks instead of leaving them waiting for the store timeout
-            store.set(_KEY, f"!{type(e).__name__}: {e}")
-            raise
-        store.set(_KEY, published)
-    else:
-        store.wait([_KEY], timeout)
-    answer = store.get(_KEY).decode()
-    if answer.startswith("!"):
-        raise RuntimeError(f"fanin: rank 0 could not set up the switch: {answer[1:]}")
-    addr, job_s, epp_s, group = answer.split("|")
-    epp = int(epp_s)
+def _join(addr: str, job_id: int, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions,
+          elems_per_packet: int, **session_kw: Any) -> Session:
+    """This rank's Session on the job, with the group's timeouts."""
     dead_after = max(10.0, timeout.total_seconds())
     # A new Session is a new incarnation of this rank: against a job that
     # ran before (a second torchrun, a restarted group) it waits at the job's
     # barrier for every rank and starts a fresh round (docs/protocol.md §4.12).
     # members=world refuses a job of another size at once.
     try:
-        session = Session(addr, int(job_s), rank, elems_per_packet=epp, window=opts.window,
-                          join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after, result_group=group or None,
-                          barrier_timeout_s=max(120.0, timeout.total_seconds()), members=world)
+        return Session(addr, job_id, rank, elems_per_packet=elems_per_packet, window=opts.window,
+                       join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after,
+                       barrier_timeout_s=max(120.0, timeout.total_seconds()), members=world, **session_kw)
     except FaninRefused as e:
         raise RuntimeError(f"fanin: {e}") from e
+
+
+def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions) -> Connection:
+    """Agree on a switch and job through ``store`` and join it (all ranks call this)."""
+    embedded: Optional[LocalSwitch] = None
+    controller: Optional[str] = None
+    if opts.controller:
+        addr, member_key = _subscribe(store, rank, world, timeout, opts)
+        job_id, controller = opts.job_id, opts.controller
+        try:
+            session = _join(addr, job_id, rank, world, timeout, opts, opts.elems_per_packet, auth_key=member_key)
+        except BaseException:
+            _unsubscribe(controller, job_id, rank)  # not a member of a group that never formed
+            raise
+    else:
+        if rank == 0:
+            try:
+                embedded, published = _decide(world, opts)
+            except Exception as e:
+                # tell the other ranks instead of leaving them waiting for the store timeout
+                store.set(_KEY, f"!{type(e).__name__}: {e}")
+                raise
+            store.set(_KEY, published)
+        else:
+            store.wait([_KEY], timeout)
+        answer = store.get(_KEY).decode()
+        if answer.startswith("!"):
+            raise RuntimeError(f"fanin: rank 0 could not set up the switch: {answer[1:]}")
+        addr, job_s, epp_s, group = answer.split("|")
+        job_id = int(job_s)
+        session = _join(addr, job_id, rank, world, timeout, opts, int(epp_s), result_group=group or None)
     # (the packet size the session really uses: the job's when epp is 0)
-    return Connection(session=session, switch_addr=addr, job_id=int(job_s), elems_per_packet=session.elems_per_packet,
+    return Connection(session=session, switch_addr=addr, job_id=job_id, elems_per_packet=session.elems_per_packet,
                       n_sources=session.n_sources, embedded=embedded,
-                      results_on_group=bool(session.params["results_on_group"]))
+                      results_on_group=bool(session.params["results_on_group"]), controller=controller)

@@ -67,11 +67,8 @@ def _fanin(a: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window)) if v is not None}
     if len(jobs) == 1:
         # one session on this thread, as a user's script has it
-        import fanin
-
         lanes: list[_Lane] = []
-        session = fanin.Session(addrs[0], jobs[0], a.rank, dead_after_s=60,
-                                **dict(overrides, **({"auth_key": keys[0]} if keys[0] else {})))
+        session = open_session(addrs[0], jobs[0], a.rank, keys[0], overrides)
         joined = describe(session)
     else:
         answers: queue.Queue = queue.Queue()
@@ -123,6 +120,13 @@ def _fanin(a: argparse.Namespace) -> int:
     return 0
 
 
+def open_session(addr: str, job: int, rank: int, key: Optional[str], overrides: dict[str, Any]) -> Any:
+    """The worker's session on one job (`key`: its member key, if keyed)."""
+    import fanin
+
+    return fanin.Session(addr, job, rank, dead_after_s=60, **dict(overrides, **({"auth_key": key} if key else {})))
+
+
 def describe(session: Any) -> dict[str, Any]:
     """What the worker needs of a session's join, as plain data (a lane's
     session may not be touched by another thread)."""
@@ -151,15 +155,12 @@ class _Lane(threading.Thread):
                  overrides: dict[str, Any]) -> None:
         super().__init__(daemon=True)
         self.index, self.answers = index, answers
-        self.args = (addr, job, rank, dict(overrides, **({"auth_key": key} if key else {})))
+        self.args = (addr, job, rank, key, overrides)
         self.todo: queue.Queue = queue.Queue()
 
     def run(self) -> None:
-        import fanin
-
         try:
-            addr, job, rank, kw = self.args
-            session = fanin.Session(addr, job, rank, dead_after_s=60, **kw)
+            session = open_session(*self.args)
             try:
                 self.answers.put((self.index, describe(session)))
                 while (work := self.todo.get()) is not None:

@@ -252,6 +252,14 @@ impl<A> Job<A> {
         }
     }
 
+    /// The result key a JoinAck to `member` carries: wrapped for it when it
+    /// listens on a keyed job's group (its results come sealed once under
+    /// that key), none otherwise.
+    pub(super) fn result_key_for(&self, member: u16) -> Option<[u8; 16]> {
+        let auth = self.auth.as_ref()?;
+        self.listens_on_group.contains(member as usize).then(|| auth.wrapped_result_key(member as usize)).flatten()
+    }
+
     /// Bytes the job's record takes beyond its aggregation buffers (those
     /// are `data_memory`): the record, its per-member tables and masks, its
     /// slots and the block records they hold at most (two per slot, each

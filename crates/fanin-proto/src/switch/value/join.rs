@@ -95,10 +95,7 @@ pub(super) fn answer_join_as<A: Copy + PartialEq>(
         },
         // A member whose results come on the group, sealed once for all
         // listeners, needs the key they are sealed with.
-        result_key: match &job.auth {
-            Some(auth) if job.listens_on_group.contains(to as usize) => auth.wrapped_result_key(to as usize),
-            _ => None,
-        },
+        result_key: job.result_key_for(to),
     };
     let env = envelope(job.auth.as_mut(), Peer::Member(to as usize));
     send(out, dest, repr.buffer_len(), env, |buf| {

@@ -121,7 +121,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
         let Some(auth) = self.auth.as_deref_mut() else {
             return self.out.push_group(group, self.scratch);
         };
-        let Some(Envelope::Sealed(key, seq)) = auth.group_envelope() else { return false };
+        let Some((key, seq)) = auth.group_seal() else { return false };
         // Seal in place behind the result, send, and cut the trailer off
         // again: the members not on the group get their own seals of the
         // unsealed bytes.

@@ -88,11 +88,12 @@ impl JobAuth {
         Some(auth::wrap_result_key(&member_key, self.job_id, *incarnation, key))
     }
 
-    /// The envelope of a result sent once to the job's result group: sealed
-    /// under the result key, `None` if the job has none.
-    pub(super) fn group_envelope(&mut self) -> Option<Envelope> {
+    /// The key and number to seal a result sent once to the job's result
+    /// group with: the result key, on the group lanes; `None` if the job
+    /// has no group.
+    pub(super) fn group_seal(&mut self) -> Option<(Key, u64)> {
         let (key, _) = self.result_key?;
-        Some(Envelope::Sealed(key, auth::group_seq(self.take_seq())))
+        Some((key, auth::group_seq(self.take_seq())))
     }
 
     fn take_seq(&mut self) -> u64 {

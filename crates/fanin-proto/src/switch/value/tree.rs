@@ -109,10 +109,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // the parent's result key (if any) is bound to the parent's
                 // incarnation and wrapped for this switch: the worker gets
                 // this switch's own, which its group results are sealed with
-                params.result_key = match &job.auth {
-                    Some(auth) if params.results_on_group => auth.wrapped_result_key(via as usize),
-                    _ => None,
-                };
+                params.result_key = job.result_key_for(via);
                 let env = envelope(job.auth.as_mut(), Peer::Member(via as usize));
                 send(out, dest, repr.buffer_len(), env, |buf| {
                     let mut reply = Packet::new_unchecked(buf);
