@@ -25,9 +25,12 @@ def elements(*values):
     return struct.pack(">%di" % len(values), *values)
 
 
-def join_params(block_cnt_max, block_grad_max, block_exp_ms, incarnation, shard_count, next_block):
-    return struct.pack(">IIIIHHI", block_cnt_max, block_grad_max, block_exp_ms, incarnation,
-                       shard_count, 0, next_block)
+def join_params(block_cnt_max, block_grad_max, block_exp_ms, incarnation, shard_count, next_block,
+                packet_elems=358, flags=0, result_key=bytes(16), result_epoch=0):
+    # the 48-byte body of JoinParams (value.rs): ... next_block, packet_elems,
+    # result_key (wrapped), result_epoch
+    return struct.pack(">IIIIHHII16sI", block_cnt_max, block_grad_max, block_exp_ms, incarnation,
+                       shard_count, flags, next_block, packet_elems, result_key, result_epoch)
 
 
 def nack(reason, detail):
@@ -62,6 +65,8 @@ SEEDS = {
         "golden-join-ack-body": JOIN_ACK_BODY,
         "max": join_params(0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFF, 0xFFFFFFFF),
         "zero": join_params(0, 0, 0, 0, 0, 0),
+        "wrapped-result-key": join_params(256, 1024, 10, 0xDEADBEEF, 2, 4096, flags=0x0005,
+                                          result_key=bytes(range(0xA0, 0xB0)), result_epoch=0x0102),
     },
     "nack": {
         "golden-nack-body": NACK_BODY,
@@ -136,7 +141,7 @@ SEEDS["machines"] = {
 
 assert len(SEEDS["value_packet"]["golden-contribution"]) == 32
 assert len(SEEDS["kv_packet"]["golden-data"]) == 56
-assert len(SEEDS["value_packet"]["golden-join-ack"]) == 48
+assert len(SEEDS["value_packet"]["golden-join-ack"]) == 24 + 48  # header + JoinParams::LEN
 
 for target, seeds in SEEDS.items():
     folder = os.path.join(HERE, "corpus", target)

@@ -38,7 +38,7 @@ fuzz_target!(|data: &[u8]| {
     let flags = u16::from_be_bytes([expected[18], expected[19]]) & defined;
     expected[FLAGS].copy_from_slice(&flags.to_be_bytes());
     if flags & JOINACK_RESULT_KEY == 0 {
-        expected[28..44].fill(0);
+        expected[28..48].fill(0); // the wrapped key and its epoch
     }
     assert_eq!(params.result_key.is_some(), flags & JOINACK_RESULT_KEY != 0);
     assert_eq!(params.results_on_group, flags & JOINACK_RESULTS_ON_GROUP != 0);

@@ -206,13 +206,13 @@ def _ref_prf128(key: bytes, label: bytes, job_id: int, tail: bytes) -> bytes:
 
 def test_the_result_key_and_its_wrap_match_the_documented_derivation():
     # GOLDEN_RESULT_KEY and GOLDEN_WRAPPED_FOR_3 in crates/fanin-wire/src/auth/tests.rs
-    job_key, inc = bytes(range(16)), 0x1234_5679
+    job_key, inc, epoch = bytes(range(16)), 0x1234_5679, 2
     member = _ref_prf128(job_key, b"fanin-member-k", 7, struct.pack(">H", 3))
     assert member == fanin.derive_member_key(job_key, 7, 3)
-    result = _ref_prf128(job_key, b"fanin-result-k", 7, struct.pack(">I", inc))
-    pad = _ref_prf128(member, b"fanin-rkey-wrap", 7, struct.pack(">I", inc))
-    assert result.hex() == "d86c0ee4e6fefb421d35b647aa3b322e"
-    assert bytes(a ^ b for a, b in zip(result, pad)).hex() == "46a9bc09b45e1da7cb3da6c5a1dc7fab"
+    result = _ref_prf128(job_key, b"fanin-result-k", 7, struct.pack(">II", inc, epoch))
+    pad = _ref_prf128(member, b"fanin-rkey-wrap", 7, struct.pack(">II", inc, epoch))
+    assert result.hex() == "8a2ff77d4d29e5890fdf1c1358d725c9"
+    assert bytes(a ^ b for a, b in zip(result, pad)).hex() == "1122fa37bea696d5338190604a094b83"
 
 
 def test_derive_member_key_matches_the_switch_derivation_and_is_pinned():
@@ -379,4 +379,127 @@ def test_a_keyed_job_sends_each_result_once_to_its_group_and_refuses_forged_and_
         assert stats["datagrams_from_group"] >= 0.9 * blocks
         assert stats["auth_replayed"] == 10 and stats["auth_bad_tag"] == 5, stats
     assert results[-1][1]["datagrams_from_group"] == 0
+    assert counters["auth_bad_tag"] == 0 and counters["malformed"] == 0
+
+
+def _verifies_under(key: bytes, data: bytes) -> bool:
+    """True when the sealed datagram `data` carries a valid tag under `key`
+    (sealing is deterministic: seal its inner bytes again with its own
+    sequence number and compare)."""
+    inner = bytearray(data[:-16])
+    inner[3] &= 0x7F
+    seq = int.from_bytes(data[-16:-8], "big")
+    return _native.seal_datagram(key, seq, bytes(inner)) == data
+
+
+def _removed_member_on_the_group(group: str, old_key: bytes, stop: threading.Event, left: threading.Event,
+                                 seen: dict) -> None:
+    """What a member that left still has: the group's address and the
+    result key it was given. Counts the group results it can open before
+    and after it left, and after it left forges a poisoned result under
+    that key for every one it hears."""
+    host, port = group.rsplit(":", 1)
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    rx.bind((host, int(port)))
+    rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(host) + socket.inet_aton("127.0.0.1"))
+    rx.settimeout(0.05)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+    poison = np.full(EPP, 10_000, dtype=np.int32)
+    forged, i = set(), 0
+    while not stop.is_set():
+        try:
+            data, _ = rx.recvfrom(65535)
+        except socket.timeout:
+            continue
+        if data in forged or data[3] != 0x83:
+            continue
+        phase = "after" if left.is_set() else "before"
+        seen[f"{phase}_heard"] += 1
+        seen[f"{phase}_opened"] += _verifies_under(old_key, data)
+        if left.is_set():
+            seen["after_new_key"] += _verifies_under(seen["new_key"], data)
+            raw = bytearray(_contribution(JOB, 0, struct.unpack(">I", data[16:20])[0], poison))
+            raw[3] = 0x03
+            forgery = _native.seal_datagram(old_key, 1 << 63 | (1 << 44) + i, bytes(raw))
+            forged.add(forgery)
+            tx.sendto(forgery, (host, int(port)))
+            seen["forged"] += 1
+            i += 1
+    rx.close()
+    tx.close()
+
+
+def test_a_member_that_leaves_a_keyed_group_job_can_neither_read_nor_forge_its_later_results():
+    """Three keyed workers listen on the job's result group; rank 2 leaves
+    (the control API's update_job, as the controller does on Unsubscribe).
+    The switch starts a new result-key epoch: the key rank 2 was given
+    opens every group result before it left and none after, its forgeries
+    under that key are refused by the two that stay, and those two learn
+    the new key (one probe each) and keep exact sums (docs/security.md)."""
+    from fanin.control import ControlClient
+    from fanin.switch import free_result_group
+
+    n, group, job_key = 3, free_result_group(), fanin.new_job_key()
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0", shards=2,
+                        jobs=[job_config(JOB, n, block_cnt_max=8, block_grad_max=EPP, key=job_key,
+                                         result_group=group)])
+    x = [(np.arange(ELEMS, dtype=np.int32) * (r + 1)) % 1000 for r in range(n)]
+    with SwitchProcess(cfg) as sw:
+        seen = {k: 0 for k in ("before_heard", "before_opened", "after_heard", "after_opened", "after_new_key",
+                               "forged")}
+        stop, left, first_done = threading.Event(), threading.Event(), threading.Barrier(n + 1)
+        spy_started = threading.Event()
+
+        def work(r):
+            # a session lives on the thread that made it
+            s = fanin.Session(sw.data_addr, JOB, r, elems_per_packet=EPP, window=8, result_group=group,
+                              auth_key=fanin.derive_member_key(job_key, JOB, r))
+            if r == 0:
+                inc = s.params["incarnation"]
+                old_key = _ref_prf128(job_key, b"fanin-result-k", JOB, struct.pack(">II", inc, 0))
+                seen["new_key"] = _ref_prf128(job_key, b"fanin-result-k", JOB, struct.pack(">II", inc, 1))
+                threading.Thread(target=_removed_member_on_the_group, args=(group, old_key, stop, left, seen),
+                                 daemon=True).start()
+                time.sleep(0.2)  # listening before the first result
+                spy_started.set()
+            assert spy_started.wait(timeout=30)
+            ys = [s.allreduce(x[r])]
+            first_done.wait(timeout=60)
+            if r == 2:
+                return ys, None  # it left
+            assert left.wait(timeout=60)
+            ys += [s.allreduce(x[r]) for _ in range(3)]
+            return ys, s.socket_stats()
+
+        runner = threading.Thread(target=lambda: results.extend(in_threads(n, work)), daemon=True)
+        results = []
+        runner.start()
+        first_done.wait(timeout=120)
+        time.sleep(0.2)  # every datagram of the first allreduce reached the spy
+        with ControlClient(sw.control_addr) as c:
+            job = c.list_jobs()[0]
+            c.update_job({**job, "members": [0, 1], "key": job_key})
+        left.set()
+        runner.join(timeout=120)
+        time.sleep(0.2)
+        stop.set()
+        counters = sw.counters()
+    want3 = sum(a.astype(np.int64) for a in x)
+    want2 = x[0].astype(np.int64) + x[1]
+    assert len(results) == n
+    for ys, _ in results:
+        assert np.array_equal(ys[0], want3)
+        for y in ys[1:]:
+            assert np.array_equal(y, want2), "a forged result or a stale round reached the sum"
+    stats = [st for _, st in results[:2]]
+    assert seen["before_heard"] > 0 and seen["before_opened"] == seen["before_heard"], seen
+    assert seen["after_heard"] > 0 and seen["after_opened"] == 0, f"the removed member opened results: {seen}"
+    assert seen["after_new_key"] == seen["after_heard"], seen
+    for st in stats:
+        assert st["auth_result_key_changes"] == 1, st
+        assert 1 <= st["auth_result_key_probes"] <= 20, st
+        assert st["auth_bad_tag"] >= 1, "the forgeries (and the results under the old key) were refused"
     assert counters["auth_bad_tag"] == 0 and counters["malformed"] == 0

@@ -261,6 +261,8 @@ impl Session {
         d.set_item("auth_replayed", a.replayed)?;
         d.set_item("auth_unsealed", a.unsealed)?;
         d.set_item("auth_before_result_key", a.before_result_key)?;
+        d.set_item("auth_result_key_probes", a.result_key_probes)?;
+        d.set_item("auth_result_key_changes", a.result_key_changes)?;
         Ok(d)
     }
 }

@@ -104,7 +104,7 @@ pub fn derive_member_key(job_key: &Key, job_id: u32, src_id: u16) -> Key {
 /// `job_id` (u32 BE) ‖ `tail` and `input'` is `input` with byte `half_at`
 /// (inside the label's zero padding) set to 1.
 fn prf128(key: &Key, label: &[u8; 16], half_at: usize, job_id: u32, tail: &[u8]) -> [u8; 16] {
-    let mut input = [0u8; 24];
+    let mut input = [0u8; 28];
     let len = 20 + tail.len();
     input[..16].copy_from_slice(label);
     input[16..20].copy_from_slice(&job_id.to_be_bytes());
@@ -118,30 +118,45 @@ fn prf128(key: &Key, label: &[u8; 16], half_at: usize, job_id: u32, tail: &[u8])
     out
 }
 
-/// The job's *result key* on the switch of `incarnation`: what that switch
-/// seals a result sent once to the job's result group with (one tag every
-/// listening member checks, where unicast results carry one tag per
-/// member). Under its own label (and 24 bytes of input, a member key's 22)
-/// it is independent of every member key; bound to the switch's
-/// incarnation, it differs between the switches of one tree (which share
-/// the job key) and across restarts, so one switch's group results never
-/// verify at another's listeners. A member learns it only from its
-/// JoinAck, wrapped ([`wrap_result_key`]). Every listening member holds
-/// it: docs/security.md says what that gives a malicious member.
-pub fn derive_result_key(job_key: &Key, job_id: u32, incarnation: u32) -> Key {
-    Key(prf128(job_key, b"fanin-result-k\0\0", 14, job_id, &incarnation.to_be_bytes()))
+/// `incarnation` (u32 BE) ‖ `epoch` (u32 BE): what a result key and its
+/// wrapping pad are bound to besides the job.
+fn key_epoch_tail(incarnation: u32, epoch: u32) -> [u8; 8] {
+    let mut tail = [0u8; 8];
+    tail[..4].copy_from_slice(&incarnation.to_be_bytes());
+    tail[4..].copy_from_slice(&epoch.to_be_bytes());
+    tail
 }
 
-/// The result key of the switch of `incarnation` as carried in a JoinAck
-/// to the member holding `member_key`: XORed with a pad that is SipHash
-/// under the member key (a PRF) of a label, the job id and the
-/// incarnation. Each pad hides one value only (the result key is a
-/// function of the same job, job id and incarnation), so a fixed pad
-/// reveals nothing; the JoinAck's tag authenticates it. Under the member
-/// key the input (24 bytes) differs in length from NH's key expansion (16)
-/// and from every tag's (32 or more). The same call unwraps.
-pub fn wrap_result_key(member_key: &Key, job_id: u32, incarnation: u32, key: &Key) -> [u8; 16] {
-    let pad = prf128(member_key, b"fanin-rkey-wrap\0", 15, job_id, &incarnation.to_be_bytes());
+/// The job's *result key* on the switch of `incarnation`, in its `epoch`:
+/// what that switch seals a result sent once to the job's result group
+/// with (one tag every listening member checks, where unicast results carry
+/// one tag per member). Under its own label (and 28 bytes of input, a
+/// member key's 22) it is independent of every member key; bound to the
+/// switch's incarnation, it differs between the switches of one tree
+/// (which share the job key) and across restarts, so one switch's group
+/// results never verify at another's listeners. The switch starts a new
+/// epoch whenever a member leaves the job, so a member that left (which
+/// held the key) can neither check nor forge the group results after it.
+/// A member learns it only from its JoinAck, wrapped ([`wrap_result_key`]).
+/// Every listening member holds it: docs/security.md says what that gives
+/// a malicious member.
+pub fn derive_result_key(job_key: &Key, job_id: u32, incarnation: u32, epoch: u32) -> Key {
+    Key(prf128(job_key, b"fanin-result-k\0\0", 14, job_id, &key_epoch_tail(incarnation, epoch)))
+}
+
+/// The result key of the switch of `incarnation` in `epoch` as carried in
+/// a JoinAck to the member holding `member_key`: XORed with a pad that is
+/// SipHash under the member key (a PRF) of a label, the job id, the
+/// incarnation and the epoch. Each pad hides one value only (the result
+/// key is a function of the same job, job id, incarnation and epoch), so a
+/// fixed pad reveals nothing: in particular a member that left, which knew
+/// the old epoch's key, learns nothing from another member's JoinAck of
+/// the new epoch (it is under a pad it never saw). The JoinAck's tag
+/// authenticates it. Under the member key the input (28 bytes) differs in
+/// length from NH's key expansion (16) and from every tag's (32 or more).
+/// The same call unwraps.
+pub fn wrap_result_key(member_key: &Key, job_id: u32, incarnation: u32, epoch: u32, key: &Key) -> [u8; 16] {
+    let pad = prf128(member_key, b"fanin-rkey-wrap\0", 15, job_id, &key_epoch_tail(incarnation, epoch));
     let mut out = key.0;
     for (b, p) in out.iter_mut().zip(pad) {
         *b ^= p;

@@ -559,7 +559,7 @@ pub fn add_lanes(dtype: Dtype, sum: &mut [i32], payload: &[u8]) {
 /// ```text
 ///  0 block_cnt_max u32 | 4 block_grad_max u32 | 8 block_exp_ms u32
 /// 12 incarnation u32   | 16 shard_count u16   | 18 flags u16 | 20 next_block u32
-/// 24 packet_elems u32 | 28 result_key [u8; 16]
+/// 24 packet_elems u32 | 28 result_key [u8; 16] | 44 result_epoch u32
 /// ```
 ///
 /// `packet_elems` is the job's packet size: the elements per packet every
@@ -573,8 +573,8 @@ pub fn add_lanes(dtype: Dtype, sum: &mut [i32], payload: &[u8]) {
 /// the job opted into partial results (straggler aging, `on_failure =
 /// degrade`, or forward mode), so a degraded or missed block is a result the
 /// caller asked for, not an error; bit 2 ([`JOINACK_RESULT_KEY`]):
-/// `result_key` holds the keyed job's result key, wrapped for this member
-/// (zeros otherwise); bits 8..15: `order_shards` (see the field); the
+/// `result_key` holds the keyed job's result key, wrapped for this member,
+/// and `result_epoch` the epoch it belongs to (zeros otherwise); bits 8..15: `order_shards` (see the field); the
 /// other bits are sent as 0 and ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JoinParams {
@@ -611,7 +611,18 @@ pub struct JoinParams {
     /// A keyed job's result key, wrapped under the receiving member's key
     /// (`fanin_wire::auth::wrap_result_key`), when this member's results
     /// come on the job's result group sealed once for all listeners.
-    pub result_key: Option<[u8; 16]>,
+    pub result_key: Option<WrappedResultKey>,
+}
+
+/// A keyed job's result key as a JoinAck carries it: the key of one
+/// *epoch* (the switch starts a new one, with a new key, whenever a member
+/// leaves the job, so a member that left cannot check or forge the results
+/// sealed after it left), XORed with a pad only the receiving member can
+/// compute (`fanin_wire::auth::wrap_result_key`; docs/protocol.md §2.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WrappedResultKey {
+    pub epoch: u32,
+    pub wrapped: [u8; 16],
 }
 
 /// `order_shards` of a JoinAck whose results may come in any order.
@@ -636,7 +647,7 @@ pub const JOINACK_PARTIAL_RESULTS: u16 = 0x0002;
 pub const JOINACK_RESULT_KEY: u16 = 0x0004;
 
 impl JoinParams {
-    pub const LEN: usize = 44;
+    pub const LEN: usize = 48;
 
     pub fn parse(body: &[u8]) -> Result<Self, WireError> {
         if body.len() < Self::LEN {
@@ -654,8 +665,10 @@ impl JoinParams {
             partial_results: u16::from_be_bytes([body[18], body[19]]) & JOINACK_PARTIAL_RESULTS != 0,
             packet_elems: u32_at(24),
             order_shards: body[18],
-            result_key: (u16::from_be_bytes([body[18], body[19]]) & JOINACK_RESULT_KEY != 0)
-                .then(|| body[28..44].try_into().expect("16 bytes")),
+            result_key: (u16::from_be_bytes([body[18], body[19]]) & JOINACK_RESULT_KEY != 0).then(|| WrappedResultKey {
+                wrapped: body[28..44].try_into().expect("16 bytes"),
+                epoch: u32_at(44),
+            }),
         })
     }
 
@@ -690,7 +703,9 @@ impl JoinParams {
         body[18..20].copy_from_slice(&flags.to_be_bytes());
         body[20..24].copy_from_slice(&self.next_block.to_be_bytes());
         body[24..28].copy_from_slice(&self.packet_elems.to_be_bytes());
-        body[28..44].copy_from_slice(&self.result_key.unwrap_or_default());
+        let key = self.result_key.unwrap_or(WrappedResultKey { epoch: 0, wrapped: [0; 16] });
+        body[28..44].copy_from_slice(&key.wrapped);
+        body[44..48].copy_from_slice(&key.epoch.to_be_bytes());
     }
 }
 

@@ -134,6 +134,8 @@ pub struct AllreduceSession {
     events: VecDeque<Event>,
     /// Join must be (re)sent at the next poll_transmit.
     join_due: bool,
+    /// The earliest a failed group result may send another key probe.
+    next_key_probe: Time,
     /// Sources the switch told us it declared permanently slow.
     slow_sources: Vec<u16>,
     /// Results of later generations (header, body), oldest first.
@@ -180,6 +182,23 @@ pub struct AuthStats {
     /// it with (a late joiner's first group results): dropped, and fetched
     /// again by retransmission.
     pub before_result_key: u64,
+    /// Probes sent because a group result failed under the result key held
+    /// (the switch may have started a new key epoch: a member left).
+    pub result_key_probes: u64,
+    /// JoinAcks that gave a result key other than the one held.
+    pub result_key_changes: u64,
+}
+
+/// True when a sealed datagram's sequence number is on the group lanes
+/// (sealed under the result key, not this worker's own).
+fn is_group_lane(bytes: &[u8]) -> bool {
+    fanin_wire::auth::Sealed::split(bytes).is_ok_and(|s| fanin_wire::auth::is_group_seq(s.seq))
+}
+
+/// A Result on the group lanes (the one thing a switch seals under the
+/// result key).
+fn is_group_result(bytes: &[u8]) -> bool {
+    is_group_lane(bytes) && bytes[3] & !fanin_wire::auth::SEALED == MessageType::Result as u8
 }
 
 impl AllreduceSession {
@@ -203,6 +222,7 @@ impl AllreduceSession {
             rttvar: Duration::ZERO,
             events: VecDeque::new(),
             join_due: true,
+            next_key_probe: now,
             slow_sources: Vec::new(),
             stash: VecDeque::new(),
             stash_len: 0,
@@ -667,8 +687,7 @@ impl AllreduceSession {
     /// the result key the JoinAck gave, anything else under this worker's
     /// own key; each with replay windows of its own.
     fn open_sealed<'a>(&mut self, key: &Key, bytes: &'a [u8]) -> Result<&'a [u8], Refusal> {
-        let group = fanin_wire::auth::Sealed::split(bytes).is_ok_and(|s| fanin_wire::auth::is_group_seq(s.seq));
-        match (group, &self.result_key) {
+        match (is_group_lane(bytes), &self.result_key) {
             (false, _) => open_and_accept(key, &mut self.windows, bytes),
             (true, Some(result_key)) => open_group_and_accept(result_key, &mut self.group_windows, bytes),
             // not told the key (yet): nothing to check it with
@@ -682,8 +701,26 @@ impl AllreduceSession {
     pub(super) fn learn_result_key(&mut self, params: &JoinParams) {
         let Some(key) = self.config.auth_key else { return };
         let (job_id, incarnation) = (self.config.job_id, params.incarnation);
-        self.result_key =
-            params.result_key.map(|wrapped| Key(fanin_wire::auth::wrap_result_key(&key, job_id, incarnation, &Key(wrapped))));
+        let learnt = params
+            .result_key
+            .map(|rk| Key(fanin_wire::auth::wrap_result_key(&key, job_id, incarnation, rk.epoch, &Key(rk.wrapped))));
+        if self.result_key.is_some() && learnt.is_some() && learnt != self.result_key {
+            self.auth_stats.result_key_changes += 1;
+        }
+        self.result_key = learnt;
+    }
+
+    /// A result on the group lanes failed under the result key we hold: the
+    /// switch may have started a new epoch (a member left), so ask for the
+    /// current key with a probe Join, at most once per [`PROBE_INTERVAL`]
+    /// (a forger sending junk to the group gets no more than that). The
+    /// result itself comes again when our contribution is retransmitted.
+    fn ask_for_result_key(&mut self, now: Time) {
+        if matches!(self.state, State::Ready) && now >= self.next_key_probe {
+            self.join_due = true;
+            self.next_key_probe = now + PROBE_INTERVAL;
+            self.auth_stats.result_key_probes += 1;
+        }
     }
 
     pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
@@ -702,6 +739,11 @@ impl AllreduceSession {
                 }
                 Err(Refusal::NoKey) => {
                     self.auth_stats.before_result_key += 1;
+                    return;
+                }
+                Err(Refusal::Auth(fanin_wire::auth::AuthError::BadTag)) if self.result_key.is_some() && is_group_result(bytes) => {
+                    self.auth_stats.bad_tag += 1;
+                    self.ask_for_result_key(now);
                     return;
                 }
                 Err(_) => {

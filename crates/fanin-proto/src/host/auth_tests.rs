@@ -8,7 +8,7 @@ use crate::switch::{ShardConfig, ValueSwitch};
 use crate::time::Time;
 use crate::transmit::VecTransmit;
 use fanin_wire::auth;
-use fanin_wire::value::{write_elements, JoinParams, Packet, Repr, HEADER_LEN};
+use fanin_wire::value::{write_elements, JoinParams, Packet, Repr, WrappedResultKey, HEADER_LEN};
 use fanin_wire::MessageType;
 
 const JOB_KEY: Key = Key([0x5a; 16]);
@@ -85,7 +85,7 @@ fn forged_replayed_and_unsealed_results_are_ignored_and_the_sum_stays_exact() {
     let plain = result_block(0, &[1000; 4]);
     s.handle_datagram(Time::ZERO, &plain[..plain.len() - auth::TRAILER_LEN]);
     assert!(s.poll_event().is_none(), "nothing completed");
-    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 0, unsealed: 1, before_result_key: 0 });
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 0, unsealed: 1, before_result_key: 0, ..AuthStats::default() });
 
     // Worker 1 contributes; the switch's sealed results complete the tensor.
     let key1 = derive_member_key(&JOB_KEY, 1, 1);
@@ -113,7 +113,7 @@ fn forged_replayed_and_unsealed_results_are_ignored_and_the_sum_stays_exact() {
     s.handle_datagram(Time::ZERO, &results[1]);
     let Some(Event::Completed(outcome)) = s.poll_event() else { panic!("allreduce did not complete") };
     assert_eq!(outcome.tensor, Tensor::I32(vec![11, 22, 33, 44, 55, 66, 77, 88]));
-    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 1, unsealed: 1, before_result_key: 0 });
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 2, replayed: 1, unsealed: 1, before_result_key: 0, ..AuthStats::default() });
 }
 
 #[test]
@@ -128,7 +128,7 @@ fn an_unkeyed_session_refuses_sealed_datagrams() {
 #[test]
 fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
-    let result_key = auth::derive_result_key(&JOB_KEY, 1, ShardConfig::single(1 << 20).incarnation);
+    let result_key = auth::derive_result_key(&JOB_KEY, 1, ShardConfig::single(1 << 20).incarnation, 0);
     let key0 = derive_member_key(&JOB_KEY, 1, 0);
     // before any JoinAck a worker has no result key: a group result, even
     // a genuine one, cannot be checked and is refused
@@ -169,7 +169,9 @@ fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     s.handle_datagram(Time::ZERO, &on_group); // replayed on the group
     let Some(Event::Completed(outcome)) = s.poll_event() else { panic!("allreduce did not complete") };
     assert_eq!(outcome.tensor, Tensor::I32(vec![11, 22, 33, 44]));
-    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 1, replayed: 1, unsealed: 0, before_result_key: 0 });
+    // (the result that failed on the group lanes asked for the current key
+    // once: a new epoch looks the same to the worker)
+    assert_eq!(s.auth_stats(), AuthStats { bad_tag: 1, replayed: 1, result_key_probes: 1, ..AuthStats::default() });
 
     // Every listener holds the result key, so a member could seal anything
     // under it: only Results on the group lanes are taken. A JoinAck that
@@ -178,7 +180,7 @@ fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     let mut join_ack = vec![0; HEADER_LEN + JoinParams::LEN + auth::TRAILER_LEN];
     let ack = Repr { src_cnt: 2, ..Repr::new(MessageType::JoinAck, 1, 0) };
     ack.emit(&mut Packet::new_unchecked(&mut join_ack[..HEADER_LEN + JoinParams::LEN]));
-    let junk = JoinParams { result_key: Some([0xEE; 16]), results_on_group: true, ..*s.params().unwrap() };
+    let junk = JoinParams { result_key: Some(WrappedResultKey { epoch: 0, wrapped: [0xEE; 16] }), results_on_group: true, ..*s.params().unwrap() };
     junk.emit(&mut join_ack[HEADER_LEN..HEADER_LEN + JoinParams::LEN]);
     auth::seal(&result_key, auth::group_seq(1 << 42), &mut join_ack).unwrap();
     let notice = Repr { age_op: fanin_wire::value::MEMBERSHIP_FAILED, ..Repr::new(MessageType::Membership, 1, 1) };
@@ -193,10 +195,118 @@ fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     }
     assert!(s.poll_event().is_none(), "nothing happened");
     assert_eq!(s.auth_stats().bad_tag, 4);
+    assert_eq!(s.auth_stats().result_key_probes, 1, "only a group Result asks for the key");
     s.begin(Time::ZERO, Tensor::I32(vec![1, 2, 3, 4])).expect("the session still works");
     // the key it knows is still the true one
     let mut again = result_block(1, &[5; 4]);
     auth::seal(&result_key, auth::group_seq(1 << 43), &mut again).unwrap();
     s.handle_datagram(Time::ZERO, &again);
     assert_eq!(s.auth_stats().bad_tag, 4, "a true group result still verifies");
+}
+
+/// Three keyed workers listening on the job's result group; worker 2
+/// leaves after the first allreduce. The switch starts a new result-key
+/// epoch: the two that stay find their key stale at the next group result,
+/// probe, learn the new key and finish with exact sums (the stale results
+/// fetched again by retransmission), and the allreduce after that runs on
+/// the group again without a probe. Worker 2, still on the group's
+/// address, opens none of the results sealed after it left.
+#[test]
+fn members_that_stay_learn_the_new_result_key_after_one_leaves_and_it_reads_no_more_results() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let spec = JobSpec { key: Some(JOB_KEY), result_group: Some(group), ..JobSpec::with_sources(1, 3, 16, 64) };
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(spec.clone()).unwrap();
+    let mut workers: Vec<AllreduceSession> = (0..3u16)
+        .map(|src| {
+            let mut cfg = SessionConfig::new(1, src);
+            cfg.elems_per_packet = 4;
+            cfg.listens_on_group = true;
+            cfg.auth_key = Some(derive_member_key(&JOB_KEY, 1, src));
+            cfg.seal_clock_us = 1_000;
+            AllreduceSession::new(cfg, Time::ZERO)
+        })
+        .collect();
+    // Run until nobody sends anything, moving time to the next timer when
+    // the network is quiet; `active` workers send, every worker hears the
+    // group. Returns the time reached.
+    let run = |workers: &mut Vec<AllreduceSession>, sw: &mut ValueSwitch<u16>, active: &[usize], mut now: Time| {
+        for _ in 0..10_000 {
+            let mut moved = 0;
+            for &src in active {
+                let mut out = VecTransmit::new();
+                while workers[src].poll_transmit(now, &mut out) > 0 {}
+                for (_, bytes) in out.drain() {
+                    let mut reply = VecTransmit::new();
+                    reply.groups_reachable = true;
+                    let _ = sw.handle_datagram(now, src as u16, &bytes, &mut reply);
+                    for (to, b) in reply.drain() {
+                        workers[to as usize].handle_datagram(now, &b);
+                    }
+                    for (_, b) in reply.group_datagrams.drain(..) {
+                        for w in workers.iter_mut() {
+                            w.handle_datagram(now, &b);
+                        }
+                    }
+                    moved += 1;
+                }
+            }
+            if moved > 0 {
+                continue;
+            }
+            let busy: Vec<usize> = active.iter().copied().filter(|&w| workers[w].poll_timeout().is_some()).collect();
+            let Some(next) = busy.iter().filter_map(|&w| workers[w].poll_timeout()).min() else { return now };
+            now = next.max(now);
+            for &w in &busy {
+                workers[w].handle_timeout(now);
+            }
+        }
+        panic!("did not settle");
+    };
+    let tensor = |src: usize, n: usize| Tensor::I32((0..n as i32).map(|i| i * (src as i32 + 1)).collect());
+    let mut now = run(&mut workers, &mut sw, &[0, 1, 2], Time::ZERO);
+    for (src, w) in workers.iter_mut().enumerate() {
+        assert!(matches!(w.poll_event(), Some(Event::Joined(p)) if p.results_on_group), "worker {src}");
+        w.begin(now, tensor(src, 12)).unwrap();
+    }
+    now = run(&mut workers, &mut sw, &[0, 1, 2], now);
+    for w in workers.iter_mut() {
+        let Some(Event::Completed(o)) = w.poll_event() else { panic!("first allreduce") };
+        assert_eq!(o.tensor, Tensor::I32((0..12).map(|i| i * 6).collect()));
+    }
+    let to_group_before = sw.counters().results_to_group;
+    assert_eq!(to_group_before, 3, "3 blocks, one group datagram each");
+
+    // worker 2 leaves
+    let mut out = VecTransmit::new();
+    sw.update_job(now, JobSpec { members: vec![0, 1], ..spec }, None, &[], &mut out).unwrap();
+    let bad_tags_of_2 = workers[2].auth_stats().bad_tag;
+    for src in [0, 1] {
+        workers[src].begin(now, tensor(src, 12)).unwrap();
+    }
+    now = run(&mut workers, &mut sw, &[0, 1], now);
+    for src in [0, 1] {
+        let Some(Event::Completed(o)) = workers[src].poll_event() else { panic!("worker {src}: second allreduce") };
+        assert_eq!(o.tensor, Tensor::I32((0..12).map(|i| i * 3).collect()), "worker {src}");
+        let a = workers[src].auth_stats();
+        assert_eq!(a.result_key_changes, 1, "worker {src} learnt the new key once");
+        assert!((1..=3).contains(&a.result_key_probes), "worker {src}: {a:?}");
+    }
+    assert!(sw.counters().results_to_group > to_group_before, "results went to the group under the new key");
+    assert!(workers[2].auth_stats().bad_tag > bad_tags_of_2, "worker 2 hears them and can open none");
+    assert!(workers[2].poll_event().is_none());
+
+    // the next allreduce runs on the group without asking again
+    let probes: Vec<u64> = [0, 1].iter().map(|&w| workers[w].auth_stats().result_key_probes).collect();
+    let to_group = sw.counters().results_to_group;
+    for src in [0, 1] {
+        workers[src].begin(now, tensor(src, 12)).unwrap();
+    }
+    run(&mut workers, &mut sw, &[0, 1], now);
+    for src in [0, 1] {
+        let Some(Event::Completed(o)) = workers[src].poll_event() else { panic!("worker {src}: third allreduce") };
+        assert_eq!(o.tensor, Tensor::I32((0..12).map(|i| i * 3).collect()));
+        assert_eq!(workers[src].auth_stats().result_key_probes, probes[src]);
+    }
+    assert_eq!(sw.counters().results_to_group, to_group + 3);
 }

@@ -194,28 +194,36 @@ fn keys_parse_from_hex_and_never_print() {
 }
 
 #[test]
-fn the_result_key_is_no_member_key_is_bound_to_its_switch_and_travels_wrapped() {
+fn the_result_key_is_no_member_key_is_bound_to_its_switch_and_epoch_and_travels_wrapped() {
     const INC: u32 = 0x1234_5679;
-    let result = derive_result_key(&REF_KEY, 7, INC);
+    const EPOCH: u32 = 2;
+    let result = derive_result_key(&REF_KEY, 7, INC, EPOCH);
     assert_eq!(result.to_hex(), GOLDEN_RESULT_KEY);
-    assert_ne!(derive_result_key(&REF_KEY, 8, INC), result, "another job");
-    assert_ne!(derive_result_key(&REF_KEY, 7, INC + 2), result, "another switch, or a restart");
+    assert_ne!(derive_result_key(&REF_KEY, 8, INC, EPOCH), result, "another job");
+    assert_ne!(derive_result_key(&REF_KEY, 7, INC + 2, EPOCH), result, "another switch, or a restart");
+    assert_ne!(derive_result_key(&REF_KEY, 7, INC, EPOCH + 1), result, "another epoch (a member left)");
     for src in [0u16, 3, u16::MAX] {
         assert_ne!(derive_member_key(&REF_KEY, 7, src), result, "a member key");
     }
     // each member gets other bytes, and only its own key unwraps them
     let (k3, k4) = (derive_member_key(&REF_KEY, 7, 3), derive_member_key(&REF_KEY, 7, 4));
-    let (w3, w4) = (wrap_result_key(&k3, 7, INC, &result), wrap_result_key(&k4, 7, INC, &result));
+    let (w3, w4) = (wrap_result_key(&k3, 7, INC, EPOCH, &result), wrap_result_key(&k4, 7, INC, EPOCH, &result));
     assert_eq!(hex(&w3), GOLDEN_WRAPPED_FOR_3);
     assert_ne!(w3, w4);
     assert_ne!(w3, result.0, "the key is not sent in clear");
-    assert_eq!(Key(wrap_result_key(&k3, 7, INC, &Key(w3))), result);
-    assert_ne!(Key(wrap_result_key(&k4, 7, INC, &Key(w3))), result);
-    // another incarnation's key travels under another pad
-    let other = derive_result_key(&REF_KEY, 7, INC + 2);
-    let w3_other = wrap_result_key(&k3, 7, INC + 2, &other);
+    assert_eq!(Key(wrap_result_key(&k3, 7, INC, EPOCH, &Key(w3))), result);
+    assert_ne!(Key(wrap_result_key(&k4, 7, INC, EPOCH, &Key(w3))), result);
+    // another incarnation's or epoch's key travels under another pad: a
+    // member that left knows the old epoch's key and may have seen a
+    // member's old JoinAck; with one pad for both epochs that would give it
+    // the pad, and the new JoinAck the new key
     let xor = |a: [u8; 16], b: [u8; 16]| -> [u8; 16] { core::array::from_fn(|i| a[i] ^ b[i]) };
-    assert_ne!(xor(w3, w3_other), xor(result.0, other.0), "no pad used twice");
+    for (inc, epoch) in [(INC + 2, EPOCH), (INC, EPOCH + 1)] {
+        let other = derive_result_key(&REF_KEY, 7, inc, epoch);
+        let w3_other = wrap_result_key(&k3, 7, inc, epoch, &other);
+        assert_ne!(xor(w3, w3_other), xor(result.0, other.0), "no pad used twice ({inc:#x}, {epoch})");
+        assert_ne!(xor(w3, result.0), xor(w3_other, result.0), "the old pad does not unwrap the new key");
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -231,7 +239,7 @@ fn a_group_lane_sequence_number_stays_unique_and_is_bound_by_the_tag() {
     assert_eq!(g & ((1 << LANE_SHIFT) - 1), seq & ((1 << LANE_SHIFT) - 1), "same counter");
     assert!(is_group_seq(next_seq(g)), "the counter stays in its lane");
     // flipping the group bit of a sealed datagram breaks its tag
-    let result = derive_result_key(&REF_KEY, 7, 1);
+    let result = derive_result_key(&REF_KEY, 7, 1, 0);
     let mut packet = golden_unsealed();
     packet.extend_from_slice(&[0; TRAILER_LEN]);
     seal(&result, g, &mut packet).unwrap();
@@ -242,5 +250,5 @@ fn a_group_lane_sequence_number_stays_unique_and_is_bound_by_the_tag() {
 }
 // Pinned here and recomputed from protocol.md §2.4 by an independent
 // SipHash in python/tests/test_auth.py.
-const GOLDEN_RESULT_KEY: &str = "d86c0ee4e6fefb421d35b647aa3b322e";
-const GOLDEN_WRAPPED_FOR_3: &str = "46a9bc09b45e1da7cb3da6c5a1dc7fab";
+const GOLDEN_RESULT_KEY: &str = "8a2ff77d4d29e5890fdf1c1358d725c9";
+const GOLDEN_WRAPPED_FOR_3: &str = "1122fa37bea696d5338190604a094b83";

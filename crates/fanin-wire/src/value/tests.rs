@@ -53,7 +53,7 @@ const RESULT: [u8; 28] = [
 ];
 
 /// JoinAck for job 9, src 2 of 4.
-const JOIN_ACK: [u8; 68] = [
+const JOIN_ACK: [u8; 72] = [
     0xFA, 0x17, 0x01, 0x05, // JoinAck
     0x00, 0x00, 0x00, 0x02, // flags; int32; src_id 2
     0x00, 0x04, 0x00, 0x00, // src_cnt 4; gen_id 0
@@ -71,6 +71,7 @@ const JOIN_ACK: [u8; 68] = [
     0x00, 0x00, 0x00, 0x00,
     0x00, 0x00, 0x00, 0x00,
     0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, // result_epoch: zero too
 ];
 
 /// Nack: not a member, detail 17.
@@ -163,7 +164,7 @@ fn join_ack_parse_and_emit() {
             result_key: None,
         }
     );
-    let mut buf = [MARKER; 68];
+    let mut buf = [MARKER; 72];
     let mut q = Packet::new_unchecked(&mut buf[..]);
     repr.emit(&mut q);
     params.emit(q.payload_mut());
@@ -213,16 +214,17 @@ fn golden_join_ack_with_results_on_the_group() {
 
 #[test]
 fn golden_join_ack_with_a_wrapped_result_key() {
-    // flags bits 0 and 2 (offset 24 + 19): on the group, and the 16 bytes
-    // at body offset 28 are the wrapped result key
+    // flags bits 0 and 2 (offset 24 + 19): on the group, the 16 bytes at
+    // body offset 28 are the wrapped result key, the 4 at 44 its epoch
     let mut golden = JOIN_ACK;
     golden[43] = 0x05;
-    for (i, b) in golden[52..].iter_mut().enumerate() {
+    for (i, b) in golden[52..68].iter_mut().enumerate() {
         *b = 0xA0 + i as u8;
     }
+    golden[68..72].copy_from_slice(&[0x00, 0x00, 0x01, 0x02]);
     let params = JoinParams::parse(&golden[24..]).unwrap();
     let want: [u8; 16] = core::array::from_fn(|i| 0xA0 + i as u8);
-    assert_eq!(params.result_key, Some(want));
+    assert_eq!(params.result_key, Some(WrappedResultKey { epoch: 0x0102, wrapped: want }));
     assert!(params.results_on_group);
     let mut buf = golden;
     buf[24..].fill(MARKER);

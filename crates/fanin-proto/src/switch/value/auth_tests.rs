@@ -267,16 +267,16 @@ fn a_keyed_job_seals_a_group_result_once_under_the_result_key_its_listeners_lear
     let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
     sw.add_job(JobSpec { result_group: Some(group), ..keyed(1, 3, JOB_KEY) }).unwrap();
     let incarnation = ShardConfig::single(1 << 20).incarnation;
-    let result_key = auth::derive_result_key(&JOB_KEY, 1, incarnation);
+    let result_key = auth::derive_result_key(&JOB_KEY, 1, incarnation, 0);
     // listeners get the result key wrapped under their own key; the member
     // not listening gets none
     for src in [0u16, 2] {
         let params = sealed_join(&mut sw, 1, src, true, 1);
         assert!(params.results_on_group);
-        let wrapped = params.result_key.expect("a listener is told the result key");
-        assert_ne!(wrapped, result_key.0, "never in clear");
-        assert_eq!(params.incarnation, incarnation, "what the worker unwraps with");
-        assert_eq!(Key(auth::wrap_result_key(&member(1, src), 1, incarnation, &Key(wrapped))), result_key);
+        let rk = params.result_key.expect("a listener is told the result key");
+        assert_ne!(rk.wrapped, result_key.0, "never in clear");
+        assert_eq!((params.incarnation, rk.epoch), (incarnation, 0), "what the worker unwraps with");
+        assert_eq!(Key(auth::wrap_result_key(&member(1, src), 1, incarnation, 0, &Key(rk.wrapped))), result_key);
     }
     let params = sealed_join(&mut sw, 1, 1, false, 1);
     assert!(!params.results_on_group && params.result_key.is_none());
@@ -307,4 +307,60 @@ fn a_keyed_job_seals_a_group_result_once_under_the_result_key_its_listeners_lear
     assert!(!auth::is_group_seq(seq_u));
     let c = sw.counters();
     assert_eq!((c.results_to_group, c.results_sent, c.auth_bad_tag), (1, 1, 0));
+}
+
+/// The group datagrams `sw` sends for block `block` once members `srcs`
+/// contributed (sealed with sequence number `seq`).
+fn group_results(sw: &mut ValueSwitch<Addr>, srcs: &[u16], block: u32, seq: u64) -> Vec<Vec<u8>> {
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for &src in srcs {
+        let c = sealed(&member(1, src), seq, &contribution(1, src, block, &[1 + src as i32]));
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &c, &mut out);
+    }
+    out.group_datagrams.into_iter().map(|(_, b)| b).collect()
+}
+
+#[test]
+fn a_member_leaving_starts_a_result_key_epoch_it_cannot_open_and_the_others_learn_it() {
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let inc = ShardConfig::single(1 << 20).incarnation;
+    let spec = JobSpec { result_group: Some(group), ..keyed(1, 3, JOB_KEY) };
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(spec.clone()).unwrap();
+    let old_key = auth::derive_result_key(&JOB_KEY, 1, inc, 0);
+    for src in 0..3 {
+        assert_eq!(sealed_join(&mut sw, 1, src, true, 1).result_key.map(|rk| rk.epoch), Some(0));
+    }
+    let before = group_results(&mut sw, &[0, 1, 2], 0, 2);
+    assert!(open(&old_key, &before[0]).is_ok(), "epoch 0: every listener opens it");
+
+    // member 2 leaves
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1], ..spec.clone() }, None, &[], &mut out).unwrap();
+    let after = group_results(&mut sw, &[0, 1], 1, 3);
+    assert_eq!(after.len(), 1);
+    assert_eq!(open(&old_key, &after[0]), Err(auth::AuthError::BadTag), "the key member 2 holds opens nothing new");
+    let new_key = auth::derive_result_key(&JOB_KEY, 1, inc, 1);
+    assert!(open(&new_key, &after[0]).is_ok(), "sealed under the epoch-1 key");
+    // a member that stays learns it from the answer to its probe
+    let params = sealed_join(&mut sw, 1, 0, true, 4);
+    let rk = params.result_key.expect("still a listener");
+    assert_eq!(rk.epoch, 1);
+    assert_eq!(Key(auth::wrap_result_key(&member(1, 0), 1, inc, 1, &Key(rk.wrapped))), new_key);
+    // member 2 asks in vain: its key is gone, its Join is dropped unanswered
+    let join2 = Repr { final_block: true, ..Repr::new(MessageType::Join, 1, 2) };
+    let mut buf = vec![0; join2.buffer_len()];
+    join2.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    let bad_before = sw.counters().auth_bad_tag;
+    assert!(deliver(&mut sw, 2, &sealed(&member(1, 2), 5, &buf)).is_empty());
+    assert_eq!(sw.counters().auth_bad_tag, bad_before + 1);
+
+    // a member joining (none leaving) keeps the epoch: nobody holds a key
+    // it should lose
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 3], ..spec.clone() }, None, &[], &mut out).unwrap();
+    assert_eq!(sealed_join(&mut sw, 1, 3, true, 1).result_key.map(|rk| rk.epoch), Some(1));
+    // and the next one to leave starts epoch 2
+    sw.update_job(T0, JobSpec { members: vec![0, 3], ..spec }, None, &[], &mut out).unwrap();
+    assert_eq!(sealed_join(&mut sw, 1, 0, true, 6).result_key.map(|rk| rk.epoch), Some(2));
 }

@@ -255,7 +255,7 @@ impl<A> Job<A> {
     /// The result key a JoinAck to `member` carries: wrapped for it when it
     /// listens on a keyed job's group (its results come sealed once under
     /// that key), none otherwise.
-    pub(super) fn result_key_for(&self, member: u16) -> Option<[u8; 16]> {
+    pub(super) fn result_key_for(&self, member: u16) -> Option<fanin_wire::value::WrappedResultKey> {
         let auth = self.auth.as_ref()?;
         self.listens_on_group.contains(member as usize).then(|| auth.wrapped_result_key(member as usize)).flatten()
     }

@@ -3,7 +3,7 @@
 //! before the program sees it, and the envelope of every datagram it sends.
 
 use fanin_wire::auth::{self, Key};
-use fanin_wire::value::HEADER_LEN;
+use fanin_wire::value::{WrappedResultKey, HEADER_LEN};
 use fanin_wire::MessageType;
 
 use super::Counters;
@@ -25,10 +25,28 @@ pub(super) struct JobAuth {
     /// The next sequence number this shard seals with (one counter for all
     /// of the job's destinations: receivers tolerate gaps).
     next_seq: u64,
-    /// The job's result key on this switch (its incarnation) for a job with
-    /// a result group: a result sent to the group is sealed once under it
-    /// (on the group lanes of the same counter) instead of once per member.
-    result_key: Option<(Key, u32)>,
+    /// The job's result key on this switch for a job with a result group:
+    /// a result sent to the group is sealed once under it (on the group
+    /// lanes of the same counter) instead of once per member.
+    result_key: Option<ResultKey>,
+}
+
+/// The result key of the current epoch, and what it is derived from.
+#[derive(Debug, Clone, Copy)]
+struct ResultKey {
+    key: Key,
+    incarnation: u32,
+    /// Starts at 0 and goes up by one whenever a member leaves. Every shard
+    /// applies the same job updates in the same order, so all shards of a
+    /// switch agree on it (a shard a little behind seals with the old key
+    /// for that while: its listeners fetch those results by retransmission).
+    epoch: u32,
+}
+
+impl ResultKey {
+    fn new(job_key: &Key, job_id: u32, incarnation: u32, epoch: u32) -> Self {
+        Self { key: auth::derive_result_key(job_key, job_id, incarnation, epoch), incarnation, epoch }
+    }
 }
 
 impl JobAuth {
@@ -36,7 +54,7 @@ impl JobAuth {
     /// (what its result key is bound to).
     pub(super) fn new(job_key: Key, job_id: u32, members: &[u16], first_seq: u64, group: Option<u32>) -> Self {
         let mut auth = Self {
-            result_key: group.map(|inc| (auth::derive_result_key(&job_key, job_id, inc), inc)),
+            result_key: group.map(|inc| ResultKey::new(&job_key, job_id, inc, 0)),
             job_key,
             job_id,
             keys: Vec::new(),
@@ -51,8 +69,16 @@ impl JobAuth {
 
     /// Derive the keys of the current members; a member that left loses its
     /// key (its datagrams no longer verify), and keeps its window so its old
-    /// datagrams stay replays if it comes back.
+    /// datagrams stay replays if it comes back. A member leaving also starts
+    /// a new result-key epoch: it held the result key, and must not check
+    /// or forge the group results sealed from now on. The members that stay
+    /// learn the new key from the JoinAck of the probe they send when a
+    /// group result fails under the old one (docs/security.md).
     pub(super) fn set_members(&mut self, members: &[u16]) {
+        let someone_left = (0..self.keys.len()).any(|m| self.keys[m].is_some() && !members.contains(&(m as u16)));
+        if let Some(rk) = self.result_key.as_mut().filter(|_| someone_left) {
+            *rk = ResultKey::new(&self.job_key, self.job_id, rk.incarnation, rk.epoch.wrapping_add(1));
+        }
         let width = members.iter().map(|&m| m as usize + 1).max().unwrap_or(0).max(self.keys.len());
         self.keys.clear();
         self.keys.resize(width, None);
@@ -82,17 +108,18 @@ impl JobAuth {
 
     /// The result key as the JoinAck to `member` carries it (wrapped under
     /// the member's key), for a job with a result group.
-    pub(super) fn wrapped_result_key(&self, member: usize) -> Option<[u8; 16]> {
+    pub(super) fn wrapped_result_key(&self, member: usize) -> Option<WrappedResultKey> {
         let member_key = self.keys.get(member).copied().flatten()?;
-        let (key, incarnation) = self.result_key.as_ref()?;
-        Some(auth::wrap_result_key(&member_key, self.job_id, *incarnation, key))
+        let rk = self.result_key.as_ref()?;
+        let wrapped = auth::wrap_result_key(&member_key, self.job_id, rk.incarnation, rk.epoch, &rk.key);
+        Some(WrappedResultKey { epoch: rk.epoch, wrapped })
     }
 
     /// The key and number to seal a result sent once to the job's result
     /// group with: the result key, on the group lanes; `None` if the job
     /// has no group.
     pub(super) fn group_seal(&mut self) -> Option<(Key, u64)> {
-        let (key, _) = self.result_key?;
+        let key = self.result_key?.key;
         Some((key, auth::group_seq(self.take_seq())))
     }
 
