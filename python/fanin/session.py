@@ -25,8 +25,9 @@ def _member_key(key: Optional[Union[bytes, str]]) -> Optional[bytes]:
         try:
             return bytes.fromhex(key)
         except ValueError:
-            raise ValueError(f"auth_key {key!r} is neither bytes nor a hex string (32 hex digits, as "
-                             "`fanin controller subscribe` prints it)") from None
+            # (never echo the value: a mistyped key is still mostly a secret)
+            raise ValueError(f"auth_key is a string of {len(key)} characters that is not hex; give 32 hex "
+                             "digits, as `fanin controller subscribe` prints them, or 16 bytes") from None
     raise TypeError(f"auth_key must be bytes or a hex string, not {type(key).__name__}")
 
 

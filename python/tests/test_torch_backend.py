@@ -459,6 +459,55 @@ def test_a_switch_rank_0_cannot_start_fails_every_rank_quickly():
     assert "could not set up the switch" in reports[1], reports
 
 
+def _keyed_sum(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=60))
+    x = torch.linspace(-1, 1, 20_000) * (rank + 1)
+    dist.all_reduce(x)
+    want = sum(torch.linspace(-1, 1, 20_000) * (r + 1) for r in range(world))
+    dist.destroy_process_group()
+    return (x - want).abs().max().item()
+
+
+def test_a_keyed_job_on_an_external_switch_takes_each_ranks_key_from_its_file(tmp_path):
+    """FANIN_AUTH_KEY_FILE with {rank}: one environment for every rank, each
+    rank reads only its own member key; the keyed job sums exactly and the
+    switch verified every datagram (none refused, none unsealed)."""
+    import fanin
+    from fanin.switch import job_config, switch_config
+
+    job_key = fanin.new_job_key()
+    for r in range(2):
+        # one as hex (what `fanin controller subscribe` prints), one raw
+        key = fanin.derive_member_key(job_key, 1, r)
+        (tmp_path / f"fanin-{r}.key").write_bytes(key.hex().encode() + b"\n" if r == 0 else key)
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0",
+                        jobs=[job_config(1, 2, key=job_key)])
+    with fanin.LocalSwitch(cfg) as sw:
+        reports = _spawn(_keyed_sum, 2, env={"FANIN_SWITCH": sw.data_addr,
+                                             "FANIN_AUTH_KEY_FILE": str(tmp_path / "fanin-{rank}.key")})
+        counters = sw.counters()
+    assert all(d < 1e-5 for d in reports), reports
+    assert counters["accepted"] > 0
+    assert counters["auth_bad_tag"] == 0 and counters["auth_unsealed"] == 0, counters
+
+
+def test_a_member_key_file_that_is_missing_or_malformed_fails_at_once_without_printing_it(tmp_path):
+    (tmp_path / "fanin-1.key").write_text("not a key: s3cret-material")
+    with ft_local_switch(2) as sw:
+        reports = _spawn(_init_error, 2, env={"FANIN_SWITCH": sw.data_addr,
+                                              "FANIN_AUTH_KEY_FILE": str(tmp_path / "fanin-{rank}.key")},
+                         timeout=90)
+    assert "cannot read its member key" in reports[0] and "fanin-0.key" in reports[0], reports
+    assert "not a member key" in reports[1] and "s3cret" not in reports[1], reports
+    # the embedded switch's job is not keyed: a key file there is a mistake
+    reports = _spawn(_init_error, 2, env={"FANIN_AUTH_KEY_FILE": str(tmp_path / "fanin-{rank}.key")}, timeout=60)
+    assert all(r and "FANIN_SWITCH is not" in r for r in reports), reports
+
+
 def test_an_unknown_job_on_an_external_switch_is_refused():
     with ft_local_switch(2) as sw:
         addr = sw.data_addr

@@ -14,7 +14,8 @@ DDP hook with another backend::
     dist.init_process_group("gloo")
     model.register_comm_hook(fanin.torch.FaninHookState(), fanin.torch.allreduce_hook)
 
-The switch is ``FANIN_SWITCH=HOST:PORT`` (job ``FANIN_JOB_ID``), the one a
+The switch is ``FANIN_SWITCH=HOST:PORT`` (job ``FANIN_JOB_ID``; a keyed job's
+member keys from ``FANIN_AUTH_KEY_FILE``, ``{rank}`` = the rank), the one a
 ``fanin controller`` names (``FANIN_CONTROLLER=HOST:PORT``, each rank on its
 ``FANIN_HOST``; keyed jobs get their member keys there) or, by default,
 started inside rank 0's process. See docs/torch.md.

@@ -5,7 +5,11 @@ that ``init_process_group`` already created; the other ranks wait for it
 there. Either
 
 * ``FANIN_SWITCH=HOST:PORT`` names a running switch on which the job
-  ``FANIN_JOB_ID`` (default 1) is admitted with the group's size, or
+  ``FANIN_JOB_ID`` (default 1) is admitted with the group's size (a keyed
+  job: each rank reads its member key from ``FANIN_AUTH_KEY_FILE``, where
+  ``{rank}`` stands for the rank, e.g. ``/run/secrets/fanin-{rank}.key``,
+  so one environment serves every rank of a node and each rank finds only
+  its own key), or
 * ``FANIN_CONTROLLER=HOST:PORT`` names a ``fanin controller`` on which the
   job ``FANIN_JOB_ID`` was created (``fanin controller create-job``, keyed
   by default): every rank subscribes as its rank on its topology host
@@ -63,6 +67,8 @@ class ConnectOptions:
     result_group: Optional[str] = None  # FANIN_RESULT_GROUP: "off", or IPV4:PORT; None = automatic
     controller: Optional[str] = None  # FANIN_CONTROLLER: HOST:PORT of a `fanin controller` that made the job
     host: Optional[str] = None        # FANIN_HOST: this rank's host in the controller's topology
+    # FANIN_AUTH_KEY_FILE: this rank's member key for a keyed job on FANIN_SWITCH ("{rank}" = the rank)
+    auth_key_file: Optional[str] = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ConnectOptions":
@@ -77,6 +83,7 @@ class ConnectOptions:
             result_group=os.environ.get("FANIN_RESULT_GROUP") or None,
             controller=os.environ.get("FANIN_CONTROLLER") or None,
             host=os.environ.get("FANIN_HOST") or None,
+            auth_key_file=os.environ.get("FANIN_AUTH_KEY_FILE") or None,
         )
         for k, v in overrides.items():
             if v is not None:
@@ -174,6 +181,40 @@ def _subscribe(store: Any, rank: int, world: int, timeout: datetime.timedelta,
     return sub["data_addr"], sub["member_key"]
 
 
+def _member_key_file(rank: int, opts: ConnectOptions) -> Optional[bytes]:
+    """This rank's member key from ``FANIN_AUTH_KEY_FILE`` (32 hex digits,
+    as `fanin controller subscribe` prints them, or 16 raw bytes), for a
+    keyed job on an external switch; None when the variable is unset."""
+    if not opts.auth_key_file:
+        return None
+    if opts.controller:
+        raise RuntimeError("fanin: FANIN_AUTH_KEY_FILE is for a keyed job on FANIN_SWITCH; with FANIN_CONTROLLER "
+                           "the controller hands each rank its key, so unset FANIN_AUTH_KEY_FILE")
+    if not opts.switch:
+        raise RuntimeError("fanin: FANIN_AUTH_KEY_FILE is set but FANIN_SWITCH is not: the embedded switch's job "
+                           "is not keyed; name the switch whose keyed job this key is for")
+    path = opts.auth_key_file.replace("{rank}", str(rank))
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise RuntimeError(f"fanin: rank {rank} cannot read its member key from {path} (FANIN_AUTH_KEY_FILE): "
+                           f"{e.strerror}") from None
+    if len(raw) == 16:
+        return raw
+    text = raw.strip()
+    try:
+        key = bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = b""
+    if len(key) != 16:
+        # (never the file's content: it is meant to be a secret)
+        raise RuntimeError(f"fanin: {path} (FANIN_AUTH_KEY_FILE) holds {len(raw)} bytes that are not a member "
+                           "key: write 32 hex digits (as `fanin controller subscribe` prints them) or 16 raw "
+                           "bytes")
+    return key
+
+
 def _join(addr: str, job_id: int, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions,
           elems_per_packet: int, **session_kw: Any) -> Session:
     """This rank's Session on the job, with the group's timeouts."""
@@ -194,6 +235,8 @@ def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts
     """Agree on a switch and job through ``store`` and join it (all ranks call this)."""
     embedded: Optional[LocalSwitch] = None
     controller: Optional[str] = None
+    # before any rendezvous: a rank with a misconfigured key fails at once
+    member_key = _member_key_file(rank, opts)
     if opts.controller:
         addr, member_key = _subscribe(store, rank, world, timeout, opts)
         job_id, controller = opts.job_id, opts.controller
@@ -218,7 +261,8 @@ def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts
             raise RuntimeError(f"fanin: rank 0 could not set up the switch: {answer[1:]}")
         addr, job_s, epp_s, group = answer.split("|")
         job_id = int(job_s)
-        session = _join(addr, job_id, rank, world, timeout, opts, int(epp_s), result_group=group or None)
+        session = _join(addr, job_id, rank, world, timeout, opts, int(epp_s), result_group=group or None,
+                        auth_key=member_key)
     # (the packet size the session really uses: the job's when epp is 0)
     return Connection(session=session, switch_addr=addr, job_id=job_id, elems_per_packet=session.elems_per_packet,
                       n_sources=session.n_sources, embedded=embedded,
