@@ -286,20 +286,27 @@ def test_a_control_api_off_loopback_without_a_token_does_not_start(monkeypatch):
         pass
 
 
+def _group_sockets(host: str, port: int) -> tuple[socket.socket, socket.socket]:
+    """(a socket on the result group on loopback, one that sends to it and
+    hears its own sends)."""
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    rx.bind((host, port))
+    rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(host) + socket.inet_aton("127.0.0.1"))
+    rx.settimeout(0.05)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+    return rx, tx
+
+
 def _group_attacker(group: str, stop: threading.Event, captured: list, counts: dict) -> None:
     """On the job's result group: capture the first sealed results and send
     each back to the group twice (replays), and send results sealed with a
     random key on the group lanes (forgeries), while the job runs."""
     host, port = group.rsplit(":", 1)
     dest = (host, int(port))
-    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rx.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    rx.bind((host, int(port)))
-    rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(host) + socket.inet_aton("127.0.0.1"))
-    rx.settimeout(0.05)
-    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
-    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+    rx, tx = _group_sockets(host, int(port))
     poison = np.full(EPP, 10_000, dtype=np.int32)
     i, forged = 0, []
     while not stop.is_set():
@@ -399,14 +406,7 @@ def _removed_member_on_the_group(group: str, old_key: bytes, stop: threading.Eve
     and after it left, and after it left forges a poisoned result under
     that key for every one it hears."""
     host, port = group.rsplit(":", 1)
-    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rx.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    rx.bind((host, int(port)))
-    rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(host) + socket.inet_aton("127.0.0.1"))
-    rx.settimeout(0.05)
-    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
-    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+    rx, tx = _group_sockets(host, int(port))
     poison = np.full(EPP, 10_000, dtype=np.int32)
     forged, i = set(), 0
     while not stop.is_set():
