@@ -12,7 +12,7 @@ See ``fanin --help`` for the command line (switch, demo, bench).
 """
 
 from fanin._native import FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, StaleResult, __version__
-from fanin.auth import derive_member_key, new_job_key
+from fanin.auth import derive_member_key, new_job_key, read_key_file
 from fanin.session import Session
 from fanin.switch import LocalSwitch, local_switch
 
@@ -29,4 +29,5 @@ __all__ = [
     "__version__",
     "derive_member_key",
     "new_job_key",
+    "read_key_file",
 ]

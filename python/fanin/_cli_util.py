@@ -44,9 +44,18 @@ def job_arg(text: str) -> dict[str, Any]:
             raise argparse.ArgumentTypeError(f"job field {part!r} is not key=value")
         k, v = (s.strip() for s in part.split("=", 1))
         k = {"id": "job_id"}.get(k, k)
+        if k == "key_file":
+            # the job key from a file (`fanin keys` writes one), not on the command line other users can read
+            from fanin.auth import key_hex, read_key_file
+
+            try:
+                job["key"] = key_hex(read_key_file(v))
+            except (OSError, ValueError) as e:
+                raise argparse.ArgumentTypeError(f"key_file: {getattr(e, 'strerror', None) or e} ({v})") from None
+            continue
         if k not in JOB_SCHEMA:
             forms = ", ".join(f"{name}={_JOB_FIELD_FORMS.get(name, 'N' if name != 'mode' else 'aggregate|forward')}"
-                              for name in JOB_SCHEMA if name != "job_id")
+                              for name in JOB_SCHEMA if name != "job_id") + ", key_file=PATH"
             raise argparse.ArgumentTypeError(f"unknown job field {k!r} (use id=N, {forms})")
         default = JOB_SCHEMA[k]
         if k == "members":

@@ -17,7 +17,7 @@ from typing import Union
 
 from fanin import _native
 
-__all__ = ["derive_member_key", "new_job_key", "key_hex"]
+__all__ = ["derive_member_key", "new_job_key", "key_hex", "read_key_file", "write_key_file"]
 
 KeyLike = Union[bytes, bytearray, str]
 
@@ -46,3 +46,30 @@ def key_hex(key: KeyLike) -> str:
 def derive_member_key(job_key: KeyLike, job_id: int, src_id: int) -> bytes:
     """The member key of source ``src_id`` in job ``job_id`` (16 bytes)."""
     return _native.derive_member_key(_key_bytes(job_key), job_id, src_id)
+
+
+def read_key_file(path: str) -> bytes:
+    """A key from a file: 32 hex digits (surrounding whitespace ignored, as
+    `fanin keys` writes them) or 16 raw bytes. A file that holds neither is
+    a ValueError that names the file and its size, never its content (it is
+    meant to be a secret); an unreadable one an OSError."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) == 16:
+        return raw
+    try:
+        key = bytes.fromhex(raw.strip().decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = b""
+    if len(key) != 16:
+        raise ValueError(f"{path} holds {len(raw)} bytes that are not a key: write 32 hex digits (as `fanin keys` "
+                         "does) or 16 raw bytes")
+    return key
+
+
+def write_key_file(path: str, key: KeyLike) -> None:
+    """Write ``key`` as 32 hex digits and a newline to a new file that only
+    its owner may read (mode 0600); an existing file is never replaced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key_hex(key) + "\n")

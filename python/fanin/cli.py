@@ -19,6 +19,7 @@ examples:
   fanin demo                                   # switch + 4 workers on 127.0.0.1, 5% loss, checked results
   fanin switch --job id=1,sources=4            # run a switch with one 4-worker job
   fanin switch --config switch.toml            # ... or from a config file (see docs/operations.md)
+  fanin keys --job-id 1 --ranks 4 --out keys/  # a keyed job without a controller: job key + one file per rank
   fanin bench allreduce --workers 4 --size 100MB --json
   fanin bench gloo-compare --workers 4 --size 100MB
   fanin bench torch-allreduce --quick --json   # torch.distributed: fanin backend vs Gloo
@@ -95,7 +96,8 @@ def _add_switch(sub: Any) -> None:
     sw.add_argument("--job", action="append", type=job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
                          "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward, "
-                         "key=32 hex digits (an authenticated job, docs/security.md), "
+                         "key=32 hex digits (an authenticated job, docs/security.md; key_file=PATH keeps it "
+                         "off the command line, e.g. from `fanin keys`), "
                          "on_failure=degrade|fail (when a worker dies, docs/failures.md; unset: fail, or degrade "
                          "with block_exp_ms), member_timeout_ms (0 = 5000), "
                          "rate_limit=PPS:BURST (per source), result_group=239.1.0.7:47001 (results once to this "
@@ -242,6 +244,70 @@ def _cmd_kv_daemon(args: argparse.Namespace) -> int:
     return _run_foreground("fanin kv daemon", _native.run_kv_daemon, config, ready)
 
 
+def _add_keys(sub: Any) -> None:
+    keys = sub.add_parser(
+        "keys", help="draw a job key and write each rank's member key to its own file (keyed jobs, no controller)",
+        description="Write the keys of an authenticated job (docs/security.md) to files only their owner may read: "
+                    "the job key, for the switch (--job ...,key_file=), and each rank's member key, derived from it, "
+                    "for that rank alone (torch: FANIN_AUTH_KEY_FILE with {rank}; fanin.Session(auth_key=...)). "
+                    "Hand each machine only its own ranks' files: a member key lets its holder contribute as "
+                    "that rank. Existing files are never replaced. A `fanin controller` does all of this itself.",
+        epilog="example:\n"
+               "  fanin keys --job-id 1 --ranks 4 --out keys/\n"
+               "  fanin switch --job id=1,sources=4,key_file=keys/job1.key\n"
+               "  FANIN_SWITCH=HOST:9000 FANIN_JOB_ID=1 FANIN_AUTH_KEY_FILE=keys/job1-rank{rank}.key torchrun ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys.add_argument("--job-id", type=int, required=True, help="the job the keys are for (member keys depend on it)")
+    keys.add_argument("--ranks", type=int, required=True, help="member keys for ranks 0 .. RANKS-1")
+    keys.add_argument("--out", required=True, help="directory for the files (created, mode 0700, if missing)")
+    keys.add_argument("--job-key-file", help="derive the member keys from this job key instead of drawing a new one "
+                                             "(more ranks for a running job)")
+    keys.add_argument("--json", action="store_true", help="one JSON object on stdout (paths, never keys)")
+    keys.set_defaults(func=_cmd_keys)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    import os
+
+    from fanin.auth import derive_member_key, new_job_key, read_key_file, write_key_file
+
+    if args.ranks < 1 or args.ranks > 65535:
+        raise ValueError(f"--ranks {args.ranks}: give 1 to 65535 ranks")
+    if args.job_id < 0 or args.job_id > 0xFFFF_FFFF:
+        raise ValueError(f"--job-id {args.job_id} is not a 32-bit job id")
+    os.makedirs(args.out, mode=0o700, exist_ok=True)
+    job_file = os.path.join(args.out, f"job{args.job_id}.key")
+    if args.job_key_file:
+        job_key, job_file = read_key_file(args.job_key_file), args.job_key_file
+    else:
+        job_key = new_job_key()
+        try:
+            write_key_file(job_file, job_key)
+        except FileExistsError:
+            raise ValueError(f"{job_file} exists; give it as --job-key-file to derive from it, or choose another "
+                             "--out") from None
+    pattern = os.path.join(args.out, f"job{args.job_id}-rank{{rank}}.key")
+    written = []
+    for rank in range(args.ranks):
+        path = pattern.replace("{rank}", str(rank))
+        try:
+            write_key_file(path, derive_member_key(job_key, args.job_id, rank))
+        except FileExistsError:
+            raise ValueError(f"{path} exists (written {len(written)} of {args.ranks}); keys are never replaced: "
+                             "remove the old ones or choose another --out") from None
+        written.append(path)
+    if args.json:
+        print(json.dumps({"job_id": args.job_id, "job_key_file": job_file, "member_key_files": written,
+                          "auth_key_file_pattern": pattern}))
+        return 0
+    print(f"job {args.job_id}: job key in {job_file} (the switch's), member keys in {pattern} for ranks "
+          f"0..{args.ranks - 1}, each readable by its owner only")
+    print(f"  switch: fanin switch --job id={args.job_id},sources={args.ranks},key_file={job_file}")
+    print(f"  torch:  FANIN_SWITCH=HOST:PORT FANIN_JOB_ID={args.job_id} FANIN_AUTH_KEY_FILE={pattern} torchrun ...")
+    print(f"  python: fanin.Session(addr, {args.job_id}, rank, auth_key=fanin.read_key_file(...))")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fanin.controller.command import add_parser as add_controller_parser
     from fanin.goat.command import add_plan_parser
@@ -254,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_switch(sub)
     _add_demo(sub)
+    _add_keys(sub)
     _add_forwarded(sub, "bench")
     _add_forwarded(sub, "sim")
     _add_kv(sub)

@@ -503,3 +503,62 @@ def test_a_member_that_leaves_a_keyed_group_job_can_neither_read_nor_forge_its_l
         assert 1 <= st["auth_result_key_probes"] <= 20, st
         assert st["auth_bad_tag"] >= 1, "the forgeries (and the results under the old key) were refused"
     assert counters["auth_bad_tag"] == 0 and counters["malformed"] == 0
+
+
+def test_fanin_keys_writes_private_key_files_that_a_cli_switch_and_workers_use(tmp_path):
+    """`fanin keys` draws a job key and writes each rank's member key to a
+    file of its own (mode 0600, never replaced, never printed); `fanin
+    switch --job ...,key_file=` admits the keyed job from the job key's file
+    (so the key is not on any command line); workers sealing with their
+    files' keys sum exactly, and a rank holding another rank's key is not
+    let in as itself."""
+    import json as _json
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "keys"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fanin", "keys", *a], capture_output=True, text=True)
+    made = run("--job-id", "5", "--ranks", "2", "--out", str(out), "--json")
+    assert made.returncode == 0, made.stderr
+    paths = _json.loads(made.stdout)
+    job_key = fanin.read_key_file(paths["job_key_file"])
+    for path in [paths["job_key_file"], *paths["member_key_files"]]:
+        assert os.stat(path).st_mode & 0o777 == 0o600, path
+        assert job_key.hex() not in made.stdout and job_key.hex() not in made.stderr
+    for rank, path in enumerate(paths["member_key_files"]):
+        assert fanin.read_key_file(path) == fanin.derive_member_key(job_key, 5, rank)
+        assert paths["auth_key_file_pattern"].replace("{rank}", str(rank)) == path
+    again = run("--job-id", "5", "--ranks", "2", "--out", str(out))
+    assert again.returncode == 1 and "exists" in again.stderr
+    assert fanin.read_key_file(paths["job_key_file"]) == job_key, "an existing key is never replaced"
+
+    proc = subprocess.Popen([sys.executable, "-m", "fanin", "switch", "--data-addr", "127.0.0.1:0", "--control-addr",
+                             "off", "--metrics-addr", "off", "--shards", "1", "--print-ready", "--job",
+                             f"id=5,sources=2,block_cnt_max=8,block_grad_max={EPP},key_file={paths['job_key_file']}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        addr = _json.loads(line)["data_addr"]
+        x = [np.arange(ELEMS, dtype=np.int32) * (r + 1) for r in range(2)]
+
+        def work(r):
+            s = fanin.Session(addr, 5, r, elems_per_packet=EPP, window=8,
+                              auth_key=fanin.read_key_file(paths["member_key_files"][r]))
+            return s.allreduce(x[r])
+
+        for y in in_threads(2, work):
+            assert np.array_equal(y, x[0] + x[1])
+        # rank 0's key does not make anyone rank 1: its join is dropped unanswered
+        with pytest.raises(fanin.FaninTimeout, match="member key"):
+            fanin.Session(addr, 5, 1, elems_per_packet=EPP, join_timeout_s=1.0,
+                          auth_key=fanin.read_key_file(paths["member_key_files"][0]))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    bad = tmp_path / "bad.key"
+    bad.write_text("s3cret but not hex")
+    said = subprocess.run([sys.executable, "-m", "fanin", "switch", "--job", f"id=5,sources=2,key_file={bad}"],
+                          capture_output=True, text=True, timeout=60)
+    assert said.returncode != 0 and "not a key" in said.stderr and "s3cret" not in said.stderr, said.stderr

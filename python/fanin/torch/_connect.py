@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fanin._native import FaninRefused, session_defaults
+from fanin.auth import read_key_file
 from fanin.session import Session
 from fanin.switch import JOB_DEFAULTS, LocalSwitch, free_result_group, job_config, switch_config
 
@@ -195,24 +196,12 @@ def _member_key_file(rank: int, opts: ConnectOptions) -> Optional[bytes]:
                            "is not keyed; name the switch whose keyed job this key is for")
     path = opts.auth_key_file.replace("{rank}", str(rank))
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        return read_key_file(path)
     except OSError as e:
         raise RuntimeError(f"fanin: rank {rank} cannot read its member key from {path} (FANIN_AUTH_KEY_FILE): "
                            f"{e.strerror}") from None
-    if len(raw) == 16:
-        return raw
-    text = raw.strip()
-    try:
-        key = bytes.fromhex(text.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        key = b""
-    if len(key) != 16:
-        # (never the file's content: it is meant to be a secret)
-        raise RuntimeError(f"fanin: {path} (FANIN_AUTH_KEY_FILE) holds {len(raw)} bytes that are not a member "
-                           "key: write 32 hex digits (as `fanin controller subscribe` prints them) or 16 raw "
-                           "bytes")
-    return key
+    except ValueError as e:
+        raise RuntimeError(f"fanin: FANIN_AUTH_KEY_FILE: {e}") from None
 
 
 def _join(addr: str, job_id: int, rank: int, world: int, timeout: datetime.timedelta, opts: ConnectOptions,
