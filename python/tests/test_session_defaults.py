@@ -65,8 +65,9 @@ def test_a_hostname_is_an_address_and_a_hex_member_key_is_a_key():
         member = fanin.derive_member_key(key, 1, 0)
         s = fanin.Session(f"localhost:{port}", 1, 0, auth_key=member.hex())
         assert np.array_equal(s.allreduce(np.ones(10, dtype=np.int32)), np.ones(10, dtype=np.int32))
-    with pytest.raises(ValueError, match="neither bytes nor a hex string"):
-        fanin.Session("127.0.0.1:9", 1, 0, auth_key="not hex")
+    with pytest.raises(ValueError, match="not hex; give 32 hex digits") as e:
+        fanin.Session("127.0.0.1:9", 1, 0, auth_key="zz-almost-a-secret")
+    assert "secret" not in str(e.value), "a mistyped key is never echoed"
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         fanin.Session("localhost", 1, 0)
     with pytest.raises(ValueError, match="does not resolve"):

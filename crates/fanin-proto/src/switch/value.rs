@@ -167,6 +167,11 @@ pub struct ValueSwitch<A> {
     /// Above every sequence number a removed keyed job used: a job admitted
     /// again continues from here, so its members' windows accept it.
     seq_floor: u64,
+    /// Above every result-key epoch a removed keyed job reached: a job
+    /// admitted again (the same key, e.g. re-created after it failed)
+    /// starts its epochs here, so it never seals group results under a key
+    /// that a member removed from it before already held.
+    result_epoch_floor: u32,
     /// Jobs relayed for sources this switch does not aggregate (GOAT's
     /// on-path filtering, [`transit`]).
     transits: BTreeMap<u32, transit::Transit<A>>,
@@ -181,6 +186,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             counters: Counters::default(),
             scratch: Vec::new(),
             seq_floor: 0,
+            result_epoch_floor: 0,
             transits: BTreeMap::new(),
         }
     }
@@ -291,7 +297,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             members.insert(m as usize);
         }
         let first_seq = fanin_wire::auth::first_seq(self.config.shard, self.config.seal_clock_us).max(self.seq_floor);
-        let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq, spec.result_group.map(|_| self.config.incarnation)));
+        let group = spec.result_group.map(|_| (self.config.incarnation, self.result_epoch_floor));
+        let auth = spec.key.map(|key| JobAuth::new(key, spec.job_id, &spec.members, first_seq, group));
         let buckets = self.buckets_for(&spec, capacity);
         let liveness = Liveness::new(spec.member_timeout(), capacity);
         let space = BlockSpace::new(spec.block_cnt_max);
@@ -356,6 +363,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 self.memory_used -= job.memory;
                 if let Some(auth) = &job.auth {
                     self.seq_floor = self.seq_floor.max(auth.next_seq());
+                    self.result_epoch_floor = self.result_epoch_floor.max(auth.next_result_epoch());
                 }
                 true
             }

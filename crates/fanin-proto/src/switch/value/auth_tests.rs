@@ -364,3 +364,27 @@ fn a_member_leaving_starts_a_result_key_epoch_it_cannot_open_and_the_others_lear
     sw.update_job(T0, JobSpec { members: vec![0, 3], ..spec }, None, &[], &mut out).unwrap();
     assert_eq!(sealed_join(&mut sw, 1, 0, true, 6).result_key.map(|rk| rk.epoch), Some(2));
 }
+
+#[test]
+fn a_keyed_job_admitted_again_never_seals_under_a_result_key_of_its_earlier_life() {
+    // member 2 left epoch 0 holding its key; the job is then re-created with
+    // the same key (as a controller does after `fail`): it must not start
+    // over at epoch 0, whose key member 2 still has
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let inc = ShardConfig::single(1 << 20).incarnation;
+    let spec = JobSpec { result_group: Some(group), ..keyed(1, 3, JOB_KEY) };
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(spec.clone()).unwrap();
+    assert_eq!(sealed_join(&mut sw, 1, 2, true, 1).result_key.map(|rk| rk.epoch), Some(0));
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1], ..spec.clone() }, None, &[], &mut out).unwrap();
+    assert!(sw.remove_job(1));
+    sw.add_job(spec).unwrap();
+    let rk = sealed_join(&mut sw, 1, 0, true, 1 << 40).result_key.unwrap();
+    assert_eq!(rk.epoch, 2, "after every epoch the removed job reached");
+    let key = Key(auth::wrap_result_key(&member(1, 0), 1, inc, rk.epoch, &Key(rk.wrapped)));
+    assert_ne!(key, auth::derive_result_key(&JOB_KEY, 1, inc, 0));
+    let results = group_results(&mut sw, &[0, 1, 2], 0, 1 << 41);
+    assert_eq!(open(&auth::derive_result_key(&JOB_KEY, 1, inc, 0), &results[0]), Err(auth::AuthError::BadTag));
+    assert!(open(&key, &results[0]).is_ok());
+}

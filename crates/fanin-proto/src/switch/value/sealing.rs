@@ -51,10 +51,10 @@ impl ResultKey {
 
 impl JobAuth {
     /// `group`: the job has a result group, and this switch's incarnation
-    /// (what its result key is bound to).
-    pub(super) fn new(job_key: Key, job_id: u32, members: &[u16], first_seq: u64, group: Option<u32>) -> Self {
+    /// (what its result key is bound to) and the job's first key epoch.
+    pub(super) fn new(job_key: Key, job_id: u32, members: &[u16], first_seq: u64, group: Option<(u32, u32)>) -> Self {
         let mut auth = Self {
-            result_key: group.map(|inc| ResultKey::new(&job_key, job_id, inc, 0)),
+            result_key: group.map(|(inc, epoch)| ResultKey::new(&job_key, job_id, inc, epoch)),
             job_key,
             job_id,
             keys: Vec::new(),
@@ -104,6 +104,11 @@ impl JobAuth {
     /// The sequence number after the last one used (for the next job's start).
     pub(super) fn next_seq(&self) -> u64 {
         self.next_seq
+    }
+
+    /// The key epoch after the current one (for the next job's start).
+    pub(super) fn next_result_epoch(&self) -> u32 {
+        self.result_key.map_or(0, |rk| rk.epoch.wrapping_add(1))
     }
 
     /// The result key as the JoinAck to `member` carries it (wrapped under
