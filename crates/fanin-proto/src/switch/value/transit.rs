@@ -46,8 +46,15 @@
 //! per member, would reach hosts that ignore the copies meant for others:
 //! bandwidth, not a wrong sum; a forward-mode job's reflections would not
 //! be right for another host, so transits are for aggregating jobs.)
-//! Relays carry no hop count: the controller builds them along the tree
-//! toward the PS, which has no cycle.
+//! Relays carry no hop count (they change no byte, and a keyed job's bytes
+//! are sealed): the controller builds them along the tree toward the PS,
+//! which has no cycle. Transits installed by hand in a cycle are caught
+//! where a datagram comes around: a relay that gets the very upward
+//! datagram it last relayed for a source (same header) from an address
+//! other than that source's drops it (`transit_loops`) and forgets it, so
+//! the loop is cut after one turn, while a source that moved passes with
+//! its next datagram. (Down, results already go once per block: a looped
+//! result is a `transit_duplicate`.)
 
 use super::*;
 
@@ -77,11 +84,20 @@ pub(super) struct Transit<A> {
     distinct: Vec<(A, u32)>,
     /// `(block, header digest)` of the last result fanned out, by `block % FANNED`.
     fanned: Vec<Option<(u32, u64)>>,
+    /// Digest of the last upward datagram relayed for each source (loops).
+    last_up: BTreeMap<u16, u64>,
 }
 
 impl<A: Copy + PartialEq> Transit<A> {
     fn new(next: A, allowed: Option<SourceMask>) -> Self {
-        Self { next, allowed, sources: BTreeMap::new(), distinct: Vec::new(), fanned: vec![None; FANNED] }
+        Self {
+            next,
+            allowed,
+            sources: BTreeMap::new(),
+            distinct: Vec::new(),
+            fanned: vec![None; FANNED],
+            last_up: BTreeMap::new(),
+        }
     }
 
     fn allows(&self, src: u16) -> bool {
@@ -90,6 +106,7 @@ impl<A: Copy + PartialEq> Transit<A> {
 
     /// Forget a source (no longer allowed after a re-install).
     fn forget_source(&mut self, src: u16) {
+        self.last_up.remove(&src);
         if let Some(old) = self.sources.remove(&src) {
             if let Some(i) = self.distinct.iter().position(|&(a, _)| a == old) {
                 self.distinct[i].1 -= 1;
@@ -276,8 +293,26 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     | MessageType::ResultAck
                     | MessageType::Sync
             );
-            if !up || !transit.allows(src) || !transit.learn(src, from) {
+            if !up || !transit.allows(src) {
                 return own(counters);
+            }
+            // the datagram we last relayed for this source, back from
+            // elsewhere: it went around a cycle of relays
+            let digest = header_digest(bytes) ^ bytes.len() as u64;
+            let elsewhere = transit.sources.get(&src).is_some_and(|&known| known != from);
+            if elsewhere && transit.last_up.get(&src) == Some(&digest) {
+                transit.last_up.remove(&src);
+                counters.transit_loops += 1;
+                return Some(Verdict::Consumed);
+            }
+            if !transit.learn(src, from) {
+                return own(counters);
+            }
+            match transit.last_up.get_mut(&src) {
+                Some(last) => *last = digest,
+                None => {
+                    transit.last_up.insert(src, digest);
+                }
             }
             if msg.carries_block() {
                 transit.forget(packet.block_id());

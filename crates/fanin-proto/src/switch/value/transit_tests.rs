@@ -329,3 +329,48 @@ fn a_transit_told_its_sources_relays_no_one_else_and_forgets_those_taken_off() {
     let got = net.take_hosts();
     assert_eq!(got.iter().map(|h| h.0).collect::<Vec<_>>(), vec![100, 102], "101 is no longer fanned to");
 }
+
+/// Transits installed by hand in a cycle (A -> B -> C -> A, none of them
+/// aggregating the job): a worker's contribution goes around once and the
+/// first relay it comes back to drops it (`transit_loops`), instead of the
+/// three relaying it for ever; the worker's own retransmission is still
+/// relayed (it comes from the worker's address), and is cut the same way.
+#[test]
+fn a_contribution_sent_around_a_cycle_of_relays_is_cut_after_one_turn() {
+    const A: Addr = 1;
+    const B: Addr = 2;
+    const C: Addr = 3;
+    let mut switches = Vec::new();
+    for (me, next) in [(A, B), (B, C), (C, A)] {
+        let mut sw = switch();
+        sw.add_transit(7, vec![next], &[]).unwrap();
+        switches.push((me, sw));
+    }
+    let mut net = Net::new(switches);
+    // bounded delivery: on a relay without the check this never ends
+    let mut deliver = |net: &mut Net, first: (Addr, Addr, Vec<u8>)| {
+        let mut queue = vec![first];
+        let mut hops = 0;
+        while let Some((from, to, bytes)) = queue.pop() {
+            hops += 1;
+            assert!(hops <= 50, "still circling after 50 hops");
+            let mut out = VecTransmit::new();
+            let _ = net.sw(to).handle_datagram(T0, from, &bytes, &mut out);
+            queue.extend(out.drain().map(|(dest, b)| (to, dest, b)));
+        }
+        hops
+    };
+    let c = contribution(7, 0, 0, &[1, 2]);
+    assert_eq!(deliver(&mut net, (100, A, c.clone())), 4, "A, B, C, and back at A");
+    assert_eq!(net.sw(A).counters().transit_loops, 1);
+    assert_eq!(net.sw(A).counters().transit_up + net.sw(B).counters().transit_up + net.sw(C).counters().transit_up, 3);
+    // the worker retransmits: relayed again from its own address, cut again
+    let r = datagram(MessageType::Retransmission, 7, 0, 0, &[1, 2]);
+    assert_eq!(deliver(&mut net, (100, A, r)), 4);
+    assert_eq!(net.sw(A).counters().transit_loops, 2);
+    // and the very same bytes twice from the worker are both relayed (a
+    // repeat from the source's own address is no loop)
+    assert_eq!(deliver(&mut net, (100, A, c.clone())), 4);
+    assert_eq!(deliver(&mut net, (100, A, c)), 4);
+    assert_eq!(net.sw(A).counters().transit_loops, 4);
+}
