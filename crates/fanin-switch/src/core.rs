@@ -94,7 +94,7 @@ impl SwitchCore {
                 other => {
                     for &j in &admitted {
                         let (reply, answer) = mpsc::sync_channel(1);
-                        if self.shards[j].commands.send(Command::RemoveJob(spec.job_id, reply)).is_ok() {
+                        if self.shards[j].commands.send(Command::RemoveJob(spec.job_id, false, reply)).is_ok() {
                             let _ = answer.recv_timeout(Duration::from_secs(5));
                         }
                     }
@@ -154,7 +154,7 @@ impl SwitchCore {
         }
         for shard in &self.shards {
             let (reply, answer) = mpsc::sync_channel(1);
-            if shard.commands.send(Command::RemoveJob(job_id, reply)).is_ok() {
+            if shard.commands.send(Command::RemoveJob(job_id, true, reply)).is_ok() {
                 let _ = answer.recv_timeout(Duration::from_secs(5));
             }
         }
@@ -675,6 +675,18 @@ fn new_incarnation() -> u32 {
     let since = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let tick = (since.as_millis() / 2) as u16;
     let tag = (tick << 1) | 1;
-    let noise = (since.as_nanos() as u64 ^ (std::process::id() as u64).rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    ((noise >> 48) as u32) << 16 | tag as u32
+    // From the OS's CSPRNG: the incarnation also separates the result keys
+    // of one job across restarts (docs/security.md), so its high bits must
+    // not be predictable from the start time. The clock and pid only where
+    // /dev/urandom cannot be read.
+    let mut random = [0u8; 2];
+    let from_os = std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut random));
+    let noise = match from_os {
+        Ok(()) => u16::from_ne_bytes(random),
+        Err(_) => {
+            let mixed = (since.as_nanos() as u64 ^ (std::process::id() as u64).rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (mixed >> 48) as u16
+        }
+    };
+    (noise as u32) << 16 | tag as u32
 }

@@ -35,7 +35,10 @@ use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 pub(crate) enum Command {
     AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
     UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
-    RemoveJob(u32, SyncSender<bool>),
+    /// Remove a job: true, as an operator's removal; false, to undo an
+    /// admission that failed on another shard (the result-key epochs stay
+    /// where they were, [`ValueSwitch::undo_add_job`]).
+    RemoveJob(u32, bool, SyncSender<bool>),
     /// Relay a job toward the next hop's shard of this index (GOAT's
     /// on-path filtering): [`ValueSwitch::add_transit`].
     AddTransit(u32, Vec<SocketAddr>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
@@ -312,7 +315,7 @@ impl ShardThread {
                     let job_id = spec.job_id;
                     let result = self.switch.add_job(spec).and_then(|()| {
                         self.switch.set_uplink(job_id, uplink).inspect_err(|_| {
-                            self.switch.remove_job(job_id);
+                            self.switch.undo_add_job(job_id);
                         })
                     });
                     self.publish_memory();
@@ -326,8 +329,8 @@ impl ShardThread {
                     self.publish_schedules();
                     let _ = reply.send(result);
                 }
-                Ok(Command::RemoveJob(id, reply)) => {
-                    let removed = self.switch.remove_job(id);
+                Ok(Command::RemoveJob(id, ran, reply)) => {
+                    let removed = if ran { self.switch.remove_job(id) } else { self.switch.undo_add_job(id) };
                     self.publish_memory();
                     self.publish_schedules();
                     let _ = reply.send(removed);

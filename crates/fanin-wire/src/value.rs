@@ -958,6 +958,12 @@ pub const JOIN_WAIT: u8 = 3;
 /// starts at `next_block` for every member, at its first generation (a
 /// worker that asked with `JOIN_SYNC` starts there too, unaligned).
 pub const JOIN_ROUND_START: u8 = 4;
+/// `age_op` of a `JoinAck` the switch sends unasked, to each member that
+/// listens on a keyed job's result group, when a member left and the job's
+/// result key moved to a new epoch (docs/protocol.md §2.4): the worker takes
+/// the key it carries and nothing else (its other fields are the job's, but
+/// answer no Join).
+pub const JOIN_KEY_UPDATE: u8 = 5;
 
 /// The 16-bit tag of a switch incarnation carried in the data plane: in
 /// `src_id` of Results, in the reserved field of Nacks, and by workers in

@@ -134,8 +134,10 @@ pub struct AllreduceSession {
     events: VecDeque<Event>,
     /// Join must be (re)sent at the next poll_transmit.
     join_due: bool,
-    /// The earliest a failed group result may send another key probe.
+    /// The earliest a failed group result may send another key probe, and
+    /// the wait after that one.
     next_key_probe: Time,
+    key_probe_interval: Duration,
     /// Sources the switch told us it declared permanently slow.
     slow_sources: Vec<u16>,
     /// Results of later generations (header, body), oldest first.
@@ -147,7 +149,7 @@ pub struct AllreduceSession {
     windows: LaneWindows,
     /// Keyed job whose results come on its result group: the key they are
     /// sealed with (from the JoinAck) and the windows over their numbers.
-    result_key: Option<Key>,
+    result_key: Option<HeldResultKey>,
     group_windows: LaneWindows,
     auth_stats: AuthStats,
     /// The data contribution of every recent block that has its result, by
@@ -166,6 +168,15 @@ pub struct AllreduceSession {
     next_keep: Option<std::ops::Range<usize>>,
     /// Acknowledgements owed to shards short of memory.
     result_acks: result_ack::ResultAcks,
+}
+
+/// The result key a JoinAck gave, with the incarnation and key epoch it
+/// belongs to (epochs only go forward within an incarnation).
+#[derive(Debug, Clone, Copy)]
+struct HeldResultKey {
+    key: Key,
+    incarnation: u32,
+    epoch: u32,
 }
 
 /// Datagrams a keyed session dropped before looking at them.
@@ -195,10 +206,12 @@ fn is_group_lane(bytes: &[u8]) -> bool {
     fanin_wire::auth::Sealed::split(bytes).is_ok_and(|s| fanin_wire::auth::is_group_seq(s.seq))
 }
 
-/// A Result on the group lanes (the one thing a switch seals under the
-/// result key).
-fn is_group_result(bytes: &[u8]) -> bool {
-    is_group_lane(bytes) && bytes[3] & !fanin_wire::auth::SEALED == MessageType::Result as u8
+/// A Result of job `job_id` on the group lanes (the one thing a switch
+/// seals under the result key; another job may share the group).
+fn is_group_result(bytes: &[u8], job_id: u32) -> bool {
+    is_group_lane(bytes)
+        && bytes[3] & !fanin_wire::auth::SEALED == MessageType::Result as u8
+        && bytes.get(12..16).is_some_and(|id| id == job_id.to_be_bytes())
 }
 
 impl AllreduceSession {
@@ -223,6 +236,7 @@ impl AllreduceSession {
             events: VecDeque::new(),
             join_due: true,
             next_key_probe: now,
+            key_probe_interval: PROBE_INTERVAL,
             slow_sources: Vec::new(),
             stash: VecDeque::new(),
             stash_len: 0,
@@ -689,7 +703,7 @@ impl AllreduceSession {
     fn open_sealed<'a>(&mut self, key: &Key, bytes: &'a [u8]) -> Result<&'a [u8], Refusal> {
         match (is_group_lane(bytes), &self.result_key) {
             (false, _) => open_and_accept(key, &mut self.windows, bytes),
-            (true, Some(result_key)) => open_group_and_accept(result_key, &mut self.group_windows, bytes),
+            (true, Some(held)) => open_group_and_accept(&held.key, &mut self.group_windows, bytes),
             // not told the key (yet): nothing to check it with
             (true, None) => Err(Refusal::NoKey),
         }
@@ -701,13 +715,30 @@ impl AllreduceSession {
     pub(super) fn learn_result_key(&mut self, params: &JoinParams) {
         let Some(key) = self.config.auth_key else { return };
         let (job_id, incarnation) = (self.config.job_id, params.incarnation);
-        let learnt = params
-            .result_key
-            .map(|rk| Key(fanin_wire::auth::wrap_result_key(&key, job_id, incarnation, rk.epoch, &Key(rk.wrapped))));
-        if self.result_key.is_some() && learnt.is_some() && learnt != self.result_key {
+        let Some(rk) = params.result_key else {
+            self.result_key = None;
+            return;
+        };
+        if let Some(held) = &self.result_key {
+            // Epochs only go forward within one incarnation: a JoinAck of
+            // an older epoch (a delayed probe answer, or one an attacker
+            // held back and releases within the replay window) must not
+            // bring back a key that a member who left still holds.
+            if held.incarnation == incarnation && rk.epoch < held.epoch {
+                return;
+            }
+            if (held.incarnation, held.epoch) == (incarnation, rk.epoch) {
+                return; // the key we hold
+            }
             self.auth_stats.result_key_changes += 1;
         }
-        self.result_key = learnt;
+        let learnt = Key(fanin_wire::auth::wrap_result_key(&key, job_id, incarnation, rk.epoch, &Key(rk.wrapped)));
+        self.result_key = Some(HeldResultKey { key: learnt, incarnation, epoch: rk.epoch });
+        // A new key's numbers start a window of their own: what an old key's
+        // holder sealed (perhaps with a number far ahead) fails the new key
+        // anyway, and must not push the genuine numbers out of the window.
+        self.group_windows = LaneWindows::default();
+        self.key_probe_interval = PROBE_INTERVAL;
     }
 
     /// A result on the group lanes failed under the result key we hold: the
@@ -718,7 +749,10 @@ impl AllreduceSession {
     fn ask_for_result_key(&mut self, now: Time) {
         if matches!(self.state, State::Ready) && now >= self.next_key_probe {
             self.join_due = true;
-            self.next_key_probe = now + PROBE_INTERVAL;
+            self.next_key_probe = now + self.key_probe_interval;
+            // while the answers bring no new key (junk on the group, not a
+            // new epoch) each probe waits twice as long, up to 1.6 s
+            self.key_probe_interval = (self.key_probe_interval * 2).min(PROBE_INTERVAL * 32);
             self.auth_stats.result_key_probes += 1;
         }
     }
@@ -741,7 +775,7 @@ impl AllreduceSession {
                     self.auth_stats.before_result_key += 1;
                     return;
                 }
-                Err(Refusal::Auth(fanin_wire::auth::AuthError::BadTag)) if self.result_key.is_some() && is_group_result(bytes) => {
+                Err(Refusal::Auth(fanin_wire::auth::AuthError::BadTag)) if self.result_key.is_some() && is_group_result(bytes, self.config.job_id) => {
                     self.auth_stats.bad_tag += 1;
                     self.ask_for_result_key(now);
                     return;

@@ -193,15 +193,20 @@ fn a_group_result_is_checked_under_the_result_key_from_the_join_ack_only() {
     for forged in [&join_ack, &failed, &unicast_lane] {
         s.handle_datagram(Time::ZERO, forged);
     }
+    // a group Result of another job that shares the group asks nothing either
+    let mut other_job = result_block(1, &[7; 4]);
+    other_job[12..16].copy_from_slice(&2u32.to_be_bytes());
+    auth::seal(&Key([0x77; 16]), auth::group_seq(1 << 42) + 2, &mut other_job).unwrap();
+    s.handle_datagram(Time::ZERO, &other_job);
     assert!(s.poll_event().is_none(), "nothing happened");
-    assert_eq!(s.auth_stats().bad_tag, 4);
-    assert_eq!(s.auth_stats().result_key_probes, 1, "only a group Result asks for the key");
+    assert_eq!(s.auth_stats().bad_tag, 5);
+    assert_eq!(s.auth_stats().result_key_probes, 1, "only a group Result of this job asks for the key");
     s.begin(Time::ZERO, Tensor::I32(vec![1, 2, 3, 4])).expect("the session still works");
     // the key it knows is still the true one
     let mut again = result_block(1, &[5; 4]);
     auth::seal(&result_key, auth::group_seq(1 << 43), &mut again).unwrap();
     s.handle_datagram(Time::ZERO, &again);
-    assert_eq!(s.auth_stats().bad_tag, 4, "a true group result still verifies");
+    assert_eq!(s.auth_stats().bad_tag, 5, "a true group result still verifies");
 }
 
 /// Three keyed workers listening on the job's result group; worker 2
@@ -277,9 +282,43 @@ fn members_that_stay_learn_the_new_result_key_after_one_leaves_and_it_reads_no_m
     let to_group_before = sw.counters().results_to_group;
     assert_eq!(to_group_before, 3, "3 blocks, one group datagram each");
 
-    // worker 2 leaves
+    // Before it leaves, worker 2 (holding the epoch-0 key) seals a group
+    // Result with a number far ahead, for a block nobody waits for: it
+    // passes the tag and moves the listeners' group window up.
+    let old_key = auth::derive_result_key(&JOB_KEY, 1, ShardConfig::single(1 << 20).incarnation, 0);
+    let mut ahead = result_block(999, &[0; 4]);
+    auth::seal(&old_key, auth::group_seq((1 << 47) + 12_345), &mut ahead).unwrap();
+    for w in [0, 1] {
+        workers[w].handle_datagram(now, &ahead);
+    }
+
+    // worker 2 leaves; the switch sends the two that stay the new key, and
+    // worker 1's copy is lost: it learns the key by its probe instead
     let mut out = VecTransmit::new();
     sw.update_job(now, JobSpec { members: vec![0, 1], ..spec }, None, &[], &mut out).unwrap();
+    let updates: Vec<(u16, Vec<u8>)> = out.drain().collect();
+    assert_eq!(updates.iter().map(|(to, _)| *to).collect::<Vec<_>>(), [0, 1]);
+    workers[0].handle_datagram(now, &updates[0].1);
+    assert_eq!(workers[0].auth_stats().result_key_changes, 1, "the pushed key is taken at once");
+    // an older epoch's JoinAck (held back, then released) changes nothing
+    let stale_ack = {
+        let mut buf = vec![0; HEADER_LEN + JoinParams::LEN + auth::TRAILER_LEN];
+        let ack = Repr { src_cnt: 3, ..Repr::new(MessageType::JoinAck, 1, 0) };
+        ack.emit(&mut Packet::new_unchecked(&mut buf[..HEADER_LEN + JoinParams::LEN]));
+        let key0 = derive_member_key(&JOB_KEY, 1, 0);
+        let inc = ShardConfig::single(1 << 20).incarnation;
+        let wrapped = auth::wrap_result_key(&key0, 1, inc, 0, &old_key);
+        let params = JoinParams {
+            result_key: Some(WrappedResultKey { epoch: 0, wrapped }),
+            results_on_group: true,
+            ..*workers[0].params().unwrap()
+        };
+        params.emit(&mut buf[HEADER_LEN..HEADER_LEN + JoinParams::LEN]);
+        auth::seal(&key0, 1 << 44, &mut buf).unwrap();
+        buf
+    };
+    workers[0].handle_datagram(now, &stale_ack);
+    assert_eq!(workers[0].auth_stats().result_key_changes, 1, "no way back to the old epoch");
     let bad_tags_of_2 = workers[2].auth_stats().bad_tag;
     for src in [0, 1] {
         workers[src].begin(now, tensor(src, 12)).unwrap();
@@ -290,8 +329,10 @@ fn members_that_stay_learn_the_new_result_key_after_one_leaves_and_it_reads_no_m
         assert_eq!(o.tensor, Tensor::I32((0..12).map(|i| i * 3).collect()), "worker {src}");
         let a = workers[src].auth_stats();
         assert_eq!(a.result_key_changes, 1, "worker {src} learnt the new key once");
-        assert!((1..=3).contains(&a.result_key_probes), "worker {src}: {a:?}");
+        assert_eq!(a.replayed, 0, "worker {src}: the new key's window is its own: {a:?}");
     }
+    assert_eq!(workers[0].auth_stats().result_key_probes, 0, "told in time, no probe");
+    assert!((1..=3).contains(&workers[1].auth_stats().result_key_probes), "{:?}", workers[1].auth_stats());
     assert!(sw.counters().results_to_group > to_group_before, "results went to the group under the new key");
     assert!(workers[2].auth_stats().bad_tag > bad_tags_of_2, "worker 2 hears them and can open none");
     assert!(workers[2].poll_event().is_none());

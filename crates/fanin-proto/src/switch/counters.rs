@@ -119,6 +119,9 @@ pub struct Counters {
     /// misconfigured plan; without the check such a datagram would circle
     /// for ever.
     pub transit_loops: u64,
+    /// Key updates sent unasked to a keyed job's group listeners after a
+    /// member left (one per listener; protocol.md §2.4).
+    pub result_key_updates: u64,
     /// Sync requests forwarded toward the root.
     pub syncs_forwarded: u64,
     /// Sync requests a root left unanswered because it has not seen the
@@ -224,6 +227,7 @@ impl Counters {
         f("transit_duplicate", None, self.transit_duplicate);
         f("transit_refused", None, self.transit_refused);
         f("transit_loops", None, self.transit_loops);
+        f("result_key_updates", None, self.result_key_updates);
         f("results_sent", None, self.results_sent);
         f("results_to_group", None, self.results_to_group);
         f("results_resent", None, self.results_resent);
@@ -265,7 +269,7 @@ impl Counters {
         add!(
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, result_acks, records_acked, records_evicted, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
-            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, transit_up, transit_down, transit_duplicate, transit_refused, transit_loops, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
+            blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, transit_up, transit_down, transit_duplicate, transit_refused, transit_loops, result_key_updates, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,

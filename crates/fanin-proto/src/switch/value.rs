@@ -358,12 +358,26 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
 
     /// Remove a job and free its memory. Returns false if it did not exist.
     pub fn remove_job(&mut self, job_id: u32) -> bool {
+        self.remove_job_as(job_id, true)
+    }
+
+    /// Undo an admission that failed on another shard (or at its tree
+    /// role) before the job ran: as [`remove_job`](Self::remove_job), but
+    /// the result-key epochs go on where they were, so that shards which
+    /// admitted the job and shards which did not keep agreeing on them.
+    pub fn undo_add_job(&mut self, job_id: u32) -> bool {
+        self.remove_job_as(job_id, false)
+    }
+
+    fn remove_job_as(&mut self, job_id: u32, ran: bool) -> bool {
         match self.jobs.remove(&job_id) {
             Some(job) => {
                 self.memory_used -= job.memory;
                 if let Some(auth) = &job.auth {
                     self.seq_floor = self.seq_floor.max(auth.next_seq());
-                    self.result_epoch_floor = self.result_epoch_floor.max(auth.next_result_epoch());
+                    if ran {
+                        self.result_epoch_floor = self.result_epoch_floor.max(auth.next_result_epoch());
+                    }
                 }
                 true
             }
@@ -465,8 +479,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         job.members = new_members;
         job.member_count = job.members.count() as u16;
+        let mut new_result_key = false;
         if let Some(auth) = job.auth.as_mut() {
-            auth.set_members(&spec.members);
+            new_result_key = auth.set_members(&spec.members);
             auth.set_uplink_rank(uplink.as_ref().map(|u| u.rank));
         }
         job.spec = spec;
@@ -496,6 +511,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         }
         settle_slow_sources(job, &mut newly_slow, &mut self.counters, out, &mut self.scratch);
+        if new_result_key && self.config.shard == 0 {
+            send_key_updates(job, &self.config, &mut self.counters, out);
+        }
         // members added or removed change what the record costs
         job.settle_memory(&mut self.memory_used);
         let cost = job.data_memory + job.record_bytes();

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use fanin_wire::value::{JoinParams, Repr, JOIN_ROUND_START, JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT};
+use fanin_wire::value::{JoinParams, Repr, JOIN_KEY_UPDATE, JOIN_ROUND_START, JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT};
 use fanin_wire::MessageType;
 
 use super::{AllreduceSession, Event, SessionError, State};
@@ -21,6 +21,13 @@ impl AllreduceSession {
 
     pub(super) fn on_join_ack(&mut self, now: Time, repr: &Repr, body: &[u8]) {
         let Ok(params) = JoinParams::parse(body) else { return };
+        if repr.age_op == JOIN_KEY_UPDATE {
+            // sent unasked when the result key moved on: the key, nothing else
+            if params.result_key.is_some() {
+                self.learn_result_key(&params);
+            }
+            return;
+        }
         self.learn_result_key(&params);
         let expected = self.config.expected_members;
         if expected != 0 && repr.src_cnt != expected && matches!(self.state, State::Joining { .. }) {

@@ -335,13 +335,28 @@ fn a_member_leaving_starts_a_result_key_epoch_it_cannot_open_and_the_others_lear
     let before = group_results(&mut sw, &[0, 1, 2], 0, 2);
     assert!(open(&old_key, &before[0]).is_ok(), "epoch 0: every listener opens it");
 
-    // member 2 leaves
+    // member 2 leaves: the two that stay are sent the new key at once
     let mut out = VecTransmit::new();
     sw.update_job(T0, JobSpec { members: vec![0, 1], ..spec.clone() }, None, &[], &mut out).unwrap();
+    let new_key = auth::derive_result_key(&JOB_KEY, 1, inc, 1);
+    let mut updated = Vec::new();
+    for (to, bytes) in out.drain() {
+        let src = (to - 100) as u16;
+        let (inner, _) = open(&member(1, src), &bytes).expect("sealed for its member");
+        let p = Packet::new_checked(inner).unwrap();
+        let repr = Repr::parse(&p).unwrap();
+        assert_eq!((repr.msg_type, repr.age_op), (MessageType::JoinAck, fanin_wire::value::JOIN_KEY_UPDATE));
+        let rk = JoinParams::parse(p.payload()).unwrap().result_key.expect("carries the key");
+        assert_eq!(rk.epoch, 1);
+        assert_eq!(Key(auth::wrap_result_key(&member(1, src), 1, inc, 1, &Key(rk.wrapped))), new_key);
+        updated.push(src);
+    }
+    updated.sort();
+    assert_eq!(updated, [0, 1], "every listener that stays, not the one that left");
+    assert_eq!(sw.counters().result_key_updates, 2);
     let after = group_results(&mut sw, &[0, 1], 1, 3);
     assert_eq!(after.len(), 1);
     assert_eq!(open(&old_key, &after[0]), Err(auth::AuthError::BadTag), "the key member 2 holds opens nothing new");
-    let new_key = auth::derive_result_key(&JOB_KEY, 1, inc, 1);
     assert!(open(&new_key, &after[0]).is_ok(), "sealed under the epoch-1 key");
     // a member that stays learns it from the answer to its probe
     let params = sealed_join(&mut sw, 1, 0, true, 4);
@@ -357,8 +372,10 @@ fn a_member_leaving_starts_a_result_key_epoch_it_cannot_open_and_the_others_lear
     assert_eq!(sw.counters().auth_bad_tag, bad_before + 1);
 
     // a member joining (none leaving) keeps the epoch: nobody holds a key
-    // it should lose
+    // it should lose, and nobody is sent one
+    let mut out = VecTransmit::new();
     sw.update_job(T0, JobSpec { members: vec![0, 1, 3], ..spec.clone() }, None, &[], &mut out).unwrap();
+    assert!(out.datagrams.is_empty());
     assert_eq!(sealed_join(&mut sw, 1, 3, true, 1).result_key.map(|rk| rk.epoch), Some(1));
     // and the next one to leave starts epoch 2
     sw.update_job(T0, JobSpec { members: vec![0, 3], ..spec }, None, &[], &mut out).unwrap();
@@ -387,4 +404,22 @@ fn a_keyed_job_admitted_again_never_seals_under_a_result_key_of_its_earlier_life
     let results = group_results(&mut sw, &[0, 1, 2], 0, 1 << 41);
     assert_eq!(open(&auth::derive_result_key(&JOB_KEY, 1, inc, 0), &results[0]), Err(auth::AuthError::BadTag));
     assert!(open(&key, &results[0]).is_ok());
+}
+
+#[test]
+fn undoing_an_admission_leaves_the_result_key_epochs_where_they_were() {
+    // a daemon admits a job on every shard, and undoes it on the shards that
+    // took it when one refuses: those shards must not move on to another
+    // epoch than the shards that never had the job
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let spec = JobSpec { result_group: Some(group), ..keyed(1, 3, JOB_KEY) };
+    let mut took = ValueSwitch::new(ShardConfig::single(1 << 20));
+    took.add_job(spec.clone()).unwrap();
+    assert!(took.undo_add_job(1));
+    took.add_job(spec.clone()).unwrap();
+    assert_eq!(sealed_join(&mut took, 1, 0, true, 1).result_key.map(|rk| rk.epoch), Some(0));
+    // (an operator's removal of a job that ran does move them on)
+    assert!(took.remove_job(1));
+    took.add_job(spec).unwrap();
+    assert_eq!(sealed_join(&mut took, 1, 0, true, 1 << 40).result_key.map(|rk| rk.epoch), Some(1));
 }

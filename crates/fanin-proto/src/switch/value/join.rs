@@ -105,6 +105,31 @@ pub(super) fn answer_join_as<A: Copy + PartialEq>(
     });
 }
 
+/// The job's result key moved to a new epoch (a member left): send each
+/// member that listens on the group, and whose address is known, the new
+/// key unasked (`JOIN_KEY_UPDATE`, sealed under its own key), so it stops
+/// taking what the old key seals at once rather than at its first failed
+/// result. Lost, it is made up by the probe that result makes the worker
+/// send. One shard sends it (all of them rotate together).
+pub(super) fn send_key_updates<A: Copy + PartialEq>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) {
+    let listeners: Vec<(u16, A)> = job
+        .members
+        .iter()
+        .filter(|&m| job.listens_on_group.contains(m))
+        .filter_map(|m| job.addrs.get(m).copied().flatten().map(|a| (m as u16, a)))
+        .collect();
+    let start = JoinStart::at(job.start_block);
+    for (m, addr) in listeners {
+        answer_join_as(job, config, m, m, addr, start, fanin_wire::value::JOIN_KEY_UPDATE, out);
+        counters.result_key_updates += 1;
+    }
+}
+
 /// The root's answer to a sync: the first allreduce boundary (multiples of
 /// `align_blocks`) at or after the sync offset, plus a window
 /// (`block_cnt_max`) for a `newcomer` once the job runs. A repeated request

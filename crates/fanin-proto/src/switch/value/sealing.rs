@@ -63,7 +63,7 @@ impl JobAuth {
             parent_windows: LaneWindows::default(),
             next_seq: first_seq,
         };
-        auth.set_members(members);
+        let _ = auth.set_members(members);
         auth
     }
 
@@ -73,19 +73,27 @@ impl JobAuth {
     /// a new result-key epoch: it held the result key, and must not check
     /// or forge the group results sealed from now on. The members that stay
     /// learn the new key from the JoinAck of the probe they send when a
-    /// group result fails under the old one (docs/security.md).
-    pub(super) fn set_members(&mut self, members: &[u16]) {
-        let someone_left = (0..self.keys.len()).any(|m| self.keys[m].is_some() && !members.contains(&(m as u16)));
+    /// group result fails under the old one (docs/security.md), and from
+    /// the key update the switch sends them; returns true when the epoch
+    /// moved on.
+    pub(super) fn set_members(&mut self, members: &[u16]) -> bool {
+        let width = members.iter().map(|&m| m as usize + 1).max().unwrap_or(0).max(self.keys.len());
+        let mut staying = vec![false; width];
+        for &m in members {
+            staying[m as usize] = true;
+        }
+        let someone_left = self.keys.iter().zip(&staying).any(|(key, &stays)| key.is_some() && !stays);
+        let rotated = someone_left && self.result_key.is_some();
         if let Some(rk) = self.result_key.as_mut().filter(|_| someone_left) {
             *rk = ResultKey::new(&self.job_key, self.job_id, rk.incarnation, rk.epoch.wrapping_add(1));
         }
-        let width = members.iter().map(|&m| m as usize + 1).max().unwrap_or(0).max(self.keys.len());
         self.keys.clear();
         self.keys.resize(width, None);
         self.windows.resize_with(width, LaneWindows::default);
         for &m in members {
             self.keys[m as usize] = Some(derive_member_key(&self.job_key, self.job_id, m));
         }
+        rotated
     }
 
     /// Heap bytes of the member keys and replay windows (switch memory

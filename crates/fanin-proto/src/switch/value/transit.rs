@@ -84,9 +84,16 @@ pub(super) struct Transit<A> {
     distinct: Vec<(A, u32)>,
     /// `(block, header digest)` of the last result fanned out, by `block % FANNED`.
     fanned: Vec<Option<(u32, u64)>>,
-    /// Digest of the last upward datagram relayed for each source (loops).
-    last_up: BTreeMap<u16, u64>,
+    /// The upward datagrams relayed lately, direct-mapped by (source,
+    /// block): `(source, block, digest, the address it came from)`, to know
+    /// one that comes back around a cycle of relays, every block in flight
+    /// apart.
+    recent_up: Vec<Option<(u16, u32, u64, A)>>,
 }
+
+/// Entries of a transit's table of recent upward datagrams: more than the
+/// blocks a few sources keep in flight.
+const RECENT_UP: usize = 4096;
 
 impl<A: Copy + PartialEq> Transit<A> {
     fn new(next: A, allowed: Option<SourceMask>) -> Self {
@@ -96,7 +103,7 @@ impl<A: Copy + PartialEq> Transit<A> {
             sources: BTreeMap::new(),
             distinct: Vec::new(),
             fanned: vec![None; FANNED],
-            last_up: BTreeMap::new(),
+            recent_up: vec![None; RECENT_UP],
         }
     }
 
@@ -106,7 +113,6 @@ impl<A: Copy + PartialEq> Transit<A> {
 
     /// Forget a source (no longer allowed after a re-install).
     fn forget_source(&mut self, src: u16) {
-        self.last_up.remove(&src);
         if let Some(old) = self.sources.remove(&src) {
             if let Some(i) = self.distinct.iter().position(|&(a, _)| a == old) {
                 self.distinct[i].1 -= 1;
@@ -296,23 +302,19 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             if !up || !transit.allows(src) {
                 return own(counters);
             }
-            // the datagram we last relayed for this source, back from
-            // elsewhere: it went around a cycle of relays
-            let digest = header_digest(bytes) ^ bytes.len() as u64;
-            let elsewhere = transit.sources.get(&src).is_some_and(|&known| known != from);
-            if elsewhere && transit.last_up.get(&src) == Some(&digest) {
-                transit.last_up.remove(&src);
+            // a datagram we relayed, back from another address: it went
+            // around a cycle of relays
+            let (block, digest) = (packet.block_id(), header_digest(bytes) ^ bytes.len() as u64);
+            let at = (src as usize).wrapping_mul(0x9E37) ^ block as usize;
+            let entry = &mut transit.recent_up[at % RECENT_UP];
+            if entry.is_some_and(|(s, b, d, came)| (s, b, d) == (src, block, digest) && came != from) {
+                *entry = None;
                 counters.transit_loops += 1;
                 return Some(Verdict::Consumed);
             }
+            *entry = Some((src, block, digest, from));
             if !transit.learn(src, from) {
                 return own(counters);
-            }
-            match transit.last_up.get_mut(&src) {
-                Some(last) => *last = digest,
-                None => {
-                    transit.last_up.insert(src, digest);
-                }
             }
             if msg.carries_block() {
                 transit.forget(packet.block_id());

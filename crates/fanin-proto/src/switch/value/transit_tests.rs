@@ -348,10 +348,11 @@ fn a_contribution_sent_around_a_cycle_of_relays_is_cut_after_one_turn() {
     }
     let mut net = Net::new(switches);
     // bounded delivery: on a relay without the check this never ends
-    let mut deliver = |net: &mut Net, first: (Addr, Addr, Vec<u8>)| {
-        let mut queue = vec![first];
+    let deliver_all = |net: &mut Net, first: Vec<(Addr, Addr, Vec<u8>)>| {
+        // first in, first delivered: datagrams in flight take turns
+        let mut queue: std::collections::VecDeque<_> = first.into();
         let mut hops = 0;
-        while let Some((from, to, bytes)) = queue.pop() {
+        while let Some((from, to, bytes)) = queue.pop_front() {
             hops += 1;
             assert!(hops <= 50, "still circling after 50 hops");
             let mut out = VecTransmit::new();
@@ -360,6 +361,7 @@ fn a_contribution_sent_around_a_cycle_of_relays_is_cut_after_one_turn() {
         }
         hops
     };
+    let deliver = |net: &mut Net, first: (Addr, Addr, Vec<u8>)| deliver_all(net, vec![first]);
     let c = contribution(7, 0, 0, &[1, 2]);
     assert_eq!(deliver(&mut net, (100, A, c.clone())), 4, "A, B, C, and back at A");
     assert_eq!(net.sw(A).counters().transit_loops, 1);
@@ -373,4 +375,9 @@ fn a_contribution_sent_around_a_cycle_of_relays_is_cut_after_one_turn() {
     assert_eq!(deliver(&mut net, (100, A, c.clone())), 4);
     assert_eq!(deliver(&mut net, (100, A, c)), 4);
     assert_eq!(net.sw(A).counters().transit_loops, 4);
+    // a window of blocks in flight at once, around the cycle together:
+    // each one is known again when it comes back
+    let window: Vec<_> = (1..=8).map(|b| (100, A, contribution(7, 0, b, &[b as i32]))).collect();
+    assert_eq!(deliver_all(&mut net, window), 8 * 4);
+    assert_eq!(net.sw(A).counters().transit_loops, 12);
 }
