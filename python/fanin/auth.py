@@ -55,6 +55,11 @@ def read_key_file(path: str) -> bytes:
     meant to be a secret); an unreadable one an OSError."""
     with open(path, "rb") as f:
         raw = f.read()
+    if len(raw) == 16 and all(chr(b) in "0123456789abcdefABCDEF" for b in raw):
+        # 16 hex digits are half a key typed as text, not 16 raw bytes (a
+        # random key is all hex digits with odds of about 1e-17)
+        raise ValueError(f"{path} holds 16 hex digits: a key is 32 hex digits (as `fanin keys` writes it) or 16 "
+                         "raw bytes")
     if len(raw) == 16:
         return raw
     try:

@@ -276,6 +276,10 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     if args.job_id < 0 or args.job_id > 0xFFFF_FFFF:
         raise ValueError(f"--job-id {args.job_id} is not a 32-bit job id")
     os.makedirs(args.out, mode=0o700, exist_ok=True)
+    if os.stat(args.out).st_mode & 0o077:
+        # the files are 0600 whatever the folder; say so rather than chmod a folder we did not make
+        print(f"fanin keys: note: {args.out} is open to other users (the key files themselves are not)",
+              file=sys.stderr)
     job_file = os.path.join(args.out, f"job{args.job_id}.key")
     if args.job_key_file:
         job_key, job_file = read_key_file(args.job_key_file), args.job_key_file

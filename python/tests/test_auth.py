@@ -560,6 +560,10 @@ def test_fanin_keys_writes_private_key_files_that_a_cli_switch_and_workers_use(t
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+    half = tmp_path / "half.key"
+    half.write_text(fanin.new_job_key().hex()[:16])  # half a key, no newline: 16 bytes, not a raw key
+    with pytest.raises(ValueError, match="16 hex digits"):
+        fanin.read_key_file(str(half))
     bad = tmp_path / "bad.key"
     bad.write_text("s3cret but not hex")
     said = subprocess.run([sys.executable, "-m", "fanin", "switch", "--job", f"id=5,sources=2,key_file={bad}"],
