@@ -720,15 +720,13 @@ impl AllreduceSession {
             return;
         };
         if let Some(held) = &self.result_key {
-            // Epochs only go forward within one incarnation: a JoinAck of
-            // an older epoch (a delayed probe answer, or one an attacker
-            // held back and releases within the replay window) must not
-            // bring back a key that a member who left still holds.
-            if held.incarnation == incarnation && rk.epoch < held.epoch {
+            // Epochs only go forward within one incarnation: the key we hold,
+            // or an older epoch's (a delayed probe answer, or one an attacker
+            // held back and releases within the replay window, which must
+            // not bring back a key that a member who left still holds),
+            // changes nothing.
+            if held.incarnation == incarnation && rk.epoch <= held.epoch {
                 return;
-            }
-            if (held.incarnation, held.epoch) == (incarnation, rk.epoch) {
-                return; // the key we hold
             }
             self.auth_stats.result_key_changes += 1;
         }
@@ -743,9 +741,10 @@ impl AllreduceSession {
 
     /// A result on the group lanes failed under the result key we hold: the
     /// switch may have started a new epoch (a member left), so ask for the
-    /// current key with a probe Join, at most once per [`PROBE_INTERVAL`]
-    /// (a forger sending junk to the group gets no more than that). The
-    /// result itself comes again when our contribution is retransmitted.
+    /// current key with a probe Join: [`PROBE_INTERVAL`] apart at first,
+    /// backing off while the answers bring no new key (a forger sending junk
+    /// to the group gets no more than that). The result itself comes again
+    /// when our contribution is retransmitted.
     fn ask_for_result_key(&mut self, now: Time) {
         if matches!(self.state, State::Ready) && now >= self.next_key_probe {
             self.join_due = true;
