@@ -31,6 +31,11 @@ struct Net {
     next_addr: u32,
     loss: f64,
     rng: SplitMix64,
+    /// How long a verdict takes to reach the other shards (the daemon
+    /// passes them through queues read between batches); zero: at once.
+    learn_delay: Duration,
+    /// Verdicts on their way: (when, to which shard, what).
+    pending: Vec<(Time, usize, Verdict)>,
 }
 
 impl Net {
@@ -42,6 +47,8 @@ impl Net {
             next_addr: 1,
             loss,
             rng: SplitMix64::new(seed),
+            learn_delay: Duration::ZERO,
+            pending: Vec::new(),
         }
     }
 
@@ -102,6 +109,11 @@ impl Net {
         self.now = self.now + STEP;
         let now = self.now;
         let mut replies = VecTransmit::new();
+        let (due, later) = std::mem::take(&mut self.pending).into_iter().partition(|(at, _, _)| *at <= now);
+        self.pending = later;
+        for (_, k, verdict) in due {
+            self.shards[k].learn(verdict);
+        }
         for p in procs.iter_mut() {
             if p.session.poll_timeout().is_some_and(|t| t <= now) {
                 p.session.handle_timeout(now);
@@ -124,8 +136,11 @@ impl Net {
                         Verdict::WrongShard(o) => target = o,
                         verdict => {
                             for (k, sw) in self.shards.iter_mut().enumerate() {
-                                if k != target as usize {
+                                if k == target as usize {
+                                } else if self.learn_delay.is_zero() {
                                     sw.learn(verdict);
+                                } else {
+                                    self.pending.push((now + self.learn_delay, k, verdict));
                                 }
                             }
                             break;
@@ -227,6 +242,31 @@ fn spec(members: u16) -> JobSpec {
     JobSpec {
         on_failure: FailurePolicy::Fail,
         ..JobSpec::with_sources(JOB, members, 4, 4)
+    }
+}
+
+/// The shard that starts a round tells the others through the runtime,
+/// which may deliver it after the members, answered at once, reached them
+/// with the round's first contributions. Here the other shard learns it
+/// 30 ms late, under loss: it must keep the blocks it aggregated meanwhile.
+/// (It dropped them: a member that had lost one of their results sent it
+/// again, which opened a record that only it contributed to, its slot was
+/// never free again, and the job failed with MemberFailed after a stall.)
+#[test]
+fn a_shard_that_learns_late_that_the_round_started_keeps_its_first_blocks() {
+    for seed in 1..=8 {
+        let mut net = Net::new(spec(3), 2, 0.05, seed);
+        net.learn_delay = Duration::from_millis(30);
+        let mut ps: Vec<Process> = (0..3).map(|r| net.spawn(r, 40 + r)).collect();
+        let mut refs: Vec<&mut Process> = ps.iter_mut().collect();
+        net.run_until(&mut refs, Duration::from_secs(1), joined);
+        for call in 0..3 {
+            let inputs: Vec<Vec<i32>> = (0..3).map(|r| (0..64).map(|i| i * 7 + r * 1000 + call).collect()).collect();
+            for (rank, r) in allreduce(&mut net, &mut refs, &inputs).into_iter().enumerate() {
+                assert_eq!(r.as_ref().ok(), Some(&sum(&inputs)), "seed {seed}, call {call}, rank {rank}: {r:?}");
+            }
+        }
+        assert_eq!(net.counter(|c| c.slot_busy), 0, "seed {seed}");
     }
 }
 

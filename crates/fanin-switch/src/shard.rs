@@ -218,6 +218,16 @@ impl ShardThread {
             let before = if ready && self.trim.is_some() { self.queued_bytes() } else { 0 };
             // A receive error (e.g. ICMP feedback) is not fatal: try again.
             let n = if ready { self.socket.recv_batch(&mut rx).unwrap_or_default() } else { 0 };
+            if n > 0 {
+                // What another shard passed on before its answers left (a
+                // round started: its members were told to go) is applied
+                // before anything those answers caused: a peer tells the
+                // others before it flushes, so whatever in this batch a
+                // verdict caused was sent after the verdict was queued
+                // (one that arrives first anyway, past a batch that filled
+                // and flushed early, is still kept: ValueSwitch::start_round).
+                self.drain_commands(&mut tx, &mut discard);
+            }
             let now = self.now();
             let mut out = SocketTx {
                 socket: &self.socket,
@@ -360,17 +370,26 @@ impl ShardThread {
                     // hop cannot happen. A contribution that does not line
                     // up with its block ends the round here: the others
                     // must learn it.
-                    let verdict = self.with_out(tx, discard, |sw, kv, now, out| {
-                        if kv_task_of(&bytes).is_some() {
-                            kv.handle_datagram(now, from, &bytes, out);
-                            Verdict::Consumed
-                        } else {
-                            sw.handle_datagram(now, from, &bytes, out)
-                        }
-                    });
+                    // (the peers are told before the answers leave: see run)
+                    let now = self.now();
+                    let mut out = SocketTx {
+                        socket: &self.socket,
+                        multicast: self.multicast,
+                        batch: tx,
+                        egress: &mut self.egress,
+                        discard,
+                        stats: &self.stats,
+                    };
+                    let verdict = if kv_task_of(&bytes).is_some() {
+                        self.kv.handle_datagram(now, from, &bytes, &mut out);
+                        Verdict::Consumed
+                    } else {
+                        self.switch.handle_datagram(now, from, &bytes, &mut out)
+                    };
                     if !matches!(verdict, Verdict::Consumed | Verdict::WrongShard(_)) {
                         tell_peers(&self.peers, self.index, verdict);
                     }
+                    flush(&self.socket, tx, &self.stats);
                 }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return,
             }

@@ -556,7 +556,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// starts at block `start`.
     pub fn start_round(&mut self, job_id: u32, start: u32) {
         if let Some(job) = self.jobs.get_mut(&job_id) {
-            reset_for_round(job, start);
+            learn_round_start(job, start);
         }
         self.settle_memory(job_id);
     }

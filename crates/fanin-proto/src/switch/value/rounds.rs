@@ -201,10 +201,38 @@ pub(super) fn begin_round<A: Copy + PartialEq>(
 /// block, no barrier, every member waited for, no failure, no slow source.
 pub(super) fn reset_for_round<A>(job: &mut Job<A>, start: u32) {
     drop_blocks(job);
+    job.high_block = None;
+    start_afresh(job, start);
+}
+
+/// Another shard started the round at `start` ([`Verdict::RoundStarted`]).
+/// This shard may hold blocks of that round already: the shard that
+/// started it answered the members at once, and a runtime passes the
+/// verdict on at its own pace (the daemon's shard threads read it between
+/// batches), so their first contributions can arrive here before it. Every
+/// block opened since this shard's barrier began is of the new round (an
+/// ended round's blocks were dropped when it ended, and its contributions
+/// are refused at the barrier, `stale_round`), so those blocks are kept:
+/// dropping them lost results the members already held, and a late
+/// retransmission of such a block then opened a record nobody else would
+/// send to, holding its slot for ever. They were opened waiting for the
+/// members `active` named; if the round waits for others (a source slow in
+/// the last round, a member that joined it late), they are dropped and
+/// sent again, as before.
+pub(super) fn learn_round_start<A>(job: &mut Job<A>, start: u32) {
+    let keep = job.barrier.is_some() && job.active == job.members && job.start_of.is_empty() && job.awaiting.is_empty();
+    if keep {
+        start_afresh(job, start);
+    } else {
+        reset_for_round(job, start);
+    }
+}
+
+/// [`reset_for_round`] but the blocks.
+fn start_afresh<A>(job: &mut Job<A>, start: u32) {
     job.barrier = None;
     job.start_block = start;
     job.anchor = RecoverAnchor { block: start, gen_id: 1 };
-    job.high_block = None;
     job.active.clone_from(&job.members);
     job.awaiting.clear();
     job.start_of.clear();
