@@ -14,6 +14,8 @@ __all__ = ["Session"]
 #: The defaults of the tunables below, from the Rust session configuration
 #: (`SessionConfig::new`), the one place they are written.
 _DEFAULTS = _native.session_defaults()
+#: The most send lanes a session takes (``lanes=``).
+MAX_LANES: int = _native.MAX_LANES
 
 
 def _member_key(key: Optional[Union[bytes, str]]) -> Optional[bytes]:
@@ -113,6 +115,15 @@ class Session:
             :class:`fanin.MemberRestarted`; docs/protocol.md 4.12).
         members: the member count the caller expects (a world size); a job
             of another size raises :class:`fanin.FaninRefused` at once. 0 = any.
+        lanes: sockets, each sent from a thread of its own, that this
+            worker's datagrams leave from (1 to ``MAX_LANES``, 16; at most the switch's
+            shard count are used): lane k carries the blocks of the shards
+            s with s % lanes == k. On a fast link with 1500-byte frames most
+            of a worker's time is the kernel's per-frame work for what it
+            sends, which lands on the sending thread's core; more lanes
+            spread it over more cores (docs/network.md, "A worker on several
+            threads"). The protocol and the results are the same. 1 (the
+            default) sends from the calling thread only.
 
     Errors: an allreduce returns a complete result or raises.
     :class:`fanin.MemberRestarted` (another rank's process was replaced:
@@ -152,6 +163,7 @@ class Session:
         result_group: Optional[str] = None,
         barrier_timeout_s: float = _DEFAULTS["barrier_timeout_s"],
         members: int = 0,
+        lanes: int = 1,
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -176,6 +188,7 @@ class Session:
             result_group=result_group,
             barrier_timeout_s=barrier_timeout_s,
             members=members,
+            lanes=lanes,
         )
         self.switch = switch
         self.job_id = job_id
@@ -285,6 +298,9 @@ class Session:
         """Job parameters announced by the switch at join time."""
         return self._native.params
 
-    def socket_stats(self) -> dict[str, int]:
-        """Datagrams sent, received, and dropped, duplicated or reordered by fault injection."""
+    def socket_stats(self) -> dict[str, Any]:
+        """Datagrams sent, received, and dropped, duplicated or reordered by
+        fault injection; ``lanes`` and, per lane, ``sent_by_lane`` and
+        ``received_by_lane`` (lists, lane 0 first); what keyed jobs refused
+        (``auth_*``)."""
         return self._native.socket_stats()

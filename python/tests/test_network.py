@@ -70,39 +70,24 @@ def test_a_jumbo_link_carries_frame_sized_packets_and_a_keyed_arm_runs_beside(tm
     assert report["fanin_settings"]["keyed_arm"]
 
 
-def test_lanes_spread_each_worker_over_jobs_and_threads_and_every_sum_is_checked(tmp_path):
-    # --lanes 3: each worker is three sessions (jobs 1, 17, 33 and, keyed,
-    # 2, 18, 34), each on its own thread and socket reducing a third of the
-    # tensor; the bench fails unless every worker's whole sum is right
-    report = _bench(tmp_path, "--lanes", "3", "--auth")
+def test_lanes_send_each_workers_datagrams_from_several_threads_and_every_sum_is_checked(tmp_path):
+    # --lanes 2 on a 2-shard switch: each worker's session sends shard 0's
+    # blocks from its own thread and shard 1's from a lane thread, in the
+    # unkeyed and the keyed job; the bench fails unless every sum is right
+    report = _bench(tmp_path, "--lanes", "2", "--shards", "2", "--auth")
     (row,) = report["rates"]
-    assert report["fanin_settings"]["lanes"] == 3 and report["fanin_settings"]["overrides"]
-    assert row["fanin_lanes"] == 3  # as the workers report: three sessions ran each allreduce
+    assert report["fanin_settings"]["lanes"] == 2 and report["fanin_settings"]["overrides"]
+    assert row["fanin_lanes"] == 2  # as the workers' sessions report
     assert row["fanin_verified"] and row["keyed_median_s"] > 0
     assert row["ip_fragments"] == 0, row
 
 
-def test_lane_cuts_fall_on_packet_boundaries():
-    from fanin_bench.bench.net_worker import lane_cuts
-
-    assert lane_cuts(1000, 3, 358) == [(0, 358), (358, 716), (716, 1000)]
-    cuts = lane_cuts(4_000_000, 2, 358)
-    assert cuts[0][0] == 0 and cuts[-1][1] == 4_000_000 and cuts[0][1] % 358 == 0
-    assert lane_cuts(10, 2, 358) == [(0, 0), (0, 10)]  # an empty lane sits the call out
-
-
-def test_a_lanes_error_is_raised_at_once_whichever_lane_has_it():
-    import queue
-
-    from fanin_bench.bench.net_worker import collect
-
-    answers: queue.Queue = queue.Queue()
-    answers.put((2, RuntimeError("lane 2 failed")))  # lanes 0 and 1 have not answered (and never will)
-    with pytest.raises(RuntimeError, match="lane 2 failed"):
-        collect(answers, 3)
-    for i in (1, 0):
-        answers.put((i, {"lane": i}))
-    assert collect(answers, 2) == [{"lane": 0}, {"lane": 1}]
+def test_a_lanes_arm_runs_beside_the_main_arm_in_the_same_run(tmp_path):
+    report = _bench(tmp_path, "--lanes-arm", "2", "--shards", "2")
+    (row,) = report["rates"]
+    assert row["fanin_lanes"] == 1 and row["lanes_arm"] == 2
+    assert len(row["lanes_times_s"]) == len(row["fanin_times_s"]) == 2
+    assert row["lanes_speedup"] == pytest.approx(row["fanin_median_s"] / row["lanes_median_s"])
 
 
 def test_a_leaf_spine_runs_fanin_as_a_controller_tree_and_nothing_fragments(tmp_path):

@@ -36,6 +36,37 @@ def test_three_workers_get_identical_correct_results_and_shape(dtype):
     assert check_result(results[0], n, dtype, 1024)["ok"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_lanes_send_from_several_sockets_and_the_results_are_the_same(dtype):
+    """lanes=2 on a three-shard switch: lane 0 carries shards 0 and 2,
+    lane 1 shard 1, each lane's socket gets its shards' replies, and every
+    rank gets the same sum as without lanes."""
+    n, size = 3, 40_003
+    with fanin.local_switch(workers=n, shards=3) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, lanes=2)
+            y = s.allreduce(worker_inputs(rank, size, dtype))
+            return y, s.socket_stats()
+
+        results = run_workers(sw.data_addr, n, work)
+    for y, stats in results:
+        assert y.tobytes() == results[0][0].tobytes()
+        assert stats["lanes"] == 2
+        sent, got = stats["sent_by_lane"], stats["received_by_lane"]
+        assert sum(sent) == stats["datagrams_sent"] and min(sent) > 0.2 * sum(sent), stats
+        assert len(got) == 2 and min(got) > 0, stats
+    assert check_result(results[0][0], n, dtype, 1024)["ok"]
+
+
+def test_a_lane_count_out_of_range_is_refused_saying_what_is_allowed():
+    with fanin.local_switch(workers=1) as sw:
+        for bad in (0, 17):
+            with pytest.raises(ValueError, match=f"lanes {bad} is not 1 to 16"):
+                fanin.Session(sw.data_addr, 1, 0, lanes=bad)
+        # more lanes than the switch has shards: only as many as carry any
+        assert fanin.Session(sw.data_addr, 1, 0, lanes=4).socket_stats()["lanes"] == 1
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int32", "float16"])
 def test_keep_makes_a_reduce_scatter_of_each_ranks_own_range(dtype):
     """Each rank keeps a third of the sum (shard boundaries inside blocks),

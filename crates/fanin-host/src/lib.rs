@@ -10,14 +10,19 @@
 //! ```
 
 use std::io;
+use std::sync::Arc;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
 use fanin_proto::host::{AllreduceSession, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut};
 use fanin_proto::{Time, Transmit};
-use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
+use fanin_udp::{BatchSocket, RecvBatch};
 use fanin_wire::value::JoinParams;
+
+mod lanes;
+use lanes::SendLanes;
+pub use lanes::MAX_LANES;
 
 /// How to reach the switch and how to behave.
 #[derive(Debug, Clone)]
@@ -44,6 +49,13 @@ pub struct SessionOptions {
     /// member, if the job names the same group (its `result_group`; the
     /// JoinAck says whether it does, [`JoinParams::results_on_group`]).
     pub result_group: Option<SocketAddrV4>,
+    /// Sockets (and threads) this worker's datagrams leave from: lane `k`
+    /// carries those to the switch shards `s` with `s % lanes == k`, lane
+    /// 0 on the caller's thread, the others on a thread each. More than one
+    /// spreads the kernel's per-frame work over more cores on a fast link
+    /// (1 to [`MAX_LANES`]; at most the job's shard count are used). The
+    /// protocol is the same one state machine either way.
+    pub lanes: usize,
 }
 
 impl SessionOptions {
@@ -59,6 +71,7 @@ impl SessionOptions {
             socket_buffer: 32 << 20,
             offload: true,
             result_group: None,
+            lanes: 1,
         }
     }
 }
@@ -87,17 +100,23 @@ pub struct SessionStats {
     pub reordered_by_fault_injection: u64,
     /// Of `datagrams_received`, those that came on the result group.
     pub datagrams_from_group: u64,
+    /// Of `datagrams_sent`, those each lane carried,
+    /// and of `datagrams_received`, those each lane's socket got (lane 0
+    /// first; one entry without lanes).
+    pub sent_by_lane: Vec<u64>,
+    pub received_by_lane: Vec<u64>,
 }
 
 /// A worker's connection to a fanin switch for one job.
 pub struct Session {
     options: SessionOptions,
     machine: AllreduceSession,
-    socket: BatchSocket,
+    /// Where datagrams leave from; lane 0's socket joins, and every lane's
+    /// socket is read for the replies of the shards it sends to.
+    lanes: SendLanes,
     /// Receive-only socket on the job's result group, if listening there.
     group: Option<BatchSocket>,
     rx: RecvBatch,
-    tx: SendBatch,
     faults: DropInjector,
     recv_faults: ReceiveFaults,
     /// The order `recv_faults` chose for the current batch (reused buffer).
@@ -119,11 +138,11 @@ pub type Interrupt = Box<dyn FnMut() -> bool + Send>;
 /// the check costs nothing.
 pub const INTERRUPT_CHECK: Duration = Duration::from_millis(20);
 
-/// Sends through the batch, flushing when full; worker-send faults drop here.
+/// Sends through the shard's lane, flushing when full; worker-send faults
+/// drop here.
 struct ShardTx<'a> {
     switch: SocketAddr,
-    socket: &'a BatchSocket,
-    batch: &'a mut SendBatch,
+    lanes: &'a mut SendLanes,
     faults: &'a mut DropInjector,
     discard: Vec<u8>,
     sent: u64,
@@ -136,14 +155,11 @@ impl Transmit<u16> for ShardTx<'_> {
             self.discard.resize(len, 0);
             return &mut self.discard[..len];
         }
-        if self.batch.is_full() {
-            let _ = self.socket.send_batch(self.batch);
-        }
         let mut dest = self.switch;
         dest.set_port(self.switch.port().wrapping_add(shard));
         self.sent += 1;
         self.sent_bytes += len as u64;
-        self.batch.push(dest, len)
+        self.lanes.push(shard, dest, len)
     }
 }
 
@@ -174,13 +190,12 @@ impl Session {
             IpAddr::V6(ip) if ip.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
             IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         };
-        let socket = BatchSocket::bind(SocketAddr::new(bind_ip, 0))?;
-        let _ = socket.set_buffer_sizes(options.socket_buffer, options.socket_buffer);
-        let mut tx = SendBatch::new(256);
-        if options.offload {
-            let _ = socket.enable_gro();
-            tx.set_gso(socket.gso_supported());
+        if !(1..=MAX_LANES).contains(&options.lanes) {
+            return Err(HostError::Option(format!("lanes {} is not 1 to {MAX_LANES}", options.lanes)));
         }
+        let socket = bind_lane_socket(bind_ip, &options)?;
+        let gso = options.offload && socket.gso_supported();
+        let lanes = SendLanes::new(Arc::new(socket), gso);
         let group = match options.result_group {
             Some(g) => Some(listen_on_group(g, options.switch, &options)?),
             None => None,
@@ -206,8 +221,7 @@ impl Session {
             ),
             recv_order: Vec::new(),
             rx: RecvBatch::new(64, fanin_udp::GRO_SLOT_SIZE),
-            tx,
-            socket,
+            lanes,
             group,
             machine,
             epoch,
@@ -234,6 +248,13 @@ impl Session {
             while let Some(ev) = session.machine.poll_event() {
                 match ev {
                     Event::Joined(p) => {
+                        // Lanes beyond the shard count would carry nothing.
+                        let wanted = session.options.lanes.min(usize::from(p.shard_count.max(1)));
+                        while session.lanes.count() < wanted {
+                            let socket = bind_lane_socket(bind_ip, &session.options)?;
+                            let gso = session.options.offload && socket.gso_supported();
+                            session.lanes.add_threaded(Arc::new(socket), gso)?;
+                        }
                         session.params = p;
                         return Ok(session);
                     }
@@ -257,6 +278,12 @@ impl Session {
     /// Sources the switch currently reports as permanently slow.
     pub fn slow_sources(&self) -> &[u16] {
         self.machine.slow_sources()
+    }
+
+    /// Lanes this session sends on: the option's, at most the job's
+    /// shard count.
+    pub fn lanes(&self) -> usize {
+        self.lanes.count()
     }
 
     pub fn stats(&self) -> &SessionStats {
@@ -368,8 +395,7 @@ impl Session {
         let now = self.now();
         let mut out = ShardTx {
             switch: self.options.switch,
-            socket: &self.socket,
-            batch: &mut self.tx,
+            lanes: &mut self.lanes,
             faults: &mut self.faults,
             discard: Vec::new(),
             sent: 0,
@@ -378,11 +404,11 @@ impl Session {
         // Send everything the window allows, in bounded bursts.
         while self.machine.poll_transmit(now, &mut out) > 0 {}
         let (sent, sent_bytes) = (out.sent, out.sent_bytes);
-        if !self.tx.is_empty() {
-            self.socket.send_batch(&mut self.tx)?;
-        }
+        self.lanes.flush_all()?;
         self.stats.datagrams_sent += sent;
         self.stats.bytes_sent += sent_bytes;
+        self.stats.sent_by_lane.clear();
+        self.stats.sent_by_lane.extend(self.lanes.queued());
         let recv = self.recv_faults.counts();
         self.stats.dropped_by_fault_injection = self.faults.dropped() + recv.dropped;
         self.stats.duplicated_by_fault_injection = recv.duplicated;
@@ -395,24 +421,30 @@ impl Session {
         if self.interrupt.is_some() {
             timeout = timeout.min(INTERRUPT_CHECK);
         }
-        match &self.group {
-            None => {
-                // A zero timeout would make the socket block forever.
-                self.socket.set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;
-                self.receive(false)?;
+        if self.group.is_none() && self.lanes.count() == 1 {
+            // A zero timeout would make the socket block forever.
+            self.lanes.socket(0).set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;
+            self.receive(ReadFrom::Lane(0))?;
+        } else {
+            // Wait for any; a socket reported readable is read at once (the
+            // group's is non-blocking; the lanes', which nothing else
+            // reads, stay blocking so sends keep blocking on a full buffer
+            // rather than failing). Bit i: lane i; the group's is last.
+            let ready = {
+                let mut all = [self.lanes.socket(0); MAX_LANES + 1];
+                let mut n = 0;
+                for socket in self.lanes.sockets().chain(self.group.as_ref()) {
+                    all[n] = socket;
+                    n += 1;
+                }
+                fanin_udp::wait_readable_any(&all[..n], timeout)?
+            };
+            let lanes = self.lanes.count();
+            if ready >> lanes & 1 == 1 {
+                self.receive(ReadFrom::Group)?;
             }
-            Some(group) => {
-                // Wait for either; a socket reported readable is read at
-                // once (the group's is non-blocking; the unicast one, which
-                // nothing else reads, stays blocking so sends keep
-                // blocking on a full buffer rather than failing).
-                let (unicast, multicast) = fanin_udp::wait_readable_pair(&self.socket, group, timeout)?;
-                if multicast {
-                    self.receive(true)?;
-                }
-                if unicast {
-                    self.receive(false)?;
-                }
+            for lane in (0..lanes).filter(|l| ready >> l & 1 == 1) {
+                self.receive(ReadFrom::Lane(lane))?;
             }
         }
         let now = self.now();
@@ -424,10 +456,11 @@ impl Session {
 
     /// One batch from the unicast socket or the group's into the machine
     /// (through the receive-side fault injection, if any).
-    fn receive(&mut self, from_group: bool) -> Result<(), HostError> {
-        let socket = match (&self.group, from_group) {
-            (Some(group), true) => group,
-            _ => &self.socket,
+    fn receive(&mut self, from: ReadFrom) -> Result<(), HostError> {
+        let socket = match (&self.group, from) {
+            (Some(group), ReadFrom::Group) => group,
+            (_, ReadFrom::Lane(lane)) => self.lanes.socket(lane),
+            (None, ReadFrom::Group) => return Ok(()),
         };
         if socket.recv_batch(&mut self.rx)? == 0 {
             return Ok(());
@@ -435,8 +468,12 @@ impl Session {
         let now = self.now();
         self.stats.datagrams_received += self.rx.len() as u64;
         self.stats.bytes_received += self.rx.iter().map(|(_, d)| d.len() as u64).sum::<u64>();
-        if from_group {
-            self.stats.datagrams_from_group += self.rx.len() as u64;
+        match from {
+            ReadFrom::Group => self.stats.datagrams_from_group += self.rx.len() as u64,
+            ReadFrom::Lane(lane) => {
+                self.stats.received_by_lane.resize(self.lanes.count(), 0);
+                self.stats.received_by_lane[lane] += self.rx.len() as u64;
+            }
         }
         if self.recv_faults.is_enabled() {
             let all: Vec<_> = self.rx.iter().collect();
@@ -451,6 +488,24 @@ impl Session {
         }
         Ok(())
     }
+}
+
+/// Which socket a batch is read from.
+#[derive(Clone, Copy)]
+enum ReadFrom {
+    Lane(usize),
+    Group,
+}
+
+/// A socket for one lane: bound to `ip` on a free port, buffers and GRO
+/// as the options say.
+fn bind_lane_socket(ip: IpAddr, options: &SessionOptions) -> Result<BatchSocket, HostError> {
+    let socket = BatchSocket::bind(SocketAddr::new(ip, 0))?;
+    let _ = socket.set_buffer_sizes(options.socket_buffer, options.socket_buffer);
+    if options.offload {
+        let _ = socket.enable_gro();
+    }
+    Ok(socket)
 }
 
 /// Opens the receive socket on `group`, joined on the interface this host

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use fanin_host::{HostError, Session, SessionOptions};
+use fanin_host::{HostError, Session, SessionOptions, MAX_LANES};
 use fanin_proto::fault::SplitMix64;
 use fanin_proto::host::{SessionError, Tensor};
 use fanin_proto::job::JobMode;
@@ -390,4 +390,118 @@ fn a_keep_range_outside_the_tensor_is_refused_and_forgotten() {
     let err = s.allreduce(Tensor::I32(vec![1; 5])).unwrap_err();
     assert!(err.to_string().contains("not within the tensor's 5 elements"), "{err}");
     assert_eq!(s.allreduce(Tensor::I32(vec![3; 5])).unwrap().tensor, Tensor::I32(vec![3; 5]));
+}
+
+/// The wrapping sum of every rank's `inputs_i32`.
+fn expected_i32(ranks: u16, len: usize) -> Tensor {
+    let mut sum = vec![0i32; len];
+    for r in 0..ranks {
+        for (e, x) in sum.iter_mut().zip(inputs_i32(r, len)) {
+            *e = e.wrapping_add(x);
+        }
+    }
+    Tensor::I32(sum)
+}
+
+// Send lanes (SessionOptions::lanes): a worker's datagrams leave from
+// several sockets and threads, one per group of switch shards, and the
+// sums are the same.
+
+/// Four workers with three lanes each on a four-shard switch, 5 % loss on
+/// every path: lane 0 carries shards 0 and 3, lanes 1 and 2 one shard each,
+/// every lane's socket gets the replies of its shards, and the sums are
+/// exact, call after call.
+#[test]
+fn three_lanes_on_four_shards_sum_exactly_under_loss_and_each_lane_carries_its_shards() {
+    let sw = start(4, 0.05, vec![job(1, 4, JobMode::Aggregate)]);
+    let addr = sw.data_addr();
+    let len = 200_003;
+    let handles: Vec<_> = (0..4u16)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut s = Session::connect(SessionOptions { lanes: 3, ..options(addr, 1, rank, 0.05) }).unwrap();
+                assert_eq!(s.lanes(), 3);
+                
+                let outs: Vec<_> = (0..3).map(|_| s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap()).collect();
+                (outs, s.stats().clone())
+            })
+        })
+        .collect();
+    let want = expected_i32(4, len);
+    for h in handles {
+        let (outs, stats) = h.join().unwrap();
+        for out in &outs {
+            assert_eq!(out.tensor, want);
+        }
+        let sent = &stats.sent_by_lane;
+        assert_eq!(sent.len(), 3, "{stats:?}");
+        assert_eq!(sent.iter().sum::<u64>(), stats.datagrams_sent);
+        // lane 0 has two shards of four, the others one each (a block's
+        // shard is spread evenly; retransmissions blur it a little)
+        let total = stats.datagrams_sent as f64;
+        assert!((sent[0] as f64 / total - 0.5).abs() < 0.1, "{sent:?}");
+        assert!((sent[1] as f64 / total - 0.25).abs() < 0.1, "{sent:?}");
+        assert!((sent[2] as f64 / total - 0.25).abs() < 0.1, "{sent:?}");
+        // a shard answers the address it heard from: each lane's socket
+        // gets its own shards' results
+        let got = &stats.received_by_lane;
+        assert_eq!(got.len(), 3, "{stats:?}");
+        assert!(got.iter().all(|&n| n as f64 > 0.15 * stats.datagrams_received as f64), "{got:?}");
+    }
+    assert_eq!(sw.core().counters().malformed_total(), 0);
+}
+
+/// A keyed job with its results on a multicast group, two lanes: every
+/// shard keeps a replay window per member whichever socket the member
+/// sends from, so nothing honest is refused, and the listeners' results
+/// come on the group.
+#[test]
+fn two_lanes_in_a_keyed_job_with_results_on_a_group_refuse_nothing_honest() {
+    let job_key = fanin_proto::auth::Key([0x5a; 16]);
+    let group = std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(239, 77, 3, 2), free_port());
+    let spec = JobConfig { key: Some(job_key.to_hex()), result_group: Some(group), ..job(2, 3, JobMode::Aggregate) };
+    let sw = start(2, 0.02, vec![spec]);
+    let addr = sw.data_addr();
+    let len = 100_003;
+    let handles: Vec<_> = (0..3u16)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut o = SessionOptions { lanes: 2, ..options(addr, 2, rank, 0.02) };
+                o.session.auth_key = Some(fanin_proto::auth::derive_member_key(&job_key, 2, rank));
+                o.result_group = Some(group);
+                let mut s = Session::connect(o).unwrap();
+                let a = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap();
+                let b = s.allreduce(Tensor::I32(inputs_i32(rank, len))).unwrap();
+                (a, b, s.stats().clone(), s.auth_stats())
+            })
+        })
+        .collect();
+    let want = expected_i32(3, len);
+    for h in handles {
+        let (a, b, stats, auth) = h.join().unwrap();
+        assert_eq!((a.tensor, b.tensor), (want.clone(), want.clone()));
+        assert_eq!((auth.bad_tag, auth.unsealed), (0, 0), "{auth:?}");
+        assert!(stats.sent_by_lane.iter().all(|&n| n > 0), "{stats:?}");
+        assert!(stats.datagrams_from_group > 100, "{stats:?}");
+    }
+    let c = sw.core().counters();
+    assert_eq!((c.auth_bad_tag, c.auth_unsealed, c.auth_replayed), (0, 0, 0), "{c:?}");
+}
+
+/// More lanes than shards would carry nothing: a session takes at most the
+/// job's shard count. A count out of range is refused before anything is
+/// sent, saying what is allowed.
+#[test]
+fn lanes_are_capped_at_the_shard_count_and_a_bad_count_is_refused() {
+    let sw = start(2, 0.0, vec![job(3, 1, JobMode::Aggregate)]);
+    let mut s = Session::connect(SessionOptions { lanes: 8, ..options(sw.data_addr(), 3, 0, 0.0) }).unwrap();
+    assert_eq!(s.lanes(), 2);
+    let Tensor::I32(out) = s.allreduce(Tensor::I32(vec![7; 5000])).unwrap().tensor else { panic!() };
+    assert_eq!(out, vec![7; 5000]);
+    for bad in [0, MAX_LANES + 1] {
+        match Session::connect(SessionOptions { lanes: bad, ..options(sw.data_addr(), 3, 0, 0.0) }) {
+            Err(HostError::Option(why)) => assert!(why.contains(&format!("lanes {bad} is not 1 to {MAX_LANES}")), "{why}"),
+            other => panic!("lanes {bad}: {:?}", other.map(|_| ())),
+        }
+    }
 }

@@ -43,5 +43,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleResult", m.py().get_type::<StaleResult>())?;
     m.add("InvalidPair", m.py().get_type::<errors::InvalidPair>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // most send lanes a Session takes (fanin_host::MAX_LANES)
+    m.add("MAX_LANES", fanin_host::MAX_LANES)?;
     Ok(())
 }

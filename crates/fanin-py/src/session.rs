@@ -62,7 +62,7 @@ impl Session {
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=None, window=None, send_drop=0.0, seed=0,
                         rto_ms=None, rto_min_ms=None, rto_max_ms=None, join_timeout_s=None, dead_after_s=None, offload=true,
                         recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None,
-                        barrier_timeout_s=None, members=0))]
+                        barrier_timeout_s=None, members=0, lanes=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -88,6 +88,7 @@ impl Session {
         result_group: Option<&str>,
         barrier_timeout_s: Option<f64>,
         members: u16,
+        lanes: usize,
     ) -> PyResult<Self> {
         let addr = resolve_switch(switch)?;
         let secs = |name: &str, v: f64| -> PyResult<Duration> {
@@ -121,6 +122,7 @@ impl Session {
             .map_err(|e| PyValueError::new_err(format!("auth_key: {e} (the member key the controller issued)")))?;
         o.seed = seed;
         o.offload = offload;
+        o.lanes = lanes;
         o.result_group = result_group
             .map(|g| {
                 g.parse().map_err(|_| {
@@ -256,6 +258,9 @@ impl Session {
         d.set_item("duplicated_by_fault_injection", s.duplicated_by_fault_injection)?;
         d.set_item("reordered_by_fault_injection", s.reordered_by_fault_injection)?;
         d.set_item("datagrams_from_group", s.datagrams_from_group)?;
+        d.set_item("lanes", self.inner.lanes())?;
+        d.set_item("sent_by_lane", s.sent_by_lane.clone())?;
+        d.set_item("received_by_lane", s.received_by_lane.clone())?;
         let a = self.inner.auth_stats();
         d.set_item("auth_bad_tag", a.bad_tag)?;
         d.set_item("auth_replayed", a.replayed)?;

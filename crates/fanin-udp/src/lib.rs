@@ -46,11 +46,10 @@ mod send;
 mod sockaddr;
 mod socket;
 
-pub use multicast::wait_readable_pair;
 pub use mtu::{bound_mtu, interfaces, Interface};
 pub use recv::{RecvBatch, RecvIter, GRO_SLOT_SIZE};
 pub use send::{SendBatch, MAX_GSO_BYTES, MAX_GSO_SEGMENTS};
-pub use socket::{BatchSocket, ReceiveQueue};
+pub use socket::{wait_readable_any, BatchSocket, ReceiveQueue};
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,6 @@ use std::io;
 use std::mem;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::time::Duration;
 
 use crate::socket::{setsockopt_int, BatchSocket};
 
@@ -19,7 +18,7 @@ impl BatchSocket {
     /// The socket is bound to the group address itself, so it sees only
     /// that group's datagrams, and with `SO_REUSEADDR`, so every process of
     /// the host that listens on the group gets its own copy. It is
-    /// non-blocking: wait for it with [`wait_readable_pair`].
+    /// non-blocking: wait for it with [`wait_readable_any`].
     pub fn join_group(group: SocketAddrV4, interface: Ipv4Addr) -> io::Result<Self> {
         if !group.ip().is_multicast() {
             return Err(io::Error::new(
@@ -89,27 +88,11 @@ impl BatchSocket {
     }
 }
 
-/// Waits until `a` or `b` has a datagram queued or `timeout` passes
-/// (`ppoll`, high-resolution timers). Returns which are readable; a signal
-/// counts as neither.
-pub fn wait_readable_pair(a: &BatchSocket, b: &BatchSocket, timeout: Duration) -> io::Result<(bool, bool)> {
-    let mut fds = [
-        libc::pollfd { fd: a.as_std().as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: b.as_std().as_raw_fd(), events: libc::POLLIN, revents: 0 },
-    ];
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
-    // SAFETY: two valid pollfds, a valid timespec, no signal mask.
-    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), 2, &ts, std::ptr::null()) };
-    if n < 0 {
-        let err = io::Error::last_os_error();
-        return if err.kind() == io::ErrorKind::Interrupted { Ok((false, false)) } else { Err(err) };
-    }
-    Ok((fds[0].revents != 0, fds[1].revents != 0))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::socket::wait_readable_any;
+    use std::time::Duration;
     use crate::{RecvBatch, SendBatch};
 
     /// One datagram sent to a group on loopback reaches every socket that
@@ -136,8 +119,9 @@ mod tests {
             let mut rx = RecvBatch::new(16, 2048);
             let mut got = Vec::new();
             for _ in 0..50 {
-                let (ready, _) = wait_readable_pair(l, &bystander, Duration::from_millis(100)).unwrap();
-                if ready {
+                let ready = wait_readable_any(&[&bystander, l], Duration::from_millis(100)).unwrap();
+                assert_eq!(ready & 1, 0, "the bystander hears nothing");
+                if ready == 2 {
                     l.recv_batch(&mut rx).unwrap();
                     got.extend(rx.iter().map(|(_, d)| d[0]));
                 }

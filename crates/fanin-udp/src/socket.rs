@@ -269,6 +269,27 @@ impl AsFd for BatchSocket {
     }
 }
 
+/// Waits until one of `sockets` has a datagram queued or `timeout` passes
+/// (`ppoll`, high-resolution timers). Returns a bit mask of the readable
+/// ones (bit i: `sockets[i]`); a signal counts as none. At most 64 sockets.
+pub fn wait_readable_any(sockets: &[&BatchSocket], timeout: Duration) -> io::Result<u64> {
+    if sockets.len() > 64 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "wait_readable_any: more than 64 sockets"));
+    }
+    let mut fds = [libc::pollfd { fd: -1, events: libc::POLLIN, revents: 0 }; 64];
+    for (pfd, s) in fds.iter_mut().zip(sockets) {
+        pfd.fd = s.as_std().as_raw_fd();
+    }
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: `sockets.len()` valid pollfds, a valid timespec, no signal mask.
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), sockets.len() as libc::nfds_t, &ts, std::ptr::null()) };
+    if n < 0 {
+        let err = io::Error::last_os_error();
+        return if err.kind() == io::ErrorKind::Interrupted { Ok(0) } else { Err(err) };
+    }
+    Ok(fds[..sockets.len()].iter().enumerate().filter(|(_, p)| p.revents != 0).fold(0, |m, (i, _)| m | 1 << i))
+}
+
 pub(crate) fn setsockopt_int(
     fd: RawFd,
     level: libc::c_int,

@@ -363,11 +363,13 @@ def _add_tree_benches(bsub: Any) -> None:
     tune.add_argument("--shards", type=int)
     tune.add_argument("--block-grad-max", type=int)
     tune.add_argument("--block-cnt-max", type=int, help="the job's slots (the most blocks in flight)")
-    nw.add_argument("--lanes", type=int, default=1,
-                    help="threads per fanin worker: each lane is a session of its own (its own job, thread and "
-                         "socket) reducing a contiguous part of the tensor, so a worker's per-frame kernel work "
-                         "spreads over that many cores (docs/network.md, 'A worker on several threads'; default "
-                         "%(default)s)")
+    tune.add_argument("--lanes", type=int, default=1,
+                      help="send lanes per fanin worker (fanin.Session(lanes=N)): the worker's datagrams leave from "
+                           "N sockets (lane 0 from the worker's own thread, the others from a thread each), so its "
+                           "per-frame kernel work spreads over N cores (docs/network.md, 'A worker on several threads'; default %(default)s)")
+    nw.add_argument("--lanes-arm", type=int, metavar="N",
+                    help="add an arm: the same allreduce (its own job) with N send lanes per worker, alternated "
+                         "with the main arm in the same run; reports lanes_speedup")
     _common(nw)
     nw.set_defaults(func=_lazy("network", "run_network"))
     lm = bsub.add_parser(

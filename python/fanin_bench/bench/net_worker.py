@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import socket
 import sys
-import threading
 import time
 from typing import Any, Optional
 
@@ -54,35 +52,14 @@ MEMBER_KEY_ENV = "FANIN_MEMBER_KEY"
 def _fanin(a: argparse.Namespace) -> int:
     import os
 
-    jobs = [int(j) for j in str(a.job).split(",")]
-    addrs = a.addr.split(",")
-    keys = os.environ.get(MEMBER_KEY_ENV, "").split(",") if os.environ.get(MEMBER_KEY_ENV) else [None] * len(jobs)
-    if len(addrs) == 1:
-        addrs *= len(jobs)
-    if not len(addrs) == len(keys) == len(jobs):
-        raise SystemExit(f"net_worker: {len(jobs)} jobs need as many addresses and keys "
-                         f"(got {len(addrs)} and {len(keys)})")
-    if len(jobs) > 1 and a.collective == "reduce-scatter":
-        raise SystemExit("net_worker: lanes (several --job) run allreduces only, not reduce-scatter")
-    overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window)) if v is not None}
-    if len(jobs) == 1:
-        # one session on this thread, as a user's script has it
-        lanes: list[_Lane] = []
-        session = open_session(addrs[0], jobs[0], a.rank, keys[0], overrides)
-        joined = describe(session)
-    else:
-        answers: queue.Queue = queue.Queue()
-        lanes = [_Lane(i, answers, addr, job, a.rank, key, overrides)
-                 for i, (addr, job, key) in enumerate(zip(addrs, jobs, keys))]
-        for lane in lanes:
-            lane.start()
-        # a native session answers only on its own thread: each lane says
-        # its join's parameters once ready
-        joined = collect(answers, len(lanes))[0]
+    overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window),
+                                   ("lanes", a.lanes)) if v is not None}
+    # one session on this thread, as a user's script has it
+    session = open_session(a.addr, a.job, a.rank, os.environ.get(MEMBER_KEY_ENV) or None, overrides)
     x = worker_inputs(a.rank, a.elements, a.dtype)
     # bfloat16 travels as its bits (numpy has no bfloat16)
-    kw = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
-    per = joined["elems_per_packet"] if a.dtype == "float32" else joined["half_elems_per_packet"]
+    kw: dict[str, Any] = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
+    per = session.elems_per_packet if a.dtype == "float32" else session.half_elems_per_packet
     keep = shard_range(a.rank, a.workers, a.elements) if a.collective == "reduce-scatter" else None
     if keep is not None:
         kw["keep"] = keep
@@ -91,32 +68,21 @@ def _fanin(a: argparse.Namespace) -> int:
     # array per call costs its page faults (milliseconds, more than the
     # whole allreduce's slack at 10 Gbit/s) inside the timed region
     out = np.empty_like(x)
-    # each lane reduces its own contiguous part of the tensor, cut at
-    # packet boundaries so each part's blocks are the whole tensor's
-    cuts = lane_cuts(a.elements, len(jobs), per)
-    print(json.dumps({"ready": True, "params": joined["params"], "elems_per_packet": per, "lanes": len(jobs)}),
+    lanes = session.socket_stats()["lanes"]
+    print(json.dumps({"ready": True, "params": session.params, "elems_per_packet": per, "lanes": lanes}),
           flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break
         c0, t0 = cpu_ticks(), time.perf_counter()
-        if not lanes:
-            out = session.allreduce(x, out=out, **kw)
-            stats = [session.last_stats or {}]
-        else:
-            busy = [(lane, lo, hi) for lane, (lo, hi) in zip(lanes, cuts) if hi > lo]
-            for lane, lo, hi in busy:
-                lane.go(x[lo:hi], out[lo:hi], kw)
-            stats = collect(answers, len(busy))
+        out = session.allreduce(x, out=out, **kw)
         dt = time.perf_counter() - t0
         cpu = _ticks_since(c0)
+        stats = session.last_stats or {}
         check = check_result(out, a.workers, a.dtype, per, keep=keep)
         print(json.dumps({"s": dt, "cpu_ticks": cpu, "verified": check["ok"], "elems_per_packet": per,
-                          **{k: sum(st.get(k, 0) for st in stats)
-                             for k in ("retransmissions", "trimmed", "fast_retransmits", "timeouts")},
-                          "window": stats[0].get("window"), "lanes": len(stats)}), flush=True)
-    for lane in lanes:
-        lane.stop()
+                          **{k: stats.get(k, 0) for k in ("retransmissions", "trimmed", "fast_retransmits", "timeouts")},
+                          "window": stats.get("window"), "lanes": lanes}), flush=True)
     return 0
 
 
@@ -125,71 +91,6 @@ def open_session(addr: str, job: int, rank: int, key: Optional[str], overrides: 
     import fanin
 
     return fanin.Session(addr, job, rank, dead_after_s=60, **dict(overrides, **({"auth_key": key} if key else {})))
-
-
-def describe(session: Any) -> dict[str, Any]:
-    """What the worker needs of a session's join, as plain data (a lane's
-    session may not be touched by another thread)."""
-    return {k: getattr(session, k) for k in ("params", "elems_per_packet", "half_elems_per_packet")}
-
-
-def lane_cuts(elements: int, lanes: int, per: int) -> list[tuple[int, int]]:
-    """``lanes`` contiguous parts of ``elements``, each but the last a
-    whole number of ``per``-element packets (so a part's packets are the
-    whole tensor's), as even as that allows."""
-    packets = -(-elements // per)
-    bounds = [min(elements, (packets * i // lanes) * per) for i in range(lanes + 1)]
-    bounds[-1] = elements
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-class _Lane(threading.Thread):
-    """One session on a thread of its own (a native session may be used, and
-    dropped, only by the thread that made it): a lane of a worker that
-    reduces its tensor over several jobs, each with its own socket and
-    thread. Every lane answers on the worker's one ``answers`` queue as
-    ``(lane index, result or exception)``, so the first error is seen at
-    once whichever lane has it."""
-
-    def __init__(self, index: int, answers: queue.Queue, addr: str, job: int, rank: int, key: Optional[str],
-                 overrides: dict[str, Any]) -> None:
-        super().__init__(daemon=True)
-        self.index, self.answers = index, answers
-        self.args = (addr, job, rank, key, overrides)
-        self.todo: queue.Queue = queue.Queue()
-
-    def run(self) -> None:
-        try:
-            session = open_session(*self.args)
-            try:
-                self.answers.put((self.index, describe(session)))
-                while (work := self.todo.get()) is not None:
-                    x, out, kw = work
-                    session.allreduce(x, out=out, **kw)
-                    self.answers.put((self.index, session.last_stats or {}))
-            finally:
-                del session  # here, on its own thread
-        except BaseException as e:  # noqa: BLE001 - raised by collect() in the main thread
-            self.answers.put((self.index, e))
-
-    def go(self, x: np.ndarray, out: np.ndarray, kw: dict[str, Any]) -> None:
-        self.todo.put((x, out, kw))
-
-    def stop(self) -> None:
-        self.todo.put(None)
-        self.join(timeout=10)
-
-
-def collect(answers: queue.Queue, count: int) -> list[Any]:
-    """``count`` lanes' answers in lane order; the first error raises as soon
-    as it arrives."""
-    got: dict[int, Any] = {}
-    while len(got) < count:
-        index, answer = answers.get()
-        if isinstance(answer, BaseException):
-            raise answer
-        got[index] = answer
-    return [got[i] for i in sorted(got)]
 
 
 def shard_range(rank: int, workers: int, elements: int) -> tuple[int, int]:
@@ -301,12 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fanin_bench.bench.net_worker")
     sub = p.add_subparsers(dest="kind", required=True)
     f = sub.add_parser("fanin")
-    f.add_argument("--addr", required=True, help="the switch's data address (a comma list: one per --job)")
-    f.add_argument("--job", default="1",
-                   help="job id; a comma list makes the worker a lane per job, each reducing its part of the tensor "
-                        "on its own thread and socket (member keys then a comma list in the environment)")
+    f.add_argument("--addr", required=True, help="the switch's data address")
+    f.add_argument("--job", type=int, default=1, help="job id (a keyed job's member key: in the environment)")
     f.add_argument("--elems-per-packet", type=int)
     f.add_argument("--window", type=int)
+    f.add_argument("--lanes", type=int, help="the session's send lanes (fanin.Session(lanes=...))")
     g = sub.add_parser("gloo")
     g.add_argument("--master", required=True, help="HOST:PORT of rank 0's TCP store")
     g.add_argument("--ifname", required=True, help="the interface Gloo's ring uses")

@@ -37,6 +37,10 @@ tuned per rate.
 learns the MTU at join, the capacity blast sends full frames. ``--auth`` adds
 a third arm, the same allreduce in a keyed job (docs/security.md), and
 reports its goodput against the unkeyed one (``keyed_goodput_ratio``).
+``--lanes N`` sends each fanin worker's datagrams from N sockets and threads
+(``fanin.Session(lanes=N)``); ``--lanes-arm N`` adds an arm that does while
+the main one keeps ``--lanes``, alternated in the same run
+(``lanes_speedup``: the main arm's median over the lanes arm's).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from fanin import topology
 from fanin.auth import derive_member_key, new_job_key
 from fanin.controller import Controller, JobParams, TestbedFabric
 from fanin.proc import format_size, parse_size
+from fanin.session import MAX_LANES
 from fanin.switch import job_config
 from fanin_bench.bench.net_worker import MEMBER_KEY_ENV
 from fanin_bench.bench.trees import step_workers, stop_workers, wait_ready
@@ -64,16 +69,9 @@ from fanin_bench.plotting import save_figure
 
 JOB = 1
 KEYED_JOB = 2  # --auth: the same allreduce in a keyed job, every datagram sealed
+LANES_JOB = 3  # --lanes-arm N: the same allreduce sent from N lanes per worker
 GLOO_PORT = 29500
 BLAST_PORT = 9  # discard: nothing listens; the counters measure what arrived
-
-
-# --lanes: lane k of an arm's job J runs as job J + LANE_JOB_STRIDE * k
-LANE_JOB_STRIDE = 16
-
-
-def lane_jobs(arm: int, lanes: int) -> list[int]:
-    return [arm + LANE_JOB_STRIDE * k for k in range(lanes)]
 
 
 def payload_per_frame(mtu: int) -> float:
@@ -242,11 +240,11 @@ def run_network(args: Any) -> int:
                   "(pip install -r requirements-bench.txt, or --no-gloo)", file=sys.stderr)
             return 2
     rates = _parse_rates(args.rates or ("200" if args.quick else "100,200,400"))
-    if not 1 <= args.lanes <= LANE_JOB_STRIDE:
-        print(f"fanin bench network: --lanes {args.lanes} must be 1 to {LANE_JOB_STRIDE}", file=sys.stderr)
+    if not 1 <= args.lanes <= MAX_LANES:
+        print(f"fanin bench network: --lanes {args.lanes} must be 1 to {MAX_LANES}", file=sys.stderr)
         return 2
-    if args.lanes > 1 and args.collective != "allreduce":
-        print("fanin bench network: --lanes runs allreduces only; drop --lanes or --collective", file=sys.stderr)
+    if args.lanes_arm is not None and not 1 <= args.lanes_arm <= MAX_LANES:
+        print(f"fanin bench network: --lanes-arm {args.lanes_arm} must be 1 to {MAX_LANES}", file=sys.stderr)
         return 2
     topo = _topology(args)
     if topo is None:
@@ -271,29 +269,26 @@ def run_network(args: Any) -> int:
                if v is not None}
         switch_config = {"shards": args.shards} if args.shards else {}
         targets: dict[int, dict[int, tuple[str, Optional[bytes]]]] = {}  # job -> rank -> (data address, member key)
-        # each arm's jobs: one, or with --lanes one per lane (each worker a
-        # thread and socket per lane, reducing its part of the tensor)
-        arm_jobs = {arm: lane_jobs(arm, args.lanes) for arm in ((JOB, KEYED_JOB) if args.auth else (JOB,))}
+        # each arm is one job
+        arms = (JOB,) + ((KEYED_JOB,) if args.auth else ()) + ((LANES_JOB,) if args.lanes_arm else ())
         if len(topo.switches) == 1:
             job_key = new_job_key() if args.auth else None
-            jobs = [job_config(j, n, **(dict(job, key=job_key) if arm == KEYED_JOB else job))
-                    for arm, ids in arm_jobs.items() for j in ids]
+            jobs = [job_config(arm, n, **(dict(job, key=job_key) if arm == KEYED_JOB else job)) for arm in arms]
             switches = [tb.switch(topo.switches[0].name, jobs=jobs, **switch_config)]
-            for arm, ids in arm_jobs.items():
-                for job_id in ids:
-                    targets[job_id] = {r: (f"{tb.addr(edge[h], toward=h)}:{tb.SWITCH_DATA_PORT}",
-                                           derive_member_key(job_key, job_id, r) if arm == KEYED_JOB else None)
-                                       for r, h in enumerate(hosts)}
+            for arm in arms:
+                targets[arm] = {r: (f"{tb.addr(edge[h], toward=h)}:{tb.SWITCH_DATA_PORT}",
+                                    derive_member_key(job_key, arm, r) if arm == KEYED_JOB else None)
+                                for r, h in enumerate(hosts)}
         else:
             # an aggregation tree over the switches, programmed by the
             # controller (docs/trees.md) as a user's would be
             switches = list(tb.switches(**switch_config).values())
             ctl = Controller(topo, TestbedFabric(tb))
             stack.callback(ctl.close)
-            for job_id, arm in ((j, arm) for arm, ids in arm_jobs.items() for j in ids):
-                ctl.create_job(JobParams(job_id, max_workers=n, auth=arm == KEYED_JOB, **job))
-                subs = {r: ctl.subscribe(job_id, r, h) for r, h in enumerate(hosts)}
-                targets[job_id] = {r: (sub["data_addr"], sub["member_key"]) for r, sub in subs.items()}
+            for arm in arms:
+                ctl.create_job(JobParams(arm, max_workers=n, auth=arm == KEYED_JOB, **job))
+                subs = {r: ctl.subscribe(arm, r, h) for r, h in enumerate(hosts)}
+                targets[arm] = {r: (sub["data_addr"], sub["member_key"]) for r, sub in subs.items()}
             print(f"  tree: root {ctl.tree(JOB).root}, {len(ctl.tree(JOB).parent)} switches", file=sys.stderr)
 
         def counters() -> dict[str, Any]:
@@ -306,17 +301,17 @@ def run_network(args: Any) -> int:
 
         def fanin_workers(arm: int) -> list[subprocess.Popen]:
             procs = []
-            ids = arm_jobs[arm]
             for r, h in enumerate(hosts):
                 env = dict(os.environ)
-                addr = ",".join(targets[j][r][0] for j in ids)
-                if arm == KEYED_JOB:
+                addr, key = targets[arm][r]
+                if key is not None:
                     # not on the command line, where every process could read it
-                    env[MEMBER_KEY_ENV] = ",".join(targets[j][r][1].hex() for j in ids)
+                    env[MEMBER_KEY_ENV] = key.hex()
                 procs.append(tb.popen(h, _worker_argv(
-                    "fanin", addr=addr, job=",".join(map(str, ids)), rank=r,
+                    "fanin", addr=addr, job=arm, rank=r,
                     workers=n, elements=elements, dtype=args.dtype, elems_per_packet=args.elems_per_packet,
-                    window=args.window, collective=args.collective),
+                    window=args.window, lanes=args.lanes_arm if arm == LANES_JOB else args.lanes,
+                    collective=args.collective),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
             stack.callback(stop_workers, procs)
             wait_ready(procs, "fanin")
@@ -324,6 +319,7 @@ def run_network(args: Any) -> int:
 
         fanin_procs = fanin_workers(JOB)
         keyed_procs = fanin_workers(KEYED_JOB) if args.auth else []
+        lanes_procs = fanin_workers(LANES_JOB) if args.lanes_arm else []
         gloo_procs: list[subprocess.Popen] = []
         if gloo:
             master = f"{tb.addr(hosts[0], toward=edge[hosts[0]])}:{GLOO_PORT}"
@@ -341,14 +337,18 @@ def run_network(args: Any) -> int:
             frags0 = _frag_counts(tb, nodes)
             sw0 = counters()
             fanin_t, gloo_t, keyed_t, fanin_answers, keyed_answers = [], [], [], [], []
+            lanes_t, lanes_answers = [], []
             steps: dict[str, list[list[dict[str, Any]]]] = {"fanin": [], "gloo": []}
             link_bytes = {"fanin": _LinkBytes(tb, hosts, edge), "gloo": _LinkBytes(tb, hosts, edge)}
             step_workers(fanin_procs, "fanin")  # warm-up at this rate
             if keyed_procs:
                 step_workers(keyed_procs, "fanin-keyed")
+            if lanes_procs:
+                step_workers(lanes_procs, "fanin-lanes")
             if gloo:
                 step_workers(gloo_procs, "gloo")
-            systems = ["fanin"] + (["fanin-keyed"] if keyed_procs else []) + (["gloo"] if gloo else [])
+            systems = (["fanin"] + (["fanin-keyed"] if keyed_procs else []) + (["fanin-lanes"] if lanes_procs else [])
+                       + (["gloo"] if gloo else []))
             for rep in range(reps):
                 # every system goes first in turn
                 order = systems[rep % len(systems):] + systems[:rep % len(systems)]
@@ -357,6 +357,10 @@ def run_network(args: Any) -> int:
                         answers = step_workers(keyed_procs, "fanin-keyed")
                         keyed_answers += answers
                         keyed_t.append(max(a["s"] for a in answers))
+                    elif system == "fanin-lanes":
+                        answers = step_workers(lanes_procs, "fanin-lanes")
+                        lanes_answers += answers
+                        lanes_t.append(max(a["s"] for a in answers))
                     elif system == "fanin":
                         link_bytes["fanin"].start()
                         answers = step_workers(fanin_procs, "fanin")
@@ -374,6 +378,7 @@ def run_network(args: Any) -> int:
                         gloo_t.append(max(a["s"] for a in answers))
                 print(f"  {rate:g} Mbit/s rep {rep + 1}/{reps}: fanin {fanin_t[-1]:.3f} s"
                       + (f", keyed {keyed_t[-1]:.3f} s" if keyed_t else "")
+                      + (f", {args.lanes_arm} lanes {lanes_t[-1]:.3f} s" if lanes_t else "")
                       + (f", gloo {gloo_t[-1]:.3f} s" if gloo_t else ""), file=sys.stderr)
             frags1 = _frag_counts(tb, nodes)
             sw1 = counters()
@@ -384,6 +389,8 @@ def run_network(args: Any) -> int:
                     row.update(_cpu_per_allreduce(steps[system], system))
             if keyed_t:
                 row.update(_keyed(rate, row, keyed_t, keyed_answers))
+            if lanes_t:
+                row.update(_lanes_arm(rate, row, lanes_t, lanes_answers))
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "network.csv", rows)
@@ -394,7 +401,7 @@ def run_network(args: Any) -> int:
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
                                  "window": args.window, "shards": args.shards, "keyed_arm": bool(args.auth),
-                                 "lanes": args.lanes,
+                                 "lanes": args.lanes, "lanes_arm": args.lanes_arm,
                                  "overrides": bool(
                                      args.elems_per_packet or args.window or args.shards or args.block_grad_max or args.block_cnt_max
                                      or args.lanes > 1)},
@@ -410,6 +417,8 @@ def run_network(args: Any) -> int:
           f"bytes per element each way"
         + (f", keyed {r['keyed_median_s']:.3f} s = {r['keyed_goodput_ratio']:.2f} of unkeyed goodput"
            if "keyed_median_s" in r else "")
+        + (f", {r['lanes_arm']} lanes {r['lanes_median_s']:.3f} s = {r['lanes_fraction_of_capacity']:.2f} of capacity, "
+           f"{r['lanes_speedup']:.2f}x the {args.lanes}-lane arm" if "lanes_median_s" in r else "")
         for r in rows)
     emit(result, f"network, {topo.name}, {args.collective}, {n} workers x {format_size(size)}: {human}", args.json)
     return 0
@@ -455,7 +464,7 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
         "fanin_fraction_of_duplex_capacity":
             fanin_ideal * cap["capacity_mbit"] / cap["capacity_duplex_mbit"] / statistics.median(fanin_t),
         "fanin_verified": all(a["verified"] for a in answers),
-        # sessions (lanes) each worker's allreduce ran on, as the workers report
+        # sockets and threads each worker sent from, as its session reports
         "fanin_lanes": max(a.get("lanes", 1) for a in answers),
         "retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
         "trimmed": sum(a.get("trimmed") or 0 for a in answers),
@@ -489,6 +498,19 @@ def _keyed(rate: float, row: dict[str, Any], keyed_t: list[float], answers: list
             "keyed_goodput_ratio": row["fanin_median_s"] / median,
             "keyed_retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
             "keyed_times_s": keyed_t}
+
+
+def _lanes_arm(rate: float, row: dict[str, Any], lanes_t: list[float], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The --lanes-arm arm (the same allreduce, each worker sending from
+    more lanes) next to the main fanin arm of the same run."""
+    if not all(a["verified"] for a in answers):
+        raise RuntimeError(f"fanin with lanes at {rate:g} Mbit/s: a worker's sum is outside its bound")
+    median = statistics.median(lanes_t)
+    return {"lanes_arm": max(a.get("lanes", 1) for a in answers),
+            "lanes_median_s": median, "lanes_fraction_of_capacity": row["fanin_ideal_s"] / median,
+            "lanes_speedup": row["fanin_median_s"] / median,
+            "lanes_retransmissions": sum(a.get("retransmissions") or 0 for a in answers),
+            "lanes_times_s": lanes_t}
 
 
 def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> Optional[int]:

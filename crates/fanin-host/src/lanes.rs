@@ -1,0 +1,193 @@
+//! Send lanes: a worker's datagrams spread over several sockets, each sent
+//! from a thread of its own (docs/network.md, "A worker on several threads").
+//!
+//! On a rate-limited link at 1500-byte frames most of a worker's cost is the
+//! kernel's per-frame work for what it sends (the system call, the qdisc,
+//! the device, and on a veth the receiving namespace's softirq), and it
+//! lands on the core of the thread that sends. One thread then carries
+//! about 2.3 Gbit/s whatever the cores around it do. Lanes move that work
+//! onto more cores while the protocol stays one sans-IO state machine on
+//! the caller's thread: lane `k` carries every datagram to the switch shards
+//! `s` with `s % lanes == k`, so each shard still sees one address per
+//! member (a shard learns it from the member's datagrams, and answers
+//! there), and the order of one shard's datagrams is kept.
+//!
+//! Lane 0 is the session's own socket, sent on the caller's thread as
+//! without lanes (joins go to shard 0, so through it). Lanes 1.. each own a
+//! socket and a thread that does nothing but `sendmmsg` the batches the
+//! caller's thread filled. Batches circulate between the two through a
+//! small pool: a lane whose thread falls behind makes the caller wait for a
+//! free batch, the back-pressure a blocking socket gives one thread. The
+//! caller's thread receives on every lane's socket (the replies of a shard
+//! come to the socket it heard from).
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use fanin_udp::{BatchSocket, SendBatch};
+
+/// Most lanes a session takes (one socket and thread each).
+pub const MAX_LANES: usize = 16;
+
+/// Datagrams per send batch.
+pub(crate) const BATCH_DATAGRAMS: usize = 256;
+
+/// Batches a threaded lane owns: one being filled, the others queued for or
+/// inside its thread's `sendmmsg`. Three keeps a thread busy while the
+/// caller fills the next one, without holding much more than a window.
+const BATCHES_PER_LANE: usize = 3;
+
+/// The socket every lane's datagrams leave from and the batch being filled
+/// for it.
+pub(crate) struct SendLanes {
+    lanes: Vec<Lane>,
+}
+
+struct Lane {
+    socket: Arc<BatchSocket>,
+    filling: SendBatch,
+    /// Datagrams queued on this lane over the session's life.
+    queued: u64,
+    /// None for lane 0, sent inline on the caller's thread.
+    thread: Option<LaneThread>,
+}
+
+struct LaneThread {
+    /// Full batches to the thread (None once closing).
+    to_send: Option<SyncSender<SendBatch>>,
+    /// Sent batches back, cleared.
+    sent: Receiver<SendBatch>,
+    /// The first send error the thread met, reported by the next flush.
+    error: Arc<Mutex<Option<io::Error>>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl SendLanes {
+    /// Lane 0 only: the session's own socket.
+    pub(crate) fn new(socket: Arc<BatchSocket>, gso: bool) -> Self {
+        let mut filling = SendBatch::new(BATCH_DATAGRAMS);
+        filling.set_gso(gso);
+        Self { lanes: vec![Lane { socket, filling, queued: 0, thread: None }] }
+    }
+
+    /// Adds a lane sending from `socket` on a new thread.
+    pub(crate) fn add_threaded(&mut self, socket: Arc<BatchSocket>, gso: bool) -> io::Result<()> {
+        let index = self.lanes.len();
+        let (to_send, full) = sync_channel::<SendBatch>(BATCHES_PER_LANE);
+        let (give_back, sent) = sync_channel::<SendBatch>(BATCHES_PER_LANE);
+        let batch = || {
+            let mut b = SendBatch::new(BATCH_DATAGRAMS);
+            b.set_gso(gso);
+            b
+        };
+        for _ in 1..BATCHES_PER_LANE {
+            give_back.send(batch()).expect("the receiver is alive");
+        }
+        let error = Arc::new(Mutex::new(None));
+        let (thread_socket, thread_error) = (socket.clone(), error.clone());
+        let handle = std::thread::Builder::new().name(format!("fanin-lane-{index}")).spawn(move || {
+            while let Ok(mut batch) = full.recv() {
+                if let Err(e) = thread_socket.send_batch(&mut batch) {
+                    thread_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                }
+                batch.clear();
+                if give_back.send(batch).is_err() {
+                    break; // the session is gone
+                }
+            }
+        })?;
+        self.lanes.push(Lane {
+            socket,
+            filling: batch(),
+            queued: 0,
+            thread: Some(LaneThread { to_send: Some(to_send), sent, error, handle: Some(handle) }),
+        });
+        Ok(())
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Every lane's socket, lane 0 first (to receive on).
+    pub(crate) fn sockets(&self) -> impl Iterator<Item = &BatchSocket> {
+        self.lanes.iter().map(|l| &*l.socket)
+    }
+
+    pub(crate) fn socket(&self, lane: usize) -> &BatchSocket {
+        &self.lanes[lane].socket
+    }
+
+    /// Room for a `len`-byte datagram to `dest` on the lane of `shard`,
+    /// flushing that lane first if its batch is full (a send error met
+    /// there is reported by the next [`flush_all`](Self::flush_all)).
+    pub(crate) fn push(&mut self, shard: u16, dest: SocketAddr, len: usize) -> &mut [u8] {
+        let lane = shard as usize % self.lanes.len();
+        if self.lanes[lane].filling.is_full() {
+            let _ = self.flush(lane);
+        }
+        self.lanes[lane].queued += 1;
+        self.lanes[lane].filling.push(dest, len)
+    }
+
+    /// Datagrams each lane was given to send, lane 0 first.
+    pub(crate) fn queued(&self) -> impl Iterator<Item = u64> + '_ {
+        self.lanes.iter().map(|l| l.queued)
+    }
+
+    /// Sends what every lane holds (threaded lanes: hands it to the thread).
+    /// Returns the first error: lane 0's own, or one a lane's thread met
+    /// since the last call.
+    pub(crate) fn flush_all(&mut self) -> io::Result<()> {
+        let mut first = Ok(());
+        for lane in 0..self.lanes.len() {
+            let r = self.flush(lane).and_then(|()| self.lanes[lane].take_thread_error());
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    fn flush(&mut self, lane: usize) -> io::Result<()> {
+        let l = &mut self.lanes[lane];
+        if l.filling.is_empty() {
+            return Ok(());
+        }
+        let Some(t) = &l.thread else {
+            return l.socket.send_batch(&mut l.filling).map(|_| ());
+        };
+        let stopped = || io::Error::other(format!("send lane {lane} stopped"));
+        // A free batch first (waits while the thread holds them all: the
+        // lane's back-pressure), then the full one to the thread.
+        let empty = t.sent.recv().map_err(|_| stopped())?;
+        let full = std::mem::replace(&mut l.filling, empty);
+        t.to_send.as_ref().expect("open until drop").send(full).map_err(|_| stopped())
+    }
+}
+
+impl Lane {
+    fn take_thread_error(&self) -> io::Result<()> {
+        match self.thread.as_ref().and_then(|t| t.error.lock().unwrap_or_else(|p| p.into_inner()).take()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for SendLanes {
+    fn drop(&mut self) {
+        for lane in &mut self.lanes {
+            if let Some(t) = lane.thread.as_mut() {
+                // Closing the channel ends the thread after what it holds.
+                t.to_send = None;
+                if let Some(h) = t.handle.take() {
+                    let _ = h.join();
+                }
+            }
+        }
+    }
+}
