@@ -270,6 +270,64 @@ fn a_shard_that_learns_late_that_the_round_started_keeps_its_first_blocks() {
     }
 }
 
+/// The same late verdict after a rank died, was declared permanently slow
+/// (aging on) and came back as a new process. The round it ended must
+/// leave every shard waiting for every member again: the late shard opens
+/// the next round's first blocks before it learns that round started, and
+/// it opened them without the returned rank, so on learning the round it
+/// dropped them (they did not wait for the members the round waits for)
+/// and the members had to send them again. Now they are kept: no datagram
+/// of the new round is sent twice on a loss-free network.
+#[test]
+fn a_late_shard_waits_for_a_rank_that_was_slow_in_the_last_round() {
+    let spec = JobSpec { block_exp_ms: 10, ..JobSpec::with_sources(JOB, 3, 4, 4) };
+    let mut net = Net::new(spec, 2, 0.0, 3);
+    net.learn_delay = Duration::from_millis(30);
+    let mut procs: Vec<Process> = (0..3).map(|r| net.spawn(r, 50 + r)).collect();
+    let mut refs: Vec<&mut Process> = procs.iter_mut().collect();
+    net.run_until(&mut refs, Duration::from_secs(1), joined);
+    // rank 1 dies; the others go on until the switch gives up on it
+    let (mut s0, _dead, mut s2) = {
+        let mut it = procs.into_iter();
+        (it.next().unwrap(), it.next().unwrap(), it.next().unwrap())
+    };
+    for _ in 0..4 {
+        for (p, v) in [(&mut s0, 5), (&mut s2, 7)] {
+            p.events.retain(|e| !matches!(e, Event::Completed(_) | Event::Failed(_)));
+            let _ = p.session.begin(net.now, Tensor::I32(vec![v; 64]));
+        }
+        net.run_until(&mut [&mut s0, &mut s2], Duration::from_secs(5), finished);
+    }
+    assert!(net.counter(|c| c.declared_slow) > 0, "rank 1 was declared permanently slow");
+    // a new process of rank 1 ends that round (every shard has learnt it
+    // 100 ms later); the others start anew
+    let mut new1 = net.spawn(1, 90);
+    for _ in 0..100 {
+        net.tick(&mut [&mut new1]);
+    }
+    let (mut n0, mut n2) = (net.spawn(0, 91), net.spawn(2, 92));
+    let mut round = [&mut n0, &mut new1, &mut n2];
+    net.run_until(&mut round, Duration::from_secs(1), joined);
+    // calls before and after the late shard learns the round started
+    for call in 0..6 {
+        let inputs: Vec<Vec<i32>> = (0..3).map(|r| (0..64).map(|i| i + 100 * r + call).collect()).collect();
+        for (p, x) in round.iter_mut().zip(&inputs) {
+            p.events.clear();
+            p.session.begin(net.now, Tensor::I32(x.clone())).unwrap();
+        }
+        net.run_until(&mut round, Duration::from_secs(5), finished);
+        for (rank, p) in round.iter().enumerate() {
+            match p.events.iter().find(|e| matches!(e, Event::Completed(_) | Event::Failed(_))) {
+                Some(Event::Completed(o)) => {
+                    assert_eq!(o.tensor, Tensor::I32(sum(&inputs)), "call {call}, rank {rank}");
+                    assert_eq!(o.retransmissions, 0, "call {call}, rank {rank}: blocks of the new round were dropped");
+                }
+                other => panic!("call {call}, rank {rank}: {other:?}"),
+            }
+        }
+    }
+}
+
 #[test]
 fn a_new_run_against_a_job_that_already_ran_gets_its_own_sums() {
     let mut net = Net::new(spec(2), 2, 0.0, 1);

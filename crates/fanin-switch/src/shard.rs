@@ -218,6 +218,9 @@ impl ShardThread {
             let before = if ready && self.trim.is_some() { self.queued_bytes() } else { 0 };
             // A receive error (e.g. ICMP feedback) is not fatal: try again.
             let n = if ready { self.socket.recv_batch(&mut rx).unwrap_or_default() } else { 0 };
+            // The queue behind the batch, read before anything else runs
+            // (the trim plan compares it with `before`).
+            let queue = if n > 0 { Some(self.socket.receive_queue()) } else { None };
             if n > 0 {
                 // What another shard passed on before its answers left (a
                 // round started: its members were told to go) is applied
@@ -237,8 +240,8 @@ impl ShardThread {
                 discard: &mut discard,
                 stats: &self.stats,
             };
-            if n > 0 {
-                let mut plan = match (self.socket.receive_queue(), self.trim) {
+            if let Some(queue) = queue {
+                let mut plan = match (queue, self.trim) {
                     (Ok(q), trim) => {
                         self.socket_drops = q.drops;
                         let batch_len = || rx.iter().map(|(_, b)| b.len()).sum();

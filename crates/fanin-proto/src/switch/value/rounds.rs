@@ -173,6 +173,11 @@ pub(super) fn next_round_start<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
 pub(super) fn end_round<A>(job: &mut Job<A>, ended: Option<RoundEnd>, start: u32) {
     drop_blocks(job);
     job.barrier = Some(Barrier { start, ended, joined: HashMap::new() });
+    // The next round waits for every member (reset_for_round): so does a
+    // block this shard opens before it learns that round started.
+    job.active.clone_from(&job.members);
+    job.awaiting.clear();
+    job.start_of.clear();
 }
 
 /// Start the next round at block `start` on the shard holding the
@@ -215,12 +220,18 @@ pub(super) fn reset_for_round<A>(job: &mut Job<A>, start: u32) {
 /// are refused at the barrier, `stale_round`), so those blocks are kept:
 /// dropping them lost results the members already held, and a late
 /// retransmission of such a block then opened a record nobody else would
-/// send to, holding its slot for ever. They were opened waiting for the
-/// members `active` named; if the round waits for others (a source slow in
-/// the last round, a member that joined it late), they are dropped and
-/// sent again, as before.
+/// send to, holding its slot for ever. They waited for every member, as
+/// the round does (`end_round` set that; a job starts that way).
+///
+/// Only a barrier that is this round's counts: one that ended a round, or
+/// the job's first with the same start. A peer of a switch that restarted
+/// still holds the first barrier while the recovered stream runs (shard 0
+/// left it in `recover_join`); its blocks are that stream's, and a round
+/// started without an end passed on (a one-member job's new process ends
+/// and starts a round in one Join) drops them.
 pub(super) fn learn_round_start<A>(job: &mut Job<A>, start: u32) {
-    let keep = job.barrier.is_some() && job.active == job.members && job.start_of.is_empty() && job.awaiting.is_empty();
+    let ours = job.barrier.as_ref().is_some_and(|b| b.ended.is_some() || b.start == start);
+    let keep = ours && job.active == job.members && job.start_of.is_empty() && job.awaiting.is_empty();
     if keep {
         start_afresh(job, start);
     } else {
