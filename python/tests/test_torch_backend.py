@@ -472,6 +472,28 @@ def _keyed_sum(rank, world):
     return (x - want).abs().max().item()
 
 
+def _lanes_sum(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=60))
+    x = torch.linspace(-1, 1, 200_000) * (rank + 1)
+    dist.all_reduce(x)
+    want = sum(torch.linspace(-1, 1, 200_000) * (r + 1) for r in range(world))
+    stats = ft.fanin_group().socket_stats()
+    dist.destroy_process_group()
+    return {"err": (x - want).abs().max().item(), "lanes": stats["lanes"], "sent_by_lane": stats["sent_by_lane"]}
+
+
+def test_fanin_lanes_sends_each_ranks_datagrams_from_several_sockets():
+    # the embedded switch with two shards: each rank's lane 1 carries shard 1
+    reports = _spawn(_lanes_sum, 2, env={"FANIN_LANES": "2", "FANIN_SWITCH_SHARDS": "2"})
+    for r in reports:
+        assert r["err"] < 1e-5, r
+        assert r["lanes"] == 2 and min(r["sent_by_lane"]) > 0.3 * sum(r["sent_by_lane"]), r
+
+
 def test_a_keyed_job_on_an_external_switch_takes_each_ranks_key_from_its_file(tmp_path):
     """FANIN_AUTH_KEY_FILE with {rank}: one environment for every rank, each
     rank reads only its own member key; the keyed job sums exactly and the

@@ -70,6 +70,7 @@ class ConnectOptions:
     host: Optional[str] = None        # FANIN_HOST: this rank's host in the controller's topology
     # FANIN_AUTH_KEY_FILE: this rank's member key for a keyed job on FANIN_SWITCH ("{rank}" = the rank)
     auth_key_file: Optional[str] = None
+    lanes: int = 1                    # FANIN_LANES: sockets (and threads) each rank sends from
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ConnectOptions":
@@ -85,6 +86,7 @@ class ConnectOptions:
             controller=os.environ.get("FANIN_CONTROLLER") or None,
             host=os.environ.get("FANIN_HOST") or None,
             auth_key_file=os.environ.get("FANIN_AUTH_KEY_FILE") or None,
+            lanes=_env_int("FANIN_LANES", 1),
         )
         for k, v in overrides.items():
             if v is not None:
@@ -213,7 +215,7 @@ def _join(addr: str, job_id: int, rank: int, world: int, timeout: datetime.timed
     # barrier for every rank and starts a fresh round (docs/protocol.md §4.12).
     # members=world refuses a job of another size at once.
     try:
-        return Session(addr, job_id, rank, elems_per_packet=elems_per_packet, window=opts.window,
+        return Session(addr, job_id, rank, elems_per_packet=elems_per_packet, window=opts.window, lanes=opts.lanes,
                        join_timeout_s=min(60.0, dead_after), dead_after_s=dead_after,
                        barrier_timeout_s=max(120.0, timeout.total_seconds()), members=world, **session_kw)
     except FaninRefused as e:
