@@ -157,15 +157,32 @@ impl SendLanes {
         if l.filling.is_empty() {
             return Ok(());
         }
-        let Some(t) = &l.thread else {
+        let Some(t) = &mut l.thread else {
             return l.socket.send_batch(&mut l.filling).map(|_| ());
         };
-        let stopped = || io::Error::other(format!("send lane {lane} stopped"));
         // A free batch first (waits while the thread holds them all: the
         // lane's back-pressure), then the full one to the thread.
-        let empty = t.sent.recv().map_err(|_| stopped())?;
+        let Ok(empty) = t.sent.recv() else { return Err(t.stopped(lane)) };
         let full = std::mem::replace(&mut l.filling, empty);
-        t.to_send.as_ref().expect("open until drop").send(full).map_err(|_| stopped())
+        match t.to_send.as_ref().expect("open until drop").send(full) {
+            Ok(()) => Ok(()),
+            Err(_) => Err(t.stopped(lane)),
+        }
+    }
+}
+
+impl LaneThread {
+    /// The error for a lane whose thread is gone, with its panic's message.
+    fn stopped(&mut self, lane: usize) -> io::Error {
+        let why = match self.handle.take().map(JoinHandle::join) {
+            Some(Err(panic)) => panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into()),
+            _ => "it ended".into(),
+        };
+        io::Error::other(format!("send lane {lane} stopped: {why}"))
     }
 }
 
@@ -189,5 +206,29 @@ impl Drop for SendLanes {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lane whose thread died says so, with the panic's message, instead
+    /// of the caller waiting for a batch that never comes back.
+    #[test]
+    fn a_lane_whose_thread_panicked_fails_with_the_panics_message() {
+        let (to_send, full) = sync_channel::<SendBatch>(1);
+        let (_give_back, sent) = sync_channel::<SendBatch>(1);
+        let handle = std::thread::spawn(move || {
+            drop(full);
+            panic!("boom in the lane");
+        });
+        while !handle.is_finished() {
+            std::thread::yield_now();
+        }
+        let mut t = LaneThread { to_send: Some(to_send), sent, error: Arc::default(), handle: Some(handle) };
+        let err = t.stopped(2);
+        assert_eq!(err.to_string(), "send lane 2 stopped: boom in the lane");
+        assert_eq!(t.stopped(2).to_string(), "send lane 2 stopped: it ended", "joined once");
     }
 }
