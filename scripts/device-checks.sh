@@ -27,10 +27,12 @@ PYEOF
   exit 0
 fi
 corpus=.device/corpus.txt
-# what has not run on a GPU yet comes first (docs/torch.md, docs/stragglers.md),
-# then the 16-core figures of issue 28; a stage whose limit no longer fits in
+# what has not run on the device yet comes first: send lanes at 5 and 10
+# Gbit/s and the keyed allreduce with 8 shards (docs/network.md, "Not done
+# yet"), then the defaults' network run again (after the round-start fix of
+# 2026-11-27) and the CUDA tests; a stage whose limit no longer fits in
 # FANIN_DEVICE_BUDGET_S (default 540, the lease's one call) is skipped, not cut
-stages=${*:-"tests lm-fsdp network lm-ddp tta auth image"}
+stages=${*:-"lanes auth-shards8 network tests"}
 budget=${FANIN_DEVICE_BUDGET_S:-540}
 run() {  # run NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
