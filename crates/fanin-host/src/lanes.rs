@@ -66,26 +66,23 @@ struct LaneThread {
 }
 
 impl SendLanes {
-    /// Lane 0 only: the session's own socket.
-    pub(crate) fn new(socket: Arc<BatchSocket>, gso: bool) -> Self {
-        let mut filling = SendBatch::new(BATCH_DATAGRAMS);
-        filling.set_gso(gso);
-        Self { lanes: vec![Lane { socket, filling, queued: 0, thread: None }] }
+    /// Lane 0 only: the session's own socket (`offload`: UDP GSO where
+    /// the socket has it).
+    pub(crate) fn new(socket: BatchSocket, offload: bool) -> Self {
+        let filling = new_batch(&socket, offload);
+        Self { lanes: vec![Lane { socket: Arc::new(socket), filling, queued: 0, thread: None }] }
     }
 
     /// Adds a lane sending from `socket` on a new thread.
-    pub(crate) fn add_threaded(&mut self, socket: Arc<BatchSocket>, gso: bool) -> io::Result<()> {
+    pub(crate) fn add_threaded(&mut self, socket: BatchSocket, offload: bool) -> io::Result<()> {
         let index = self.lanes.len();
         let (to_send, full) = sync_channel::<SendBatch>(BATCHES_PER_LANE);
         let (give_back, sent) = sync_channel::<SendBatch>(BATCHES_PER_LANE);
-        let batch = || {
-            let mut b = SendBatch::new(BATCH_DATAGRAMS);
-            b.set_gso(gso);
-            b
-        };
         for _ in 1..BATCHES_PER_LANE {
-            give_back.send(batch()).expect("the receiver is alive");
+            give_back.send(new_batch(&socket, offload)).expect("the receiver is alive");
         }
+        let filling = new_batch(&socket, offload);
+        let socket = Arc::new(socket);
         let error = Arc::new(Mutex::new(None));
         let (thread_socket, thread_error) = (socket.clone(), error.clone());
         let handle = std::thread::Builder::new().name(format!("fanin-lane-{index}")).spawn(move || {
@@ -101,7 +98,7 @@ impl SendLanes {
         })?;
         self.lanes.push(Lane {
             socket,
-            filling: batch(),
+            filling,
             queued: 0,
             thread: Some(LaneThread { to_send: Some(to_send), sent, error, handle: Some(handle) }),
         });
@@ -169,6 +166,13 @@ impl SendLanes {
             Err(_) => Err(t.stopped(lane)),
         }
     }
+}
+
+/// An empty send batch for `socket`.
+fn new_batch(socket: &BatchSocket, offload: bool) -> SendBatch {
+    let mut batch = SendBatch::new(BATCH_DATAGRAMS);
+    batch.set_gso(offload && socket.gso_supported());
+    batch
 }
 
 impl LaneThread {

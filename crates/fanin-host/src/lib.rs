@@ -10,7 +10,6 @@
 //! ```
 
 use std::io;
-use std::sync::Arc;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -193,9 +192,7 @@ impl Session {
         if !(1..=MAX_LANES).contains(&options.lanes) {
             return Err(HostError::Option(format!("lanes {} is not 1 to {MAX_LANES}", options.lanes)));
         }
-        let socket = bind_lane_socket(bind_ip, &options)?;
-        let gso = options.offload && socket.gso_supported();
-        let lanes = SendLanes::new(Arc::new(socket), gso);
+        let lanes = SendLanes::new(bind_lane_socket(bind_ip, &options)?, options.offload);
         let group = match options.result_group {
             Some(g) => Some(listen_on_group(g, options.switch, &options)?),
             None => None,
@@ -238,7 +235,7 @@ impl Session {
                 order_shards: 0,
                 result_key: None,
             },
-            stats: SessionStats::default(),
+            stats: SessionStats { received_by_lane: vec![0], ..SessionStats::default() },
             options,
             interrupt,
             last_interrupt_check: epoch,
@@ -252,9 +249,9 @@ impl Session {
                         let wanted = session.options.lanes.min(usize::from(p.shard_count.max(1)));
                         while session.lanes.count() < wanted {
                             let socket = bind_lane_socket(bind_ip, &session.options)?;
-                            let gso = session.options.offload && socket.gso_supported();
-                            session.lanes.add_threaded(Arc::new(socket), gso)?;
+                            session.lanes.add_threaded(socket, session.options.offload)?;
                         }
+                        session.stats.received_by_lane.resize(session.lanes.count(), 0);
                         session.params = p;
                         return Ok(session);
                     }
@@ -470,10 +467,7 @@ impl Session {
         self.stats.bytes_received += self.rx.iter().map(|(_, d)| d.len() as u64).sum::<u64>();
         match from {
             ReadFrom::Group => self.stats.datagrams_from_group += self.rx.len() as u64,
-            ReadFrom::Lane(lane) => {
-                self.stats.received_by_lane.resize(self.lanes.count(), 0);
-                self.stats.received_by_lane[lane] += self.rx.len() as u64;
-            }
+            ReadFrom::Lane(lane) => self.stats.received_by_lane[lane] += self.rx.len() as u64,
         }
         if self.recv_faults.is_enabled() {
             let all: Vec<_> = self.rx.iter().collect();

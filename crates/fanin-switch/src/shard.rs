@@ -374,21 +374,14 @@ impl ShardThread {
                     // up with its block ends the round here: the others
                     // must learn it.
                     // (the peers are told before the answers leave: see run)
-                    let now = self.now();
-                    let mut out = SocketTx {
-                        socket: &self.socket,
-                        multicast: self.multicast,
-                        batch: tx,
-                        egress: &mut self.egress,
-                        discard,
-                        stats: &self.stats,
-                    };
-                    let verdict = if kv_task_of(&bytes).is_some() {
-                        self.kv.handle_datagram(now, from, &bytes, &mut out);
-                        Verdict::Consumed
-                    } else {
-                        self.switch.handle_datagram(now, from, &bytes, &mut out)
-                    };
+                    let verdict = self.without_flush(tx, discard, |sw, kv, now, out| {
+                        if kv_task_of(&bytes).is_some() {
+                            kv.handle_datagram(now, from, &bytes, out);
+                            Verdict::Consumed
+                        } else {
+                            sw.handle_datagram(now, from, &bytes, out)
+                        }
+                    });
                     if !matches!(verdict, Verdict::Consumed | Verdict::WrongShard(_)) {
                         tell_peers(&self.peers, self.index, verdict);
                     }
@@ -406,12 +399,23 @@ impl ShardThread {
         discard: &mut Vec<u8>,
         f: impl FnOnce(&mut ValueSwitch<SocketAddr>, &mut KvSwitch<SocketAddr>, Time, &mut SocketTx<'_>) -> R,
     ) -> R {
+        let result = self.without_flush(tx, discard, f);
+        flush(&self.socket, tx, &self.stats);
+        result
+    }
+
+    /// [`with_out`](Self::with_out), leaving what `f` sent in the batch
+    /// (what it changed can be passed on before its answers leave).
+    fn without_flush<R>(
+        &mut self,
+        tx: &mut SendBatch,
+        discard: &mut Vec<u8>,
+        f: impl FnOnce(&mut ValueSwitch<SocketAddr>, &mut KvSwitch<SocketAddr>, Time, &mut SocketTx<'_>) -> R,
+    ) -> R {
         let now = self.now();
         let mut out =
             SocketTx { socket: &self.socket, multicast: self.multicast, batch: tx, egress: &mut self.egress, discard, stats: &self.stats };
-        let result = f(&mut self.switch, &mut self.kv, now, &mut out);
-        flush(&self.socket, tx, &self.stats);
-        result
+        f(&mut self.switch, &mut self.kv, now, &mut out)
     }
 
     /// What the jobs cost, published before a job command is answered, so
