@@ -87,5 +87,8 @@ def test_quick_chaos_soak_on_the_testbed(tmp_path):
     restarts = [e for e in report["events"] if e["fault"] in ("restart_rank", "restart_job")]
     assert all(e["recovered_s"] is not None for e in restarts), restarts
     assert report["value"]["raised_outside_restarts"] == 0, report["error_examples"]
+    # ranks 0 and 2 send from two lanes, rank 1 from one: both kinds of
+    # session met the faults (a session given fewer lanes is an error above)
+    assert set(report["sessions_by_lanes"]) == {"1", "2"}, report["sessions_by_lanes"]
     assert report["ok"], {k: report[k] for k in ("value", "error_examples", "kv", "hangs", "accounting")}
     assert r.returncode == 0

@@ -87,6 +87,12 @@ FAULTS = ("garbage", "forge", "replay", "kill_worker", "restart_rank", "restart_
 # ingress, which would also drop or duplicate the garbage the driver must
 # account for exactly.
 NETWORK = {"send_drop": 0.01, "recv_drop": 0.01, "recv_duplicate": 0.01, "recv_reorder": 0.02}
+# Send lanes per rank (docs/network.md): ranks 0 and 2 of each job send from
+# two sockets and threads (one per switch shard), rank 1 from one, so a job
+# mixes both and every fault also meets a worker whose shards' datagrams
+# leave from different addresses.
+SHARDS = 2
+LANES = {0: 2, 1: 1, 2: 2}
 
 
 def _log(msg: str) -> None:
@@ -182,7 +188,7 @@ class Soak:
     # -- components -------------------------------------------------------------------------------
 
     def _start_switch(self):
-        sw = self.tb.switch("s0", jobs=self.jobs, shards=2)
+        sw = self.tb.switch("s0", jobs=self.jobs, shards=SHARDS)
         self.incarnation = sw.info.get("incarnation")
         return sw
 
@@ -193,7 +199,7 @@ class Soak:
         argv = [sys.executable, "-m", "fanin_bench.bench.chaos_worker", "--addr", self.data_addr(host),
                 "--job", str(job), "--rank", str(rank), "--workers", str(WORKERS), "--blocks", str(BLOCKS),
                 "--elems-per-packet", str(EPP), "--window", str(WINDOW), "--dtype", dtype,
-                "--seed", str(self.rng.randrange(1 << 30)),
+                "--lanes", str(LANES[rank]), "--seed", str(self.rng.randrange(1 << 30)),
                 *(f"--{k.replace('_', '-')}={v}" for k, v in NETWORK.items())]
         if sync_join:
             argv.append("--sync-join")
@@ -421,10 +427,20 @@ class Soak:
     def report(self, hangs: list[str], kv_report: Optional[dict[str, Any]], exit_codes: dict) -> dict[str, Any]:
         value = {"allreduces": 0, "verified": 0, "wrong": 0, "degraded": 0, "errors": 0, "raised": 0,
                  "raised_outside_restarts": 0}
+        # Sessions by the send lanes they really used; one that got fewer
+        # than its rank asked for is an error (the mix is part of the test).
+        lanes: Counter = Counter()
         wrong_examples, error_examples = [], []
         for w in list(self.workers.values()) + self.retired:
+            asked = int(w.argv[w.argv.index("--lanes") + 1])
             for rec in w.lines:
-                if rec.get("event") == "done":
+                if rec.get("event") == "ready":
+                    lanes[str(rec.get("lanes"))] += 1
+                    if rec.get("lanes") != asked:
+                        value["errors"] += 1
+                        if len(error_examples) < 5:
+                            error_examples.append({"worker": w.label, "asked_lanes": asked, **rec})
+                elif rec.get("event") == "done":
                     value["allreduces"] += 1
                     value["verified" if rec["ok"] else "wrong"] += 1
                     value["degraded"] += rec.get("degraded", 0) > 0
@@ -460,7 +476,8 @@ class Soak:
               and all(a["accounted"] for a in accounting.values()) and value["verified"] > 0)
         return {
             "benchmark": "chaos", "ok": ok, "duration_s": self.args.duration, "seed": self.args.seed,
-            "faults": dict(self.faults), "value": value, "wrong_examples": wrong_examples,
+            "faults": dict(self.faults), "value": value, "sessions_by_lanes": dict(lanes),
+            "wrong_examples": wrong_examples,
             "error_examples": error_examples,
             "kv": kv_report, "hangs": hangs, "hang_bound_s": self.args.hang_s,
             "accounting": accounting,

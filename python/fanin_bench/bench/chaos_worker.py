@@ -108,6 +108,7 @@ def main() -> int:
     p.add_argument("--elems-per-packet", type=int, default=256)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--dtype", choices=["int32", "float32"], default="int32")
+    p.add_argument("--lanes", type=int, default=1, help="send lanes (fanin.Session(lanes=...))")
     p.add_argument("--sync-join", action="store_true",
                    help="join the running stream (SwitchML++ sync join): a restarted worker spliced back in")
     p.add_argument("--rejoin", action="store_true",
@@ -127,7 +128,7 @@ def main() -> int:
     a = p.parse_args()
     signal.signal(signal.SIGTERM, _on_term)
     elements = a.blocks * a.elems_per_packet
-    kwargs: dict[str, Any] = dict(elems_per_packet=a.elems_per_packet, window=a.window, seed=a.seed,
+    kwargs: dict[str, Any] = dict(elems_per_packet=a.elems_per_packet, window=a.window, lanes=a.lanes, seed=a.seed,
                                   send_drop=a.send_drop, recv_drop=a.recv_drop, recv_duplicate=a.recv_duplicate,
                                   recv_reorder=a.recv_reorder, rto_ms=20.0, rto_min_ms=5.0, rto_max_ms=200.0, dead_after_s=a.dead_after_s)
     if a.auth_key:
@@ -147,7 +148,7 @@ def main() -> int:
     # The stream position tells the step: allreduce k covers blocks [k*n, (k+1)*n)
     # from where the session joined (every member of a round joins at one block).
     step = int(s.params.get("next_block", 0)) // a.blocks
-    print(json.dumps({"event": "ready", "step": step}), flush=True)
+    print(json.dumps({"event": "ready", "step": step, "lanes": s.socket_stats()["lanes"]}), flush=True)
     while not _stop and not _past_stop_step(a.stop_file, step):
         x = chaos_input(a.rank, elements, step, a.dtype)
         t0 = time.monotonic()
@@ -170,7 +171,8 @@ def main() -> int:
             if s is None:
                 return 3
             step = int(s.params.get("next_block", 0)) // a.blocks
-            print(json.dumps({"event": "ready", "step": step, "rejoined": True}), flush=True)
+            print(json.dumps({"event": "ready", "step": step, "rejoined": True, "lanes": s.socket_stats()["lanes"]}),
+                  flush=True)
             continue
         except Exception as e:  # noqa: BLE001 - a clean failure is a result too
             print(json.dumps({"event": "error", "step": step, "error": str(e),
