@@ -92,6 +92,9 @@ for s in $stages; do
     lanes) for l in 2 3; do
              run network-lanes-$l 90 fanin bench network --workers 8 --rates 5000,10000 --size 16MB \
                --reps 3 --lanes-arm $l --no-gloo --json --out "$out/lanes-$l"; done ;;
+    # if 8 workers x 2 lanes + 8 shards oversubscribe the 16 cores: 4 shards, 2 lanes
+    lanes-shards4) run network-lanes-shards4 90 fanin bench network --workers 8 --rates 5000,10000 --size 16MB \
+                     --reps 3 --shards 4 --lanes-arm 2 --no-gloo --json --out "$out/lanes-shards4" ;;
     lanes-jumbo) run network-lanes-jumbo 90 fanin bench network --workers 8 --rates 5000,10000 --size 16MB \
                    --reps 3 --mtu 9000 --lanes-arm 2 --no-gloo --json --out "$out/lanes-jumbo" ;;
     # per-datagram cost on these cores: the switch (bench allreduce) and a raw forwarding thread
@@ -100,6 +103,6 @@ for s in $stages; do
             run udp-forward-4120 40 .device/bin/udp_forward_bench --secs 1 --reps 5 --size 4120
           fi ;;
     *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, network-rs, auth," \
-            "auth-default, auth-shards8, jumbo, jumbo-hi, jumbo-full, jumbo-64, jumbo-full-64, shards4, lanes, lanes-jumbo, cost)"; exit 2 ;;
+            "auth-default, auth-shards8, jumbo, jumbo-hi, jumbo-full, jumbo-64, jumbo-full-64, shards4, lanes, lanes-shards4, lanes-jumbo, cost)"; exit 2 ;;
   esac
 done

@@ -358,10 +358,13 @@ def _add_tree_benches(bsub: Any) -> None:
     nw.add_argument("--name", default="fbnet", help="testbed name (namespace prefix; default %(default)s)")
     nw.add_argument("--out", default="out/network")
     tune = nw.add_argument_group("overrides (default: fanin's own defaults, the point of the benchmark)")
-    tune.add_argument("--elems-per-packet", type=int)
-    tune.add_argument("--window", type=int)
-    tune.add_argument("--shards", type=int)
-    tune.add_argument("--block-grad-max", type=int)
+    tune.add_argument("--elems-per-packet", type=int,
+                      help="elements per datagram (default: what fits the MTU the switch measured, one per frame)")
+    tune.add_argument("--window", type=int,
+                      help="the most blocks a worker keeps in flight; its congestion window adapts below it "
+                           "(docs/congestion.md; default 256, at most the job's slots)")
+    tune.add_argument("--shards", type=int, help="switch shard threads (default: one per two cores, 1 to 8)")
+    tune.add_argument("--block-grad-max", type=int, help="largest block in elements (default 1024)")
     tune.add_argument("--block-cnt-max", type=int, help="the job's slots (the most blocks in flight)")
     tune.add_argument("--lanes", type=int, default=1,
                       help="send lanes per fanin worker (fanin.Session(lanes=N)): the worker's datagrams leave from "
