@@ -27,12 +27,12 @@ PYEOF
   exit 0
 fi
 corpus=.device/corpus.txt
-# what has not run on the device yet comes first: send lanes at 5 and 10
-# Gbit/s and the keyed allreduce with 8 shards (docs/network.md, "Not done
-# yet"), then the defaults' network run again (after the round-start fix of
-# 2026-11-27) and the CUDA tests; a stage whose limit no longer fits in
+# what has not run on the device yet comes first (docs/network.md, "Not
+# done yet"): the testbed with receive offload (GRO) at every rate, Gloo
+# beside; send lanes with GRO, and without it at 5 and 10 Gbit/s; the keyed
+# allreduce with 8 shards. A stage whose limit no longer fits in
 # FANIN_DEVICE_BUDGET_S (default 540, the lease's one call) is skipped, not cut
-stages=${*:-"lanes auth-shards8 network tests"}
+stages=${*:-"gro gro-lanes lanes auth-shards8"}
 budget=${FANIN_DEVICE_BUDGET_S:-540}
 run() {  # run NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
@@ -63,6 +63,13 @@ for s in $stages; do
              --batch 32 --image-size 224 --json --out "$out" ;;
     network) run network-16core 170 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB --reps 3 \
                --json --out "$out" ;;
+    # receive offload on every testbed interface (docs/network.md, "Receive
+    # offload"): the same defaults' run as `network`, every arm and the
+    # capacity blast on links whose receivers coalesce, as real NICs' do
+    gro) run network-gro-16core 170 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB \
+           --reps 3 --gro --json --out "$out/gro" ;;
+    gro-lanes) run network-gro-lanes 90 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
+                 --gro --lanes-arm 2 --no-gloo --json --out "$out/gro-lanes" ;;
     network-rs) run network-rs-16core 60 fanin bench network --workers 8 --rates 1000 --size 16MB --reps 3 \
                   --collective reduce-scatter --json --out "$out/rs" ;;
     auth) for w in 4 8; do run auth-$w 45 fanin bench allreduce --auth --quick --iters 9 --workers $w --shards 4 --json; done ;;
@@ -102,7 +109,7 @@ for s in $stages; do
           if [ -x .device/bin/udp_forward_bench ]; then
             run udp-forward-4120 40 .device/bin/udp_forward_bench --secs 1 --reps 5 --size 4120
           fi ;;
-    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, network-rs, auth," \
+    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, gro, gro-lanes, network-rs, auth," \
             "auth-default, auth-shards8, jumbo, jumbo-hi, jumbo-full, jumbo-64, jumbo-full-64, shards4, lanes, lanes-shards4, lanes-jumbo, cost)"; exit 2 ;;
   esac
 done

@@ -40,7 +40,7 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
         if args.action == "up":
             topo = topology.load(args.topology)
             tb = testbed.Testbed.up(topo, name=args.name, rate_mbit=args.rate_mbit, routing=args.routing,
-                                    mtu=args.mtu)
+                                    mtu=args.mtu, gro=args.gro)
             st = tb.state
             emit(tb.status(), f"fanin testbed {tb.name}: {topo.name} up, {len(st['nodes'])} namespaces "
                               f"({tb.name}-*), {len(st['links'])} links, management {st['mgmt_net']} "
@@ -109,6 +109,10 @@ def register(sub: Any) -> None:
                                                     "(default: each link's rate_mbit; none = unlimited)")
     up.add_argument("--mtu", type=int, help="MTU of every interface, e.g. 9000 for jumbo frames (default: the veth "
                                             "default, 1500); fanin learns it at join")
+    up.add_argument("--gro", action="store_true",
+                    help="receive offload on every data interface: frames of a flow that arrive together reach the "
+                         "stack as one packet, as behind a real NIC (links, rates and byte counters stay per frame; "
+                         "default off, docs/testbed.md)")
     up.add_argument("--routing", action="store_true",
                     help="static routes along shortest paths, IP forwarding in switches (every node reaches every "
                          "data address; docs/testbed.md)")

@@ -90,6 +90,20 @@ def test_a_lanes_arm_runs_beside_the_main_arm_in_the_same_run(tmp_path):
     assert row["lanes_speedup"] == pytest.approx(row["fanin_median_s"] / row["lanes_median_s"])
 
 
+def test_receive_offload_runs_every_arm_and_the_links_still_count_whole_frames(tmp_path):
+    # --gro: every interface coalesces what arrives together (docs/testbed.md);
+    # the capacity and bytes per element still count whole frames: 1 MB in
+    # 358-element datagrams of 1514-byte frames, with the exponent rounds, is
+    # 4.252 bytes per element each way, with or without --gro (uncorrected,
+    # the NAPI counters would say 4.213: no Ethernet header)
+    report = _bench(tmp_path, "--gro")
+    (row,) = report["rates"]
+    assert report["gro"] and row["fanin_verified"] and row["ip_fragments"] == 0, row
+    assert 50 < row["capacity_mbit"] <= 105, row
+    per_element = row["fanin_link_bytes_per_element_up"] + row["fanin_link_bytes_per_element_down"]
+    assert all(4.24 <= b < 4.35 for b in per_element), (per_element, row["retransmissions"])
+
+
 def test_a_leaf_spine_runs_fanin_as_a_controller_tree_and_nothing_fragments(tmp_path):
     # two leaves under one spine, every host a worker: the controller
     # programs a tree (root: the spine) and sizes its packets to the links

@@ -33,7 +33,7 @@ def _tag(pid: int) -> str:
     return "".join(_B36[n // 36**i % 36] for i in (3, 2, 1, 0))
 
 
-S, D, F, R, A, X, E, C, P = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxecp")
+S, D, F, R, A, X, E, C, P, G = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxecpg")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,6 +118,63 @@ def test_star_links_addresses_management_and_byte_counts(state_dir):
         assert after.b_to_a - before.b_to_a < 10_000
         # Reversing the arguments reverses the directions.
         assert tb.link_bytes("s0", "h0").b_to_a >= after.a_to_b
+
+
+# One UDP_SEGMENT send of `count` segments of 1000 bytes from the host, and a
+# receiver with UDP_GRO in the switch namespace that reports the size of each
+# read and its GRO segment size (0: the read is one datagram).
+GSO_SEND = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_UDP, 103, 1000)  # UDP_SEGMENT
+s.sendto(bytes(1000 * int(sys.argv[3])), (sys.argv[1], int(sys.argv[2])))
+"""
+GRO_RECV = """
+import json, socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_UDP, 104, 1)  # UDP_GRO
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.settimeout(5)
+print("ready", flush=True)
+reads, total = [], 0
+while total < int(sys.argv[2]):
+    data, anc, _, _ = s.recvmsg(65536, socket.CMSG_SPACE(4))
+    seg = next((struct.unpack("=i", d[:4])[0] for lvl, typ, d in anc if lvl == socket.SOL_UDP and typ == 104), 0)
+    reads.append([len(data), seg])
+    total += len(data)
+print(json.dumps(reads))
+"""
+
+
+@pytest.mark.parametrize("gro", [False, True])
+def test_receive_offload_coalesces_frames_and_bytes_stay_per_frame(state_dir, gro):
+    """gro=True: frames a host sent together (here one GSO send of 20
+    segments, as fanin's workers send) reach a UDP_GRO socket in fewer,
+    coalesced reads, as behind a real NIC; every link counter still counts
+    20 frames of 1042 bytes. gro=False (the default): one read per frame."""
+    with up("star:1", G, state_dir, gro=gro) as tb:
+        assert tb.state["gro"] is gro and tb.state["offloads"].endswith("on" if gro else "off")
+        features = tb.run("s0", ["ethtool", "-k", tb.interface("s0", toward="h0")]).stdout
+        assert f"generic-receive-offload: {'on' if gro else 'off'}" in features
+        rx = tb.popen("s0", [sys.executable, "-c", GRO_RECV, "9999", "20000"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert rx.stdout.readline().strip() == "ready"
+            ping(tb, "h0", tb.addr("s0", toward="h0"))  # ARP resolved before counting
+            before = tb.link_bytes("h0", "s0")
+            tb.run("h0", [sys.executable, "-c", GSO_SEND, tb.addr("s0", toward="h0"), "9999", "20"])
+            reads = json.loads(rx.stdout.readline())
+            sent = tb.link_bytes("h0", "s0").a_to_b - before.a_to_b
+        finally:
+            rx.kill()
+            rx.wait()
+        assert sum(n for n, _ in reads) == 20_000
+        if gro:
+            assert len(reads) < 20 and any(seg == 1000 and n > 1000 for n, seg in reads), reads
+        else:
+            assert reads == [[1000, 0]] * 20, reads
+        # 20 frames of 1042 bytes (UDP 8 + IP 20 + Ethernet 14), and at most
+        # a stray frame or two of the namespace's own (IPv6 neighbour talk)
+        assert 20 * 1042 <= sent < 20 * 1042 + 600, sent
 
 
 def test_deep_tree_switch_to_switch(state_dir):

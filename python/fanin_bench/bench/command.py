@@ -353,6 +353,11 @@ def _add_tree_benches(bsub: Any) -> None:
     nw.add_argument("--mtu", type=int,
                     help="MTU of every testbed interface, e.g. 9000 for jumbo frames (default: 1500); fanin learns "
                          "it at join, the capacity blast sends full frames")
+    nw.add_argument("--gro", action="store_true",
+                    help="receive offload (GRO) on every testbed interface, as a real NIC's driver does: frames that "
+                         "arrive together reach the stack as one packet, which cuts the per-frame CPU of every arm "
+                         "and of the capacity blast (links, rates and counters stay per frame; default off; "
+                         "docs/network.md)")
     nw.add_argument("--queue-ms", type=float, default=20.0,
                     help="each link's queue, in ms at its rate (tbf latency; default %(default)s)")
     nw.add_argument("--name", default="fbnet", help="testbed name (namespace prefix; default %(default)s)")

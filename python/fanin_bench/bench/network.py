@@ -264,7 +264,8 @@ def run_network(args: Any) -> int:
           f"Mbit/s, {reps} {args.collective}s per system per rate", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        tb = stack.enter_context(Testbed.up(topo, name=args.name, rate_mbit=rates[0], routing=True, mtu=args.mtu))
+        tb = stack.enter_context(Testbed.up(topo, name=args.name, rate_mbit=rates[0], routing=True, mtu=args.mtu,
+                                            gro=args.gro))
         job = {k: v for k, v in (("block_grad_max", args.block_grad_max), ("block_cnt_max", args.block_cnt_max))
                if v is not None}
         switch_config = {"shards": args.shards} if args.shards else {}
@@ -396,7 +397,7 @@ def run_network(args: Any) -> int:
     _write_csv(out / "network.csv", rows)
     _plot(rows, out / "network.png", n, size, args.dtype, args.collective)
     result = {"topology": topo.name, "workers": n, "size_bytes": size, "dtype": args.dtype, "collective": args.collective, "mtu": mtu,
-              "elements": elements, "reps": reps,
+              "gro": bool(args.gro), "elements": elements, "reps": reps,
               "queue_ms": args.queue_ms,
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
