@@ -627,8 +627,8 @@ def _build(state: dict[str, Any]) -> None:
             _sh(["tc", "-n", info["netns"], "-batch", "-"], stdin="\n".join(shaping[node]) + "\n")
 
     if shutil.which("ethtool"):
+        offloads = " ".join(_offloads(state.get("gro", False)))
         for node, info in nodes.items():
-            offloads = " ".join(_offloads(state.get("gro", False)))
             script = "; ".join(f"ethtool -K eth{k} {offloads} 2>/dev/null" for k in range(info["ifaces"]))
             if script:
                 _sh(["ip", "netns", "exec", info["netns"], "sh", "-c", script + "; true"])

@@ -102,8 +102,8 @@ def _log(msg: str) -> None:
 class Worker:
     """One chaos_worker process and the lines it printed (read by a thread)."""
 
-    def __init__(self, tb, host: str, argv: list[str], job: int, label: str) -> None:
-        self.label, self.host, self.argv, self.job = label, host, argv, job
+    def __init__(self, tb, host: str, argv: list[str], job: int, label: str, lanes: int) -> None:
+        self.label, self.host, self.argv, self.job, self.lanes = label, host, argv, job, lanes
         self.proc = tb.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.lines: list[dict[str, Any]] = []
         self.last_progress = time.monotonic()
@@ -205,7 +205,7 @@ class Soak:
             argv.append("--sync-join")
         argv += ["--auth-key", derive_member_key(self.job_keys[job], job, rank).hex()]
         argv += ["--stop-file", str(self.stop_file(job)), "--rejoin"]
-        return Worker(self.tb, host, argv, job, f"job{job}/rank{rank}")
+        return Worker(self.tb, host, argv, job, f"job{job}/rank{rank}", LANES[rank])
 
     def stop_file(self, job: int) -> Path:
         return Path(self.args.out) / f"stop-job{job}"
@@ -432,14 +432,13 @@ class Soak:
         lanes: Counter = Counter()
         wrong_examples, error_examples = [], []
         for w in list(self.workers.values()) + self.retired:
-            asked = int(w.argv[w.argv.index("--lanes") + 1])
             for rec in w.lines:
                 if rec.get("event") == "ready":
                     lanes[str(rec.get("lanes"))] += 1
-                    if rec.get("lanes") != asked:
+                    if rec.get("lanes") != w.lanes:
                         value["errors"] += 1
                         if len(error_examples) < 5:
-                            error_examples.append({"worker": w.label, "asked_lanes": asked, **rec})
+                            error_examples.append({"worker": w.label, "asked_lanes": w.lanes, **rec})
                 elif rec.get("event") == "done":
                     value["allreduces"] += 1
                     value["verified" if rec["ok"] else "wrong"] += 1

@@ -75,6 +75,11 @@ def verify(out: np.ndarray, *, step: int, workers: int, epp: int,
     return None
 
 
+def _ready(s: "fanin.Session", step: int, **extra: Any) -> None:
+    """Tells the driver the session is up, at which step, with how many send lanes."""
+    print(json.dumps({"event": "ready", "step": step, **extra, "lanes": s.socket_stats()["lanes"]}), flush=True)
+
+
 def _injected(s: "fanin.Session") -> dict[str, int]:
     st = s.socket_stats()
     return {k: st.get(f"{k}_by_fault_injection", 0) for k in ("dropped", "duplicated", "reordered")}
@@ -148,7 +153,7 @@ def main() -> int:
     # The stream position tells the step: allreduce k covers blocks [k*n, (k+1)*n)
     # from where the session joined (every member of a round joins at one block).
     step = int(s.params.get("next_block", 0)) // a.blocks
-    print(json.dumps({"event": "ready", "step": step, "lanes": s.socket_stats()["lanes"]}), flush=True)
+    _ready(s, step)
     while not _stop and not _past_stop_step(a.stop_file, step):
         x = chaos_input(a.rank, elements, step, a.dtype)
         t0 = time.monotonic()
@@ -171,8 +176,7 @@ def main() -> int:
             if s is None:
                 return 3
             step = int(s.params.get("next_block", 0)) // a.blocks
-            print(json.dumps({"event": "ready", "step": step, "rejoined": True, "lanes": s.socket_stats()["lanes"]}),
-                  flush=True)
+            _ready(s, step, rejoined=True)
             continue
         except Exception as e:  # noqa: BLE001 - a clean failure is a result too
             print(json.dumps({"event": "error", "step": step, "error": str(e),
