@@ -27,6 +27,10 @@ pub const MAX_GSO_BYTES: usize = 65000;
 /// full device queue to drain, short enough not to stall a forwarding loop.
 const MAX_TRANSIENT_RETRIES: u32 = 10;
 
+/// Distinct destinations up to which `group_by_destination` counts instead
+/// of sorting (a job's members under one switch; above it, a sort).
+const REGROUP_DESTS_MAX: usize = 64;
+
 /// Arena bytes reserved per datagram of capacity; enough for MTU-sized
 /// packets without regrowth. Reserved, not touched, so unused space is free.
 const ARENA_BYTES_PER_DATAGRAM: usize = 2048;
@@ -140,6 +144,8 @@ pub struct SendBatch {
     /// one so regrouping allocates nothing after warm-up.
     regroup_entries: Vec<Entry>,
     order: Vec<usize>,
+    /// `group_by_destination`'s destinations with their counts, then places.
+    regroup_dests: Vec<(SocketAddr, usize)>,
 }
 
 impl SendBatch {
@@ -157,6 +163,7 @@ impl SendBatch {
             gso: false,
             regroup_entries: Vec::new(),
             order: Vec::new(),
+            regroup_dests: Vec::new(),
             scratch: SendScratch {
                 plan: Vec::with_capacity(capacity),
                 names: Vec::with_capacity(capacity),
@@ -258,6 +265,14 @@ impl SendBatch {
     /// coalesce a switch's fan-out (one result to N workers, many blocks per
     /// batch) into one message per destination. Only the entries move; a
     /// message's datagrams are gathered from the arena by its iovecs.
+    ///
+    /// A batch names few destinations (a job's members), so this is a
+    /// counting sort over the destinations in first-seen order: one pass to
+    /// number them, one to place each entry, no comparison sort and no
+    /// allocation after warm-up (the comparison sort it replaced was ~0.5 %
+    /// of a testbed allreduce's CPU). Beyond [`REGROUP_DESTS_MAX`] distinct
+    /// destinations the linear lookup would cost more than it saves, and a
+    /// stable sort by address does the same job.
     fn group_by_destination(&mut self) {
         let first = match self.entries.first() {
             Some(e) => e.dest,
@@ -268,15 +283,54 @@ impl SendBatch {
         }
         let mut order = std::mem::take(&mut self.order);
         order.clear();
-        order.extend(0..self.entries.len());
-        order.sort_by_key(|&i| self.entries[i].dest);
-        if order.iter().enumerate().all(|(k, &i)| k == i) {
+        let dests = &mut self.regroup_dests;
+        dests.clear();
+        // order[i] = the destination number of entry i, first seen first;
+        // `grouped` stays true while every destination's entries are adjacent
+        let mut grouped = true;
+        for e in &self.entries {
+            let g = match dests.iter().position(|&(d, _)| d == e.dest) {
+                Some(g) => {
+                    grouped &= g == dests.len() - 1;
+                    g
+                }
+                None if dests.len() < REGROUP_DESTS_MAX => {
+                    dests.push((e.dest, 0));
+                    dests.len() - 1
+                }
+                None => {
+                    order.clear();
+                    order.extend(0..self.entries.len());
+                    order.sort_by_key(|&i| self.entries[i].dest);
+                    let mut entries = std::mem::take(&mut self.regroup_entries);
+                    entries.clear();
+                    entries.extend(order.iter().map(|&i| self.entries[i]));
+                    self.regroup_entries = std::mem::replace(&mut self.entries, entries);
+                    self.order = order;
+                    return;
+                }
+            };
+            dests[g].1 += 1;
+            order.push(g);
+        }
+        if grouped {
             self.order = order;
-            return; // already grouped
+            return;
+        }
+        // counts -> each destination's first place
+        let mut at = 0;
+        for d in dests.iter_mut() {
+            let n = d.1;
+            d.1 = at;
+            at += n;
         }
         let mut entries = std::mem::take(&mut self.regroup_entries);
         entries.clear();
-        entries.extend(order.iter().map(|&i| self.entries[i]));
+        entries.resize(self.entries.len(), self.entries[0]);
+        for (e, &g) in self.entries.iter().zip(order.iter()) {
+            entries[dests[g].1] = *e;
+            dests[g].1 += 1;
+        }
         self.regroup_entries = std::mem::replace(&mut self.entries, entries);
         self.order = order;
     }
@@ -645,6 +699,41 @@ mod tests {
             plan(&e, policy),
             vec![(0, 1, 1600), (1, 1, 1600), (2, 2, 1000)]
         );
+    }
+
+    /// (destination port, first byte) of each queued datagram, in order.
+    fn queued(b: &SendBatch) -> Vec<(u16, u8)> {
+        b.entries.iter().map(|e| (e.dest.port(), b.arena[e.offset])).collect()
+    }
+
+    #[test]
+    fn regrouping_makes_each_destination_adjacent_and_keeps_its_order() {
+        let to = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let mut b = SendBatch::new(16);
+        // a switch's fan-out: block k's result to members 7, 3, 5 in turn
+        for k in 0..4u8 {
+            for port in [7, 3, 5] {
+                b.push_copy(to(port), &[k]);
+            }
+        }
+        b.group_by_destination();
+        let want: Vec<(u16, u8)> = [7u16, 3, 5].iter().flat_map(|&p| (0..4u8).map(move |k| (p, k))).collect();
+        assert_eq!(queued(&b), want);
+        // already grouped (or one destination): left as it is
+        b.group_by_destination();
+        assert_eq!(queued(&b), want);
+        // more destinations than the counting path takes: sorted by address,
+        // still stable per destination
+        let mut b = SendBatch::new(4 * REGROUP_DESTS_MAX);
+        for k in 0..2u8 {
+            for port in (1..=REGROUP_DESTS_MAX as u16 + 3).rev() {
+                b.push_copy(to(port), &[k]);
+            }
+        }
+        b.group_by_destination();
+        let want: Vec<(u16, u8)> =
+            (1..=REGROUP_DESTS_MAX as u16 + 3).flat_map(|p| (0..2u8).map(move |k| (p, k))).collect();
+        assert_eq!(queued(&b), want);
     }
 
     #[test]
