@@ -1,7 +1,10 @@
 """Long-lived workers of `fanin bench network`, one per testbed host: they
 start once, say {"ready": true}, then answer one JSON line per "go" line
-read on stdin, so the driver can alternate fanin and Gloo allreduce by
-allreduce without paying a process start (or a Gloo rendezvous) each time.
+read on stdin (the allreduce's time), and one per "check" line (whether
+that allreduce's sum was right), so the driver can alternate fanin and
+Gloo allreduce by allreduce without paying a process start (or a Gloo
+rendezvous) each time, and every check runs after every rank's timed
+allreduce, never inside one.
 
     python -m fanin_bench.bench.net_worker fanin --addr 10.1.0.1:9000 --rank 0 --workers 4 --elements 2000000
     python -m fanin_bench.bench.net_worker gloo --master 10.1.0.2:29500 --rank 0 --workers 4 --elements 2000000
@@ -73,16 +76,24 @@ def _fanin(a: argparse.Namespace) -> int:
     lanes = session.socket_stats()["lanes"]
     print(json.dumps({"ready": True, "params": session.params, "elems_per_packet": per, "lanes": lanes}),
           flush=True)
+    barrier_in, barrier_out = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
     for line in sys.stdin:
-        if line.strip() != "go":
+        command = line.strip()
+        if command == "check":
+            # only once every worker has answered "go" (trees.step_workers)
+            print(json.dumps({"verified": checker.check(out, keep=keep)["ok"]}), flush=True)
+            continue
+        if command != "go":
             break
+        # every rank starts together, as the Gloo arm's dist.barrier() makes
+        # its ranks do: a one-element allreduce, outside the timed region
+        session.allreduce(barrier_in, out=barrier_out)
         c0, t0 = cpu_ticks(), time.perf_counter()
         out = session.allreduce(x, out=out, **kw)
         dt = time.perf_counter() - t0
         cpu = _ticks_since(c0)
         stats = session.last_stats or {}
-        check = checker.check(out, keep=keep)
-        print(json.dumps({"s": dt, "cpu_ticks": cpu, "verified": check["ok"], "elems_per_packet": per,
+        print(json.dumps({"s": dt, "cpu_ticks": cpu, "elems_per_packet": per,
                           **{k: stats.get(k, 0) for k in ("retransmissions", "trimmed", "fast_retransmits", "timeouts")},
                           "window": stats.get("window"), "lanes": lanes}), flush=True)
     return 0
@@ -134,8 +145,15 @@ def _gloo(a: argparse.Namespace) -> int:
         shard = torch.empty(k, dtype=buf.dtype)
         lo, hi = shard_range(a.rank, a.workers, a.elements)
     print(json.dumps({"ready": True}), flush=True)
+    got: Optional[Any] = None
     for line in sys.stdin:
-        if line.strip() != "go":
+        command = line.strip()
+        if command == "check" and got is not None:
+            # only once every rank has answered "go" (trees.step_workers)
+            want, bound = (ref[lo:hi], allowed[lo:hi]) if scatter else (ref, allowed)
+            print(json.dumps({"verified": bool(np.all(np.abs(got.double().numpy() - want) <= bound))}), flush=True)
+            continue
+        if command != "go":
             break
         buf.copy_(x)
         dist.barrier()
@@ -148,14 +166,12 @@ def _gloo(a: argparse.Namespace) -> int:
             dt = time.perf_counter() - t0
             cpu = _ticks_since(c0)
             got = torch.cat([shard, tail]) if a.rank == a.workers - 1 else shard
-            ok = bool(np.all(np.abs(got.double().numpy() - ref[lo:hi]) <= allowed[lo:hi]))
-            print(json.dumps({"s": dt, "cpu_ticks": cpu, "verified": ok}), flush=True)
-            continue
-        dist.all_reduce(buf)
-        dt = time.perf_counter() - t0
-        cpu = _ticks_since(c0)
-        ok = bool(np.all(np.abs(buf.double().numpy() - ref) <= allowed))
-        print(json.dumps({"s": dt, "cpu_ticks": cpu, "verified": ok}), flush=True)
+        else:
+            dist.all_reduce(buf)
+            dt = time.perf_counter() - t0
+            cpu = _ticks_since(c0)
+            got = buf
+        print(json.dumps({"s": dt, "cpu_ticks": cpu}), flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -341,13 +341,13 @@ def run_network(args: Any) -> int:
             lanes_t, lanes_answers = [], []
             steps: dict[str, list[list[dict[str, Any]]]] = {"fanin": [], "gloo": []}
             link_bytes = {"fanin": _LinkBytes(tb, hosts, edge), "gloo": _LinkBytes(tb, hosts, edge)}
-            step_workers(fanin_procs, "fanin")  # warm-up at this rate
+            step_workers(fanin_procs, "fanin", verify=True)  # warm-up at this rate
             if keyed_procs:
-                step_workers(keyed_procs, "fanin-keyed")
+                step_workers(keyed_procs, "fanin-keyed", verify=True)
             if lanes_procs:
-                step_workers(lanes_procs, "fanin-lanes")
+                step_workers(lanes_procs, "fanin-lanes", verify=True)
             if gloo:
-                step_workers(gloo_procs, "gloo")
+                step_workers(gloo_procs, "gloo", verify=True)
             systems = (["fanin"] + (["fanin-keyed"] if keyed_procs else []) + (["fanin-lanes"] if lanes_procs else [])
                        + (["gloo"] if gloo else []))
             for rep in range(reps):
@@ -355,23 +355,23 @@ def run_network(args: Any) -> int:
                 order = systems[rep % len(systems):] + systems[:rep % len(systems)]
                 for system in order:
                     if system == "fanin-keyed":
-                        answers = step_workers(keyed_procs, "fanin-keyed")
+                        answers = step_workers(keyed_procs, "fanin-keyed", verify=True)
                         keyed_answers += answers
                         keyed_t.append(max(a["s"] for a in answers))
                     elif system == "fanin-lanes":
-                        answers = step_workers(lanes_procs, "fanin-lanes")
+                        answers = step_workers(lanes_procs, "fanin-lanes", verify=True)
                         lanes_answers += answers
                         lanes_t.append(max(a["s"] for a in answers))
                     elif system == "fanin":
                         link_bytes["fanin"].start()
-                        answers = step_workers(fanin_procs, "fanin")
+                        answers = step_workers(fanin_procs, "fanin", verify=True)
                         link_bytes["fanin"].stop()
                         steps["fanin"].append(answers)
                         fanin_answers += answers
                         fanin_t.append(max(a["s"] for a in answers))
                     elif gloo:
                         link_bytes["gloo"].start()
-                        answers = step_workers(gloo_procs, "gloo")
+                        answers = step_workers(gloo_procs, "gloo", verify=True)
                         link_bytes["gloo"].stop()
                         steps["gloo"].append(answers)
                         if not all(a["verified"] for a in answers):

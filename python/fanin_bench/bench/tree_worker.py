@@ -1,6 +1,7 @@
 """A long-lived worker for the tree benchmarks: it joins once, then runs
-one allreduce per line it reads on stdin and answers with one JSON line
-(seconds, whether the sum was exact, the smallest source count). Run
+one allreduce per "go" line it reads on stdin and answers with one JSON
+line (seconds, the smallest source count, retransmissions); a "check"
+line then checks that allreduce's sum and answers whether it was exact. Run
 inside a testbed namespace so the driver can interleave configurations
 allreduce by allreduce without paying a process start each time.
 
@@ -57,17 +58,24 @@ def main() -> int:
                       auth_key=bytes.fromhex(key) if key else None)
     print(json.dumps({"ready": True}), flush=True)
     step = 0
+    out = None
     for line in sys.stdin:
-        if line.strip() != "go":
+        command = line.strip()
+        if command == "check" and out is not None:
+            # told once every worker has answered "go": a check here never
+            # runs inside another worker's timed allreduce (trees.step_workers)
+            expected = sum(contribution(r, a.elements, step - 1).astype(np.int64)
+                           for r in range(a.workers)).astype(np.int32)
+            print(json.dumps({"exact": bool(np.array_equal(out, expected))}), flush=True)
+            continue
+        if command != "go":
             break
         x = contribution(a.rank, a.elements, step)
         t0 = time.perf_counter()
         out = s.allreduce(x)
         dt = time.perf_counter() - t0
-        expected = sum(contribution(r, a.elements, step).astype(np.int64) for r in range(a.workers)).astype(np.int32)
         stats = s.last_stats or {}
-        print(json.dumps({"s": dt, "exact": bool(np.array_equal(out, expected)),
-                          "min_src_cnt": stats.get("min_src_cnt"),
+        print(json.dumps({"s": dt, "min_src_cnt": stats.get("min_src_cnt"),
                           "retransmissions": stats.get("retransmissions")}), flush=True)
         step += 1
     return 0
