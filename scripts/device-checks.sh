@@ -29,10 +29,10 @@ fi
 corpus=.device/corpus.txt
 # what has not run on the device yet comes first (docs/network.md, "Not
 # done yet"): the testbed with receive offload (GRO) at every rate, Gloo
-# beside; send lanes with GRO, and without it at 5 and 10 Gbit/s; the keyed
-# allreduce with 8 shards. A stage whose limit no longer fits in
+# beside; with results to a group the switch's data plane copies (and a
+# keyed arm); send lanes with GRO; the keyed allreduce with 8 shards. A stage whose limit no longer fits in
 # FANIN_DEVICE_BUDGET_S (default 540, the lease's one call) is skipped, not cut
-stages=${*:-"gro gro-lanes lanes auth-shards8"}
+stages=${*:-"gro gro-group gro-lanes auth-shards8"}
 budget=${FANIN_DEVICE_BUDGET_S:-540}
 run() {  # run NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
@@ -68,6 +68,11 @@ for s in $stages; do
     # capacity blast on links whose receivers coalesce, as real NICs' do
     gro) run network-gro-16core 170 fanin bench network --workers 8 --rates 1000,2500,5000,10000 --size 16MB \
            --reps 3 --gro --json --out "$out/gro" ;;
+    # results as a switch returns them: one send by the daemon, copied to
+    # every host link by the switch namespace's data plane (--results
+    # group); a keyed arm beside, whose results are then sealed once
+    gro-group) run network-gro-group 90 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
+                 --gro --results group --auth --no-gloo --json --out "$out/gro-group" ;;
     gro-lanes) run network-gro-lanes 90 fanin bench network --workers 8 --rates 5000,10000 --size 16MB --reps 3 \
                  --gro --lanes-arm 2 --no-gloo --json --out "$out/gro-lanes" ;;
     network-rs) run network-rs-16core 60 fanin bench network --workers 8 --rates 1000 --size 16MB --reps 3 \
@@ -109,7 +114,7 @@ for s in $stages; do
           if [ -x .device/bin/udp_forward_bench ]; then
             run udp-forward-4120 40 .device/bin/udp_forward_bench --secs 1 --reps 5 --size 4120
           fi ;;
-    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, gro, gro-lanes, network-rs, auth," \
+    *) echo "unknown stage $s (tests, allreduce, lm-steps, lm-ddp, lm-fsdp, tta, image, network, gro, gro-group, gro-lanes, network-rs, auth," \
             "auth-default, auth-shards8, jumbo, jumbo-hi, jumbo-full, jumbo-64, jumbo-full-64, shards4, lanes, lanes-shards4, lanes-jumbo, cost)"; exit 2 ;;
   esac
 done

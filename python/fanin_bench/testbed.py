@@ -412,6 +412,35 @@ class Testbed:
             if path.exists():
                 path.write_text(json.dumps(self.state, indent=1) + "\n")
 
+    def replicate_group(self, switch: str, group: str) -> list[str]:
+        """Deliver what `switch` sends to the IPv4 multicast `group` on every
+        one of its links toward a host, as a switch ASIC's multicast engine
+        does (SwitchML returns each result this way): one send by the
+        daemon, one copy per port made in the switch's data plane, not by
+        its CPU. Inside `switch`'s namespace: a route for the group out of
+        its first host link, and on that link's egress a tc filter that
+        mirrors each packet to the other host links (`mirred egress
+        mirror`, a clone of the packet, not a copy of its bytes). Every copy
+        then leaves through its link's own tbf and counters, so rates and
+        byte counts stay per link. Hosts receive the group on a socket that
+        joined it (`fanin.Session(result_group=...)`). Returns the switch's
+        interfaces that carry the group."""
+        import ipaddress
+
+        if not ipaddress.ip_address(group).is_multicast:
+            raise TestbedError(f"{group} is not an IPv4 multicast group (224.0.0.0/4)")
+        ports = [self.interface(switch, h) for h in self.topology.neighbours(switch) if self.topology.is_host(h)]
+        if not ports:
+            raise TestbedError(f"{switch!r} has no link to a host to deliver group {group} on")
+        ns = self.namespace(switch)
+        _sh(["ip", "-n", ns, "route", "replace", f"{group}/32", "dev", ports[0]])
+        if len(ports) > 1:
+            _sh(["tc", "-n", ns, "qdisc", "replace", "dev", ports[0], "clsact"])
+            mirrors = [a for port in ports[1:] for a in ("action", "mirred", "egress", "mirror", "dev", port)]
+            _sh(["tc", "-n", ns, "filter", "add", "dev", ports[0], "egress", "protocol", "ip", "prio", "1",
+                 "u32", "match", "ip", "dst", f"{group}/32", *mirrors])
+        return ports
+
     @property
     def root_mgmt_addr(self) -> str:
         return self.state["root_mgmt_addr"]

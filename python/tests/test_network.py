@@ -104,6 +104,32 @@ def test_receive_offload_runs_every_arm_and_the_links_still_count_whole_frames(t
     assert all(4.24 <= b < 4.35 for b in per_element), (per_element, row["retransmissions"])
 
 
+def test_group_results_are_sent_once_and_copied_to_every_link_by_the_switch_data_plane(tmp_path):
+    # --results group: the daemon sends each result once, to a multicast
+    # group; the switch namespace's tc mirred copies it to every host link
+    # (a switch ASIC's multicast engine). Every worker, keyed arm included
+    # (its results sealed once under the job's result key), reads its
+    # results from the group, and each link still carries the tensor about
+    # once each way, in whole frames
+    report = _bench(tmp_path, "--workers", "3", "--results", "group", "--auth")
+    (row,) = report["rates"]
+    assert report["results"] == "group" and row["fanin_verified"] and row["ip_fragments"] == 0, row
+    blocks = -(-1_000_000 // 4 // row["elems_per_packet"])
+    # warm-up and 2 repetitions, each after a one-element barrier allreduce
+    assert row["fanin_datagrams_from_group_min"] >= 3 * blocks, row
+    assert row["keyed_goodput_ratio"] > 0, row
+    per_element = row["fanin_link_bytes_per_element_up"] + row["fanin_link_bytes_per_element_down"]
+    assert all(4.2 <= b < 4.6 for b in per_element), (per_element, row["retransmissions"])
+
+
+def test_group_results_refuse_a_tree_with_the_reason(tmp_path):
+    name = f"fbg{os.getpid() % 36**4:x}"[:8]
+    r = subprocess.run([sys.executable, "-m", "fanin", "bench", "network", "--quick", "--no-gloo", "--topology",
+                        "leaf-spine:1,2,2", "--results", "group", "--name", name, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--results group needs the star" in r.stderr, r.stderr
+
+
 def test_a_leaf_spine_runs_fanin_as_a_controller_tree_and_nothing_fragments(tmp_path):
     # two leaves under one spine, every host a worker: the controller
     # programs a tree (root: the spine) and sizes its packets to the links

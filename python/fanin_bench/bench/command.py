@@ -358,6 +358,12 @@ def _add_tree_benches(bsub: Any) -> None:
                          "arrive together reach the stack as one packet, which cuts the per-frame CPU of every arm "
                          "and of the capacity blast (links, rates and counters stay per frame; default off; "
                          "docs/network.md)")
+    nw.add_argument("--results", choices=("unicast", "group"), default="unicast",
+                    help="how the switch returns each result: unicast, a copy per worker sent by the daemon; or "
+                         "group, one send to a multicast group that the switch namespace's data plane copies to "
+                         "every host link (tc mirred, as a switch ASIC's multicast engine; star only). The links "
+                         "carry the same bytes either way; group takes the per-worker sends off the switch's CPU "
+                         "(default %(default)s; docs/network.md)")
     nw.add_argument("--queue-ms", type=float, default=20.0,
                     help="each link's queue, in ms at its rate (tbf latency; default %(default)s)")
     nw.add_argument("--name", default="fbnet", help="testbed name (namespace prefix; default %(default)s)")

@@ -56,9 +56,11 @@ def _fanin(a: argparse.Namespace) -> int:
     import os
 
     overrides = {k: v for k, v in (("elems_per_packet", a.elems_per_packet), ("window", a.window),
-                                   ("lanes", a.lanes)) if v is not None}
+                                   ("lanes", a.lanes), ("result_group", a.result_group)) if v is not None}
     # one session on this thread, as a user's script has it
     session = open_session(a.addr, a.job, a.rank, os.environ.get(MEMBER_KEY_ENV) or None, overrides)
+    if a.result_group and not session.params["results_on_group"]:
+        raise SystemExit(f"job {a.job}: the switch does not send results to {a.result_group}")
     x = worker_inputs(a.rank, a.elements, a.dtype)
     # bfloat16 travels as its bits (numpy has no bfloat16)
     kw: dict[str, Any] = {"dtype": "bfloat16"} if a.dtype == "bfloat16" else {}
@@ -95,7 +97,8 @@ def _fanin(a: argparse.Namespace) -> int:
         stats = session.last_stats or {}
         print(json.dumps({"s": dt, "cpu_ticks": cpu, "elems_per_packet": per,
                           **{k: stats.get(k, 0) for k in ("retransmissions", "trimmed", "fast_retransmits", "timeouts")},
-                          "window": stats.get("window"), "lanes": lanes}), flush=True)
+                          "window": stats.get("window"), "lanes": lanes,
+                          "datagrams_from_group": session.socket_stats().get("datagrams_from_group", 0)}), flush=True)
     return 0
 
 
@@ -225,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--elems-per-packet", type=int)
     f.add_argument("--window", type=int)
     f.add_argument("--lanes", type=int, help="the session's send lanes (fanin.Session(lanes=...))")
+    f.add_argument("--result-group", help="IPV4:PORT the job's results come on (fanin.Session(result_group=...))")
     g = sub.add_parser("gloo")
     g.add_argument("--master", required=True, help="HOST:PORT of rank 0's TCP store")
     g.add_argument("--ifname", required=True, help="the interface Gloo's ring uses")

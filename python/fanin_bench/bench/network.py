@@ -70,6 +70,10 @@ from fanin_bench.plotting import save_figure
 JOB = 1
 KEYED_JOB = 2  # --auth: the same allreduce in a keyed job, every datagram sealed
 LANES_JOB = 3  # --lanes-arm N: the same allreduce sent from N lanes per worker
+# --results group: the switch sends each result once to this group (port
+# RESULT_GROUP_PORT + job), its namespace's data plane copies it to every host
+RESULT_GROUP_ADDR = "239.77.0.1"
+RESULT_GROUP_PORT = 9500
 GLOO_PORT = 29500
 BLAST_PORT = 9  # discard: nothing listens; the counters measure what arrived
 
@@ -249,6 +253,11 @@ def run_network(args: Any) -> int:
     topo = _topology(args)
     if topo is None:
         return 2
+    group_results = getattr(args, "results", "unicast") == "group"
+    if group_results and len(topo.switches) != 1:
+        print("fanin bench network: --results group needs the star (one switch whose ports reach every worker); "
+              "a tree's switches return results hop by hop", file=sys.stderr)
+        return 2
     n = len(topo.hosts)
     size = parse_size(args.size) if args.size else (4_000_000 if args.quick else 16_000_000)
     elem_bytes = 4 if args.dtype == "float32" else 2
@@ -272,9 +281,16 @@ def run_network(args: Any) -> int:
         targets: dict[int, dict[int, tuple[str, Optional[bytes]]]] = {}  # job -> rank -> (data address, member key)
         # each arm is one job
         arms = (JOB,) + ((KEYED_JOB,) if args.auth else ()) + ((LANES_JOB,) if args.lanes_arm else ())
+        result_groups: dict[int, Optional[str]] = {arm: None for arm in arms}
         if len(topo.switches) == 1:
             job_key = new_job_key() if args.auth else None
-            jobs = [job_config(arm, n, **(dict(job, key=job_key) if arm == KEYED_JOB else job)) for arm in arms]
+            if group_results:
+                # one group address for every arm (the switch's data plane
+                # copies it to every host link), a port per arm's job
+                tb.replicate_group(topo.switches[0].name, RESULT_GROUP_ADDR)
+                result_groups = {arm: f"{RESULT_GROUP_ADDR}:{RESULT_GROUP_PORT + arm}" for arm in arms}
+            jobs = [job_config(arm, n, result_group=result_groups[arm],
+                               **(dict(job, key=job_key) if arm == KEYED_JOB else job)) for arm in arms]
             switches = [tb.switch(topo.switches[0].name, jobs=jobs, **switch_config)]
             for arm in arms:
                 targets[arm] = {r: (f"{tb.addr(edge[h], toward=h)}:{tb.SWITCH_DATA_PORT}",
@@ -312,7 +328,7 @@ def run_network(args: Any) -> int:
                     "fanin", addr=addr, job=arm, rank=r,
                     workers=n, elements=elements, dtype=args.dtype, elems_per_packet=args.elems_per_packet,
                     window=args.window, lanes=args.lanes_arm if arm == LANES_JOB else args.lanes,
-                    collective=args.collective),
+                    collective=args.collective, result_group=result_groups[arm]),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
             stack.callback(stop_workers, procs)
             wait_ready(procs, "fanin")
@@ -397,7 +413,8 @@ def run_network(args: Any) -> int:
     _write_csv(out / "network.csv", rows)
     _plot(rows, out / "network.png", n, size, args.dtype, args.collective)
     result = {"topology": topo.name, "workers": n, "size_bytes": size, "dtype": args.dtype, "collective": args.collective, "mtu": mtu,
-              "gro": bool(args.gro), "elements": elements, "reps": reps,
+              "gro": bool(args.gro), "results": "group" if group_results else "unicast",
+              "elements": elements, "reps": reps,
               "queue_ms": args.queue_ms,
               "rates": rows,
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
@@ -476,6 +493,9 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
         "ip_fragments": sum(frags1[k] - frags0[k] for k in frags1),
         "switch_socket_drops": _delta(sw0, sw1, "socket_drops"),
         "results_without_data": _delta(sw0, sw1, "results_without_data"),
+        # --results group: the datagrams each worker had read from the group
+        # so far (the least of them, at the last repetition); 0 with unicast
+        "fanin_datagrams_from_group_min": min(a.get("datagrams_from_group", 0) for a in answers[-n:]),
         "fanin_times_s": fanin_t,
     }
     if gloo_t:
