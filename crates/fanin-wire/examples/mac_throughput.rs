@@ -27,7 +27,7 @@ fn rate(bytes: usize, mut f: impl FnMut() -> u64) -> f64 {
 fn main() {
     let key = Key([7; 16]);
     let nh = NhKey::new(&key);
-    for size in [64, 1024, 4120, 8216, 65_491] {
+    for size in [64, 1024, 1408, 1460, 4120, 8216, 65_491] {
         let data: Vec<u8> = (0..size).map(|i| (i * 31) as u8).collect();
         let tag = rate(size, || mac(&key, 1, black_box(&data)));
         let expanded = rate(size, || mac_expanded(&key, &nh, 1, black_box(&data)));

@@ -311,8 +311,43 @@ unsafe fn nh_pair_avx512(k: &NhKey, chunk: &[u8]) -> (u64, u64) {
         acc_b = pass!(acc_b, k_hi, k_hi2, m_lo, m_hi);
         i += STEP_WORDS;
     }
-    // Fewer than four groups left go to the scalar loop.
-    with_scalar_tail(k, chunk, i, (_mm512_reduce_add_epi64(acc_a) as u64, _mm512_reduce_add_epi64(acc_b) as u64))
+    // One to three groups left (a datagram is rarely a multiple of 128
+    // bytes: a 1500-byte frame's leaves 3): one more step with the missing
+    // groups' words masked off in the loads, and their products masked off
+    // in the sums (group l is 128-bit lane l, so 64-bit lanes 2l and 2l+1),
+    // instead of the scalar loop, which cost a 1460-byte tag ~15 ns of ~75.
+    let left = words - i;
+    if left > 0 {
+        let groups = left / 8;
+        let first: __mmask16 = if left >= 16 { 0xffff } else { (1u32 << left) as u16 - 1 };
+        let second: __mmask16 = if left > 16 { ((1u32 << (left - 16)) - 1) as u16 } else { 0 };
+        // SAFETY (masked loads): masked-off words are neither read nor
+        // faulted on, so nothing past the chunk's end is touched.
+        let g0 = _mm512_maskz_loadu_epi32(first, m.add(4 * i) as *const i32);
+        let g1 = _mm512_maskz_loadu_epi32(second, m.add(4 * i + 64) as *const i32);
+        let m_lo = _mm512_shuffle_i64x2::<0x88>(g0, g1);
+        let m_hi = _mm512_shuffle_i64x2::<0xdd>(g0, g1);
+        let step = &k.wide.0[i / STEP_WORDS];
+        macro_rules! key {
+            ($o:expr) => {
+                _mm512_load_si512(step[$o].as_ptr() as *const __m512i)
+            };
+        }
+        let (k_lo, k_hi, k_hi2) = (key!(0), key!(1), key!(2));
+        let real: __mmask8 = ((1u32 << (2 * groups)) - 1) as u8;
+        macro_rules! masked_pass {
+            ($acc:expr, $kl:expr, $kh:expr) => {{
+                let lo = _mm512_add_epi32(m_lo, $kl);
+                let hi = _mm512_add_epi32(m_hi, $kh);
+                let even = _mm512_mul_epu32(lo, hi);
+                let odd = _mm512_mul_epu32(_mm512_srli_epi64::<32>(lo), _mm512_srli_epi64::<32>(hi));
+                _mm512_mask_add_epi64($acc, real, $acc, _mm512_add_epi64(even, odd))
+            }};
+        }
+        acc_a = masked_pass!(acc_a, k_lo, k_hi);
+        acc_b = masked_pass!(acc_b, k_hi, k_hi2);
+    }
+    (_mm512_reduce_add_epi64(acc_a) as u64, _mm512_reduce_add_epi64(acc_b) as u64)
 }
 
 /// The fastest NH this CPU runs, decided once per process.
