@@ -299,13 +299,8 @@ impl SendBatch {
                     dests.len() - 1
                 }
                 None => {
-                    order.clear();
-                    order.extend(0..self.entries.len());
-                    order.sort_by_key(|&i| self.entries[i].dest);
-                    let mut entries = std::mem::take(&mut self.regroup_entries);
-                    entries.clear();
-                    entries.extend(order.iter().map(|&i| self.entries[i]));
-                    self.regroup_entries = std::mem::replace(&mut self.entries, entries);
+                    // (stable: each destination's datagrams keep their order)
+                    self.entries.sort_by_key(|e| e.dest);
                     self.order = order;
                     return;
                 }

@@ -253,7 +253,7 @@ def run_network(args: Any) -> int:
     topo = _topology(args)
     if topo is None:
         return 2
-    group_results = getattr(args, "results", "unicast") == "group"
+    group_results = args.results == "group"
     if group_results and len(topo.switches) != 1:
         print("fanin bench network: --results group needs the star (one switch whose ports reach every worker); "
               "a tree's switches return results hop by hop", file=sys.stderr)
