@@ -482,3 +482,31 @@ def test_a_tree_job_is_sized_to_the_smallest_mtu_of_its_switches_and_never_fragm
         for y in in_threads(4, worker):
             np.testing.assert_array_equal(y, 4 * x + 6)
         ctl.close()
+
+
+def test_root_shards_follow_spare_capacity_and_a_switch_with_none_gets_no_share():
+    from fanin.controller.roots import spare_capacity, weigh_root_shards
+
+    # spine0's link to leaf1 is full both ways; spine2's uplink from leaf0 half
+    load = {("spine0", "leaf1"): 0.99, ("leaf1", "spine0"): 1.01, ("leaf0", "spine2"): 0.5}
+    spare = spare_capacity(["spine0", "spine1", "spine2"], ["leaf0", "leaf1"], load)
+    assert spare == {"spine0": 0.0, "spine1": 1.0, "spine2": 0.5}
+    shards = weigh_root_shards(["spine0", "spine1", "spine2"], spare)
+    # 12 units in proportion 0 : 1 : 0.5 = 0 : 8 : 4, reduced to 2 : 1,
+    # interleaved, the largest share first
+    assert shards == ["spine1", "spine2", "spine1"]
+    # the same spare everywhere, or none anywhere: one shard each, unchanged
+    assert weigh_root_shards(["b", "a"], {"a": 0.3, "b": 0.3}) == ["b", "a"]
+    assert weigh_root_shards(["b", "a"], {"a": 0.0, "b": 0.0}) == ["b", "a"]
+    # 9 shards for 0.5 : 0.3 : 0.2: 5 : 3 : 1 loads no switch more than 10
+    # shards per unit of spare capacity, which no split of 9 beats
+    shares = weigh_root_shards(["x", "y", "z"], {"x": 0.5, "y": 0.3, "z": 0.2}, units_per_switch=3)
+    assert [shares.count(c) for c in "xyz"] == [5, 3, 1] and shares[0] == "x"
+    # a nearly full switch gets no shard its spare capacity cannot carry
+    # (largest remainders would give 0.02 and 0.03 one of 20 each)
+    spare = {"s0": 0.02, "s1": 0.01, "s2": 0.5, "s3": 0.03, "s4": 0.5}
+    assert weigh_root_shards(list(spare), spare) == ["s2", "s4"]
+    with pytest.raises(ValueError, match="no spare capacity given for z"):
+        weigh_root_shards(["x", "z"], {"x": 1.0})
+    with pytest.raises(ValueError, match="at least 1"):
+        weigh_root_shards(["x"], {"x": 1.0}, units_per_switch=0)

@@ -115,3 +115,28 @@ def test_allreduce_with_a_spread_root_and_trimming_links_reports_both_and_stays_
     # a topology where no other switch reaches all the root's children
     r = run("allreduce", "--topology", "star:4", "--multi-root", "--out", str(tmp_path), "--no-plot")
     assert r.returncode != 0 and "--multi-root" in r.stderr, r.stderr[-2000:]
+
+
+def test_allreduce_with_root_weights_from_port_counters_avoids_a_full_spine_and_is_faster(tmp_path):
+    # leaf-spine:5,16,10, 128 workers, half-rate background (seed 1): three of
+    # the five spines have a link the background fills; weighed by the port
+    # counters' spare capacity the job leaves them out and runs as fast as on
+    # an idle network; with equal shares it waits for them
+    common = ["allreduce", "--topology", "leaf-spine:5,16,10", "--workers", "128", "--spread", "--size", "65536",
+              "--background-load", "0.5", "--multi-root", "--algorithms", "fanin", "--json", "--no-plot"]
+    equal = run(*common, "--out", str(tmp_path / "equal"))
+    spare = run(*common, "--root-weights", "spare", "--out", str(tmp_path / "spare"))
+    assert equal.returncode == 0 and spare.returncode == 0, (equal.stderr + spare.stderr)[-3000:]
+    e, s = json.loads(equal.stdout), json.loads(spare.stdout)
+    weights = s["root_weights"]
+    assert "root_weights" not in e
+    full = [c for c, v in weights["spare"].items() if v < 0.1]
+    assert full and all(weights["shards"][c] == 0 for c in full), weights
+    assert s["tree_root"] not in full and weights["shards"][s["tree_root"]] > 0
+    (fe,), (fs,) = e["scenarios"][0]["algorithms"], s["scenarios"][0]["algorithms"]
+    assert fe["exact"] and fs["exact"] and fs["retransmissions"] == 0
+    assert fs["goodput_fraction_of_line_rate"] > 0.8 and fe["goodput_fraction_of_line_rate"] < 0.7, (fe, fs)
+    assert fs["completion_us"] < 0.85 * fe["completion_us"], (fe, fs)
+    # weights need a root to spread
+    r = run("allreduce", "--quick", "--root-weights", "spare", "--out", str(tmp_path), "--no-plot")
+    assert r.returncode == 2 and "--multi-root" in r.stderr, r.stderr[-2000:]

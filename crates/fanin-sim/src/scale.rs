@@ -10,7 +10,8 @@
 //!
 //! * **fanin**: every worker runs `fanin_proto::host::AllreduceSession`,
 //!   every tree switch a `fanin_proto::switch::ValueSwitch` with its uplink
-//!   set (the shipped machines, unchanged; one shard per switch).
+//!   set (the shipped machines, unchanged; one shard per switch, except
+//!   that a root spread over several switches runs one shard per share).
 //! * **ring**: reduce-scatter then all-gather, 2(N-1) steps; at step s worker
 //!   j sends chunk (j - s) mod N (S/N elements, packets of the same size as
 //!   fanin's) to worker j + 1, which adds it (reduce-scatter) or stores it
@@ -53,7 +54,10 @@ pub struct Spec {
     /// many roots"): the tree's root first, then the switches that share
     /// its role, each the root of the blocks `shard_of` gives its index,
     /// as the shards of one switch daemon are; the root's children send
-    /// each block's partial to its root. Empty: one root.
+    /// each block's partial to its root. A switch may be listed more than
+    /// once: it then runs that many shards of the root, and takes that
+    /// share of the blocks (weighted roots, `--root-weights spare`). Empty:
+    /// one root.
     #[serde(default)]
     pub root_shards: Vec<u32>,
 }
@@ -106,8 +110,8 @@ impl Spec {
                 return Err(format!("spec: root_shards must start with the tree's root (node {})", roots[0].node));
             }
             for &r in &self.root_shards[1..] {
-                if r >= n || !self.nodes[r as usize].switch || self.tree.iter().any(|s| s.node == r) {
-                    return Err(format!("spec: root shard {r} must be a switch outside the tree"));
+                if r >= n || !self.nodes[r as usize].switch || (r != first && self.tree.iter().any(|s| s.node == r)) {
+                    return Err(format!("spec: root shard {r} must be the root or a switch outside the tree"));
                 }
             }
         }
@@ -310,6 +314,20 @@ pub fn run(spec: &Spec, cfg: &ScaleConfig, algorithm: Algorithm, progress: Progr
     }
 }
 
+/// What every link's port counters show after `window` of the other
+/// tenants' traffic alone (`cfg.background_load`), before the job starts:
+/// the view a controller has when it places the job (`fanin sim allreduce
+/// --root-weights spare` weighs the root's shards by it). Per channel, as
+/// [`ScaleResult::channels`].
+pub fn port_counters(spec: &Spec, cfg: &ScaleConfig, window: Ps) -> Result<Vec<ChannelStats>, String> {
+    spec.validate()?;
+    let mut c: Common<NetEv> = Common::new(spec, cfg, background_flows(spec, cfg)?);
+    while let Some((_, e)) = c.ev.pop_until(window) {
+        c.net.handle(&mut c.ev, e);
+    }
+    Ok((0..c.net.channels()).map(|i| c.net.channel_stats(i)).collect())
+}
+
 /// What both runs share: the clock, the network, completion bookkeeping.
 struct Common<E> {
     ev: EventQueue<E>,
@@ -397,7 +415,9 @@ struct FaninRun<'a> {
     spec: &'a Spec,
     c: Common<FEv>,
     sessions: Vec<AllreduceSession>,
-    /// Tree switches, and node id -> index into them.
+    /// Tree switches, and node id -> index into them (a switch that runs
+    /// several root shards: its first; the others are reached through
+    /// `WrongShard`, as a daemon's shards pass a datagram to its owner).
     switches: Vec<ValueSwitch<u32>>,
     switch_of_node: HashMap<u32, usize>,
     /// The node each switch runs on.
@@ -427,8 +447,16 @@ impl<'a> FaninRun<'a> {
         let root = spec.tree.iter().find(|s| s.parent.is_none()).ok_or("spec: no root")?;
         // the root's extra shards: the root's members, no parent
         let extra = spec.root_shards.iter().skip(1).map(|&node| SpecSwitch { node, parent: None, rank: None, members: root.members.clone() });
-        for s in spec.tree.iter().cloned().chain(extra) {
-            let shard = spec.root_shards.iter().position(|&r| r == s.node);
+        for (i, s) in spec.tree.iter().cloned().chain(extra).enumerate() {
+            // shard k of the root is the k-th entry of root_shards: the tree's
+            // root (shard 0) where the tree lists it, the extra ones in order
+            let shard = if s.parent.is_some() || spec.root_shards.is_empty() {
+                None
+            } else if i < spec.tree.len() {
+                Some(0)
+            } else {
+                Some(i - spec.tree.len() + 1)
+            };
             let config = match shard {
                 Some(i) => ShardConfig { shard: i as u16, shard_count: shards, ..ShardConfig::single(1 << 34) },
                 None => ShardConfig::single(1 << 34),
@@ -443,12 +471,18 @@ impl<'a> FaninRun<'a> {
                 (Some(_), None) => return Err(format!("switch {}: a parent but no rank", spec.nodes[s.node as usize].name)),
             };
             sw.set_uplink(job_id, uplink).map_err(|e| e.to_string())?;
-            switch_of_node.insert(s.node, switches.len());
+            switch_of_node.entry(s.node).or_insert(switches.len());
             switch_nodes.push(s.node);
             switches.push(sw);
         }
-        // the root's shards, by shard index, as indices into `switches`
-        let root_shards = spec.root_shards.iter().map(|r| switch_of_node[r]).collect();
+        // the root's shards, by shard index, as indices into `switches`:
+        // the tree's root, then the extra ones in the order they were added
+        let root_index = switch_of_node[&root.node];
+        let root_shards = if spec.root_shards.is_empty() {
+            Vec::new()
+        } else {
+            std::iter::once(root_index).chain(spec.tree.len()..switches.len()).collect()
+        };
         let sessions = (0..n)
             .map(|w| {
                 let mut c = SessionConfig::new(job_id, w as u16);
@@ -491,7 +525,20 @@ impl<'a> FaninRun<'a> {
                     let Some(d) = self.c.net.handle(&mut self.c.ev, e) else { continue };
                     if let Some(&s) = self.switch_of_node.get(&d.dst) {
                         let mut out = VecTransmit::new();
-                        match self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out) {
+                        let mut verdict = self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out);
+                        // a switch that runs several root shards: the one
+                        // that owns the block takes it
+                        let mut s = s;
+                        if let Verdict::WrongShard(k) = verdict {
+                            match self.root_shards.get(k as usize) {
+                                Some(&t) if self.switch_nodes[t] == d.dst && t != s => {
+                                    s = t;
+                                    verdict = self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out);
+                                }
+                                _ => {}
+                            }
+                        }
+                        match verdict {
                             Verdict::Consumed => {}
                             Verdict::WrongShard(k) => {
                                 return Err(format!("switch {s} answered WrongShard({k}): children route by shard"));

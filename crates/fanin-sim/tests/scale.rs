@@ -196,10 +196,66 @@ fn a_root_spread_over_several_switches_is_exact_uses_every_uplink_and_keeps_resu
     // results, so reordering across shards is not taken for loss
     assert_eq!(b.queue_drops, 0);
     assert_eq!(b.retransmissions, 0, "no drops, so no retransmission is needed");
-    // a root shard must be a switch outside the tree
+    // a root shard must be the root or a switch outside the tree
     let mut bad = many.clone();
-    bad.root_shards.push(bad.tree[0].node);
+    let inner = bad.tree.iter().find(|t| t.parent.is_some()).unwrap().node;
+    bad.root_shards.push(inner);
     assert!(bad.validate().unwrap_err().contains("outside the tree"));
+}
+
+/// Bytes the job sent into `node` over all its links.
+fn bytes_into(s: &Spec, r: &ScaleResult, node: u32) -> u64 {
+    let mut total = 0;
+    for (i, l) in s.links.iter().enumerate() {
+        if l[1] == node {
+            total += r.channels[2 * i].sent_bytes;
+        }
+        if l[0] == node {
+            total += r.channels[2 * i + 1].sent_bytes;
+        }
+    }
+    total
+}
+
+#[test]
+fn a_switch_listed_k_times_among_the_root_shards_runs_k_shards_and_takes_k_shares_of_the_blocks() {
+    let even = multi_root_spec();
+    let (root, peer) = (even.root_shards[0], even.root_shards[1]);
+    let mut weighted = even.clone();
+    weighted.root_shards = vec![root, peer, peer, peer];
+    weighted.validate().unwrap();
+    let cfg = config(0.0);
+    let (a, b) = (go(&even, &cfg, Algorithm::Fanin), go(&weighted, &cfg, Algorithm::Fanin));
+    assert!(a.exact && b.exact);
+    assert_eq!(b.retransmissions, 0, "results of the peer's three shards keep their order per shard");
+    let ratio = |r: &ScaleResult| bytes_into(&weighted, r, peer) as f64 / bytes_into(&weighted, r, root) as f64;
+    // partials come in from every child: the peer gets 3 of 4 blocks' worth
+    assert!((ratio(&a) - 1.0).abs() < 0.1, "even: {}", ratio(&a));
+    assert!((ratio(&b) - 3.0).abs() < 0.3, "weighted 3:1: {}", ratio(&b));
+    // a switch with no share is simply not listed; the root may hold more than one
+    weighted.root_shards = vec![root, root];
+    let c = go(&weighted, &cfg, Algorithm::Fanin);
+    assert!(c.exact);
+    assert_eq!(bytes_into(&weighted, &c, peer), 0, "the peer has no share");
+}
+
+#[test]
+fn port_counters_show_the_background_alone_at_its_load() {
+    use fanin_sim::kernel::PS_PER_NS;
+    use fanin_sim::scale::port_counters;
+    let s = spread_spec();
+    let window_us = 40;
+    let window = window_us * 1_000 * PS_PER_NS;
+    let idle = port_counters(&s, &config(0.0), window).unwrap();
+    assert!(idle.iter().all(|c| c.sent_bytes == 0), "no tenant, no traffic");
+    let busy = port_counters(&s, &ScaleConfig { background_load: 0.5, ..config(0.0) }, window).unwrap();
+    // a host's own link carries its flow at half the rate (its first
+    // datagram waits for the flow's phase), never more than the link can
+    let capacity = 100e9 / 8.0 * window_us as f64 * 1e-6;
+    let loads: Vec<f64> = busy.iter().map(|c| c.sent_bytes as f64 / capacity).collect();
+    let busiest = loads.iter().copied().fold(0.0, f64::max);
+    assert!(busiest > 0.45 && busiest <= 1.0, "busiest link at {busiest}");
+    assert!(loads.iter().filter(|&&l| l > 0.4).count() >= 8, "every tenant's host link: {loads:?}");
 }
 
 #[test]

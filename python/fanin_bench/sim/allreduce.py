@@ -26,13 +26,18 @@ import tempfile
 from collections import deque
 from typing import Optional
 
+from dataclasses import replace
+from typing import Mapping
+
+from fanin.controller.roots import spare_capacity, weigh_root_shards
 from fanin.controller.tree import build_tree, roles
 from fanin.topology import Topology, load
 
-__all__ = ["build_spec", "link_layers", "top_layer", "main"]
+__all__ = ["build_spec", "root_spare", "link_layers", "top_layer", "main"]
 
 
-def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: bool = False) -> dict:
+def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: bool = False,
+               root_spare: Optional[Mapping[str, float]] = None) -> dict:
     """The simulator's input: nodes, links and the tree of a job whose rank
     r runs on the r-th host of the topology, or, with `spread`, on the
     hosts taken evenly from every edge switch (the first hosts of each, in
@@ -42,7 +47,11 @@ def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: b
     `multi_root` spreads the root's role over every switch that is a
     neighbour of all the root's children (a leaf-spine's spines): each is
     the root of the blocks `shard_of` assigns it (`root_shards`), so each
-    child's partials leave over all its uplinks instead of one."""
+    child's partials leave over all its uplinks instead of one. With
+    `root_spare` (each candidate's spare capacity, `root_spare()`), the
+    shares follow it (`fanin.controller.roots.weigh_root_shards`): a switch
+    may hold several shards or none, and the one with the largest share
+    takes the tree root's place."""
     all_hosts = [h.name for h in topo.hosts]
     if not 1 <= workers <= len(all_hosts):
         raise ValueError(f"--workers must be between 1 and {len(all_hosts)} on {topo.name}")
@@ -68,6 +77,19 @@ def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: b
             raise ValueError(f"--multi-root: no switch of {topo.name} besides {tree.root} reaches every child of the "
                              f"root ({', '.join(children) or 'none'}); a leaf-spine has one per spine")
         root_shards = [tree.root, *sorted(peers)]
+        if root_spare is not None:
+            root_shards = weigh_root_shards(root_shards, root_spare)
+            if root_shards[0] != tree.root:
+                # the switch with the largest share becomes shard 0, where
+                # the job's joins go: it takes the root's role in the tree
+                new_root = root_shards[0]
+                switch_roles[new_root] = switch_roles.pop(tree.root)
+                for s, role in list(switch_roles.items()):
+                    if role.parent == tree.root:
+                        switch_roles[s] = replace(role, parent=new_root)
+    elif root_spare is not None:
+        raise ValueError("root weights need --multi-root: one root has nothing to weigh")
+    tree_root = root_shards[0] if root_shards else tree.root
     return {
         "name": topo.name,
         "nodes": [{"name": n, "switch": topo.is_switch(n)} for n in names],
@@ -79,9 +101,24 @@ def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: b
             for s, role in sorted(switch_roles.items())
         ],
         "root_shards": [index[s] for s in root_shards],
-        "root": tree.root,
+        "root": tree_root,
         "levels": tree.depth(),
     }
+
+
+def root_spare(spec: dict, load: list[float]) -> dict[str, float]:
+    """Each candidate root's spare capacity (`spare_capacity`) from the
+    per-channel loads `fanin-sim port-counters` read on `spec`'s network:
+    channel 2i is link i's a -> b direction, 2i + 1 its b -> a."""
+    names = [n["name"] for n in spec["nodes"]]
+    by_pair = {}
+    for i, (a, b) in enumerate(spec["links"]):
+        by_pair[(names[a], names[b])] = load[2 * i]
+        by_pair[(names[b], names[a])] = load[2 * i + 1]
+    root = spec["root"]
+    children = [names[s["node"]] for s in spec["tree"] if s["parent"] is not None and names[s["parent"]] == root]
+    candidates = list(dict.fromkeys(names[i] for i in spec["root_shards"]))
+    return spare_capacity(candidates, children, by_pair)
 
 
 def link_layers(topo: Topology) -> list[str]:
@@ -170,6 +207,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="spread the tree's root over every switch that reaches all the root's children (a "
                         "leaf-spine's spines): each is the root of a share of the blocks, so a leaf's partials use "
                         "all its uplinks, not one")
+    p.add_argument("--root-weights", choices=["equal", "spare"], default="equal",
+                   help="with --multi-root: give every root switch the same share of the blocks (equal), or "
+                        "shares in proportion to the spare capacity of its links to the root's children, read from "
+                        "the port counters over --counters-us of the background alone before the job (spare; "
+                        "fanin.controller.roots)")
+    p.add_argument("--counters-us", type=int, default=50,
+                   help="with --root-weights spare: the port-counter window in simulated µs (default %(default)s)")
     p.add_argument("--trimming", action="store_true",
                    help="NDP trimming in every link queue instead of drop-tail (same buffer): a datagram that finds "
                         "the queue full is cut to its fanin header, which tells the switch or worker of the loss at "
@@ -199,21 +243,45 @@ def main(binary: str, argv: list[str]) -> int:
     except ValueError as e:
         print(f"fanin sim allreduce: {e}", file=sys.stderr)
         return 2
+    if args.root_weights == "spare" and not args.multi_root:
+        print("fanin sim allreduce: --root-weights spare needs --multi-root (one root has nothing to weigh)",
+              file=sys.stderr)
+        return 2
+    if args.counters_us < 1:
+        print("fanin sim allreduce: --counters-us must be at least 1", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
     spec_path = os.path.join(args.out, "allreduce_spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
+    # the network and its traffic, as every run of this invocation has them
+    network = ["--elems-per-packet", str(args.elems_per_packet), "--rate-gbps", str(args.rate_gbps),
+               "--delay-ns", str(args.delay_ns), "--queue-pkts", str(args.queue_pkts), "--seed", str(args.seed),
+               "--background-load", str(args.background_load)] + (["--trimming"] if args.trimming else []) \
+        + (["--responsive-background"] if args.responsive_background else [])
+    shares = None
+    if args.root_weights == "spare":
+        proc = subprocess.run([binary, "port-counters", "--spec", spec_path, "--json",
+                               "--window-us", str(args.counters_us)] + network, stdout=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            return proc.returncode
+        spare = root_spare(spec, json.loads(proc.stdout)["load"])
+        spec = build_spec(topo, args.workers or len(topo.hosts), spread=args.spread, multi_root=True, root_spare=spare)
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        names = [n["name"] for n in spec["nodes"]]
+        shares = {"spare": spare, "shards": {c: 0 for c in spare}}
+        for i in spec["root_shards"]:
+            shares["shards"][names[i]] += 1
+        print("fanin sim allreduce: root shards by spare capacity: " + ", ".join(
+            f"{c} {shares['shards'][c]} (spare {v:.2f})" for c, v in spare.items()), file=sys.stderr)
     layers = link_layers(topo)
     runs = []
     for name, loss, stragglers in _scenarios(args):
         argv = [binary, "allreduce", "--spec", spec_path, "--json", "--algorithms", args.algorithms,
-                "--elements", str(args.size), "--elems-per-packet", str(args.elems_per_packet),
-                "--window", str(args.window), "--rate-gbps", str(args.rate_gbps), "--delay-ns", str(args.delay_ns),
-                "--queue-pkts", str(args.queue_pkts),
+                "--elements", str(args.size), "--window", str(args.window),
                 "--loss", str(loss), "--stragglers", str(stragglers), "--straggler-delay-us",
-                str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms), "--seed", str(args.seed),
-                "--background-load", str(args.background_load)] + (["--trimming"] if args.trimming else []) \
-            + (["--responsive-background"] if args.responsive_background else [])
+                str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms)] + network
         print(f"fanin sim allreduce: scenario {name} (loss {loss}, stragglers {stragglers})", file=sys.stderr)
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
@@ -222,6 +290,8 @@ def main(binary: str, argv: list[str]) -> int:
         runs.append({"scenario": name, "loss": loss, "stragglers": stragglers, "raw": out,
                      "summary": [_summary(r, layers, out.get("config")) for r in out["results"]]})
     report = _report(spec, topo, args, runs)
+    if shares is not None:
+        report["root_weights"] = shares
     _write(args.out, topo, layers, runs, report)
     if not args.no_plot:
         try:

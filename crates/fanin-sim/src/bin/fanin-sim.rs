@@ -42,6 +42,12 @@ usage:
                       [--seed S] [--background-load F [--responsive-background]] [--trimming] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
+  fanin-sim port-counters --spec FILE --background-load F [--window-us US] [--rate-gbps R]
+                          [--delay-ns D] [--queue-pkts Q] [--elems-per-packet P] [--seed S]
+                          [--responsive-background] [--trimming] [--json]
+      the other tenants' traffic alone on the network in FILE for US (50) µs: bytes each link
+      sent and its load (a fraction of the link rate), what a controller reads from the
+      switches' port counters before it places a job (`fanin sim allreduce --root-weights spare`)
   fanin-sim goat --spec FILE [--elems-per-packet P] [--window W] [--rate-gbps R] [--delay-ns D]
                  [--queue-pkts Q] [--loss P] [--seed S] [--json]
       a GOAT plan's jobs (the PS as host aggregator, switches' responsibility filters) from FILE
@@ -274,11 +280,14 @@ fn allreduce(mut args: Args) -> Result<(), String> {
     }
 }
 
-fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
-    use fanin_sim::scale::{run, Algorithm, ScaleConfig, Spec};
+fn read_scale_spec(spec_path: &str) -> Result<fanin_sim::scale::Spec, String> {
     let text = std::fs::read_to_string(spec_path).map_err(|e| format!("{spec_path}: {e}"))?;
-    let spec: Spec = serde_json::from_str(&text).map_err(|e| format!("{spec_path}: {e}"))?;
-    let mut c = ScaleConfig::default();
+    serde_json::from_str(&text).map_err(|e| format!("{spec_path}: {e}"))
+}
+
+/// The network and traffic options `allreduce --spec` and `port-counters` share.
+fn scale_config(args: &mut Args) -> Result<fanin_sim::scale::ScaleConfig, String> {
+    let mut c = fanin_sim::scale::ScaleConfig::default();
     macro_rules! opt {
         ($flag:literal, $($field:ident).+) => {
             if let Some(v) = args.value($flag)? {
@@ -300,6 +309,13 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
     opt!("--background-load", background_load);
     c.links.trimming = args.flag("--trimming");
     c.background_responsive = args.flag("--responsive-background");
+    Ok(c)
+}
+
+fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
+    use fanin_sim::scale::{run, Algorithm};
+    let spec = read_scale_spec(spec_path)?;
+    let c = scale_config(&mut args)?;
     let algorithms: Vec<Algorithm> =
         args.value::<String>("--algorithms")?.unwrap_or_else(|| "fanin,ring".into()).split(',').map(str::parse).collect::<Result<_, _>>()?;
     let as_json = args.flag("--json");
@@ -324,6 +340,33 @@ fn allreduce_at_scale(mut args: Args, spec_path: &str) -> Result<(), String> {
     } else {
         Err("a worker's result differs from the reference sum".into())
     }
+}
+
+fn port_counters(mut args: Args) -> Result<(), String> {
+    let spec_path: String = args.value("--spec")?.ok_or("port-counters needs --spec FILE (written by `fanin sim allreduce`)")?;
+    let spec = read_scale_spec(&spec_path)?;
+    let c = scale_config(&mut args)?;
+    let window_us: u64 = args.value("--window-us")?.unwrap_or(50);
+    let as_json = args.flag("--json");
+    args.finish()?;
+    if window_us == 0 {
+        return Err("--window-us must be at least 1".into());
+    }
+    let window = window_us * 1_000 * fanin_sim::kernel::PS_PER_NS;
+    let channels = fanin_sim::scale::port_counters(&spec, &c, window)?;
+    // bytes a link can send in the window, wire overhead included
+    let capacity = c.links.rate_gbps as f64 * 1e9 / 8.0 * window_us as f64 * 1e-6;
+    let load: Vec<f64> = channels.iter().map(|ch| ch.sent_bytes as f64 / capacity).collect();
+    let busiest = load.iter().copied().fold(0.0, f64::max);
+    eprintln!(
+        "port counters on {} after {window_us} µs of background at {}: {} of {} channels carry traffic, the busiest at {busiest:.2} of its rate",
+        spec.name, c.background_load, load.iter().filter(|&&l| l > 0.0).count(), load.len()
+    );
+    if as_json {
+        let out = serde_json::json!({ "topology": spec.name, "window_us": window_us, "config": c, "load": load, "channels": channels });
+        println!("{}", serde_json::to_string(&out).expect("json"));
+    }
+    Ok(())
 }
 
 fn goat(mut args: Args) -> Result<(), String> {
@@ -538,6 +581,7 @@ fn main() -> ExitCode {
         "allreduce" => allreduce(args),
         "permutation" => permutation(args),
         "goat" => goat(args),
+        "port-counters" => port_counters(args),
         _ => Err(format!("unknown command {cmd:?}\n{USAGE}")),
     };
     match r {
