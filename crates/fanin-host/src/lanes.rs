@@ -44,6 +44,10 @@ const BATCHES_PER_LANE: usize = 3;
 /// for it.
 pub(crate) struct SendLanes {
     lanes: Vec<Lane>,
+    /// The first error lane 0 met sending a full batch in the middle of a
+    /// burst ([`push`](Self::push)), reported by the next
+    /// [`flush_all`](Self::flush_all) as a threaded lane's would be.
+    deferred: Option<io::Error>,
 }
 
 struct Lane {
@@ -70,7 +74,7 @@ impl SendLanes {
     /// the socket has it).
     pub(crate) fn new(socket: BatchSocket, offload: bool) -> Self {
         let filling = new_batch(&socket, offload);
-        Self { lanes: vec![Lane { socket: Arc::new(socket), filling, queued: 0, thread: None }] }
+        Self { lanes: vec![Lane { socket: Arc::new(socket), filling, queued: 0, thread: None }], deferred: None }
     }
 
     /// Adds a lane sending from `socket` on a new thread.
@@ -124,7 +128,9 @@ impl SendLanes {
     pub(crate) fn push(&mut self, shard: u16, dest: SocketAddr, len: usize) -> &mut [u8] {
         let lane = shard as usize % self.lanes.len();
         if self.lanes[lane].filling.is_full() {
-            let _ = self.flush(lane);
+            if let Err(e) = self.flush(lane) {
+                self.deferred.get_or_insert(e);
+            }
         }
         self.lanes[lane].queued += 1;
         self.lanes[lane].filling.push(dest, len)
@@ -136,10 +142,14 @@ impl SendLanes {
     }
 
     /// Sends what every lane holds (threaded lanes: hands it to the thread).
-    /// Returns the first error: lane 0's own, or one a lane's thread met
-    /// since the last call.
+    /// Returns the first error: one lane 0 met since the last call (in
+    /// this flush or a full batch's mid-burst one), or one a lane's thread
+    /// met.
     pub(crate) fn flush_all(&mut self) -> io::Result<()> {
-        let mut first = Ok(());
+        let mut first = match self.deferred.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
         for lane in 0..self.lanes.len() {
             let r = self.flush(lane).and_then(|()| self.lanes[lane].take_thread_error());
             if first.is_ok() {
@@ -216,6 +226,26 @@ impl Drop for SendLanes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A send error on lane 0 when a full batch goes out in the middle of a
+    /// burst is not lost: the burst's flush reports it, even though what
+    /// the flush itself sent went out.
+    #[test]
+    fn a_mid_burst_send_error_on_lane_0_is_reported_by_the_next_flush() {
+        let socket = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let sink = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut lanes = SendLanes::new(socket, false);
+        // port 0 is no destination: the kernel refuses the send (EINVAL)
+        let nowhere: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        for _ in 0..BATCH_DATAGRAMS {
+            lanes.push(0, nowhere, 8).fill(1);
+        }
+        // the full batch goes out (and fails) here; this one is fine
+        lanes.push(0, sink.local_addr().unwrap(), 8).fill(2);
+        let err = lanes.flush_all().expect_err("the mid-burst failure is reported");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+        assert!(lanes.flush_all().is_ok(), "reported once");
+    }
 
     /// A lane whose thread died says so, with the panic's message, instead
     /// of the caller waiting for a batch that never comes back.
