@@ -140,3 +140,20 @@ def test_allreduce_with_root_weights_from_port_counters_avoids_a_full_spine_and_
     # weights need a root to spread
     r = run("allreduce", "--quick", "--root-weights", "spare", "--out", str(tmp_path), "--no-plot")
     assert r.returncode == 2 and "--multi-root" in r.stderr, r.stderr[-2000:]
+
+
+def test_allreduce_on_links_trimmed_by_the_tofino_design_reports_its_meters_and_stays_exact(tmp_path):
+    # the trimming study's Tofino design in every switch (ingress meters,
+    # deflect on drop) under shallow queues and background traffic
+    r = run("allreduce", "--topology", "leaf-spine:3,4,4", "--workers", "8", "--spread", "--size", "8192",
+            "--background-load", "0.5", "--queue-pkts", "8", "--trimming", "tofino", "--json",
+            "--out", str(tmp_path), "--no-plot")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (scenario,) = json.loads(r.stdout)["scenarios"]
+    for a in scenario["algorithms"]:
+        assert a["exact"], a
+    fanin = next(a for a in scenario["algorithms"] if a["algorithm"] == "fanin")
+    assert fanin["tofino"]["trims_ingress"] > 0 and fanin["trims"] >= fanin["tofino"]["trims_ingress"], fanin
+    assert fanin["tofino"]["notifications"] == fanin["tofino"]["deflected"], fanin
+    r = run("allreduce", "--quick", "--trimming", "p4", "--out", str(tmp_path), "--no-plot")
+    assert r.returncode == 2 and "invalid choice" in r.stderr, r.stderr[-2000:]

@@ -7,12 +7,17 @@
 //! channel counts what it was offered, sent, lost and delivered.
 //!
 //! `net.rs` carries 40-byte `Copy` packets without payload for the trimming
-//! study; aggregation needs the bytes, so it lives here.
+//! study; aggregation needs the bytes, so it lives here. With
+//! `trimming` and `tofino` the switches trim as the study's Tofino design
+//! does (`fanin_proto::trim::meter`: ingress meters per egress port, deflect
+//! on drop into the pipeline's recirculation port, whose dequeue is the
+//! congestion notification), not as ideal NDP queues.
 
 use std::collections::VecDeque;
 
 use fanin_proto::fault::{DropInjector, SplitMix64};
-use fanin_proto::trim::{NdpVerdict, PortQueue, QueueConfig, Trimmable};
+use fanin_proto::trim::{IngressTrimmer, IngressVerdict, NdpVerdict, PortQueue, QueueConfig, TrimControlConfig, Trimmable};
+use fanin_proto::Time;
 use serde::Serialize;
 
 use crate::kernel::{tx_time, EventQueue, Ps};
@@ -28,6 +33,12 @@ pub enum NetEv {
     TxDone { chan: u32 },
     /// Background flow `flow` sends its next datagram.
     Background { flow: u32 },
+    /// The Tofino design: switch `node`'s recirculation port of `pipeline`
+    /// finished sending a deflected datagram.
+    RecircDone { node: u32, pipeline: u32 },
+    /// A deflected datagram is back in `node`'s ingress: cut, it joins the
+    /// header queue of channel `chan`.
+    RecircArrive { node: u32, pipeline: u32, chan: u32, buf: u32 },
 }
 
 /// Background traffic (other tenants): a flow sends datagrams of `bytes`
@@ -89,11 +100,18 @@ pub struct LinkParams {
     /// false: drop-tail. Same buffer either way.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub trimming: bool,
+    /// With `trimming`: the switches trim as the trimming study's Tofino
+    /// design (ingress meters, deflect on drop, notifications; the
+    /// paper's §6.2 parameters) instead of ideal NDP queues. Hosts' own
+    /// queues stay NDP queues, so the two designs differ only in the
+    /// switches.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tofino: bool,
 }
 
 impl Default for LinkParams {
     fn default() -> Self {
-        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0, trimming: false }
+        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0, trimming: false, tofino: false }
     }
 }
 
@@ -107,6 +125,7 @@ impl LinkParams {
             loss: self.loss,
             seed,
             trimming: self.trimming,
+            tofino: self.trimming && self.tofino,
         }
     }
 }
@@ -122,6 +141,29 @@ pub struct ChannelConfig {
     pub seed: u64,
     /// NDP trimming instead of drop-tail when the queue is full.
     pub trimming: bool,
+    /// The Tofino design's trimming in every switch (implies `trimming`'s
+    /// header queues).
+    pub tofino: bool,
+}
+
+/// Ports per ingress pipeline of a Tofino switch (the trimming study's).
+pub const PORTS_PER_PIPELINE: usize = 16;
+
+/// The recirculation ports' latency (the trimming study's).
+pub const RECIRC_LATENCY: Ps = 1_000 * crate::kernel::PS_PER_NS;
+
+/// A switch's Tofino-design trimming: its ingress trimmer and, per
+/// pipeline, the recirculation (deflect-on-drop) port, at the link rate.
+struct TofinoSwitch {
+    trimmer: IngressTrimmer,
+    recirc: Vec<Recirc>,
+}
+
+#[derive(Default)]
+struct Recirc {
+    /// Deflected datagrams: (buffer, the channel it was bound for).
+    queue: VecDeque<(u32, u32)>,
+    busy: bool,
 }
 
 /// A queued datagram as the port queue sees it: its buffer, its length on
@@ -204,8 +246,27 @@ pub struct Fabric {
     pub datagrams: u64,
     pub queue_drops: u64,
     pub link_drops: u64,
-    /// Datagrams a trimming queue cut to their header (`trimming` links).
+    /// Datagrams a trimming queue cut to their header (`trimming` links;
+    /// with `tofino`, in ingress or after a deflection).
     pub trims: u64,
+    /// The Tofino design: per node (switches only), its trimmer and
+    /// recirculation ports; per channel, its port number at its source.
+    tofino: Vec<Option<TofinoSwitch>>,
+    port_of_chan: Vec<u16>,
+    pub tofino_stats: TofinoStats,
+}
+
+/// What the Tofino design's switches did (zero without it).
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct TofinoStats {
+    /// Datagrams an ingress meter trimmed.
+    pub trims_ingress: u64,
+    /// Datagrams that found their data queue full and were deflected into
+    /// the recirculation port (each trimmed when it came back).
+    pub deflected: u64,
+    /// Congestion notifications (a deflected datagram left a recirculation
+    /// port).
+    pub notifications: u64,
 }
 
 impl Fabric {
@@ -229,6 +290,21 @@ impl Fabric {
         for a in &mut adj {
             a.sort_unstable();
         }
+        let mut port_of_chan = vec![0u16; chans.len()];
+        for a in &adj {
+            for (port, &(_, chan)) in a.iter().enumerate() {
+                port_of_chan[chan as usize] = port as u16;
+            }
+        }
+        let tofino = (0..n)
+            .map(|v| {
+                (cfg.tofino && is_switch[v]).then(|| {
+                    let pipelines = adj[v].len().div_ceil(PORTS_PER_PIPELINE).max(1);
+                    let config = TrimControlConfig { pipelines, ports_per_pipeline: PORTS_PER_PIPELINE, line_rate_bps: cfg.rate_bps, ..TrimControlConfig::default() };
+                    TofinoSwitch { trimmer: IngressTrimmer::new(config), recirc: (0..pipelines).map(|_| Recirc::default()).collect() }
+                })
+            })
+            .collect();
         let dist = (0..n as u32)
             .map(|d| {
                 let mut dist = vec![u32::MAX; n];
@@ -265,6 +341,9 @@ impl Fabric {
             queue_drops: 0,
             link_drops: 0,
             trims: 0,
+            tofino,
+            port_of_chan,
+            tofino_stats: TofinoStats::default(),
         }
     }
 
@@ -323,7 +402,12 @@ impl Fabric {
 
     fn inject<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, d: Dgram) {
         let src = d.src;
-        let buf = match self.free.pop() {
+        let buf = self.store(d);
+        self.forward(ev, src, None, buf);
+    }
+
+    fn store(&mut self, d: Dgram) -> u32 {
+        match self.free.pop() {
             Some(i) => {
                 self.bufs[i as usize] = Some(d);
                 i
@@ -332,8 +416,7 @@ impl Fabric {
                 self.bufs.push(Some(d));
                 self.bufs.len() as u32 - 1
             }
-        };
-        self.forward(ev, src, buf);
+        }
     }
 
     fn next_hop(&self, at: u32, d: &Dgram) -> u32 {
@@ -346,14 +429,20 @@ impl Fabric {
         cands.nth(pick as usize).expect("a next hop").1
     }
 
-    fn forward<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, at: u32, buf: u32) {
+    /// Datagram `buf` at node `at`, which it reached over channel
+    /// `arrived_on` (None: `at` sent it), goes out on the next hop's channel.
+    fn forward<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, at: u32, arrived_on: Option<u32>, buf: u32) {
         let d = self.bufs[buf as usize].as_ref().expect("live buffer");
         let len = d.bytes.len() as u64 + WIRE_OVERHEAD as u64;
         let chan = self.next_hop(at, d);
-        let c = &mut self.chans[chan as usize];
-        c.stats.offered_bytes += len;
-        let item = Queued { buf, wire_len: len as u32, cut: false };
         let flow = d.flow;
+        self.chans[chan as usize].stats.offered_bytes += len;
+        if self.tofino[at as usize].is_some() {
+            self.forward_tofino(ev, at, arrived_on, chan, buf, len);
+            return;
+        }
+        let c = &mut self.chans[chan as usize];
+        let item = Queued { buf, wire_len: len as u32, cut: false };
         let mut trimmed = false;
         let queued = if self.cfg.trimming {
             match c.queue.enqueue_ndp(item) {
@@ -382,6 +471,74 @@ impl Fabric {
             self.background_loss(flow, ev.now());
         }
         self.kick(ev, chan);
+    }
+
+    /// The Tofino design at switch `at` (the trimming study's `Tofino`
+    /// model, with fanin's datagrams): the ingress pipeline's meter for the
+    /// egress port trims, or the datagram is queued; one that finds the
+    /// data queue full is deflected into the pipeline's recirculation port,
+    /// whose dequeue notifies every pipeline (the congestion signal), and
+    /// is cut when it comes back. A datagram the switch sent itself (a
+    /// tree switch's partial or result) enters the egress port's pipeline.
+    fn forward_tofino<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, at: u32, arrived_on: Option<u32>, chan: u32, buf: u32, len: u64) {
+        let egress = self.port_of_chan[chan as usize] as usize;
+        let now = Time::from_nanos(ev.now() / crate::kernel::PS_PER_NS);
+        let sw = self.tofino[at as usize].as_mut().expect("a Tofino switch");
+        let ingress = arrived_on.map_or(egress, |c| self.port_of_chan[(c ^ 1) as usize] as usize);
+        let pipeline = sw.trimmer.pipeline_of(ingress);
+        let flow = self.bufs[buf as usize].as_ref().expect("live buffer").flow;
+        let mut item = Queued { buf, wire_len: len as u32, cut: false };
+        match sw.trimmer.on_data(now, pipeline, egress, len as u32) {
+            IngressVerdict::Trim(_) => {
+                self.tofino_stats.trims_ingress += 1;
+                self.trims += 1;
+                self.background_loss(flow, ev.now());
+                item.trim();
+                self.enqueue_header(ev, chan, item);
+            }
+            IngressVerdict::Forward => match self.chans[chan as usize].queue.try_enqueue_data(item) {
+                Ok(()) => self.kick(ev, chan),
+                Err(_) => {
+                    self.tofino_stats.deflected += 1;
+                    let r = &mut sw.recirc[pipeline];
+                    r.queue.push_back((buf, chan));
+                    self.recirc_kick(ev, at, pipeline as u32);
+                }
+            },
+        }
+    }
+
+    /// A cut datagram into channel `chan`'s header queue (dropped, and
+    /// counted, when that is full too).
+    fn enqueue_header<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, chan: u32, item: Queued) {
+        let c = &mut self.chans[chan as usize];
+        if c.queue.enqueue_header(item).is_err() {
+            let d = self.bufs[item.buf as usize].as_ref().expect("live buffer");
+            c.stats.queue_dropped_bytes += d.bytes.len() as u64 + WIRE_OVERHEAD as u64;
+            self.queue_drops += 1;
+            self.release(item.buf);
+            return;
+        }
+        self.kick(ev, chan);
+    }
+
+    /// Switch `node`'s recirculation port of `pipeline` sends its next
+    /// deflected datagram, if idle: its dequeue is the notification.
+    fn recirc_kick<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, node: u32, pipeline: u32) {
+        let now = ev.now();
+        let sw = self.tofino[node as usize].as_mut().expect("a Tofino switch");
+        let r = &mut sw.recirc[pipeline as usize];
+        if r.busy {
+            return;
+        }
+        let Some((buf, chan)) = r.queue.pop_front() else { return };
+        r.busy = true;
+        sw.trimmer.on_notify(Time::from_nanos(now / crate::kernel::PS_PER_NS), pipeline as usize, self.port_of_chan[chan as usize] as usize);
+        self.tofino_stats.notifications += 1;
+        let len = self.bufs[buf as usize].as_ref().expect("live buffer").bytes.len() as u32 + WIRE_OVERHEAD;
+        let done = now + tx_time(len, self.cfg.rate_bps);
+        ev.schedule(done, NetEv::RecircDone { node, pipeline }.into());
+        ev.schedule(done + RECIRC_LATENCY, NetEv::RecircArrive { node, pipeline, chan, buf }.into());
     }
 
     /// A responsive background flow lost a datagram: halve its rate.
@@ -467,9 +624,27 @@ impl Fabric {
                     }
                     d
                 } else {
-                    self.forward(ev, at, buf);
+                    self.forward(ev, at, Some(chan), buf);
                     None
                 }
+            }
+            NetEv::RecircDone { node, pipeline } => {
+                if let Some(sw) = self.tofino[node as usize].as_mut() {
+                    sw.recirc[pipeline as usize].busy = false;
+                }
+                self.recirc_kick(ev, node, pipeline);
+                None
+            }
+            NetEv::RecircArrive { chan, buf, .. } => {
+                // back from recirculation: cut here, into the header queue
+                let d = self.bufs[buf as usize].as_ref().expect("live buffer");
+                let mut item = Queued { buf, wire_len: d.bytes.len() as u32 + WIRE_OVERHEAD, cut: false };
+                let flow = d.flow;
+                item.trim();
+                self.trims += 1;
+                self.background_loss(flow, ev.now());
+                self.enqueue_header(ev, chan, item);
+                None
             }
         }
     }

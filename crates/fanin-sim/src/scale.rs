@@ -35,7 +35,7 @@ use fanin_proto::{JobSpec, Time, VecTransmit};
 use fanin_wire::value::{ELEM_LEN, HEADER_LEN};
 use serde::{Deserialize, Serialize};
 
-use crate::fabric::{BackgroundFlow, BackgroundStats, ChannelStats, Fabric, LinkParams, NetEv, WIRE_OVERHEAD};
+use crate::fabric::{BackgroundFlow, BackgroundStats, ChannelStats, Fabric, LinkParams, NetEv, TofinoStats, WIRE_OVERHEAD};
 use crate::kernel::{tx_time, EventQueue, Ps, PS_PER_NS};
 
 /// The network and the aggregation tree (written by `fanin sim allreduce`).
@@ -203,6 +203,10 @@ pub struct ScaleResult {
     /// Datagrams a trimming link queue cut to their header (`--trimming`).
     #[serde(skip_serializing_if = "is_zero")]
     pub trims: u64,
+    /// The Tofino design's ingress trims, deflections and notifications
+    /// (`--trimming --tofino`).
+    #[serde(skip_serializing_if = "is_default")]
+    pub tofino: TofinoStats,
     pub events: u64,
     /// Ranks that started late.
     pub stragglers: Vec<u16>,
@@ -214,6 +218,10 @@ pub struct ScaleResult {
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+fn is_default(t: &TofinoStats) -> bool {
+    *t == TofinoStats::default()
 }
 
 /// Progress callback: (workers done, workers).
@@ -387,6 +395,7 @@ impl<E: From<NetEv>> Common<E> {
             queue_drops: self.net.queue_drops,
             link_drops: self.net.link_drops,
             trims: self.net.trims,
+            tofino: self.net.tofino_stats,
             events: self.ev.events_handled(),
             stragglers,
             background: self.net.background_stats,

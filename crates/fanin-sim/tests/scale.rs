@@ -163,6 +163,36 @@ fn trimming_links_turn_queue_drops_into_headers_and_fanin_recovers_sooner() {
     assert_eq!(trimming.datagrams, go(&s, &shallow(true), Algorithm::Fanin).datagrams, "deterministic");
 }
 
+#[test]
+fn the_tofino_design_on_the_links_trims_in_ingress_deflects_notifies_and_stays_exact() {
+    // the same overflow as above, with the trimming study's Tofino design in
+    // every switch instead of ideal NDP queues
+    let s = spread_spec();
+    let busy = |trimming, tofino| ScaleConfig {
+        background_load: 0.5,
+        links: LinkParams { queue_pkts: 8, trimming, tofino, ..LinkParams::default() },
+        ..config(0.0)
+    };
+    let drop_tail = go(&s, &busy(false, false), Algorithm::Fanin);
+    let ndp = go(&s, &busy(true, false), Algorithm::Fanin);
+    let tofino = go(&s, &busy(true, true), Algorithm::Fanin);
+    assert!(tofino.exact);
+    assert_eq!(ndp.tofino, Default::default(), "ideal NDP queues have no meters");
+    let t = tofino.tofino;
+    assert!(t.trims_ingress > 0, "meters trim the excess in ingress: {t:?}");
+    // every deflected datagram notifies when it leaves the recirculation
+    // port and is cut when it comes back; the other trims are the hosts'
+    // own queues, NDP queues as with ideal trimming (only switches change)
+    assert_eq!(t.notifications, t.deflected, "{t:?}");
+    assert!(tofino.trims >= t.trims_ingress + t.deflected, "{t:?}");
+    for c in &tofino.channels {
+        assert_eq!(c.offered_bytes, c.sent_bytes + c.queue_dropped_bytes + c.trimmed_bytes);
+        assert_eq!(c.sent_bytes, c.delivered_bytes + c.lost_bytes);
+    }
+    assert!(tofino.completion_us < drop_tail.completion_us, "{} vs {} µs", tofino.completion_us, drop_tail.completion_us);
+    assert_eq!(serde_json::to_string(&tofino).unwrap(), serde_json::to_string(&go(&s, &busy(true, true), Algorithm::Fanin)).unwrap(), "deterministic");
+}
+
 /// The spread spec with its root shared by every switch outside the tree
 /// that is a neighbour of all the root's children (a core switch of the
 /// same group in fat-tree:4).

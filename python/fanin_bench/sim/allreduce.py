@@ -164,6 +164,7 @@ def _summary(result: dict, layers: list[str], config: Optional[dict] = None) -> 
         "link_drops": result["link_drops"],
         "queue_drops": result["queue_drops"],
         "trims": result.get("trims", 0),
+        **({"tofino": result["tofino"]} if "tofino" in result else {}),
         "stragglers": len(result["stragglers"]),
         "events": result["events"],
         "total_bytes": sum(per_link),
@@ -214,10 +215,12 @@ def _parser() -> argparse.ArgumentParser:
                         "fanin.controller.roots)")
     p.add_argument("--counters-us", type=int, default=50,
                    help="with --root-weights spare: the port-counter window in simulated µs (default %(default)s)")
-    p.add_argument("--trimming", action="store_true",
-                   help="NDP trimming in every link queue instead of drop-tail (same buffer): a datagram that finds "
-                        "the queue full is cut to its fanin header, which tells the switch or worker of the loss at "
-                        "once (docs/protocol.md 4.14); the ring's transport sees a cut packet as a loss")
+    p.add_argument("--trimming", nargs="?", const="ndp", choices=["ndp", "tofino"],
+                   help="trimming instead of drop-tail (same buffer): a datagram that finds the queue full is cut to "
+                        "its fanin header, which tells the switch or worker of the loss at once (docs/protocol.md "
+                        "4.14); the ring's transport sees a cut packet as a loss. ndp (the default): ideal NDP "
+                        "queues; tofino: the switches trim as the trimming study's Tofino design (ingress meters, "
+                        "deflect on drop, notifications), hosts' queues stay NDP queues")
     p.add_argument("--responsive-background", action="store_true",
                    help="the background flows are congestion-controlled (AIMD on their rate: halved on a loss, "
                         "regrown by 1%% of their pace per datagram) instead of constant-rate")
@@ -257,7 +260,8 @@ def main(binary: str, argv: list[str]) -> int:
     # the network and its traffic, as every run of this invocation has them
     network = ["--elems-per-packet", str(args.elems_per_packet), "--rate-gbps", str(args.rate_gbps),
                "--delay-ns", str(args.delay_ns), "--queue-pkts", str(args.queue_pkts), "--seed", str(args.seed),
-               "--background-load", str(args.background_load)] + (["--trimming"] if args.trimming else []) \
+               "--background-load", str(args.background_load)] \
+        + (["--trimming"] if args.trimming else []) + (["--tofino"] if args.trimming == "tofino" else []) \
         + (["--responsive-background"] if args.responsive_background else [])
     shares = None
     if args.root_weights == "spare":

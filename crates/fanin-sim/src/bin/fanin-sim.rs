@@ -39,12 +39,12 @@ usage:
   fanin-sim allreduce --spec FILE [--algorithms fanin,ring] [--elements E] [--elems-per-packet P]
                       [--window W] [--loss P] [--rate-gbps R] [--delay-ns D] [--queue-pkts Q]
                       [--stragglers FRACTION --straggler-delay-us US] [--block-exp-ms MS]
-                      [--seed S] [--background-load F [--responsive-background]] [--trimming] [--json]
+                      [--seed S] [--background-load F [--responsive-background]] [--trimming [--tofino]] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
   fanin-sim port-counters --spec FILE --background-load F [--window-us US] [--rate-gbps R]
                           [--delay-ns D] [--queue-pkts Q] [--elems-per-packet P] [--seed S]
-                          [--responsive-background] [--trimming] [--json]
+                          [--responsive-background] [--trimming [--tofino]] [--json]
       the other tenants' traffic alone on the network in FILE for US (50) µs: bytes each link
       sent and its load (a fraction of the link rate), what a controller reads from the
       switches' port counters before it places a job (`fanin sim allreduce --root-weights spare`)
@@ -308,6 +308,10 @@ fn scale_config(args: &mut Args) -> Result<fanin_sim::scale::ScaleConfig, String
     opt!("--seed", seed);
     opt!("--background-load", background_load);
     c.links.trimming = args.flag("--trimming");
+    c.links.tofino = args.flag("--tofino");
+    if c.links.tofino && !c.links.trimming {
+        return Err("--tofino is a trimming design: give --trimming with it".into());
+    }
     c.background_responsive = args.flag("--responsive-background");
     Ok(c)
 }
