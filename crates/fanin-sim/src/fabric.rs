@@ -90,7 +90,8 @@ pub struct BackgroundStats {
 pub struct LinkParams {
     pub rate_gbps: u64,
     pub link_delay_ns: u64,
-    /// Capacity of every link queue, in datagrams of the largest size.
+    /// Capacity of every switch port's queue, in datagrams of the largest
+    /// size (a host's own queue is its socket's: it does not drop).
     pub queue_pkts: u64,
     /// Independent loss probability on every link.
     pub loss: f64,
@@ -102,9 +103,7 @@ pub struct LinkParams {
     pub trimming: bool,
     /// With `trimming`: the switches trim as the trimming study's Tofino
     /// design (ingress meters, deflect on drop, notifications; the
-    /// paper's §6.2 parameters) instead of ideal NDP queues. Hosts' own
-    /// queues stay NDP queues, so the two designs differ only in the
-    /// switches.
+    /// paper's §6.2 parameters) instead of ideal NDP queues.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub tofino: bool,
 }
@@ -282,8 +281,13 @@ impl Fabric {
                 adj[from as usize].push((to, chan));
                 let seed = cfg.seed ^ (chan as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 // NDP's port: the header queue (64 KiB) is served ten to one
-                // ahead of data; with drop-tail it stays empty
-                let queue = QueueConfig { data_capacity_bytes: cfg.cap_bytes, ..QueueConfig::ndp(1500) };
+                // ahead of data; with drop-tail it stays empty. A host's own
+                // queue is its sender's socket, not a switch buffer: it never
+                // drops (a Linux UDP socket's send buffer fills, and the
+                // sender blocks, before its 1 000-packet device queue does),
+                // so `cap_bytes` bounds the switches' ports only.
+                let capacity = if is_switch[from as usize] { cfg.cap_bytes } else { u64::MAX };
+                let queue = QueueConfig { data_capacity_bytes: capacity, ..QueueConfig::ndp(1500) };
                 chans.push(Channel { to, queue: PortQueue::new(queue), busy: false, loss: DropInjector::new(cfg.loss, seed), stats: ChannelStats::default() });
             }
         }

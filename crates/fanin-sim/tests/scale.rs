@@ -164,6 +164,28 @@ fn trimming_links_turn_queue_drops_into_headers_and_fanin_recovers_sooner() {
 }
 
 #[test]
+fn a_hosts_own_queue_is_its_socket_and_never_drops_while_switch_ports_keep_their_buffer() {
+    // a worker's whole window (128 blocks) leaves at once into 8-datagram
+    // queues: only switch ports may overflow; the host's queue is its
+    // sender's socket, which blocks instead of dropping
+    let s = spread_spec();
+    let shallow = ScaleConfig { background_load: 0.5, links: LinkParams { queue_pkts: 8, ..LinkParams::default() }, ..config(0.0) };
+    for a in [Algorithm::Fanin, Algorithm::Ring] {
+        let r = go(&s, &shallow, a);
+        assert!(r.exact, "{a:?}");
+        for (i, l) in s.links.iter().enumerate() {
+            for (k, from) in [l[0], l[1]].into_iter().enumerate() {
+                let c = &r.channels[2 * i + k];
+                if !s.nodes[from as usize].switch {
+                    assert_eq!(c.queue_dropped_bytes, 0, "{a:?}: host {} dropped from its own queue", s.nodes[from as usize].name);
+                }
+            }
+        }
+    }
+    assert!(go(&s, &shallow, Algorithm::Fanin).queue_drops > 0, "the switches' 8-datagram ports still overflow");
+}
+
+#[test]
 fn the_tofino_design_on_the_links_trims_in_ingress_deflects_notifies_and_stays_exact() {
     // the same overflow as above, with the trimming study's Tofino design in
     // every switch instead of ideal NDP queues
