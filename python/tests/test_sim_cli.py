@@ -112,6 +112,10 @@ def test_allreduce_with_a_spread_root_and_trimming_links_reports_both_and_stays_
     (scenario,) = report["scenarios"]
     for a in scenario["algorithms"]:
         assert a["exact"], a
+    # a run that outlives --time-limit-ms stops with the reason, not hours later
+    r = run("allreduce", "--quick", "--stragglers", "1.0", "--straggler-delay-us", "5000", "--time-limit-ms", "1",
+            "--algorithms", "fanin", "--out", str(tmp_path), "--no-plot")
+    assert r.returncode == 2 and "16 of 16 workers had no result after 1 ms" in r.stderr, r.stderr[-2000:]
     # a topology where no other switch reaches all the root's children
     r = run("allreduce", "--topology", "star:4", "--multi-root", "--out", str(tmp_path), "--no-plot")
     assert r.returncode != 0 and "--multi-root" in r.stderr, r.stderr[-2000:]

@@ -144,6 +144,10 @@ pub struct ScaleConfig {
     /// `fabric::BackgroundFlow::responsive`), not constant-rate.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub background_responsive: bool,
+    /// Simulated time after which a run is abandoned with an error (a
+    /// hop that background traffic starves can hold a run for simulated
+    /// seconds, hours of wall time with background events).
+    pub time_limit_ms: u64,
 }
 
 impl Default for ScaleConfig {
@@ -160,6 +164,7 @@ impl Default for ScaleConfig {
             seed: 1,
             background_load: 0.0,
             background_responsive: false,
+            time_limit_ms: 60_000,
         }
     }
 }
@@ -226,9 +231,6 @@ fn is_default(t: &TofinoStats) -> bool {
 
 /// Progress callback: (workers done, workers).
 pub type Progress<'a> = &'a mut dyn FnMut(usize, usize);
-
-/// Simulated time after which a run is abandoned.
-const LIMIT: Ps = 60_000_000_000 * PS_PER_NS;
 
 fn ns(t: Ps) -> Time {
     Time::from_nanos(t / PS_PER_NS)
@@ -347,11 +349,14 @@ struct Common<E> {
     /// When the allreduce began (fanin: once every session has joined);
     /// completion times count from here.
     start: Ps,
+    /// `ScaleConfig::time_limit_ms`.
+    limit: Ps,
 }
 
 impl<E: From<NetEv>> Common<E> {
     fn new(spec: &Spec, cfg: &ScaleConfig, flows: Vec<BackgroundFlow>) -> Self {
-        let mut c = Common { ev: EventQueue::new(), net: fabric(spec, cfg), done_at: vec![None; spec.workers.len()], done: 0, exact: true, retransmissions: 0, start: 0 };
+        let limit = cfg.time_limit_ms.saturating_mul(1_000_000).saturating_mul(PS_PER_NS);
+        let mut c = Common { ev: EventQueue::new(), net: fabric(spec, cfg), done_at: vec![None; spec.workers.len()], done: 0, exact: true, retransmissions: 0, start: 0, limit };
         if !flows.is_empty() {
             c.net.start_background(&mut c.ev, flows, cfg.seed);
         }
@@ -372,7 +377,7 @@ impl<E: From<NetEv>> Common<E> {
     /// every channel's bytes add up.
     fn drain(&mut self, net_ev: impl Fn(E) -> Option<NetEv>) {
         self.net.stop_background();
-        while let Some((_, e)) = self.ev.pop_until(LIMIT * 2) {
+        while let Some((_, e)) = self.ev.pop_until(self.limit.saturating_mul(2)) {
             if let Some(n) = net_ev(e) {
                 self.net.handle(&mut self.ev, n);
             }
@@ -380,7 +385,16 @@ impl<E: From<NetEv>> Common<E> {
     }
 
     fn result(self, algorithm: Algorithm, degraded_blocks: u64, stragglers: Vec<u16>) -> Result<ScaleResult, String> {
-        let times: Vec<Ps> = self.done_at.iter().map(|t| t.ok_or("an allreduce did not finish within 60 s of simulated time")).collect::<Result<_, _>>()?;
+        let unfinished = self.done_at.iter().filter(|t| t.is_none()).count();
+        if unfinished > 0 {
+            return Err(format!(
+                "{}: {unfinished} of {} workers had no result after {} ms of simulated time (a hop starved by background traffic, or more loss than the transport repairs in time); --time-limit-ms sets the limit",
+                format!("{algorithm:?}").to_lowercase(),
+                self.done_at.len(),
+                self.limit / (1_000_000 * PS_PER_NS)
+            ));
+        }
+        let times: Vec<Ps> = self.done_at.iter().map(|t| t.unwrap_or(0)).collect();
         let last = times.iter().copied().max().unwrap_or(0) - self.start;
         let mean = times.iter().map(|&t| (t - self.start) as f64).sum::<f64>() / times.len() as f64;
         Ok(ScaleResult {
@@ -528,7 +542,7 @@ impl<'a> FaninRun<'a> {
             self.drive_worker(w, progress)?;
         }
         while self.c.done < self.sessions.len() {
-            let Some((now, e)) = self.c.ev.pop_until(LIMIT) else { break };
+            let Some((now, e)) = self.c.ev.pop_until(self.c.limit) else { break };
             match e {
                 FEv::Net(e) => {
                     let Some(d) = self.c.net.handle(&mut self.c.ev, e) else { continue };
@@ -781,7 +795,7 @@ impl<'a> RingRun<'a> {
             self.c.complete(0, exact, progress);
         }
         while self.c.done < n {
-            let Some((now, e)) = self.c.ev.pop_until(LIMIT) else { break };
+            let Some((now, e)) = self.c.ev.pop_until(self.c.limit) else { break };
             match e {
                 REv::Net(e) => {
                     let Some(d) = self.c.net.handle(&mut self.c.ev, e) else { continue };

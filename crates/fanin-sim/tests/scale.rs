@@ -255,6 +255,18 @@ fn a_root_spread_over_several_switches_is_exact_uses_every_uplink_and_keeps_resu
     assert!(bad.validate().unwrap_err().contains("outside the tree"));
 }
 
+#[test]
+fn a_run_past_its_time_limit_fails_naming_the_workers_without_a_result() {
+    // every worker starts 5 ms late; the limit is 1 ms of simulated time
+    let late = ScaleConfig { stragglers: 1.0, straggler_delay_us: 5_000, time_limit_ms: 1, ..config(0.0) };
+    for a in [Algorithm::Fanin, Algorithm::Ring] {
+        let err = run(&spec(), &late, a, &mut |_, _| {}).unwrap_err();
+        assert!(err.contains("16 of 16 workers had no result after 1 ms of simulated time"), "{err}");
+        assert!(err.contains("--time-limit-ms"), "{err}");
+    }
+    assert!(go(&spec(), &ScaleConfig { time_limit_ms: 6, ..late }, Algorithm::Fanin).exact, "within the limit");
+}
+
 /// Bytes the job sent into `node` over all its links.
 fn bytes_into(s: &Spec, r: &ScaleResult, node: u32) -> u64 {
     let mut total = 0;

@@ -201,6 +201,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-exp-ms", type=int, default=0, help="fanin block aging (0: off; with it results may degrade)")
     p.add_argument("--algorithms", default="fanin,ring")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--time-limit-ms", type=int, default=60_000,
+                   help="simulated time after which a run stops with an error naming the workers without a result "
+                        "(default %(default)s; with background traffic a starved hop can take hours of wall time "
+                        "to reach it)")
     p.add_argument("--background-load", type=float, default=0.0,
                    help="other tenants' traffic: every host that runs no worker sends at this fraction of its link "
                         "rate to another such host for the whole run (0: none; needs --workers below the host count)")
@@ -285,7 +289,8 @@ def main(binary: str, argv: list[str]) -> int:
         argv = [binary, "allreduce", "--spec", spec_path, "--json", "--algorithms", args.algorithms,
                 "--elements", str(args.size), "--window", str(args.window),
                 "--loss", str(loss), "--stragglers", str(stragglers), "--straggler-delay-us",
-                str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms)] + network
+                str(args.straggler_delay_us), "--block-exp-ms", str(args.block_exp_ms),
+                "--time-limit-ms", str(args.time_limit_ms)] + network
         print(f"fanin sim allreduce: scenario {name} (loss {loss}, stragglers {stragglers})", file=sys.stderr)
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:

@@ -39,7 +39,8 @@ usage:
   fanin-sim allreduce --spec FILE [--algorithms fanin,ring] [--elements E] [--elems-per-packet P]
                       [--window W] [--loss P] [--rate-gbps R] [--delay-ns D] [--queue-pkts Q]
                       [--stragglers FRACTION --straggler-delay-us US] [--block-exp-ms MS]
-                      [--seed S] [--background-load F [--responsive-background]] [--trimming [--tofino]] [--json]
+                      [--seed S] [--background-load F [--responsive-background]] [--trimming [--tofino]]
+                      [--time-limit-ms MS] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
   fanin-sim port-counters --spec FILE --background-load F [--window-us US] [--rate-gbps R]
@@ -307,6 +308,10 @@ fn scale_config(args: &mut Args) -> Result<fanin_sim::scale::ScaleConfig, String
     opt!("--block-exp-ms", block_exp_ms);
     opt!("--seed", seed);
     opt!("--background-load", background_load);
+    opt!("--time-limit-ms", time_limit_ms);
+    if c.time_limit_ms == 0 {
+        return Err("--time-limit-ms must be at least 1".into());
+    }
     c.links.trimming = args.flag("--trimming");
     c.links.tofino = args.flag("--tofino");
     if c.links.tofino && !c.links.trimming {
