@@ -49,7 +49,7 @@ examples:
 # REMAINDER positional does not take an argument list that starts with an option, as `fanin bench --help` does.
 FORWARDED = {
     "bench": "benchmarks (JSON with --json; --quick for a ~1 minute run)",
-    "sim": "the packet-level simulator (fanin-sim): trimming study, incast, end-to-end latency, permutation, allreduce, GOAT, event rate",
+    "sim": "the packet-level simulator (fanin-sim): trimming study, incast, end-to-end latency, permutation, allreduce, background traffic, GOAT, event rate",
     "testbed": "network-namespace testbed: a topology of namespaces, veth links, tbf limits",
 }
 

@@ -161,3 +161,21 @@ def test_allreduce_on_links_trimmed_by_the_tofino_design_reports_its_meters_and_
     assert fanin["tofino"]["notifications"] == fanin["tofino"]["deflected"], fanin
     r = run("allreduce", "--quick", "--trimming", "p4", "--out", str(tmp_path), "--no-plot")
     assert r.returncode == 2 and "invalid choice" in r.stderr, r.stderr[-2000:]
+
+
+def test_background_sweep_compares_one_root_spread_roots_and_ring_and_plots_them(tmp_path):
+    r = run("background", "--quick", "--json", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = json.loads(r.stdout)
+    assert [row["background_load"] for row in table["rows"]] == [0.0, 0.5]
+    for row in table["rows"]:
+        assert set(row["arms"]) == {"one-root", "many-roots", "weighted-roots", "ring"}
+        assert all(a["exact"] for a in row["arms"].values()), row
+        assert row["speedup_over_ring"]["weighted-roots"] > 1, row
+    quiet, busy = (row["arms"] for row in table["rows"])
+    # other tenants slow one root down; weighed shares keep the idle network's pace
+    assert busy["one-root"]["completion_us"] > quiet["one-root"]["completion_us"]
+    assert busy["weighted-roots"]["completion_us"] <= busy["many-roots"]["completion_us"]
+    assert (tmp_path / "background.png").stat().st_size > 0 and (tmp_path / "background.csv").exists()
+    r = run("background", "--loads", "0,2", "--out", str(tmp_path))
+    assert r.returncode == 2 and "fraction of the link rate in [0, 1]" in r.stderr, r.stderr[-2000:]

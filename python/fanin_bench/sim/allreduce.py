@@ -33,7 +33,7 @@ from fanin.controller.roots import spare_capacity, weigh_root_shards
 from fanin.controller.tree import build_tree, roles
 from fanin.topology import Topology, load
 
-__all__ = ["build_spec", "root_spare", "link_layers", "top_layer", "main"]
+__all__ = ["build_spec", "root_spare", "link_layers", "top_layer", "main", "run_report"]
 
 
 def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: bool = False,
@@ -241,6 +241,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(binary: str, argv: list[str]) -> int:
+    as_json = _parser().parse_args(argv).json
+    code, report = run_report(binary, argv)
+    if code == 0 and as_json:
+        print(json.dumps(report))
+    return code
+
+
+def run_report(binary: str, argv: list[str]) -> tuple[int, Optional[dict]]:
+    """`fanin sim allreduce ARGV` without printing its JSON: (exit code,
+    the report, None on a failure). Files, plots and the summary on stderr
+    as `main`."""
     args = _parser().parse_args(argv)
     if args.quick:
         args.topology, args.size = "fat-tree:4", min(args.size, 1 << 14)
@@ -249,14 +260,14 @@ def main(binary: str, argv: list[str]) -> int:
         spec = build_spec(topo, args.workers or len(topo.hosts), spread=args.spread, multi_root=args.multi_root)
     except ValueError as e:
         print(f"fanin sim allreduce: {e}", file=sys.stderr)
-        return 2
+        return 2, None
     if args.root_weights == "spare" and not args.multi_root:
         print("fanin sim allreduce: --root-weights spare needs --multi-root (one root has nothing to weigh)",
               file=sys.stderr)
-        return 2
+        return 2, None
     if args.counters_us < 1:
         print("fanin sim allreduce: --counters-us must be at least 1", file=sys.stderr)
-        return 2
+        return 2, None
     os.makedirs(args.out, exist_ok=True)
     spec_path = os.path.join(args.out, "allreduce_spec.json")
     with open(spec_path, "w") as f:
@@ -272,7 +283,7 @@ def main(binary: str, argv: list[str]) -> int:
         proc = subprocess.run([binary, "port-counters", "--spec", spec_path, "--json",
                                "--window-us", str(args.counters_us)] + network, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
-            return proc.returncode
+            return proc.returncode, None
         spare = root_spare(spec, json.loads(proc.stdout)["load"])
         spec = build_spec(topo, args.workers or len(topo.hosts), spread=args.spread, multi_root=True, root_spare=spare)
         with open(spec_path, "w") as f:
@@ -294,7 +305,7 @@ def main(binary: str, argv: list[str]) -> int:
         print(f"fanin sim allreduce: scenario {name} (loss {loss}, stragglers {stragglers})", file=sys.stderr)
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
-            return proc.returncode
+            return proc.returncode, None
         out = json.loads(proc.stdout)
         runs.append({"scenario": name, "loss": loss, "stragglers": stragglers, "raw": out,
                      "summary": [_summary(r, layers, out.get("config")) for r in out["results"]]})
@@ -319,9 +330,7 @@ def main(binary: str, argv: list[str]) -> int:
             r = run["fanin_over_ring"]
             print(f"{'':>10} fanin/ring: time {r['completion']:.2f}, bytes {r['total_bytes']:.2f}, core bytes "
                   f"{r['core_bytes']:.2f}, max link {r['max_link_bytes']:.2f}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return 0, report
 
 
 def _ratio(a: float, b: float) -> Optional[float]:

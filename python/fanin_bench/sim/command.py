@@ -13,7 +13,7 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
-    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, end-to-end latency, permutation, allreduce, GOAT, event rate",
+    sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, end-to-end latency, permutation, allreduce, background traffic, GOAT, event rate",
                          description="Run the Rust simulator binary fanin-sim (build it with "
                                      "`cargo build --release -p fanin-sim`). Arguments after the subcommand are passed "
                                      "through; for `trimming` the CSV it writes is also plotted to PNG.",
@@ -23,11 +23,13 @@ def register(sub: Any) -> None:
                                 "latency with small buffers)\n"
                                 "  fanin sim allreduce --quick --loss 0.01 --json   (see fanin sim allreduce --help; "
                                 "--star: the one-switch fanin-sim allreduce)\n"
+                                "  fanin sim background --quick --json   (one root vs spread roots, equal and weighed "
+                                "by port counters, vs ring, as other tenants load a leaf-spine)\n"
                                 "  fanin sim goat --quick --json   (a GOAT study point at packet level vs flow level; "
                                 "see fanin sim goat --help)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("sim", choices=["trimming", "incast", "end-to-end", "permutation", "allreduce", "goat",
-                                     "bench-events"],
+    sim.add_argument("sim", choices=["trimming", "incast", "end-to-end", "permutation", "allreduce", "background",
+                                     "goat", "bench-events"],
                      help="simulator command (see `fanin-sim --help`)")
     sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
     sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")
@@ -75,6 +77,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         from fanin_bench.sim.goat import main as sim_goat
 
         return sim_goat(binary, rest)
+    if args.sim == "background":
+        from fanin_bench.sim.background import main as sim_background
+
+        return sim_background(binary, rest + (["--no-plot"] if no_plot else []))
     if args.sim == "allreduce" and not _minimal_allreduce(rest):
         from fanin_bench.sim.allreduce import main as sim_allreduce
 
