@@ -510,3 +510,7 @@ def test_root_shards_follow_spare_capacity_and_a_switch_with_none_gets_no_share(
         weigh_root_shards(["x", "z"], {"x": 1.0})
     with pytest.raises(ValueError, match="at least 1"):
         weigh_root_shards(["x"], {"x": 1.0}, units_per_switch=0)
+    with pytest.raises(ValueError, match="spare capacity of y is nan"):
+        weigh_root_shards(["x", "y"], {"x": 1.0, "y": float("nan")})
+    with pytest.raises(ValueError, match="not a fraction of the link rate"):
+        spare_capacity(["spine0"], ["leaf0"], {("leaf0", "spine0"): float("nan")})

@@ -44,9 +44,10 @@ const BATCHES_PER_LANE: usize = 3;
 /// for it.
 pub(crate) struct SendLanes {
     lanes: Vec<Lane>,
-    /// The first error lane 0 met sending a full batch in the middle of a
-    /// burst ([`push`](Self::push)), reported by the next
-    /// [`flush_all`](Self::flush_all) as a threaded lane's would be.
+    /// The first error a lane met handing over or sending a full batch in
+    /// the middle of a burst ([`push`](Self::push)): lane 0's send error, a
+    /// threaded lane's "stopped". Reported by the next
+    /// [`flush_all`](Self::flush_all).
     deferred: Option<io::Error>,
 }
 

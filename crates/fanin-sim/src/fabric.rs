@@ -484,21 +484,30 @@ impl Fabric {
     /// whose dequeue notifies every pipeline (the congestion signal), and
     /// is cut when it comes back. A datagram the switch sent itself (a
     /// tree switch's partial or result) enters the egress port's pipeline.
+    /// One that is all header (cut upstream, or that short) is not metered:
+    /// it joins the header queue, as the study's headers and control
+    /// packets do.
     fn forward_tofino<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, at: u32, arrived_on: Option<u32>, chan: u32, buf: u32, len: u64) {
         let egress = self.port_of_chan[chan as usize] as usize;
         let now = Time::from_nanos(ev.now() / crate::kernel::PS_PER_NS);
         let sw = self.tofino[at as usize].as_mut().expect("a Tofino switch");
         let ingress = arrived_on.map_or(egress, |c| self.port_of_chan[(c ^ 1) as usize] as usize);
         let pipeline = sw.trimmer.pipeline_of(ingress);
-        let flow = self.bufs[buf as usize].as_ref().expect("live buffer").flow;
+        let d = self.bufs[buf as usize].as_ref().expect("live buffer");
+        let (flow, header_only) = (d.flow, d.bytes.len() <= fanin_wire::value::HEADER_LEN);
         let mut item = Queued { buf, wire_len: len as u32, cut: false };
+        if header_only {
+            self.enqueue_header(ev, chan, item);
+            return;
+        }
         match sw.trimmer.on_data(now, pipeline, egress, len as u32) {
             IngressVerdict::Trim(_) => {
-                self.tofino_stats.trims_ingress += 1;
-                self.trims += 1;
                 self.background_loss(flow, ev.now());
                 item.trim();
-                self.enqueue_header(ev, chan, item);
+                if self.enqueue_header(ev, chan, item) {
+                    self.tofino_stats.trims_ingress += 1;
+                    self.trims += 1;
+                }
             }
             IngressVerdict::Forward => match self.chans[chan as usize].queue.try_enqueue_data(item) {
                 Ok(()) => self.kick(ev, chan),
@@ -512,18 +521,20 @@ impl Fabric {
         }
     }
 
-    /// A cut datagram into channel `chan`'s header queue (dropped, and
-    /// counted, when that is full too).
-    fn enqueue_header<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, chan: u32, item: Queued) {
+    /// A cut datagram into channel `chan`'s header queue; false when that
+    /// is full too, and the datagram is dropped (counted as a drop, not a
+    /// trim, as on the NDP path).
+    fn enqueue_header<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, chan: u32, item: Queued) -> bool {
         let c = &mut self.chans[chan as usize];
         if c.queue.enqueue_header(item).is_err() {
             let d = self.bufs[item.buf as usize].as_ref().expect("live buffer");
             c.stats.queue_dropped_bytes += d.bytes.len() as u64 + WIRE_OVERHEAD as u64;
             self.queue_drops += 1;
             self.release(item.buf);
-            return;
+            return false;
         }
         self.kick(ev, chan);
+        true
     }
 
     /// Switch `node`'s recirculation port of `pipeline` sends its next
@@ -645,9 +656,10 @@ impl Fabric {
                 let mut item = Queued { buf, wire_len: d.bytes.len() as u32 + WIRE_OVERHEAD, cut: false };
                 let flow = d.flow;
                 item.trim();
-                self.trims += 1;
                 self.background_loss(flow, ev.now());
-                self.enqueue_header(ev, chan, item);
+                if self.enqueue_header(ev, chan, item) {
+                    self.trims += 1;
+                }
                 None
             }
         }

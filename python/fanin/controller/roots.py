@@ -19,7 +19,7 @@ share.
 
 from __future__ import annotations
 
-from math import gcd
+from math import gcd, isfinite
 from typing import Iterable, Mapping
 
 __all__ = ["spare_capacity", "weigh_root_shards"]
@@ -35,6 +35,9 @@ def spare_capacity(candidates: Iterable[str], children: Iterable[str],
     spare = {}
     for c in candidates:
         used = [load.get(pair, 0.0) for child in children for pair in ((c, child), (child, c))]
+        bad = [u for u in used if not (isfinite(u) and u >= 0.0)]
+        if bad:
+            raise ValueError(f"spare_capacity: a load of {c}'s links is {bad[0]!r}, not a fraction of the link rate")
         spare[c] = max(0.0, 1.0 - max(used, default=0.0))
     return spare
 
@@ -58,6 +61,9 @@ def weigh_root_shards(candidates: list[str], spare: Mapping[str, float], units_p
     missing = [c for c in candidates if c not in spare]
     if missing:
         raise ValueError(f"weigh_root_shards: no spare capacity given for {', '.join(missing)}")
+    bad = [c for c in candidates if not isfinite(float(spare[c]))]
+    if bad:
+        raise ValueError(f"weigh_root_shards: the spare capacity of {bad[0]} is {spare[bad[0]]!r}, not a number")
     values = [max(0.0, float(spare[c])) for c in candidates]
     if max(values) <= 0.0 or max(values) - min(values) <= 1e-9 * max(values):
         return list(candidates)

@@ -76,6 +76,10 @@ def build_spec(topo: Topology, workers: int, spread: bool = False, multi_root: b
         if not peers:
             raise ValueError(f"--multi-root: no switch of {topo.name} besides {tree.root} reaches every child of the "
                              f"root ({', '.join(children) or 'none'}); a leaf-spine has one per spine")
+        own = sorted(h for r, h in enumerate(hosts[:workers]) if tree.attach[r] == tree.root)
+        if own:
+            raise ValueError(f"--multi-root: {tree.root} is the root and has workers of its own ({', '.join(own)}); "
+                             f"a root spread over several switches needs every child of the root to be a switch")
         root_shards = [tree.root, *sorted(peers)]
         if root_spare is not None:
             root_shards = weigh_root_shards(root_shards, root_spare)
@@ -194,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-gbps", type=int, default=100)
     p.add_argument("--delay-ns", type=int, default=500)
     p.add_argument("--queue-pkts", type=int, default=1000,
-                   help="every link queue's buffer, in datagrams of the largest size (default %(default)s)")
+                   help="every switch port's buffer, in datagrams of the largest size (default %(default)s); a "
+                        "host's own queue is its sender's socket and does not drop")
     p.add_argument("--loss", type=float, default=0.0, help="independent loss on every link")
     p.add_argument("--stragglers", type=float, default=0.0, help="fraction of workers that start late")
     p.add_argument("--straggler-delay-us", type=int, default=200)
@@ -224,7 +229,8 @@ def _parser() -> argparse.ArgumentParser:
                         "its fanin header, which tells the switch or worker of the loss at once (docs/protocol.md "
                         "4.14); the ring's transport sees a cut packet as a loss. ndp (the default): ideal NDP "
                         "queues; tofino: the switches trim as the trimming study's Tofino design (ingress meters, "
-                        "deflect on drop, notifications), hosts' queues stay NDP queues")
+                        "deflect on drop, notifications). A host's own queue never drops or trims (it is its "
+                        "sender's socket)")
     p.add_argument("--responsive-background", action="store_true",
                    help="the background flows are congestion-controlled (AIMD on their rate: halved on a loss, "
                         "regrown by 1%% of their pace per datagram) instead of constant-rate")

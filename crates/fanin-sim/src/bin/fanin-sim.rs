@@ -42,7 +42,8 @@ usage:
                       [--seed S] [--background-load F [--responsive-background]] [--trimming [--tofino]]
                       [--time-limit-ms MS] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
-      `fanin sim allreduce`, which computes the tree with fanin.controller.tree)
+      `fanin sim allreduce`, which computes the tree with fanin.controller.tree); Q (1000) is
+      every switch port's buffer in datagrams (a host's own queue is its socket: no drops)
   fanin-sim port-counters --spec FILE --background-load F [--window-us US] [--rate-gbps R]
                           [--delay-ns D] [--queue-pkts Q] [--elems-per-packet P] [--seed S]
                           [--responsive-background] [--trimming [--tofino]] [--json]
