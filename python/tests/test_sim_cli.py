@@ -165,18 +165,30 @@ def test_allreduce_on_links_trimmed_by_the_tofino_design_reports_its_meters_and_
 
 
 def test_background_sweep_compares_one_root_spread_roots_and_ring_and_plots_them(tmp_path):
-    r = run("background", "--quick", "--json", "--out", str(tmp_path))
+    r = run("background", "--quick", "--seeds", "2", "--json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     table = json.loads(r.stdout)
-    assert [row["background_load"] for row in table["rows"]] == [0.0, 0.5]
+    assert [row["background_load"] for row in table["rows"]] == [0.0, 0.5] and table["seeds"] == [1, 2]
     for row in table["rows"]:
         assert set(row["arms"]) == {"one-root", "many-roots", "weighted-roots", "ring"}
-        assert all(a["exact"] for a in row["arms"].values()), row
+        for a in row["arms"].values():
+            assert a["exact"] and a["finished"] == a["runs"] == 2 == len(a["per_seed"]), a
+            # the median of two seeds lies between them; the tail is the slower
+            assert a["completion_us_min"] <= a["completion_us"] <= a["completion_us_max"], a
+            assert a["completion_us_max"] == max(s["completion_us"] for s in a["per_seed"]), a
         assert row["speedup_over_ring"]["weighted-roots"] > 1, row
     quiet, busy = (row["arms"] for row in table["rows"])
     # other tenants slow one root down; weighed shares keep the idle network's pace
     assert busy["one-root"]["completion_us"] > quiet["one-root"]["completion_us"]
     assert busy["weighted-roots"]["completion_us"] <= busy["many-roots"]["completion_us"]
     assert (tmp_path / "background.png").stat().st_size > 0 and (tmp_path / "background.csv").exists()
+    # a ring past the time limit is reported unfinished, and fanin's arms still stand
+    r = run("background", "--topology", "leaf-spine:3,4,4", "--workers", "8", "--size", "2097152", "--loads", "0",
+            "--time-limit-ms", "1", "--json", "--no-plot", "--out", str(tmp_path / "limit"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["arms"]["ring"]["finished"] == 0 and row["arms"]["ring"]["completion_us"] is None, row
+    assert "speedup_over_ring" not in row and row["arms"]["weighted-roots"]["finished"] == 1, row
+    assert "none of 1 done" in r.stderr
     r = run("background", "--loads", "0,2", "--out", str(tmp_path))
     assert r.returncode == 2 and "fraction of the link rate in [0, 1]" in r.stderr, r.stderr[-2000:]

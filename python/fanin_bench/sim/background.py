@@ -8,10 +8,21 @@ Per background load: ring allreduce, and fanin with one root (`one-root`),
 with every spine a root of an equal share (`many-roots`, `--multi-root`) and
 with the shares weighed by spare capacity (`weighted-roots`, `--root-weights
 spare`), each one `fanin sim allreduce` run on the same network, workers,
-seed and background. Outputs in `--out` (default out/sim-background): every
-run's own files under `L<load>/<arm>/`, `background.json` (the table),
+seed and background; with `--seeds N`, each over N seeds (other background
+phases and destinations, other ECMP collisions), reported as the median and
+the tail (the slowest seed). Outputs in `--out` (default
+out/sim-background): every run's own files under `L<load>/<arm>/s<seed>/`,
+`background.json` (the table, every seed's figures in it),
 `background.csv` and `background.png` (completion time and fraction of line
-rate against the load, the 0.9 target line beside).
+rate against the load, the seeds' range as error bars, the 0.9 target line
+beside).
+
+A ring run that has not finished within `--time-limit-ms` (default 50 ms of
+simulated time, hundreds of times an allreduce here) is reported as
+unfinished: a ring hop that background traffic starves can hold it for
+simulated seconds (docs/simulator.md, "Weighted roots"). A fanin run that
+does not finish, or a wrong sum, fails the command (exit 1) after the
+table is written.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import sys
 from typing import Optional
 
@@ -59,12 +71,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=1 << 18, help="int32 elements per worker (default %(default)s)")
     p.add_argument("--loads", type=_loads, default=[0.0, 0.1, 0.25, 0.5],
                    help="background loads, fractions of the link rate (default 0,0.1,0.25,0.5)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="the first seed (default %(default)s)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs per arm and load, seeds --seed, --seed + 1, ...: the median and the tail (default "
+                        "%(default)s)")
     p.add_argument("--queue-pkts", type=int, default=1000, help="every switch port's buffer in datagrams")
     p.add_argument("--trimming", nargs="?", const="ndp", choices=["ndp", "tofino"],
                    help="trimming on every switch (see fanin sim allreduce --help)")
     p.add_argument("--no-ring", action="store_true", help="fanin's arms only (the ring is the slowest run)")
-    p.add_argument("--time-limit-ms", type=int, default=60_000, help="per run (see fanin sim allreduce --help)")
+    p.add_argument("--time-limit-ms", type=int, default=50,
+                   help="simulated time per run after which it counts as unfinished (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="leaf-spine:3,4,4, 8 workers, 16384 elements, loads 0,0.5")
     p.add_argument("--json", action="store_true", help="the table as JSON on stdout")
     p.add_argument("--out", default="out/sim-background")
@@ -72,47 +88,78 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _arm_row(summary: dict) -> dict:
-    keys = ("completion_us", "goodput_fraction_of_line_rate", "exact", "retransmissions", "queue_drops", "trims")
-    return {k: summary.get(k) for k in keys}
+def _aggregate(runs: list[dict]) -> dict:
+    """One arm at one load over its seeds: medians, the tail (slowest seed)
+    and every seed's figures; unfinished runs are counted, not averaged."""
+    done = [r for r in runs if r["finished"]]
+    times = [r["completion_us"] for r in done]
+    fractions = [r["goodput_fraction_of_line_rate"] for r in done]
+    return {
+        "runs": len(runs),
+        "finished": len(done),
+        "exact": all(r["exact"] for r in done),
+        "completion_us": statistics.median(times) if times else None,
+        "completion_us_max": max(times) if times else None,
+        "completion_us_min": min(times) if times else None,
+        "goodput_fraction_of_line_rate": statistics.median(fractions) if fractions else None,
+        "goodput_fraction_min": min(fractions) if fractions else None,
+        "retransmissions": statistics.median([r["retransmissions"] for r in done]) if done else None,
+        "queue_drops": statistics.median([r["queue_drops"] for r in done]) if done else None,
+        "trims": statistics.median([r["trims"] for r in done]) if done else None,
+        "per_seed": runs,
+    }
+
+
+def _one_run(binary: str, argv: list[str], seed: int, algorithm: str) -> dict:
+    code, report = run_report(binary, argv + ["--algorithms", algorithm])
+    if code != 0 or report is None:
+        return {"seed": seed, "finished": False, "exit": code}
+    (a,) = report["scenarios"][0]["algorithms"]
+    run = {"seed": seed, "finished": True}
+    run.update({k: a.get(k) for k in ("completion_us", "goodput_fraction_of_line_rate", "exact", "retransmissions",
+                                      "queue_drops", "trims")})
+    if "root_weights" in report:
+        run["root_shards"] = report["root_weights"]["shards"]
+    return run
 
 
 def main(binary: str, argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.quick:
         args.topology, args.workers, args.size, args.loads = "leaf-spine:3,4,4", 8, min(args.size, 1 << 14), [0.0, 0.5]
+    if args.seeds < 1 or args.time_limit_ms < 1:
+        print("fanin sim background: --seeds and --time-limit-ms must be at least 1", file=sys.stderr)
+        return 2
     common = ["--topology", args.topology, "--workers", str(args.workers), "--spread", "--size", str(args.size),
-              "--seed", str(args.seed), "--queue-pkts", str(args.queue_pkts), "--time-limit-ms",
-              str(args.time_limit_ms), "--no-plot"]
+              "--queue-pkts", str(args.queue_pkts), "--time-limit-ms", str(args.time_limit_ms), "--no-plot"]
     if args.trimming:
         common += ["--trimming", args.trimming]
+    arms = dict(ARMS) if args.no_ring else {**ARMS, "ring": []}
+    seeds = range(args.seed, args.seed + args.seeds)
     rows = []
+    failed = []
     for load in args.loads:
         bg = ["--background-load", str(load)] if load > 0 else []
         row: dict = {"background_load": load, "arms": {}}
-        for arm, extra in ARMS.items():
-            algorithms = "fanin" if arm != "one-root" or args.no_ring else "fanin,ring"
-            out = os.path.join(args.out, f"L{load:g}", arm)
-            print(f"fanin sim background: load {load:g}, {arm}" + (" and ring" if "ring" in algorithms else ""),
-                  file=sys.stderr)
-            code, report = run_report(binary, common + bg + extra + ["--algorithms", algorithms, "--out", out])
-            if code != 0 or report is None:
-                print(f"fanin sim background: the {arm} run at load {load:g} failed (exit {code}); its files are in "
-                      f"{out}", file=sys.stderr)
-                return code or 1
-            by = {a["algorithm"]: a for a in report["scenarios"][0]["algorithms"]}
-            row["arms"][arm] = _arm_row(by["fanin"])
-            if "root_weights" in report:
-                row["arms"][arm]["root_shards"] = report["root_weights"]["shards"]
-            if "ring" in by:
-                row["arms"]["ring"] = _arm_row(by["ring"])
+        for arm, extra in arms.items():
+            runs = []
+            for seed in seeds:
+                out = os.path.join(args.out, f"L{load:g}", arm, f"s{seed}")
+                print(f"fanin sim background: load {load:g}, {arm}, seed {seed}", file=sys.stderr)
+                run = _one_run(binary, common + bg + extra + ["--seed", str(seed), "--out", out], seed,
+                               "ring" if arm == "ring" else "fanin")
+                if arm != "ring" and not (run["finished"] and run["exact"]):
+                    failed.append(f"{arm} at load {load:g}, seed {seed} ({out})")
+                runs.append(run)
+            row["arms"][arm] = _aggregate(runs)
         ring = row["arms"].get("ring")
-        if ring:
-            row["speedup_over_ring"] = {arm: ring["completion_us"] / row["arms"][arm]["completion_us"] for arm in ARMS}
+        if ring and ring["finished"] == ring["runs"]:
+            row["speedup_over_ring"] = {arm: ring["completion_us"] / row["arms"][arm]["completion_us"]
+                                        for arm in ARMS if row["arms"][arm]["completion_us"]}
         rows.append(row)
     table = {"bench": "sim-background", "topology": args.topology, "workers": args.workers,
-             "size_elements": args.size, "seed": args.seed, "queue_pkts": args.queue_pkts,
-             "trimming": args.trimming, "rows": rows}
+             "size_elements": args.size, "seeds": list(seeds), "queue_pkts": args.queue_pkts,
+             "trimming": args.trimming, "time_limit_ms": args.time_limit_ms, "rows": rows}
     _write(args.out, table)
     if not args.no_plot:
         try:
@@ -123,6 +170,9 @@ def main(binary: str, argv: list[str]) -> int:
     _summary(table)
     if args.json:
         print(json.dumps(table))
+    if failed:
+        print("fanin sim background: fanin did not finish exact in: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -132,23 +182,38 @@ def _write(out: str, table: dict) -> None:
         json.dump(table, f)
     with open(os.path.join(out, "background.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["background_load", "arm", "completion_us", "fraction_of_line_rate", "exact", "retransmissions",
-                    "queue_drops", "trims"])
+        w.writerow(["background_load", "arm", "seed", "finished", "completion_us", "fraction_of_line_rate", "exact",
+                    "retransmissions", "queue_drops", "trims"])
         for row in table["rows"]:
             for arm, a in row["arms"].items():
-                w.writerow([row["background_load"], arm, a["completion_us"], a["goodput_fraction_of_line_rate"],
-                            a["exact"], a["retransmissions"], a["queue_drops"], a["trims"]])
+                for r in a["per_seed"]:
+                    w.writerow([row["background_load"], arm, r["seed"], r["finished"], r.get("completion_us"),
+                                r.get("goodput_fraction_of_line_rate"), r.get("exact"), r.get("retransmissions"),
+                                r.get("queue_drops"), r.get("trims")])
+
+
+def _cell(a: Optional[dict]) -> str:
+    if a is None:
+        return "-"
+    if a["completion_us"] is None:
+        return f"none of {a['runs']} done"
+    cell = f"{a['completion_us']:.1f} ({a['goodput_fraction_of_line_rate']:.2f})"
+    if a["runs"] > 1:
+        cell += f" max {a['completion_us_max']:.1f}"
+    if a["finished"] < a["runs"]:
+        cell += f" {a['runs'] - a['finished']} unfinished"
+    return cell
 
 
 def _summary(table: dict) -> None:
     arms = [*ARMS, "ring"]
-    print(f"{'load':>6} " + " ".join(f"{a:>16}" for a in arms) + "   (µs, fraction of line rate)", file=sys.stderr)
+    many = len(table["seeds"]) > 1
+    unit = "median µs (fraction of line rate), slowest seed" if many else "µs (fraction of line rate)"
+    width = 32 if many else 16
+    print(f"{'load':>6} " + " ".join(f"{a:>{width}}" for a in arms) + f"   ({unit})", file=sys.stderr)
     for row in table["rows"]:
-        cells = []
-        for arm in arms:
-            a: Optional[dict] = row["arms"].get(arm)
-            cells.append(f"{a['completion_us']:8.1f} ({a['goodput_fraction_of_line_rate']:.2f})" if a else f"{'-':>16}")
-        print(f"{row['background_load']:>6g} " + " ".join(f"{c:>16}" for c in cells), file=sys.stderr)
+        cells = [_cell(row["arms"].get(arm)) for arm in arms]
+        print(f"{row['background_load']:>6g} " + " ".join(f"{c:>{width}}" for c in cells), file=sys.stderr)
 
 
 def _plot(out: str, table: dict) -> str:
@@ -158,16 +223,24 @@ def _plot(out: str, table: dict) -> str:
     loads = [r["background_load"] for r in table["rows"]]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     for arm in [*ARMS, "ring"]:
-        pts = [(r["background_load"], r["arms"][arm]) for r in table["rows"] if arm in r["arms"]]
+        pts = [(r["background_load"], r["arms"][arm]) for r in table["rows"]
+               if arm in r["arms"] and r["arms"][arm]["completion_us"] is not None]
         if not pts:
             continue
         xs = [100 * x for x, _ in pts]
-        a1.plot(xs, [a["completion_us"] for _, a in pts], marker="o", label=arm)
-        a2.plot(xs, [a["goodput_fraction_of_line_rate"] for _, a in pts], marker="o", label=arm)
+        med = [a["completion_us"] for _, a in pts]
+        a1.errorbar(xs, med, yerr=[[m - a["completion_us_min"] for m, (_, a) in zip(med, pts)],
+                                   [a["completion_us_max"] - m for m, (_, a) in zip(med, pts)]],
+                    marker="o", capsize=3, label=arm)
+        frac = [a["goodput_fraction_of_line_rate"] for _, a in pts]
+        a2.errorbar(xs, frac, yerr=[[f - a["goodput_fraction_min"] for f, (_, a) in zip(frac, pts)],
+                                    [0.0] * len(pts)], marker="o", capsize=3, label=arm)
     a1.set_yscale("log")
     a1.set_xlabel("background load (% of each tenant host's link rate)")
     a1.set_ylabel("completion time (µs, last worker)")
-    a1.set_title(f"allreduce on {table['topology']}, {table['workers']} workers")
+    seeds = table["seeds"]
+    a1.set_title(f"allreduce on {table['topology']}, {table['workers']} workers"
+                 + (f", median of {len(seeds)} seeds (bars: range)" if len(seeds) > 1 else ""))
     a2.axhline(0.9, color="grey", linestyle="--", linewidth=1, label="target 0.9")
     a2.set_xlabel("background load (% of each tenant host's link rate)")
     a2.set_ylabel("tensor bytes / (link rate x completion)")
