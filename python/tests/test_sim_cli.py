@@ -187,7 +187,8 @@ def test_background_sweep_compares_one_root_spread_roots_and_ring_and_plots_them
             "--time-limit-ms", "1", "--json", "--no-plot", "--out", str(tmp_path / "limit"))
     assert r.returncode == 0, r.stderr[-2000:]
     (row,) = json.loads(r.stdout)["rows"]
-    assert row["arms"]["ring"]["finished"] == 0 and row["arms"]["ring"]["completion_us"] is None, row
+    ring = row["arms"]["ring"]
+    assert ring["finished"] == 0 and ring["completion_us"] is None and ring["exact"] is None, row
     assert "speedup_over_ring" not in row and row["arms"]["weighted-roots"]["finished"] == 1, row
     assert "none of 1 done" in r.stderr
     r = run("background", "--loads", "0,2", "--out", str(tmp_path))

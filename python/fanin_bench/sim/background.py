@@ -97,7 +97,7 @@ def _aggregate(runs: list[dict]) -> dict:
     return {
         "runs": len(runs),
         "finished": len(done),
-        "exact": all(r["exact"] for r in done),
+        "exact": all(r["exact"] for r in done) if done else None,
         "completion_us": statistics.median(times) if times else None,
         "completion_us_max": max(times) if times else None,
         "completion_us_min": min(times) if times else None,
