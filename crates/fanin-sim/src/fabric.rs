@@ -21,6 +21,7 @@ use fanin_proto::Time;
 use serde::Serialize;
 
 use crate::kernel::{tx_time, EventQueue, Ps};
+use crate::net::{PORTS_PER_PIPELINE, RECIRC_LATENCY};
 
 /// Ethernet (14 + 4 FCS) + IPv4 (20) + UDP (8) bytes per datagram.
 pub const WIRE_OVERHEAD: u32 = 46;
@@ -38,7 +39,7 @@ pub enum NetEv {
     RecircDone { node: u32, pipeline: u32 },
     /// A deflected datagram is back in `node`'s ingress: cut, it joins the
     /// header queue of channel `chan`.
-    RecircArrive { node: u32, pipeline: u32, chan: u32, buf: u32 },
+    RecircArrive { chan: u32, buf: u32 },
 }
 
 /// Background traffic (other tenants): a flow sends datagrams of `bytes`
@@ -144,12 +145,6 @@ pub struct ChannelConfig {
     /// header queues).
     pub tofino: bool,
 }
-
-/// Ports per ingress pipeline of a Tofino switch (the trimming study's).
-pub const PORTS_PER_PIPELINE: usize = 16;
-
-/// The recirculation ports' latency (the trimming study's).
-pub const RECIRC_LATENCY: Ps = 1_000 * crate::kernel::PS_PER_NS;
 
 /// A switch's Tofino-design trimming: its ingress trimmer and, per
 /// pipeline, the recirculation (deflect-on-drop) port, at the link rate.
@@ -406,12 +401,7 @@ impl Fabric {
 
     fn inject<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, d: Dgram) {
         let src = d.src;
-        let buf = self.store(d);
-        self.forward(ev, src, None, buf);
-    }
-
-    fn store(&mut self, d: Dgram) -> u32 {
-        match self.free.pop() {
+        let buf = match self.free.pop() {
             Some(i) => {
                 self.bufs[i as usize] = Some(d);
                 i
@@ -420,7 +410,8 @@ impl Fabric {
                 self.bufs.push(Some(d));
                 self.bufs.len() as u32 - 1
             }
-        }
+        };
+        self.forward(ev, src, None, buf);
     }
 
     fn next_hop(&self, at: u32, d: &Dgram) -> u32 {
@@ -553,7 +544,7 @@ impl Fabric {
         let len = self.bufs[buf as usize].as_ref().expect("live buffer").bytes.len() as u32 + WIRE_OVERHEAD;
         let done = now + tx_time(len, self.cfg.rate_bps);
         ev.schedule(done, NetEv::RecircDone { node, pipeline }.into());
-        ev.schedule(done + RECIRC_LATENCY, NetEv::RecircArrive { node, pipeline, chan, buf }.into());
+        ev.schedule(done + RECIRC_LATENCY, NetEv::RecircArrive { chan, buf }.into());
     }
 
     /// A responsive background flow lost a datagram: halve its rate.
@@ -650,7 +641,7 @@ impl Fabric {
                 self.recirc_kick(ev, node, pipeline);
                 None
             }
-            NetEv::RecircArrive { chan, buf, .. } => {
+            NetEv::RecircArrive { chan, buf } => {
                 // back from recirculation: cut here, into the header queue
                 let d = self.bufs[buf as usize].as_ref().expect("live buffer");
                 let mut item = Queued { buf, wire_len: d.bytes.len() as u32 + WIRE_OVERHEAD, cut: false };

@@ -50,6 +50,12 @@ pub enum LoadBalance {
     Ecmp,
 }
 
+/// Ports per ingress pipeline of a Tofino switch (the study's default).
+pub const PORTS_PER_PIPELINE: usize = 16;
+
+/// Latency of a recirculation port (the study's default).
+pub const RECIRC_LATENCY: Ps = PS_PER_US;
+
 /// Parameters shared by all switches and hosts of a network.
 #[derive(Debug, Clone)]
 pub struct NetConfig {
@@ -88,9 +94,9 @@ impl Default for NetConfig {
             mtu: 1500,
             switch_queue: QueueConfig::ndp(1500),
             model: SwitchModel::Ideal,
-            ports_per_pipeline: 16,
+            ports_per_pipeline: PORTS_PER_PIPELINE,
             recirc_rate_bps: 100_000_000_000,
-            recirc_latency: PS_PER_US,
+            recirc_latency: RECIRC_LATENCY,
             dod_capacity_bytes: u64::MAX,
             mirror_capacity_bytes: u64::MAX,
             notify_latency: 0,

@@ -394,7 +394,7 @@ impl<E: From<NetEv>> Common<E> {
                 self.limit / (1_000_000 * PS_PER_NS)
             ));
         }
-        let times: Vec<Ps> = self.done_at.iter().map(|t| t.unwrap_or(0)).collect();
+        let times: Vec<Ps> = self.done_at.iter().flatten().copied().collect();
         let last = times.iter().copied().max().unwrap_or(0) - self.start;
         let mean = times.iter().map(|&t| (t - self.start) as f64).sum::<f64>() / times.len() as f64;
         Ok(ScaleResult {

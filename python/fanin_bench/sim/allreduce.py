@@ -24,10 +24,8 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
-from typing import Optional
-
 from dataclasses import replace
-from typing import Mapping
+from typing import Mapping, Optional
 
 from fanin.controller.roots import spare_capacity, weigh_root_shards
 from fanin.controller.tree import build_tree, roles
