@@ -38,14 +38,26 @@ impl BlockSpace {
         (b as u64) < self.m
     }
 
+    /// `x` mod M. Ids are in `[0, M)` but for a malformed datagram's, so
+    /// the division (tens of cycles, several per datagram on the hot paths
+    /// of the switch and the worker) is taken only for those.
+    #[inline]
+    fn reduce(self, x: u64) -> u64 {
+        if x < self.m {
+            x
+        } else {
+            x % self.m
+        }
+    }
+
     /// The id `n` blocks after `b`.
     pub fn add(self, b: u32, n: u32) -> u32 {
-        ((b as u64 % self.m + n as u64) % self.m) as u32
+        self.reduce(self.reduce(b as u64) + n as u64) as u32
     }
 
     /// How many blocks `a` lies after `b` (mod M): `add(b, distance(a, b)) == a`.
     pub fn distance(self, a: u32, b: u32) -> u32 {
-        ((a as u64 % self.m + self.m - b as u64 % self.m) % self.m) as u32
+        self.reduce(self.reduce(a as u64) + self.m - self.reduce(b as u64)) as u32
     }
 
     /// `a` comes before `b` in the stream.
@@ -100,5 +112,13 @@ mod tests {
         }
         assert!(sp.before(last, 0) && sp.before(last - 3, 2));
         assert_eq!(sp.distance(1, last - 1), 3);
+        // ids at or past M (only a malformed datagram's) reduce modulo M,
+        // as the arithmetic without the in-range shortcut did
+        for x in [m as u32, u32::MAX, 0, 5, last] {
+            for n in [0u32, 1, 7, u32::MAX] {
+                assert_eq!(sp.add(x, n) as u64, (x as u64 % m + n as u64) % m, "add({x}, {n})");
+                assert_eq!(sp.distance(x, n) as u64, (x as u64 % m + m - n as u64 % m) % m, "distance({x}, {n})");
+            }
+        }
     }
 }

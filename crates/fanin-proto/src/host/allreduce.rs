@@ -44,7 +44,7 @@
 //! congestion marks, losses and stall timeouts this machine sees
 //! (docs/congestion.md).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use fanin_wire::value::{
@@ -66,8 +66,9 @@ mod lending;
 mod op;
 mod outcome;
 mod recovery;
-mod results;
 mod result_ack;
+mod results;
+mod retained;
 mod tensor;
 mod transmit;
 #[cfg(test)]
@@ -78,7 +79,7 @@ use lending::{Input, Lent};
 pub use lending::{TensorMut, TensorRef};
 use op::{BlockPhase, BlockState, Op};
 pub use outcome::{Event, Outcome, SessionError};
-use recovery::{Kept, Recovery};
+use recovery::Recovery;
 pub use tensor::{Prepared, Tensor};
 use tensor::PreparedInput;
 
@@ -157,7 +158,7 @@ pub struct AllreduceSession {
     /// without one, which a peer may still lack. After a switch restart they
     /// are sent again so the new incarnation can recompute those blocks
     /// (docs/restart.md).
-    retained: BTreeMap<u32, Kept>,
+    retained: retained::Retained,
     /// Buffers of pruned retained contributions, reused.
     spare: Vec<Vec<u8>>,
     /// First data transmissions of the blocks in flight, to be retained.
@@ -245,7 +246,7 @@ impl AllreduceSession {
             result_key: None,
             group_windows: LaneWindows::default(),
             auth_stats: AuthStats::default(),
-            retained: BTreeMap::new(),
+            retained: retained::Retained::default(),
             spare: Vec::new(),
             captured: recovery::Captured::default(),
             recovery: None,

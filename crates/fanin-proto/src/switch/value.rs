@@ -148,6 +148,10 @@ pub enum Verdict {
     /// notice ([`ValueSwitch::end_round`]); `member` (= `rank`) does or does
     /// not listen on the result group.
     RoundEnded { job_id: u32, cause: u8, rank: u16, start: u32, member: u16, listens: bool },
+    /// Handled, and the restarted job's recovery floor is known (every
+    /// member reported, docs/restart.md): its stream resumes at `floor`,
+    /// which every other shard must learn too ([`ValueSwitch::resume`]).
+    Recovered { job_id: u32, floor: u32 },
 }
 
 /// Value-stream aggregation for one shard. `A` is the address type of the
@@ -549,6 +553,15 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 self.end_round(job_id, RoundEnd { cause, rank }, start);
                 self.set_listening(job_id, member, listens);
             }
+            Verdict::Recovered { job_id, floor } => self.resume(job_id, floor),
+        }
+    }
+
+    /// Another shard's [`Verdict::Recovered`]: the restarted job's stream
+    /// resumes at `floor`.
+    pub fn resume(&mut self, job_id: u32, floor: u32) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            join::resume_at(job, floor);
         }
     }
 

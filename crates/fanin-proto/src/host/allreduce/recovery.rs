@@ -34,6 +34,7 @@ use super::transmit::emit_block;
 use super::{AllreduceSession, SessionConfig, SessionError};
 use crate::auth::push_sealed;
 use crate::job::shard_of;
+use crate::serial::BlockSpace;
 use crate::time::Time;
 use crate::transmit::Transmit;
 
@@ -172,8 +173,11 @@ pub(super) struct Recovery {
     /// The switch's answer: the lowest block any member still needs.
     floor: Option<u32>,
     /// Retained blocks resent to the new incarnation that have no new result
-    /// yet, with their last transmission (None: due).
+    /// yet, with their last transmission (None: due), by their distance
+    /// from the floor: stream order, across the wrap of block ids too.
     pending: BTreeMap<u32, Option<Time>>,
+    /// The job's block ids.
+    space: BlockSpace,
 }
 
 impl Recovery {
@@ -186,14 +190,20 @@ impl Recovery {
     /// block that needs a result from the new incarnation, plus one
     /// slot-cycle (`block_cnt_max`).
     pub(super) fn gate(&self, op: Option<&Op>, block_cnt_max: u32) -> Option<u32> {
-        self.floor?;
-        let retained = self.pending.keys().next().copied();
+        let floor = self.floor?;
+        let space = self.space;
+        let retained = self.pending.keys().next().map(|&off| space.add(floor, off));
         let op_low = op.filter(|op| op.low < op.blocks.len() as u32).map(|op| op.block_id(op.low));
         let lowest = match (retained, op_low) {
-            (Some(a), Some(b)) => a.min(b),
+            (Some(a), Some(b)) => if space.before(b, a) { b } else { a },
             (a, b) => a.or(b)?,
         };
-        Some(lowest.saturating_add(block_cnt_max))
+        Some(space.add(lowest, block_cnt_max))
+    }
+
+    /// Whether block `block_id` may not be sent yet (`gate` from [`gate`](Self::gate)).
+    pub(super) fn holds(&self, gate: u32, block_id: u32) -> bool {
+        self.space.at_or_after(block_id, gate)
     }
 }
 
@@ -232,6 +242,7 @@ impl AllreduceSession {
             interval: JOIN_INTERVAL,
             floor: None,
             pending: BTreeMap::new(),
+            space: BlockSpace::new(params.block_cnt_max),
         });
         self.join_due = true;
     }
@@ -322,7 +333,8 @@ impl AllreduceSession {
         let rec = self.recovery.as_mut().expect("checked above");
         rec.target = params.incarnation;
         rec.floor = Some(floor);
-        rec.pending = self.retained.range(floor..).map(|(&b, _)| (b, None)).collect();
+        let space = rec.space;
+        rec.pending = self.retained.blocks_from(space, floor).map(|b| (space.distance(b, floor), None)).collect();
         if let Some(op) = self.op.as_mut() {
             // Everything in flight goes to the new switch again, in order.
             op.retransmit.clear();
@@ -351,16 +363,18 @@ impl AllreduceSession {
         let Some(rec) = self.recovery.as_mut() else { return 0 };
         let gate = rec.gate(self.op.as_ref(), params.block_cnt_max);
         let tag = incarnation_tag(params.incarnation).to_be_bytes();
+        let (space, floor) = (rec.space, rec.floor.unwrap_or_default());
         let mut sent = 0;
-        for (&block_id, last) in rec.pending.iter_mut() {
-            if sent >= self.config.max_burst || gate.is_some_and(|g| block_id >= g) {
+        for (&offset, last) in rec.pending.iter_mut() {
+            let block_id = space.add(floor, offset);
+            if sent >= self.config.max_burst || gate.is_some_and(|g| space.at_or_after(block_id, g)) {
                 break;
             }
             if last.is_some() {
                 continue;
             }
             let fresh;
-            let bytes = match self.retained.get(&block_id) {
+            let bytes = match self.retained.get(space, block_id) {
                 Some(Kept::Bytes(bytes)) => bytes,
                 Some(Kept::FromInput) => {
                     let Some(op) = self.op.as_ref() else { continue };
@@ -395,7 +409,11 @@ impl AllreduceSession {
         if rec.waiting() || repr.exp_only {
             return;
         }
-        if rec.pending.remove(&repr.block_id).is_some() && rec.pending.is_empty() {
+        let Some(floor) = rec.floor else { return };
+        if rec.space.before(repr.block_id, floor) {
+            return;
+        }
+        if rec.pending.remove(&rec.space.distance(repr.block_id, floor)).is_some() && rec.pending.is_empty() {
             self.recovery = None;
         }
     }
@@ -406,17 +424,18 @@ impl AllreduceSession {
         if self.recovery.is_some() {
             return;
         }
-        let cut = low_stream.saturating_sub(block_cnt_max);
-        while let Some(entry) = self.retained.first_entry() {
-            if *entry.key() >= cut {
-                break;
-            }
-            if let Kept::Bytes(buf) = entry.remove() {
-                if self.spare.len() < (block_cnt_max as usize).max(SPARE_BUFFERS_MIN) {
-                    self.spare.push(buf);
+        let space = BlockSpace::new(block_cnt_max);
+        // the block one slot-cycle before `low_stream`, across the wrap too
+        let cut = space.add(low_stream, (space.size() - block_cnt_max.max(1) as u64) as u32);
+        let keep = (block_cnt_max as usize).max(SPARE_BUFFERS_MIN);
+        let spare = &mut self.spare;
+        self.retained.prune_before(space, cut, |kept| {
+            if let Kept::Bytes(buf) = kept {
+                if spare.len() < keep {
+                    spare.push(buf);
                 }
             }
-        }
+        });
     }
 
     /// Emit the retained contributions still referring to the running
@@ -427,7 +446,7 @@ impl AllreduceSession {
         if op.lent.is_none() {
             return;
         }
-        for (&block_id, kept) in self.retained.iter_mut() {
+        for (block_id, kept) in self.retained.iter_mut(op.space) {
             let idx = op.space.distance(block_id, op.base_block);
             if !matches!(kept, Kept::FromInput) || idx >= op.blocks.len() as u32 {
                 continue;
@@ -439,14 +458,16 @@ impl AllreduceSession {
 
     /// Contributions retained for a recovery (block ids), for tests.
     pub fn retained_blocks(&self) -> Vec<u32> {
-        self.retained.keys().copied().collect()
+        let Some(params) = self.params else { return Vec::new() };
+        self.retained.iter(BlockSpace::new(params.block_cnt_max)).map(|(b, _)| b).collect()
     }
 
     /// A retained contribution's bytes (`None` while it is still to be
     /// emitted from the input), for tests.
     #[cfg(test)]
     pub(crate) fn retained_bytes(&self, block_id: u32) -> Option<&[u8]> {
-        match self.retained.get(&block_id)? {
+        let space = BlockSpace::new(self.params?.block_cnt_max);
+        match self.retained.get(space, block_id)? {
             Kept::Bytes(b) => Some(b),
             Kept::FromInput => None,
         }

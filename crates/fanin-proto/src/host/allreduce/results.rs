@@ -119,7 +119,7 @@ impl AllreduceSession {
                 }
             })
         };
-        self.retained.insert(repr.block_id, kept);
+        self.retained.insert(op.space, params.block_cnt_max, repr.block_id, kept);
         let Some(op) = self.op.as_mut() else { return };
         // (outside `keep` the output is left as it was, whatever came)
         if wanted && !repr.no_data {
@@ -200,7 +200,7 @@ impl AllreduceSession {
             if known {
                 let buf = self.spare.pop().unwrap_or_default();
                 let buf = recovery::emit_contribution(&self.config, &params, self.n_sources, self.gen_id, op, idx, buf);
-                self.retained.insert(repr.block_id, Kept::Bytes(buf));
+                self.retained.insert(op.space, params.block_cnt_max, repr.block_id, Kept::Bytes(buf));
             }
         }
         let Some(op) = self.op.as_mut() else { return };

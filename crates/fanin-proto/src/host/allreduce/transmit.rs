@@ -32,11 +32,12 @@ impl AllreduceSession {
         let window = self.cc.window();
         // After a switch restart: no block opens a slot before the block one
         // slot-cycle earlier has its new result (docs/restart.md).
-        let gate = self.recovery.as_ref().and_then(|r| r.gate(Some(&*op), params.block_cnt_max));
+        let recovery = self.recovery.as_ref();
+        let gate = recovery.and_then(|r| Some((r, r.gate(Some(&*op), params.block_cnt_max)?)));
         while sent < budget {
-            if let Some(gate) = gate {
+            if let Some((rec, gate)) = gate {
                 let front = op.retransmit.front().or(op.ready.front()).copied().unwrap_or(op.next_new);
-                if op.block_id(front) >= gate {
+                if rec.holds(gate, op.block_id(front)) {
                     break;
                 }
             }

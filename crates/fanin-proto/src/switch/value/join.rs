@@ -247,11 +247,15 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
         counters.recover_waiting += 1;
         return Verdict::Consumed;
     }
-    let floor = job.recover_lows.values().copied().min().unwrap_or(low);
+    // The lowest in stream order: block ids wrap, and the members' lows
+    // may straddle the wrap (ids near M and near 0).
+    let space = job.space;
+    let floor = job.recover_lows.values().copied().reduce(|a, b| if space.before(b, a) { b } else { a }).unwrap_or(low);
     job.recover_floor = Some(floor);
     // The round that ran before the restart goes on: the (fresh) job's
     // barrier does not hold it (docs/protocol.md §4.12).
     job.barrier = None;
+    resume_at(job, floor);
     counters.recoveries += 1;
     let members: Vec<usize> = job.members.iter().collect();
     for m in members {
@@ -259,7 +263,18 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
             answer_join_as(job, config, m as u16, m as u16, addr, JoinStart::at(floor), JOIN_RECOVER, out);
         }
     }
-    Verdict::Consumed
+    Verdict::Recovered { job_id: job.spec.job_id, floor }
+}
+
+/// The restarted job's stream resumes at `floor` (on every shard: the one
+/// that answered the recovery joins, and the others from its
+/// [`Verdict::Recovered`]). Its empty slots take blocks from there on: the
+/// fresh job's start (0, or where the members' probes started a round)
+/// may lie ahead of the floor in stream order, as it does when the stream
+/// crosses the wrap of its ids, and a resent block before the start would
+/// be answered as expired.
+pub(super) fn resume_at<A>(job: &mut Job<A>, floor: u32) {
+    job.start_block = floor;
 }
 
 /// Admit `src` from `start` here, and tell the runtime so the other shards
