@@ -162,7 +162,9 @@ pub struct Counters {
     /// (sent before the worker noticed a restart): answered with a
     /// StaleIncarnation nack, never aggregated.
     pub stale_incarnation: u64,
-    /// Recovery joins left unanswered while other members had not reported.
+    /// Recovery joins left unanswered while other members had not reported,
+    /// and recovering members' blocks held by a shard that had not yet
+    /// learnt where the stream resumes (sent again by the member).
     pub recover_waiting: u64,
     /// Recovery floors established (every member reported after a restart).
     pub recoveries: u64,

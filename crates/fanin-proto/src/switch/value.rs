@@ -151,7 +151,9 @@ pub enum Verdict {
     /// Handled, and the restarted job's recovery floor is known (every
     /// member reported, docs/restart.md): its stream resumes at `floor`,
     /// which every other shard must learn too ([`ValueSwitch::resume`]).
-    Recovered { job_id: u32, floor: u32 },
+    /// `member`, whose recovery Join completed the floor, does or does not
+    /// listen on the result group.
+    Recovered { job_id: u32, floor: u32, member: u16, listens: bool },
 }
 
 /// Value-stream aggregation for one shard. `A` is the address type of the
@@ -337,6 +339,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             tag: incarnation_tag(self.config.incarnation),
             recover_lows: HashMap::new(),
             recover_floor: None,
+            start_settled: false,
             incarnations: vec![0; capacity],
             barrier: Some(Barrier::first()),
             high_block: None,
@@ -553,7 +556,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 self.end_round(job_id, RoundEnd { cause, rank }, start);
                 self.set_listening(job_id, member, listens);
             }
-            Verdict::Recovered { job_id, floor } => self.resume(job_id, floor),
+            Verdict::Recovered { job_id, floor, member, listens } => {
+                self.resume(job_id, floor);
+                self.set_listening(job_id, member, listens);
+            }
         }
     }
 

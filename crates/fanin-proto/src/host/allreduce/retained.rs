@@ -55,22 +55,26 @@ impl Retained {
                 self.kept.push_front(None);
             }
             self.base = block_id;
-        } else if space.distance(block_id, self.base) as usize >= span_max {
-            // the stream moved on by more than the ring spans (a new round
-            // starts far ahead): nothing retained is needed any more
-            self.kept.clear();
-            self.base = block_id;
+        } else {
+            // the oldest blocks the new one pushes out of the span (all of
+            // them when the stream jumped far ahead, as a new round does)
+            while !self.kept.is_empty() && space.distance(block_id, self.base) as usize >= span_max {
+                if space.distance(block_id, self.base) as usize >= self.kept.len() + span_max {
+                    self.kept.clear();
+                    break;
+                }
+                self.pop_front(space);
+                self.trim_front(space);
+            }
+            if self.kept.is_empty() {
+                self.base = block_id;
+            }
         }
         let at = space.distance(block_id, self.base) as usize;
         while self.kept.len() <= at {
             self.kept.push_back(None);
         }
         self.kept[at] = Some(kept);
-        // the oldest blocks the new one pushed out of the span
-        while self.kept.len() > span_max {
-            self.pop_front(space);
-        }
-        self.trim_front(space);
     }
 
     /// The contribution retained for `block_id`.
@@ -177,5 +181,12 @@ mod tests {
             r.insert(space, 4, 1000 + b, Kept::FromInput);
             assert!(r.kept.len() <= span as usize);
         }
+        // one past the span drops the oldest block only
+        let mut r = Retained::default();
+        for b in 0..span {
+            r.insert(space, 4, b, Kept::FromInput);
+        }
+        r.insert(space, 4, span, Kept::FromInput);
+        assert_eq!(r.iter(space).map(|(b, _)| b).collect::<Vec<_>>(), (1..=span).collect::<Vec<_>>());
     }
 }

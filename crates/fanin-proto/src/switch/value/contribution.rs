@@ -99,6 +99,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let (is_prev, opens) = match &slot.cur {
             None => {
                 if job.space.before(block_id, job.start_block) {
+                    if !job.start_settled && uses_rounds(job) {
+                        // A recovering member's block, before this shard
+                        // learnt where the stream resumes (join::resume_at):
+                        // it is sent again, and by then the shard knows.
+                        counters.recover_waiting += 1;
+                        return Verdict::Consumed;
+                    }
                     let env = envelope(job.auth.as_mut(), Peer::Member(src));
                     expired(counters, out, from, env, packet, job.start_block, job.tag);
                     return Verdict::Consumed;

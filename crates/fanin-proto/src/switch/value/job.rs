@@ -133,6 +133,12 @@ pub(super) struct Job<A> {
     pub(super) recover_lows: HashMap<u16, u32>,
     /// ...and, once every member reported, the floor answered to all.
     pub(super) recover_floor: Option<u32>,
+    /// Whether `start_block` is known to be where the stream stands: after
+    /// a round ended, or once the recovery floor is known. Until then (the
+    /// first round of a job just admitted, perhaps to a restarted switch)
+    /// a block before the start is not answered as expired: it may be a
+    /// recovering member's, sent to this shard before it learnt the floor.
+    pub(super) start_settled: bool,
     /// Rounds (docs/protocol.md §4.12): the member incarnation each member
     /// joined the running round with (0: none said).
     pub(super) incarnations: Vec<u16>,

@@ -263,7 +263,10 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
             answer_join_as(job, config, m as u16, m as u16, addr, JoinStart::at(floor), JOIN_RECOVER, out);
         }
     }
-    Verdict::Recovered { job_id: job.spec.job_id, floor }
+    // (this Join may also have changed whether its member listens on the
+    // result group: the verdict carries that too)
+    let listens = job.listens_on_group.contains(src as usize);
+    Verdict::Recovered { job_id: job.spec.job_id, floor, member: src, listens }
 }
 
 /// The restarted job's stream resumes at `floor` (on every shard: the one
@@ -275,6 +278,7 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
 /// be answered as expired.
 pub(super) fn resume_at<A>(job: &mut Job<A>, floor: u32) {
     job.start_block = floor;
+    job.start_settled = true;
 }
 
 /// Admit `src` from `start` here, and tell the runtime so the other shards

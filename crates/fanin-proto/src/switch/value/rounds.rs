@@ -172,6 +172,9 @@ pub(super) fn next_round_start<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
 /// `start` are answered with a notice saying why it `ended`.
 pub(super) fn end_round<A>(job: &mut Job<A>, ended: Option<RoundEnd>, start: u32) {
     drop_blocks(job);
+    if ended.is_some() {
+        job.start_settled = true;
+    }
     job.barrier = Some(Barrier { start, ended, joined: HashMap::new() });
     // The next round waits for every member (reset_for_round): so does a
     // block this shard opens before it learns that round started.

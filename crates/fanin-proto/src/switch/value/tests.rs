@@ -1412,3 +1412,36 @@ fn a_quorum_cannot_be_added_to_a_job_whose_workers_joined_refusing_partial_resul
     assert!(!join_listening(&mut sw, 1, 1, false).partial_results);
     assert!(sw.update_job(T0, JobSpec { quorum: 2, ..complete }, None, &[], &mut out).is_err());
 }
+
+/// The recovery join that completes the floor may also change whether its
+/// member listens on the result group (a restarted job starts with none
+/// listening): the verdict that passes the floor to the other shards
+/// carries that too, so they send the member's results to the group.
+/// (The first `Verdict::Recovered` carried the floor alone: the other
+/// shard sent member 1 a unicast copy beside the group datagram.)
+#[test]
+fn the_floor_verdict_also_passes_on_whether_its_member_listens() {
+    use fanin_wire::value::JOIN_RECOVER;
+    let group: std::net::SocketAddrV4 = "239.1.0.7:47001".parse().unwrap();
+    let mut sw = switch_with(&[JobSpec { result_group: Some(group), ..job(1, 2, 4) }]);
+    let mut verdicts = Vec::new();
+    for src in 0..2u16 {
+        let mut join = Pkt::data(1, src, 5, &[]);
+        join.repr.msg_type = MessageType::Join;
+        join.repr.age_op = JOIN_RECOVER;
+        join.repr.final_block = true;
+        let mut out = VecTransmit::new();
+        verdicts.push(sw.handle_datagram(T0, 100 + src as u32, &join.bytes(), &mut out));
+    }
+    assert!(matches!(verdicts[1], Verdict::Recovered { floor: 5, member: 1, listens: true, .. }), "{verdicts:?}");
+    let mut other = switch_with(&[JobSpec { result_group: Some(group), ..job(1, 2, 4) }]);
+    for v in &verdicts {
+        other.learn(*v);
+    }
+    let mut out = VecTransmit::new();
+    out.groups_reachable = true;
+    for src in 0..2u16 {
+        let _ = other.handle_datagram(T0, 100 + src as u32, &Pkt::data(1, src, 5, &[1]).bytes(), &mut out);
+    }
+    assert_eq!((out.group_datagrams.len(), out.datagrams.len()), (1, 0), "every member's result on the group");
+}
