@@ -858,8 +858,9 @@ impl AllreduceSession {
                     // the block this session joined at: an ended round's,
                     // meant for a straggler of it, which a relay fans out to
                     // every host behind it, docs/goat.md.)
-                    let ours =
-                        self.params.as_ref().map_or(true, |p| (repr.block_id.wrapping_sub(p.next_block) as i32) > 0);
+                    let ours = self.params.as_ref().map_or(true, |p| {
+                        crate::serial::BlockSpace::new(p.block_cnt_max).before(p.next_block, repr.block_id)
+                    });
                     if matches!(self.state, State::Ready) && ours {
                         let (job_id, rank) = (repr.job_id, repr.src_id);
                         self.fail(if repr.age_op == MEMBERSHIP_RESTARTED {

@@ -20,7 +20,7 @@ pub(super) fn settle_slow_sources<A: Copy + PartialEq>(
         job.active.remove(src);
         job.missed_streak[src] = 0;
         counters.declared_slow += 1;
-        let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);
+        let block_id = latest_block(job);
         notify_membership(job, src, MEMBERSHIP_SLOW, block_id, counters, out, scratch);
         let quorum = job.spec.quorum;
         for local in 0..job.slots.len() {
@@ -132,7 +132,14 @@ pub(super) fn check_members<A: Copy + PartialEq>(
 pub(super) fn fail_job<A: Copy + PartialEq>(job: &mut Job<A>, dead: usize, counters: &mut Counters, out: &mut impl Transmit<A>, scratch: &mut Vec<u8>) {
     job.liveness.failed = Some(dead as u16);
     counters.jobs_failed += 1;
-    let block_id = job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).max().unwrap_or(0);
+    let block_id = latest_block(job);
     notify_membership(job, dead, MEMBERSHIP_FAILED, block_id, counters, out, scratch);
     drop_blocks(job);
+}
+
+/// The latest block this shard holds, in stream order (ids wrap), for a
+/// Membership notice; 0 if it holds none.
+fn latest_block<A>(job: &Job<A>) -> u32 {
+    let space = job.space;
+    job.slots.iter().filter_map(|s| s.cur.as_ref()).map(|b| b.block_id).reduce(|a, b| space.later(a, b)).unwrap_or(0)
 }
