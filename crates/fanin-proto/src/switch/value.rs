@@ -833,6 +833,8 @@ pub use transit::MAX_TRANSIT_SOURCES;
 use rounds::*;
 
 #[cfg(test)]
+mod aging_tests;
+#[cfg(test)]
 mod auth_tests;
 #[cfg(test)]
 mod tests;
