@@ -114,6 +114,10 @@ pub struct AllreduceSession {
     config: SessionConfig,
     state: State,
     params: Option<JoinParams>,
+    /// The job's block ids, from `params` (they wrap at a multiple of its
+    /// `block_cnt_max`, crate::serial); kept rather than rebuilt, which
+    /// divides, on every result.
+    space: BlockSpace,
     /// Number of sources in the job (block floating point scales for it).
     n_sources: u16,
     /// Elements per block of a 16-bit allreduce: as many as fill the same
@@ -226,6 +230,7 @@ impl AllreduceSession {
             config,
             state,
             params: None,
+            space: BlockSpace::new(1),
             n_sources: 1,
             half_elems_per_packet: 0,
             next_block: 0,
@@ -858,9 +863,7 @@ impl AllreduceSession {
                     // the block this session joined at: an ended round's,
                     // meant for a straggler of it, which a relay fans out to
                     // every host behind it, docs/goat.md.)
-                    let ours = self.params.as_ref().map_or(true, |p| {
-                        crate::serial::BlockSpace::new(p.block_cnt_max).before(p.next_block, repr.block_id)
-                    });
+                    let ours = self.params.as_ref().map_or(true, |p| self.space.before(p.next_block, repr.block_id));
                     if matches!(self.state, State::Ready) && ours {
                         let (job_id, rank) = (repr.job_id, repr.src_id);
                         self.fail(if repr.age_op == MEMBERSHIP_RESTARTED {
@@ -894,10 +897,9 @@ impl AllreduceSession {
         }
     }
 
-    /// The job's block ids (known once joined: they wrap at a multiple of
-    /// its `block_cnt_max`, crate::serial).
+    /// The job's block ids (known once joined).
     fn block_space(&self) -> BlockSpace {
-        BlockSpace::new(self.params.map_or(1, |p| p.block_cnt_max))
+        self.space
     }
 
     /// When the stall timer fires: one (backed-off) RTO after the last progress.

@@ -7,6 +7,7 @@ use fanin_wire::value::{JoinParams, Repr, JOIN_KEY_UPDATE, JOIN_ROUND_START, JOI
 use fanin_wire::MessageType;
 
 use super::{AllreduceSession, Event, SessionError, State};
+use crate::serial::BlockSpace;
 use crate::time::Time;
 
 impl AllreduceSession {
@@ -73,6 +74,7 @@ impl AllreduceSession {
             self.half_elems_per_packet = self.config.elems_per_packet;
         }
         self.params = Some(params);
+        self.space = BlockSpace::new(params.block_cnt_max);
         self.n_sources = repr.src_cnt.max(1);
         self.next_block = params.next_block;
         if self.config.sync_join && repr.age_op != JOIN_ROUND_START {

@@ -242,7 +242,7 @@ impl AllreduceSession {
             interval: JOIN_INTERVAL,
             floor: None,
             pending: BTreeMap::new(),
-            space: BlockSpace::new(params.block_cnt_max),
+            space: self.space,
         });
         self.join_due = true;
     }
@@ -424,7 +424,7 @@ impl AllreduceSession {
         if self.recovery.is_some() {
             return;
         }
-        let space = BlockSpace::new(block_cnt_max);
+        let space = self.space;
         // the block one slot-cycle before `low_stream`, across the wrap too
         let cut = space.add(low_stream, (space.size() - block_cnt_max.max(1) as u64) as u32);
         let keep = (block_cnt_max as usize).max(SPARE_BUFFERS_MIN);
@@ -458,16 +458,15 @@ impl AllreduceSession {
 
     /// Contributions retained for a recovery (block ids), for tests.
     pub fn retained_blocks(&self) -> Vec<u32> {
-        let Some(params) = self.params else { return Vec::new() };
-        self.retained.iter(BlockSpace::new(params.block_cnt_max)).map(|(b, _)| b).collect()
+        self.retained.iter(self.space).map(|(b, _)| b).collect()
     }
 
     /// A retained contribution's bytes (`None` while it is still to be
     /// emitted from the input), for tests.
     #[cfg(test)]
     pub(crate) fn retained_bytes(&self, block_id: u32) -> Option<&[u8]> {
-        let space = BlockSpace::new(self.params?.block_cnt_max);
-        match self.retained.get(space, block_id)? {
+        self.params?;
+        match self.retained.get(self.space, block_id)? {
             Kept::Bytes(b) => Some(b),
             Kept::FromInput => None,
         }
