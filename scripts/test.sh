@@ -10,7 +10,8 @@ echo "== cargo test (workspace) =="
 cargo test --workspace --exclude fanin-py || status=1
 
 echo "== pytest =="
-"$PY" -m pytest python/tests -q || status=1
+# the slowest tests are listed, so CI time stays visible (keep the whole under 30 min)
+"$PY" -m pytest python/tests -q --durations=15 || status=1
 
 echo "== fuzz (${FUZZ_SECONDS:-15} s per target) =="
 scripts/fuzz.sh "${FUZZ_SECONDS:-15}" || status=1

@@ -56,6 +56,9 @@ struct Run {
     /// Reduce-scatter: every worker keeps only its shard of each tensor
     /// ([`shard_of_worker`]).
     scatter: bool,
+    /// The block the job's stream starts at on every switch (as if it had
+    /// run that long; None: the start of the block space).
+    start_block: Option<u32>,
 }
 
 impl Run {
@@ -74,6 +77,7 @@ impl Run {
             parents: vec![None],
             attach: vec![0],
             scatter: false,
+            start_block: None,
         }
     }
 
@@ -114,6 +118,9 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
                         rank: SWITCH_RANK_BASE + i as u16,
                     });
                     sw.set_uplink(7, uplink).unwrap();
+                    if let Some(start) = cfg.start_block {
+                        sw.start_round(7, start);
+                    }
                     sw
                 })
                 .collect()
@@ -749,6 +756,39 @@ proptest! {
         check_int(&inputs, &outcomes);
         for o in &outcomes {
             prop_assert_eq!(o.min_src_cnt as usize, workers, "every block sums every worker");
+        }
+    }
+
+    /// A tree whose stream crosses the wrap of its block ids (at M, a
+    /// multiple of the slots): every switch starts a few blocks short of
+    /// it, and each worker's allreduces run through it with loss,
+    /// duplication and reordering on every hop; every sum exact, every
+    /// block summed over every worker, at every level.
+    #[test]
+    fn tree_int32_exact_across_the_wrap_of_block_ids(
+        workers in 3usize..=9,
+        lens in proptest::collection::vec(1usize..=700, 2..=4),
+        shape in 0u8..=3,
+        shards in 1u16..=2,
+        slots in 1u32..=8,
+        short_of_wrap in 1u32..=40,
+        loss in 0.0f64..=0.2,
+        dup in 0.0f64..=0.1,
+        seed in any::<u64>(),
+    ) {
+        let mut cfg = Run::new(workers, shards, 16, slots, slots, net(loss, dup, 40_000), seed);
+        (cfg.parents, cfg.attach) = tree_shape(shape);
+        let m = fanin_proto::serial::BlockSpace::new(slots).size();
+        cfg.start_block = Some((m - short_of_wrap as u64) as u32);
+        let inputs: Vec<Vec<Vec<i32>>> = lens.iter().enumerate().map(|(k, &len)| int_inputs(workers, len, seed ^ k as u64)).collect();
+        let per_worker: Vec<Vec<Tensor>> = (0..workers).map(|w| inputs.iter().map(|call| Tensor::I32(call[w].clone())).collect()).collect();
+        let outcomes = run_many(&cfg, per_worker);
+        for (k, call) in inputs.iter().enumerate() {
+            let of_call: Vec<Outcome> = outcomes.iter().map(|o| o[k].clone()).collect();
+            check_int(call, &of_call);
+            for o in &of_call {
+                prop_assert_eq!(o.min_src_cnt as usize, workers, "every block sums every worker");
+            }
         }
     }
 
