@@ -42,6 +42,7 @@ def test_default_packets_fit_a_1500_byte_link_and_nothing_is_fragmented(tmp_path
     assert set(cpu) == {"user", "system", "softirq", "idle", "steal"} and sum(cpu.values()) > 0, cpu
     assert (tmp_path / "network.csv").exists() and (tmp_path / "network.png").stat().st_size > 0
     assert not report["fanin_settings"]["overrides"]
+    assert 0 < report["wall_s"] < 300, report["wall_s"]  # the whole run, set-up included
 
 
 def test_the_old_default_of_1024_elements_is_cut_into_fragments(tmp_path):

@@ -235,6 +235,7 @@ def run_network(args: Any) -> int:
     # a `timeout` or `kill` must still take the testbed down (SIGTERM would
     # otherwise end the process without unwinding the ExitStack below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.perf_counter()
     gloo = not args.no_gloo
     if gloo:
         try:
@@ -423,7 +424,10 @@ def run_network(args: Any) -> int:
                                  "overrides": bool(
                                      args.elems_per_packet or args.window or args.shards or args.block_grad_max or args.block_cnt_max
                                      or args.lanes > 1)},
-              "csv": str(out / "network.csv"), "png": str(out / "network.png")}
+              "csv": str(out / "network.csv"), "png": str(out / "network.png"),
+              # the whole run, testbed set-up and capacity blasts included:
+              # what a device lease must allow for it
+              "wall_s": round(time.perf_counter() - started, 1)}
     human = "; ".join(
         f"{r['rate_mbit']:g} Mbit/s (measured {r['capacity_mbit']:.0f}, both ways at once "
         f"{r['capacity_duplex_mbit']:.0f}): fanin {r['fanin_median_s']:.3f} s = "
