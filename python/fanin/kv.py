@@ -132,6 +132,26 @@ def decode_results(data: bytes, *, as_str: bool = True, errors: str = "strict",
     return _native.decode_results(data, as_str, errors, value_type)
 
 
+def refuse_incomplete(receiver: dict[str, Any]) -> None:
+    """Raise unless the receiver's statistics of a finished task say every
+    tuple it was sent is in the result: no key refused, no sum saturated,
+    no key whose parts could not be decoded (a datagram that is not what
+    the task's layout says, or a sender and receiver that disagree on it)."""
+    refused = receiver.get("keys_refused", 0)
+    if refused:
+        raise KvError(f"fanin.kv: {refused} key fragments were of keys longer than the receiver's daemon "
+                      "accepts (max_key_len); those keys are missing, so there is no result")
+    overflowed = receiver.get("overflowed", 0)
+    if overflowed:
+        # saturated sums are no answer
+        raise KvError(f"fanin.kv: int64 sums overflowed {overflowed} times; the task's values are too large "
+                      "to sum in 64 bits")
+    undecodable = receiver.get("undecodable", 0)
+    if undecodable:
+        raise KvError(f"fanin.kv: the receiver could not decode the key of {undecodable} tuples (their "
+                      "datagrams do not follow the task's key layout); those tuples are missing, so there is no result")
+
+
 def _shm_path(tag: str) -> str:
     return os.path.join(_SHM_DIR, f"fanin-kv-{os.getpid()}-{tag}-{uuid.uuid4().hex[:12]}")
 
@@ -239,15 +259,7 @@ class Client:
             if partial_ok:
                 return data, reply
             raise SenderFailed(reply["error"], reply.get("failed", []), {}, reply)
-        refused = reply.get("receiver", {}).get("keys_refused", 0)
-        if refused:
-            raise KvError(f"fanin.kv: {refused} key fragments were of keys longer than the receiver's daemon "
-                          "accepts (max_key_len); those keys are missing, so there is no result")
-        overflowed = reply.get("receiver", {}).get("overflowed", 0)
-        if overflowed:
-            # saturated sums are no answer
-            raise KvError(f"fanin.kv: int64 sums overflowed {overflowed} times; the task's values are too large "
-                          "to sum in 64 bits")
+        refuse_incomplete(reply.get("receiver", {}))
         return data, reply
 
     def status(self, ticket: Ticket) -> dict[str, Any]:

@@ -125,6 +125,7 @@ def test_tuples_with_keys_of_any_length_sum_exactly(daemon):
         got, reply = c.wait(_send_all(c, inputs), with_stats=True)
     assert got == dict(expected)
     assert reply["receiver"]["keys_reassembled"] == 7
+    assert reply["receiver"]["undecodable"] == 0  # reported, and refused when not 0 (below)
 
 
 def _send_all(c, inputs):
@@ -373,3 +374,15 @@ def test_connections_beyond_the_limit_are_refused_with_a_reason(daemon):
     time.sleep(0.3)
     with daemon.client() as c:  # the idle connections are gone: served again
         assert c.stats()["connections_refused"] >= 1
+
+
+def test_a_result_with_keys_that_could_not_be_decoded_is_refused():
+    """The receiver counts tuples whose key parts do not decode; any such
+    tuple is missing from the result, which is then no answer."""
+    from fanin.kv import KvError, refuse_incomplete
+
+    refuse_incomplete({"keys_refused": 0, "overflowed": 0, "undecodable": 0})
+    with pytest.raises(KvError, match="could not decode the key of 3 tuples"):
+        refuse_incomplete({"keys_refused": 0, "overflowed": 0, "undecodable": 3})
+    with pytest.raises(KvError, match="overflowed"):
+        refuse_incomplete({"overflowed": 1})

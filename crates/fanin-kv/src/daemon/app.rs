@@ -183,7 +183,7 @@ fn wait_task(shared: &Arc<Shared>, req: &WaitTask) -> Result<Value, Value> {
                                   "tuples_local": stats.tuples_local, "swaps": stats.swaps,
                                   "entries_fetched": stats.entries_fetched, "fetch_requests": stats.fetch_requests,
                                   "overflowed": stats.overflowed, "keys_reassembled": stats.keys_reassembled,
-                                  "keys_refused": stats.keys_refused});
+                                  "keys_refused": stats.keys_refused, "undecodable": stats.undecodable});
             if failed.is_empty() {
                 shared.stats.tasks_finished.fetch_add(1, Ordering::Relaxed);
                 return Ok(json!({"ok": true, "complete": true, "task_id": task_id, "keys": keys, "path": path,

@@ -95,6 +95,15 @@ impl Aggregators {
         }
     }
 
+    /// Set the count of every occupied aggregator (tests: a register near
+    /// its limit without adding 2^32 tuples).
+    #[cfg(test)]
+    pub fn set_counts(&mut self, count: u32) {
+        for agg in self.aggs.iter_mut().filter(|a| a.count > 0) {
+            agg.count = count;
+        }
+    }
+
     /// The first occupied aggregator in `from..end`.
     pub fn next_occupied(&self, from: usize, end: usize) -> Option<usize> {
         if from >= end {

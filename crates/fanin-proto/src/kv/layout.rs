@@ -85,7 +85,8 @@ impl Layout {
         if self.medium_groups == 0 {
             0
         } else {
-            KEY_PART_LEN * self.medium_parts as usize - 1
+            // the length travels in one byte: longer keys go long
+            (KEY_PART_LEN * self.medium_parts as usize - 1).min(u8::MAX as usize)
         }
     }
 
@@ -96,8 +97,7 @@ impl Layout {
 
     /// Bits of medium group `g` in a bitmap.
     pub fn group_mask(&self, g: u8) -> u64 {
-        let parts = self.medium_parts as u32;
-        ((1u64 << parts) - 1) << self.group_first_slot(g)
+        fanin_wire::kv::slot_mask(self.medium_parts as usize) << self.group_first_slot(g)
     }
 
     /// Sender-assisted key-space partition (§3.2.2): hash(key) mod N picks

@@ -222,7 +222,7 @@ const MAX_REFUSALS_IN_ROW: u32 = 64;
 /// the last seq processed there. Unlike the switch's compact `seen`, it
 /// must tolerate gaps: packets the switch absorbed never arrive here.
 struct DedupWindow {
-    last: Vec<u32>,
+    last: Vec<Option<u32>>,
     max_seq: Option<u32>,
 }
 
@@ -523,7 +523,7 @@ impl KvReceiver {
         self.since_swap += 1;
         let w = self.config.window.max(1);
         let (seq, channel) = (p.seq(), p.channel());
-        let win = self.windows.entry(channel).or_insert_with(|| DedupWindow { last: vec![u32::MAX; w as usize], max_seq: None });
+        let win = self.windows.entry(channel).or_insert_with(|| DedupWindow { last: vec![None; w as usize], max_seq: None });
         let slot = (seq % w) as usize;
         let stale = win.max_seq.is_some_and(|m| (seq as i64) <= m as i64 - w as i64);
         if stale {
@@ -531,8 +531,8 @@ impl KvReceiver {
             self.stats.stale_packets += 1;
             return;
         }
-        let duplicate = win.last[slot] == seq;
-        win.last[slot] = seq;
+        let duplicate = win.last[slot] == Some(seq);
+        win.last[slot] = Some(seq);
         win.max_seq = Some(win.max_seq.map_or(seq, |m| m.max(seq)));
         if duplicate {
             self.stats.duplicate_packets += 1;

@@ -442,6 +442,14 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
     }
 
     /// Process one datagram from `from`.
+    /// Set the count of every occupied aggregator of `task_id` (tests).
+    #[cfg(test)]
+    pub(super) fn set_counts(&mut self, task_id: u32, count: u32) {
+        if let Some(task) = self.tasks.get_mut(&task_id) {
+            task.aggs.set_counts(count);
+        }
+    }
+
     pub fn handle_datagram(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) {
         self.counters.rx_datagrams += 1;
         let Some(bytes) = self.authenticate(bytes) else { return };
@@ -709,7 +717,9 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
         let agg = task.aggs.get(at);
         // A value whose sum would overflow the register is left for the
         // receiver, which saturates and reports it (never a wrapped sum).
-        if agg.count == 0 || (agg.key == key && value_type.checked_add(agg.sum, p.value(slot)).is_some()) {
+        if agg.count == 0
+            || (agg.key == key && agg.count < u32::MAX && value_type.checked_add(agg.sum, p.value(slot)).is_some())
+        {
             task.aggs.add(at, key, p.value(slot), value_type);
             remaining &= !(1 << slot);
             absorbed += 1;
@@ -732,7 +742,8 @@ fn aggregate<A>(c: &mut KvCounters, task: &mut Task<A>, p: &Packet<&[u8]>, bitma
             let a = task.aggs.get(task.base(copy, first + j) + index);
             a.count > 0 && a.key == part(j)
         });
-        let fits = blank || value_type.checked_add(task.aggs.get(task.base(copy, last) + index).sum, p.value(last)).is_some();
+        let last_agg = task.aggs.get(task.base(copy, last) + index);
+        let fits = blank || (last_agg.count < u32::MAX && value_type.checked_add(last_agg.sum, p.value(last)).is_some());
         if (blank || same) && fits {
             for j in 0..parts_n {
                 let at = task.base(copy, first + j) + index;

@@ -934,3 +934,99 @@ fn a_sum_that_overflows_int64_saturates_and_is_reported_never_wrapped() {
     assert!(a.merge(&Aggregate::of(-2), ValueType::Int64) && a.sum == i64::MIN, "every overflow is reported");
     assert!(!a.merge(&Aggregate::of(7), ValueType::Int64) && a.sum == i64::MIN + 7);
 }
+
+// ---- the edges of the layout and of the registers (found by an audit) ----
+
+/// `medium_parts = 64`, one group filling the packet (a valid layout the
+/// daemon accepts): the group's bitmap mask was `(1 << 64) - 1`, which a
+/// release build wraps to 0, so the sender sent Data packets with an empty
+/// bitmap, the switch acknowledged them, and the task finished with none of
+/// the keys (a debug build panicked).
+#[test]
+fn a_group_of_64_parts_carries_its_keys() {
+    let layout = Layout { short_slots: 0, medium_groups: 1, medium_parts: 64 };
+    layout.validate().unwrap();
+    assert_eq!(layout.group_mask(0), u64::MAX, "the one group is all 64 slots");
+    let stream = vec![(b"apple".to_vec(), 5), (b"pear".to_vec(), 2), (b"apple".to_vec(), 1)];
+    run(&Setup::new(layout, 4), LinkConfig::perfect(), &[stream]);
+}
+
+/// Groups wider than 32 parts hold more than 255 key bytes, but a medium
+/// key's length travels in one byte: a 300-byte key was classed medium,
+/// its length spilled into the key's bytes, the receiver could not decode
+/// it and the key was missing from a finished task, and two 319-byte keys
+/// that differ in one bit shared an encoding (one aggregator). Such keys
+/// now travel as long keys.
+#[test]
+fn medium_keys_never_exceed_what_their_length_byte_carries() {
+    let layout = Layout { short_slots: 0, medium_groups: 1, medium_parts: 40 };
+    assert_eq!(layout.max_medium_key(), 255);
+    assert!(matches!(layout.classify(&[b'k'; 255]), KeyClass::Medium { .. }));
+    assert!(matches!(layout.classify(&[b'k'; 256]), KeyClass::Long));
+    let (a, mut b) = (vec![b'a'; 319], vec![b'a'; 319]);
+    b[318] = b'`'; // 0x60 against 0x61: the bit a length of 0x13F would set
+    let stream = vec![(vec![b'k'; 300], 5), (b"small".to_vec(), 1), (vec![b'k'; 300], 7), (vec![b'm'; 255], 2), (a, 3), (b, 4)];
+    run(&Setup::new(layout, 4), LinkConfig::perfect(), &[stream]);
+}
+
+/// The receiver's duplicate window started every slot at u32::MAX, so the
+/// first forwarded packet whose seq is u32::MAX (a channel's 2^32-th, when
+/// the switch absorbed the earlier ones of its slot) was taken for a
+/// duplicate: acknowledged, its tuples never added.
+#[test]
+fn the_receiver_takes_a_first_packet_with_seq_u32_max_as_new() {
+    let layout = Layout::short_only(2);
+    let mut r = KvReceiver::new(ReceiverConfig::new(TASK, layout, 4, 1), Time::ZERO).unwrap();
+    let key = key_in_slot(&layout, 0, 0);
+    r.handle_datagram(Time::ZERO, &data_packet(&layout, u32::MAX, &[(&key, 5)]));
+    let mut out = VecTransmit::new();
+    r.poll_transmit(Time::ZERO, &mut out);
+    let acked = out.drain().any(|(_, b)| {
+        let p = Packet::new_checked(&b[..]).unwrap();
+        p.msg_type() == MessageType::KvAck && p.seq() == u32::MAX
+    });
+    assert!(acked, "the packet is acknowledged to its sender");
+    assert_eq!(r.stats().duplicate_packets, 0, "it was never seen before");
+    assert_eq!(r.results().get(&key), Some(&Aggregate::of(5)), "so its tuple is in the results");
+}
+
+/// A switch aggregator's count is a u32 (so is a fetched entry's): a hot
+/// key absorbed 2^32 times in one copy, which nothing prevents while the
+/// switch absorbs every packet and no swap comes, was fetched with count
+/// 4294967295 (it saturated) and a right sum, and `count(*)` of a Spark
+/// aggregation reads that count. A full register now leaves the tuple in
+/// the packet for the receiver, whose count is a u64, as a full sum does.
+/// The registers are set near the limit instead of adding 2^32 tuples;
+/// a short key and a medium key's group (whose last part holds the count).
+#[test]
+fn a_key_counted_past_the_switch_registers_limit_keeps_its_exact_count() {
+    let layout = Layout { short_slots: 1, medium_groups: 1, medium_parts: 2 };
+    let (short, medium) = (b"hot".to_vec(), b"a-medium-key".to_vec());
+    assert!(matches!(layout.classify(&short), KeyClass::Short { .. }));
+    assert!(matches!(layout.classify(&medium), KeyClass::Medium { .. }));
+    let mut setup = Setup::new(layout, 4);
+    setup.swap_threshold = None; // no swap: one copy absorbs everything
+    let mut lb = setup.build(LinkConfig::perfect());
+    lb.wait_for_release = true;
+    for _ in 0..2 {
+        lb.senders[0].push(&short, 1).unwrap();
+        lb.senders[0].push(&medium, 10).unwrap();
+    }
+    assert_eq!(lb.run(Time::from_secs_f64(0.01)), RunOutcome::TimedOut, "the sender has not finished");
+    // the packets sent so far (the sender keeps its last one open), each
+    // with one tuple of each key, all absorbed
+    let absorbed = lb.switch.counters().tuples_aggregated;
+    assert!(absorbed > 0 && absorbed % 2 == 0, "{absorbed}");
+    // as if each key had been absorbed u32::MAX - 1 times so far
+    lb.switch.set_counts(TASK, u32::MAX - 1);
+    for _ in 0..3 {
+        lb.senders[0].push(&short, 1).unwrap();
+        lb.senders[0].push(&medium, 10).unwrap();
+    }
+    lb.senders[0].finish();
+    assert_eq!(lb.run(Time::from_secs_f64(10.0)), RunOutcome::Finished);
+    let expected_count = (u32::MAX - 1) as u64 + 5 - absorbed / 2;
+    let results = lb.receiver.results();
+    assert_eq!(results[&short], Aggregate { sum: 5, count: expected_count, min: 1, max: 1 });
+    assert_eq!(results[&medium], Aggregate { sum: 50, count: expected_count, min: 10, max: 10 });
+}
