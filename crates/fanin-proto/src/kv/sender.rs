@@ -109,6 +109,9 @@ pub enum SenderError {
     PeerSilent(Duration),
     #[error("the switch refused task {task_id}: {} (detail {detail})", reason.describe())]
     Refused { task_id: u32, reason: NackReason, detail: u32 },
+    #[error("channel {channel} of task {task_id} has sent {} datagrams, as many as its 32-bit sequence numbers \
+             count (they are not reused within a task): split the input over more channels or tasks", u32::MAX)]
+    SequenceExhausted { task_id: u32, channel: u16 },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -439,6 +442,15 @@ impl KvSender {
             }
         }
         while sent < self.config.max_burst && (self.next_seq - self.base()) < self.config.window {
+            if self.next_seq == u32::MAX && self.queued > 0 {
+                // The FIN carries the count of datagrams sent, so u32::MAX
+                // is the last number; wrapping would meet the switch's and
+                // the receiver's windows of this channel as stale (a
+                // misleading PeerSilent at best).
+                let (task_id, channel) = (self.config.task_id, self.config.channel);
+                self.fail(SenderError::SequenceExhausted { task_id, channel });
+                return sent;
+            }
             let Some((bytes, first, tuples, fragment_of)) = self.build_packet() else { break };
             host_send_copy(self.auth.as_mut(), out, &bytes);
             let deadline = now + self.config.rto;
@@ -455,6 +467,13 @@ impl KvSender {
             sent += 1;
         }
         sent
+    }
+
+    /// Start numbering datagrams at `seq` (tests: a channel near the end
+    /// of its sequence numbers without sending 2^32 datagrams).
+    #[cfg(test)]
+    pub(super) fn set_next_seq(&mut self, seq: u32) {
+        self.next_seq = seq;
     }
 
     fn base(&self) -> u32 {

@@ -1030,3 +1030,27 @@ fn a_key_counted_past_the_switch_registers_limit_keeps_its_exact_count() {
     assert_eq!(results[&short], Aggregate { sum: 5, count: expected_count, min: 1, max: 1 });
     assert_eq!(results[&medium], Aggregate { sum: 50, count: expected_count, min: 10, max: 10 });
 }
+
+/// A channel's datagrams are numbered in 32 bits and never reused within a
+/// task: at the last number the sender fails with what to do, instead of
+/// wrapping to numbers the switch and the receiver take for stale ones
+/// (it failed later with a misleading PeerSilent; a debug build panicked).
+#[test]
+fn a_channel_that_ran_out_of_sequence_numbers_fails_saying_what_to_do() {
+    let layout = Layout::short_only(1);
+    let mut sender = KvSender::new(SenderConfig::new(TASK, 3, layout), Time::ZERO).unwrap();
+    sender.set_next_seq(u32::MAX - 2);
+    for i in 0..5 {
+        sender.push(format!("k{i}").as_bytes(), 1).unwrap(); // one slot: a datagram each
+    }
+    let mut out = VecTransmit::new();
+    sender.poll_transmit(Time::ZERO, &mut out);
+    let seqs: Vec<u32> = out.drain().map(|(_, b)| Packet::new_checked(&b[..]).unwrap().seq()).collect();
+    assert_eq!(seqs, [u32::MAX - 2, u32::MAX - 1], "the last two numbers, then no more");
+    match sender.poll_event() {
+        Some(SenderEvent::Failed(e @ SenderError::SequenceExhausted { task_id: TASK, channel: 3 })) => {
+            assert!(e.to_string().contains("split the input over more channels or tasks"), "{e}")
+        }
+        other => panic!("expected SequenceExhausted, got {other:?}"),
+    }
+}
