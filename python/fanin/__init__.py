@@ -11,7 +11,8 @@ and the worker library that talks to it::
 See ``fanin --help`` for the command line (switch, demo, bench).
 """
 
-from fanin._native import FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, StaleResult, __version__
+from fanin._native import (FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, NonFiniteInput,
+                           StaleResult, __version__)
 from fanin.auth import derive_member_key, new_job_key, read_key_file
 from fanin.session import Session
 from fanin.switch import LocalSwitch, local_switch
@@ -23,6 +24,7 @@ __all__ = [
     "LocalSwitch",
     "MemberFailed",
     "MemberRestarted",
+    "NonFiniteInput",
     "Session",
     "StaleResult",
     "local_switch",

@@ -408,3 +408,32 @@ def test_16_bit_floats_travel_as_2_bytes_each_way_within_the_bound(fmt):
     datagrams = after["datagrams_sent"] - before["datagrams_sent"]
     data_datagrams, rest = divmod(sent - 24 * datagrams, 2 * epp)
     assert rest == 0 and 1 <= data_datagrams <= datagrams, (sent, datagrams)
+
+
+def test_an_input_refused_on_one_rank_never_pairs_that_ranks_next_allreduce_with_the_others():
+    """A NaN on rank 0 only: rank 0's allreduce is refused before anything is
+    sent while rank 1's waits for it. Rank 0's next allreduce of the same
+    length used to be summed with rank 1's pending one (11 for both, no
+    error); now rank 0's session takes no more allreduces and rank 1's
+    call fails, so nothing returns a sum of two different calls."""
+    with fanin.local_switch(workers=2) as sw:
+        def rank(r):
+            s = fanin.Session(sw.data_addr, job_id=1, rank=r, dead_after_s=3)
+            first = np.ones(3000, dtype=np.float32)
+            if r == 0:
+                first[10] = np.nan
+            out = {}
+            for name, x in (("first", first), ("second", np.full(3000, 10.0 * (r + 1), dtype=np.float32))):
+                try:
+                    out[name] = np.unique(s.allreduce(x)).tolist()
+                except Exception as e:  # the type and message (the traceback holds the session)
+                    out[name] = (type(e), str(e))
+            del s  # unsendable: dropped on its own thread
+            return out
+
+        r0, r1 = in_threads(2, rank, timeout=60)
+    assert issubclass(r0["first"][0], fanin.NonFiniteInput) and issubclass(r0["first"][0], ValueError), r0
+    assert "NaN" in r0["first"][1]
+    assert issubclass(r0["second"][0], fanin.FaninError) and "takes no more allreduces" in r0["second"][1], r0
+    assert isinstance(r1["first"], tuple) and issubclass(r1["first"][0], fanin.FaninError), r1  # never [11.0]
+    assert r1["second"] == [30.0] or isinstance(r1["second"], tuple), r1

@@ -242,8 +242,8 @@ def _failing_allreduce(rank, world):
 
     dist.init_process_group("fanin")
     out = {}
-    for mode in ("sync", "async"):
-        a = torch.tensor([float("nan"), 1.0])
+    for mode in ("sync", "async", "after"):
+        a = torch.tensor([float("nan"), 1.0]) if mode != "after" else torch.ones(3)
         try:
             w = dist.all_reduce(a, async_op=mode == "async")
             if w is not None:
@@ -251,9 +251,6 @@ def _failing_allreduce(rank, world):
             out[mode] = None
         except Exception as e:
             out[mode] = f"{type(e).__name__}: {e}"
-    b = torch.ones(3)
-    dist.all_reduce(b)
-    out["after"] = b.tolist()
     return out
 
 
@@ -261,11 +258,51 @@ def test_a_collective_that_fails_raises_on_the_caller():
     """found by a user of the 16-bit path: a failed allreduce (here a NaN the
     switch cannot carry) left the tensor unchanged and returned as if it had
     worked, because torch's future-wrapping Work drops a Python future's
-    exception. Sync and async both raise now, and the group goes on."""
+    exception. It raises now (NonFiniteInput, a ValueError). Nothing of it
+    was sent, so another rank may be waiting in the same allreduce: the
+    rank's later collectives raise too, never pairing with that one."""
     for r in _spawn(_failing_allreduce, 2):
-        for mode in ("sync", "async"):
-            assert r[mode] and r[mode].startswith("ValueError") and "NaN" in r[mode], r
-        assert r["after"] == [2.0, 2.0, 2.0]
+        assert r["sync"] and r["sync"].startswith("NonFiniteInput") and "NaN" in r["sync"], r
+        for mode in ("async", "after"):
+            assert r[mode] and "takes no more allreduces" in r[mode], r
+
+
+def _nan_on_one_rank(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    dist.init_process_group("fanin", timeout=datetime.timedelta(seconds=20))
+    out = {}
+    a = torch.ones(3000)
+    if rank == 0:
+        a[10] = float("nan")  # e.g. a loss that blew up on this rank only
+    try:
+        dist.all_reduce(a)
+        out["first"] = a.unique().tolist()
+    except Exception as e:
+        out["first"] = type(e).__name__
+    b = torch.full((3000,), 10.0 * (rank + 1))  # the next collective, same size
+    try:
+        dist.all_reduce(b)
+        out["second"] = b.unique().tolist()
+    except Exception as e:
+        out["second"] = type(e).__name__
+    return out
+
+
+def test_a_nan_on_one_rank_never_pairs_its_next_allreduce_with_the_others_pending_one():
+    """found by an audit: rank 0's tensor holds a NaN, so its allreduce is
+    refused before anything is sent, while rank 1's allreduce of the same
+    length waits for rank 0. Rank 0's next allreduce was summed with rank
+    1's pending one: rank 1's first call returned 1 + 10 (rank 0's *second*
+    tensor) and rank 0's second 10 + 1, without an error. Whatever completes
+    must be the sum of what the ranks passed to that call; here every call
+    raises."""
+    r0, r1 = _spawn(_nan_on_one_rank, 2, timeout=120)
+    assert r0["first"] == "NonFiniteInput" and r0["second"] == "FaninError", r0
+    assert r1["first"] == [2.0] or isinstance(r1["first"], str), (r0, r1)
+    assert r1["second"] == [30.0] or isinstance(r1["second"], str), (r0, r1)
 
 
 def test_collectives_match_gloo_and_errors_are_clear():

@@ -32,6 +32,22 @@ create_exception!(
 
 create_exception!(
     _native,
+    NonFiniteInput,
+    PyValueError,
+    "An allreduce's input holds a value block floating point cannot carry (NaN, infinity, 2^127 or more): refused before anything was sent, so the other ranks' allreduce cannot complete, and the session takes no more allreduces."
+);
+
+/// The error for an input this rank refuses before sending any of it.
+pub(crate) fn non_finite_err(e: fanin_proto::bfp::NonFinite) -> PyErr {
+    NonFiniteInput::new_err(format!(
+        "{e}; nothing of this allreduce was sent, so the other ranks' allreduce cannot complete (they will fail) \
+         and this session takes no more allreduces: check the input for NaN and infinity, then start a new session \
+         on every rank (in torch: a new process group)"
+    ))
+}
+
+create_exception!(
+    _native,
     InvalidPair,
     PyValueError,
     "A (key, value) pair fanin.kv cannot encode (not a pair, a value that is not an int64, a key too long); not raised for errors of the iterable itself."

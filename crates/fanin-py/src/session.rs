@@ -17,7 +17,7 @@ use fanin_proto::bfp::half::Half;
 use fanin_proto::bfp::NonFinite;
 use fanin_proto::host::{Outcome, Prepared, Tensor, TensorMut, TensorRef};
 
-use crate::errors::{host_err, python_interrupt};
+use crate::errors::{host_err, non_finite_err, python_interrupt, FaninError, NonFiniteInput};
 
 /// A switch's data address as HOST:PORT, HOST a name or an address
 /// (`localhost:9000`, `switch0.lab:9000`, `10.0.0.1:9000`): names are
@@ -51,6 +51,11 @@ pub(crate) struct Session {
     /// C-contiguous).
     staging_f32: Vec<f32>,
     staging_i32: Vec<i32>,
+    /// Why this session takes no more allreduces: it refused one of its
+    /// inputs before sending anything (`NonFiniteInput`) while the other
+    /// ranks may be waiting in theirs, so its next allreduce of the same
+    /// length would be summed with their pending one.
+    out_of_step: Option<String>,
 }
 
 #[pymethods]
@@ -131,7 +136,7 @@ impl Session {
             })
             .transpose()?;
         let inner = py.detach(|| HostSession::connect_interruptible(o, Some(python_interrupt()))).map_err(host_err)?;
-        Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new() })
+        Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new(), out_of_step: None })
     }
 
     /// Sum `array` (int32 or float32, any shape) over every member of the job.
@@ -321,11 +326,25 @@ impl Session {
         keep: Option<(usize, usize)>,
         call: impl FnOnce(&mut Self) -> PyResult<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(why) = &self.out_of_step {
+            return Err(FaninError::new_err(format!(
+                "this session takes no more allreduces: an earlier one was refused before it was sent ({why}), \
+                 so the ranks are out of step; start a new session on every rank (in torch: a new process group)"
+            )));
+        }
         if let Some((start, stop)) = keep {
             self.inner.keep_only(start..stop);
         }
         let result = call(self);
         self.inner.keep_all();
+        if let Err(e) = &result {
+            Python::attach(|py| {
+                if e.is_instance_of::<NonFiniteInput>(py) {
+                    let why = e.value(py).to_string();
+                    self.out_of_step = Some(why.split(';').next().unwrap_or_default().to_string());
+                }
+            });
+        }
         result
     }
 
@@ -392,7 +411,7 @@ impl Session {
         let input = bits.extract::<PyReadonlyArrayDyn<'py, u16>>()?;
         // the block size a 16-bit allreduce uses (exponents are taken per block)
         let per = self.inner.half_elems_per_packet().max(1) as usize;
-        let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
+        let value_err = non_finite_err;
         let shape = input.shape().to_vec();
         if let Some(o) = out {
             // lent as it is when it shares no memory with `out`, else staged
@@ -438,7 +457,7 @@ impl Session {
         } else {
             i32::stage(&array.extract::<PyReadonlyArrayDyn<'py, i32>>()?, Vec::new(), per)
         }
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        .map_err(non_finite_err)?;
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
             outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -470,7 +489,7 @@ impl Session {
         average: bool,
     ) -> PyResult<Outcome> {
         let per = self.inner.elems_per_packet() as usize;
-        let value_err = |e: NonFinite| PyValueError::new_err(e.to_string());
+        let value_err = non_finite_err;
         let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
         if let Some(s) = lendable(&a, o.cast::<PyArrayDyn<T>>()?.data() as usize) {
             let prepared = Prepared::borrow(T::view(s), per).map_err(value_err)?;
