@@ -291,6 +291,35 @@ def _nan_on_one_rank(rank, world):
     return out
 
 
+def _allreduce_of_a_list(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("fanin")
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, pg in (("fanin", ft.fanin_group()), ("gloo", gloo)):
+        a, b = torch.full((4,), 1.0 + rank), torch.full((4,), 10.0 + rank)
+        try:
+            pg.allreduce([a, b]).wait()
+            out[name] = (a.tolist(), b.tolist())
+        except (ValueError, NotImplementedError) as e:
+            out[name] = f"refused: {e}"
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_process_group_allreduce_of_a_tensor_list_is_refused_not_summed_per_tensor():
+    """found by an audit: the group's allreduce([a, b]) summed a and b each
+    on its own, where torch's contract (Gloo) is one sum over the whole list
+    (here 24 everywhere, not 3 and 21). It is refused, naming the
+    alternative; dist.all_reduce and DDP pass one tensor."""
+    for r in _spawn(_allreduce_of_a_list, 2):
+        assert r["gloo"] == ([24.0] * 4, [24.0] * 4), r
+        assert r["fanin"].startswith("refused: fanin allreduce: one tensor per call"), r
+
+
 def test_a_nan_on_one_rank_never_pairs_its_next_allreduce_with_the_others_pending_one():
     """found by an audit: rank 0's tensor holds a NaN, so its allreduce is
     refused before anything is sent, while rank 1's allreduce of the same

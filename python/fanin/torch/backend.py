@@ -298,6 +298,12 @@ class FaninProcessGroup(dist.ProcessGroup):
             o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
             opts = o
         average = self._check_allreduce(tensors, opts, "allreduce")
+        if len(tensors) != 1:
+            # torch's contract (Gloo's behaviour) for a list is one sum over
+            # every tensor of it on every rank, not a sum per tensor
+            raise ValueError(f"fanin allreduce: one tensor per call, got a list of {len(tensors)} (torch's "
+                             "ProcessGroup.allreduce sums over the whole list; use all_reduce_coalesced for "
+                             "several tensors, each summed on its own)")
         issued = [self._issued(t) for t in tensors]
 
         def run() -> list:
