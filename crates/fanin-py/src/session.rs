@@ -411,17 +411,16 @@ impl Session {
         let input = bits.extract::<PyReadonlyArrayDyn<'py, u16>>()?;
         // the block size a 16-bit allreduce uses (exponents are taken per block)
         let per = self.inner.half_elems_per_packet().max(1) as usize;
-        let value_err = non_finite_err;
         let shape = input.shape().to_vec();
         if let Some(o) = out {
             // lent as it is when it shares no memory with `out`, else staged
             let outcome = match lendable(&input, o.cast::<PyArrayDyn<u16>>()?.data() as usize) {
                 Some(s) => {
-                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(value_err)?;
+                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(non_finite_err)?;
                     reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
                 None => {
-                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
+                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(non_finite_err)?;
                     drop(input); // `out` may be the input: its read borrow ends before the write borrow
                     reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
@@ -429,7 +428,7 @@ impl Session {
             self.last = Some(outcome);
             return Ok(o.clone());
         }
-        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(value_err)?;
+        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(non_finite_err)?;
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
             let per = outcome.elems_per_block;
@@ -489,15 +488,14 @@ impl Session {
         average: bool,
     ) -> PyResult<Outcome> {
         let per = self.inner.elems_per_packet() as usize;
-        let value_err = non_finite_err;
         let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
         if let Some(s) = lendable(&a, o.cast::<PyArrayDyn<T>>()?.data() as usize) {
-            let prepared = Prepared::borrow(T::view(s), per).map_err(value_err)?;
+            let prepared = Prepared::borrow(T::view(s), per).map_err(non_finite_err)?;
             let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
             return reduce_into(py, &mut self.inner, prepared, &mut w, average, per);
         }
         let buf = std::mem::take(T::staging(self));
-        let prepared = T::stage(&a, buf, per).map_err(value_err)?;
+        let prepared = T::stage(&a, buf, per).map_err(non_finite_err)?;
         drop(a); // `out` may be the input: its read borrow ends before the write borrow
         let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
         let mut outcome = reduce_into(py, &mut self.inner, prepared, &mut w, average, per)?;

@@ -441,7 +441,6 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
         }
     }
 
-    /// Process one datagram from `from`.
     /// Set the count of every occupied aggregator of `task_id` (tests).
     #[cfg(test)]
     pub(super) fn set_counts(&mut self, task_id: u32, count: u32) {
@@ -450,6 +449,7 @@ impl<A: Copy + PartialEq> KvSwitch<A> {
         }
     }
 
+    /// Process one datagram from `from`.
     pub fn handle_datagram(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) {
         self.counters.rx_datagrams += 1;
         let Some(bytes) = self.authenticate(bytes) else { return };

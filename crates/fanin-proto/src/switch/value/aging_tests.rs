@@ -29,6 +29,18 @@ fn send_at(sw: &mut ValueSwitch<Addr>, now: Time, p: Pkt) -> Vec<(Addr, Repr, Ve
     decode(out)
 }
 
+/// Sources 0 and 1 of job 1 contribute `[1]` to blocks `0..blocks` at 0 ms;
+/// source 2 sends nothing. What the switch sends by the scan at 8 ms,
+/// after the blocks aged (the scan at 4 ms first).
+fn age_blocks_without_source_2(sw: &mut ValueSwitch<Addr>, blocks: u32) -> Vec<(Addr, Repr, Vec<i32>)> {
+    for b in 0..blocks {
+        send_at(sw, at(0), Pkt::data(1, 0, b, &[1]));
+        send_at(sw, at(0), Pkt::data(1, 1, b, &[1]));
+    }
+    tick(sw, at(4));
+    tick(sw, at(8))
+}
+
 fn tick(sw: &mut ValueSwitch<Addr>, now: Time) -> Vec<(Addr, Repr, Vec<i32>)> {
     let mut out = VecTransmit::new();
     sw.handle_timeout(now, &mut out);
@@ -89,14 +101,21 @@ fn scanner_thread_tick(sw: &mut ValueSwitch<Addr>, i: u64, from: Time, now: Time
     decode(out)
 }
 
+/// A shard with `scanners` aging scanners run outside it (aging.threads),
+/// one check per visit, holding `job`.
+fn threaded_scanner_switch(scanners: u16, job: JobSpec) -> ValueSwitch<Addr> {
+    let mut cfg = ShardConfig::single(1 << 30);
+    cfg.aging = AgingConfig { scanners, checks: 1, min_tick: Duration::from_micros(1), threads: true, ..AgingConfig::default() };
+    let mut sw = ValueSwitch::new(cfg);
+    sw.add_job(job).unwrap();
+    sw
+}
+
 #[test]
 fn scanner_threads_age_the_same_blocks_at_the_same_ticks_as_inline_scanning() {
     // blocks_age_at_the_second_visit_of_their_slice_with_trios_single_flag,
     // with the two scanners outside the shard (aging.threads)
-    let mut cfg = ShardConfig::single(1 << 30);
-    cfg.aging = AgingConfig { scanners: 2, checks: 1, min_tick: Duration::from_micros(1), threads: true, ..AgingConfig::default() };
-    let mut sw = ValueSwitch::new(cfg);
-    sw.add_job(aging_job(3, 4, 10, 0)).unwrap();
+    let mut sw = threaded_scanner_switch(2, aging_job(3, 4, 10, 0));
     for src in 0..2 {
         send_at(&mut sw, at(1), Pkt::data(1, src, 0, &[1, 2]));
         send_at(&mut sw, at(1), Pkt::data(1, src, 2, &[10]));
@@ -119,10 +138,7 @@ fn scanner_threads_age_the_same_blocks_at_the_same_ticks_as_inline_scanning() {
 
 #[test]
 fn a_contribution_after_a_scanner_thread_named_the_block_keeps_it_open() {
-    let mut cfg = ShardConfig::single(1 << 30);
-    cfg.aging = AgingConfig { scanners: 1, checks: 1, min_tick: Duration::from_micros(1), threads: true, ..AgingConfig::default() };
-    let mut sw = ValueSwitch::new(cfg);
-    sw.add_job(aging_job(3, 2, 4, 0)).unwrap();
+    let mut sw = threaded_scanner_switch(1, aging_job(3, 2, 4, 0));
     send_at(&mut sw, at(0), Pkt::data(1, 0, 0, &[1]));
     let s = sw.scan_schedules().pop().unwrap();
     let mut idle = Vec::new();
@@ -285,12 +301,7 @@ fn an_aged_exponent_round_moves_on_with_the_exponents_it_has() {
 fn a_source_missing_for_k_windows_is_declared_slow_then_readmitted() {
     // K = 1 window of 2 slots: missing from 2 aged blocks in a row.
     let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
-    for b in 0..2 {
-        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
-        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
-    }
-    tick(&mut sw, at(4));
-    let out = tick(&mut sw, at(8));
+    let out = age_blocks_without_source_2(&mut sw, 2);
     let notices: Vec<_> = out.iter().filter(|o| o.1.msg_type == MessageType::Membership).collect();
     assert_eq!(notices.len(), 2, "both known members are told");
     assert_eq!((notices[0].1.src_id, notices[0].1.age_op, notices[0].1.src_cnt), (2, MEMBERSHIP_SLOW, 2));
@@ -317,12 +328,7 @@ fn declaring_a_source_slow_completes_the_blocks_waiting_only_for_it() {
     // K = 1 window of 4 slots; blocks 0-1 age, blocks 2-3 are open with
     // sources 0 and 1 in them when source 2 is declared slow.
     let mut sw = aging_switch(aging_job(3, 4, 4, 1), 1, 1);
-    for b in 0..4 {
-        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
-        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
-    }
-    tick(&mut sw, at(4));
-    let out = tick(&mut sw, at(8));
+    let out = age_blocks_without_source_2(&mut sw, 4);
     // all four age in this visit (one scanner), source 2 reaches the limit
     // at the fourth; every result went out
     let results = out.iter().filter(|o| o.1.msg_type == MessageType::Result).count();
@@ -367,12 +373,7 @@ fn a_slow_source_one_step_behind_the_others_is_readmitted() {
     // Declared slow, it then sends the current block of its slot just after
     // the others completed it: it is within a window, so it caught up.
     let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
-    for b in 0..2 {
-        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
-        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
-    }
-    tick(&mut sw, at(4));
-    tick(&mut sw, at(8));
+    age_blocks_without_source_2(&mut sw, 2);
     assert_eq!(sw.slow_sources(1), vec![2]);
     send_at(&mut sw, at(9), Pkt::data(1, 0, 2, &[1]));
     send_at(&mut sw, at(9), Pkt::data(1, 1, 2, &[1])); // block 2 done without source 2
@@ -381,12 +382,7 @@ fn a_slow_source_one_step_behind_the_others_is_readmitted() {
     assert!(out.iter().any(|o| o.1.msg_type == MessageType::Membership && o.1.age_op == MEMBERSHIP_READMITTED));
     // but a contribution for a shadow (two steps behind) does not re-admit
     let mut sw = aging_switch(aging_job(3, 2, 4, 1), 1, 1);
-    for b in 0..2 {
-        send_at(&mut sw, at(0), Pkt::data(1, 0, b, &[1]));
-        send_at(&mut sw, at(0), Pkt::data(1, 1, b, &[1]));
-    }
-    tick(&mut sw, at(4));
-    tick(&mut sw, at(8));
+    age_blocks_without_source_2(&mut sw, 2);
     for s in 0..2 {
         send_at(&mut sw, at(9), Pkt::data(1, s, 2, &[1]));
     }
