@@ -11,7 +11,7 @@ and the worker library that talks to it::
 See ``fanin --help`` for the command line (switch, demo, bench).
 """
 
-from fanin._native import (FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, NonFiniteInput,
+from fanin._native import (FaninError, FaninRefused, FaninTimeout, InputOutOfRange, MemberFailed, MemberRestarted,
                            StaleResult, __version__)
 from fanin.auth import derive_member_key, new_job_key, read_key_file
 from fanin.session import Session
@@ -21,10 +21,10 @@ __all__ = [
     "FaninError",
     "FaninRefused",
     "FaninTimeout",
+    "InputOutOfRange",
     "LocalSwitch",
     "MemberFailed",
     "MemberRestarted",
-    "NonFiniteInput",
     "Session",
     "StaleResult",
     "local_switch",

@@ -64,7 +64,12 @@ class Session:
     float32 rounding, where ``e`` is the block's shared exponent and
     ``B = 30 - ceil(log2 N)`` (see docs/protocol.md). float16 and bfloat16
     travel in 16-bit lanes with ``B = 14 - ceil(log2 N)`` and the same bound
-    plus the final 16-bit rounding (docs/protocol.md 5.6).
+    plus the final 16-bit rounding (docs/protocol.md 5.6). A NaN or an
+    infinity in any member's block makes that block NaN in every element on
+    every member (as in Gloo the result is non-finite on every rank, so
+    AMP's loss scaler skips the step everywhere); a finite value of 2**126
+    or more raises :class:`fanin.InputOutOfRange` before anything is sent,
+    and the session then takes no more allreduces (docs/protocol.md 5.1).
 
     Args:
         switch: ``"HOST:PORT"`` of the switch's data port (shard 0).

@@ -243,7 +243,7 @@ def _failing_allreduce(rank, world):
     dist.init_process_group("fanin")
     out = {}
     for mode in ("sync", "async", "after"):
-        a = torch.tensor([float("nan"), 1.0]) if mode != "after" else torch.ones(3)
+        a = torch.tensor([1e38, 1.0]) if mode != "after" else torch.ones(3)
         try:
             w = dist.all_reduce(a, async_op=mode == "async")
             if w is not None:
@@ -255,19 +255,20 @@ def _failing_allreduce(rank, world):
 
 
 def test_a_collective_that_fails_raises_on_the_caller():
-    """found by a user of the 16-bit path: a failed allreduce (here a NaN the
-    switch cannot carry) left the tensor unchanged and returned as if it had
-    worked, because torch's future-wrapping Work drops a Python future's
-    exception. It raises now (NonFiniteInput, a ValueError). Nothing of it
-    was sent, so another rank may be waiting in the same allreduce: the
-    rank's later collectives raise too, never pairing with that one."""
+    """found by a user of the 16-bit path: a failed allreduce (here a value
+    beyond 2^126, which block floating point cannot carry) left the tensor
+    unchanged and returned as if it had worked, because torch's
+    future-wrapping Work drops a Python future's exception. It raises now
+    (InputOutOfRange, a ValueError). Nothing of it was sent, so another
+    rank may be waiting in the same allreduce: the rank's later collectives
+    raise too, never pairing with that one."""
     for r in _spawn(_failing_allreduce, 2):
-        assert r["sync"] and r["sync"].startswith("NonFiniteInput") and "NaN" in r["sync"], r
+        assert r["sync"] and r["sync"].startswith("InputOutOfRange") and "2^126" in r["sync"], r
         for mode in ("async", "after"):
             assert r[mode] and "takes no more allreduces" in r[mode], r
 
 
-def _nan_on_one_rank(rank, world):
+def _refused_on_one_rank(rank, world):
     import torch.distributed as dist
 
     import fanin.torch  # noqa: F401
@@ -276,7 +277,7 @@ def _nan_on_one_rank(rank, world):
     out = {}
     a = torch.ones(3000)
     if rank == 0:
-        a[10] = float("nan")  # e.g. a loss that blew up on this rank only
+        a[10] = 1e38  # beyond what block floating point carries, on this rank only
     try:
         dist.all_reduce(a)
         out["first"] = a.unique().tolist()
@@ -288,6 +289,26 @@ def _nan_on_one_rank(rank, world):
         out["second"] = b.unique().tolist()
     except Exception as e:
         out["second"] = type(e).__name__
+    return out
+
+
+def _nan_on_one_rank_vs_gloo(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("fanin")
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, pg in (("gloo", gloo), ("fanin", ft.fanin_group())):
+        a = torch.full((3000,), 1.0 + rank)
+        a[10 if rank == 0 else 2900] = float("nan") if rank == 0 else float("-inf")
+        dist.all_reduce(a, group=pg)
+        b = torch.full((3000,), 10.0 * (rank + 1))  # the next collective, same size
+        dist.all_reduce(b, group=pg)
+        out[name] = (torch.isnan(a).nonzero().flatten().tolist(), a[torch.isfinite(a)].unique().tolist(),
+                     torch.isinf(a).nonzero().flatten().tolist(), b.unique().tolist())
+    dist.destroy_process_group()
     return out
 
 
@@ -320,18 +341,35 @@ def test_a_process_group_allreduce_of_a_tensor_list_is_refused_not_summed_per_te
         assert r["fanin"].startswith("refused: fanin allreduce: one tensor per call"), r
 
 
-def test_a_nan_on_one_rank_never_pairs_its_next_allreduce_with_the_others_pending_one():
-    """found by an audit: rank 0's tensor holds a NaN, so its allreduce is
-    refused before anything is sent, while rank 1's allreduce of the same
-    length waits for rank 0. Rank 0's next allreduce was summed with rank
-    1's pending one: rank 1's first call returned 1 + 10 (rank 0's *second*
-    tensor) and rank 0's second 10 + 1, without an error. Whatever completes
-    must be the sum of what the ranks passed to that call; here every call
-    raises."""
-    r0, r1 = _spawn(_nan_on_one_rank, 2, timeout=120)
-    assert r0["first"] == "NonFiniteInput" and r0["second"] == "FaninError", r0
+def test_an_input_refused_on_one_rank_never_pairs_its_next_allreduce_with_the_others_pending_one():
+    """found by an audit (with a NaN, refused then; a value beyond 2^126 is
+    refused now): rank 0's allreduce is refused before anything is sent,
+    while rank 1's allreduce of the same length waits for rank 0. Rank 0's
+    next allreduce was summed with rank 1's pending one: rank 1's first
+    call returned 1 + 10 (rank 0's *second* tensor) and rank 0's second
+    10 + 1, without an error. Whatever completes must be the sum of what
+    the ranks passed to that call; here every call raises."""
+    r0, r1 = _spawn(_refused_on_one_rank, 2, timeout=120)
+    assert r0["first"] == "InputOutOfRange" and r0["second"] == "FaninError", r0
     assert r1["first"] == [2.0] or isinstance(r1["first"], str), (r0, r1)
     assert r1["second"] == [30.0] or isinstance(r1["second"], str), (r0, r1)
+
+
+def test_a_nan_or_infinity_on_one_rank_reaches_every_rank_as_with_gloo_and_the_group_goes_on():
+    """Gloo sums a NaN (rank 0) and a -inf (rank 1) into every rank's
+    result, which AMP's loss scaler relies on to skip the step. fanin
+    does too, a block at a time: the block holding a non-finite input is
+    NaN on every rank (Gloo's NaN and -inf elements among them), every
+    other element is Gloo's, and the next collective is exact on both."""
+    for r in _spawn(_nan_on_one_rank_vs_gloo, 2):
+        g_nan, g_finite, g_inf, g_next = r["gloo"]
+        f_nan, f_finite, f_inf, f_next = r["fanin"]
+        assert (g_nan, g_inf, g_finite, g_next) == ([10], [2900], [3.0], [30.0]), r
+        assert f_inf == [] and f_finite == [3.0] and f_next == [30.0], r
+        assert set(g_nan + g_inf) <= set(f_nan), r
+        # NaN only in the two blocks that hold them: two runs of elements
+        runs = [i for i in f_nan if i - 1 not in f_nan]
+        assert len(runs) == 2 and len(f_nan) < 3000, r
 
 
 def test_collectives_match_gloo_and_errors_are_clear():
@@ -419,6 +457,55 @@ def test_ddp_on_the_fanin_backend_matches_gloo():
         assert r["hook"] < 1e-4, r
         assert r["plain"] < 1e-4, r
         assert r["sources"] == 2
+    assert reports[0]["digest"] == reports[1]["digest"]
+
+
+def _amp_steps(group, rank, steps=5, overflow_at=2):
+    """SGD under AMP's loss scaler; rank 1's gradients overflow at one step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _net(0)
+    ddp = DDP(model, process_group=group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    gen = torch.Generator().manual_seed(100 + rank)
+    scales = []
+    for step in range(steps):
+        x = torch.randn(8, 20, generator=gen)
+        y = torch.randint(0, 5, (8,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        if step == overflow_at and rank == 1:
+            loss = loss * float("inf")  # this rank's gradients are inf and NaN
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # skipped when any gradient is not finite
+        scaler.update()  # and the scale halves
+        scales.append(scaler.get_scale())
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), scales
+
+
+def _amp_overflow_vs_gloo(rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("fanin")
+    gloo = dist.new_group(backend="gloo")
+    ref, ref_scales = _amp_steps(gloo, rank)
+    got, scales = _amp_steps(None, rank)  # DDP's reducer on the fanin group
+    dist.destroy_process_group()
+    return {"diff": (got - ref).abs().max().item(), "scales": scales, "ref_scales": ref_scales,
+            "digest": got.sum().item()}
+
+
+def test_amp_skips_an_overflowing_step_on_every_rank_as_with_gloo():
+    """One rank's gradients overflow (inf and NaN): the allreduce carries
+    that to every rank, so AMP's GradScaler skips the step and halves its
+    scale on both, as with Gloo, and training goes on to the same
+    parameters. (fanin used to refuse the tensor and end the group.)"""
+    reports = _spawn(_amp_overflow_vs_gloo, 2)
+    for r in reports:
+        assert r["ref_scales"] == [1024.0, 1024.0, 512.0, 512.0, 512.0], r
+        assert r["scales"] == r["ref_scales"], r
+        assert r["diff"] < 1e-4, r
     assert reports[0]["digest"] == reports[1]["digest"]
 
 

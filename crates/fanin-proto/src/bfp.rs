@@ -13,7 +13,7 @@
 //! (the final rounding to f32 is half an ulp; the tests allow one).
 //! For 4 sources B = 28: 28 bits of the block maximum, more than f32 carries.
 
-use fanin_wire::value::EXP_NONE;
+use fanin_wire::value::{EXP_NONE, EXP_NON_FINITE};
 
 pub mod half;
 
@@ -24,31 +24,45 @@ pub fn frac_bits(n_sources: usize) -> i32 {
     30 - ceil_log2
 }
 
-/// A value that block floating point cannot carry.
+/// A finite value too large for block floating point (|x| >= 2^126): the
+/// exponent byte's top value is [`EXP_NON_FINITE`]. NaN and infinity are
+/// carried (the block's result is NaN), not refused.
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
-#[error("element {index} is {value}: block floating point carries only finite values below 2^127 in magnitude")]
-pub struct NonFinite {
+#[error("element {index} is {value}: block floating point carries finite values below 2^126 in magnitude (NaN and infinity are carried as a non-finite block)")]
+pub struct OutOfRange {
     pub index: usize,
     pub value: f32,
 }
 
+/// 2^126 as f32 bits: the smallest finite magnitude refused.
+const OUT_OF_RANGE_BITS: u32 = 0x7e80_0000;
+/// +infinity as f32 bits: this or above (NaN) makes a non-finite block.
+const INFINITY_BITS: u32 = 0x7f80_0000;
+
 /// The exponent `e` with every |x| < 2^e (frexp's exponent of the largest
-/// magnitude), or [`EXP_NONE`] for an all-zero block.
+/// magnitude), [`EXP_NONE`] for an all-zero block, or [`EXP_NON_FINITE`]
+/// for a block holding a NaN or an infinity (its result is NaN in every
+/// element on every rank, as a sum with a NaN would be in Gloo for the
+/// elements concerned; AMP's loss scaler skips such a step).
 ///
-/// The exponent travels in one signed byte, so it is kept in `-127..=127`:
-/// blocks whose largest magnitude is below 2^-127 use -127 (their values are
-/// below the quantum and round to zero, an error far under the bound), and a
-/// magnitude of 2^127 or more is refused like a non-finite value.
+/// The exponent travels in one signed byte whose top value is the
+/// non-finite marker, so finite blocks are kept in `-127..=126`: blocks
+/// whose largest magnitude is below 2^-127 use -127 (their values are below
+/// the quantum and round to zero, an error far under the bound), and a
+/// finite magnitude of 2^126 or more is refused ([`OutOfRange`]).
 ///
 /// Works on the bit patterns: for non-negative floats the integer order of
-/// the bits is the numeric order, so the maximum is an integer `max` that the
-/// compiler vectorises.
-pub fn block_exponent(values: &[f32]) -> Result<i8, NonFinite> {
+/// the bits is the numeric order (infinity above every finite value, NaN
+/// above infinity), so the maximum is an integer `max` that the compiler
+/// vectorises.
+pub fn block_exponent(values: &[f32]) -> Result<i8, OutOfRange> {
     let max_bits = max_abs_bits(values);
-    // 0x7f00_0000 is 2^127: exponent 128 would not fit the byte.
-    if max_bits >= 0x7f00_0000 {
-        let index = values.iter().position(|v| v.to_bits() & 0x7fff_ffff >= 0x7f00_0000).unwrap_or(0);
-        return Err(NonFinite { index, value: values[index] });
+    if max_bits >= INFINITY_BITS {
+        return Ok(EXP_NON_FINITE);
+    }
+    if max_bits >= OUT_OF_RANGE_BITS {
+        let index = values.iter().position(|v| v.to_bits() & 0x7fff_ffff >= OUT_OF_RANGE_BITS).unwrap_or(0);
+        return Err(OutOfRange { index, value: values[index] });
     }
     if max_bits == 0 {
         return Ok(EXP_NONE);
@@ -113,9 +127,11 @@ fn pow2(k: i32) -> f64 {
 
 /// Quantise `values` with shared exponent `exp` for `n_sources` sources.
 /// Values larger than the exponent allows (a source that announced a smaller
-/// exponent, or none) saturate at +-2^B instead of overflowing the sum.
+/// exponent, or none) saturate at +-2^B instead of overflowing the sum. A
+/// block without an exponent or with a non-finite one sends zeros (its
+/// result is 0, or NaN from the exponent alone).
 pub fn quantize(values: &[f32], exp: i8, n_sources: usize, out: &mut [i32]) {
-    if exp == EXP_NONE {
+    if exp == EXP_NONE || exp == EXP_NON_FINITE {
         out.iter_mut().for_each(|q| *q = 0);
         return;
     }
@@ -127,7 +143,7 @@ pub fn quantize(values: &[f32], exp: i8, n_sources: usize, out: &mut [i32]) {
 
 /// Quantise straight into a big-endian packet payload.
 pub fn quantize_into_payload(values: &[f32], exp: i8, n_sources: usize, payload: &mut [u8]) {
-    if exp == EXP_NONE {
+    if exp == EXP_NONE || exp == EXP_NON_FINITE {
         payload.iter_mut().for_each(|b| *b = 0);
         return;
     }
@@ -275,10 +291,11 @@ mod simd {
     }
 }
 
-/// Turn aggregated int32 sums back into floats.
+/// Turn aggregated int32 sums back into floats (NaN everywhere for a
+/// block with a non-finite source).
 pub fn dequantize(sums: &[i32], exp: i8, n_sources: usize, out: &mut [f32]) {
-    if exp == EXP_NONE {
-        out.iter_mut().for_each(|x| *x = 0.0);
+    if exp == EXP_NONE || exp == EXP_NON_FINITE {
+        out.iter_mut().for_each(|x| *x = if exp == EXP_NONE { 0.0 } else { f32::NAN });
         return;
     }
     let scale = pow2(exp as i32 - frac_bits(n_sources));
@@ -289,8 +306,8 @@ pub fn dequantize(sums: &[i32], exp: i8, n_sources: usize, out: &mut [f32]) {
 
 /// Dequantise straight from a big-endian packet payload.
 pub fn dequantize_from_payload(payload: &[u8], exp: i8, n_sources: usize, out: &mut [f32]) {
-    if exp == EXP_NONE {
-        out.iter_mut().for_each(|x| *x = 0.0);
+    if exp == EXP_NONE || exp == EXP_NON_FINITE {
+        out.iter_mut().for_each(|x| *x = if exp == EXP_NONE { 0.0 } else { f32::NAN });
         return;
     }
     let scale = pow2(exp as i32 - frac_bits(n_sources));
@@ -307,10 +324,14 @@ pub fn dequantize_from_payload(payload: &[u8], exp: i8, n_sources: usize, out: &
 
 /// The documented worst-case absolute error of a block-floating-point sum of
 /// `n_sources` blocks with shared exponent `exp`, before the final rounding
-/// of the result to f32.
+/// of the result to f32 (infinite for a non-finite block, whose result is
+/// NaN).
 pub fn error_bound(exp: i8, n_sources: usize) -> f64 {
     if exp == EXP_NONE {
         return 0.0;
+    }
+    if exp == EXP_NON_FINITE {
+        return f64::INFINITY;
     }
     n_sources as f64 * pow2(exp as i32 - frac_bits(n_sources) - 1)
 }
@@ -338,13 +359,37 @@ mod tests {
         assert_eq!(block_exponent(&[1.0]).unwrap(), 1); // 1 < 2^1
         assert_eq!(block_exponent(&[0.5]).unwrap(), 0);
         assert_eq!(block_exponent(&[-3.0, 0.1]).unwrap(), 2);
-        assert_eq!(block_exponent(&[1.0e38]).unwrap(), 127);
-        assert!(block_exponent(&[f32::MAX]).is_err(), "2^127 and above do not fit the exponent byte");
+        assert_eq!(block_exponent(&[f32::from_bits(0x7e7f_ffff)]).unwrap(), 126, "just below 2^126");
         assert_eq!(block_exponent(&[f32::from_bits(1)]).unwrap(), -127);
         assert_eq!(block_exponent(&[f32::MIN_POSITIVE]).unwrap(), -125);
-        let err = block_exponent(&[1.0, f32::NAN]).unwrap_err();
-        assert_eq!(err.index, 1);
-        assert!(block_exponent(&[f32::NEG_INFINITY]).is_err());
+    }
+
+    #[test]
+    fn nan_and_infinity_mark_the_block_and_huge_finite_values_are_refused() {
+        for v in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0x7f80_0001)] {
+            assert_eq!(block_exponent(&[1.0, v, 3.0e38]), Ok(EXP_NON_FINITE), "{v}");
+        }
+        // 2^126 and above (finite) would need the marker's byte: refused,
+        // named by index
+        for v in [f32::from_bits(OUT_OF_RANGE_BITS), -1.0e38, f32::MAX] {
+            assert_eq!(block_exponent(&[0.5, 2.0, v]), Err(OutOfRange { index: 2, value: v }));
+        }
+        // a marked block sends zeros and comes back NaN in every element
+        let mut q = [7i32; 3];
+        quantize(&[1.0, f32::NAN, 2.0], EXP_NON_FINITE, 3, &mut q);
+        assert_eq!(q, [0; 3]);
+        let mut payload = [0xffu8; 12];
+        quantize_into_payload(&[1.0, f32::INFINITY, 2.0], EXP_NON_FINITE, 3, &mut payload);
+        assert_eq!(payload, [0; 12]);
+        let mut out = [1.0f32; 3];
+        dequantize(&[5, 6, 7], EXP_NON_FINITE, 3, &mut out);
+        assert!(out.iter().all(|x| x.is_nan()));
+        let mut out = [1.0f32; 3];
+        dequantize_from_payload(&[1u8; 12], EXP_NON_FINITE, 3, &mut out);
+        assert!(out.iter().all(|x| x.is_nan()));
+        assert_eq!(error_bound(EXP_NON_FINITE, 3), f64::INFINITY);
+        // the marker is the largest exponent byte: a switch's `max` keeps it
+        assert_eq!(EXP_NON_FINITE, i8::MAX);
     }
 
     #[test]
@@ -413,7 +458,7 @@ mod tests {
     #[test]
     fn extreme_values_never_overflow_the_sum() {
         let n = 16;
-        let vals = [1.7e38, -1.7e38, 1.7e38];
+        let vals = [8.0e37, -8.0e37, 8.0e37]; // just below 2^126
         let e = block_exponent(&vals).unwrap();
         let mut q = [0i32; 3];
         quantize(&vals, e, n, &mut q);
@@ -425,7 +470,7 @@ mod tests {
         }
         let mut out = [0f32; 3];
         dequantize(&acc, e, n, &mut out);
-        // 16 * 1.7e38 exceeds the f32 range: the float result is honestly infinite
+        // 16 * 8e37 exceeds the f32 range: the float result is honestly infinite
         assert_eq!(out, [f32::INFINITY, f32::NEG_INFINITY, f32::INFINITY]);
     }
 

@@ -14,6 +14,7 @@ use fanin_proto::host::{AllreduceSession, Event, Outcome, SessionConfig, Tensor}
 use fanin_proto::job::SWITCH_RANK_BASE;
 use fanin_proto::switch::{ShardConfig, Uplink, ValueSwitch, Verdict};
 use fanin_proto::{JobSpec, Time, VecTransmit};
+use fanin_wire::value::EXP_NON_FINITE;
 use proptest::prelude::*;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -294,6 +295,25 @@ fn float_inputs(workers: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Put a NaN or an infinity (either sign) into about one block in six of
+/// each worker's tensor (`as_bits` turns an f32 into the tensor's element);
+/// returns how many blocks got one.
+fn poison<T: Copy>(inputs: &mut [Vec<T>], epp: usize, seed: u64, as_bits: impl Fn(f32) -> T) -> usize {
+    let mut rng = SplitMix64::new(seed ^ 0x0bad);
+    let mut poisoned = 0;
+    for v in inputs.iter_mut() {
+        let len = v.len();
+        for start in (0..len).step_by(epp) {
+            if rng.next_f64() < 1.0 / 6.0 {
+                let i = start + (rng.next_u64() as usize) % (len - start).min(epp);
+                v[i] = as_bits([f32::NAN, f32::INFINITY, f32::NEG_INFINITY][(rng.next_u64() % 3) as usize]);
+                poisoned += 1;
+            }
+        }
+    }
+    poisoned
+}
+
 fn tensor_len(t: &Tensor) -> usize {
     match t {
         Tensor::I32(v) => v.len(),
@@ -352,6 +372,11 @@ fn check_float(inputs: &[Vec<f32>], outcomes: &[Outcome], epp: usize) {
     for (blk, chunk) in got.chunks(epp).enumerate() {
         let range = blk * epp..blk * epp + chunk.len();
         let exp = inputs.iter().map(|v| bfp::block_exponent(&v[range.clone()]).unwrap()).max().unwrap();
+        if exp == EXP_NON_FINITE {
+            // a NaN or an infinity from any source: NaN in every element
+            assert!(chunk.iter().all(|g| g.is_nan()), "block {blk} holds a non-finite input but a finite sum");
+            continue;
+        }
         let bound = bfp::error_bound(exp, n);
         for (i, g) in range.clone().zip(chunk) {
             let exact: f64 = inputs.iter().map(|v| v[i] as f64).sum();
@@ -392,6 +417,10 @@ fn check_half(kind: Half, inputs: &[Vec<u16>], outcomes: &[Outcome], epp: usize)
     for (blk, chunk) in got.chunks(epp).enumerate() {
         let range = blk * epp..blk * epp + chunk.len();
         let exp = inputs.iter().map(|v| half::block_exponent_half(kind, &v[range.clone()]).unwrap()).max().unwrap();
+        if exp == EXP_NON_FINITE {
+            assert!(chunk.iter().all(|g| kind.to_f32(*g).is_nan()), "block {blk} holds a non-finite input but a finite sum");
+            continue;
+        }
         let bound = half::error_bound(exp, n);
         for (i, g) in range.clone().zip(chunk) {
             let exact: f64 = inputs.iter().map(|v| kind.to_f32(v[i]) as f64).sum();
@@ -502,6 +531,54 @@ proptest! {
             } else {
                 check_int(ins, &these);
             }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// NaN and infinities in some blocks of some workers, flat and through
+    /// trees, float32 and 16-bit, with loss, duplication and reordering:
+    /// a block with a non-finite input from any worker is NaN in every
+    /// element on every worker (the exponent byte's marker wins every
+    /// switch's max), every other block is within the bound, and the
+    /// session's next allreduce is a clean, right sum (nothing was refused,
+    /// so nobody is out of step).
+    #[test]
+    fn non_finite_inputs_make_their_block_nan_everywhere_and_the_session_goes_on(
+        workers in 3usize..=6, // every leaf of every tree shape gets a worker
+        len in 1usize..=2_000,
+        shape in 0u8..=4,
+        dtype in 0u8..=2,
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.2,
+        seed in any::<u64>(),
+    ) {
+        let epp = 64;
+        let mut cfg = Run::new(workers, 2, epp as u16, slots, slots, net(loss, 0.05, 40_000), seed);
+        if shape < 4 {
+            (cfg.parents, cfg.attach) = tree_shape(shape);
+        }
+        let of_call = |out: &[Vec<Outcome>], k: usize| out.iter().map(|o| o[k].clone()).collect::<Vec<_>>();
+        if dtype == 0 {
+            let mut first = float_inputs(workers, len, seed);
+            poison(&mut first, epp, seed, |x| x);
+            let second = float_inputs(workers, len, seed + 1);
+            let calls = (0..workers).map(|w| vec![Tensor::F32(first[w].clone()), Tensor::F32(second[w].clone())]).collect();
+            let out = run_many(&cfg, calls);
+            check_float(&first, &of_call(&out, 0), epp);
+            check_float(&second, &of_call(&out, 1), epp);
+        } else {
+            let kind = if dtype == 1 { Half::F16 } else { Half::BF16 };
+            let mut first = half_inputs(kind, workers, len, seed);
+            poison(&mut first, epp, seed, |x| kind.from_f64(x as f64));
+            let second = half_inputs(kind, workers, len, seed + 1);
+            let calls =
+                (0..workers).map(|w| vec![Tensor::Half(kind, first[w].clone()), Tensor::Half(kind, second[w].clone())]).collect();
+            let out = run_many(&cfg, calls);
+            check_half(kind, &first, &of_call(&out, 0), epp);
+            check_half(kind, &second, &of_call(&out, 1), epp);
         }
     }
 }

@@ -32,16 +32,16 @@ create_exception!(
 
 create_exception!(
     _native,
-    NonFiniteInput,
+    InputOutOfRange,
     PyValueError,
-    "An allreduce's input holds a value block floating point cannot carry (NaN, infinity, 2^127 or more): refused before anything was sent, so the other ranks' allreduce cannot complete, and the session takes no more allreduces."
+    "An allreduce's input holds a finite value too large for block floating point (2^126 or more in magnitude; NaN and infinity are carried, their block's result is NaN): refused before anything was sent, so the other ranks' allreduce cannot complete, and the session takes no more allreduces."
 );
 
 /// The error for an input this rank refuses before sending any of it.
-pub(crate) fn non_finite_err(e: fanin_proto::bfp::NonFinite) -> PyErr {
-    NonFiniteInput::new_err(format!(
+pub(crate) fn out_of_range_err(e: fanin_proto::bfp::OutOfRange) -> PyErr {
+    InputOutOfRange::new_err(format!(
         "{e}; nothing of this allreduce was sent, so the other ranks' allreduce cannot complete (they will fail) \
-         and this session takes no more allreduces: check the input for NaN and infinity, then start a new session \
+         and this session takes no more allreduces: scale the input below 2^126, then start a new session \
          on every rank (in torch: a new process group)"
     ))
 }
@@ -93,7 +93,7 @@ pub(crate) fn host_err(e: HostError) -> PyErr {
         HostError::Session(SessionError::Refused { .. }) | HostError::Session(SessionError::PacketTooLarge { .. }) => {
             FaninRefused::new_err(e.to_string())
         }
-        HostError::Session(SessionError::Config(_)) | HostError::Session(SessionError::NonFinite(_)) | HostError::Option(_) => {
+        HostError::Session(SessionError::Config(_)) | HostError::Session(SessionError::OutOfRange(_)) | HostError::Option(_) => {
             PyValueError::new_err(e.to_string())
         }
         _ => FaninError::new_err(e.to_string()),

@@ -12,7 +12,7 @@ mod switch;
 
 use auth::{derive_member_key, seal_datagram};
 use columns::{decode_groups, GroupEncoder};
-use errors::{FaninError, FaninRefused, FaninTimeout, MemberFailed, MemberRestarted, NonFiniteInput, StaleResult};
+use errors::{FaninError, FaninRefused, FaninTimeout, InputOutOfRange, MemberFailed, MemberRestarted, StaleResult};
 use kv::{decode_results, encode_tuples, encode_tuples_partitioned, receiver_partition, run_kv_daemon};
 use session::{session_defaults, Session};
 use switch::{job_defaults, job_schema, load_config, run_switch, Switch};
@@ -38,7 +38,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FaninError", m.py().get_type::<FaninError>())?;
     m.add("FaninTimeout", m.py().get_type::<FaninTimeout>())?;
     m.add("FaninRefused", m.py().get_type::<FaninRefused>())?;
-    m.add("NonFiniteInput", m.py().get_type::<NonFiniteInput>())?;
+    m.add("InputOutOfRange", m.py().get_type::<InputOutOfRange>())?;
     m.add("MemberFailed", m.py().get_type::<MemberFailed>())?;
     m.add("MemberRestarted", m.py().get_type::<MemberRestarted>())?;
     m.add("StaleResult", m.py().get_type::<StaleResult>())?;

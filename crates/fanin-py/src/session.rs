@@ -14,10 +14,10 @@ use pyo3::types::PyDict;
 
 use fanin_host::{HostError, Session as HostSession, SessionOptions};
 use fanin_proto::bfp::half::Half;
-use fanin_proto::bfp::NonFinite;
+use fanin_proto::bfp::OutOfRange;
 use fanin_proto::host::{Outcome, Prepared, Tensor, TensorMut, TensorRef};
 
-use crate::errors::{host_err, non_finite_err, python_interrupt, FaninError, NonFiniteInput};
+use crate::errors::{host_err, out_of_range_err, python_interrupt, FaninError, InputOutOfRange};
 
 /// A switch's data address as HOST:PORT, HOST a name or an address
 /// (`localhost:9000`, `switch0.lab:9000`, `10.0.0.1:9000`): names are
@@ -52,7 +52,7 @@ pub(crate) struct Session {
     staging_f32: Vec<f32>,
     staging_i32: Vec<i32>,
     /// Why this session takes no more allreduces: it refused one of its
-    /// inputs before sending anything (`NonFiniteInput`) while the other
+    /// inputs before sending anything (`InputOutOfRange`) while the other
     /// ranks may be waiting in theirs, so its next allreduce of the same
     /// length would be summed with their pending one.
     out_of_step: Option<String>,
@@ -339,7 +339,7 @@ impl Session {
         self.inner.keep_all();
         if let Err(e) = &result {
             Python::attach(|py| {
-                if e.is_instance_of::<NonFiniteInput>(py) {
+                if e.is_instance_of::<InputOutOfRange>(py) {
                     let why = e.value(py).to_string();
                     self.out_of_step = Some(why.split(';').next().unwrap_or_default().to_string());
                 }
@@ -416,11 +416,11 @@ impl Session {
             // lent as it is when it shares no memory with `out`, else staged
             let outcome = match lendable(&input, o.cast::<PyArrayDyn<u16>>()?.data() as usize) {
                 Some(s) => {
-                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(non_finite_err)?;
+                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(out_of_range_err)?;
                     reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
                 None => {
-                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(non_finite_err)?;
+                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(out_of_range_err)?;
                     drop(input); // `out` may be the input: its read borrow ends before the write borrow
                     reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
@@ -428,7 +428,7 @@ impl Session {
             self.last = Some(outcome);
             return Ok(o.clone());
         }
-        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(non_finite_err)?;
+        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(out_of_range_err)?;
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
             let per = outcome.elems_per_block;
@@ -456,7 +456,7 @@ impl Session {
         } else {
             i32::stage(&array.extract::<PyReadonlyArrayDyn<'py, i32>>()?, Vec::new(), per)
         }
-        .map_err(non_finite_err)?;
+        .map_err(out_of_range_err)?;
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
             outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -490,12 +490,12 @@ impl Session {
         let per = self.inner.elems_per_packet() as usize;
         let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
         if let Some(s) = lendable(&a, o.cast::<PyArrayDyn<T>>()?.data() as usize) {
-            let prepared = Prepared::borrow(T::view(s), per).map_err(non_finite_err)?;
+            let prepared = Prepared::borrow(T::view(s), per).map_err(out_of_range_err)?;
             let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
             return reduce_into(py, &mut self.inner, prepared, &mut w, average, per);
         }
         let buf = std::mem::take(T::staging(self));
-        let prepared = T::stage(&a, buf, per).map_err(non_finite_err)?;
+        let prepared = T::stage(&a, buf, per).map_err(out_of_range_err)?;
         drop(a); // `out` may be the input: its read borrow ends before the write borrow
         let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
         let mut outcome = reduce_into(py, &mut self.inner, prepared, &mut w, average, per)?;
@@ -556,7 +556,7 @@ trait Reducible: Element + Copy + Send + Sync {
     fn view(s: &[Self]) -> TensorRef<'_>;
     fn view_mut(s: &mut [Self]) -> TensorMut<'_>;
     /// A copy of `a` in `buf` (reusing its memory), prepared.
-    fn stage(a: &PyReadonlyArrayDyn<'_, Self>, buf: Vec<Self>, per: usize) -> Result<Prepared<'static>, NonFinite>;
+    fn stage(a: &PyReadonlyArrayDyn<'_, Self>, buf: Vec<Self>, per: usize) -> Result<Prepared<'static>, OutOfRange>;
     fn staging(s: &mut Session) -> &mut Vec<Self>;
     fn take_tensor(t: &mut Tensor) -> Option<Vec<Self>>;
     /// The sum in `dst` made a mean (float32 only; checked before).
@@ -570,7 +570,7 @@ impl Reducible for f32 {
     fn view_mut(s: &mut [f32]) -> TensorMut<'_> {
         TensorMut::F32(s)
     }
-    fn stage(a: &PyReadonlyArrayDyn<'_, f32>, buf: Vec<f32>, per: usize) -> Result<Prepared<'static>, NonFinite> {
+    fn stage(a: &PyReadonlyArrayDyn<'_, f32>, buf: Vec<f32>, per: usize) -> Result<Prepared<'static>, OutOfRange> {
         match a.as_slice() {
             // the block exponents are taken while each block is copied
             Ok(s) if a.is_c_contiguous() => Prepared::copy_f32(s, per, buf),
@@ -598,7 +598,7 @@ impl Reducible for i32 {
     fn view_mut(s: &mut [i32]) -> TensorMut<'_> {
         TensorMut::I32(s)
     }
-    fn stage(a: &PyReadonlyArrayDyn<'_, i32>, buf: Vec<i32>, per: usize) -> Result<Prepared<'static>, NonFinite> {
+    fn stage(a: &PyReadonlyArrayDyn<'_, i32>, buf: Vec<i32>, per: usize) -> Result<Prepared<'static>, OutOfRange> {
         Prepared::new(Tensor::I32(stage(a, buf)), per)
     }
     fn staging(s: &mut Session) -> &mut Vec<i32> {

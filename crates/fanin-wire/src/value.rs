@@ -72,6 +72,13 @@ pub fn write_result_ack(body: &mut [u8], mut holds: impl FnMut(u32) -> bool) {
 /// exponent announced). Smaller than every real exponent, so `max` ignores it.
 pub const EXP_NONE: i8 = i8::MIN;
 
+/// `exp` / `next_exp` value meaning "a source's block holds a NaN or an
+/// infinity": the result of the block is NaN in every element, on every
+/// rank. Larger than every finite exponent (finite blocks use at most 126),
+/// so the switch's `max` carries it through exponent rounds, lookahead and
+/// trees without knowing it.
+pub const EXP_NON_FINITE: i8 = i8::MAX;
+
 const FLAG_FINAL: u8 = 0b0000_1000;
 const FLAG_DEGRADED: u8 = 0b0000_0100;
 const FLAG_EXP_ONLY: u8 = 0b0000_0010;

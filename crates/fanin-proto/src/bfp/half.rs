@@ -23,9 +23,9 @@
 //! conversions made a float16 allreduce cost more host CPU per element than
 //! a float32 one), and tests check them bit for bit against these.
 
-use fanin_wire::value::{Dtype, EXP_NONE};
+use fanin_wire::value::{Dtype, EXP_NONE, EXP_NON_FINITE};
 
-use super::{block_exponent, pow2, quantize_one, quantize_scale, NonFinite};
+use super::{block_exponent, pow2, quantize_one, quantize_scale, OutOfRange};
 
 /// Which 16-bit float a tensor holds (its elements are passed as their bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -89,15 +89,16 @@ fn ceil_log2(n: usize) -> i32 {
 }
 
 /// The exponent of a block of 16-bit values (as [`block_exponent`] for
-/// float32: every |x| < 2^e, [`EXP_NONE`] for an all-zero block), or the
-/// first value it cannot carry.
-pub fn block_exponent_half(kind: Half, values: &[u16]) -> Result<i8, NonFinite> {
+/// float32: every |x| < 2^e, [`EXP_NONE`] for an all-zero block,
+/// [`EXP_NON_FINITE`] for a block holding a NaN or an infinity), or the
+/// first value it cannot carry (a bfloat16 of 2^126 or more).
+pub fn block_exponent_half(kind: Half, values: &[u16]) -> Result<i8, OutOfRange> {
     // Sign cleared, the bits of either format order like the magnitudes.
     let max = values.iter().map(|v| v & 0x7fff).max().unwrap_or(0);
     let exp = block_exponent(&[kind.to_f32(max)]);
     exp.map_err(|e| {
         let index = values.iter().position(|v| v & 0x7fff == max).unwrap_or(0);
-        NonFinite { index, value: e.value }
+        OutOfRange { index, value: e.value }
     })
 }
 
@@ -105,7 +106,7 @@ pub fn block_exponent_half(kind: Half, values: &[u16]) -> Result<i8, NonFinite> 
 /// payload with shared exponent `exp`. Values larger than the exponent
 /// allows saturate at +-2^B, as for float32.
 pub fn quantize_into_payload(kind: Half, values: &[u16], exp: i8, n_sources: usize, payload: &mut [u8]) {
-    if exp == EXP_NONE {
+    if exp == EXP_NONE || exp == EXP_NON_FINITE {
         payload.iter_mut().for_each(|b| *b = 0);
         return;
     }
@@ -129,10 +130,12 @@ fn quantize_portable(kind: Half, values: &[u16], scale: f64, limit: f64, payload
     }
 }
 
-/// Turn a big-endian int16 payload of sums back into values of `kind`.
+/// Turn a big-endian int16 payload of sums back into values of `kind`
+/// (NaN everywhere for a block with a non-finite source).
 pub fn dequantize_from_payload(kind: Half, payload: &[u8], exp: i8, n_sources: usize, out: &mut [u16]) {
-    if exp == EXP_NONE {
-        out.iter_mut().for_each(|x| *x = 0);
+    if exp == EXP_NONE || exp == EXP_NON_FINITE {
+        let fill = if exp == EXP_NONE { 0 } else { kind.from_f64(f64::NAN) };
+        out.iter_mut().for_each(|x| *x = fill);
         return;
     }
     let scale = pow2(exp as i32 - frac_bits(n_sources));
@@ -264,10 +267,14 @@ mod simd {
 }
 
 /// The documented worst-case absolute error of a 16-bit block floating point
-/// sum before the final rounding to 16 bits.
+/// sum before the final rounding to 16 bits (infinite for a non-finite
+/// block, whose result is NaN).
 pub fn error_bound(exp: i8, n_sources: usize) -> f64 {
     if exp == EXP_NONE {
         return 0.0;
+    }
+    if exp == EXP_NON_FINITE {
+        return f64::INFINITY;
     }
     n_sources as f64 * pow2(exp as i32 - frac_bits(n_sources) - 1)
 }
@@ -390,7 +397,7 @@ mod tests {
         let lanes: Vec<u8> = all.iter().flat_map(|v| v.to_be_bytes()).collect();
         for kind in [Half::F16, Half::BF16] {
             for n in [1usize, 3, 4, 8192] {
-                for exp in [-127i8, -120, -100, -30, -20, -14, -1, 0, 1, 5, 16, 17, 40, 100, 126, 127] {
+                for exp in [-127i8, -120, -100, -30, -20, -14, -1, 0, 1, 5, 16, 17, 40, 100, 125, 126] {
                     let (scale, limit) = quantize_scale(frac_bits(n), exp);
                     let (mut fast, mut slow) = (vec![0u8; lanes.len()], vec![0u8; lanes.len()]);
                     quantize_into_payload(kind, &all, exp, n, &mut fast);
@@ -433,10 +440,26 @@ mod tests {
         let f16 = |x: f64| f16_from_f64(x);
         assert_eq!(block_exponent_half(Half::F16, &[f16(0.75), f16(-3.0)]), Ok(2));
         assert_eq!(block_exponent_half(Half::F16, &[0, 0x8000]), Ok(EXP_NONE));
-        let err = block_exponent_half(Half::F16, &[f16(1.0), 0x7c00]).unwrap_err();
-        assert_eq!(err.index, 1);
+        // NaN and infinity (either sign) mark the block; its result is NaN
+        for v in [0x7c00, 0xfc00, 0x7e00, 0x7c01] {
+            assert_eq!(block_exponent_half(Half::F16, &[f16(1.0), v]), Ok(EXP_NON_FINITE), "{v:#x}");
+        }
+        for v in [0x7f80, 0xff80, 0x7fc0] {
+            assert_eq!(block_exponent_half(Half::BF16, &[0x3f80, v]), Ok(EXP_NON_FINITE), "{v:#x}");
+        }
+        assert_eq!(block_exponent_half(Half::F16, &[0x7bff]), Ok(16), "float16's largest finite value");
         assert_eq!(block_exponent_half(Half::BF16, &[0x3f80]), Ok(1));
-        assert!(block_exponent_half(Half::BF16, &[0x7f7f]).is_err(), "bfloat16 above 2^127");
+        let err = block_exponent_half(Half::BF16, &[0x3f80, 0x7e80]).unwrap_err();
+        assert_eq!((err.index, err.value), (1, 2f32.powi(126)), "bfloat16 of 2^126 and above");
+        assert!(block_exponent_half(Half::BF16, &[0x7f7f]).is_err());
+        for kind in [Half::F16, Half::BF16] {
+            let mut payload = [0xffu8; 4];
+            quantize_into_payload(kind, &[0x3c00, 0x7c00], EXP_NON_FINITE, 2, &mut payload);
+            assert_eq!(payload, [0; 4]);
+            let mut out = [0u16; 2];
+            dequantize_from_payload(kind, &[0, 1, 0, 2], EXP_NON_FINITE, 2, &mut out);
+            assert!(out.iter().all(|&x| kind.to_f32(x).is_nan()), "{kind:?}: {out:?}");
+        }
         assert!(check_sources(MAX_SOURCES).is_ok() && check_sources(MAX_SOURCES + 1).is_err());
         assert_eq!(frac_bits(1), 14);
         assert_eq!(frac_bits(4), 12);

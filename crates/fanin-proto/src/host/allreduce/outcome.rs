@@ -7,7 +7,7 @@ use fanin_wire::value::{JoinParams, NackReason};
 
 use super::Tensor;
 use crate::bfp::half::Half;
-use crate::bfp::NonFinite;
+use crate::bfp::OutOfRange;
 
 /// Why a session or an allreduce failed. Messages say what to check.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -29,7 +29,7 @@ pub enum SessionError {
     #[error("the job's block_grad_max is {cap} elements but this worker sends {requested} per packet; lower elems_per_packet")]
     PacketTooLarge { requested: u16, cap: u32 },
     #[error(transparent)]
-    NonFinite(#[from] NonFinite),
+    OutOfRange(#[from] OutOfRange),
     #[error("the session is not ready: {0}")]
     NotReady(&'static str),
     #[error("the switch restarted (or lost job {job_id}) and recovery did not finish within {waited:?}: not every member of the job rejoined (a member stopped calling allreduce or died), or the job was not re-admitted to the restarted switch")]

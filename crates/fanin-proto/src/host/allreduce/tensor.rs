@@ -5,7 +5,7 @@ use fanin_wire::value::Dtype;
 
 use super::lending::TensorRef;
 use crate::bfp::half::{self, Half};
-use crate::bfp::{self, NonFinite};
+use crate::bfp::{self, OutOfRange};
 
 /// A tensor to reduce, owned by the session while the allreduce runs.
 /// 16-bit floats are held as their bits, with which format they are.
@@ -63,7 +63,7 @@ impl Prepared<'static> {
     /// The exponents of `tensor`'s blocks of `per` elements (none for int32).
     /// A value block floating point cannot carry is refused with its index
     /// in the tensor.
-    pub fn new(tensor: Tensor, per: usize) -> Result<Self, NonFinite> {
+    pub fn new(tensor: Tensor, per: usize) -> Result<Self, OutOfRange> {
         let per = per.max(1);
         let local_exp = exponents_of(tensor.view(), per)?;
         Ok(Prepared { input: PreparedInput::Owned(tensor), local_exp, per })
@@ -72,7 +72,7 @@ impl Prepared<'static> {
     /// Copy `values` into `buf` (reusing its memory) a block at a time,
     /// taking each block's exponent while the block is in cache: one pass
     /// over a large input instead of a copy and then a second read.
-    pub fn copy_f32(values: &[f32], per: usize, mut buf: Vec<f32>) -> Result<Self, NonFinite> {
+    pub fn copy_f32(values: &[f32], per: usize, mut buf: Vec<f32>) -> Result<Self, OutOfRange> {
         let per = per.max(1);
         buf.clear();
         buf.reserve(values.len());
@@ -93,7 +93,7 @@ impl<'a> Prepared<'a> {
     /// needs a retained contribution. One read-only pass takes the
     /// exponents, so a refused value is still refused before anything is
     /// sent.
-    pub fn borrow(input: TensorRef<'a>, per: usize) -> Result<Self, NonFinite> {
+    pub fn borrow(input: TensorRef<'a>, per: usize) -> Result<Self, OutOfRange> {
         let per = per.max(1);
         let local_exp = exponents_of(input, per)?;
         Ok(Prepared { input: PreparedInput::Borrowed(input), local_exp, per })
@@ -108,7 +108,7 @@ impl<'a> Prepared<'a> {
     }
 
     /// The same tensor prepared for blocks of `per` elements.
-    pub(super) fn for_block_size(self, per: usize) -> Result<Self, NonFinite> {
+    pub(super) fn for_block_size(self, per: usize) -> Result<Self, OutOfRange> {
         let per = per.max(1);
         if self.per == per {
             return Ok(self);
@@ -119,7 +119,7 @@ impl<'a> Prepared<'a> {
 }
 
 /// The block exponents of `input` in blocks of `per` (none for int32).
-fn exponents_of(input: TensorRef<'_>, per: usize) -> Result<Vec<i8>, NonFinite> {
+fn exponents_of(input: TensorRef<'_>, per: usize) -> Result<Vec<i8>, OutOfRange> {
     match input {
         TensorRef::F32(values) => block_exponents(values.chunks(per)),
         TensorRef::Half(kind, values) => {
@@ -127,7 +127,7 @@ fn exponents_of(input: TensorRef<'_>, per: usize) -> Result<Vec<i8>, NonFinite> 
             values
                 .chunks(per)
                 .map(|block| {
-                    let e = half::block_exponent_half(kind, block).map_err(|e| NonFinite { index: offset + e.index, ..e });
+                    let e = half::block_exponent_half(kind, block).map_err(|e| OutOfRange { index: offset + e.index, ..e });
                     offset += block.len();
                     e
                 })
@@ -138,7 +138,7 @@ fn exponents_of(input: TensorRef<'_>, per: usize) -> Result<Vec<i8>, NonFinite> 
 }
 
 /// Each block's exponent, in order.
-fn block_exponents<'a>(blocks: impl Iterator<Item = &'a [f32]>) -> Result<Vec<i8>, NonFinite> {
+fn block_exponents<'a>(blocks: impl Iterator<Item = &'a [f32]>) -> Result<Vec<i8>, OutOfRange> {
     let mut offset = 0;
     blocks
         .map(|block| {
@@ -151,6 +151,6 @@ fn block_exponents<'a>(blocks: impl Iterator<Item = &'a [f32]>) -> Result<Vec<i8
 
 /// The exponent of the block starting at element `offset`; a refused value
 /// is reported with its index in the whole tensor, not in its block.
-fn block_exponent_at(block: &[f32], offset: usize) -> Result<i8, NonFinite> {
-    bfp::block_exponent(block).map_err(|e| NonFinite { index: offset + e.index, ..e })
+fn block_exponent_at(block: &[f32], offset: usize) -> Result<i8, OutOfRange> {
+    bfp::block_exponent(block).map_err(|e| OutOfRange { index: offset + e.index, ..e })
 }

@@ -336,9 +336,13 @@ fn a_borrowed_input_gets_the_same_sum_and_nothing_is_handed_back() {
 #[test]
 fn a_borrowed_input_with_a_refused_value_is_refused_with_its_index() {
     let mut values = vec![1.0f32; 10];
-    values[6] = f32::INFINITY;
+    values[6] = 1e38;
     let err = Prepared::borrow(TensorRef::F32(&values), 4).unwrap_err();
     assert_eq!(err.index, 6);
+    // an infinity is carried: its block (elements 4..8) is marked
+    values[6] = f32::INFINITY;
+    let prepared = Prepared::borrow(TensorRef::F32(&values), 4).unwrap();
+    assert_eq!(prepared.local_exp, [1, fanin_wire::value::EXP_NON_FINITE, 1]);
 }
 
 #[test]
@@ -380,9 +384,9 @@ fn a_tensor_prepared_while_copied_equals_one_prepared_after() {
     assert_eq!(copied, Prepared::new(Tensor::F32(values.clone()), 64).unwrap());
     // a refused value is named by its index in the tensor, not its block
     let mut bad = values;
-    bad[4321] = f32::INFINITY;
+    bad[4321] = -1e38;
     let e = Prepared::copy_f32(&bad, 64, Vec::new()).unwrap_err();
-    assert_eq!((e.index, e.value), (4321, f32::INFINITY));
+    assert_eq!((e.index, e.value), (4321, -1e38));
     assert_eq!(Prepared::new(Tensor::F32(bad), 1024).unwrap_err().index, 4321);
 }
 
