@@ -312,6 +312,44 @@ def _nan_on_one_rank_vs_gloo(rank, world):
     return out
 
 
+def _wait_with_a_timeout(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    import fanin.torch  # noqa: F401
+
+    dist.init_process_group("fanin")
+    out = {}
+    a = torch.full((1000,), 1.0 + rank)
+    if rank == 1:
+        time.sleep(4)  # rank 0's collective cannot complete before this
+    w = dist.all_reduce(a, async_op=True)
+    if rank == 0:
+        t = time.monotonic()
+        try:
+            w.wait(timeout=datetime.timedelta(seconds=1))
+            out["timed"] = "returned"
+        except RuntimeError as e:
+            out["timed"] = str(e)
+        out["waited_s"] = time.monotonic() - t
+    out["then"] = w.wait()
+    out["sum"] = a.unique().tolist()
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_work_waited_with_a_timeout_raises_when_it_passes_and_the_collective_goes_on():
+    """found by an audit: Work.wait(timeout) ignored its timeout. Rank 0
+    waits 1 s for a collective rank 1 joins only after 4 s: the wait
+    raises after about 1 s, as Gloo's does; the collective goes on and a
+    second wait returns with the exact sum."""
+    r0, r1 = _spawn(_wait_with_a_timeout, 2)
+    assert "did not complete within 1 s" in r0["timed"], r0
+    assert 0.9 <= r0["waited_s"] < 3, r0
+    assert r0["then"] is True and r0["sum"] == [3.0] and r1["sum"] == [3.0], (r0, r1)
+
+
 def _allreduce_of_a_list(rank, world):
     import torch.distributed as dist
 
@@ -533,6 +571,34 @@ def test_ddp_hook_with_gloo_default_group_and_an_external_switch():
         assert r["diff"] < 1e-4, r
         assert r["switch"] == addr
         assert r["sources"][:2] == (2, 2) and r["sources"][2] >= 4
+
+
+def _two_hook_states(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("gloo")
+    short = datetime.timedelta(seconds=20)
+    first, second = ft.FaninHookState(timeout=short), ft.FaninHookState(timeout=short)
+    ref = _ddp_steps(_net(0), None, None, None, 3, rank)
+    a = _ddp_steps(_net(0), None, ft.allreduce_hook, first, 3, rank)
+    b = _ddp_steps(_net(0), None, ft.allreduce_hook, second, 3, rank)
+    out = {"diffs": [(a - ref).abs().max().item(), (b - ref).abs().max().item()],
+           "switches": [first.group.switch_addr, second.group.switch_addr]}
+    dist.destroy_process_group()
+    return out
+
+
+def test_two_hook_states_on_one_default_group_each_get_their_own_switch_job():
+    """found by an audit: two FaninHookStates on one Gloo default group (two
+    DDP models) shared the store prefix ``fanin-hook/``, so the second
+    state's ranks read the first one's rendezvous and waited until the
+    timeout. Each state now has a prefix of its own (states are built in
+    the same order on every rank, as torch's new_group are)."""
+    for r in _spawn(_two_hook_states, 2, timeout=120):
+        assert all(d < 1e-4 for d in r["diffs"]), r
+        assert r["switches"][0] != r["switches"][1], r
 
 
 def ft_local_switch(workers):

@@ -87,6 +87,19 @@ class _Work(dist.Work):
         self._fut = fut
 
     def wait(self, timeout: Any = None) -> bool:
+        """Block until the collective ends; raise what it raised. With a
+        ``timeout`` (a timedelta or seconds; 0 or None: none) raise
+        RuntimeError if it has not ended by then, as Gloo's Work does. The
+        collective itself goes on (a switch aggregates what every rank
+        sent), so its tensor is still written when it completes; waiting
+        again returns then."""
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 0)
+        if seconds > 0 and not self._fut.done():
+            ended = threading.Event()
+            self._fut.add_done_callback(lambda _: ended.set())
+            if not ended.wait(seconds):
+                raise RuntimeError(f"fanin: the collective did not complete within {seconds:g} s (wait's timeout); "
+                                   "it goes on, and writes its tensor when it completes")
         self._fut.wait()  # raises what the collective raised
         return True
 

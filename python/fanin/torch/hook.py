@@ -15,6 +15,12 @@ from fanin.torch.backend import FaninProcessGroup
 __all__ = ["FaninHookState", "allreduce_hook", "noop_hook"]
 
 _last_state = None  # the FaninHookState built last (for fanin.torch.step_stats)
+# States that joined a switch through the default group's store, in this
+# process: each gets a store prefix of its own (a second state on the same
+# prefix would read the first one's rendezvous). Every rank builds its
+# states in the same order (the constructor is a collective), so the
+# numbers agree, as torch's own new_group names do.
+_states_on_default_store = 0
 
 
 class FaninHookState:
@@ -22,7 +28,9 @@ class FaninHookState:
 
     If ``process_group`` (default: the default group) is a fanin group, the
     hook uses it. Otherwise the constructor joins a switch itself through the
-    default group's c10d store (prefix ``fanin-hook/``), exactly as
+    default group's c10d store (prefix ``fanin-hook/<n>/``, ``n`` counting
+    the states built in this process, so two models' states each get their
+    own job), exactly as
     ``init_process_group("fanin")`` would: ``FANIN_SWITCH`` or the embedded
     default in rank 0's process. Construct it on every rank (it is a
     collective), after ``init_process_group``.
@@ -39,7 +47,7 @@ class FaninHookState:
 
     def __init__(self, process_group: Optional[Any] = None, *, options: Optional[ConnectOptions] = None,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
-        global _last_state
+        global _last_state, _states_on_default_store
         pg = process_group if process_group is not None else dist.group.WORLD
         if pg is None:
             raise RuntimeError("fanin FaninHookState: call torch.distributed.init_process_group first")
@@ -49,7 +57,9 @@ class FaninHookState:
             if process_group is not None and process_group is not dist.group.WORLD:
                 raise NotImplementedError("fanin FaninHookState: only the default group can be mirrored on a "
                                           "switch; pass a fanin group for subgroups")
-            store = dist.PrefixStore("fanin-hook/", dist.distributed_c10d._get_default_store())
+            prefix = f"fanin-hook/{_states_on_default_store}/"
+            _states_on_default_store += 1
+            store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
             self.group = FaninProcessGroup(store, dist.get_rank(), dist.get_world_size(), timeout, options)
         _last_state = self
 
