@@ -323,6 +323,15 @@ impl Session {
         self.machine.keep_all();
     }
 
+    /// The caller refused its input before sending any of it (preparing
+    /// it failed: [`Prepared::new`], `borrow`, `copy_f32`): the session
+    /// takes no more allreduces, since the other ranks may be waiting in
+    /// that one ([`AllreduceSession::refuse_input`](fanin_proto::host::AllreduceSession::refuse_input)).
+    /// Returns the error for the refused call.
+    pub fn refuse_input(&mut self, e: fanin_proto::bfp::OutOfRange) -> HostError {
+        HostError::Session(self.machine.refuse_input(e))
+    }
+
     /// Reduce `tensor` with every other member of the job; blocks until done
     /// or failed (a silent switch fails after `session.dead_after`).
     pub fn allreduce(&mut self, tensor: Tensor) -> Result<Outcome, HostError> {

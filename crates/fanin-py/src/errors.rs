@@ -93,7 +93,8 @@ pub(crate) fn host_err(e: HostError) -> PyErr {
         HostError::Session(SessionError::Refused { .. }) | HostError::Session(SessionError::PacketTooLarge { .. }) => {
             FaninRefused::new_err(e.to_string())
         }
-        HostError::Session(SessionError::Config(_)) | HostError::Session(SessionError::OutOfRange(_)) | HostError::Option(_) => {
+        HostError::Session(SessionError::OutOfRange(refused)) => out_of_range_err(*refused),
+        HostError::Session(SessionError::Config(_)) | HostError::Option(_) => {
             PyValueError::new_err(e.to_string())
         }
         _ => FaninError::new_err(e.to_string()),

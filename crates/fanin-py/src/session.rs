@@ -17,7 +17,7 @@ use fanin_proto::bfp::half::Half;
 use fanin_proto::bfp::OutOfRange;
 use fanin_proto::host::{Outcome, Prepared, Tensor, TensorMut, TensorRef};
 
-use crate::errors::{host_err, out_of_range_err, python_interrupt, FaninError, InputOutOfRange};
+use crate::errors::{host_err, out_of_range_err, python_interrupt};
 
 /// A switch's data address as HOST:PORT, HOST a name or an address
 /// (`localhost:9000`, `switch0.lab:9000`, `10.0.0.1:9000`): names are
@@ -51,11 +51,6 @@ pub(crate) struct Session {
     /// C-contiguous).
     staging_f32: Vec<f32>,
     staging_i32: Vec<i32>,
-    /// Why this session takes no more allreduces: it refused one of its
-    /// inputs before sending anything (`InputOutOfRange`) while the other
-    /// ranks may be waiting in theirs, so its next allreduce of the same
-    /// length would be summed with their pending one.
-    out_of_step: Option<String>,
 }
 
 #[pymethods]
@@ -136,7 +131,7 @@ impl Session {
             })
             .transpose()?;
         let inner = py.detach(|| HostSession::connect_interruptible(o, Some(python_interrupt()))).map_err(host_err)?;
-        Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new(), out_of_step: None })
+        Ok(Self { inner, last: None, staging_f32: Vec::new(), staging_i32: Vec::new() })
     }
 
     /// Sum `array` (int32 or float32, any shape) over every member of the job.
@@ -318,6 +313,14 @@ fn check_out<T: Element>(array: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> Py
 }
 
 impl Session {
+    /// An input refused before anything of it was sent: the session takes
+    /// no more allreduces (the Rust session keeps that rule, protocol.md
+    /// §5.1), and the call raises `InputOutOfRange`.
+    fn refuse(&mut self, e: fanin_proto::bfp::OutOfRange) -> PyErr {
+        drop(self.inner.refuse_input(e));
+        out_of_range_err(e)
+    }
+
     /// Run `call` with `keep` as the range of its allreduce (a
     /// reduce-scatter); a range the call did not use (it was refused before
     /// it began one) ends with it all the same.
@@ -326,25 +329,11 @@ impl Session {
         keep: Option<(usize, usize)>,
         call: impl FnOnce(&mut Self) -> PyResult<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(why) = &self.out_of_step {
-            return Err(FaninError::new_err(format!(
-                "this session takes no more allreduces: an earlier one was refused before it was sent ({why}), \
-                 so the ranks are out of step; start a new session on every rank (in torch: a new process group)"
-            )));
-        }
         if let Some((start, stop)) = keep {
             self.inner.keep_only(start..stop);
         }
         let result = call(self);
         self.inner.keep_all();
-        if let Err(e) = &result {
-            Python::attach(|py| {
-                if e.is_instance_of::<InputOutOfRange>(py) {
-                    let why = e.value(py).to_string();
-                    self.out_of_step = Some(why.split(';').next().unwrap_or_default().to_string());
-                }
-            });
-        }
         result
     }
 
@@ -416,11 +405,11 @@ impl Session {
             // lent as it is when it shares no memory with `out`, else staged
             let outcome = match lendable(&input, o.cast::<PyArrayDyn<u16>>()?.data() as usize) {
                 Some(s) => {
-                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(out_of_range_err)?;
+                    let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(|e| self.refuse(e))?;
                     reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
                 None => {
-                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(out_of_range_err)?;
+                    let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(|e| self.refuse(e))?;
                     drop(input); // `out` may be the input: its read borrow ends before the write borrow
                     reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
                 }
@@ -428,7 +417,7 @@ impl Session {
             self.last = Some(outcome);
             return Ok(o.clone());
         }
-        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(out_of_range_err)?;
+        let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(|e| self.refuse(e))?;
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
             let per = outcome.elems_per_block;
@@ -456,7 +445,7 @@ impl Session {
         } else {
             i32::stage(&array.extract::<PyReadonlyArrayDyn<'py, i32>>()?, Vec::new(), per)
         }
-        .map_err(out_of_range_err)?;
+        .map_err(|e| self.refuse(e))?;
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
         if average {
             outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -490,12 +479,12 @@ impl Session {
         let per = self.inner.elems_per_packet() as usize;
         let a = array.extract::<PyReadonlyArrayDyn<'py, T>>()?;
         if let Some(s) = lendable(&a, o.cast::<PyArrayDyn<T>>()?.data() as usize) {
-            let prepared = Prepared::borrow(T::view(s), per).map_err(out_of_range_err)?;
+            let prepared = Prepared::borrow(T::view(s), per).map_err(|e| self.refuse(e))?;
             let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
             return reduce_into(py, &mut self.inner, prepared, &mut w, average, per);
         }
         let buf = std::mem::take(T::staging(self));
-        let prepared = T::stage(&a, buf, per).map_err(out_of_range_err)?;
+        let prepared = T::stage(&a, buf, per).map_err(|e| self.refuse(e))?;
         drop(a); // `out` may be the input: its read borrow ends before the write borrow
         let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
         let mut outcome = reduce_into(py, &mut self.inner, prepared, &mut w, average, per)?;

@@ -54,6 +54,7 @@ use fanin_wire::value::{
 use fanin_wire::MessageType;
 
 use super::congestion::{Congestion, CongestionStats, Signal, INITIAL_WINDOW};
+use crate::bfp::OutOfRange;
 use crate::auth::{open_and_accept, open_group_and_accept, push_sealed, Key, LaneWindows, Refusal, Sealer};
 use crate::job::shard_of;
 use crate::serial::BlockSpace;
@@ -356,11 +357,29 @@ impl AllreduceSession {
     }
 
     /// Start an allreduce of `tensor`. The result comes as `Event::Completed`.
+    /// A value block floating point cannot carry fails the call and the
+    /// session ([`refuse_input`](Self::refuse_input)).
     pub fn begin(&mut self, now: Time, tensor: Tensor) -> Result<(), SessionError> {
         let keep = self.next_keep.take();
         self.check_ready()?;
-        let prepared = Prepared::new(tensor, self.config.elems_per_packet as usize)?;
+        let prepared = Prepared::new(tensor, self.config.elems_per_packet as usize).map_err(|e| self.refuse_input(e))?;
         self.begin_owned(now, prepared, keep)
+    }
+
+    /// This worker refused its input to an allreduce before sending any of
+    /// it (`e`: a finite value beyond block floating point's range; the
+    /// caller prepared it with [`Prepared::new`], `borrow` or `copy_f32`).
+    /// The job's other ranks may be waiting in that allreduce, and this
+    /// session's next allreduce of the same length would be summed with
+    /// their pending one, so the session fails: every later call gets
+    /// [`SessionError::OutOfStep`] and the others' call fails at their
+    /// timeout (docs/protocol.md §5.1). Returns the error for the refused
+    /// call. Whoever prepares an input and gets `Err` must call this.
+    pub fn refuse_input(&mut self, e: OutOfRange) -> SessionError {
+        if !matches!(self.state, State::Failed(_)) && self.op.is_none() {
+            self.state = State::Failed(SessionError::OutOfStep(e));
+        }
+        SessionError::OutOfRange(e)
     }
 
     /// Start an allreduce of a tensor whose exponents are already known
@@ -464,7 +483,7 @@ impl AllreduceSession {
             TensorRef::Half(..) => self.half_elems_per_packet.max(1) as usize,
             _ => self.config.elems_per_packet as usize,
         };
-        let Prepared { input, local_exp, .. } = prepared.for_block_size(per)?;
+        let Prepared { input, local_exp, .. } = prepared.for_block_size(per).map_err(|e| self.refuse_input(e))?;
         if matches!(input.view(), TensorRef::Half(..)) {
             crate::bfp::half::check_sources(self.n_sources as usize).map_err(SessionError::Config)?;
         }

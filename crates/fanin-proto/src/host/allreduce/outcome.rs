@@ -28,8 +28,16 @@ pub enum SessionError {
     MemberFailed { job_id: u32, rank: u16 },
     #[error("the job's block_grad_max is {cap} elements but this worker sends {requested} per packet; lower elems_per_packet")]
     PacketTooLarge { requested: u16, cap: u32 },
+    /// Refused before anything was sent; the session then fails with
+    /// [`OutOfStep`](Self::OutOfStep) ([`AllreduceSession::refuse_input`](super::AllreduceSession::refuse_input)).
     #[error(transparent)]
-    OutOfRange(#[from] OutOfRange),
+    OutOfRange(OutOfRange),
+    #[error(
+        "this session takes no more allreduces: an earlier one was refused before it was sent ({0}), so the ranks are \
+         out of step (the others may be waiting in that allreduce, and this session's next one would be summed with \
+         theirs); start a new session on every rank (in torch: a new process group)"
+    )]
+    OutOfStep(OutOfRange),
     #[error("the session is not ready: {0}")]
     NotReady(&'static str),
     #[error("the switch restarted (or lost job {job_id}) and recovery did not finish within {waited:?}: not every member of the job rejoined (a member stopped calling allreduce or died), or the job was not re-admitted to the restarted switch")]

@@ -345,6 +345,32 @@ fn a_borrowed_input_with_a_refused_value_is_refused_with_its_index() {
     assert_eq!(prepared.local_exp, [1, fanin_wire::value::EXP_NON_FINITE, 1]);
 }
 
+/// An input refused before anything was sent may leave the other ranks
+/// waiting in that allreduce: this session's next allreduce would be
+/// summed with their pending one (an audit saw 1 + 10 returned on both
+/// ranks), so the session takes no more, however the input was prepared.
+#[test]
+fn a_session_that_refused_an_input_takes_no_more_allreduces() {
+    let now = Time::from_nanos(1_000);
+    let mut huge = vec![1.0f32; 8];
+    huge[5] = 1e38;
+    // refused inside begin
+    let (mut s, _) = joined(8);
+    let err = s.begin(now, Tensor::F32(huge.clone())).unwrap_err();
+    assert!(matches!(err, SessionError::OutOfRange(e) if e.index == 5), "{err}");
+    let later = s.begin(now, Tensor::F32(vec![1.0; 8])).unwrap_err();
+    assert!(matches!(later, SessionError::OutOfStep(e) if e.index == 5), "{later}");
+    assert!(later.to_string().contains("takes no more allreduces"), "{later}");
+    // refused by a caller that prepared the input itself
+    let (mut s, _) = joined(8);
+    let refused = Prepared::borrow(TensorRef::F32(&huge), 4).unwrap_err();
+    assert!(matches!(s.refuse_input(refused), SessionError::OutOfRange(_)));
+    let later = s.begin_prepared(now, Prepared::new(Tensor::F32(vec![1.0; 8]), 4).unwrap()).unwrap_err();
+    assert!(matches!(later, SessionError::OutOfStep(_)), "{later}");
+    let mut tx = VecTransmit::new();
+    assert_eq!(s.poll_transmit(now, &mut tx), 0, "nothing sent");
+}
+
 #[test]
 fn a_lent_output_of_the_wrong_shape_or_dtype_is_refused_before_anything_is_sent() {
     let (mut s, _) = joined(8);
