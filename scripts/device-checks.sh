@@ -50,7 +50,7 @@ run() {  # run NAME LIMIT_S COMMAND...
 nvidia-smi -L; nproc
 for s in $stages; do
   case $s in
-    tests) run cuda-tests 80 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_backend.py -k cuda -rs ;;
+    tests) run cuda-tests 120 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_backend.py -k cuda -rs ;;
     allreduce) run torch-allreduce-cuda 80 fanin bench torch-allreduce --device cuda --workers 4 \
                  --sizes 16MB,64MB --dtypes float32,float16 --iters 3 --json --out "$out" ;;
     lm-steps) run lm-steps-cuda 140 fanin bench lm-steps --device cuda --workers 8 --rates 1000 --steps 30 \

@@ -498,20 +498,27 @@ def test_ddp_on_the_fanin_backend_matches_gloo():
     assert reports[0]["digest"] == reports[1]["digest"]
 
 
-def _amp_steps(group, rank, steps=5, overflow_at=2):
-    """SGD under AMP's loss scaler; rank 1's gradients overflow at one step."""
+def _amp_steps(group, rank, steps=5, overflow_at=2, device="cpu", hook=None):
+    """SGD under AMP's loss scaler; rank 1's gradients overflow at one step.
+    On CUDA the forward runs under float16 autocast, as AMP training does."""
+    import contextlib
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _net(0)
-    ddp = DDP(model, process_group=group)
+    model = _net(0).to(device)
+    ddp = DDP(model, process_group=group, device_ids=[0] if device == "cuda" else None)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=1000)
+    autocast = torch.autocast("cuda", dtype=torch.float16) if device == "cuda" else contextlib.nullcontext()
     gen = torch.Generator().manual_seed(100 + rank)
     scales = []
     for step in range(steps):
-        x = torch.randn(8, 20, generator=gen)
-        y = torch.randint(0, 5, (8,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        x = torch.randn(8, 20, generator=gen).to(device)
+        y = torch.randint(0, 5, (8,), generator=gen).to(device)
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
         if step == overflow_at and rank == 1:
             loss = loss * float("inf")  # this rank's gradients are inf and NaN
         opt.zero_grad()
@@ -519,7 +526,7 @@ def _amp_steps(group, rank, steps=5, overflow_at=2):
         scaler.step(opt)  # skipped when any gradient is not finite
         scaler.update()  # and the scale halves
         scales.append(scaler.get_scale())
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), scales
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(), scales
 
 
 def _amp_overflow_vs_gloo(rank, world):
@@ -1053,6 +1060,39 @@ def test_ddp_on_cuda_with_the_fanin_hooks_matches_gloo_on_the_cpu():
     for r in reports:
         assert r["float32"]["error"] < 1e-4, r
         assert r["float16"]["error"] < 2e-2, r  # gradients rounded to float16 each step
+    for name in ("float32", "float16"):
+        assert reports[0][name]["digest"] == reports[1][name]["digest"], "every rank holds the same model"
+
+
+def _amp_cuda(rank, world):
+    import torch.distributed as dist
+
+    import fanin.torch as ft
+
+    dist.init_process_group("fanin")
+    gloo = dist.new_group(backend="gloo")
+    ref, ref_scales = _amp_steps(gloo, rank)  # float32 on the CPU, Gloo
+    got = {}
+    for name, hook in (("float32", ft.allreduce_hook), ("float16", ft.fp16_compress_hook)):
+        flat, scales = _amp_steps(None, rank, device="cuda", hook=hook)
+        got[name] = {"error": (flat - ref).abs().max().item(), "digest": flat.sum().item(), "scales": scales,
+                     "finite": bool(torch.isfinite(flat).all())}
+    dist.destroy_process_group()
+    return {"ref_scales": ref_scales, **got}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_amp_on_cuda_skips_an_overflowing_step_on_every_rank_with_the_fanin_hooks():
+    """float16 autocast on CUDA with GradScaler and fanin's hooks (float32
+    and float16 on the wire): one rank's gradients overflow at step 3, so
+    every rank skips that step and halves its scale, as Gloo's run on the
+    CPU does, and the models stay finite and identical on every rank."""
+    reports = _spawn(_amp_cuda, 2)
+    for r in reports:
+        assert r["ref_scales"] == [1024.0, 1024.0, 512.0, 512.0, 512.0], r
+        for name in ("float32", "float16"):
+            assert r[name]["scales"] == r["ref_scales"] and r[name]["finite"], r
+            assert r[name]["error"] < 5e-2, r  # float16 autocast against float32 on the CPU
     for name in ("float32", "float16"):
         assert reports[0][name]["digest"] == reports[1][name]["digest"], "every rank holds the same model"
 
