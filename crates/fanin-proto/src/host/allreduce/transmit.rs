@@ -141,11 +141,19 @@ pub(super) fn emit_block(
         TensorRef::F32(_) | TensorRef::Half(..) if exp_only => (op.local_exp[idx as usize], EXP_NONE),
         TensorRef::F32(_) | TensorRef::Half(..) => (state.exp, op.local_exp.get(ahead).copied().unwrap_or(EXP_NONE)),
     };
+    // The block's exponent was fixed without this worker's (it straggled
+    // past the exponent round, or the lookahead was announced without it:
+    // aging, a quorum) and is smaller than its own: its values would
+    // saturate, and the sum would count them as if they were whole. It
+    // abstains instead (`degraded` on a worker's contribution, protocol.md
+    // §5.5): the switch adds nothing of it, stops waiting for it in this
+    // block and answers with the result, which then lacks it.
+    let abstain = !exp_only && input.dtype().is_block_floating_point() && op.local_exp[idx as usize] > exp;
     let repr = Repr {
         msg_type: if retransmission { MessageType::Retransmission } else { MessageType::Contribution },
         age_op: 0,
         final_block: idx as usize + 1 == op.blocks.len(),
-        degraded: false,
+        degraded: abstain,
         exp_only,
         no_data: !exp_only && !op.wants(idx),
         dtype: input.dtype(),
@@ -166,6 +174,10 @@ pub(super) fn emit_block(
         let mut packet = Packet::new_unchecked(buf);
         repr.emit(&mut packet);
         if exp_only {
+            return;
+        }
+        if abstain {
+            packet.payload_mut().fill(0);
             return;
         }
         match input {

@@ -251,7 +251,13 @@ pub(super) fn contribute_data<A: Copy + PartialEq, T: Transmit<A>>(
                 reply.nack(packet, NackReason::ExponentMismatch, block.exp as u8 as u32);
                 return Outcome::default();
             }
-            if !block.receive(src, weight) {
+            // A worker whose values the block's exponent cannot carry (it
+            // took no part in fixing it: a straggler) abstains, `degraded`
+            // on its contribution (protocol.md §5.5): it counts as arrived,
+            // so nobody waits for it, but sums no worker and adds nothing,
+            // and the result says it lacks a member.
+            let abstains = src < SWITCH_RANK_BASE as usize && packet.degraded();
+            if !block.receive(src, if abstains { 0 } else { weight }) {
                 reply.counters.duplicate += 1;
                 return Outcome::default();
             }
@@ -261,16 +267,18 @@ pub(super) fn contribute_data<A: Copy + PartialEq, T: Transmit<A>>(
                 block.no_data.insert(src);
             }
             block.child_degraded |= src >= SWITCH_RANK_BASE as usize && packet.degraded();
+            block.abstained |= abstains;
             let payload = packet.payload();
             let n = grad_cnt as usize;
-            if block.has_data {
-                fanin_wire::value::add_lanes(block.dtype, &mut block.sum[..n], payload);
-            } else {
+            if !block.has_data {
                 block.has_data = true;
                 block.grad_cnt = grad_cnt;
                 block.exp = packet.exp();
+                block.sum.clear();
                 block.sum.resize(n, 0);
-                fanin_wire::value::read_lanes(block.dtype, payload, &mut block.sum[..n]);
+            }
+            if !abstains {
+                fanin_wire::value::add_lanes(block.dtype, &mut block.sum[..n], payload);
             }
             block.next_exp = block.next_exp.max(packet.next_exp());
             block.final_block |= packet.final_block();

@@ -62,6 +62,9 @@ pub(super) struct Block {
     pub(super) workers: u16,
     /// A child switch's partial was itself partial.
     pub(super) child_degraded: bool,
+    /// A worker abstained from this phase (its values exceed the block's
+    /// exponent, which was fixed without it): the sum lacks it.
+    pub(super) abstained: bool,
     /// Non-root switch: `(src_cnt, degraded)` of the parent's result, which
     /// is what the children get.
     pub(super) parent_result: Option<(u16, bool)>,
@@ -112,6 +115,7 @@ impl Block {
             congested: false,
             workers: 0,
             child_degraded: false,
+            abstained: false,
             parent_result: None,
             expired_up: false,
             asks_since_resend: 0,
@@ -143,6 +147,7 @@ impl Block {
         self.expected_rcvd = 0;
         self.workers = 0;
         self.child_degraded = false;
+        self.abstained = false;
         self.congested = false;
     }
 
@@ -212,6 +217,7 @@ impl Block {
         self.congested = false;
         self.workers = 0;
         self.child_degraded = false;
+        self.abstained = false;
         self.parent_result = None;
         self.expired_up = false;
         self.asks_since_resend = 0;
@@ -232,7 +238,7 @@ impl Block {
             Some(from_parent) => from_parent,
             None => (
                 self.workers,
-                self.aged || self.child_degraded || (self.rcvd.count() as u16) < member_count,
+                self.aged || self.child_degraded || self.abstained || (self.rcvd.count() as u16) < member_count,
             ),
         };
         Repr {

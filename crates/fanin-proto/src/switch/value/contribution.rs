@@ -233,7 +233,15 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
         }
         // A child switch's partial sums `src_cnt` workers; a worker is one.
-        let weight = if src >= SWITCH_RANK_BASE as usize { packet.src_cnt().max(1) } else { 1 };
+        // (a child's data partial may sum no worker: every one of its
+        // workers abstained from the block, protocol.md §5.5)
+        let weight = if src < SWITCH_RANK_BASE as usize {
+            1
+        } else if packet.exp_only() {
+            packet.src_cnt().max(1)
+        } else {
+            packet.src_cnt()
+        };
         let outcome = {
             let mut reply = job_reply!(job, &mut *counters, &mut *out, &mut self.scratch,
                 from: Some(from), from_src: src, uplink: job.uplink.as_ref());
