@@ -437,6 +437,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let limits_changed = self.jobs[&job_id].spec.rate_limit != spec.rate_limit;
         let buckets = limits_changed.then(|| self.buckets_for(&spec, capacity));
         let job = self.jobs.get_mut(&job_id).expect("checked above");
+        let had_rounds = uses_rounds(job);
         if let Some(b) = buckets {
             job.buckets = b;
         }
@@ -494,6 +495,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.spec = spec;
         let became_root = job.uplink.is_some() && uplink.is_none();
         job.uplink = uplink;
+        if !had_rounds && uses_rounds(job) {
+            // The job's stream ran here without rounds (an inner switch, or
+            // a root with child switches), and it runs on: the first
+            // barrier, never opened, must not hold it now. (It held a sync
+            // joiner at the barrier, and the running members' probes then
+            // started a "first" round at block 0, dropping the stream.)
+            job.barrier = None;
+        }
         let _ = now;
         // No block waits for a member that left, nor for more members than
         // a (new) quorum asks for.
@@ -512,6 +521,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // The parent is gone: this switch completes what it sent up.
                 if block.phase == Phase::DataUp {
                     job.open_blocks += 1; // close_phase counts it done again
+                    // The parent may have completed the block already with
+                    // the branches that left, and their workers hold that
+                    // sum: this one, without them, says it is partial.
+                    block.child_degraded = true;
                 }
                 block.phase = if block.phase == Phase::ExponentUp { Phase::Exponent } else { Phase::Data };
                 close_phase(job, local, &mut self.counters, out, &mut self.scratch, &mut newly_slow);

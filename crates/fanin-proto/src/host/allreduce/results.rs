@@ -207,10 +207,13 @@ impl AllreduceSession {
         let per = op.per;
         let start = idx as usize * per;
         let count = (op.input.view().len() - start).min(per);
-        match op.output_block(start, count) {
-            TensorMut::I32(v) => v.fill(0),
-            TensorMut::F32(v) => v.fill(0.0),
-            TensorMut::Half(_, v) => v.fill(0), // +0.0 in both formats
+        // (outside `keep` the output is left as it was, docs/protocol.md §4.13)
+        if op.wants(idx) {
+            match op.output_block(start, count) {
+                TensorMut::I32(v) => v.fill(0),
+                TensorMut::F32(v) => v.fill(0.0),
+                TensorMut::Half(_, v) => v.fill(0), // +0.0 in both formats
+            }
         }
         op.missed += 1;
         op.last_progress = now;

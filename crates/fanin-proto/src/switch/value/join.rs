@@ -321,6 +321,18 @@ pub(super) fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
 /// which is why [`sync_start`] answers a window beyond it.
 pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
     let s = job.spec.block_cnt_max;
+    // An unused slot needs its first block at or after the job's start,
+    // and no earlier than a window below the highest block this shard
+    // opened: a member sends block h only with the result of every block
+    // up to h - S, so none of those is needed any more. (A root added
+    // above the old one opens its first slots far from the job's start:
+    // counting its unused slots from the start answered a joiner with a
+    // block the job had completed long before, and the joiner's blocks,
+    // opening slots nobody else would send to again, stalled the job.)
+    let from = match job.high_block {
+        Some(h) => job.space.later(job.start_block, job.space.add(h, (job.space.size() - (s as u64 - 1)) as u32)),
+        None => job.start_block,
+    };
     let mut lowest: Option<u32> = None;
     for k in 0..s {
         if shard_of(job.spec.job_id, k, s, config.shard_count) != config.shard {
@@ -329,8 +341,8 @@ pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
         let needed = match job.slots.get(job.slot_of(k, config.shard_count)).and_then(|slot| slot.cur.as_ref()) {
             Some(block) if block.is_open() => block.block_id,
             Some(block) => job.space.add(block.block_id, s),
-            // first block >= start_block that maps to global slot k
-            None => job.space.add(job.start_block, (k + s - job.start_block % s) % s),
+            // first block >= `from` that maps to global slot k
+            None => job.space.add(from, (k + s - from % s) % s),
         };
         lowest = Some(lowest.map_or(needed, |l| if job.space.before(needed, l) { needed } else { l }));
     }
