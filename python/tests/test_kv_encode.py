@@ -38,6 +38,10 @@ def test_records_equal_the_format_for_every_key_and_value_kind():
     # a float is never cut to its integer part (it used to count 1.5 as 1)
     ([("k", 3.9)], "value 3.9 for key k is not an integer"),
     ([("k",)], "expected (key, value) pairs"),
+    # never converted with bytes(): 5 was five zero bytes, (1, 2) b"\x01\x02"
+    ([(5, 1)], "key 5 is int; keys are str or bytes"),
+    ([((1, 2), 1)], "key (1, 2) is tuple; keys are str or bytes"),
+    ([(None, 1)], "key None is NoneType; keys are str or bytes"),
 ])
 def test_bad_pairs_are_refused_with_what_is_wrong(bad, message):
     with pytest.raises(KvError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -168,6 +168,25 @@ def test_an_int64_overflow_raises_instead_of_a_wrapped_sum(spark, service):
         aggregate(df, by="k", agg={"v": "sum"}, socket_path=service.socket_path)
 
 
+def test_a_second_call_reads_its_input_again_not_the_first_call_s_cached_result(spark, service, tmp_path):
+    """aggregate caches its result, and Spark's cache answers any later plan
+    equal to a cached one: a second call over the same files, replaced
+    meanwhile by another job, returned the first call's sums (no error)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(v):
+        pq.write_table(pa.table({"k": ["a", "b"], "v": pa.array([v, 2 * v], pa.int64())}), str(tmp_path / "p.parquet"))
+
+    write(1)
+    first = aggregate(spark.read.parquet(str(tmp_path)), by="k", agg={"v": "sum"}, socket_path=service.socket_path)
+    assert rows_of(first) == [("a", 1), ("b", 2)]
+    write(100)
+    df = spark.read.parquet(str(tmp_path))
+    assert rows_of(aggregate(df, by="k", agg={"v": "sum"}, socket_path=service.socket_path)) == [("a", 100), ("b", 200)]
+    assert rows_of(first) == [("a", 1), ("b", 2)]  # a result stays what its call computed
+
+
 def test_the_kv_groupby_bench_checks_results_and_prints_json(tmp_path):
     """A small `fanin bench kv-groupby` run: its own Spark and switch, the
     result compared with Spark's in Spark, JSON with the speed-up."""

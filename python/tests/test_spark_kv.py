@@ -128,6 +128,16 @@ def test_mixed_key_types_and_float_values_are_refused_with_the_reason(sc, servic
     print(f"tasks gone {time.monotonic() - t0:.2f} s after the error")
 
 
+def test_keys_that_are_neither_str_nor_bytes_are_refused_not_converted(sc, service):
+    """Spark's reduceByKey takes int and tuple keys; fanin used to pass them
+    through bytes(), so 5 came back as b"\\x00" * 5, 0 and False as one
+    key b"", (1, 2) as b"\\x01\\x02", with no error."""
+    with pytest.raises(KvError, match=r"key [035] is int; keys are str or bytes"):
+        reduce_by_key(sc.parallelize([(5, 1), (3, 2), (0, 4)], 2), socket_path=service.socket_path)
+    with pytest.raises(KvError, match=r"key \(1, 2\) is tuple; keys are str or bytes"):
+        reduce_by_key(sc.parallelize([((1, 2), 1)] * 2, 2), socket_path=service.socket_path)
+
+
 def test_a_failed_sender_fails_the_reduce_with_its_reason_and_releases_the_regions(sc, switch):
     """A key over the daemon's limit (1 KiB here) fails that sender; the
     receivers report it (SenderFailed), Spark retries the stage and gives

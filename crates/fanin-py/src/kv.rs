@@ -133,7 +133,10 @@ fn for_each_pair<'py>(
     Ok(())
 }
 
-/// `push` a key (str as UTF-8, bytes, or anything `bytes()` takes) with `value`.
+/// `push` a key (str as UTF-8, bytes, or another bytes-like object: one
+/// with the buffer protocol) with `value`. Anything else is refused, never
+/// converted: `bytes(5)` is five zero bytes and `bytes((1, 2))` is
+/// `b"\x01\x02"`, so an int or tuple key would come back as another key.
 fn push_keyed<'py, E>(
     builtins: &Bound<'py, pyo3::types::PyModule>,
     key: &Bound<'py, PyAny>,
@@ -145,7 +148,14 @@ fn push_keyed<'py, E>(
     } else if let Ok(b) = key.cast::<PyBytes>() {
         push(b.as_bytes(), value, false)
     } else {
-        let b = builtins.getattr("bytes")?.call1((key,))?;
+        let Ok(view) = builtins.getattr("memoryview")?.call1((key,)) else {
+            let shown = key.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+            let type_name = key.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+            return Err(InvalidPair::new_err(format!(
+                "key {shown} is {type_name}; keys are str or bytes (convert them first, e.g. str(key))"
+            )));
+        };
+        let b = builtins.getattr("bytes")?.call1((view,))?;
         push(b.cast::<PyBytes>()?.as_bytes(), value, false)
     })
 }

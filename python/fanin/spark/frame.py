@@ -21,6 +21,7 @@ partitions) on anything computed in the same stage as a barrier task.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Iterable, Iterator, Optional, Union
 
 from fanin.kv import KvError
@@ -155,6 +156,11 @@ class _GroupTask:
 
     def __init__(self, plan: _Plan, tasks: int, encoded: bool) -> None:
         self.plan, self.tasks, self.encoded = plan, tasks, encoded
+        # one per call: the result is cached, and Spark's cache serves any
+        # later plan equal to a cached one (this pickled object is part of
+        # the plan), so a second call over a re-read of changed files got
+        # the first call's sums
+        self.call = uuid.uuid4().hex
 
     def __call__(self, batches: Iterable[Any]) -> Iterator[Any]:
         import pyarrow as pa

@@ -256,8 +256,8 @@ def reduce_by_key(rdd: Any, *, num_partitions: Optional[int] = None, socket_path
                   value_type: str = "int64", **options: Any) -> Any:
     """Drop-in for ``rdd.reduceByKey(operator.add, num_partitions)`` on (key, number) pairs.
 
-    Keys are str or bytes (not both). Values are int64 (exact; an overflow
-    raises), or with ``value_type="float64"`` floats (ints are taken as
+    Keys are str or bytes (not both; other types are refused). Values are
+    int64 (exact; an overflow raises), or with ``value_type="float64"`` floats (ints are taken as
     floats; sums within rounding of Spark's, whose order of additions
     differs too: docs/kv.md "float64 values"). The sums are computed
     by fanin, each receiver on an executor, and returned as an RDD of
