@@ -270,15 +270,20 @@ pub(super) fn contribute_data<A: Copy + PartialEq, T: Transmit<A>>(
             block.abstained |= abstains;
             let payload = packet.payload();
             let n = grad_cnt as usize;
-            if !block.has_data {
+            if block.has_data {
+                if !abstains {
+                    fanin_wire::value::add_lanes(block.dtype, &mut block.sum[..n], payload);
+                }
+            } else {
                 block.has_data = true;
                 block.grad_cnt = grad_cnt;
                 block.exp = packet.exp();
-                block.sum.clear();
                 block.sum.resize(n, 0);
-            }
-            if !abstains {
-                fanin_wire::value::add_lanes(block.dtype, &mut block.sum[..n], payload);
+                if abstains {
+                    block.sum[..n].fill(0);
+                } else {
+                    fanin_wire::value::read_lanes(block.dtype, payload, &mut block.sum[..n]);
+                }
             }
             block.next_exp = block.next_exp.max(packet.next_exp());
             block.final_block |= packet.final_block();
