@@ -272,6 +272,31 @@ fn data_during_an_exponent_round_ends_it_with_the_datas_exponent() {
 }
 
 #[test]
+fn an_abstaining_worker_counts_as_arrived_adds_nothing_and_the_result_says_it_lacks_it() {
+    // protocol.md 5.5: worker 2's values exceed the block's exponent (fixed
+    // without it), so it sends `degraded` and zeros; what it sends is
+    // never added, whatever the payload
+    let mut sw = switch_with(&[job(1, 3, 4)]);
+    assert!(send(&mut sw, Pkt::data(1, 0, 0, &[5, 6]).float(7, EXP_NONE)).is_empty());
+    let mut abstains = Pkt::data(1, 2, 0, &[1000, 1000]).float(7, EXP_NONE);
+    abstains.repr.degraded = true;
+    assert!(send(&mut sw, abstains).is_empty(), "the block still waits for worker 1");
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[1, 1]).float(7, EXP_NONE));
+    assert_eq!(out.len(), 3, "the result goes to every member, the abstainer too");
+    for (_, repr, vals) in &out {
+        assert_eq!((repr.src_cnt, repr.degraded, vals.clone()), (2, true, vec![6, 7]));
+    }
+    // a block that opens with an abstention: nothing of it in the sum
+    let mut first = Pkt::data(1, 2, 1, &[9, 9]).float(3, EXP_NONE);
+    first.repr.degraded = true;
+    send(&mut sw, first);
+    send(&mut sw, Pkt::data(1, 0, 1, &[1, 2]).float(3, EXP_NONE));
+    let out = send(&mut sw, Pkt::data(1, 1, 1, &[3, 4]).float(3, EXP_NONE));
+    assert!(out.iter().all(|(_, r, v)| (r.src_cnt, r.degraded, v.clone()) == (2, true, vec![4, 6])), "{out:?}");
+    assert_eq!(sw.counters().protocol_violation, 0);
+}
+
+#[test]
 fn jobs_are_isolated_and_memory_is_reserved() {
     // what one job costs: its buffers and its record
     let mut probe = ValueSwitch::<Addr>::new(ShardConfig::single(1 << 30));
