@@ -455,6 +455,73 @@ def test_workers_join_and_leave_while_allreduces_stream():
             assert np.array_equal(blocks, results[0][k]), k
 
 
+def test_a_joiner_that_grows_a_new_root_gets_exact_sums_with_the_running_workers():
+    """Workers 0 and 1 share leaf0, the tree's only switch; worker 2 joins
+    the running job (sync) under leaf1, so the controller grows a new root
+    (spine0) above leaf0. The new root must wait for the joiner's branch
+    only from the joiner's start block (awaiting), as a parent that gains a
+    child does: admitted with that branch active, it waited for leaf1 from
+    its first block, which leaf1 never sends, and the job stopped. Worker r
+    adds 2**r: every block sums workers 0 and 1 before the joiner's start,
+    all three from it on."""
+    topo = topology.leaf_spine(1, 2, 2)  # spine0; leaf0: h0_0 h0_1; leaf1: h1_0 h1_1
+    n_elems, epp = 1024, 256
+    align = n_elems // epp
+    with LoopbackSwitches(topo) as sws:
+        ctl = Controller(topo, sws.fabric)
+        # `degrade`: a switch that holds a member as awaiting flags the
+        # blocks it completes before that member's start as degraded (its
+        # member count includes it), which `fail` turns into StaleResult
+        # for the running workers; the sums below are exact all the same.
+        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=3, on_failure="degrade"))
+        hosts = {0: "h0_0", 1: "h0_1", 2: "h1_0"}
+        subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}
+        assert ctl.tree(1).root == "leaf0"
+        results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}  # allreduce index -> block sums
+        join_now = threading.Event()
+        start: dict[int, int] = {}  # rank -> the allreduce it starts at
+        start_together = threading.Barrier(2)
+
+        def stream(r, sync, until):
+            # short timeouts: a job that stops fails in seconds instead of hanging
+            s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=epp, window=8,
+                              sync_join=sync, align_blocks=align if sync else 0, rto_ms=20, rto_min_ms=5,
+                              join_timeout_s=5, dead_after_s=5)
+            if not sync:
+                start_together.wait()
+            first = start[r] = s.params["next_block"] // align
+            k = 0
+            deadline = time.monotonic() + 30
+            while not until(k):
+                assert time.monotonic() < deadline, f"worker {r} still streaming after 30 s ({k} allreduces)"
+                out = s.allreduce(np.full(n_elems, 1 << r, dtype=np.int32))
+                # every element of a block holds the same sum; keep one per block
+                assert all((out[i:i + epp] == out[i]).all() for i in range(0, n_elems, epp))
+                results[r][first + k] = out[::epp].copy()
+                k += 1
+                if r == 0 and k == 5:
+                    join_now.set()
+
+        def joiner():
+            assert join_now.wait(30)
+            subs[2] = ctl.subscribe(1, 2, hosts[2], sync=True)
+            assert ctl.tree(1).root == "spine0" and ctl.tree(1).parent["leaf0"] == "spine0"
+            stream(2, True, lambda k: k >= 5)
+
+        def worker(r):
+            # on to the joiner's last allreduce: all three stop together
+            stream(r, False, lambda k: k >= start.get(2, k + 1) + 5)
+
+        tasks = [lambda: worker(0), lambda: worker(1), joiner]
+        in_threads(3, lambda i: tasks[i](), timeout=60)
+        assert sorted(results[2]) == list(range(start[2], start[2] + 5))
+        for r in (0, 1):
+            assert sorted(results[r]) == list(range(start[2] + 5)), r
+        for r, runs in results.items():
+            for k, blocks in runs.items():
+                assert (blocks == (0b111 if k >= start[2] else 0b011)).all(), (r, k, blocks)
+
+
 def test_a_tree_job_is_sized_to_the_smallest_mtu_of_its_switches_and_never_fragments():
     # every switch of a tree uses the job's block_grad_max as its packet
     # size: the controller caps it to the smallest data-port MTU it finds

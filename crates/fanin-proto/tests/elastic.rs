@@ -85,8 +85,8 @@ struct Sim {
     scatter: bool,
     next_inc: u16,
     /// A switch added to the tree for a joiner gets the joiner's branch as
-    /// awaiting (admitted without it, then updated); false: as the
-    /// controller does now, admitted with it as an active member.
+    /// awaiting (admitted without it, then updated), as the controller
+    /// does; false: as it did before, admitted with it as an active member.
     admit_awaiting: bool,
     /// Time each worker computes between two allreduces.
     think: Duration,
@@ -560,7 +560,7 @@ fn leaves(kind: u8) -> Vec<usize> {
 /// old root when it answers the joiner's sync, and must start it near the
 /// job's position, not near block 0.
 #[test]
-#[ignore = "the controller admits a new root with the joiner's branch as an active member: the root waits for it from its first block (python/fanin/controller/service.py _apply)"]
+#[ignore = "models the controller before its fix (new root admitted with the joiner's branch active): the root waits for it from its first block; the controller now does what the _awaiting_ variant models"]
 fn a_joiner_that_grows_a_new_root_starts_where_the_job_is() {
     grows_a_new_root(false);
 }

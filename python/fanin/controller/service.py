@@ -5,7 +5,9 @@ over gRPC (server.py); tests and benchmarks may call it directly.
 Programming order on every change (docs/trees.md):
 
 1. switches new to the tree are admitted first (no traffic reaches them
-   before their parent knows them as a child),
+   before their parent knows them as a child); one new above the running
+   tree (a new root) is admitted without the joiner's branch and learns it
+   as awaiting, as in step 2,
 2. switches whose role changed are updated in place (members, parent),
    parents with a new child learn it as *awaiting* when the worker syncs
    into a running job, so no block waits for it before its start block,
@@ -375,9 +377,23 @@ class Controller:
         try:
             self._fit_packets(job, new_roles)
             for s, role in diff.added.items():
-                spec = self._spec(job, s, role)
-                self._client(s).admit_job(**spec)
-                job.roles[s] = role
+                # A switch added above the running tree (a new root over the
+                # old one) gets the joiner's branch as awaiting, as a parent
+                # that gains a child does: admitted with it active, its
+                # blocks waited for that branch from the first one and the
+                # job stopped. AdmitJob takes no awaiting: admit without the
+                # branch, then add it. A switch whose members all join (one
+                # added for the joiner alone) has no other traffic to wait
+                # behind: admitted with them.
+                wait = set(role.members) & awaiting.get(s, set())
+                admitted = role
+                if wait and wait != set(role.members):
+                    admitted = dataclasses.replace(role, members=tuple(m for m in role.members if m not in wait))
+                self._client(s).admit_job(**self._spec(job, s, admitted))
+                job.roles[s] = admitted
+                if admitted is not role:
+                    self._client(s).update_job(self._spec(job, s, role), awaiting=sorted(wait))
+                    job.roles[s] = role
                 done.append(s)
                 if s not in self._incarnations:
                     self._incarnations[s] = int(self._client(s).info()["incarnation"])
