@@ -868,6 +868,67 @@ fn tree_shape(kind: u8) -> (Vec<Option<usize>>, Vec<usize>) {
     }
 }
 
+/// A tree, a straggler and loss (found by
+/// `float_stragglers_sum_exactly_the_sources_they_count`): the root aged a
+/// block without the subtree of switches 2 and 5, whose partial reached it
+/// after the slot had moved on; the root's BlockExpired went down to leaf 5,
+/// whose relay of it to worker 2 was lost. Leaf 5 answered each of worker
+/// 2's retransmissions with a BlockExpired of `gen_id` 0, which the worker
+/// does not take for its allreduce's block: it retransmitted forever.
+#[test]
+fn tree_with_a_straggler_and_loss_tells_a_worker_its_block_expired() {
+    let (workers, lens, slots, block_exp_ms, seed) = (4usize, vec![1581usize, 1119, 1444, 1575], 4u32, 1u32, 39322985913202081u64);
+    let loss = 0.027995032984614567f64;
+    let mut cfg = Run::new(workers, 1, 64, slots, slots, net(loss, 0.01, 20_000), seed);
+    (cfg.parents, cfg.attach) = tree_shape(1); // root 0, middles 1 and 2, leaves 3, 4 (under 1), 5 (under 2)
+    cfg.block_exp_ms = block_exp_ms;
+    cfg.delays = vec![Vec::new(); workers];
+    cfg.delays[workers - 1] = vec![0u64, 6050368, 0, 13646487]; // the last worker straggles in allreduces 2 and 4
+    let inputs: Vec<Vec<Vec<i32>>> = (0..workers)
+        .map(|w| lens.iter().map(|&l| (0..l).map(|i| ((1 + i % 97) << w) as i32).collect()).collect())
+        .collect();
+    let tensors = inputs.iter().map(|per| per.iter().cloned().map(Tensor::I32).collect()).collect();
+    let outcomes = run_many(&cfg, tensors);
+    let (_, missed) = check_straggler_run(&inputs, &outcomes, 64);
+    assert!(missed > 0, "worker 2 records the expired block as missed");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Stragglers and loss, duplication and reordering on every hop of a
+    /// tree (every switch ages its own blocks; a subtree that is late
+    /// learns from its parent that the block expired, and tells its
+    /// workers): every allreduce completes, and every block a worker has
+    /// is the same exact sum of as many inputs as it counts.
+    #[test]
+    fn tree_stragglers_with_loss_never_stall_split_or_corrupt_results(
+        workers in 3usize..=8, // every leaf of every shape gets a worker
+        lens in proptest::collection::vec(1usize..=2_000, 1..=4),
+        shape in 0u8..=3,
+        shards in 1u16..=2,
+        slots in 1u32..=8,
+        loss in 0.0f64..=0.1,
+        block_exp_ms in 1u32..=5,
+        slow_after_windows in 0u32..=2,
+        straggles in proptest::collection::vec(prop_oneof![Just(0u64), 1_000_000u64..=30_000_000], 4),
+        seed in any::<u64>(),
+    ) {
+        let epp = 64u16;
+        let mut cfg = Run::new(workers, shards, epp, slots, slots, net(loss, 0.02, 30_000), seed);
+        (cfg.parents, cfg.attach) = tree_shape(shape);
+        cfg.block_exp_ms = block_exp_ms;
+        cfg.slow_after_windows = slow_after_windows;
+        cfg.delays = vec![Vec::new(); workers];
+        cfg.delays[workers - 1] = straggles;
+        let inputs = straggler_inputs(workers, &lens, seed);
+        let tensors = inputs.iter().map(|per| per.iter().cloned().map(Tensor::I32).collect()).collect();
+        let outcomes = run_many(&cfg, tensors);
+        check_straggler_run(&inputs, &outcomes, epp as usize);
+    }
+}
+
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 

@@ -130,7 +130,7 @@ pub(super) fn contribute_exponent<A: Copy + PartialEq, T: Transmit<A>>(
             Outcome::default()
         }
         Phase::Done if block.expired_up => {
-            reply.nack_expired(block.block_id, block.gen_id);
+            reply.nack_expired(block);
             Outcome::default()
         }
         // The sender missed the negotiated exponent: tell it again.
@@ -197,7 +197,7 @@ pub(super) fn contribute_data<A: Copy + PartialEq, T: Transmit<A>>(
     match block.phase {
         Phase::Exponent | Phase::ExponentUp => unreachable!("left above"),
         Phase::Done if block.expired_up => {
-            reply.nack_expired(block.block_id, block.gen_id);
+            reply.nack_expired(block);
             Outcome::default()
         }
         Phase::DataUp => {

@@ -185,15 +185,22 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     }
 
     /// The parent refused this block as expired: pass that on to the sender.
-    pub(super) fn nack_expired(&mut self, block_id: u32, gen_id: u16) {
+    pub(super) fn nack_expired(&mut self, block: &Block) {
         let Some(from) = self.from else { return };
+        let block_id = block.block_id;
         // src_id names the source refused, as every nack's does: a relay
-        // on the way (docs/goat.md) routes it by that; and the block's
-        // generation, as the parent's own nack (which copies the request)
-        // does: a worker takes a nack only for a block of its allreduce, so
-        // one with generation 0 was ignored, and a worker whose copy of the
-        // relayed nack was lost asked again for ever.
-        let repr = Repr { block_id, gen_id, ..Repr::new(MessageType::Nack, self.job_id, self.from_src as u16) };
+        // on the way (docs/goat.md) routes it by that. The header copies the
+        // refused request's gen_id and dtype (protocol.md §2.3), which are
+        // the block's (checked on arrival): a worker takes a BlockExpired
+        // only for a block of its current allreduce, so one with gen_id 0
+        // was ignored, and a worker whose copy of the relayed nack was lost
+        // asked again for ever (a tree with stragglers and loss livelocked).
+        let repr = Repr {
+            block_id,
+            gen_id: block.gen_id,
+            dtype: block.dtype,
+            ..Repr::new(MessageType::Nack, self.job_id, self.from_src as u16)
+        };
         let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
         let tag = self.tag;
         send(self.out, from, HEADER_LEN + Nack::LEN, env, |buf| {
