@@ -469,11 +469,11 @@ def test_a_joiner_that_grows_a_new_root_gets_exact_sums_with_the_running_workers
     align = n_elems // epp
     with LoopbackSwitches(topo) as sws:
         ctl = Controller(topo, sws.fabric)
-        # `degrade`: a switch that holds a member as awaiting flags the
-        # blocks it completes before that member's start as degraded (its
-        # member count includes it), which `fail` turns into StaleResult
-        # for the running workers; the sums below are exact all the same.
-        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=3, on_failure="degrade"))
+        # the default failure policy (`fail`): workers take only complete
+        # results, and the blocks before the joiner's start are complete
+        # without it (a switch counted the awaiting joiner as missing, and
+        # the running workers raised StaleResult on exact sums)
+        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=3))
         hosts = {0: "h0_0", 1: "h0_1", 2: "h1_0"}
         subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}
         assert ctl.tree(1).root == "leaf0"

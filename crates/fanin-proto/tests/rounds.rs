@@ -186,6 +186,17 @@ impl Net {
         }
     }
 
+    /// The controller reprograms the job on every shard (new members in
+    /// `awaiting` sync-join, as python/fanin/controller/service.py does).
+    fn update(&mut self, spec: JobSpec, awaiting: &[u16]) {
+        let mut out = VecTransmit::new();
+        for sw in &mut self.shards {
+            sw.update_job(self.now, spec.clone(), None, awaiting, &mut out).unwrap();
+        }
+        assert_eq!(out.drain().count(), 0, "adding a member sends nothing");
+        self.spec = spec;
+    }
+
     fn counter(&self, f: impl Fn(&fanin_proto::switch::Counters) -> u64) -> u64 {
         self.shards.iter().map(|s| f(s.counters())).sum()
     }
@@ -231,6 +242,22 @@ fn allreduce(
     }
     net.run_until(procs, Duration::from_secs(20), finished);
     procs.iter_mut().map(|p| take_result(p)).collect()
+}
+
+/// `allreduce` by the first `inputs.len()` processes while the others run
+/// beside them without a call (a joiner waiting for its start, say).
+fn allreduce_among(
+    net: &mut Net,
+    procs: &mut [&mut Process],
+    inputs: &[Vec<i32>],
+) -> Vec<Result<Vec<i32>, SessionError>> {
+    let callers: Vec<u32> = procs[..inputs.len()].iter().map(|p| p.addr).collect();
+    for (p, x) in procs.iter_mut().zip(inputs) {
+        p.events.retain(|e| !matches!(e, Event::Completed(_)));
+        p.session.begin(net.now, Tensor::I32(x.clone())).unwrap();
+    }
+    net.run_until(procs, Duration::from_secs(20), |p| !callers.contains(&p.addr) || finished(p));
+    procs[..inputs.len()].iter_mut().map(|p| take_result(p)).collect()
 }
 
 fn sum(inputs: &[Vec<i32>]) -> Vec<i32> {
@@ -902,4 +929,65 @@ fn ranks_that_disagree_on_the_length_all_raise_the_same_error() {
             assert_eq!(r.unwrap(), vec![7; 12]);
         }
     }
+}
+
+/// A worker that sync-joins a running job whose workers accept only
+/// complete results (on_failure = "fail", no aging, no quorum: their
+/// JoinAck says `partial_results` false): the blocks the others complete
+/// while it awaits its join and before its start sum every member those
+/// blocks had, and their results say so. (They said `degraded`: the switch
+/// counted the joiner among every block's members, and the running workers
+/// failed with PartialResult, "block N completed with 2 of 3 sources".)
+#[test]
+fn a_sync_join_into_a_job_without_partial_results_leaves_the_running_workers_exact() {
+    let mut net = Net::new(spec(2), 2, 0.0, 11);
+    assert!(!net.spec.partial_results());
+    let input = |r: i32, k: u32| vec![(r + 1) * 100 + k as i32; 12]; // 3 blocks: one allreduce
+    let (mut s0, mut s1) = (net.spawn(0, 1), net.spawn(1, 1));
+    net.run_until(&mut [&mut s0, &mut s1], Duration::from_secs(1), joined);
+    let f = joined_at(&s0);
+    let pair = |k: u32| vec![input(0, k), input(1, k)];
+    for got in allreduce(&mut net, &mut [&mut s0, &mut s1], &pair(0)) {
+        assert_eq!(got.unwrap(), sum(&pair(0)));
+    }
+    // the controller adds rank 2, awaiting its join: the others' next call
+    // completes without it
+    net.update(JobSpec { members: vec![0, 1, 2], ..spec(2) }, &[2]);
+    for got in allreduce(&mut net, &mut [&mut s0, &mut s1], &pair(1)) {
+        assert_eq!(got.unwrap(), sum(&pair(1)), "awaiting the joiner");
+    }
+    // it sync-joins while the others stream
+    let mut j = net.spawn_with(2, 1, |c| {
+        c.sync_join = true;
+        c.align_blocks = 3;
+    });
+    let mut k = 2;
+    while !joined(&j) || k == 2 {
+        for got in allreduce_among(&mut net, &mut [&mut s0, &mut s1, &mut j], &pair(k)) {
+            assert_eq!(got.unwrap(), sum(&pair(k)), "call {k}, the joiner joining");
+        }
+        k += 1;
+    }
+    let start = joined_at(&j);
+    let params = j.events.iter().find_map(|e| match e {
+        Event::Joined(p) => Some(p.partial_results),
+        _ => None,
+    });
+    assert_eq!(params, Some(false), "the joiner accepts only complete results too");
+    assert_eq!((start - f) % 3, 0, "start {start} is not an allreduce boundary");
+    let first_call = (start - f) / 3;
+    assert!(first_call >= k, "start {start} is a call the others began already ({k} done)");
+    // the others' calls up to its start: blocks it is not part of
+    for k in k..first_call {
+        for got in allreduce_among(&mut net, &mut [&mut s0, &mut s1, &mut j], &pair(k)) {
+            assert_eq!(got.unwrap(), sum(&pair(k)), "call {k}, before the joiner's start");
+        }
+    }
+    for k in first_call..first_call + 2 {
+        let inputs: Vec<Vec<i32>> = (0..3).map(|r| input(r, k)).collect();
+        for got in allreduce(&mut net, &mut [&mut s0, &mut s1, &mut j], &inputs) {
+            assert_eq!(got.unwrap(), sum(&inputs), "call {k}, with the joiner");
+        }
+    }
+    assert_eq!(net.counter(|c| c.blocks_degraded), 0);
 }

@@ -73,12 +73,12 @@ pub(super) fn build_result(
     job_id: u32,
     exp_only: bool,
     no_data: bool,
-    member_count: u16,
+    members: u16,
     tag: u16,
     scratch: &mut Vec<u8>,
 ) {
     // src_id of a result is the switch's incarnation tag (docs/restart.md)
-    let mut repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, member_count) };
+    let mut repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, members) };
     let no_data = no_data && !exp_only;
     if no_data {
         repr.no_data = true;
@@ -321,7 +321,7 @@ pub(super) fn finish_block<A: Copy + PartialEq, T: Transmit<A>>(block: &mut Bloc
     }
     block.phase = Phase::Done;
     reply.counters.blocks_completed += 1;
-    if (block.rcvd.count() as u16) < reply.member_count || block.aged || block.child_degraded {
+    if (block.rcvd.count() as u16) < reply.members_of(block) || block.aged || block.child_degraded || block.abstained {
         reply.counters.blocks_degraded += 1;
     }
     reply.send_to_all(block, false);

@@ -232,13 +232,14 @@ impl Block {
         self.released = false;
     }
 
-    /// Header of this block's result (exponent-only while negotiating).
-    pub(super) fn result_repr(&self, job_id: u32, exp_only: bool, member_count: u16) -> Repr {
+    /// Header of this block's result (exponent-only while negotiating);
+    /// `members`: how many it should sum (`Reply::members_of`).
+    pub(super) fn result_repr(&self, job_id: u32, exp_only: bool, members: u16) -> Repr {
         let (src_cnt, degraded) = match self.parent_result {
             Some(from_parent) => from_parent,
             None => (
                 self.workers,
-                self.aged || self.child_degraded || self.abstained || (self.rcvd.count() as u16) < member_count,
+                self.aged || self.child_degraded || self.abstained || (self.rcvd.count() as u16) < members,
             ),
         };
         Repr {

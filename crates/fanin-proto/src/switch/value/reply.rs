@@ -12,6 +12,9 @@ macro_rules! job_reply {
             block_cnt_max: $job.spec.block_cnt_max,
             members: &$job.members,
             member_count: $job.member_count,
+            awaiting: &$job.awaiting,
+            start_of: &$job.start_of,
+            space: $job.space,
             quorum: $job.spec.quorum,
             addrs: &$job.addrs,
             group: $job.spec.result_group.map(|g| (g, &$job.listens_on_group)),
@@ -35,6 +38,11 @@ pub(super) struct Reply<'a, A, T> {
     pub(super) block_cnt_max: u32,
     pub(super) members: &'a SourceMask,
     pub(super) member_count: u16,
+    /// Members that will join (sync joins) and the joiners' start blocks:
+    /// a block before a member's start never had it ([`Reply::members_of`]).
+    pub(super) awaiting: &'a SourceMask,
+    pub(super) start_of: &'a HashMap<u16, u32>,
+    pub(super) space: BlockSpace,
     /// GOAT's K: a phase completes with this many contributions (0: all).
     pub(super) quorum: u16,
     pub(super) addrs: &'a MemberAddrs<A>,
@@ -60,6 +68,18 @@ pub(super) struct Reply<'a, A, T> {
 }
 
 impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
+    /// How many members `block` should sum: the job's members less those
+    /// not in the job at that block (still awaiting their sync join, or
+    /// joined with a later start). A result with fewer lacks a member it
+    /// should have had (declared slow, left out by a quorum): `degraded`.
+    /// Counting every member made the blocks the others complete before a
+    /// sync joiner's start `degraded`, and workers that accept only complete
+    /// results failed on exact sums (PartialResult, 2 of 3).
+    pub(super) fn members_of(&self, block: &Block) -> u16 {
+        let later = self.start_of.values().filter(|&&start| self.space.before(block.block_id, start)).count();
+        self.member_count.saturating_sub((self.awaiting.count() + later) as u16)
+    }
+
     /// The block was referenced (a contribution added, its data phase
     /// began): Trio's REF flag, in the job's scan words.
     pub(super) fn touch(&self, block: &Block) {
@@ -99,7 +119,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
             self.send_by_ownership(block);
             return;
         }
-        build_result(block, self.job_id, exp_only, false, self.member_count, self.tag, self.scratch);
+        build_result(block, self.job_id, exp_only, false, self.members_of(block), self.tag, self.scratch);
         if let Some((group, listeners)) = self.group {
             let any = self.members.iter().any(|id| listeners.contains(id));
             if any && self.push_to_group(group) {
@@ -135,11 +155,12 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     }
 
     fn send_by_ownership(&mut self, block: &Block) {
+        let members = self.members_of(block);
         let sent = &mut self.counters.results_sent;
-        build_result(block, self.job_id, false, false, self.member_count, self.tag, self.scratch);
+        build_result(block, self.job_id, false, false, members, self.tag, self.scratch);
         let owners = self.members.iter().filter(|&id| !block.no_data.contains(id));
         send_to_members(owners, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, sent);
-        build_result(block, self.job_id, false, true, self.member_count, self.tag, self.scratch);
+        build_result(block, self.job_id, false, true, members, self.tag, self.scratch);
         let before = *sent;
         let others = self.members.iter().filter(|&id| block.no_data.contains(id));
         send_to_members(others, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, sent);
@@ -150,7 +171,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     /// without the sum, for a sender that owns no part of the block).
     pub(super) fn send_to_sender(&mut self, block: &Block, exp_only: bool, no_data: bool) {
         let Some(from) = self.from else { return };
-        build_result(block, self.job_id, exp_only, no_data, self.member_count, self.tag, self.scratch);
+        build_result(block, self.job_id, exp_only, no_data, self.members_of(block), self.tag, self.scratch);
         send_copy(self.out, from, self.scratch, envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src)));
         self.counters.results_resent += 1;
         if no_data && !exp_only {
@@ -166,7 +187,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
         let repr = Repr {
             msg_type: if again { MessageType::Retransmission } else { MessageType::Contribution },
             src_id: up.rank,
-            ..block.result_repr(self.job_id, exp_only, self.member_count)
+            ..block.result_repr(self.job_id, exp_only, self.members_of(block))
         };
         let shard = shard_of(self.job_id, block.block_id, self.block_cnt_max, up.parent.len() as u16);
         let env = envelope(self.auth.as_deref_mut(), Peer::Parent);

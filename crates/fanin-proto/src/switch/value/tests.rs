@@ -880,8 +880,11 @@ fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
     send(&mut sw, Pkt::data(1, 0, 4, &[1])); // block 4 open
     let mut out = VecTransmit::new();
     sw.update_job(T0, JobSpec { members: vec![0, 1, 2], ..job(1, 2, 4) }, None, &[2], &mut out).unwrap();
-    // before its sync, the new member is waited for nowhere
-    assert_eq!(send(&mut sw, Pkt::data(1, 1, 4, &[1])).len(), 2);
+    // before its sync, the new member is waited for nowhere, and a block
+    // without it lacks no member it should have had
+    let out = send(&mut sw, Pkt::data(1, 1, 4, &[1]));
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|o| o.1.src_cnt == 2 && !o.1.degraded), "{out:?}");
     // it syncs on allreduces of 8 blocks: the first boundary a window (4
     // blocks) beyond block 5, the lowest block still needed; another shard
     // may already have begun blocks up to 8, never 9 or later
@@ -904,14 +907,26 @@ fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
     assert_eq!(send(&mut sw, Pkt::data(1, 1, 5, &[1])).len(), 3);
     for b in 6..16 {
         send(&mut sw, Pkt::data(1, 0, b, &[1]));
-        assert_eq!(send(&mut sw, Pkt::data(1, 1, b, &[1])).len(), 3, "block {b}");
+        let out = send(&mut sw, Pkt::data(1, 1, b, &[1]));
+        assert_eq!(out.len(), 3, "block {b}");
+        // ... and are complete: the joiner was not in the job yet
+        assert!(out.iter().all(|o| o.1.src_cnt == 2 && !o.1.degraded), "block {b}: {out:?}");
     }
     // ... blocks from its start wait for it
     send(&mut sw, Pkt::data(1, 0, 16, &[1]));
     assert!(send(&mut sw, Pkt::data(1, 1, 16, &[1])).is_empty());
     let out = send(&mut sw, Pkt::data(1, 2, 16, &[1]));
     assert_eq!(out.len(), 3);
-    assert!(out.iter().all(|o| o.1.src_cnt == 3 && o.2 == vec![3]));
+    assert!(out.iter().all(|o| o.1.src_cnt == 3 && o.2 == vec![3] && !o.1.degraded));
+    // and one of them that completes without it (a quorum of 2 here) lacks it
+    send(&mut sw, Pkt::data(1, 0, 17, &[1]));
+    send(&mut sw, Pkt::data(1, 1, 17, &[1]));
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 2], quorum: 2, ..job(1, 2, 4) }, None, &[], &mut out).unwrap();
+    let out = decode(out);
+    assert_eq!(out.len(), 3);
+    assert!(out.iter().all(|o| o.1.block_id == 17 && o.1.src_cnt == 2 && o.1.degraded), "{out:?}");
+    assert_eq!(sw.counters().blocks_degraded, 1);
 }
 
 #[test]
