@@ -377,6 +377,34 @@ def test_multi_level_tree_is_exact_with_loss_on_every_hop(levels):
             assert _eventually(lambda: sws.counters(leaf1).get("auth_unsealed", 0) >= 1)
 
 
+def _stream_block_sums(sub, r, *, n_elems, epp, sync, until, into, deadline_s, start_together, on_start=None,
+                       after_each=None, **session_kw):
+    """Worker r of job 1 allreduces 2**r in every element until `until(k)`
+    after k allreduces, keeping one sum per block in `into` (allreduce
+    index -> block sums; every element of a block holds the same sum).
+    `on_start(first)` gets the allreduce it starts at, `after_each(k)`
+    runs after each. A worker that is not joining waits at
+    `start_together` for the others."""
+    align = n_elems // epp
+    s = fanin.Session(sub["data_addr"], 1, r, auth_key=sub["member_key"], elems_per_packet=epp, window=8, sync_join=sync,
+                      align_blocks=align if sync else 0, rto_ms=20, rto_min_ms=5, **session_kw)
+    if not sync:
+        start_together.wait()
+    first = s.params["next_block"] // align
+    if on_start is not None:
+        on_start(first)
+    k = 0
+    deadline = time.monotonic() + deadline_s
+    while not until(k):
+        assert time.monotonic() < deadline, f"worker {r} still streaming after {deadline_s} s ({k} allreduces)"
+        out = s.allreduce(np.full(n_elems, 1 << r, dtype=np.int32))
+        assert all((out[i:i + epp] == out[i]).all() for i in range(0, n_elems, epp))
+        into[first + k] = out[::epp].copy()
+        k += 1
+        if after_each is not None:
+            after_each(k)
+
+
 def test_workers_join_and_leave_while_allreduces_stream():
     """Worker r adds 2**r to every element, so each block's sum names the
     workers it summed. Worker 2 joins a running job (sync) and leaves again,
@@ -384,7 +412,6 @@ def test_workers_join_and_leave_while_allreduces_stream():
     ran, the same for every worker that got it, and nothing hangs."""
     topo = topology.leaf_spine(1, 2, 2)  # spine0; leaf0: h0_0 h0_1; leaf1: h1_0 h1_1
     n_elems, epp = 4096, 256
-    align = n_elems // epp
     with LoopbackSwitches(topo, shards=2) as sws:
         ctl = Controller(topo, sws.fabric)
         # An allreduce in flight while a worker leaves sums it in some blocks
@@ -398,26 +425,15 @@ def test_workers_join_and_leave_while_allreduces_stream():
         start_together = threading.Barrier(2)
 
         def stream(r, sync, until):
-            s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=epp, window=8, sync_join=sync,
-                              align_blocks=align if sync else 0, rto_ms=20, rto_min_ms=5)
-            if not sync:
-                start_together.wait()
-            first = s.params["next_block"] // align  # the allreduce this worker starts at
-            assert first == 0 or sync
-            k = 0
             # Bounded in time, not in allreduces: how many run while the
             # controller reprograms the tree depends on the machine's speed
             # (78 to 157 here; more than 300 on a fast one).
-            deadline = time.monotonic() + 60
-            while not until(k):
-                assert time.monotonic() < deadline, f"worker {r} still streaming after 60 s ({k} allreduces)"
-                out = s.allreduce(np.full(n_elems, 1 << r, dtype=np.int32))
-                # every element of a block holds the same sum; keep one per block
-                assert all((out[i:i + epp] == out[i]).all() for i in range(0, n_elems, epp))
-                results[r][first + k] = out[::epp].copy()
-                k += 1
-                if r == 0 and k == 5:
-                    join_now.set()
+            def first_is_0_unless_joining(first):
+                assert first == 0 or sync
+
+            _stream_block_sums(subs[r], r, n_elems=n_elems, epp=epp, sync=sync, until=until, into=results[r],
+                               deadline_s=60, start_together=start_together, on_start=first_is_0_unless_joining,
+                               after_each=lambda k: r == 0 and k == 5 and join_now.set())
 
         def worker0():
             stream(0, False, lambda k: joiner_left.is_set() and k >= max(results[2], default=0) + 3)
@@ -466,7 +482,6 @@ def test_a_joiner_that_grows_a_new_root_gets_exact_sums_with_the_running_workers
     all three from it on."""
     topo = topology.leaf_spine(1, 2, 2)  # spine0; leaf0: h0_0 h0_1; leaf1: h1_0 h1_1
     n_elems, epp = 1024, 256
-    align = n_elems // epp
     with LoopbackSwitches(topo) as sws:
         ctl = Controller(topo, sws.fabric)
         # the default failure policy (`fail`): workers take only complete
@@ -484,23 +499,11 @@ def test_a_joiner_that_grows_a_new_root_gets_exact_sums_with_the_running_workers
 
         def stream(r, sync, until):
             # short timeouts: a job that stops fails in seconds instead of hanging
-            s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=epp, window=8,
-                              sync_join=sync, align_blocks=align if sync else 0, rto_ms=20, rto_min_ms=5,
-                              join_timeout_s=5, dead_after_s=5)
-            if not sync:
-                start_together.wait()
-            first = start[r] = s.params["next_block"] // align
-            k = 0
-            deadline = time.monotonic() + 30
-            while not until(k):
-                assert time.monotonic() < deadline, f"worker {r} still streaming after 30 s ({k} allreduces)"
-                out = s.allreduce(np.full(n_elems, 1 << r, dtype=np.int32))
-                # every element of a block holds the same sum; keep one per block
-                assert all((out[i:i + epp] == out[i]).all() for i in range(0, n_elems, epp))
-                results[r][first + k] = out[::epp].copy()
-                k += 1
-                if r == 0 and k == 5:
-                    join_now.set()
+            _stream_block_sums(subs[r], r, n_elems=n_elems, epp=epp, sync=sync, until=until, into=results[r],
+                               deadline_s=30, start_together=start_together,
+                               on_start=lambda first: start.__setitem__(r, first),
+                               after_each=lambda k: r == 0 and k == 5 and join_now.set(),
+                               join_timeout_s=5, dead_after_s=5)
 
         def joiner():
             assert join_now.wait(30)
