@@ -127,6 +127,10 @@ pub struct Counters {
     /// Sync requests a root left unanswered because it has not seen the
     /// job's position yet (the worker asks again).
     pub sync_deferred: u64,
+    /// Joiners this (non-root) switch admitted later than the root's sync
+    /// answer said, because its other members may already have sent blocks
+    /// from that start (the answer was lost on the way and came again).
+    pub sync_moved: u64,
     /// Daemon, overload: data contributions answered with a Trimmed nack
     /// instead of being aggregated (an unkeyed job's before they reached
     /// the program, so not in `rx_datagrams`; a keyed job's after their tag
@@ -244,6 +248,7 @@ impl Counters {
         f("parent_stale", None, self.parent_stale);
         f("syncs_forwarded", None, self.syncs_forwarded);
         f("sync_deferred", None, self.sync_deferred);
+        f("sync_moved", None, self.sync_moved);
         f("trimmed", None, self.trimmed);
         f("trimmed_in_network", None, self.trimmed_in_network);
         f("socket_drops", None, self.socket_drops);
@@ -272,7 +277,7 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, result_acks, records_acked, records_evicted, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, transit_up, transit_down, transit_duplicate, transit_refused, transit_loops, result_key_updates, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, trimmed, trimmed_in_network, socket_drops,
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
             stale_incarnation, recover_waiting, recoveries, rounds_started, rounds_ended, barrier_waiting, stale_round

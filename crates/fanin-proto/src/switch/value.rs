@@ -333,6 +333,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             awaiting: SourceMask::with_capacity(capacity),
             start_of: HashMap::new(),
             sync_answers: HashMap::new(),
+            sync_moved: HashMap::new(),
             auth,
             buckets,
             liveness,
@@ -483,7 +484,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             job.awaiting.remove(m);
             job.start_of.remove(&(m as u16));
             job.addrs.clear(m);
-            job.pending_sync.retain(|_, via| *via as usize != m);
+            job.pending_sync.retain(|_, (via, _)| *via as usize != m);
         }
         job.members = new_members;
         job.member_count = job.members.count() as u16;

@@ -235,11 +235,17 @@ impl Block {
     /// Header of this block's result (exponent-only while negotiating);
     /// `members`: how many it should sum (`Reply::members_of`).
     pub(super) fn result_repr(&self, job_id: u32, exp_only: bool, members: u16) -> Repr {
+        let lacks_a_member = (self.rcvd.count() as u16) < members;
         let (src_cnt, degraded) = match self.parent_result {
-            Some(from_parent) => from_parent,
+            // The parent's flag, and this switch's own knowledge: a member
+            // admitted here from a start at or before this block after the
+            // block's partial went up (its sync answer was lost on the way
+            // and came again later) is not in the sum. Relaying the
+            // parent's flag alone said such a result was complete.
+            Some((src_cnt, degraded)) => (src_cnt, degraded || lacks_a_member),
             None => (
                 self.workers,
-                self.aged || self.child_degraded || self.abstained || (self.rcvd.count() as u16) < members,
+                self.aged || self.child_degraded || self.abstained || lacks_a_member,
             ),
         };
         Repr {

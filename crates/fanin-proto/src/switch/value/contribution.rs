@@ -123,7 +123,19 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     // with a smaller window; by then the slot is free.
                     counters.slot_busy += 1;
                     let env = envelope(job.auth.as_mut(), Peer::Member(src));
+                    // A child that was in the block and sends the next one
+                    // has the block's result, or no longer needs it: its
+                    // partial here waits for a parent's answer that no child
+                    // will ask for again (it reached this switch late: the
+                    // child was the root meanwhile and finished the block
+                    // alone, docs/trees.md). Ask the parent now, as a
+                    // child's retransmission would; its answer frees the slot.
+                    let waits_up = matches!(cur.phase, Phase::DataUp | Phase::ExponentUp) && cur.rcvd.contains(src);
+                    let (held, gen, exp_up) = (cur.block_id, cur.gen_id, cur.phase == Phase::ExponentUp);
                     send_trim_nack(counters, out, from, env, packet, TrimCause::MemoryExhausted);
+                    if waits_up {
+                        return self.resend_partial_up(packet.job_id(), held, gen, exp_up, out);
+                    }
                     return Verdict::Consumed;
                 }
                 (false, true)

@@ -105,7 +105,8 @@ pub(super) struct Job<A> {
     pub(super) uplink: Option<Uplink<A>>,
     /// Sync requests forwarded toward the root: requesting worker -> the
     /// child it came through, so the root's answer finds its way down.
-    pub(super) pending_sync: HashMap<u16, u16>,
+    /// (and the alignment it asked for: its allreduces' length in blocks).
+    pub(super) pending_sync: HashMap<u16, (u16, u32)>,
     /// Members whose sync join this (root) switch deferred: on a fresh job
     /// they wait for an active member to open the stream, but not for one
     /// another (if every member rejoins with sync, someone must go first).
@@ -119,6 +120,10 @@ pub(super) struct Job<A> {
     /// Root: the start block answered to each syncing worker, answered
     /// again to a repeated request so every switch on its path agrees.
     pub(super) sync_answers: HashMap<u16, u32>,
+    /// Non-root: workers whose new branch this switch admitted later than
+    /// the root's sync answer said ([`start_here`]): worker -> the start
+    /// here, relayed again to a repeated answer.
+    pub(super) sync_moved: HashMap<u16, JoinStart>,
     /// A keyed job's member keys, replay windows and sequence counter.
     pub(super) auth: Option<JobAuth>,
     /// Per-source rate limits (this shard's share).
@@ -278,7 +283,8 @@ impl<A> Job<A> {
         let mask = |m: &SourceMask| m.capacity().div_ceil(64) * 8;
         let per_block = size_of::<Block>() + 4 * mask(&self.members);
         let maps = (self.pending_sync.capacity() + self.start_of.capacity() + self.sync_answers.capacity())
-            * (size_of::<(u16, u32)>() + 8)
+            * (size_of::<(u16, (u16, u32))>() + 8)
+            + self.sync_moved.capacity() * (size_of::<(u16, JoinStart)>() + 8)
             + self.recover_lows.capacity() * (size_of::<(u16, u32)>() + 8);
         let bytes = size_of::<Job<A>>()
             + self.addrs.capacity() * size_of::<Option<A>>()

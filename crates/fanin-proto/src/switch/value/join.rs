@@ -202,6 +202,74 @@ pub(super) fn sync_start<A>(
     Some(answer(start))
 }
 
+/// Where a joiner starts at this non-root switch, which admits it (or the
+/// new branch it joins through) as the root's `answered` start passes
+/// down: that start, unless this switch's other members may already have
+/// sent blocks from it. The root answers a window beyond what it still
+/// needs, so that every switch admits the joiner before such a block; but
+/// an answer lost on its way here comes again only after the worker asks
+/// again, and meanwhile the other members go on: their blocks from the
+/// start went up without the joiner, and its first results lacked it
+/// (honestly `degraded` since, but a job that takes only complete results
+/// then failed on one lost datagram). Such a joiner starts instead at the
+/// first of its allreduces a window beyond the lowest block this switch
+/// still needs, which none of its members has sent yet (the reasoning of
+/// [`sync_start`], on this switch's own position). A new branch with no
+/// other member here has sent nothing; the root's start stands, as the
+/// switches above have admitted the branch from it.
+pub(super) fn start_here<A>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    origin: u16,
+    via: u16,
+    align: u32,
+    answered: JoinStart,
+) -> JoinStart {
+    let space = job.space;
+    let window = job.spec.block_cnt_max;
+    let align = align.max(1);
+    // Admitted here already (the answer was lost below this switch and
+    // the worker asked again): it starts where this switch waits for it,
+    // whatever the root answers now. (Once the job is a window past that
+    // start the root answers afresh, and a start moved here may lie
+    // beyond the root's old one.) Only while the joiner has not begun: a
+    // member that syncs again later is answered by the root.
+    let pending = |start: u32| space.before(sync_offset(job, config), space.add(start, window));
+    if !job.awaiting.contains(via as usize) {
+        if origin == via {
+            if let Some(&start) = job.start_of.get(&via).filter(|&&s| pending(s)) {
+                return shift(answered, start, align, space);
+            }
+        } else if let Some(&here) = job.sync_moved.get(&origin).filter(|m| pending(m.block)) {
+            // a new branch admitted for this worker (the entry says which worker)
+            return here;
+        }
+        return answered;
+    }
+    if !job.active.iter().any(|m| m != via as usize) {
+        return answered;
+    }
+    let safe = space.add(sync_offset(job, config), window);
+    if !space.before(answered.block, safe) {
+        return answered;
+    }
+    let steps = space.distance(safe, answered.block).div_ceil(align);
+    let here = shift(answered, space.add(answered.block, steps.saturating_mul(align)), align, space);
+    job.sync_moved.insert(origin, here);
+    here
+}
+
+/// `answered` moved to `block`, a whole number of allreduces of `align`
+/// blocks away: the generation before it moves as many.
+fn shift(answered: JoinStart, block: u32, align: u32, space: BlockSpace) -> JoinStart {
+    let gen_id = if space.before(block, answered.block) {
+        answered.gen_id.wrapping_sub((space.distance(answered.block, block) / align) as u16)
+    } else {
+        answered.gen_id.wrapping_add((space.distance(block, answered.block) / align) as u16)
+    };
+    JoinStart { block, gen_id }
+}
+
 /// Where a joiner starts: its first block, and the generation of the
 /// allreduce before it (see [`sync_start`]; 0 for any other join).
 #[derive(Debug, Clone, Copy)]
@@ -432,7 +500,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let newcomer = job.awaiting.contains(src as usize);
         if job.uplink.is_some() {
             // Only the root knows the current block offset: ask it.
-            job.pending_sync.insert(src, src);
+            job.pending_sync.insert(src, (src, packet.block_id()));
             forward_sync(job, src, packet.block_id(), newcomer, &mut self.counters, out);
         } else if let Some(start) = sync_start(job, &self.config, src, src, packet.block_id(), newcomer) {
             answer_join_as(job, &self.config, src, src, from, start, 0, out);

@@ -251,6 +251,7 @@ fn start_afresh<A>(job: &mut Job<A>, start: u32) {
     job.awaiting.clear();
     job.start_of.clear();
     job.sync_answers.clear();
+    job.sync_moved.clear();
     job.sync_waiting.clear();
     job.pending_sync.clear();
     job.missed_streak.iter_mut().for_each(|s| *s = 0);

@@ -635,6 +635,28 @@ fn leaf_sends_one_partial_up_and_relays_the_result_down() {
     assert_eq!(sw.counters().protocol_violation, 1);
 }
 
+/// A child that was in a block this switch sent up, and sends the block
+/// after it in the same slot, no longer asks for the first: the switch
+/// asks its parent again (the answer frees the slot) while the new block
+/// is refused as "slot busy" as before. (Nothing asked the parent, and the
+/// slot stayed busy for ever: see the elastic test of a partial from a
+/// previous tree.)
+#[test]
+fn a_child_past_a_block_that_waits_for_the_parent_makes_the_switch_ask_again() {
+    let mut sw = leaf();
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 0, &[2]))[0].0, PARENT);
+    let out = send(&mut sw, Pkt::data(1, 0, 4, &[1]));
+    assert_eq!(out.len(), 2, "{out:?}");
+    assert_eq!((out[0].0, out[0].1.msg_type), (100, MessageType::Nack));
+    assert_eq!((out[1].0, out[1].1.msg_type, out[1].1.block_id, out[1].2.clone()), (PARENT, MessageType::Retransmission, 0, vec![3]));
+    assert_eq!(sw.counters().slot_busy, 1);
+    // the parent's answer frees the slot: block 4 opens
+    send_from(&mut sw, PARENT, &parent_result(0, 5, &[3]));
+    assert!(send(&mut sw, Pkt::data(1, 0, 4, &[1])).is_empty());
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 4, &[1]))[0].2, vec![2]);
+}
+
 #[test]
 fn a_contribution_cut_to_its_header_by_the_network_is_answered_with_a_trimmed_nack_and_never_added() {
     // docs/protocol.md §4.14
@@ -814,6 +836,79 @@ fn sync_goes_to_the_root_and_its_answer_comes_back_down() {
     let out = send_from(&mut leaf, PARENT, &ack);
     assert_eq!((out[0].0, out[0].1.msg_type, out[0].1.src_id), (101, MessageType::JoinAck, 1));
     assert_eq!(leaf.counters().syncs_forwarded, 1);
+}
+
+/// The root's answer to a worker's sync is lost on its way to the worker's
+/// leaf, whose other workers go on meanwhile: by the time the answer comes
+/// again, the leaf has sent blocks from its start up without the joiner.
+/// The leaf starts the joiner at the first of its allreduces a window past
+/// what it still needs instead (and says so again to a repeated answer),
+/// so its first results sum it. (It admitted it at the root's start: the
+/// blocks it had sent up lacked the joiner, and the results said nothing.)
+#[test]
+fn a_leaf_that_got_a_sync_answer_late_starts_the_joiner_past_what_it_sent_up() {
+    let up = Uplink { parent: vec![PARENT], rank: RANK };
+    let mut leaf = leaf();
+    let spec = JobSpec { members: vec![0, 1, 2], workers: 5, ..job(1, 2, 4) };
+    leaf.update_job(T0, spec, Some(up), &[2], &mut VecTransmit::new()).unwrap();
+    // worker 2 syncs (allreduces of 2 blocks); the leaf asks the root
+    let mut join = Pkt::data(1, 2, 2, &[]);
+    join.repr.msg_type = MessageType::Join;
+    join.repr.age_op = JOIN_SYNC;
+    let out = send(&mut leaf, join);
+    assert_eq!((out.len(), out[0].0, out[0].1.msg_type), (1, PARENT, MessageType::Sync));
+    // the others complete blocks 0..3 (the root's results come back) and
+    // send 4 and 5 up: the root, which answered "block 4" meanwhile, has
+    // its answer lost on the way
+    for b in 0..6 {
+        send(&mut leaf, Pkt::data(1, 0, b, &[1]));
+        let out = send(&mut leaf, Pkt::data(1, 1, b, &[1]));
+        assert_eq!((out.len(), out[0].0, out[0].1.src_cnt), (1, PARENT, 2), "block {b} goes up without the joiner");
+        if b < 4 {
+            send_from(&mut leaf, PARENT, &parent_result(b, 4, &[4]));
+        }
+    }
+    // the answer comes again (the worker asked again): start 4, after
+    // generation 2 (blocks 2 and 3)
+    let mut ack = Pkt::data(1, 2, 0, &[]);
+    ack.repr.msg_type = MessageType::JoinAck;
+    ack.repr.gen_id = 2;
+    let mut buf = ack.bytes();
+    let params = JoinParams { next_block: 4, ..join_listening(&mut switch_with(&[job(1, 2, 4)]), 1, 0, false) };
+    buf.resize(HEADER_LEN + JoinParams::LEN, 0);
+    params.emit(&mut buf[HEADER_LEN..]);
+    let mut raw = VecTransmit::new();
+    assert_eq!(leaf.handle_datagram(T0, PARENT, &buf, &mut raw), Verdict::Joined { job_id: 1, member: 2, start: 8, listens: false });
+    let (dest, bytes) = raw.drain().next().expect("the answer, relayed");
+    let p = Packet::new_checked(&bytes[..]).unwrap();
+    // block 4 (slot 0) is still open here, so a window on is block 8: two
+    // allreduces later than the root said, generations and all
+    assert_eq!((dest, p.msg_type_code(), p.src_id(), p.gen_id()), (102, MessageType::JoinAck as u8, 2, 4));
+    assert_eq!(JoinParams::parse(p.payload()).unwrap().next_block, 8);
+    assert_eq!(leaf.counters().sync_moved, 1);
+    // the worker lost it and asked again: the root's same answer is relayed
+    // with the same start here
+    let mut join = Pkt::data(1, 2, 2, &[]);
+    join.repr.msg_type = MessageType::Join;
+    join.repr.age_op = JOIN_SYNC;
+    assert_eq!(send(&mut leaf, join).len(), 1, "asked the root again");
+    let mut raw = VecTransmit::new();
+    let _ = leaf.handle_datagram(T0, PARENT, &buf, &mut raw);
+    let (_, bytes) = raw.drain().next().expect("the repeated answer, relayed");
+    let p = Packet::new_checked(&bytes[..]).unwrap();
+    assert_eq!((p.gen_id(), JoinParams::parse(p.payload()).unwrap().next_block), (4, 8));
+    // blocks 6 and 7 go up without it; block 8 waits for it and sums it
+    for b in 4..6 {
+        send_from(&mut leaf, PARENT, &parent_result(b, 4, &[4]));
+    }
+    for b in 6..8 {
+        send(&mut leaf, Pkt::data(1, 0, b, &[1]));
+        assert_eq!(send(&mut leaf, Pkt::data(1, 1, b, &[1])).len(), 1, "block {b}");
+    }
+    send(&mut leaf, Pkt::data(1, 0, 8, &[1]));
+    assert!(send(&mut leaf, Pkt::data(1, 1, 8, &[1])).is_empty(), "block 8 waits for the joiner");
+    let out = send(&mut leaf, Pkt::data(1, 2, 8, &[1]));
+    assert_eq!((out.len(), out[0].0, out[0].1.src_cnt, out[0].2.clone()), (1, PARENT, 3, vec![3]));
 }
 
 #[test]

@@ -53,7 +53,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             return Verdict::Consumed;
         }
         job.addrs.set(via as usize, from);
-        job.pending_sync.insert(request.origin, via);
+        job.pending_sync.insert(request.origin, (via, request.align_blocks));
         let newcomer = request.flags & SYNC_NEWCOMER != 0 || job.awaiting.contains(via as usize);
         if job.uplink.is_some() {
             forward_sync(job, request.origin, request.align_blocks, newcomer, &mut self.counters, out);
@@ -86,7 +86,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         };
         match repr.msg_type {
             MessageType::JoinAck => {
-                let Some(via) = job.pending_sync.remove(&repr.src_id) else {
+                let Some((via, align)) = job.pending_sync.remove(&repr.src_id) else {
                     counters.parent_stale += 1;
                     return Verdict::Consumed;
                 };
@@ -98,6 +98,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     counters.protocol_violation += 1;
                     return Verdict::Consumed;
                 };
+                // (the answer's header carries the generation before the start)
+                let answered = JoinStart { block: params.next_block, gen_id: repr.gen_id };
+                let start = start_here(job, &self.config, repr.src_id, via, align, answered);
+                if start.block != answered.block {
+                    counters.sync_moved += 1;
+                }
+                params.next_block = start.block;
+                let repr = Repr { gen_id: start.gen_id, ..repr };
                 // The worker talks to this switch's shards, not the root's,
                 // and gets its results the way this switch sends them.
                 params.incarnation = self.config.incarnation;
