@@ -337,11 +337,23 @@ def test_against_native_switch():
             assert e.value.code == "NOT_FOUND"
             assert any(x["name"] == "rx_datagrams" for x in c.counters())
             # a result group is admitted, listed, and kept by update_job
-            c.admit_job(9, [0, 1], block_cnt_max=8, block_grad_max=256, result_group="239.77.9.9:47001")
+            c.admit_job(9, [0, 1], block_cnt_max=8, block_grad_max=256, result_group="239.77.9.9:47001", workers=3)
             job = c.list_jobs()[0]
             assert job["result_group"] == "239.77.9.9:47001"
             c.update_job({**job, "members": [0, 1, 2]})
             assert c.list_jobs()[0]["members"] == [0, 1, 2]
+            # a job admitted for 2 workers (workers 0: its members) cannot
+            # grow past them: its workers joined scaled for 2
+            c.admit_job(11, [0, 1], block_cnt_max=8, block_grad_max=256)
+            small = [j for j in c.list_jobs() if j["job_id"] == 11][0]
+            with pytest.raises(ControlError) as e:
+                c.update_job({**small, "members": [0, 1, 2]})
+            assert e.value.code == "FAILED_PRECONDITION", e.value
+            assert "3 workers is more than the 2 it was admitted for" in e.value.message
+            assert "admit it with workers = the most it will ever have" in e.value.message
+            with pytest.raises(ControlError) as e:
+                c.admit_job(12, [0, 1, 2], workers=2)
+            assert e.value.code == "INVALID_ARGUMENT" and "set workers to at least 3" in e.value.message
             with pytest.raises(ControlError) as e:
                 c.update_job({**job, "result_group": None})
             assert e.value.code == "FAILED_PRECONDITION" and "result_group" in e.value.message

@@ -152,7 +152,9 @@ impl From<AdmitError> for AdmitFailure {
             AdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
             AdmitError::OutOfMemory { .. } => AdmitFailure::OutOfMemory(msg),
             AdmitError::Unknown(_) => AdmitFailure::NotFound(msg),
-            AdmitError::Immutable { .. } | AdmitError::PartialResultsAdded { .. } => AdmitFailure::Immutable(msg),
+            AdmitError::Immutable { .. } | AdmitError::PartialResultsAdded { .. } | AdmitError::WorkersGrown { .. } => {
+                AdmitFailure::Immutable(msg)
+            }
         }
     }
 }

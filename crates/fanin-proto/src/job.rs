@@ -221,6 +221,8 @@ pub enum JobSpecError {
     SlowAfter { job_id: u32, value: u32 },
     #[error("job {job_id}: workers {value} is out of range (0 = the member count, at most {SWITCH_RANK_BASE})")]
     Workers { job_id: u32, value: u16 },
+    #[error("job {job_id}: workers {workers} is fewer than its {members} worker members (workers is the most the job ever sums: its workers scale block floating point and averages for it, and a sum of more could overflow); set workers to at least {members}, or 0 for the member count")]
+    FewerWorkersThanMembers { job_id: u32, workers: u16, members: usize },
     #[error("job {job_id}: member_timeout_ms {value} is out of range (0 = the default {DEFAULT_MEMBER_TIMEOUT_MS}, at most {MAX_MEMBER_TIMEOUT_MS})")]
     MemberTimeout { job_id: u32, value: u32 },
     #[error("job {job_id}: {message}")]
@@ -287,6 +289,12 @@ impl JobSpec {
         }
         if self.workers > SWITCH_RANK_BASE {
             return Err(JobSpecError::Workers { job_id, value: self.workers });
+        }
+        // (a tree switch's members also name child switches, which count
+        // the workers below them: only its own workers are counted here)
+        let worker_members = self.members.iter().filter(|&&m| m < SWITCH_RANK_BASE).count();
+        if self.workers != 0 && worker_members > self.workers as usize {
+            return Err(JobSpecError::FewerWorkersThanMembers { job_id, workers: self.workers, members: worker_members });
         }
         if self.member_timeout_ms > MAX_MEMBER_TIMEOUT_MS {
             return Err(JobSpecError::MemberTimeout { job_id, value: self.member_timeout_ms });
@@ -393,6 +401,15 @@ mod tests {
         assert!(spec.validate().unwrap_err().to_string().contains("member_timeout_ms 600001"));
         spec.member_timeout_ms = 0;
         assert_eq!(spec.member_timeout(), std::time::Duration::from_millis(DEFAULT_MEMBER_TIMEOUT_MS as u64));
+        spec.workers = 1;
+        assert_eq!(
+            spec.validate().unwrap_err().to_string(),
+            "job 3: workers 1 is fewer than its 2 worker members (workers is the most the job ever sums: its workers scale block floating point and averages for it, and a sum of more could overflow); set workers to at least 2, or 0 for the member count"
+        );
+        spec.members = vec![0, SWITCH_RANK_BASE + 1, SWITCH_RANK_BASE + 2];
+        assert!(spec.validate().is_ok(), "child switches count the workers below them");
+        spec.members = vec![0, 1];
+        spec.workers = 0;
         spec.rate_limit = Some(RateLimit { pps: 0, burst: 4 });
         assert!(spec.validate().unwrap_err().to_string().contains("at least 1"));
         spec.rate_limit = None;

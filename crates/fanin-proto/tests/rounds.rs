@@ -940,7 +940,8 @@ fn ranks_that_disagree_on_the_length_all_raise_the_same_error() {
 /// failed with PartialResult, "block N completed with 2 of 3 sources".)
 #[test]
 fn a_sync_join_into_a_job_without_partial_results_leaves_the_running_workers_exact() {
-    let mut net = Net::new(spec(2), 2, 0.0, 11);
+    // (admitted for the 3 workers it will have)
+    let mut net = Net::new(JobSpec { workers: 3, ..spec(2) }, 2, 0.0, 11);
     assert!(!net.spec.partial_results());
     let input = |r: i32, k: u32| vec![(r + 1) * 100 + k as i32; 12]; // 3 blocks: one allreduce
     let (mut s0, mut s1) = (net.spawn(0, 1), net.spawn(1, 1));

@@ -111,6 +111,8 @@ pub enum AdmitError {
     Immutable { job_id: u32, field: &'static str },
     #[error("job {job_id} was admitted with complete results only (no quorum, no aging, on_failure = fail), and its workers joined refusing partial ones: a quorum, aging or on_failure = degrade cannot be added while it runs. Admit it with quorum = its member count (every member; K can then change at runtime), or remove and re-admit it")]
     PartialResultsAdded { job_id: u32 },
+    #[error("job {job_id}: {workers} workers is more than the {admitted} it was admitted for (its workers scale block floating point and averages for {admitted}): admit it with workers = the most it will ever have, or remove and re-admit it")]
+    WorkersGrown { job_id: u32, workers: u16, admitted: u16 },
     #[error("job {job_id}: tree rank {rank} must be at least {SWITCH_RANK_BASE} (ranks below name workers), and the parent needs at least one address")]
     BadUplink { job_id: u32, rank: u16 },
     #[error("job {job_id}: a transit needs the next hop's address of each of this switch's {shards} shards, got {hops}: every switch on a worker's path must run the same number of shards (a worker picks the shard from the aggregation node's answer)")]
@@ -311,6 +313,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let job_id = spec.job_id;
         let mut job = Job {
             member_count: spec.members.len() as u16,
+            scale_workers: spec.worker_count(),
             active: members.clone(),
             members,
             addrs: MemberAddrs::new(capacity),
@@ -429,6 +432,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             }
             if job.spec.adds_partial_results(&spec) {
                 return Err(AdmitError::PartialResultsAdded { job_id });
+            }
+            if spec.worker_count() > job.scale_workers {
+                return Err(AdmitError::WorkersGrown { job_id, workers: spec.worker_count(), admitted: job.scale_workers });
             }
             spec.source_capacity().max(job.members.capacity())
         };

@@ -68,6 +68,10 @@ pub(super) struct Job<A> {
     pub(super) spec: JobSpec,
     pub(super) members: SourceMask,
     pub(super) member_count: u16,
+    /// The worker count the job was admitted with (`JobSpec::worker_count`):
+    /// every JoinAck says it, and workers scale block floating point and
+    /// divide averages by it, so an update may not raise the count above it.
+    pub(super) scale_workers: u16,
     /// Where each member's results go, learned from its packets.
     pub(super) addrs: MemberAddrs<A>,
     /// Members whose latest Join said they listen on the job's result group

@@ -55,7 +55,7 @@ pub(super) fn answer_join_as<A: Copy + PartialEq>(
 ) {
     let next_block = start.block;
     let repr = Repr {
-        src_cnt: job.spec.worker_count(),
+        src_cnt: job.scale_workers,
         age_op,
         gen_id: start.gen_id,
         ..Repr::new(MessageType::JoinAck, job.spec.job_id, origin)

@@ -67,7 +67,8 @@ fn job_with_a_child_switch(job: u32, slots: u32, grad: u32) -> JobSpec {
 
 #[test]
 fn a_pooled_job_reserves_one_buffer_and_its_cap_must_fit_the_memory() {
-    let spec = JobSpec::with_sources(1, 2, 4, 64);
+    // (admitted for the workers it will have: a child switch joins below)
+    let spec = JobSpec { workers: 8, ..JobSpec::with_sources(1, 2, 4, 64) };
     let reserved = admission_cost(MemoryModel::Reserved, &spec);
     let pooled_cost = admission_cost(MemoryModel::Pooled, &spec);
     // workers acknowledge results: one buffer of the eight is reserved

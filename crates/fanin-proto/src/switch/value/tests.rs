@@ -911,6 +911,47 @@ fn a_leaf_that_got_a_sync_answer_late_starts_the_joiner_past_what_it_sent_up() {
     assert_eq!((out.len(), out[0].0, out[0].1.src_cnt, out[0].2.clone()), (1, PARENT, 3, vec![3]));
 }
 
+/// A job's workers scale block floating point and divide averages by the
+/// worker count their JoinAck said (`src_cnt`). A job admitted with
+/// `workers` 0 counts its members then: letting an update add more made the
+/// running workers divide by the old count (an AVG over 3 divided by 2)
+/// and sum values scaled for fewer workers. Such an update is refused, and
+/// says what to do; the members may shrink and grow back up to the count,
+/// and JoinAcks keep saying the count the job was admitted for.
+#[test]
+fn a_job_cannot_grow_past_the_worker_count_its_workers_joined_with() {
+    let mut sw = switch_with(&[job(1, 2, 4)]);
+    assert_eq!(join_listening_src_cnt(&mut sw, 1, 0), 2);
+    let mut out = VecTransmit::new();
+    let err = sw.update_job(T0, JobSpec { members: vec![0, 1, 2], ..job(1, 2, 4) }, None, &[2], &mut out).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "job 1: 3 workers is more than the 2 it was admitted for (its workers scale block floating point and averages for 2): admit it with workers = the most it will ever have, or remove and re-admit it"
+    );
+    // an explicit count may not grow either
+    let err = sw.update_job(T0, JobSpec { members: vec![0, 1], workers: 4, ..job(1, 2, 4) }, None, &[], &mut out);
+    assert!(matches!(err, Err(AdmitError::WorkersGrown { job_id: 1, workers: 4, admitted: 2 })), "{err:?}");
+    // shrinking and growing back is fine, and a joiner learns the admitted count
+    sw.update_job(T0, JobSpec { members: vec![0], ..job(1, 2, 4) }, None, &[], &mut out).unwrap();
+    sw.update_job(T0, JobSpec { members: vec![0, 5], ..job(1, 2, 4) }, None, &[], &mut out).unwrap();
+    assert_eq!(join_listening_src_cnt(&mut sw, 1, 5), 2);
+    // room to grow: admitted with workers = 4
+    let mut sw = switch_with(&[JobSpec { workers: 4, ..job(1, 2, 4) }]);
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 2, 3], workers: 4, ..job(1, 2, 4) }, None, &[], &mut out).unwrap();
+    assert_eq!(join_listening_src_cnt(&mut sw, 1, 3), 4);
+}
+
+fn join_listening_src_cnt(sw: &mut ValueSwitch<Addr>, job: u32, src: u16) -> u16 {
+    let mut join = Pkt::data(job, src, 0, &[]);
+    join.repr.msg_type = MessageType::Join;
+    let mut out = VecTransmit::new();
+    let _ = sw.handle_datagram(T0, 100 + src as u32, &join.bytes(), &mut out);
+    let (_, bytes) = out.drain().next().expect("a JoinAck");
+    let p = Packet::new_checked(&bytes[..]).unwrap();
+    assert_eq!(p.msg_type_code(), MessageType::JoinAck as u8);
+    p.src_cnt()
+}
+
 #[test]
 fn a_member_that_leaves_is_not_waited_for() {
     let mut sw = switch_with(&[job(1, 3, 4)]);
@@ -967,7 +1008,8 @@ fn an_expired_block_at_the_parent_is_passed_down() {
 
 #[test]
 fn a_worker_joining_a_running_job_is_waited_for_from_its_start_block_only() {
-    let mut sw = switch_with(&[job(1, 2, 4)]);
+    // (admitted for the 3 workers it will have)
+    let mut sw = switch_with(&[JobSpec { workers: 3, ..job(1, 2, 4) }]);
     for b in 0..4 {
         send(&mut sw, Pkt::data(1, 0, b, &[1]));
         send(&mut sw, Pkt::data(1, 1, b, &[1]));
