@@ -174,7 +174,7 @@ pub(super) fn sync_start<A>(
         return None;
     }
     job.sync_waiting.remove(&via);
-    let offset = sync_offset(job, config);
+    let offset = if newcomer && !fresh { newcomer_offset(job, config) } else { sync_offset(job, config) };
     let space = job.space;
     let align = align_blocks.max(1);
     let RecoverAnchor { block: base, gen_id: base_gen } = job.anchor;
@@ -249,7 +249,7 @@ pub(super) fn start_here<A>(
     if !job.active.iter().any(|m| m != via as usize) {
         return answered;
     }
-    let safe = space.add(sync_offset(job, config), window);
+    let safe = space.add(newcomer_offset(job, config), window);
     if !space.before(answered.block, safe) {
         return answered;
     }
@@ -388,6 +388,29 @@ pub(super) fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
 /// shard's slots are looked at; another shard may be up to a window ahead,
 /// which is why [`sync_start`] answers a window beyond it.
 pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
+    lowest_needed(job, config, true).unwrap_or(job.start_block)
+}
+
+/// The offset a newcomer's start is counted from (a window beyond it):
+/// the lowest block this shard still needs among the slots it has used.
+/// A slot it never used may have had its blocks completed by another
+/// switch (the old root, before this one took over above it), whose
+/// results let the workers send up to a window past them: counting such a
+/// slot from a window below the highest block opened here put a joiner's
+/// start below blocks another shard had already completed without it (its
+/// first results then lacked it). A slot it used holds a block no switch
+/// completed before it (a block reaches a slot only after the one before
+/// it there did), so no worker has sent a block a window beyond it. (A
+/// member that syncs again is answered from [`sync_offset`] itself, where
+/// every block waits for it, the unused slots' first blocks included.)
+pub(super) fn newcomer_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
+    lowest_needed(job, config, false).unwrap_or_else(|| sync_offset(job, config))
+}
+
+/// The lowest block this shard still needs, over its slots (`unused`: an
+/// unused slot counts too, needing its first block at or after the job's
+/// start); None if no slot counts.
+fn lowest_needed<A>(job: &Job<A>, config: &ShardConfig, unused: bool) -> Option<u32> {
     let s = job.spec.block_cnt_max;
     // An unused slot needs its first block at or after the job's start,
     // and no earlier than a window below the highest block this shard
@@ -410,11 +433,12 @@ pub(super) fn sync_offset<A>(job: &Job<A>, config: &ShardConfig) -> u32 {
             Some(block) if block.is_open() => block.block_id,
             Some(block) => job.space.add(block.block_id, s),
             // first block >= `from` that maps to global slot k
-            None => job.space.add(from, (k + s - from % s) % s),
+            None if unused => job.space.add(from, (k + s - from % s) % s),
+            None => continue,
         };
         lowest = Some(lowest.map_or(needed, |l| if job.space.before(needed, l) { needed } else { l }));
     }
-    lowest.unwrap_or(job.start_block)
+    lowest
 }
 
 impl<A: Copy + PartialEq> ValueSwitch<A> {
