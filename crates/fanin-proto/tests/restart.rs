@@ -50,6 +50,12 @@ struct Net {
     outs: Vec<Option<Tensor>>,
     /// Each worker's lent input for its running allreduce (`Lend::Both`).
     ins: Vec<Option<Tensor>>,
+    /// Record a worker's failure here instead of panicking (tests where
+    /// raising is a correct outcome).
+    failures: Option<Vec<Vec<String>>>,
+    /// Workers whose sessions are not driven (a process between two
+    /// allreduces: nothing reads its socket or fires its timers).
+    paused: Vec<bool>,
 }
 
 /// How the workers hold their tensors.
@@ -102,6 +108,8 @@ impl Net {
             lend: Lend::Nothing,
             outs: vec![None; workers],
             ins: vec![None; workers],
+            failures: None,
+            paused: vec![false; workers],
         };
         // join without loss
         let loss = std::mem::replace(&mut net.loss, 0.0);
@@ -137,7 +145,13 @@ impl Net {
             self.wire = later;
             due
         };
-        for (_, to, bytes) in due {
+        for (t, to, bytes) in due {
+            if let To::Worker(w) = to {
+                if self.paused[w] {
+                    self.wire.push((t, to, bytes)); // waits in its socket
+                    continue;
+                }
+            }
             match to {
                 To::Switch(from) => {
                     if self.down {
@@ -158,6 +172,9 @@ impl Net {
             }
         }
         for w in 0..self.ws.len() {
+            if self.paused[w] {
+                continue;
+            }
             if self.ws[w].poll_timeout().is_some_and(|t| t <= self.now) {
                 self.ws[w].handle_timeout(self.now);
             }
@@ -170,6 +187,9 @@ impl Net {
                         self.ins[w] = None; // released by the session
                         self.done[w].push(o);
                         self.done_at[w].push(self.now);
+                    }
+                    Event::Failed(e) if self.failures.is_some() => {
+                        self.failures.as_mut().unwrap()[w].push(e.to_string());
                     }
                     Event::Failed(e) => panic!(
                         "worker {w} failed at {:?}: {e}; recovering {:?}, retained {:?}",
@@ -216,8 +236,8 @@ impl Net {
             }
         }
         // the next event
-        let next_wire = self.wire.iter().map(|(t, _, _)| *t).min();
-        let next_timer = self.ws.iter().filter_map(|w| w.poll_timeout()).min();
+        let next_wire = self.wire.iter().filter(|(_, to, _)| !matches!(to, To::Worker(w) if self.paused[*w])).map(|(t, _, _)| *t).min();
+        let next_timer = self.ws.iter().zip(&self.paused).filter(|(_, p)| !**p).filter_map(|(w, _)| w.poll_timeout()).min();
         let busy = self.ws.iter().any(|w| !w.is_ready()) || self.todo.iter().any(|t| !t.is_empty());
         let next = match next_wire.into_iter().chain(next_timer).min() {
             Some(t) => t,
@@ -623,6 +643,61 @@ proptest! {
         seed in any::<u64>(),
     ) {
         prop_assume!(double_restart_run(workers, &lens, loss, restart_after, gap_steps, seed));
+    }
+}
+
+/// A recovery floor completed by a stale member's report must not bind a
+/// *new process* of another rank to the old stream. Worker 1 is idle (not
+/// driven) while the switch restarts; worker 0 (in an allreduce) reports its
+/// lowest block in a recovery join and is then replaced by a new process
+/// (another member incarnation) that joins for a new run and waits at the
+/// fresh job's barrier. Then worker 1 calls allreduce again: its recovery
+/// join completes the floor with rank 0's report from the dead process, and
+/// the floor's JoinAck goes to rank 0's current address. Audit guard (it
+/// passes today: the new process does not take that answer, its next Join
+/// ends the round and both raise `MemberRestarted`); what must never happen
+/// is a sum mixing the new run's tensor with the old run's contribution.
+#[test]
+fn a_recovery_floor_from_a_dead_process_never_binds_its_replacement() {
+    let mut net = Net::new(2, 4, 4, 4, 0.0, 1);
+    net.failures = Some(vec![Vec::new(); 2]);
+    let first: Vec<Vec<i32>> = (0..2).map(|w| (0..16).map(|i| 1000 * w + i).collect()).collect();
+    for w in 0..2 {
+        net.todo[w].push_back(Tensor::I32(first[w].clone()));
+    }
+    net.run_until(Duration::from_secs(10), |n| n.all_done(1));
+    // worker 0 starts its second allreduce; worker 1 does not (yet)
+    net.paused[1] = true;
+    net.todo[0].push_back(Tensor::I32(vec![7; 16]));
+    net.run_until(Duration::from_secs(20), |n| !n.ws[0].is_ready());
+    net.restart(5);
+    // worker 0 detects the restart and reports its lowest block
+    net.run_until(Duration::from_secs(20), |n| n.sw.counters().recover_waiting > 0);
+    // ... then its process dies; a new one (another member incarnation)
+    // joins for a new run and is held at the barrier
+    let mut cfg = net.ws[0].config().clone();
+    cfg.incarnation = 0x4242;
+    net.ws[0] = AllreduceSession::new(cfg, net.now);
+    let fresh = vec![100_000; 16];
+    net.todo[0].push_back(Tensor::I32(fresh.clone()));
+    let joins = net.sw.counters().joins;
+    net.run_until(Duration::from_secs(30), |n| n.sw.counters().joins > joins);
+    assert!(!net.ws[0].is_ready());
+    // worker 1, still the old process, calls allreduce again
+    let old1 = vec![3; 16];
+    net.todo[1].push_back(Tensor::I32(old1.clone()));
+    net.paused[1] = false;
+    let deadline = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(60);
+    net.run_until(deadline, |n| {
+        n.failures.as_ref().unwrap().iter().all(|f| !f.is_empty()) || n.done[0].len() == 2 || n.done[1].len() == 2
+    });
+    if let Some(o) = net.done[0].get(1) {
+        // the new process of rank 0 got a sum: it can only be wrong (rank 1
+        // never contributed to the new run)
+        panic!("the new process of rank 0 was handed {:?}: its tensor plus the old process's contribution of rank 1", o.tensor);
+    }
+    if let Some(o) = net.done[1].get(1) {
+        panic!("the old process of rank 1 was handed {:?}: a mix of two runs", o.tensor);
     }
 }
 
