@@ -71,6 +71,9 @@ class ConnectOptions:
     # FANIN_AUTH_KEY_FILE: this rank's member key for a keyed job on FANIN_SWITCH ("{rank}" = the rank)
     auth_key_file: Optional[str] = None
     lanes: int = 1                    # FANIN_LANES: sockets (and threads) each rank sends from
+    # FANIN_MEMBER_TIMEOUT_MS: the embedded job's member timeout; 0 = the
+    # group's timeout (at most the switch's 600 000 ms)
+    member_timeout_ms: int = 0
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ConnectOptions":
@@ -87,6 +90,7 @@ class ConnectOptions:
             host=os.environ.get("FANIN_HOST") or None,
             auth_key_file=os.environ.get("FANIN_AUTH_KEY_FILE") or None,
             lanes=_env_int("FANIN_LANES", 1),
+            member_timeout_ms=_env_int("FANIN_MEMBER_TIMEOUT_MS", 0),
         )
         for k, v in overrides.items():
             if v is not None:
@@ -131,7 +135,26 @@ def _embedded_bind(world: int) -> tuple[str, Optional[str]]:
     return "0.0.0.0:0", master
 
 
-def _decide(world: int, opts: ConnectOptions) -> tuple[Optional[LocalSwitch], str]:
+# the longest member timeout a job may ask for (fanin-proto job.rs MAX_MEMBER_TIMEOUT_MS)
+_MAX_MEMBER_TIMEOUT_MS = 600_000
+
+
+def _member_timeout_ms(timeout: datetime.timedelta, opts: ConnectOptions) -> int:
+    """The embedded job's member timeout: ``FANIN_MEMBER_TIMEOUT_MS``, else
+    the group's timeout. The switch's default (5 s) declared a rank dead,
+    and with it failed the job for good (MemberFailed on every rank, every
+    later collective too), as soon as the others had waited 5 s for it in a
+    collective: a rank saving a checkpoint, evaluating or loading data for
+    longer than that between two collectives killed the group, where Gloo
+    waits the group's timeout (and docs/torch.md says a long straggler does
+    not fail the others). The price: a rank that dies (other than rank 0)
+    is found after this timeout too; FANIN_MEMBER_TIMEOUT_MS lowers it."""
+    ms = opts.member_timeout_ms or int(timeout.total_seconds() * 1000)
+    return max(1, min(_MAX_MEMBER_TIMEOUT_MS, ms))
+
+
+def _decide(world: int, opts: ConnectOptions,
+            timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> tuple[Optional[LocalSwitch], str]:
     """Rank 0's choice: (embedded switch or None, "addr|job|elems_per_packet|result group")."""
     embedded = None
     off = opts.result_group == "off"
@@ -146,7 +169,8 @@ def _decide(world: int, opts: ConnectOptions) -> tuple[Optional[LocalSwitch], st
         group = None if off else (opts.result_group or (free_result_group() if on_loopback else None))
         job = job_config(job_id, world, block_cnt_max=opts.window,
                          block_grad_max=opts.elems_per_packet or JOB_DEFAULTS["block_grad_max"],
-                         block_exp_ms=opts.block_exp_ms, result_group=group)
+                         block_exp_ms=opts.block_exp_ms, result_group=group,
+                         member_timeout_ms=_member_timeout_ms(timeout, opts))
         embedded = LocalSwitch(switch_config(data_addr=bind, shards=opts.shards, control_addr=None,
                                              metrics_addr=None, memory_mb=4096, jobs=[job]))
         addr = embedded.data_addr
@@ -239,7 +263,7 @@ def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts
     else:
         if rank == 0:
             try:
-                embedded, published = _decide(world, opts)
+                embedded, published = _decide(world, opts, timeout)
             except Exception as e:
                 # tell the other ranks instead of leaving them waiting for the store timeout
                 store.set(_KEY, f"!{type(e).__name__}: {e}")

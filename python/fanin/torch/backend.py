@@ -10,9 +10,10 @@ What goes where (see docs/torch.md):
   coalesced forms, which FSDP uses): through the switch.
 * ``broadcast``, ``allgather``, ``all_gather_single`` (all_gather_into_tensor,
   all_gather_object),
-  ``barrier``: through a Gloo group built on the same c10d store under the
-  prefix ``fanin-gloo/`` (the documented fallback: these carry no gradient
-  volume, and Gloo does them correctly and efficiently).
+  ``barrier``, and ``allreduce`` MIN/MAX/PRODUCT/bitwise: through a Gloo
+  group built on the same c10d store under the prefix ``fanin-gloo/`` (the
+  documented fallback: these carry no gradient volume, and Gloo does them
+  correctly and efficiently).
 * anything else raises ``NotImplementedError`` naming the call.
 
 Every collective runs on one worker thread per group, in the order the
@@ -28,6 +29,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,6 +43,18 @@ from fanin.torch._staged import CudaStaging, reduce_host_chunk
 __all__ = ["FaninProcessGroup", "create_backend"]
 
 _SWITCH_OPS = {dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
+# all_reduce ops the switch cannot compute and Gloo can: the Gloo fallback
+_GLOO_ONLY_OPS = {dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND,
+                  dist.ReduceOp.BOR, dist.ReduceOp.BXOR}
+
+# The groups of this process on an external switch's job, by (switch, job).
+# A second group joining the same job (a `new_group(backend="fanin")` of the
+# world's size, a second FaninHookState: FANIN_JOB_ID is one variable) joined
+# as a new incarnation of every rank and silently took the job over: the
+# first group's next collectives failed with MemberRestarted ("rank 0 joined
+# again as a new process") or StaleResult, which named neither cause nor
+# cure. Now the second group is refused at once, before it joins.
+_ON_EXTERNAL_JOB: "dict[tuple[str, int], weakref.ref]" = {}
 
 
 def _scoped_store(store: Any) -> Any:
@@ -190,11 +204,27 @@ class FaninProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
-                 options: Optional[ConnectOptions] = None) -> None:
+                 options: Optional[ConnectOptions] = None, tied_to: Any = None) -> None:
         super().__init__(rank, size)
         store = _scoped_store(store)
         self._rank, self._size = rank, size
         self._options = options or ConnectOptions.from_env()
+        self._closed = True  # until it has joined (shutdown() then does nothing)
+        # a hook state's group lives as long as the default group it mirrors
+        # (nothing shuts it down): it stops counting once that one is gone
+        self._tied_to = weakref.ref(tied_to) if tied_to is not None else None
+        job = self._external_job()
+        if job is not None:
+            other = _ON_EXTERNAL_JOB.get(job)
+            other = other() if other is not None else None
+            if other is not None and other._uses_its_job():
+                raise RuntimeError(
+                    f"fanin: job {job[1]} on the switch {job[0]} is already used by another fanin group of this "
+                    f"process ({other!r}); a second group on the same job would take it over and the first "
+                    "group's collectives would fail. Give this group a job of its own: set FANIN_JOB_ID to "
+                    "another job of the switch (of this group's size) before creating it, or pass "
+                    "options=fanin.torch.ConnectOptions.from_env(job_id=...) to FaninHookState; or destroy "
+                    "the other group first")
         # A fanin Session belongs to the thread that made it, so the worker
         # thread that runs every collective also joins the switch.
         self._worker = _Worker(f"fanin-pg-{rank}")
@@ -204,6 +234,18 @@ class FaninProcessGroup(dist.ProcessGroup):
         self._log = StepLog(self._conn.n_sources)
         self._closed = False
         self._cuda: Optional[CudaStaging] = None
+        if job is not None:
+            _ON_EXTERNAL_JOB[job] = weakref.ref(self)
+
+    def _external_job(self) -> Optional[tuple[str, int]]:
+        """(switch, job) when this group joins a job on FANIN_SWITCH."""
+        o = self._options
+        return (o.switch, o.job_id) if o.switch and not o.controller else None
+
+    def _uses_its_job(self) -> bool:
+        if self._closed:
+            return False
+        return self._tied_to is None or self._tied_to() is dist.group.WORLD
 
     # -- identity ---------------------------------------------------------
     def getBackendName(self) -> str:
@@ -298,7 +340,8 @@ class FaninProcessGroup(dist.ProcessGroup):
         op = _op_kind(getattr(opts, "reduceOp", dist.ReduceOp.SUM))
         if op not in _SWITCH_OPS:
             raise NotImplementedError(f"fanin {what}: reduce op {_op_name(op)} is not supported "
-                                      "(the switch sums; use SUM or AVG, or a Gloo group for MIN/MAX/PRODUCT)")
+                                      "(the switch sums: use SUM or AVG; all_reduce takes MIN/MAX/PRODUCT through "
+                                      "Gloo, or use a Gloo group)")
         if not tensors:
             raise ValueError(f"fanin {what}: no tensors given")
         for t in tensors:
@@ -310,6 +353,15 @@ class FaninProcessGroup(dist.ProcessGroup):
             o = dist.AllreduceOptions()
             o.reduceOp = opts if opts is not None else dist.ReduceOp.SUM
             opts = o
+        if _op_kind(opts.reduceOp) in _GLOO_ONLY_OPS:
+            # MIN/MAX/PRODUCT/bitwise: the switch only sums, so these go
+            # through the Gloo fallback, in issue order like broadcast.
+            # torch issues them itself: DDP under Join (uneven inputs) ends
+            # with an int64 MAX allreduce (_sync_final_model), which raised
+            # "reduce op MAX is not supported" from inside Join's exit on
+            # every rank, after training, though the caller never asked for
+            # MAX. They carry no gradient volume (a flag, a rank, a metric).
+            return self._via_gloo(lambda: self._gloo.allreduce(tensors, opts), tensors, tensors)
         average = self._check_allreduce(tensors, opts, "allreduce")
         if len(tensors) != 1:
             # torch's contract (Gloo's behaviour) for a list is one sum over

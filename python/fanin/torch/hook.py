@@ -60,7 +60,8 @@ class FaninHookState:
             prefix = f"fanin-hook/{_states_on_default_store}/"
             _states_on_default_store += 1
             store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-            self.group = FaninProcessGroup(store, dist.get_rank(), dist.get_world_size(), timeout, options)
+            self.group = FaninProcessGroup(store, dist.get_rank(), dist.get_world_size(), timeout, options,
+                                           tied_to=dist.group.WORLD)
         _last_state = self
 
     def step_stats(self, reset: bool = True) -> StepStats:
