@@ -1290,8 +1290,6 @@ def _half_average_near_the_top(rank, world):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="the 16-bit AVG rounds the sum to 16 bits before dividing (Rust: "
-                   "outcome.rs average_half_into), so a sum past float16's range is inf; needs a Rust fix")
 def test_a_16_bit_average_whose_mean_fits_is_not_infinite():
     """found by the torch audit: two ranks averaging float16 40000 got inf
     (the sum, 80000, was rounded to float16 before the division), where the

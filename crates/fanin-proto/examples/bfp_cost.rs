@@ -27,12 +27,12 @@ fn main() {
     for _ in 0..5 {
         let t = Instant::now();
         quantize_into_payload(black_box(&f32s), EXP, SOURCES, &mut p32);
-        dequantize_from_payload(black_box(&p32), EXP, SOURCES, &mut out32);
+        dequantize_from_payload(black_box(&p32), EXP, SOURCES, 1, &mut out32);
         best[0] = best[0].min(t.elapsed().as_secs_f64());
         for (i, (kind, values)) in [(Half::F16, &f16s), (Half::BF16, &bf16s)].into_iter().enumerate() {
             let t = Instant::now();
             half::quantize_into_payload(kind, black_box(values), EXP, SOURCES, &mut p16);
-            half::dequantize_from_payload(kind, black_box(&p16), EXP, SOURCES, &mut out16);
+            half::dequantize_from_payload(kind, black_box(&p16), EXP, SOURCES, 1, &mut out16);
             best[i + 1] = best[i + 1].min(t.elapsed().as_secs_f64());
         }
     }

@@ -125,6 +125,11 @@ fn pow2(k: i32) -> f64 {
     f64::from_bits(((k + 1023) as u64) << 52)
 }
 
+/// `x` is a (normal) power of two: multiplying by it is exact.
+fn is_pow2(x: f64) -> bool {
+    x.is_normal() && x > 0.0 && x.to_bits() & ((1u64 << 52) - 1) == 0
+}
+
 /// Quantise `values` with shared exponent `exp` for `n_sources` sources.
 /// Values larger than the exponent allows (a source that announced a smaller
 /// exponent, or none) saturate at +-2^B instead of overflowing the sum. A
@@ -267,7 +272,9 @@ mod simd {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn dequantize_be_avx2(payload: &[u8], scale: f64, out: &mut [f32]) {
         debug_assert_eq!(payload.len(), 4 * out.len());
-        let single = F32_NORMAL_POW2.contains(&scale) && scale <= (1u128 << 96) as f64;
+        // one f32 multiply rounds once only by an exact power of two (the
+        // mean's scale, divided by the sources, is not)
+        let single = super::is_pow2(scale) && F32_NORMAL_POW2.contains(&scale) && scale <= (1u128 << 96) as f64;
         let (s, s32) = (_mm256_set1_pd(scale), _mm256_set1_ps(scale as f32));
         let mask = bswap32_mask();
         let whole = out.len() / 8 * 8;
@@ -304,13 +311,16 @@ pub fn dequantize(sums: &[i32], exp: i8, n_sources: usize, out: &mut [f32]) {
     }
 }
 
-/// Dequantise straight from a big-endian packet payload.
-pub fn dequantize_from_payload(payload: &[u8], exp: i8, n_sources: usize, out: &mut [f32]) {
-    if exp == EXP_NONE || exp == EXP_NON_FINITE {
-        out.iter_mut().for_each(|x| *x = if exp == EXP_NONE { 0.0 } else { f32::NAN });
+/// Dequantise straight from a big-endian packet payload, divided by
+/// `divisor` (1 for the sum; the sources summed for a mean, 0 for a block
+/// that summed none, which stays zero). The division happens in f64 before
+/// the one rounding to f32.
+pub fn dequantize_from_payload(payload: &[u8], exp: i8, n_sources: usize, divisor: u16, out: &mut [f32]) {
+    if exp == EXP_NONE || exp == EXP_NON_FINITE || divisor == 0 {
+        out.iter_mut().for_each(|x| *x = if exp == EXP_NON_FINITE { f32::NAN } else { 0.0 });
         return;
     }
-    let scale = pow2(exp as i32 - frac_bits(n_sources));
+    let scale = pow2(exp as i32 - frac_bits(n_sources)) / divisor as f64;
     let n = out.len().min(payload.len() / 4);
     let (payload, out) = (&payload[..4 * n], &mut out[..n]);
     #[cfg(target_arch = "x86_64")]
@@ -385,7 +395,7 @@ mod tests {
         dequantize(&[5, 6, 7], EXP_NON_FINITE, 3, &mut out);
         assert!(out.iter().all(|x| x.is_nan()));
         let mut out = [1.0f32; 3];
-        dequantize_from_payload(&[1u8; 12], EXP_NON_FINITE, 3, &mut out);
+        dequantize_from_payload(&[1u8; 12], EXP_NON_FINITE, 3, 1, &mut out);
         assert!(out.iter().all(|x| x.is_nan()));
         assert_eq!(error_bound(EXP_NON_FINITE, 3), f64::INFINITY);
         // the marker is the largest exponent byte: a switch's `max` keeps it
@@ -432,12 +442,16 @@ mod tests {
                 unsafe { simd::quantize_be_avx2(&values, scale, limit, &mut simd) };
                 assert_eq!(portable, simd, "quantize, len {len}, exp {exp}, n {n}");
                 let raw: Vec<u8> = (0..4 * len).map(|_| next() as u8).collect();
-                let inv = pow2(exp as i32 - b);
-                let (mut a, mut c) = (vec![0f32; len], vec![0f32; len]);
-                dequantize_be_portable(&raw, inv, &mut a);
-                unsafe { simd::dequantize_be_avx2(&raw, inv, &mut c) };
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&a), bits(&c), "dequantize, len {len}, exp {exp}, n {n}");
+                // the sum's scale, and a mean's over three sources (not a
+                // power of two: the f32 loop would round twice)
+                for divisor in [1.0, 3.0] {
+                    let inv = pow2(exp as i32 - b) / divisor;
+                    let (mut a, mut c) = (vec![0f32; len], vec![0f32; len]);
+                    dequantize_be_portable(&raw, inv, &mut a);
+                    unsafe { simd::dequantize_be_avx2(&raw, inv, &mut c) };
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&a), bits(&c), "dequantize, len {len}, exp {exp}, n {n}, divisor {divisor}");
+                }
                 let wide: Vec<f32> = (0..len * 3).map(|i| values.get(i).copied().unwrap_or(-(i as f32))).collect();
                 for v in [&values[..], &wide[..]] {
                     assert_eq!(max_abs_bits_portable(v), unsafe { simd::max_abs_bits_avx2(v) }, "max, len {}", v.len());

@@ -12,7 +12,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use fanin_host::{HostError, Session as HostSession, SessionOptions};
+use fanin_host::{Session as HostSession, SessionOptions};
 use fanin_proto::bfp::half::Half;
 use fanin_proto::bfp::OutOfRange;
 use fanin_proto::host::{Outcome, Prepared, Tensor, TensorMut, TensorRef};
@@ -406,23 +406,20 @@ impl Session {
             let outcome = match lendable(&input, o.cast::<PyArrayDyn<u16>>()?.data() as usize) {
                 Some(s) => {
                     let prepared = Prepared::borrow(TensorRef::Half(kind, s), per).map_err(|e| self.refuse(e))?;
-                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
+                    reduce_half_into(py, &mut self.inner, mean_if(prepared, average), o, kind)?
                 }
                 None => {
                     let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(|e| self.refuse(e))?;
                     drop(input); // `out` may be the input: its read borrow ends before the write borrow
-                    reduce_half_into(py, &mut self.inner, prepared, o, kind, average)?
+                    reduce_half_into(py, &mut self.inner, mean_if(prepared, average), o, kind)?
                 }
             };
             self.last = Some(outcome);
             return Ok(o.clone());
         }
         let prepared = Prepared::new(Tensor::Half(kind, stage(&input, Vec::new())), per).map_err(|e| self.refuse(e))?;
+        let prepared = mean_if(prepared, average);
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
-        if average {
-            let per = outcome.elems_per_block;
-            outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        }
         let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
         self.last = Some(outcome);
         let Tensor::Half(_, v) = tensor else { unreachable!("a 16-bit allreduce returns its own dtype") };
@@ -446,10 +443,8 @@ impl Session {
             i32::stage(&array.extract::<PyReadonlyArrayDyn<'py, i32>>()?, Vec::new(), per)
         }
         .map_err(|e| self.refuse(e))?;
+        let prepared = mean_if(prepared, average);
         let mut outcome = py.detach(|| self.inner.allreduce_prepared(prepared)).map_err(host_err)?;
-        if average {
-            outcome.average(per, self.inner.n_sources()).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        }
         // the result vector becomes the array's buffer (no copy); the rest
         // of the outcome stays for last_stats
         let tensor = std::mem::replace(&mut outcome.tensor, Tensor::I32(Vec::new()));
@@ -481,13 +476,13 @@ impl Session {
         if let Some(s) = lendable(&a, o.cast::<PyArrayDyn<T>>()?.data() as usize) {
             let prepared = Prepared::borrow(T::view(s), per).map_err(|e| self.refuse(e))?;
             let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
-            return reduce_into(py, &mut self.inner, prepared, &mut w, average, per);
+            return reduce_into(py, &mut self.inner, mean_if(prepared, average), &mut w);
         }
         let buf = std::mem::take(T::staging(self));
         let prepared = T::stage(&a, buf, per).map_err(|e| self.refuse(e))?;
         drop(a); // `out` may be the input: its read borrow ends before the write borrow
         let mut w = o.extract::<PyReadwriteArrayDyn<'py, T>>()?;
-        let mut outcome = reduce_into(py, &mut self.inner, prepared, &mut w, average, per)?;
+        let mut outcome = reduce_into(py, &mut self.inner, mean_if(prepared, average), &mut w)?;
         // the staged input comes back, to be reused by the next call
         if let Some(v) = T::take_tensor(&mut outcome.tensor) {
             *T::staging(self) = v;
@@ -496,47 +491,39 @@ impl Session {
     }
 }
 
+/// `prepared`, asking for the mean (decoded as such, block by block)
+/// when `average`.
+fn mean_if(prepared: Prepared<'_>, average: bool) -> Prepared<'_> {
+    if average {
+        prepared.averaged()
+    } else {
+        prepared
+    }
+}
+
 /// A 16-bit `allreduce_into` of `prepared` into `o` (checked by
-/// `check_out`) with the GIL released, then the mean if asked for.
+/// `check_out`) with the GIL released.
 fn reduce_half_into<'py>(
     py: Python<'py>,
     inner: &mut HostSession,
     prepared: Prepared<'_>,
     o: &Bound<'py, PyAny>,
     kind: Half,
-    average: bool,
 ) -> PyResult<Outcome> {
     let mut w = o.extract::<PyReadwriteArrayDyn<'py, u16>>()?;
     let dst = w.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
-    py.detach(|| {
-        let outcome = inner.allreduce_into(prepared, TensorMut::Half(kind, &mut *dst))?;
-        if average {
-            // 16-bit blocks may hold more elements than `per`
-            outcome.average_half_into(kind, dst, outcome.elems_per_block, inner.n_sources());
-        }
-        Ok::<_, HostError>(outcome)
-    })
-    .map_err(host_err)
+    py.detach(|| inner.allreduce_into(prepared, TensorMut::Half(kind, &mut *dst))).map_err(host_err)
 }
 
-/// `allreduce_into` with the GIL released, then the mean if asked for.
+/// `allreduce_into` with the GIL released.
 fn reduce_into<T: Reducible>(
     py: Python<'_>,
     inner: &mut HostSession,
     prepared: Prepared<'_>,
     out: &mut PyReadwriteArrayDyn<'_, T>,
-    average: bool,
-    per: usize,
 ) -> PyResult<Outcome> {
     let dst = out.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
-    py.detach(|| {
-        let outcome = inner.allreduce_into(prepared, T::view_mut(&mut *dst))?;
-        if average {
-            T::average(&outcome, dst, per, inner.n_sources());
-        }
-        Ok::<_, HostError>(outcome)
-    })
-    .map_err(host_err)
+    py.detach(|| inner.allreduce_into(prepared, T::view_mut(&mut *dst))).map_err(host_err)
 }
 
 /// The element types a session reduces, and how their arrays meet the
@@ -548,8 +535,6 @@ trait Reducible: Element + Copy + Send + Sync {
     fn stage(a: &PyReadonlyArrayDyn<'_, Self>, buf: Vec<Self>, per: usize) -> Result<Prepared<'static>, OutOfRange>;
     fn staging(s: &mut Session) -> &mut Vec<Self>;
     fn take_tensor(t: &mut Tensor) -> Option<Vec<Self>>;
-    /// The sum in `dst` made a mean (float32 only; checked before).
-    fn average(outcome: &Outcome, dst: &mut [Self], per: usize, n_sources: u16);
 }
 
 impl Reducible for f32 {
@@ -575,9 +560,6 @@ impl Reducible for f32 {
             _ => None,
         }
     }
-    fn average(outcome: &Outcome, dst: &mut [f32], per: usize, n_sources: u16) {
-        outcome.average_into(dst, per, n_sources);
-    }
 }
 
 impl Reducible for i32 {
@@ -598,9 +580,6 @@ impl Reducible for i32 {
             Tensor::I32(v) if !v.is_empty() => Some(std::mem::take(v)),
             _ => None,
         }
-    }
-    fn average(_: &Outcome, _: &mut [i32], _: usize, _: u16) {
-        unreachable!("average=True is refused for int32 before anything is sent")
     }
 }
 

@@ -25,7 +25,7 @@
 
 use fanin_wire::value::{Dtype, EXP_NONE, EXP_NON_FINITE};
 
-use super::{block_exponent, pow2, quantize_one, quantize_scale, OutOfRange};
+use super::{block_exponent, is_pow2, pow2, quantize_one, quantize_scale, OutOfRange};
 
 /// Which 16-bit float a tensor holds (its elements are passed as their bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -131,18 +131,25 @@ fn quantize_portable(kind: Half, values: &[u16], scale: f64, limit: f64, payload
 }
 
 /// Turn a big-endian int16 payload of sums back into values of `kind`
-/// (NaN everywhere for a block with a non-finite source).
-pub fn dequantize_from_payload(kind: Half, payload: &[u8], exp: i8, n_sources: usize, out: &mut [u16]) {
-    if exp == EXP_NONE || exp == EXP_NON_FINITE {
-        let fill = if exp == EXP_NONE { 0 } else { kind.from_f64(f64::NAN) };
+/// (NaN everywhere for a block with a non-finite source), divided by
+/// `divisor` (1 for the sum; the sources summed for a mean, 0 for a block
+/// that summed none, which stays zero). The division happens before the one
+/// rounding to `kind`: a mean that fits is never infinite, though its sum
+/// would be.
+pub fn dequantize_from_payload(kind: Half, payload: &[u8], exp: i8, n_sources: usize, divisor: u16, out: &mut [u16]) {
+    if exp == EXP_NONE || exp == EXP_NON_FINITE || divisor == 0 {
+        let fill = if exp == EXP_NON_FINITE { kind.from_f64(f64::NAN) } else { 0 };
         out.iter_mut().for_each(|x| *x = fill);
         return;
     }
-    let scale = pow2(exp as i32 - frac_bits(n_sources));
+    let scale = pow2(exp as i32 - frac_bits(n_sources)) / divisor as f64;
     let n = out.len().min(payload.len() / 2);
     let (payload, out) = (&payload[..2 * n], &mut out[..n]);
+    // int16 -> f32 is exact and so is a product by a power of two, so the
+    // eight-wide f32 loop rounds once only for such a scale (a sum, or a
+    // mean over 2^k sources); any other mean goes through f64
     #[cfg(target_arch = "x86_64")]
-    if simd::available() && simd::F32_NORMAL_POW2.contains(&scale) {
+    if simd::available() && is_pow2(scale) && simd::F32_NORMAL_POW2.contains(&scale) {
         // SAFETY: the CPU has AVX2 and F16C (checked above).
         let done = unsafe { simd::dequantize_be(kind, payload, scale as f32, out) };
         return dequantize_portable(kind, &payload[2 * done..], scale, &mut out[done..]);
@@ -403,11 +410,15 @@ mod tests {
                     quantize_into_payload(kind, &all, exp, n, &mut fast);
                     quantize_portable(kind, &all, scale, limit, &mut slow);
                     assert_eq!(fast, slow, "quantise {kind:?} exp {exp} n {n}");
-                    let scale = pow2(exp as i32 - frac_bits(n));
-                    let (mut fast, mut slow) = (vec![0u16; all.len()], vec![0u16; all.len()]);
-                    dequantize_from_payload(kind, &lanes, exp, n, &mut fast);
-                    dequantize_portable(kind, &lanes, scale, &mut slow);
-                    assert_eq!(fast, slow, "dequantise {kind:?} exp {exp} n {n}");
+                    // a sum, and means (divided by a power of two in the
+                    // vector loop, by 3 in f64)
+                    for divisor in [1u16, 2, 3, 4] {
+                        let scale = pow2(exp as i32 - frac_bits(n)) / divisor as f64;
+                        let (mut fast, mut slow) = (vec![0u16; all.len()], vec![0u16; all.len()]);
+                        dequantize_from_payload(kind, &lanes, exp, n, divisor, &mut fast);
+                        dequantize_portable(kind, &lanes, scale, &mut slow);
+                        assert_eq!(fast, slow, "dequantise {kind:?} exp {exp} n {n} divisor {divisor}");
+                    }
                 }
             }
             // a length that is not a multiple of eight: the tail is portable
@@ -429,9 +440,9 @@ mod tests {
         quantize_into_payload(Half::BF16, &[0xbf40, 0x3f80], 1, 4, &mut payload);
         assert_eq!(payload, [0xfa, 0x00, 0x08, 0x00]);
         let mut out = [0u16; 2];
-        dequantize_from_payload(Half::BF16, &payload, 1, 4, &mut out);
+        dequantize_from_payload(Half::BF16, &payload, 1, 4, 1, &mut out);
         assert_eq!(out, [0xbf40, 0x3f80]);
-        dequantize_from_payload(Half::F16, &[0x0c, 0x00, 0x00, 0x00], 1, 4, &mut out);
+        dequantize_from_payload(Half::F16, &[0x0c, 0x00, 0x00, 0x00], 1, 4, 1, &mut out);
         assert_eq!(out, [0x3e00, 0x0000]);
     }
 
@@ -457,7 +468,7 @@ mod tests {
             quantize_into_payload(kind, &[0x3c00, 0x7c00], EXP_NON_FINITE, 2, &mut payload);
             assert_eq!(payload, [0; 4]);
             let mut out = [0u16; 2];
-            dequantize_from_payload(kind, &[0, 1, 0, 2], EXP_NON_FINITE, 2, &mut out);
+            dequantize_from_payload(kind, &[0, 1, 0, 2], EXP_NON_FINITE, 2, 1, &mut out);
             assert!(out.iter().all(|&x| kind.to_f32(x).is_nan()), "{kind:?}: {out:?}");
         }
         assert!(check_sources(MAX_SOURCES).is_ok() && check_sources(MAX_SOURCES + 1).is_err());
@@ -502,7 +513,7 @@ mod tests {
                     assert!(sum.iter().all(|s| s.abs() <= 1 << 14), "{kind:?} n={n}: {sum:?}");
                     let payload: Vec<u8> = sum.iter().flat_map(|s| (*s as i16).to_be_bytes()).collect();
                     let mut out = [0u16; 16];
-                    dequantize_from_payload(kind, &payload, exp, n, &mut out);
+                    dequantize_from_payload(kind, &payload, exp, n, 1, &mut out);
                     for (i, &got) in out.iter().enumerate() {
                         let exact: f64 = blocks.iter().map(|b| kind.to_f32(b[i]) as f64).sum();
                         let got = kind.to_f32(got) as f64;

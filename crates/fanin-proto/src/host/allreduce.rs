@@ -399,12 +399,12 @@ impl AllreduceSession {
         keep: Option<std::ops::Range<usize>>,
     ) -> Result<(), SessionError> {
         self.check_ready()?;
-        let Prepared { input, local_exp, per } = prepared;
+        let Prepared { input, local_exp, per, average } = prepared;
         let tensor = match input {
             PreparedInput::Owned(t) => t,
             PreparedInput::Borrowed(v) => v.to_owned(),
         };
-        self.begin_op(now, Prepared { input: PreparedInput::Owned(tensor), local_exp, per }, None, keep)
+        self.begin_op(now, Prepared { input: PreparedInput::Owned(tensor), local_exp, per, average }, None, keep)
     }
 
     /// Start an allreduce of `prepared` whose sum is written into `out`
@@ -483,7 +483,11 @@ impl AllreduceSession {
             TensorRef::Half(..) => self.half_elems_per_packet.max(1) as usize,
             _ => self.config.elems_per_packet as usize,
         };
-        let Prepared { input, local_exp, .. } = prepared.for_block_size(per).map_err(|e| self.refuse_input(e))?;
+        let Prepared { input, local_exp, average, .. } =
+            prepared.for_block_size(per).map_err(|e| self.refuse_input(e))?;
+        if average && !input.view().dtype().is_block_floating_point() {
+            return Err(SessionError::Config("averaging needs a float tensor (an int32 mean is not an int32)".into()));
+        }
         if matches!(input.view(), TensorRef::Half(..)) {
             crate::bfp::half::check_sources(self.n_sources as usize).map_err(SessionError::Config)?;
         }
@@ -519,6 +523,7 @@ impl AllreduceSession {
             blocks,
             local_exp,
             per,
+            average,
             low: 0,
             next_new: 0,
             done: 0,

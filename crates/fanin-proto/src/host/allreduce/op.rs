@@ -63,6 +63,8 @@ pub(super) struct Op {
     /// Elements per block of this allreduce (16-bit tensors may use more
     /// than the session's `elems_per_packet`: the same bytes per datagram).
     pub(super) per: usize,
+    /// Results are decoded as means ([`Prepared::averaged`](super::Prepared::averaged)).
+    pub(super) average: bool,
     /// Lowest block index without a result.
     pub(super) low: u32,
     /// Next block index never sent.

@@ -6,7 +6,6 @@ use std::time::Duration;
 use fanin_wire::value::{JoinParams, NackReason};
 
 use super::Tensor;
-use crate::bfp::half::Half;
 use crate::bfp::OutOfRange;
 
 /// Why a session or an allreduce failed. Messages say what to check.
@@ -129,59 +128,6 @@ impl Outcome {
         // degraded_blocks is sorted by completion, not index: search it all
         self.degraded_blocks.iter().find(|(b, _)| *b == idx).map_or(n_sources, |(_, c)| *c)
     }
-
-    /// Turn the sum into a mean: each block is divided by the number of
-    /// sources its result summed (`src_cnt`), not by the job size, so a
-    /// partial result averages the contributions it has. Blocks that summed
-    /// no source stay zero. Float tensors only.
-    pub fn average(&mut self, elems_per_packet: usize, n_sources: u16) -> Result<(), SessionError> {
-        match &mut self.tensor {
-            Tensor::F32(values) => average_blocks(values, &self.degraded_blocks, elems_per_packet, n_sources),
-            Tensor::Half(kind, values) => {
-                average_half_into(*kind, values, &self.degraded_blocks, elems_per_packet, n_sources)
-            }
-            Tensor::I32(_) => return Err(SessionError::Config("averaging needs a float tensor".into())),
-        }
-        Ok(())
-    }
-
-    /// [`average`](Self::average) of a 16-bit sum written into the caller's
-    /// buffer: each element divided in f64 and rounded once to `kind`.
-    pub fn average_half_into(&self, kind: Half, values: &mut [u16], elems_per_packet: usize, n_sources: u16) {
-        average_half_into(kind, values, &self.degraded_blocks, elems_per_packet, n_sources);
-    }
-
-    /// [`average`](Self::average) of a sum written into the caller's buffer
-    /// ([`AllreduceSession::begin_into`](super::AllreduceSession::begin_into)).
-    pub fn average_into(&self, values: &mut [f32], elems_per_packet: usize, n_sources: u16) {
-        average_blocks(values, &self.degraded_blocks, elems_per_packet, n_sources);
-    }
-}
-
-/// Divide each block of 16-bit `values` by the sources its result summed.
-fn average_half_into(kind: Half, values: &mut [u16], degraded: &[(u32, u16)], per: usize, n_sources: u16) {
-    // degraded blocks are few and in no promised order
-    let partial: std::collections::BTreeMap<u32, u16> = degraded.iter().copied().collect();
-    for (idx, block) in values.chunks_mut(per.max(1)).enumerate() {
-        let by = partial.get(&(idx as u32)).copied().unwrap_or(n_sources.max(1));
-        for v in block {
-            // a block that summed no source stays zero
-            *v = if by == 0 { 0 } else { kind.from_f64(kind.to_f32(*v) as f64 / by as f64) };
-        }
-    }
-}
-
-/// Divide each block of `values` by the sources its result summed.
-fn average_blocks(values: &mut [f32], degraded_blocks: &[(u32, u16)], elems_per_packet: usize, n_sources: u16) {
-    let scale = 1.0 / n_sources.max(1) as f32;
-    values.iter_mut().for_each(|v| *v *= scale);
-    for &(idx, cnt) in degraded_blocks {
-        let start = idx as usize * elems_per_packet;
-        let end = (start + elems_per_packet).min(values.len());
-        // undo the job-size division, apply the block's own
-        let fix = if cnt == 0 { 0.0 } else { n_sources as f32 / cnt as f32 };
-        values[start..end].iter_mut().for_each(|v| *v *= fix);
-    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -193,43 +139,4 @@ pub enum Event {
     Membership { source: u16, slow: bool, waiting_for: u16 },
     Completed(Outcome),
     Failed(SessionError),
-}
-
-#[cfg(test)]
-mod averaging_tests {
-    use super::*;
-
-    #[test]
-    fn average_divides_each_block_by_its_own_src_cnt() {
-        let mut o = Outcome {
-            tensor: Tensor::F32(vec![8.0, 8.0, 6.0, 6.0, 4.0]),
-            gen_id: 1,
-            blocks: 3,
-            elems_per_block: 2,
-            retransmissions: 0,
-            trimmed: 0,
-            fast_retransmits: 0,
-            timeouts: 0,
-            window: 1,
-            degraded_blocks: vec![(1, 3), (2, 0)],
-            min_src_cnt: 0,
-            missed_blocks: 1,
-            latency_mean: Duration::ZERO,
-            latency_max: Duration::ZERO,
-            recoveries: 0,
-        };
-        assert_eq!(o.src_cnt_of(0, 4), 4);
-        assert_eq!(o.src_cnt_of(1, 4), 3);
-        o.average(2, 4).unwrap();
-        assert_eq!(o.tensor, Tensor::F32(vec![2.0, 2.0, 2.0, 2.0, 0.0]));
-        let mut ints = Outcome { tensor: Tensor::I32(vec![1]), ..o.clone() };
-        assert!(ints.average(2, 4).is_err());
-        // float16: divided per block by its own src_cnt, rounded once
-        // (8/4 = 2, 6/3 = 2, a block that summed no source stays 0; 1/3
-        // rounds to float16's nearest, 0x3555)
-        let f16 = |x: f64| Half::F16.from_f64(x);
-        let mut half = Outcome { tensor: Tensor::Half(Half::F16, vec![f16(8.0), f16(4.0), f16(6.0), f16(1.0), f16(4.0)]), ..o };
-        half.average(2, 4).unwrap();
-        assert_eq!(half.tensor, Tensor::Half(Half::F16, vec![f16(2.0), f16(1.0), f16(2.0), 0x3555, 0]));
-    }
 }

@@ -123,12 +123,20 @@ impl AllreduceSession {
         let Some(op) = self.op.as_mut() else { return };
         // (outside `keep` the output is left as it was, whatever came)
         if wanted && !repr.no_data {
+            // A mean divides by the sources this block summed (as
+            // `record_done` below counts a block partial), while decoding:
+            // one rounding, and no overflow of a sum whose mean fits.
+            let partial = repr.degraded || repr.src_cnt < self.n_sources;
+            let divisor = match (op.average, partial) {
+                (false, _) => 1,
+                (true, true) => repr.src_cnt,
+                (true, false) => self.n_sources,
+            };
+            let n = self.n_sources as usize;
             match op.output_block(start, count) {
                 TensorMut::I32(v) => read_elements(payload, v),
-                TensorMut::F32(v) => bfp::dequantize_from_payload(payload, repr.exp, self.n_sources as usize, v),
-                TensorMut::Half(kind, v) => {
-                    bfp::half::dequantize_from_payload(kind, payload, repr.exp, self.n_sources as usize, v)
-                }
+                TensorMut::F32(v) => bfp::dequantize_from_payload(payload, repr.exp, n, divisor, v),
+                TensorMut::Half(kind, v) => bfp::half::dequantize_from_payload(kind, payload, repr.exp, n, divisor, v),
             }
         }
         let block = &mut op.blocks[idx as usize];

@@ -42,6 +42,8 @@ pub struct Prepared<'a> {
     pub(super) local_exp: Vec<i8>,
     /// The block size the exponents were computed for.
     pub(super) per: usize,
+    /// The result is the mean, not the sum ([`averaged`](Self::averaged)).
+    pub(super) average: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -66,7 +68,7 @@ impl Prepared<'static> {
     pub fn new(tensor: Tensor, per: usize) -> Result<Self, OutOfRange> {
         let per = per.max(1);
         let local_exp = exponents_of(tensor.view(), per)?;
-        Ok(Prepared { input: PreparedInput::Owned(tensor), local_exp, per })
+        Ok(Prepared { input: PreparedInput::Owned(tensor), local_exp, per, average: false })
     }
 
     /// Copy `values` into `buf` (reusing its memory) a block at a time,
@@ -82,7 +84,7 @@ impl Prepared<'static> {
             buf.extend_from_slice(chunk);
             local_exp.push(block_exponent_at(&buf[start..], start)?);
         }
-        Ok(Prepared { input: PreparedInput::Owned(Tensor::F32(buf)), local_exp, per })
+        Ok(Prepared { input: PreparedInput::Owned(Tensor::F32(buf)), local_exp, per, average: false })
     }
 }
 
@@ -96,7 +98,18 @@ impl<'a> Prepared<'a> {
     pub fn borrow(input: TensorRef<'a>, per: usize) -> Result<Self, OutOfRange> {
         let per = per.max(1);
         let local_exp = exponents_of(input, per)?;
-        Ok(Prepared { input: PreparedInput::Borrowed(input), local_exp, per })
+        Ok(Prepared { input: PreparedInput::Borrowed(input), local_exp, per, average: false })
+    }
+
+    /// Ask for the mean instead of the sum (float tensors; an int32 one is
+    /// refused when the allreduce begins). Each block is divided by the
+    /// number of sources its result summed (`src_cnt`: a partial result is
+    /// the mean of the contributions it has) while its result is decoded,
+    /// and rounded once to the tensor's type. Dividing the decoded sum
+    /// afterwards would round the sum first: a float16 sum past 65 504 is
+    /// infinite even where the mean fits.
+    pub fn averaged(self) -> Self {
+        Prepared { average: true, ..self }
     }
 
     pub fn len(&self) -> usize {

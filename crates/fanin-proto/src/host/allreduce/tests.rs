@@ -2,6 +2,7 @@
 //! with datagrams moved by hand.
 
 use super::*;
+use crate::bfp::half::Half;
 use fanin_wire::value::JOIN_SYNC;
 use crate::job::JobSpec;
 use crate::switch::{ShardConfig, ValueSwitch};
@@ -583,4 +584,112 @@ fn an_ended_rounds_notice_for_a_straggler_does_not_end_the_round_a_session_joine
     // the end of this session's own round (its next round starts later) is
     s.handle_datagram(Time::ZERO, &notice(joined_at.wrapping_add(64)));
     assert!(matches!(s.error(), Some(SessionError::MemberRestarted { rank: 5, .. })), "{:?}", s.error());
+}
+
+/// `n` workers of job 1 on one shard, joined; datagrams moved by hand
+/// (worker address = source id).
+fn joined_workers(n: u16) -> (Vec<AllreduceSession>, ValueSwitch<u16>) {
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec::with_sources(1, n, 16, 64)).unwrap();
+    let mut workers: Vec<AllreduceSession> = (0..n)
+        .map(|src| {
+            let mut cfg = SessionConfig::new(1, src);
+            cfg.elems_per_packet = 4;
+            AllreduceSession::new(cfg, Time::ZERO)
+        })
+        .collect();
+    pump_all(&mut workers, &mut sw);
+    for (src, w) in workers.iter_mut().enumerate() {
+        assert!(matches!(w.poll_event(), Some(Event::Joined(_))), "worker {src}");
+    }
+    (workers, sw)
+}
+
+/// Move every datagram between the workers and the switch until none is left.
+fn pump_all(workers: &mut [AllreduceSession], sw: &mut ValueSwitch<u16>) {
+    loop {
+        let mut moved = 0;
+        for src in 0..workers.len() {
+            let mut out = VecTransmit::new();
+            while workers[src].poll_transmit(Time::ZERO, &mut out) > 0 {}
+            for (_, bytes) in out.drain() {
+                let mut reply = VecTransmit::new();
+                let _ = sw.handle_datagram(Time::ZERO, src as u16, &bytes, &mut reply);
+                for (to, b) in reply.drain() {
+                    workers[to as usize].handle_datagram(Time::ZERO, &b);
+                    moved += 1;
+                }
+            }
+        }
+        if moved == 0 {
+            return;
+        }
+    }
+}
+
+/// Each worker's allreduce of `inputs[src]` (prepared by `prepare`), to its end.
+fn outcomes(n: u16, inputs: impl Fn(u16) -> Prepared<'static>) -> Vec<Result<Outcome, SessionError>> {
+    let (mut workers, mut sw) = joined_workers(n);
+    for (src, w) in workers.iter_mut().enumerate() {
+        w.begin_prepared(Time::ZERO, inputs(src as u16)).unwrap();
+    }
+    pump_all(&mut workers, &mut sw);
+    workers
+        .iter_mut()
+        .map(|w| match w.poll_event() {
+            Some(Event::Completed(o)) => Ok(o),
+            Some(Event::Failed(e)) => Err(e),
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+/// Found by the torch audit: two ranks averaging float16 40 000 got inf,
+/// since the sum (80 000, past float16's 65 504) was rounded to float16
+/// before the division. The mean is divided out while the result is decoded.
+#[test]
+fn a_16_bit_mean_whose_sum_overflows_the_type_is_the_mean() {
+    for kind in [Half::F16, Half::BF16] {
+        // (bfloat16 carries values below 2^126, whose sums fit its range)
+        let big = if kind == Half::F16 { 40_000.0 } else { 2f64.powi(125) * 1.5 };
+        let tensor = Tensor::Half(kind, vec![kind.from_f64(big); 10]);
+        for o in outcomes(2, |_| Prepared::new(tensor.clone(), 4).unwrap().averaged()) {
+            assert_eq!(o.unwrap().tensor, tensor, "{kind:?}: the mean of two equal values is that value");
+        }
+        if kind == Half::BF16 {
+            continue;
+        }
+        // the float16 sum itself does not fit: infinite, as the type says
+        for o in outcomes(2, |_| Prepared::new(tensor.clone(), 4).unwrap()) {
+            let Tensor::Half(_, sum) = o.unwrap().tensor else { unreachable!() };
+            assert!(sum.iter().all(|&v| kind.to_f32(v) == f32::INFINITY), "{kind:?}: {sum:?}");
+        }
+    }
+}
+
+/// A mean over three workers is divided once and rounded once: float32
+/// and float16 means equal the exact mean of what was summed, rounded to
+/// the type (the sums below are exact in block floating point).
+#[test]
+fn a_mean_over_three_workers_is_rounded_once() {
+    let values = |src: u16| -> Vec<f64> { (0..10).map(|i| (i as f64 + 1.0) * (src as f64 + 1.0) / 8.0).collect() };
+    let mean: Vec<f64> = (0..10).map(|i| (0..3).map(|s| values(s)[i]).sum::<f64>() / 3.0).collect();
+    let f32s = outcomes(3, |src| Prepared::new(Tensor::F32(values(src).iter().map(|&v| v as f32).collect()), 4).unwrap().averaged());
+    for o in f32s {
+        assert_eq!(o.unwrap().tensor, Tensor::F32(mean.iter().map(|&m| m as f32).collect()));
+    }
+    let kind = Half::F16;
+    let halves = outcomes(3, |src| Prepared::new(Tensor::Half(kind, values(src).iter().map(|&v| kind.from_f64(v)).collect()), 4).unwrap().averaged());
+    for o in halves {
+        assert_eq!(o.unwrap().tensor, Tensor::Half(kind, mean.iter().map(|&m| kind.from_f64(m)).collect()));
+    }
+}
+
+#[test]
+fn an_int32_mean_is_refused_before_anything_is_sent() {
+    let (mut workers, _sw) = joined_workers(2);
+    let e = workers[0].begin_prepared(Time::ZERO, Prepared::new(Tensor::I32(vec![1; 8]), 4).unwrap().averaged());
+    assert!(matches!(e, Err(SessionError::Config(ref m)) if m.contains("float tensor")), "{e:?}");
+    let mut out = VecTransmit::new();
+    assert_eq!(workers[0].poll_transmit(Time::ZERO, &mut out), 0, "nothing sent");
 }
