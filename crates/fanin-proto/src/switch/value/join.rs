@@ -255,7 +255,10 @@ pub(super) fn start_here<A>(
     }
     let steps = space.distance(safe, answered.block).div_ceil(align);
     let here = shift(answered, space.add(answered.block, steps.saturating_mul(align)), align, space);
-    job.sync_moved.insert(origin, here);
+    if origin != via {
+        // a worker joining here directly finds its start in `start_of`
+        job.sync_moved.insert(origin, here);
+    }
     here
 }
 
