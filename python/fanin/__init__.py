@@ -12,7 +12,7 @@ See ``fanin --help`` for the command line (switch, demo, bench).
 """
 
 from fanin._native import (FaninError, FaninRefused, FaninTimeout, InputOutOfRange, MemberFailed, MemberRestarted,
-                           StaleResult, __version__)
+                           StaleResult, SwitchGone, __version__)
 from fanin.auth import derive_member_key, new_job_key, read_key_file
 from fanin.session import Session
 from fanin.switch import LocalSwitch, local_switch
@@ -27,6 +27,7 @@ __all__ = [
     "MemberRestarted",
     "Session",
     "StaleResult",
+    "SwitchGone",
     "local_switch",
     "__version__",
     "derive_member_key",

@@ -97,6 +97,14 @@ class Session:
         rto_ms, rto_min_ms, rto_max_ms: retransmission timeout (initial, bounds).
         join_timeout_s: give up joining after this long.
         dead_after_s: fail an allreduce when the switch is silent this long.
+        switch_gone_after_s: raise :class:`fanin.SwitchGone` when the
+            switch's host has answered for this long that nothing listens
+            on the switch's port (ICMP port unreachable: its process
+            stopped) and the switch sent nothing since. A switch restarted
+            on its port within this time answers, and the allreduce goes on
+            (docs/restart.md); 0 for a switch that cannot come back, which
+            then fails at the first such answer instead of after
+            ``dead_after_s`` of silence.
         auth_key: this worker's 16-byte member key in a keyed job (the
             controller issues it; ``fanin.derive_member_key(job_key, job_id,
             rank)`` computes it from the job key). Every datagram is sealed
@@ -135,7 +143,8 @@ class Session:
     start a new Session), :class:`fanin.MemberFailed` (a rank died under
     ``on_failure=fail``), :class:`fanin.StaleResult` (a block the switch no
     longer holds, or completed without every member, in a job that did not
-    opt into partial results), :class:`fanin.FaninTimeout`.
+    opt into partial results), :class:`fanin.SwitchGone` (the switch
+    process stopped), :class:`fanin.FaninTimeout`.
 
     Example::
 
@@ -169,6 +178,7 @@ class Session:
         barrier_timeout_s: float = _DEFAULTS["barrier_timeout_s"],
         members: int = 0,
         lanes: int = 1,
+        switch_gone_after_s: float = _DEFAULTS["switch_gone_after_s"],
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -194,6 +204,7 @@ class Session:
             barrier_timeout_s=barrier_timeout_s,
             members=members,
             lanes=lanes,
+            switch_gone_after_s=switch_gone_after_s,
         )
         self.switch = switch
         self.job_id = job_id

@@ -56,9 +56,9 @@ def _worker(rank, addr, n, size, dtype, iters, progress, q, auth_key=None):
             done.append((it, ok, time.time(), stats["recoveries"], y.tobytes()))
             with progress.get_lock():
                 progress.value += 1
-        q.put((rank, None, done))
+        q.put((rank, None, done, s.socket_stats()["port_unreachable"]))
     except BaseException as e:  # report, never hang the test
-        q.put((rank, repr(e), []))
+        q.put((rank, repr(e), [], 0))
 
 
 def _run_with_kill(n, dtype, shards=2, size=64 * 1024, iters=12, kill_after=4, down_s=0.3):
@@ -95,8 +95,12 @@ def _run_with_kill(n, dtype, shards=2, size=64 * 1024, iters=12, kill_after=4, d
         if new is not None:
             new.stop()
         sw.stop()
-    errors = [(r, e) for r, e, _ in res if e]
+    errors = [(r, e, *_) for r, e, *_ in res if e]
     assert not errors, errors
+    # the switch's host said nothing listened while it was down; that is
+    # not fatal for a switch that comes back within switch_gone_after_s
+    assert sum(unreachable for *_, unreachable in res) > 0
+    res = [(r, e, done) for r, e, done, _ in res]
     for _, _, done in res:
         assert len(done) == iters
         assert all(ok for _, ok, _, _, _ in done), [(it, ok) for it, ok, *_ in done]
@@ -183,7 +187,7 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch(controller_restarte
             sw.proc.wait(10)
             new = SwitchProcess(cfg)  # no jobs of its own
             ready_at = time.time()
-            res = [q.get(timeout=120) for _ in procs]
+            res = [q.get(timeout=120)[:3] for _ in procs]
             errors = [(r, e) for r, e, _ in res if e]
             assert not errors, errors  # before the control checks: the likelier cause
             counters = new.counters()
@@ -215,3 +219,55 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch(controller_restarte
     assert (counters.get("auth_bad_tag", 0), counters.get("auth_replayed", 0), counters.get("auth_unsealed", 0)) == (
         0, 0, 0)
     assert recovery_s < 2 * BLOCK_TIMEOUT_S + 1.0, f"recovery took {recovery_s:.3f} s"
+
+
+def test_a_switch_that_does_not_come_back_is_reported_gone_soon():
+    """The daemon is killed and not restarted. A worker waiting for a
+    result, and one that starts an allreduce afterwards, raise SwitchGone
+    about switch_gone_after_s after the switch's host first answered "port
+    unreachable", not after dead_after_s (10 s) of silence."""
+    import threading
+
+    cfg = switch_config(data_addr=f"127.0.0.1:{_free_port_pair(1)}", control_addr=None, metrics_addr="127.0.0.1:0",
+                        jobs=[job_config(1, 2)], shards=1)
+    sw = SwitchProcess(cfg)
+    first_done = threading.Barrier(3)  # the two workers and this thread
+    killed = threading.Event()
+    out = {}
+
+    def work(rank):
+        s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=64, switch_gone_after_s=0.5)
+        s.allreduce(np.ones(256, dtype=np.int32))
+        first_done.wait(30)
+        if rank == 1:
+            killed.wait(30)  # rank 0 is waiting for this rank when the switch dies
+        start = time.monotonic()
+        try:
+            s.allreduce(np.ones(256, dtype=np.int32))
+            out[rank] = ("returned", 0.0, None)
+        except Exception as e:
+            out[rank] = (type(e).__name__, time.monotonic() - start, str(e))
+        out[f"stats{rank}"] = s.socket_stats()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        first_done.wait(30)
+        time.sleep(0.3)  # rank 0 is in its allreduce
+        sw.proc.send_signal(signal.SIGKILL)
+        sw.proc.wait(10)
+        killed_at = time.monotonic()
+        killed.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        sw.stop()
+    assert out[0][0] == "SwitchGone" and out[1][0] == "SwitchGone", out
+    assert "nothing listens on the switch's port" in out[0][2]
+    # rank 0 waited 0.3 s before the kill, then a retransmission timeout or
+    # two for its first refusal, then 0.5 s of them
+    assert out[0][1] < 0.3 + 2.0, out[0]
+    assert out[1][1] < 2.0, out[1]
+    assert out["stats0"]["port_unreachable"] > 0 and out["stats1"]["port_unreachable"] > 0
+    assert time.monotonic() - killed_at < 5

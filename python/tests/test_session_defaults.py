@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_python_session_takes_its_defaults_from_rust():
     defaults = _native.session_defaults()
     assert set(defaults) == {"elems_per_packet", "window", "rto_ms", "rto_min_ms", "rto_max_ms", "join_timeout_s",
-                             "dead_after_s", "barrier_timeout_s"}
+                             "dead_after_s", "barrier_timeout_s", "switch_gone_after_s"}
     params = inspect.signature(fanin.Session).parameters
     for name, value in defaults.items():
         assert params[name].default == value, name
@@ -39,7 +39,7 @@ def test_the_protocol_document_states_the_defaults():
     for expected in (f"`elems_per_packet` {d['elems_per_packet']}", f"`window` {d['window']}",
                      f"`rto_initial` {d['rto_ms']:g} ms", f"`rto_min` {d['rto_min_ms']:g} ms",
                      f"`rto_max` {d['rto_max_ms'] / 1000:g} s", f"`join_timeout` {d['join_timeout_s']:g} s",
-                     f"`dead_after` {d['dead_after_s']:g} s"):
+                     f"`dead_after` {d['dead_after_s']:g} s", f"`switch_gone_after` {d['switch_gone_after_s']:g} s"):
         assert expected in line, (expected, line)
 
 

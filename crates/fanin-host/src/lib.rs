@@ -104,6 +104,11 @@ pub struct SessionStats {
     /// first; one entry without lanes).
     pub sent_by_lane: Vec<u64>,
     pub received_by_lane: Vec<u64>,
+    /// ICMP port unreachable answers to this session's datagrams: nothing
+    /// listened on the switch's port (a stopped or restarting switch).
+    pub port_unreachable: u64,
+    /// Other ICMP errors for them (host or network unreachable, …).
+    pub other_icmp_errors: u64,
 }
 
 /// A worker's connection to a fanin switch for one job.
@@ -127,6 +132,8 @@ pub struct Session {
     /// the session (a Python caller's Ctrl-C).
     interrupt: Option<Interrupt>,
     last_interrupt_check: Instant,
+    /// Lane 0's ICMP error count when its error queue was last read.
+    icmp_errors_read: u64,
 }
 
 /// A caller's "stop now?" (see [`Session::connect_interruptible`]).
@@ -192,7 +199,11 @@ impl Session {
         if !(1..=MAX_LANES).contains(&options.lanes) {
             return Err(HostError::Option(format!("lanes {} is not 1 to {MAX_LANES}", options.lanes)));
         }
-        let lanes = SendLanes::new(bind_lane_socket(bind_ip, &options)?, options.offload);
+        // Lane 0 carries the joins and shard 0's blocks: what the switch's
+        // host says of them tells whether anything listens there.
+        let lane0 = bind_lane_socket(bind_ip, &options)?;
+        lane0.report_unreachable()?;
+        let lanes = SendLanes::new(lane0, options.offload);
         let group = match options.result_group {
             Some(g) => Some(listen_on_group(g, options.switch, &options)?),
             None => None,
@@ -239,6 +250,7 @@ impl Session {
             options,
             interrupt,
             last_interrupt_check: epoch,
+            icmp_errors_read: 0,
         };
         loop {
             session.step()?;
@@ -453,9 +465,29 @@ impl Session {
                 self.receive(ReadFrom::Lane(lane))?;
             }
         }
+        self.read_icmp_errors()?;
         let now = self.now();
         if self.machine.poll_timeout().is_some_and(|t| t <= now) {
             self.machine.handle_timeout(now);
+        }
+        Ok(())
+    }
+
+    /// Lane 0's queued ICMP errors, if a send or a receive met one since
+    /// the last read (reading frees the receive buffer they are charged
+    /// to); a port unreachable goes to the machine.
+    fn read_icmp_errors(&mut self) -> Result<(), HostError> {
+        let socket = self.lanes.socket(0);
+        let seen = socket.icmp_errors();
+        if seen == self.icmp_errors_read {
+            return Ok(());
+        }
+        self.icmp_errors_read = seen;
+        let errors = socket.take_unreachable()?;
+        self.stats.port_unreachable += errors.port;
+        self.stats.other_icmp_errors += errors.other;
+        if errors.port > 0 {
+            self.machine.handle_port_unreachable(self.now());
         }
         Ok(())
     }

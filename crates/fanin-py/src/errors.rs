@@ -13,6 +13,12 @@ create_exception!(_native, FaninTimeout, FaninError, "The switch did not answer 
 create_exception!(_native, FaninRefused, FaninError, "The switch refused the request.");
 create_exception!(
     _native,
+    SwitchGone,
+    FaninError,
+    "Nothing listens on the switch's port any more (its host answers ICMP port unreachable): the switch process stopped. Start new sessions once a switch runs there."
+);
+create_exception!(
+    _native,
     MemberFailed,
     FaninError,
     "The job failed because a member (worker) died; the message names its rank (failure policy `fail`)."
@@ -82,6 +88,7 @@ pub(crate) fn host_err(e: HostError) -> PyErr {
             FaninTimeout::new_err(e.to_string())
         }
         HostError::Session(SessionError::MemberFailed { .. }) => MemberFailed::new_err(e.to_string()),
+        HostError::Session(SessionError::SwitchGone { .. }) => SwitchGone::new_err(e.to_string()),
         HostError::Session(SessionError::MemberRestarted { .. }) => MemberRestarted::new_err(e.to_string()),
         HostError::Session(SessionError::MissedBlocks { .. }) | HostError::Session(SessionError::PartialResult { .. }) => {
             StaleResult::new_err(e.to_string())

@@ -12,7 +12,7 @@ mod switch;
 
 use auth::{derive_member_key, seal_datagram};
 use columns::{decode_groups, GroupEncoder};
-use errors::{FaninError, FaninRefused, FaninTimeout, InputOutOfRange, MemberFailed, MemberRestarted, StaleResult};
+use errors::{FaninError, FaninRefused, FaninTimeout, InputOutOfRange, MemberFailed, MemberRestarted, StaleResult, SwitchGone};
 use kv::{decode_results, encode_tuples, encode_tuples_partitioned, receiver_partition, run_kv_daemon};
 use session::{session_defaults, Session};
 use switch::{job_defaults, job_schema, load_config, run_switch, Switch};
@@ -41,6 +41,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InputOutOfRange", m.py().get_type::<InputOutOfRange>())?;
     m.add("MemberFailed", m.py().get_type::<MemberFailed>())?;
     m.add("MemberRestarted", m.py().get_type::<MemberRestarted>())?;
+    m.add("SwitchGone", m.py().get_type::<SwitchGone>())?;
     m.add("StaleResult", m.py().get_type::<StaleResult>())?;
     m.add("InvalidPair", m.py().get_type::<errors::InvalidPair>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

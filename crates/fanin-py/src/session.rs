@@ -62,7 +62,7 @@ impl Session {
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=None, window=None, send_drop=0.0, seed=0,
                         rto_ms=None, rto_min_ms=None, rto_max_ms=None, join_timeout_s=None, dead_after_s=None, offload=true,
                         recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None,
-                        barrier_timeout_s=None, members=0, lanes=1))]
+                        barrier_timeout_s=None, members=0, lanes=1, switch_gone_after_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -89,6 +89,7 @@ impl Session {
         barrier_timeout_s: Option<f64>,
         members: u16,
         lanes: usize,
+        switch_gone_after_s: Option<f64>,
     ) -> PyResult<Self> {
         let addr = resolve_switch(switch)?;
         let secs = |name: &str, v: f64| -> PyResult<Duration> {
@@ -109,6 +110,11 @@ impl Session {
         c.join_timeout = secs("join_timeout_s", join_timeout_s.unwrap_or(c.join_timeout.as_secs_f64()))?;
         c.dead_after = secs("dead_after_s", dead_after_s.unwrap_or(c.dead_after.as_secs_f64()))?;
         c.barrier_timeout = secs("barrier_timeout_s", barrier_timeout_s.unwrap_or(c.barrier_timeout.as_secs_f64()))?;
+        c.switch_gone_after = match switch_gone_after_s {
+            None => c.switch_gone_after,
+            Some(v) if v.is_finite() && v >= 0.0 => Duration::from_secs_f64(v),
+            Some(v) => return Err(PyValueError::new_err(format!("switch_gone_after_s must be 0 or more, got {v}"))),
+        };
         o.session.expected_members = members;
         o.send_drop = send_drop;
         o.recv_drop = recv_drop;
@@ -258,6 +264,8 @@ impl Session {
         d.set_item("duplicated_by_fault_injection", s.duplicated_by_fault_injection)?;
         d.set_item("reordered_by_fault_injection", s.reordered_by_fault_injection)?;
         d.set_item("datagrams_from_group", s.datagrams_from_group)?;
+        d.set_item("port_unreachable", s.port_unreachable)?;
+        d.set_item("other_icmp_errors", s.other_icmp_errors)?;
         d.set_item("lanes", self.inner.lanes())?;
         d.set_item("sent_by_lane", s.sent_by_lane.clone())?;
         d.set_item("received_by_lane", s.received_by_lane.clone())?;
@@ -597,5 +605,6 @@ pub(crate) fn session_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("join_timeout_s", c.join_timeout.as_secs_f64())?;
     d.set_item("dead_after_s", c.dead_after.as_secs_f64())?;
     d.set_item("barrier_timeout_s", c.barrier_timeout.as_secs_f64())?;
+    d.set_item("switch_gone_after_s", c.switch_gone_after.as_secs_f64())?;
     Ok(d)
 }

@@ -69,6 +69,8 @@ pub struct RecvBatch {
     meta: Vec<SlotMeta>,
     datagrams: usize,
     truncated: usize,
+    /// Receives that ended with an ICMP error (over the batch's life).
+    icmp_errors: u64,
     scratch: RecvScratch,
 }
 
@@ -91,6 +93,7 @@ impl RecvBatch {
             meta: Vec::with_capacity(capacity),
             datagrams: 0,
             truncated: 0,
+            icmp_errors: 0,
             scratch: RecvScratch {
                 names: vec![SockAddrBuf::zeroed(); capacity],
                 ctrl: vec![RecvCmsgBuf([0; 128]); capacity],
@@ -135,6 +138,13 @@ impl RecvBatch {
     /// handed out, since its length fields would not match its bytes.
     pub fn truncated(&self) -> usize {
         self.truncated
+    }
+
+    /// Receives (over this batch's life) that the kernel ended with an ICMP
+    /// error concerning an earlier send, instead of datagrams
+    /// ([`BatchSocket::icmp_errors`](crate::BatchSocket::icmp_errors)).
+    pub(crate) fn icmp_errors(&self) -> u64 {
+        self.icmp_errors
     }
 
     /// The datagrams from the last receive, in arrival order, as
@@ -211,9 +221,13 @@ impl RecvBatch {
             return match err.raw_os_error() {
                 // Timeout (SO_RCVTIMEO), non-blocking socket, or a signal.
                 Some(libc::EAGAIN | libc::EINTR) => Ok(0),
-                // An ICMP error queued on a connected socket concerns an
-                // earlier send, not this receive; the next call proceeds.
-                Some(libc::ECONNREFUSED | libc::EHOSTUNREACH | libc::ENETUNREACH) => Ok(0),
+                // An ICMP error queued on the socket (a connected one, or
+                // one that asked for reports) concerns an earlier send, not
+                // this receive; the next call proceeds.
+                Some(e) if crate::unreachable::is_icmp_errno(e) => {
+                    self.icmp_errors += 1;
+                    Ok(0)
+                }
                 _ => Err(err),
             };
         }

@@ -7,7 +7,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::sockaddr::SockAddrBuf;
@@ -251,11 +251,12 @@ impl SendBatch {
         fd: RawFd,
         socket_is_v6: bool,
         gso: &GsoState,
+        icmp_errors: &AtomicU64,
     ) -> io::Result<usize> {
         if self.gso && gso.enabled() {
             self.group_by_destination();
         }
-        let result = self.transmit(fd, socket_is_v6, gso);
+        let result = self.transmit(fd, socket_is_v6, gso, icmp_errors);
         self.clear();
         result
     }
@@ -330,7 +331,7 @@ impl SendBatch {
         self.order = order;
     }
 
-    fn transmit(&mut self, fd: RawFd, socket_is_v6: bool, gso: &GsoState) -> io::Result<usize> {
+    fn transmit(&mut self, fd: RawFd, socket_is_v6: bool, gso: &GsoState, icmp_errors: &AtomicU64) -> io::Result<usize> {
         let mut sent = 0;
         let mut first_error: Option<io::Error> = None;
         // Entry where the current plan starts; a GSO failure replans from
@@ -357,6 +358,8 @@ impl SendBatch {
             let total = plan.len();
             let mut k = 0;
             let mut retries = 0;
+            // The message last sent again after an ICMP-like error.
+            let mut icmp_retried = None;
             while k < total {
                 // SAFETY: `hdrs[k..total]` are initialised headers whose
                 // name, iovec and control pointers refer to live buffers of
@@ -391,6 +394,15 @@ impl SendBatch {
                 let msg = plan[k];
                 match err.raw_os_error() {
                     Some(libc::EINTR) => {}
+                    // Perhaps the socket's pending error: an ICMP error for
+                    // an earlier datagram, reported (and cleared) by this
+                    // call instead of sending. Send this one again, once:
+                    // if the error was its own, it comes back and the
+                    // datagram is dropped below.
+                    Some(e) if crate::unreachable::is_icmp_errno(e) && icmp_retried != Some(k) => {
+                        icmp_errors.fetch_add(1, Ordering::Relaxed);
+                        icmp_retried = Some(k);
+                    }
                     Some(libc::EAGAIN | libc::ENOBUFS) => {
                         if retries < MAX_TRANSIENT_RETRIES {
                             backoff(retries);

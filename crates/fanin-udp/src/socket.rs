@@ -5,7 +5,7 @@ use std::io;
 use std::mem;
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::recv::{RecvBatch, GRO_SLOT_SIZE};
@@ -38,6 +38,8 @@ pub struct BatchSocket {
     is_v6: bool,
     gso: GsoState,
     gro: AtomicBool,
+    /// ICMP errors the kernel reported through a receive or a send.
+    icmp_errors: AtomicU64,
 }
 
 impl BatchSocket {
@@ -63,6 +65,7 @@ impl BatchSocket {
             is_v6,
             gso: GsoState::new(gso),
             gro: AtomicBool::new(false),
+            icmp_errors: AtomicU64::new(0),
         })
     }
 
@@ -227,7 +230,20 @@ impl BatchSocket {
                 "GRO is enabled: RecvBatch slots must be at least GRO_SLOT_SIZE - 1 bytes",
             ));
         }
-        batch.recv_from_fd(self.socket.as_raw_fd(), self.gro_enabled())
+        let before = batch.icmp_errors();
+        let r = batch.recv_from_fd(self.socket.as_raw_fd(), self.gro_enabled());
+        self.icmp_errors.fetch_add(batch.icmp_errors() - before, Ordering::Relaxed);
+        r
+    }
+
+    /// ICMP errors (port, host or network unreachable) the kernel reported
+    /// so far through this socket's receives and sends, concerning datagrams
+    /// sent earlier: on a connected socket, or on one that asked for them
+    /// ([`report_unreachable`](Self::report_unreachable)), which then reads
+    /// their details with [`take_unreachable`](Self::take_unreachable) when
+    /// this grows.
+    pub fn icmp_errors(&self) -> u64 {
+        self.icmp_errors.load(Ordering::Relaxed)
     }
 
     /// Sends every datagram queued in `batch`, in order, then clears it
@@ -245,6 +261,9 @@ impl BatchSocket {
     /// - `EINTR` is retried at once; `EAGAIN`/`ENOBUFS` (full queue) are
     ///   retried with a backoff of about 2 ms in total, after which the rest
     ///   of the batch is dropped;
+    /// - an ICMP error reported for an earlier datagram (a connected socket,
+    ///   or one that asked for reports) fails the next send once: that send
+    ///   is made again, and the error counted in [`icmp_errors`](Self::icmp_errors);
     /// - a datagram refused for its own reason (unreachable destination,
     ///   wrong address family, too large) is dropped and the rest still go;
     /// - the call returns `Err` (the first error seen) only if nothing at all
@@ -253,7 +272,7 @@ impl BatchSocket {
     /// [`MAX_GSO_SEGMENTS`]: crate::MAX_GSO_SEGMENTS
     /// [`MAX_GSO_BYTES`]: crate::MAX_GSO_BYTES
     pub fn send_batch(&self, batch: &mut SendBatch) -> io::Result<usize> {
-        batch.send_on_fd(self.socket.as_raw_fd(), self.is_v6, &self.gso)
+        batch.send_on_fd(self.socket.as_raw_fd(), self.is_v6, &self.gso, &self.icmp_errors)
     }
 }
 

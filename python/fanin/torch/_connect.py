@@ -276,8 +276,13 @@ def connect(store: Any, rank: int, world: int, timeout: datetime.timedelta, opts
             raise RuntimeError(f"fanin: rank 0 could not set up the switch: {answer[1:]}")
         addr, job_s, epp_s, group = answer.split("|")
         job_id = int(job_s)
+        # The embedded switch dies with rank 0's process and never comes
+        # back on its port: the first "port unreachable" from rank 0's host
+        # ends the group (as Gloo's closed connection does), instead of the
+        # group's timeout of silence.
+        gone = {"switch_gone_after_s": 0.0} if opts.switch is None else {}
         session = _join(addr, job_id, rank, world, timeout, opts, int(epp_s), result_group=group or None,
-                        auth_key=member_key)
+                        auth_key=member_key, **gone)
     # (the packet size the session really uses: the job's when epp is 0)
     return Connection(session=session, switch_addr=addr, job_id=job_id, elems_per_packet=session.elems_per_packet,
                       n_sources=session.n_sources, embedded=embedded,

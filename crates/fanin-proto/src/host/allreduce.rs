@@ -135,6 +135,9 @@ pub struct AllreduceSession {
     /// configured window clamped to the job's `block_cnt_max`.
     cc: Congestion,
     last_heard: Time,
+    /// The first report, since the switch last sent anything, that nothing
+    /// listens on its port ([`handle_port_unreachable`](Self::handle_port_unreachable)).
+    unreachable_since: Option<Time>,
     srtt: Option<Duration>,
     rttvar: Duration,
     events: VecDeque<Event>,
@@ -238,6 +241,7 @@ impl AllreduceSession {
             gen_id: 0,
             op: None,
             last_heard: now,
+            unreachable_since: None,
             srtt: None,
             rttvar: Duration::ZERO,
             events: VecDeque::new(),
@@ -842,6 +846,8 @@ impl AllreduceSession {
             return;
         }
         let Ok(repr) = Repr::parse(&packet) else { return };
+        // something listens on the switch's port again
+        self.unreachable_since = None;
         match repr.msg_type {
             MessageType::JoinAck => self.on_join_ack(now, &repr, packet.payload()),
             MessageType::Nack => {
@@ -959,6 +965,23 @@ impl AllreduceSession {
             latency_max: op.latency_max,
             recoveries: op.recoveries,
         }));
+    }
+
+    /// The driver's report that the switch's host answered a datagram of
+    /// this session with ICMP port unreachable: nothing listens on the
+    /// switch's port (its process is gone, or not started yet). Reports
+    /// that go on for `switch_gone_after` with nothing from the switch in
+    /// between fail the session with [`SessionError::SwitchGone`]; a switch
+    /// that comes back on its port within that time answers, and the
+    /// session goes on as after any restart.
+    pub fn handle_port_unreachable(&mut self, now: Time) {
+        if matches!(self.state, State::Failed(_)) {
+            return;
+        }
+        let waited = now.saturating_since(*self.unreachable_since.get_or_insert(now));
+        if waited >= self.config.switch_gone_after {
+            self.fail(SessionError::SwitchGone { waited });
+        }
     }
 
     fn fail(&mut self, err: SessionError) {

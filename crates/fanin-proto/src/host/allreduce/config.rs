@@ -32,6 +32,15 @@ pub struct SessionConfig {
     pub join_timeout: Duration,
     /// Fail an allreduce when the switch has been silent this long.
     pub dead_after: Duration,
+    /// Fail the session when the switch's host has said for this long that
+    /// nothing listens on the switch's port (ICMP port unreachable, which
+    /// the driver reports: [`AllreduceSession::handle_port_unreachable`](super::AllreduceSession::handle_port_unreachable))
+    /// and nothing came from the switch since. A switch restarted on its
+    /// port within this time answers, and the session recovers
+    /// (docs/restart.md); zero, for a switch that cannot come back (the
+    /// torch backend's embedded switch dies with its process), fails at
+    /// the first report.
+    pub switch_gone_after: Duration,
     /// Most datagrams one `poll_transmit` call writes, so receiving is never
     /// starved by sending.
     pub max_burst: usize,
@@ -89,6 +98,7 @@ impl SessionConfig {
             rto_max: Duration::from_millis(1000),
             join_timeout: Duration::from_secs(5),
             dead_after: Duration::from_secs(10),
+            switch_gone_after: Duration::from_secs(10),
             max_burst: 64,
             stash_bytes: 64 << 20,
             sync_join: false,

@@ -21,6 +21,12 @@ pub enum SessionError {
     SwitchUnreachable(Duration),
     #[error("the switch has been silent for {waited:?} with {outstanding} blocks outstanding; giving up")]
     SwitchSilent { waited: Duration, outstanding: usize },
+    #[error(
+        "the switch is gone: its host has answered for {waited:?} that nothing listens on the switch's port (ICMP \
+         port unreachable). The switch process stopped or is not running at that address (under torch: rank 0, \
+         whose process ran the embedded switch, died); start new sessions once a switch runs there"
+    )]
+    SwitchGone { waited: Duration },
     #[error("the switch refused job {job_id}: {} (detail {detail})", reason.describe())]
     Refused { job_id: u32, reason: NackReason, detail: u32 },
     #[error("job {job_id} failed: worker rank {rank} stopped sending (silent past the job's member timeout) and the job's failure policy is `fail`; re-create the job to start again")]

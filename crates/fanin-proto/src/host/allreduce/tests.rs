@@ -693,3 +693,39 @@ fn an_int32_mean_is_refused_before_anything_is_sent() {
     let mut out = VecTransmit::new();
     assert_eq!(workers[0].poll_transmit(Time::ZERO, &mut out), 0, "nothing sent");
 }
+
+/// Reports that nothing listens on the switch's port fail the session only
+/// once they went on for `switch_gone_after` with nothing from the switch
+/// in between (a restarting switch answers again), and at once for zero.
+#[test]
+fn a_switch_whose_port_stays_closed_is_gone_after_the_configured_time() {
+    let secs = |s: f64| Time::from_nanos((s * 1e9) as u64);
+    let (mut s, mut sw) = joined(8);
+    s.handle_port_unreachable(secs(1.0));
+    s.handle_port_unreachable(secs(9.0));
+    assert!(s.poll_event().is_none(), "8 s of reports: not yet gone");
+    // the switch answers: the reports start over
+    s.begin(secs(9.5), Tensor::I32(vec![1; 8])).unwrap();
+    let mut out = VecTransmit::new();
+    s.poll_transmit(secs(9.5), &mut out);
+    deliver(&mut s, &mut sw, secs(9.5), out.drain().collect());
+    assert!(matches!(s.poll_event(), Some(Event::Completed(_))));
+    s.handle_port_unreachable(secs(12.0));
+    s.handle_port_unreachable(secs(21.9));
+    assert!(s.poll_event().is_none(), "9.9 s since the switch last answered");
+    s.handle_port_unreachable(secs(22.0));
+    match s.poll_event() {
+        Some(Event::Failed(SessionError::SwitchGone { waited })) => assert_eq!(waited, Duration::from_secs(10)),
+        other => panic!("{other:?}"),
+    }
+    // zero: the first report
+    let mut sw = ValueSwitch::new(ShardConfig::single(1 << 20));
+    sw.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.switch_gone_after = Duration::ZERO;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    join_by_hand(&mut s, &mut sw);
+    assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
+    s.handle_port_unreachable(secs(0.5));
+    assert!(matches!(s.poll_event(), Some(Event::Failed(SessionError::SwitchGone { .. }))));
+}
