@@ -222,10 +222,13 @@ class Session:
         int16 array with ``dtype="bfloat16"`` (from torch:
         ``t.view(torch.int16).numpy()``); the result is bits too. An
         ``ml_dtypes.bfloat16`` array is taken as it is. With ``average=True``
-        (float32 only) the result is the mean: each block is divided by the
-        number of sources its result summed, which is fewer than the job
-        size when the switch gave up on a straggler (a partial result, see
-        :attr:`last_stats`). The GIL is released while the switch
+        (float arrays; int32 is refused) the result is the mean: each block
+        is divided by the number of sources its result summed, which is
+        fewer than the job size when the switch gave up on a straggler (a
+        partial result, see :attr:`last_stats`). The division happens while
+        the switch's sum is decoded, before the one rounding to the array's
+        dtype, so a float16 mean that fits is never inf though its sum
+        would be. The GIL is released while the switch
         aggregates, so other Python threads keep running.
 
         ``out``: write the result into this array (same shape and dtype,

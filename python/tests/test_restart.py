@@ -221,22 +221,25 @@ def test_controller_reinstalls_the_job_on_a_restarted_switch(controller_restarte
     assert recovery_s < 2 * BLOCK_TIMEOUT_S + 1.0, f"recovery took {recovery_s:.3f} s"
 
 
-def test_a_switch_that_does_not_come_back_is_reported_gone_soon():
+@pytest.mark.parametrize("lanes", [1, 2], ids=["one-lane", "two-lanes-polled"])
+def test_a_switch_that_does_not_come_back_is_reported_gone_soon(lanes):
     """The daemon is killed and not restarted. A worker waiting for a
     result, and one that starts an allreduce afterwards, raise SwitchGone
     about switch_gone_after_s after the switch's host first answered "port
-    unreachable", not after dead_after_s (10 s) of silence."""
+    unreachable", not after dead_after_s (10 s) of silence. Two lanes: the
+    session polls its sockets, where a poll woken by the error queue alone
+    once led into a receive that never returned."""
     import threading
 
-    cfg = switch_config(data_addr=f"127.0.0.1:{_free_port_pair(1)}", control_addr=None, metrics_addr="127.0.0.1:0",
-                        jobs=[job_config(1, 2)], shards=1)
+    cfg = switch_config(data_addr=f"127.0.0.1:{_free_port_pair(2)}", control_addr=None, metrics_addr="127.0.0.1:0",
+                        jobs=[job_config(1, 2)], shards=2)
     sw = SwitchProcess(cfg)
     first_done = threading.Barrier(3)  # the two workers and this thread
     killed = threading.Event()
     out = {}
 
     def work(rank):
-        s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=64, switch_gone_after_s=0.5)
+        s = fanin.Session(sw.data_addr, 1, rank, elems_per_packet=64, switch_gone_after_s=0.5, lanes=lanes)
         s.allreduce(np.ones(256, dtype=np.int32))
         first_done.wait(30)
         if rank == 1:

@@ -442,7 +442,8 @@ impl Session {
         if self.group.is_none() && self.lanes.count() == 1 {
             // A zero timeout would make the socket block forever.
             self.lanes.socket(0).set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;
-            self.receive(ReadFrom::Lane(0))?;
+            self.receive(ReadFrom::Lane(0), true)?;
+            self.read_icmp_errors(false)?;
         } else {
             // Wait for any; a socket reported readable is read at once (the
             // group's is non-blocking; the lanes', which nothing else
@@ -459,13 +460,22 @@ impl Session {
             };
             let lanes = self.lanes.count();
             if ready >> lanes & 1 == 1 {
-                self.receive(ReadFrom::Group)?;
+                self.receive(ReadFrom::Group, false)?;
             }
+            // (without waiting: a poll also reports an error-queue entry
+            // alone, and a blocking lane socket would then wait forever)
+            let mut lane0 = 0;
             for lane in (0..lanes).filter(|l| ready >> l & 1 == 1) {
-                self.receive(ReadFrom::Lane(lane))?;
+                let got = self.receive(ReadFrom::Lane(lane), false)?;
+                if lane == 0 {
+                    lane0 = got;
+                }
             }
+            // lane 0 ready with nothing to read: an entry of its error
+            // queue, whose error a send may have swallowed; read it, or
+            // every poll returns at once
+            self.read_icmp_errors(ready & 1 == 1 && lane0 == 0)?;
         }
-        self.read_icmp_errors()?;
         let now = self.now();
         if self.machine.poll_timeout().is_some_and(|t| t <= now) {
             self.machine.handle_timeout(now);
@@ -474,12 +484,12 @@ impl Session {
     }
 
     /// Lane 0's queued ICMP errors, if a send or a receive met one since
-    /// the last read (reading frees the receive buffer they are charged
-    /// to); a port unreachable goes to the machine.
-    fn read_icmp_errors(&mut self) -> Result<(), HostError> {
+    /// the last read, or `anyway` (reading frees the receive buffer they
+    /// are charged to); a port unreachable goes to the machine.
+    fn read_icmp_errors(&mut self, anyway: bool) -> Result<(), HostError> {
         let socket = self.lanes.socket(0);
         let seen = socket.icmp_errors();
-        if seen == self.icmp_errors_read {
+        if seen == self.icmp_errors_read && !anyway {
             return Ok(());
         }
         self.icmp_errors_read = seen;
@@ -494,14 +504,17 @@ impl Session {
 
     /// One batch from the unicast socket or the group's into the machine
     /// (through the receive-side fault injection, if any).
-    fn receive(&mut self, from: ReadFrom) -> Result<(), HostError> {
+    /// Returns the datagrams read; `wait`: block (up to the socket's read
+    /// timeout) for the first.
+    fn receive(&mut self, from: ReadFrom, wait: bool) -> Result<usize, HostError> {
         let socket = match (&self.group, from) {
             (Some(group), ReadFrom::Group) => group,
             (_, ReadFrom::Lane(lane)) => self.lanes.socket(lane),
-            (None, ReadFrom::Group) => return Ok(()),
+            (None, ReadFrom::Group) => return Ok(0),
         };
-        if socket.recv_batch(&mut self.rx)? == 0 {
-            return Ok(());
+        let got = if wait { socket.recv_batch(&mut self.rx)? } else { socket.recv_batch_nowait(&mut self.rx)? };
+        if got == 0 {
+            return Ok(0);
         }
         let now = self.now();
         self.stats.datagrams_received += self.rx.len() as u64;
@@ -521,7 +534,7 @@ impl Session {
                 self.machine.handle_datagram(now, bytes);
             }
         }
-        Ok(())
+        Ok(got)
     }
 }
 

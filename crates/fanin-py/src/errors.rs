@@ -14,7 +14,7 @@ create_exception!(_native, FaninRefused, FaninError, "The switch refused the req
 create_exception!(
     _native,
     SwitchGone,
-    FaninError,
+    FaninTimeout,
     "Nothing listens on the switch's port any more (its host answers ICMP port unreachable): the switch process stopped. Start new sessions once a switch runs there."
 );
 create_exception!(

@@ -363,7 +363,7 @@ impl Session {
             )));
         };
         if average && !is_f32 {
-            return Err(PyTypeError::new_err("average=True needs a float32 array (an int32 mean is not an int32)"));
+            return Err(PyTypeError::new_err("average=True needs a float array: float32, float16 or bfloat16 (an int32 mean is not an int32)"));
         }
         let Some(o) = out else {
             return self.allreduce_new(py, array, is_f32, average);

@@ -166,7 +166,9 @@ impl RecvBatch {
     }
 
     /// One `recvmmsg` into this batch. See `BatchSocket::recv_batch`.
-    pub(crate) fn recv_from_fd(&mut self, fd: RawFd, gro: bool) -> io::Result<usize> {
+    /// `wait`: block (up to SO_RCVTIMEO) for the first datagram; otherwise
+    /// take only what is queued.
+    pub(crate) fn recv_from_fd(&mut self, fd: RawFd, gro: bool, wait: bool) -> io::Result<usize> {
         self.clear();
         let capacity = self.capacity;
         let slot_size = self.slot_size;
@@ -212,7 +214,7 @@ impl RecvBatch {
                 fd,
                 s.hdrs.as_mut_ptr(),
                 capacity as libc::c_uint,
-                libc::MSG_WAITFORONE as _,
+                if wait { libc::MSG_WAITFORONE } else { libc::MSG_DONTWAIT } as _,
                 ptr::null_mut(),
             )
         };

@@ -358,8 +358,8 @@ impl SendBatch {
             let total = plan.len();
             let mut k = 0;
             let mut retries = 0;
-            // The message last sent again after an ICMP-like error.
-            let mut icmp_retried = None;
+            // Times message k was sent again after an ICMP-like error.
+            let mut icmp_retries = (0, 0u32);
             while k < total {
                 // SAFETY: `hdrs[k..total]` are initialised headers whose
                 // name, iovec and control pointers refer to live buffers of
@@ -381,6 +381,13 @@ impl SendBatch {
                         }
                     }
                     sent += plan[k..k + r].iter().map(|m| m.count).sum::<usize>();
+                    if k + r < total {
+                        // Cut short: the error that stopped the call is lost
+                        // (sendmmsg(2)), and it may have been the socket's
+                        // pending ICMP error, whose error-queue entry a
+                        // socket that asked for reports must now read.
+                        icmp_errors.fetch_add(1, Ordering::Relaxed);
+                    }
                     k += r;
                     retries = 0;
                     continue;
@@ -394,14 +401,13 @@ impl SendBatch {
                 let msg = plan[k];
                 match err.raw_os_error() {
                     Some(libc::EINTR) => {}
-                    // Perhaps the socket's pending error: an ICMP error for
-                    // an earlier datagram, reported (and cleared) by this
-                    // call instead of sending. Send this one again, once:
-                    // if the error was its own, it comes back and the
-                    // datagram is dropped below.
-                    Some(e) if crate::unreachable::is_icmp_errno(e) && icmp_retried != Some(k) => {
+                    // The socket's pending error: an ICMP port unreachable
+                    // for an earlier datagram (never a send's own error on
+                    // an unconnected socket), reported and cleared by this
+                    // call instead of sending. Send this one again (more
+                    // may come in between while a peer's port is closed).
+                    Some(libc::ECONNREFUSED) if retried(&mut icmp_retries, k, MAX_REFUSED_RETRIES) => {
                         icmp_errors.fetch_add(1, Ordering::Relaxed);
-                        icmp_retried = Some(k);
                     }
                     Some(libc::EAGAIN | libc::ENOBUFS) => {
                         if retries < MAX_TRANSIENT_RETRIES {
@@ -429,6 +435,13 @@ impl SendBatch {
                         suspect_segment = Some(msg.segment);
                         start = msg.first;
                         continue 'plan;
+                    }
+                    // Perhaps the socket's pending error for an earlier
+                    // datagram (another ICMP error), perhaps this one's
+                    // own (no route): send it again once, and if it comes
+                    // back it was its own.
+                    Some(e) if crate::unreachable::is_icmp_errno(e) && retried(&mut icmp_retries, k, 1) => {
+                        icmp_errors.fetch_add(1, Ordering::Relaxed);
                     }
                     // Specific to this message (unreachable destination,
                     // wrong family, too large): drop it, keep the others.
@@ -599,6 +612,19 @@ fn plan_messages(entries: &[Entry], start: usize, policy: GsoPolicy, plan: &mut 
         });
         i += count;
     }
+}
+
+/// Sends of one message repeated after the socket's pending errors.
+const MAX_REFUSED_RETRIES: u32 = 8;
+
+/// Whether message `k` may be sent again after an ICMP-like error, at most
+/// `limit` times in a row (`state`: the message and its count so far).
+fn retried(state: &mut (usize, u32), k: usize, limit: u32) -> bool {
+    if state.0 != k {
+        *state = (k, 0);
+    }
+    state.1 += 1;
+    state.1 <= limit
 }
 
 #[cfg(test)]

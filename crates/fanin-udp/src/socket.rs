@@ -224,6 +224,18 @@ impl BatchSocket {
     /// Fails with `InvalidInput` when GRO is on and the batch's slots are
     /// smaller than [`GRO_SLOT_SIZE`], which would lose coalesced data.
     pub fn recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        self.recv_into(batch, true)
+    }
+
+    /// [`recv_batch`](Self::recv_batch) without waiting: only what is
+    /// queued now. For a socket a poll reported ready, which a poll also
+    /// does for an entry of its error queue alone (`POLLERR`), with no
+    /// datagram to read.
+    pub fn recv_batch_nowait(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        self.recv_into(batch, false)
+    }
+
+    fn recv_into(&self, batch: &mut RecvBatch, wait: bool) -> io::Result<usize> {
         if self.gro_enabled() && batch.slot_size() < GRO_SLOT_SIZE - 1 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -231,17 +243,19 @@ impl BatchSocket {
             ));
         }
         let before = batch.icmp_errors();
-        let r = batch.recv_from_fd(self.socket.as_raw_fd(), self.gro_enabled());
+        let r = batch.recv_from_fd(self.socket.as_raw_fd(), self.gro_enabled(), wait);
         self.icmp_errors.fetch_add(batch.icmp_errors() - before, Ordering::Relaxed);
         r
     }
 
-    /// ICMP errors (port, host or network unreachable) the kernel reported
-    /// so far through this socket's receives and sends, concerning datagrams
-    /// sent earlier: on a connected socket, or on one that asked for them
-    /// ([`report_unreachable`](Self::report_unreachable)), which then reads
-    /// their details with [`take_unreachable`](Self::take_unreachable) when
-    /// this grows.
+    /// ICMP errors (port, host or network unreachable, …) the kernel
+    /// reported so far through this socket's receives and sends, concerning
+    /// datagrams sent earlier (on a connected socket, or on one that asked
+    /// for them: [`report_unreachable`](Self::report_unreachable)), plus the
+    /// sends cut short, which may have swallowed one (sendmmsg(2) loses the
+    /// error that stopped it). A socket that asked for reports reads their
+    /// details with [`take_unreachable`](Self::take_unreachable) when this
+    /// grows.
     pub fn icmp_errors(&self) -> u64 {
         self.icmp_errors.load(Ordering::Relaxed)
     }

@@ -164,6 +164,33 @@ mod tests {
         assert_eq!(rx.iter().next().unwrap().1, b"hello");
     }
 
+    /// Found by review: sendmmsg loses the error that stops it after its
+    /// first message (sendmmsg(2)), so the refusal of the first datagram,
+    /// pending when the second goes out, was never counted, the queue never
+    /// read, and every poll returned at once (POLLERR) into a receive with
+    /// nothing to read. A send cut short now counts, and a receive after a
+    /// poll does not wait.
+    #[test]
+    fn an_error_a_batch_send_swallowed_is_counted_and_a_poll_woken_receive_does_not_wait() {
+        let dead = closed_port();
+        let live = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let me = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        me.report_unreachable().unwrap();
+        let mut tx = SendBatch::new(8);
+        tx.push_copy(dead, b"anyone?");
+        tx.push_copy(live.local_addr().unwrap(), b"hi");
+        assert_eq!(me.send_batch(&mut tx).unwrap(), 2, "both sent");
+        assert!(me.icmp_errors() > 0, "the swallowed error is counted");
+        assert_eq!(crate::wait_readable_any(&[&me], Duration::from_millis(100)).unwrap(), 1, "POLLERR: the queue entry");
+        me.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut rx = RecvBatch::new(8, 2048);
+        let started = std::time::Instant::now();
+        assert_eq!(me.recv_batch_nowait(&mut rx).unwrap(), 0);
+        assert!(started.elapsed() < Duration::from_secs(1), "it did not wait for the read timeout");
+        assert_eq!(me.take_unreachable().unwrap().port, 1);
+        assert_eq!(crate::wait_readable_any(&[&me], Duration::ZERO).unwrap(), 0, "nothing left to report");
+    }
+
     #[test]
     fn a_socket_that_did_not_ask_hears_nothing() {
         let me = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();

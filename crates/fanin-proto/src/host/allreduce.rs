@@ -609,6 +609,10 @@ impl AllreduceSession {
                 let (started, next_send, barrier) = (*started, *next_send, *barrier);
                 if now >= started + self.join_deadline(barrier) {
                     self.fail(match barrier {
+                        // the switch's host said nothing listens there
+                        None if self.unreachable_since.is_some() => SessionError::SwitchGone {
+                            waited: now.saturating_since(self.unreachable_since.unwrap_or(now)),
+                        },
                         None => SessionError::SwitchUnreachable(self.config.join_timeout),
                         Some(joined) => SessionError::JoinBarrier {
                             job_id: self.config.job_id,
@@ -973,10 +977,18 @@ impl AllreduceSession {
     /// that go on for `switch_gone_after` with nothing from the switch in
     /// between fail the session with [`SessionError::SwitchGone`]; a switch
     /// that comes back on its port within that time answers, and the
-    /// session goes on as after any restart.
+    /// session goes on as after any restart. While joining, `join_timeout`
+    /// stands (a switch may start after its workers): a join that times
+    /// out after such reports fails with `SwitchGone` instead of
+    /// `SwitchUnreachable`.
     pub fn handle_port_unreachable(&mut self, now: Time) {
-        if matches!(self.state, State::Failed(_)) {
-            return;
+        match self.state {
+            State::Failed(_) => return,
+            State::Joining { .. } => {
+                self.unreachable_since.get_or_insert(now);
+                return;
+            }
+            State::Ready => {}
         }
         let waited = now.saturating_since(*self.unreachable_since.get_or_insert(now));
         if waited >= self.config.switch_gone_after {

@@ -22,9 +22,9 @@ pub enum SessionError {
     #[error("the switch has been silent for {waited:?} with {outstanding} blocks outstanding; giving up")]
     SwitchSilent { waited: Duration, outstanding: usize },
     #[error(
-        "the switch is gone: its host has answered for {waited:?} that nothing listens on the switch's port (ICMP \
-         port unreachable). The switch process stopped or is not running at that address (under torch: rank 0, \
-         whose process ran the embedded switch, died); start new sessions once a switch runs there"
+        "nothing listens on the switch's port: its host has answered so (ICMP port unreachable) for {waited:?}. \
+         The switch process stopped, or is not running at that address (under torch: rank 0, whose process ran \
+         the embedded switch, died); start new sessions once a switch runs there"
     )]
     SwitchGone { waited: Duration },
     #[error("the switch refused job {job_id}: {} (detail {detail})", reason.describe())]

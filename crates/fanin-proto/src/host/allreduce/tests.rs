@@ -728,4 +728,22 @@ fn a_switch_whose_port_stays_closed_is_gone_after_the_configured_time() {
     assert!(matches!(s.poll_event(), Some(Event::Joined(_))));
     s.handle_port_unreachable(secs(0.5));
     assert!(matches!(s.poll_event(), Some(Event::Failed(SessionError::SwitchGone { .. }))));
+    // while joining, join_timeout stands (a switch may start after its
+    // workers); a join that times out after such reports says so
+    let mut cfg = SessionConfig::new(1, 0);
+    cfg.switch_gone_after = Duration::ZERO;
+    let mut s = AllreduceSession::new(cfg, Time::ZERO);
+    s.handle_port_unreachable(secs(0.1));
+    s.handle_port_unreachable(secs(4.0));
+    assert!(s.poll_event().is_none());
+    let (failed, at) = loop {
+        let t = s.poll_timeout().unwrap();
+        s.handle_timeout(t);
+        s.poll_transmit(t, &mut VecTransmit::new());
+        if let Some(e) = s.poll_event() {
+            break (e, t);
+        }
+    };
+    assert_eq!(at, secs(5.0), "at join_timeout");
+    assert!(matches!(failed, Event::Failed(SessionError::SwitchGone { .. })), "{failed:?}");
 }
