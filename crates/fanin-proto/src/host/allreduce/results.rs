@@ -122,11 +122,11 @@ impl AllreduceSession {
         self.retained.insert(op.space, params.block_cnt_max, repr.block_id, kept);
         let Some(op) = self.op.as_mut() else { return };
         // (outside `keep` the output is left as it was, whatever came)
+        // a block that lacks sources (recorded so by `record_done` below)
+        let partial = repr.degraded || repr.src_cnt < self.n_sources;
         if wanted && !repr.no_data {
-            // A mean divides by the sources this block summed (as
-            // `record_done` below counts a block partial), while decoding:
-            // one rounding, and no overflow of a sum whose mean fits.
-            let partial = repr.degraded || repr.src_cnt < self.n_sources;
+            // A mean divides by the sources this block summed, while
+            // decoding: one rounding, and no overflow of a sum whose mean fits.
             let divisor = match (op.average, partial) {
                 (false, _) => 1,
                 (true, true) => repr.src_cnt,
@@ -161,7 +161,7 @@ impl AllreduceSession {
             });
         }
         self.cc.on_answer();
-        let all_done = op.record_done(idx, repr.src_cnt, repr.degraded || repr.src_cnt < self.n_sources);
+        let all_done = op.record_done(idx, repr.src_cnt, partial);
         let low_stream = op.block_id(op.low);
         self.prune_retained(low_stream, params.block_cnt_max);
         let Some(op) = self.op.as_mut() else { return };
