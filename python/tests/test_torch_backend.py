@@ -102,21 +102,38 @@ class _FakeSession:
         return out
 
 
-# (float16 and bfloat16 are averaged by the session itself, per block and
-# rounded once: tested against a real switch in test_collectives_match_gloo
-# and in Rust, outcome.rs)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
-def test_average_divides_each_block_by_its_src_cnt(dtype):
+# (float means are the session's own, per block and rounded once: the next
+# test, test_stragglers.py against a real switch with a silent member, and
+# Rust, allreduce/tests.rs; int32 means are divided by the torch layer)
+def test_an_int32_average_divides_each_block_by_its_src_cnt():
     # 4 workers; block 1 (elements 4..7) only summed 3 of them, block 2 two.
-    t = torch.full((10,), 6, dtype=dtype)
-    sess = _FakeSession([(1, 3), (2, 2)], scale=np.array([4] * 4 + [3] * 4 + [2] * 2, dtype=np.float32)
-                        if dtype != torch.int32 else np.array([4] * 4 + [3] * 4 + [2] * 2, dtype=np.int32))
+    t = torch.full((10,), 6, dtype=torch.int32)
+    sess = _FakeSession([(1, 3), (2, 2)], scale=np.array([4] * 4 + [3] * 4 + [2] * 2, dtype=np.int32))
     log = StepLog(4)
     switch_allreduce(sess, t, average=True, log=log, elems_per_packet=4)
     assert t.tolist() == [6] * 10  # the mean of the workers each block included
     st = log.take()
     assert (st.min_sources, st.degraded_blocks, st.allreduces, st.complete) == (2, 2, 1, False)
     assert log.take().min_sources == 4  # reset
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_a_float32_average_is_the_mean_rounded_once(layout):
+    # 2**24 + 4 + 1 = 16777221 is exact in the switch's int32 lanes but not in
+    # float32 (16777220); its mean, 5592407, is. Rounding the sum to float32
+    # first and dividing after gives 5592406.5.
+    values = [2.0 ** 24, 4.0, 1.0]
+    with fanin.local_switch(workers=3) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank)
+            base = torch.full((2, 600), values[rank])
+            t = base if layout == "contiguous" else base.t()
+            switch_allreduce(s, t, average=True, log=None, elems_per_packet=s.elems_per_packet)
+            return t
+
+        results = in_threads(3, work)
+    for t in results:
+        assert torch.equal(t, torch.full_like(t, 5592407.0)), t.unique()
 
 
 def test_sum_of_a_degraded_block_is_the_partial_sum():

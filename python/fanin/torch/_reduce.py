@@ -116,11 +116,11 @@ class StepLog:
 
 
 def block_divisors(length: int, n_sources: int, degraded: list[tuple[int, int]], elems_per_packet: int) -> np.ndarray:
-    """Per-element divisor for an average: ``n_sources`` except in degraded
+    """Per-element divisor for an int32 average: ``n_sources`` except in degraded
     blocks, where it is that block's ``src_cnt``. Block ``b`` of an allreduce
     covers elements ``[b*epp, (b+1)*epp)`` of the flattened tensor (block
     indices are relative to the allreduce; see fanin-proto host/allreduce.rs)."""
-    div = np.full(length, n_sources, dtype=np.float32)
+    div = np.full(length, n_sources, dtype=np.int32)
     for block, cnt in degraded:
         start = int(block) * elems_per_packet
         div[start:start + elems_per_packet] = max(int(cnt), 1)
@@ -138,7 +138,8 @@ def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log:
     Averages divide each element by the number of workers its block actually
     summed (``src_cnt``), so a block the switch emitted without a straggler is
     the mean of the workers it included, not a sum scaled by the wrong count.
-    int32 averages truncate toward zero (like NCCL's AVG on integers).
+    Float means are rounded once, by the session; int32 averages truncate
+    toward zero (like NCCL's AVG on integers).
     """
     wire = SUPPORTED_DTYPES[tensor.dtype]
     flat = tensor.detach().reshape(-1)
@@ -152,29 +153,29 @@ def switch_allreduce(session: Session, tensor: torch.Tensor, average: bool, log:
     in_place = flat.dtype == wire and tensor.is_contiguous()
     src = flat if flat.dtype == wire else flat.to(wire)
     arr = src.contiguous().numpy()
+    # float32 means are the session's: each block divided by its own src_cnt
+    # while the switch's sum is decoded, rounded once (a division after the
+    # decode would round twice, and walk the tensor once more). The session
+    # refuses int32 means, so those are divided here, truncating.
+    session_mean = average and wire != torch.int32
     # A reduce-scatter always reduces into `arr` (a new array would be
     # unspecified outside `keep`, and the copy back below writes it all).
     out = session.allreduce(arr, out=arr if in_place or keep is not None else None,
+                            **({"average": True} if session_mean else {}),
                             **({"keep": keep} if keep is not None else {}))
     stats = session.last_stats
     if log is not None:
         log.record(stats, flat.numel())
-    degraded = list(stats.get("degraded_blocks", ())) if stats else []
-    n = session.n_sources
     # in place: `flat` is a view of `tensor` and now holds the sum
     result = flat if in_place else torch.from_numpy(out)
     with torch.no_grad():
-        if average:
-            if wire == torch.int32:
-                if degraded:
-                    div = torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet).astype(np.int32))
-                    result.div_(div, rounding_mode="trunc")
-                else:
-                    result.div_(n, rounding_mode="trunc")
-            elif degraded:
-                result.div_(torch.from_numpy(block_divisors(len(out), n, degraded, elems_per_packet)))
+        if average and not session_mean:
+            degraded = list(stats.get("degraded_blocks", ())) if stats else []
+            if degraded:
+                div = block_divisors(len(out), session.n_sources, degraded, elems_per_packet)
+                result.div_(torch.from_numpy(div), rounding_mode="trunc")
             else:
-                result.div_(n)
+                result.div_(session.n_sources, rounding_mode="trunc")
         if not in_place:
             tensor.copy_(result.reshape(tensor.shape))
 
