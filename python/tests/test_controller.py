@@ -377,6 +377,46 @@ def test_multi_level_tree_is_exact_with_loss_on_every_hop(levels):
             assert _eventually(lambda: sws.counters(leaf1).get("auth_unsealed", 0) >= 1)
 
 
+def test_a_second_run_on_a_live_tree_is_refused_until_the_ranks_subscribe_again():
+    """A tree's switches have no rounds (docs/trees.md): a second run of
+    worker processes against a tree that already ran was answered from the
+    stream's start, where the switches above still held the first run's
+    results, and every rank took the first run's sums for its own, with
+    clean statistics. Now each new process is refused at once with the way
+    out, and after it (the ranks unsubscribe and subscribe again) the next
+    run gets exact sums of its own."""
+    topo = topology.deep_tree(2, 2)
+    with LoopbackSwitches(topo, shards=2) as sws:
+        ctl = Controller(topo, sws.fabric)
+        ctl.create_job(JobParams(1, block_cnt_max=16, block_grad_max=256, max_workers=2))
+        subs = [ctl.subscribe(1, r, f"h{r}") for r in range(2)]
+        assert ctl.tree(1).depth() == 2
+
+        def run(number):
+            def work(r):
+                s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256)
+                outs = [s.allreduce(np.full(1024, 1000 * number + 10 * r + call, dtype=np.int32)) for call in range(2)]
+                stats = s.last_stats
+                del s  # (a session is dropped on the thread that made it)
+                return outs, stats
+
+            for outs, stats in in_threads(2, work):
+                for call, out in enumerate(outs):
+                    assert (out == sum(1000 * number + 10 * r + call for r in range(2))).all(), (number, call, out[:2])
+                assert stats["min_src_cnt"] == 2 and stats["missed_blocks"] == 0 and not stats["degraded_blocks"]
+
+        run(1)
+        for r in range(2):
+            with pytest.raises(fanin.FaninRefused, match="already ran in this job's aggregation tree"):
+                fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256)
+        leaves = {ctl.tree(1).attach[r] for r in range(2)}
+        assert _eventually(lambda: sum(sws.counters(s).get("rerun_in_tree", 0) for s in leaves) >= 2)
+        for r in range(2):
+            ctl.unsubscribe(1, r)
+        subs = [ctl.subscribe(1, r, f"h{r}") for r in range(2)]
+        run(2)
+
+
 def _stream_block_sums(sub, r, *, n_elems, epp, sync, until, into, deadline_s, start_together, on_start=None,
                        after_each=None, **session_kw):
     """Worker r of job 1 allreduces 2**r in every element until `until(k)`

@@ -776,6 +776,12 @@ pub enum NackReason {
     /// blocks; detail = the switch's current incarnation, all 32 bits).
     /// Not fatal: the worker rejoins and recovers (docs/restart.md).
     StaleIncarnation = 12,
+    /// A plain Join from a new process of a rank that already joined this
+    /// switch of an aggregation tree (detail = the rank). A tree has no
+    /// rounds (docs/trees.md): started again at the stream's start, the new
+    /// process would be handed the old run's results that the switches
+    /// above still hold. Fatal: the job's ranks must be subscribed afresh.
+    RerunInTree = 13,
 }
 
 impl NackReason {
@@ -793,6 +799,7 @@ impl NackReason {
             10 => Self::Trimmed,
             11 => Self::JobFailed,
             12 => Self::StaleIncarnation,
+            13 => Self::RerunInTree,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -811,6 +818,12 @@ impl NackReason {
             Self::Trimmed => "the switch is overloaded and returned the contribution unprocessed (send it again, slower)",
             Self::JobFailed => "the job failed: a member stopped sending (the job's failure policy is `fail`; detail = its rank)",
             Self::StaleIncarnation => "the switch restarted since this worker joined (rejoin and resend)",
+            Self::RerunInTree => {
+                "this rank (the detail) already ran in this job's aggregation tree as another process, and a tree's \
+                 stream cannot start again where it began (the switches above still hold that run's results): \
+                 unsubscribe every rank of the job and subscribe them again, or delete and re-create the job, so the \
+                 controller programs the tree afresh (a rank joining a running tree on purpose uses sync_join=True)"
+            }
         }
     }
 }

@@ -182,6 +182,9 @@ pub struct Counters {
     /// Contributions (and probes) of a round that has ended: answered with a
     /// restarted notice, never aggregated.
     pub stale_round: u64,
+    /// Plain Joins refused at a tree's switch: a new process of a rank that
+    /// already joined it (a tree has no rounds; docs/trees.md).
+    pub rerun_in_tree: u64,
 }
 
 impl Counters {
@@ -266,6 +269,7 @@ impl Counters {
         f("rounds_ended", None, self.rounds_ended);
         f("barrier_waiting", None, self.barrier_waiting);
         f("stale_round", None, self.stale_round);
+        f("rerun_in_tree", None, self.rerun_in_tree);
     }
 
     /// Add another shard's counters into these.
@@ -280,7 +284,8 @@ impl Counters {
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
-            stale_incarnation, recover_waiting, recoveries, rounds_started, rounds_ended, barrier_waiting, stale_round
+            stale_incarnation, recover_waiting, recoveries, rounds_started, rounds_ended, barrier_waiting, stale_round,
+            rerun_in_tree
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

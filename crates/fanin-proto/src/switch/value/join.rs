@@ -444,6 +444,29 @@ fn lowest_needed<A>(job: &Job<A>, config: &ShardConfig, unused: bool) -> Option<
     lowest
 }
 
+/// Whether a worker's Join to a job without rounds (a tree's switch: an
+/// inner one, or a root with child switches) is a new process of a rank
+/// whose earlier process already joined here; records the incarnation of
+/// one that is not. Such a Join would be answered with the stream's start,
+/// and the switches above still hold the results of the old process's
+/// blocks from there on: the new process would take the old run's sums for
+/// its own, with clean statistics. Until trees have rounds (docs/trees.md,
+/// "A second run on a live tree") it is refused. A sync join (joining the
+/// running stream on purpose, SwitchML++) and a recovery join (after a
+/// switch restart, the same process) are not refused, and record their
+/// incarnation too; a Join that says none (0) is answered as before.
+pub(super) fn refuse_rerun_in_tree<A>(job: &mut Job<A>, src: u16, inc: u16, age_op: u8) -> bool {
+    if inc == 0 || src >= SWITCH_RANK_BASE || job.spec.mode != JobMode::Aggregate {
+        return false;
+    }
+    let current = job.incarnations[src as usize];
+    if age_op != JOIN_SYNC && age_op != JOIN_RECOVER && current != 0 && current != inc {
+        return true;
+    }
+    job.incarnations[src as usize] = inc;
+    false
+}
+
 impl<A: Copy + PartialEq> ValueSwitch<A> {
     pub(super) fn handle_join(
         &mut self,
@@ -491,6 +514,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if let Some(dead) = job.liveness.failed.filter(|_| !(in_rounds && (new_process || restart_barrier))) {
             let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
             send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
+            return Verdict::Consumed;
+        }
+        if !in_rounds && refuse_rerun_in_tree(job, src, inc, packet.age_op()) {
+            self.counters.rerun_in_tree += 1;
+            let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
+            send_nack(&mut self.counters, out, from, env, packet, NackReason::RerunInTree, src as u32);
             return Verdict::Consumed;
         }
         job.addrs.set(src as usize, from);

@@ -635,6 +635,48 @@ fn leaf_sends_one_partial_up_and_relays_the_result_down() {
     assert_eq!(sw.counters().protocol_violation, 1);
 }
 
+/// A tree's switch has no rounds: a plain Join from a new process of a rank
+/// that already joined it would be answered with the stream's start, where
+/// the parent still holds the old process's results. It is refused (the
+/// nack names the rank), and the rank's address stays the old process's.
+/// The same process again and a deliberate sync join are answered.
+#[test]
+fn a_leaf_refuses_a_new_process_of_a_rank_that_already_joined_it() {
+    let join = |inc: u16, age_op: u8| {
+        let mut j = Pkt::data(1, 0, 0, &[]);
+        j.repr.msg_type = MessageType::Join;
+        j.repr.src_cnt = inc; // a Join's member incarnation
+        j.repr.age_op = age_op;
+        j.bytes()
+    };
+    let mut sw = leaf();
+    for _ in 0..2 {
+        let out = send_from(&mut sw, 100, &join(7, 0));
+        assert_eq!((out.len(), out[0].0, out[0].1.msg_type), (1, 100, MessageType::JoinAck), "{out:?}");
+    }
+    // the old process runs a block with worker 1, the parent answers
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    send(&mut sw, Pkt::data(1, 1, 0, &[2]));
+    send_from(&mut sw, PARENT, &parent_result(0, 2, &[3]));
+    // a new process of rank 0 (from another port) is refused
+    let mut out = VecTransmit::new();
+    let _ = sw.handle_datagram(T0, 200, &join(9, 0), &mut out);
+    let (dest, bytes) = out.drain().next().expect("a nack");
+    let nack = Nack::parse(Packet::new_checked(&bytes[..]).unwrap().payload()).unwrap();
+    assert_eq!((dest, nack.reason, nack.detail), (200, NackReason::RerunInTree, 0));
+    assert_eq!(sw.counters().rerun_in_tree, 1);
+    // ... and is not taken for rank 0: block 0's result still goes to the old process
+    let out = send(&mut sw, Pkt::data(1, 0, 0, &[1]).retransmission());
+    assert_eq!((out[0].0, out[0].2.clone()), (100, vec![3]));
+    // a sync join into the running stream is asked of the parent, and
+    // the incarnation it brings is the rank's from then on
+    let out = send_from(&mut sw, 200, &join(9, JOIN_SYNC));
+    assert_eq!((out[0].0, out[0].1.msg_type), (PARENT, MessageType::Sync), "{out:?}");
+    let out = send_from(&mut sw, 200, &join(9, 0));
+    assert_eq!(out[0].1.msg_type, MessageType::JoinAck);
+    assert_eq!(sw.counters().rerun_in_tree, 1);
+}
+
 /// A child that was in a block this switch sent up, and sends the block
 /// after it in the same slot, no longer asks for the first: the switch
 /// asks its parent again (the answer frees the slot) while the new block
