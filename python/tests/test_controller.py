@@ -155,9 +155,10 @@ def test_keyed_by_default_member_keys_per_rank_and_every_switch_holds_the_job_ke
         ctl.create_job(JobParams(3, max_workers=4))
         other = ctl.subscribe(3, 0, hosts[0])["member_key"]
         assert other != fanin.derive_member_key(job_key, 3, 0)
-        # leaving and rejoining (update_job on a keyed job keeps its key) gives the same member key
+        # leaving and rejoining (update_job on a keyed job keeps its key) gives the same member key;
+        # a rank that left while others stayed rejoins the running stream (sync)
         ctl.unsubscribe(1, 3)
-        assert ctl.subscribe(1, 3, hosts[3])["member_key"] == member_keys[3]
+        assert ctl.subscribe(1, 3, hosts[3], sync=True)["member_key"] == member_keys[3]
         assert {j[1]["key"] for j in _switch_jobs(sws).values() if 1 in j} == {job_key}
         # the key appears in no repr and no error the controller makes
         for text in (repr(ctl._jobs[1]), repr(JobParams(1))):
@@ -383,8 +384,9 @@ def test_a_second_run_on_a_live_tree_is_refused_until_the_ranks_subscribe_again(
     stream's start, where the switches above still held the first run's
     results, and every rank took the first run's sums for its own, with
     clean statistics. Now each new process is refused at once with the way
-    out, and after it (the ranks unsubscribe and subscribe again) the next
-    run gets exact sums of its own."""
+    out, and after it (every rank unsubscribes, then they subscribe again)
+    the next run gets exact sums of its own; re-subscribing one rank while
+    another stays is refused by the controller."""
     topo = topology.deep_tree(2, 2)
     with LoopbackSwitches(topo, shards=2) as sws:
         ctl = Controller(topo, sws.fabric)
@@ -411,8 +413,13 @@ def test_a_second_run_on_a_live_tree_is_refused_until_the_ranks_subscribe_again(
                 fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256)
         leaves = {ctl.tree(1).attach[r] for r in range(2)}
         assert _eventually(lambda: sum(sws.counters(s).get("rerun_in_tree", 0) for s in leaves) >= 2)
-        for r in range(2):
-            ctl.unsubscribe(1, r)
+        # one rank at a time is refused: its leaf would be admitted afresh
+        # under a root that still holds the results it took part in (its
+        # new process got them for its own sums, with clean statistics)
+        ctl.unsubscribe(1, 0)
+        with pytest.raises(ControllerError, match="left while other ranks stayed subscribed"):
+            ctl.subscribe(1, 0, "h0")
+        ctl.unsubscribe(1, 1)  # the last rank: the job leaves every switch
         subs = [ctl.subscribe(1, r, f"h{r}") for r in range(2)]
         run(2)
 

@@ -821,8 +821,8 @@ impl NackReason {
             Self::RerunInTree => {
                 "this rank (the detail) already ran in this job's aggregation tree as another process, and a tree's \
                  stream cannot start again where it began (the switches above still hold that run's results): \
-                 unsubscribe every rank of the job and subscribe them again, or delete and re-create the job, so the \
-                 controller programs the tree afresh (a rank joining a running tree on purpose uses sync_join=True)"
+                 unsubscribe every rank of the job, then subscribe them again, or delete and re-create the job, so \
+                 the controller programs the tree afresh (a rank joining a running tree on purpose uses sync_join=True)"
             }
         }
     }

@@ -100,6 +100,10 @@ class _Job:
     #: ranks rebuilt from the switches, whose host is only known up to its
     #: switch until the worker subscribes again
     unconfirmed: set[int] = field(default_factory=set)
+    #: ranks that unsubscribed while others stayed: the tree still runs the
+    #: stream they left (emptied when the last rank leaves, which takes the
+    #: job off the switches)
+    left_running: set[int] = field(default_factory=set)
 
 
 class Controller:
@@ -138,7 +142,15 @@ class Controller:
         switches whose role changed are programmed. Returns ``data_addr``
         (where the worker sends), ``programmed`` (switch names) and
         ``member_key`` (the worker's 16-byte key for
-        ``fanin.Session(auth_key=...)``; None for an unauthenticated job)."""
+        ``fanin.Session(auth_key=...)``; None for an unauthenticated job).
+
+        ``sync=True``: the worker joins the job's running stream
+        (``Session(sync_join=True)``). A rank that unsubscribed while other
+        ranks stayed must come back that way: a plain subscribe would start
+        it at the stream's start, where the tree may still hold results it
+        took part in (refused, FAILED_PRECONDITION). Once the last rank has
+        left, the job is off the switches and every rank subscribes plainly
+        again (a new run)."""
         with self._lock:
             job = self._job(job_id)
             if rank in job.unconfirmed and self.topo.is_host(host) and \
@@ -154,6 +166,16 @@ class Controller:
                 where = (f"a host under {self.topo.attachment(job.workers[rank])}" if rank in job.unconfirmed
                          else f"host {job.workers[rank]}")
                 raise ControllerError("ALREADY_EXISTS", f"job {job_id}: rank {rank} is already subscribed (from {where})")
+            if rank in job.left_running and not sync:
+                # Subscribed again without sync, it would start at the
+                # stream's start, and the switches above its own may still
+                # hold results it took part in there: they would hand its
+                # new process those sums for its own (docs/trees.md).
+                raise ControllerError(
+                    "FAILED_PRECONDITION",
+                    f"job {job_id}: rank {rank} left while other ranks stayed subscribed, and the tree still runs the "
+                    f"stream it left: subscribe it with sync=True to join that stream (fanin.Session(sync_join=True)), "
+                    f"or unsubscribe every rank of the job before subscribing any again (a new run starts afresh)")
             if not self.topo.is_host(host):
                 raise ControllerError("INVALID_ARGUMENT", f"host {host!r} is not a host of topology {self.topo.name}")
             if len(job.workers) >= job.params.max_workers:
@@ -165,6 +187,7 @@ class Controller:
             awaiting = self._joining(tree, new_roles, job.roles, rank) if sync else {}
             programmed = self._apply(job, new_roles, awaiting)
             job.workers, job.tree = workers, tree
+            job.left_running.discard(rank)
             return self._subscribed(job, rank, host, programmed)
 
     def _subscribed(self, job: _Job, rank: int, host: str, programmed: list[str]) -> dict:
@@ -185,6 +208,10 @@ class Controller:
             new_roles = roles(self.topo, tree) if tree else {}
             programmed = self._apply(job, new_roles, {})
             job.workers, job.tree = workers, tree
+            if workers:
+                job.left_running.add(rank)
+            else:
+                job.left_running.clear()  # the job left every switch
             return {"programmed": programmed}
 
     def tree(self, job_id: int) -> Optional[Tree]:
