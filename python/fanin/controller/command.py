@@ -89,7 +89,9 @@ def add_parser(sub: Any) -> None:
     su.add_argument("job_id", type=int)
     su.add_argument("--rank", type=int, required=True)
     su.add_argument("--host", required=True, help="the topology host the worker runs on")
-    su.add_argument("--sync", action="store_true", help="the job is running: the worker syncs on the current block")
+    su.add_argument("--sync", action="store_true", help="the job is running: the worker syncs on the current block "
+                    "(required for a rank that left while other ranks stayed subscribed; once every rank has "
+                    "left, a new run subscribes without it)")
     client(su)
     su.set_defaults(func=lambda a: _call(a, lambda c: _printable(c.subscribe(a.job_id, a.rank, a.host, sync=a.sync))))
     un = csub.add_parser("unsubscribe", help="remove a worker")
