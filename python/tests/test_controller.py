@@ -424,6 +424,132 @@ def test_a_second_run_on_a_live_tree_is_refused_until_the_ranks_subscribe_again(
         run(2)
 
 
+@pytest.mark.parametrize("controller_restarted", [False, True], ids=["controller-up", "controller-restarted-too"])
+def test_a_second_run_after_the_leaves_restarted_is_refused_not_handed_the_first_runs_sums(controller_restarted):
+    """Every switch with workers restarts between two runs and the root
+    does not: the restarted leaves have forgotten the processes they saw,
+    and the controller installs the job on them again. A new run's Joins
+    used to be answered from the stream's start, and the root, still
+    holding the first run's results, handed them up as the new run's sums
+    (every allreduce got them, with clean statistics; the root counted the
+    partials `duplicate`). Now the re-installed leaves know they resumed a
+    running tree (the controller says so) and refuse a new process with
+    the way out; after it, the ranks subscribe afresh and the next run's
+    sums are its own.
+
+    controller-restarted-too: the controller is gone while the leaves
+    restart, and they come back without the job; a new controller rebuilds
+    the job from the root (which still lists them as its children) and
+    installs it on them when the ranks subscribe again: resumed too."""
+    topo = topology.deep_tree(2, 2)
+    with LoopbackSwitches(topo, shards=2) as sws:
+        ctl, subs, leaves = _two_leaf_job(topo, sws)
+
+        def run(number):
+            def work(r):
+                s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256)
+                outs = [s.allreduce(np.full(1024, 1000 * number + 10 * r + call, dtype=np.int32)) for call in range(2)]
+                del s  # (a session is dropped on the thread that made it)
+                return outs
+
+            for outs in in_threads(2, work):
+                for call, out in enumerate(outs):
+                    assert (out == sum(1000 * number + 10 * r + call for r in range(2))).all(), (number, call, out[:2])
+
+        run(1)
+        if controller_restarted:
+            ctl.close()
+            for leaf in leaves:
+                sws.restart(leaf)
+            ctl = Controller(topo, sws.fabric)
+            assert ctl.rebuild()["adopted"] == [1]
+            for r in range(2):
+                assert ctl.subscribe(1, r, f"h{r}")["member_key"] == subs[r]["member_key"]
+        else:
+            for leaf in leaves:
+                sws.restart(leaf)
+            assert sorted(s for s, _ in ctl.reconcile()) == leaves
+        for r in range(2):
+            with pytest.raises(fanin.FaninRefused, match="restarted while the job ran"):
+                fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256,
+                              join_timeout_s=5)
+        assert _eventually(lambda: sum(sws.counters(s).get("resumed_refused", 0) for s in leaves) >= 2)
+        for r in range(2):
+            ctl.unsubscribe(1, r)
+        subs = [ctl.subscribe(1, r, f"h{r}") for r in range(2)]
+        run(2)
+
+
+def test_leaves_restarted_mid_run_are_resumed_and_the_run_recovers_exactly():
+    """The other side of the rule above: when the leaves restart *while*
+    the run goes on, the controller installs the job on them again marked
+    resumed, and the running workers — whose probes and stale contributions
+    the new leaves refuse — recover through them (docs/restart.md): every
+    allreduce is exact and each worker went through a recovery."""
+    topo = topology.deep_tree(2, 2)
+    calls, n = 30, 4096
+    with LoopbackSwitches(topo, shards=2) as sws:
+        ctl, subs, leaves = _two_leaf_job(topo, sws)
+        progress = [0, 0]
+        results: dict[int, object] = {}
+
+        def work(r):
+            try:
+                s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256,
+                                  rto_ms=20, rto_min_ms=5)
+                recoveries = 0
+                for call in range(calls):
+                    out = s.allreduce(np.full(n, 10 * r + call, dtype=np.int32))
+                    assert (out == sum(10 * q + call for q in range(2))).all(), (call, out[:2])
+                    recoveries += s.last_stats["recoveries"]
+                    progress[r] = call + 1
+                    time.sleep(0.01)
+                del s
+                results[r] = recoveries
+            except BaseException as e:  # reported below, on the test's thread
+                results[r] = e
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        assert _eventually(lambda: min(progress) >= 3, timeout=30)
+        for leaf in leaves:
+            sws.restart(leaf)
+        reinstalled = []
+        assert _eventually(lambda: reinstalled.extend(ctl.reconcile()) or len(reinstalled) == len(leaves), timeout=10)
+        for t in threads:
+            t.join(120)
+        assert not any(isinstance(v, BaseException) for v in results.values()), results
+        assert progress == [calls, calls] and all(results[r] >= 1 for r in range(2)), (progress, results)
+        for leaf in leaves:
+            (job,) = _list_jobs(sws, leaf)
+            assert job["tree"]["resumed"] is True
+        # a restarted controller learns the marks from the switches, and
+        # keeps them when it programs them again
+        again = Controller(topo, sws.fabric)
+        assert again.rebuild()["adopted"] == [1]
+        assert again._jobs[1].resumed_on == set(leaves)
+
+
+def _two_leaf_job(topo, sws):
+    """Job 1 on `deep_tree(2, 2)`: ranks 0 and 1 subscribed, one under
+    each leaf. Returns the controller, the subscriptions and the leaves."""
+    ctl = Controller(topo, sws.fabric)
+    ctl.create_job(JobParams(1, block_cnt_max=16, block_grad_max=256, max_workers=2))
+    subs = [ctl.subscribe(1, r, f"h{r}") for r in range(2)]
+    tree = ctl.tree(1)
+    leaves = sorted({tree.attach[r] for r in range(2)})
+    assert tree.depth() == 2 and tree.root not in leaves and len(leaves) == 2
+    return ctl, subs, leaves
+
+
+def _list_jobs(sws, switch):
+    from fanin.control import ControlClient
+
+    with ControlClient(sws.procs[switch].control_addr) as c:
+        return c.list_jobs()
+
+
 def _stream_block_sums(sub, r, *, n_elems, epp, sync, until, into, deadline_s, start_together, on_start=None,
                        after_each=None, **session_kw):
     """Worker r of job 1 allreduces 2**r in every element until `until(k)`

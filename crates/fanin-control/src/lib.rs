@@ -84,6 +84,10 @@ pub struct TreeRole {
     pub parent_shards: u16,
     /// This switch's source id at the parent.
     pub rank: u16,
+    /// The job ran here before this switch restarted and is installed
+    /// again: a worker rank new to this life joins only to recover (or with
+    /// sync): `Uplink::resumed` in fanin-proto.
+    pub resumed: bool,
 }
 
 impl TreeRole {
@@ -421,7 +425,7 @@ pub fn tree_role_from_pb(spec: &pb::JobSpec) -> Result<Option<TreeRole>, Status>
                 MAX_SOURCES
             ))
         })?;
-    Ok(Some(TreeRole { parent, parent_shards: shards, rank }))
+    Ok(Some(TreeRole { parent, parent_shards: shards, rank, resumed: tree.resumed }))
 }
 
 /// A wire job spec with its tree role, checked.
@@ -492,6 +496,7 @@ pub fn job_entry_to_pb(job: &JobEntry) -> pb::JobSpec {
             parent_addr: t.parent.to_string(),
             parent_shards: t.parent_shards.into(),
             rank: t.rank.into(),
+            resumed: t.resumed,
         }),
         ..job_spec_to_pb(&job.spec)
     }

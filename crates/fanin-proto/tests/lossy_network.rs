@@ -117,6 +117,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
                     let uplink = cfg.parents[i].map(|p| Uplink {
                         parent: (0..cfg.shards).map(|k| Node::Shard(p, k)).collect(),
                         rank: SWITCH_RANK_BASE + i as u16,
+                        resumed: false,
                     });
                     sw.set_uplink(7, uplink).unwrap();
                     if let Some(start) = cfg.start_block {

@@ -782,6 +782,15 @@ pub enum NackReason {
     /// process would be handed the old run's results that the switches
     /// above still hold. Fatal: the job's ranks must be subscribed afresh.
     RerunInTree = 13,
+    /// A plain Join to a switch of an aggregation tree that restarted while
+    /// the job ran (the control plane installed the job again, `resumed`),
+    /// from a worker rank that has not joined this life (detail = the
+    /// switch's incarnation, all 32 bits). The switches above may hold
+    /// results of the stream this life never saw. Not fatal for a worker of
+    /// the running job — it was probing for the restart and recovers, as on
+    /// `StaleIncarnation` — fatal for a new process (a new run): the job's
+    /// ranks must be subscribed afresh.
+    TreeSwitchRestarted = 14,
 }
 
 impl NackReason {
@@ -800,6 +809,7 @@ impl NackReason {
             11 => Self::JobFailed,
             12 => Self::StaleIncarnation,
             13 => Self::RerunInTree,
+            14 => Self::TreeSwitchRestarted,
             other => return Err(WireError::UnknownNackReason(other)),
         })
     }
@@ -823,6 +833,13 @@ impl NackReason {
                  stream cannot start again where it began (the switches above still hold that run's results): \
                  unsubscribe every rank of the job, then subscribe them again, or delete and re-create the job, so \
                  the controller programs the tree afresh (a rank joining a running tree on purpose uses sync_join=True)"
+            }
+            Self::TreeSwitchRestarted => {
+                "this switch of the job's aggregation tree restarted while the job ran (its incarnation is the \
+                 detail), and the switches above it may still hold results of the job's stream that it never saw: \
+                 only a worker of the running job may join it again, to recover. A new run must start afresh: \
+                 unsubscribe every rank of the job, then subscribe them again (a rank joining a running job on \
+                 purpose uses sync_join=True)"
             }
         }
     }

@@ -153,7 +153,10 @@ class ControlClient:
         children (worker ranks, and child switches' ranks from 2048 up),
         ``workers`` the job's worker count (0 = len(members)) and ``tree``
         the non-root role ``{"parent_addr": "ip:port", "parent_shards": n,
-        "rank": r}`` (None: the root, or the only switch).
+        "rank": r}`` (None: the root, or the only switch); ``"resumed":
+        True`` when the switch restarted while the job ran and the job is
+        installed again (it then takes only recovery and sync joins from
+        ranks new to it; docs/trees.md).
 
         ``on_failure`` (``"degrade"`` or ``"fail"``; None: ``"degrade"`` with
         ``block_exp_ms`` > 0, else ``"fail"``) and ``member_timeout_ms``
@@ -339,11 +342,12 @@ def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode
         _check_u32(quorum, "quorum")
         spec.quorum = quorum
     if tree is not None:
-        unknown = set(tree) - {"parent_addr", "parent_shards", "rank"}
+        unknown = set(tree) - {"parent_addr", "parent_shards", "rank", "resumed"}
         if unknown:
-            raise ValueError(f"tree has unknown keys {sorted(unknown)} (parent_addr, parent_shards, rank)")
+            raise ValueError(f"tree has unknown keys {sorted(unknown)} (parent_addr, parent_shards, rank, resumed)")
         spec.tree.CopyFrom(pb.TreeRole(parent_addr=str(tree["parent_addr"]),
-                                       parent_shards=int(tree.get("parent_shards", 1)), rank=int(tree["rank"])))
+                                       parent_shards=int(tree.get("parent_shards", 1)), rank=int(tree["rank"]),
+                                       resumed=bool(tree.get("resumed", False))))
     return spec
 
 
@@ -357,7 +361,8 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         "slow_after_windows": j.slow_after_windows if j.HasField("slow_after_windows") else 2,
         "mode": _MODE_NAMES.get(j.mode, f"unknown({j.mode})"),
         "workers": j.workers if j.HasField("workers") else 0,
-        "tree": ({"parent_addr": j.tree.parent_addr, "parent_shards": j.tree.parent_shards, "rank": j.tree.rank}
+        "tree": ({"parent_addr": j.tree.parent_addr, "parent_shards": j.tree.parent_shards, "rank": j.tree.rank,
+                  "resumed": j.tree.resumed}
                  if j.HasField("tree") else None),
         "on_failure": _POLICY_NAMES.get(j.on_failure, f"unknown({j.on_failure})"),
         "member_timeout_ms": j.member_timeout_ms,

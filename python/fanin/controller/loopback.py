@@ -25,12 +25,13 @@ class LoopbackSwitches:
                  **config_kw):
         self.topo = topo
         self.procs: dict[str, SwitchProcess] = {}
+        self._configs: dict[str, dict] = {}
         self._stack = ExitStack()
         rng = random.Random(seed)
         table = {}
         try:
             for node in [sw.name for sw in topo.switches] + [topo.host(h).name for h in hosts]:
-                proc = self._start(rng, shards, config_kw)
+                proc, self._configs[node] = self._start(rng, shards, config_kw)
                 self.procs[node] = proc
                 table[node] = {"control": proc.control_addr, "data": proc.data_addr}
         except BaseException:
@@ -38,7 +39,7 @@ class LoopbackSwitches:
             raise
         self.fabric = StaticFabric(table)
 
-    def _start(self, rng: random.Random, shards: int, config_kw: dict) -> SwitchProcess:
+    def _start(self, rng: random.Random, shards: int, config_kw: dict) -> tuple[SwitchProcess, dict]:
         # shard n listens on port + n, so pick a free-looking range and retry
         last: Optional[Exception] = None
         for _ in range(20):
@@ -46,10 +47,21 @@ class LoopbackSwitches:
             cfg = switch_config(data_addr=f"127.0.0.1:{base}", shards=shards,
                                 control_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0", **config_kw)
             try:
-                return self._stack.enter_context(SwitchProcess(cfg))
+                return self._stack.enter_context(SwitchProcess(cfg)), cfg
             except RuntimeError as e:  # the port range was taken
                 last = e
         raise RuntimeError(f"could not start a switch on 127.0.0.1: {last}")
+
+    def restart(self, switch: str) -> None:
+        """Kill `switch`'s daemon (SIGKILL: it forgets every job and block)
+        and start it again on the same data and control ports, with no jobs:
+        a new incarnation, as after a crash (docs/restart.md). The
+        controller's `reconcile` installs its jobs again."""
+        old = self.procs[switch]
+        old.proc.kill()
+        old.proc.wait(10)
+        cfg = {**self._configs[switch], "control_addr": old.control_addr}
+        self.procs[switch] = self._stack.enter_context(SwitchProcess(cfg))
 
     def counters(self, switch: str) -> dict[str, int]:
         return self.procs[switch].counters()

@@ -104,6 +104,12 @@ class _Job:
     #: stream they left (emptied when the last rank leaves, which takes the
     #: job off the switches)
     left_running: set[int] = field(default_factory=set)
+    #: non-root switches that restarted while holding the job and had it
+    #: installed again (`reconcile`): their tree role says `resumed`, so they
+    #: take only recovery (and sync) joins from ranks new to their life —
+    #: the switches above may hold results of the stream they never saw
+    #: (docs/trees.md, "A second run on a live tree")
+    resumed_on: set[str] = field(default_factory=set)
 
 
 class Controller:
@@ -246,6 +252,10 @@ class Controller:
                         role = job.roles.get(s)
                         if role is None:
                             continue
+                        if role.parent is not None:
+                            # its tree ran: a new run must not start on it
+                            # under parents that still hold the old stream
+                            job.resumed_on.add(s)
                         try:
                             self._client(s).admit_job(**self._spec(job, s, role))
                         except ControlError as e:
@@ -358,6 +368,7 @@ class Controller:
                 "parent_addr": self.fabric.data_addr(role.parent, toward=switch),
                 "parent_shards": self._parent_shards(role.parent),
                 "rank": role.rank,
+                "resumed": switch in job.resumed_on,
             }
         return {
             "job_id": p.job_id,
@@ -433,6 +444,7 @@ class Controller:
             for s in diff.removed:
                 self._client(s).remove_job(job.params.job_id)
                 del job.roles[s]
+                job.resumed_on.discard(s)
                 done.append(s)
         except ControlError as e:
             raise ControllerError("UNAVAILABLE",
@@ -458,9 +470,15 @@ def _adopt(topo: Topology, job_id: int, specs: dict[str, dict], by_rank: dict[in
                        **{name: first[k] for k, name in _SPEC_PARAMS.items() if first.get(k)})
     parent_of = {by_rank[m]: sw for sw, spec in specs.items() for m in spec["members"] if m in by_rank}
     job = _Job(params, key=first["key"])
+    # A child switch its parent lists that does not hold the job itself lost
+    # it (it restarted while no controller watched, or is down): installed
+    # again under a parent that still runs the stream, it is resumed.
+    job.resumed_on.update(child for child in parent_of if child not in specs)
     for sw, spec in specs.items():
         job.roles[sw] = Role(members=tuple(sorted(spec["members"])), parent=parent_of.get(sw),
                              rank=spec["tree"]["rank"] if spec["tree"] else None)
+        if spec["tree"] and spec["tree"].get("resumed"):
+            job.resumed_on.add(sw)
         hosts = [h.name for h in topo.hosts if topo.attachment(h.name) == sw]
         for m in spec["members"]:
             if m < SWITCH_RANK_BASE:

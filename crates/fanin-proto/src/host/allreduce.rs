@@ -857,7 +857,13 @@ impl AllreduceSession {
             MessageType::Nack => {
                 if let Ok(nack) = Nack::parse(packet.payload()) {
                     let tag = Nack::tag_of(bytes);
-                    if nack.reason == NackReason::StaleIncarnation {
+                    let bound = self.params.is_some();
+                    if nack.reason == NackReason::StaleIncarnation
+                        || (nack.reason == NackReason::TreeSwitchRestarted && bound)
+                    {
+                        // (a tree's switch that restarted refuses a bound
+                        // worker's probe: the worker recovers; a session
+                        // still joining is a new run, refused below)
                         self.last_heard = now;
                         self.begin_recovery(now, nack.detail);
                     } else if nack.reason == NackReason::BlockExpired && tag != 0 && Some(tag) != self.tag() {

@@ -185,6 +185,11 @@ pub struct Counters {
     /// Plain Joins refused at a tree's switch: a new process of a rank that
     /// already joined it (a tree has no rounds; docs/trees.md).
     pub rerun_in_tree: u64,
+    /// Plain Joins refused at a tree's switch that restarted while the job
+    /// ran (`Uplink::resumed`) from a rank that has not joined this life
+    /// (Nack TreeSwitchRestarted: a running worker recovers on it, a new
+    /// process fails).
+    pub resumed_refused: u64,
 }
 
 impl Counters {
@@ -270,6 +275,7 @@ impl Counters {
         f("barrier_waiting", None, self.barrier_waiting);
         f("stale_round", None, self.stale_round);
         f("rerun_in_tree", None, self.rerun_in_tree);
+        f("resumed_refused", None, self.resumed_refused);
     }
 
     /// Add another shard's counters into these.
@@ -285,7 +291,7 @@ impl Counters {
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
             stale_incarnation, recover_waiting, recoveries, rounds_started, rounds_ended, barrier_waiting, stale_round,
-            rerun_in_tree
+            rerun_in_tree, resumed_refused
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

@@ -92,6 +92,16 @@ pub struct Uplink<A> {
     pub parent: Vec<A>,
     /// This switch's source id at the parent (at least `SWITCH_RANK_BASE`).
     pub rank: u16,
+    /// The job ran on this switch before it restarted, and the control
+    /// plane installs it again. The switches above may hold results of
+    /// the job's stream that this life never saw, and nothing here tells
+    /// a Join of a new run from a worker of the running one probing for
+    /// the restart: so a worker rank that has not joined this life may
+    /// join only to recover (or with sync, into the running stream), and a
+    /// plain Join is answered with Nack `TreeSwitchRestarted` — a worker
+    /// of the running job recovers on it, a new process fails with the way
+    /// out (docs/trees.md, "A second run on a live tree").
+    pub resumed: bool,
 }
 
 /// Why a job was not admitted.

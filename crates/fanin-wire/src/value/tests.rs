@@ -544,8 +544,8 @@ fn trim_nack_four_ways() {
     assert_eq!(buf, TRIM_NACK);
     // one past the last reason is still malformed
     let mut bad = TRIM_NACK;
-    bad[25] = 14;
-    assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(14));
+    bad[25] = 15;
+    assert_eq!(Packet::new_checked(&bad[..]).unwrap_err(), WireError::UnknownNackReason(15));
     // the other causes
     assert_eq!(TrimCause::from_detail(2), Some(TrimCause::MemoryExhausted));
     assert_eq!(TrimCause::from_detail(3), Some(TrimCause::RateLimited));

@@ -71,14 +71,16 @@ class RateLimit(_message.Message):
     def __init__(self, pps: _Optional[int] = ..., burst: _Optional[int] = ...) -> None: ...
 
 class TreeRole(_message.Message):
-    __slots__ = ("parent_addr", "parent_shards", "rank")
+    __slots__ = ("parent_addr", "parent_shards", "rank", "resumed")
     PARENT_ADDR_FIELD_NUMBER: _ClassVar[int]
     PARENT_SHARDS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     parent_addr: str
     parent_shards: int
     rank: int
-    def __init__(self, parent_addr: _Optional[str] = ..., parent_shards: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    resumed: bool
+    def __init__(self, parent_addr: _Optional[str] = ..., parent_shards: _Optional[int] = ..., rank: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class NextHop(_message.Message):
     __slots__ = ("addr", "shards")

@@ -747,3 +747,66 @@ fn a_switch_whose_port_stays_closed_is_gone_after_the_configured_time() {
     assert_eq!(at, secs(5.0), "at join_timeout");
     assert!(matches!(failed, Event::Failed(SessionError::SwitchGone { .. })), "{failed:?}");
 }
+
+/// A tree's switch that restarted while the job ran refuses a plain Join
+/// from a rank new to its life (Nack TreeSwitchRestarted, docs/trees.md):
+/// a worker bound to the switch's earlier life was probing for the restart
+/// and recovers (its next Join is a recovery join), while a session still
+/// joining is a new run and fails at once with the reason.
+#[test]
+fn a_restarted_tree_switchs_refusal_makes_a_bound_worker_recover_and_fails_a_new_one() {
+    use crate::switch::Uplink;
+    use fanin_wire::value::JOIN_RECOVER;
+    let mut resumed = ValueSwitch::new(ShardConfig { incarnation: 3, ..ShardConfig::single(1 << 20) });
+    resumed.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
+    resumed.set_uplink(1, Some(Uplink { parent: vec![9], rank: crate::job::SWITCH_RANK_BASE, resumed: true })).unwrap();
+    let refusal = |s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>, now: Time| {
+        let mut out = VecTransmit::new();
+        s.poll_transmit(now, &mut out);
+        let join = out.drain().map(|(_, b)| b).find(|b| {
+            Packet::new_checked(&b[..]).is_ok_and(|p| p.msg_type_code() == MessageType::Join as u8)
+        });
+        let mut reply = VecTransmit::new();
+        let _ = sw.handle_datagram(now, 0, &join.expect("a join"), &mut reply);
+        let (_, nack) = reply.drain().next().expect("an answer");
+        let p = Packet::new_checked(&nack[..]).unwrap();
+        assert_eq!(Nack::parse(p.payload()).unwrap(), Nack { reason: NackReason::TreeSwitchRestarted, detail: 3 });
+        nack
+    };
+    // a new process: refused, fatal
+    let mut fresh = AllreduceSession::new(SessionConfig::new(1, 0), Time::ZERO);
+    let nack = refusal(&mut fresh, &mut resumed, Time::ZERO);
+    fresh.handle_datagram(Time::ZERO, &nack);
+    match fresh.poll_event() {
+        Some(Event::Failed(SessionError::Refused { reason: NackReason::TreeSwitchRestarted, .. })) => {}
+        other => panic!("{other:?}"),
+    }
+    // a worker bound to the earlier life, whose probe the new life refuses
+    let (mut s, _) = joined(8);
+    s.begin(Time::ZERO, Tensor::I32(vec![1; 8])).unwrap();
+    s.poll_transmit(Time::ZERO, &mut VecTransmit::new()); // lost with the old life
+    let (probe_refused, now) = loop {
+        let now = s.poll_timeout().unwrap();
+        assert!(now < Time::from_nanos(30_000_000_000), "no probe");
+        s.handle_timeout(now);
+        let mut out = VecTransmit::new();
+        s.poll_transmit(now, &mut out);
+        let probe = out.drain().map(|(_, b)| b).find(|b| {
+            Packet::new_checked(&b[..]).is_ok_and(|p| p.msg_type_code() == MessageType::Join as u8)
+        });
+        if let Some(probe) = probe {
+            let mut reply = VecTransmit::new();
+            let _ = resumed.handle_datagram(now, 0, &probe, &mut reply);
+            break (reply.drain().next().expect("an answer").1, now);
+        }
+    };
+    s.handle_datagram(now, &probe_refused);
+    assert!(s.poll_event().is_none(), "not fatal for a bound worker");
+    let mut out = VecTransmit::new();
+    s.poll_transmit(now, &mut out);
+    let joins: Vec<u8> = out
+        .drain()
+        .filter_map(|(_, b)| Packet::new_checked(&b[..]).ok().filter(|p| p.msg_type_code() == MessageType::Join as u8).map(|p| p.age_op()))
+        .collect();
+    assert_eq!(joins, vec![JOIN_RECOVER], "it recovers");
+}

@@ -444,27 +444,52 @@ fn lowest_needed<A>(job: &Job<A>, config: &ShardConfig, unused: bool) -> Option<
     lowest
 }
 
+/// Why a worker's Join to a tree's switch is refused ([`refuse_in_tree`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TreeRefusal {
+    /// A new process of a rank whose earlier process joined here.
+    RerunInTree,
+    /// A rank new to this life of a switch that restarted while the job ran.
+    Restarted,
+}
+
 /// Whether a worker's Join to a job without rounds (a tree's switch: an
-/// inner one, or a root with child switches) is a new process of a rank
-/// whose earlier process already joined here; records the incarnation of
-/// one that is not. Such a Join would be answered with the stream's start,
-/// and the switches above still hold the results of the old process's
-/// blocks from there on: the new process would take the old run's sums for
-/// its own, with clean statistics. Until trees have rounds (docs/trees.md,
-/// "A second run on a live tree") it is refused. A sync join (joining the
-/// running stream on purpose, SwitchML++) and a recovery join (after a
-/// switch restart, the same process) are not refused, and record their
-/// incarnation too; a Join that says none (0) is answered as before.
-pub(super) fn refuse_rerun_in_tree<A>(job: &mut Job<A>, src: u16, inc: u16, age_op: u8) -> bool {
-    if inc == 0 || src >= SWITCH_RANK_BASE || job.spec.mode != JobMode::Aggregate {
-        return false;
+/// inner one, or a root with child switches) must be refused; records the
+/// member incarnation of one that is not. A plain Join is answered with the
+/// stream's start, and the switches above may hold results of the stream
+/// from there on that the joining process never took part in: it would
+/// take them for its own sums, with clean statistics. Until trees have
+/// rounds (docs/trees.md, "A second run on a live tree") such a Join is
+/// refused:
+///
+/// * from a new process of a rank whose earlier process already joined here
+///   (another member incarnation): `RerunInTree`;
+/// * on a switch that restarted while the job ran (`Uplink::resumed`), from
+///   a rank that has not joined this life: it has forgotten the processes
+///   it saw, and cannot tell a new run from a worker of the running one
+///   probing for the restart (which recovers on the refusal): `Restarted`.
+///
+/// A sync join (joining the running stream on purpose, SwitchML++) and a
+/// recovery join (after a switch restart, the same process) are not
+/// refused, and record their incarnation too; a Join that says none (0) is
+/// refused only by a resumed switch.
+pub(super) fn refuse_in_tree<A>(job: &mut Job<A>, src: u16, inc: u16, age_op: u8) -> Option<TreeRefusal> {
+    if src >= SWITCH_RANK_BASE || job.spec.mode != JobMode::Aggregate {
+        return None;
     }
+    let plain = age_op != JOIN_SYNC && age_op != JOIN_RECOVER;
     let current = job.incarnations[src as usize];
-    if age_op != JOIN_SYNC && age_op != JOIN_RECOVER && current != 0 && current != inc {
-        return true;
+    if plain && current == 0 && job.uplink.as_ref().is_some_and(|up| up.resumed) {
+        return Some(TreeRefusal::Restarted);
+    }
+    if inc == 0 {
+        return None;
+    }
+    if plain && current != 0 && current != inc {
+        return Some(TreeRefusal::RerunInTree);
     }
     job.incarnations[src as usize] = inc;
-    false
+    None
 }
 
 impl<A: Copy + PartialEq> ValueSwitch<A> {
@@ -516,10 +541,19 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
             return Verdict::Consumed;
         }
-        if !in_rounds && refuse_rerun_in_tree(job, src, inc, packet.age_op()) {
-            self.counters.rerun_in_tree += 1;
+        if let Some(refusal) = if in_rounds { None } else { refuse_in_tree(job, src, inc, packet.age_op()) } {
+            let (reason, detail) = match refusal {
+                TreeRefusal::RerunInTree => {
+                    self.counters.rerun_in_tree += 1;
+                    (NackReason::RerunInTree, src as u32)
+                }
+                TreeRefusal::Restarted => {
+                    self.counters.resumed_refused += 1;
+                    (NackReason::TreeSwitchRestarted, self.config.incarnation)
+                }
+            };
             let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
-            send_nack(&mut self.counters, out, from, env, packet, NackReason::RerunInTree, src as u32);
+            send_nack(&mut self.counters, out, from, env, packet, reason, detail);
             return Verdict::Consumed;
         }
         job.addrs.set(src as usize, from);

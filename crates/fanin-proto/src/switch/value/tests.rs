@@ -587,7 +587,7 @@ fn send_from(sw: &mut ValueSwitch<Addr>, from: Addr, bytes: &[u8]) -> Vec<(Addr,
 /// A leaf of job 1 with workers 0 and 1 under parent address 1.
 fn leaf() -> ValueSwitch<Addr> {
     let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
-    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK, resumed: false })).unwrap();
     sw
 }
 
@@ -675,6 +675,61 @@ fn a_leaf_refuses_a_new_process_of_a_rank_that_already_joined_it() {
     let out = send_from(&mut sw, 200, &join(9, 0));
     assert_eq!(out[0].1.msg_type, MessageType::JoinAck);
     assert_eq!(sw.counters().rerun_in_tree, 1);
+}
+
+/// A leaf that restarted while its tree ran (the control plane installed
+/// the job again, `resumed`) has forgotten the processes it saw, and its
+/// parent may hold results of the stream from its start: a plain Join from
+/// a rank that has not joined this life is refused with the switch's
+/// incarnation (a new run fails on it, a running worker probing for the
+/// restart recovers on it), and is not taken for the rank. A recovery join
+/// is answered and binds the rank's process, whose later probes are
+/// answered; a sync join goes to the parent. A leaf that did not restart
+/// answers the same plain Join.
+#[test]
+fn a_resumed_leaf_takes_only_recovery_and_sync_joins_from_ranks_new_to_it() {
+    use fanin_wire::value::JOIN_RECOVER;
+    let join = |src: u16, inc: u16, age_op: u8| {
+        let mut j = Pkt::data(1, src, 0, &[]);
+        j.repr.msg_type = MessageType::Join;
+        j.repr.src_cnt = inc; // a Join's member incarnation
+        j.repr.age_op = age_op;
+        j.bytes()
+    };
+    let out = send_from(&mut leaf(), 100, &join(0, 7, 0));
+    assert_eq!(out[0].1.msg_type, MessageType::JoinAck, "a leaf that did not restart: {out:?}");
+    let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK, resumed: true })).unwrap();
+    for (src, inc) in [(0, 7), (1, 0)] {
+        let mut out = VecTransmit::new();
+        let _ = sw.handle_datagram(T0, 100 + src as u32, &join(src, inc, 0), &mut out);
+        let (dest, bytes) = out.drain().next().expect("a nack");
+        let nack = Nack::parse(Packet::new_checked(&bytes[..]).unwrap().payload()).unwrap();
+        let incarnation = ShardConfig::single(1 << 30).incarnation;
+        assert_eq!((dest, nack.reason, nack.detail), (100 + src as u32, NackReason::TreeSwitchRestarted, incarnation));
+    }
+    assert_eq!((sw.counters().resumed_refused, sw.counters().rerun_in_tree), (2, 0));
+    // not taken for rank 0: a contribution's result would not go there
+    assert!(send(&mut sw, Pkt::data(1, 1, 0, &[2])).is_empty());
+    // rank 0's worker recovers (the floor waits for rank 1 as well)...
+    assert!(send_from(&mut sw, 100, &join(0, 7, JOIN_RECOVER)).is_empty());
+    let mut out = VecTransmit::new();
+    let verdict = sw.handle_datagram(T0, 101, &join(1, 9, JOIN_RECOVER), &mut out);
+    assert!(matches!(verdict, Verdict::Recovered { floor: 0, .. }), "{verdict:?}");
+    let out = decode(out);
+    assert!(out.len() == 2 && out.iter().all(|(_, r, _)| r.msg_type == MessageType::JoinAck && r.age_op == JOIN_RECOVER), "{out:?}");
+    // ... and its probes are answered from then on; another process is not
+    let out = send_from(&mut sw, 100, &join(0, 7, 0));
+    assert_eq!(out[0].1.msg_type, MessageType::JoinAck, "{out:?}");
+    let mut out = VecTransmit::new();
+    let _ = sw.handle_datagram(T0, 200, &join(0, 8, 0), &mut out);
+    let (_, bytes) = out.drain().next().expect("a nack");
+    assert_eq!(Nack::parse(Packet::new_checked(&bytes[..]).unwrap().payload()).unwrap().reason, NackReason::RerunInTree);
+    // a sync join of a rank new to this life is asked of the parent
+    let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK, resumed: true })).unwrap();
+    let out = send_from(&mut sw, 100, &join(0, 7, JOIN_SYNC));
+    assert_eq!((out[0].0, out[0].1.msg_type), (PARENT, MessageType::Sync), "{out:?}");
 }
 
 /// A child that was in a block this switch sent up, and sends the block
@@ -889,7 +944,7 @@ fn sync_goes_to_the_root_and_its_answer_comes_back_down() {
 /// blocks it had sent up lacked the joiner, and the results said nothing.)
 #[test]
 fn a_leaf_that_got_a_sync_answer_late_starts_the_joiner_past_what_it_sent_up() {
-    let up = Uplink { parent: vec![PARENT], rank: RANK };
+    let up = Uplink { parent: vec![PARENT], rank: RANK, resumed: false };
     let mut leaf = leaf();
     let spec = JobSpec { members: vec![0, 1, 2], workers: 5, ..job(1, 2, 4) };
     leaf.update_job(T0, spec, Some(up), &[2], &mut VecTransmit::new()).unwrap();
@@ -1115,7 +1170,7 @@ fn a_child_of_a_root_spread_over_switches_tells_its_workers_the_order_classes() 
     // five root shards (a root per spine): results of different parents come
     // on different paths, in order only per parent (shard_of over 5)
     let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
-    sw.set_uplink(1, Some(Uplink { parent: vec![1, 2, 3, 4, 5], rank: RANK })).unwrap();
+    sw.set_uplink(1, Some(Uplink { parent: vec![1, 2, 3, 4, 5], rank: RANK, resumed: false })).unwrap();
     let params = join_listening(&mut sw, 1, 0, false);
     assert_eq!((params.shard_count, params.order_shards, params.order_classes()), (1, 5, Some(5)));
 }
