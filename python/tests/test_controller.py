@@ -480,16 +480,21 @@ def test_a_second_run_after_the_leaves_restarted_is_refused_not_handed_the_first
         run(2)
 
 
-def test_leaves_restarted_mid_run_are_resumed_and_the_run_recovers_exactly():
+@pytest.mark.parametrize("restarted", ["leaves", "root", "every-switch"])
+def test_switches_restarted_mid_run_recover_exactly_and_leaves_are_resumed(restarted):
     """The other side of the rule above: when the leaves restart *while*
     the run goes on, the controller installs the job on them again marked
     resumed, and the running workers — whose probes and stale contributions
     the new leaves refuse — recover through them (docs/restart.md): every
-    allreduce is exact and each worker went through a recovery."""
+    allreduce is exact and each worker went through a recovery. A restarted
+    root (no mark: nothing above it) is recovered from by the leaves alone:
+    their workers never notice."""
     topo = topology.deep_tree(2, 2)
     calls, n = 30, 4096
     with LoopbackSwitches(topo, shards=2) as sws:
         ctl, subs, leaves = _two_leaf_job(topo, sws)
+        root = ctl.tree(1).root
+        targets = {"leaves": leaves, "root": [root], "every-switch": [*leaves, root]}[restarted]
         progress = [0, 0]
         results: dict[int, object] = {}
 
@@ -513,17 +518,20 @@ def test_leaves_restarted_mid_run_are_resumed_and_the_run_recovers_exactly():
         for t in threads:
             t.start()
         assert _eventually(lambda: min(progress) >= 3, timeout=30)
-        for leaf in leaves:
-            sws.restart(leaf)
+        for switch in targets:
+            sws.restart(switch)
         reinstalled = []
-        assert _eventually(lambda: reinstalled.extend(ctl.reconcile()) or len(reinstalled) == len(leaves), timeout=10)
+        assert _eventually(lambda: reinstalled.extend(ctl.reconcile()) or len(reinstalled) == len(targets), timeout=10)
         for t in threads:
             t.join(120)
         assert not any(isinstance(v, BaseException) for v in results.values()), results
-        assert progress == [calls, calls] and all(results[r] >= 1 for r in range(2)), (progress, results)
-        for leaf in leaves:
-            (job,) = _list_jobs(sws, leaf)
-            assert job["tree"]["resumed"] is True
+        recovered = restarted != "root"
+        assert progress == [calls, calls] and all((results[r] >= 1) == recovered for r in range(2)), (progress, results)
+        for switch in targets:
+            (job,) = _list_jobs(sws, switch)
+            assert (job["tree"] or {}).get("resumed", False) is (switch != root)
+        if restarted == "root":
+            return
         # a restarted controller learns the marks from the switches, and
         # keeps them when it programs them again
         again = Controller(topo, sws.fabric)
