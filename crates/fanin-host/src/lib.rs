@@ -586,17 +586,21 @@ fn listen_on_group(group: SocketAddrV4, switch: SocketAddr, options: &SessionOpt
     Ok(listener)
 }
 
-/// A random non-zero member incarnation: the standard library's per-map
-/// random keys (seeded from the OS) hashed with the clock and a counter, so
-/// two sessions of one process differ as well as two processes.
-fn draw_incarnation() -> u16 {
+/// A random member incarnation (48 bits, the low 16 non-zero): the
+/// standard library's per-map random keys (seeded from the OS) hashed with
+/// the clock and a counter, so two sessions of one process differ as well
+/// as two processes.
+fn draw_incarnation() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     static DRAWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(DRAWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
     h.write_u32(std::process::id());
-    let x = h.finish();
-    let folded = (x ^ (x >> 16) ^ (x >> 32) ^ (x >> 48)) as u16;
-    folded.max(1)
+    let x = h.finish() & ((1 << 48) - 1);
+    if x & 0xFFFF == 0 {
+        x | 1
+    } else {
+        x
+    }
 }

@@ -261,7 +261,7 @@ impl Sim {
         c.dead_after = Duration::from_secs(30);
         c.join_timeout = Duration::from_secs(30);
         c.barrier_timeout = Duration::from_secs(30);
-        c.incarnation = self.next_inc;
+        c.incarnation = self.next_inc.into();
         self.next_inc += 1;
         c.sync_join = sync;
         c.align_blocks = if sync { self.blocks } else { 0 };

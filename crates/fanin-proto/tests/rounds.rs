@@ -85,7 +85,7 @@ impl Net {
         let mut c = SessionConfig::new(JOB, rank);
         c.elems_per_packet = 4;
         c.window = 4;
-        c.incarnation = inc;
+        c.incarnation = inc.into();
         c.rto_initial = Duration::from_millis(5);
         c.rto_min = Duration::from_millis(2);
         c.barrier_timeout = Duration::from_secs(2);
@@ -381,6 +381,41 @@ fn a_new_run_against_a_job_that_already_ran_gets_its_own_sums() {
     }
     assert_eq!(net.counter(|c| c.rounds_started), 2);
     assert_eq!(net.counter(|c| c.rounds_ended), 1);
+}
+
+/// Member incarnations are 48 bits: a second run whose processes drew the
+/// same low 16 bits as the first run's (what a 16-bit number did once in
+/// 65 535 draws per process) is still a new run, not the old processes
+/// probing. (With 16 bits they were answered with the old round's start,
+/// and their blocks met the old round's slots.)
+#[test]
+fn a_new_run_whose_incarnations_share_the_low_16_bits_is_still_a_new_run() {
+    let mut net = Net::new(spec(2), 2, 0.0, 5);
+    let inc = |run: u64, rank: u64| (run << 16) | (11 + rank);
+    let (mut a, mut b) = (
+        net.spawn_with(0, 0, |c| c.incarnation = inc(1, 0)),
+        net.spawn_with(1, 0, |c| c.incarnation = inc(1, 1)),
+    );
+    net.run_until(&mut [&mut a, &mut b], Duration::from_secs(1), joined);
+    for call in 0..3 {
+        let inputs = [vec![call; 12], vec![100 + call; 12]];
+        for r in allreduce(&mut net, &mut [&mut a, &mut b], &inputs) {
+            assert_eq!(r.unwrap(), sum(&inputs));
+        }
+    }
+    drop((a, b));
+    let (mut c, mut d) = (
+        net.spawn_with(0, 0, |c| c.incarnation = inc(2, 0)),
+        net.spawn_with(1, 0, |c| c.incarnation = inc(2, 1)),
+    );
+    net.run_until(&mut [&mut c, &mut d], Duration::from_secs(1), joined);
+    for call in 0..3 {
+        let inputs = [vec![1000 + call; 12], vec![3000 + call; 12]];
+        for r in allreduce(&mut net, &mut [&mut c, &mut d], &inputs) {
+            assert_eq!(r.unwrap(), sum(&inputs), "call {call} of the second run");
+        }
+    }
+    assert_eq!((net.counter(|c| c.rounds_started), net.counter(|c| c.rounds_ended)), (2, 1));
 }
 
 #[test]
@@ -699,7 +734,7 @@ fn random_kills_and_restarts_never_return_a_wrong_sum() {
             }
             for r in 0..n as usize {
                 let p = &mut procs[r];
-                let inc = p.session.config().incarnation;
+                let inc = p.session.config().incarnation as u16;
                 if round[r].is_none() {
                     if let Some(start) = p.events.iter().find_map(|e| match e {
                         Event::Joined(params) => Some(params.next_block),
@@ -756,7 +791,7 @@ fn random_kills_and_restarts_never_return_a_wrong_sum() {
                 }
                 let p = &mut procs[r];
                 if round[r].is_some() && p.session.is_ready() {
-                    let inc = p.session.config().incarnation;
+                    let inc = p.session.config().incarnation as u16;
                     p.session
                         .begin(
                             net.now,

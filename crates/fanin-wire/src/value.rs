@@ -276,11 +276,12 @@ impl<T: AsRef<[u8]>> Packet<T> {
         self.final_block()
     }
 
-    /// In a Join, `src_cnt` (unused there otherwise) is the worker's
-    /// **member incarnation**: a non-zero number each session draws afresh,
-    /// so the switch tells a new process of a rank from the old one's
-    /// repeated or probing Joins (docs/protocol.md §4.12). 0: a worker that
-    /// does not say (it is answered as before rounds existed).
+    /// In a Join, `src_cnt` (unused there otherwise) is the low 16 bits of
+    /// the worker's **member incarnation**: a number each session draws
+    /// afresh, so the switch tells a new process of a rank from the old
+    /// one's repeated or probing Joins (docs/protocol.md §4.12); a plain
+    /// Join carries the high 32 bits in `block_id`. 0: a worker that does
+    /// not say (it is answered as before rounds existed).
     pub fn member_incarnation(&self) -> u16 {
         self.src_cnt()
     }

@@ -354,7 +354,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             recover_lows: HashMap::new(),
             recover_floor: None,
             start_settled: false,
-            incarnations: vec![0; capacity],
+            incarnations: vec![MemberIncarnation::NONE; capacity],
             barrier: Some(Barrier::first()),
             high_block: None,
             space,
@@ -470,7 +470,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         job.awaiting.grow(capacity);
         if job.addrs.len() < capacity {
             job.addrs.grow(capacity);
-            job.incarnations.resize(capacity, 0);
+            job.incarnations.resize(capacity, MemberIncarnation::NONE);
             job.missed_streak.resize(capacity, 0);
         }
         for slot in &mut job.slots {

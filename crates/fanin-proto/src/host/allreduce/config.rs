@@ -68,13 +68,14 @@ pub struct SessionConfig {
     /// Join says so, and the switch sends completion results there instead
     /// of to this worker's own address (docs/protocol.md §4.5).
     pub listens_on_group: bool,
-    /// This session's member incarnation (non-zero; docs/protocol.md
-    /// §4.12), sent in every Join: the switch tells a new process of a rank
+    /// This session's member incarnation (docs/protocol.md §4.12), 48
+    /// bits: the low 16 in every Join (`src_cnt`, non-zero), the next 32 in
+    /// a plain Join's `block_id`. The switch tells a new process of a rank
     /// from the old one's repeated Joins by it. The host library draws a
     /// random one per session; a machine built by hand must give each
-    /// session of a rank its own. 0: take no part in rounds (answered as
-    /// before rounds existed).
-    pub incarnation: u16,
+    /// session of a rank its own. Low 16 bits 0: take no part in rounds
+    /// (answered as before rounds existed). Bits above 48 are not sent.
+    pub incarnation: u64,
     /// How long to wait at the job's join barrier (the switch answered, but
     /// the round starts only once every member joined) before giving up.
     pub barrier_timeout: Duration,

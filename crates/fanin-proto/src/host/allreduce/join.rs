@@ -101,21 +101,28 @@ impl AllreduceSession {
     }
 
     pub(super) fn join_request(&self) -> Repr {
+        if !self.config.sync_join {
+            return self.join_repr();
+        }
         Repr {
-            age_op: if self.config.sync_join { JOIN_SYNC } else { 0 },
+            age_op: JOIN_SYNC,
             // the root answers an allreduce boundary of this many blocks
-            block_id: if self.config.sync_join { self.config.align_blocks } else { 0 },
+            block_id: self.config.align_blocks,
             ..self.join_repr()
         }
     }
 
-    /// What every Join of this worker carries (plain, sync, probe,
-    /// recovery): each one tells the switch afresh whether it listens on
-    /// the result group (the `final` bit, which a Join has no other use for).
+    /// What every Join of this worker carries: each one tells the switch
+    /// afresh whether it listens on the result group (the `final` bit,
+    /// which a Join has no other use for), and its member incarnation —
+    /// whole in a plain Join (a first join, a probe), whose `block_id` is
+    /// free for the high 32 bits; a sync or recovery Join puts a block
+    /// there and says the low 16 alone.
     pub(super) fn join_repr(&self) -> Repr {
         Repr {
             gen_id: self.gen_id,
-            src_cnt: self.config.incarnation,
+            src_cnt: self.config.incarnation as u16,
+            block_id: (self.config.incarnation >> 16) as u32,
             final_block: self.config.listens_on_group,
             ..Repr::new(MessageType::Join, self.config.job_id, self.config.src_id)
         }

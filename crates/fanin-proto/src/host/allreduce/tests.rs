@@ -810,3 +810,24 @@ fn a_restarted_tree_switchs_refusal_makes_a_bound_worker_recover_and_fails_a_new
         .collect();
     assert_eq!(joins, vec![JOIN_RECOVER], "it recovers");
 }
+
+/// A session's member incarnation travels whole (48 bits) in a plain Join:
+/// the low 16 in src_cnt, the high 32 in block_id; a sync Join puts its
+/// allreduce size in block_id and says the low 16 alone.
+#[test]
+fn a_plain_join_carries_the_whole_member_incarnation_and_a_sync_join_the_low_bits() {
+    let first_join = |sync: bool| {
+        let mut cfg = SessionConfig::new(1, 0);
+        cfg.incarnation = 0xABCD_1234_5678;
+        cfg.sync_join = sync;
+        cfg.align_blocks = 3;
+        let mut s = AllreduceSession::new(cfg, Time::ZERO);
+        let mut out = VecTransmit::new();
+        s.poll_transmit(Time::ZERO, &mut out);
+        let (_, bytes) = out.drain().next().expect("a join");
+        let p = Packet::new_checked(&bytes[..]).unwrap();
+        (p.age_op(), p.src_cnt(), p.block_id())
+    };
+    assert_eq!(first_join(false), (0, 0x5678, 0xABCD_1234));
+    assert_eq!(first_join(true), (JOIN_SYNC, 0x5678, 3));
+}

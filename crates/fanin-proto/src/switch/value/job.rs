@@ -149,8 +149,9 @@ pub(super) struct Job<A> {
     /// recovering member's, sent to this shard before it learnt the floor.
     pub(super) start_settled: bool,
     /// Rounds (docs/protocol.md §4.12): the member incarnation each member
-    /// joined the running round with (0: none said).
-    pub(super) incarnations: Vec<u16>,
+    /// joined the running round with (none: none said); on a tree's
+    /// switch, the one each worker joined it with.
+    pub(super) incarnations: Vec<MemberIncarnation>,
     /// The join barrier, between rounds and before the first one.
     pub(super) barrier: Option<Barrier<A>>,
     /// Highest block opened on this shard in the running round.
@@ -293,7 +294,7 @@ impl<A> Job<A> {
         let bytes = size_of::<Job<A>>()
             + self.addrs.capacity() * size_of::<Option<A>>()
             + self.missed_streak.capacity() * size_of::<u32>()
-            + self.incarnations.capacity() * size_of::<u16>()
+            + self.incarnations.capacity() * size_of::<MemberIncarnation>()
             + [&self.members, &self.active, &self.awaiting, &self.listens_on_group].into_iter().map(mask).sum::<usize>()
             + self.liveness.heap_bytes()
             + self.buckets.heap_bytes()

@@ -471,24 +471,24 @@ pub(super) enum TreeRefusal {
 ///
 /// A sync join (joining the running stream on purpose, SwitchML++) and a
 /// recovery join (after a switch restart, the same process) are not
-/// refused, and record their incarnation too; a Join that says none (0) is
+/// refused, and record their incarnation too; a Join that says none is
 /// refused only by a resumed switch.
-pub(super) fn refuse_in_tree<A>(job: &mut Job<A>, src: u16, inc: u16, age_op: u8) -> Option<TreeRefusal> {
+pub(super) fn refuse_in_tree<A>(job: &mut Job<A>, src: u16, inc: MemberIncarnation, age_op: u8) -> Option<TreeRefusal> {
     if src >= SWITCH_RANK_BASE || job.spec.mode != JobMode::Aggregate {
         return None;
     }
     let plain = age_op != JOIN_SYNC && age_op != JOIN_RECOVER;
     let current = job.incarnations[src as usize];
-    if plain && current == 0 && job.uplink.as_ref().is_some_and(|up| up.resumed) {
+    if plain && current.is_none() && job.uplink.as_ref().is_some_and(|up| up.resumed) {
         return Some(TreeRefusal::Restarted);
     }
-    if inc == 0 {
+    if inc.is_none() {
         return None;
     }
-    if plain && current != 0 && current != inc {
+    if plain && !current.is_none() && !current.same(inc) {
         return Some(TreeRefusal::RerunInTree);
     }
-    job.incarnations[src as usize] = inc;
+    job.incarnations[src as usize] = current.then(inc);
     None
 }
 
@@ -528,10 +528,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // A Join saying its member incarnation, to a job whose stream
         // position is decided here, takes part in the job's rounds: a new
         // process of a rank starts a new round (rounds.rs).
-        let inc = packet.member_incarnation();
-        let in_rounds = inc != 0 && packet.age_op() != JOIN_RECOVER && uses_rounds(job);
+        let inc = MemberIncarnation::of(packet);
+        let in_rounds = !inc.is_none() && packet.age_op() != JOIN_RECOVER && uses_rounds(job);
         let current = job.incarnations[src as usize];
-        let new_process = in_rounds && current != 0 && current != inc;
+        let new_process = in_rounds && !current.is_none() && !current.same(inc);
         // A new process of a rank (or any Join after a restart ended the
         // round) goes to the barrier even on a failed job: a whole-job
         // restart starts afresh without the control plane.
@@ -569,12 +569,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         // A permanently slow source that rejoins is waited for again.
         if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
-            readmit(job, src as usize, packet.block_id(), &mut self.counters, out, &mut self.scratch);
+            // (a plain Join's block_id carries its incarnation, not a block)
+            let at = if inc.high.is_some() { 0 } else { packet.block_id() };
+            readmit(job, src as usize, at, &mut self.counters, out, &mut self.scratch);
         }
         if packet.age_op() == JOIN_RECOVER {
-            if inc != 0 {
+            if !inc.is_none() {
                 // a restarted switch learns the round's incarnations here
-                job.incarnations[src as usize] = inc;
+                job.incarnations[src as usize] = job.incarnations[src as usize].then(inc);
             }
             // (the body is there: Packet::new_checked sized it by age_op)
             let anchor = RecoverAnchor::parse(packet.payload()).ok();

@@ -43,6 +43,51 @@ pub struct RoundEnd {
     pub rank: u16,
 }
 
+/// A worker session's member incarnation as its Joins say it
+/// (docs/protocol.md §4.12): the low 16 bits in every Join's `src_cnt`, 32
+/// more in a plain Join's `block_id` (a sync or recovery Join's `block_id`
+/// is taken, so those say the low bits alone). 48 bits make two processes
+/// of a rank drawing the same number a 1 in 2^48 event; 16 made it 1 in
+/// 65 535, and such a pair was taken for one process (the new one answered
+/// with the old round's start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemberIncarnation {
+    /// `src_cnt`: 0 = the worker says none (answered as before rounds).
+    pub low: u16,
+    /// A plain Join's `block_id`; unknown from the other Join kinds.
+    pub high: Option<u32>,
+}
+
+impl MemberIncarnation {
+    pub const NONE: Self = Self { low: 0, high: None };
+
+    /// What a worker's Join says.
+    pub fn of(packet: &Packet<&[u8]>) -> Self {
+        let plain = packet.age_op() != JOIN_SYNC && packet.age_op() != JOIN_RECOVER;
+        Self { low: packet.member_incarnation(), high: plain.then(|| packet.block_id()) }
+    }
+
+    pub fn is_none(self) -> bool {
+        self.low == 0
+    }
+
+    /// Whether the two can name one session: the low bits agree, and the
+    /// high bits too where both are known.
+    pub fn same(self, other: Self) -> bool {
+        self.low == other.low && (self.high.is_none() || other.high.is_none() || self.high == other.high)
+    }
+
+    /// What to keep after a Join saying `new`: `new`, with the high bits
+    /// this one knew if `new` is the same session and does not say them.
+    pub fn then(self, new: Self) -> Self {
+        if self.same(new) {
+            Self { low: new.low, high: new.high.or(self.high) }
+        } else {
+            new
+        }
+    }
+}
+
 /// The join barrier: between two rounds, or before a job's first.
 #[derive(Debug)]
 pub(super) struct Barrier<A> {
@@ -53,7 +98,7 @@ pub(super) struct Barrier<A> {
     pub(super) ended: Option<RoundEnd>,
     /// Members that joined the next round (on the shard answering Joins):
     /// their incarnation and address.
-    pub(super) joined: HashMap<u16, (u16, A)>,
+    pub(super) joined: HashMap<u16, (MemberIncarnation, A)>,
 }
 
 impl<A> Barrier<A> {
@@ -76,14 +121,14 @@ pub(super) enum RoundJoin {
     Done(Verdict),
 }
 
-/// A Join from `src` carrying member incarnation `inc` (non-zero) of a job
+/// A Join from `src` carrying member incarnation `inc` (not none) of a job
 /// that uses rounds.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn join_round<A: Copy + PartialEq>(
     job: &mut Job<A>,
     config: &ShardConfig,
     src: u16,
-    inc: u16,
+    inc: MemberIncarnation,
     from: A,
     sync: bool,
     counters: &mut Counters,
@@ -91,7 +136,7 @@ pub(super) fn join_round<A: Copy + PartialEq>(
 ) -> RoundJoin {
     let member = src as usize;
     if let Some(barrier) = job.barrier.as_mut() {
-        if let Some(end) = barrier.ended.filter(|_| job.incarnations[member] == inc) {
+        if let Some(end) = barrier.ended.filter(|_| job.incarnations[member].same(inc)) {
             // A survivor of the ended round (its probe): tell it again.
             counters.stale_round += 1;
             notify_round_end(job, end, &[(member, from)], counters, out);
@@ -110,11 +155,11 @@ pub(super) fn join_round<A: Copy + PartialEq>(
         return RoundJoin::Done(Verdict::Consumed);
     }
     let current = job.incarnations[member];
-    if current == inc || current == 0 || sync {
+    if current.same(inc) || current.is_none() || sync {
         // The same session again, a member the round did not have (added
         // while it ran), or a deliberate SwitchML++ sync into the running
         // stream: no round ends.
-        job.incarnations[member] = inc;
+        job.incarnations[member] = current.then(inc);
         return RoundJoin::Proceed;
     }
     // A new process took a rank of the running round.
@@ -195,8 +240,8 @@ pub(super) fn begin_round<A: Copy + PartialEq>(
     let joined = job.barrier.take().map(|b| b.joined).unwrap_or_default();
     reset_for_round(job, start);
     counters.rounds_started += 1;
-    job.incarnations.iter_mut().for_each(|i| *i = 0);
-    let mut joined: Vec<(u16, (u16, A))> = joined.into_iter().collect();
+    job.incarnations.iter_mut().for_each(|i| *i = MemberIncarnation::NONE);
+    let mut joined: Vec<(u16, (MemberIncarnation, A))> = joined.into_iter().collect();
     joined.sort_by_key(|(m, _)| *m);
     for (m, (inc, addr)) in joined {
         job.incarnations[m as usize] = inc;

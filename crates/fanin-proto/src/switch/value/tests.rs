@@ -677,6 +677,40 @@ fn a_leaf_refuses_a_new_process_of_a_rank_that_already_joined_it() {
     assert_eq!(sw.counters().rerun_in_tree, 1);
 }
 
+/// A tree's switch tells two processes of a rank apart by all 48 bits of
+/// their member incarnations: a plain Join with the same low 16 bits and
+/// other high bits (a plain Join's block_id) is a new process and refused;
+/// a recovery Join, which says the low bits alone, is the same process, and
+/// so is its probe afterwards.
+#[test]
+fn a_leaf_tells_processes_apart_by_the_high_bits_of_their_incarnations() {
+    use fanin_wire::value::JOIN_RECOVER;
+    let join = |high: u32, age_op: u8| {
+        let mut j = Pkt::data(1, 0, high, &[]);
+        j.repr.msg_type = MessageType::Join;
+        j.repr.src_cnt = 7;
+        j.repr.age_op = age_op;
+        j.bytes()
+    };
+    let mut sw = leaf();
+    let out = send_from(&mut sw, 100, &join(1, 0));
+    assert_eq!(out[0].1.msg_type, MessageType::JoinAck, "{out:?}");
+    let mut out = VecTransmit::new();
+    let _ = sw.handle_datagram(T0, 200, &join(2, 0), &mut out);
+    let (dest, bytes) = out.drain().next().expect("a nack");
+    let nack = Nack::parse(Packet::new_checked(&bytes[..]).unwrap().payload()).unwrap();
+    assert_eq!((dest, nack.reason), (200, NackReason::RerunInTree));
+    // a recovery join (low bits only: its block_id is its lowest block)
+    let _ = sw.handle_datagram(T0, 100, &join(5, JOIN_RECOVER), &mut VecTransmit::new());
+    assert_eq!(sw.counters().rerun_in_tree, 1);
+    // ... keeps the high bits known: the old process's probe is answered,
+    // another process still refused
+    let out = send_from(&mut sw, 100, &join(1, 0));
+    assert_eq!(out[0].1.msg_type, MessageType::JoinAck, "{out:?}");
+    let _ = sw.handle_datagram(T0, 300, &join(3, 0), &mut VecTransmit::new());
+    assert_eq!(sw.counters().rerun_in_tree, 2);
+}
+
 /// A leaf that restarted while its tree ran (the control plane installed
 /// the job again, `resumed`) has forgotten the processes it saw, and its
 /// parent may hold results of the stream from its start: a plain Join from
