@@ -470,7 +470,7 @@ def test_a_second_run_after_the_leaves_restarted_is_refused_not_handed_the_first
                 sws.restart(leaf)
             assert sorted(s for s, _ in ctl.reconcile()) == leaves
         for r in range(2):
-            with pytest.raises(fanin.FaninRefused, match="restarted while the job ran"):
+            with pytest.raises(fanin.FaninRefused, match="restarted after the job was installed on it"):
                 fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256,
                               join_timeout_s=5)
         assert _eventually(lambda: sum(sws.counters(s).get("resumed_refused", 0) for s in leaves) >= 2)

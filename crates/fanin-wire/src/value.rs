@@ -836,11 +836,12 @@ impl NackReason {
                  the controller programs the tree afresh (a rank joining a running tree on purpose uses sync_join=True)"
             }
             Self::TreeSwitchRestarted => {
-                "this switch of the job's aggregation tree restarted while the job ran (its incarnation is the \
-                 detail), and the switches above it may still hold results of the job's stream that it never saw: \
-                 only a worker of the running job may join it again, to recover. A new run must start afresh: \
-                 unsubscribe every rank of the job, then subscribe them again (a rank joining a running job on \
-                 purpose uses sync_join=True)"
+                "this switch of the job's aggregation tree restarted after the job was installed on it (its \
+                 incarnation is the detail), and the switches above it may still hold results of the job's stream \
+                 that it never saw (the job may have run; the control plane cannot tell): only a worker of a run \
+                 in progress may join it again, to recover. A new run must start afresh: unsubscribe every rank \
+                 of the job, then subscribe them again (a rank joining a running job on purpose uses \
+                 sync_join=True)"
             }
         }
     }
