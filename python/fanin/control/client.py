@@ -154,7 +154,7 @@ class ControlClient:
         ``workers`` the job's worker count (0 = len(members)) and ``tree``
         the non-root role ``{"parent_addr": "ip:port", "parent_shards": n,
         "rank": r}`` (None: the root, or the only switch); ``"resumed":
-        True`` when the switch restarted while the job ran and the job is
+        True`` when the switch restarted with the job installed and the job is
         installed again (it then takes only recovery and sync joins from
         ranks new to it; docs/trees.md).
 

@@ -185,8 +185,8 @@ pub struct Counters {
     /// Plain Joins refused at a tree's switch: a new process of a rank that
     /// already joined it (a tree has no rounds; docs/trees.md).
     pub rerun_in_tree: u64,
-    /// Plain Joins refused at a tree's switch that restarted while the job
-    /// ran (`Uplink::resumed`) from a rank that has not joined this life
+    /// Plain Joins refused at a tree's switch that restarted with the job
+    /// installed (`Uplink::resumed`) from a rank that has not joined this life
     /// (Nack TreeSwitchRestarted: a running worker recovers on it, a new
     /// process fails).
     pub resumed_refused: u64,

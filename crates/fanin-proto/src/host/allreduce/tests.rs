@@ -748,7 +748,7 @@ fn a_switch_whose_port_stays_closed_is_gone_after_the_configured_time() {
     assert!(matches!(failed, Event::Failed(SessionError::SwitchGone { .. })), "{failed:?}");
 }
 
-/// A tree's switch that restarted while the job ran refuses a plain Join
+/// A tree's switch that restarted with the job installed refuses a plain Join
 /// from a rank new to its life (Nack TreeSwitchRestarted, docs/trees.md):
 /// a worker bound to the switch's earlier life was probing for the restart
 /// and recovers (its next Join is a recovery join), while a session still

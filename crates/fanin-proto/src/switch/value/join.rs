@@ -449,7 +449,7 @@ fn lowest_needed<A>(job: &Job<A>, config: &ShardConfig, unused: bool) -> Option<
 pub(super) enum TreeRefusal {
     /// A new process of a rank whose earlier process joined here.
     RerunInTree,
-    /// A rank new to this life of a switch that restarted while the job ran.
+    /// A rank new to this life of a switch that restarted with the job installed.
     Restarted,
 }
 
@@ -464,7 +464,7 @@ pub(super) enum TreeRefusal {
 ///
 /// * from a new process of a rank whose earlier process already joined here
 ///   (another member incarnation): `RerunInTree`;
-/// * on a switch that restarted while the job ran (`Uplink::resumed`), from
+/// * on a switch that restarted with the job installed (`Uplink::resumed`), from
 ///   a rank that has not joined this life: it has forgotten the processes
 ///   it saw, and cannot tell a new run from a worker of the running one
 ///   probing for the restart (which recovers on the refusal): `Restarted`.
@@ -473,11 +473,11 @@ pub(super) enum TreeRefusal {
 /// recovery join (after a switch restart, the same process) are not
 /// refused, and record their incarnation too; a Join that says none is
 /// refused only by a resumed switch.
-pub(super) fn refuse_in_tree<A>(job: &mut Job<A>, src: u16, inc: MemberIncarnation, age_op: u8) -> Option<TreeRefusal> {
+pub(super) fn refuse_in_tree<A>(job: &mut Job<A>, src: u16, inc: MemberIncarnation) -> Option<TreeRefusal> {
     if src >= SWITCH_RANK_BASE || job.spec.mode != JobMode::Aggregate {
         return None;
     }
-    let plain = age_op != JOIN_SYNC && age_op != JOIN_RECOVER;
+    let plain = inc.from_plain_join();
     let current = job.incarnations[src as usize];
     if plain && current.is_none() && job.uplink.as_ref().is_some_and(|up| up.resumed) {
         return Some(TreeRefusal::Restarted);
@@ -541,7 +541,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(&mut self.counters, out, from, env, packet, NackReason::JobFailed, dead as u32);
             return Verdict::Consumed;
         }
-        if let Some(refusal) = if in_rounds { None } else { refuse_in_tree(job, src, inc, packet.age_op()) } {
+        if let Some(refusal) = if in_rounds { None } else { refuse_in_tree(job, src, inc) } {
             let (reason, detail) = match refusal {
                 TreeRefusal::RerunInTree => {
                     self.counters.rerun_in_tree += 1;
@@ -570,7 +570,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         // A permanently slow source that rejoins is waited for again.
         if !job.active.contains(src as usize) && !job.awaiting.contains(src as usize) {
             // (a plain Join's block_id carries its incarnation, not a block)
-            let at = if inc.high.is_some() { 0 } else { packet.block_id() };
+            let at = if inc.from_plain_join() { 0 } else { packet.block_id() };
             readmit(job, src as usize, at, &mut self.counters, out, &mut self.scratch);
         }
         if packet.age_op() == JOIN_RECOVER {

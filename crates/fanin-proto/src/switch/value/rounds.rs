@@ -71,6 +71,12 @@ impl MemberIncarnation {
         self.low == 0
     }
 
+    /// Whether it came in a plain Join (a first join or a probe), the only
+    /// kind that says the high bits.
+    pub fn from_plain_join(self) -> bool {
+        self.high.is_some()
+    }
+
     /// Whether the two can name one session: the low bits agree, and the
     /// high bits too where both are known.
     pub fn same(self, other: Self) -> bool {
