@@ -155,11 +155,11 @@ def test_every_call_returns_plain_values(serve):
             {"job_id": 2, "members": [3, 1], "block_cnt_max": 8, "block_grad_max": 256,
              "block_exp_ms": 0, "slow_after_windows": 2, "mode": "forward", "workers": 0, "tree": None,
              "on_failure": "degrade", "member_timeout_ms": 0, "rate_limit": None, "key": None, "result_group": None,
-             "quorum": 0},
+             "quorum": 0, "resumed": False},
             {"job_id": 9, "members": [0, 1, 2], "block_cnt_max": 8, "block_grad_max": 256,
              "block_exp_ms": 5, "slow_after_windows": 3, "mode": "aggregate", "workers": 0, "tree": None,
              "on_failure": "fail", "member_timeout_ms": 700, "rate_limit": {"pps": 1000, "burst": 8}, "key": None,
-             "result_group": None, "quorum": 0},
+             "result_group": None, "quorum": 0, "resumed": False},
         ]
         assert c.info()["memory_used"] == 2 * 8 * 256 * 4
 

@@ -480,22 +480,47 @@ def test_a_second_run_after_the_leaves_restarted_is_refused_not_handed_the_first
         run(2)
 
 
-@pytest.mark.parametrize("restarted", ["leaves", "root", "every-switch"])
+def _mixed_root_job(sws, topo):
+    """Job 1 on `_MIXED`: rank 0 hangs off the root `a` itself, ranks 1
+    and 2 off its child switch `b`. Returns the controller, the
+    subscriptions and the switches that hold a worker."""
+    ctl = Controller(topo, sws.fabric)
+    ctl.create_job(JobParams(1, block_cnt_max=16, block_grad_max=256, max_workers=3))
+    subs = [ctl.subscribe(1, r, f"h{r}") for r in range(3)]
+    assert ctl.tree(1).root == "a"
+    return ctl, subs, ["a", "b"]
+
+
+#: A root with a worker of its own and a child switch with two.
+_MIXED = topology.Topology("mixed", [topology.Switch("a"), topology.Switch("b")],
+                           [topology.Host("h0"), topology.Host("h1"), topology.Host("h2")],
+                           [topology.Link("h0", "a"), topology.Link("a", "b"), topology.Link("h1", "b"),
+                            topology.Link("h2", "b")]).validate()
+
+
+@pytest.mark.parametrize("restarted", ["leaves", "root", "every-switch", "mixed-root", "mixed-child", "mixed-both"])
 def test_switches_restarted_mid_run_recover_exactly_and_leaves_are_resumed(restarted):
-    """The other side of the rule above: when the leaves restart *while*
-    the run goes on, the controller installs the job on them again marked
-    resumed, and the running workers — whose probes and stale contributions
-    the new leaves refuse — recover through them (docs/restart.md): every
-    allreduce is exact and each worker went through a recovery. A restarted
-    root (no mark: nothing above it) is recovered from by the leaves alone:
-    their workers never notice."""
-    topo = topology.deep_tree(2, 2)
+    """The other side of the rule above: when switches of the tree restart
+    *while* the run goes on, the controller installs the job on them again
+    marked resumed, and the running workers — whose probes and stale
+    contributions the new switches refuse — recover through them
+    (docs/restart.md): every allreduce is exact and each worker went
+    through a recovery. A restarted root (or inner switch) refuses its
+    child switches' partials until each child restarted its subtree's
+    stream and reported its workers' lowest block: the workers below a
+    child recover too (docs/restart.md, "Trees"). mixed-*: the root has a
+    worker of its own beside its child switch (its recovery floor used to
+    wait for a child that never reported: every worker failed)."""
+    mixed = restarted.startswith("mixed")
+    topo = _MIXED if mixed else topology.deep_tree(2, 2)
     calls, n = 30, 4096
     with LoopbackSwitches(topo, shards=2) as sws:
-        ctl, subs, leaves = _two_leaf_job(topo, sws)
+        ctl, subs, leaves = _mixed_root_job(sws, topo) if mixed else _two_leaf_job(topo, sws)
         root = ctl.tree(1).root
-        targets = {"leaves": leaves, "root": [root], "every-switch": [*leaves, root]}[restarted]
-        progress = [0, 0]
+        targets = {"leaves": leaves, "root": [root], "every-switch": [*leaves, root],
+                   "mixed-root": ["a"], "mixed-child": ["b"], "mixed-both": ["a", "b"]}[restarted]
+        ranks = len(subs)
+        progress = [0] * ranks
         results: dict[int, object] = {}
 
         def work(r):
@@ -505,7 +530,7 @@ def test_switches_restarted_mid_run_recover_exactly_and_leaves_are_resumed(resta
                 recoveries = 0
                 for call in range(calls):
                     out = s.allreduce(np.full(n, 10 * r + call, dtype=np.int32))
-                    assert (out == sum(10 * q + call for q in range(2))).all(), (call, out[:2])
+                    assert (out == sum(10 * q + call for q in range(ranks))).all(), (call, out[:2])
                     recoveries += s.last_stats["recoveries"]
                     progress[r] = call + 1
                     time.sleep(0.01)
@@ -514,7 +539,7 @@ def test_switches_restarted_mid_run_recover_exactly_and_leaves_are_resumed(resta
             except BaseException as e:  # reported below, on the test's thread
                 results[r] = e
 
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(ranks)]
         for t in threads:
             t.start()
         assert _eventually(lambda: min(progress) >= 3, timeout=30)
@@ -525,18 +550,29 @@ def test_switches_restarted_mid_run_recover_exactly_and_leaves_are_resumed(resta
         for t in threads:
             t.join(120)
         assert not any(isinstance(v, BaseException) for v in results.values()), results
-        recovered = restarted != "root"
-        assert progress == [calls, calls] and all((results[r] >= 1) == recovered for r in range(2)), (progress, results)
+        # a worker on or below a restarted switch recovered, and only such a one
+        tree = ctl.tree(1)
+
+        def path_up(sw):
+            while sw is not None:
+                yield sw
+                sw = tree.parent[sw]
+
+        below = [any(sw in targets for sw in path_up(tree.attach[r])) for r in range(ranks)]
+        assert progress == [calls] * ranks, progress
+        assert [results[r] >= 1 for r in range(ranks)] == below, (results, below)
         for switch in targets:
             (job,) = _list_jobs(sws, switch)
-            assert (job["tree"] or {}).get("resumed", False) is (switch != root)
-        if restarted == "root":
-            return
+            assert job["resumed"] is True
+        # a restarted switch with child switches asked each to report
+        parent_of = ctl.tree(1).parent
+        parents = [s for s in targets if s in parent_of.values()]
+        assert all(sws.counters(s).get("child_rejoin_asked", 0) >= 1 for s in parents), parents
         # a restarted controller learns the marks from the switches, and
         # keeps them when it programs them again
         again = Controller(topo, sws.fabric)
         assert again.rebuild()["adopted"] == [1]
-        assert again._jobs[1].resumed_on == set(leaves)
+        assert again._jobs[1].resumed_on == set(targets)
 
 
 def _two_leaf_job(topo, sws):

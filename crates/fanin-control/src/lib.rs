@@ -84,10 +84,6 @@ pub struct TreeRole {
     pub parent_shards: u16,
     /// This switch's source id at the parent.
     pub rank: u16,
-    /// The job ran here before this switch restarted and is installed
-    /// again: a worker rank new to this life joins only to recover (or with
-    /// sync): `Uplink::resumed` in fanin-proto.
-    pub resumed: bool,
 }
 
 impl TreeRole {
@@ -425,7 +421,7 @@ pub fn tree_role_from_pb(spec: &pb::JobSpec) -> Result<Option<TreeRole>, Status>
                 MAX_SOURCES
             ))
         })?;
-    Ok(Some(TreeRole { parent, parent_shards: shards, rank, resumed: tree.resumed }))
+    Ok(Some(TreeRole { parent, parent_shards: shards, rank }))
 }
 
 /// A wire job spec with its tree role, checked.
@@ -496,7 +492,6 @@ pub fn job_entry_to_pb(job: &JobEntry) -> pb::JobSpec {
             parent_addr: t.parent.to_string(),
             parent_shards: t.parent_shards.into(),
             rank: t.rank.into(),
-            resumed: t.resumed,
         }),
         ..job_spec_to_pb(&job.spec)
     }
@@ -558,6 +553,7 @@ pub fn job_spec_from_pb(spec: pb::JobSpec) -> Result<JobSpec, Status> {
         },
         quorum: u16::try_from(spec.quorum)
             .map_err(|_| Status::invalid_argument(format!("job {job_id}: quorum {} is above any job's members", spec.quorum)))?,
+        resumed: spec.resumed,
     };
     spec.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(spec)
@@ -587,6 +583,7 @@ pub fn job_spec_to_pb(spec: &JobSpec) -> pb::JobSpec {
         rate_limit: spec.rate_limit.map(|r| pb::RateLimit { pps: r.pps, burst: r.burst }),
         result_group: spec.result_group.map_or_else(String::new, |g| g.to_string()),
         quorum: spec.quorum.into(),
+        resumed: spec.resumed,
     }
 }
 

@@ -397,7 +397,7 @@ fn listed(mut spec: pb::JobSpec) -> pb::JobSpec {
 async fn tree_roles_are_checked_kept_and_updated() {
     let server = start(None);
     let mut c = client(server.local_addr()).await;
-    let tree = |addr: &str, rank: u32| pb::TreeRole { parent_addr: addr.into(), parent_shards: 2, rank, resumed: false };
+    let tree = |addr: &str, rank: u32| pb::TreeRole { parent_addr: addr.into(), parent_shards: 2, rank };
     let mut leaf = spec(3, vec![0, 1]);
     leaf.workers = Some(4);
     leaf.tree = Some(tree("10.1.0.1:9000", 2048));

@@ -195,10 +195,25 @@ pub struct JobSpec {
     /// change completes by the new K too.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub quorum: u16,
+    /// The job ran on this switch of an aggregation tree before the switch
+    /// restarted, and the control plane installs it again (it cannot tell
+    /// whether the job's stream ran). The switches around it may hold
+    /// results of the stream that this life never saw, so: a worker rank
+    /// that has not joined this life may join only to recover (or with
+    /// sync, into the running stream), and a plain Join is answered with
+    /// Nack `TreeSwitchRestarted` (docs/trees.md, "A second run on a live
+    /// tree"); and a child switch's partials are refused until it reported
+    /// its subtree's lowest block in a recovery (docs/restart.md, "Trees").
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub resumed: bool,
 }
 
 fn is_zero(n: &u16) -> bool {
     *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -249,6 +264,7 @@ impl JobSpec {
             rate_limit: None,
             result_group: None,
             quorum: 0,
+            resumed: false,
         }
     }
 

@@ -165,7 +165,6 @@ impl Sim {
         role.parent.map(|p| Uplink {
             parent: (0..self.shards).map(|k| Node::Shard(p, k)).collect(),
             rank: SWITCH_RANK_BASE + x as u16,
-            resumed: false,
         })
     }
 

@@ -252,7 +252,7 @@ impl<'a> Run<'a> {
                 let sw = &mut aggs[i].1;
                 sw.add_job(JobSpec { members: a.members.clone(), ..job.clone() }).map_err(|e| format!("{} job {}: {e}", name(a.node), j.job_id))?;
                 let uplink = match (a.parent, a.rank) {
-                    (Some(p), Some(rank)) => Some(Uplink { parent: vec![p], rank, resumed: false }),
+                    (Some(p), Some(rank)) => Some(Uplink { parent: vec![p], rank }),
                     (None, _) => None,
                     (Some(_), None) => return Err(format!("{} job {}: a parent but no rank", name(a.node), j.job_id)),
                 };

@@ -488,8 +488,8 @@ impl<'a> FaninRun<'a> {
             sw.add_job(JobSpec { members: s.members.clone(), ..job.clone() }).map_err(|e| format!("switch {}: {e}", spec.nodes[s.node as usize].name))?;
             let uplink = match (s.parent, s.rank) {
                 // the root's children send each block to the root shard of its shard
-                (Some(p), Some(rank)) if p == root.node && !spec.root_shards.is_empty() => Some(Uplink { parent: spec.root_shards.clone(), rank, resumed: false }),
-                (Some(p), Some(rank)) => Some(Uplink { parent: vec![p], rank, resumed: false }),
+                (Some(p), Some(rank)) if p == root.node && !spec.root_shards.is_empty() => Some(Uplink { parent: spec.root_shards.clone(), rank }),
+                (Some(p), Some(rank)) => Some(Uplink { parent: vec![p], rank }),
                 (None, _) => None,
                 (Some(_), None) => return Err(format!("switch {}: a parent but no rank", spec.nodes[s.node as usize].name)),
             };

@@ -510,6 +510,8 @@ impl JobConfig {
             rate_limit: self.rate_limit,
             result_group: self.result_group,
             quorum: self.quorum,
+            // only a controller re-installing a job after a restart says so
+            resumed: false,
         })
     }
 }

@@ -657,7 +657,7 @@ fn bind_data_ports(base: SocketAddr, shards: u16) -> Result<Vec<BatchSocket>, St
 
 /// The shard programs' form of a tree role: one parent address per shard.
 fn uplink(tree: Option<TreeRole>) -> Option<Uplink<SocketAddr>> {
-    tree.map(|t| Uplink { parent: t.parent_addrs(), rank: t.rank, resumed: t.resumed })
+    tree.map(|t| Uplink { parent: t.parent_addrs(), rank: t.rank })
 }
 
 /// Microseconds since the Unix epoch: where keyed jobs' sequence numbers start.

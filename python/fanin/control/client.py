@@ -139,6 +139,7 @@ class ControlClient:
         key: Optional[Any] = None,
         result_group: Optional[str] = None,
         quorum: int = 0,
+        resumed: bool = False,
     ) -> None:
         """Admit a job; ``members`` are the source ids (ranks) of its workers.
 
@@ -153,10 +154,12 @@ class ControlClient:
         children (worker ranks, and child switches' ranks from 2048 up),
         ``workers`` the job's worker count (0 = len(members)) and ``tree``
         the non-root role ``{"parent_addr": "ip:port", "parent_shards": n,
-        "rank": r}`` (None: the root, or the only switch); ``"resumed":
-        True`` when the switch restarted with the job installed and the job is
-        installed again (it then takes only recovery and sync joins from
-        ranks new to it; docs/trees.md).
+        "rank": r}`` (None: the root, or the only switch). ``resumed``:
+        True when a switch of a tree restarted with the job installed and
+        the job is installed again: it then takes only recovery and sync
+        joins from ranks new to it (docs/trees.md), and counts a child
+        switch's partials only once the child reported its subtree's lowest
+        block in a recovery (docs/restart.md, "Trees").
 
         ``on_failure`` (``"degrade"`` or ``"fail"``; None: ``"degrade"`` with
         ``block_exp_ms`` > 0, else ``"fail"``) and ``member_timeout_ms``
@@ -174,7 +177,7 @@ class ControlClient:
         self._call("AdmitJob", pb.AdmitJobRequest(spec=_job_spec(
             job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows, workers, tree,
             on_failure=on_failure, member_timeout_ms=member_timeout_ms, rate_limit=rate_limit, key=key,
-            result_group=result_group, quorum=quorum)))
+            result_group=result_group, quorum=quorum, resumed=resumed)))
 
     def update_job(self, job: Dict[str, Any], awaiting: Iterable[int] = ()) -> None:
         """Change a running job in place: ``job`` as :meth:`list_jobs` gives
@@ -187,7 +190,8 @@ class ControlClient:
                          job["block_exp_ms"], job["mode"], job["slow_after_windows"], job.get("workers", 0),
                          job.get("tree"), on_failure=job.get("on_failure"),
                          member_timeout_ms=job.get("member_timeout_ms", 0), rate_limit=job.get("rate_limit"),
-                         key=job.get("key"), result_group=job.get("result_group"), quorum=job.get("quorum", 0))
+                         key=job.get("key"), result_group=job.get("result_group"), quorum=job.get("quorum", 0),
+                         resumed=job.get("resumed", False))
         awaiting = [int(m) for m in awaiting]
         for m in awaiting:
             _check_u32(m, "awaiting member")
@@ -299,7 +303,7 @@ _POLICY_NAMES = {v: k for k, v in FAILURE_POLICIES.items()}
 
 def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode, slow_after_windows,
               workers, tree, *, on_failure=None, member_timeout_ms=0, rate_limit=None,
-              key=None, result_group=None, quorum=0) -> "pb.JobSpec":
+              key=None, result_group=None, quorum=0, resumed=False) -> "pb.JobSpec":
     try:
         mode_value = MODES[mode]
     except KeyError:
@@ -341,13 +345,15 @@ def _job_spec(job_id, members, block_cnt_max, block_grad_max, block_exp_ms, mode
     if quorum:
         _check_u32(quorum, "quorum")
         spec.quorum = quorum
+    if resumed:
+        spec.resumed = True
     if tree is not None:
-        unknown = set(tree) - {"parent_addr", "parent_shards", "rank", "resumed"}
+        unknown = set(tree) - {"parent_addr", "parent_shards", "rank"}
         if unknown:
-            raise ValueError(f"tree has unknown keys {sorted(unknown)} (parent_addr, parent_shards, rank, resumed)")
+            hint = " (resumed is the job's, not its tree role's)" if "resumed" in unknown else ""
+            raise ValueError(f"tree has unknown keys {sorted(unknown)} (parent_addr, parent_shards, rank){hint}")
         spec.tree.CopyFrom(pb.TreeRole(parent_addr=str(tree["parent_addr"]),
-                                       parent_shards=int(tree.get("parent_shards", 1)), rank=int(tree["rank"]),
-                                       resumed=bool(tree.get("resumed", False))))
+                                       parent_shards=int(tree.get("parent_shards", 1)), rank=int(tree["rank"])))
     return spec
 
 
@@ -361,9 +367,9 @@ def _job_to_dict(j: "pb.JobSpec") -> Dict[str, Any]:
         "slow_after_windows": j.slow_after_windows if j.HasField("slow_after_windows") else 2,
         "mode": _MODE_NAMES.get(j.mode, f"unknown({j.mode})"),
         "workers": j.workers if j.HasField("workers") else 0,
-        "tree": ({"parent_addr": j.tree.parent_addr, "parent_shards": j.tree.parent_shards, "rank": j.tree.rank,
-                  "resumed": j.tree.resumed}
+        "tree": ({"parent_addr": j.tree.parent_addr, "parent_shards": j.tree.parent_shards, "rank": j.tree.rank}
                  if j.HasField("tree") else None),
+        "resumed": j.resumed,
         "on_failure": _POLICY_NAMES.get(j.on_failure, f"unknown({j.on_failure})"),
         "member_timeout_ms": j.member_timeout_ms,
         "rate_limit": {"pps": j.rate_limit.pps, "burst": j.rate_limit.burst} if j.HasField("rate_limit") else None,

@@ -104,11 +104,13 @@ class _Job:
     #: stream they left (emptied when the last rank leaves, which takes the
     #: job off the switches)
     left_running: set[int] = field(default_factory=set)
-    #: non-root switches that restarted while holding the job and had it
-    #: installed again (`reconcile`): their tree role says `resumed`, so they
-    #: take only recovery (and sync) joins from ranks new to their life —
-    #: the switches above may hold results of the stream they never saw
-    #: (docs/trees.md, "A second run on a live tree")
+    #: switches of a tree (of more than one switch) that restarted while
+    #: holding the job and had it installed again (`reconcile`): their spec
+    #: says `resumed`, so they take only recovery (and sync) joins from ranks
+    #: new to their life — the switches around them may hold results of the
+    #: stream they never saw (docs/trees.md, "A second run on a live tree")
+    #: — and count a child switch's partials only once it reported its
+    #: subtree's lowest block in a recovery (docs/restart.md, "Trees")
     resumed_on: set[str] = field(default_factory=set)
 
 
@@ -252,9 +254,10 @@ class Controller:
                         role = job.roles.get(s)
                         if role is None:
                             continue
-                        if role.parent is not None:
+                        if len(job.roles) > 1:
                             # its tree ran: a new run must not start on it
-                            # under parents that still hold the old stream
+                            # under switches that still hold the old stream,
+                            # and its children recover with its workers
                             job.resumed_on.add(s)
                         try:
                             self._client(s).admit_job(**self._spec(job, s, role))
@@ -368,7 +371,6 @@ class Controller:
                 "parent_addr": self.fabric.data_addr(role.parent, toward=switch),
                 "parent_shards": self._parent_shards(role.parent),
                 "rank": role.rank,
-                "resumed": switch in job.resumed_on,
             }
         return {
             "job_id": p.job_id,
@@ -385,6 +387,7 @@ class Controller:
             # the same job key on every switch: a child derives its member
             # key at the parent from its tree rank (docs/security.md)
             "key": job.key,
+            "resumed": switch in job.resumed_on,
         }
 
     def _fit_packets(self, job: _Job, new_roles: dict[str, Role]) -> None:
@@ -477,7 +480,7 @@ def _adopt(topo: Topology, job_id: int, specs: dict[str, dict], by_rank: dict[in
     for sw, spec in specs.items():
         job.roles[sw] = Role(members=tuple(sorted(spec["members"])), parent=parent_of.get(sw),
                              rank=spec["tree"]["rank"] if spec["tree"] else None)
-        if spec["tree"] and spec["tree"].get("resumed"):
+        if spec.get("resumed"):
             job.resumed_on.add(sw)
         hosts = [h.name for h in topo.hosts if topo.attachment(h.name) == sw]
         for m in spec["members"]:

@@ -172,6 +172,14 @@ pub struct Counters {
     pub recover_waiting: u64,
     /// Recovery floors established (every member reported after a restart).
     pub recoveries: u64,
+    /// A child switch's partial refused (StaleIncarnation) while a recovery
+    /// here waited for every member's recovery Join: the child restarts its
+    /// subtree's stream and reports (docs/restart.md, "Trees").
+    pub child_rejoin_asked: u64,
+    /// The job restarted its stream here because the parent switch
+    /// restarted (its StaleIncarnation nack): this switch's members
+    /// recover, and it reports their lowest block to the parent.
+    pub parent_restarts: u64,
     /// Rounds begun: every member of the job joined the barrier as a new
     /// incarnation (docs/protocol.md §4.12).
     pub rounds_started: u64,
@@ -270,6 +278,8 @@ impl Counters {
         f("stale_incarnation", None, self.stale_incarnation);
         f("recover_waiting", None, self.recover_waiting);
         f("recoveries", None, self.recoveries);
+        f("child_rejoin_asked", None, self.child_rejoin_asked);
+        f("parent_restarts", None, self.parent_restarts);
         f("rounds_started", None, self.rounds_started);
         f("rounds_ended", None, self.rounds_ended);
         f("barrier_waiting", None, self.barrier_waiting);
@@ -290,8 +300,8 @@ impl Counters {
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
-            stale_incarnation, recover_waiting, recoveries, rounds_started, rounds_ended, barrier_waiting, stale_round,
-            rerun_in_tree, resumed_refused
+            stale_incarnation, recover_waiting, recoveries, child_rejoin_asked, parent_restarts, rounds_started,
+            rounds_ended, barrier_waiting, stale_round, rerun_in_tree, resumed_refused
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {
             *a += b;

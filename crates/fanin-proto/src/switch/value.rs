@@ -92,16 +92,6 @@ pub struct Uplink<A> {
     pub parent: Vec<A>,
     /// This switch's source id at the parent (at least `SWITCH_RANK_BASE`).
     pub rank: u16,
-    /// The job ran on this switch before it restarted, and the control
-    /// plane installs it again. The switches above may hold results of
-    /// the job's stream that this life never saw, and nothing here tells
-    /// a Join of a new run from a worker of the running one probing for
-    /// the restart: so a worker rank that has not joined this life may
-    /// join only to recover (or with sync, into the running stream), and a
-    /// plain Join is answered with Nack `TreeSwitchRestarted` — a worker
-    /// of the running job recovers on it, a new process fails with the way
-    /// out (docs/trees.md, "A second run on a live tree").
-    pub resumed: bool,
 }
 
 /// Why a job was not admitted.
@@ -166,6 +156,16 @@ pub enum Verdict {
     /// `member`, whose recovery Join completed the floor, does or does not
     /// listen on the result group.
     Recovered { job_id: u32, floor: u32, member: u16, listens: bool },
+    /// Handled, and a recovery began on a job with child switches (its
+    /// first recovery Join): every other shard drops the children's
+    /// partials and refuses them until the floor is known
+    /// ([`ValueSwitch::begin_recovery`], docs/restart.md "Trees").
+    RecoveryBegun { job_id: u32 },
+    /// Handled, and the job restarted its stream here because the parent
+    /// restarted (`parent`: its incarnation, from its StaleIncarnation
+    /// nack): every other shard restarts it too
+    /// ([`ValueSwitch::restart_for_parent`]).
+    ParentRestarted { job_id: u32, parent: u32 },
 }
 
 /// Value-stream aggregation for one shard. `A` is the address type of the
@@ -321,6 +321,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let liveness = Liveness::new(spec.member_timeout(), capacity);
         let space = BlockSpace::new(spec.block_cnt_max);
         let job_id = spec.job_id;
+        let resumed_with_children = spec.resumed && spec.members.iter().any(|&m| m >= SWITCH_RANK_BASE);
         let mut job = Job {
             member_count: spec.members.len() as u16,
             scale_workers: spec.worker_count(),
@@ -350,7 +351,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             auth,
             buckets,
             liveness,
+            incarnation: self.config.incarnation,
             tag: incarnation_tag(self.config.incarnation),
+            parent_restart: None,
+            // installed again after a restart: the child switches report
+            // before their partials count (parent_restart.rs)
+            switches_rejoin: resumed_with_children,
             recover_lows: HashMap::new(),
             recover_floor: None,
             start_settled: false,
@@ -590,6 +596,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 self.resume(job_id, floor);
                 self.set_listening(job_id, member, listens);
             }
+            Verdict::RecoveryBegun { job_id } => self.begin_recovery(job_id),
+            Verdict::ParentRestarted { job_id, parent } => self.restart_for_parent(job_id, parent),
         }
     }
 
@@ -846,6 +854,7 @@ mod rounds;
 mod pool;
 mod board;
 mod transit;
+mod parent_restart;
 
 use block::*;
 pub use config::{AgingConfig, MemoryModel, ShardConfig, MAX_CHECKS, MAX_SCANNERS};
@@ -853,6 +862,7 @@ use job::*;
 use reply::*;
 
 use join::*;
+use parent_restart::*;
 use aggregate::*;
 use membership::*;
 use nacks::*;
@@ -868,6 +878,8 @@ mod aging_tests;
 mod auth_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod parent_restart_tests;
 #[cfg(test)]
 mod guard_tests;
 #[cfg(test)]

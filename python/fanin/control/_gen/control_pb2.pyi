@@ -29,7 +29,7 @@ KV_VALUE_TYPE_INT64: KvValueType
 KV_VALUE_TYPE_FLOAT64: KvValueType
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit", "result_group", "quorum")
+    __slots__ = ("job_id", "members", "block_cnt_max", "block_grad_max", "block_exp_ms", "mode", "slow_after_windows", "workers", "tree", "key", "on_failure", "member_timeout_ms", "rate_limit", "result_group", "quorum", "resumed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CNT_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class JobSpec(_message.Message):
     RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     RESULT_GROUP_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     block_cnt_max: int
@@ -60,7 +61,8 @@ class JobSpec(_message.Message):
     rate_limit: RateLimit
     result_group: str
     quorum: int
-    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., result_group: _Optional[str] = ..., quorum: _Optional[int] = ...) -> None: ...
+    resumed: bool
+    def __init__(self, job_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., block_cnt_max: _Optional[int] = ..., block_grad_max: _Optional[int] = ..., block_exp_ms: _Optional[int] = ..., mode: _Optional[_Union[JobMode, str]] = ..., slow_after_windows: _Optional[int] = ..., workers: _Optional[int] = ..., tree: _Optional[_Union[TreeRole, _Mapping]] = ..., key: _Optional[bytes] = ..., on_failure: _Optional[_Union[FailurePolicy, str]] = ..., member_timeout_ms: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., result_group: _Optional[str] = ..., quorum: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class RateLimit(_message.Message):
     __slots__ = ("pps", "burst")
@@ -71,16 +73,14 @@ class RateLimit(_message.Message):
     def __init__(self, pps: _Optional[int] = ..., burst: _Optional[int] = ...) -> None: ...
 
 class TreeRole(_message.Message):
-    __slots__ = ("parent_addr", "parent_shards", "rank", "resumed")
+    __slots__ = ("parent_addr", "parent_shards", "rank")
     PARENT_ADDR_FIELD_NUMBER: _ClassVar[int]
     PARENT_SHARDS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
-    RESUMED_FIELD_NUMBER: _ClassVar[int]
     parent_addr: str
     parent_shards: int
     rank: int
-    resumed: bool
-    def __init__(self, parent_addr: _Optional[str] = ..., parent_shards: _Optional[int] = ..., rank: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, parent_addr: _Optional[str] = ..., parent_shards: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class NextHop(_message.Message):
     __slots__ = ("addr", "shards")

@@ -758,8 +758,8 @@ fn a_restarted_tree_switchs_refusal_makes_a_bound_worker_recover_and_fails_a_new
     use crate::switch::Uplink;
     use fanin_wire::value::JOIN_RECOVER;
     let mut resumed = ValueSwitch::new(ShardConfig { incarnation: 3, ..ShardConfig::single(1 << 20) });
-    resumed.add_job(JobSpec::with_sources(1, 1, 16, 64)).unwrap();
-    resumed.set_uplink(1, Some(Uplink { parent: vec![9], rank: crate::job::SWITCH_RANK_BASE, resumed: true })).unwrap();
+    resumed.add_job(JobSpec { resumed: true, ..JobSpec::with_sources(1, 1, 16, 64) }).unwrap();
+    resumed.set_uplink(1, Some(Uplink { parent: vec![9], rank: crate::job::SWITCH_RANK_BASE })).unwrap();
     let refusal = |s: &mut AllreduceSession, sw: &mut ValueSwitch<u16>, now: Time| {
         let mut out = VecTransmit::new();
         s.poll_transmit(now, &mut out);

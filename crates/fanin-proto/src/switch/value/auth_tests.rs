@@ -170,7 +170,7 @@ fn a_tree_child_seals_partials_with_its_rank_key_and_accepts_only_the_parents_se
     const PARENT: Addr = 900;
     let mut child = ValueSwitch::new(ShardConfig::single(1 << 20));
     child.add_job(JobSpec { workers: 3, ..keyed(1, 2, JOB_KEY) }).unwrap();
-    child.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK, resumed: false })).unwrap();
+    child.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
     deliver(&mut child, 0, &sealed(&member(1, 0), 1, &contribution(1, 0, 0, &[1])));
     let up = deliver(&mut child, 1, &sealed(&member(1, 1), 1, &contribution(1, 1, 0, &[2])));
     assert_eq!(up.len(), 1);

@@ -36,7 +36,17 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if src < SWITCH_RANK_BASE as usize && tag != 0 && tag != job.tag {
             counters.stale_incarnation += 1;
             let env = envelope(job.auth.as_mut(), Peer::Member(src));
-            send_nack(counters, out, from, env, packet, NackReason::StaleIncarnation, self.config.incarnation);
+            send_nack(counters, out, from, env, packet, NackReason::StaleIncarnation, job.incarnation);
+            return Verdict::Consumed;
+        }
+        if src >= SWITCH_RANK_BASE as usize && job.switches_rejoin {
+            // A recovery here waits for every member's lowest block, a
+            // child switch's too: its partials count again once the floor
+            // is known. The nack makes it restart its subtree's stream and
+            // report (parent_restart.rs).
+            counters.child_rejoin_asked += 1;
+            let env = envelope(job.auth.as_mut(), Peer::Member(src));
+            send_nack(counters, out, from, env, packet, NackReason::StaleIncarnation, job.incarnation);
             return Verdict::Consumed;
         }
         if job.spec.mode == JobMode::Forward {

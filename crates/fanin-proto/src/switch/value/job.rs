@@ -134,9 +134,23 @@ pub(super) struct Job<A> {
     pub(super) buckets: SourceBuckets,
     /// Member timeout and the job's failure, if it failed.
     pub(super) liveness: Liveness,
-    /// This switch's incarnation tag (results and nacks carry it; worker
-    /// contributions must carry it or 0).
+    /// The job's incarnation on this switch: the switch's own, moved on
+    /// each time the job restarts below a restarted parent
+    /// ([`parent_restart`](super::parent_restart)). JoinAcks and
+    /// StaleIncarnation nacks say it...
+    pub(super) incarnation: u32,
+    /// ...and its tag (results and nacks carry it; worker contributions
+    /// must carry it or 0).
     pub(super) tag: u16,
+    /// Non-root: the parent incarnation this job last restarted for (its
+    /// StaleIncarnation nack); until the parent answers its floor, the
+    /// recovery floor here is the parent's, not this switch's.
+    pub(super) parent_restart: Option<u32>,
+    /// A recovery is under way here and the floor is not known: a child
+    /// switch's partial is refused (StaleIncarnation), so that the child
+    /// restarts its subtree's stream and reports its lowest block in a
+    /// recovery Join of its own (docs/restart.md, "Trees").
+    pub(super) switches_rejoin: bool,
     /// Recovery after a restart (docs/restart.md): the lowest block without
     /// a result each member reported in its `JOIN_RECOVER` join...
     pub(super) recover_lows: HashMap<u16, u32>,

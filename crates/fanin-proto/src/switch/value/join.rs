@@ -64,7 +64,7 @@ pub(super) fn answer_join_as<A: Copy + PartialEq>(
         block_cnt_max: job.spec.block_cnt_max,
         block_grad_max: job.spec.block_grad_max,
         block_exp_ms: job.spec.block_exp_ms,
-        incarnation: config.incarnation,
+        incarnation: job.incarnation,
         shard_count: config.shard_count,
         next_block,
         // `to` is the member this switch sends the joiner's results to: the
@@ -308,6 +308,9 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
         answer_join_as(job, config, src, src, from, JoinStart::at(floor), JOIN_RECOVER, out);
         return Verdict::Consumed;
     }
+    // A child switch is a member too: it reports for its subtree once told
+    // (parent_restart.rs); the other shards must tell it as well.
+    let waiting = if begin_switch_recovery(job) { Verdict::RecoveryBegun { job_id: job.spec.job_id } } else { Verdict::Consumed };
     job.recover_lows.insert(src, low);
     if let Some(anchor) = anchor {
         // Every member's allreduces start on the same boundaries: any one
@@ -316,12 +319,18 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
     }
     if !job.members.iter().all(|m| job.recover_lows.contains_key(&(m as u16))) {
         counters.recover_waiting += 1;
-        return Verdict::Consumed;
+        return waiting;
     }
     // The lowest in stream order: block ids wrap, and the members' lows
     // may straddle the wrap (ids near M and near 0).
     let space = job.space;
     let floor = job.recover_lows.values().copied().reduce(|a, b| if space.before(b, a) { b } else { a }).unwrap_or(low);
+    if job.parent_restart.is_some() && job.uplink.is_some() {
+        // Restarted below a restarted parent: the floor is the parent's,
+        // over the whole tree; this subtree's lowest block goes up.
+        report_low_up(job, floor, counters, out);
+        return waiting;
+    }
     job.recover_floor = Some(floor);
     // The round that ran before the restart goes on: the (fresh) job's
     // barrier does not hold it (docs/protocol.md §4.12).
@@ -350,6 +359,8 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
 pub(super) fn resume_at<A>(job: &mut Job<A>, floor: u32) {
     job.start_block = floor;
     job.start_settled = true;
+    // the child switches reported: their partials count again
+    job.switches_rejoin = false;
 }
 
 /// Admit `src` from `start` here, and tell the runtime so the other shards
@@ -464,7 +475,7 @@ pub(super) enum TreeRefusal {
 ///
 /// * from a new process of a rank whose earlier process already joined here
 ///   (another member incarnation): `RerunInTree`;
-/// * on a switch that restarted with the job installed (`Uplink::resumed`), from
+/// * on a switch that restarted with the job installed (`JobSpec::resumed`), from
 ///   a rank that has not joined this life: it has forgotten the processes
 ///   it saw, and cannot tell a new run from a worker of the running one
 ///   probing for the restart (which recovers on the refusal): `Restarted`.
@@ -479,7 +490,7 @@ pub(super) fn refuse_in_tree<A>(job: &mut Job<A>, src: u16, inc: MemberIncarnati
     }
     let plain = inc.from_plain_join();
     let current = job.incarnations[src as usize];
-    if plain && current.is_none() && job.uplink.as_ref().is_some_and(|up| up.resumed) {
+    if plain && current.is_none() && job.spec.resumed {
         return Some(TreeRefusal::Restarted);
     }
     if inc.is_none() {
@@ -549,7 +560,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 }
                 TreeRefusal::Restarted => {
                     self.counters.resumed_refused += 1;
-                    (NackReason::TreeSwitchRestarted, self.config.incarnation)
+                    (NackReason::TreeSwitchRestarted, job.incarnation)
                 }
             };
             let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));

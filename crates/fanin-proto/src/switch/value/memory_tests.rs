@@ -143,7 +143,7 @@ fn a_job_at_a_non_root_switch_keeps_the_slot_floor() {
     // its blocks sent up hold their records until the parent answers: no
     // acknowledgement or eviction frees them, so one buffer would not do
     let spec = JobSpec::with_sources(1, 2, 4, 64);
-    let up = Some(Uplink { parent: vec![9], rank: SWITCH_RANK_BASE, resumed: false });
+    let up = Some(Uplink { parent: vec![9], rank: SWITCH_RANK_BASE });
     let mut sw = pooled(1 << 20);
     sw.add_job(spec.clone()).unwrap();
     assert_eq!(sw.jobs[&1].data_memory, 64 * 4);

@@ -96,6 +96,16 @@ impl JobAuth {
         rotated
     }
 
+    /// The job restarted below a restarted parent under a new incarnation
+    /// (parent_restart.rs): its result key is bound to the incarnation the
+    /// JoinAcks announce, so it is derived afresh (same epoch), and members
+    /// learn it from their recovery's JoinAck.
+    pub(super) fn rebind_incarnation(&mut self, incarnation: u32) {
+        if let Some(rk) = self.result_key.as_mut() {
+            *rk = ResultKey::new(&self.job_key, self.job_id, incarnation, rk.epoch);
+        }
+    }
+
     /// Heap bytes of the member keys and replay windows (switch memory
     /// accounting).
     pub(super) fn heap_bytes(&self) -> usize {

@@ -587,7 +587,7 @@ fn send_from(sw: &mut ValueSwitch<Addr>, from: Addr, bytes: &[u8]) -> Vec<(Addr,
 /// A leaf of job 1 with workers 0 and 1 under parent address 1.
 fn leaf() -> ValueSwitch<Addr> {
     let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
-    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK, resumed: false })).unwrap();
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
     sw
 }
 
@@ -732,8 +732,8 @@ fn a_resumed_leaf_takes_only_recovery_and_sync_joins_from_ranks_new_to_it() {
     };
     let out = send_from(&mut leaf(), 100, &join(0, 7, 0));
     assert_eq!(out[0].1.msg_type, MessageType::JoinAck, "a leaf that did not restart: {out:?}");
-    let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
-    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK, resumed: true })).unwrap();
+    let mut sw = switch_with(&[JobSpec { workers: 5, resumed: true, ..job(1, 2, 4) }]);
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
     for (src, inc) in [(0, 7), (1, 0)] {
         let mut out = VecTransmit::new();
         let _ = sw.handle_datagram(T0, 100 + src as u32, &join(src, inc, 0), &mut out);
@@ -760,8 +760,8 @@ fn a_resumed_leaf_takes_only_recovery_and_sync_joins_from_ranks_new_to_it() {
     let (_, bytes) = out.drain().next().expect("a nack");
     assert_eq!(Nack::parse(Packet::new_checked(&bytes[..]).unwrap().payload()).unwrap().reason, NackReason::RerunInTree);
     // a sync join of a rank new to this life is asked of the parent
-    let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
-    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK, resumed: true })).unwrap();
+    let mut sw = switch_with(&[JobSpec { workers: 5, resumed: true, ..job(1, 2, 4) }]);
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
     let out = send_from(&mut sw, 100, &join(0, 7, JOIN_SYNC));
     assert_eq!((out[0].0, out[0].1.msg_type), (PARENT, MessageType::Sync), "{out:?}");
 }
@@ -978,7 +978,7 @@ fn sync_goes_to_the_root_and_its_answer_comes_back_down() {
 /// blocks it had sent up lacked the joiner, and the results said nothing.)
 #[test]
 fn a_leaf_that_got_a_sync_answer_late_starts_the_joiner_past_what_it_sent_up() {
-    let up = Uplink { parent: vec![PARENT], rank: RANK, resumed: false };
+    let up = Uplink { parent: vec![PARENT], rank: RANK };
     let mut leaf = leaf();
     let spec = JobSpec { members: vec![0, 1, 2], workers: 5, ..job(1, 2, 4) };
     leaf.update_job(T0, spec, Some(up), &[2], &mut VecTransmit::new()).unwrap();
@@ -1204,7 +1204,7 @@ fn a_child_of_a_root_spread_over_switches_tells_its_workers_the_order_classes() 
     // five root shards (a root per spine): results of different parents come
     // on different paths, in order only per parent (shard_of over 5)
     let mut sw = switch_with(&[JobSpec { workers: 5, ..job(1, 2, 4) }]);
-    sw.set_uplink(1, Some(Uplink { parent: vec![1, 2, 3, 4, 5], rank: RANK, resumed: false })).unwrap();
+    sw.set_uplink(1, Some(Uplink { parent: vec![1, 2, 3, 4, 5], rank: RANK })).unwrap();
     let params = join_listening(&mut sw, 1, 0, false);
     assert_eq!((params.shard_count, params.order_shards, params.order_classes()), (1, 5, Some(5)));
 }

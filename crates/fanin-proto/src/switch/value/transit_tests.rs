@@ -190,7 +190,7 @@ fn a_switch_aggregates_its_members_and_relays_the_same_job_for_others() {
     ps.add_job(JobSpec { members: vec![2, rank], workers: 3, ..JobSpec::with_sources(1, 0, 4, 64) }).unwrap();
     let mut tor = switch();
     tor.add_job(JobSpec { workers: 3, ..JobSpec::with_sources(1, 2, 4, 64) }).unwrap();
-    tor.set_uplink(1, Some(Uplink { parent: vec![NODE], rank, resumed: false })).unwrap();
+    tor.set_uplink(1, Some(Uplink { parent: vec![NODE], rank })).unwrap();
     tor.add_transit(1, vec![NODE], &[]).unwrap();
     let mut net = Net::new(vec![(NODE, ps), (RELAY, tor)]);
     net.send(100, RELAY, contribution(1, 0, 0, &[1]));
@@ -262,7 +262,7 @@ fn a_tree_nodes_expiry_refusal_reaches_every_host_behind_a_relay() {
     let rank = SWITCH_RANK_BASE;
     let mut tree = switch();
     tree.add_job(JobSpec { workers: 4, ..JobSpec::with_sources(1, 2, 4, 64) }).unwrap();
-    tree.set_uplink(1, Some(Uplink { parent: vec![NODE], rank, resumed: false })).unwrap();
+    tree.set_uplink(1, Some(Uplink { parent: vec![NODE], rank })).unwrap();
     let mut edge = switch();
     edge.add_transit(1, vec![RELAY], &[]).unwrap();
     let mut net = Net::new(vec![(RELAY, tree), (EDGE, edge)]);

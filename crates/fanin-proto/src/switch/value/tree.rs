@@ -85,6 +85,15 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             return Verdict::Consumed;
         };
         match repr.msg_type {
+            MessageType::JoinAck if repr.age_op == JOIN_RECOVER && job.uplink.as_ref().is_some_and(|up| up.rank == repr.src_id) => {
+                // The floor of a restarted parent's recovery, which this
+                // switch reported its members' lowest block to.
+                let Ok(params) = JoinParams::parse(packet.payload()) else {
+                    counters.protocol_violation += 1;
+                    return Verdict::Consumed;
+                };
+                return self.floor_from_parent(repr.job_id, params.next_block, out);
+            }
             MessageType::JoinAck => {
                 let Some((via, align)) = job.pending_sync.remove(&repr.src_id) else {
                     counters.parent_stale += 1;
@@ -108,7 +117,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 let repr = Repr { gen_id: start.gen_id, ..repr };
                 // The worker talks to this switch's shards, not the root's,
                 // and gets its results the way this switch sends them.
-                params.incarnation = self.config.incarnation;
+                params.incarnation = job.incarnation;
                 // results reach the worker in order only within both this
                 // switch's shard and the parent's order class
                 params.order_shards = params.order_below(self.config.shard_count);
@@ -139,6 +148,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // next retransmissions. (An overloaded parent's own trims
                 // are left to the children, whose windows shrink on them.)
                 return self.resend_partial_up(repr.job_id, repr.block_id, repr.gen_id, repr.exp_only, out);
+            }
+            MessageType::Nack if Nack::parse(packet.payload()).is_ok_and(|n| n.reason == NackReason::StaleIncarnation) => {
+                // The parent restarted and recovers: this switch's subtree
+                // takes part (parent_restart.rs).
+                let parent = Nack::parse(packet.payload()).map_or(0, |n| n.detail);
+                return self.parent_restarted(repr.job_id, parent);
             }
             MessageType::Nack => {
                 let expired = Nack::parse(packet.payload()).is_ok_and(|n| n.reason == NackReason::BlockExpired);
@@ -185,6 +200,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                     counters.parent_stale += 1;
                     return Verdict::Consumed;
                 };
+                // This life of the job restarted (it or its parent did): a
+                // partial its earlier life sent may have earned this result.
+                let restarted_life = job.spec.resumed || job.parent_restart.is_some();
                 // what the parent says goes down, never up again: no uplink
                 let mut reply = job_reply!(job, counters, out, &mut self.scratch, from: None, from_src: 0, uplink: None);
                 if repr.exp_only {
@@ -202,6 +220,20 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                         return Verdict::Consumed;
                     }
                     Phase::DataUp => {}
+                    Phase::Exponent | Phase::Data if restarted_life && !repr.degraded => {
+                        // A complete result of a block this life collects
+                        // again (its members resend it in their recovery):
+                        // earned by the partial an earlier life sent, and
+                        // it may hold members' contributions this life has
+                        // not seen yet. Relayed now it would go down marked
+                        // degraded (lacking them here), failing a job that
+                        // takes complete results only. The block completes
+                        // here; its partial then finds the parent's result
+                        // (the parent answers it as a duplicate, from the
+                        // block or its slot's shadow).
+                        reply.counters.parent_stale += 1;
+                        return Verdict::Consumed;
+                    }
                     // The parent completed (aged) the block before this
                     // subtree's partial reached it.
                     Phase::Exponent | Phase::ExponentUp | Phase::Data => job.open_blocks -= 1,

@@ -1,0 +1,173 @@
+//! A tree's switch restarted mid-run, seen from the switches around it
+//! (docs/restart.md, "Trees").
+//!
+//! A restarted switch's recovery floor is the lowest block any member
+//! still needs, and every member must report before it is known: a member
+//! alone cannot tell which of its retained contributions a peer still
+//! needs. A child switch is a member too, and it retains nothing: once it
+//! has its parent's result it keeps the sum, not the partial it sent up.
+//! So the child takes part for its whole subtree, which does retain:
+//!
+//! 1. **Up: the restart is told.** Once the restarted switch has a
+//!    recovery under way (a member's first recovery Join, passed to its
+//!    other shards as [`Verdict::RecoveryBegun`]), it drops what the
+//!    children sent before and refuses their partials with
+//!    StaleIncarnation until the floor is known.
+//! 2. **The child restarts its subtree's stream.** On that nack it drops
+//!    its blocks and moves the job to a new incarnation
+//!    ([`next_incarnation`]; [`Verdict::ParentRestarted`] to its other
+//!    shards), exactly as if it had restarted itself: its workers recover
+//!    (their next contribution, tagged for the old incarnation, is refused)
+//!    and report their lowest blocks in recovery Joins, and a child switch
+//!    of its own is told as it was.
+//! 3. **The lowest block goes up.** When every member of the child
+//!    reported, it sends its own recovery Join to the parent with their
+//!    lowest block, again whenever a member's recovery Join comes again
+//!    (the members' timers drive it), until the parent answers.
+//! 4. **The floor comes down.** The parent's floor (the lowest block over
+//!    all its members, the child's subtree included) is answered to the
+//!    child's members, and the stream resumes there on every shard
+//!    ([`Verdict::Recovered`]). The workers resend their retained
+//!    contributions from the floor under the recovery gate; the child
+//!    aggregates them afresh and sends the partials up.
+//!
+//! The floor argument of docs/restart.md carries over unchanged: every
+//! member of the whole tree below the restarted switch is a worker that
+//! reported, so the floor is within a slot-cycle of every worker's lowest
+//! block and every worker retained what it must resend.
+
+use super::*;
+
+/// The job's incarnation after it restarted below a parent whose
+/// incarnation is `parent`: a function of both, so every shard of the
+/// switch moves to the same one, and never one whose tag (the low 16 bits)
+/// is the old tag or 0 (untagged).
+pub(super) fn next_incarnation(old: u32, parent: u32) -> u32 {
+    let mut next = old.wrapping_add(parent.rotate_left(16) | 0x0001_0001);
+    while incarnation_tag(next) == 0 || incarnation_tag(next) == incarnation_tag(old) {
+        next = next.wrapping_add(1);
+    }
+    next
+}
+
+/// The job restarts its stream on this shard below a parent that restarted
+/// as `parent`: no blocks, a new incarnation, a recovery that waits for
+/// every member and then for the parent's floor.
+fn restart_below<A>(job: &mut Job<A>, parent: u32) {
+    drop_blocks(job);
+    job.incarnation = next_incarnation(job.incarnation, parent);
+    job.tag = incarnation_tag(job.incarnation);
+    if let Some(auth) = job.auth.as_mut() {
+        auth.rebind_incarnation(job.incarnation);
+    }
+    job.parent_restart = Some(parent);
+    job.recover_lows.clear();
+    job.recover_floor = None;
+    job.switches_rejoin = job.members.iter().any(|m| m >= SWITCH_RANK_BASE as usize);
+    job.pending_sync.clear();
+}
+
+/// A recovery begins on a job with child switches: what they sent before
+/// is dropped (they send it again from the floor) and their partials are
+/// refused until the floor is known.
+pub(super) fn begin_switch_recovery<A>(job: &mut Job<A>) -> bool {
+    if job.switches_rejoin || !job.members.iter().any(|m| m >= SWITCH_RANK_BASE as usize) {
+        return false;
+    }
+    drop_blocks(job);
+    job.switches_rejoin = true;
+    true
+}
+
+/// A child whose parent restarted reports its members' lowest block to the
+/// parent in a recovery Join of its own (again on every member's repeated
+/// recovery Join, until the parent answers).
+pub(super) fn report_low_up<A: Copy + PartialEq>(job: &mut Job<A>, low: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
+    let Some(up) = job.uplink.as_ref() else { return };
+    let repr = Repr { age_op: JOIN_RECOVER, block_id: low, ..Repr::new(MessageType::Join, job.spec.job_id, up.rank) };
+    let anchor = job.anchor;
+    let dest = up.parent[0];
+    let env = envelope(job.auth.as_mut(), Peer::Parent);
+    send(out, dest, repr.buffer_len(), env, |buf| {
+        let mut packet = Packet::new_unchecked(buf);
+        repr.emit(&mut packet);
+        anchor.emit(packet.payload_mut());
+    });
+    counters.recover_waiting += 1;
+}
+
+impl<A: Copy + PartialEq> ValueSwitch<A> {
+    /// The parent refused this switch's partial as another incarnation's:
+    /// it restarted and recovers. Restart the job's stream here (once per
+    /// parent incarnation).
+    pub(super) fn parent_restarted(&mut self, job_id: u32, parent: u32) -> Verdict {
+        let Some(job) = self.jobs.get_mut(&job_id) else { return Verdict::Consumed };
+        if job.parent_restart == Some(parent) {
+            return Verdict::Consumed; // a late copy: restarted for it already
+        }
+        self.restart_for_parent(job_id, parent);
+        Verdict::ParentRestarted { job_id, parent }
+    }
+
+    /// This shard's part of [`Verdict::ParentRestarted`] (the shard that
+    /// got the parent's nack, or another one told of it).
+    pub fn restart_for_parent(&mut self, job_id: u32, parent: u32) {
+        let Some(job) = self.jobs.get_mut(&job_id) else { return };
+        if job.parent_restart == Some(parent) {
+            return;
+        }
+        restart_below(job, parent);
+        self.counters.parent_restarts += 1;
+        self.settle_memory(job_id);
+    }
+
+    /// Another shard's [`Verdict::RecoveryBegun`].
+    pub fn begin_recovery(&mut self, job_id: u32) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            begin_switch_recovery(job);
+        }
+        self.settle_memory(job_id);
+    }
+
+    /// The parent's answer to this switch's recovery Join: the floor, for
+    /// this switch's members too.
+    pub(super) fn floor_from_parent(&mut self, job_id: u32, floor: u32, out: &mut impl Transmit<A>) -> Verdict {
+        let config = &self.config;
+        let Some(job) = self.jobs.get_mut(&job_id) else { return Verdict::Consumed };
+        if job.parent_restart.is_none() || job.recover_floor.is_some() {
+            self.counters.parent_stale += 1; // a repeated answer
+            return Verdict::Consumed;
+        }
+        job.recover_floor = Some(floor);
+        job.barrier = None;
+        resume_at(job, floor);
+        self.counters.recoveries += 1;
+        let members: Vec<usize> = job.members.iter().collect();
+        for &m in &members {
+            if let Some(addr) = job.addrs.get(m).copied().flatten() {
+                answer_join_as(job, config, m as u16, m as u16, addr, JoinStart::at(floor), JOIN_RECOVER, out);
+            }
+        }
+        // (the verdict's member changes nothing: its listening is as it was)
+        let member = members.first().copied().unwrap_or(0) as u16;
+        let listens = job.listens_on_group.contains(member as usize);
+        Verdict::Recovered { job_id, floor, member, listens }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_restart_below_a_parent_always_changes_the_tag_and_never_to_untagged() {
+        for old in [0u32, 1, 0xffff, 0x1_0000, 0xdead_beef, u32::MAX] {
+            for parent in [0u32, 1, 0xffff_0000, 0x1234_5678, u32::MAX] {
+                let next = next_incarnation(old, parent);
+                assert_ne!(incarnation_tag(next), incarnation_tag(old), "{old:#x} {parent:#x}");
+                assert_ne!(incarnation_tag(next), 0);
+                assert_eq!(next, next_incarnation(old, parent), "every shard moves to the same one");
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! A restarted switch and the child switches below it, datagram by
+//! datagram (parent_restart.rs; the property tests in
+//! `tests/lossy_network.rs` run whole trees through restarts).
+
+use super::tests::{job, Pkt};
+use super::*;
+use crate::transmit::VecTransmit;
+
+type Addr = u32;
+const T0: Time = Time::ZERO;
+const ROOT: Addr = 1;
+const CHILD: u16 = SWITCH_RANK_BASE;
+/// The child switch's data address, as the root sees it.
+const CHILD_ADDR: Addr = 50;
+
+fn shard(incarnation: u32, spec: JobSpec, uplink: Option<Uplink<Addr>>) -> ValueSwitch<Addr> {
+    let mut sw = ValueSwitch::new(ShardConfig { incarnation, ..ShardConfig::single(1 << 30) });
+    sw.add_job(spec).unwrap();
+    sw.set_uplink(1, uplink).unwrap();
+    sw
+}
+
+fn deliver(sw: &mut ValueSwitch<Addr>, from: Addr, bytes: &[u8]) -> (Verdict, Vec<(Addr, Vec<u8>)>) {
+    let mut out = VecTransmit::new();
+    let verdict = sw.handle_datagram(T0, from, bytes, &mut out);
+    (verdict, out.drain().collect())
+}
+
+fn recovery_join(src: u16, low: u32) -> Vec<u8> {
+    let repr = Repr { age_op: JOIN_RECOVER, block_id: low, src_cnt: 7, ..Repr::new(MessageType::Join, 1, src) };
+    let mut buf = vec![0; repr.buffer_len()];
+    let mut packet = Packet::new_unchecked(&mut buf[..]);
+    repr.emit(&mut packet);
+    RecoverAnchor { block: 0, gen_id: 1 }.emit(packet.payload_mut());
+    buf
+}
+
+fn parsed(bytes: &[u8]) -> (Repr, Option<Nack>, Option<JoinParams>) {
+    let packet = Packet::new_checked(bytes).unwrap();
+    let repr = Repr::parse(&packet).unwrap();
+    let nack = (repr.msg_type == MessageType::Nack).then(|| Nack::parse(packet.payload()).unwrap());
+    let params = (repr.msg_type == MessageType::JoinAck).then(|| JoinParams::parse(packet.payload()).unwrap());
+    (repr, nack, params)
+}
+
+/// Root (worker 0 and the child switch, restarted: `resumed`) and child
+/// (workers 1 and 2): the root refuses the child's partial; the child
+/// restarts its stream under a new incarnation, makes its workers recover,
+/// reports their lowest block up, and hands the root's floor down.
+#[test]
+fn a_child_switch_reports_its_subtrees_lowest_block_to_a_restarted_parent() {
+    let mut root = shard(0x2000, JobSpec { members: vec![0, CHILD], workers: 3, resumed: true, ..job(1, 1, 4) }, None);
+    let mut child = shard(0x1000, JobSpec { members: vec![1, 2], workers: 3, ..job(1, 2, 4) }, Some(Uplink { parent: vec![ROOT], rank: CHILD }));
+
+    // the child's partial of block 9 (from before the root restarted)
+    let (_, out) = deliver(&mut root, CHILD_ADDR, &Pkt::data(1, CHILD, 9, &[5]).bytes());
+    let (repr, nack, _) = parsed(&out[0].1);
+    assert_eq!((out[0].0, repr.src_id, nack.map(|n| (n.reason, n.detail))), (CHILD_ADDR, CHILD, Some((NackReason::StaleIncarnation, 0x2000))));
+    assert_eq!(root.counters().child_rejoin_asked, 1);
+
+    // the child restarts its stream: a new incarnation, once per parent life
+    let (verdict, out) = deliver(&mut child, ROOT, &out[0].1);
+    assert_eq!((verdict, out.len()), (Verdict::ParentRestarted { job_id: 1, parent: 0x2000 }, 0));
+    assert_eq!(child.counters().parent_restarts, 1);
+    // a worker's contribution tagged for the child's old life is refused
+    // with the new incarnation: the worker recovers
+    let mut stale = Pkt::data(1, 1, 10, &[1]);
+    stale.repr.src_cnt = incarnation_tag(0x1000);
+    let (_, out) = deliver(&mut child, 101, &stale.bytes());
+    let new_incarnation = parsed(&out[0].1).1.unwrap().detail;
+    assert_eq!(parsed(&out[0].1).1.unwrap().reason, NackReason::StaleIncarnation);
+    assert_ne!(incarnation_tag(new_incarnation), incarnation_tag(0x1000));
+
+    // its workers report; the lowest block goes up once both did
+    let (_, out) = deliver(&mut child, 101, &recovery_join(1, 12));
+    assert!(out.is_empty(), "{out:?}");
+    let (_, out) = deliver(&mut child, 102, &recovery_join(2, 10));
+    let (repr, _, _) = parsed(&out[0].1);
+    assert_eq!((out[0].0, repr.msg_type, repr.age_op, repr.src_id, repr.block_id), (ROOT, MessageType::Join, JOIN_RECOVER, CHILD, 10));
+
+    // the root's floor waits for its worker too, then goes to both members
+    let (_, none) = deliver(&mut root, CHILD_ADDR, &out[0].1);
+    assert!(none.is_empty());
+    let (verdict, out) = deliver(&mut root, 100, &recovery_join(0, 11));
+    assert!(matches!(verdict, Verdict::Recovered { floor: 10, .. }), "{verdict:?}");
+    let to_child = out.iter().find(|(a, _)| *a == CHILD_ADDR).expect("the child's answer");
+    let (repr, _, params) = parsed(&to_child.1);
+    assert_eq!((repr.age_op, params.unwrap().next_block), (JOIN_RECOVER, 10));
+    // the child's partials count again
+    let (_, out) = deliver(&mut root, CHILD_ADDR, &Pkt::data(1, CHILD, 10, &[5]).bytes());
+    assert!(out.is_empty() && root.counters().accepted == 1, "{out:?}");
+
+    // the child hands the floor to its workers, under its new incarnation
+    let (verdict, out) = deliver(&mut child, ROOT, &to_child.1);
+    assert!(matches!(verdict, Verdict::Recovered { floor: 10, .. }), "{verdict:?}");
+    let mut answered: Vec<(Addr, u32, u32)> = out
+        .iter()
+        .map(|(a, b)| {
+            let p = parsed(b).2.unwrap();
+            (*a, p.next_block, p.incarnation)
+        })
+        .collect();
+    answered.sort();
+    assert_eq!(answered, vec![(101, 10, new_incarnation), (102, 10, new_incarnation)]);
+    // a second answer from the root changes nothing
+    let (verdict, out) = deliver(&mut child, ROOT, &to_child.1);
+    assert_eq!((verdict, out.len()), (Verdict::Consumed, 0));
+}
