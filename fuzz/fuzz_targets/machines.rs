@@ -71,11 +71,11 @@ fn switch(shard: u16) -> ValueSwitch<u8> {
     tree.block_exp_ms = 1;
     tree.result_group = Some(GROUP);
     sw.add_job(tree.clone()).unwrap();
-    sw.set_uplink(3, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE, resumed: false })).unwrap();
+    sw.set_uplink(3, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE })).unwrap();
     // member 2 joins the running job: waited for only after its sync
     tree.members.push(2);
     let mut out = VecTransmit::new();
-    sw.update_job(Time::ZERO, tree, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE, resumed: false }), &[2], &mut out)
+    sw.update_job(Time::ZERO, tree, Some(Uplink { parent: vec![7, 7], rank: SWITCH_RANK_BASE }), &[2], &mut out)
         .unwrap();
     sw.add_transit(5, vec![8, 9], &[3, 4, 7]).unwrap(); // only these sources pass
     sw.add_transit(1, vec![8, 9], &[]).unwrap();
