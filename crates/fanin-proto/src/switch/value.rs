@@ -354,6 +354,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             incarnation: self.config.incarnation,
             tag: incarnation_tag(self.config.incarnation),
             parent_restart: None,
+            earlier_tag: None,
             // installed again after a restart: the child switches report
             // before their partials count (parent_restart.rs)
             switches_rejoin: resumed_with_children,
@@ -605,8 +606,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// resumes at `floor`.
     pub fn resume(&mut self, job_id: u32, floor: u32) {
         if let Some(job) = self.jobs.get_mut(&job_id) {
+            if job.earlier_tag.take().is_some() {
+                // restarted below a restarted parent: the earlier life's
+                // blocks go at the floor (parent_restart.rs)
+                drop_blocks(job);
+            }
             join::resume_at(job, floor);
         }
+        self.settle_memory(job_id);
     }
 
     /// Another shard's [`Verdict::RoundStarted`]: the job's next round

@@ -146,6 +146,10 @@ pub(super) struct Job<A> {
     /// StaleIncarnation nack); until the parent answers its floor, the
     /// recovery floor here is the parent's, not this switch's.
     pub(super) parent_restart: Option<u32>,
+    /// ...and, until that floor comes, the tag of the life before: the
+    /// earlier parent's results still on their way to this switch go down
+    /// under it, to the workers still bound to that life.
+    pub(super) earlier_tag: Option<u16>,
     /// A recovery is under way here and the floor is not known: a child
     /// switch's partial is refused (StaleIncarnation), so that the child
     /// restarts its subtree's stream and reports its lowest block in a

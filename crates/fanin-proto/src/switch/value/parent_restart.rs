@@ -51,10 +51,17 @@ pub(super) fn next_incarnation(old: u32, parent: u32) -> u32 {
 }
 
 /// The job restarts its stream on this shard below a parent that restarted
-/// as `parent`: no blocks, a new incarnation, a recovery that waits for
-/// every member and then for the parent's floor.
+/// as `parent`: a new incarnation, a recovery that waits for every member
+/// and then for the parent's floor. Its blocks stay until the floor comes,
+/// but only to take the earlier parent's results still on their way (they
+/// go down under the earlier tag, to the workers still bound to it, as a
+/// restarted switch's last results reach its workers): nothing of the new
+/// life reaches them, since the members' contributions are refused (tagged
+/// for the earlier life) and the child switches' too (`switches_rejoin`).
+/// Dropping them at once lost those results: a subtree that got them
+/// elsewhere could finish its last allreduce and never report.
 fn restart_below<A>(job: &mut Job<A>, parent: u32) {
-    drop_blocks(job);
+    job.earlier_tag = Some(job.earlier_tag.unwrap_or(job.tag));
     job.incarnation = next_incarnation(job.incarnation, parent);
     job.tag = incarnation_tag(job.incarnation);
     if let Some(auth) = job.auth.as_mut() {
@@ -140,6 +147,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         job.recover_floor = Some(floor);
         job.barrier = None;
+        // the earlier life's blocks go; the stream resumes at the floor
+        drop_blocks(job);
+        job.earlier_tag = None;
         resume_at(job, floor);
         self.counters.recoveries += 1;
         let members: Vec<usize> = job.members.iter().collect();

@@ -203,8 +203,15 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // This life of the job restarted (it or its parent did): a
                 // partial its earlier life sent may have earned this result.
                 let restarted_life = job.spec.resumed || job.parent_restart.is_some();
+                let earlier_tag = job.earlier_tag;
                 // what the parent says goes down, never up again: no uplink
                 let mut reply = job_reply!(job, counters, out, &mut self.scratch, from: None, from_src: 0, uplink: None);
+                if let Some(tag) = earlier_tag {
+                    // the earlier parent's result of a block this switch
+                    // still holds from before its restart (parent_restart.rs):
+                    // for the workers still bound to that life
+                    reply.tag = tag;
+                }
                 if repr.exp_only {
                     if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
                         block.exp = repr.exp;
