@@ -8,26 +8,28 @@
 //! has its parent's result it keeps the sum, not the partial it sent up.
 //! So the child takes part for its whole subtree, which does retain:
 //!
-//! 1. **Up: the restart is told.** Once the restarted switch has a
+//! 1. **Down: the restart is told.** Once the restarted switch has a
 //!    recovery under way (a member's first recovery Join, passed to its
-//!    other shards as [`Verdict::RecoveryBegun`]), it drops what the
-//!    children sent before and refuses their partials with
-//!    StaleIncarnation until the floor is known.
-//! 2. **The child restarts its subtree's stream.** On that nack it drops
-//!    its blocks and moves the job to a new incarnation
-//!    ([`next_incarnation`]; [`Verdict::ParentRestarted`] to its other
-//!    shards), exactly as if it had restarted itself: its workers recover
-//!    (their next contribution, tagged for the old incarnation, is refused)
-//!    and report their lowest blocks in recovery Joins, and a child switch
-//!    of its own is told as it was.
+//!    other shards as [`Verdict::RecoveryBegun`]; or from its admission,
+//!    installed again marked `resumed`), it drops what the children sent
+//!    before and refuses their partials with StaleIncarnation until the
+//!    floor is known.
+//! 2. **The child restarts its subtree's stream.** On that nack it moves
+//!    the job to a new incarnation ([`next_incarnation`];
+//!    [`Verdict::ParentRestarted`] to its other shards), as if it had
+//!    restarted itself: its workers recover (their next contribution,
+//!    tagged for the old incarnation, is refused) and report their lowest
+//!    blocks in recovery Joins, and a child switch of its own is told as it
+//!    was. Its blocks stay until the floor, for the earlier parent's last
+//!    results only ([`restart_below`]).
 //! 3. **The lowest block goes up.** When every member of the child
 //!    reported, it sends its own recovery Join to the parent with their
 //!    lowest block, again whenever a member's recovery Join comes again
 //!    (the members' timers drive it), until the parent answers.
 //! 4. **The floor comes down.** The parent's floor (the lowest block over
 //!    all its members, the child's subtree included) is answered to the
-//!    child's members, and the stream resumes there on every shard
-//!    ([`Verdict::Recovered`]). The workers resend their retained
+//!    child's members, the earlier life's blocks go, and the stream
+//!    resumes there on every shard ([`Verdict::Recovered`]). The workers resend their retained
 //!    contributions from the floor under the recovery gate; the child
 //!    aggregates them afresh and sends the partials up.
 //!
