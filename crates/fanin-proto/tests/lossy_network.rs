@@ -60,12 +60,18 @@ struct Run {
     /// The block the job's stream starts at on every switch (as if it had
     /// run that long; None: the start of the block space).
     start_block: Option<u32>,
-    /// Restart switch `.0` (every shard: a new incarnation, the job
+    /// Restart the switches `.0` together (every shard: a new incarnation, the job
     /// installed again, no blocks) once `.1` nanoseconds of the run passed
     /// and every worker joined (a switch that restarts before its workers
     /// joined refuses them: docs/trees.md), as the controller re-installs
     /// it: `resumed` (docs/restart.md).
-    restart: Option<(usize, u64)>,
+    restart: Option<(Vec<usize>, u64)>,
+    /// Restart even while a worker runs its last allreduce. Off: a restart
+    /// that would come then does not happen, since a worker that finished
+    /// its last allreduce takes no part in a recovery (docs/restart.md,
+    /// "Idle members": the others fail cleanly), as a training loop's
+    /// workers, which go on calling allreduce, do.
+    restart_in_last: bool,
     /// The job takes complete results only (`on_failure = fail`): a block
     /// no switch can complete fails the worker instead of being reported
     /// as missed.
@@ -90,6 +96,7 @@ impl Run {
             scatter: false,
             start_block: None,
             restart: None,
+            restart_in_last: false,
             complete_only: false,
         }
     }
@@ -148,7 +155,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
     // of its child switches; all but the root send up
     let mut switches: Vec<Vec<ValueSwitch<Node>>> =
         (0..cfg.parents.len()).map(|i| make_switch(i, 1 + i as u32, false)).collect();
-    let mut restart = cfg.restart;
+    let mut restart = cfg.restart.clone();
     let mut joined = vec![false; cfg.workers];
     let mut sessions: Vec<AllreduceSession> = (0..cfg.workers)
         .map(|w| {
@@ -257,7 +264,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
             .filter_map(|s| s.poll_timeout())
             .chain(switches.iter().flatten().filter_map(|sw| sw.poll_timeout()))
             .chain(pending.iter().flatten().map(|(at, _)| *at))
-            .chain(restart.map(|(_, at)| Time::from_nanos(at)).filter(|&at| at > now))
+            .chain(restart.as_ref().map(|(_, at)| Time::from_nanos(*at)).filter(|&at| at > now))
             .min();
         let next_wire = wire.peek().map(|Reverse((t, ..))| Time::from_nanos(*t));
         let next = match (next_timer, next_wire) {
@@ -270,12 +277,16 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
             }
         };
         now = now.max(next);
-        if let Some((i, _)) = restart.filter(|&(_, at)| now.as_nanos() >= at && joined.iter().all(|&j| j)) {
+        if let Some((victims, _)) = restart.take_if(|(_, at)| now.as_nanos() >= *at && joined.iter().all(|&j| j)) {
+            let in_last = outcomes.iter().zip(&total).any(|(o, t)| o.len() + 1 >= *t);
             if std::env::var_os("LOSSY_DEBUG").is_some() {
-                eprintln!("restart of switch {i} at {now:?}: allreduces done {:?} of {:?}", outcomes.iter().map(Vec::len).collect::<Vec<_>>(), total);
+                eprintln!("restart of switches {victims:?} at {now:?}: allreduces done {:?} of {:?}", outcomes.iter().map(Vec::len).collect::<Vec<_>>(), total);
             }
-            switches[i] = make_switch(i, 0x5a5a_0000 + i as u32, true);
-            restart = None;
+            if !in_last || cfg.restart_in_last {
+                for i in victims {
+                    switches[i] = make_switch(i, 0x5a5a_0000 + i as u32, true);
+                }
+            }
         }
         while let Some(Reverse((t, ..))) = wire.peek() {
             if *t > now.as_nanos() {
@@ -1112,20 +1123,48 @@ proptest! {
 }
 
 
+/// One run of [`tree_restart_run`].
+#[derive(Clone, Copy, Debug)]
+struct RestartCase {
+    workers: usize,
+    /// [`tree_shape`]
+    shape: u8,
+    shards: u16,
+    /// The switch that restarts (modulo the switch count)...
+    victim: usize,
+    /// ...with every switch whose bit is set here, at the same time.
+    also: u8,
+    at_ns: u64,
+    loss: f64,
+    float: bool,
+    /// [`Run::restart_in_last`]
+    in_last: bool,
+    seed: u64,
+}
+
+impl RestartCase {
+    fn new(workers: usize, shape: u8, shards: u16, victim: usize, at_ns: u64, loss: f64, seed: u64) -> Self {
+        RestartCase { workers, shape, shards, victim, also: 0, at_ns, loss, float: false, in_last: false, seed }
+    }
+}
+
 /// A switch of a tree restarted mid-run, every tree shape, under loss: the
 /// workers below it recover (docs/restart.md), and a switch whose parent
 /// restarted takes part in the parent's recovery for its whole subtree.
 /// Every int32 result is the exact sum of every worker, every float32 one
 /// within the block floating-point bound and the same on every worker.
 /// Returns how many restarts each worker recovered from.
-#[allow(clippy::too_many_arguments)]
-fn tree_restart_run(workers: usize, shape: u8, shards: u16, victim: usize, at_ns: u64, loss: f64, float: bool, seed: u64) -> Vec<u32> {
+fn tree_restart_run(case: RestartCase) -> Vec<u32> {
+    let RestartCase { workers, shape, shards, victim, also, at_ns, loss, float, in_last, seed } = case;
     let mut cfg = Run::new(workers, shards, 64, 8, 8, net(loss, 0.01, 20_000), seed);
     (cfg.parents, cfg.attach) = tree_shape(shape);
-    cfg.restart = Some((victim % cfg.parents.len(), at_ns));
+    let n = cfg.parents.len();
+    let victims: Vec<usize> = (0..n).filter(|&i| i == victim % n || also >> i & 1 == 1).collect();
+    cfg.restart = Some((victims, at_ns));
+    cfg.restart_in_last = in_last;
     cfg.complete_only = true;
     let lens = [3_000usize, 2_000, 3_000, 1_000, 2_500];
-    let case = format!("tree_restart_run({workers}, {shape}, {shards}, {victim}, {at_ns}, {loss:?}, {float}, {seed})");
+    let case = format!("{case:?}");
     let outcomes = if float {
         let inputs: Vec<Vec<Vec<f32>>> = lens.iter().enumerate().map(|(k, &len)| float_inputs(workers, len, seed ^ k as u64)).collect();
         let outcomes = run_many(&cfg, (0..workers).map(|w| inputs.iter().map(|call| Tensor::F32(call[w].clone())).collect()).collect());
@@ -1163,7 +1202,7 @@ fn tree_restart_run(workers: usize, shape: u8, shards: u16, victim: usize, at_ns
 #[test]
 fn a_root_with_workers_and_child_switches_recovers_from_its_restart() {
     for at_us in [100, 300, 600, 1200, 2400] {
-        let recovered = tree_restart_run(3, 2, 1, 0, at_us * 1_000, 0.0, false, 5);
+        let recovered = tree_restart_run(RestartCase { in_last: true, ..RestartCase::new(3, 2, 1, 0, at_us * 1_000, 0.0, 5) });
         assert_eq!(recovered, [1, 1, 1], "restart at {at_us} µs: every worker recovered once, the child switches' too");
     }
 }
@@ -1175,23 +1214,25 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
-    /// Any switch of any tree shape restarts at a random point of a run
-    /// of five allreduces (int32, or float32: exponent rounds go up and
-    /// come down through the restarted tree, and the retained
-    /// contributions carry the exponents the earlier life negotiated), with
-    /// loss, duplication and reordering on every hop.
+    /// Any switch of any tree shape (or several at once) restarts at a
+    /// random point of a run of five allreduces (int32, or float32:
+    /// exponent rounds go up and come down through the restarted tree, and
+    /// the retained contributions carry the exponents the earlier life
+    /// negotiated), with loss, duplication and reordering on every hop.
     #[test]
     fn a_tree_recovers_exactly_from_any_switch_restarted_at_any_point(
         shape in 0u8..=3,
         workers in 3usize..=6,
         shards in 1u16..=2,
         victim in 0usize..6,
+        // other switches restarted at the same time: none in half the cases
+        also in prop_oneof![Just(0u8), 0u8..64],
         at_us in 20u64..2_500,
         loss in 0.0f64..=0.05,
         float in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        tree_restart_run(workers, shape, shards, victim, at_us * 1_000, loss, float, seed);
+        tree_restart_run(RestartCase { also, float, ..RestartCase::new(workers, shape, shards, victim, at_us * 1_000, loss, seed) });
     }
 }
 
@@ -1203,7 +1244,7 @@ proptest! {
 /// the restarted root's recovery floor and resend from it.
 #[test]
 fn a_restarted_root_of_switches_alone_recovers_a_result_lost_to_one_child() {
-    assert_eq!(tree_restart_run(3, 0, 1, 3, 648_000, 0.03960679137949959, false, 14779726376318474318), [1, 1, 1]);
+    assert_eq!(tree_restart_run(RestartCase::new(3, 0, 1, 3, 648_000, 0.03960679137949959, 14779726376318474318)), [1, 1, 1]);
 }
 
 /// An inner switch with a worker and a child switch restarts (found by the
@@ -1215,7 +1256,7 @@ fn a_restarted_root_of_switches_alone_recovers_a_result_lost_to_one_child() {
 /// and its partial finds the parent's result.
 #[test]
 fn a_restarted_inner_switch_never_marks_a_result_its_earlier_life_earned_degraded() {
-    tree_restart_run(3, 2, 1, 4, 1_770_000, 0.04848202200553471, false, 209143326722343532);
+    tree_restart_run(RestartCase::new(3, 2, 1, 4, 1_770_000, 0.04848202200553471, 209143326722343532));
 }
 
 /// The root restarts during the last allreduce, its last results on their
@@ -1228,5 +1269,6 @@ fn a_restarted_inner_switch_never_marks_a_result_its_earlier_life_earned_degrade
 /// root's results down under its earlier tag.
 #[test]
 fn a_subtree_done_on_the_earlier_roots_last_results_does_not_strand_the_others() {
-    assert_eq!(tree_restart_run(3, 0, 2, 0, 2_165_000, 0.0, true, 8613170313969113347), [0, 0, 0]);
+    assert_eq!(tree_restart_run(RestartCase { float: true, in_last: true, ..RestartCase::new(3, 0, 2, 0, 2_165_000, 0.0, 8613170313969113347) }), [0, 0, 0]);
 }
+
