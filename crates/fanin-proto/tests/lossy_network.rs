@@ -191,15 +191,12 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
         }
     };
     let mut steps = 0u64;
+    // LOSSY_MAX_STEPS: give up sooner when hunting a stall
     let max_steps: u64 = std::env::var("LOSSY_MAX_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(50_000_000);
     loop {
         steps += 1;
         if steps >= max_steps {
-            for (i, shards) in switches.iter().enumerate() {
-                for sw in shards {
-                    eprintln!("switch {i}: {:?}", sw.counters());
-                }
-            }
+            dump_counters(&switches);
             panic!("no progress");
         }
         // workers: events, then transmit
@@ -227,11 +224,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
                     Event::Failed(e) => {
                         if std::env::var_os("LOSSY_DEBUG").is_some() {
                             eprintln!("at {now:?}: allreduces done {:?}", outcomes.iter().map(Vec::len).collect::<Vec<_>>());
-                            for (i, shards) in switches.iter().enumerate() {
-                                for sw in shards {
-                                    eprintln!("switch {i}: {:?}", sw.counters());
-                                }
-                            }
+                            dump_counters(&switches);
                         }
                         panic!("worker {w} failed: {e}")
                     }
@@ -336,13 +329,19 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
         }
     }
     if std::env::var_os("LOSSY_DEBUG").is_some() {
-        for (i, shards) in switches.iter().enumerate() {
-            for sw in shards {
-                eprintln!("switch {i}: {:?}", sw.counters());
-            }
-        }
+        dump_counters(&switches);
     }
     outcomes
+}
+
+/// Every shard's counters, for a run that failed or was asked to
+/// (`LOSSY_DEBUG`).
+fn dump_counters(switches: &[Vec<ValueSwitch<Node>>]) {
+    for (i, shards) in switches.iter().enumerate() {
+        for sw in shards {
+            eprintln!("switch {i}: {:?}", sw.counters());
+        }
+    }
 }
 
 fn int_inputs(workers: usize, len: usize, seed: u64) -> Vec<Vec<i32>> {

@@ -321,7 +321,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let liveness = Liveness::new(spec.member_timeout(), capacity);
         let space = BlockSpace::new(spec.block_cnt_max);
         let job_id = spec.job_id;
-        let resumed_with_children = spec.resumed && spec.members.iter().any(|&m| m >= SWITCH_RANK_BASE);
+        let resumed_with_children = spec.resumed && has_child_switches(&spec);
         let mut job = Job {
             member_count: spec.members.len() as u16,
             scale_workers: spec.worker_count(),
@@ -598,7 +598,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 self.set_listening(job_id, member, listens);
             }
             Verdict::RecoveryBegun { job_id } => self.begin_recovery(job_id),
-            Verdict::ParentRestarted { job_id, parent } => self.restart_for_parent(job_id, parent),
+            Verdict::ParentRestarted { job_id, parent } => {
+                self.restart_for_parent(job_id, parent);
+            }
         }
     }
 
@@ -606,11 +608,6 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// resumes at `floor`.
     pub fn resume(&mut self, job_id: u32, floor: u32) {
         if let Some(job) = self.jobs.get_mut(&job_id) {
-            if job.earlier_tag.take().is_some() {
-                // restarted below a restarted parent: the earlier life's
-                // blocks go at the floor (parent_restart.rs)
-                drop_blocks(job);
-            }
             join::resume_at(job, floor);
         }
         self.settle_memory(job_id);

@@ -366,7 +366,13 @@ impl<A> Job<A> {
 /// switch does not: its shard partition differs from its parent's, so it
 /// cannot say "every result before block b" for the parent's blocks.
 pub(super) fn acknowledges_results(spec: &JobSpec) -> bool {
-    spec.members.iter().all(|&m| m < SWITCH_RANK_BASE)
+    !has_child_switches(spec)
+}
+
+/// Some member of the job is a child switch (a tree's rank from
+/// `SWITCH_RANK_BASE` up), not a worker.
+pub(super) fn has_child_switches(spec: &JobSpec) -> bool {
+    spec.members.iter().any(|&m| m >= SWITCH_RANK_BASE)
 }
 
 /// A root job whose members all acknowledge results: one reserved buffer

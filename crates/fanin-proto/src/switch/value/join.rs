@@ -331,6 +331,23 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
         report_low_up(job, floor, counters, out);
         return waiting;
     }
+    settle_floor(job, config, floor, counters, out);
+    // (this Join may also have changed whether its member listens on the
+    // result group: the verdict carries that too)
+    let listens = job.listens_on_group.contains(src as usize);
+    Verdict::Recovered { job_id: job.spec.job_id, floor, member: src, listens }
+}
+
+/// The recovery floor is known (every member reported here, or the
+/// restarted parent answered for the whole tree): the stream resumes there
+/// and every member is told.
+pub(super) fn settle_floor<A: Copy + PartialEq>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    floor: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) {
     job.recover_floor = Some(floor);
     // The round that ran before the restart goes on: the (fresh) job's
     // barrier does not hold it (docs/protocol.md §4.12).
@@ -343,10 +360,6 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
             answer_join_as(job, config, m as u16, m as u16, addr, JoinStart::at(floor), JOIN_RECOVER, out);
         }
     }
-    // (this Join may also have changed whether its member listens on the
-    // result group: the verdict carries that too)
-    let listens = job.listens_on_group.contains(src as usize);
-    Verdict::Recovered { job_id: job.spec.job_id, floor, member: src, listens }
 }
 
 /// The restarted job's stream resumes at `floor` (on every shard: the one
@@ -357,6 +370,11 @@ pub(super) fn recover_join<A: Copy + PartialEq>(
 /// crosses the wrap of its ids, and a resent block before the start would
 /// be answered as expired.
 pub(super) fn resume_at<A>(job: &mut Job<A>, floor: u32) {
+    if job.earlier_tag.take().is_some() {
+        // restarted below a restarted parent: the earlier life's blocks
+        // go at the floor (parent_restart.rs)
+        drop_blocks(job);
+    }
     job.start_block = floor;
     job.start_settled = true;
     // the child switches reported: their partials count again

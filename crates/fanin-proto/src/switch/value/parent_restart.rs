@@ -72,7 +72,7 @@ fn restart_below<A>(job: &mut Job<A>, parent: u32) {
     job.parent_restart = Some(parent);
     job.recover_lows.clear();
     job.recover_floor = None;
-    job.switches_rejoin = job.members.iter().any(|m| m >= SWITCH_RANK_BASE as usize);
+    job.switches_rejoin = has_child_switches(&job.spec);
     job.pending_sync.clear();
 }
 
@@ -80,7 +80,7 @@ fn restart_below<A>(job: &mut Job<A>, parent: u32) {
 /// is dropped (they send it again from the floor) and their partials are
 /// refused until the floor is known.
 pub(super) fn begin_switch_recovery<A>(job: &mut Job<A>) -> bool {
-    if job.switches_rejoin || !job.members.iter().any(|m| m >= SWITCH_RANK_BASE as usize) {
+    if job.switches_rejoin || !has_child_switches(&job.spec) {
         return false;
     }
     drop_blocks(job);
@@ -110,24 +110,22 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// it restarted and recovers. Restart the job's stream here (once per
     /// parent incarnation).
     pub(super) fn parent_restarted(&mut self, job_id: u32, parent: u32) -> Verdict {
-        let Some(job) = self.jobs.get_mut(&job_id) else { return Verdict::Consumed };
-        if job.parent_restart == Some(parent) {
-            return Verdict::Consumed; // a late copy: restarted for it already
+        if self.restart_for_parent(job_id, parent) {
+            Verdict::ParentRestarted { job_id, parent }
+        } else {
+            Verdict::Consumed // a late copy: restarted for it already
         }
-        self.restart_for_parent(job_id, parent);
-        Verdict::ParentRestarted { job_id, parent }
     }
 
     /// This shard's part of [`Verdict::ParentRestarted`] (the shard that
-    /// got the parent's nack, or another one told of it).
-    pub fn restart_for_parent(&mut self, job_id: u32, parent: u32) {
-        let Some(job) = self.jobs.get_mut(&job_id) else { return };
-        if job.parent_restart == Some(parent) {
-            return;
-        }
+    /// got the parent's nack, or another one told of it); false if the job
+    /// restarted for that parent incarnation already.
+    pub fn restart_for_parent(&mut self, job_id: u32, parent: u32) -> bool {
+        let Some(job) = self.jobs.get_mut(&job_id).filter(|j| j.parent_restart != Some(parent)) else { return false };
         restart_below(job, parent);
         self.counters.parent_restarts += 1;
         self.settle_memory(job_id);
+        true
     }
 
     /// Another shard's [`Verdict::RecoveryBegun`].
@@ -147,21 +145,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             self.counters.parent_stale += 1; // a repeated answer
             return Verdict::Consumed;
         }
-        job.recover_floor = Some(floor);
-        job.barrier = None;
-        // the earlier life's blocks go; the stream resumes at the floor
-        drop_blocks(job);
-        job.earlier_tag = None;
-        resume_at(job, floor);
-        self.counters.recoveries += 1;
-        let members: Vec<usize> = job.members.iter().collect();
-        for &m in &members {
-            if let Some(addr) = job.addrs.get(m).copied().flatten() {
-                answer_join_as(job, config, m as u16, m as u16, addr, JoinStart::at(floor), JOIN_RECOVER, out);
-            }
-        }
+        // (the earlier life's blocks go: resume_at)
+        settle_floor(job, config, floor, &mut self.counters, out);
         // (the verdict's member changes nothing: its listening is as it was)
-        let member = members.first().copied().unwrap_or(0) as u16;
+        let member = job.members.iter().next().unwrap_or(0) as u16;
         let listens = job.listens_on_group.contains(member as usize);
         Verdict::Recovered { job_id, floor, member, listens }
     }
