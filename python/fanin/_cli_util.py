@@ -1,6 +1,6 @@
 """What the command lines share: argument types (the switch's `--job`/`--rate-limit`, the benches' rate
 limits in fanin_bench, which imports them from here; fanin never imports fanin_bench) and the dispatch of a
-parsed command."""
+parsed command, and how every `--help` is laid out (:class:`Parser`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,29 @@ import argparse
 import sys
 from typing import Any, Optional, Sequence
 
-__all__ = ["dispatch", "job_arg", "rate_limit_dict", "rate_limit_tuple"]
+__all__ = ["HelpFormatter", "Parser", "dispatch", "job_arg", "rate_limit_dict", "rate_limit_tuple"]
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout, except that a description or epilog written with line breaks keeps them.
+
+    A text on one line (a paragraph) is wrapped to the terminal, as argparse does; a text with line breaks
+    (example command lines, a module docstring) is printed as written. argparse offers either one for both
+    (`RawDescriptionHelpFormatter` leaves a one-line description as one very long line) or wrapping for both,
+    which runs a list of examples together into one paragraph."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" not in text.strip("\n"):
+            return super()._fill_text(text, width, indent)
+        return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+class Parser(argparse.ArgumentParser):
+    """The ArgumentParser of every fanin command: :class:`HelpFormatter` by default, and so for every
+    sub-parser too (`add_subparsers` makes sub-parsers of its parser's own class)."""
+
+    def __init__(self, *args: Any, formatter_class: Any = HelpFormatter, **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def dispatch(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]], listing: str) -> int:

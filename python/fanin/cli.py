@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from fanin._cli_util import dispatch, job_arg, rate_limit_dict
+from fanin._cli_util import Parser, dispatch, job_arg, rate_limit_dict
 
 EPILOG_MAIN = """\
 examples:
@@ -79,8 +79,7 @@ def _add_switch(sub: Any) -> None:
                                     "port + i; jobs come from --job/--config or the control API.",
                         epilog="example: fanin switch --shards 2 --job id=1,sources=4,block_cnt_max=256\n"
                                "a second switch on this machine: fanin switch --data-addr 127.0.0.1:9010 "
-                               "(control API 127.0.0.1:9110, metrics 127.0.0.1:9111)",
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+                               "(control API 127.0.0.1:9110, metrics 127.0.0.1:9111)")
     sw.add_argument("--config", help="TOML or JSON config file; flags given as well override its fields (a --job "
                                      "replaces the file's job of the same id)")
     sw.add_argument("--data-addr", help="data port of shard 0 (default 127.0.0.1:9000)")
@@ -255,8 +254,7 @@ def _add_keys(sub: Any) -> None:
         epilog="example:\n"
                "  fanin keys --job-id 1 --ranks 4 --out keys/\n"
                "  fanin switch --job id=1,sources=4,key_file=keys/job1.key\n"
-               "  FANIN_SWITCH=HOST:9000 FANIN_JOB_ID=1 FANIN_AUTH_KEY_FILE=keys/job1-rank{rank}.key torchrun ...",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+               "  FANIN_SWITCH=HOST:9000 FANIN_JOB_ID=1 FANIN_AUTH_KEY_FILE=keys/job1-rank{rank}.key torchrun ...")
     keys.add_argument("--job-id", type=int, required=True, help="the job the keys are for (member keys depend on it)")
     keys.add_argument("--ranks", type=int, required=True, help="member keys for ranks 0 .. RANKS-1")
     keys.add_argument("--out", required=True, help="directory for the files (created, mode 0700, if missing)")
@@ -316,11 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     from fanin.controller.command import add_parser as add_controller_parser
     from fanin.goat.command import add_plan_parser
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fanin",
         description="In-network aggregation you can run today: a software aggregation switch, "
                     "its worker library, demos and benchmarks.",
-        epilog=EPILOG_MAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG_MAIN)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_switch(sub)
     _add_demo(sub)

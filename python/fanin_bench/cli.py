@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from fanin._cli_util import dispatch
+from fanin._cli_util import Parser, dispatch
 from fanin_bench import testbed_command
 from fanin_bench.bench import command as bench_command
 from fanin_bench.sim import command as sim_command
@@ -16,7 +16,7 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     # prog "fanin": the usage lines read `fanin bench allreduce ...`, the command users type.
-    parser = argparse.ArgumentParser(prog="fanin", description="fanin's benchmarks, simulator and testbed "
+    parser = Parser(prog="fanin", description="fanin's benchmarks, simulator and testbed "
                                                                "(the other commands: fanin --help).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench_command.register(sub)

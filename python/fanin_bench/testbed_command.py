@@ -93,7 +93,7 @@ def register(sub: Any) -> None:
     tb = sub.add_parser("testbed", help="network-namespace testbed: a topology of namespaces, veth links, tbf limits",
                         description="Build a topology (file or generator spec) out of Linux network namespaces and "
                                     "veth links, run commands inside, take it down again.",
-                        epilog=EPILOG_TESTBED, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        epilog=EPILOG_TESTBED)
     tsub = tb.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     def named(p: argparse.ArgumentParser, default: Optional[str] = "fb") -> None:

@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("controller", help="the controller: aggregation trees over a topology, workers join and leave",
                        description="Keep one aggregation tree per job over a topology and program the switches "
                                    "on it (SwitchML++); workers subscribe and unsubscribe while jobs run.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG)
     csub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     serve = csub.add_parser("serve", help="run the controller (gRPC) in the foreground")
     serve.add_argument("--topology", required=True, help="topology file or generator spec (docs/topology.md)")

@@ -45,7 +45,7 @@ def add_plan_parser(sub) -> None:
                           description="Control-plane planners. `fanin plan goat --help` explains GOAT's.")
     psub = plan.add_subparsers(dest="planner", metavar="PLANNER")
     g = psub.add_parser("goat", help="GOAT: which switch aggregates which sub-model for which worker",
-                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description=DESCRIPTION, epilog=EPILOG)
     g.add_argument("--topology", required=True,
                    help="topology file (.toml/.json, docs/topology.md) or generator: fat-tree:K[,HOSTS_PER_EDGE], "
                         "leaf-spine:SPINES,LEAVES,HOSTS_PER_LEAF, star:N, deep-tree:L[,H]")

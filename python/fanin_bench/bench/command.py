@@ -197,8 +197,7 @@ def _add_value_benches(bsub: Any) -> None:
                                      "packet accounted for by the switch counters. Report: JSON in --out.",
                          epilog="examples:\n  fanin bench chaos --quick --json\n"
                                 "  fanin bench chaos --duration 600 --seed 7\n"
-                                "  fanin bench chaos --quick --skip restart_switch replay",
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+                                "  fanin bench chaos --quick --skip restart_switch replay")
     ch.add_argument("--duration", type=float, default=600.0, help="seconds of chaos (default %(default)s; --quick: 60)")
     ch.add_argument("--hang-s", type=float, default=30.0,
                     help="a worker or kv task without progress this long counts as hung (default %(default)s)")
@@ -291,7 +290,6 @@ def _add_kv_benches(bsub: Any) -> None:
                     "with the same aggregates alternate (a real switch and kv daemon). Results are compared in "
                     "Spark (float sums within rounding, everything else exactly). Medians, speed-up; JSON with "
                     "--json, CSV and PNG to --out.", 100),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: fanin bench kv-groupby --quick --json\n"
                "         fanin bench kv-groupby --rows 10000000 --groups 100000,1000000 --dists uniform,zipf\n"
                "         fanin bench kv-groupby --cluster --quick --json")
@@ -393,7 +391,6 @@ def _add_tree_benches(bsub: Any) -> None:
                     "same seed for the same steps: fanin (allreduce_hook), fanin-fp16 (fp16_compress_hook: 2 bytes "
                     "per gradient element each way), gloo. Reports steps per second and the final held-out loss "
                     "(the systems must agree) per link rate; CSV + PNG to --out.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: fanin bench lm-steps --quick --json")
     lm.add_argument("--workers", type=int, default=4)
     lm.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 50,100,200; 100 with --quick)")
@@ -417,7 +414,6 @@ def _add_tree_benches(bsub: Any) -> None:
                     "link, needs root), the switch daemon in the switch namespace: fanin (allreduce_hook), "
                     "fanin-fp16 (fp16_compress_hook) and gloo from the same seed. Reports images per second per link "
                     "rate and whether every rank ended with the same parameters; CSV + PNG to --out.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  fanin bench image-steps --quick --json\n"
                "  fanin bench image-steps --device cuda --workers 8 --rates 1000,2500 --image-size 224")
     im.add_argument("--workers", type=int, default=4)
@@ -492,7 +488,6 @@ def _add_torch_benches(bsub: Any) -> None:
                                      "--model lm: the byte-level GPT of examples/train_lm.py on the namespace "
                                      "testbed (star:N, tbf at --rate-mbit, needs root); time to --target-bits "
                                      "of held-out loss (default: what the ideal reaches at 80%% of its steps).",
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog="examples:\n  fanin bench time-to-accuracy --quick --json\n"
                                 "  fanin bench time-to-accuracy --model lm --rate-mbit 1000 --device cuda --workers 8")
     tt.add_argument("--model", choices=("digits", "lm"), default="digits")

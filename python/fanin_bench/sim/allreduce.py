@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Mapping, Optional
 
+from fanin._cli_util import Parser
 from fanin.controller.roots import spare_capacity, weigh_root_shards
 from fanin.controller.tree import build_tree, roles
 from fanin.topology import Topology, load
@@ -187,7 +188,7 @@ def _scenarios(args) -> list[tuple[str, float, float]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fanin sim allreduce", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="fanin sim allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default="fat-tree:8", help="generator spec or file (default %(default)s: 128 hosts)")
     p.add_argument("--workers", type=int, help="workers on the first N hosts (default: every host)")
     p.add_argument("--size", type=int, default=1 << 18, help="int32 elements per worker (default %(default)s)")

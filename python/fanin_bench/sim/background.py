@@ -35,6 +35,7 @@ import statistics
 import sys
 from typing import Optional
 
+from fanin._cli_util import Parser
 from fanin_bench.sim.allreduce import run_report
 
 __all__ = ["main", "ARMS"]
@@ -58,8 +59,7 @@ def _loads(text: str) -> list[float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fanin sim background", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(prog="fanin sim background", description=__doc__.split("\n\n")[0],
                                 epilog="example:\n  fanin sim background --json   (leaf-spine:5,16,10, 128 workers x "
                                        "1 MiB, background 0 / 10 / 25 / 50 %%)")
     p.add_argument("--topology", default="leaf-spine:5,16,10",

@@ -26,8 +26,7 @@ def register(sub: Any) -> None:
                                 "  fanin sim background --quick --json   (one root vs spread roots, equal and weighed "
                                 "by port counters, vs ring, as other tenants load a leaf-spine)\n"
                                 "  fanin sim goat --quick --json   (a GOAT study point at packet level vs flow level; "
-                                "see fanin sim goat --help)",
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+                                "see fanin sim goat --help)")
     sim.add_argument("sim", choices=["trimming", "incast", "end-to-end", "permutation", "allreduce", "background",
                                      "goat", "bench-events"],
                      help="simulator command (see `fanin-sim --help`)")

@@ -40,6 +40,8 @@ import subprocess
 import sys
 from typing import Any
 
+from fanin._cli_util import Parser
+
 __all__ = ["build_spec", "flow_metrics", "packet_metrics", "main"]
 
 METRICS = ("ps", "comm", "ina")
@@ -111,8 +113,7 @@ def packet_metrics(topo, result: dict[str, Any]) -> dict[str, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fanin sim goat", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(prog="fanin sim goat", description=__doc__,
                                 epilog="The study point: `fanin bench goat` draws the same instance for "
                                        "(--topology, --workers, --sigma, --seed). See docs/goat.md.")
     p.add_argument("--topology", default="leaf-spine:10,10,5",
