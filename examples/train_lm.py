@@ -18,6 +18,7 @@ in bits per byte, and steps per second (evaluation time excluded).
 """
 
 import argparse
+import gc
 import gzip
 import math
 import os
@@ -283,9 +284,13 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
         switch = {"degraded_blocks": st.degraded_blocks, "missed_blocks": st.missed_blocks,
                   "retransmissions": st.retransmissions}
     # every rank is done with the group before any tears it down (rank 0
-    # holds the store: a Gloo rank that exits while a peer still uses it
-    # can abort with "terminate called without an active exception")
+    # holds the store)
     dist.barrier()
+    # DDP keeps its process group until the model is collected, which a reference cycle puts off to
+    # Python's shutdown; Gloo's threads still running then abort the process now and then (torch 2.15,
+    # docs/torch.md "Ending a run"). Collect the model first, so destroying the group ends them.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
     return {**switch, **overlap, "rank": rank, "world": world, "backend": args.backend, "compress": args.compress,
             "parallel": "fsdp" if args.fsdp else "ddp", "device": str(device), "params": params,

@@ -17,6 +17,7 @@ workers at a running one with FANIN_SWITCH=HOST:PORT (and FANIN_JOB_ID).
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -139,6 +140,11 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
     if rank == 0:
         log(f"{args.steps} steps in {seconds:.2f} s: {args.steps / seconds:.2f} steps/s, "
             f"{args.steps * args.batch * world / seconds:.1f} images/s")
+    # DDP keeps its process group until the model is collected, which a reference cycle puts off to
+    # Python's shutdown; Gloo's threads still running then abort the process now and then (torch 2.15,
+    # docs/torch.md "Ending a run"). Collect the model first, so destroying the group ends them.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
     return {"rank": rank, "world": world, "backend": args.backend, "compress": args.compress, "device": str(device),
             "params": params, "steps": args.steps, "seconds": seconds, "steps_per_s": args.steps / seconds,

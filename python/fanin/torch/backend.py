@@ -186,6 +186,9 @@ class _Worker:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
 
 class FaninProcessGroup(dist.ProcessGroup):
     """A torch process group whose allreduce is aggregated by a fanin switch.
@@ -305,7 +308,8 @@ class FaninProcessGroup(dist.ProcessGroup):
         60 s) until every rank is done with the switch, then stop the
         embedded switch on rank 0 and the worker thread. Without the barrier
         rank 0 could take the switch away while another rank still waits
-        for a retransmitted result."""
+        for a retransmitted result. Last, the group's own Gloo group is
+        released, which joins its threads (see below)."""
         if self._closed:
             return
         self._closed = True
@@ -323,6 +327,19 @@ class FaninProcessGroup(dist.ProcessGroup):
         done.wait(60.0)
         self._worker.stop()
         self._worker.join(10.0)
+        # A Gloo thread releases a finished work (the barrier's, a
+        # broadcast's) a moment after the caller saw it complete, and that
+        # work holds a Python object. Under DDP this group outlives
+        # destroy_process_group (the model keeps it), so its Gloo threads
+        # lived on into interpreter shutdown, where a release needing the
+        # GIL ends the thread inside C++ and aborts the process ("terminate
+        # called without an active exception", SIGABRT: 1 run in 4-12 of
+        # examples/train_digits.py-like training, torch 2.15; the same
+        # happens to Gloo's own DDP, docs/torch.md). Dropping the only
+        # reference destroys the Gloo group now, which joins its threads.
+        # Only after the worker thread stopped: it is the other user.
+        if not self._worker.is_alive():
+            self._gloo = None
         if self._conn.embedded is not None:
             self._conn.embedded.stop()
         try:

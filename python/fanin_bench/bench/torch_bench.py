@@ -17,6 +17,7 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import re
 import statistics
 import subprocess
 import sys
@@ -232,6 +233,17 @@ def _plot_allreduce(points: list[dict[str, Any]], path: str, where: str) -> None
 
 
 # ---------------------------------------------------------------- time-to-accuracy
+def _what_torchrun_said(stderr: str) -> str:
+    """The ranks' own first lines (the cause: a traceback, a panic, "terminate called ...") and the end of
+    torchrun's report (which rank failed how). The end alone names only a signal."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    # torchrun's own log lines: "W1129 06:08:43.677000 30396 site-packages/torch/..."
+    ranks = [line for line in lines if not re.match(r"[DIWEF]\d{4} \d\d:\d\d:", line)]
+    end = lines[-15:]
+    head = [line for line in ranks[:12] if line not in end]
+    return "\n".join(head + (["..."] if head else []) + end)
+
+
 def _train_arm(backend: str, workers: int, extra: list[str], env: dict[str, str]) -> dict[str, Any]:
     fd, out = tempfile.mkstemp(prefix="fanin-tta-", suffix=".json")
     os.close(fd)
@@ -242,8 +254,7 @@ def _train_arm(backend: str, workers: int, extra: list[str], env: dict[str, str]
     proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)
     try:
         if proc.returncode != 0:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise RuntimeError(f"{backend} training failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(f"{backend} training failed (exit {proc.returncode}):\n{_what_torchrun_said(proc.stderr)}")
         with open(out) as f:
             return json.load(f)
     finally:

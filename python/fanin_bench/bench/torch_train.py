@@ -16,6 +16,7 @@ agree on the schedule and the run is reproducible.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -150,6 +151,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         result["degraded_blocks"] = st.degraded_blocks
         result["missed_blocks_per_rank"] = missed_all
         result["retransmissions"] = st.retransmissions
+    # DDP keeps its process group until the model is collected, which a reference cycle puts off to
+    # Python's shutdown; Gloo's threads still running then abort the process now and then (torch 2.15,
+    # docs/torch.md "Ending a run"). Collect the model first, so destroying the group ends them.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
     return result if rank == 0 else {}
 
