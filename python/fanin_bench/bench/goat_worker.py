@@ -272,6 +272,12 @@ def main() -> int:
         step += 1
     for lane in lanes:
         lane.requests.put(None)
+    # Let every lane end before Python shuts down: a lane that frees its last
+    # tensors during shutdown (torch releases the GIL to free one, and a
+    # thread asking for it back then is ended inside C++) aborts the process,
+    # "terminate called without an active exception" (docs/torch.md, "Ending a run")
+    for lane in lanes:
+        lane.thread.join()
     return 0
 
 

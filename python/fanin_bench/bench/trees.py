@@ -134,12 +134,22 @@ def _answer(proc: subprocess.Popen, label: str) -> dict[str, Any]:
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
+    """Close every worker's stdin (its signal to end) and wait for it; raise if one ended with an error (a
+    crash at exit is still a crash, though every answer it gave was checked), after all are stopped."""
+    failed = []
     for proc in procs:
         try:
             proc.stdin.close()
-            proc.wait(timeout=10)
+            code = proc.wait(timeout=10)
         except Exception:
             proc.kill()
+            proc.wait()
+            continue
+        if code != 0:
+            failed.append(f"pid {proc.pid}: exit {code}")
+    if failed:
+        raise RuntimeError(f"{len(failed)} worker process(es) ended with an error after their last step "
+                           f"({', '.join(failed)}); their output above says why")
 
 
 def _quartiles(xs: list[float]) -> dict[str, float]:
