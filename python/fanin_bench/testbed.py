@@ -36,6 +36,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -284,6 +285,7 @@ class Testbed:
         _check_name(name)
         check_privileges()
         topology.validate()
+        unwind_on_sigterm()
         if rate_mbit is not None and not rate_mbit > 0:
             raise TestbedError(f"rate_mbit {rate_mbit} must be > 0 (or absent for the links' own rates)")
         if mtu is not None and not 1280 <= mtu <= 65535:
@@ -754,6 +756,17 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
     except OSError:
         return False
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, `kill`, a supervisor) end this process as an exception does, so that the
+    `with`/ExitStack holding a testbed takes it down: by default SIGTERM ends Python at once, leaving the
+    namespaces, veths and the processes inside running. Only from the main thread (signal handlers live
+    there), and never over a handler someone else installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def down(name: str = DEFAULT_NAME, state_dir: Optional[Path] = None) -> dict[str, int]:

@@ -33,7 +33,7 @@ def _tag(pid: int) -> str:
     return "".join(_B36[n // 36**i % 36] for i in (3, 2, 1, 0))
 
 
-S, D, F, R, A, X, E, C, P, G = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxecpg")
+S, D, F, R, A, X, E, C, P, G, T = (f"fbt{letter}{_tag(os.getpid())}" for letter in "sdfraxecpgt")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -321,6 +321,41 @@ def test_down_removes_everything_even_without_state_file(state_dir):
     assert not namespaces(X + "-") and not root_links(X + "-")
     assert down(X, state_dir) == {"processes": 0, "namespaces": 0, "root_links": 0}  # idempotent
     tb.down()  # and through the object as well
+
+
+_HOLD_A_TESTBED = """
+import sys, time
+from contextlib import ExitStack
+from fanin import topology
+from fanin_bench.testbed import Testbed
+with ExitStack() as stack:
+    tb = stack.enter_context(Testbed.up(topology.load("star:2"), name=sys.argv[1], state_dir=sys.argv[2]))
+    worker = tb.popen("h0", ["sleep", "300"])
+    print("up", worker.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_bench_stopped_by_sigterm_takes_its_testbed_down(state_dir):
+    # `timeout 900 fanin bench goat-train` left its namespaces and 28 worker
+    # processes behind: SIGTERM ended the process without unwinding the
+    # ExitStack that takes the testbed down (only `bench network` had a handler)
+    down(T, state_dir)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_TESTBED, T, str(state_dir)], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        word, pid = holder.stdout.readline().split()
+        assert word == "up" and namespaces(T + "-")
+        holder.terminate()
+        assert holder.wait(timeout=30) == 143
+        assert not namespaces(T + "-") and not root_links(T + "-")
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:  # reaped by init once orphaned
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}"), "the testbed's worker process outlived it"
+    finally:
+        holder.kill()
+        down(T, state_dir)
 
 
 def test_clear_errors(state_dir, monkeypatch):

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -226,15 +225,15 @@ def _frag_counts(tb: Any, nodes: list[str]) -> dict[str, int]:
 
 
 def run_network(args: Any) -> int:
-    from fanin_bench.testbed import Testbed, why_unavailable
+    from fanin_bench.testbed import Testbed, unwind_on_sigterm, why_unavailable
 
     why = why_unavailable()
     if why:
         print(f"fanin bench network: needs the namespace testbed: {why}", file=sys.stderr)
         return 2
-    # a `timeout` or `kill` must still take the testbed down (SIGTERM would
-    # otherwise end the process without unwinding the ExitStack below)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # a `timeout` or `kill` must still take the testbed down (Testbed.up does
+    # this too; here it covers the set-up before it as well)
+    unwind_on_sigterm()
     started = time.perf_counter()
     gloo = not args.no_gloo
     if gloo:
