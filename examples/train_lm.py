@@ -286,9 +286,9 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
     # every rank is done with the group before any tears it down (rank 0
     # holds the store)
     dist.barrier()
-    # DDP keeps its process group until the model is collected, which a reference cycle puts off to
-    # Python's shutdown; Gloo's threads still running then abort the process now and then (torch 2.15,
-    # docs/torch.md "Ending a run"). Collect the model first, so destroying the group ends them.
+    # DDP keeps its process group and its last works until the model is collected, which a reference
+    # cycle puts off to Python's shutdown, where Gloo freeing a work aborts the process now and then
+    # (torch 2.15, docs/torch.md "Ending a run"). Collect the model first, while Python still runs.
     del model, opt
     gc.collect()
     dist.destroy_process_group()

@@ -140,9 +140,9 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
     if rank == 0:
         log(f"{args.steps} steps in {seconds:.2f} s: {args.steps / seconds:.2f} steps/s, "
             f"{args.steps * args.batch * world / seconds:.1f} images/s")
-    # DDP keeps its process group until the model is collected, which a reference cycle puts off to
-    # Python's shutdown; Gloo's threads still running then abort the process now and then (torch 2.15,
-    # docs/torch.md "Ending a run"). Collect the model first, so destroying the group ends them.
+    # DDP keeps its process group and its last works until the model is collected, which a reference
+    # cycle puts off to Python's shutdown, where Gloo freeing a work aborts the process now and then
+    # (torch 2.15, docs/torch.md "Ending a run"). Collect the model first, while Python still runs.
     del model, opt
     gc.collect()
     dist.destroy_process_group()
