@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -316,6 +316,31 @@ class Session:
     def params(self) -> dict[str, int]:
         """Job parameters announced by the switch at join time."""
         return self._native.params
+
+    def linger(self, seconds: float, until: Optional[Callable[[], bool]] = None) -> dict[str, int]:
+        """Keep taking part in the job after this member's last allreduce,
+        for at most ``seconds`` or until ``until()`` returns true (asked
+        every 20 ms). If the switch restarts while another member still
+        waits for results of its last allreduce, the restarted switch needs
+        this member's retained contributions to recompute them; a member
+        that neither runs an allreduce nor lingers makes the others fail
+        with a stalled recovery instead (docs/restart.md, "Idle members").
+        Lingering costs one 24-byte probe to the switch every 200 ms.
+
+        ``until`` is best "every member is done" (a barrier of your own:
+        the torch backend lingers while its shutdown barrier runs); without
+        one, choose ``seconds`` to cover the slowest member's last
+        allreduce. Returns ``{"probes", "idle_recoveries"}`` (over the
+        session's life). Raises if the session failed meanwhile; the
+        results this member already has are never touched.
+
+        Example::
+
+            for step in range(steps):
+                s.allreduce(grads[step])
+            s.linger(30.0, until=all_done.is_set)  # e.g. a threading.Event
+        """
+        return self._native.linger(float(seconds), until)
 
     def socket_stats(self) -> dict[str, Any]:
         """Datagrams sent, received, and dropped, duplicated or reordered by

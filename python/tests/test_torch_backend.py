@@ -9,6 +9,7 @@ import queue as queue_mod
 import socket
 import subprocess
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -555,6 +556,28 @@ def test_destroying_a_fanin_group_that_ddp_still_holds_ends_its_gloo_threads():
     for r in reports:
         assert r["alive"], r
         assert r["after"] == 0, f"{r['after']} Gloo threads still run after destroy_process_group"
+
+
+def _finish_at_different_times(rank, world):
+    dist.init_process_group("fanin")
+    pg = ft.fanin_group()
+    t = torch.full((4096,), float(rank + 1))
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(1.0)  # still "training" while rank 0 is done
+    dist.destroy_process_group()
+    return {"sum": float(t[0]), "linger": pg.linger_stats}
+
+
+def test_a_rank_that_finished_lingers_in_the_job_until_every_rank_is_done():
+    # A rank waiting at shutdown keeps its session in the job (probing the
+    # switch), so a switch restart during another rank's last allreduce can
+    # be recovered (docs/restart.md; the recovery itself:
+    # test_restart.py::test_a_finished_member_that_lingers_...).
+    r0, r1 = _spawn(_finish_at_different_times, 2)
+    assert r0["sum"] == r1["sum"] == 3.0
+    assert r0["linger"] is not None and r0["linger"]["probes"] >= 3, r0
+    assert r1["linger"] is not None and r1["linger"]["probes"] <= 2, r1
 
 
 def _amp_steps(group, rank, steps=5, overflow_at=2, device="cpu", hook=None):

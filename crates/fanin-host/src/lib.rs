@@ -14,7 +14,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fanin_proto::fault::{DropInjector, ReceiveFaultRates, ReceiveFaults};
-use fanin_proto::host::{AllreduceSession, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut};
+use fanin_proto::host::{AllreduceSession, Event, LingerStats, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch};
 use fanin_wire::value::JoinParams;
@@ -144,6 +144,9 @@ pub type Interrupt = Box<dyn FnMut() -> bool + Send>;
 /// the check costs nothing.
 pub const INTERRUPT_CHECK: Duration = Duration::from_millis(20);
 
+/// How often [`Session::linger`] asks whether to stop.
+pub const LINGER_CHECK: Duration = Duration::from_millis(20);
+
 /// Sends through the shard's lane, flushing when full; worker-send faults
 /// drop here.
 struct ShardTx<'a> {
@@ -253,7 +256,7 @@ impl Session {
             icmp_errors_read: 0,
         };
         loop {
-            session.step()?;
+            session.step(Duration::MAX)?;
             while let Some(ev) = session.machine.poll_event() {
                 match ev {
                     Event::Joined(p) => {
@@ -390,8 +393,52 @@ impl Session {
                     Event::Joined(_) | Event::Membership { .. } => {}
                 }
             }
-            self.step()?;
+            self.step(Duration::MAX)?;
         }
+    }
+
+    /// Keep taking part in the job with no allreduce running, until `done`
+    /// says so (asked every [`LINGER_CHECK`]) or `bound` has passed: a
+    /// member that finished its last allreduce holds contributions the
+    /// others need if the switch restarts before they finish theirs
+    /// (docs/restart.md, "Idle members"). While it lingers the session
+    /// probes the switch every
+    /// [`LINGER_PROBE_INTERVAL`](fanin_proto::host::LINGER_PROBE_INTERVAL)
+    /// and, finding a restart, takes part in the recovery. `done` is best
+    /// "every member finished" (the torch backend's shutdown barrier);
+    /// without such a signal, `bound` should cover the slowest member's
+    /// last allreduce. Returns what lingering did over the session's life;
+    /// an error if the session failed meanwhile (a recovery that stalled:
+    /// another member was idle and did not linger), which leaves every
+    /// result this member already has as it was.
+    pub fn linger(&mut self, bound: Duration, mut done: impl FnMut() -> bool) -> Result<LingerStats, HostError> {
+        if let Some(e) = self.machine.error() {
+            return Err(e.clone().into());
+        }
+        let start = Instant::now();
+        let now = self.now();
+        self.machine.set_lingering(now, true);
+        let ended = loop {
+            if let Some(e) = self.machine.error() {
+                break Err(e.clone().into());
+            }
+            // (events of no allreduce: membership notices, a failure above)
+            while self.machine.poll_event().is_some() {}
+            if done() || start.elapsed() >= bound {
+                break Ok(());
+            }
+            if let Err(e) = self.step(LINGER_CHECK.min(bound.saturating_sub(start.elapsed()))) {
+                break Err(e);
+            }
+        };
+        let now = self.now();
+        self.machine.set_lingering(now, false);
+        ended.map(|()| self.machine.linger_stats())
+    }
+
+    /// What lingering did so far ([`linger`](Self::linger)).
+    pub fn linger_stats(&self) -> LingerStats {
+        self.machine.linger_stats()
     }
 
     fn now(&self) -> Time {
@@ -399,8 +446,8 @@ impl Session {
     }
 
     /// One turn of the driver loop: transmit, wait for datagrams or the next
-    /// deadline, feed them in, fire timers.
-    fn step(&mut self) -> Result<(), HostError> {
+    /// deadline (at most `max_wait`), feed them in, fire timers.
+    fn step(&mut self, max_wait: Duration) -> Result<(), HostError> {
         if let Some(stop) = self.interrupt.as_mut() {
             if self.last_interrupt_check.elapsed() >= INTERRUPT_CHECK {
                 self.last_interrupt_check = Instant::now();
@@ -439,6 +486,7 @@ impl Session {
         if self.interrupt.is_some() {
             timeout = timeout.min(INTERRUPT_CHECK);
         }
+        timeout = timeout.min(max_wait);
         if self.group.is_none() && self.lanes.count() == 1 {
             // A zero timeout would make the socket block forever.
             self.lanes.socket(0).set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;

@@ -56,6 +56,10 @@ struct Net {
     /// Workers whose sessions are not driven (a process between two
     /// allreduces: nothing reads its socket or fires its timers).
     paused: Vec<bool>,
+    /// A worker that has no allreduce left lingers (`set_lingering`): its
+    /// driver keeps it taking part in a restart, as the torch backend does
+    /// until every rank is done.
+    linger: bool,
 }
 
 /// How the workers hold their tensors.
@@ -110,6 +114,7 @@ impl Net {
             ins: vec![None; workers],
             failures: None,
             paused: vec![false; workers],
+            linger: false,
         };
         // join without loss
         let loss = std::mem::replace(&mut net.loss, 0.0);
@@ -199,6 +204,9 @@ impl Net {
                     ),
                     Event::Joined(_) | Event::Membership { .. } => {}
                 }
+            }
+            if self.linger && self.ws[w].is_ready() && self.todo[w].is_empty() && !self.ws[w].lingering() {
+                self.ws[w].set_lingering(self.now, true);
             }
             if self.ws[w].is_ready() {
                 if let Some(t) = self.todo[w].pop_front() {
@@ -509,13 +517,37 @@ fn at_fraction(loaded: impl Fn() -> Net, ops: usize, at: f64) -> Net {
 }
 
 /// False if the case does not apply: a worker finished its last allreduce
-/// before the switch came back (it stopped calling allreduce, so it cannot
-/// take part in a recovery; `recovery_fails_cleanly_when_a_member_never_rejoins`).
-fn restart_run(workers: usize, lens: &[usize], float: bool, lend: Lend, loss: f64, restart_at: f64, seed: u64) -> bool {
+/// before the switch came back and does not `linger` (it stopped calling
+/// allreduce, so it cannot take part in a recovery;
+/// `recovery_fails_cleanly_when_a_member_never_rejoins`).
+#[allow(clippy::too_many_arguments)]
+fn restart_run(
+    workers: usize,
+    lens: &[usize],
+    float: bool,
+    lend: Lend,
+    loss: f64,
+    restart_at: f64,
+    seed: u64,
+    linger: bool,
+    deaf_tail: Option<u32>,
+) -> bool {
     let (ints, floats) = (int_tensors(workers, lens, seed), float_tensors(workers, lens, seed));
     let loaded = || {
         let mut net = Net::new(workers, 4, 4, 4, loss, seed);
         net.lend = lend;
+        net.linger = linger;
+        if let Some(k) = deaf_tail {
+            // One worker hears no result of the last k blocks of the run
+            // until the restart: the others can finish before it. (Under
+            // loss only the last: congestion control may cut its window
+            // to 1, and then it sends no block past the first it lacks.)
+            // Within the last allreduce: it starts one only once it has
+            // every result of the one before.
+            let k = if loss > 0.0 { 1 } else { k.min(lens[lens.len() - 1].div_ceil(4) as u32) };
+            let blocks: usize = lens.iter().map(|n| n.div_ceil(4)).sum();
+            net.deaf[seed as usize % workers] = Some(blocks.saturating_sub(k as usize) as u32);
+        }
         if float {
             load_float(&mut net, &floats);
         } else {
@@ -531,11 +563,12 @@ fn restart_run(workers: usize, lens: &[usize], float: bool, lend: Lend, loss: f6
     // point can itself take more than 30 simulated seconds
     let deadline = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(30);
     net.run_until(deadline, |n| n.now >= t);
-    if net.done.iter().any(|d| d.len() == lens.len()) && !net.all_done(lens.len()) {
+    if !linger && net.done.iter().any(|d| d.len() == lens.len()) && !net.all_done(lens.len()) {
         return false;
     }
     net.restart(0x1234_5677);
     net.down = false;
+    net.deaf.fill(None);
     let restarted = net.now;
     // every worker rebinds (detection and the floor) within a few RTOs ...
     let mut rebound = None;
@@ -588,7 +621,26 @@ proptest! {
         restart_after in 0.0f64..1.0,
         seed in any::<u64>(),
     ) {
-        prop_assume!(restart_run(workers, &lens, float, lend, loss, restart_after, seed));
+        prop_assume!(restart_run(workers, &lens, float, lend, loss, restart_after, seed, false, None));
+    }
+
+    /// The same with the workers that finished lingering, one worker deaf
+    /// to the results of the run's last blocks until the restart (so the
+    /// others finish before it), and restarts also after the first worker
+    /// finished its last allreduce (up to 1.5 times that point): no case
+    /// is left out, every result exact.
+    #[test]
+    fn every_result_exact_with_a_restart_at_any_point_when_finished_members_linger(
+        workers in 2usize..=4,
+        lens in proptest::collection::vec(1usize..=80, 1..=4),
+        float in any::<bool>(),
+        lend in prop_oneof![Just(Lend::Nothing), Just(Lend::Output), Just(Lend::Both)],
+        loss in prop_oneof![Just(0.0), 0.0f64..0.1],
+        restart_after in 0.0f64..1.5,
+        deaf_tail in 1u32..=4,
+        seed in any::<u64>(),
+    ) {
+        prop_assert!(restart_run(workers, &lens, float, lend, loss, restart_after, seed, true, Some(deaf_tail)));
     }
 }
 
@@ -752,4 +804,55 @@ fn members_that_all_rejoin_with_sync_are_answered() {
         now = now + Duration::from_millis(10);
     }
     panic!("after 2 s: ready {:?}, done {:?}", ws.iter().map(|w| w.is_ready()).collect::<Vec<_>>(), done);
+}
+
+/// A member that finished its last allreduce before the switch restarted,
+/// while another still lacks results of it (they were lost on the way):
+/// the restarted switch's floor waits for every member's report. Idle, the
+/// finished member never reports and the other fails with
+/// `RecoveryStalled` (cleanly); lingering, it probes, finds the restart,
+/// reports the end of its stream and resends its retained contributions,
+/// and the other completes with the exact sum.
+fn finished_member_and_a_restart(linger: bool) -> Net {
+    let lens = [6usize, 6];
+    let mut net = Net::new(2, 4, 4, 1, 0.0, 3);
+    net.linger = linger;
+    net.failures = Some(vec![Vec::new(); 2]);
+    let ints = int_tensors(2, &lens, 5);
+    load_int(&mut net, &ints);
+    // worker 1 hears no result from block 8 on (the last four of the
+    // second allreduce); worker 0 hears every result and finishes
+    net.deaf[1] = Some(8);
+    net.run_until(Duration::from_secs(5), |n| n.done[0].len() == 2);
+    assert_eq!(net.done[1].len(), 1, "worker 1 must still lack results");
+    assert_eq!(net.ws[0].retained_blocks(), vec![8, 9, 10, 11], "the finished member keeps one slot-cycle");
+    let t = net.now + Duration::from_millis(50);
+    net.run_until(Duration::from_secs(5), |n| n.now >= t);
+    net.restart(9);
+    net.deaf[1] = None;
+    let deadline = Duration::from_nanos(net.now.as_nanos()) + Duration::from_secs(60);
+    net.run_until(deadline, |n| n.all_done(2) || n.failures.as_ref().unwrap()[1].len() == 1);
+    if linger {
+        assert!(net.failures.as_ref().unwrap().iter().all(|f| f.is_empty()), "{:?}", net.failures);
+        check_int(&ints, &net.done);
+    }
+    net
+}
+
+#[test]
+fn a_finished_member_that_does_not_linger_leaves_the_others_stalled() {
+    let net = finished_member_and_a_restart(false);
+    let failures = net.failures.as_ref().unwrap();
+    assert!(failures[1].len() == 1 && failures[1][0].contains("recovery did not finish"), "{failures:?}");
+    assert_eq!(net.done[1].len(), 1, "never a result without the finished member's contributions");
+}
+
+#[test]
+fn a_finished_member_that_lingers_lets_the_others_recover() {
+    let net = finished_member_and_a_restart(true);
+    let stats = net.ws[0].linger_stats();
+    assert_eq!(stats.idle_recoveries, 1);
+    assert!(stats.probes >= 1);
+    assert_eq!(net.sw.counters().recoveries, 1);
+    assert!(net.done[1][1].recoveries > 0);
 }

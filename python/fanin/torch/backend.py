@@ -237,6 +237,9 @@ class FaninProcessGroup(dist.ProcessGroup):
         self._log = StepLog(self._conn.n_sources)
         self._closed = False
         self._cuda: Optional[CudaStaging] = None
+        #: ``{"probes", "idle_recoveries"}`` of the session's lingering at
+        #: shutdown (None before, or if it could not linger)
+        self.linger_stats: Optional[dict[str, int]] = None
         if job is not None:
             _ON_EXTERNAL_JOB[job] = weakref.ref(self)
 
@@ -308,8 +311,11 @@ class FaninProcessGroup(dist.ProcessGroup):
         60 s) until every rank is done with the switch, then stop the
         embedded switch on rank 0 and the worker thread. Without the barrier
         rank 0 could take the switch away while another rank still waits
-        for a retransmitted result. Last, the group's own Gloo group is
-        released, which joins its threads (see below)."""
+        for a retransmitted result. While it waits, the rank's session
+        lingers: it takes part in a recovery should the switch restart
+        before the others finished (:meth:`fanin.Session.linger`; what it
+        did is left in ``linger_stats``). Last, the group's own Gloo group
+        is released, which joins its threads (see below)."""
         if self._closed:
             return
         self._closed = True
@@ -317,7 +323,18 @@ class FaninProcessGroup(dist.ProcessGroup):
 
         def run() -> None:
             try:
-                self._gloo.barrier().wait()
+                barrier = self._gloo.barrier()
+                # Until every rank entered the barrier, another rank may still
+                # be in its last allreduce and need this rank's retained
+                # contributions should the switch restart now: the session
+                # lingers (probing the switch every 200 ms) exactly that long
+                # (docs/restart.md, "Idle members").
+                try:
+                    self.linger_stats = self._conn.session.linger(60.0, until=barrier.is_completed)
+                except Exception as e:  # this rank's results are complete; say why it could not help
+                    warnings.warn(f"fanin: rank {self._rank} stopped taking part in the job while the others "
+                                  f"finished: {e}")
+                barrier.wait()
             finally:
                 # a Session must be dropped by the thread that made it
                 self._conn.session = None

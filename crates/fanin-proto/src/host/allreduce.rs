@@ -64,6 +64,7 @@ use crate::transmit::Transmit;
 mod config;
 mod join;
 mod lending;
+mod linger;
 mod op;
 mod outcome;
 mod recovery;
@@ -76,6 +77,7 @@ mod transmit;
 mod tests;
 
 pub use config::SessionConfig;
+pub use linger::{LingerStats, LINGER_PROBE_INTERVAL};
 use lending::{Input, Lent};
 pub use lending::{TensorMut, TensorRef};
 use op::{BlockPhase, BlockState, Op};
@@ -177,6 +179,10 @@ pub struct AllreduceSession {
     next_keep: Option<std::ops::Range<usize>>,
     /// Acknowledgements owed to shards short of memory.
     result_acks: result_ack::ResultAcks,
+    /// Set while the driver keeps an idle session taking part in a switch
+    /// restart ([`set_lingering`](Self::set_lingering)).
+    linger: Option<linger::Linger>,
+    linger_stats: LingerStats,
 }
 
 /// The result key a JoinAck gave, with the incarnation and key epoch it
@@ -262,6 +268,8 @@ impl AllreduceSession {
             recovery: None,
             next_keep: None,
             result_acks: Default::default(),
+            linger: None,
+            linger_stats: LingerStats::default(),
         };
         session.sealer = session.config.auth_key.map(|k| Sealer::new(k, 0, session.config.seal_clock_us));
         if let State::Failed(e) = &session.state {
@@ -582,7 +590,7 @@ impl AllreduceSession {
             }
             State::Ready => {
                 let recovery = self.recovery_deadline();
-                let Some(op) = self.op.as_ref() else { return recovery };
+                let Some(op) = self.op.as_ref() else { return recovery.or(self.linger_deadline()) };
                 let dead = self.last_heard + self.config.dead_after;
                 if op.outstanding() == 0 {
                     // Nothing in flight (or everything behind the recovery
@@ -630,7 +638,10 @@ impl AllreduceSession {
                     return; // failed
                 }
                 let rto = self.rto();
-                let Some(op) = self.op.as_ref() else { return };
+                let Some(op) = self.op.as_ref() else {
+                    self.linger_timeout(now);
+                    return;
+                };
                 let stalled = op.outstanding() > 0 && now >= self.stall_deadline(op);
                 let op = self.op.as_mut().expect("checked above");
                 if stalled {

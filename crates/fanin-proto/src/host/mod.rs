@@ -12,5 +12,5 @@ mod memory_tests;
 mod auth_tests;
 
 pub use allreduce::{
-    AllreduceSession, AuthStats, Event, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut, TensorRef,
+    AllreduceSession, AuthStats, Event, LingerStats, LINGER_PROBE_INTERVAL, Outcome, Prepared, SessionConfig, SessionError, Tensor, TensorMut, TensorRef,
 };

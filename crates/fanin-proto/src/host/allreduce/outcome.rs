@@ -45,7 +45,7 @@ pub enum SessionError {
     OutOfStep(OutOfRange),
     #[error("the session is not ready: {0}")]
     NotReady(&'static str),
-    #[error("the switch restarted (or lost job {job_id}) and recovery did not finish within {waited:?}: not every member of the job rejoined (a member stopped calling allreduce or died), or the job was not re-admitted to the restarted switch")]
+    #[error("the switch restarted (or lost job {job_id}) and recovery did not finish within {waited:?}: not every member of the job rejoined (a member stopped calling allreduce without lingering, or died), or the job was not re-admitted to the restarted switch")]
     RecoveryStalled { job_id: u32, waited: Duration },
     #[error("job {job_id} came back from the switch restart with other parameters ({what}); the running stream cannot continue")]
     JobChanged { job_id: u32, what: String },

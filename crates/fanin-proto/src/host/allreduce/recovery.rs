@@ -349,6 +349,9 @@ impl AllreduceSession {
             op.last_progress = now;
             op.backoff = 0;
             op.recoveries += 1;
+        } else {
+            // an idle (lingering) member: its retained blocks are for the others
+            self.linger_stats.idle_recoveries += 1;
         }
         self.last_heard = now;
         if self.recovery.as_ref().is_some_and(|r| r.pending.is_empty()) {
