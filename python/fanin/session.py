@@ -317,6 +317,12 @@ class Session:
         """Job parameters announced by the switch at join time."""
         return self._native.params
 
+    @property
+    def error(self) -> Optional[str]:
+        """Why this session ended (the message of the error its calls now
+        raise), or None while it can still be used."""
+        return self._native.error
+
     def linger(self, seconds: float, until: Optional[Callable[[], bool]] = None) -> dict[str, int]:
         """Keep taking part in the job after this member's last allreduce,
         for at most ``seconds`` or until ``until()`` returns true (asked

@@ -434,11 +434,13 @@ def test_an_input_refused_on_one_rank_never_pairs_that_ranks_next_allreduce_with
             if r == 0:
                 first[10] = 1e38
             out = {}
+            out["error_before"] = s.error
             for name, x in (("first", first), ("second", np.full(3000, 10.0 * (r + 1), dtype=np.float32))):
                 try:
                     out[name] = np.unique(s.allreduce(x)).tolist()
                 except Exception as e:  # the type and message (the traceback holds the session)
                     out[name] = (type(e), str(e))
+            out["error_after"] = s.error
             del s  # unsendable: dropped on its own thread
             return out
 
@@ -446,6 +448,8 @@ def test_an_input_refused_on_one_rank_never_pairs_that_ranks_next_allreduce_with
     assert issubclass(r0["first"][0], fanin.InputOutOfRange) and issubclass(r0["first"][0], ValueError), r0
     assert "element 10 is 1000000" in r0["first"][1] and "below 2^126" in r0["first"][1], r0
     assert issubclass(r0["second"][0], fanin.FaninError) and "takes no more allreduces" in r0["second"][1], r0
+    # the session says why it ended, as its calls do
+    assert r0["error_before"] is None and r0["error_after"] == r0["second"][1], r0
     assert isinstance(r1["first"], tuple) and issubclass(r1["first"][0], fanin.FaninError), r1  # never [11.0]
     assert r1["second"] == [30.0] or isinstance(r1["second"], tuple), r1
 

@@ -441,6 +441,12 @@ impl Session {
         self.machine.linger_stats()
     }
 
+    /// The error that ended this session, if one did (every later call
+    /// returns it).
+    pub fn error(&self) -> Option<&SessionError> {
+        self.machine.error()
+    }
+
     fn now(&self) -> Time {
         Time::from_nanos(self.epoch.elapsed().as_nanos() as u64)
     }

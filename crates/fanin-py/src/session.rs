@@ -291,6 +291,13 @@ impl Session {
         Ok(d)
     }
 
+    /// The error that ended this session (its message), or None while it
+    /// can still be used.
+    #[getter]
+    fn error(&self) -> Option<String> {
+        self.inner.error().map(|e| e.to_string())
+    }
+
     /// Datagram counters of this session.
     fn socket_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();

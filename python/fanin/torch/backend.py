@@ -329,8 +329,12 @@ class FaninProcessGroup(dist.ProcessGroup):
                 # contributions should the switch restart now: the session
                 # lingers (probing the switch every 200 ms) exactly that long
                 # (docs/restart.md, "Idle members").
+                session = self._conn.session
                 try:
-                    self.linger_stats = self._conn.session.linger(60.0, until=barrier.is_completed)
+                    # (a session a failed collective ended has nothing to offer;
+                    # its caller saw the error)
+                    if session.error is None:
+                        self.linger_stats = session.linger(60.0, until=barrier.is_completed)
                 except Exception as e:  # this rank's results are complete; say why it could not help
                     warnings.warn(f"fanin: rank {self._rank} stopped taking part in the job while the others "
                                   f"finished: {e}")
