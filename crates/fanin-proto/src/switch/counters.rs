@@ -176,6 +176,13 @@ pub struct Counters {
     /// here waited for every member's recovery Join: the child restarts its
     /// subtree's stream and reports (docs/restart.md, "Trees").
     pub child_rejoin_asked: u64,
+    /// Probes (plain Joins) sent to the parent because a member probed
+    /// this switch: a parent's restart reaches a subtree whose workers all
+    /// finished and only linger (docs/restart.md, "Idle members").
+    pub probes_up: u64,
+    /// A child switch's probes received (answered with StaleIncarnation
+    /// while a recovery here waits for every member, else not at all).
+    pub child_probes: u64,
     /// The job restarted its stream here because the parent switch
     /// restarted (its StaleIncarnation nack): this switch's members
     /// recover, and it reports their lowest block to the parent.
@@ -279,6 +286,8 @@ impl Counters {
         f("recover_waiting", None, self.recover_waiting);
         f("recoveries", None, self.recoveries);
         f("child_rejoin_asked", None, self.child_rejoin_asked);
+        f("probes_up", None, self.probes_up);
+        f("child_probes", None, self.child_probes);
         f("parent_restarts", None, self.parent_restarts);
         f("rounds_started", None, self.rounds_started);
         f("rounds_ended", None, self.rounds_ended);
@@ -300,7 +309,7 @@ impl Counters {
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
-            stale_incarnation, recover_waiting, recoveries, child_rejoin_asked, parent_restarts, rounds_started,
+            stale_incarnation, recover_waiting, recoveries, child_rejoin_asked, probes_up, child_probes, parent_restarts, rounds_started,
             rounds_ended, barrier_waiting, stale_round, rerun_in_tree, resumed_refused
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {

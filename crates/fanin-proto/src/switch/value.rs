@@ -358,6 +358,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // installed again after a restart: the child switches report
             // before their partials count (parent_restart.rs)
             switches_rejoin: resumed_with_children,
+            last_probe_up: None,
             recover_lows: HashMap::new(),
             recover_floor: None,
             start_settled: false,

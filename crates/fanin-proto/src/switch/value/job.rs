@@ -155,6 +155,9 @@ pub(super) struct Job<A> {
     /// restarts its subtree's stream and reports its lowest block in a
     /// recovery Join of its own (docs/restart.md, "Trees").
     pub(super) switches_rejoin: bool,
+    /// Non-root: when this switch last probed its parent for a member's
+    /// probe ([`probe_up`](super::parent_restart::probe_up)).
+    pub(super) last_probe_up: Option<Time>,
     /// Recovery after a restart (docs/restart.md): the lowest block without
     /// a result each member reported in its `JOIN_RECOVER` join...
     pub(super) recover_lows: HashMap<u16, u32>,

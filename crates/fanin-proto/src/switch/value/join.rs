@@ -532,7 +532,18 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let (job_id, member) = (packet.job_id(), packet.src_id());
         let listening = |sw: &Self| sw.jobs.get(&job_id).is_some_and(|j| j.listens_on_group.contains(member as usize));
         let before = listening(self);
+        // A plain Join again from a worker at the address it joined from:
+        // its probe (it is stalled, or lingering after its last allreduce).
+        let probe = packet.age_op() == 0
+            && member < SWITCH_RANK_BASE
+            && self.jobs.get(&job_id).is_some_and(|j| j.addrs.get(member as usize).copied().flatten() == Some(from));
         let verdict = self.answer_join_request(now, from, packet, out);
+        if probe {
+            // the restart it looks for may be further up the tree
+            if let Some(job) = self.jobs.get_mut(&job_id) {
+                parent_restart::probe_up(job, now, &mut self.counters, out);
+            }
+        }
         let listens = listening(self);
         match verdict {
             Verdict::Consumed if listens != before => Verdict::Listening { job_id, member, listens },
@@ -553,6 +564,10 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             let env = envelope(job.auth.as_mut(), Peer::Member(src as usize));
             send_nack(&mut self.counters, out, from, env, packet, NackReason::NotMember, src as u32);
             return Verdict::Consumed;
+        }
+        if src >= SWITCH_RANK_BASE && packet.age_op() == 0 {
+            // A child switch joins nothing: a plain Join from one is its probe.
+            return parent_restart::child_probe(job, now, from, packet, &mut self.counters, out);
         }
         // A Join saying its member incarnation, to a job whose stream
         // position is decided here, takes part in the job's rounds: a new

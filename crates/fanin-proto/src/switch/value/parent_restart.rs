@@ -88,6 +88,53 @@ pub(super) fn begin_switch_recovery<A>(job: &mut Job<A>) -> bool {
     true
 }
 
+/// Between two probes this switch sends its parent: its members probe it
+/// every 50 ms (stalled) or 200 ms (lingering), each of them.
+pub(super) const PROBE_UP_INTERVAL: Duration = Duration::from_millis(100);
+
+/// A member probed this switch (a plain Join from a bound member: it is
+/// stalled, or lingering after its last allreduce): ask the parent too, at
+/// most every [`PROBE_UP_INTERVAL`]. A parent that restarted and waits for
+/// every member's report answers StaleIncarnation, as to a partial, and
+/// this switch restarts its subtree's stream; without this, a subtree whose
+/// workers all finished sent nothing up and the parent's floor never came
+/// (docs/restart.md, "Idle members"). A parent with nothing to ask answers
+/// nothing.
+pub(super) fn probe_up<A: Copy + PartialEq>(job: &mut Job<A>, now: Time, counters: &mut Counters, out: &mut impl Transmit<A>) {
+    let Some(up) = job.uplink.as_ref() else { return };
+    if job.last_probe_up.is_some_and(|t| now < t + PROBE_UP_INTERVAL) {
+        return;
+    }
+    job.last_probe_up = Some(now);
+    let repr = Repr::new(MessageType::Join, job.spec.job_id, up.rank);
+    let dest = up.parent[0];
+    let env = envelope(job.auth.as_mut(), Peer::Parent);
+    send(out, dest, repr.buffer_len(), env, |buf| repr.emit(&mut Packet::new_unchecked(buf)));
+    counters.probes_up += 1;
+}
+
+/// A child switch's probe ([`probe_up`]): while a recovery here waits for
+/// every member's report, it is asked to restart its subtree's stream and
+/// report, as its partials are; and this switch asks its own parent in
+/// turn (the restarted switch may be further up).
+pub(super) fn child_probe<A: Copy + PartialEq>(
+    job: &mut Job<A>,
+    now: Time,
+    from: A,
+    packet: &Packet<&[u8]>,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) -> Verdict {
+    counters.child_probes += 1;
+    if job.switches_rejoin {
+        counters.child_rejoin_asked += 1;
+        let env = envelope(job.auth.as_mut(), Peer::Member(packet.src_id() as usize));
+        send_nack(counters, out, from, env, packet, NackReason::StaleIncarnation, job.incarnation);
+    }
+    probe_up(job, now, counters, out);
+    Verdict::Consumed
+}
+
 /// A child whose parent restarted reports its members' lowest block to the
 /// parent in a recovery Join of its own (again on every member's repeated
 /// recovery Join, until the parent answers).

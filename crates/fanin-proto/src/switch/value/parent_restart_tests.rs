@@ -106,3 +106,50 @@ fn a_child_switch_reports_its_subtrees_lowest_block_to_a_restarted_parent() {
     let (verdict, out) = deliver(&mut child, ROOT, &to_child.1);
     assert_eq!((verdict, out.len()), (Verdict::Consumed, 0));
 }
+
+/// A plain Join from a worker, at the address it joined from, the second time.
+fn plain_join(src: u16) -> Vec<u8> {
+    let repr = Repr { src_cnt: 7, ..Repr::new(MessageType::Join, 1, src) };
+    let mut buf = vec![0; repr.buffer_len()];
+    repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    buf
+}
+
+/// A subtree whose workers all finished sends nothing up, so a restarted
+/// parent's floor waited for it forever. Their probes (they linger) reach
+/// the child, which did not restart; the child passes them up as a probe
+/// of its own (at most every PROBE_UP_INTERVAL), which a restarted parent
+/// waiting for every member answers StaleIncarnation: the child restarts
+/// its subtree's stream as for a refused partial. A parent with nothing to
+/// ask answers nothing.
+#[test]
+fn a_child_passes_its_members_probes_up_and_a_recovering_parent_asks_it_to_report() {
+    let spec = JobSpec { members: vec![1, 2], workers: 3, ..job(1, 2, 4) };
+    let mut child = shard(0x1000, spec, Some(Uplink { parent: vec![ROOT], rank: CHILD }));
+    let at = |ms: u64| Time::from_nanos(ms * 1_000_000);
+    let mut probe = |child: &mut ValueSwitch<Addr>, ms: u64| {
+        let mut out = VecTransmit::new();
+        let _ = child.handle_datagram(at(ms), 101, &plain_join(1), &mut out);
+        out.drain().filter(|(dest, _)| *dest == ROOT).map(|(_, b)| b).collect::<Vec<_>>()
+    };
+    assert!(probe(&mut child, 0).is_empty(), "a first join is no probe");
+    let up = probe(&mut child, 1);
+    let (repr, _, _) = parsed(&up[0]);
+    assert_eq!((up.len(), repr.msg_type, repr.age_op, repr.src_id), (1, MessageType::Join, 0, CHILD));
+    assert!(probe(&mut child, 50).is_empty(), "at most one probe up per interval");
+    assert_eq!(probe(&mut child, 101).len(), 1);
+    assert_eq!(child.counters().probes_up, 2);
+
+    // a parent that did not restart: nothing to say
+    let mut live = shard(0x2000, JobSpec { members: vec![0, CHILD], workers: 3, ..job(1, 1, 4) }, None);
+    let (verdict, out) = deliver(&mut live, CHILD_ADDR, &up[0]);
+    assert_eq!((verdict, out.len(), live.counters().child_probes), (Verdict::Consumed, 0, 1));
+    // a restarted one, waiting for every member's report
+    let mut restarted = shard(0x3000, JobSpec { members: vec![0, CHILD], workers: 3, resumed: true, ..job(1, 1, 4) }, None);
+    let (_, out) = deliver(&mut restarted, CHILD_ADDR, &up[0]);
+    let (_, nack, _) = parsed(&out[0].1);
+    assert_eq!((out[0].0, nack.map(|n| (n.reason, n.detail))), (CHILD_ADDR, Some((NackReason::StaleIncarnation, 0x3000))));
+    // ... which restarts the child's stream, as for a refused partial
+    let (verdict, _) = deliver(&mut child, ROOT, &out[0].1);
+    assert_eq!(verdict, Verdict::ParentRestarted { job_id: 1, parent: 0x3000 });
+}
