@@ -24,6 +24,7 @@ from fanin.controller import (
 from fanin.controller.loopback import LoopbackSwitches
 from fanin.topology import Host, Link, Switch, Topology
 
+from relay import one_member_left_behind
 from threads import in_threads
 
 
@@ -573,6 +574,41 @@ def test_switches_restarted_mid_run_recover_exactly_and_leaves_are_resumed(resta
         again = Controller(topo, sws.fabric)
         assert again.rebuild()["adopted"] == [1]
         assert again._jobs[1].resumed_on == set(targets)
+
+
+def test_a_root_restarted_while_one_subtrees_workers_finished_recovers_with_them_lingering():
+    """docs/restart.md, "Idle members", in a tree (real daemons, the
+    controller re-installing): rank 0 (under one leaf) finished its last
+    allreduce; rank 1 (under the other, its results dropped by a relay)
+    has none of it; then the root and rank 1's leaf restart. Rank 1
+    recovers at its leaf, whose partials the restarted root takes only
+    once every member reported, rank 0's leaf too: that leaf did not
+    restart and its only worker no longer calls allreduce, but it lingers,
+    the leaf passes its probes up, and the root's refusal makes the leaf
+    restart its subtree's stream and report."""
+    topo = topology.deep_tree(2, 2)
+    with LoopbackSwitches(topo, shards=1) as sws:
+        ctl, subs, leaves = _two_leaf_job(topo, sws)
+        tree = ctl.tree(1)
+        root, leaf0, leaf1 = tree.root, tree.attach[0], tree.attach[1]
+
+        def restart() -> None:
+            for switch in (root, leaf1):
+                sws.restart(switch)
+            reinstalled = []
+            assert _eventually(lambda: reinstalled.extend(ctl.reconcile()) or len(reinstalled) == 2, timeout=10)
+
+        keys = [{"auth_key": subs[r]["member_key"]} for r in range(2)]
+        got, want, lingered, took_s = one_member_left_behind(
+            [subs[0]["data_addr"], subs[1]["data_addr"]], restart, linger=True, session_kw=keys)
+        assert not isinstance(got, Exception), got
+        np.testing.assert_array_equal(got, want)
+        assert lingered["idle_recoveries"] == 1, lingered
+        assert _eventually(lambda: sws.counters(leaf0).get("probes_up", 0) >= 1), sws.counters(leaf0)
+        assert sws.counters(leaf0).get("parent_restarts", 0) == 1
+        assert sws.counters(root).get("child_probes", 0) >= 1
+        print(f"root and one leaf restarted, the other leaf's worker lingering: rank 1 done {took_s * 1000:.0f} ms "
+              f"after the switches were re-installed; rank 0 {lingered}")
 
 
 def _two_leaf_job(topo, sws):

@@ -16,6 +16,7 @@ import pytest
 import fanin
 from fanin.proc import SwitchProcess, check_result, worker_inputs
 from fanin.switch import job_config, switch_config
+from relay import one_member_left_behind
 
 # The block timeout recovery is measured against: a worker's longest
 # retransmission timeout (rto_max, 1 s by default), which is how long a block
@@ -277,140 +278,31 @@ def test_a_switch_that_does_not_come_back_is_reported_gone_soon(lanes):
     assert time.monotonic() - killed_at < 5
 
 
-class _ResultEater:
-    """A UDP relay between one worker and the switch's shard 0 that can
-    drop the switch's Result datagrams to that worker: its results are
-    lost on the way while its contributions still arrive (the only way a
-    real run leaves one member without results the others already have)."""
-
-    RESULT = 0x03  # fanin_wire::MessageType::Result, byte 3 of the preamble
-
-    def __init__(self, switch_addr: str) -> None:
-        host, port = switch_addr.rsplit(":", 1)
-        self._switch = (host, int(port))
-        self.front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the worker's "switch"
-        self.front.bind(("127.0.0.1", 0))
-        self.back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the switch's "worker"
-        self.back.bind(("127.0.0.1", 0))
-        for s in (self.front, self.back):
-            s.settimeout(0.05)
-        self.eat_results = False
-        self.eaten = 0
-        self._worker = None
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(self.front, True), daemon=True),
-                         threading.Thread(target=self._run, args=(self.back, False), daemon=True)]
-        for t in self._threads:
-            t.start()
-
-    @property
-    def addr(self) -> str:
-        return "127.0.0.1:%d" % self.front.getsockname()[1]
-
-    def _run(self, sock: socket.socket, from_worker: bool) -> None:
-        while not self._stop.is_set():
-            try:
-                data, src = sock.recvfrom(65536)
-            except (socket.timeout, OSError):
-                continue
-            try:
-                if from_worker:
-                    self._worker = src
-                    self.back.sendto(data, self._switch)
-                elif self._worker is not None:
-                    if self.eat_results and len(data) > 3 and data[3] == self.RESULT:
-                        self.eaten += 1
-                        continue
-                    self.front.sendto(data, self._worker)
-            except OSError:
-                pass  # the switch is down: its port is closed
-
-    def close(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(2)
-        self.front.close()
-        self.back.close()
-
-
 def _finished_member_and_a_restart(linger: bool):
     """Rank 0 finishes its last allreduce; rank 1's results of it are lost
-    on the way; then the switch is killed and restarted. Returns rank 1's
-    outcome (the array, or the exception), the expected sum, rank 0's
-    linger report and the restarted switch's counters. (A Session belongs
-    to the thread that made it: each rank is a thread doing its steps.)"""
+    on the way; then the switch is killed and restarted (relay.py).
+    Returns rank 1's outcome, the expected sum, rank 0's linger report,
+    the restarted switch's counters and the recovery time."""
     base = _free_port_pair(1)
     cfg = switch_config(data_addr=f"127.0.0.1:{base}", control_addr=None, metrics_addr="127.0.0.1:0",
                         jobs=[job_config(1, 2, block_cnt_max=32)], shards=1)
     sw = SwitchProcess(cfg)
-    relay = _ResultEater(sw.data_addr)
-    kw = dict(elems_per_packet=256, window=64, dead_after_s=4.0, switch_gone_after_s=30.0)
-    # 8 blocks: rank 1 sends all of its last allreduce without a result
-    inputs = [[np.arange(2048, dtype=np.int32) * (r + 1) + it for r in range(2)] for it in range(2)]
-    want = [x[0] + x[1] for x in inputs]
-    first_done = [threading.Event(), threading.Event()]
-    go_last, a_done, b_done, everyone_done = (threading.Event() for _ in range(4))
-    out: dict = {}
+    new = []
 
-    def rank(r: int, addr: str) -> None:
-        try:
-            s = fanin.Session(addr, 1, r, **kw)
-            out[r, 0] = s.allreduce(inputs[0][r])
-            first_done[r].set()
-            go_last.wait(30)
-            try:
-                out[r, 1] = s.allreduce(inputs[1][r])
-            except Exception as e:  # the outcome under test (its traceback
-                out[r, 1] = e.with_traceback(None)  # would keep `s` alive off its thread)
-            (a_done if r == 0 else b_done).set()
-            if r == 0 and linger:
-                out["lingered"] = s.linger(60.0, until=everyone_done.is_set)
-            everyone_done.wait(90)
-            del s  # on the thread that made it
-        except Exception as e:
-            out[r, "error"] = repr(e)
-        finally:
-            first_done[r].set()
-            (a_done if r == 0 else b_done).set()
-
-    threads = [threading.Thread(target=rank, args=(0, sw.data_addr)),
-               threading.Thread(target=rank, args=(1, relay.addr))]
-    new = None
-    try:
-        for t in threads:
-            t.start()
-        for e in first_done:
-            assert e.wait(30)
-        relay.eat_results = True
-        go_last.set()
-        assert a_done.wait(30)
-        deadline = time.time() + 10  # the relay's thread may not have read them yet
-        while relay.eaten == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        assert not b_done.is_set() and relay.eaten > 0, f"rank 1 must lack results of its last allreduce: eaten {relay.eaten}, rank 1 {out.get((1, 1), out.get((1, 'error')))!r}"
+    def restart() -> None:
         sw.proc.send_signal(signal.SIGKILL)
         sw.proc.wait(10)
         time.sleep(0.3)
-        relay.eat_results = False
-        new = SwitchProcess(cfg)  # same ports, the job re-admitted, no blocks
-        ready_at = time.time()
-        assert b_done.wait(60)
-        took_s = time.time() - ready_at
-        counters = new.counters()
+        new.append(SwitchProcess(cfg))  # same ports, the job re-admitted, no blocks
+
+    try:
+        got, want, lingered, took_s = one_member_left_behind([sw.data_addr, sw.data_addr], restart, linger=linger)
+        counters = new[0].counters()
     finally:
-        everyone_done.set()
-        for t in threads:
-            t.join(30)
-        relay.close()
-        if new is not None:
-            new.stop()
+        for s in new:
+            s.stop()
         sw.stop()
-    errors = {k: v for k, v in out.items() if k[1] == "error"}
-    assert not errors, errors
-    for r in range(2):
-        np.testing.assert_array_equal(out[r, 0], want[0])
-    np.testing.assert_array_equal(out[0, 1], want[1])
-    return out[1, 1], want[1], out.get("lingered"), counters, took_s
+    return got, want, lingered, counters, took_s
 
 
 def test_a_finished_member_that_lingers_lets_the_others_recover_a_restart():
