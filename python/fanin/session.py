@@ -323,28 +323,31 @@ class Session:
         raise), or None while it can still be used."""
         return self._native.error
 
-    def linger(self, seconds: float, until: Optional[Callable[[], bool]] = None) -> dict[str, int]:
+    def linger(self, seconds: float = 60.0, until: Optional[Callable[[], bool]] = None) -> dict[str, Any]:
         """Keep taking part in the job after this member's last allreduce,
-        for at most ``seconds`` or until ``until()`` returns true (asked
-        every 20 ms). If the switch restarts while another member still
-        waits for results of its last allreduce, the restarted switch needs
-        this member's retained contributions to recompute them; a member
-        that neither runs an allreduce nor lingers makes the others fail
-        with a stalled recovery instead (docs/restart.md, "Idle members").
-        Lingering costs one 24-byte probe to the switch every 200 ms.
+        until every member is done (the switch says so), for at most
+        ``seconds``, or until ``until()`` returns true (asked every 20 ms).
+        If the switch restarts while another member still waits for results
+        of its last allreduce, the restarted switch needs this member's
+        retained contributions to recompute them; a member that neither
+        runs an allreduce nor lingers makes the others fail with a stalled
+        recovery instead (docs/restart.md, "Idle members").
 
-        ``until`` is best "every member is done" (a barrier of your own:
-        the torch backend lingers while its shutdown barrier runs); without
-        one, choose ``seconds`` to cover the slowest member's last
-        allreduce. Returns ``{"probes", "idle_recoveries"}`` (over the
-        session's life). Raises if the session failed meanwhile; the
-        results this member already has are never touched.
+        Lingering costs one 24-byte probe to the switch every 200 ms; each
+        says this member is done, and once every member said so the switch
+        answers that all are, which ends it on every member within about
+        one probe interval: the switch is the barrier. ``until`` is for a
+        caller that knows sooner; ``seconds`` bounds the wait for members
+        that never finish. Returns ``{"probes", "idle_recoveries",
+        "all_done"}`` (``all_done``: ended because every member is done).
+        Raises if the session failed meanwhile; the results this member
+        already has are never touched.
 
         Example::
 
             for step in range(steps):
                 s.allreduce(grads[step])
-            s.linger(30.0, until=all_done.is_set)  # e.g. a threading.Event
+            s.linger()  # returns once every rank is done, 60 s at most
         """
         return self._native.linger(float(seconds), until)
 

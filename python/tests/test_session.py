@@ -489,3 +489,30 @@ def test_a_nan_or_infinity_on_one_rank_makes_its_block_nan_on_every_rank_and_the
     assert (nan == expect_nan).all(), np.flatnonzero(nan ^ expect_nan)[:5]
     assert (a0[~nan] == 3.0).all()
     assert (s0 == 30.0).all() and (s1 == 30.0).all()
+
+
+def test_linger_ends_when_every_member_is_done_and_not_before():
+    """Each rank lingers after its last allreduce (docs/restart.md, "Idle
+    members"); the switch says all are done once every rank did, so every
+    linger returns within about one probe interval of the last rank's, not
+    at its bound."""
+    import time
+
+    with fanin.local_switch(workers=3) as sw:
+        def rank(r):
+            s = fanin.Session(sw.data_addr, job_id=1, rank=r)
+            s.allreduce(np.ones(5000, dtype=np.float32))
+            if r == 2:
+                time.sleep(1.0)  # still at work while the others linger
+            t = time.monotonic()
+            report = s.linger(30.0)
+            ended = time.monotonic()
+            del s
+            return report, ended - t, ended
+
+        results = in_threads(3, rank, timeout=60)
+    for r, (report, took, _) in enumerate(results):
+        assert report["all_done"], (r, report)
+    ends = [end for *_, end in results]
+    assert max(ends) - min(ends) < 0.6, ends  # together, within ~2 probe intervals
+    assert results[0][1] > 0.9 and results[2][1] < 0.6, results  # not before rank 2 was done

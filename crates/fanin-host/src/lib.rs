@@ -136,6 +136,16 @@ pub struct Session {
     icmp_errors_read: u64,
 }
 
+/// How [`Session::linger`] ended.
+#[derive(Debug, Clone, Copy)]
+pub struct LingerEnd {
+    /// What lingering did over the session's life.
+    pub stats: LingerStats,
+    /// The switch said every member is done (else the caller's signal or
+    /// the bound ended it).
+    pub all_done: bool,
+}
+
 /// A caller's "stop now?" (see [`Session::connect_interruptible`]).
 pub type Interrupt = Box<dyn FnMut() -> bool + Send>;
 
@@ -397,21 +407,25 @@ impl Session {
         }
     }
 
-    /// Keep taking part in the job with no allreduce running, until `done`
-    /// says so (asked every [`LINGER_CHECK`]) or `bound` has passed: a
+    /// Keep taking part in the job with no allreduce running, until the
+    /// switch says every member is done at the end of this session's
+    /// stream, `done` says so (asked every [`LINGER_CHECK`]) or `bound`
+    /// has passed: a
     /// member that finished its last allreduce holds contributions the
     /// others need if the switch restarts before they finish theirs
     /// (docs/restart.md, "Idle members"). While it lingers the session
     /// probes the switch every
     /// [`LINGER_PROBE_INTERVAL`](fanin_proto::host::LINGER_PROBE_INTERVAL)
-    /// and, finding a restart, takes part in the recovery. `done` is best
-    /// "every member finished" (the torch backend's shutdown barrier);
-    /// without such a signal, `bound` should cover the slowest member's
-    /// last allreduce. Returns what lingering did over the session's life;
+    /// and, finding a restart, takes part in the recovery. Each probe says
+    /// the session is done (a `JOIN_DONE` Join), and once every member
+    /// said so at the same block the switch answers that all are
+    /// ([`all_done`](Self::all_done)); `done` is for a caller that knows
+    /// sooner, `bound` for members that never finish. Returns how it
+    /// ended ([`LingerEnd`]);
     /// an error if the session failed meanwhile (a recovery that stalled:
     /// another member was idle and did not linger), which leaves every
     /// result this member already has as it was.
-    pub fn linger(&mut self, bound: Duration, mut done: impl FnMut() -> bool) -> Result<LingerStats, HostError> {
+    pub fn linger(&mut self, bound: Duration, mut done: impl FnMut() -> bool) -> Result<LingerEnd, HostError> {
         if let Some(e) = self.machine.error() {
             return Err(e.clone().into());
         }
@@ -424,22 +438,24 @@ impl Session {
             }
             // (events of no allreduce: membership notices, a failure above)
             while self.machine.poll_event().is_some() {}
-            if done() || start.elapsed() >= bound {
+            if self.machine.all_done() || done() || start.elapsed() >= bound {
                 break Ok(());
             }
             if let Err(e) = self.step(LINGER_CHECK.min(bound.saturating_sub(start.elapsed()))) {
                 break Err(e);
             }
         };
+        let all_done = self.machine.all_done();
         let now = self.now();
         self.machine.set_lingering(now, false);
-        ended.map(|()| self.machine.linger_stats())
+        ended.map(|()| LingerEnd { stats: self.machine.linger_stats(), all_done })
     }
 
     /// What lingering did so far ([`linger`](Self::linger)).
     pub fn linger_stats(&self) -> LingerStats {
         self.machine.linger_stats()
     }
+
 
     /// The error that ended this session, if one did (every later call
     /// returns it).

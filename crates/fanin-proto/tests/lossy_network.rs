@@ -78,7 +78,8 @@ struct Run {
     complete_only: bool,    /// A worker that finished its last allreduce lingers
     /// (`set_lingering`: it probes its switch and takes part in a
     /// recovery, docs/restart.md), as the torch backend's do until every
-    /// rank is done.
+    /// rank is done; the run ends when the switches told every worker
+    /// that all are done.
     linger: bool,
     /// Until the restart, worker `.0` hears no data result of a block at
     /// or after `.1`: the others can finish their last allreduce while it
@@ -261,7 +262,8 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
             }
         }
         // Re-poll events produced by begin() finishing instantly (empty tensors).
-        if outcomes.iter().zip(&total).all(|(o, t)| o.len() == *t) {
+        // (Lingering workers go on until the switches said all are done.)
+        if outcomes.iter().zip(&total).all(|(o, t)| o.len() == *t) && (!cfg.linger || sessions.iter().all(|s| s.all_done())) {
             break;
         }
         // next thing to happen: a delivery or a timer

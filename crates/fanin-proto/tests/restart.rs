@@ -246,7 +246,9 @@ impl Net {
         // the next event
         let next_wire = self.wire.iter().filter(|(_, to, _)| !matches!(to, To::Worker(w) if self.paused[*w])).map(|(t, _, _)| *t).min();
         let next_timer = self.ws.iter().zip(&self.paused).filter(|(_, p)| !**p).filter_map(|(w, _)| w.poll_timeout()).min();
-        let busy = self.ws.iter().any(|w| !w.is_ready()) || self.todo.iter().any(|t| !t.is_empty());
+        let busy = self.ws.iter().any(|w| !w.is_ready())
+            || self.todo.iter().any(|t| !t.is_empty())
+            || self.ws.iter().any(|w| w.lingering() && !w.all_done());
         let next = match next_wire.into_iter().chain(next_timer).min() {
             Some(t) => t,
             None => return false,
@@ -855,4 +857,30 @@ fn a_finished_member_that_lingers_lets_the_others_recover() {
     assert!(stats.probes >= 1);
     assert_eq!(net.sw.counters().recoveries, 1);
     assert!(net.done[1][1].recoveries > 0);
+}
+
+/// Lingering members say they are done; the switch says every member is
+/// once all did at the same block, and not before: here worker 1 still
+/// lacks results of the last allreduce (lost on the way) while 0 and 2
+/// finished and linger.
+#[test]
+fn lingering_members_learn_that_every_member_is_done_and_not_before() {
+    let mut net = Net::new(3, 4, 4, 1, 0.0, 3);
+    net.linger = true;
+    let ints = int_tensors(3, &[6, 6], 5);
+    load_int(&mut net, &ints);
+    net.deaf[1] = Some(10);
+    net.run_until(Duration::from_secs(5), |n| n.done[0].len() == 2 && n.done[2].len() == 2);
+    let t = net.now + Duration::from_secs(1);
+    net.run_until(Duration::from_secs(10), |n| n.now >= t);
+    assert_eq!(net.done[1].len(), 1);
+    assert!(net.ws.iter().all(|w| !w.all_done()), "a member still lacks results: nobody is told all are done");
+    assert!(net.ws[0].linger_stats().probes >= 4);
+    net.deaf[1] = None;
+    let t = net.now;
+    net.run_until(Duration::from_secs(20), |n| n.ws.iter().all(|w| w.all_done()));
+    check_int(&ints, &net.done);
+    let took = net.now.saturating_since(t);
+    assert!(took < Duration::from_millis(1500), "all done {took:?} after the results flowed again");
+    assert!(net.sw.counters().done_joins >= 3);
 }

@@ -252,23 +252,25 @@ impl Session {
         Ok(d)
     }
 
-    /// Keep taking part in the job with no allreduce running, for at most
-    /// `seconds`, or until `until()` returns true (called every 20 ms with
-    /// the GIL; the GIL is released otherwise). A member that finished its
-    /// last allreduce holds contributions the others need if the switch
-    /// restarts before they finish theirs (docs/restart.md, "Idle
-    /// members"); lingering, it probes the switch every 200 ms and takes
-    /// part in such a recovery. Returns `{"probes", "idle_recoveries"}`
-    /// over the session's life. Raises if the session failed meanwhile
-    /// (the results this member already has are not touched), or what
-    /// `until` raised.
+    /// Keep taking part in the job with no allreduce running until the
+    /// switch says every member is done, for at most `seconds`, or until
+    /// `until()` returns true (called every 20 ms with the GIL; the GIL is
+    /// released otherwise). A member that finished its last allreduce
+    /// holds contributions the others need if the switch restarts before
+    /// they finish theirs (docs/restart.md, "Idle members"); lingering, it
+    /// probes the switch every 200 ms, saying it is done, and takes part in
+    /// such a recovery. Returns `{"probes", "idle_recoveries", "all_done"}`
+    /// (the first two over the session's life; `all_done`: the switch said
+    /// every member is done). Raises if the session failed meanwhile (the
+    /// results this member already has are not touched), or what `until`
+    /// raised.
     #[pyo3(signature = (seconds, until=None))]
     fn linger<'py>(&mut self, py: Python<'py>, seconds: f64, until: Option<Py<PyAny>>) -> PyResult<Bound<'py, PyDict>> {
         if !(seconds.is_finite() && seconds >= 0.0) {
             return Err(PyValueError::new_err(format!("seconds must be 0 or more, got {seconds}")));
         }
         let mut raised: Option<PyErr> = None;
-        let stats = py
+        let end = py
             .detach(|| {
                 self.inner.linger(Duration::from_secs_f64(seconds), || {
                     let Some(until) = until.as_ref() else { return false };
@@ -286,8 +288,9 @@ impl Session {
             return Err(e);
         }
         let d = PyDict::new(py);
-        d.set_item("probes", stats.probes)?;
-        d.set_item("idle_recoveries", stats.idle_recoveries)?;
+        d.set_item("probes", end.stats.probes)?;
+        d.set_item("idle_recoveries", end.stats.idle_recoveries)?;
+        d.set_item("all_done", end.all_done)?;
         Ok(d)
     }
 

@@ -988,6 +988,14 @@ pub const JOIN_SYNC: u8 = 1;
 /// once every member reported; the JoinAck's `next_block` is then the
 /// recovery floor, the lowest block any member still needs.
 pub const JOIN_RECOVER: u8 = 2;
+/// `age_op` of a `Join` from a member that finished its last allreduce and
+/// lingers (docs/restart.md, "Idle members"): its `block_id` is the end of
+/// its stream (it has every result before it), `src_cnt` the low 16 bits
+/// of its member incarnation. It is also a probe: the switch answers as to
+/// a plain Join, or with [`JOIN_ALL_DONE`] once every member said it is
+/// done at the same block. A child switch sends one from its tree rank once
+/// all of its own members are done. No body.
+pub const JOIN_DONE: u8 = 3;
 /// `age_op` of a `JoinAck` that answers a Join held at the job's join
 /// barrier (docs/protocol.md §4.12): the switch heard the worker, but the
 /// round starts only when every member joined. `next_block` carries how many
@@ -1003,6 +1011,11 @@ pub const JOIN_ROUND_START: u8 = 4;
 /// the key it carries and nothing else (its other fields are the job's, but
 /// answer no Join).
 pub const JOIN_KEY_UPDATE: u8 = 5;
+/// `age_op` of the `JoinAck` answering a [`JOIN_DONE`] Join once every
+/// member of the job (below a tree's root: every worker of the tree) said
+/// it is done at `next_block`: nobody can need a recovery any more, and a
+/// lingering member may stop.
+pub const JOIN_ALL_DONE: u8 = 6;
 
 /// The 16-bit tag of a switch incarnation carried in the data plane: in
 /// `src_id` of Results, in the reserved field of Nacks, and by workers in

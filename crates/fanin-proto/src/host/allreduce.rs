@@ -723,7 +723,7 @@ impl AllreduceSession {
                     self.join_due = false;
                     let (repr, anchor) = match self.recovery_join() {
                         Some((repr, anchor)) => (repr, Some(anchor)),
-                        None => (self.probe_request(), None),
+                        None => (self.done_request().unwrap_or_else(|| self.probe_request()), None),
                     };
                     let seal = self.sealer.as_mut().map(|s| (s.key, s.take_seq()));
                     push_sealed(out, 0, repr.buffer_len(), seal.as_ref().map(|(k, q)| (k, *q)), |buf| {

@@ -183,6 +183,9 @@ pub struct Counters {
     /// A child switch's probes received (answered with StaleIncarnation
     /// while a recovery here waits for every member, else not at all).
     pub child_probes: u64,
+    /// `JOIN_DONE` Joins: a member (or a child switch for all of its own)
+    /// finished its last allreduce and lingers.
+    pub done_joins: u64,
     /// The job restarted its stream here because the parent switch
     /// restarted (its StaleIncarnation nack): this switch's members
     /// recover, and it reports their lowest block to the parent.
@@ -288,6 +291,7 @@ impl Counters {
         f("child_rejoin_asked", None, self.child_rejoin_asked);
         f("probes_up", None, self.probes_up);
         f("child_probes", None, self.child_probes);
+        f("done_joins", None, self.done_joins);
         f("parent_restarts", None, self.parent_restarts);
         f("rounds_started", None, self.rounds_started);
         f("rounds_ended", None, self.rounds_ended);
@@ -309,7 +313,7 @@ impl Counters {
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
-            stale_incarnation, recover_waiting, recoveries, child_rejoin_asked, probes_up, child_probes, parent_restarts, rounds_started,
+            stale_incarnation, recover_waiting, recoveries, child_rejoin_asked, probes_up, child_probes, done_joins, parent_restarts, rounds_started,
             rounds_ended, barrier_waiting, stale_round, rerun_in_tree, resumed_refused
         );
         for (a, b) in self.malformed.iter_mut().zip(other.malformed) {

@@ -55,7 +55,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use fanin_wire::value::{
-    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, RecoverAnchor, Repr, SyncRequest, TrimCause, AGE_OP_AGED, AGE_OP_CONGESTED, JOIN_RECOVER, JOIN_ROUND_START,
+    incarnation_tag, Dtype, JoinParams, Nack, NackReason, Packet, RecoverAnchor, Repr, SyncRequest, TrimCause, AGE_OP_AGED, AGE_OP_CONGESTED, JOIN_ALL_DONE, JOIN_DONE, JOIN_RECOVER, JOIN_ROUND_START,
     JOIN_SYNC, JOIN_WAIT, SYNC_NEWCOMER, ELEM_LEN, EXP_NONE, HEADER_LEN, MEMBERSHIP_FAILED, MEMBERSHIP_MISMATCH, MEMBERSHIP_READMITTED,
     MEMBERSHIP_RESTARTED, MEMBERSHIP_SLOW, NACK_TAG,
 };
@@ -359,6 +359,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // before their partials count (parent_restart.rs)
             switches_rejoin: resumed_with_children,
             last_probe_up: None,
+            done_at: HashMap::new(),
+            all_done_above: None,
             recover_lows: HashMap::new(),
             recover_floor: None,
             start_settled: false,
@@ -860,6 +862,7 @@ mod pool;
 mod board;
 mod transit;
 mod parent_restart;
+mod done;
 
 use block::*;
 pub use config::{AgingConfig, MemoryModel, ShardConfig, MAX_CHECKS, MAX_SCANNERS};
@@ -868,6 +871,7 @@ use reply::*;
 
 use join::*;
 use parent_restart::*;
+use done::*;
 use aggregate::*;
 use membership::*;
 use nacks::*;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use fanin_wire::value::{JoinParams, Repr, JOIN_KEY_UPDATE, JOIN_ROUND_START, JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT};
+use fanin_wire::value::{JoinParams, Repr, JOIN_ALL_DONE, JOIN_KEY_UPDATE, JOIN_ROUND_START, JOIN_SYNC, JOIN_WAIT, MAX_GRAD_CNT};
 use fanin_wire::MessageType;
 
 use super::{AllreduceSession, Event, SessionError, State};
@@ -50,6 +50,13 @@ impl AllreduceSession {
             }
             // A probe answered by a switch whose job waits at its barrier:
             // it restarted (another incarnation), which the probe is for.
+        }
+        if repr.age_op == JOIN_ALL_DONE {
+            // every member is done (an answer to our JOIN_DONE: linger.rs)
+            if matches!(self.state, State::Ready) {
+                self.on_all_done(params.next_block);
+            }
+            return;
         }
         if matches!(self.state, State::Ready) {
             self.on_rejoin_ack(now, repr, params);

@@ -15,6 +15,8 @@
 
 use std::time::Duration;
 
+use fanin_wire::value::{Repr, JOIN_DONE};
+
 use super::AllreduceSession;
 use crate::time::Time;
 
@@ -37,6 +39,9 @@ pub struct LingerStats {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Linger {
     pub(super) next_probe: Time,
+    /// The switch said every member is done at the end of this session's
+    /// stream (a `JOIN_ALL_DONE` JoinAck).
+    pub(super) all_done: bool,
 }
 
 impl AllreduceSession {
@@ -49,7 +54,7 @@ impl AllreduceSession {
     pub fn set_lingering(&mut self, now: Time, on: bool) {
         match (on, self.linger.is_some()) {
             // due at once: the first probe goes at the next timer
-            (true, false) => self.linger = Some(Linger { next_probe: now }),
+            (true, false) => self.linger = Some(Linger { next_probe: now, all_done: false }),
             (false, _) => self.linger = None,
             (true, true) => {}
         }
@@ -57,6 +62,31 @@ impl AllreduceSession {
 
     pub fn lingering(&self) -> bool {
         self.linger.is_some()
+    }
+
+    /// Whether the switch said, while this session lingered, that every
+    /// member of the job is done at the end of this session's stream:
+    /// nobody can need its retained contributions any more, so lingering
+    /// may stop.
+    pub fn all_done(&self) -> bool {
+        self.linger.is_some_and(|l| l.all_done)
+    }
+
+    /// The probe of a lingering session with nothing running: a
+    /// `JOIN_DONE` Join saying the end of its stream (every result before
+    /// it is here), which the switch answers as a probe, or with
+    /// `JOIN_ALL_DONE` once every member said the same.
+    pub(super) fn done_request(&self) -> Option<Repr> {
+        self.linger_deadline()?;
+        Some(Repr { age_op: JOIN_DONE, block_id: self.next_block, src_cnt: self.config.incarnation as u16, ..self.join_repr() })
+    }
+
+    /// A `JOIN_ALL_DONE` JoinAck: every member is done at `block`.
+    pub(super) fn on_all_done(&mut self, block: u32) {
+        let at_end = self.op.is_none() && block == self.next_block;
+        if let Some(linger) = self.linger.as_mut().filter(|_| at_end) {
+            linger.all_done = true;
+        }
     }
 
     pub fn linger_stats(&self) -> LingerStats {

@@ -158,6 +158,12 @@ pub(super) struct Job<A> {
     /// Non-root: when this switch last probed its parent for a member's
     /// probe ([`probe_up`](super::parent_restart::probe_up)).
     pub(super) last_probe_up: Option<Time>,
+    /// Members that said they are done (a [`JOIN_DONE`] Join: lingering
+    /// after their last allreduce), with the end of their stream.
+    pub(super) done_at: HashMap<u16, u32>,
+    /// Non-root: the parent said every worker of the tree is done at this
+    /// block ([`JOIN_ALL_DONE`]).
+    pub(super) all_done_above: Option<u32>,
     /// Recovery after a restart (docs/restart.md): the lowest block without
     /// a result each member reported in its `JOIN_RECOVER` join...
     pub(super) recover_lows: HashMap<u16, u32>,

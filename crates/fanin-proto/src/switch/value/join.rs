@@ -565,15 +565,16 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             send_nack(&mut self.counters, out, from, env, packet, NackReason::NotMember, src as u32);
             return Verdict::Consumed;
         }
-        if src >= SWITCH_RANK_BASE && packet.age_op() == 0 {
-            // A child switch joins nothing: a plain Join from one is its probe.
-            return parent_restart::child_probe(job, now, from, packet, &mut self.counters, out);
+        if src >= SWITCH_RANK_BASE && (packet.age_op() == 0 || packet.age_op() == JOIN_DONE) {
+            // A child switch joins nothing: a plain Join from one is its
+            // probe, a JOIN_DONE says its members all finished.
+            return parent_restart::child_probe(job, &self.config, now, from, packet, &mut self.counters, out);
         }
         // A Join saying its member incarnation, to a job whose stream
         // position is decided here, takes part in the job's rounds: a new
         // process of a rank starts a new round (rounds.rs).
         let inc = MemberIncarnation::of(packet);
-        let in_rounds = !inc.is_none() && packet.age_op() != JOIN_RECOVER && uses_rounds(job);
+        let in_rounds = !inc.is_none() && packet.age_op() != JOIN_RECOVER && packet.age_op() != JOIN_DONE && uses_rounds(job);
         let current = job.incarnations[src as usize];
         let new_process = in_rounds && !current.is_none() && !current.same(inc);
         // A new process of a rank (or any Join after a restart ended the
@@ -616,6 +617,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // (a plain Join's block_id carries its incarnation, not a block)
             let at = if inc.from_plain_join() { 0 } else { packet.block_id() };
             readmit(job, src as usize, at, &mut self.counters, out, &mut self.scratch);
+        }
+        if packet.age_op() == JOIN_DONE {
+            return done_join(job, &self.config, now, src, from, packet.block_id(), &mut self.counters, out);
         }
         if packet.age_op() == JOIN_RECOVER {
             if !inc.is_none() {

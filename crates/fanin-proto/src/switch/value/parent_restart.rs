@@ -119,6 +119,7 @@ pub(super) fn probe_up<A: Copy + PartialEq>(job: &mut Job<A>, now: Time, counter
 /// turn (the restarted switch may be further up).
 pub(super) fn child_probe<A: Copy + PartialEq>(
     job: &mut Job<A>,
+    config: &ShardConfig,
     now: Time,
     from: A,
     packet: &Packet<&[u8]>,
@@ -130,6 +131,10 @@ pub(super) fn child_probe<A: Copy + PartialEq>(
         counters.child_rejoin_asked += 1;
         let env = envelope(job.auth.as_mut(), Peer::Member(packet.src_id() as usize));
         send_nack(counters, out, from, env, packet, NackReason::StaleIncarnation, job.incarnation);
+    } else if packet.age_op() == JOIN_DONE {
+        // (its members all finished: done.rs; it probes up from there)
+        child_done(job, config, now, from, packet, counters, out);
+        return Verdict::Consumed;
     }
     probe_up(job, now, counters, out);
     Verdict::Consumed

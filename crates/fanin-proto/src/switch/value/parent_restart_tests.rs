@@ -127,7 +127,7 @@ fn a_child_passes_its_members_probes_up_and_a_recovering_parent_asks_it_to_repor
     let spec = JobSpec { members: vec![1, 2], workers: 3, ..job(1, 2, 4) };
     let mut child = shard(0x1000, spec, Some(Uplink { parent: vec![ROOT], rank: CHILD }));
     let at = |ms: u64| Time::from_nanos(ms * 1_000_000);
-    let mut probe = |child: &mut ValueSwitch<Addr>, ms: u64| {
+    let probe = |child: &mut ValueSwitch<Addr>, ms: u64| {
         let mut out = VecTransmit::new();
         let _ = child.handle_datagram(at(ms), 101, &plain_join(1), &mut out);
         out.drain().filter(|(dest, _)| *dest == ROOT).map(|(_, b)| b).collect::<Vec<_>>()
@@ -152,4 +152,56 @@ fn a_child_passes_its_members_probes_up_and_a_recovering_parent_asks_it_to_repor
     // ... which restarts the child's stream, as for a refused partial
     let (verdict, _) = deliver(&mut child, ROOT, &out[0].1);
     assert_eq!(verdict, Verdict::ParentRestarted { job_id: 1, parent: 0x3000 });
+}
+
+fn done_join(src: u16, block: u32) -> Vec<u8> {
+    let repr = Repr { age_op: JOIN_DONE, block_id: block, src_cnt: 7, ..Repr::new(MessageType::Join, 1, src) };
+    let mut buf = vec![0; repr.buffer_len()];
+    repr.emit(&mut Packet::new_unchecked(&mut buf[..]));
+    buf
+}
+
+/// Lingering members say they are done (JOIN_DONE, the end of their
+/// stream); the root answers JOIN_ALL_DONE once every member did at the
+/// same block, a child switch's report for its members included, and the
+/// child hands it down to its own members' next JOIN_DONE.
+#[test]
+fn every_member_done_is_answered_down_the_tree_and_only_then() {
+    let mut root = shard(0x2000, JobSpec { members: vec![0, CHILD], workers: 3, ..job(1, 1, 4) }, None);
+    let mut child = shard(0x1000, JobSpec { members: vec![1, 2], workers: 3, ..job(1, 2, 4) }, Some(Uplink { parent: vec![ROOT], rank: CHILD }));
+    let age = |out: &[(Addr, Vec<u8>)], to: Addr| out.iter().filter(|(d, _)| *d == to).map(|(_, b)| parsed(b).0.age_op).collect::<Vec<_>>();
+    // worker 0 (on the root) is done at 40: answered as a probe
+    let (_, out) = deliver(&mut root, 100, &done_join(0, 40));
+    assert_eq!(age(&out, 100), vec![0]);
+    // worker 1 done at 40, worker 2 at 39 (it ran less): the child's
+    // members are not all done at one block, so it only probes up
+    let (_, out) = deliver(&mut child, 101, &done_join(1, 40));
+    assert_eq!((age(&out, 101), age(&out, ROOT)), (vec![0], vec![0]));
+    let at = |ms: u64| Time::from_nanos(ms * 1_000_000);
+    let mut out = VecTransmit::new();
+    let _ = child.handle_datagram(at(200), 102, &done_join(2, 39), &mut out);
+    let out: Vec<_> = out.drain().collect();
+    assert_eq!((age(&out, 102), age(&out, ROOT)), (vec![0], vec![0]));
+    // worker 2 at 40 too: the child says its members are done, up
+    let mut out = VecTransmit::new();
+    let _ = child.handle_datagram(at(400), 102, &done_join(2, 40), &mut out);
+    let out: Vec<_> = out.drain().collect();
+    let up: Vec<_> = out.iter().filter(|(d, _)| *d == ROOT).map(|(_, b)| b.clone()).collect();
+    let (repr, _, _) = parsed(&up[0]);
+    assert_eq!((repr.age_op, repr.src_id, repr.block_id), (JOIN_DONE, CHILD, 40));
+    assert_eq!(age(&out, 102), vec![0], "the child does not know the rest of the tree yet");
+    // the root: every member done at 40, the child's subtree included
+    let (_, out) = deliver(&mut root, CHILD_ADDR, &up[0]);
+    let (repr, _, params) = parsed(&out[0].1);
+    assert_eq!((out[0].0, repr.age_op, repr.src_id, params.unwrap().next_block), (CHILD_ADDR, JOIN_ALL_DONE, CHILD, 40));
+    let (_, back) = deliver(&mut root, 100, &done_join(0, 40));
+    assert_eq!(age(&back, 100), vec![JOIN_ALL_DONE]);
+    // down the tree: the child's members learn it at their next JOIN_DONE
+    let (verdict, _) = deliver(&mut child, ROOT, &out[0].1);
+    assert_eq!(verdict, Verdict::Consumed);
+    let mut again = VecTransmit::new();
+    let _ = child.handle_datagram(at(600), 101, &done_join(1, 40), &mut again);
+    let again: Vec<_> = again.drain().collect();
+    assert_eq!(age(&again, 101), vec![JOIN_ALL_DONE]);
+    assert!(root.counters().done_joins >= 3 && child.counters().done_joins >= 4);
 }

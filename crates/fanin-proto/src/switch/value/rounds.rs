@@ -63,7 +63,8 @@ impl MemberIncarnation {
 
     /// What a worker's Join says.
     pub fn of(packet: &Packet<&[u8]>) -> Self {
-        let plain = packet.age_op() != JOIN_SYNC && packet.age_op() != JOIN_RECOVER;
+        // (only a plain Join says the high bits in its block_id)
+        let plain = packet.age_op() == 0;
         Self { low: packet.member_incarnation(), high: plain.then(|| packet.block_id()) }
     }
 

@@ -94,6 +94,15 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 };
                 return self.floor_from_parent(repr.job_id, params.next_block, out);
             }
+            MessageType::JoinAck if repr.age_op == JOIN_ALL_DONE && job.uplink.as_ref().is_some_and(|up| up.rank == repr.src_id) => {
+                // Every worker of the tree is done (done.rs).
+                let Ok(params) = JoinParams::parse(packet.payload()) else {
+                    counters.protocol_violation += 1;
+                    return Verdict::Consumed;
+                };
+                all_done_from_parent(job, params.next_block);
+                return Verdict::Consumed;
+            }
             MessageType::JoinAck => {
                 let Some((via, align)) = job.pending_sync.remove(&repr.src_id) else {
                     counters.parent_stale += 1;

@@ -1,0 +1,97 @@
+//! Members that finished: a lingering member's `JOIN_DONE` (the end of its
+//! stream), and the answer that every member is done, so lingering can
+//! stop exactly when nobody can need a recovery any more (docs/restart.md,
+//! "Idle members"). In a tree a switch whose members are all done says so
+//! to its parent with a `JOIN_DONE` of its own, and the root's
+//! `JOIN_ALL_DONE` comes down the same way.
+
+use super::*;
+
+/// Every member said it is done, at the same block: that block.
+fn all_done_here<A>(job: &Job<A>) -> Option<u32> {
+    let mut at = None;
+    for m in job.members.iter() {
+        let x = *job.done_at.get(&(m as u16))?;
+        if at.is_some_and(|a| a != x) {
+            return None; // (one ran more allreduces than another)
+        }
+        at = Some(x);
+    }
+    at
+}
+
+/// Whether every worker of the job, the whole tree's, is done at `block`.
+fn all_done_at<A>(job: &Job<A>, block: u32) -> bool {
+    all_done_here(job) == Some(block) && (job.uplink.is_none() || job.all_done_above == Some(block))
+}
+
+/// Record member `src` done at `block`, and tell the parent: this
+/// switch's members all done (a `JOIN_DONE` from its tree rank), or else a
+/// probe for a restart further up ([`probe_up`]); both at most every
+/// [`PROBE_UP_INTERVAL`].
+fn note_done<A: Copy + PartialEq>(job: &mut Job<A>, now: Time, src: u16, block: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
+    job.done_at.insert(src, block);
+    counters.done_joins += 1;
+    let Some(at) = all_done_here(job) else {
+        probe_up(job, now, counters, out);
+        return;
+    };
+    let Some(up) = job.uplink.as_ref() else { return };
+    if job.last_probe_up.is_some_and(|t| now < t + PROBE_UP_INTERVAL) {
+        return;
+    }
+    job.last_probe_up = Some(now);
+    let repr = Repr { age_op: JOIN_DONE, block_id: at, ..Repr::new(MessageType::Join, job.spec.job_id, up.rank) };
+    let dest = up.parent[0];
+    let env = envelope(job.auth.as_mut(), Peer::Parent);
+    send(out, dest, repr.buffer_len(), env, |buf| repr.emit(&mut Packet::new_unchecked(buf)));
+    counters.probes_up += 1;
+}
+
+/// A worker's `JOIN_DONE`: recorded, and answered as a probe (a plain
+/// JoinAck with this switch's incarnation: a restart shows there), or with
+/// `JOIN_ALL_DONE` once every worker is done at its block.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn done_join<A: Copy + PartialEq>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    now: Time,
+    src: u16,
+    from: A,
+    block: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) -> Verdict {
+    note_done(job, now, src, block, counters, out);
+    if all_done_at(job, block) {
+        answer_join_as(job, config, src, src, from, JoinStart::at(block), JOIN_ALL_DONE, out);
+    } else {
+        let start = job.start_block;
+        answer_join(job, config, src, src, from, start, out);
+    }
+    Verdict::Consumed
+}
+
+/// A child switch's `JOIN_DONE` (its members are all done): recorded, and
+/// answered only with `JOIN_ALL_DONE` (a child takes no plain JoinAck).
+pub(super) fn child_done<A: Copy + PartialEq>(
+    job: &mut Job<A>,
+    config: &ShardConfig,
+    now: Time,
+    from: A,
+    packet: &Packet<&[u8]>,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) {
+    let (src, block) = (packet.src_id(), packet.block_id());
+    note_done(job, now, src, block, counters, out);
+    if all_done_at(job, block) {
+        answer_join_as(job, config, src, src, from, JoinStart::at(block), JOIN_ALL_DONE, out);
+    }
+}
+
+/// The parent's `JOIN_ALL_DONE`: every worker of the tree is done at
+/// `block`; this switch's members learn it from their next `JOIN_DONE`.
+pub(super) fn all_done_from_parent<A>(job: &mut Job<A>, block: u32) {
+    job.all_done_above = Some(block);
+}
