@@ -32,20 +32,10 @@ fn all_done_at<A>(job: &Job<A>, block: u32) -> bool {
 fn note_done<A: Copy + PartialEq>(job: &mut Job<A>, now: Time, src: u16, block: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
     job.done_at.insert(src, block);
     counters.done_joins += 1;
-    let Some(at) = all_done_here(job) else {
-        probe_up(job, now, counters, out);
-        return;
-    };
-    let Some(up) = job.uplink.as_ref() else { return };
-    if job.last_probe_up.is_some_and(|t| now < t + PROBE_UP_INTERVAL) {
-        return;
+    match all_done_here(job) {
+        Some(at) => join_up(job, now, JOIN_DONE, at, counters, out),
+        None => probe_up(job, now, counters, out),
     }
-    job.last_probe_up = Some(now);
-    let repr = Repr { age_op: JOIN_DONE, block_id: at, ..Repr::new(MessageType::Join, job.spec.job_id, up.rank) };
-    let dest = up.parent[0];
-    let env = envelope(job.auth.as_mut(), Peer::Parent);
-    send(out, dest, repr.buffer_len(), env, |buf| repr.emit(&mut Packet::new_unchecked(buf)));
-    counters.probes_up += 1;
 }
 
 /// A worker's `JOIN_DONE`: recorded, and answered as a probe (a plain

@@ -101,12 +101,26 @@ pub(super) const PROBE_UP_INTERVAL: Duration = Duration::from_millis(100);
 /// (docs/restart.md, "Idle members"). A parent with nothing to ask answers
 /// nothing.
 pub(super) fn probe_up<A: Copy + PartialEq>(job: &mut Job<A>, now: Time, counters: &mut Counters, out: &mut impl Transmit<A>) {
+    join_up(job, now, 0, 0, counters, out);
+}
+
+/// A Join from this switch's tree rank to its parent, `age_op` with
+/// `block_id` (a probe, or a `JOIN_DONE` for all of its members, done.rs),
+/// at most every [`PROBE_UP_INTERVAL`]; none from a root.
+pub(super) fn join_up<A: Copy + PartialEq>(
+    job: &mut Job<A>,
+    now: Time,
+    age_op: u8,
+    block_id: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) {
     let Some(up) = job.uplink.as_ref() else { return };
     if job.last_probe_up.is_some_and(|t| now < t + PROBE_UP_INTERVAL) {
         return;
     }
     job.last_probe_up = Some(now);
-    let repr = Repr::new(MessageType::Join, job.spec.job_id, up.rank);
+    let repr = Repr { age_op, block_id, ..Repr::new(MessageType::Join, job.spec.job_id, up.rank) };
     let dest = up.parent[0];
     let env = envelope(job.auth.as_mut(), Peer::Parent);
     send(out, dest, repr.buffer_len(), env, |buf| repr.emit(&mut Packet::new_unchecked(buf)));
