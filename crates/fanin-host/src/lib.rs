@@ -410,19 +410,17 @@ impl Session {
     /// Keep taking part in the job with no allreduce running, until the
     /// switch says every member is done at the end of this session's
     /// stream, `done` says so (asked every [`LINGER_CHECK`]) or `bound`
-    /// has passed: a
-    /// member that finished its last allreduce holds contributions the
-    /// others need if the switch restarts before they finish theirs
-    /// (docs/restart.md, "Idle members"). While it lingers the session
-    /// probes the switch every
+    /// has passed: a member that finished its last allreduce holds
+    /// contributions the others need if the switch restarts before they
+    /// finish theirs (docs/restart.md, "Idle members"). While it lingers
+    /// the session probes the switch every
     /// [`LINGER_PROBE_INTERVAL`](fanin_proto::host::LINGER_PROBE_INTERVAL)
     /// and, finding a restart, takes part in the recovery. Each probe says
     /// the session is done (a `JOIN_DONE` Join), and once every member
     /// said so at the same block the switch answers that all are
-    /// ([`all_done`](Self::all_done)); `done` is for a caller that knows
-    /// sooner, `bound` for members that never finish. Returns how it
-    /// ended ([`LingerEnd`]);
-    /// an error if the session failed meanwhile (a recovery that stalled:
+    /// ([`LingerEnd::all_done`]); `done` is for a caller that knows sooner,
+    /// `bound` for members that never finish. Returns how it ended; an
+    /// error if the session failed meanwhile (a recovery that stalled:
     /// another member was idle and did not linger), which leaves every
     /// result this member already has as it was.
     pub fn linger(&mut self, bound: Duration, mut done: impl FnMut() -> bool) -> Result<LingerEnd, HostError> {
@@ -450,12 +448,6 @@ impl Session {
         self.machine.set_lingering(now, false);
         ended.map(|()| LingerEnd { stats: self.machine.linger_stats(), all_done })
     }
-
-    /// What lingering did so far ([`linger`](Self::linger)).
-    pub fn linger_stats(&self) -> LingerStats {
-        self.machine.linger_stats()
-    }
-
 
     /// The error that ended this session, if one did (every later call
     /// returns it).

@@ -176,9 +176,10 @@ pub struct Counters {
     /// here waited for every member's recovery Join: the child restarts its
     /// subtree's stream and reports (docs/restart.md, "Trees").
     pub child_rejoin_asked: u64,
-    /// Probes (plain Joins) sent to the parent because a member probed
-    /// this switch: a parent's restart reaches a subtree whose workers all
-    /// finished and only linger (docs/restart.md, "Idle members").
+    /// Joins sent to the parent because a member probed this switch: a
+    /// probe (plain Join), or `JOIN_DONE` once all its members are done. A
+    /// parent's restart reaches a subtree whose workers all finished and
+    /// only linger (docs/restart.md, "Idle members").
     pub probes_up: u64,
     /// A child switch's probes received (answered with StaleIncarnation
     /// while a recovery here waits for every member, else not at all).

@@ -7,11 +7,12 @@
 //! allreduce before the restart holds the contributions the others need
 //! (its retained blocks), but nothing drives its session, so the others
 //! fail with `RecoveryStalled`. A lingering session is driven with no
-//! allreduce running: it probes the switch with a plain Join every
-//! [`LINGER_PROBE_INTERVAL`]; a JoinAck of another incarnation starts the
-//! ordinary recovery (`low` = the end of its stream, since it has every
-//! result), whose resends need no running allreduce. The driver says when
-//! to stop (every member done, or a bound).
+//! allreduce running: it probes the switch every [`LINGER_PROBE_INTERVAL`]
+//! with a `JOIN_DONE` Join saying the end of its stream; a JoinAck of
+//! another incarnation starts the ordinary recovery (`low` = the end of its
+//! stream, since it has every result), whose resends need no running
+//! allreduce, and a `JOIN_ALL_DONE` says every member is done. The driver
+//! stops then, or at its own signal or bound.
 
 use std::time::Duration;
 

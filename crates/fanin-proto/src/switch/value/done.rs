@@ -25,22 +25,38 @@ fn all_done_at<A>(job: &Job<A>, block: u32) -> bool {
     all_done_here(job) == Some(block) && (job.uplink.is_none() || job.all_done_above == Some(block))
 }
 
-/// Record member `src` done at `block`, and tell the parent: this
-/// switch's members all done (a `JOIN_DONE` from its tree rank), or else a
-/// probe for a restart further up ([`probe_up`]); both at most every
-/// [`PROBE_UP_INTERVAL`].
-fn note_done<A: Copy + PartialEq>(job: &mut Job<A>, now: Time, src: u16, block: u32, counters: &mut Counters, out: &mut impl Transmit<A>) {
+/// Record member `src` (a worker, or a child switch for all of its own)
+/// done at `block`, and tell the parent: this switch's members all done
+/// (a `JOIN_DONE` from its tree rank), or else a probe for a restart
+/// further up ([`probe_up`]); both at most every [`PROBE_UP_INTERVAL`].
+/// Returns whether every worker of the job is done at `block`: then
+/// [`answer_all_done`].
+pub(super) fn note_done<A: Copy + PartialEq>(
+    job: &mut Job<A>,
+    now: Time,
+    src: u16,
+    block: u32,
+    counters: &mut Counters,
+    out: &mut impl Transmit<A>,
+) -> bool {
     job.done_at.insert(src, block);
     counters.done_joins += 1;
     match all_done_here(job) {
         Some(at) => join_up(job, now, JOIN_DONE, at, counters, out),
         None => probe_up(job, now, counters, out),
     }
+    all_done_at(job, block)
+}
+
+/// `JOIN_ALL_DONE` at `block` to member `src` at `dest`.
+pub(super) fn answer_all_done<A: Copy + PartialEq>(job: &mut Job<A>, config: &ShardConfig, src: u16, dest: A, block: u32, out: &mut impl Transmit<A>) {
+    answer_join_as(job, config, src, src, dest, JoinStart::at(block), JOIN_ALL_DONE, out);
 }
 
 /// A worker's `JOIN_DONE`: recorded, and answered as a probe (a plain
 /// JoinAck with this switch's incarnation: a restart shows there), or with
-/// `JOIN_ALL_DONE` once every worker is done at its block.
+/// `JOIN_ALL_DONE` once every worker is done at its block. (A child
+/// switch's is answered only with the latter: parent_restart.rs.)
 #[allow(clippy::too_many_arguments)]
 pub(super) fn done_join<A: Copy + PartialEq>(
     job: &mut Job<A>,
@@ -52,32 +68,13 @@ pub(super) fn done_join<A: Copy + PartialEq>(
     counters: &mut Counters,
     out: &mut impl Transmit<A>,
 ) -> Verdict {
-    note_done(job, now, src, block, counters, out);
-    if all_done_at(job, block) {
-        answer_join_as(job, config, src, src, from, JoinStart::at(block), JOIN_ALL_DONE, out);
+    if note_done(job, now, src, block, counters, out) {
+        answer_all_done(job, config, src, from, block, out);
     } else {
         let start = job.start_block;
         answer_join(job, config, src, src, from, start, out);
     }
     Verdict::Consumed
-}
-
-/// A child switch's `JOIN_DONE` (its members are all done): recorded, and
-/// answered only with `JOIN_ALL_DONE` (a child takes no plain JoinAck).
-pub(super) fn child_done<A: Copy + PartialEq>(
-    job: &mut Job<A>,
-    config: &ShardConfig,
-    now: Time,
-    from: A,
-    packet: &Packet<&[u8]>,
-    counters: &mut Counters,
-    out: &mut impl Transmit<A>,
-) {
-    let (src, block) = (packet.src_id(), packet.block_id());
-    note_done(job, now, src, block, counters, out);
-    if all_done_at(job, block) {
-        answer_join_as(job, config, src, src, from, JoinStart::at(block), JOIN_ALL_DONE, out);
-    }
 }
 
 /// The parent's `JOIN_ALL_DONE`: every worker of the tree is done at

@@ -146,8 +146,12 @@ pub(super) fn child_probe<A: Copy + PartialEq>(
         let env = envelope(job.auth.as_mut(), Peer::Member(packet.src_id() as usize));
         send_nack(counters, out, from, env, packet, NackReason::StaleIncarnation, job.incarnation);
     } else if packet.age_op() == JOIN_DONE {
-        // (its members all finished: done.rs; it probes up from there)
-        child_done(job, config, now, from, packet, counters, out);
+        // Its members all finished (done.rs, which probes up from there); a
+        // child takes no plain JoinAck, only the word that all are done.
+        let (src, block) = (packet.src_id(), packet.block_id());
+        if note_done(job, now, src, block, counters, out) {
+            answer_all_done(job, config, src, from, block, out);
+        }
         return Verdict::Consumed;
     }
     probe_up(job, now, counters, out);
