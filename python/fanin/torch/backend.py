@@ -237,9 +237,9 @@ class FaninProcessGroup(dist.ProcessGroup):
         self._log = StepLog(self._conn.n_sources)
         self._closed = False
         self._cuda: Optional[CudaStaging] = None
-        #: ``{"probes", "idle_recoveries"}`` of the session's lingering at
-        #: shutdown (None before, or if it could not linger)
-        self.linger_stats: Optional[dict[str, int]] = None
+        #: ``{"probes", "idle_recoveries", "all_done"}`` of the session's
+        #: lingering at shutdown (None before, or if it could not linger)
+        self.linger_stats: Optional[dict[str, Any]] = None
         if job is not None:
             _ON_EXTERNAL_JOB[job] = weakref.ref(self)
 
