@@ -137,6 +137,13 @@ class Session:
             spread it over more cores (docs/network.md, "A worker on several
             threads"). The protocol and the results are the same. 1 (the
             default) sends from the calling thread only.
+        ecn: Explicit Congestion Notification (docs/congestion.md, "ECN"):
+            datagrams go out ECN-capable, and a result that a queue on its
+            way marked Congestion Experienced (instead of dropping it) is
+            echoed to the switch, which marks the next block's result for
+            every member; every member's window is cut there, as after a
+            repaired loss. On by default, as on the switch (``[switch] ecn``);
+            turn it off only on a path that mishandles ECN-capable packets.
 
     Errors: an allreduce returns a complete result or raises.
     :class:`fanin.MemberRestarted` (another rank's process was replaced:
@@ -179,6 +186,7 @@ class Session:
         members: int = 0,
         lanes: int = 1,
         switch_gone_after_s: float = _DEFAULTS["switch_gone_after_s"],
+        ecn: bool = True,
     ) -> None:
         self._native = _native.Session(
             switch,
@@ -205,6 +213,7 @@ class Session:
             members=members,
             lanes=lanes,
             switch_gone_after_s=switch_gone_after_s,
+            ecn=ecn,
         )
         self.switch = switch
         self.job_id = job_id
@@ -284,7 +293,10 @@ class Session:
         a block and shrink its window), ``fast_retransmits`` (blocks found
         lost because results of later blocks came first: congestion
         signals, each within about a round trip), ``timeouts`` (stall
-        timeouts: nothing answered for an RTO), ``window`` (the congestion
+        timeouts: nothing answered for an RTO), ``marked_results`` (results
+        the switch marked congested: a repaired loss, or a queue's ECN mark
+        on some member's path), ``ecn_ce`` (results that reached this worker
+        CE-marked, each echoed to the switch), ``window`` (the congestion
         window in blocks when the call ended; docs/congestion.md), ``blocks``,
         ``gen_id``, ``degraded_blocks`` (list of ``(block, src_cnt)``: blocks
         whose result summed fewer than all members), ``min_src_cnt``,

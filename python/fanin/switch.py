@@ -146,6 +146,7 @@ def switch_config(
     jobs: Iterable[dict[str, Any]] = (),
     control_token: Optional[str] = None,
     data_mtu: Optional[int] = None,
+    ecn: bool = True,
 ) -> dict[str, Any]:
     """The daemon configuration (the same fields as the TOML config file).
     ``shards``: processing threads, one data port each (None: the daemon's
@@ -168,7 +169,9 @@ def switch_config(
     requires; unset, the daemon takes ``FANIN_CONTROL_TOKEN`` from the
     environment, and refuses to start with a non-loopback ``control_addr``
     and no token (docs/security.md). ``rate_limit=(pps, burst)`` is the per-source rate
-    limit of jobs that set none (docs/overload.md)."""
+    limit of jobs that set none (docs/overload.md). ``ecn``: send results
+    ECN-capable and mark a block whose contribution arrived CE-marked
+    (docs/congestion.md, "ECN")."""
     cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks, "max_factor": max_factor, "threads": scanner_threads},
         "trim": {"enabled": trim, "watermark": trim_watermark},
@@ -177,6 +180,7 @@ def switch_config(
         "metrics_addr": metrics_addr,
         "memory_mb": memory_mb,
         "batch": batch,
+        "ecn": ecn,
         "faults": {"ingress_drop": ingress_drop, "ingress_duplicate": ingress_duplicate,
                    "ingress_reorder": ingress_reorder, "egress_drop": egress_drop, "seed": seed},
         "jobs": list(jobs),

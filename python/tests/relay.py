@@ -1,5 +1,7 @@
 """A UDP relay between one worker and a switch that can drop what the
-switch sends it, for tests that need a member left without results."""
+switch sends it, for tests that need a member left without results, or
+mark what it forwards ECN Congestion Experienced, as a queue on the path
+would instead of dropping it."""
 
 import socket
 import threading
@@ -14,7 +16,9 @@ class ResultEater:
     RESULT = 0x03  # fanin_wire::MessageType::Result, byte 3 of the preamble...
     SEALED = 0x80  # ...with this bit set in a keyed job (fanin_wire::auth::SEALED)
 
-    def __init__(self, switch_addr: str) -> None:
+    CE = 0b11  # the IP header's ECN field: Congestion Experienced (RFC 3168)
+
+    def __init__(self, switch_addr: str, *, ce_up: bool = False, ce_down: bool = False) -> None:
         host, port = switch_addr.rsplit(":", 1)
         self._switch = (host, int(port))
         self.front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the worker's "switch"
@@ -23,6 +27,18 @@ class ResultEater:
         self.back.bind(("127.0.0.1", 0))
         for s in (self.front, self.back):
             s.settimeout(0.05)
+            # room for a window of datagrams while this thread catches up
+            # (a relay that dropped them would make losses of its own)
+            try:
+                s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (root)
+            except OSError:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        # what the relay forwards leaves CE-marked: to the switch (the
+        # worker's uplink marked it) or to the worker (its downlink did)
+        if ce_up:
+            self.back.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, self.CE)
+        if ce_down:
+            self.front.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, self.CE)
         self.eat_results = False
         self.eaten = 0
         self._worker = None

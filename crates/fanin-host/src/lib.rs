@@ -55,6 +55,12 @@ pub struct SessionOptions {
     /// (1 to [`MAX_LANES`]; at most the job's shard count are used). The
     /// protocol is the same one state machine either way.
     pub lanes: usize,
+    /// Explicit Congestion Notification (docs/congestion.md, "ECN"): send
+    /// ECN-capable datagrams and read whether results arrived marked
+    /// Congestion Experienced by a queue on their way; a marked result is
+    /// echoed to the switch, which marks the next block's result for every
+    /// member, and every window is cut there as on a repaired loss.
+    pub ecn: bool,
 }
 
 impl SessionOptions {
@@ -71,6 +77,7 @@ impl SessionOptions {
             offload: true,
             result_group: None,
             lanes: 1,
+            ecn: true,
         }
     }
 }
@@ -586,14 +593,14 @@ impl Session {
             ReadFrom::Lane(lane) => self.stats.received_by_lane[lane] += self.rx.len() as u64,
         }
         if self.recv_faults.is_enabled() {
-            let all: Vec<_> = self.rx.iter().collect();
+            let all: Vec<_> = self.rx.iter_ecn().collect();
             self.recv_faults.schedule(all.len(), &mut self.recv_order);
             for &i in &self.recv_order {
-                self.machine.handle_datagram(now, all[i].1);
+                self.machine.handle_datagram_ce(now, all[i].1, all[i].2);
             }
         } else {
-            for (_, bytes) in self.rx.iter() {
-                self.machine.handle_datagram(now, bytes);
+            for (_, bytes, ce) in self.rx.iter_ecn() {
+                self.machine.handle_datagram_ce(now, bytes, ce);
             }
         }
         Ok(got)
@@ -614,6 +621,9 @@ fn bind_lane_socket(ip: IpAddr, options: &SessionOptions) -> Result<BatchSocket,
     let _ = socket.set_buffer_sizes(options.socket_buffer, options.socket_buffer);
     if options.offload {
         let _ = socket.enable_gro();
+    }
+    if options.ecn {
+        socket.enable_ecn()?;
     }
     Ok(socket)
 }
@@ -644,6 +654,9 @@ fn listen_on_group(group: SocketAddrV4, switch: SocketAddr, options: &SessionOpt
     let _ = listener.set_buffer_sizes(options.socket_buffer, options.socket_buffer);
     if options.offload {
         let _ = listener.enable_gro();
+    }
+    if options.ecn {
+        listener.enable_ecn().map_err(|e| refuse(format!("cannot read ECN marks on it: {e}")))?;
     }
     Ok(listener)
 }

@@ -62,7 +62,7 @@ impl Session {
     #[pyo3(signature = (switch, job_id, rank, elems_per_packet=None, window=None, send_drop=0.0, seed=0,
                         rto_ms=None, rto_min_ms=None, rto_max_ms=None, join_timeout_s=None, dead_after_s=None, offload=true,
                         recv_drop=0.0, sync_join=false, align_blocks=0, recv_duplicate=0.0, recv_reorder=0.0, auth_key=None, result_group=None,
-                        barrier_timeout_s=None, members=0, lanes=1, switch_gone_after_s=None))]
+                        barrier_timeout_s=None, members=0, lanes=1, switch_gone_after_s=None, ecn=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -90,6 +90,7 @@ impl Session {
         members: u16,
         lanes: usize,
         switch_gone_after_s: Option<f64>,
+        ecn: bool,
     ) -> PyResult<Self> {
         let addr = resolve_switch(switch)?;
         let secs = |name: &str, v: f64| -> PyResult<Duration> {
@@ -129,6 +130,7 @@ impl Session {
         o.seed = seed;
         o.offload = offload;
         o.lanes = lanes;
+        o.ecn = ecn;
         o.result_group = result_group
             .map(|g| {
                 g.parse().map_err(|_| {
@@ -195,7 +197,9 @@ impl Session {
     /// degraded_blocks [(block index, src_cnt)], min_src_cnt, missed_blocks,
     /// latency_mean_ms / latency_max_ms (first send of a block to its
     /// result), slow_sources (sources the switch declared permanently slow)
-    /// and recoveries (switch restarts recovered from, docs/restart.md).
+    /// and recoveries (switch restarts recovered from, docs/restart.md);
+    /// marked_results (results the switch marked congested) and ecn_ce
+    /// (results that arrived CE-marked, docs/congestion.md "ECN").
     fn last_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(o) = &self.last else { return Ok(None) };
         let d = PyDict::new(py);
@@ -203,6 +207,8 @@ impl Session {
         d.set_item("trimmed", o.trimmed)?;
         d.set_item("fast_retransmits", o.fast_retransmits)?;
         d.set_item("timeouts", o.timeouts)?;
+        d.set_item("marked_results", o.marked_results)?;
+        d.set_item("ecn_ce", o.ecn_ce)?;
         d.set_item("window", o.window)?;
         d.set_item("blocks", o.blocks)?;
         d.set_item("gen_id", o.gen_id)?;

@@ -145,6 +145,13 @@ pub struct DaemonConfig {
     /// Socket buffer size requested for each data socket, in bytes.
     #[serde(default = "default_socket_buffer")]
     pub socket_buffer: usize,
+    /// Explicit Congestion Notification (docs/congestion.md, "ECN"): send
+    /// results ECN-capable and read whether contributions arrived marked
+    /// Congestion Experienced by a queue on their way (a CE-marked
+    /// contribution marks its block's result, as a repaired loss does).
+    /// Workers do the same unless their session turns it off.
+    #[serde(default = "default_ecn")]
+    pub ecn: bool,
     #[serde(default)]
     pub faults: FaultConfig,
     #[serde(default)]
@@ -353,6 +360,9 @@ fn default_memory_model() -> String {
 }
 fn default_batch() -> usize {
     64
+}
+fn default_ecn() -> bool {
+    true
 }
 fn default_socket_buffer() -> usize {
     32 << 20

@@ -37,6 +37,8 @@ pub enum StartError {
     Control(#[from] fanin_control::ControlError),
     #[error("cannot start the scanner threads ([aging] threads = true): eventfd: {0}")]
     Scanners(std::io::Error),
+    #[error("cannot turn ECN on for a data socket (set `ecn = false` to run without it): {0}")]
+    Ecn(std::io::Error),
 }
 
 struct ShardLink {
@@ -456,6 +458,9 @@ impl SwitchHandle {
             let stats = Arc::new(ShardStats::default());
             let _ = socket.set_buffer_sizes(config.socket_buffer, config.socket_buffer);
             let _ = socket.enable_gro();
+            if config.ecn {
+                socket.enable_ecn().map_err(StartError::Ecn)?;
+            }
             // results to jobs' multicast groups leave by the data address's interface
             let multicast = socket.enable_multicast_send().unwrap_or(false);
             let seed = config.faults.seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64);

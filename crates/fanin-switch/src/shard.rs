@@ -44,8 +44,8 @@ pub(crate) enum Command {
     AddTransit(u32, Vec<SocketAddr>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     RemoveTransit(u32, SyncSender<bool>),
     /// A datagram received by another shard for a block (or key-value
-    /// task) this shard owns.
-    Handover(SocketAddr, Vec<u8>),
+    /// task) this shard owns, and whether it arrived CE-marked.
+    Handover(SocketAddr, Vec<u8>, bool),
     /// What another shard's Join handling changed (a joiner's sync start,
     /// whether a member listens on the result group, a round that started
     /// or ended): [`ValueSwitch::learn`].
@@ -252,12 +252,13 @@ impl ShardThread {
                 // With ingress faults on, process the batch in the order they
                 // chose (drops left out, duplicates twice, some swapped).
                 let faulty = self.ingress.is_enabled().then(|| {
-                    let all: Vec<_> = rx.iter().collect();
+                    let all: Vec<_> = rx.iter_ecn().collect();
                     self.ingress.schedule(all.len(), &mut self.ingress_order);
                     self.ingress_order.iter().map(|&i| all[i]).collect::<Vec<_>>()
                 });
-                let plain = faulty.is_none().then(|| rx.iter());
-                for (from, bytes) in faulty.into_iter().flatten().chain(plain.into_iter().flatten()) {
+                let plain = faulty.is_none().then(|| rx.iter_ecn());
+                // `ce`: a queue on the way marked the datagram (ECN)
+                for (from, bytes, ce) in faulty.into_iter().flatten().chain(plain.into_iter().flatten()) {
                     let owner = match kv_task_of(bytes) {
                         Some(task) => {
                             let owner = kv_owner(task, self.peers.len());
@@ -278,7 +279,7 @@ impl ShardThread {
                                     TrimVerdict::Process => {}
                                 }
                             }
-                            match self.switch.handle_datagram(now, from, bytes, &mut out) {
+                            match self.switch.handle_datagram_ce(now, from, bytes, ce, &mut out) {
                                 Verdict::Consumed => continue,
                                 Verdict::WrongShard(owner) => owner,
                                 // What a Join changed that every shard must know:
@@ -292,7 +293,7 @@ impl ShardThread {
                         }
                     };
                     if let Some(peer) = self.peers.get(owner as usize) {
-                        let _ = peer.send(Command::Handover(from, bytes.to_vec()));
+                        let _ = peer.send(Command::Handover(from, bytes.to_vec(), ce));
                     }
                 }
                 self.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -368,7 +369,7 @@ impl ShardThread {
                 Ok(Command::KvTaskStats(ids, reply)) => {
                     let _ = reply.send(ids.into_iter().map(|id| (id, self.kv.task_stats(id))).collect());
                 }
-                Ok(Command::Handover(from, bytes)) => {
+                Ok(Command::Handover(from, bytes, ce)) => {
                     // A handed-over datagram is ours by construction; a second
                     // hop cannot happen. A contribution that does not line
                     // up with its block ends the round here: the others
@@ -379,7 +380,7 @@ impl ShardThread {
                             kv.handle_datagram(now, from, &bytes, out);
                             Verdict::Consumed
                         } else {
-                            sw.handle_datagram(now, from, &bytes, out)
+                            sw.handle_datagram_ce(now, from, &bytes, ce, out)
                         }
                     });
                     if !matches!(verdict, Verdict::Consumed | Verdict::WrongShard(_)) {

@@ -39,6 +39,7 @@
 #[cfg(not(target_os = "linux"))]
 compile_error!("fanin-udp uses Linux-only syscalls (recvmmsg, sendmmsg, UDP GSO/GRO)");
 
+pub mod ecn;
 mod multicast;
 mod mtu;
 mod recv;

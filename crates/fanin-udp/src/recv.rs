@@ -30,6 +30,9 @@ struct SlotMeta {
     len: u32,
     /// GRO segment size; 0 when the slot holds a single datagram.
     segment: u32,
+    /// The IP header's ECN codepoint (GRO coalesces only datagrams whose
+    /// TOS bytes agree, so it is every segment's).
+    ecn: u8,
 }
 
 /// Scratch for the syscall: headers pointing into `RecvBatch`'s own buffers.
@@ -159,6 +162,18 @@ impl RecvBatch {
         }
     }
 
+    /// As [`iter`](Self::iter), with whether each datagram's IP header said
+    /// Congestion Experienced (read when the socket
+    /// [enabled ECN](crate::BatchSocket::enable_ecn); false otherwise).
+    pub fn iter_ecn(&self) -> impl Iterator<Item = (SocketAddr, &[u8], bool)> + '_ {
+        let mut it = self.iter();
+        std::iter::from_fn(move || {
+            // the slot `next` reads from is the one at `index` now
+            let ce = self.meta.get(it.index).is_some_and(|m| m.ecn == crate::ecn::CE);
+            it.next().map(|(from, bytes)| (from, bytes, ce))
+        })
+    }
+
     fn clear(&mut self) {
         self.meta.clear();
         self.datagrams = 0;
@@ -260,6 +275,7 @@ impl RecvBatch {
                 slot: i as u32,
                 len: len as u32,
                 segment: segment as u32,
+                ecn: crate::ecn::ecn_codepoint(&h.msg_hdr),
             });
         }
         Ok(self.datagrams)

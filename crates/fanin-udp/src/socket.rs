@@ -49,6 +49,11 @@ impl BatchSocket {
         Self::from_std(UdpSocket::bind(addr)?)
     }
 
+    /// Bound to an IPv6 address.
+    pub(crate) fn is_v6(&self) -> bool {
+        self.is_v6
+    }
+
     /// Wraps a bound socket, keeping its blocking mode and options, and
     /// probes GSO support.
     ///

@@ -367,6 +367,12 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
         }
         self.buffer.as_mut()[field::FLAGS] = flags;
     }
+    /// Rewrite `age_op` alone, keeping the other flags (a contribution
+    /// copied from a capture that now carries a congestion echo).
+    pub fn set_age_op(&mut self, age_op: u8) {
+        let flags = &mut self.buffer.as_mut()[field::FLAGS];
+        *flags = (*flags & !(0x0f << AGE_OP_SHIFT)) | (age_op & 0x0f) << AGE_OP_SHIFT;
+    }
     pub fn set_dtype(&mut self, d: Dtype) {
         self.buffer.as_mut()[field::DTYPE] = d as u8;
     }

@@ -136,6 +136,11 @@ pub struct AllreduceSession {
     /// Congestion control: the window (blocks outstanding), at most the
     /// configured window clamped to the job's `block_cnt_max`.
     cc: Congestion,
+    /// A result reached this worker with CE in its IP header (a queue on
+    /// the way down marked it): the next contribution sent carries the
+    /// echo (`AGE_OP_CONGESTED`), so the switch marks that block's result
+    /// for every member (docs/congestion.md, "ECN").
+    ce_echo: bool,
     last_heard: Time,
     /// The first report, since the switch last sent anything, that nothing
     /// listens on its port ([`handle_port_unreachable`](Self::handle_port_unreachable)).
@@ -237,6 +242,7 @@ impl AllreduceSession {
         };
         let mut session = Self {
             cc: Congestion::new(INITIAL_WINDOW, config.window),
+            ce_echo: false,
             config,
             state,
             params: None,
@@ -553,6 +559,8 @@ impl AllreduceSession {
             trimmed: 0,
             fast_retransmits: 0,
             timeouts: 0,
+            marked_results: 0,
+            ecn_ce: 0,
             degraded: Vec::new(),
             min_src_cnt: self.n_sources,
             recoveries: 0,
@@ -806,6 +814,14 @@ impl AllreduceSession {
     }
 
     pub fn handle_datagram(&mut self, now: Time, bytes: &[u8]) {
+        self.handle_datagram_ce(now, bytes, false)
+    }
+
+    /// [`handle_datagram`](Self::handle_datagram) of a datagram whose IP
+    /// header said `ce`: the ECN field was Congestion Experienced, a queue
+    /// on its way marked it instead of dropping it (RFC 3168). A result so
+    /// marked is echoed on this worker's next contribution.
+    pub fn handle_datagram_ce(&mut self, now: Time, bytes: &[u8], ce: bool) {
         // Keyed job: only what the switch sealed with this worker's key,
         // once; checked before anything else is looked at.
         let bytes = match self.config.auth_key {
@@ -863,6 +879,12 @@ impl AllreduceSession {
         let Ok(repr) = Repr::parse(&packet) else { return };
         // something listens on the switch's port again
         self.unreachable_since = None;
+        if ce && repr.msg_type == MessageType::Result {
+            self.ce_echo = true;
+            if let Some(op) = self.op.as_mut() {
+                op.ecn_ce += 1;
+            }
+        }
         match repr.msg_type {
             MessageType::JoinAck => self.on_join_ack(now, &repr, packet.payload()),
             MessageType::Nack => {
@@ -978,6 +1000,8 @@ impl AllreduceSession {
             trimmed: op.trimmed,
             fast_retransmits: op.fast_retransmits,
             timeouts: op.timeouts,
+            marked_results: op.marked_results,
+            ecn_ce: op.ecn_ce,
             window: self.cc.window(),
             degraded_blocks: op.degraded,
             min_src_cnt: op.min_src_cnt,

@@ -7,6 +7,8 @@ mod guard_tests;
 #[cfg(test)]
 mod trim_tests;
 #[cfg(test)]
+mod ecn_tests;
+#[cfg(test)]
 mod memory_tests;
 #[cfg(test)]
 mod auth_tests;

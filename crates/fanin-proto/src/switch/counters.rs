@@ -14,10 +14,20 @@ pub struct Counters {
     pub duplicate: u64,
     /// `Retransmission` messages received (also counted under their outcome).
     pub retransmissions: u64,
-    /// Blocks (phases) marked because a retransmission filled a hole while
-    /// other members' contributions had arrived: a loss on a member's path,
-    /// said in the block's result (`AGE_OP_CONGESTED`, docs/congestion.md).
+    /// Blocks (phases) this switch marked congested in their result
+    /// (`AGE_OP_CONGESTED`, docs/congestion.md): a retransmission filled a
+    /// hole while other members' contributions had arrived (a loss on a
+    /// member's path), a contribution came CE-marked or echoing a CE mark,
+    /// or a child switch's partial carried its subtree's mark.
     pub congestion_marked: u64,
+    /// Datagrams that arrived with ECN Congestion Experienced in their IP
+    /// header (a queue on the way marked them). A contribution so marked
+    /// marks its block's result, as a repaired loss does.
+    pub ecn_ce: u64,
+    /// Contributions carrying a member's echo of a CE mark on a result's
+    /// way down (or a child switch's of one on its parent's results); the
+    /// block's result is marked.
+    pub ecn_echoed: u64,
     /// Datagrams that failed to parse, by [`WireError::kind`].
     pub malformed: [u64; WireError::KINDS.len()],
     pub unknown_job: u64,
@@ -230,6 +240,8 @@ impl Counters {
         f("duplicate", None, self.duplicate);
         f("retransmissions", None, self.retransmissions);
         f("congestion_marked", None, self.congestion_marked);
+        f("ecn_ce", None, self.ecn_ce);
+        f("ecn_echoed", None, self.ecn_echoed);
         for (kind, v) in WireError::KINDS.iter().zip(self.malformed) {
             f("malformed", Some(kind), v);
         }
@@ -308,7 +320,7 @@ impl Counters {
             ($($field:ident),*) => { $( self.$field += other.$field; )* };
         }
         add!(
-            rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, unknown_job, non_member, over_cap,
+            rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, ecn_ce, ecn_echoed, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, result_acks, records_acked, records_evicted, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, transit_up, transit_down, transit_duplicate, transit_refused, transit_loops, result_key_updates, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,

@@ -193,11 +193,15 @@ pub struct ValueSwitch<A> {
     /// Jobs relayed for sources this switch does not aggregate (GOAT's
     /// on-path filtering, [`transit`]).
     transits: BTreeMap<u32, transit::Transit<A>>,
+    /// The datagram being handled arrived with ECN Congestion Experienced
+    /// ([`handle_datagram_ce`](Self::handle_datagram_ce)); false otherwise.
+    rx_ce: bool,
 }
 
 impl<A: Copy + PartialEq> ValueSwitch<A> {
     pub fn new(config: ShardConfig) -> Self {
         Self {
+            rx_ce: false,
             config,
             jobs: BTreeMap::new(),
             memory_used: 0,
@@ -358,6 +362,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             // installed again after a restart: the child switches report
             // before their partials count (parent_restart.rs)
             switches_rejoin: resumed_with_children,
+            ce_echo_up: false,
             last_probe_up: None,
             done_at: HashMap::new(),
             all_done_above: None,
@@ -782,6 +787,22 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
     }
 
+    /// [`handle_datagram`](Self::handle_datagram) of a datagram whose IP
+    /// header said `ce`: its ECN field was Congestion Experienced, a queue
+    /// on the way marked it instead of dropping it (RFC 3168). A
+    /// contribution so marked marks its block's result for every member; a
+    /// result from the parent so marked is echoed up on this switch's next
+    /// partial (docs/congestion.md, "ECN").
+    pub fn handle_datagram_ce(&mut self, now: Time, from: A, bytes: &[u8], ce: bool, out: &mut impl Transmit<A>) -> Verdict {
+        if ce {
+            self.counters.ecn_ce += 1;
+        }
+        self.rx_ce = ce;
+        let verdict = self.handle_datagram(now, from, bytes, out);
+        self.rx_ce = false;
+        verdict
+    }
+
     /// Process one datagram from `from`.
     pub fn handle_datagram(&mut self, now: Time, from: A, bytes: &[u8], out: &mut impl Transmit<A>) -> Verdict {
         let job_id = bytes.get(12..16).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
@@ -895,3 +916,5 @@ mod guard_tests;
 mod memory_tests;
 #[cfg(test)]
 mod transit_tests;
+#[cfg(test)]
+mod ecn_tests;

@@ -91,6 +91,9 @@ pub(super) struct Op {
     pub(super) fast_retransmits: u64,
     /// Stall timeouts that fired.
     pub(super) timeouts: u64,
+    /// Results marked congested, and results that arrived with CE.
+    pub(super) marked_results: u64,
+    pub(super) ecn_ce: u64,
     pub(super) degraded: Vec<(u32, u16)>,
     pub(super) min_src_cnt: u16,
     pub(super) recoveries: u32,

@@ -109,6 +109,13 @@ pub struct Outcome {
     pub fast_retransmits: u64,
     /// Stall timeouts (nothing answered for an RTO) during this allreduce.
     pub timeouts: u64,
+    /// Results the switch marked congested (`AGE_OP_CONGESTED`: a loss
+    /// repaired, or a CE mark on some member's path; docs/congestion.md).
+    pub marked_results: u64,
+    /// Results that reached this worker with the IP header's ECN field at
+    /// CE (a queue on the way down marked them); each is echoed to the
+    /// switch on this worker's next contribution.
+    pub ecn_ce: u64,
     /// The congestion window when the allreduce ended (blocks).
     pub window: u32,
     /// Blocks whose result summed fewer sources than the job has:

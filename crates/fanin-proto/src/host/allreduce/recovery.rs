@@ -89,7 +89,7 @@ pub(super) fn emit_contribution(
     buf: Vec<u8>,
 ) -> Vec<u8> {
     let mut one = OneBuf(buf);
-    emit_block(config, params, n_sources, gen_id, op, idx, false, false, None, &mut one);
+    emit_block(config, params, n_sources, gen_id, op, idx, false, false, 0, None, &mut one);
     one.0
 }
 

@@ -93,6 +93,9 @@ impl AllreduceSession {
         }
         if repr.age_op == AGE_OP_CONGESTED {
             self.cc.on_signal(now, round_trip, Signal::Marked);
+            if let Some(op) = self.op.as_mut() {
+                op.marked_results += 1;
+            }
         }
         let Some(op) = self.op.as_mut() else { return };
         if repr.exp_only {

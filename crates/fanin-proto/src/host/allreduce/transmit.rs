@@ -2,7 +2,7 @@
 //! queue and the recovery gate decide which block goes next
 //! (`transmit_blocks`); `emit_block` writes one contribution.
 
-use fanin_wire::value::{incarnation_tag, JoinParams, Packet, Repr, EXP_NONE};
+use fanin_wire::value::{incarnation_tag, JoinParams, Packet, Repr, AGE_OP_CONGESTED, EXP_NONE};
 use fanin_wire::MessageType;
 
 use super::op::{BlockPhase, Op};
@@ -78,6 +78,10 @@ impl AllreduceSession {
             // the capture (to be retained when its result comes) and sent as
             // a copy, sealed if the job is keyed.
             let (config, n_sources, gen_id) = (&self.config, self.n_sources, self.gen_id);
+            // A CE mark seen on a result rides up on this one datagram
+            // (not on the capture: a contribution resent after a switch
+            // restart says nothing about the path now).
+            let age_op = if std::mem::take(&mut self.ce_echo) { AGE_OP_CONGESTED } else { 0 };
             // (With a lent output the input stays intact: a retained
             // contribution is emitted again from it, nothing is captured.)
             let captured = if exp_only || retransmission || op.lent.is_some() {
@@ -92,9 +96,14 @@ impl AllreduceSession {
                 Some(bytes) => {
                     let shard = shard_of(config.job_id, block_id, params.block_cnt_max, params.shard_count);
                     let seal = seal.map(|s| (s.key, s.take_seq()));
-                    push_sealed(out, shard, bytes.len(), seal.as_ref().map(|(k, q)| (k, *q)), |b| b.copy_from_slice(bytes));
+                    push_sealed(out, shard, bytes.len(), seal.as_ref().map(|(k, q)| (k, *q)), |b| {
+                        b.copy_from_slice(bytes);
+                        if age_op != 0 {
+                            Packet::new_unchecked(b).set_age_op(age_op);
+                        }
+                    });
                 }
-                None => emit_block(config, &params, n_sources, gen_id, op, idx, exp_only, retransmission, seal, out),
+                None => emit_block(config, &params, n_sources, gen_id, op, idx, exp_only, retransmission, age_op, seal, out),
             }
             let b = &mut op.blocks[idx as usize];
             b.phase = if exp_only { BlockPhase::ExpSent } else { BlockPhase::DataSent };
@@ -126,6 +135,8 @@ pub(super) fn emit_block(
     idx: u32,
     exp_only: bool,
     retransmission: bool,
+    // 0, or `AGE_OP_CONGESTED`: the echo of a CE mark this worker saw
+    age_op: u8,
     sealer: Option<&mut Sealer>,
     out: &mut impl Transmit<u16>,
 ) {
@@ -151,7 +162,7 @@ pub(super) fn emit_block(
     let abstain = !exp_only && input.dtype().is_block_floating_point() && op.local_exp[idx as usize] > exp;
     let repr = Repr {
         msg_type: if retransmission { MessageType::Retransmission } else { MessageType::Contribution },
-        age_op: 0,
+        age_op,
         final_block: idx as usize + 1 == op.blocks.len(),
         degraded: abstain,
         exp_only,

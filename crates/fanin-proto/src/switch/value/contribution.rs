@@ -246,10 +246,24 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             let same_phase = exp_only == (block.phase == Phase::Exponent);
             let fills_hole =
                 packet.msg_type_code() == MessageType::Retransmission as u8 && !block.rcvd.is_empty();
-            let child_marked = src >= SWITCH_RANK_BASE as usize && packet.age_op() == AGE_OP_CONGESTED;
-            if same_phase && block.aggregating() && !block.rcvd.contains(src) && (fills_hole || child_marked) {
-                if fills_hole && !block.congested {
+            // A queue on the way up marked it (ECN CE), or the sender says
+            // one on its way down did (a worker's echo); a child switch's
+            // partial carries its subtree's marks the same way.
+            let marked_below = packet.age_op() == AGE_OP_CONGESTED;
+            let path_marked = self.rx_ce || marked_below;
+            // A CE mark on a result this switch's parent sent it rides up
+            // on the next partial: on this block's (docs/congestion.md).
+            let echo_up = job.ce_echo_up && job.uplink.is_some();
+            if same_phase && block.aggregating() && !block.rcvd.contains(src) && (fills_hole || path_marked || echo_up) {
+                if !block.congested {
                     counters.congestion_marked += 1;
+                }
+                if marked_below && src < SWITCH_RANK_BASE as usize {
+                    counters.ecn_echoed += 1;
+                }
+                if echo_up {
+                    job.ce_echo_up = false;
+                    counters.ecn_echoed += 1;
                 }
                 block.congested = true;
             }

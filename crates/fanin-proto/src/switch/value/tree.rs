@@ -79,6 +79,11 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             counters.protocol_violation += 1;
             return Verdict::Consumed;
         }
+        if self.rx_ce && packet.msg_type_code() == MessageType::Result as u8 {
+            // a queue between the parent and this switch marked the
+            // result: the next partial up echoes it (contribution.rs)
+            job.ce_echo_up = true;
+        }
         counters.from_parent += 1;
         let Ok(repr) = Repr::parse(packet) else {
             counters.protocol_violation += 1;

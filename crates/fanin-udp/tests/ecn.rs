@@ -1,0 +1,89 @@
+//! ECN on real sockets (loopback): a receiver that enabled ECN reads each
+//! datagram's codepoint, with and without GRO, whatever mix of marked and
+//! unmarked datagrams one batch holds. A sender standing for a path that
+//! marked its datagrams sets CE itself.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use fanin_udp::ecn::{CE, ECT_0, NOT_ECT};
+use fanin_udp::{BatchSocket, RecvBatch, SendBatch, GRO_SLOT_SIZE};
+
+fn bind(addr: &str) -> Option<BatchSocket> {
+    match BatchSocket::bind(addr.parse().unwrap()) {
+        Ok(s) => {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            Some(s)
+        }
+        Err(e) => {
+            eprintln!("skipping: cannot bind {addr}: {e}");
+            None
+        }
+    }
+}
+
+/// Sends `count` datagrams of `len` bytes (byte 0 = their index) with
+/// `codepoint`, GSO on, from `tx` to `dest`.
+fn send(tx: &BatchSocket, dest: SocketAddr, codepoint: u8, first: u8, count: u8, len: usize) {
+    tx.set_ecn_codepoint(codepoint).unwrap();
+    let mut batch = SendBatch::new(64);
+    batch.set_gso(tx.gso_supported());
+    for i in first..first + count {
+        batch.push(dest, len).fill(i);
+    }
+    tx.send_batch(&mut batch).unwrap();
+}
+
+/// Receives `count` datagrams: (first byte, CE?).
+fn receive(rx: &BatchSocket, batch: &mut RecvBatch, count: usize) -> Vec<(u8, bool)> {
+    let mut got = Vec::new();
+    while got.len() < count {
+        assert!(rx.recv_batch(batch).unwrap() > 0, "timed out after {} of {count}", got.len());
+        got.extend(batch.iter_ecn().map(|(_, bytes, ce)| (bytes[0], ce)));
+    }
+    got
+}
+
+fn marks_are_read(addr: &str, gro: bool) {
+    let (Some(tx), Some(rx)) = (bind(addr), bind(addr)) else { return };
+    rx.enable_ecn().unwrap();
+    if gro {
+        assert!(rx.enable_gro().unwrap(), "GRO on this kernel");
+    }
+    let mut batch = RecvBatch::new(16, if gro { GRO_SLOT_SIZE } else { 2048 });
+    let dest = rx.local_addr().unwrap();
+    // unmarked (ECT(0), what an ECN sender sends), marked, not ECN-capable,
+    // marked again: queued together, read in one or two batches
+    send(&tx, dest, ECT_0, 0, 4, 1000);
+    send(&tx, dest, CE, 4, 4, 1000);
+    send(&tx, dest, NOT_ECT, 8, 2, 1000);
+    send(&tx, dest, CE, 10, 1, 1000);
+    let got = receive(&rx, &mut batch, 11);
+    let expected: Vec<(u8, bool)> = (0..11).map(|i| (i, (4..8).contains(&i) || i == 10)).collect();
+    assert_eq!(got, expected);
+    // the plain iterator sees the same datagrams
+    assert_eq!(batch.iter().count(), batch.iter_ecn().count());
+}
+
+#[test]
+fn a_receiver_reads_which_datagrams_arrived_ce_marked_v4() {
+    marks_are_read("127.0.0.1:0", false);
+}
+
+#[test]
+fn a_receiver_reads_which_datagrams_arrived_ce_marked_v4_with_gro() {
+    marks_are_read("127.0.0.1:0", true);
+}
+
+#[test]
+fn a_receiver_reads_which_datagrams_arrived_ce_marked_v6() {
+    marks_are_read("[::1]:0", false);
+}
+
+#[test]
+fn without_enable_ecn_nothing_reads_as_marked() {
+    let (Some(tx), Some(rx)) = (bind("127.0.0.1:0"), bind("127.0.0.1:0")) else { return };
+    let mut batch = RecvBatch::new(16, 2048);
+    send(&tx, rx.local_addr().unwrap(), CE, 0, 3, 100);
+    assert_eq!(receive(&rx, &mut batch, 3), vec![(0, false), (1, false), (2, false)]);
+}

@@ -1,0 +1,96 @@
+"""ECN end to end (docs/congestion.md, "ECN"): the real switch daemon, two
+real sessions, one of them behind a relay that marks what it forwards
+Congestion Experienced in the IP header, as a queue on a path that marks
+instead of dropping would. A mark on the way up is read by the switch, one
+on the way down by the worker, which echoes it; either way both members
+read the mark in the same results, cut their windows alike, resend
+nothing, and every sum is exact."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import fanin
+from fanin.switch import switch_config
+from relay import ResultEater
+
+ELEMS = 256 * 400  # 400 blocks of 256 int32
+
+
+def _run(*, ce_up=False, ce_down=False, worker_ecn=True, switch_ecn=True):
+    """Two ranks of job 1, rank 1 through the relay; three allreduces.
+    Returns each rank's last_stats of every allreduce and the switch's
+    counters."""
+    cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None, ecn=switch_ecn,
+                        jobs=[{"job_id": 1, "sources": 2, "block_cnt_max": 256}])
+    with fanin.LocalSwitch(cfg) as sw:
+        relay = ResultEater(sw.data_addr, ce_up=ce_up, ce_down=ce_down)
+        inputs = [np.arange(ELEMS, dtype=np.int32) * (r + 1) for r in range(2)]
+        out: dict = {}
+
+        def rank(r: int, addr: str) -> None:
+            try:
+                s = fanin.Session(addr, 1, r, elems_per_packet=256, window=256, ecn=worker_ecn)
+                out[r] = []
+                for _ in range(3):
+                    got = s.allreduce(inputs[r])
+                    np.testing.assert_array_equal(got, inputs[0] + inputs[1])
+                    out[r].append(s.last_stats)
+                del s  # on the thread that made it
+            except Exception as e:  # noqa: BLE001 (reported below, without the traceback)
+                out[r, "error"] = repr(e)
+
+        threads = [threading.Thread(target=rank, args=(0, sw.data_addr)), threading.Thread(target=rank, args=(1, relay.addr))]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            relay.close()
+        assert not [k for k in out if isinstance(k, tuple)], out
+        return out[0], out[1], sw.counters()
+
+
+def _sum(stats, key):
+    return sum(s[key] for s in stats)
+
+
+def test_without_marks_nothing_is_marked():
+    r0, r1, c = _run()
+    assert _sum(r0, "marked_results") == _sum(r1, "marked_results") == 0
+    assert _sum(r1, "ecn_ce") == 0 and c["ecn_ce"] == c["ecn_echoed"] == 0
+
+
+def test_a_marked_uplink_marks_every_members_results_and_loses_nothing():
+    r0, r1, c = _run(ce_up=True)
+    # every contribution of rank 1 arrived CE-marked: the switch read it
+    assert c["ecn_ce"] >= 3 * 400, c
+    assert c["congestion_marked"] >= 3 * 400 and c["ecn_echoed"] == 0, c
+    for stats in (r0, r1):
+        assert _sum(stats, "marked_results") >= 3 * 400, stats
+        assert _sum(stats, "retransmissions") == 0 and _sum(stats, "timeouts") == 0, stats
+    assert [s["window"] for s in r0] == [s["window"] for s in r1], (r0, r1)
+    assert r0[-1]["window"] == 64, "held at the floor: 64 blocks per shard"
+
+
+def test_a_marked_downlink_is_echoed_and_both_members_cut_at_the_same_results():
+    r0, r1, c = _run(ce_down=True)
+    # rank 1 read the marks on its results and echoed them
+    assert _sum(r1, "ecn_ce") >= 3 * 400 and _sum(r0, "ecn_ce") == 0, (r0, r1)
+    assert c["ecn_echoed"] > 0 and c["ecn_ce"] == 0, c
+    assert _sum(r0, "marked_results") == _sum(r1, "marked_results") > 0, (r0, r1)
+    assert [s["window"] for s in r0] == [s["window"] for s in r1], (r0, r1)
+    assert _sum(r1, "retransmissions") == 0
+
+
+@pytest.mark.parametrize("side", ["worker", "switch"])
+def test_ecn_off_reads_no_marks(side):
+    r0, r1, c = _run(ce_up=True, ce_down=True, worker_ecn=side != "worker", switch_ecn=side != "switch")
+    if side == "worker":
+        assert _sum(r1, "ecn_ce") == 0 and c["ecn_echoed"] == 0
+        assert c["ecn_ce"] > 0  # the switch still reads its uplink
+    else:
+        assert c["ecn_ce"] == 0
+        assert _sum(r1, "ecn_ce") > 0  # the worker still reads its downlink
