@@ -193,3 +193,19 @@ def test_background_sweep_compares_one_root_spread_roots_and_ring_and_plots_them
     assert "none of 1 done" in r.stderr
     r = run("background", "--loads", "0,2", "--out", str(tmp_path))
     assert r.returncode == 2 and "fraction of the link rate in [0, 1]" in r.stderr, r.stderr[-2000:]
+
+
+def test_allreduce_with_ecn_marking_switch_ports_reports_the_marks_and_stays_exact(tmp_path):
+    # shallow ports that mark from 2 queued datagrams on under background
+    # traffic: fanin's datagrams are marked, the run reports it, sums exact
+    argv = ["allreduce", "--topology", "leaf-spine:3,4,4", "--workers", "8", "--spread", "--size", "65536",
+            "--background-load", "0.5", "--queue-pkts", "16", "--algorithms", "fanin", "--json", "--no-plot"]
+    marked = run(*argv, "--ecn-pkts", "2", "--out", str(tmp_path / "ecn"))
+    plain = run(*argv, "--out", str(tmp_path / "plain"))
+    assert marked.returncode == 0 and plain.returncode == 0, (marked.stderr[-2000:], plain.stderr[-2000:])
+    (m,) = json.loads(marked.stdout)["scenarios"][0]["algorithms"]
+    (p,) = json.loads(plain.stdout)["scenarios"][0]["algorithms"]
+    assert json.loads(marked.stdout)["ecn_pkts"] == 2
+    assert m["exact"] and p["exact"]
+    assert m["ce_marks"] > 0 and p["ce_marks"] == 0, (m, p)
+    assert "ce_marks" in (tmp_path / "ecn" / "allreduce_summary.csv").read_text().splitlines()[0]

@@ -107,11 +107,18 @@ pub struct LinkParams {
     /// paper's §6.2 parameters) instead of ideal NDP queues.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub tofino: bool,
+    /// ECN marking threshold of every switch port, in datagrams of the
+    /// largest size (DCTCP's K): a fanin datagram that joins a data queue
+    /// at least this long is marked Congestion Experienced instead of
+    /// waiting to be dropped (docs/congestion.md, "ECN"). 0: no marking.
+    /// Background traffic is not ECN-capable and is never marked.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ecn_pkts: u64,
 }
 
 impl Default for LinkParams {
     fn default() -> Self {
-        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0, trimming: false, tofino: false }
+        LinkParams { rate_gbps: 100, link_delay_ns: 500, queue_pkts: 1000, loss: 0.0, trimming: false, tofino: false, ecn_pkts: 0 }
     }
 }
 
@@ -126,6 +133,7 @@ impl LinkParams {
             seed,
             trimming: self.trimming,
             tofino: self.trimming && self.tofino,
+            ecn_bytes: self.ecn_pkts * max_dgram,
         }
     }
 }
@@ -144,6 +152,9 @@ pub struct ChannelConfig {
     /// The Tofino design's trimming in every switch (implies `trimming`'s
     /// header queues).
     pub tofino: bool,
+    /// Switch ports mark fanin datagrams CE from this many queued bytes on
+    /// (0: never).
+    pub ecn_bytes: u64,
 }
 
 /// A switch's Tofino-design trimming: its ingress trimmer and, per
@@ -211,10 +222,15 @@ pub struct Dgram {
     pub background: bool,
     /// The background flow that sent it (`u32::MAX`: none).
     pub flow: u32,
+    /// A switch port's queue marked it Congestion Experienced on the way.
+    pub ce: bool,
 }
 
 struct Channel {
     to: u32,
+    /// Marks fanin datagrams CE from this many queued bytes (a switch's
+    /// port with ECN on; u64::MAX: never).
+    ecn_bytes: u64,
     queue: PortQueue<Queued>,
     busy: bool,
     loss: DropInjector,
@@ -243,6 +259,8 @@ pub struct Fabric {
     /// Datagrams a trimming queue cut to their header (`trimming` links;
     /// with `tofino`, in ingress or after a deflection).
     pub trims: u64,
+    /// Fanin datagrams a switch port marked CE (`ecn_pkts`).
+    pub ce_marks: u64,
     /// The Tofino design: per node (switches only), its trimmer and
     /// recirculation ports; per channel, its port number at its source.
     tofino: Vec<Option<TofinoSwitch>>,
@@ -283,7 +301,8 @@ impl Fabric {
                 // so `cap_bytes` bounds the switches' ports only.
                 let capacity = if is_switch[from as usize] { cfg.cap_bytes } else { u64::MAX };
                 let queue = QueueConfig { data_capacity_bytes: capacity, ..QueueConfig::ndp(1500) };
-                chans.push(Channel { to, queue: PortQueue::new(queue), busy: false, loss: DropInjector::new(cfg.loss, seed), stats: ChannelStats::default() });
+                let ecn_bytes = if is_switch[from as usize] && cfg.ecn_bytes > 0 { cfg.ecn_bytes } else { u64::MAX };
+                chans.push(Channel { to, ecn_bytes, queue: PortQueue::new(queue), busy: false, loss: DropInjector::new(cfg.loss, seed), stats: ChannelStats::default() });
             }
         }
         for a in &mut adj {
@@ -340,6 +359,7 @@ impl Fabric {
             queue_drops: 0,
             link_drops: 0,
             trims: 0,
+            ce_marks: 0,
             tofino,
             port_of_chan,
             tofino_stats: TofinoStats::default(),
@@ -396,7 +416,7 @@ impl Fabric {
     /// Node `src` sends `bytes` to node `dst`.
     pub fn send<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, src: u32, dst: u32, bytes: Vec<u8>) {
         self.datagrams += 1;
-        self.inject(ev, Dgram { src, dst, bytes, background: false, flow: u32::MAX });
+        self.inject(ev, Dgram { src, dst, bytes, background: false, flow: u32::MAX, ce: false });
     }
 
     fn inject<E: From<NetEv>>(&mut self, ev: &mut EventQueue<E>, d: Dgram) {
@@ -437,6 +457,16 @@ impl Fabric {
             return;
         }
         let c = &mut self.chans[chan as usize];
+        // ECN: a queue above its threshold marks what can respond to it
+        // (DCTCP's instantaneous-queue rule); it still queues or drops as
+        // without marking
+        if c.queue.data_bytes() >= c.ecn_bytes {
+            let d = self.bufs[buf as usize].as_mut().expect("live buffer");
+            if !d.background && !d.ce {
+                d.ce = true;
+                self.ce_marks += 1;
+            }
+        }
         let item = Queued { buf, wire_len: len as u32, cut: false };
         let mut trimmed = false;
         let queued = if self.cfg.trimming {
@@ -602,7 +632,7 @@ impl Fabric {
                     let f = self.background[flow as usize];
                     self.background_stats.sent_bytes += f.bytes as u64;
                     let bytes = vec![0xB6; (f.bytes - WIRE_OVERHEAD) as usize];
-                    self.inject(ev, Dgram { src: f.src, dst: f.dst, bytes, background: true, flow });
+                    self.inject(ev, Dgram { src: f.src, dst: f.dst, bytes, background: true, flow, ce: false });
                     let p = &mut self.pace[flow as usize];
                     if f.responsive {
                         p.rate = (p.rate + 0.01 / f.interval as f64).min(1.0 / f.interval as f64);

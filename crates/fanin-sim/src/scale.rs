@@ -208,6 +208,10 @@ pub struct ScaleResult {
     /// Datagrams a trimming link queue cut to their header (`--trimming`).
     #[serde(skip_serializing_if = "is_zero")]
     pub trims: u64,
+    /// Datagrams a switch queue marked ECN CE (`--ecn-pkts`); the ring's
+    /// flows ignore the marks, fanin's workers and switches act on them.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ce_marks: u64,
     /// The Tofino design's ingress trims, deflections and notifications
     /// (`--trimming --tofino`).
     #[serde(skip_serializing_if = "is_default")]
@@ -409,6 +413,7 @@ impl<E: From<NetEv>> Common<E> {
             queue_drops: self.net.queue_drops,
             link_drops: self.net.link_drops,
             trims: self.net.trims,
+            ce_marks: self.net.ce_marks,
             tofino: self.net.tofino_stats,
             events: self.ev.events_handled(),
             stragglers,
@@ -548,7 +553,7 @@ impl<'a> FaninRun<'a> {
                     let Some(d) = self.c.net.handle(&mut self.c.ev, e) else { continue };
                     if let Some(&s) = self.switch_of_node.get(&d.dst) {
                         let mut out = VecTransmit::new();
-                        let mut verdict = self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out);
+                        let mut verdict = self.switches[s].handle_datagram_ce(ns(now), d.src, &d.bytes, d.ce, &mut out);
                         // a switch that runs several root shards: the one
                         // that owns the block takes it
                         let mut s = s;
@@ -556,7 +561,7 @@ impl<'a> FaninRun<'a> {
                             match self.root_shards.get(k as usize) {
                                 Some(&t) if self.switch_nodes[t] == d.dst && t != s => {
                                     s = t;
-                                    verdict = self.switches[s].handle_datagram(ns(now), d.src, &d.bytes, &mut out);
+                                    verdict = self.switches[s].handle_datagram_ce(ns(now), d.src, &d.bytes, d.ce, &mut out);
                                 }
                                 _ => {}
                             }
@@ -579,7 +584,7 @@ impl<'a> FaninRun<'a> {
                         self.switch_sent(s, out);
                     } else {
                         let w = self.worker_at(d.dst)?;
-                        self.sessions[w].handle_datagram(ns(now), &d.bytes);
+                        self.sessions[w].handle_datagram_ce(ns(now), &d.bytes, d.ce);
                         self.drive_worker(w, progress)?;
                     }
                 }

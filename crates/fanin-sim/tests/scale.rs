@@ -340,3 +340,32 @@ fn responsive_background_backs_off_on_loss_and_constant_background_does_not() {
     let per_us = |r: &ScaleResult| r.background.sent_bytes as f64 / r.completion_us;
     assert!(per_us(&aimd) < per_us(&fixed), "{} vs {} bytes/us", per_us(&aimd), per_us(&fixed));
 }
+
+#[test]
+fn ecn_marks_fanins_datagrams_in_a_queue_above_its_threshold_and_never_the_background() {
+    // the same busy network; switch ports mark from 2 queued datagrams on
+    // (docs/congestion.md, "ECN"): the marks reach the switches and the
+    // workers, every sum stays exact, and no background datagram is marked
+    // (the count stays below fanin's own datagrams)
+    let s = spread_spec();
+    let busy = |ecn_pkts| ScaleConfig {
+        elements: 100_000, // 400 blocks: more than a window in flight
+        background_load: 0.5,
+        links: LinkParams { queue_pkts: 32, ecn_pkts, ..LinkParams::default() },
+        ..config(0.0)
+    };
+    let plain = go(&s, &busy(0), Algorithm::Fanin);
+    let marked = go(&s, &busy(2), Algorithm::Fanin);
+    assert!(plain.exact && marked.exact);
+    assert_eq!(plain.ce_marks, 0);
+    assert!(marked.ce_marks > 0, "a queue above 2 datagrams is met");
+    assert!(marked.ce_marks <= marked.datagrams, "{} marks of {} fanin datagrams", marked.ce_marks, marked.datagrams);
+    // the workers acted on the marks: apart from the count of marks the
+    // runs differ (smaller windows change when each block leaves)
+    assert_ne!(
+        (plain.completion_us, plain.events),
+        (marked.completion_us, marked.events),
+        "the marks changed nothing the workers did"
+    );
+    assert_eq!(serde_json::to_string(&marked).unwrap(), serde_json::to_string(&go(&s, &busy(2), Algorithm::Fanin)).unwrap(), "deterministic");
+}

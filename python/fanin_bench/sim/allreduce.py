@@ -167,6 +167,7 @@ def _summary(result: dict, layers: list[str], config: Optional[dict] = None) -> 
         "link_drops": result["link_drops"],
         "queue_drops": result["queue_drops"],
         "trims": result.get("trims", 0),
+        "ce_marks": result.get("ce_marks", 0),
         **({"tofino": result["tofino"]} if "tofino" in result else {}),
         "stragglers": len(result["stragglers"]),
         "events": result["events"],
@@ -230,6 +231,11 @@ def _parser() -> argparse.ArgumentParser:
                         "queues; tofino: the switches trim as the trimming study's Tofino design (ingress meters, "
                         "deflect on drop, notifications). A host's own queue never drops or trims (it is its "
                         "sender's socket)")
+    p.add_argument("--ecn-pkts", type=int, default=0,
+                   help="ECN: a switch port whose queue holds at least this many datagrams marks the fanin datagrams "
+                        "that join it Congestion Experienced (DCTCP's K; 0, the default: no marking); the switch "
+                        "and the workers cut every member's window at the marked block, before the queue drops "
+                        "(docs/congestion.md, \"ECN\"). Background traffic is never marked")
     p.add_argument("--responsive-background", action="store_true",
                    help="the background flows are congestion-controlled (AIMD on their rate: halved on a loss, "
                         "regrown by 1%% of their pace per datagram) instead of constant-rate")
@@ -280,7 +286,7 @@ def run_report(binary: str, argv: list[str]) -> tuple[int, Optional[dict]]:
     # the network and its traffic, as every run of this invocation has them
     network = ["--elems-per-packet", str(args.elems_per_packet), "--rate-gbps", str(args.rate_gbps),
                "--delay-ns", str(args.delay_ns), "--queue-pkts", str(args.queue_pkts), "--seed", str(args.seed),
-               "--background-load", str(args.background_load)] \
+               "--background-load", str(args.background_load), "--ecn-pkts", str(args.ecn_pkts)] \
         + (["--trimming"] if args.trimming else []) + (["--tofino"] if args.trimming == "tofino" else []) \
         + (["--responsive-background"] if args.responsive_background else [])
     shares = None
@@ -365,6 +371,8 @@ def _report(spec: dict, topo: Topology, args, runs: list) -> dict:
         "root_shards": len(spec.get("root_shards") or [spec["root"]]),
         "size_elements": args.size,
         "seed": args.seed,
+        "queue_pkts": args.queue_pkts,
+        "ecn_pkts": args.ecn_pkts,
         "scenarios": scenarios,
     }
 
@@ -373,7 +381,7 @@ def _write(out: str, topo: Topology, layers: list[str], runs: list, report: dict
     with open(os.path.join(out, "allreduce.json"), "w") as f:
         json.dump({"report": report, "runs": [{"scenario": r["scenario"], **r["raw"]} for r in runs]}, f)
     fields = ["scenario", "algorithm", "join_us", "completion_us", "mean_completion_us", "exact", "degraded_blocks", "retransmissions",
-              "link_drops", "queue_drops", "trims", "stragglers", "events", "total_bytes", "core_bytes", "max_link_bytes"]
+              "link_drops", "queue_drops", "trims", "ce_marks", "stragglers", "events", "total_bytes", "core_bytes", "max_link_bytes"]
     layer_names = sorted(set(layers))
     with open(os.path.join(out, "allreduce_summary.csv"), "w", newline="") as f:
         w = csv.writer(f)

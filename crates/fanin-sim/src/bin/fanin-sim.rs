@@ -40,10 +40,11 @@ usage:
                       [--window W] [--loss P] [--rate-gbps R] [--delay-ns D] [--queue-pkts Q]
                       [--stragglers FRACTION --straggler-delay-us US] [--block-exp-ms MS]
                       [--seed S] [--background-load F [--responsive-background]] [--trimming [--tofino]]
-                      [--time-limit-ms MS] [--json]
+                      [--ecn-pkts K] [--time-limit-ms MS] [--json]
       fanin's aggregation tree vs ring allreduce over the network and tree in FILE (written by
       `fanin sim allreduce`, which computes the tree with fanin.controller.tree); Q (1000) is
-      every switch port's buffer in datagrams (a host's own queue is its socket: no drops)
+      every switch port's buffer in datagrams (a host's own queue is its socket: no drops);
+      K (0: off) marks fanin's datagrams ECN CE in a switch queue at least K datagrams long
   fanin-sim port-counters --spec FILE --background-load F [--window-us US] [--rate-gbps R]
                           [--delay-ns D] [--queue-pkts Q] [--elems-per-packet P] [--seed S]
                           [--responsive-background] [--trimming [--tofino]] [--json]
@@ -304,6 +305,7 @@ fn scale_config(args: &mut Args) -> Result<fanin_sim::scale::ScaleConfig, String
     opt!("--rate-gbps", links.rate_gbps);
     opt!("--delay-ns", links.link_delay_ns);
     opt!("--queue-pkts", links.queue_pkts);
+    opt!("--ecn-pkts", links.ecn_pkts);
     opt!("--stragglers", stragglers);
     opt!("--straggler-delay-us", straggler_delay_us);
     opt!("--block-exp-ms", block_exp_ms);
