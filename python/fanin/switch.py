@@ -141,6 +141,7 @@ def switch_config(
     scanner_threads: bool = False,
     trim: bool = False,
     trim_watermark: float = 0.5,
+    mark_watermark: Optional[float] = None,
     socket_buffer: Optional[int] = None,
     rate_limit: Optional[tuple[int, int]] = None,
     jobs: Iterable[dict[str, Any]] = (),
@@ -158,7 +159,10 @@ def switch_config(
     configure the straggler detector (docs/stragglers.md), and
     ``scanner_threads`` runs its scanners as timer threads of their own
     (Trio's design) instead of on the shard threads; ``trim``
-    and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md);
+    and ``trim_watermark`` trimming on overload (docs/trimming-daemon.md),
+    ``mark_watermark`` marking instead (a contribution reaching a receive
+    queue deeper than this fraction marks its block's result congested,
+    ATP's switch-side ECN; docs/trimming-daemon.md, "Marking");
     ``socket_buffer`` the receive buffer per data socket in bytes (default
     the daemon's). ``memory_model``: "pooled" (the daemon's default:
     Trio-ML's shared memory, block buffers taken on demand) or "reserved"
@@ -174,7 +178,8 @@ def switch_config(
     (docs/congestion.md, "ECN")."""
     cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks, "max_factor": max_factor, "threads": scanner_threads},
-        "trim": {"enabled": trim, "watermark": trim_watermark},
+        "trim": {"enabled": trim, "watermark": trim_watermark,
+                 **({"mark_watermark": mark_watermark} if mark_watermark is not None else {})},
         "data_addr": data_addr,
         "control_addr": control_addr,
         "metrics_addr": metrics_addr,

@@ -77,15 +77,64 @@ def test_python_workers_see_trims_and_still_get_the_exact_sum(keyed):
     assert counters["auth_bad_tag"] == counters["auth_replayed"] == counters["auth_unsealed"] == 0, counters
 
 
-def test_overload_bench_point_reports_both_arms_side_by_side():
+def test_an_invalid_mark_watermark_is_refused_with_the_field_named():
+    with pytest.raises(ValueError, match=r"trim.mark_watermark = 1.5 is out of range"):
+        LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, mark_watermark=1.5))
+    # above the trim watermark it would never mark: what it meets is trimmed
+    with pytest.raises(ValueError, match=r"trim.mark_watermark = 0.6 is not below trim.watermark = 0.5"):
+        LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None, trim=True,
+                                  trim_watermark=0.5, mark_watermark=0.6))
+
+
+def test_a_deep_receive_queue_marks_every_members_results_and_discards_nothing():
+    """Marking instead of trimming (ATP's switch-side ECN): the same
+    overloaded shard as above, with `[trim] mark_watermark` and trimming
+    off. Contributions that reach the deep queue are aggregated as usual,
+    and their blocks' results tell every member to cut its window."""
+    job = job_config(1, 3, block_cnt_max=128, block_grad_max=1024, slow_after_windows=0, member_timeout_ms=120_000)
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0",
+                        mark_watermark=0.02, socket_buffer=4 << 20, jobs=[job])
+    n = 128 * 1024 * 2
+    joined, sending = threading.Barrier(4), threading.Barrier(4)
+    with SwitchProcess(cfg) as sw:
+        def work(rank):
+            s = fanin.Session(sw.data_addr, 1, rank, window=128)
+            joined.wait(30)
+            sending.wait(30)
+            return s.allreduce(worker_inputs(rank, n, "int32")), s.last_stats
+
+        def overload():
+            joined.wait(30)
+            os.kill(sw.proc.pid, signal.SIGSTOP)
+            try:
+                sending.wait(30)
+                time.sleep(0.3)
+            finally:
+                os.kill(sw.proc.pid, signal.SIGCONT)
+
+        outs = in_threads(4, lambda i: overload() if i == 3 else work(i), timeout=120)[:3]
+        counters = sw.counters()
+    for out, st in outs:
+        assert st["degraded_blocks"] == [], st
+        assert np.array_equal(out, reference_sum(3, n, "int32"))
+    assert counters["queue_marked"] > 0 and counters["congestion_marked"] > 0, counters
+    assert counters["trimmed"] == 0 and counters["socket_drops"] == 0, counters
+    marked = [st["marked_results"] for _, st in outs]
+    assert min(marked) > 0 and len(set(marked)) == 1, f"every member read the same marks: {marked}"
+    assert len({st["window"] for _, st in outs}) == 1, outs
+
+
+def test_overload_bench_point_reports_every_arm_side_by_side():
     point = {"workers": 2, "window": 128, "elements": 262_144, "elems_per_packet": 1024,
              "socket_buffer": 128 << 10, "watermark": 0.3}
     r = run_point(point, iters=1)
     assert r["verified"]
-    assert r["drop"]["trimmed"] == 0, "the drop arm never trims"
-    for arm in ("drop", "trim"):
+    assert r["drop"]["trimmed"] == 0 and r["mark"]["trimmed"] == 0, "only the trim arm trims"
+    assert r["drop"]["queue_marked"] == 0 and r["trim"]["queue_marked"] == 0, "only the mark arm marks"
+    for arm in ("drop", "trim", "mark"):
         assert len(r[arm]["times_s"]) == 1 and r[arm]["median_s"] > 0
     assert r["ratio_time_trim_vs_drop"] == pytest.approx(r["trim"]["median_s"] / r["drop"]["median_s"])
+    assert r["ratio_time_mark_vs_drop"] == pytest.approx(r["mark"]["median_s"] / r["drop"]["median_s"])
 
 
 def test_cli_lists_the_overload_bench():

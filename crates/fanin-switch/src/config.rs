@@ -230,11 +230,20 @@ pub struct TrimSection {
     /// Fraction of the socket receive buffer (as granted by the kernel).
     #[serde(default = "default_watermark")]
     pub watermark: f64,
+    /// Mark instead of trim (ATP's switch-side ECN): a contribution that
+    /// arrives to a receive queue deeper than this fraction of the buffer
+    /// is handled as if a queue had marked it Congestion Experienced, so
+    /// its block's result tells every member to cut its window before the
+    /// queue reaches the trim watermark (or the kernel's drop). Nothing is
+    /// discarded. Unset: off. Independent of `enabled`; with trimming on it
+    /// must lie below `watermark`.
+    #[serde(default)]
+    pub mark_watermark: Option<f64>,
 }
 
 impl Default for TrimSection {
     fn default() -> Self {
-        Self { enabled: false, watermark: default_watermark() }
+        Self { enabled: false, watermark: default_watermark(), mark_watermark: None }
     }
 }
 
@@ -243,6 +252,20 @@ impl TrimSection {
     pub fn watermark(&self) -> Result<Option<Watermark>, ConfigError> {
         let w = Watermark::new(self.watermark).map_err(ConfigError::Invalid)?;
         Ok(self.enabled.then_some(w))
+    }
+
+    /// The marking watermark, if set.
+    pub fn mark_watermark(&self) -> Result<Option<Watermark>, ConfigError> {
+        let Some(m) = self.mark_watermark else { return Ok(None) };
+        let w = Watermark::new(m).map_err(|e| ConfigError::Invalid(e.replace("trim.watermark", "trim.mark_watermark")))?;
+        if self.enabled && m >= self.watermark {
+            return Err(ConfigError::Invalid(format!(
+                "trim.mark_watermark = {m} is not below trim.watermark = {}: a datagram above the trim \
+                 watermark is trimmed, not marked; give a smaller fraction (e.g. half of it)",
+                self.watermark
+            )));
+        }
+        Ok(Some(w))
     }
 }
 
@@ -468,6 +491,7 @@ impl DaemonConfig {
             return bad("aging.min_tick_us must be at least 1".into());
         }
         self.trim.watermark()?;
+        self.trim.mark_watermark()?;
         // Safe by default: a control API anyone on the network can reach
         // must ask for a token (docs/security.md).
         if self.control_token.as_deref().is_some_and(|t| t.trim().is_empty()) {
@@ -608,6 +632,12 @@ mod tests {
         assert_eq!(cfg.shards, 2);
         assert_eq!(cfg.trim.watermark().unwrap().map(|w| w.fraction()), Some(0.25));
         assert_eq!(DaemonConfig::default().trim.watermark().unwrap(), None, "off by default");
+        assert_eq!(DaemonConfig::default().trim.mark_watermark().unwrap(), None, "marking off by default");
+        assert!(DaemonConfig::default().ecn, "ECN on by default");
+        let marking = TrimSection { mark_watermark: Some(0.1), ..TrimSection::default() };
+        assert_eq!(marking.mark_watermark().unwrap().map(|w| w.fraction()), Some(0.1));
+        let above = TrimSection { enabled: true, watermark: 0.2, mark_watermark: Some(0.3) };
+        assert!(above.mark_watermark().unwrap_err().to_string().contains("is not below trim.watermark"));
         assert_eq!(cfg.jobs[0].to_spec().unwrap().members, vec![0, 1, 2, 3]);
         assert_eq!(cfg.jobs[1].mode, JobMode::Forward);
         assert_eq!(DaemonConfig::default().data_addr.port(), 9000);

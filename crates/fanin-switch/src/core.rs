@@ -504,6 +504,8 @@ impl SwitchHandle {
                 egress: DropInjector::new(config.faults.egress_drop, seed ^ 0x5555),
                 trim: config.trim.watermark()?,
                 trimmed: 0,
+                mark: config.trim.mark_watermark()?,
+                queue_marked: 0,
                 socket_drops: 0,
                 scan: scanning.as_ref().map(|(registry, wakers)| (registry.clone(), wakers[i].clone())),
             };

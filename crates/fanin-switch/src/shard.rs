@@ -100,6 +100,10 @@ pub(crate) struct ShardThread {
     pub trim: Option<Watermark>,
     /// Data contributions answered with a Trimmed nack.
     pub trimmed: u64,
+    /// Marking on a deep receive queue (`[trim] mark_watermark`), if set.
+    pub mark: Option<Watermark>,
+    /// Datagrams this shard's own receive queue marked.
+    pub queue_marked: u64,
     /// The kernel's drop count on this shard's socket.
     pub socket_drops: u64,
     /// With scanner threads (`[aging] threads`): where this shard publishes
@@ -215,7 +219,7 @@ impl ShardThread {
                 (None, None) => true,
             };
             // The backlog the batch is taken from (only needed to trim).
-            let before = if ready && self.trim.is_some() { self.queued_bytes() } else { 0 };
+            let before = if ready && (self.trim.is_some() || self.mark.is_some()) { self.queued_bytes() } else { 0 };
             // A receive error (e.g. ICMP feedback) is not fatal: try again.
             let n = if ready { self.socket.recv_batch(&mut rx).unwrap_or_default() } else { 0 };
             // The queue behind the batch, read before anything else runs
@@ -241,13 +245,17 @@ impl ShardThread {
                 stats: &self.stats,
             };
             if let Some(queue) = queue {
-                let mut plan = match (queue, self.trim) {
-                    (Ok(q), trim) => {
+                // (the same walk over the batch for the marking watermark)
+                let (mut plan, mut mark_plan) = match queue {
+                    Ok(q) => {
                         self.socket_drops = q.drops;
                         let batch_len = || rx.iter().map(|(_, b)| b.len()).sum();
-                        trim.map_or(TrimPlan::NEVER, |w| w.plan(before, q.queued_bytes, q.limit_bytes, batch_len()))
+                        let plan = |w: Option<Watermark>| {
+                            w.map_or(TrimPlan::NEVER, |w| w.plan(before, q.queued_bytes, q.limit_bytes, batch_len()))
+                        };
+                        (plan(self.trim), plan(self.mark))
                     }
-                    (Err(_), _) => TrimPlan::NEVER,
+                    Err(_) => (TrimPlan::NEVER, TrimPlan::NEVER),
                 };
                 // With ingress faults on, process the batch in the order they
                 // chose (drops left out, duplicates twice, some swapped).
@@ -259,6 +267,7 @@ impl ShardThread {
                 let plain = faulty.is_none().then(|| rx.iter_ecn());
                 // `ce`: a queue on the way marked the datagram (ECN)
                 for (from, bytes, ce) in faulty.into_iter().flatten().chain(plain.into_iter().flatten()) {
+                    let mut queue_mark = false;
                     let owner = match kv_task_of(bytes) {
                         Some(task) => {
                             let owner = kv_owner(task, self.peers.len());
@@ -269,6 +278,9 @@ impl ShardThread {
                             owner
                         }
                         None => {
+                            // the shard's own queue above the marking
+                            // watermark: as if a queue on the path marked it
+                            queue_mark = mark_plan.trims(bytes.len());
                             if plan.trims(bytes.len()) {
                                 match self.switch.trim_datagram(now, from, bytes, TrimCause::ProcessingQueue, &mut out) {
                                     TrimVerdict::Trimmed => {
@@ -279,7 +291,10 @@ impl ShardThread {
                                     TrimVerdict::Process => {}
                                 }
                             }
-                            match self.switch.handle_datagram_ce(now, from, bytes, ce, &mut out) {
+                            if queue_mark {
+                                self.queue_marked += 1;
+                            }
+                            match self.switch.handle_datagram_ce(now, from, bytes, ce || queue_mark, &mut out) {
                                 Verdict::Consumed => continue,
                                 Verdict::WrongShard(owner) => owner,
                                 // What a Join changed that every shard must know:
@@ -293,7 +308,7 @@ impl ShardThread {
                         }
                     };
                     if let Some(peer) = self.peers.get(owner as usize) {
-                        let _ = peer.send(Command::Handover(from, bytes.to_vec(), ce));
+                        let _ = peer.send(Command::Handover(from, bytes.to_vec(), ce || queue_mark));
                     }
                 }
                 self.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -439,6 +454,7 @@ impl ShardThread {
         if let Ok(mut c) = self.stats.counters.lock() {
             c.clone_from(self.switch.counters());
             c.trimmed = self.trimmed;
+            c.queue_marked = self.queue_marked;
             c.socket_drops = self.socket_drops;
         }
         if let Ok(mut c) = self.stats.kv_counters.lock() {

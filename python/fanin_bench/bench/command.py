@@ -166,11 +166,14 @@ def _add_value_benches(bsub: Any) -> None:
     _common(si)
     si.set_defaults(func=_lazy("stragglers", "run_iterations"))
 
-    ov = bsub.add_parser("overload", help="allreduce through an overloaded switch, trimming on vs off (NDP return-to-sender)",
-                         description="Two switches, identical but for [trim] enabled, one overloaded shard each "
-                                     "(small receive buffer, full windows from every worker); each worker "
-                                     "alternates between them. Completion time, kernel drops, trims and "
-                                     "retransmissions per arm, and trim/drop ratios. Writes CSV and PNG to --out. "
+    ov = bsub.add_parser("overload", help="allreduce through an overloaded switch: drop-tail, trimming (NDP "
+                                          "return-to-sender) and marking (ECN at the switch)",
+                         description="Three switches, identical but for [trim], one overloaded shard each "
+                                     "(small receive buffer, full windows from every worker): drop-tail, "
+                                     "trimming above --watermark, and marking above half of it (the block's result "
+                                     "says congestion, nothing is discarded); each worker alternates between "
+                                     "them. Completion time, kernel drops, trims, marks and retransmissions per "
+                                     "arm, and trim/drop and mark/drop ratios. Writes CSV and PNG to --out. "
                                      "Under overload the drop arm's allreduces have a long tail (seconds, "
                                      "occasionally minutes): --quick usually takes well under a minute, not always.")
     ov.add_argument("--workers", type=int, default=4)
@@ -181,7 +184,8 @@ def _add_value_benches(bsub: Any) -> None:
     ov.add_argument("--size", type=int, help="bytes per worker (default 4000000)")
     ov.add_argument("--iters", type=int, help="timed allreduces per arm and point (default 7; 3 with --quick)")
     ov.add_argument("--watermark", type=float, default=0.5,
-                    help="trim arm: fraction of the receive buffer above which it trims (default %(default)s)")
+                    help="trim arm: fraction of the receive buffer above which it trims; the mark arm marks above "
+                         "half of it (default %(default)s)")
     ov.add_argument("--out", default="out/bench", help="directory for CSV and PNG (default %(default)s)")
     _common(ov)
     ov.set_defaults(func=_lazy("overload", "run_overload"))

@@ -1,12 +1,16 @@
 """``fanin bench overload``: allreduce through an overloaded switch, with and
-without trimming, side by side in one run (issue 7, item 6).
+without trimming, and with marking, side by side in one run (issue 7, item
+6; issue 28).
 
-Two switch processes run at once with the same configuration except
-``[trim] enabled``: the *drop* arm (an overflowing receive queue loses
-datagrams silently; workers find out by fast retransmit or their stall
-timer) and the *trim* arm (above the watermark, data contributions come
-back as header-only Trimmed nacks; workers resend at once and halve their
-window). Every worker process holds one session per arm and alternates the
+Three switch processes run at once with the same configuration except
+``[trim]``: the *drop* arm (an overflowing receive queue loses datagrams
+silently; workers find out by fast retransmit or their stall timer), the
+*trim* arm (above the watermark, data contributions come back as
+header-only Trimmed nacks; workers resend at once and halve their window)
+and the *mark* arm (above half the watermark, contributions are aggregated
+as usual and their blocks' results marked congested, ATP's switch-side
+ECN: every member cuts its window at the marked result, nothing is
+discarded or resent). Every worker process holds one session per arm and alternates the
 arms iteration by iteration (order reversed every other iteration), so both
 see the same machine noise. Overload comes from many workers with full
 windows of 4 KiB datagrams converging on one shard whose receive buffer is
@@ -15,7 +19,8 @@ deliberately small.
 Reported per arm: completion time of each allreduce (the slowest worker's),
 and the switch's ``socket_drops`` (kernel drops: the silent losses),
 ``trimmed`` and the workers' retransmissions, all over the whole run (both
-arms do exactly the same allreduces). Ratios are trim / drop.
+arms do exactly the same allreduces). Ratios are trim / drop and mark /
+drop.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from fanin.switch import job_config, switch_config
 from fanin_bench.plotting import save_figure
 
 JOB = 1
-ARMS = ("drop", "trim")
+ARMS = ("drop", "trim", "mark")
 
 
 def _worker(rank: int, addrs: dict[str, str], point: dict[str, Any], iters: int, results: Any) -> None:
@@ -80,7 +85,8 @@ def run_point(point: dict[str, Any], iters: int, seed: int = 1) -> dict[str, Any
         for arm in ARMS:
             cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0",
                                 memory_mb=512, seed=seed, trim=(arm == "trim"),
-                                trim_watermark=point["watermark"], socket_buffer=point["socket_buffer"], jobs=[job])
+                                trim_watermark=point["watermark"], socket_buffer=point["socket_buffer"], jobs=[job],
+                                mark_watermark=point["watermark"] / 2 if arm == "mark" else None)
             switches[arm] = SwitchProcess(cfg)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
@@ -122,12 +128,17 @@ def run_point(point: dict[str, Any], iters: int, seed: int = 1) -> dict[str, Any
             "worker_trims_acted_on": sum(r["trimmed"][arm] for r in reports),
             "retransmissions": sum(r["retransmissions"][arm] for r in reports),
             "switch_retransmissions_seen": c.get("retransmissions", 0),
+            "queue_marked": c.get("queue_marked", 0),
+            "blocks_marked": c.get("congestion_marked", 0),
         }
     d, tr = out["drop"], out["trim"]
     out["ratio_time_trim_vs_drop"] = tr["median_s"] / d["median_s"]
     out["ratio_drops_trim_vs_drop"] = tr["socket_drops"] / d["socket_drops"] if d["socket_drops"] else None
     out["ratio_retransmissions_trim_vs_drop"] = (tr["retransmissions"] / d["retransmissions"]
                                                  if d["retransmissions"] else None)
+    m = out["mark"]
+    out["ratio_time_mark_vs_drop"] = m["median_s"] / d["median_s"]
+    out["ratio_time_mark_vs_trim"] = m["median_s"] / tr["median_s"]
     return out
 
 
@@ -156,13 +167,15 @@ def run_overload(args: Any) -> int:
     result = {"bench": "overload", "points": points, **paths}
     lines = []
     for p in points:
-        d, t = p["drop"], p["trim"]
+        d, t, m = p["drop"], p["trim"], p["mark"]
         lines.append(
             f"  {p['workers']} workers, window {p['window']}, buffer {p['socket_buffer'] >> 10} KiB, "
             f"{p['elements'] * 4 / 1e6:.0f} MB: "
             f"drop {d['median_s'] * 1e3:.0f} ms ({d['socket_drops']} kernel drops, {d['retransmissions']} retx) | "
             f"trim {t['median_s'] * 1e3:.0f} ms ({t['socket_drops']} kernel drops, {t['trimmed']} trimmed, "
-            f"{t['retransmissions']} retx) | time ratio trim/drop {p['ratio_time_trim_vs_drop']:.2f}")
+            f"{t['retransmissions']} retx) | mark {m['median_s'] * 1e3:.0f} ms ({m['socket_drops']} kernel drops, "
+            f"{m['queue_marked']} marked, {m['retransmissions']} retx) | time trim/drop "
+            f"{p['ratio_time_trim_vs_drop']:.2f}, mark/drop {p['ratio_time_mark_vs_drop']:.2f}")
     human = f"overload: wrote {paths['csv']} and {paths['png']}"
     if args.json:
         print(json.dumps(result))
@@ -180,13 +193,13 @@ def _write_csv(out: str, points: list[dict[str, Any]]) -> dict[str, str]:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["workers", "window", "socket_buffer", "elements", "arm", "median_s", "times_s", "socket_drops", "trimmed",
-                    "retransmissions"])
+                    "queue_marked", "retransmissions"])
         for p in points:
             for arm in ARMS:
                 a = p[arm]
                 w.writerow([p["workers"], p["window"], p["socket_buffer"], p["elements"], arm, f"{a['median_s']:.6f}",
                             " ".join(f"{x:.6f}" for x in a["times_s"]), a["socket_drops"], a["trimmed"],
-                            a["retransmissions"]])
+                            a["queue_marked"], a["retransmissions"]])
     return {"csv": path, "png": os.path.join(out, "overload.png")}
 
 
@@ -199,15 +212,15 @@ def _plot(points: list[dict[str, Any]], path: str) -> None:
     labels = [f"buffer {p['socket_buffer'] >> 10} KiB\nwindow {p['window']}" for p in points]
     xs = np.arange(len(points))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for k, (arm, colour) in enumerate((("drop", "tab:red"), ("trim", "tab:blue"))):
+    names = {"drop": "drop-tail (trimming off)", "trim": "trimming on", "mark": "marking (ECN at the switch)"}
+    for k, (arm, colour) in enumerate((("drop", "tab:red"), ("trim", "tab:blue"), ("mark", "tab:green"))):
         med = [p[arm]["median_s"] * 1e3 for p in points]
         lo = [m - min(p[arm]["times_s"]) * 1e3 for m, p in zip(med, points)]
         hi = [max(p[arm]["times_s"]) * 1e3 - m for m, p in zip(med, points)]
-        ax1.bar(xs + (k - 0.5) * 0.4, med, 0.4, yerr=[lo, hi], capsize=3, color=colour,
-                label="drop-tail (trimming off)" if arm == "drop" else "trimming on")
-        ax2.bar(xs + (k - 0.5) * 0.4, [p[arm]["socket_drops"] for p in points], 0.4, color=colour,
+        ax1.bar(xs + (k - 1) * 0.27, med, 0.27, yerr=[lo, hi], capsize=3, color=colour, label=names[arm])
+        ax2.bar(xs + (k - 1) * 0.27, [p[arm]["socket_drops"] for p in points], 0.27, color=colour,
                 label=f"{arm}: kernel drops")
-    ax2.bar(xs + 0.2, [p["trim"]["trimmed"] for p in points], 0.4, color="none", edgecolor="black", hatch="//",
+    ax2.bar(xs, [p["trim"]["trimmed"] for p in points], 0.27, color="none", edgecolor="black", hatch="//",
             label="trim: trimmed (returned to sender)")
     for ax in (ax1, ax2):
         ax.set_xticks(xs, labels)

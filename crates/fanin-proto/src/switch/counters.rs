@@ -28,6 +28,9 @@ pub struct Counters {
     /// way down (or a child switch's of one on its parent's results); the
     /// block's result is marked.
     pub ecn_echoed: u64,
+    /// Datagrams the daemon's own receive queue marked (deeper than
+    /// `[trim] mark_watermark`; also counted in `ecn_ce`).
+    pub queue_marked: u64,
     /// Datagrams that failed to parse, by [`WireError::kind`].
     pub malformed: [u64; WireError::KINDS.len()],
     pub unknown_job: u64,
@@ -242,6 +245,7 @@ impl Counters {
         f("congestion_marked", None, self.congestion_marked);
         f("ecn_ce", None, self.ecn_ce);
         f("ecn_echoed", None, self.ecn_echoed);
+        f("queue_marked", None, self.queue_marked);
         for (kind, v) in WireError::KINDS.iter().zip(self.malformed) {
             f("malformed", Some(kind), v);
         }
@@ -320,7 +324,7 @@ impl Counters {
             ($($field:ident),*) => { $( self.$field += other.$field; )* };
         }
         add!(
-            rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, ecn_ce, ecn_echoed, unknown_job, non_member, over_cap,
+            rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, ecn_ce, ecn_echoed, queue_marked, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, result_acks, records_acked, records_evicted, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, transit_up, transit_down, transit_duplicate, transit_refused, transit_loops, result_key_updates, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
             sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
