@@ -24,8 +24,9 @@ enum Node {
     Shard(usize, u16),
 }
 
-/// A datagram on the wire: (delivery time, sequence, from, to, bytes).
-type InFlight = (u64, u64, Node, Node, Vec<u8>);
+/// A datagram on the wire: (delivery time, sequence, from, to, bytes,
+/// whether a queue on the way marked it ECN CE).
+type InFlight = (u64, u64, Node, Node, Vec<u8>, bool);
 
 #[derive(Clone, Debug)]
 struct NetParams {
@@ -33,6 +34,10 @@ struct NetParams {
     dup: f64,
     /// Maximum extra delay; any value above the base delay reorders.
     jitter_ns: u64,
+    /// Probability that a datagram arrives marked ECN Congestion
+    /// Experienced (docs/congestion.md, "ECN"): marks cut windows and are
+    /// echoed, and must never change a sum or stall a recovery.
+    ce: f64,
 }
 
 struct Run {
@@ -198,7 +203,8 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
         for _ in 0..copies {
             let at = now.as_nanos() + base_delay + rng.below(cfg.net.jitter_ns + 1);
             seq += 1;
-            wire.push(Reverse((at, seq, from, to, bytes.clone())));
+            let ce = cfg.net.ce > 0.0 && rng.next_f64() < cfg.net.ce;
+            wire.push(Reverse((at, seq, from, to, bytes.clone(), ce)));
         }
     };
     let mut steps = 0u64;
@@ -300,13 +306,13 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
             if *t > now.as_nanos() {
                 break;
             }
-            let Reverse((_, _, from, to, bytes)) = wire.pop().unwrap();
+            let Reverse((_, _, from, to, bytes, ce)) = wire.pop().unwrap();
             match to {
                 Node::Shard(i, s) => {
                     let mut out = VecTransmit::new();
                     let mut target = s;
                     loop {
-                        match switches[i][target as usize].handle_datagram(now, from, &bytes, &mut out) {
+                        match switches[i][target as usize].handle_datagram_ce(now, from, &bytes, ce, &mut out) {
                             Verdict::Consumed => break,
                             Verdict::WrongShard(o) => target = o,
                             verdict => {
@@ -329,7 +335,7 @@ fn run_many(cfg: &Run, inputs: Vec<Vec<Tensor>>) -> Vec<Vec<Outcome>> {
                         d == w && data_result && Packet::new_checked(&bytes[..]).is_ok_and(|p| p.block_id() >= from)
                     });
                     if !deaf {
-                        sessions[w].handle_datagram(now, &bytes);
+                        sessions[w].handle_datagram_ce(now, &bytes, ce);
                     }
                 }
             }
@@ -524,8 +530,11 @@ fn check_half(kind: Half, inputs: &[Vec<u16>], outcomes: &[Outcome], epp: usize)
     }
 }
 
+/// A network that loses, duplicates and reorders, and whose queues mark
+/// as many datagrams CE as they lose (a marking queue is the same
+/// congestion seen earlier).
 fn net(loss: f64, dup: f64, jitter_ns: u64) -> NetParams {
-    NetParams { loss, dup, jitter_ns }
+    NetParams { loss, dup, jitter_ns, ce: loss }
 }
 
 proptest! {
