@@ -142,8 +142,10 @@ class Session:
             way marked Congestion Experienced (instead of dropping it) is
             echoed to the switch, which marks the next block's result for
             every member; every member's window is cut there, as after a
-            repaired loss. On by default, as on the switch (``[switch] ecn``);
-            turn it off only on a path that mishandles ECN-capable packets.
+            repaired loss. On by default, as on the switch (its ``ecn`` key);
+            turn it off on both (``ecn=False`` here, ``ecn = false`` there) on a
+            path that mishandles ECN-capable packets: a switch with ECN on
+            sends this session ECN-capable results whose marks it would not read.
 
     Errors: an allreduce returns a complete result or raises.
     :class:`fanin.MemberRestarted` (another rank's process was replaced:
@@ -296,7 +298,8 @@ class Session:
         timeouts: nothing answered for an RTO), ``marked_results`` (results
         the switch marked congested: a repaired loss, or a queue's ECN mark
         on some member's path), ``ecn_ce`` (results that reached this worker
-        CE-marked, each echoed to the switch), ``window`` (the congestion
+        CE-marked; the next contribution echoes them to the switch),
+        ``window`` (the congestion
         window in blocks when the call ended; docs/congestion.md), ``blocks``,
         ``gen_id``, ``degraded_blocks`` (list of ``(block, src_cnt)``: blocks
         whose result summed fewer than all members), ``min_src_cnt``,

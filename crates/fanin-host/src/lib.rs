@@ -623,7 +623,9 @@ fn bind_lane_socket(ip: IpAddr, options: &SessionOptions) -> Result<BatchSocket,
         let _ = socket.enable_gro();
     }
     if options.ecn {
-        socket.enable_ecn()?;
+        socket.enable_ecn().map_err(|e| {
+            HostError::Option(format!("ecn: cannot mark this session's datagrams ECN-capable ({e}); pass ecn=False"))
+        })?;
     }
     Ok(socket)
 }

@@ -20,7 +20,7 @@ fn start(trim: bool) -> SwitchHandle {
         control_addr: Listen::Off,
         metrics_addr: Listen::At("127.0.0.1:0".parse().unwrap()),
         socket_buffer: 256 << 10,
-        trim: TrimSection { enabled: trim, watermark: 0.05 },
+        trim: TrimSection { enabled: trim, watermark: 0.05, ..TrimSection::default() },
         jobs: vec![JobConfig {
             job_id: 1,
             members: None,

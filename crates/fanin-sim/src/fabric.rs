@@ -459,14 +459,8 @@ impl Fabric {
         let c = &mut self.chans[chan as usize];
         // ECN: a queue above its threshold marks what can respond to it
         // (DCTCP's instantaneous-queue rule); it still queues or drops as
-        // without marking
-        if c.queue.data_bytes() >= c.ecn_bytes {
-            let d = self.bufs[buf as usize].as_mut().expect("live buffer");
-            if !d.background && !d.ce {
-                d.ce = true;
-                self.ce_marks += 1;
-            }
-        }
+        // without marking (a dropped datagram's mark is not counted)
+        let mark = c.queue.data_bytes() >= c.ecn_bytes;
         let item = Queued { buf, wire_len: len as u32, cut: false };
         let mut trimmed = false;
         let queued = if self.cfg.trimming {
@@ -494,6 +488,13 @@ impl Fabric {
         }
         if trimmed {
             self.background_loss(flow, ev.now());
+        }
+        if mark {
+            let d = self.bufs[buf as usize].as_mut().expect("live buffer");
+            if !d.background && !d.ce {
+                d.ce = true;
+                self.ce_marks += 1;
+            }
         }
         self.kick(ev, chan);
     }

@@ -257,7 +257,12 @@ impl TrimSection {
     /// The marking watermark, if set.
     pub fn mark_watermark(&self) -> Result<Option<Watermark>, ConfigError> {
         let Some(m) = self.mark_watermark else { return Ok(None) };
-        let w = Watermark::new(m).map_err(|e| ConfigError::Invalid(e.replace("trim.watermark", "trim.mark_watermark")))?;
+        let w = Watermark::new(m).map_err(|_| {
+            ConfigError::Invalid(format!(
+                "trim.mark_watermark = {m} is out of range: give a fraction of the receive buffer in 0.0..1.0 \
+                 (at 1.0 or above the kernel drops before the switch marks)"
+            ))
+        })?;
         if self.enabled && m >= self.watermark {
             return Err(ConfigError::Invalid(format!(
                 "trim.mark_watermark = {m} is not below trim.watermark = {}: a datagram above the trim \

@@ -14,7 +14,9 @@
 //! * **Marked** result (`AGE_OP_CONGESTED`): the switch saw a member's
 //!   retransmission fill a hole in the block while the other members'
 //!   contributions had arrived, i.e. a contribution was lost on its way (a
-//!   queue on that member's path overflowed). Every member gets the same
+//!   queue on that member's path overflowed), or a queue marked one of the
+//!   block's contributions ECN CE, or a member echoed a CE mark it saw on a
+//!   result (docs/congestion.md, "ECN"). Every member gets the same
 //!   mark in the same result, so every member cuts at the same point of the
 //!   result stream and the windows stay equal: aggregation is lockstep, the
 //!   job runs at its slowest member's pace, and a member whose window alone

@@ -24,12 +24,13 @@ pub struct Counters {
     /// header (a queue on the way marked them). A contribution so marked
     /// marks its block's result, as a repaired loss does.
     pub ecn_ce: u64,
-    /// Contributions carrying a member's echo of a CE mark on a result's
-    /// way down (or a child switch's of one on its parent's results); the
-    /// block's result is marked.
+    /// Contributions that arrived carrying a worker's echo of a CE mark on
+    /// a result's way down; the block's result is marked. (A child switch's
+    /// echo of its parent's marks travels as its partial's subtree mark.)
     pub ecn_echoed: u64,
     /// Datagrams the daemon's own receive queue marked (deeper than
-    /// `[trim] mark_watermark`; also counted in `ecn_ce`).
+    /// `[trim] mark_watermark`; also counted in `ecn_ce`): contributions,
+    /// and results from a parent, which a child switch then echoes up.
     pub queue_marked: u64,
     /// Datagrams that failed to parse, by [`WireError::kind`].
     pub malformed: [u64; WireError::KINDS.len()],

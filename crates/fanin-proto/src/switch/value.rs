@@ -794,12 +794,13 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// result from the parent so marked is echoed up on this switch's next
     /// partial (docs/congestion.md, "ECN").
     pub fn handle_datagram_ce(&mut self, now: Time, from: A, bytes: &[u8], ce: bool, out: &mut impl Transmit<A>) -> Verdict {
-        if ce {
-            self.counters.ecn_ce += 1;
-        }
         self.rx_ce = ce;
         let verdict = self.handle_datagram(now, from, bytes, out);
         self.rx_ce = false;
+        // counted by the shard that handles it, not on the way to it
+        if ce && !matches!(verdict, Verdict::WrongShard(_)) {
+            self.counters.ecn_ce += 1;
+        }
         verdict
     }
 

@@ -113,8 +113,9 @@ pub struct Outcome {
     /// repaired, or a CE mark on some member's path; docs/congestion.md).
     pub marked_results: u64,
     /// Results that reached this worker with the IP header's ECN field at
-    /// CE (a queue on the way down marked them); each is echoed to the
-    /// switch on this worker's next contribution.
+    /// CE (a queue on the way down marked them); the next contribution this
+    /// worker sends echoes them (one echo for all that came since the last
+    /// one).
     pub ecn_ce: u64,
     /// The congestion window when the allreduce ended (blocks).
     pub window: u32,

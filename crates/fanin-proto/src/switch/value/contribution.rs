@@ -263,7 +263,6 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 }
                 if echo_up {
                     job.ce_echo_up = false;
-                    counters.ecn_echoed += 1;
                 }
                 block.congested = true;
             }

@@ -103,7 +103,7 @@ fn in_a_tree_a_ce_mark_on_the_parents_result_rides_up_on_the_next_partial() {
     arrive(&mut leaf, &Pkt::data(1, 0, 2, &[1]), false);
     let up = arrive(&mut leaf, &Pkt::data(1, 1, 2, &[1]), false);
     assert_eq!(up[0].1.age_op, 0);
-    assert_eq!((leaf.counters().ecn_ce, leaf.counters().ecn_echoed), (1, 1));
+    assert_eq!((leaf.counters().ecn_ce, leaf.counters().congestion_marked), (1, 1));
 
     // at the root, a child's partial that arrives CE-marked marks the block
     let mut root = switch_with(JobSpec { members: vec![0, RANK], workers: 4, ..job(1, 2, 4) });
@@ -125,4 +125,42 @@ fn handle_datagram_is_handle_datagram_ce_without_a_mark() {
         assert_eq!(decode(out), arrive(&mut b, &p, false));
     }
     assert_eq!(a.counters(), b.counters());
+}
+
+#[test]
+fn a_marked_result_handed_to_its_owner_shard_is_echoed_by_the_owner_alone() {
+    // a leaf of two shards: a CE-marked result from the parent reaches the
+    // shard that does not own its block; it hands it over (WrongShard) and
+    // neither counts nor echoes it, the owner does both
+    let spec = JobSpec { workers: 5, ..job(1, 2, 4) };
+    let mut shards: Vec<ValueSwitch<Addr>> = (0..2)
+        .map(|shard| {
+            let mut sw = ValueSwitch::new(ShardConfig { shard, shard_count: 2, ..ShardConfig::single(1 << 30) });
+            sw.add_job(spec.clone()).unwrap();
+            sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank: RANK })).unwrap();
+            sw
+        })
+        .collect();
+    let owner = |b: u32| crate::job::shard_of(1, b, 4, 2) as usize;
+    let theirs = (0..8).find(|&b| owner(b) == 1).expect("a block of shard 1");
+    let ours = (0..8).find(|&b| owner(b) == 0).expect("a block of shard 0");
+    for src in 0..2 {
+        arrive(&mut shards[1], &Pkt::data(1, src, theirs, &[1]), false);
+    }
+    let mut result = Pkt::data(1, 0, theirs, &[2]);
+    result.repr.msg_type = MessageType::Result;
+    result.repr.src_cnt = 5;
+    let mut out = VecTransmit::new();
+    assert_eq!(shards[0].handle_datagram_ce(T0, PARENT, &result.bytes(), true, &mut out), Verdict::WrongShard(1));
+    assert_eq!(shards[0].counters().ecn_ce, 0, "counted where it is handled");
+    assert_eq!(arrive_from(&mut shards[1], PARENT, &result.bytes(), true).len(), 2);
+    // shard 0's next partial goes up unmarked; shard 1's carries the echo
+    arrive(&mut shards[0], &Pkt::data(1, 0, ours, &[1]), false);
+    let up = arrive(&mut shards[0], &Pkt::data(1, 1, ours, &[1]), false);
+    assert_eq!((up[0].0, up[0].1.age_op), (PARENT, 0));
+    let next = (theirs + 1..64).find(|&b| owner(b) == 1).unwrap();
+    arrive(&mut shards[1], &Pkt::data(1, 0, next, &[1]), false);
+    let up = arrive(&mut shards[1], &Pkt::data(1, 1, next, &[1]), false);
+    assert_eq!((up[0].0, up[0].1.age_op), (PARENT, AGE_OP_CONGESTED));
+    assert_eq!(shards[1].counters().ecn_ce, 1);
 }

@@ -79,11 +79,6 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             counters.protocol_violation += 1;
             return Verdict::Consumed;
         }
-        if self.rx_ce && packet.msg_type_code() == MessageType::Result as u8 {
-            // a queue between the parent and this switch marked the
-            // result: the next partial up echoes it (contribution.rs)
-            job.ce_echo_up = true;
-        }
         counters.from_parent += 1;
         let Ok(repr) = Repr::parse(packet) else {
             counters.protocol_violation += 1;
@@ -203,6 +198,12 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 if owner != self.config.shard {
                     counters.wrong_shard += 1;
                     return Verdict::WrongShard(owner);
+                }
+                if self.rx_ce {
+                    // a queue between the parent and this switch marked the
+                    // result: the next partial up echoes it (contribution.rs;
+                    // by the owner only, so a handed-over result echoes once)
+                    job.ce_echo_up = true;
                 }
                 let local = job.slot_of(repr.block_id, self.config.shard_count);
                 let Some(slot) = job.slots.get_mut(local) else {
