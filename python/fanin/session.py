@@ -143,9 +143,9 @@ class Session:
             echoed to the switch, which marks the next block's result for
             every member; every member's window is cut there, as after a
             repaired loss. On by default, as on the switch (its ``ecn`` key);
-            turn it off on both (``ecn=False`` here, ``ecn = false`` there) on a
-            path that mishandles ECN-capable packets: a switch with ECN on
-            sends this session ECN-capable results whose marks it would not read.
+            turn it off on a path that mishandles ECN-capable packets (the
+            switch then sends this session's results Not-ECT too: it goes by
+            what the session sends).
 
     Errors: an allreduce returns a complete result or raises.
     :class:`fanin.MemberRestarted` (another rank's process was replaced:

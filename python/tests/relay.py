@@ -4,6 +4,7 @@ mark what it forwards ECN Congestion Experienced, as a queue on the path
 would instead of dropping it."""
 
 import socket
+import struct
 import threading
 
 
@@ -33,12 +34,13 @@ class ResultEater:
                 s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (root)
             except OSError:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
         # what the relay forwards leaves CE-marked: to the switch (the
         # worker's uplink marked it) or to the worker (its downlink did)
-        if ce_up:
-            self.back.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, self.CE)
-        if ce_down:
-            self.front.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, self.CE)
+        self._ce_up, self._ce_down = ce_up, ce_down
+        # ECN codepoints of what it relayed: up, and of the switch's results
+        self.codepoints_up: dict = {}
+        self.codepoints_down: dict = {}
         self.eat_results = False
         self.eaten = 0
         self._worker = None
@@ -53,20 +55,30 @@ class ResultEater:
         return "127.0.0.1:%d" % self.front.getsockname()[1]
 
     def _run(self, sock: socket.socket, from_worker: bool) -> None:
+        # ECN-transparent, as a router is: each datagram goes on with the
+        # codepoint it came with, unless this relay marks it CE
+        mark = self._ce_up if from_worker else self._ce_down
+        seen = self.codepoints_up if from_worker else self.codepoints_down
         while not self._stop.is_set():
             try:
-                data, src = sock.recvfrom(65536)
+                data, anc, _, src = sock.recvmsg(65536, socket.CMSG_SPACE(4))
             except (socket.timeout, OSError):
                 continue
+            codepoint = next((c[0] & 3 for lvl, typ, c in anc
+                              if lvl == socket.IPPROTO_IP and typ == socket.IP_TOS and c), 0)
+            tos = [(socket.IPPROTO_IP, socket.IP_TOS, struct.pack("i", self.CE if mark else codepoint))]
             try:
                 if from_worker:
                     self._worker = src
-                    self.back.sendto(data, self._switch)
+                    seen[codepoint] = seen.get(codepoint, 0) + 1
+                    self.back.sendmsg([data], tos, 0, self._switch)
                 elif self._worker is not None:
-                    if self.eat_results and len(data) > 3 and data[3] & ~self.SEALED == self.RESULT:
-                        self.eaten += 1
-                        continue
-                    self.front.sendto(data, self._worker)
+                    if len(data) > 3 and data[3] & ~self.SEALED == self.RESULT:
+                        seen[codepoint] = seen.get(codepoint, 0) + 1
+                        if self.eat_results:
+                            self.eaten += 1
+                            continue
+                    self.front.sendmsg([data], tos, 0, self._worker)
             except OSError:
                 pass  # the switch is down: its port is closed
 

@@ -20,8 +20,9 @@ ELEMS = 256 * 400  # 400 blocks of 256 int32
 
 def _run(*, ce_up=False, ce_down=False, worker_ecn=True, switch_ecn=True):
     """Two ranks of job 1, rank 1 through the relay; three allreduces.
-    Returns each rank's last_stats of every allreduce and the switch's
-    counters."""
+    Returns each rank's last_stats of every allreduce, the switch's
+    counters, and the codepoints of what the relay carried (up: rank 1's
+    datagrams, down: the switch's results to it)."""
     cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None, ecn=switch_ecn,
                         jobs=[{"job_id": 1, "sources": 2, "block_cnt_max": 256}])
     with fanin.LocalSwitch(cfg) as sw:
@@ -50,6 +51,7 @@ def _run(*, ce_up=False, ce_down=False, worker_ecn=True, switch_ecn=True):
         finally:
             relay.close()
         assert not [k for k in out if isinstance(k, tuple)], out
+        _run.codepoints = (relay.codepoints_up, relay.codepoints_down)
         return out[0], out[1], sw.counters()
 
 
@@ -94,3 +96,19 @@ def test_ecn_off_reads_no_marks(side):
     else:
         assert c["ecn_ce"] == 0
         assert _sum(r1, "ecn_ce") > 0  # the worker still reads its downlink
+
+
+def test_results_go_ecn_capable_only_to_a_session_that_answers_marks():
+    # the switch sends ECT(0) from its sockets, but Not-ECT to a peer whose
+    # own datagrams arrive Not-ECT (RFC 3168 section 5: a queue must not mark
+    # instead of dropping for a receiver that ignores the marks)
+    _run(worker_ecn=True)
+    up, down = _run.codepoints
+    assert set(up) == {2} and set(down) == {2}, (up, down)  # ECT(0) both ways
+    _run(worker_ecn=False)
+    up, down = _run.codepoints
+    assert set(up) == {0} and set(down) == {0}, (up, down)  # Not-ECT both ways
+    # a switch with ECN off sends its socket's default, Not-ECT, to everyone
+    _run(worker_ecn=True, switch_ecn=False)
+    up, down = _run.codepoints
+    assert set(up) == {2} and set(down) == {0}, (up, down)

@@ -504,6 +504,7 @@ impl SwitchHandle {
                 egress: DropInjector::new(config.faults.egress_drop, seed ^ 0x5555),
                 trim: config.trim.watermark()?,
                 trimmed: 0,
+                not_ect: config.ecn.then(crate::shard::NotEct::default),
                 mark: config.trim.mark_watermark()?,
                 queue_marked: 0,
                 socket_drops: 0,

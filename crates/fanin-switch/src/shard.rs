@@ -100,6 +100,8 @@ pub(crate) struct ShardThread {
     pub trim: Option<Watermark>,
     /// Data contributions answered with a Trimmed nack.
     pub trimmed: u64,
+    /// With ECN on (`ecn`): the peers that send Not-ECT.
+    pub not_ect: Option<NotEct>,
     /// Marking on a deep receive queue (`[trim] mark_watermark`), if set.
     pub mark: Option<Watermark>,
     /// Datagrams this shard's own receive queue marked.
@@ -111,6 +113,45 @@ pub(crate) struct ShardThread {
     pub scan: Option<(crate::scanners::Registry, Arc<crate::scanners::Waker>)>,
 }
 
+/// The peers whose own datagrams arrive Not-ECT: they do not answer ECN
+/// marks (key-value hosts, sessions with ECN off), so what the shard sends
+/// them leaves Not-ECT, and a queue drops it rather than marking it (RFC
+/// 3168 §5). Everyone else, switches and ECN sessions, which send ECT(0),
+/// gets the socket's ECT(0): no handshake, the codepoint a peer sends is
+/// its word. Bounded, so a flood of spoofed sources cannot grow it: when
+/// full it starts over (forgotten peers get ECT(0) until they send again).
+#[derive(Debug, Default)]
+pub struct NotEct {
+    set: std::collections::HashSet<SocketAddr>,
+    /// The last peer learnt from: a batch holds runs of one peer's datagrams.
+    last: Option<(SocketAddr, bool)>,
+}
+
+impl NotEct {
+    const MAX: usize = 4096;
+
+    fn contains(&self, peer: &SocketAddr) -> bool {
+        !self.set.is_empty() && self.set.contains(peer)
+    }
+
+    /// What a datagram from `peer` arriving with `codepoint` says.
+    fn learn(&mut self, peer: SocketAddr, codepoint: u8) {
+        let capable = codepoint != fanin_udp::ecn::NOT_ECT;
+        if self.last == Some((peer, capable)) {
+            return;
+        }
+        self.last = Some((peer, capable));
+        if capable {
+            self.set.remove(&peer);
+        } else {
+            if self.set.len() >= Self::MAX {
+                self.set.clear();
+            }
+            self.set.insert(peer);
+        }
+    }
+}
+
 /// Sends through the batch, flushing when it fills; egress faults drop here.
 struct SocketTx<'a> {
     socket: &'a BatchSocket,
@@ -119,6 +160,21 @@ struct SocketTx<'a> {
     egress: &'a mut DropInjector,
     discard: &'a mut Vec<u8>,
     stats: &'a ShardStats,
+    /// With ECN on: the peers whose own datagrams arrive Not-ECT (key-value
+    /// hosts, sessions with ECN off), which get Not-ECT datagrams; everyone
+    /// else gets the socket's ECT(0).
+    not_ect: Option<&'a NotEct>,
+}
+
+impl SocketTx<'_> {
+    /// The codepoint a datagram to `dest` leaves with.
+    fn codepoint_for(&self, dest: SocketAddr) -> u8 {
+        if self.not_ect.is_some_and(|n| n.contains(&dest)) {
+            fanin_udp::ecn::NOT_ECT
+        } else {
+            fanin_udp::ECN_SOCKET
+        }
+    }
 }
 
 impl Transmit<SocketAddr> for SocketTx<'_> {
@@ -130,7 +186,8 @@ impl Transmit<SocketAddr> for SocketTx<'_> {
         if self.batch.is_full() {
             flush(self.socket, self.batch, self.stats);
         }
-        self.batch.push(dest, len)
+        let codepoint = self.codepoint_for(dest);
+        self.batch.push_ecn(dest, len, codepoint)
     }
 
     /// One copy into the batch, aliased for the other destinations: the
@@ -152,6 +209,8 @@ impl Transmit<SocketAddr> for SocketTx<'_> {
                 self.batch.push_copy(dest, bytes);
                 queued = true;
             }
+            let codepoint = self.codepoint_for(dest);
+            self.batch.set_last_ecn(codepoint);
         }
         n
     }
@@ -163,7 +222,15 @@ impl Transmit<SocketAddr> for SocketTx<'_> {
         if !self.multicast {
             return false;
         }
-        self.push_copy(SocketAddr::V4(group), bytes);
+        if self.egress.should_drop() {
+            return true;
+        }
+        if self.batch.is_full() {
+            flush(self.socket, self.batch, self.stats);
+        }
+        // one copy for listeners of which some may not answer marks
+        let codepoint = if self.not_ect.is_some() { fanin_udp::ecn::NOT_ECT } else { fanin_udp::ECN_SOCKET };
+        self.batch.push_ecn(SocketAddr::V4(group), bytes.len(), codepoint).copy_from_slice(bytes);
         true
     }
 }
@@ -236,6 +303,13 @@ impl ShardThread {
                 self.drain_commands(&mut tx, &mut discard);
             }
             let now = self.now();
+            if let Some(not_ect) = self.not_ect.as_mut() {
+                // what each sender's codepoint says of it, before anything
+                // in this batch is answered
+                for (from, _, codepoint) in rx.iter_codepoints() {
+                    not_ect.learn(from, codepoint);
+                }
+            }
             let mut out = SocketTx {
                 socket: &self.socket,
                 multicast: self.multicast,
@@ -243,6 +317,7 @@ impl ShardThread {
                 egress: &mut self.egress,
                 discard: &mut discard,
                 stats: &self.stats,
+                not_ect: self.not_ect.as_ref(),
             };
             if let Some(queue) = queue {
                 // (the same walk over the batch for the marking watermark)
@@ -430,7 +505,7 @@ impl ShardThread {
     ) -> R {
         let now = self.now();
         let mut out =
-            SocketTx { socket: &self.socket, multicast: self.multicast, batch: tx, egress: &mut self.egress, discard, stats: &self.stats };
+            SocketTx { socket: &self.socket, multicast: self.multicast, batch: tx, egress: &mut self.egress, discard, stats: &self.stats, not_ect: self.not_ect.as_ref() };
         f(&mut self.switch, &mut self.kv, now, &mut out)
     }
 

@@ -50,7 +50,7 @@ mod unreachable;
 
 pub use mtu::{bound_mtu, interfaces, Interface};
 pub use recv::{RecvBatch, RecvIter, GRO_SLOT_SIZE};
-pub use send::{SendBatch, MAX_GSO_BYTES, MAX_GSO_SEGMENTS};
+pub use send::{SendBatch, ECN_SOCKET, MAX_GSO_BYTES, MAX_GSO_SEGMENTS};
 pub use socket::{wait_readable_any, BatchSocket, ReceiveQueue};
 pub use unreachable::Unreachable;
 

@@ -166,11 +166,19 @@ impl RecvBatch {
     /// Congestion Experienced (read when the socket
     /// [enabled ECN](crate::BatchSocket::enable_ecn); false otherwise).
     pub fn iter_ecn(&self) -> impl Iterator<Item = (SocketAddr, &[u8], bool)> + '_ {
+        self.iter_codepoints().map(|(from, bytes, cp)| (from, bytes, cp == crate::ecn::CE))
+    }
+
+    /// As [`iter`](Self::iter), with each datagram's ECN codepoint
+    /// ([`crate::ecn::NOT_ECT`] when the socket did not
+    /// [enable ECN](crate::BatchSocket::enable_ecn)): what a peer sends
+    /// says whether it is ECN-capable.
+    pub fn iter_codepoints(&self) -> impl Iterator<Item = (SocketAddr, &[u8], u8)> + '_ {
         let mut it = self.iter();
         std::iter::from_fn(move || {
             // the slot `next` reads from is the one at `index` now
-            let ce = self.meta.get(it.index).is_some_and(|m| m.ecn == crate::ecn::CE);
-            it.next().map(|(from, bytes)| (from, bytes, ce))
+            let cp = self.meta.get(it.index).map_or(crate::ecn::NOT_ECT, |m| m.ecn);
+            it.next().map(|(from, bytes)| (from, bytes, cp))
         })
     }
 

@@ -68,13 +68,19 @@ impl GsoState {
     }
 }
 
-/// One queued datagram: `len` bytes at `offset` in the arena.
+/// One queued datagram: `len` bytes at `offset` in the arena, and the ECN
+/// codepoint it leaves with ([`ECN_SOCKET`]: the socket's own).
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     dest: SocketAddr,
     offset: usize,
     len: usize,
+    ecn: u8,
 }
+
+/// [`SendBatch::set_last_ecn`]'s "no codepoint of its own": the datagram
+/// leaves with the socket's (`IP_TOS`), and no control message is added.
+pub const ECN_SOCKET: u8 = 0xFF;
 
 /// One `mmsghdr` worth of work: `count` consecutive entries starting at
 /// `first`, `bytes` in total, sent as GSO segments of `segment` bytes when
@@ -87,12 +93,13 @@ struct Message {
     bytes: usize,
 }
 
-/// Control buffer for one sent message: `CMSG_SPACE(sizeof(u16))` is 24
-/// bytes on 64-bit targets. Aligned like `cmsghdr`, as the `CMSG_*` macros
-/// require.
+/// Control buffer for one sent message: the GSO segment size
+/// (`CMSG_SPACE(sizeof(u16))`, 24 bytes on 64-bit targets) and the ECN
+/// codepoint (`CMSG_SPACE(sizeof(int))`, 24). Aligned like `cmsghdr`, as the
+/// `CMSG_*` macros require.
 #[repr(C, align(8))]
 #[derive(Clone, Copy)]
-struct SendCmsgBuf([u8; 32]);
+struct SendCmsgBuf([u8; 64]);
 
 /// Per-call syscall scratch, kept in the batch so sending never allocates
 /// after warm-up.
@@ -193,13 +200,20 @@ impl SendBatch {
     /// The slice's initial contents are unspecified (left over from earlier
     /// batches): write all of it.
     pub fn push(&mut self, dest: SocketAddr, len: usize) -> &mut [u8] {
+        self.push_ecn(dest, len, ECN_SOCKET)
+    }
+
+    /// [`push`](Self::push) with the datagram's own ECN codepoint (see
+    /// [`set_last_ecn`](Self::set_last_ecn)).
+    pub fn push_ecn(&mut self, dest: SocketAddr, len: usize, codepoint: u8) -> &mut [u8] {
         let offset = self.used;
         let end = offset + len;
         if end > self.arena.len() {
             self.arena.resize(end, 0);
         }
         self.used = end;
-        self.entries.push(Entry { dest, offset, len });
+        let ecn = if codepoint == ECN_SOCKET { ECN_SOCKET } else { codepoint & 0b11 };
+        self.entries.push(Entry { dest, offset, len, ecn });
         &mut self.arena[offset..end]
     }
 
@@ -216,6 +230,18 @@ impl SendBatch {
         let Some(&last) = self.entries.last() else { return false };
         self.entries.push(Entry { dest, ..last });
         true
+    }
+
+    /// The ECN codepoint (`crate::ecn::ECT_0`, `NOT_ECT`, ...) the last
+    /// queued datagram leaves with, instead of the socket's own: one socket
+    /// serving peers of which only some answer ECN marks sends the others
+    /// Not-ECT (RFC 3168 §5). IPv4 sockets only (an IPv6 socket keeps its
+    /// traffic class); [`ECN_SOCKET`] undoes it. A GSO message never mixes
+    /// codepoints.
+    pub fn set_last_ecn(&mut self, codepoint: u8) {
+        if let Some(e) = self.entries.last_mut() {
+            e.ecn = if codepoint == ECN_SOCKET { ECN_SOCKET } else { codepoint & 0b11 };
+        }
     }
 
     /// Number of queued datagrams.
@@ -477,7 +503,7 @@ impl SendBatch {
         // Size every array first: pointers into them are taken below and
         // must not be invalidated by a later reallocation.
         s.names.resize(n, SockAddrBuf::zeroed());
-        s.ctrl.resize(n, SendCmsgBuf([0; 32]));
+        s.ctrl.resize(n, SendCmsgBuf([0; 64]));
         s.iovs.clear();
         s.hdrs.clear();
         // One iovec per stretch of a message's datagrams that lie back to
@@ -513,21 +539,41 @@ impl SendBatch {
             // `iovs` is complete: these pointers stay valid until the send.
             hdr.msg_iov = ptr::from_mut(&mut s.iovs[spans[j].0]);
             hdr.msg_iovlen = spans[j].1 as _;
-            if m.count > 1 {
+            let segment = m.count > 1;
+            // (every entry of a message has its first entry's codepoint)
+            let ecn = self.entries[m.first].ecn;
+            let tos = ecn != ECN_SOCKET && !socket_is_v6;
+            if segment || tos {
                 hdr.msg_control = ptr::from_mut(&mut s.ctrl[j]).cast();
                 // SAFETY: CMSG_SPACE is pure arithmetic.
-                hdr.msg_controllen = unsafe { libc::CMSG_SPACE(2) } as _;
-                // SAFETY: `msg_control` points to our 8-aligned 32-byte
-                // buffer and `msg_controllen` (24 on 64-bit, 16 on 32-bit)
-                // fits in it, so CMSG_FIRSTHDR returns a non-null, aligned
-                // header with room for its 2-byte payload, written unaligned.
+                hdr.msg_controllen = unsafe {
+                    (if segment { libc::CMSG_SPACE(2) } else { 0 })
+                        + (if tos { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as _) } else { 0 })
+                } as _;
+                // SAFETY: `msg_control` points to our 8-aligned 64-byte
+                // buffer and `msg_controllen` (at most 48 on 64-bit) fits in
+                // it. CMSG_FIRSTHDR, and CMSG_NXTHDR after a first header
+                // whose CMSG_SPACE leaves room for the second, return
+                // non-null, aligned headers within `msg_controllen`, with
+                // room for their payloads, written unaligned.
                 unsafe {
-                    let c = libc::CMSG_FIRSTHDR(&hdr);
-                    (*c).cmsg_level = libc::SOL_UDP;
-                    (*c).cmsg_type = libc::UDP_SEGMENT;
-                    (*c).cmsg_len = libc::CMSG_LEN(2) as _;
-                    // plan_messages keeps segments <= MAX_GSO_BYTES < 2^16.
-                    ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), m.segment as u16);
+                    let mut c = libc::CMSG_FIRSTHDR(&hdr);
+                    if segment {
+                        (*c).cmsg_level = libc::SOL_UDP;
+                        (*c).cmsg_type = libc::UDP_SEGMENT;
+                        (*c).cmsg_len = libc::CMSG_LEN(2) as _;
+                        // plan_messages keeps segments <= MAX_GSO_BYTES < 2^16.
+                        ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), m.segment as u16);
+                        if tos {
+                            c = libc::CMSG_NXTHDR(&hdr, c);
+                        }
+                    }
+                    if tos {
+                        (*c).cmsg_level = libc::IPPROTO_IP;
+                        (*c).cmsg_type = libc::IP_TOS;
+                        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as _) as _;
+                        ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), libc::c_int::from(ecn));
+                    }
                 }
             }
             s.hdrs.push(libc::mmsghdr {
@@ -591,6 +637,7 @@ fn plan_messages(entries: &[Entry], start: usize, policy: GsoPolicy, plan: &mut 
             while let Some(next) = entries.get(i + count) {
                 if count == MAX_GSO_SEGMENTS
                     || next.dest != head.dest
+                    || next.ecn != head.ecn
                     || next.len == 0
                     || next.len > head.len
                     || bytes + next.len > MAX_GSO_BYTES
@@ -640,6 +687,7 @@ mod tests {
                     dest: SocketAddr::from(([127, 0, 0, 1], port)),
                     offset,
                     len,
+                    ecn: ECN_SOCKET,
                 };
                 offset += len;
                 e
@@ -667,6 +715,14 @@ mod tests {
             ..GSO
         };
         assert_eq!(plan(&e, off), vec![(0, 1, 100), (1, 1, 100), (2, 1, 100)]);
+    }
+
+    #[test]
+    fn runs_split_where_the_ecn_codepoint_changes() {
+        let mut e = batch(&[(1, 100), (1, 100), (1, 100), (1, 100)]);
+        e[2].ecn = crate::ecn::ECT_0;
+        e[3].ecn = crate::ecn::ECT_0;
+        assert_eq!(plan(&e, GSO), vec![(0, 2, 100), (2, 2, 100)]);
     }
 
     #[test]

@@ -94,3 +94,40 @@ fn without_enable_ecn_nothing_reads_as_marked() {
     send(&tx, rx.local_addr().unwrap(), CE, 0, 3, 100);
     assert_eq!(receive(&rx, &mut batch, 3).0, vec![(0, false), (1, false), (2, false)]);
 }
+
+#[test]
+fn each_datagram_of_one_batch_leaves_with_its_own_codepoint() {
+    // a sender whose socket sends ECT(0) gives some datagrams Not-ECT and
+    // one CE of their own (set_last_ecn): in one sendmmsg, GSO on, the
+    // receiver reads each datagram's codepoint (CE alone is visible as a
+    // mark; Not-ECT datagrams would not be marked by a queue)
+    let (Some(tx), Some(rx)) = (bind("127.0.0.1:0"), bind("127.0.0.1:0")) else { return };
+    tx.enable_ecn().unwrap();
+    rx.enable_ecn().unwrap();
+    let dest = rx.local_addr().unwrap();
+    let mut batch = SendBatch::new(64);
+    batch.set_gso(tx.gso_supported());
+    let codepoints = [None, None, Some(NOT_ECT), Some(NOT_ECT), Some(CE), None, Some(ECT_0)];
+    for (i, cp) in codepoints.iter().enumerate() {
+        batch.push(dest, 500).fill(i as u8);
+        if let Some(cp) = cp {
+            batch.set_last_ecn(*cp);
+        }
+    }
+    tx.send_batch(&mut batch).unwrap();
+    let mut rb = RecvBatch::new(16, 2048);
+    let (got, _) = receive(&rx, &mut rb, codepoints.len());
+    assert_eq!(got, (0..7u8).map(|i| (i, i == 4)).collect::<Vec<_>>());
+    // and the codepoints themselves, from a second send read raw
+    let mut batch = SendBatch::new(8);
+    batch.push(dest, 10).fill(9);
+    batch.set_last_ecn(NOT_ECT);
+    batch.push(dest, 10).fill(8);
+    tx.send_batch(&mut batch).unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        assert!(rx.recv_batch(&mut rb).unwrap() > 0);
+        seen.extend(rb.iter_codepoints().map(|(_, b, cp)| (b[0], cp)));
+    }
+    assert_eq!(seen, vec![(9, NOT_ECT), (8, ECT_0)], "set per datagram, else the socket's ECT(0)");
+}
