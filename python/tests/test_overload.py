@@ -34,15 +34,31 @@ def test_python_workers_see_trims_and_still_get_the_exact_sum(keyed):
     from fanin.auth import derive_member_key, new_job_key
 
     key = new_job_key() if keyed else None
+    outs, counters = _through_an_overloaded_shard(
+        dict(trim=True, trim_watermark=0.05, socket_buffer=64 << 10), key=key,
+        member_key=(lambda rank: derive_member_key(key, 1, rank)) if keyed else (lambda rank: None))
+    assert counters["trimmed"] > 0, counters
+    assert 0 < sum(st["trimmed"] for _, st in outs) <= counters["trimmed"], "the nacks were acted on"
+    assert counters["auth_bad_tag"] == counters["auth_replayed"] == counters["auth_unsealed"] == 0, counters
+
+
+N_OVERLOAD = 128 * 1024 * 2
+
+
+def _through_an_overloaded_shard(trim_settings, key=None, member_key=lambda rank: None):
+    """3 workers, one allreduce of N_OVERLOAD int32 each, through a switch
+    process (`trim_settings` its switch_config trimming or marking) whose
+    shard is overloaded on purpose. Checks every sum; returns each worker's
+    (output, last_stats) and the switch's counters."""
     # Straggler and failure handling off: on a starved CI machine a worker
     # can be silent past the default 5 s member timeout, and its blocks would
-    # then (correctly) complete degraded without it; this test is about
-    # trimming losing nothing, so every block waits for every worker.
+    # then (correctly) complete degraded without it; these tests are about
+    # losing nothing, so every block waits for every worker.
     job = job_config(1, 3, block_cnt_max=128, block_grad_max=1024, key=key, slow_after_windows=0,
                      member_timeout_ms=120_000)
-    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", trim=True,
-                        trim_watermark=0.05, socket_buffer=64 << 10, jobs=[job])
-    n = 128 * 1024 * 2
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0", jobs=[job],
+                        **trim_settings)
+    n = N_OVERLOAD
     # An overloaded shard, made so: the daemon (a real process) is stopped
     # (SIGSTOP) once the workers joined, while they send their first
     # windows, and resumed 0.3 s later with its socket queue full, far past
@@ -52,8 +68,7 @@ def test_python_workers_see_trims_and_still_get_the_exact_sum(keyed):
     joined, sending = threading.Barrier(4), threading.Barrier(4)
     with SwitchProcess(cfg) as sw:
         def work(rank):
-            auth_key = derive_member_key(key, 1, rank) if keyed else None
-            s = fanin.Session(sw.data_addr, 1, rank, window=128, auth_key=auth_key)
+            s = fanin.Session(sw.data_addr, 1, rank, window=128, auth_key=member_key(rank))
             joined.wait(30)
             sending.wait(30)
             return s.allreduce(worker_inputs(rank, n, "int32")), s.last_stats
@@ -72,9 +87,7 @@ def test_python_workers_see_trims_and_still_get_the_exact_sum(keyed):
     for out, st in outs:
         assert st["degraded_blocks"] == [], st
         assert np.array_equal(out, reference_sum(3, n, "int32"))
-    assert counters["trimmed"] > 0, counters
-    assert 0 < sum(st["trimmed"] for _, st in outs) <= counters["trimmed"], "the nacks were acted on"
-    assert counters["auth_bad_tag"] == counters["auth_replayed"] == counters["auth_unsealed"] == 0, counters
+    return outs, counters
 
 
 def test_an_invalid_mark_watermark_is_refused_with_the_field_named():
@@ -91,32 +104,7 @@ def test_a_deep_receive_queue_marks_every_members_results_and_discards_nothing()
     overloaded shard as above, with `[trim] mark_watermark` and trimming
     off. Contributions that reach the deep queue are aggregated as usual,
     and their blocks' results tell every member to cut its window."""
-    job = job_config(1, 3, block_cnt_max=128, block_grad_max=1024, slow_after_windows=0, member_timeout_ms=120_000)
-    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr="127.0.0.1:0",
-                        mark_watermark=0.02, socket_buffer=4 << 20, jobs=[job])
-    n = 128 * 1024 * 2
-    joined, sending = threading.Barrier(4), threading.Barrier(4)
-    with SwitchProcess(cfg) as sw:
-        def work(rank):
-            s = fanin.Session(sw.data_addr, 1, rank, window=128)
-            joined.wait(30)
-            sending.wait(30)
-            return s.allreduce(worker_inputs(rank, n, "int32")), s.last_stats
-
-        def overload():
-            joined.wait(30)
-            os.kill(sw.proc.pid, signal.SIGSTOP)
-            try:
-                sending.wait(30)
-                time.sleep(0.3)
-            finally:
-                os.kill(sw.proc.pid, signal.SIGCONT)
-
-        outs = in_threads(4, lambda i: overload() if i == 3 else work(i), timeout=120)[:3]
-        counters = sw.counters()
-    for out, st in outs:
-        assert st["degraded_blocks"] == [], st
-        assert np.array_equal(out, reference_sum(3, n, "int32"))
+    outs, counters = _through_an_overloaded_shard(dict(mark_watermark=0.02, socket_buffer=4 << 20))
     assert counters["queue_marked"] > 0 and counters["congestion_marked"] > 0, counters
     assert counters["trimmed"] == 0 and counters["socket_drops"] == 0, counters
     marked = [st["marked_results"] for _, st in outs]
