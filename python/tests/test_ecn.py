@@ -22,7 +22,8 @@ def _run(*, ce_up=False, ce_down=False, worker_ecn=True, switch_ecn=True):
     """Two ranks of job 1, rank 1 through the relay; three allreduces.
     Returns each rank's last_stats of every allreduce, the switch's
     counters, and the codepoints of what the relay carried (up: rank 1's
-    datagrams, down: the switch's results to it)."""
+    datagrams, down: the switch's results to it), as a dict of each
+    codepoint's count for each direction."""
     cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None, ecn=switch_ecn,
                         jobs=[{"job_id": 1, "sources": 2, "block_cnt_max": 256}])
     with fanin.LocalSwitch(cfg) as sw:
@@ -51,8 +52,7 @@ def _run(*, ce_up=False, ce_down=False, worker_ecn=True, switch_ecn=True):
         finally:
             relay.close()
         assert not [k for k in out if isinstance(k, tuple)], out
-        _run.codepoints = (relay.codepoints_up, relay.codepoints_down)
-        return out[0], out[1], sw.counters()
+        return out[0], out[1], sw.counters(), (relay.codepoints_up, relay.codepoints_down)
 
 
 def _sum(stats, key):
@@ -60,13 +60,13 @@ def _sum(stats, key):
 
 
 def test_without_marks_nothing_is_marked():
-    r0, r1, c = _run()
+    r0, r1, c, _ = _run()
     assert _sum(r0, "marked_results") == _sum(r1, "marked_results") == 0
     assert _sum(r1, "ecn_ce") == 0 and c["ecn_ce"] == c["ecn_echoed"] == 0
 
 
 def test_a_marked_uplink_marks_every_members_results_and_loses_nothing():
-    r0, r1, c = _run(ce_up=True)
+    r0, r1, c, _ = _run(ce_up=True)
     # every contribution of rank 1 arrived CE-marked: the switch read it
     assert c["ecn_ce"] >= 3 * 400, c
     assert c["congestion_marked"] >= 3 * 400 and c["ecn_echoed"] == 0, c
@@ -78,7 +78,7 @@ def test_a_marked_uplink_marks_every_members_results_and_loses_nothing():
 
 
 def test_a_marked_downlink_is_echoed_and_both_members_cut_at_the_same_results():
-    r0, r1, c = _run(ce_down=True)
+    r0, r1, c, _ = _run(ce_down=True)
     # rank 1 read the marks on its results and echoed them
     assert _sum(r1, "ecn_ce") >= 3 * 400 and _sum(r0, "ecn_ce") == 0, (r0, r1)
     assert c["ecn_echoed"] > 0 and c["ecn_ce"] == 0, c
@@ -89,7 +89,7 @@ def test_a_marked_downlink_is_echoed_and_both_members_cut_at_the_same_results():
 
 @pytest.mark.parametrize("side", ["worker", "switch"])
 def test_ecn_off_reads_no_marks(side):
-    r0, r1, c = _run(ce_up=True, ce_down=True, worker_ecn=side != "worker", switch_ecn=side != "switch")
+    r0, r1, c, _ = _run(ce_up=True, ce_down=True, worker_ecn=side != "worker", switch_ecn=side != "switch")
     if side == "worker":
         assert _sum(r1, "ecn_ce") == 0 and c["ecn_echoed"] == 0
         assert c["ecn_ce"] > 0  # the switch still reads its uplink
@@ -102,13 +102,10 @@ def test_results_go_ecn_capable_only_to_a_session_that_answers_marks():
     # the switch sends ECT(0) from its sockets, but Not-ECT to a peer whose
     # own datagrams arrive Not-ECT (RFC 3168 section 5: a queue must not mark
     # instead of dropping for a receiver that ignores the marks)
-    _run(worker_ecn=True)
-    up, down = _run.codepoints
+    *_, (up, down) = _run(worker_ecn=True)
     assert set(up) == {2} and set(down) == {2}, (up, down)  # ECT(0) both ways
-    _run(worker_ecn=False)
-    up, down = _run.codepoints
+    *_, (up, down) = _run(worker_ecn=False)
     assert set(up) == {0} and set(down) == {0}, (up, down)  # Not-ECT both ways
     # a switch with ECN off sends its socket's default, Not-ECT, to everyone
-    _run(worker_ecn=True, switch_ecn=False)
-    up, down = _run.codepoints
+    *_, (up, down) = _run(worker_ecn=True, switch_ecn=False)
     assert set(up) == {2} and set(down) == {0}, (up, down)

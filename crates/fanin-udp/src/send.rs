@@ -82,6 +82,16 @@ struct Entry {
 /// leaves with the socket's (`IP_TOS`), and no control message is added.
 pub const ECN_SOCKET: u8 = 0xFF;
 
+/// A datagram's codepoint as an entry keeps it: the two ECN bits, or
+/// [`ECN_SOCKET`].
+fn own_codepoint(codepoint: u8) -> u8 {
+    if codepoint == ECN_SOCKET {
+        ECN_SOCKET
+    } else {
+        codepoint & 0b11
+    }
+}
+
 /// One `mmsghdr` worth of work: `count` consecutive entries starting at
 /// `first`, `bytes` in total, sent as GSO segments of `segment` bytes when
 /// `count > 1`.
@@ -212,8 +222,7 @@ impl SendBatch {
             self.arena.resize(end, 0);
         }
         self.used = end;
-        let ecn = if codepoint == ECN_SOCKET { ECN_SOCKET } else { codepoint & 0b11 };
-        self.entries.push(Entry { dest, offset, len, ecn });
+        self.entries.push(Entry { dest, offset, len, ecn: own_codepoint(codepoint) });
         &mut self.arena[offset..end]
     }
 
@@ -240,7 +249,7 @@ impl SendBatch {
     /// codepoints.
     pub fn set_last_ecn(&mut self, codepoint: u8) {
         if let Some(e) = self.entries.last_mut() {
-            e.ecn = if codepoint == ECN_SOCKET { ECN_SOCKET } else { codepoint & 0b11 };
+            e.ecn = own_codepoint(codepoint);
         }
     }
 
