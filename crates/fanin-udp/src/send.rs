@@ -244,9 +244,10 @@ impl SendBatch {
     /// The ECN codepoint (`crate::ecn::ECT_0`, `NOT_ECT`, ...) the last
     /// queued datagram leaves with, instead of the socket's own: one socket
     /// serving peers of which only some answer ECN marks sends the others
-    /// Not-ECT (RFC 3168 §5). IPv4 sockets only (an IPv6 socket keeps its
-    /// traffic class); [`ECN_SOCKET`] undoes it. A GSO message never mixes
-    /// codepoints.
+    /// Not-ECT (RFC 3168 §5). Sent as an `IP_TOS` control message to an
+    /// IPv4 destination (a v4-mapped one from an IPv6 socket too) and as
+    /// `IPV6_TCLASS` to an IPv6 one; [`ECN_SOCKET`] undoes it. A GSO
+    /// message never mixes codepoints.
     pub fn set_last_ecn(&mut self, codepoint: u8) {
         if let Some(e) = self.entries.last_mut() {
             e.ecn = own_codepoint(codepoint);
@@ -551,7 +552,16 @@ impl SendBatch {
             let segment = m.count > 1;
             // (every entry of a message has its first entry's codepoint)
             let ecn = self.entries[m.first].ecn;
-            let tos = ecn != ECN_SOCKET && !socket_is_v6;
+            // The control message the kernel reads for the destination's
+            // IP version: IP_TOS for IPv4 (from an IPv6 socket too, whose
+            // v4-mapped sends take the IPv4 path), IPV6_TCLASS for IPv6.
+            let dest_is_v4 = match self.entries[m.first].dest {
+                SocketAddr::V4(_) => true,
+                SocketAddr::V6(a) => a.ip().to_ipv4_mapped().is_some(),
+            };
+            let (tos_level, tos_type) =
+                if dest_is_v4 { (libc::IPPROTO_IP, libc::IP_TOS) } else { (libc::IPPROTO_IPV6, libc::IPV6_TCLASS) };
+            let tos = ecn != ECN_SOCKET;
             if segment || tos {
                 hdr.msg_control = ptr::from_mut(&mut s.ctrl[j]).cast();
                 // SAFETY: CMSG_SPACE is pure arithmetic.
@@ -578,8 +588,8 @@ impl SendBatch {
                         }
                     }
                     if tos {
-                        (*c).cmsg_level = libc::IPPROTO_IP;
-                        (*c).cmsg_type = libc::IP_TOS;
+                        (*c).cmsg_level = tos_level;
+                        (*c).cmsg_type = tos_type;
                         (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as _) as _;
                         ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), libc::c_int::from(ecn));
                     }

@@ -95,16 +95,16 @@ fn without_enable_ecn_nothing_reads_as_marked() {
     assert_eq!(receive(&rx, &mut batch, 3).0, vec![(0, false), (1, false), (2, false)]);
 }
 
-#[test]
-fn each_datagram_of_one_batch_leaves_with_its_own_codepoint() {
-    // a sender whose socket sends ECT(0) gives some datagrams Not-ECT and
-    // one CE of their own (set_last_ecn): in one sendmmsg, GSO on, the
-    // receiver reads each datagram's codepoint (CE alone is visible as a
-    // mark; Not-ECT datagrams would not be marked by a queue)
-    let (Some(tx), Some(rx)) = (bind("127.0.0.1:0"), bind("127.0.0.1:0")) else { return };
+/// A sender whose socket sends ECT(0) gives some datagrams Not-ECT and
+/// one CE of their own (set_last_ecn): in one sendmmsg, GSO on, the
+/// receiver reads each datagram's codepoint (CE alone is visible as a
+/// mark; Not-ECT datagrams would not be marked by a queue). `dest` is the
+/// receiver's address as the sender names it.
+fn own_codepoints(tx_addr: &str, rx_addr: &str, dest: impl Fn(SocketAddr) -> SocketAddr) {
+    let (Some(tx), Some(rx)) = (bind(tx_addr), bind(rx_addr)) else { return };
     tx.enable_ecn().unwrap();
     rx.enable_ecn().unwrap();
-    let dest = rx.local_addr().unwrap();
+    let dest = dest(rx.local_addr().unwrap());
     let mut batch = SendBatch::new(64);
     batch.set_gso(tx.gso_supported());
     let codepoints = [None, None, Some(NOT_ECT), Some(NOT_ECT), Some(CE), None, Some(ECT_0)];
@@ -130,4 +130,26 @@ fn each_datagram_of_one_batch_leaves_with_its_own_codepoint() {
         seen.extend(rb.iter_codepoints().map(|(_, b, cp)| (b[0], cp)));
     }
     assert_eq!(seen, vec![(9, NOT_ECT), (8, ECT_0)], "set per datagram, else the socket's ECT(0)");
+}
+
+#[test]
+fn each_datagram_of_one_batch_leaves_with_its_own_codepoint_v4() {
+    own_codepoints("127.0.0.1:0", "127.0.0.1:0", |a| a);
+}
+
+#[test]
+fn each_datagram_of_one_batch_leaves_with_its_own_codepoint_v6() {
+    // IPV6_TCLASS control messages
+    own_codepoints("[::1]:0", "[::1]:0", |a| a);
+}
+
+#[test]
+fn a_dual_stack_socket_gives_ipv4_peers_their_own_codepoints() {
+    // an IPv6 socket bound to [::] sending to an IPv4 peer: the kernel takes
+    // the IPv4 path and reads IP_TOS, not IPV6_TCLASS; named plainly and
+    // v4-mapped
+    own_codepoints("[::]:0", "127.0.0.1:0", |a| SocketAddr::new([127, 0, 0, 1].into(), a.port()));
+    own_codepoints("[::]:0", "127.0.0.1:0", |a| {
+        SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped().into(), a.port())
+    });
 }
