@@ -109,3 +109,121 @@ def test_results_go_ecn_capable_only_to_a_session_that_answers_marks():
     # a switch with ECN off sends its socket's default, Not-ECT, to everyone
     *_, (up, down) = _run(worker_ecn=True, switch_ecn=False)
     assert set(up) == {2} and set(down) == {0}, (up, down)
+
+
+def _group_codepoints(*, ecn_of_rank):
+    """Two ranks of job 1 listening on one result group, rank r with
+    ``ecn=ecn_of_rank[r]``; a third socket on the group reads the IP
+    header's ECN field of every result sent there. Returns
+    {codepoint: count} and the switch's counters."""
+    import socket
+
+    from fanin.switch import free_result_group
+
+    group = free_result_group()
+    host, port = group.rsplit(":", 1)
+    cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None,
+                        jobs=[{"job_id": 1, "sources": 2, "block_cnt_max": 64, "result_group": group}])
+    seen: dict = {}
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    rx.bind((host, int(port)))
+    rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(host) + socket.inet_aton("127.0.0.1"))
+    rx.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+    rx.settimeout(0.05)
+    stop = threading.Event()
+
+    def listen() -> None:
+        while not stop.is_set():
+            try:
+                _, anc, _, _ = rx.recvmsg(65536, socket.CMSG_SPACE(4))
+            except socket.timeout:
+                continue
+            tos = next((c[0] for lvl, typ, c in anc if lvl == socket.IPPROTO_IP and typ == socket.IP_TOS and c), 0)
+            seen[tos & 3] = seen.get(tos & 3, 0) + 1
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        with fanin.LocalSwitch(cfg) as sw:
+            x = np.arange(256 * 100, dtype=np.int32)
+
+            def rank(r: int):
+                s = fanin.Session(sw.data_addr, 1, r, elems_per_packet=256, window=64, result_group=group,
+                                  ecn=ecn_of_rank[r])
+                assert s.params["results_on_group"]
+                for _ in range(2):
+                    np.testing.assert_array_equal(s.allreduce(x * (r + 1)), x * 3)
+                return s.socket_stats()
+
+            results: dict = {}
+            threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, rank(r))) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(results) == 2, "a rank failed"
+            assert all(st["datagrams_from_group"] > 0 for st in results.values()), results
+            counters = sw.counters()
+    finally:
+        stop.set()
+        listener.join(2)
+        rx.close()
+    return seen, counters
+
+
+def test_group_results_are_ecn_capable_when_every_listener_answers_marks():
+    # one copy to the group: ECT(0) when every member listening there sent
+    # ECT(0) (a queue on the way may mark it, and they all echo a mark),
+    # Not-ECT as soon as one of them does not answer marks
+    seen, counters = _group_codepoints(ecn_of_rank=[True, True])
+    assert counters["results_to_group"] > 0
+    assert seen.get(2, 0) >= 0.9 * counters["results_to_group"] and 0 not in seen, (seen, counters)
+    seen, counters = _group_codepoints(ecn_of_rank=[True, False])
+    assert seen.get(0, 0) >= 0.9 * counters["results_to_group"] and 2 not in seen, (seen, counters)
+
+
+def test_a_goat_relay_daemon_passes_a_mark_on_to_the_switch_past_it():
+    """Rank 1 reaches the node through an on-path relay (a second switch
+    daemon with a transit for job 1, docs/goat.md), and the link into the
+    relay marks everything CE: the relay passes the mark on, so the node
+    reads it and marks the results, as it would with no relay between."""
+    from fanin.control import ControlClient
+    from fanin.proc import SwitchProcess
+
+    node_cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr=None, metrics_addr=None,
+                             jobs=[{"job_id": 1, "sources": 2, "block_cnt_max": 256}])
+    relay_cfg = switch_config(data_addr="127.0.0.1:0", shards=1, control_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0",
+                              jobs=[])
+    with fanin.LocalSwitch(node_cfg) as node, SwitchProcess(relay_cfg) as relay:
+        ControlClient(relay.control_addr).install_transit(1, node.data_addr, 1)
+        marker = ResultEater(relay.data_addr, ce_up=True)
+        inputs = [np.arange(ELEMS, dtype=np.int32) * (r + 1) for r in range(2)]
+        out: dict = {}
+
+        def rank(r: int, addr: str) -> None:
+            try:
+                s = fanin.Session(addr, 1, r, elems_per_packet=256, window=256)
+                got = s.allreduce(inputs[r])
+                np.testing.assert_array_equal(got, inputs[0] + inputs[1])
+                out[r] = s.last_stats
+                del s
+            except Exception as e:  # noqa: BLE001
+                out[r, "error"] = repr(e)
+
+        threads = [threading.Thread(target=rank, args=(0, node.data_addr)),
+                   threading.Thread(target=rank, args=(1, marker.addr))]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            marker.close()
+        assert not [k for k in out if isinstance(k, tuple)], out
+        node_counters, relay_counters = node.counters(), relay.counters()
+    assert relay_counters["transit_up"] >= 400 and relay_counters["ecn_ce"] >= 400, relay_counters
+    # every contribution of rank 1 reached the node still marked
+    assert node_counters["ecn_ce"] >= 400 and node_counters["congestion_marked"] >= 400, node_counters
+    assert out[0]["marked_results"] >= 400 and out[1]["marked_results"] >= 400, out
+    assert out[0]["retransmissions"] == out[1]["retransmissions"] == 0, out

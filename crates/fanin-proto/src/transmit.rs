@@ -29,12 +29,34 @@ pub trait Transmit<A> {
         n
     }
 
+    /// While `ce` is set, what is pushed is a datagram this machine relays
+    /// unchanged that arrived with Congestion Experienced in its IP header
+    /// (a GOAT on-path relay): a sink that chooses codepoints sends it on
+    /// CE-marked to every receiver that answers marks, as a router passes
+    /// the mark on. The default sends nothing differently.
+    fn set_relaying_ce(&mut self, ce: bool) {
+        let _ = ce;
+    }
+
     /// Queue `bytes` once to the IPv4 multicast `group` (a switch's result
     /// to the members listening there) and return true, or return false if
     /// this sink cannot reach groups, in which case the caller sends to
     /// each member instead. The default cannot.
-    fn push_group(&mut self, group: std::net::SocketAddrV4, bytes: &[u8]) -> bool {
-        let _ = (group, bytes);
+    ///
+    /// `listeners` are the addresses of the members listening there (None
+    /// for one whose address is not known yet): a sink that chooses a
+    /// datagram's ECN codepoint by its receiver marks the one copy
+    /// ECN-capable only if every listener answers marks.
+    fn push_group(
+        &mut self,
+        group: std::net::SocketAddrV4,
+        listeners: impl IntoIterator<Item = Option<A>>,
+        bytes: &[u8],
+    ) -> bool
+    where
+        Self: Sized,
+    {
+        let _ = (group, listeners.into_iter(), bytes);
         false
     }
 }
@@ -47,11 +69,21 @@ pub struct VecTransmit<A> {
     /// address). Only recorded when `groups_reachable` is set.
     pub group_datagrams: Vec<(std::net::SocketAddrV4, Vec<u8>)>,
     pub groups_reachable: bool,
+    /// How many datagrams were pushed while relaying a CE mark
+    /// ([`Transmit::set_relaying_ce`]).
+    pub relayed_ce: usize,
+    relaying_ce: bool,
 }
 
 impl<A> VecTransmit<A> {
     pub fn new() -> Self {
-        Self { datagrams: Vec::new(), group_datagrams: Vec::new(), groups_reachable: false }
+        Self {
+            datagrams: Vec::new(),
+            group_datagrams: Vec::new(),
+            groups_reachable: false,
+            relayed_ce: 0,
+            relaying_ce: false,
+        }
     }
     pub fn len(&self) -> usize {
         self.datagrams.len()
@@ -66,11 +98,21 @@ impl<A> VecTransmit<A> {
 
 impl<A> Transmit<A> for VecTransmit<A> {
     fn push(&mut self, dest: A, len: usize) -> &mut [u8] {
+        self.relayed_ce += usize::from(self.relaying_ce);
         self.datagrams.push((dest, vec![0; len]));
         &mut self.datagrams.last_mut().expect("just pushed").1
     }
 
-    fn push_group(&mut self, group: std::net::SocketAddrV4, bytes: &[u8]) -> bool {
+    fn set_relaying_ce(&mut self, ce: bool) {
+        self.relaying_ce = ce;
+    }
+
+    fn push_group(
+        &mut self,
+        group: std::net::SocketAddrV4,
+        _listeners: impl IntoIterator<Item = Option<A>>,
+        bytes: &[u8],
+    ) -> bool {
         if self.groups_reachable {
             self.group_datagrams.push((group, bytes.to_vec()));
         }

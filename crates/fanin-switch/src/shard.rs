@@ -164,6 +164,9 @@ struct SocketTx<'a> {
     /// hosts, sessions with ECN off), which get Not-ECT datagrams; everyone
     /// else gets the socket's ECT(0).
     not_ect: Option<&'a NotEct>,
+    /// Relaying a datagram that arrived CE-marked (a GOAT on-path relay):
+    /// it leaves marked to peers that answer marks.
+    relaying_ce: bool,
 }
 
 impl SocketTx<'_> {
@@ -171,6 +174,8 @@ impl SocketTx<'_> {
     fn codepoint_for(&self, dest: SocketAddr) -> u8 {
         if self.not_ect.is_some_and(|n| n.contains(&dest)) {
             fanin_udp::ecn::NOT_ECT
+        } else if self.relaying_ce {
+            fanin_udp::ecn::CE
         } else {
             fanin_udp::ECN_SOCKET
         }
@@ -178,6 +183,11 @@ impl SocketTx<'_> {
 }
 
 impl Transmit<SocketAddr> for SocketTx<'_> {
+    fn set_relaying_ce(&mut self, ce: bool) {
+        // only a switch that reads marks (ECN on) is told of any
+        self.relaying_ce = ce && self.not_ect.is_some();
+    }
+
     fn push(&mut self, dest: SocketAddr, len: usize) -> &mut [u8] {
         if self.egress.should_drop() {
             self.discard.resize(len, 0);
@@ -218,7 +228,17 @@ impl Transmit<SocketAddr> for SocketTx<'_> {
     /// One datagram to the group (egress faults may drop it, as they would
     /// a member's copy); refused on a socket that cannot reach IPv4 groups,
     /// so the program falls back to unicast.
-    fn push_group(&mut self, group: SocketAddrV4, bytes: &[u8]) -> bool {
+    ///
+    /// The one copy is ECN-capable only if every listener is known and
+    /// answers marks: one that does not (or that has not been heard from)
+    /// would take a CE mark on the group's path as nothing, so for it the
+    /// path must drop instead (RFC 3168 §5).
+    fn push_group(
+        &mut self,
+        group: SocketAddrV4,
+        listeners: impl IntoIterator<Item = Option<SocketAddr>>,
+        bytes: &[u8],
+    ) -> bool {
         if !self.multicast {
             return false;
         }
@@ -228,8 +248,12 @@ impl Transmit<SocketAddr> for SocketTx<'_> {
         if self.batch.is_full() {
             flush(self.socket, self.batch, self.stats);
         }
-        // one copy for listeners of which some may not answer marks
-        let codepoint = if self.not_ect.is_some() { fanin_udp::ecn::NOT_ECT } else { fanin_udp::ECN_SOCKET };
+        let codepoint = match self.not_ect {
+            Some(not_ect) if !listeners.into_iter().all(|l| l.is_some_and(|a| !not_ect.contains(&a))) => {
+                fanin_udp::ecn::NOT_ECT
+            }
+            _ => fanin_udp::ECN_SOCKET,
+        };
         self.batch.push_ecn(SocketAddr::V4(group), bytes.len(), codepoint).copy_from_slice(bytes);
         true
     }
@@ -318,6 +342,7 @@ impl ShardThread {
                 discard: &mut discard,
                 stats: &self.stats,
                 not_ect: self.not_ect.as_ref(),
+                relaying_ce: false,
             };
             if let Some(queue) = queue {
                 // (the same walk over the batch for the marking watermark)
@@ -505,7 +530,7 @@ impl ShardThread {
     ) -> R {
         let now = self.now();
         let mut out =
-            SocketTx { socket: &self.socket, multicast: self.multicast, batch: tx, egress: &mut self.egress, discard, stats: &self.stats, not_ect: self.not_ect.as_ref() };
+            SocketTx { socket: &self.socket, multicast: self.multicast, batch: tx, egress: &mut self.egress, discard, stats: &self.stats, not_ect: self.not_ect.as_ref(), relaying_ce: false };
         f(&mut self.switch, &mut self.kv, now, &mut out)
     }
 

@@ -122,7 +122,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
         build_result(block, self.job_id, exp_only, false, self.members_of(block), self.tag, self.scratch);
         if let Some((group, listeners)) = self.group {
             let any = self.members.iter().any(|id| listeners.contains(id));
-            if any && self.push_to_group(group) {
+            if any && self.push_to_group(group, listeners) {
                 self.counters.results_to_group += 1;
                 let rest = self.members.iter().filter(|&id| !listeners.contains(id));
                 let sent = &mut self.counters.results_sent;
@@ -137,9 +137,11 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     /// is for an unkeyed job, sealed once under the job's result key for a
     /// keyed one (every listener checks the same tag; docs/security.md).
     /// False if the runtime cannot reach groups.
-    fn push_to_group(&mut self, group: std::net::SocketAddrV4) -> bool {
+    fn push_to_group(&mut self, group: std::net::SocketAddrV4, listeners: &SourceMask) -> bool {
+        let (members, addrs) = (self.members, self.addrs);
+        let listening = || members.iter().filter(|&id| listeners.contains(id)).map(|id| addrs.get(id).copied().flatten());
         let Some(auth) = self.auth.as_deref_mut() else {
-            return self.out.push_group(group, self.scratch);
+            return self.out.push_group(group, listening(), self.scratch);
         };
         let Some((key, seq)) = auth.group_seal() else { return false };
         // Seal in place behind the result, send, and cut the trailer off
@@ -148,7 +150,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
         let len = self.scratch.len();
         self.scratch.resize(len + fanin_wire::auth::TRAILER_LEN, 0);
         fanin_wire::auth::seal(&key, seq, self.scratch).expect("sized for the trailer");
-        let sent = self.out.push_group(group, self.scratch);
+        let sent = self.out.push_group(group, listening(), self.scratch);
         self.scratch.truncate(len);
         fanin_wire::auth::clear_sealed_bit(self.scratch);
         sent

@@ -227,7 +227,21 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// refused) it, `None` when this switch handles it as usual (its own
     /// job's member, or no transit for the job). Runs before a tag is
     /// checked: a relay holds no key and changes no byte.
+    ///
+    /// A datagram that arrived CE-marked leaves marked (`set_relaying_ce`):
+    /// the queue that marked it was on the path to the switch that acts on
+    /// it, past this relay.
     pub(super) fn relay(&mut self, from: A, bytes: &[u8], out: &mut impl Transmit<A>) -> Option<Verdict> {
+        if !self.rx_ce {
+            return self.relay_as_is(from, bytes, out);
+        }
+        out.set_relaying_ce(true);
+        let verdict = self.relay_as_is(from, bytes, out);
+        out.set_relaying_ce(false);
+        verdict
+    }
+
+    fn relay_as_is(&mut self, from: A, bytes: &[u8], out: &mut impl Transmit<A>) -> Option<Verdict> {
         let job_id = u32::from_be_bytes(bytes.get(12..16)?.try_into().ok()?);
         let transit = self.transits.get_mut(&job_id)?;
         let job = self.jobs.get(&job_id);

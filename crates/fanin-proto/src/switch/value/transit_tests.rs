@@ -31,11 +31,15 @@ struct Net {
     at_hosts: Vec<(Addr, MessageType, u16, u32, Vec<i32>)>,
     /// Every datagram sent, (from, to, bytes).
     wire: Vec<(Addr, Addr, Vec<u8>)>,
+    /// The hosts that got a datagram CE-marked in its IP header, in order.
+    marked_at_hosts: Vec<Addr>,
+    /// A link (from, to) whose queue marks every datagram CE.
+    marking: Option<(Addr, Addr)>,
 }
 
 impl Net {
     fn new(switches: Vec<(Addr, ValueSwitch<Addr>)>) -> Self {
-        Self { switches, at_hosts: Vec::new(), wire: Vec::new() }
+        Self { switches, at_hosts: Vec::new(), wire: Vec::new(), marked_at_hosts: Vec::new(), marking: None }
     }
 
     fn sw(&mut self, addr: Addr) -> &mut ValueSwitch<Addr> {
@@ -43,19 +47,27 @@ impl Net {
     }
 
     /// Deliver `bytes` from `from` to `to` and everything it causes.
+    /// What a switch relays CE-marked stays marked on its way on.
     fn send(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
-        let mut queue = vec![(from, to, bytes)];
-        while let Some((from, to, bytes)) = queue.pop() {
+        let mut queue = vec![(from, to, bytes, false)];
+        while let Some((from, to, bytes, ce)) = queue.pop() {
+            let ce = ce || self.marking == Some((from, to));
             self.wire.push((from, to, bytes.clone()));
             if let Some((_, sw)) = self.switches.iter_mut().find(|(a, _)| *a == to) {
                 let mut out = VecTransmit::new();
-                assert_eq!(sw.handle_datagram(T0, from, &bytes, &mut out), Verdict::Consumed);
+                assert_eq!(sw.handle_datagram_ce(T0, from, &bytes, ce, &mut out), Verdict::Consumed);
+                // (no trace here mixes relayed and answered datagrams)
+                let marked = out.relayed_ce > 0;
+                assert!(!marked || out.relayed_ce == out.len(), "some of one datagram's sends relayed marked");
                 let sent: Vec<_> = out.drain().collect();
                 // in order: the first sent is delivered first
                 for (dest, b) in sent.into_iter().rev() {
-                    queue.push((to, dest, b));
+                    queue.push((to, dest, b, marked));
                 }
             } else {
+                if ce {
+                    self.marked_at_hosts.push(to);
+                }
                 let p = Packet::new_checked(&bytes[..]).expect("valid datagrams only");
                 let repr = Repr::parse(&p).unwrap();
                 let mut vals = vec![0; if repr.msg_type.carries_block() { repr.grad_cnt as usize } else { 0 }];
@@ -116,6 +128,47 @@ fn a_relay_forwards_up_unchanged_and_fans_each_result_out_once_per_source() {
     let c = net.sw(RELAY).counters().clone();
     assert_eq!((c.transit_up, c.transit_down, c.accepted, c.rx_datagrams), (2, 2, 0, 3));
     assert_eq!(net.sw(RELAY).transit_sources(1), vec![(0, 100), (1, 101)]);
+}
+
+#[test]
+fn a_ce_mark_passes_through_relays_both_ways() {
+    // EDGE -> RELAY -> NODE for worker 0, worker 1 at RELAY, worker 2 at
+    // the node: the queue from EDGE to RELAY marks worker 0's contribution,
+    // and the node, past RELAY, reads the mark (the block's result is
+    // marked for every member)
+    let mut net = one_relay();
+    let mut edge = switch();
+    edge.add_transit(1, vec![RELAY], &[]).unwrap();
+    net.switches.push((EDGE, edge));
+    net.marking = Some((EDGE, RELAY));
+    let c0 = contribution(1, 0, 0, &[1]);
+    net.send(100, EDGE, c0.clone());
+    assert_eq!(net.wire.last().unwrap(), &(RELAY, NODE, c0), "the same bytes");
+    assert_eq!(net.sw(NODE).counters().ecn_ce, 1, "the mark reached the node");
+    net.send(101, RELAY, contribution(1, 1, 0, &[2]));
+    net.send(102, NODE, contribution(1, 2, 0, &[4]));
+    assert_eq!(net.sw(NODE).counters().congestion_marked, 1);
+    assert!(net.marked_at_hosts.is_empty(), "the results left the node unmarked");
+    assert_eq!(net.take_hosts().len(), 3);
+    // the queue from the node to RELAY marks a result: both workers behind
+    // RELAY get it marked (EDGE passes it on to worker 0 marked), worker 2
+    // not
+    net.marking = Some((NODE, RELAY));
+    for (src, from, to) in [(0u16, 100, EDGE), (1, 101, RELAY), (2, 102, NODE)] {
+        net.send(from, to, contribution(1, src, 1, &[1]));
+    }
+    assert_eq!(net.take_hosts().len(), 3);
+    net.marked_at_hosts.sort_unstable();
+    assert_eq!(net.marked_at_hosts, vec![100, 101]);
+    // nothing marks: nothing is relayed marked
+    net.marking = None;
+    net.marked_at_hosts.clear();
+    for (src, from, to) in [(0u16, 100, EDGE), (1, 101, RELAY), (2, 102, NODE)] {
+        net.send(from, to, contribution(1, src, 2, &[1]));
+    }
+    assert!(net.marked_at_hosts.is_empty());
+    assert_eq!(net.sw(NODE).counters().ecn_ce, 1);
+    assert_eq!(net.sw(RELAY).counters().ecn_ce, 2, "one each way");
 }
 
 #[test]
