@@ -130,3 +130,56 @@ def test_cli_lists_the_overload_bench():
     out = subprocess.run([sys.executable, "-m", "fanin", "bench", "overload", "--help"], capture_output=True,
                          text=True, env=env, check=True).stdout
     assert "--watermark" in out and "--socket-buffers" in out
+
+
+def test_an_overloaded_root_slows_every_worker_through_its_childrens_partials():
+    """A two-level tree (the controller's, keyed) whose root is overloaded:
+    stopped while the leaves' first partials arrive and resumed with its
+    queue past the trim watermark, as above. The root trims the leaves'
+    partials; each leaf marks its next partial up (`parent_trimmed`), so
+    the root marks that block's result and every worker reads the same
+    marks (docs/trimming-daemon.md, "In aggregation trees"). Every sum
+    exact."""
+    from fanin import topology
+    from fanin.controller import Controller, ControllerClient, ControllerServer
+    from fanin.controller.loopback import LoopbackSwitches
+
+    n = N_OVERLOAD
+    topo = topology.deep_tree(2, 2)
+    with LoopbackSwitches(topo, trim=True, trim_watermark=0.05, socket_buffer=64 << 10) as sws:
+        ctl = Controller(topo, sws.fabric)
+        with ControllerServer(ctl, "127.0.0.1:0") as srv, ControllerClient(srv.addr) as c:
+            # every block waits for every worker (see _through_an_overloaded_shard)
+            c.create_job(1, block_cnt_max=128, block_grad_max=1024, max_workers=2, slow_after_windows=0,
+                         member_timeout_ms=120_000)
+            subs = [c.subscribe(1, r, f"h{r}") for r in range(2)]
+            root = c.tree(1)["root"]
+            joined, sending = threading.Barrier(3), threading.Barrier(3)
+
+            def work(rank):
+                s = fanin.Session(subs[rank]["data_addr"], 1, rank, window=128, auth_key=subs[rank]["member_key"])
+                joined.wait(30)
+                sending.wait(30)
+                return s.allreduce(worker_inputs(rank, n, "int32")), s.last_stats
+
+            def overload():
+                joined.wait(30)
+                os.kill(sws.procs[root].proc.pid, signal.SIGSTOP)
+                try:
+                    sending.wait(30)
+                    time.sleep(0.3)
+                finally:
+                    os.kill(sws.procs[root].proc.pid, signal.SIGCONT)
+
+            outs = in_threads(3, lambda i: overload() if i == 2 else work(i), timeout=120)[:2]
+            counters = {s: sws.counters(s) for s in sws.procs}
+    for out, st in outs:
+        assert st["degraded_blocks"] == [], st
+        assert np.array_equal(out, reference_sum(2, n, "int32"))
+    leaves = [s for s in counters if s != root]
+    trimmed_up = sum(counters[s]["parent_trimmed"] for s in leaves)
+    assert counters[root]["trimmed"] > 0, counters[root]
+    assert 0 < trimmed_up <= counters[root]["trimmed"], counters
+    assert counters[root]["congestion_marked"] > 0, counters[root]
+    marked = [st["marked_results"] for _, st in outs]
+    assert min(marked) > 0 and len(set(marked)) == 1, f"every worker read the same marks: {marked}"

@@ -111,6 +111,10 @@ pub struct Counters {
     /// Parent datagrams for blocks this switch no longer holds, or refusals
     /// from the parent (dropped: the children's retransmissions retry).
     pub parent_stale: u64,
+    /// Trimmed nacks from the parent for overload (its queue or its rate
+    /// limit): each marks the next partial up congested, so the root slows
+    /// the whole job.
+    pub parent_trimmed: u64,
     /// GOAT on-path filtering (docs/goat.md): datagrams of a sub-model this
     /// switch does not aggregate for their sender, relayed unchanged toward
     /// the switch that does.
@@ -290,6 +294,7 @@ impl Counters {
         f("from_parent", None, self.from_parent);
         f("relayed_down", None, self.relayed_down);
         f("parent_stale", None, self.parent_stale);
+        f("parent_trimmed", None, self.parent_trimmed);
         f("syncs_forwarded", None, self.syncs_forwarded);
         f("sync_deferred", None, self.sync_deferred);
         f("sync_moved", None, self.sync_moved);
@@ -328,7 +333,7 @@ impl Counters {
             rx_datagrams, accepted, duplicate, retransmissions, congestion_marked, ecn_ce, ecn_echoed, queue_marked, unknown_job, non_member, over_cap,
             slot_busy, memory_exhausted, records_recycled, result_acks, records_acked, records_evicted, out_of_window, expired, mismatch, protocol_violation, late, wrong_shard,
             blocks_completed, blocks_degraded, blocks_aged, scans, declared_slow, readmitted, notices_sent, transit_up, transit_down, transit_duplicate, transit_refused, transit_loops, result_key_updates, results_sent, results_to_group, results_resent, results_without_data, joins, nacks_sent, forwarded,
-            sent_up, resent_up, from_parent, relayed_down, parent_stale, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
+            sent_up, resent_up, from_parent, relayed_down, parent_stale, parent_trimmed, syncs_forwarded, sync_deferred, sync_moved, trimmed, trimmed_in_network, socket_drops,
             auth_bad_tag, auth_replayed, auth_unsealed,
             rate_limited, rate_limited_unanswered, members_timed_out, jobs_failed,
             stale_incarnation, recover_waiting, recoveries, child_rejoin_asked, probes_up, child_probes, done_joins, parent_restarts, rounds_started,

@@ -158,8 +158,9 @@ pub(super) struct Job<A> {
     /// Non-root: when this switch last probed its parent for a member's
     /// probe ([`probe_up`](super::parent_restart::probe_up)).
     pub(super) last_probe_up: Option<Time>,
-    /// Non-root: a result from the parent arrived CE-marked; the next
-    /// partial this switch sends up carries the echo (docs/congestion.md).
+    /// Non-root: a result from the parent arrived CE-marked, or the parent
+    /// trimmed a partial for overload; the next partial this switch sends
+    /// up carries the congestion mark (docs/congestion.md).
     pub(super) ce_echo_up: bool,
     /// Members that said they are done (a [`JOIN_DONE`] Join: lingering
     /// after their last allreduce), with the end of their stream.

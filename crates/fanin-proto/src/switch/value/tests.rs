@@ -834,11 +834,13 @@ fn in_a_tree_a_trim_on_either_side_of_the_uplink_resends_the_partial_at_once() {
     let out = send_from(&mut sw, PARENT, &nack);
     assert_eq!(out.len(), 1);
     assert_eq!((out[0].0, out[0].1.msg_type, out[0].2.clone()), (PARENT, MessageType::Retransmission, vec![11, 22]));
-    // an overloaded parent's own trim is left to the children's pace
+    // an overloaded parent's own trim is not resent into the overload (the
+    // children's retransmissions recover it)
     let mut busy = nack.clone();
     Nack { reason: NackReason::Trimmed, detail: TrimCause::ProcessingQueue as u32 }
         .emit_reply(&Packet::new_checked(&partial[..]).unwrap(), true, &mut busy);
     assert!(send_from(&mut sw, PARENT, &busy).is_empty());
+    assert_eq!(sw.counters().parent_trimmed, 1);
     // the parent's result cut to its header on the way down: ask again
     let cut = parent_result(0, 5, &[111, 222]);
     let out = send_from(&mut sw, PARENT, &cut[..HEADER_LEN]);
@@ -848,7 +850,38 @@ fn in_a_tree_a_trim_on_either_side_of_the_uplink_resends_the_partial_at_once() {
     // the whole result then goes down; a cut copy after it is stale
     assert_eq!(send_from(&mut sw, PARENT, &cut).len(), 2);
     assert!(send_from(&mut sw, PARENT, &cut[..HEADER_LEN]).is_empty());
-    assert_eq!(sw.counters().parent_stale, 2, "the overloaded parent's trim and the late cut copy");
+    assert_eq!(sw.counters().parent_stale, 1, "the late cut copy");
+}
+
+#[test]
+fn an_overloaded_parents_trim_marks_the_next_partial_up_so_the_root_slows_every_member() {
+    let mut sw = leaf();
+    // block b through the leaf: its partial's age_op, then the parent's result
+    let mut run = |sw: &mut ValueSwitch<Addr>, b: u32, trim: Option<TrimCause>| {
+        send(sw, Pkt::data(1, 0, b, &[1]));
+        let out = send(sw, Pkt::data(1, 1, b, &[2]));
+        assert_eq!((out[0].0, out[0].1.block_id), (PARENT, b));
+        if let Some(cause) = trim {
+            // the parent trimmed the partial for `cause`
+            let partial = Pkt::data(1, RANK, b, &[3]).bytes();
+            let mut nack = vec![0u8; HEADER_LEN + Nack::LEN];
+            Nack { reason: NackReason::Trimmed, detail: cause as u32 }
+                .emit_reply(&Packet::new_checked(&partial[..]).unwrap(), true, &mut nack);
+            assert!(send_from(sw, PARENT, &nack).is_empty(), "{cause:?}: nothing resent into the overload");
+        }
+        assert_eq!(send_from(sw, PARENT, &parent_result(b, 2, &[3])).len(), 2);
+        out[0].1.age_op
+    };
+    let mut b = 0;
+    for (cause, marks) in [(TrimCause::ProcessingQueue, true), (TrimCause::RateLimited, true), (TrimCause::MemoryExhausted, false)] {
+        assert_eq!(run(&mut sw, b, Some(cause)), 0, "an unmarked partial");
+        // the next partial carries the mark up, once
+        let want = if marks { AGE_OP_CONGESTED } else { 0 };
+        assert_eq!(run(&mut sw, b + 1, None), want, "{cause:?}");
+        assert_eq!(run(&mut sw, b + 2, None), 0, "{cause:?}: one mark per trim");
+        b += 3;
+    }
+    assert_eq!(sw.counters().parent_trimmed, 2);
 }
 
 #[test]

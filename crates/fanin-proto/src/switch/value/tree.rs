@@ -154,9 +154,32 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             {
                 // A trimming link cut this switch's partial on its way up
                 // (§4.14): resend it now rather than after the children's
-                // next retransmissions. (An overloaded parent's own trims
-                // are left to the children, whose windows shrink on them.)
+                // next retransmissions.
                 return self.resend_partial_up(repr.job_id, repr.block_id, repr.gen_id, repr.exp_only, out);
+            }
+            MessageType::Nack
+                if Nack::parse(packet.payload()).is_ok_and(|n| {
+                    n.reason == NackReason::Trimmed
+                        && matches!(
+                            TrimCause::from_detail(n.detail),
+                            Some(TrimCause::ProcessingQueue | TrimCause::RateLimited)
+                        )
+                }) =>
+            {
+                // The parent is overloaded (its queue, or its policer for
+                // this switch, which sends the whole subtree's partials):
+                // the next partial up carries the congestion mark, as the
+                // echo of a CE-marked result does, so the root marks that
+                // block for every member and every window in the job
+                // shrinks at the same result (docs/trimming-daemon.md, "In
+                // aggregation trees"). A worker's own window cut on a trim
+                // would not do: the trim reached this switch, not them. The
+                // trimmed partial is recovered as before, through the
+                // children's retransmissions; resending it now would add to
+                // the overload.
+                job.ce_echo_up = true;
+                counters.parent_trimmed += 1;
+                return Verdict::Consumed;
             }
             MessageType::Nack if Nack::parse(packet.payload()).is_ok_and(|n| n.reason == NackReason::StaleIncarnation) => {
                 // The parent restarted and recovers: this switch's subtree
