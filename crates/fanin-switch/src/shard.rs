@@ -143,12 +143,49 @@ impl NotEct {
         self.last = Some((peer, capable));
         if capable {
             self.set.remove(&peer);
-        } else {
+        } else if !self.set.contains(&peer) {
+            // (a peer already known is not news: only a new one may find
+            // the table full)
             if self.set.len() >= Self::MAX {
                 self.set.clear();
             }
             self.set.insert(peer);
         }
+    }
+}
+
+#[cfg(test)]
+mod not_ect_tests {
+    use super::*;
+    use fanin_udp::ecn::{CE, ECT_0, NOT_ECT};
+
+    fn peer(i: u32) -> SocketAddr {
+        SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 9000))
+    }
+
+    #[test]
+    fn a_peer_is_not_ect_from_its_last_word_and_a_full_table_starts_over_only_for_a_new_peer() {
+        let mut t = NotEct::default();
+        t.learn(peer(1), NOT_ECT);
+        assert!(t.contains(&peer(1)));
+        t.learn(peer(1), ECT_0);
+        assert!(!t.contains(&peer(1)), "it sends ECT now");
+        t.learn(peer(1), CE);
+        assert!(!t.contains(&peer(1)), "a mark on the way says it sent ECT");
+        // full: known peers sending again (between others) keep the table
+        for i in 0..NotEct::MAX as u32 {
+            t.learn(peer(i), NOT_ECT);
+        }
+        assert_eq!(t.set.len(), NotEct::MAX);
+        for i in 0..100 {
+            t.learn(peer(i), NOT_ECT);
+            t.learn(peer(i + 1), NOT_ECT);
+        }
+        assert_eq!(t.set.len(), NotEct::MAX, "nothing new: nothing forgotten");
+        // a new one starts it over (a spoofed flood cannot grow it)
+        t.learn(peer(1 << 20), NOT_ECT);
+        assert_eq!(t.set.len(), 1);
+        assert!(t.contains(&peer(1 << 20)) && !t.contains(&peer(5)));
     }
 }
 

@@ -455,3 +455,36 @@ fn aging_emits_in_job_order_whatever_the_admission_order() {
     let jobs: Vec<u32> = forward.iter().map(|o| o.1).collect();
     assert!(jobs.windows(2).all(|w| w[0] < w[1]), "in job_id order: {jobs:?}");
 }
+
+#[test]
+fn a_leaf_that_aged_a_block_passes_its_subtrees_mark_up_and_the_roots_verdict_down() {
+    // a leaf of 3 workers under a parent; worker 2 is slow, so the leaf
+    // ages its blocks; worker 0's contribution to block 0 arrived CE-marked
+    const PARENT: Addr = 1;
+    let rank = SWITCH_RANK_BASE;
+    let mut sw = aging_switch(JobSpec { workers: 6, ..aging_job(3, 4, 2, 0) }, 1, 1);
+    sw.set_uplink(1, Some(Uplink { parent: vec![PARENT], rank })).unwrap();
+    let mut out = VecTransmit::new();
+    sw.handle_datagram_ce(at(0), 100, &Pkt::data(1, 0, 0, &[1]).bytes(), true, &mut out);
+    send_at(&mut sw, at(0), Pkt::data(1, 1, 0, &[1]));
+    send_at(&mut sw, at(0), Pkt::data(1, 0, 1, &[1]));
+    send_at(&mut sw, at(0), Pkt::data(1, 1, 1, &[1]));
+    tick(&mut sw, at(4));
+    let up = tick(&mut sw, at(8));
+    // aged here, yet the partial says what the root acts on: the mark
+    let up: Vec<_> = up.iter().map(|(a, r, _)| (*a, r.block_id, r.age_op)).collect();
+    assert_eq!(up, vec![(PARENT, 0, AGE_OP_CONGESTED), (PARENT, 1, 0)]);
+    // the root's verdicts come down as they are, not as "aged": marked for
+    // block 0, unmarked for block 1, as every other subtree reads them
+    for (b, verdict) in [(0, AGE_OP_CONGESTED), (1, 0)] {
+        let mut result = Pkt::data(1, 0, b, &[5]);
+        result.repr.msg_type = MessageType::Result;
+        result.repr.src_cnt = 5;
+        result.repr.age_op = verdict;
+        let mut out = VecTransmit::new();
+        assert_eq!(sw.handle_datagram(at(9), PARENT, &result.bytes(), &mut out), Verdict::Consumed);
+        let down = decode(out);
+        assert_eq!(down.len(), 2, "to workers 0 and 1");
+        assert!(down.iter().all(|(_, r, v)| r.age_op == verdict && v == &vec![5]), "block {b}: {down:?}");
+    }
+}

@@ -68,6 +68,13 @@ pub(super) struct Block {
     /// Non-root switch: `(src_cnt, degraded)` of the parent's result, which
     /// is what the children get.
     pub(super) parent_result: Option<(u16, bool)>,
+    /// Non-root switch: the `age_op` of the parent's last result for this
+    /// block (exponent or data), which the children get instead of this
+    /// switch's own: the root's verdict is the job's, so every member cuts
+    /// its window at the same results (docs/congestion.md). This switch
+    /// aging the block itself (`aged`) or its subtree's marks must not
+    /// change what its children read.
+    pub(super) parent_age_op: Option<u8>,
     /// The parent refused the block as expired: the children are told so.
     pub(super) expired_up: bool,
     /// Children's retransmissions since the cached partial last went up.
@@ -117,6 +124,7 @@ impl Block {
             child_degraded: false,
             abstained: false,
             parent_result: None,
+            parent_age_op: None,
             expired_up: false,
             asks_since_resend: 0,
             moved_on: SourceMask::with_capacity(source_capacity),
@@ -219,6 +227,7 @@ impl Block {
         self.child_degraded = false;
         self.abstained = false;
         self.parent_result = None;
+        self.parent_age_op = None;
         self.expired_up = false;
         self.asks_since_resend = 0;
         if self.moved_on.capacity() < active.capacity() {
@@ -250,12 +259,11 @@ impl Block {
         };
         Repr {
             msg_type: MessageType::Result,
-            age_op: if self.aged {
-                AGE_OP_AGED
-            } else if self.congested {
-                AGE_OP_CONGESTED
-            } else {
-                0
+            age_op: match self.parent_age_op {
+                Some(age_op) => age_op,
+                None if self.aged => AGE_OP_AGED,
+                None if self.congested => AGE_OP_CONGESTED,
+                None => 0,
             },
             final_block: self.final_block,
             degraded: !exp_only && degraded,

@@ -189,6 +189,10 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
         let repr = Repr {
             msg_type: if again { MessageType::Retransmission } else { MessageType::Contribution },
             src_id: up.rank,
+            // a partial says only whether its subtree saw congestion
+            // (protocol.md §1), aged here or not: an aged partial that
+            // said "aged" lost the subtree's mark on its way to the root
+            age_op: if block.congested { AGE_OP_CONGESTED } else { 0 },
             ..block.result_repr(self.job_id, exp_only, self.members_of(block))
         };
         let shard = shard_of(self.job_id, block.block_id, self.block_cnt_max, up.parent.len() as u16);

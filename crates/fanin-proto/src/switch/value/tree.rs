@@ -253,6 +253,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 if repr.exp_only {
                     if matches!(block.phase, Phase::Exponent | Phase::ExponentUp) {
                         block.exp = repr.exp;
+                        block.parent_age_op = Some(repr.age_op);
                         announce_exponent(block, &mut reply);
                     } else {
                         reply.counters.parent_stale += 1;
@@ -297,6 +298,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 // every member cuts at the same result (docs/congestion.md)
                 block.congested = repr.age_op == AGE_OP_CONGESTED;
                 block.parent_result = Some((repr.src_cnt, repr.degraded));
+                block.parent_age_op = Some(repr.age_op);
                 block.phase = Phase::Done;
                 reply.send_to_all(block, false);
                 reply.counters.relayed_down += job.member_count as u64;
