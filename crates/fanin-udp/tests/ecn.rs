@@ -153,3 +153,17 @@ fn a_dual_stack_socket_gives_ipv4_peers_their_own_codepoints() {
         SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped().into(), a.port())
     });
 }
+
+#[test]
+fn a_dual_stack_receiver_reads_the_marks_of_ipv4_datagrams() {
+    // bound to [::], it gets IPv4 datagrams with an IP_TOS control message
+    // (not IPV6_TCLASS): enable_ecn asks for both
+    let (Some(tx), Some(rx)) = (bind("127.0.0.1:0"), bind("[::]:0")) else { return };
+    rx.enable_ecn().unwrap();
+    let dest = SocketAddr::new([127, 0, 0, 1].into(), rx.local_addr().unwrap().port());
+    send(&tx, dest, ECT_0, 0, 2, 300);
+    send(&tx, dest, CE, 2, 2, 300);
+    let mut batch = RecvBatch::new(16, 2048);
+    let (got, _) = receive(&rx, &mut batch, 4);
+    assert_eq!(got, vec![(0, false), (1, false), (2, true), (3, true)]);
+}

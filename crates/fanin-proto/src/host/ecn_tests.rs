@@ -32,6 +32,7 @@ struct Run {
     sent: Vec<(u16, u32, u8)>,
     switch: ValueSwitch<u16>,
     windows: Vec<u32>,
+    sessions: Vec<AllreduceSession>,
 }
 
 fn input(w: u16) -> Vec<i32> {
@@ -106,7 +107,7 @@ fn run(marks: Marks) -> Run {
         assert_eq!((o.retransmissions, o.timeouts), (0, 0), "a mark loses nothing");
     }
     let windows = sessions.iter().map(AllreduceSession::window).collect();
-    Run { outcomes, sent, switch, windows }
+    Run { outcomes, sent, switch, windows, sessions }
 }
 
 fn never(_: u16, _: u32) -> bool {
@@ -130,6 +131,12 @@ fn a_ce_mark_on_one_members_result_is_echoed_once_and_every_member_cuts_at_the_s
     assert_eq!((o[0].marked_results, o[1].marked_results), (1, 1), "the switch's mark reaches both");
     assert_eq!(marked.windows[0], marked.windows[1], "both cut at the same result");
     assert!(marked.windows[0] < clean.windows[0], "cut: {:?} against {:?}", marked.windows, clean.windows);
+    // the contribution kept for a recovery after a switch restart is the
+    // one sent without the echo: resent then, it would report a queue
+    // long gone
+    let echoed_block = echoes[0].1;
+    let kept = marked.sessions[1].retained_bytes(echoed_block).expect("the echoed block's contribution is retained");
+    assert_eq!(Packet::new_checked(kept).unwrap().age_op(), 0);
 }
 
 #[test]
