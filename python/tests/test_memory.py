@@ -11,6 +11,9 @@ import json
 import subprocess
 import sys
 import threading
+import time
+
+import pytest
 
 import fanin
 from fanin.proc import SwitchProcess, check_result, worker_inputs
@@ -76,3 +79,53 @@ def test_the_memory_bench_runs_both_models_and_prints_json(tmp_path):
     assert by["pooled"]["caps_over_memory"] == 4.0 and out["jobs_ratio"] == 5.33
     assert all(x["exact"] for x in out["results"]) and "job 4 needs" in by["reserved"]["refused"]
     assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "memory.csv").exists()
+
+
+def test_an_update_one_shard_has_no_memory_for_is_taken_by_no_shard():
+    """Two shards, job 1's slots on both; small jobs on shard 1 only
+    (one slot each, odd job ids) fill its share of the pooled memory. A
+    child switch joining job 1 raises its floor on both shards: shard 0 has
+    room, shard 1 does not, so the update is refused, and shard 0, which
+    took it first, gives it back. Checked from the wire: the would-be
+    member's contribution is refused by both shards as a non-member (with
+    shard 0 keeping the change, it was accepted there and refused on shard
+    1, and the job's blocks would wait for a member on one shard only)."""
+    import socket
+    import struct
+
+    import numpy as np
+    from fanin.control import ControlClient, ControlError
+
+    cfg = switch_config(data_addr="127.0.0.1:0", shards=2, control_addr="127.0.0.1:0",
+                        metrics_addr="127.0.0.1:0", memory_mb=2, jobs=[])
+    with SwitchProcess(cfg) as sw:
+        c = ControlClient(sw.control_addr)
+        c.admit_job(1, [0, 1], block_cnt_max=8, block_grad_max=1024, workers=8)
+        job_id, refused = 3, None
+        for size in [16000] * 40 + list(range(15744, 0, -256)):
+            try:
+                # one slot: shard (0 + job_id) % 2, i.e. 1
+                c.admit_job(job_id, [0], block_cnt_max=1, block_grad_max=size)
+                job_id += 2
+            except ControlError as e:
+                refused = str(e)
+        assert refused and "shard 1" in refused, refused
+        job = next(j for j in c.list_jobs() if j["job_id"] == 1)
+        child = 2048  # a child switch's rank
+        with pytest.raises(ControlError, match=r"RESOURCE_EXHAUSTED.*\(shard 1;"):
+            c.update_job({**job, "members": [0, 1, child]})
+        assert next(j for j in c.list_jobs() if j["job_id"] == 1)["members"] == [0, 1]
+        # the child's partials of block 1 (shard 0) and block 0 (shard 1)
+        host, port = sw.data_addr.rsplit(":", 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for block, shard in [(1, 0), (0, 1)]:
+                header = struct.pack(">HBBBBHHHIIHbb", 0xFA17, 1, 0x01, 0, 0, child, 0, 1, 1, block, 4, -128, -128)
+                s.sendto(header + np.ones(4, ">i4").tobytes(), (host, int(port) + shard))
+        deadline = time.time() + 5
+        while sw.counters().get("non_member", 0) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        counters = sw.counters()
+        assert (counters.get("non_member", 0), counters.get("accepted", 0)) == (2, 0), counters
+        # and a smaller change that fits on both shards is taken by both
+        c.update_job({**job, "members": [0, 1, 2]})
+        assert next(j for j in c.list_jobs() if j["job_id"] == 1)["members"] == [0, 1, 2]

@@ -94,6 +94,13 @@ impl SwitchCore {
             match result {
                 Some(Ok(())) => admitted.push(i),
                 other => {
+                    // A shard that did not answer in time may still add the
+                    // job later: the removal queued behind the AddJob undoes
+                    // it then (a shard runs its commands in order), so no
+                    // orphan holds memory or refuses a later admission.
+                    if other.is_none() {
+                        admitted.push(i);
+                    }
                     for &j in &admitted {
                         let (reply, answer) = mpsc::sync_channel(1);
                         if self.shards[j].commands.send(Command::RemoveJob(spec.job_id, false, reply)).is_ok() {
@@ -116,9 +123,13 @@ impl SwitchCore {
         Ok(())
     }
 
-    /// Change a job on every shard (members, workers, tree role). The spec
-    /// is checked against the admitted one first, so either every shard
-    /// takes the change or none does.
+    /// Change a job on every shard (members, workers, tree role): either
+    /// every shard takes the change or none does. The spec is checked
+    /// against the admitted one first; what only a shard can check (its
+    /// share of the pooled memory) may still refuse it there, and then the
+    /// shards that took it are given the admitted spec back, so that no two
+    /// shards disagree on the job's members (a member accepted by one and
+    /// refused by another, blocks waiting for a member that left).
     pub fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
         let JobEntry { spec, tree } = job;
         spec.validate().map_err(|e| AdmitFailure::Invalid(e.to_string()))?;
@@ -132,18 +143,42 @@ impl SwitchCore {
         if entry.spec.adds_partial_results(&spec) {
             return Err(AdmitError::PartialResultsAdded { job_id: spec.job_id }.into());
         }
-        for (i, shard) in self.shards.iter().enumerate() {
+        let update = |shard: &ShardLink, spec: &fanin_proto::job::JobSpec, tree: Option<TreeRole>, awaiting: Vec<u16>| {
             let (reply, answer) = mpsc::sync_channel(1);
-            let result = shard
+            shard
                 .commands
-                .send(Command::UpdateJob(spec.clone(), uplink(tree), awaiting.clone(), reply))
+                .send(Command::UpdateJob(spec.clone(), uplink(tree), awaiting, reply))
                 .ok()
-                .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok());
-            match result {
-                Some(Ok(())) => {}
-                Some(Err(e)) => return Err(e.into()),
-                None => return Err(AdmitFailure::Internal(format!("shard {i} did not answer"))),
+                .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok())
+        };
+        for (i, shard) in self.shards.iter().enumerate() {
+            let failure = match update(shard, &spec, tree, awaiting.clone()) {
+                Some(Ok(())) => continue,
+                Some(Err(e @ AdmitError::OutOfMemory { .. })) => AdmitFailure::OutOfMemory(format!(
+                    "{e} (shard {i}; the switch has {} MiB for all jobs, split over {} shards)",
+                    self.memory_limit >> 20,
+                    self.shards.len()
+                )),
+                Some(Err(e)) => AdmitFailure::from(e),
+                None => AdmitFailure::Internal(format!("shard {i} did not answer")),
+            };
+            // Back to the admitted spec on the shards that took the change
+            // (and on one that did not answer: its update, if it comes,
+            // is queued ahead of this one). The admitted spec fitted them
+            // before, and a smaller floor frees memory, so this does not
+            // fail for memory.
+            let took = if matches!(failure, AdmitFailure::Internal(_)) { i + 1 } else { i };
+            let stuck: Vec<usize> = (0..took)
+                .filter(|&j| !matches!(update(&self.shards[j], &entry.spec, entry.tree, Vec::new()), Some(Ok(()))))
+                .collect();
+            if !stuck.is_empty() {
+                return Err(AdmitFailure::Internal(format!(
+                    "{failure}; and shards {stuck:?} did not take the admitted spec back, so the job's shards may \
+                     disagree on its members: remove job {} and admit it again",
+                    spec.job_id
+                )));
             }
+            return Err(failure);
         }
         *entry = JobEntry { spec, tree };
         Ok(())
