@@ -380,6 +380,16 @@ impl SwitchCore {
                 s.stats.send_errors.load(Ordering::Relaxed)
             ));
         }
+        out.push_str(
+            "# HELP fanin_switch_send_dropped_total Datagrams the kernel did not take (queue full, or a send error).\n",
+        );
+        out.push_str("# TYPE fanin_switch_send_dropped_total counter\n");
+        for (i, s) in self.shards.iter().enumerate() {
+            out.push_str(&format!(
+                "fanin_switch_send_dropped_total{{shard=\"{i}\"}} {}\n",
+                s.stats.send_dropped.load(Ordering::Relaxed)
+            ));
+        }
         let info = self.info();
         out.push_str("# HELP fanin_switch_kv_packets_total Key-value datagrams by outcome (all shards).\n");
         out.push_str("# TYPE fanin_switch_kv_packets_total counter\n");

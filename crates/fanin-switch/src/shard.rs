@@ -72,6 +72,10 @@ pub(crate) struct ShardStats {
     pub fault_ingress_reordered: AtomicU64,
     pub fault_egress_dropped: AtomicU64,
     pub send_errors: AtomicU64,
+    /// Datagrams the kernel did not take (its queue stayed full, or a send
+    /// to one destination failed): what `send_errors` does not count when
+    /// the rest of the batch went out.
+    pub send_dropped: AtomicU64,
     pub batches: AtomicU64,
 }
 
@@ -300,9 +304,45 @@ fn flush(socket: &BatchSocket, batch: &mut SendBatch, stats: &ShardStats) {
     if batch.is_empty() {
         return;
     }
-    if socket.send_batch(batch).is_err() {
-        stats.send_errors.fetch_add(1, Ordering::Relaxed);
-        batch.clear();
+    let queued = batch.len() as u64;
+    match socket.send_batch(batch) {
+        Ok(sent) => {
+            // (a result lost here is recovered by its members' retransmissions)
+            stats.send_dropped.fetch_add(queued.saturating_sub(sent as u64), Ordering::Relaxed);
+        }
+        Err(_) => {
+            stats.send_errors.fetch_add(1, Ordering::Relaxed);
+            stats.send_dropped.fetch_add(queued, Ordering::Relaxed);
+            batch.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod flush_tests {
+    use super::*;
+
+    #[test]
+    fn datagrams_the_kernel_refused_are_counted_even_when_the_rest_went_out() {
+        let socket = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let sink = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let stats = ShardStats::default();
+        let mut batch = SendBatch::new(8);
+        // the broadcast address without SO_BROADCAST: EACCES for that one
+        let refused: SocketAddr = "255.255.255.255:9".parse().unwrap();
+        batch.push(sink.local_addr().unwrap(), 10).fill(1);
+        batch.push(refused, 10).fill(2);
+        batch.push(sink.local_addr().unwrap(), 10).fill(3);
+        flush(&socket, &mut batch, &stats);
+        assert_eq!(stats.send_dropped.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.send_errors.load(Ordering::Relaxed), 0, "the others went out");
+        assert!(batch.is_empty());
+        // a batch of which nothing went out: an error, every datagram dropped
+        batch.push(refused, 10).fill(4);
+        batch.push(refused, 10).fill(5);
+        flush(&socket, &mut batch, &stats);
+        assert_eq!(stats.send_errors.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.send_dropped.load(Ordering::Relaxed), 3);
     }
 }
 
