@@ -68,6 +68,10 @@ struct LaneThread {
     /// The first send error the thread met, reported by the next flush.
     error: Arc<Mutex<Option<io::Error>>>,
     handle: Option<JoinHandle<()>>,
+    /// Why the thread is gone, once it is known to be: every later step
+    /// fails with the same words (its panic's message is read once, when
+    /// the thread is joined).
+    gone: Option<String>,
 }
 
 impl SendLanes {
@@ -105,7 +109,7 @@ impl SendLanes {
             socket,
             filling,
             queued: 0,
-            thread: Some(LaneThread { to_send: Some(to_send), sent, error, handle: Some(handle) }),
+            thread: Some(LaneThread { to_send: Some(to_send), sent, error, handle: Some(handle), gone: None }),
         });
         Ok(())
     }
@@ -152,7 +156,16 @@ impl SendLanes {
             None => Ok(()),
         };
         for lane in 0..self.lanes.len() {
-            let r = self.flush(lane).and_then(|()| self.lanes[lane].take_thread_error());
+            let r = self.flush(lane).and_then(|()| self.lanes[lane].take_thread_error()).and_then(|()| {
+                // a thread that ended while the session lives died: say so
+                // now, not when this lane next has a datagram to send
+                match self.lanes[lane].thread.as_mut() {
+                    Some(t) if t.gone.is_some() || t.handle.as_ref().is_some_and(JoinHandle::is_finished) => {
+                        Err(t.stopped(lane))
+                    }
+                    _ => Ok(()),
+                }
+            });
             if first.is_ok() {
                 first = r;
             }
@@ -187,16 +200,17 @@ fn new_batch(socket: &BatchSocket, offload: bool) -> SendBatch {
 }
 
 impl LaneThread {
-    /// The error for a lane whose thread is gone, with its panic's message.
+    /// The error for a lane whose thread is gone, with its panic's message
+    /// (the same each time).
     fn stopped(&mut self, lane: usize) -> io::Error {
-        let why = match self.handle.take().map(JoinHandle::join) {
+        let why = self.gone.get_or_insert_with(|| match self.handle.take().map(JoinHandle::join) {
             Some(Err(panic)) => panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a panic".into()),
             _ => "it ended".into(),
-        };
+        });
         io::Error::other(format!("send lane {lane} stopped: {why}"))
     }
 }
@@ -261,9 +275,40 @@ mod tests {
         while !handle.is_finished() {
             std::thread::yield_now();
         }
-        let mut t = LaneThread { to_send: Some(to_send), sent, error: Arc::default(), handle: Some(handle) };
+        let mut t = LaneThread { to_send: Some(to_send), sent, error: Arc::default(), handle: Some(handle), gone: None };
         let err = t.stopped(2);
         assert_eq!(err.to_string(), "send lane 2 stopped: boom in the lane");
-        assert_eq!(t.stopped(2).to_string(), "send lane 2 stopped: it ended", "joined once");
+        assert_eq!(t.stopped(2).to_string(), "send lane 2 stopped: boom in the lane", "the same words every time");
+    }
+
+    /// A lane thread that died with nothing queued for it fails the next
+    /// step, and every one after it, not only the first step that gives
+    /// that lane a datagram (after a retransmission timeout, if the lost
+    /// batch held a window's tail).
+    #[test]
+    fn an_idle_lane_whose_thread_died_fails_every_next_step() {
+        let socket = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut lanes = SendLanes::new(socket, false);
+        let (to_send, full) = sync_channel::<SendBatch>(1);
+        let (_give_back, sent) = sync_channel::<SendBatch>(1);
+        let handle = std::thread::spawn(move || {
+            drop(full);
+            panic!("boom while idle");
+        });
+        while !handle.is_finished() {
+            std::thread::yield_now();
+        }
+        let lane_socket = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let filling = new_batch(&lane_socket, false);
+        lanes.lanes.push(Lane {
+            socket: Arc::new(lane_socket),
+            filling,
+            queued: 0,
+            thread: Some(LaneThread { to_send: Some(to_send), sent, error: Arc::default(), handle: Some(handle), gone: None }),
+        });
+        for _ in 0..2 {
+            let err = lanes.flush_all().expect_err("the dead lane is reported");
+            assert_eq!(err.to_string(), "send lane 1 stopped: boom while idle");
+        }
     }
 }

@@ -139,8 +139,9 @@ pub struct Session {
     /// the session (a Python caller's Ctrl-C).
     interrupt: Option<Interrupt>,
     last_interrupt_check: Instant,
-    /// Lane 0's ICMP error count when its error queue was last read.
-    icmp_errors_read: u64,
+    /// Each lane socket's ICMP error count when its error queue was last
+    /// read.
+    icmp_errors_read: Vec<u64>,
 }
 
 /// How [`Session::linger`] ended.
@@ -270,7 +271,7 @@ impl Session {
             options,
             interrupt,
             last_interrupt_check: epoch,
-            icmp_errors_read: 0,
+            icmp_errors_read: vec![0],
         };
         loop {
             session.step(Duration::MAX)?;
@@ -283,6 +284,7 @@ impl Session {
                             let socket = bind_lane_socket(bind_ip, &session.options)?;
                             session.lanes.add_threaded(socket, session.options.offload)?;
                         }
+                        session.icmp_errors_read.resize(session.lanes.count(), 0);
                         session.stats.received_by_lane.resize(session.lanes.count(), 0);
                         session.params = p;
                         return Ok(session);
@@ -512,7 +514,7 @@ impl Session {
             // A zero timeout would make the socket block forever.
             self.lanes.socket(0).set_read_timeout(Some(timeout.max(Duration::from_micros(50))))?;
             self.receive(ReadFrom::Lane(0), true)?;
-            self.read_icmp_errors(false)?;
+            self.read_icmp_errors(0, false)?;
         } else {
             // Wait for any; a socket reported readable is read at once (the
             // group's is non-blocking; the lanes', which nothing else
@@ -533,17 +535,14 @@ impl Session {
             }
             // (without waiting: a poll also reports an error-queue entry
             // alone, and a blocking lane socket would then wait forever)
-            let mut lane0 = 0;
-            for lane in (0..lanes).filter(|l| ready >> l & 1 == 1) {
-                let got = self.receive(ReadFrom::Lane(lane), false)?;
-                if lane == 0 {
-                    lane0 = got;
-                }
+            for lane in 0..lanes {
+                let ready = ready >> lane & 1 == 1;
+                let got = if ready { self.receive(ReadFrom::Lane(lane), false)? } else { 0 };
+                // a lane ready with nothing to read: an entry of its error
+                // queue, whose error a send may have swallowed; read it, or
+                // every poll returns at once
+                self.read_icmp_errors(lane, ready && got == 0)?;
             }
-            // lane 0 ready with nothing to read: an entry of its error
-            // queue, whose error a send may have swallowed; read it, or
-            // every poll returns at once
-            self.read_icmp_errors(ready & 1 == 1 && lane0 == 0)?;
         }
         let now = self.now();
         if self.machine.poll_timeout().is_some_and(|t| t <= now) {
@@ -552,16 +551,17 @@ impl Session {
         Ok(())
     }
 
-    /// Lane 0's queued ICMP errors, if a send or a receive met one since
-    /// the last read, or `anyway` (reading frees the receive buffer they
-    /// are charged to); a port unreachable goes to the machine.
-    fn read_icmp_errors(&mut self, anyway: bool) -> Result<(), HostError> {
-        let socket = self.lanes.socket(0);
+    /// A lane socket's queued ICMP errors, if a send or a receive met one
+    /// since the last read, or `anyway` (reading frees the receive buffer
+    /// they are charged to); a port unreachable goes to the machine (a
+    /// shard that does not listen, whichever lane's shard it is).
+    fn read_icmp_errors(&mut self, lane: usize, anyway: bool) -> Result<(), HostError> {
+        let socket = self.lanes.socket(lane);
         let seen = socket.icmp_errors();
-        if seen == self.icmp_errors_read && !anyway {
+        if seen == self.icmp_errors_read[lane] && !anyway {
             return Ok(());
         }
-        self.icmp_errors_read = seen;
+        self.icmp_errors_read[lane] = seen;
         let errors = socket.take_unreachable()?;
         self.stats.port_unreachable += errors.port;
         self.stats.other_icmp_errors += errors.other;

@@ -176,6 +176,26 @@ fn switch_dying_mid_allreduce_fails_the_worker_after_dead_after() {
     assert!(t.elapsed() < Duration::from_secs(3));
 }
 
+/// The same with two lanes on two shards: the session reads every lane
+/// socket's error queue and fails, bounded, without spinning on one.
+#[test]
+fn a_switch_gone_mid_allreduce_fails_a_worker_with_two_lanes() {
+    let sw = start(2, 0.0, vec![job(1, 1, JobMode::Aggregate)]);
+    let mut o = SessionOptions { lanes: 2, ..options(sw.data_addr(), 1, 0, 0.0) };
+    o.session.dead_after = Duration::from_millis(500);
+    let mut s = Session::connect(o).unwrap();
+    assert_eq!(s.lanes(), 2);
+    sw.shutdown();
+    let t = Instant::now();
+    let err = s.allreduce(Tensor::I32(vec![1; 100_000])).unwrap_err();
+    assert!(
+        matches!(err, HostError::Session(SessionError::SwitchGone { .. } | SessionError::SwitchSilent { .. })),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3));
+    assert!(s.stats().port_unreachable > 0);
+}
+
 #[test]
 fn a_job_whose_worker_vanishes_does_not_disturb_another_job() {
     let sw = start(1, 0.0, vec![job(1, 2, JobMode::Aggregate), job(2, 2, JobMode::Aggregate)]);
