@@ -28,31 +28,39 @@ def _run(*, ce_up=False, ce_down=False, worker_ecn=True, switch_ecn=True):
                         jobs=[{"job_id": 1, "sources": 2, "block_cnt_max": 256}])
     with fanin.LocalSwitch(cfg) as sw:
         relay = ResultEater(sw.data_addr, ce_up=ce_up, ce_down=ce_down)
-        inputs = [np.arange(ELEMS, dtype=np.int32) * (r + 1) for r in range(2)]
-        out: dict = {}
-
-        def rank(r: int, addr: str) -> None:
-            try:
-                s = fanin.Session(addr, 1, r, elems_per_packet=256, window=256, ecn=worker_ecn)
-                out[r] = []
-                for _ in range(3):
-                    got = s.allreduce(inputs[r])
-                    np.testing.assert_array_equal(got, inputs[0] + inputs[1])
-                    out[r].append(s.last_stats)
-                del s  # on the thread that made it
-            except Exception as e:  # noqa: BLE001 (reported below, without the traceback)
-                out[r, "error"] = repr(e)
-
-        threads = [threading.Thread(target=rank, args=(0, sw.data_addr)), threading.Thread(target=rank, args=(1, relay.addr))]
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            r0, r1 = _two_ranks(sw.data_addr, relay.addr, iters=3, ecn=worker_ecn)
         finally:
             relay.close()
-        assert not [k for k in out if isinstance(k, tuple)], out
-        return out[0], out[1], sw.counters(), (relay.codepoints_up, relay.codepoints_down)
+        return r0, r1, sw.counters(), (relay.codepoints_up, relay.codepoints_down)
+
+
+def _two_ranks(addr0: str, addr1: str, *, iters: int, **session_kw) -> tuple[list, list]:
+    """Rank 0 of job 1 through `addr0`, rank 1 through `addr1`, `iters`
+    allreduces each, every sum checked; each rank's last_stats of every
+    allreduce."""
+    inputs = [np.arange(ELEMS, dtype=np.int32) * (r + 1) for r in range(2)]
+    out: dict = {}
+
+    def rank(r: int, addr: str) -> None:
+        try:
+            s = fanin.Session(addr, 1, r, elems_per_packet=256, window=256, **session_kw)
+            out[r] = []
+            for _ in range(iters):
+                got = s.allreduce(inputs[r])
+                np.testing.assert_array_equal(got, inputs[0] + inputs[1])
+                out[r].append(s.last_stats)
+            del s  # on the thread that made it
+        except Exception as e:  # noqa: BLE001 (reported below, without the traceback)
+            out[r, "error"] = repr(e)
+
+    threads = [threading.Thread(target=rank, args=(0, addr0)), threading.Thread(target=rank, args=(1, addr1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not [k for k in out if isinstance(k, tuple)], out
+    return out[0], out[1]
 
 
 def _sum(stats, key):
@@ -198,32 +206,13 @@ def test_a_goat_relay_daemon_passes_a_mark_on_to_the_switch_past_it():
     with fanin.LocalSwitch(node_cfg) as node, SwitchProcess(relay_cfg) as relay:
         ControlClient(relay.control_addr).install_transit(1, node.data_addr, 1)
         marker = ResultEater(relay.data_addr, ce_up=True)
-        inputs = [np.arange(ELEMS, dtype=np.int32) * (r + 1) for r in range(2)]
-        out: dict = {}
-
-        def rank(r: int, addr: str) -> None:
-            try:
-                s = fanin.Session(addr, 1, r, elems_per_packet=256, window=256)
-                got = s.allreduce(inputs[r])
-                np.testing.assert_array_equal(got, inputs[0] + inputs[1])
-                out[r] = s.last_stats
-                del s
-            except Exception as e:  # noqa: BLE001
-                out[r, "error"] = repr(e)
-
-        threads = [threading.Thread(target=rank, args=(0, node.data_addr)),
-                   threading.Thread(target=rank, args=(1, marker.addr))]
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            (r0,), (r1,) = _two_ranks(node.data_addr, marker.addr, iters=1)
         finally:
             marker.close()
-        assert not [k for k in out if isinstance(k, tuple)], out
         node_counters, relay_counters = node.counters(), relay.counters()
     assert relay_counters["transit_up"] >= 400 and relay_counters["ecn_ce"] >= 400, relay_counters
     # every contribution of rank 1 reached the node still marked
     assert node_counters["ecn_ce"] >= 400 and node_counters["congestion_marked"] >= 400, node_counters
-    assert out[0]["marked_results"] >= 400 and out[1]["marked_results"] >= 400, out
-    assert out[0]["retransmissions"] == out[1]["retransmissions"] == 0, out
+    assert r0["marked_results"] >= 400 and r1["marked_results"] >= 400, (r0, r1)
+    assert r0["retransmissions"] == r1["retransmissions"] == 0, (r0, r1)
