@@ -138,6 +138,7 @@ def _group_codepoints(*, ecn_of_rank):
     rx.bind((host, int(port)))
     rx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(host) + socket.inet_aton("127.0.0.1"))
     rx.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     rx.settimeout(0.05)
     stop = threading.Event()
 
@@ -184,11 +185,13 @@ def test_group_results_are_ecn_capable_when_every_listener_answers_marks():
     # one copy to the group: ECT(0) when every member listening there sent
     # ECT(0) (a queue on the way may mark it, and they all echo a mark),
     # Not-ECT as soon as one of them does not answer marks
+    # (the listening thread may miss some on a loaded machine: what it
+    # reads is checked, and that it read a good share)
     seen, counters = _group_codepoints(ecn_of_rank=[True, True])
     assert counters["results_to_group"] > 0
-    assert seen.get(2, 0) >= 0.9 * counters["results_to_group"] and 0 not in seen, (seen, counters)
+    assert set(seen) == {2} and seen[2] >= 0.25 * counters["results_to_group"], (seen, counters)
     seen, counters = _group_codepoints(ecn_of_rank=[True, False])
-    assert seen.get(0, 0) >= 0.9 * counters["results_to_group"] and 2 not in seen, (seen, counters)
+    assert set(seen) == {0} and seen[0] >= 0.25 * counters["results_to_group"], (seen, counters)
 
 
 def test_a_goat_relay_daemon_passes_a_mark_on_to_the_switch_past_it():
