@@ -262,20 +262,26 @@ mod tests {
         assert!(lanes.flush_all().is_ok(), "reported once");
     }
 
-    /// A lane whose thread died says so, with the panic's message, instead
-    /// of the caller waiting for a batch that never comes back.
-    #[test]
-    fn a_lane_whose_thread_panicked_fails_with_the_panics_message() {
+    /// A lane thread that panicked with `message` (and has ended), and the
+    /// sender of its batch-return channel, kept open as a live session's is.
+    fn dead_lane_thread(message: &'static str) -> (LaneThread, SyncSender<SendBatch>) {
         let (to_send, full) = sync_channel::<SendBatch>(1);
-        let (_give_back, sent) = sync_channel::<SendBatch>(1);
+        let (give_back, sent) = sync_channel::<SendBatch>(1);
         let handle = std::thread::spawn(move || {
             drop(full);
-            panic!("boom in the lane");
+            panic!("{message}");
         });
         while !handle.is_finished() {
             std::thread::yield_now();
         }
-        let mut t = LaneThread { to_send: Some(to_send), sent, error: Arc::default(), handle: Some(handle), gone: None };
+        (LaneThread { to_send: Some(to_send), sent, error: Arc::default(), handle: Some(handle), gone: None }, give_back)
+    }
+
+    /// A lane whose thread died says so, with the panic's message, instead
+    /// of the caller waiting for a batch that never comes back.
+    #[test]
+    fn a_lane_whose_thread_panicked_fails_with_the_panics_message() {
+        let (mut t, _give_back) = dead_lane_thread("boom in the lane");
         let err = t.stopped(2);
         assert_eq!(err.to_string(), "send lane 2 stopped: boom in the lane");
         assert_eq!(t.stopped(2).to_string(), "send lane 2 stopped: boom in the lane", "the same words every time");
@@ -289,22 +295,14 @@ mod tests {
     fn an_idle_lane_whose_thread_died_fails_every_next_step() {
         let socket = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let mut lanes = SendLanes::new(socket, false);
-        let (to_send, full) = sync_channel::<SendBatch>(1);
-        let (_give_back, sent) = sync_channel::<SendBatch>(1);
-        let handle = std::thread::spawn(move || {
-            drop(full);
-            panic!("boom while idle");
-        });
-        while !handle.is_finished() {
-            std::thread::yield_now();
-        }
+        let (thread, _give_back) = dead_lane_thread("boom while idle");
         let lane_socket = BatchSocket::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let filling = new_batch(&lane_socket, false);
         lanes.lanes.push(Lane {
             socket: Arc::new(lane_socket),
             filling,
             queued: 0,
-            thread: Some(LaneThread { to_send: Some(to_send), sent, error: Arc::default(), handle: Some(handle), gone: None }),
+            thread: Some(thread),
         });
         for _ in 0..2 {
             let err = lanes.flush_all().expect_err("the dead lane is reported");
