@@ -134,6 +134,13 @@ def scrape_counters(metrics_addr: str) -> dict[str, int]:
         if m:
             key = f"fault_{m.group(1)}.{m.group(2)}"
             out[key] = out.get(key, 0) + int(m.group(3))
+    # Datagrams the daemon dropped on its own: send_errors, send_dropped,
+    # handover_dropped (summed over shards).
+    own = re.compile(r'^fanin_switch_(send_errors|send_dropped|handover_dropped)_total\{shard="\d+"\} (\d+)$')
+    for line in text.splitlines():
+        m = own.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0) + int(m.group(2))
     out["malformed"] = sum(v for k, v in out.items() if k.startswith("malformed."))
     # The key-value program's counters (merged over shards): kv.counter[.reason].
     kv = re.compile(r'^fanin_switch_kv_packets_total\{counter="(\w+)"(?:,reason="(\w+)")?\} (\d+)$')

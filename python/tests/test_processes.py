@@ -94,6 +94,30 @@ def test_malformed_datagrams_are_counted_by_reason_and_other_jobs_keep_working()
         assert s.allreduce(np.arange(4, dtype=np.int32)).tolist() == [0, 1, 2, 3]
 
 
+def test_a_flood_at_the_wrong_shard_is_bounded_counted_and_spares_the_jobs():
+    """Every datagram sent to a shard that does not own it is either handed
+    to its owner or counted dropped there (at most 1 024 wait per owner);
+    none is lost uncounted, and the daemon keeps serving its job."""
+    n = 60_000
+    with switch_proc([job_config(1, 1)], shards=2) as sw:
+        # a key-value datagram of task 1, which shard 1 owns, at shard 0's port
+        kv = struct.pack(">HBBBBHI", 0xFA17, 1, 0x20, 0, 0, 0, 1) + bytes(20)
+        _send_raw(sw.data_addr, [kv] * n)
+        deadline = time.monotonic() + 10
+        while True:
+            c = sw.counters()
+            seen = c.get("kv.rx_datagrams", 0) + c["handover_dropped"] + c.get("socket_drops", 0)
+            if seen == n or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert seen == n, c
+        print(f"handed over {c.get('kv.rx_datagrams', 0)}, dropped at the wrong shard {c['handover_dropped']}")
+        # the owner refused every one it took (a body of the wrong length)
+        assert c.get("kv.malformed.length_mismatch", 0) == c.get("kv.rx_datagrams", 0)
+        s = fanin.Session(sw.data_addr, 1, 0)
+        assert s.allreduce(np.arange(3000, dtype=np.int32)).tolist() == list(range(3000))
+
+
 def _join_then_hang(addr, q):
     s = fanin.Session(addr, 1, 1)
     q.put("joined")

@@ -21,6 +21,7 @@ use fanin_control::{
 use crate::config::{DaemonConfig, CONTROL_PORT_OFFSET, METRICS_PORT_OFFSET};
 use crate::metrics;
 use crate::scanners;
+use crate::handover::HandoverGate;
 use crate::shard::{kv_owner, Command, ShardStats, ShardThread};
 
 #[derive(Debug, thiserror::Error)]
@@ -390,6 +391,16 @@ impl SwitchCore {
                 s.stats.send_dropped.load(Ordering::Relaxed)
             ));
         }
+        out.push_str(
+            "# HELP fanin_switch_handover_dropped_total Datagrams for another shard dropped: that shard had a full backlog of them.\n",
+        );
+        out.push_str("# TYPE fanin_switch_handover_dropped_total counter\n");
+        for (i, s) in self.shards.iter().enumerate() {
+            out.push_str(&format!(
+                "fanin_switch_handover_dropped_total{{shard=\"{i}\"}} {}\n",
+                s.stats.handover_dropped.load(Ordering::Relaxed)
+            ));
+        }
         let info = self.info();
         out.push_str("# HELP fanin_switch_kv_packets_total Key-value datagrams by outcome (all shards).\n");
         out.push_str("# TYPE fanin_switch_kv_packets_total counter\n");
@@ -485,6 +496,7 @@ impl SwitchHandle {
         let epoch = Instant::now();
         let channels: Vec<_> = (0..config.shards).map(|_| mpsc::channel::<Command>()).collect();
         let senders: Vec<Sender<Command>> = channels.iter().map(|(tx, _)| tx.clone()).collect();
+        let handovers = Arc::new(HandoverGate::new(config.shards));
         // Scanner threads (`[aging] threads`): a registry of the shards'
         // scan schedules and an eventfd per shard to wake it with.
         let scanning = if config.aging.threads {
@@ -532,6 +544,7 @@ impl SwitchHandle {
                 multicast,
                 commands: rx,
                 peers: senders.clone(),
+                handovers: handovers.clone(),
                 stats: stats.clone(),
                 shutdown: shutdown.clone(),
                 open: open.clone(),

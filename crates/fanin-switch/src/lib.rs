@@ -16,6 +16,7 @@
 
 pub mod config;
 mod core;
+mod handover;
 mod metrics;
 mod scanners;
 mod shard;

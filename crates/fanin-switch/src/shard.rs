@@ -31,6 +31,8 @@ use fanin_proto::trim::{TrimCause, TrimPlan, TrimVerdict, Watermark};
 use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 
+use crate::handover::{hand_over, HandoverGate, HANDOVER_CAP};
+
 /// Requests from the control plane and from sibling shards.
 pub(crate) enum Command {
     AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
@@ -76,6 +78,9 @@ pub(crate) struct ShardStats {
     /// to one destination failed): what `send_errors` does not count when
     /// the rest of the batch went out.
     pub send_dropped: AtomicU64,
+    /// Datagrams for another shard dropped because that shard had
+    /// [`HANDOVER_CAP`](crate::handover::HANDOVER_CAP) waiting already.
+    pub handover_dropped: AtomicU64,
     pub batches: AtomicU64,
 }
 
@@ -88,6 +93,8 @@ pub(crate) struct ShardThread {
     pub multicast: bool,
     pub commands: Receiver<Command>,
     pub peers: Vec<Sender<Command>>,
+    /// How many datagrams each shard has yet to take from its channel.
+    pub handovers: Arc<HandoverGate>,
     pub stats: Arc<ShardStats>,
     pub shutdown: Arc<AtomicBool>,
     /// False until the jobs of the config are admitted: the data socket is
@@ -484,9 +491,7 @@ impl ShardThread {
                             }
                         }
                     };
-                    if let Some(peer) = self.peers.get(owner as usize) {
-                        let _ = peer.send(Command::Handover(from, bytes.to_vec(), ce || queue_mark));
-                    }
+                    hand_over(&self.peers, &self.handovers, &self.stats, owner, from, bytes, ce || queue_mark);
                 }
                 self.stats.batches.fetch_add(1, Ordering::Relaxed);
             }
@@ -515,7 +520,10 @@ impl ShardThread {
     }
 
     fn drain_commands(&mut self, tx: &mut SendBatch, discard: &mut Vec<u8>) {
-        loop {
+        // Handovers taken this time: at most as many as can wait, so peers
+        // that keep handing over cannot keep this shard from its socket.
+        let mut handovers = 0;
+        while handovers < HANDOVER_CAP {
             match self.commands.try_recv() {
                 Ok(Command::AddJob(spec, uplink, reply)) => {
                     let job_id = spec.job_id;
@@ -562,6 +570,8 @@ impl ShardThread {
                     let _ = reply.send(ids.into_iter().map(|id| (id, self.kv.task_stats(id))).collect());
                 }
                 Ok(Command::Handover(from, bytes, ce)) => {
+                    self.handovers.taken(self.index);
+                    handovers += 1;
                     // A handed-over datagram is ours by construction; a second
                     // hop cannot happen. A contribution that does not line
                     // up with its block ends the round here: the others
