@@ -702,10 +702,24 @@ fn bind_data_ports(base: SocketAddr, shards: u16) -> Result<Vec<BatchSocket>, St
             Err(source) => return Err(StartError::Bind { addr: base, source }),
         };
         let port = first.local_addr().map_err(|source| StartError::Bind { addr: base, source })?.port();
+        if !shard_ports_fit(port, shards) {
+            // a kernel-chosen port too near the top for the shards' ports
+            // (hosts would address past 65535): take another
+            let source = std::io::Error::new(
+                std::io::ErrorKind::AddrNotAvailable,
+                format!(
+                    "the kernel chose port {port}, and {shards} shards from it need ports past 65535 \
+                     (give data_addr a port of at most {})",
+                    65536 - shards as u32
+                ),
+            );
+            last_err = Some(StartError::Bind { addr: base, source });
+            continue;
+        }
         let mut sockets = vec![first];
         for i in 1..shards {
             let mut addr = base;
-            addr.set_port(port.wrapping_add(i));
+            addr.set_port(port + i);
             match BatchSocket::bind(addr) {
                 Ok(s) => sockets.push(s),
                 Err(source) => {
@@ -719,6 +733,25 @@ fn bind_data_ports(base: SocketAddr, shards: u16) -> Result<Vec<BatchSocket>, St
         }
     }
     Err(last_err.expect("at least one attempt failed"))
+}
+
+/// Shard `i` listens on `first + i`: do the shards' ports all exist?
+fn shard_ports_fit(first: u16, shards: u16) -> bool {
+    first as u32 + shards.max(1) as u32 - 1 <= u16::MAX as u32
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::shard_ports_fit;
+
+    #[test]
+    fn the_shards_ports_must_stay_below_65536() {
+        assert!(shard_ports_fit(65535, 1));
+        assert!(shard_ports_fit(65528, 8));
+        assert!(!shard_ports_fit(65529, 8), "shard 7 would be port 65536");
+        assert!(!shard_ports_fit(65535, 2));
+        assert!(shard_ports_fit(9000, 0));
+    }
 }
 
 /// The shard programs' form of a tree role: one parent address per shard.
