@@ -381,9 +381,21 @@ impl JobSpec {
 /// `job_id`. A slot's current block and its shadow copy map to the same
 /// shard, so a shard owns its slots outright and needs no locks. Workers use
 /// the same function to address the right port.
+///
+/// A job with fewer slots than the switch has shards spreads over its
+/// first `block_cnt_max` shards only ([`job_shards`]), so shard 0, which
+/// answers every Join and decides where rounds start, always owns one of
+/// its slots (spread over all shards from an offset, some jobs left shard
+/// 0 without a slot, and it then started rounds below the running stream).
 pub fn shard_of(job_id: u32, block_id: u32, block_cnt_max: u32, shard_count: u16) -> u16 {
     let slot = block_id % block_cnt_max.max(1);
-    ((slot as u64 + job_id as u64) % shard_count.max(1) as u64) as u16
+    ((slot as u64 + job_id as u64) % job_shards(block_cnt_max, shard_count) as u64) as u16
+}
+
+/// How many of `shard_count` shards hold slots of a job with
+/// `block_cnt_max` slots: shards `0..job_shards` ([`shard_of`]).
+pub fn job_shards(block_cnt_max: u32, shard_count: u16) -> u16 {
+    (shard_count.max(1) as u32).min(block_cnt_max.max(1)) as u16
 }
 
 #[cfg(test)]
@@ -465,6 +477,20 @@ mod tests {
         }
         assert_eq!(FailurePolicy::parse("fail"), Ok(FailurePolicy::Fail));
         assert!(FailurePolicy::parse("retry").unwrap_err().contains("degrade or fail"));
+    }
+
+    #[test]
+    fn shard_0_owns_a_slot_of_every_job_and_no_shard_past_the_slots_owns_one() {
+        for slots in 1..10u32 {
+            for shards in 1..12u16 {
+                for job in 0..20u32 {
+                    let owners: std::collections::BTreeSet<u16> =
+                        (0..slots).map(|k| shard_of(job, k, slots, shards)).collect();
+                    let spread = job_shards(slots, shards);
+                    assert_eq!(owners, (0..spread).collect(), "job {job}, {slots} slots, {shards} shards");
+                }
+            }
+        }
     }
 
     #[test]

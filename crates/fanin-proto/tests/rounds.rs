@@ -1027,3 +1027,79 @@ fn a_sync_join_into_a_job_without_partial_results_leaves_the_running_workers_exa
     }
     assert_eq!(net.counter(|c| c.blocks_degraded), 0);
 }
+
+
+/// Fewer slots than shards (block_cnt_max < shard_count): shard 0, which
+/// answers every Join, used to own no slot of some jobs, and a sync join was
+/// never answered. A job's blocks now spread over at most block_cnt_max
+/// shards, so shard 0 always owns one.
+#[test]
+fn a_sync_join_is_answered_when_the_job_has_fewer_slots_than_shards() {
+    let mut net = Net::new(JobSpec { workers: 3, ..JobSpec { block_cnt_max: 1, ..spec(2) } }, 2, 0.0, 11);
+    let (mut s0, mut s1) = (net.spawn(0, 1), net.spawn(1, 1));
+    net.run_until(&mut [&mut s0, &mut s1], Duration::from_secs(1), joined);
+    let pair = |k: i32| vec![vec![k; 12], vec![k + 1; 12]];
+    for k in 0..3 {
+        for got in allreduce(&mut net, &mut [&mut s0, &mut s1], &pair(k)) {
+            assert_eq!(got.unwrap(), sum(&pair(k)));
+        }
+    }
+    net.update(JobSpec { members: vec![0, 1, 2], workers: 3, ..JobSpec { block_cnt_max: 1, ..spec(2) } }, &[2]);
+    let mut j = net.spawn_with(2, 1, |c| {
+        c.sync_join = true;
+        c.align_blocks = 3;
+    });
+    for k in 3..40 {
+        if joined(&j) { break; }
+        let _ = allreduce_among(&mut net, &mut [&mut s0, &mut s1, &mut j], &pair(k));
+    }
+    for _ in 0..5000 { if joined(&j) { break; } net.tick(&mut [&mut s0, &mut s1, &mut j]); }
+    eprintln!("sync_deferred = {} after {:?}", net.counter(|c| c.sync_deferred), net.now);
+    assert!(joined(&j), "the joiner was never answered");
+}
+
+/// Fewer slots than shards: with shard 0 owning no slot, a new process of
+/// a rank ended the round with a next start computed from start_block,
+/// below the running stream; the old round's retransmissions were
+/// aggregated, not told, and the new round's first block was expired.
+#[test]
+fn a_round_restarts_above_the_stream_when_the_job_has_fewer_slots_than_shards() {
+    let spec1 = JobSpec { block_cnt_max: 1, ..spec(2) };
+    let mut net = Net::new(spec1, 2, 0.0, 3);
+    let (mut a, mut b) = (net.spawn(0, 1), net.spawn(1, 2));
+    net.run_until(&mut [&mut a, &mut b], Duration::from_secs(1), joined);
+    for k in 0..4 {
+        let inputs = vec![vec![k; 16], vec![k + 1; 16]];
+        for got in allreduce(&mut net, &mut [&mut a, &mut b], &inputs) {
+            assert_eq!(got.unwrap(), sum(&inputs));
+        }
+    }
+    // stream is at block 16 now (4 calls x 4 blocks)
+    a.session.begin(net.now, Tensor::I32(vec![1; 16])).unwrap();
+    net.tick(&mut [&mut a]);
+    let mut b2 = net.spawn(1, 3);
+    net.tick(&mut [&mut b2]);
+    drop(b);
+    let end = net.now + Duration::from_secs(2);
+    while !finished(&a) && net.now < end {
+        net.tick(&mut [&mut a]);
+    }
+    eprintln!(
+        "finished={} stale_round={} duplicate={} accepted={}",
+        finished(&a),
+        net.counter(|c| c.stale_round),
+        net.counter(|c| c.duplicate),
+        net.counter(|c| c.accepted)
+    );
+    eprintln!("a: {:?}", take_result(&mut a));
+    drop(a);
+    let mut a2 = net.spawn(0, 4);
+    net.run_until(&mut [&mut a2, &mut b2], Duration::from_secs(2), joined);
+    eprintln!("new round starts at {}", joined_at(&a2));
+    let inputs = vec![vec![1000; 16], vec![2000; 16]];
+    let res = allreduce(&mut net, &mut [&mut a2, &mut b2], &inputs);
+    eprintln!("new round: {:?} expired={}", res, net.counter(|c| c.expired));
+    for got in res {
+        assert_eq!(got.unwrap(), sum(&inputs));
+    }
+}

@@ -63,7 +63,7 @@ use fanin_wire::MessageType;
 
 use super::guard::{shard_share, Admission, Liveness, SourceBuckets};
 use super::Counters;
-use crate::job::{shard_of, FailurePolicy, JobMode, JobSpec, JobSpecError, SWITCH_RANK_BASE};
+use crate::job::{job_shards, shard_of, FailurePolicy, JobMode, JobSpec, JobSpecError, SWITCH_RANK_BASE};
 use crate::mask::SourceMask;
 use crate::serial::BlockSpace;
 use crate::time::Time;
@@ -247,7 +247,9 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
 
     /// This shard's buckets for `spec` (its own limit, else the switch's).
     fn buckets_for(&self, spec: &JobSpec, capacity: usize) -> SourceBuckets {
-        let limit = spec.rate_limit.or(self.config.rate_limit).map(|l| shard_share(l, self.config.shard_count));
+        // (shared by the shards that hold the job's slots)
+        let spread = job_shards(spec.block_cnt_max, self.config.shard_count);
+        let limit = spec.rate_limit.or(self.config.rate_limit).map(|l| shard_share(l, spread));
         SourceBuckets::new(limit, capacity)
     }
 
@@ -280,8 +282,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         };
         let memory = pool_floor.map_or(cap, |floor| floor as u64 * record_cost);
         let slot_count = if spec.mode == JobMode::Aggregate {
-            // global slot k maps to local k / shard_count; size for the largest
-            (spec.block_cnt_max as usize).div_ceil(self.config.shard_count.max(1) as usize)
+            // global slot k maps to local k / job_shards; size for the largest
+            (spec.block_cnt_max as usize).div_ceil(job_shards(spec.block_cnt_max, self.config.shard_count) as usize)
         } else {
             0
         };

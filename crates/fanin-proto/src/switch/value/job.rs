@@ -370,7 +370,9 @@ impl<A> Job<A> {
     }
 
     pub(super) fn slot_of(&self, block_id: u32, shard_count: u16) -> usize {
-        (block_id % self.spec.block_cnt_max) as usize / shard_count.max(1) as usize
+        // (the job's slots are spread over `job_shards` shards: shard_of)
+        let spread = crate::job::job_shards(self.spec.block_cnt_max, shard_count);
+        (block_id % self.spec.block_cnt_max) as usize / spread as usize
     }
 }
 
