@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -33,20 +34,57 @@ def _member_key(key: Optional[Union[bytes, str]]) -> Optional[bytes]:
     raise TypeError(f"auth_key must be bytes or a hex string, not {type(key).__name__}")
 
 
-def _half_format(array: np.ndarray, dtype: Optional[str]) -> Optional[str]:
-    """"float16" / "bfloat16" for a 16-bit float allreduce, None otherwise."""
-    if dtype is not None:
-        if dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"dtype={dtype!r}: give 'float16' or 'bfloat16' (other dtypes come from the array)")
-        if array.dtype.itemsize != 2:
-            raise TypeError(f"dtype={dtype!r} takes the values' bits as a 2-byte array (uint16, int16, float16), "
-                            f"got {array.dtype}")
-        return dtype
-    if array.dtype == np.float16:
+def _float16_format(dt: np.dtype) -> Optional[str]:
+    """The 16-bit float format whose values an array of ``dt`` holds
+    (whatever its byte order), or None."""
+    if dt.kind == "f" and dt.itemsize == 2:
         return "float16"
-    if array.dtype.name == "bfloat16":  # ml_dtypes
+    if dt.name == "bfloat16":  # ml_dtypes
         return "bfloat16"
     return None
+
+
+def _native_order(dt: np.dtype, what: str) -> None:
+    # the values go to the switch as native uint16 views: bits of the other
+    # byte order would be summed as garbage
+    if not dt.isnative:
+        raise TypeError(f"{what} is {dt}, not in this machine's byte order (16-bit values go to the switch as "
+                        f"native uint16): convert it first, {what}.astype({what}.dtype.newbyteorder('='))")
+
+
+_AS_FLOAT = {"float16": "a float16 array", "bfloat16": "an ml_dtypes.bfloat16 array"}
+
+
+def _half_format(array: np.ndarray, dtype: Optional[str], out: Optional[np.ndarray]) -> Optional[str]:
+    """"float16" / "bfloat16" for a 16-bit float allreduce, None otherwise.
+
+    Only the item size used to be checked, so a float16 array with
+    dtype="bfloat16" was summed as bfloat16 bits, big-endian bits as native
+    ones, and a float16 input into an int16 ``out`` left raw bits there:
+    each is refused here, before anything is sent."""
+    if dtype is not None and dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: give 'float16' or 'bfloat16' (other dtypes come from the array)")
+    fmt = dtype if dtype is not None else _float16_format(array.dtype)
+    if fmt is None:
+        return None  # int32 / float32 (or refused) in the native session
+    _native_order(array.dtype, "array")
+    if dtype is not None and array.dtype not in (np.int16, np.uint16) and _float16_format(array.dtype) != fmt:
+        other = _float16_format(array.dtype)
+        raise TypeError(f"dtype={fmt!r} got a {array.dtype} array, which does not hold {fmt} values: give them as "
+                        f"their bits in a uint16 or int16 array (from torch: t.view(torch.int16).numpy()) or as "
+                        f"{_AS_FLOAT[fmt]}" + (f" (or drop dtype= to sum this array as {other})" if other else ""))
+    if out is None:
+        return fmt
+    if dtype is None and out.dtype != array.dtype:
+        raise TypeError(f"out is {out.dtype} but the input is {array.dtype}: give out the input's dtype, or pass "
+                        f"dtype={fmt!r} to have the result's bits written into a uint16 or int16 out")
+    _native_order(out.dtype, "out")
+    if out.dtype not in (np.int16, np.uint16) and _float16_format(out.dtype) != fmt:
+        raise TypeError(f"out is a {out.dtype} array but dtype={fmt!r}: give a uint16 or int16 out for the "
+                        f"result's bits, or {_AS_FLOAT[fmt]}")
+    if out.shape != array.shape:
+        raise TypeError(f"out must have the input's shape {array.shape} (got {out.shape})")
+    return fmt
 
 
 class Session:
@@ -190,6 +228,17 @@ class Session:
         switch_gone_after_s: float = _DEFAULTS["switch_gone_after_s"],
         ecn: bool = True,
     ) -> None:
+        # The native session is bound to the thread that made it (pyo3
+        # `unsendable`): used from another, it panics with a PanicException,
+        # a BaseException that escapes `except Exception`, after printing a
+        # Rust backtrace. Every call checks the thread first (_checked). The
+        # check is a thread-local mark, not the ident alone: CPython reuses
+        # the ident of a thread that ended (a pool's next thread gets it),
+        # and pyo3 would still panic there. The ident and name are for the
+        # message.
+        self._owner = threading.local()
+        self._owner.here = True
+        self._thread = (threading.get_ident(), threading.current_thread().name)
         self._native = _native.Session(
             switch,
             job_id,
@@ -220,6 +269,16 @@ class Session:
         self.switch = switch
         self.job_id = job_id
         self.rank = rank
+
+    def _checked(self) -> Any:
+        """The native session, on the thread that created it; a RuntimeError
+        saying so on any other (before anything is sent)."""
+        if not getattr(self._owner, "here", False):
+            ident, name = self._thread
+            raise RuntimeError(f"fanin.Session was created on thread {name!r} ({ident}) and is used on thread "
+                               f"{threading.current_thread().name!r} ({threading.get_ident()}): create one Session "
+                               "per thread")
+        return self._native
 
     def allreduce(self, array: np.ndarray, *, average: bool = False,
                   out: Optional[np.ndarray] = None, dtype: Optional[str] = None,
@@ -266,11 +325,12 @@ class Session:
         elements down instead of the whole array (docs/protocol.md 4.13).
         Each member passes its own range; the ranges need not be disjoint.
         """
+        native = self._checked()
         if not isinstance(array, np.ndarray):
             raise TypeError(f"allreduce takes a numpy array, got {type(array).__name__}")
         if out is not None and not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-        fmt = _half_format(array, dtype)
+        fmt = _half_format(array, dtype, out)
         if keep is not None:
             start, stop = (int(k) for k in keep)
             if not 0 <= start <= stop <= array.size:
@@ -278,14 +338,12 @@ class Session:
                                  "elements")
             keep = (start, stop)
         if fmt is None:
-            return self._native.allreduce(array, average=average, out=out, keep=keep)
-        # 16-bit floats go to the switch as their bits (uint16 views: no copy)
-        if out is not None and (out.dtype.itemsize != 2 or out.shape != array.shape):
-            raise TypeError(f"out must have the input's 16-bit dtype and shape {array.shape} "
-                            f"(got {out.dtype}, {out.shape})")
+            return native.allreduce(array, average=average, out=out, keep=keep)
+        # 16-bit floats go to the switch as their bits (uint16 views: no
+        # copy), `out` checked by _half_format
         bits = array.view(np.uint16) if array.flags.c_contiguous else np.ascontiguousarray(array).view(np.uint16)
-        result = self._native.allreduce_half(bits, fmt, average=average,
-                                             out=None if out is None else out.view(np.uint16), keep=keep)
+        result = native.allreduce_half(bits, fmt, average=average,
+                                       out=None if out is None else out.view(np.uint16), keep=keep)
         return out if out is not None else result.view(array.dtype)
 
     @property
@@ -307,36 +365,36 @@ class Session:
         ``src_cnt`` 0), ``latency_mean_ms``/``latency_max_ms`` (first send of
         a block to its result) and ``slow_sources`` (members the switch
         declared permanently slow)."""
-        return self._native.last_stats()
+        return self._checked().last_stats()
 
     @property
     def elems_per_packet(self) -> int:
         """Elements per packet this session sends (the job's packet size
         unless overridden): a tensor of n elements is ceil(n / this) blocks."""
-        return self._native.elems_per_packet
+        return self._checked().elems_per_packet
 
     @property
     def half_elems_per_packet(self) -> int:
         """Elements per block of a float16/bfloat16 allreduce: twice
         :attr:`elems_per_packet` within the job's block_grad_max when the
         packet size is the job's (int16 lanes fill the same datagram)."""
-        return self._native.half_elems_per_packet
+        return self._checked().half_elems_per_packet
 
     @property
     def n_sources(self) -> int:
         """Number of members in the job."""
-        return self._native.n_sources
+        return self._checked().n_sources
 
     @property
     def params(self) -> dict[str, int]:
         """Job parameters announced by the switch at join time."""
-        return self._native.params
+        return self._checked().params
 
     @property
     def error(self) -> Optional[str]:
         """Why this session ended (the message of the error its calls now
         raise), or None while it can still be used."""
-        return self._native.error
+        return self._checked().error
 
     def linger(self, seconds: float = 60.0, until: Optional[Callable[[], bool]] = None) -> dict[str, Any]:
         """Keep taking part in the job after this member's last allreduce,
@@ -364,11 +422,11 @@ class Session:
                 s.allreduce(grads[step])
             s.linger()  # returns once every rank is done, 60 s at most
         """
-        return self._native.linger(float(seconds), until)
+        return self._checked().linger(float(seconds), until)
 
     def socket_stats(self) -> dict[str, Any]:
         """Datagrams sent, received, and dropped, duplicated or reordered by
         fault injection; ``lanes`` and, per lane, ``sent_by_lane`` and
         ``received_by_lane`` (lists, lane 0 first); what keyed jobs refused
         (``auth_*``)."""
-        return self._native.socket_stats()
+        return self._checked().socket_stats()

@@ -518,3 +518,112 @@ def test_linger_ends_when_every_member_is_done_and_not_before():
     ends = [end for *_, end in results]
     assert max(ends) - min(ends) < 0.6, ends  # together, within ~2 probe intervals
     assert results[0][1] > 0.9 and results[2][1] < 0.6, results  # not before rank 2 was done
+
+
+def test_a_16_bit_input_or_out_of_another_format_or_byte_order_is_refused_before_anything_is_sent():
+    """found by a review: the 16-bit path looked at the item size only, so a
+    float16 array with dtype="bfloat16" was summed as bfloat16 ([1, 2] came
+    back [1.125, 2.25]), big-endian bits were summed as native ones
+    (garbage), and a float16 input with an int16 ``out`` filled it with the
+    result's raw bits. Each is refused, saying what to change, and nothing
+    is sent: the next allreduce is the job's first."""
+    with fanin.local_switch(workers=1) as sw:
+        s = fanin.Session(sw.data_addr, 1, 0)
+        half = np.array([1.0, 2.0], dtype=np.float16)
+        bits = _bf16_bits(np.array([1.0, 2.0]))
+        with pytest.raises(TypeError, match=r"dtype='bfloat16' got a float16 array.*bits in a uint16 or int16 array"):
+            s.allreduce(half, dtype="bfloat16")
+        with pytest.raises(TypeError, match=r"array is >u2, not in this machine's byte order.*astype"):
+            s.allreduce(bits.astype(">u2"), dtype="bfloat16")
+        with pytest.raises(TypeError, match=r"out is int16 but the input is float16.*dtype='float16'"):
+            s.allreduce(half, out=np.zeros(2, dtype=np.int16))
+        with pytest.raises(TypeError, match=r"out is >f2 but the input is float16"):
+            s.allreduce(half, out=np.zeros(2, dtype=">f2"))
+        with pytest.raises(TypeError, match=r"out is >u2, not in this machine's byte order"):
+            s.allreduce(bits, dtype="bfloat16", out=np.zeros(2, dtype=">u2"))
+        with pytest.raises(TypeError, match=r"out is a float16 array but dtype='bfloat16'"):
+            s.allreduce(bits, dtype="bfloat16", out=np.zeros(2, dtype=np.float16))
+        with pytest.raises(TypeError, match=r"dtype='float16' got a float32 array"):
+            s.allreduce(np.ones(2, dtype=np.float32), dtype="float16")
+        assert s.allreduce(half, out=np.empty(2, dtype=np.float16)).tolist() == [1.0, 2.0]
+        assert s.last_stats["gen_id"] == 1
+        # what the messages ask for works: bits of either sign, native order,
+        # and a float16 array with dtype="float16" (into its bits as well)
+        assert s.allreduce(bits.astype(">u2").astype(np.uint16), dtype="bfloat16").tolist() == bits.tolist()
+        assert s.allreduce(bits.view(np.int16), dtype="bfloat16").tolist() == bits.view(np.int16).tolist()
+        into = np.empty(2, dtype=np.uint16)
+        assert s.allreduce(half, dtype="float16", out=into) is into and into.tolist() == half.view(np.uint16).tolist()
+
+
+def test_an_ml_dtypes_bfloat16_array_is_refused_as_float16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    with fanin.local_switch(workers=1) as sw:
+        s = fanin.Session(sw.data_addr, 1, 0)
+        x = np.array([1.0, 2.0], dtype=ml_dtypes.bfloat16)
+        with pytest.raises(TypeError, match=r"dtype='float16' got a bfloat16 array"):
+            s.allreduce(x, dtype="float16")
+        assert s.allreduce(x, dtype="bfloat16").tolist() == x.tolist()
+        assert s.allreduce(x).tolist() == x.tolist()
+
+
+# the session made on a thread that ended is dropped on another at the end:
+# pyo3 can only leak it there, and says so as an unraisable RuntimeError
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_session_used_on_another_thread_raises_a_runtime_error_and_goes_on_on_its_own():
+    """found by a review: the native session is bound to its thread, and
+    using it from another raised pyo3's PanicException (a BaseException
+    that escapes ``except Exception``, with a Rust backtrace on stderr).
+    Now every call says which thread to use, as a RuntimeError; nothing is
+    sent, and the session still works on its own thread. A thread that
+    reuses the creator's ident (pools do: CPython reuses idents of threads
+    that ended) is another thread too."""
+    with fanin.local_switch(workers=1) as sw:
+        s = fanin.Session(sw.data_addr, 1, 0)
+        calls = {"allreduce": lambda: s.allreduce(np.ones(2, dtype=np.float32)), "last_stats": lambda: s.last_stats,
+                 "elems_per_packet": lambda: s.elems_per_packet, "params": lambda: s.params,
+                 "error": lambda: s.error, "linger": lambda: s.linger(0.1), "socket_stats": s.socket_stats}
+        seen = {}
+
+        def other():
+            for name, call in calls.items():
+                try:
+                    call()
+                    seen[name] = "no error"
+                except BaseException as e:  # a PanicException is not an Exception
+                    seen[name] = (type(e), str(e))
+
+        t = threading.Thread(target=other, name="other-thread")
+        t.start()
+        t.join()
+        for name, got in seen.items():
+            assert got[0] is RuntimeError, (name, got)
+            assert "created on thread 'MainThread'" in got[1] and "used on thread 'other-thread'" in got[1], got
+            assert "create one Session per thread" in got[1], got
+        assert s.allreduce(np.ones(2, dtype=np.float32)).tolist() == [1.0, 1.0]
+        assert s.last_stats["gen_id"] == 1
+        del s
+
+        # a session whose thread ended, used on threads that may reuse its
+        # ident (it is dropped on another thread at the end: pyo3 leaks it
+        # then, saying so, which is all it can do)
+        made = {}
+        maker = threading.Thread(target=lambda: made.update(s=fanin.Session(sw.data_addr, 1, 0)))
+        maker.start()
+        maker.join()
+
+        def late():
+            seen["late"] = _raised(lambda: made["s"].error)
+
+        for _ in range(4):
+            t = threading.Thread(target=late)
+            t.start()
+            t.join()
+            assert seen["late"][0] is RuntimeError, seen["late"]
+
+
+def _raised(fn):
+    try:
+        fn()
+        return ("no error", None)
+    except BaseException as e:
+        return (type(e), str(e))

@@ -397,6 +397,56 @@ def test_a_process_group_allreduce_of_a_tensor_list_is_refused_not_summed_per_te
         assert r["fanin"].startswith("refused: fanin allreduce: one tensor per call"), r
 
 
+def _sparse_and_overlapping_tensors(rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("fanin")
+    out = {}
+    tensors = {"csr": torch.eye(3).to_sparse_csr(), "bsr": torch.eye(4).to_sparse_bsr((2, 2)),
+               "expanded": torch.ones(1).expand(4)}
+    for name, t in tensors.items():
+        try:
+            work = dist.all_reduce(t, async_op=True)
+        except ValueError as e:
+            out[name] = f"at issue: {e}"
+            continue
+        try:
+            work.wait()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"at wait: {type(e).__name__}: {e}"
+    ok = torch.ones(3)
+    dist.all_reduce(ok)
+    out["after"] = ok.tolist()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_and_self_overlapping_tensors_are_refused_when_the_collective_is_issued():
+    """found by a review: check_tensor refused COO tensors only, so a CSR or
+    BSR tensor was taken and failed later on the group's worker thread, and
+    a tensor whose elements overlap (torch.ones(1).expand(4)) ran the
+    network round and raised only when the sum was copied back. Both are
+    refused by dist.all_reduce itself, saying what to do, and the group
+    goes on."""
+    from fanin.torch._reduce import check_tensor
+
+    for t, layout in ((torch.eye(3).to_sparse(), "sparse_coo"), (torch.eye(3).to_sparse_csr(), "sparse_csr"),
+                      (torch.eye(3).to_sparse_csc(), "sparse_csc"), (torch.eye(4).to_sparse_bsr((2, 2)), "sparse_bsr")):
+        with pytest.raises(ValueError, match=f"layout torch.{layout}.*to_dense"):
+            check_tensor(t)
+    with pytest.raises(ValueError, match=r"elements overlap.*\.clone\(\)"):
+        check_tensor(torch.ones(1).expand(4))
+    for fine in (torch.ones(8)[::2], torch.ones(3, 4).t(), torch.ones(1).expand(1), torch.zeros(0)):
+        check_tensor(fine)  # strided views whose elements are distinct are taken
+    (r,) = _spawn(_sparse_and_overlapping_tensors, 1, timeout=120)
+    assert r["csr"].startswith("at issue: fanin allreduce: layout torch.sparse_csr"), r
+    assert r["bsr"].startswith("at issue: fanin allreduce: layout torch.sparse_bsr"), r
+    assert r["expanded"].startswith("at issue: fanin allreduce: the tensor's elements overlap"), r
+    assert r["after"] == [1.0] * 3, r
+
+
 def test_an_input_refused_on_one_rank_never_pairs_its_next_allreduce_with_the_others_pending_one():
     """found by an audit (with a NaN, refused then; a value beyond 2^126 is
     refused now): rank 0's allreduce is refused before anything is sent,
@@ -1020,6 +1070,90 @@ def test_staged_allreduce_queues_every_copy_out_first_then_reduces_chunk_by_chun
     assert log[3:] == [("wait", 0), ("reduce", 0), ("in", 0), ("wait", 4), ("reduce", 4), ("in", 4),
                        ("wait", 8), ("reduce", 8), ("in", 8)]
     assert last == ("in", 8)
+
+
+class _FakeCuda:
+    """torch.cuda's streams and events as a log, for the CUDA staging glue on
+    a machine without a GPU: an event stands for everything queued on its
+    stream before it was recorded, so waiting for the last one recorded
+    waits for every copy queued there."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        self.log = []
+        fake = self
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.id = Event.count
+
+            def record(self, stream=None):
+                fake.log.append(("record", self.id))
+
+            def synchronize(self):
+                fake.log.append(("sync", self.id))
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_event(self, ev):
+                fake.log.append(("side waits for", ev.id))
+
+        self.Event = Event
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    def waited_for_everything(self):
+        """The last event recorded on the side stream (after every queued
+        copy) was waited for, after it was recorded."""
+        records = [i for op, i in self.log if op == "record"]
+        return self.log[-1] == ("sync", records[-1]) and self.log.index(("record", records[-1])) < len(self.log) - 1
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_a_cuda_collective_that_fails_midway_waits_for_its_queued_copies_before_it_raises(monkeypatch, contiguous):
+    """found by a review: when chunk k > 0 of a CUDA allreduce failed, the
+    error skipped the final wait, so the copies back of chunks 0..k-1 (into
+    the caller's tensor) and the copies out (into the pinned buffer) queued
+    on the side stream ran on after Work.wait() had raised, and temporaries
+    used there were freed meanwhile. Now the error waits for everything
+    queued on the side stream first; so does run_and_wait when its work
+    raises. Driven with logged streams and events (no GPU here)."""
+    from fanin.torch._staged import CudaStaging
+
+    cuda = _FakeCuda(monkeypatch)
+    staging = CudaStaging(chunk_elems=4)
+    monkeypatch.setattr(staging, "_host", lambda dtype, n: torch.zeros(n, dtype=dtype))
+
+    def reduce(chunk, start):
+        if start == 8:
+            raise RuntimeError("the switch failed chunk 2")
+        chunk.mul_(2)
+
+    t = torch.arange(12, dtype=torch.float32) if contiguous else torch.arange(24, dtype=torch.float32)[::2]
+    with pytest.raises(RuntimeError, match="chunk 2"):
+        staging.allreduce(t, cuda.Event(), reduce, block=4)
+    assert cuda.waited_for_everything(), cuda.log
+
+    # and a collective that completes still waits for its last copy alone
+    cuda.log.clear()
+    staging.allreduce(t, cuda.Event(), lambda chunk, start: None, block=4)
+    assert cuda.waited_for_everything(), cuda.log
+
+    def fails():
+        torch.cuda.Event().record()  # work queued on the side stream, then an error
+        raise RuntimeError("gloo failed")
+
+    cuda.log.clear()
+    with pytest.raises(RuntimeError, match="gloo failed"):
+        staging.run_and_wait("cuda:0", fails)
+    assert cuda.waited_for_everything(), cuda.log
 
 
 def test_staged_chunks_through_a_real_switch_give_the_exact_sum():

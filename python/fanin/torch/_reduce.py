@@ -40,8 +40,17 @@ def check_tensor(t: Any, what: str = "allreduce") -> None:
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"fanin {what}: tensors must be on the CPU or a CUDA device, this one is on {t.device} "
                           "(copy it with .cpu())")
-    if t.is_sparse:
-        raise ValueError(f"fanin {what}: sparse tensors are not supported")
+    # Refused here, when the collective is issued: a CSR/CSC/BSR tensor got
+    # past an is_sparse check (COO only) and failed later on the group's
+    # worker thread, and a tensor whose elements share memory ran the
+    # network round and raised only when the sum was copied back into it.
+    if t.layout != torch.strided or t.is_nested:
+        raise ValueError(f"fanin {what}: layout {t.layout}{' (nested)' if t.is_nested else ''} is not supported: "
+                         "the switch sums dense tensors; reduce t.to_dense() (or a sparse tensor's values) instead")
+    if torch._debug_has_internal_overlap(t) == 1:  # 1: certainly overlaps (2 is "too hard to tell")
+        raise ValueError(f"fanin {what}: the tensor's elements overlap in memory (shape {tuple(t.shape)}, "
+                         f"strides {t.stride()}, e.g. from expand()), so no element can hold its own sum: "
+                         "reduce t.clone() (or .contiguous()) instead")
 
 
 @dataclass

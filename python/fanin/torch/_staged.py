@@ -106,23 +106,30 @@ class CudaStaging:
         per = max(block, self.chunk_elems // max(block, 1) * max(block, 1))
         side = self._stream(tensor.device)
         side.wait_event(issued)
-        with torch.cuda.stream(side):
-            flat = tensor.detach().reshape(-1)
-            contiguous = tensor.is_contiguous()
-            work = flat if contiguous else flat.contiguous()
-            host = self._host(work.dtype, work.numel())
+        try:
+            with torch.cuda.stream(side):
+                # (a non-contiguous tensor's `flat` is a copy, allocated on
+                # the side stream like everything else here, so the caching
+                # allocator reuses it only after the side stream's work)
+                flat = tensor.detach().reshape(-1)
+                contiguous = tensor.is_contiguous()
+                work = flat if contiguous else flat.contiguous()
+                host = self._host(work.dtype, work.numel())
 
-            def copy(dst: torch.Tensor, src: torch.Tensor) -> Any:
-                dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(side)
-                return ev
+                def copy(dst: torch.Tensor, src: torch.Tensor) -> Any:
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                    return ev
 
-            last = staged_allreduce(reduce, work, host, per, copy, lambda ev: ev.synchronize(), copy)
-            if not contiguous:
-                tensor.copy_(work.reshape(tensor.shape))
-                last = torch.cuda.Event()
-                last.record(side)
+                last = staged_allreduce(reduce, work, host, per, copy, lambda ev: ev.synchronize(), copy)
+                if not contiguous:
+                    tensor.copy_(work.reshape(tensor.shape))
+                    last = torch.cuda.Event()
+                    last.record(side)
+        except BaseException:
+            _drain(side)
+            raise
         if last is not None:
             last.synchronize()  # this collective's copies only, not the device
 
@@ -133,11 +140,29 @@ class CudaStaging:
         side = self._stream(device)
         if after is not None:
             side.wait_event(after)
-        with torch.cuda.stream(side):
-            fn()
-            done = torch.cuda.Event()
-            done.record(side)
+        try:
+            with torch.cuda.stream(side):
+                fn()
+                done = torch.cuda.Event()
+                done.record(side)
+        except BaseException:
+            _drain(side)
+            raise
         done.synchronize()
+
+
+def _drain(side: Any) -> None:
+    """Wait for everything queued on ``side`` so far; for a collective that
+    raised. A chunk's reduce that fails leaves copies queued behind it: the
+    copies back of the chunks before it write the caller's tensor, the
+    copies out still fill the pinned buffer, and temporaries used there
+    would be freed under them. Without this wait they ran on after the
+    error reached ``Work.wait()`` (whose caller may then reuse or free the
+    tensor); with it, the error is raised once the side stream is idle (and
+    every temporary it used is free to go, so none needs record_stream)."""
+    done = torch.cuda.Event()
+    done.record(side)
+    done.synchronize()
 
 
 def reduce_host_chunk(session: Session, average: bool, log: Optional[Any], epp: int,
