@@ -38,6 +38,7 @@ examples:
   fanin bench kv-wordcount --quick             # fanin vs PreAggr vs PySpark vs DataFrame
   fanin bench kv-window --quick                # fanin WordCount at sender windows 1024, 2048, 4096
   fanin bench kv-groupby --quick --json        # DataFrame group-by: fanin.spark.aggregate vs groupBy().agg()
+  fanin bench kv-network --quick --json        # kv word count on rate-limited links: adaptive vs ASK's window (root)
   fanin kv daemon --socket /tmp/fanin-kv.sock  # key-value host daemon (docs/kv.md)
 """
 
@@ -214,7 +215,12 @@ def _add_kv(sub: Any) -> None:
     dm.add_argument("--receive-channels", type=int, default=1, help="data channels for receivers (default 1)")
     dm.add_argument("--send-channels", type=int, default=1, help="data channels for senders (default 1)")
     dm.add_argument("--tenant", type=int, default=0, help="tenant of the tasks created here (switch memory cap)")
-    dm.add_argument("--rto-us", type=int, default=20000, help="sender retransmission timeout in us (default %(default)s)")
+    dm.add_argument("--rto-us", type=int, default=20000,
+                    help="sender retransmission timeout in us before the first round trip is measured "
+                         "(default %(default)s)")
+    dm.add_argument("--no-congestion", action="store_true",
+                    help="senders keep ASK's fixed window and --rto-us instead of adapting both to the path "
+                         "(docs/kv.md, 'Congestion'; for comparison)")
     dm.add_argument("--silence-ms", type=int, default=5000, help="fail a task after this long without traffic")
     dm.add_argument("--config-json", help="the whole config as JSON (overrides the options above)")
     dm.add_argument("--print-ready", action="store_true", help="print one JSON line when ready (for scripts)")
@@ -230,7 +236,7 @@ def _cmd_kv_daemon(args: argparse.Namespace) -> int:
         config = {"socket_path": args.socket, "switch_control": args.switch_control,
                   "control_addr": args.control_addr, "bind_ip": args.bind_ip,
                   "receive_channels": args.receive_channels, "send_channels": args.send_channels,
-                  "tenant": args.tenant, "rto_us": args.rto_us, "silence_ms": args.silence_ms}
+                  "tenant": args.tenant, "rto_us": args.rto_us, "congestion": not args.no_congestion, "silence_ms": args.silence_ms}
         if args.switch_token:
             config["switch_token"] = args.switch_token
 

@@ -286,12 +286,18 @@ class Client:
         _check_format(format)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"fanin.kv: input {path!r} does not exist (or is not a file)")
-        return self.request({"op": "send", "ticket": ticket, "channel": channel,
-                             "path": os.path.abspath(path), "format": format})
+        # The request always names the input's value type, the ticket's or
+        # int64 (encode_tuples' default, what `send` encoded): a ticket
+        # without one (the documented {task_id, control}) sent int64 bits
+        # to a float64 task unchecked, which summed them as floats; now the
+        # receiver's daemon refuses the join instead.
+        return self.request({"op": "send", "ticket": {**ticket, "value_type": _value_type(ticket)},
+                             "channel": channel, "path": os.path.abspath(path), "format": format})
 
     def send(self, ticket: Ticket, channel: int, pairs: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
-        """Stream (key, value) pairs as one channel of the task (values of the ticket's value type)."""
-        return self.send_bytes(ticket, channel, encode_tuples(pairs, ticket.get("value_type", "int64")))
+        """Stream (key, value) pairs as one channel of the task (values of the ticket's value type, int64 if it
+        names none)."""
+        return self.send_bytes(ticket, channel, encode_tuples(pairs, _value_type(ticket)))
 
     def stats(self) -> dict[str, Any]:
         return self.request({"op": "stats"})
@@ -320,9 +326,11 @@ class Client:
         missing = [c for c in channels if format == "text" and isinstance(c, str) and not os.path.isfile(c)]
         if missing:
             raise FileNotFoundError(f"fanin.kv: input {missing[0]!r} does not exist (or is not a file)")
-        as_str = keys == "str" if keys is not None else _keys_are_str(channels, format)
+        as_str = keys == "str"  # text: bytes unless str keys are asked for
         if format == "tuples":
-            channels = [encode_tuples(ch, options.get("value_type", "int64")) for ch in channels]
+            channels, key_types = _encode_channels(channels, options.get("value_type", "int64"))
+            if keys is None:
+                as_str = key_types != 2  # bytes keys only: bytes back (str, or no keys: str)
         ticket = self.create(len(channels), **options)
         failures: list[BaseException] = []
 
@@ -378,13 +386,32 @@ def _is_pair(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], (str, bytes))
 
 
-def _keys_are_str(channels: list[Any], format: str) -> bool:
-    if format == "text":
-        return False
+def _value_type(ticket: Ticket) -> str:
+    """The value type a send to ``ticket`` carries: the ticket's, int64 if
+    it names none (as encode_tuples' default)."""
+    return ticket.get("value_type") or "int64"
+
+
+def _encode_channels(channels: list[Any], value_type: str) -> tuple[list[bytes], int]:
+    """Each channel's pairs as a ``tuples`` input, and the mask of key types
+    seen (1: str, 2: bytes). A mix of both is refused: the daemons compare
+    bytes, so 'a' and b'a' would be one key, and the result could give it
+    back as only one of them (it used to go by the first key's type:
+    [("a", 1), (b"a", 2)] gave {'a': 3})."""
+    from fanin import _native
+
+    encoded, seen = [], 0
     for ch in channels:
-        for k, _ in ch:
-            return isinstance(k, str)
-    return True
+        try:
+            (data,), types = _native.encode_tuples_partitioned(ch, 1, value_type)
+        except _native.InvalidPair as e:  # not an error the iterable itself raised
+            raise KvError(str(e)) from None
+        encoded.append(data)
+        seen |= types
+    if seen == 3:
+        raise KvError("fanin.kv: keys mix str and bytes; a dict would count 'a' and b'a' apart, the daemons "
+                      "compare bytes: make every key one type (e.g. k.encode() for str keys)")
+    return encoded, seen
 
 
 class DaemonProcess:

@@ -386,3 +386,41 @@ def test_a_result_with_keys_that_could_not_be_decoded_is_refused():
         refuse_incomplete({"keys_refused": 0, "overflowed": 0, "undecodable": 3})
     with pytest.raises(KvError, match="overflowed"):
         refuse_incomplete({"overflowed": 1})
+
+
+def test_a_ticket_without_a_value_type_is_refused_by_a_float64_task_not_summed_as_floats(daemon):
+    """found by a review: a ticket of the documented shape {task_id,
+    control} carried no value type, so `send` encoded int64 (its default)
+    and the daemon joined it to a float64 task unchecked, which summed the
+    integers' bits as floats. The request now always names the type it
+    encoded (int64 here), and the float64 task refuses the join."""
+    with daemon.client() as c:
+        full = c.create(1, value_type="float64")
+        ticket = {"task_id": full["task_id"], "control": full["control"]}
+        with daemon.client() as s:
+            with pytest.raises(KvError, match="task .* sums float64 values but this input's are int64"):
+                s.send(ticket, 0, [("x", 1), ("x", 2)])
+            with pytest.raises(KvError, match="task .* sums float64 values but this input's are int64"):
+                s.send_bytes(ticket, 0, struct.pack("<Hq", 1, 1) + b"x")
+            # the same ticket with the task's type is taken
+            assert s.send(dict(ticket, value_type="float64"), 0, [("x", 1), ("x", 2.5)])["ok"]
+        assert c.wait(full) == {"x": 3.5}
+
+
+def test_a_mix_of_str_and_bytes_keys_is_refused_before_a_task_exists(switch, daemon):
+    """found by a review: aggregate chose str or bytes keys for the result by
+    the first key alone, and the daemons compare bytes, so [("a", 1),
+    (b"a", 2)] gave {'a': 3} (and {b'a': 3} the other way round), where a
+    dict counts 'a' and b'a' apart. A mix is refused, in one channel or
+    across channels, as the Spark path refuses it."""
+    with daemon.client() as c:
+        for inputs in ([("a", 1), (b"a", 2)], [(b"a", 2), ("a", 1)], [[("a", 1)], [(bytearray(b"b"), 2)]]):
+            with pytest.raises(KvError, match="keys mix str and bytes"):
+                c.aggregate(inputs)
+            with pytest.raises(KvError, match="keys mix str and bytes"):
+                c.aggregate(inputs, keys="bytes")
+        assert _wait_no_regions(switch) == []  # refused before any task was created
+        # one type of key gives that type back
+        assert c.aggregate([[("a", 1)], [("a", 2), ("b", 1)]]) == {"a": 3, "b": 1}
+        assert c.aggregate([[(b"a", 1)], [(b"a", 2)]]) == {b"a": 3}
+        assert c.aggregate([(b"a", 1)], keys="str") == {"a": 1}

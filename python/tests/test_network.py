@@ -264,3 +264,22 @@ def test_image_steps_trains_resnet18_on_fanin_and_gloo(tmp_path):
     assert row["fanin_replicas_agree"] and row["gloo_replicas_agree"], row
     assert row["fanin_images_per_s"] > 0 and row["gloo_images_per_s"] > 0 and row["fanin_vs_gloo"] > 0
     assert (tmp_path / "image_steps.csv").exists() and (tmp_path / "image_steps.png").stat().st_size > 0
+
+
+def test_kv_senders_adapt_to_a_rate_limited_link_where_asks_fixed_window_resends_everything(tmp_path):
+    """docs/kv.md "Congestion": on 100 Mbit/s links the word count is exact
+    either way, but ASK's fixed window and timeout resend each packet several
+    times over (its copies wait in the link's queue past the timeout), and
+    the adaptive senders nearly never do. Read from the senders' counters."""
+    name = f"fbk{os.getpid() % 36**4:x}"[:8]
+    argv = [sys.executable, "-m", "fanin", "bench", "kv-network", "--quick", "--json", "--rates", "100",
+            "--words", "40000", "--name", name, "--out", str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(r.stdout)["rates"]
+    adaptive, fixed = row["adaptive"], row["fixed"]
+    assert adaptive["exact"] and fixed["exact"], row
+    assert fixed["retransmissions_per_packet"] > 1.0, row
+    assert adaptive["retransmissions_per_packet"] < 0.25, row
+    assert fixed["window_cuts"] == 0 and fixed["final_cwnd"] == [2048, 2048], row  # ASK's W, never cut
+    assert (tmp_path / "kv-network.csv").exists() and (tmp_path / "kv-network.png").stat().st_size > 0

@@ -86,9 +86,19 @@ pub struct KvDaemonConfig {
     /// here a full window (up to 4096 packets) crosses three kernel UDP hops and a
     /// software switch on shared cores, which takes milliseconds: at 2 ms
     /// half the datagrams were spurious retransmissions, at 20 ms under 1 %
-    /// (1M tuples, 2 senders, this machine).
+    /// (1M tuples, 2 senders, this machine). With `congestion` on, only the
+    /// timeout before the first round trip is measured.
     #[serde(default = "default_rto_us")]
     pub rto_us: u64,
+    /// Senders adapt their window and timeout to the path (docs/kv.md,
+    /// "Congestion"); false: ASK's fixed window and `rto_us`.
+    #[serde(default = "yes")]
+    pub congestion: bool,
+    /// With `congestion`: the shortest timeout the round-trip estimate may
+    /// set (a host's UDP path on shared cores stalls now and then, and a
+    /// timeout shorter than a stall resends spuriously and halves the window).
+    #[serde(default = "default_min_rto_us")]
+    pub min_rto_us: u64,
     /// Default of a task's `silence_ms`: a joined sender without progress
     /// this long is declared failed; a receiver hearing nothing (and no
     /// sender progressing) for twice this long fails the task. Also the
@@ -119,8 +129,14 @@ fn default_control() -> SocketAddr {
 fn default_ip() -> IpAddr {
     "127.0.0.1".parse().expect("literal")
 }
+fn yes() -> bool {
+    true
+}
 fn one() -> usize {
     1
+}
+fn default_min_rto_us() -> u64 {
+    fanin_proto::kv::HOST_MIN_RTO.as_micros() as u64
 }
 fn default_rto_us() -> u64 {
     20_000

@@ -309,6 +309,25 @@ def _add_kv_benches(bsub: Any) -> None:
     _common(gb)
     gb.set_defaults(func=_lazy("kv_groupby", "run_kv_groupby"))
 
+    kn = bsub.add_parser(
+        "kv-network", help="key-value word count over rate-limited links (testbed, root): adaptive vs ASK's fixed window",
+        description=textwrap.fill("A star testbed: the receiver's kv daemon on h0, a sender daemon on each other "
+                    "host, the switch on s0, every link limited by tbf. Per link rate: the links' measured capacity, "
+                    "then the same word count of real text (every count checked against Counter) from senders whose "
+                    "window and timeout adapt to the path (the default; docs/kv.md 'Congestion'), alternated with "
+                    "senders that keep ASK's fixed window and timeout. Median time, fraction of the capacity, "
+                    "retransmissions per packet. JSON with --json, CSV and PNG to --out. Needs root.", 100),
+        epilog="example: fanin bench kv-network --quick --json\n"
+               "         fanin bench kv-network --rates 100,400,1000 --words 500000 --reps 5")
+    kn.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,400; 100 with --quick)")
+    kn.add_argument("--senders", type=int, default=2, help="sender hosts, one channel each (default %(default)s)")
+    kn.add_argument("--words", type=int, help="words per sender (default 300000, 60000 with --quick)")
+    kn.add_argument("--reps", type=int, help="tasks per arm per rate (default 3, 1 with --quick)")
+    kn.add_argument("--name", default="fbkvnet", help="testbed name (default %(default)s)")
+    kn.add_argument("--out", default="out/kv-network", help="directory for CSV and PNG (default %(default)s)")
+    _common(kn)
+    kn.set_defaults(func=_lazy("kv_network", "run_kv_network"))
+
     kw = bsub.add_parser("kv-window", help="fanin WordCount time at several sender windows (the default W's measurement)",
                          description="The fanin arm of kv-wordcount only, at each window of --windows, interleaved "
                                      "in one process against one switch and daemon; every count is checked against "

@@ -279,7 +279,10 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
             )))
         }
         (InputFormat::Text, _) => Some(ValueType::Int64),
-        (_, t) => t,
+        // Tuples carry 8-byte values without their type: a ticket that
+        // names none means int64 (what `encode_tuples` writes by default),
+        // so a float64 task refuses the join instead of summing the bits.
+        (_, t) => Some(t.unwrap_or(ValueType::Int64)),
     };
     let join = PeerRequest::Join { task_id, channel, control: shared.control_addr.to_string(), value_type }.to_json();
     let unreachable = |e: std::io::Error| error(format!("cannot reach the receiver's daemon at {control}: {e}"));
@@ -297,6 +300,8 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
     let mut sc = SenderConfig::new(task_id, channel, params.layout());
     sc.window = params.window;
     sc.rto = Duration::from_micros(shared.config.rto_us);
+    sc.congestion = shared.config.congestion;
+    sc.min_rto = Duration::from_micros(shared.config.min_rto_us.max(1));
     sc.dead_after = Duration::from_millis(shared.config.silence_ms);
     sc.max_key_len = shared.config.max_key_len;
     sc.max_burst = crate::channel::MAX_BURST;
@@ -356,9 +361,11 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
             }
             shared.stats.sends_finished.fetch_add(1, Ordering::Relaxed);
             Ok(json!({"ok": true, "task_id": task_id, "channel": channel, "seconds": started.elapsed().as_secs_f64(),
-                      "tuples": st.tuples, "long_tuples": st.long_tuples, "packets": st.packets,
+                      "tuples": st.tuples, "long_tuples": st.long_tuples, "packets": st.packets, "first_bytes": st.first_bytes,
                       "retransmissions": st.retransmissions, "acks_from_switch": st.acks_from_switch,
-                      "acks_from_receiver": st.acks_from_receiver}))
+                      "acks_from_receiver": st.acks_from_receiver, "congestion": shared.config.congestion,
+                      "timeouts": st.congestion.timeouts, "window_cuts": st.congestion.window_cuts,
+                      "cwnd": st.cwnd, "rto_us": st.rto_us}))
         }
         Err(reason) => {
             shared.stats.sends_failed.fetch_add(1, Ordering::Relaxed);

@@ -8,7 +8,8 @@
 //!   copies with a copy indicator (§3.4, Algorithm 1).
 //! * [`KvSender`]: sender-assisted key-space partition, coalesced medium
 //!   keys, long-key bypass (§3.2), sliding window with a fine timeout and
-//!   FIN (§3.3).
+//!   FIN (§3.3); on a rate-limited network its window and timeout adapt
+//!   ([`KvCongestion`], docs/kv.md "Congestion").
 //! * [`TaskLedger`]: a task's life cycle at the receiver's daemon (joined,
 //!   finished and failed sender channels, silence), which the host daemon
 //!   drives from its control channel.
@@ -29,6 +30,7 @@
 //! `docs/kv.md` describes the formats and the machines' semantics.
 
 mod aggregators;
+mod congestion;
 mod layout;
 pub mod loopback;
 mod receiver;
@@ -48,6 +50,7 @@ pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomS
 /// A receiver's results: key bytes to their aggregate.
 pub type KvResults = FastMap<Vec<u8>, Aggregate>;
 
+pub use congestion::{KvCongestion, KvCongestionStats, DEFAULT_MIN_RTO, HOST_MIN_RTO, INITIAL_CWND, MIN_CWND};
 pub use layout::{aggregator_index, decode_parts, encode_parts, hash_index, hash_partition, receiver_partition, KeyClass, Layout, LayoutError};
 pub use receiver::{Aggregate, KvReceiver, ReceiverConfig, ReceiverError, ReceiverEvent, ReceiverStats};
 pub use sealing::{channel_key, receiver_key, AuthStats, HostAuth, RECEIVER_MEMBER};

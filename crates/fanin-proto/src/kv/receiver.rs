@@ -188,6 +188,9 @@ pub struct ReceiverStats {
     pub keys_refused: u64,
     /// Datagrams refused before they were read (keyed tasks).
     pub auth: AuthStats,
+    /// Data packets whose slot count is not the task's layout's: dropped
+    /// unread, unacknowledged.
+    pub layout_mismatch: u64,
 }
 
 /// A key arriving in fragments: the fragments so far, as they came (held
@@ -482,6 +485,12 @@ impl KvReceiver {
             return;
         }
         match p.msg_type() {
+            // A data packet cut to other slots than the task's layout (the
+            // switch refuses these; one sent straight to this host's port
+            // is not the switch's): its slots would be read past their end.
+            MessageType::KvData if p.slot_count() as usize != self.config.layout.slot_count() => {
+                self.stats.layout_mismatch += 1;
+            }
             MessageType::KvData | MessageType::KvLongData => self.on_data(&p),
             // A channel declared failed gets no FIN-ACK: its sender was told
             // the task gave up on it, and the report names it failed.

@@ -11,12 +11,19 @@
 //! is acknowledged, so an acknowledged last fragment means the receiver
 //! holds the whole key (docs/kv.md, "Keys of any length").
 //!
-//! Reliability (§3.3): at most `window` (W) packets are unacknowledged; a
-//! packet is retransmitted only when its own fine timeout `rto` expires,
+//! Reliability (§3.3): the packets unacknowledged span at most `window`
+//! (W) seqs; a
+//! packet is retransmitted only when its own fine timeout expires,
 //! never because a later ACK arrived first (the switch and the receiver both
 //! acknowledge, so ACKs come out of order by design). When every packet is
 //! acknowledged and [`KvSender::finish`] was called, a FIN goes to the
 //! receiver and is repeated until its FIN-ACK arrives.
+//!
+//! Congestion (not in ASK; [`KvCongestion`], docs/kv.md "Congestion"):
+//! with `congestion` on (the default) at most `cwnd` of those packets are
+//! unacknowledged, `cwnd` halving when a packet's timeout expires, and
+//! the timeout follows the measured round trip (`rto` is only its value
+//! before the first one), doubling with each resend of a packet.
 //!
 //! With `auth_key` (the channel's member key, docs/security.md) every
 //! datagram it sends is sealed, each transmission with a fresh sequence
@@ -38,6 +45,7 @@ use fanin_wire::kv::{
 };
 use fanin_wire::MessageType;
 
+use super::congestion::{KvCongestion, KvCongestionStats, DEFAULT_MIN_RTO};
 use super::layout::{encode_parts_into, KeyClass, Layout, LayoutError};
 use super::sealing::{host_send, host_send_copy, unsealed_unknown_task, AuthStats, HostAuth};
 use crate::auth::Key;
@@ -51,8 +59,14 @@ pub struct SenderConfig {
     pub layout: Layout,
     /// W: most unacknowledged packets; must not exceed the task's window.
     pub window: u32,
-    /// The fine retransmission timeout (ASK: 100 µs).
+    /// The fine retransmission timeout (ASK: 100 µs); with `congestion`
+    /// on, only until the first round trip is measured.
     pub rto: Duration,
+    /// Adapt the window and the timeout to the path ([`KvCongestion`]);
+    /// off: ASK's fixed window W and fixed timeout `rto`.
+    pub congestion: bool,
+    /// The shortest timeout the round-trip estimate may set.
+    pub min_rto: Duration,
     /// Fail when nothing was acknowledged for this long.
     pub dead_after: Duration,
     /// Longest key accepted (the bound a receiver's reassembly memory
@@ -84,6 +98,8 @@ impl SenderConfig {
             layout,
             window: 256,
             rto: Duration::from_micros(100),
+            congestion: true,
+            min_rto: DEFAULT_MIN_RTO,
             dead_after: Duration::from_secs(10),
             max_key_len: MAX_KEY_LEN,
             whole_key_len: 1024,
@@ -128,12 +144,20 @@ pub struct SenderStats {
     /// Keys longer than `whole_key_len`, sent in fragments.
     pub fragmented_keys: u64,
     pub packets: u64,
+    /// Bytes of the packets' first transmissions as they leave (sealed
+    /// size; no IP or UDP header): what the channel had to carry at least.
+    pub first_bytes: u64,
     pub retransmissions: u64,
     pub acks_from_switch: u64,
     pub acks_from_receiver: u64,
     pub duplicate_acks: u64,
     /// Datagrams refused before they were read (keyed tasks).
     pub auth: AuthStats,
+    /// Timeouts, window cuts and round-trip samples.
+    pub congestion: KvCongestionStats,
+    /// The window and the first-send timeout (µs) now.
+    pub cwnd: u32,
+    pub rto_us: u64,
 }
 
 /// How far a sender got, for its daemon's progress reports (liveness at
@@ -163,6 +187,9 @@ pub struct SenderProgress {
 struct InFlight {
     seq: u32,
     bytes: Vec<u8>,
+    /// First transmission (round-trip samples) and resends since.
+    sent_at: Time,
+    resends: u32,
     deadline: Time,
     acked: bool,
     /// Push index of the oldest tuple in the packet and how many it holds
@@ -211,6 +238,9 @@ pub struct KvSender {
     next_seq: u32,
     /// Unacknowledged packets in seq order; front is the window base.
     inflight: VecDeque<InFlight>,
+    /// Packets in `inflight` not yet acknowledged.
+    outstanding: u32,
+    cc: KvCongestion,
     state: State,
     last_progress: Time,
     events: VecDeque<SenderEvent>,
@@ -238,6 +268,8 @@ impl KvSender {
             input_closed: false,
             next_seq: 0,
             inflight: VecDeque::new(),
+            outstanding: 0,
+            cc: KvCongestion::new(config.congestion, config.window, config.rto, config.min_rto),
             state: State::Sending,
             last_progress: now,
             events: VecDeque::new(),
@@ -248,7 +280,12 @@ impl KvSender {
     }
 
     pub fn stats(&self) -> SenderStats {
-        self.stats
+        SenderStats {
+            congestion: self.cc.stats(),
+            cwnd: self.cc.window(),
+            rto_us: self.cc.rto().as_micros() as u64,
+            ..self.stats
+        }
     }
     pub fn is_done(&self) -> bool {
         self.state == State::Done
@@ -398,6 +435,9 @@ impl KvSender {
             return;
         }
         pkt.acked = true;
+        self.outstanding -= 1;
+        let rtt = (pkt.resends == 0).then(|| now.saturating_since(pkt.sent_at));
+        self.cc.on_ack(rtt, by_switch);
         self.tuples_acked += pkt.tuples as u64;
         self.packets_acked += 1;
         if by_switch {
@@ -423,7 +463,7 @@ impl KvSender {
             State::FinWait { deadline } => {
                 if now >= deadline {
                     self.emit_fin(out);
-                    self.state = State::FinWait { deadline: now + self.config.rto };
+                    self.state = State::FinWait { deadline: now + self.fin_rto() };
                     return 1;
                 }
                 return 0;
@@ -435,13 +475,18 @@ impl KvSender {
                 return sent;
             }
             if !pkt.acked && now >= pkt.deadline {
+                self.cc.on_timeout(pkt.seq, self.next_seq);
                 host_send_copy(self.auth.as_mut(), out, &pkt.bytes);
-                pkt.deadline = now + self.config.rto;
+                pkt.resends += 1;
+                pkt.deadline = now + self.cc.backed_off_rto(pkt.resends);
                 self.stats.retransmissions += 1;
                 sent += 1;
             }
         }
-        while sent < self.config.max_burst && (self.next_seq - self.base()) < self.config.window {
+        while sent < self.config.max_burst
+            && (self.next_seq - self.base()) < self.config.window
+            && self.outstanding < self.cc.window()
+        {
             if self.next_seq == u32::MAX && self.queued > 0 {
                 // The FIN carries the count of datagrams sent, so u32::MAX
                 // is the last number; wrapping would meet the switch's and
@@ -453,16 +498,19 @@ impl KvSender {
             }
             let Some((bytes, first, tuples, fragment_of)) = self.build_packet() else { break };
             host_send_copy(self.auth.as_mut(), out, &bytes);
-            let deadline = now + self.config.rto;
-            self.inflight.push_back(InFlight { seq: self.next_seq, bytes, deadline, acked: false, first, tuples,
-                                               fragment_of });
+            let sealed = if self.auth.is_some() { fanin_wire::auth::TRAILER_LEN } else { 0 };
+            self.stats.first_bytes += (bytes.len() + sealed) as u64;
+            let deadline = now + self.cc.rto();
+            self.inflight.push_back(InFlight { seq: self.next_seq, bytes, sent_at: now, resends: 0, deadline,
+                                               acked: false, first, tuples, fragment_of });
+            self.outstanding += 1;
             self.next_seq += 1;
             self.stats.packets += 1;
             sent += 1;
         }
         if self.input_closed && self.queued == 0 && self.inflight.is_empty() && sent < self.config.max_burst {
             self.emit_fin(out);
-            self.state = State::FinWait { deadline: now + self.config.rto };
+            self.state = State::FinWait { deadline: now + self.fin_rto() };
             self.last_progress = now;
             sent += 1;
         }
@@ -474,6 +522,15 @@ impl KvSender {
     #[cfg(test)]
     pub(super) fn set_next_seq(&mut self, seq: u32) {
         self.next_seq = seq;
+    }
+
+    /// How long a FIN waits for its FIN-ACK before it is sent again: never
+    /// longer than `rto`, the configured timeout, however long the round
+    /// trip measured. The receiver answers repeated FINs only while it
+    /// lingers after the task's end; a FIN resent after that meets a task
+    /// the switch no longer holds (and a FIN is a few bytes).
+    fn fin_rto(&self) -> Duration {
+        self.cc.rto().min(self.config.rto)
     }
 
     fn base(&self) -> u32 {

@@ -176,6 +176,28 @@ fn receiver_dedups_and_acks_every_copy() {
     assert_eq!(rx.stats().duplicate_packets, 1);
 }
 
+/// A data packet cut to fewer slots than the layout, straight to the
+/// receiver's port (the switch refuses these): counted and dropped unread.
+/// Reading it panicked the receiver's thread (a medium group's parts past
+/// the packet's end), and with it every task of that daemon.
+#[test]
+fn a_data_packet_of_another_layout_is_counted_and_dropped_by_the_receiver() {
+    let layout = Layout { short_slots: 16, medium_groups: 8, medium_parts: 2 };
+    let mut rx = KvReceiver::new(ReceiverConfig::new(TASK, layout, 1, 1), Time::ZERO).unwrap();
+    let repr = Repr { slot_count: 17, ..Repr::new(MessageType::KvData, TASK, 1, 0) };
+    let mut pkt = vec![0u8; repr.buffer_len()];
+    let mut p = Packet::new_unchecked(&mut pkt[..]);
+    repr.emit(&mut p);
+    p.set_bitmap(1 << 16); // the first part of medium group 0, whose second is cut off
+    rx.handle_datagram(t(1), &pkt);
+    let mut out = VecTransmit::new();
+    rx.poll_transmit(t(2), &mut out);
+    assert!(out.datagrams.is_empty(), "no ACK: it was not read");
+    assert_eq!(rx.stats().layout_mismatch, 1);
+    assert_eq!(rx.stats().data_packets, 0);
+    assert!(rx.results().is_empty());
+}
+
 #[test]
 fn sender_does_not_retransmit_on_out_of_order_acks() {
     let layout = Layout::short_only(1);
@@ -201,6 +223,90 @@ fn sender_does_not_retransmit_on_out_of_order_acks() {
     assert_eq!(tx.poll_transmit(t(100), &mut out), 1, "seq 0's own timeout does");
     assert_eq!(Packet::new_checked(&out.datagrams[0].1[..]).unwrap().seq(), 0);
     assert_eq!(tx.stats().retransmissions, 1);
+}
+
+fn ack_by_switch(seq: u32) -> Vec<u8> {
+    let mut b = vec![0u8; HEADER_LEN];
+    Repr { flags: FLAG_BY_SWITCH, ..Repr::new(MessageType::KvAck, TASK, 1, seq) }.emit(&mut Packet::new_unchecked(&mut b[..]));
+    b
+}
+
+/// docs/kv.md "Congestion": a channel starts with INITIAL_CWND packets
+/// unacknowledged, not ASK's W; each ack opens one more (slow start); the
+/// timeout follows the measured round trip; a packet whose timeout expires
+/// halves the window once for its episode and is resent with a doubled
+/// timeout; with congestion off the sender is ASK's (W at once, fixed rto).
+#[test]
+fn a_sender_opens_its_window_with_acks_and_halves_it_on_a_timeout() {
+    let layout = Layout::short_only(1);
+    let mut cfg = SenderConfig::new(TASK, 1, layout);
+    cfg.window = 1024;
+    cfg.rto = Duration::from_millis(20);
+    cfg.max_burst = 4096;
+    let mut tx = KvSender::new(cfg.clone(), Time::ZERO).unwrap();
+    for i in 0..2000 {
+        tx.push(format!("k{i}").as_bytes(), 1).unwrap();
+    }
+    tx.finish();
+    let mut out = VecTransmit::new();
+    assert_eq!(tx.poll_transmit(Time::ZERO, &mut out), INITIAL_CWND as usize, "the initial window, not W");
+    out.drain();
+    // 5 ms round trips: every ack opens one more packet and one for itself
+    for seq in 0..INITIAL_CWND {
+        tx.handle_datagram(t(5_000), &ack_by_switch(seq));
+    }
+    assert_eq!(tx.poll_transmit(t(5_000), &mut out), 2 * INITIAL_CWND as usize);
+    out.drain();
+    assert_eq!(tx.stats().cwnd, 2 * INITIAL_CWND);
+    assert!(tx.stats().rto_us >= 5_000 && tx.stats().rto_us < 20_000, "measured: {}", tx.stats().rto_us);
+    // seqs 32..96 are out; all but 40 are acknowledged at 10 ms
+    for seq in INITIAL_CWND..3 * INITIAL_CWND {
+        if seq != 40 {
+            tx.handle_datagram(t(10_000), &ack_by_switch(seq));
+        }
+    }
+    let sent = tx.poll_transmit(t(10_000), &mut out) as u32;
+    out.drain();
+    assert_eq!(tx.stats().cwnd, 4 * INITIAL_CWND - 1);
+    assert_eq!(sent, 4 * INITIAL_CWND - 2, "the window counts unacknowledged packets, 40 among them");
+    let acked_all = |tx: &mut KvSender, from: u32, to: u32, at: Time| {
+        for seq in from..to {
+            tx.handle_datagram(at, &ack_by_switch(seq));
+        }
+    };
+    acked_all(&mut tx, 3 * INITIAL_CWND, 3 * INITIAL_CWND + sent, t(12_000));
+    let w = tx.stats().cwnd;
+    // 40's timeout: one resend, the window halved once, new packets up to it
+    let deadline = tx.poll_timeout().unwrap();
+    assert!(deadline <= t(5_000 + 20_000));
+    let n = tx.poll_transmit(deadline, &mut out) as u32;
+    assert_eq!(Packet::new_checked(&out.datagrams[0].1[..]).unwrap().seq(), 40);
+    out.drain();
+    assert_eq!(tx.stats().cwnd, w / 2);
+    assert_eq!(n, w / 2, "the resend and new packets up to the halved window");
+    assert_eq!(tx.stats().congestion.window_cuts, 1);
+    // the resend waits twice the timeout (itself doubled until a new sample)
+    let rto = Duration::from_micros(tx.stats().rto_us);
+    let next = 3 * INITIAL_CWND + sent;
+    acked_all(&mut tx, next, next + n - 1, deadline + Duration::from_millis(1));
+    let seqs = |out: &mut VecTransmit<()>| -> Vec<u32> {
+        out.drain().map(|(_, b)| Packet::new_checked(&b[..]).unwrap().seq()).collect()
+    };
+    tx.poll_transmit(deadline + (rto * 2 - Duration::from_micros(1)), &mut out);
+    assert!(!seqs(&mut out).contains(&40), "not yet");
+    tx.poll_transmit(deadline + rto * 2, &mut out);
+    assert_eq!(seqs(&mut out)[0], 40);
+    assert_eq!(tx.stats().retransmissions, 2);
+
+    // ASK as it was: the whole window at once, the fixed timeout
+    cfg.congestion = false;
+    let mut ask = KvSender::new(cfg, Time::ZERO).unwrap();
+    for i in 0..2000 {
+        ask.push(format!("k{i}").as_bytes(), 1).unwrap();
+    }
+    ask.finish();
+    assert_eq!(ask.poll_transmit(Time::ZERO, &mut out), 1024);
+    assert_eq!(ask.poll_timeout(), Some(t(20_000)));
 }
 
 // ---- end to end over the loopback ------------------------------------------
