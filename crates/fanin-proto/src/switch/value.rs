@@ -508,6 +508,15 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
                 job.awaiting.insert(m);
             } else {
                 job.active.insert(m);
+                // It starts with the others, at the stream's start (a plain
+                // Join's answer): the open blocks wait for it too, as for a
+                // member readmitted. (They did not, and a block the others
+                // completed went to it, without its data, as complete.)
+                for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
+                    if job.space.at_or_after(block.block_id, job.start_block) {
+                        block.expect(m);
+                    }
+                }
             }
             job.missed_streak[m] = 0;
         }

@@ -73,12 +73,12 @@ pub(super) fn build_result(
     job_id: u32,
     exp_only: bool,
     no_data: bool,
-    members: u16,
+    lacking: bool,
     tag: u16,
     scratch: &mut Vec<u8>,
 ) {
     // src_id of a result is the switch's incarnation tag (docs/restart.md)
-    let mut repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, members) };
+    let mut repr = Repr { src_id: tag, ..block.result_repr(job_id, exp_only, lacking) };
     let no_data = no_data && !exp_only;
     if no_data {
         repr.no_data = true;
@@ -321,7 +321,7 @@ pub(super) fn finish_block<A: Copy + PartialEq, T: Transmit<A>>(block: &mut Bloc
     }
     block.phase = Phase::Done;
     reply.counters.blocks_completed += 1;
-    if (block.rcvd.count() as u16) < reply.members_of(block) || block.aged || block.child_degraded || block.abstained {
+    if reply.lacks_a_member(block) || block.aged || block.child_degraded || block.abstained {
         reply.counters.blocks_degraded += 1;
     }
     reply.send_to_all(block, false);
@@ -401,7 +401,8 @@ pub(super) fn close_phase<A: Copy + PartialEq>(
             finish_block(block, &mut reply);
             job.open_blocks -= 1;
             let block = job.slots[local].cur.as_ref().expect("still there");
-            account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
+            let in_job = |m| in_block(&job.awaiting, &job.start_of, job.space, block, m);
+            account_missing(block, &job.members, &job.active, in_job, &mut job.missed_streak, job.aging.as_ref(), newly_slow);
         }
         Phase::ExponentUp | Phase::DataUp | Phase::Done => {}
     }
@@ -409,20 +410,20 @@ pub(super) fn close_phase<A: Copy + PartialEq>(
 
 /// After a partial result: every active source missing from it moves one
 /// block closer to being declared permanently slow.
+/// (`in_job`: whether a member was in the job at the block, [`in_block`]:
+/// one that joined later did not miss it.)
 pub(super) fn account_missing(
     block: &Block,
     members: &SourceMask,
     active: &SourceMask,
+    in_job: impl Fn(usize) -> bool,
     streak: &mut [u32],
     aging: Option<&JobAging>,
     newly_slow: &mut Vec<usize>,
 ) {
-    if block.rcvd.count() == members.count() {
-        return;
-    }
     let limit = aging.map_or(0, |a| a.slow_after_blocks);
     for m in members.iter() {
-        if active.contains(m) && !block.rcvd.contains(m) {
+        if active.contains(m) && !block.rcvd.contains(m) && in_job(m) {
             streak[m] = streak[m].saturating_add(1);
             if limit > 0 && streak[m] as u64 >= limit && !newly_slow.contains(&m) {
                 newly_slow.push(m);

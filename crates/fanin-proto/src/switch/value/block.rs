@@ -183,6 +183,16 @@ impl Block {
     }
 
     /// Stop waiting for `src` (declared permanently slow).
+    /// Wait for `src` too (a member that joined or caught up).
+    pub(super) fn expect(&mut self, src: usize) {
+        if self.expected.insert(src) {
+            self.expected_count += 1;
+            if self.rcvd.contains(src) {
+                self.expected_rcvd += 1;
+            }
+        }
+    }
+
     pub(super) fn forget(&mut self, src: usize) {
         if self.expected.remove(src) {
             self.expected_count -= 1;
@@ -242,9 +252,9 @@ impl Block {
     }
 
     /// Header of this block's result (exponent-only while negotiating);
-    /// `members`: how many it should sum (`Reply::members_of`).
-    pub(super) fn result_repr(&self, job_id: u32, exp_only: bool, members: u16) -> Repr {
-        let lacks_a_member = (self.rcvd.count() as u16) < members;
+    /// `lacks_a_member`: a member it should sum is not in it
+    /// (`reply::lacks_a_member`).
+    pub(super) fn result_repr(&self, job_id: u32, exp_only: bool, lacks_a_member: bool) -> Repr {
         let (src_cnt, degraded) = match self.parent_result {
             // The parent's flag, and this switch's own knowledge: a member
             // admitted here from a start at or before this block after the

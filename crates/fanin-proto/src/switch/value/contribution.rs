@@ -307,11 +307,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if outcome.completed {
             job.open_blocks -= 1;
             let block = slot.cur.as_ref().expect("only an open block completes, and it is current");
-            account_missing(block, &job.members, &job.active, &mut job.missed_streak, job.aging.as_ref(), &mut newly_slow);
+            let in_job = |m| in_block(&job.awaiting, &job.start_of, job.space, block, m);
+            account_missing(block, &job.members, &job.active, in_job, &mut job.missed_streak, job.aging.as_ref(), &mut newly_slow);
             // Every member contributed to the newer block, so every member had
             // the shadow's result: free it. After a partial result the shadow
             // stays until the slot is reused, for the stragglers that lack it.
-            if block.rcvd.count() == job.member_count as usize {
+            // (Members compared, not counted: a member that left after
+            // contributing is in `rcvd` and stood in for one that lacked it.)
+            if !lacks_a_member(&job.members, &job.awaiting, &job.start_of, job.space, block) {
                 if let Some(old) = slot.prev.take() {
                     slot.spare = Some(release(old, pooled));
                     job.live_records -= 1;

@@ -403,11 +403,8 @@ pub(super) fn admit_joiner<A>(job: &mut Job<A>, src: u16, start: u32) {
     job.active.insert(src as usize);
     job.start_of.insert(src, start);
     for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
-        if job.space.at_or_after(block.block_id, start) && block.expected.insert(src as usize) {
-            block.expected_count += 1;
-            if block.rcvd.contains(src as usize) {
-                block.expected_rcvd += 1;
-            }
+        if job.space.at_or_after(block.block_id, start) {
+            block.expect(src as usize);
         }
     }
 }

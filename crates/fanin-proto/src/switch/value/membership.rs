@@ -52,12 +52,7 @@ pub(super) fn readmit<A: Copy + PartialEq>(
     // It caught up: the open blocks wait for it too (it is about to send
     // them), so it is not left out of the rest of the current window.
     for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
-        if block.expected.insert(src) {
-            block.expected_count += 1;
-            if block.rcvd.contains(src) {
-                block.expected_rcvd += 1;
-            }
-        }
+        block.expect(src);
     }
     notify_membership(job, src, MEMBERSHIP_READMITTED, block_id, counters, out, scratch);
 }

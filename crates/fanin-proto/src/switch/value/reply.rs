@@ -11,7 +11,6 @@ macro_rules! job_reply {
             job_id: $job.spec.job_id,
             block_cnt_max: $job.spec.block_cnt_max,
             members: &$job.members,
-            member_count: $job.member_count,
             awaiting: &$job.awaiting,
             start_of: &$job.start_of,
             space: $job.space,
@@ -37,7 +36,6 @@ pub(super) struct Reply<'a, A, T> {
     pub(super) job_id: u32,
     pub(super) block_cnt_max: u32,
     pub(super) members: &'a SourceMask,
-    pub(super) member_count: u16,
     /// Members that will join (sync joins) and the joiners' start blocks:
     /// a block before a member's start never had it ([`Reply::members_of`]).
     pub(super) awaiting: &'a SourceMask,
@@ -68,16 +66,9 @@ pub(super) struct Reply<'a, A, T> {
 }
 
 impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
-    /// How many members `block` should sum: the job's members less those
-    /// not in the job at that block (still awaiting their sync join, or
-    /// joined with a later start). A result with fewer lacks a member it
-    /// should have had (declared slow, left out by a quorum): `degraded`.
-    /// Counting every member made the blocks the others complete before a
-    /// sync joiner's start `degraded`, and workers that accept only complete
-    /// results failed on exact sums (PartialResult, 2 of 3).
-    pub(super) fn members_of(&self, block: &Block) -> u16 {
-        let later = self.start_of.values().filter(|&&start| self.space.before(block.block_id, start)).count();
-        self.member_count.saturating_sub((self.awaiting.count() + later) as u16)
+    /// Whether `block` lacks a member it should have summed ([`lacks_a_member`]).
+    pub(super) fn lacks_a_member(&self, block: &Block) -> bool {
+        lacks_a_member(self.members, self.awaiting, self.start_of, self.space, block)
     }
 
     /// The block was referenced (a contribution added, its data phase
@@ -119,7 +110,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
             self.send_by_ownership(block);
             return;
         }
-        build_result(block, self.job_id, exp_only, false, self.members_of(block), self.tag, self.scratch);
+        build_result(block, self.job_id, exp_only, false, self.lacks_a_member(block), self.tag, self.scratch);
         if let Some((group, listeners)) = self.group {
             let any = self.members.iter().any(|id| listeners.contains(id));
             if any && self.push_to_group(group, listeners) {
@@ -157,12 +148,12 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     }
 
     fn send_by_ownership(&mut self, block: &Block) {
-        let members = self.members_of(block);
+        let lacking = self.lacks_a_member(block);
         let sent = &mut self.counters.results_sent;
-        build_result(block, self.job_id, false, false, members, self.tag, self.scratch);
+        build_result(block, self.job_id, false, false, lacking, self.tag, self.scratch);
         let owners = self.members.iter().filter(|&id| !block.no_data.contains(id));
         send_to_members(owners, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, sent);
-        build_result(block, self.job_id, false, true, members, self.tag, self.scratch);
+        build_result(block, self.job_id, false, true, lacking, self.tag, self.scratch);
         let before = *sent;
         let others = self.members.iter().filter(|&id| block.no_data.contains(id));
         send_to_members(others, self.addrs, self.auth.as_deref_mut(), self.out, self.scratch, sent);
@@ -173,7 +164,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
     /// without the sum, for a sender that owns no part of the block).
     pub(super) fn send_to_sender(&mut self, block: &Block, exp_only: bool, no_data: bool) {
         let Some(from) = self.from else { return };
-        build_result(block, self.job_id, exp_only, no_data, self.members_of(block), self.tag, self.scratch);
+        build_result(block, self.job_id, exp_only, no_data, self.lacks_a_member(block), self.tag, self.scratch);
         send_copy(self.out, from, self.scratch, envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src)));
         self.counters.results_resent += 1;
         if no_data && !exp_only {
@@ -193,7 +184,7 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
             // (protocol.md §1), aged here or not: an aged partial that
             // said "aged" lost the subtree's mark on its way to the root
             age_op: if block.congested { AGE_OP_CONGESTED } else { 0 },
-            ..block.result_repr(self.job_id, exp_only, self.members_of(block))
+            ..block.result_repr(self.job_id, exp_only, self.lacks_a_member(block))
         };
         let shard = shard_of(self.job_id, block.block_id, self.block_cnt_max, up.parent.len() as u16);
         let env = envelope(self.auth.as_deref_mut(), Peer::Parent);
@@ -244,4 +235,29 @@ impl<A: Copy + PartialEq, T: Transmit<A>> Reply<'_, A, T> {
         let env = envelope(self.auth.as_deref_mut(), Peer::Member(self.from_src));
         send_nack(self.counters, self.out, from, env, request, reason, detail);
     }
+}
+
+/// Whether member `m` was in the job at `block`: not still awaiting its
+/// sync join, and not joined with a start after the block.
+pub(super) fn in_block(awaiting: &SourceMask, start_of: &HashMap<u16, u32>, space: BlockSpace, block: &Block, m: usize) -> bool {
+    !awaiting.contains(m) && !start_of.get(&(m as u16)).is_some_and(|&start| space.before(block.block_id, start))
+}
+
+/// Whether `block` lacks a member it should have summed: a current member
+/// that was in the job at that block ([`in_block`]) and whose contribution
+/// is not in it (declared slow, left out by a quorum): its result is
+/// `degraded`. Members are compared, not counted: a member that left after
+/// contributing stays in `rcvd` (its contribution is in the sum), and a
+/// count took it for a current member that never contributed, so a result
+/// without that member was sent as complete. Blocks completed before a sync
+/// joiner's start are complete without it (counting it made them degraded,
+/// and workers that accept only complete results failed on exact sums).
+pub(super) fn lacks_a_member(
+    members: &SourceMask,
+    awaiting: &SourceMask,
+    start_of: &HashMap<u16, u32>,
+    space: BlockSpace,
+    block: &Block,
+) -> bool {
+    members.iter().any(|m| !block.rcvd.contains(m) && in_block(awaiting, start_of, space, block, m))
 }

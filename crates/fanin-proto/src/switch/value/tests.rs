@@ -1336,3 +1336,45 @@ fn the_floor_verdict_also_passes_on_whether_its_member_listens() {
     }
     assert_eq!((out.group_datagrams.len(), out.datagrams.len()), (1, 0), "every member's result on the group");
 }
+
+/// A member that left after contributing to a block stays in its sum; a
+/// member added (not awaiting a sync join) in its place starts at the
+/// stream's start, so the open block waits for it too. Completeness was a
+/// count: the leaver's contribution stood in for the newcomer's, and the
+/// block went to every member, the newcomer too, as complete without it.
+/// (The reviewer's reproduction.)
+#[test]
+fn a_departed_members_contribution_does_not_stand_in_for_a_new_member() {
+    let mut sw = switch_with(&[JobSpec { workers: 3, ..job(1, 3, 4) }]);
+    assert!(send(&mut sw, Pkt::data(1, 2, 0, &[100])).is_empty());
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 3], workers: 3, ..job(1, 3, 4) }, None, &[], &mut out).unwrap();
+    assert!(decode(out).is_empty());
+    send(&mut sw, Pkt::data(1, 3, 1, &[0])); // rank 3 is alive (address known)
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    assert!(send(&mut sw, Pkt::data(1, 1, 0, &[10])).is_empty(), "block 0 waits for rank 3");
+    let out = send(&mut sw, Pkt::data(1, 3, 0, &[1000]));
+    let to3: Vec<_> = out.iter().filter(|o| o.0 == 103).collect();
+    assert_eq!(to3.len(), 1);
+    // the leaver's 100 is in the sum (it cannot be taken out), and says so
+    assert_eq!(to3[0].2, vec![1111]);
+    assert!(!to3[0].1.degraded, "every current member is in it");
+    assert_eq!(to3[0].1.src_cnt, 4, "four contributions summed");
+}
+
+/// Members are compared, not counted, both ways: a block without a current
+/// member is degraded even when a departed member's contribution makes the
+/// count look full.
+#[test]
+fn a_block_without_a_current_member_is_degraded_whatever_the_count() {
+    let mut sw = switch_with(&[JobSpec { workers: 3, block_exp_ms: 0, ..job(1, 3, 4) }]);
+    assert!(send(&mut sw, Pkt::data(1, 2, 0, &[100])).is_empty());
+    // rank 2 leaves; the quorum of 2 then completes block 0 with ranks 0 and 2 only
+    let mut out = VecTransmit::new();
+    let spec = JobSpec { members: vec![0, 1], workers: 2, quorum: 1, ..job(1, 3, 4) };
+    sw.update_job(T0, spec, None, &[], &mut out).unwrap();
+    let out = send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    let to0: Vec<_> = out.iter().filter(|o| o.0 == 100).collect();
+    assert_eq!(to0.len(), 1, "{out:?}");
+    assert!(to0[0].1.degraded, "rank 1 is missing, though two contributions are in: {:?}", to0[0].1);
+}
