@@ -264,3 +264,45 @@ def test_kv_unknown_format_and_missing_input_fail_at_once(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         c.aggregate([str(tmp_path / "missing.txt")], format="text")
     assert time.monotonic() - t < 1
+
+
+def test_an_input_file_truncated_while_it_is_sent_fails_its_channel_not_the_daemon(switch, doomed, tmp_path):
+    """The daemon reads a caller's input file as it sends. One that another
+    process truncates meanwhile ends that send with an error; the daemon and
+    its other tasks go on. (It was mapped, and the daemon died of SIGBUS.)"""
+    from fanin.kv import encode_tuples
+
+    path = tmp_path / "input.bin"
+    chunk = encode_tuples((f"k{i % 1000}", 1) for i in range(100_000))
+    with open(path, "wb") as f:
+        for _ in range(120):  # 12 million tuples, 170 MB: longer to send than the wait below
+            f.write(chunk)
+    outcome: list = []
+    with doomed.client() as c:
+        ticket = c.create(1, auth=False)
+
+        def feed() -> None:
+            try:
+                with doomed.client() as s:
+                    outcome.append(s.send_file(ticket, 0, str(path)))
+            except KvError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=feed)
+        t.start()
+        time.sleep(0.15)
+        os.truncate(path, 100)
+        t.join(30)
+        assert outcome, "the send did not return"
+        if isinstance(outcome[0], dict):
+            pytest.skip(f"the whole input was sent before it was truncated (a fast machine): {outcome[0]}")
+        assert "shrank" in str(outcome[0]), outcome[0]
+        with pytest.raises(SenderFailed):
+            c.wait(ticket)
+    assert doomed.proc.poll() is None, "the daemon is alive"
+    # and serves the next task
+    with doomed.client() as c:
+        ticket = c.create(1, auth=False)
+        with doomed.client() as s:
+            s.send(ticket, 0, [("a", 1), ("b", 2), ("a", 3)])
+        assert c.wait(ticket) == {"a": 4, "b": 2}

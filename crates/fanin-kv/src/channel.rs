@@ -22,7 +22,7 @@ use fanin_proto::{Time, Transmit};
 use fanin_udp::{BatchSocket, RecvBatch, SendBatch};
 use fanin_wire::kv::Packet;
 
-use crate::records::{Cursor, InputFormat, Mapped};
+use crate::records::{Cursor, InputFile, InputFormat};
 
 /// Keep at least this many tuples queued in a sender (about 2k per slot of
 /// a 32-slot layout) so every slot has a tuple for the next packet.
@@ -76,7 +76,7 @@ pub enum ChannelCommand {
 
 /// A sender's input: a mapped file read through a cursor.
 pub struct Input {
-    pub map: Mapped,
+    pub file: InputFile,
     pub format: InputFormat,
     pub offset: usize,
 }
@@ -311,25 +311,58 @@ fn refill(s: &mut SenderSlot) {
     if s.input_done || s.machine.queued() >= REFILL_BELOW {
         return;
     }
-    // Resuming is positional: a cursor over the same bytes, at the record
-    // or word boundary where the previous refill stopped.
-    let mut cursor = Cursor::at(s.input.map.bytes(), s.input.format, s.input.offset);
-    for _ in 0..REFILL_CHUNK {
-        match cursor.next_tuple() {
-            Ok(Some((key, value))) => {
-                if let Err(e) = s.machine.push(key, value) {
-                    fail_input(s, format!("{e} (input record at byte {})", s.input.offset));
-                    return;
-                }
-                s.input.offset = cursor.offset();
+    // Resuming is positional: a cursor over the file's bytes from the
+    // record or word boundary where the previous one stopped. A record the
+    // bytes read so far cut (or a word that touches their end: it may go
+    // on) is read again from a longer window.
+    enum Stop {
+        Refilled,
+        More,
+        End,
+        Failed(String),
+    }
+    let mut want = 1 << 16;
+    let mut pushed = 0;
+    loop {
+        let (bytes, at_end) = match s.input.file.window(s.input.offset as u64, want) {
+            Ok(window) => window,
+            Err(e) => {
+                fail_input(s, format!("cannot read the input: {e}"));
+                return;
             }
-            Ok(None) => {
+        };
+        let mut cursor = Cursor::at(bytes, s.input.format, 0);
+        let mut consumed = 0;
+        let stop = loop {
+            if pushed >= REFILL_CHUNK {
+                break Stop::Refilled;
+            }
+            match cursor.next_tuple() {
+                Ok(Some((key, value))) if at_end || cursor.offset() < bytes.len() => {
+                    if let Err(e) = s.machine.push(key, value) {
+                        break Stop::Failed(format!("{e} (input record at byte {})", s.input.offset + consumed));
+                    }
+                    consumed = cursor.offset();
+                    pushed += 1;
+                }
+                Ok(None) if at_end => break Stop::End,
+                Err(e) if at_end => break Stop::Failed(e.offset_by(s.input.offset).to_string()),
+                // cut by the window's end: a longer one
+                _ => break Stop::More,
+            }
+        };
+        let window_len = bytes.len();
+        s.input.offset += consumed;
+        match stop {
+            Stop::Refilled => return,
+            Stop::More => want = if consumed > 0 { want } else { window_len.saturating_mul(2).max(want) },
+            Stop::End => {
                 s.machine.finish();
                 s.input_done = true;
                 return;
             }
-            Err(e) => {
-                fail_input(s, e.to_string());
+            Stop::Failed(why) => {
+                fail_input(s, why);
                 return;
             }
         }

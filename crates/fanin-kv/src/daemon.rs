@@ -44,7 +44,7 @@ use serde_json::{json, Value};
 
 use crate::channel::{ChannelCommand, ChannelStats, ChannelThread, Collected, Input, ReceiverOutcome, SenderOutcome};
 use crate::liveness::{progress_interval, write_line, ControlSession, ProgressReport};
-use crate::records::{write_results, InputFormat, Mapped};
+use crate::records::{write_results, InputFile, InputFormat};
 use crate::switch_ctl::SwitchControl;
 
 mod app;

@@ -71,6 +71,15 @@ pub enum InputError {
     Truncated { offset: usize, len: usize },
 }
 
+impl InputError {
+    /// The same error, for a cursor that started `base` bytes into the input.
+    pub fn offset_by(self, base: usize) -> Self {
+        match self {
+            Self::Truncated { offset, len } => Self::Truncated { offset: offset + base, len: len + base },
+        }
+    }
+}
+
 /// Python's `bytes.split()` whitespace: space, \t, \n, \v, \f, \r.
 fn is_space(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r')
@@ -133,50 +142,97 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// A read-only private mapping of a whole file (empty files map to an
-/// empty slice).
-pub struct Mapped {
-    ptr: *mut libc::c_void,
-    len: usize,
+/// A channel's input file, read in chunks as the sender needs it
+/// (`pread`), up to the length it had when it was opened.
+///
+/// Not a mapping: a mapped file that another process truncates while it is
+/// read raises SIGBUS, and the whole daemon (every task on the host) died
+/// of one caller's file. Read, a file that shrinks is an error of its own
+/// channel ([`InputFile::window`]).
+pub struct InputFile {
+    file: File,
+    len: u64,
+    /// Bytes `start .. start + buf.len()` of the file.
+    buf: Vec<u8>,
+    start: u64,
 }
 
-// SAFETY: the mapping is read-only and owned; nothing aliases it mutably.
-unsafe impl Send for Mapped {}
+/// What one read takes at least.
+const READ_CHUNK: usize = 4 << 20;
 
-impl Mapped {
+impl InputFile {
     pub fn open(path: &Path) -> std::io::Result<Self> {
-        use std::os::fd::AsRawFd;
         let file = File::open(path)?;
-        let len = file.metadata()?.len() as usize;
-        if len == 0 {
-            return Ok(Self { ptr: std::ptr::null_mut(), len: 0 });
-        }
-        // SAFETY: a fresh read-only private mapping of an open file; the
-        // result is checked against MAP_FAILED.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0)
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Self { ptr, len })
+        let len = file.metadata()?.len();
+        Ok(Self { file, len, buf: Vec::new(), start: 0 })
     }
 
-    pub fn bytes(&self) -> &[u8] {
-        if self.len == 0 {
-            return &[];
+    /// The file's length when it was opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The file's bytes from `offset`: at least `want` of them, or all
+    /// that is left (then the second value is true: they reach the end).
+    /// An error if the file is now shorter than it was when opened.
+    pub fn window(&mut self, offset: u64, want: usize) -> std::io::Result<(&[u8], bool)> {
+        use std::os::unix::fs::FileExt;
+        let end = self.len.min(offset.saturating_add(want as u64));
+        let held = self.start..self.start + self.buf.len() as u64;
+        if !(held.contains(&offset) || offset == held.end) || held.end < end {
+            let take = (self.len - offset.min(self.len)).min(want.max(READ_CHUNK) as u64) as usize;
+            self.buf.clear();
+            self.buf.resize(take, 0);
+            let mut got = 0;
+            while got < take {
+                match self.file.read_at(&mut self.buf[got..], offset + got as u64) {
+                    Ok(0) => {
+                        return Err(std::io::Error::other(format!(
+                            "the input file shrank while it was being sent: {} bytes when the send began, \
+                             {} now (the caller's file must stay as it is until the send returns)",
+                            self.len,
+                            offset + got as u64
+                        )))
+                    }
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            self.start = offset;
         }
-        // SAFETY: ptr..ptr+len is a live mapping owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+        let from = (offset - self.start) as usize;
+        let bytes = &self.buf[from..];
+        Ok((bytes, self.start + self.buf.len() as u64 == self.len))
     }
 }
 
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: unmapping the mapping this value owns.
-            unsafe { libc::munmap(self.ptr, self.len) };
-        }
+#[cfg(test)]
+mod input_file_tests {
+    use super::*;
+
+    #[test]
+    fn an_input_file_is_read_in_windows_and_one_that_shrinks_is_an_error_not_a_signal() {
+        let path = std::env::temp_dir().join(format!("fanin-input-{}", std::process::id()));
+        let data: Vec<u8> = (0..10_000u32).flat_map(|i| i.to_le_bytes()).collect();
+        std::fs::write(&path, &data).unwrap();
+        let mut f = InputFile::open(&path).unwrap();
+        assert_eq!(f.len(), 40_000);
+        let (bytes, end) = f.window(0, 16).unwrap();
+        assert!(end && bytes == &data[..], "a file under a chunk is read whole");
+        let (bytes, end) = f.window(39_996, 16).unwrap();
+        assert_eq!((bytes, end), (&data[39_996..], true));
+        assert_eq!(f.window(40_000, 16).unwrap(), (&[][..], true));
+        // another process truncates it: the next read past what is held fails
+        let mut g = InputFile::open(&path).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
+        let err = g.window(0, 16).unwrap_err();
+        assert!(err.to_string().contains("shrank"), "{err}");
+        std::fs::remove_file(&path).unwrap();
     }
 }
 

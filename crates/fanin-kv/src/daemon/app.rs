@@ -266,7 +266,7 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
     let format_name = req.format.as_deref().unwrap_or("tuples");
     let format = InputFormat::parse(format_name).ok_or_else(|| error(format!("unknown format {format_name:?} (tuples, text)")))?;
     let path = req.path.as_str();
-    let map = Mapped::open(Path::new(path)).map_err(|e| error(format!("cannot map {path}: {e}")))?;
+    let file = InputFile::open(Path::new(path)).map_err(|e| error(format!("cannot open {path}: {e}")))?;
     // Join at the receiver's daemon (control channel): it checks the task
     // and channel and tells us the task's parameters.
     // The session stays open while we send: it is how the receiver's daemon
@@ -311,7 +311,7 @@ fn send(shared: &Arc<Shared>, req: &SendInput) -> Result<Value, Value> {
     let (done, outcome) = mpsc::sync_channel::<SenderOutcome>(1);
     let idx = (shared.next_send.fetch_add(1, Ordering::Relaxed) as usize) % shared.send.len();
     let started = Instant::now();
-    let input = Input { map, format, offset: 0 };
+    let input = Input { file, format, offset: 0 };
     let progress = Arc::new(Mutex::new(machine.progress()));
     let cmd = ChannelCommand::Send { task: task_id, channel, switch: params.switch_addr, machine: Box::new(machine), input, progress: progress.clone(), done };
     let _ = shared.send[idx].send(cmd);
