@@ -82,14 +82,16 @@ def test_the_memory_bench_runs_both_models_and_prints_json(tmp_path):
 
 
 def test_an_update_one_shard_has_no_memory_for_is_taken_by_no_shard():
-    """Two shards, job 1's slots on both; small jobs on shard 1 only
-    (one slot each, odd job ids) fill its share of the pooled memory. A
-    child switch joining job 1 raises its floor on both shards: shard 0 has
-    room, shard 1 does not, so the update is refused, and shard 0, which
-    took it first, gives it back. Checked from the wire: the would-be
-    member's contribution is refused by both shards as a non-member (with
-    shard 0 keeping the change, it was accepted there and refused on shard
-    1, and the job's blocks would wait for a member on one shard only)."""
+    """Two shards; job 1 has three slots, one on shard 0 and two on shard 1.
+    Two-slot jobs fill both shards' pooled memory alike, until less than
+    two more buffers are free. A child switch joining job 1 raises its
+    floor by a buffer per slot: shard 0 has room for its one, shard 1 not
+    for its two, so the update is refused, and by no shard only. Checked
+    from the wire: the would-be member's contribution is refused by both
+    shards as a non-member (with shard 0 keeping the change, it was
+    accepted there and refused on shard 1, and the job's blocks would wait
+    for a member on one shard only)."""
+    import re
     import socket
     import struct
 
@@ -100,16 +102,18 @@ def test_an_update_one_shard_has_no_memory_for_is_taken_by_no_shard():
                         metrics_addr="127.0.0.1:0", memory_mb=2, jobs=[])
     with SwitchProcess(cfg) as sw:
         c = ControlClient(sw.control_addr)
-        c.admit_job(1, [0, 1], block_cnt_max=8, block_grad_max=1024, workers=8)
-        job_id, refused = 3, None
-        for size in [16000] * 40 + list(range(15744, 0, -256)):
+        # slot k of job 1 is on shard (k + 1) % 2: slots 0 and 2 on shard 1
+        c.admit_job(1, [0, 1], block_cnt_max=3, block_grad_max=1024, workers=8)
+        job_id, size, refused = 3, 16000, None
+        while size >= 256:
             try:
-                # one slot: shard (0 + job_id) % 2, i.e. 1
-                c.admit_job(job_id, [0], block_cnt_max=1, block_grad_max=size)
-                job_id += 2
+                c.admit_job(job_id, [0], block_cnt_max=2, block_grad_max=size)
+                job_id += 1
             except ControlError as e:
                 refused = str(e)
-        assert refused and "shard 1" in refused, refused
+                size //= 2
+        free = int(re.search(r"only (\d+) of", refused).group(1))
+        assert 2048 <= free < 4096, refused  # the update needs 2048 bytes on shard 0, 4096 on shard 1
         job = next(j for j in c.list_jobs() if j["job_id"] == 1)
         child = 2048  # a child switch's rank
         with pytest.raises(ControlError, match=r"RESOURCE_EXHAUSTED.*\(shard 1;"):
@@ -126,6 +130,26 @@ def test_an_update_one_shard_has_no_memory_for_is_taken_by_no_shard():
             time.sleep(0.05)
         counters = sw.counters()
         assert (counters.get("non_member", 0), counters.get("accepted", 0)) == (2, 0), counters
+        # An update refused by shard 1 has no effect on shard 0 either, even
+        # one whose first effect there is to send something: rank 1 leaving
+        # completes block 1 on shard 0 (only rank 0 contributed), and its
+        # result was sent to rank 0 before shard 1 refused and shard 0 was
+        # given the admitted spec back. Every shard is asked first now.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rank0:
+            rank0.bind(("127.0.0.1", 0))
+            header = struct.pack(">HBBBBHHHIIHbb", 0xFA17, 1, 0x01, 0, 0, 0, 0, 1, 1, 1, 4, -128, -128)
+            rank0.sendto(header + np.ones(4, ">i4").tobytes(), (host, int(port)))
+            deadline = time.time() + 5
+            while sw.counters().get("accepted", 0) < 1 and time.time() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(ControlError, match=r"RESOURCE_EXHAUSTED.*\(shard 1;"):
+                c.update_job({**job, "members": [0, child]}, awaiting=[child])
+            rank0.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                got = rank0.recv(2048)
+                pytest.fail(f"a refused update completed a block: {got[:24].hex()}")
+            assert sw.counters().get("blocks_completed", 0) == 0
+        assert next(j for j in c.list_jobs() if j["job_id"] == 1)["members"] == [0, 1]
         # and a smaller change that fits on both shards is taken by both
         c.update_job({**job, "members": [0, 1, 2]})
         assert next(j for j in c.list_jobs() if j["job_id"] == 1)["members"] == [0, 1, 2]

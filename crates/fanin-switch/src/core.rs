@@ -126,11 +126,15 @@ impl SwitchCore {
 
     /// Change a job on every shard (members, workers, tree role): either
     /// every shard takes the change or none does. The spec is checked
-    /// against the admitted one first; what only a shard can check (its
-    /// share of the pooled memory) may still refuse it there, and then the
-    /// shards that took it are given the admitted spec back, so that no two
-    /// shards disagree on the job's members (a member accepted by one and
-    /// refused by another, blocks waiting for a member that left).
+    /// against the admitted one first, then every shard is asked whether it
+    /// would take it (its share of the pooled memory), changing nothing;
+    /// only then is it applied. (Applied shard by shard and undone where a
+    /// later shard refused, it had already sent the results of blocks it
+    /// completed without a member that left, and the undo itself could be
+    /// refused, leaving the shards to disagree on the job's members.) What
+    /// another job takes between the check and the change may still refuse
+    /// it on a shard: then the shards that took it are given the admitted
+    /// spec back.
     pub fn update_job(&self, job: JobEntry, awaiting: Vec<u16>) -> Result<(), AdmitFailure> {
         let JobEntry { spec, tree } = job;
         spec.validate().map_err(|e| AdmitFailure::Invalid(e.to_string()))?;
@@ -144,6 +148,18 @@ impl SwitchCore {
         if entry.spec.adds_partial_results(&spec) {
             return Err(AdmitError::PartialResultsAdded { job_id: spec.job_id }.into());
         }
+        // First every shard says whether it would take it, changing
+        // nothing: an update taken and then undone has already sent the
+        // results of blocks it completed without a member that left.
+        for (i, shard) in self.shards.iter().enumerate() {
+            let (reply, answer) = mpsc::sync_channel(1);
+            let asked = shard.commands.send(Command::CheckUpdate(spec.clone(), uplink(tree), reply)).ok();
+            match asked.and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok()) {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Err(self.update_refused(i, e)),
+                None => return Err(AdmitFailure::Internal(format!("shard {i} did not answer"))),
+            }
+        }
         let update = |shard: &ShardLink, spec: &fanin_proto::job::JobSpec, tree: Option<TreeRole>, awaiting: Vec<u16>| {
             let (reply, answer) = mpsc::sync_channel(1);
             shard
@@ -153,14 +169,12 @@ impl SwitchCore {
                 .and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok())
         };
         for (i, shard) in self.shards.iter().enumerate() {
+            // (what another job took between the check and here may still
+            // refuse it: then the shards that took it are given the
+            // admitted spec back)
             let failure = match update(shard, &spec, tree, awaiting.clone()) {
                 Some(Ok(())) => continue,
-                Some(Err(e @ AdmitError::OutOfMemory { .. })) => AdmitFailure::OutOfMemory(format!(
-                    "{e} (shard {i}; the switch has {} MiB for all jobs, split over {} shards)",
-                    self.memory_limit >> 20,
-                    self.shards.len()
-                )),
-                Some(Err(e)) => AdmitFailure::from(e),
+                Some(Err(e)) => self.update_refused(i, e),
                 None => AdmitFailure::Internal(format!("shard {i} did not answer")),
             };
             // Back to the admitted spec on the shards that took the change
@@ -183,6 +197,18 @@ impl SwitchCore {
         }
         *entry = JobEntry { spec, tree };
         Ok(())
+    }
+
+    /// Shard `i`'s refusal of an update, as the control API reports it.
+    fn update_refused(&self, i: usize, e: AdmitError) -> AdmitFailure {
+        match e {
+            AdmitError::OutOfMemory { .. } => AdmitFailure::OutOfMemory(format!(
+                "{e} (shard {i}; the switch has {} MiB for all jobs, split over {} shards)",
+                self.memory_limit >> 20,
+                self.shards.len()
+            )),
+            e => AdmitFailure::from(e),
+        }
     }
 
     pub fn remove_job(&self, job_id: u32) -> Result<(), String> {

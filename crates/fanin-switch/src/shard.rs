@@ -37,6 +37,9 @@ use crate::handover::{hand_over, HandoverGate, HANDOVER_CAP};
 pub(crate) enum Command {
     AddJob(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
     UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
+    /// Would this shard take the update? Changes nothing
+    /// ([`ValueSwitch::check_update`]).
+    CheckUpdate(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
     /// Remove a job: true, as an operator's removal; false, to undo an
     /// admission that failed on another shard (the result-key epochs stay
     /// where they were, [`ValueSwitch::undo_add_job`]).
@@ -542,6 +545,9 @@ impl ShardThread {
                     self.publish_memory();
                     self.publish_schedules();
                     let _ = reply.send(result);
+                }
+                Ok(Command::CheckUpdate(spec, uplink, reply)) => {
+                    let _ = reply.send(self.switch.check_update(&spec, uplink.as_ref()).map(|_| ()));
                 }
                 Ok(Command::RemoveJob(id, ran, reply)) => {
                     let removed = if ran { self.switch.remove_job(id) } else { self.switch.undo_add_job(id) };

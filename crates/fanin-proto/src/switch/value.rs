@@ -445,29 +445,8 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         awaiting: &[u16],
         out: &mut impl Transmit<A>,
     ) -> Result<(), AdmitError> {
-        spec.validate()?;
         let job_id = spec.job_id;
-        if let Some(up) = &uplink {
-            if up.rank < SWITCH_RANK_BASE || up.parent.is_empty() {
-                return Err(AdmitError::BadUplink { job_id, rank: up.rank });
-            }
-        }
-        let capacity = {
-            let Some(job) = self.jobs.get(&job_id) else { return Err(AdmitError::Unknown(job_id)) };
-            if let Some(field) = job.spec.fixed_field_changed(&spec) {
-                return Err(AdmitError::Immutable { job_id, field });
-            }
-            if job.spec.adds_partial_results(&spec) {
-                return Err(AdmitError::PartialResultsAdded { job_id });
-            }
-            if spec.worker_count() > job.scale_workers {
-                return Err(AdmitError::WorkersGrown { job_id, workers: spec.worker_count(), admitted: job.scale_workers });
-            }
-            spec.source_capacity().max(job.members.capacity())
-        };
-        // Pooled memory: child switches joining the members, or a parent,
-        // need the floor of one buffer per slot (job.rs `pool_floor`), if it fits.
-        let new_floor = self.floor_for(job_id, &spec, uplink.is_some())?;
+        let (capacity, new_floor) = self.check_update(&spec, uplink.as_ref())?;
         let limits_changed = self.jobs[&job_id].spec.rate_limit != spec.rate_limit;
         let buckets = limits_changed.then(|| self.buckets_for(&spec, capacity));
         let job = self.jobs.get_mut(&job_id).expect("checked above");
@@ -682,6 +661,38 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
 
     /// The pooled floor `job_id` needs with `spec` and this tree role
     /// (`None` for reserved memory), refused if raising it does not fit.
+    /// Whether [`update_job`](Self::update_job) would take `spec` (and
+    /// the uplink): every check it makes before it changes anything, this
+    /// shard's share of pooled memory included. A runtime with several
+    /// shards asks them all first, so that an update one of them refuses
+    /// changes none (an update taken and undone has already sent the
+    /// results of blocks it completed without a member that left).
+    /// With the job's new source capacity and pooled floor.
+    pub fn check_update(&self, spec: &JobSpec, uplink: Option<&Uplink<A>>) -> Result<(usize, Option<u32>), AdmitError> {
+        spec.validate()?;
+        let job_id = spec.job_id;
+        if let Some(up) = uplink {
+            if up.rank < SWITCH_RANK_BASE || up.parent.is_empty() {
+                return Err(AdmitError::BadUplink { job_id, rank: up.rank });
+            }
+        }
+        let Some(job) = self.jobs.get(&job_id) else { return Err(AdmitError::Unknown(job_id)) };
+        if let Some(field) = job.spec.fixed_field_changed(spec) {
+            return Err(AdmitError::Immutable { job_id, field });
+        }
+        if job.spec.adds_partial_results(spec) {
+            return Err(AdmitError::PartialResultsAdded { job_id });
+        }
+        if spec.worker_count() > job.scale_workers {
+            return Err(AdmitError::WorkersGrown { job_id, workers: spec.worker_count(), admitted: job.scale_workers });
+        }
+        let capacity = spec.source_capacity().max(job.members.capacity());
+        // Pooled memory: child switches joining the members, or a parent,
+        // need the floor of one buffer per slot (job.rs `pool_floor`), if it fits.
+        let new_floor = self.floor_for(job_id, spec, uplink.is_some())?;
+        Ok((capacity, new_floor))
+    }
+
     fn floor_for(&self, job_id: u32, spec: &JobSpec, has_uplink: bool) -> Result<Option<u32>, AdmitError> {
         let job = self.jobs.get(&job_id).ok_or(AdmitError::Unknown(job_id))?;
         let Some(_) = job.pool_floor else { return Ok(None) };
