@@ -424,3 +424,13 @@ def test_a_mix_of_str_and_bytes_keys_is_refused_before_a_task_exists(switch, dae
         assert c.aggregate([[("a", 1)], [("a", 2), ("b", 1)]]) == {"a": 3, "b": 1}
         assert c.aggregate([[(b"a", 1)], [(b"a", 2)]]) == {b"a": 3}
         assert c.aggregate([(b"a", 1)], keys="str") == {"a": 1}
+
+
+def test_the_local_api_socket_is_for_the_daemons_own_user_only(daemon):
+    """A local client names files the daemon reads and writes with its own
+    rights: the socket is mode 0600 whatever the umask (with umask 002 it
+    was 0775, and the daemon's group could have it read or overwrite any
+    file its user can)."""
+    import stat
+
+    assert stat.S_IMODE(os.stat(daemon.socket_path).st_mode) == 0o600

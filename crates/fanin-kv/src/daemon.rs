@@ -294,6 +294,15 @@ impl KvDaemon {
             addr: config.socket_path.display().to_string(),
             source,
         })?;
+        // Owner only: a local client names files the daemon reads (inputs)
+        // and writes (results) with the daemon's rights, so only the
+        // daemon's own user may connect (with the umask's mode, a group
+        // that may write to the socket could have it read or overwrite any
+        // file its user can).
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&config.socket_path, std::fs::Permissions::from_mode(0o600))?;
+        }
         let seed = (std::process::id() as u64) << 20 ^ epoch.elapsed().as_nanos() as u64 ^ control_addr.port() as u64;
         let shared = Arc::new(Shared {
             switch: SwitchControl::new(config.switch_control, fanin_control::token_or_env(config.switch_token.clone()))?,
