@@ -64,6 +64,25 @@ pub const MIN_WINDOW: u32 = 64;
 /// path: the floor (slow start takes it from there).
 pub const INITIAL_WINDOW: u32 = MIN_WINDOW;
 
+/// One answer's growth of a window (TCP's, in whatever units the window
+/// counts): one unit per answer below `ssthresh` (slow start), then one per
+/// window of answers (`credit` counts them), never above `max`. The value
+/// streams' controller and the key-value senders' share it.
+pub(crate) fn grow_window(cwnd: &mut u32, credit: &mut u32, ssthresh: u32, max: u32) {
+    if *cwnd >= max {
+        return;
+    }
+    if *cwnd < ssthresh {
+        *cwnd += 1;
+        return;
+    }
+    *credit += 1;
+    if *credit >= *cwnd {
+        *cwnd += 1;
+        *credit = 0;
+    }
+}
+
 /// What the session learnt that bears on congestion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Signal {
@@ -190,18 +209,7 @@ impl Congestion {
                 self.mem_credit = 0;
             }
         }
-        if self.cwnd >= self.max {
-            return;
-        }
-        if self.cwnd < self.ssthresh {
-            self.cwnd += 1;
-            return;
-        }
-        self.credit += 1;
-        if self.credit >= self.cwnd {
-            self.cwnd += 1;
-            self.credit = 0;
-        }
+        grow_window(&mut self.cwnd, &mut self.credit, self.ssthresh, self.max);
     }
 
     /// A congestion signal at `now`; `round_trip` is the smoothed RTT (a

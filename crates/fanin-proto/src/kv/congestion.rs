@@ -195,18 +195,7 @@ impl KvCongestion {
                 self.by_receiver.sample(rtt);
             }
         }
-        if self.cwnd >= self.max {
-            return;
-        }
-        if self.cwnd < self.ssthresh {
-            self.cwnd += 1;
-            return;
-        }
-        self.credit += 1;
-        if self.credit >= self.cwnd {
-            self.credit = 0;
-            self.cwnd += 1;
-        }
+        crate::host::congestion::grow_window(&mut self.cwnd, &mut self.credit, self.ssthresh, self.max);
     }
 
     /// The packet `seq` was not acknowledged within its timeout; `next_seq`
