@@ -1103,3 +1103,37 @@ fn a_round_restarts_above_the_stream_when_the_job_has_fewer_slots_than_shards() 
         assert_eq!(got.unwrap(), sum(&inputs));
     }
 }
+
+/// A rank that left and is added back is a new member of the running
+/// round: its new process's plain Join ends nothing. The switch kept the
+/// old process's incarnation, took the Join for a restart of a running
+/// rank, and ended the round for everyone (MemberRestarted).
+#[test]
+fn a_rank_added_back_after_it_left_joins_without_ending_the_round() {
+    let mut net = Net::new(JobSpec { workers: 3, ..spec(3) }, 1, 0.0, 5);
+    let (mut s0, mut s1, mut s2) = (net.spawn(0, 1), net.spawn(1, 1), net.spawn(2, 1));
+    net.run_until(&mut [&mut s0, &mut s1, &mut s2], Duration::from_secs(1), joined);
+    let trio: Vec<Vec<i32>> = (0..3).map(|r| vec![r + 1; 12]).collect();
+    for got in allreduce(&mut net, &mut [&mut s0, &mut s1, &mut s2], &trio) {
+        assert_eq!(got.unwrap(), sum(&trio));
+    }
+    drop(s2);
+    net.update(JobSpec { members: vec![0, 1], workers: 2, ..spec(2) }, &[]);
+    let pair = vec![vec![5; 12], vec![7; 12]];
+    for got in allreduce(&mut net, &mut [&mut s0, &mut s1], &pair) {
+        assert_eq!(got.unwrap(), sum(&pair));
+    }
+    net.update(JobSpec { members: vec![0, 1, 2], workers: 3, ..spec(3) }, &[]);
+    let mut back = net.spawn(2, 9);
+    for _ in 0..2000 {
+        if joined(&back) {
+            break;
+        }
+        net.tick(&mut [&mut s0, &mut s1, &mut back]);
+    }
+    assert!(joined(&back));
+    assert_eq!(net.counter(|c| c.rounds_ended), 0, "a new member's Join is no restart");
+    for p in [&mut s0, &mut s1] {
+        assert!(!p.events.iter().any(|e| matches!(e, Event::Failed(_))), "{:?}", p.events);
+    }
+}

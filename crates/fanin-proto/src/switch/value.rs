@@ -506,6 +506,17 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
             job.start_of.remove(&(m as u16));
             job.addrs.clear(m);
             job.pending_sync.retain(|_, (via, _)| *via as usize != m);
+            // Nothing of its life here outlives it: added back later, the
+            // rank is a new member (with its old incarnation kept, its new
+            // process's plain Join read as a restart of a running rank and
+            // ended the round for everyone; an old sync answer could give
+            // it a start it is past).
+            job.incarnations[m] = MemberIncarnation::NONE;
+            job.sync_answers.remove(&(m as u16));
+            job.sync_moved.remove(&(m as u16));
+            job.done_at.remove(&(m as u16));
+            job.recover_lows.remove(&(m as u16));
+            job.listens_on_group.remove(m);
         }
         job.members = new_members;
         job.member_count = job.members.count() as u16;
