@@ -483,18 +483,26 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         let left: Vec<usize> = job.members.iter().filter(|&m| !new_members.contains(m)).collect();
         let joined: Vec<usize> = new_members.iter().filter(|&m| !job.members.contains(m)).collect();
         for &m in &joined {
-            if awaiting.contains(&(m as u16)) {
+            let sync = awaiting.contains(&(m as u16));
+            if sync {
                 job.awaiting.insert(m);
             } else {
                 job.active.insert(m);
-                // It starts with the others, at the stream's start (a plain
-                // Join's answer): the open blocks wait for it too, as for a
-                // member readmitted. (They did not, and a block the others
-                // completed went to it, without its data, as complete.)
-                for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
-                    if job.space.at_or_after(block.block_id, job.start_block) {
-                        block.expect(m);
-                    }
+            }
+            for block in job.slots.iter_mut().filter_map(|s| s.cur.as_mut()).filter(|b| b.aggregating()) {
+                if block.rcvd.contains(m) {
+                    // A rank added back while a block still holds what its
+                    // old process sent before it left (a non-member's is
+                    // refused): that stands for nobody now, and the new
+                    // process's cannot be added. It lacks the member.
+                    block.replaced = true;
+                } else if !sync && job.space.at_or_after(block.block_id, job.start_block) {
+                    // It starts with the others, at the stream's start (a
+                    // plain Join's answer): the open blocks wait for it too,
+                    // as for a member readmitted. (They did not, and a block
+                    // the others completed went to it, without its data, as
+                    // complete.)
+                    block.expect(m);
                 }
             }
             job.missed_streak[m] = 0;

@@ -321,7 +321,7 @@ pub(super) fn finish_block<A: Copy + PartialEq, T: Transmit<A>>(block: &mut Bloc
     }
     block.phase = Phase::Done;
     reply.counters.blocks_completed += 1;
-    if reply.lacks_a_member(block) || block.aged || block.child_degraded || block.abstained {
+    if reply.lacks_a_member(block) || block.aged || block.child_degraded || block.abstained || block.replaced {
         reply.counters.blocks_degraded += 1;
     }
     reply.send_to_all(block, false);

@@ -65,6 +65,11 @@ pub(super) struct Block {
     /// A worker abstained from this phase (its values exceed the block's
     /// exponent, which was fixed without it): the sum lacks it.
     pub(super) abstained: bool,
+    /// A rank that contributed to this phase, left, and was added back: the
+    /// sum holds its old process's contribution (which cannot be taken
+    /// out), not its new one's (which cannot be added: the rank is in
+    /// `rcvd`), so the result lacks the member as it is now.
+    pub(super) replaced: bool,
     /// Non-root switch: `(src_cnt, degraded)` of the parent's result, which
     /// is what the children get.
     pub(super) parent_result: Option<(u16, bool)>,
@@ -123,6 +128,7 @@ impl Block {
             workers: 0,
             child_degraded: false,
             abstained: false,
+            replaced: false,
             parent_result: None,
             parent_age_op: None,
             expired_up: false,
@@ -156,6 +162,7 @@ impl Block {
         self.workers = 0;
         self.child_degraded = false;
         self.abstained = false;
+        self.replaced = false;
         self.congested = false;
     }
 
@@ -182,7 +189,6 @@ impl Block {
         true
     }
 
-    /// Stop waiting for `src` (declared permanently slow).
     /// Wait for `src` too (a member that joined or caught up).
     pub(super) fn expect(&mut self, src: usize) {
         if self.expected.insert(src) {
@@ -193,6 +199,7 @@ impl Block {
         }
     }
 
+    /// Stop waiting for `src` (declared permanently slow, or it left).
     pub(super) fn forget(&mut self, src: usize) {
         if self.expected.remove(src) {
             self.expected_count -= 1;
@@ -236,6 +243,7 @@ impl Block {
         self.workers = 0;
         self.child_degraded = false;
         self.abstained = false;
+        self.replaced = false;
         self.parent_result = None;
         self.parent_age_op = None;
         self.expired_up = false;
@@ -261,10 +269,10 @@ impl Block {
             // block's partial went up (its sync answer was lost on the way
             // and came again later) is not in the sum. Relaying the
             // parent's flag alone said such a result was complete.
-            Some((src_cnt, degraded)) => (src_cnt, degraded || lacks_a_member),
+            Some((src_cnt, degraded)) => (src_cnt, degraded || lacks_a_member || self.replaced),
             None => (
                 self.workers,
-                self.aged || self.child_degraded || self.abstained || lacks_a_member,
+                self.aged || self.child_degraded || self.abstained || self.replaced || lacks_a_member,
             ),
         };
         Repr {

@@ -1378,3 +1378,25 @@ fn a_block_without_a_current_member_is_degraded_whatever_the_count() {
     assert_eq!(to0.len(), 1, "{out:?}");
     assert!(to0[0].1.degraded, "rank 1 is missing, though two contributions are in: {:?}", to0[0].1);
 }
+
+/// A rank removed and added back while a block still holds what its old
+/// process sent: that contribution stands for nobody now (it cannot be
+/// taken out, and the new process's cannot be added), so the block's result
+/// says it lacks the member. It went out as complete, summed from the old
+/// process's data. (A reviewer's reproduction.)
+#[test]
+fn a_rank_added_back_does_not_take_its_old_processs_contribution_for_its_own() {
+    let mut sw = switch_with(&[JobSpec { workers: 3, ..job(1, 3, 4) }]);
+    assert!(send(&mut sw, Pkt::data(1, 2, 0, &[100])).is_empty());
+    let mut out = VecTransmit::new();
+    sw.update_job(T0, JobSpec { members: vec![0, 1], workers: 3, ..job(1, 3, 4) }, None, &[], &mut out).unwrap();
+    sw.update_job(T0, JobSpec { members: vec![0, 1, 2], workers: 3, ..job(1, 3, 4) }, None, &[], &mut out).unwrap();
+    assert!(decode(out).is_empty());
+    send(&mut sw, Pkt::data(1, 0, 0, &[1]));
+    let out = send(&mut sw, Pkt::data(1, 1, 0, &[10]));
+    assert!(!out.is_empty(), "the block completes: rank 2 is in it, as its old process");
+    for (_, repr, sum) in &out {
+        assert_eq!(sum, &vec![111]);
+        assert!(repr.degraded, "it lacks rank 2's new process: {repr:?}");
+    }
+}
