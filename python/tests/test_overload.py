@@ -45,6 +45,30 @@ def test_python_workers_see_trims_and_still_get_the_exact_sum(keyed):
 N_OVERLOAD = 128 * 1024 * 2
 
 
+def _udp_queue_bytes(addr: str) -> int:
+    """Bytes waiting in the receive queue of the IPv4 UDP socket bound to
+    `addr` (host:port), from /proc/net/udp; 0 if it is not found."""
+    port = int(addr.rsplit(":", 1)[1])
+    with open("/proc/net/udp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port:
+                return int(fields[4].split(":")[1], 16)
+    return 0
+
+
+def _wait_for_queue(addr: str, timeout: float) -> None:
+    """Until the socket's receive queue has stopped growing (the senders'
+    windows are out, or the queue is full) for 0.1 s, or `timeout`."""
+    deadline = time.monotonic() + timeout
+    last, still = -1, 0
+    while time.monotonic() < deadline and still < 5:
+        queued = _udp_queue_bytes(addr)
+        still = still + 1 if queued == last and queued > 0 else 0
+        last = queued
+        time.sleep(0.02)
+
+
 def _through_an_overloaded_shard(trim_settings, key=None, member_key=lambda rank: None):
     """3 workers, one allreduce of N_OVERLOAD int32 each, through a switch
     process (`trim_settings` its switch_config trimming or marking) whose
@@ -79,6 +103,10 @@ def _through_an_overloaded_shard(trim_settings, key=None, member_key=lambda rank
             try:
                 sending.wait(30)
                 time.sleep(0.3)
+                # (on a loaded machine the workers may not have sent much
+                # yet: wait for the queue itself to fill, up to 4 s, well
+                # inside the workers' 10 s silence timeout)
+                _wait_for_queue(sw.data_addr, 4.0)
             finally:
                 os.kill(sw.proc.pid, signal.SIGCONT)
 
