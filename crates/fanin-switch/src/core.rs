@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -400,32 +400,25 @@ impl SwitchCore {
             out.push_str(&format!("fanin_switch_fault_injected_total{{shard=\"{i}\",fault=\"duplicate\"}} {dup}\n"));
             out.push_str(&format!("fanin_switch_fault_injected_total{{shard=\"{i}\",fault=\"reorder\"}} {re}\n"));
         }
-        out.push_str("# TYPE fanin_switch_send_errors_total counter\n");
-        for (i, s) in self.shards.iter().enumerate() {
-            out.push_str(&format!(
-                "fanin_switch_send_errors_total{{shard=\"{i}\"}} {}\n",
-                s.stats.send_errors.load(Ordering::Relaxed)
-            ));
-        }
-        out.push_str(
-            "# HELP fanin_switch_send_dropped_total Datagrams the kernel did not take (queue full, or a send error).\n",
-        );
-        out.push_str("# TYPE fanin_switch_send_dropped_total counter\n");
-        for (i, s) in self.shards.iter().enumerate() {
-            out.push_str(&format!(
-                "fanin_switch_send_dropped_total{{shard=\"{i}\"}} {}\n",
-                s.stats.send_dropped.load(Ordering::Relaxed)
-            ));
-        }
-        out.push_str(
-            "# HELP fanin_switch_handover_dropped_total Datagrams for another shard dropped: that shard had a full backlog of them.\n",
-        );
-        out.push_str("# TYPE fanin_switch_handover_dropped_total counter\n");
-        for (i, s) in self.shards.iter().enumerate() {
-            out.push_str(&format!(
-                "fanin_switch_handover_dropped_total{{shard=\"{i}\"}} {}\n",
-                s.stats.handover_dropped.load(Ordering::Relaxed)
-            ));
+        let per_shard: [(&str, &str, fn(&ShardStats) -> &AtomicU64); 3] = [
+            ("send_errors", "Batched sends that failed outright (none of the batch went out; its datagrams count as send_dropped).", |st: &ShardStats| &st.send_errors),
+            (
+                "send_dropped",
+                "Datagrams the kernel did not take (queue full, or a send error).",
+                |st: &ShardStats| &st.send_dropped,
+            ),
+            (
+                "handover_dropped",
+                "Datagrams for another shard dropped: that shard had a full backlog of them.",
+                |st: &ShardStats| &st.handover_dropped,
+            ),
+        ];
+        for (name, help, counter) in per_shard {
+            out.push_str(&format!("# HELP fanin_switch_{name}_total {help}\n# TYPE fanin_switch_{name}_total counter\n"));
+            for (i, s) in self.shards.iter().enumerate() {
+                let v = counter(&s.stats).load(Ordering::Relaxed);
+                out.push_str(&format!("fanin_switch_{name}_total{{shard=\"{i}\"}} {v}\n"));
+            }
         }
         let info = self.info();
         out.push_str("# HELP fanin_switch_kv_packets_total Key-value datagrams by outcome (all shards).\n");

@@ -76,6 +76,8 @@ pub(crate) struct ShardStats {
     pub fault_ingress_duplicated: AtomicU64,
     pub fault_ingress_reordered: AtomicU64,
     pub fault_egress_dropped: AtomicU64,
+    /// Batched sends that failed outright (the whole batch is counted in
+    /// `send_dropped` too).
     pub send_errors: AtomicU64,
     /// Datagrams the kernel did not take (its queue stayed full, or a send
     /// to one destination failed): what `send_errors` does not count when
