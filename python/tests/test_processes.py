@@ -303,6 +303,8 @@ def test_bench_allreduce_quick_json_reports_verified_figures():
                 "noaggr_median_s", "ratio_vs_noaggr"):
         assert key in out
     assert out["verified"] is True and out["median_s"] > 0
+    # every timed result of both arms, on both workers, was checked
+    assert out["timed_results_checked"] == 2 * 2 * 2, out
 
 
 def test_bench_allreduce_auth_reports_goodput_and_cpu_ratios():
@@ -310,6 +312,7 @@ def test_bench_allreduce_auth_reports_goodput_and_cpu_ratios():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["verified"] is True and "noaggr_median_s" not in out
+    assert out["timed_results_checked"] == 2 * 6 * 2, out
     assert 0 < out["auth_goodput_ratio"] < 2 and 0 < out["auth_goodput_ratio_paired"] < 2
     cpu = out["cpu_s_per_allreduce"]
     # both arms burn CPU in the workers and the switch

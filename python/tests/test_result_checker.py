@@ -66,3 +66,19 @@ def test_int32_results_are_compared_exactly():
     out[17] += 1
     assert not checker.check(out)["ok"]
     assert checker.full_checks == 2
+
+
+def test_noaggr_results_are_checked_against_the_workers_own_input():
+    from fanin.proc import worker_inputs
+    from fanin_bench.bench.runner import _check_own
+
+    checker = ResultChecker(4, 10_000, "float32", 358)
+    x = worker_inputs(1, 10_000, "float32")
+    assert _check_own(x.copy(), x, checker, "float32")["ok"]
+    assert not _check_own(worker_inputs(2, 10_000, "float32"), x, checker, "float32")["ok"]
+    assert not _check_own(np.zeros_like(x), x, checker, "float32")["ok"]
+    xi = worker_inputs(1, 1000, "int32")
+    assert _check_own(xi.copy(), xi, ResultChecker(4, 1000, "int32", 358), "int32")["ok"]
+    wrong = xi.copy()
+    wrong[7] += 1
+    assert not _check_own(wrong, xi, ResultChecker(4, 1000, "int32", 358), "int32")["ok"]

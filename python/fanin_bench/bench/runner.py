@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fanin.proc import SwitchProcess, check_result, format_size, parse_size, worker_inputs
+from fanin.proc import ResultChecker, SwitchProcess, format_size, parse_size, worker_inputs
 from fanin.switch import free_result_group, job_config, switch_config
 from fanin_bench.bench.cpu import process_cpu_seconds
 from fanin_bench.report import emit
@@ -80,6 +80,8 @@ class AllreduceRun:
     switch_cpu_s: dict[str, list[float]] = field(default_factory=dict)
     retransmissions: int = 0
     verified: bool = False
+    # timed results compared with the verified one (every worker, every arm)
+    timed_results_checked: int = 0
     checks: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
 
@@ -104,6 +106,7 @@ class AllreduceRun:
             "elements_per_s": p.elements / med,
             "retransmissions": self.retransmissions,
             "verified": self.verified,
+            "timed_results_checked": self.timed_results_checked,
             "max_abs_error": max((c.get("max_abs_error", 0) for c in self.checks), default=None),
             "switch_counters": {k: v for k, v in self.counters.items() if v and not k.startswith("malformed.")},
         }
@@ -179,16 +182,28 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         out = np.empty_like(x)
         aggr.allreduce(x, out=out)
         report["digest"] = hashlib.sha256(out.tobytes()).hexdigest()
-        if p.verify:
-            report["check"] = check_result(out, p.workers, p.dtype, p.elems_per_packet)
+        checker = ResultChecker(p.workers, x.size, p.dtype, p.elems_per_packet) if p.verify else None
+        if checker is not None:
+            report["check"] = checker.check(out)
+        # What every timed call must give again, bit for bit: fanin's sum of
+        # the same inputs is the same bits every time (with loss too: a
+        # retransmission changes no sum); the keyed job's is the same sum.
+        expected = {"fanin": out.copy()}
         if authed is not None:
-            # the keyed job must give the very same bits
-            report["auth_digest"] = hashlib.sha256(authed.allreduce(x, out=out).tobytes()).hexdigest()
+            authed.allreduce(x, out=out)
+            report["auth_digest"] = hashlib.sha256(out.tobytes()).hexdigest()
+            expected["auth"] = expected["fanin"]
         if noaggr is not None:
+            # NoAggr hands each worker its own contribution back, quantised
+            # as the sum's is: within the sum's bound of its input.
             noaggr.allreduce(x, out=out)
+            if checker is not None:
+                report["noaggr_check"] = _check_own(out, x, checker, p.dtype)
+            expected["noaggr"] = out.copy()
         times: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
         cpu: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
         switch_cpu: dict[str, list[float]] = {"fanin": [], "noaggr": [], "auth": []}
+        timed_checked, timed_failed = 0, []
         retrans = 0
         for i in range(p.iters):
             order = [("fanin", aggr), ("noaggr", noaggr), ("auth", authed)]
@@ -208,8 +223,16 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
                     switch_cpu[name].append(process_cpu_seconds(p.switch_pid) - s0)
                 if name in ("fanin", "auth"):
                     retrans += sess.last_stats["retransmissions"]
+                # every timed result checked, after its clock stopped
+                if checker is not None:
+                    timed_checked += 1
+                    if not np.array_equal(out.view(np.uint8), expected[name].view(np.uint8)):
+                        check = _check_own(out, x, checker, p.dtype) if name == "noaggr" else checker.check(out)
+                        timed_failed.append({"arm": name, "iteration": i, **check, "ok": False})
             if rank == 0:
                 results.put({"progress": i + 1})
+        report["timed_results_checked"] = timed_checked
+        report["timed_failures"] = timed_failed
         report["times"] = times
         report["cpu"] = cpu
         report["switch_cpu"] = switch_cpu
@@ -221,9 +244,22 @@ def _worker(rank: int, switch: str, p: AllreduceParams, results: Any) -> None:
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
 
+def _check_own(out: np.ndarray, x: np.ndarray, checker: ResultChecker, dtype: str) -> dict[str, Any]:
+    """NoAggr's result against the worker's own input: exact for int32,
+    within the allreduce's per-element bound (plus an ulp) for floats."""
+    if dtype == "int32":
+        ok = bool(np.array_equal(out, x))
+        return {"ok": ok, "max_abs_error": 0 if ok else int(np.max(np.abs(out.astype(np.int64) - x)))}
+    err = np.abs(out.astype(np.float64) - x)
+    ok = bool(np.all(err <= checker.bound + np.abs(out) * np.finfo(np.float32).eps))
+    return {"ok": ok, "max_abs_error": float(err.max()) if err.size else 0.0}
+
+
 def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
     """Start a switch process and `p.workers` worker processes; time fanin and
-    NoAggr allreduce alternately; verify every worker's first result."""
+    NoAggr allreduce alternately; verify every worker's first result against
+    the reference and every timed result against that one (outside the
+    timing); NoAggr's against the worker's own input."""
     p.validate()
     p.result_group = free_result_group() if p.results == "multicast" else None
     jobs = [
@@ -286,10 +322,16 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
         digests |= {r["auth_digest"] for r in reports}
     run.retransmissions = sum(r["retransmissions"] for r in reports)
     run.checks = [r.get("check", {}) for r in reports]
-    run.verified = p.verify and len(digests) == 1 and all(c.get("ok") for c in run.checks)
+    noaggr_checks = [r["noaggr_check"] for r in reports if "noaggr_check" in r]
+    timed_failures = [{"rank": r["rank"], **f} for r in reports for f in r["timed_failures"]]
+    run.timed_results_checked = sum(r["timed_results_checked"] for r in reports)
+    run.verified = (p.verify and len(digests) == 1 and all(c.get("ok") for c in run.checks + noaggr_checks)
+                    and not timed_failures)
     if p.verify and not run.verified:
-        why = "workers' results differ" if len(digests) != 1 else "a result differs from the reference"
-        raise RuntimeError(f"verification failed: {why}: {run.checks}")
+        why = ("workers' results differ" if len(digests) != 1
+               else f"a timed result differs from the verified one: {timed_failures[:4]}" if timed_failures
+               else f"a result differs from the reference: {run.checks} (NoAggr: {noaggr_checks})")
+        raise RuntimeError(f"verification failed: {why}")
     return run
 
 
