@@ -1,18 +1,20 @@
 """``fanin bench memory``: the switch's two memory models side by side.
 
-One ``fanin switch`` process (one shard) with ``--memory-mb`` of
-aggregation memory, first with ``memory_model = "reserved"`` (SwitchML:
-two buffers per slot reserved per job), then ``"pooled"`` (Trio-ML: one
+Two ``fanin switch`` processes (one shard each) with ``--memory-mb`` of
+aggregation memory, one with ``memory_model = "reserved"`` (SwitchML:
+two buffers per slot reserved per job), one ``"pooled"`` (Trio-ML: one
 buffer reserved per job, every other block record from the memory all
 jobs share, freed once every member acknowledged its result;
-docs/memory.md). Under each, jobs of the same shape are admitted through
-the control API until the switch refuses one, and then every admitted job
-runs at once (``--members`` workers each, threads of this process, an
-int32 allreduce of ``--elems`` elements, ``--repeats`` times). Reported
+docs/memory.md). Both switches run side by side: under each, jobs of the
+same shape are admitted through the control API until the switch refuses
+one; then, ``--repeats`` times and alternating between the two switches,
+every job admitted on one runs at once (``--members`` workers each,
+threads of this process, an int32 allreduce of ``--elems`` elements).
+Only the allreduces are timed; every result is checked exactly after the
+clock stops (a wrong one fails the run). Reported
 per model: jobs admitted and their caps over the memory, wall time
 (median), aggregate and per-job goodput, the switch's back-pressure nacks
-for memory, recycled, acknowledged and evicted records; every result is
-checked exactly or the run fails.
+for memory, recycled, acknowledged and evicted records.
 """
 
 from __future__ import annotations
@@ -30,80 +32,143 @@ __all__ = ["run_memory"]
 MODELS = ("reserved", "pooled")
 
 
-def _run_model(model: str, args: Any, elems: int, repeats: int) -> dict[str, Any]:
-    import fanin
-    from fanin.control import ControlClient, ControlError
-    from fanin.proc import SwitchProcess, check_result, worker_inputs
-    from fanin.switch import switch_config
+class _Model:
+    """One switch process under one memory model, its jobs admitted until
+    it refuses one, and a thread per member of every admitted job, each
+    holding its Session between runs. `run_once` runs every job at once and
+    times only the allreduces: the results are checked after the clock
+    stops, before the next run starts."""
 
-    cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0", shards=1,
-                        memory_mb=args.memory_mb, memory_model=model, jobs=[])
-    with SwitchProcess(cfg) as sw:
-        admitted, refusal = [], ""
-        with ControlClient(sw.control_addr) as c:
+    def __init__(self, model: str, args: Any, elems: int, inputs: dict[int, Any], stack: Any):
+        from fanin.control import ControlClient, ControlError
+        from fanin.proc import SwitchProcess
+        from fanin.switch import switch_config
+
+        self.model, self.args = model, args
+        cfg = switch_config(data_addr="127.0.0.1:0", control_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0",
+                            shards=1, memory_mb=args.memory_mb, memory_model=model, jobs=[])
+        self.sw = stack.enter_context(SwitchProcess(cfg))
+        self.admitted: list[int] = []
+        self.refusal = ""
+        with ControlClient(self.sw.control_addr) as c:
             for job in range(1, args.jobs + 1):
                 try:
                     c.admit_job(job, range(args.members), block_cnt_max=args.slots, block_grad_max=args.packet)
                 except ControlError as e:
                     if e.code != "RESOURCE_EXHAUSTED":
                         raise
-                    refusal = e.message
+                    self.refusal = e.message
                     break
-                admitted.append(job)
-        if not admitted:
-            raise SystemExit(f"bench memory: the {model} switch admits no job of this shape: {refusal}")
-        inputs = {r: worker_inputs(r, elems, "int32") for r in range(args.members)}
-        times: list[float] = []
-        failures: list[str] = []
-        start = threading.Barrier(len(admitted) * args.members + 1)
-        done = threading.Barrier(len(admitted) * args.members + 1)
-
-        def worker(job: int, rank: int) -> None:
-            try:
-                s = fanin.Session(sw.data_addr, job, rank, elems_per_packet=args.packet)
-            except BaseException as e:  # reported after the run
-                failures.append(f"job {job} rank {rank}: {e!r}")
-                s = None
-            for _ in range(repeats):
-                start.wait()
-                try:
-                    if s is not None:
-                        y = s.allreduce(inputs[rank])
-                        if not check_result(y, args.members, "int32", args.packet)["ok"]:
-                            failures.append(f"job {job} rank {rank}: wrong result")
-                except BaseException as e:
-                    failures.append(f"job {job} rank {rank}: {e!r}")
-                done.wait()
-
-        threads = [threading.Thread(target=worker, args=(j, r), daemon=True) for j in admitted
-                   for r in range(args.members)]
-        for t in threads:
+                self.admitted.append(job)
+        if not self.admitted:
+            raise SystemExit(f"bench memory: the {model} switch admits no job of this shape: {self.refusal}")
+        self.inputs, self.times, self.failures = inputs, [], []
+        parties = len(self.admitted) * args.members + 1
+        # start -> (allreduce) -> done -> (check) -> checked
+        self.start, self.done, self.checked = (threading.Barrier(parties) for _ in range(3))
+        self.stopping = False
+        self.threads = [threading.Thread(target=self._worker, args=(j, r), daemon=True)
+                        for j in self.admitted for r in range(args.members)]
+        for t in self.threads:
             t.start()
-        for i in range(repeats):
-            start.wait()
-            t0 = time.perf_counter()
-            done.wait()
-            times.append(time.perf_counter() - t0)
-            print(f"bench memory: {model}, {len(admitted)} jobs, run {i + 1}/{repeats}: {times[-1]:.2f} s",
-                  file=sys.stderr)
-        for t in threads:
+
+    def _worker(self, job: int, rank: int) -> None:
+        import fanin
+
+        args, checker = self.args, self.args.checker
+        out = self.inputs[rank].copy()
+        try:
+            s = fanin.Session(self.sw.data_addr, job, rank, elems_per_packet=args.packet)
+        except BaseException as e:  # reported after the run
+            self.failures.append(f"job {job} rank {rank}: {e!r}")
+            s = None
+        while True:
+            self.start.wait()
+            if self.stopping:
+                return
+            failed = s is None
+            try:
+                if s is not None:
+                    s.allreduce(self.inputs[rank], out=out)
+            except BaseException as e:
+                self.failures.append(f"job {job} rank {rank}: {e!r}")
+                failed = True
+            self.done.wait()
+            if not failed and not checker.check(out)["ok"]:
+                self.failures.append(f"job {job} rank {rank}: wrong result")
+            self.checked.wait()
+
+    def run_once(self, timed: bool = True) -> float:
+        self.start.wait()
+        t0 = time.perf_counter()
+        self.done.wait()
+        wall = time.perf_counter() - t0
+        if timed:
+            self.times.append(wall)
+        self.checked.wait()
+        return wall
+
+    def finish(self) -> dict[str, Any]:
+        self.stopping = True
+        self.start.wait()
+        for t in self.threads:
             t.join(timeout=60)
-        counters = sw.counters()
-    if failures:
-        raise SystemExit(f"bench memory: {model}: {failures[0]} ({len(failures)} failures)")
-    wall = statistics.median(times)
-    bits = elems * 4 * 8
-    cap_bytes = 2 * args.slots * args.packet * 4  # a block and its shadow in every slot
-    return {"model": model, "jobs_admitted": len(admitted), "refused": refusal,
-            "caps_over_memory": round(len(admitted) * cap_bytes / (args.memory_mb << 20), 2),
-            "wall_s": round(wall, 3),
-            "runs_s": [round(t, 3) for t in times],
-            "aggregate_gbit_s": round(len(admitted) * bits / wall / 1e9, 3),
-            "per_job_gbit_s": round(bits / wall / 1e9, 3),
-            "memory_exhausted": counters.get("memory_exhausted", 0),
-            "records_recycled": counters.get("records_recycled", 0),
-            "result_acks": counters.get("result_acks", 0), "records_acked": counters.get("records_acked", 0),
-            "records_evicted": counters.get("records_evicted", 0), "exact": True}
+        counters = self.sw.counters()
+        if self.failures:
+            raise SystemExit(f"bench memory: {self.model}: {self.failures[0]} ({len(self.failures)} failures)")
+        args = self.args
+        wall = statistics.median(self.times)
+        bits = args.elems * 4 * 8
+        cap_bytes = 2 * args.slots * args.packet * 4  # a block and its shadow in every slot
+        return {"model": self.model, "jobs_admitted": len(self.admitted), "refused": self.refusal,
+                "caps_over_memory": round(len(self.admitted) * cap_bytes / (args.memory_mb << 20), 2),
+                "wall_s": round(wall, 3),
+                "runs_s": [round(t, 3) for t in self.times],
+                "aggregate_gbit_s": round(len(self.admitted) * bits / wall / 1e9, 3),
+                "per_job_gbit_s": round(bits / wall / 1e9, 3),
+                "memory_exhausted": counters.get("memory_exhausted", 0),
+                "records_recycled": counters.get("records_recycled", 0),
+                "result_acks": counters.get("result_acks", 0), "records_acked": counters.get("records_acked", 0),
+                "records_evicted": counters.get("records_evicted", 0), "exact": True}
+
+
+class _SharedChecker:
+    """One ResultChecker (every job sums the same inputs) for all threads."""
+
+    def __init__(self, members: int, elems: int, packet: int):
+        from fanin.proc import ResultChecker
+
+        self._checker = ResultChecker(members, elems, "int32", packet)
+        self._lock = threading.Lock()
+
+    def check(self, result: Any) -> dict[str, Any]:
+        with self._lock:
+            return self._checker.check(result)
+
+
+def _run_models(args: Any, elems: int, repeats: int) -> list[dict[str, Any]]:
+    """Both models' switches up at once, their runs alternated (reserved
+    first on odd runs, pooled first on even), so load that drifts during
+    the benchmark falls on both."""
+    from contextlib import ExitStack
+
+    from fanin.proc import worker_inputs
+
+    args.elems = elems
+    args.checker = _SharedChecker(args.members, elems, args.packet)
+    inputs = {r: worker_inputs(r, elems, "int32") for r in range(args.members)}
+    with ExitStack() as stack:
+        models = {m: _Model(m, args, elems, inputs, stack) for m in MODELS}
+        for m in MODELS:
+            # untimed, as for every arm of every benchmark: the sessions'
+            # first allreduce stages their buffers (page faults, sockets)
+            models[m].run_once(timed=False)
+        for i in range(repeats):
+            for m in (MODELS if i % 2 == 0 else MODELS[::-1]):
+                wall = models[m].run_once()
+                print(f"bench memory: {m}, {len(models[m].admitted)} jobs, run {i + 1}/{repeats}: {wall:.2f} s",
+                      file=sys.stderr)
+        return [models[m].finish() for m in MODELS]
 
 
 def run_memory(args: Any) -> int:
@@ -112,7 +177,7 @@ def run_memory(args: Any) -> int:
     elems = args.elems or (100_000 if args.quick else 4_000_000)
     repeats = args.repeats or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
-    rows = [_run_model(m, args, elems, repeats) for m in MODELS]
+    rows = _run_models(args, elems, repeats)
     by = {r["model"]: r for r in rows}
     out = {"benchmark": "memory", "memory_mb": args.memory_mb, "members": args.members, "slots": args.slots,
            "packet_elems": args.packet, "elems_per_worker": elems, "repeats": repeats, "results": rows,
