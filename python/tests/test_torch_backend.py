@@ -1599,3 +1599,38 @@ def test_a_rank_busy_longer_than_5_s_between_collectives_does_not_fail_the_group
     for be in ("gloo", "fanin"):
         for r in _spawn(_a_rank_busy_between_collectives, 2, env={"BE": be}, timeout=120):
             assert r == [[3.0], [23.0]], (be, r)
+
+
+def test_the_torch_allreduce_bench_checks_every_element_and_refuses_a_wrong_sum():
+    """The bench's check covers the whole tensor (a share per rank), and a
+    result missing a contribution fails it, in float32 and 16 bits."""
+    from fanin_bench.bench.torch_bench import _CHUNK, _inputs, _max_error
+
+    n, world = 2 * _CHUNK + 1000, 2
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        total = sum(torch.from_numpy(_inputs(r, n)).to(dtype).double() for r in range(world))
+        right = total.to(dtype)
+        covered = [_max_error(right, r, world, n, dtype) for r in range(world)]
+        assert all(e >= 0 for e in covered)
+        # one element in the last, partial chunk (rank 0's share) lacks rank 1
+        wrong = right.clone()
+        wrong[n - 1] = torch.from_numpy(_inputs(0, n, 2 * _CHUNK, n))[-1].to(dtype)
+        with pytest.raises(RuntimeError, match="wrong result"):
+            _max_error(wrong, 0, world, n, dtype)
+        # a chunk rank 1 checks
+        wrong = right.clone()
+        wrong[_CHUNK + 5] += 1.5
+        with pytest.raises(RuntimeError, match="wrong result"):
+            _max_error(wrong, 1, world, n, dtype)
+
+
+def test_the_torch_allreduce_bench_runs_both_backends_checked(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fanin", "bench", "torch-allreduce", "--workers", "2", "--sizes", "1MB",
+                          "--iters", "2", "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    point = json.loads(out.stdout.strip().splitlines()[-1])["points"][0]
+    assert point["fanin_identical_on_all_ranks"] and 0 <= point["fanin_max_abs_error"] < 4 * 2.0 ** -23
+    assert 0 <= point["gloo_max_abs_error"] < 4 * 2.0 ** -23

@@ -2,7 +2,10 @@
 
 * ``fanin bench torch-allreduce``: ``dist.all_reduce`` on the ``fanin``
   backend vs the ``gloo`` backend, 2/4/8 processes, 1 MB to 256 MB float32,
-  alternating backends at every point, on loopback.
+  alternating backends at every point, on loopback. Each backend's first
+  result is checked in full against the float64 sum (every element, a share
+  of the tensor per rank), every timed one must repeat its bits, and the
+  ranks' must agree: a wrong result fails the run.
 * ``fanin bench time-to-accuracy`` (cf. Trio-ML Fig. 12): data-parallel MLP
   training on scikit-learn's digits with the Slow Worker Pattern (p = 16 %):
   fanin with straggler mitigation (job option ``block_exp_ms``), fanin
@@ -36,6 +39,62 @@ __all__ = ["run_torch_allreduce", "run_time_to_accuracy"]
 
 
 # ---------------------------------------------------------------- torch-allreduce
+#: Inputs are drawn per chunk, so any rank can rebuild any part of any
+#: rank's input (and the reference) without generating the rest.
+_CHUNK = 1 << 20
+
+
+def _inputs(rank: int, n: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
+    """Elements [lo, hi) of rank's float32 input, uniform in [-1, 1); lo a multiple of _CHUNK."""
+    hi = n if hi is None else hi
+    parts = []
+    for c in range(lo // _CHUNK, -(-hi // _CHUNK)):
+        rng = np.random.default_rng([1234, rank, c])
+        parts.append(rng.random(min(_CHUNK, n - c * _CHUNK), dtype=np.float32) * 2 - 1)
+    return np.concatenate(parts)[: hi - lo] if parts else np.zeros(0, dtype=np.float32)
+
+
+def _allowed_error(world: int, dtype: Any) -> float:
+    """What either backend may be off from the float64 sum of the rounded
+    inputs (each |x| < 1, so every partial sum stays below `world`): a
+    rounding in the result's dtype per addition (Gloo's ring, and fanin's
+    block floating point, whose quantisation error is far below it). A
+    result missing a rank's contribution or holding another round's is off
+    by about 1 on the worst element, far outside."""
+    import torch
+
+    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+    return world * world * 2.0 ** -mantissa
+
+
+def _max_error(result: Any, rank: int, world: int, n: int, dtype: Any) -> float:
+    """The largest error over this rank's share of the chunks; raises when
+    it exceeds the allowed error (the result is wrong)."""
+    import torch
+
+    worst = 0.0
+    for c in range(rank, -(-n // _CHUNK), world):
+        lo, hi = c * _CHUNK, min(n, (c + 1) * _CHUNK)
+        ref = np.zeros(hi - lo, dtype=np.float64)
+        for r in range(world):
+            ref += torch.from_numpy(_inputs(r, n, lo, hi)).to(dtype).double().numpy()
+        err = float(np.max(np.abs(result[lo:hi].double().numpy() - ref)))
+        worst = max(worst, err)
+    allowed = _allowed_error(world, dtype)
+    if worst > allowed:
+        raise RuntimeError(f"wrong result: an element is {worst:.3g} from the float64 sum (allowed {allowed:.3g})")
+    return worst
+
+
+def _digest(t: Any) -> str:
+    """A CPU tensor's bytes, hashed."""
+    import hashlib
+
+    import torch
+
+    return hashlib.blake2b(t.contiguous().view(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
+
+
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, iters: int, env: dict[str, str],
                       results: Any, device: str = "cpu", dtype_name: str = "float32") -> None:
     try:
@@ -51,22 +110,19 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, it
         dist.init_process_group(backend)
         dtype = getattr(torch, dtype_name)
         # the same inputs for both backends (rank-dependent), in the dtype measured
-        gen = torch.Generator().manual_seed(1234 + rank)
-        x = (torch.rand(n, generator=gen, dtype=torch.float32) * 2 - 1).to(dtype)
-        # the reference covers a prefix: the same generator yields the same prefix
-        m = min(n, 1 << 22)
-        ref = torch.zeros(m, dtype=torch.float64)
-        for r in range(world):
-            g = torch.Generator().manual_seed(1234 + r)
-            ref += (torch.rand(m, generator=g, dtype=torch.float32) * 2 - 1).to(dtype).double()
-        x = x.to(device)
+        x = torch.from_numpy(_inputs(rank, n)).to(dtype).to(device)
         buf = x.clone()
         dist.all_reduce(buf)
-        err = float((buf[:m].cpu().double() - ref).abs().max())
-        del ref
+        first = buf.cpu()
+        # Checked in full, a share per rank (chunks r, r + world, ...): every
+        # element against the float64 sum of the rounded inputs.
+        err = _max_error(first, rank, world, n, dtype)
+        digest = _digest(first)
+        del first
         group = fanin.torch.fanin_group() if backend == "fanin" else None
         sent0 = group.socket_stats() if group else None
         times = []
+        repeats_differ = 0
         for _ in range(iters):
             buf.copy_(x)
             if device == "cuda":
@@ -77,6 +133,8 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, it
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            # after the clock: the same inputs must give the same bits again
+            repeats_differ += _digest(buf.cpu()) != digest
         wire = {}
         if group:
             sent1 = group.socket_stats()
@@ -84,11 +142,10 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, n: int, it
             # 20-byte IP headers are not counted by the socket)
             wire = {"sent_bytes_per_elem": (sent1["bytes_sent"] - sent0["bytes_sent"]) / (iters * n),
                     "received_bytes_per_elem": (sent1["bytes_received"] - sent0["bytes_received"]) / (iters * n)}
-        digest = float(buf.double().sum())
         retrans = group.total_stats().retransmissions if group else 0
         dist.destroy_process_group()
         results.put({"rank": rank, "ok": True, "times": times, "max_abs_error": err, "digest": digest,
-                     "retransmissions": retrans, **wire})
+                     "repeats_differ": repeats_differ, "retransmissions": retrans, **wire})
     except BaseException as e:
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
@@ -118,11 +175,16 @@ def _run_allreduce_point(backend: str, world: int, n: int, iters: int, env: dict
     bad = [r for r in reports if not r["ok"]]
     if bad:
         raise RuntimeError(f"{backend} x{world}: " + "; ".join(f"rank {r['rank']}: {r['error']}" for r in bad))
+    if len({r["digest"] for r in reports}) != 1:
+        raise RuntimeError(f"{backend} x{world}: the ranks' results differ")
+    if any(r["repeats_differ"] for r in reports):
+        raise RuntimeError(f"{backend} x{world}: a timed all_reduce of the same inputs gave other bits than the "
+                           f"checked one ({sum(r['repeats_differ'] for r in reports)} of {world * iters})")
     times = [max(r["times"][i] for r in reports) for i in range(iters)]
     point = {"median_s": statistics.median(times), "times_s": times,
              "max_abs_error": max(r["max_abs_error"] for r in reports),
              "retransmissions": sum(r["retransmissions"] for r in reports),
-             "identical_on_all_ranks": len({r["digest"] for r in reports}) == 1}
+             "identical_on_all_ranks": True}
     if "sent_bytes_per_elem" in reports[0]:
         point["sent_bytes_per_elem"] = max(r["sent_bytes_per_elem"] for r in reports)
         point["received_bytes_per_elem"] = max(r["received_bytes_per_elem"] for r in reports)
