@@ -278,6 +278,8 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
             f"steps ({args.steps / trained_s:.1f} steps/s)")
     overlap = measure_overlap(model, batch(train, args.batch, args.context, gen), device, args.overlap_steps) \
         if args.overlap_steps > 0 and not args.fsdp else {}
+    # the replicas must agree (every rank, every backend): one hash of all the parameters
+    digest = fanin.torch.parameter_digest(model)
     switch = {}
     if args.backend == "fanin":  # what the switch did: blocks aged out, blocks resent
         st = fanin.torch.fanin_group().total_stats()
@@ -296,7 +298,7 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
             "parallel": "fsdp" if args.fsdp else "ddp", "device": str(device), "params": params,
             "steps": args.steps, "seconds": trained_s, "steps_per_s": args.steps / trained_s,
             "held_out_bits_per_byte_first": first / math.log(2), "held_out_bits_per_byte_last": last,
-            "curve": curve}
+            "curve": curve, "param_digest": digest}
 
 
 def main() -> None:

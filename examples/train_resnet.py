@@ -136,7 +136,7 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
     sync()
     seconds = time.perf_counter() - t0
     # the replicas must agree: a digest of the parameters on every rank
-    digest = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().item()
+    digest = fanin.torch.parameter_digest(model)
     if rank == 0:
         log(f"{args.steps} steps in {seconds:.2f} s: {args.steps / seconds:.2f} steps/s, "
             f"{args.steps * args.batch * world / seconds:.1f} images/s")

@@ -213,14 +213,44 @@ def test_lm_steps_trains_the_same_model_on_fanin_and_gloo(tmp_path):
     losses = {s: row[f"{s}_held_out_bits_per_byte"] for s in systems}
     assert abs(losses["fanin"] - losses["gloo"]) < 1e-3 and abs(losses["fanin-fp16"] - losses["gloo"]) < 0.05, losses
     assert abs(losses["fanin-fsdp"] - losses["gloo-fsdp"]) < 1e-3, losses
+    # the bench checked both itself: every system's replicas agreed, every fanin loss is its baseline's
+    assert all(row[f"{s}_loss_vs_gloo"] == losses[s] - losses["gloo-fsdp" if "fsdp" in s else "gloo"]
+               for s in systems if not s.startswith("gloo")), row
     assert all(row[f"{s}_steps_per_s"] > 0 for s in losses)
-    assert set(k for k in row if k.endswith("_vs_gloo")) == {"fanin_vs_gloo", "fanin-fp16_vs_gloo",
+    assert set(k for k in row if k.endswith("_vs_gloo") and "loss" not in k) == {"fanin_vs_gloo", "fanin-fp16_vs_gloo",
                                                                "fanin-fsdp_vs_gloo"}
     assert (tmp_path / "lm_steps.csv").exists() and (tmp_path / "lm_steps.png").stat().st_size > 0
     # DDP's overlap of communication with the backward pass was measured
     for s in ("fanin", "gloo"):
         assert row[f"{s}_comm_s"] > 0 and row[f"{s}_compute_s"] > 0 and 0 <= row[f"{s}_overlap"] <= 1, row
     assert "fanin-fsdp_overlap" not in row
+
+
+def test_the_training_benches_refuse_replicas_that_differ_and_losses_that_drift():
+    from fanin_bench.bench.lm_steps import check_losses_agree, check_replicas_agree
+
+    check_replicas_agree("fanin", [{"param_digest": "a"}, {"param_digest": "a"}])
+    for reports in ([{"param_digest": "a"}, {"param_digest": "b"}], [{"param_digest": "a"}, {}]):
+        with pytest.raises(RuntimeError, match="parameters differ"):
+            check_replicas_agree("fanin", reports)
+    rows = [{"rate_mbit": 100, "fanin_held_out_bits_per_byte": 4.2671, "gloo_held_out_bits_per_byte": 4.2670}]
+    check_losses_agree(rows, ["fanin", "gloo"])
+    assert abs(rows[0]["fanin_loss_vs_gloo"] - 1e-4) < 1e-9
+    rows[0]["fanin_held_out_bits_per_byte"] = 4.5
+    with pytest.raises(RuntimeError, match="held-out loss"):
+        check_losses_agree(rows, ["fanin", "gloo"])
+
+
+def test_parameter_digest_tells_replicas_apart_by_any_bit():
+    torch = pytest.importorskip("torch")
+    import fanin.torch as ft
+
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    assert ft.parameter_digest(a) == ft.parameter_digest(b)
+    with torch.no_grad():
+        b.bias[1] = torch.nextafter(b.bias[1], torch.tensor(2.0))
+    assert ft.parameter_digest(a) != ft.parameter_digest(b)
 
 
 def test_lm_time_to_accuracy_runs_every_arm_with_stragglers(tmp_path):

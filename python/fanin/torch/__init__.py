@@ -47,6 +47,7 @@ __all__ = [
     "fanin_group",
     "last_step_sources",
     "noop_hook",
+    "parameter_digest",
     "register",
     "step_stats",
 ]
@@ -61,6 +62,22 @@ def register() -> None:
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         # CUDA tensors are staged through pinned host memory (fanin.torch._staged)
         dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """A hash of the bytes of every parameter of ``model``, in order: equal on
+    every rank exactly when the replicas are bit for bit the same (DDP's
+    promise, whatever the backend). FSDP2's sharded parameters (DTensors)
+    are gathered whole first, which is a collective: call it on every rank."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for p in model.parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def fanin_group(group: Optional[Any] = None) -> FaninProcessGroup:

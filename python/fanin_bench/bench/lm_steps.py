@@ -74,12 +74,23 @@ def run_system(tb: Any, hosts: list[str], system: str, steps: int, port: int, ex
                 q.kill()
             raise RuntimeError(f"lm-steps {system} rank {rank} failed: {err[-2000:]}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
+    check_replicas_agree(system, reports)
     r0 = reports[0]
     return {**r0, "system": system, "held_out_bits_per_byte": r0.get("held_out_bits_per_byte_last"),
             "straggle_events": r0.get("straggle_events", 0),
             "degraded_blocks": sum(r.get("degraded_blocks", 0) for r in reports),
             "missed_blocks": sum(r.get("missed_blocks", 0) for r in reports),
-            "replicas_agree": len({r.get("param_digest") for r in reports}) == 1}
+            "replicas_agree": True}
+
+
+def check_replicas_agree(system: str, reports: list[dict[str, Any]]) -> None:
+    """Every rank ended with the same parameters (`param_digest`), or raise:
+    replicas that went apart had different sums, a wrong result."""
+    digests = {r.get("param_digest") for r in reports}
+    if None in digests or len(digests) != 1:
+        missing = sum(r.get("param_digest") is None for r in reports)
+        raise RuntimeError(f"{system}: the ranks' parameters differ after training ({len(digests - {None})} distinct "
+                           f"digests, {missing} ranks without one): the replicas went apart")
 
 
 def rates_by_systems(name: str, n: int, rates: list[float], systems: list[str], port: int,
@@ -110,6 +121,29 @@ def rates_by_systems(name: str, n: int, rates: list[float], systems: list[str], 
                     row[f"{system}_vs_gloo"] = row[f"{system}_steps_per_s"] / row[f"{baseline(system)}_steps_per_s"]
             rows.append(row)
     return rows
+
+
+#: How far (bits per byte) a fanin system's held-out loss may end from its
+#: Gloo baseline's after the same steps from the same seeds: the sums differ
+#: only in rounding (block floating point, or 16 bits on the wire), which
+#: moves the loss in the third decimal; a wrong sum moves it much more.
+LOSS_TOLERANCE = 0.05
+
+
+def check_losses_agree(rows: list[dict[str, Any]], systems: list[str]) -> None:
+    """Record each fanin system's held-out loss minus its Gloo baseline's
+    (`<system>_loss_vs_gloo`); raise when one is beyond LOSS_TOLERANCE."""
+    for row in rows:
+        for system in systems:
+            base = baseline(system)
+            if system.startswith("gloo") or base not in systems:
+                continue
+            diff = row[f"{system}_held_out_bits_per_byte"] - row[f"{base}_held_out_bits_per_byte"]
+            row[f"{system}_loss_vs_gloo"] = diff
+            if abs(diff) > LOSS_TOLERANCE:
+                raise RuntimeError(f"lm-steps: at {row['rate_mbit']:g} Mbit/s {system} ended at a held-out loss "
+                                   f"{diff:+.3f} bits per byte from {base}'s (allowed ±{LOSS_TOLERANCE}): "
+                                   "the same training from the same seeds must end at the same loss")
 
 
 def model_args(args: Any) -> list[str]:
@@ -170,6 +204,7 @@ def run_lm_steps(args: Any) -> int:
     rows = rates_by_systems(args.name, n, rates, systems, 29700,
                             lambda tb, system, port: run_system(tb, hosts, system, steps, port, extra,
                                                                 overlap_steps=args.overlap_steps), record)
+    check_losses_agree(rows, systems)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "lm_steps.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
