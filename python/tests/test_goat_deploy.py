@@ -84,8 +84,8 @@ def test_on_path_every_worker_sends_to_its_first_hop_and_the_switches_on_the_way
     assert plan_jobs(hand_plan(), topology.load(str(TOPO)), job_base=10).transits == []
     # a node off a worker's path cannot be reached by relaying
     off = hand_plan()
-    off["switches"][1]["filters"][0]["workers"] = ["w0", "w1", "w2", "w3", "w4"]
-    off["parameter_server"]["expect"][1]["direct_workers"] = WORKERS[5:]
+    off["switches"][1]["filters"][0].update(workers=["w0", "w1", "w2", "w3", "w4"], expected_sources=5)
+    off["parameter_server"]["expect"][1].update(direct_workers=WORKERS[5:], expected_sources=4)
     off["workers"][4]["aggregation_node"][1] = "tor0"
     plan_jobs(off, topology.load(str(TOPO)))  # fine when workers address the node directly
     with pytest.raises(GoatError, match="w4 sends sub-model 1 to 'tor0', which is not on its path"):
@@ -104,6 +104,142 @@ def test_inconsistent_plans_are_refused():
         plan_jobs(bad, topo)
     with pytest.raises(GoatError, match="schema"):
         plan_jobs({**hand_plan(), "schema": "x"}, topo)
+
+
+def _g1(plan):
+    return plan["parameter_server"]["expect"][1]
+
+
+def _two_filters_for_w0(plan):
+    # w0's g1 in agg's filter as well as tor0's; the PS lists both, w0's node is agg
+    plan["switches"][0]["filters"].append({"submodel": 1, "expected_sources": 1, "workers": ["w0"]})
+    _g1(plan)["from_switches"].append("agg")
+    plan["workers"][0]["aggregation_node"][1] = "agg"
+
+
+def _two_filters_for_w0_node_tor0(plan):
+    # the same, but w0's node is the later filter's (tor0): once a dict entry silently overwritten
+    plan["switches"][0]["filters"].append({"submodel": 1, "expected_sources": 1, "workers": ["w0"]})
+    _g1(plan)["from_switches"].append("agg")
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # the PS leaves out a worker that sends to it: w7's gradient missing from the sum (127 instead of 255)
+    (lambda p: _g1(p)["direct_workers"].remove("w7"),
+     r"parameter_server\.expect \(sub-model 1\): direct_workers lacks 'w7'.*add it"),
+    # a worker aggregated at tor0 and also direct at the PS: counted twice
+    (lambda p: _g1(p)["direct_workers"].append("w0"),
+     r"parameter_server\.expect \(sub-model 1\): direct_workers lists 'w0'.*'tor0'.*counted twice.*remove it"),
+    # the PS ignores a switch that aggregates workers of g: their gradients missing
+    (lambda p: _g1(p).update(from_switches=[], expected_sources=4),
+     r"parameter_server\.expect \(sub-model 1\): from_switches lacks 'tor0'.*add it"),
+    # the PS waits for a switch that aggregates nobody's g2 (tor1's filter is empty): it never completes
+    (lambda p: p["parameter_server"]["expect"][2].update(from_switches=["tor1"], expected_sources=9),
+     r"parameter_server\.expect \(sub-model 2\): from_switches lists 'tor1'.*remove it"),
+    (lambda p: _g1(p)["from_switches"].append("nowhere"),
+     r"parameter_server\.expect \(sub-model 1\): from_switches lists 'nowhere', which is not a switch of the plan"),
+    (lambda p: p["parameter_server"]["expect"].pop(1),
+     r"parameter_server\.expect has no entry for sub-model 1.*add .*\"from_switches\": \[\"tor0\"\]"),
+    (lambda p: p["parameter_server"]["expect"].append(dict(_g1(p))),
+     r"parameter_server\.expect: two entries for sub-model 1"),
+    (lambda p: p["parameter_server"]["expect"].append({**_g1(p), "submodel": 3}),
+     r"parameter_server\.expect\[3\]: submodel 3 is not a sub-model id of the plan \(0\.\.2\)"),
+    (lambda p: _g1(p).update(expected_sources=99),
+     r"parameter_server\.expect \(sub-model 1\): expected_sources is 99.*set it to 5"),
+    (lambda p: p["switches"][1]["filters"][0].update(expected_sources=3),
+     r"switches\['tor0'\]\.filters \(sub-model 1\): expected_sources is 3.*set it to 4"),
+    (_two_filters_for_w0, r"switches\['tor0'\]\.filters \(sub-model 1\): worker 'w0' is also in the filter of 'agg'"),
+    (_two_filters_for_w0_node_tor0,
+     r"switches\['tor0'\]\.filters \(sub-model 1\): worker 'w0' is also in the filter of 'agg'"),
+    (lambda p: p["switches"][1]["filters"][0]["workers"].append("w0"),
+     r"switches\['tor0'\]\.filters \(sub-model 1\): worker 'w0' is listed twice"),
+    (lambda p: p["switches"][1]["filters"].append({"submodel": 1, "expected_sources": 0, "workers": []}),
+     r"switches\['tor0'\]\.filters: two filters for sub-model 1"),
+    (lambda p: p["switches"][1]["filters"].append({"submodel": 5, "expected_sources": 0, "workers": []}),
+     r"switches\['tor0'\]\.filters: submodel 5 is not a sub-model id of the plan \(0\.\.2\)"),
+    (lambda p: p["switches"].append(dict(p["switches"][1])), r"switches: 'tor0' is listed twice"),
+    # names: GoatError naming the field, never a bare KeyError
+    (lambda p: p["workers"][1].update(name="w0"), r"workers\[1\]: the name 'w0' is already worker 0's"),
+    (lambda p: p["switches"][1]["filters"][0]["workers"].append("nobody"),
+     r"switches\['tor0'\]\.filters \(sub-model 1\): worker 'nobody' is not in the plan's `workers`"),
+    (lambda p: _g1(p)["direct_workers"].append("nobody"),
+     r"parameter_server\.expect \(sub-model 1\): direct_workers lists 'nobody', which is not in the plan's `workers`"),
+    (lambda p: _g1(p)["direct_workers"].append("w7"),
+     r"parameter_server\.expect \(sub-model 1\): direct_workers lists 'w7' twice"),
+    (lambda p: p["workers"][3].update(name="ps"), r"workers\[3\]: 'ps' is the parameter server"),
+    (lambda p: p["workers"][3].update(name="nowhere"), r"workers\[3\]: 'nowhere' is not a host of topology"),
+    (lambda p: p["submodels"][2].update(id=7), r"submodels\[2\]: id 7"),
+    (lambda p: p["parameter_server"].pop("expect"), r"parameter_server: the plan lacks field 'expect'"),
+    (lambda p: p["switches"][1]["filters"][0].pop("workers"),
+     r"switches\['tor0'\]\.filters\[0\]: the plan lacks field 'workers'"),
+], ids=["ps-omits-worker", "worker-counted-twice", "ps-omits-switch", "ps-expects-idle-switch",
+        "ps-expects-unknown-switch", "submodel-missing-at-ps", "submodel-twice-at-ps", "ps-unknown-submodel",
+        "ps-expected-sources", "filter-expected-sources", "worker-in-two-filters",
+        "worker-in-two-filters-node-later", "worker-twice-in-a-filter", "two-filters-one-submodel",
+        "filter-unknown-submodel", "switch-twice", "duplicate-worker-name", "unknown-worker-in-filter",
+        "unknown-direct-worker", "direct-worker-twice", "worker-is-ps", "worker-not-a-host", "submodel-id",
+        "missing-expect", "missing-filter-workers"])
+def test_plans_whose_parts_disagree_are_refused_with_what_to_change(mutate, message):
+    """The PS's members for every sub-model g must be exactly the switches
+    that aggregate workers of g and the workers whose node for g is the PS;
+    each (worker, g) is aggregated once; expected_sources, where given, is
+    the count actually aggregated; names are known and unique. Anything else
+    would install and return wrong sums (or wait forever)."""
+    plan = hand_plan()
+    mutate(plan)
+    with pytest.raises(GoatError, match=message):
+        plan_jobs(plan, topology.load(str(TOPO)))
+
+
+def test_a_plan_missing_a_worker_at_the_ps_installs_nothing():
+    # the reviewer's case: installed, it summed 7 of the 8 workers' g1
+    plan = hand_plan()
+    _g1(plan)["direct_workers"].remove("w7")
+    log = []
+    with pytest.raises(GoatError, match="direct_workers lacks 'w7'"):
+        _install(plan, log)
+    assert log == []
+
+
+def test_install_goat_cli_reports_an_inconsistent_plan_without_a_traceback(tmp_path, capsys):
+    import json
+
+    from fanin.cli import main
+
+    for name, mutate, message in [("missing", lambda p: _g1(p)["direct_workers"].remove("w7"), "lacks 'w7'"),
+                                  ("dup", lambda p: p["workers"][1].update(name="w0"), "the name 'w0'")]:
+        plan = hand_plan()
+        mutate(plan)
+        (tmp_path / f"{name}.json").write_text(json.dumps(plan))
+        (tmp_path / "fabric.json").write_text("{}")
+        rc = main(["controller", "install-goat", str(tmp_path / f"{name}.json"), "--fabric",
+                   str(tmp_path / "fabric.json"), "--topology", str(TOPO)])
+        err = capsys.readouterr().err
+        assert rc == 1 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_planners_plans_and_their_baselines_pass_the_checks(tmp_path, seed):
+    """What the project's planners write is consistent: KRGS on the testbed
+    (as `fanin bench goat-deploy`), `fanin plan goat` on a leaf-spine with
+    some programmable switches, and the ATP-like and PS-only baselines of
+    both."""
+    import json
+
+    from fanin.cli import main
+
+    topo, plan = _testbed_plan(seed)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "goat", "--topology", "leaf-spine:2,3,3", "--programmable", "0.4", "--memory-mb", "4",
+                 "--ps", "h0_0", "--even", "9,6", "--out", str(out), "--seed", str(seed)]) == 0
+    ls = topology.load("leaf-spine:2,3,3")
+    for t, p in ((topo, plan), (ls, json.loads(out.read_text()))):
+        for variant in (p, atp_like_plan(p, t), ps_only_plan(p)):
+            jp = plan_jobs(variant, t)
+            for g in range(len(p["submodels"])):  # every worker counted once per sub-model
+                behind = sum(len(j.members) for j in jp.jobs if j.node != jp.ps and j.submodel == g)
+                direct = sum(1 for j in jp.on(jp.ps) if j.submodel == g for m in j.members if m < 2048)
+                assert behind + direct == len(p["workers"])
 
 
 def test_atp_like_placement_fills_the_first_switch_on_each_path_in_submodel_order():

@@ -25,7 +25,8 @@ datagrams (unchanged) to the next plan switch toward the PS and fans the
 results back down; a switch aggregates only what its job's members send.
 One path for every fragment, no per-sub-model addresses at the workers.
 
-`plan_jobs` is the pure translation (tested on a hand-checked plan);
+`plan_jobs` is the pure translation (tested on a hand-checked plan), and
+refuses a plan whose filters, workers' nodes and PS `expect` disagree;
 `install_goat_plan` admits the jobs through the control APIs and returns a
 `Deployment` that tells every worker where to send and removes the jobs.
 `ps_only_plan` turns a plan into the no-aggregation baseline (every
@@ -35,6 +36,8 @@ sub-model straight to the PS, Geryon without in-network aggregation).
 from __future__ import annotations
 
 import copy
+import json
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional
 
@@ -108,57 +111,198 @@ class JobPlan:
         return [j for j in self.jobs if j.node == node]
 
 
+def _field(obj: Any, key: str, where: str) -> Any:
+    """``obj[key]``, or GoatError naming the plan field that is missing."""
+    if not isinstance(obj, dict) or key not in obj:
+        raise GoatError(f"{where}: the plan lacks field {key!r} (schema {PLAN_SCHEMA}, docs/goat.md)")
+    return obj[key]
+
+
+def _list(obj: Any, key: str, where: str) -> list:
+    value = _field(obj, key, where)
+    if not isinstance(value, list):
+        raise GoatError(f"{where}.{key}: expected a list, got {value!r}")
+    return value
+
+
+def _submodel_id(entry: Any, where: str, n_sub: int) -> int:
+    g = _field(entry, "submodel", where)
+    if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < n_sub:
+        raise GoatError(f"{where}: submodel {g!r} is not a sub-model id of the plan (0..{n_sub - 1}); "
+                        f"use the index of an entry of `submodels`")
+    return int(g)
+
+
 def plan_jobs(plan: dict[str, Any], topo: Topology, *, job_base: int = 100, on_path: bool = False) -> JobPlan:
     """The jobs that realise `plan` on `topo`: PS jobs first (roots), then
     switch jobs; filters with no worker (``expected_sources`` 0) are not
-    installed. Raises GoatError when the plan does not fit the topology or
-    is inconsistent (a worker's node disagrees with the filters).
+    installed.
+
+    Raises GoatError, naming the plan field and what to change, when the
+    plan does not fit the topology or its parts disagree (docs/goat.md,
+    "Deployment"): names must be known and unique; every (worker, sub-model
+    g) is aggregated at exactly one node, the one in the worker's
+    ``aggregation_node[g]`` (one switch filter lists it, or none does and
+    the node is the PS); for every g the PS's ``expect`` lists exactly the
+    switches whose filter for g has workers (``from_switches``) and the
+    workers whose node for g is the PS (``direct_workers``); and
+    ``expected_sources``, where given, is what is actually aggregated (a
+    filter's workers; at the PS, switch partials plus direct workers).
+    Anything else would install and return wrong sums, or never complete.
 
     `on_path`: also the transits of on-path filtering, and every worker's
     first hop (:func:`on_path_transits`)."""
-    if plan.get("schema") != PLAN_SCHEMA:
-        raise GoatError(f"plan schema {plan.get('schema')!r} is not {PLAN_SCHEMA}")
-    ps = plan["parameter_server"]["name"]
+    if not isinstance(plan, dict) or plan.get("schema") != PLAN_SCHEMA:
+        got = plan.get("schema") if isinstance(plan, dict) else plan
+        raise GoatError(f"plan schema {got!r} is not {PLAN_SCHEMA}")
+    ps_entry = _field(plan, "parameter_server", "plan")
+    ps = _field(ps_entry, "name", "parameter_server")
     if not topo.is_host(ps):
         raise GoatError(f"the plan's parameter server {ps!r} is not a host of topology {topo.name}")
-    ranks = {w["name"]: r for r, w in enumerate(plan["workers"])}
+    n_sub = len(_list(plan, "submodels", "plan"))
+    for i, sm in enumerate(plan["submodels"]):
+        if isinstance(sm, dict) and sm.get("id", i) != i:
+            raise GoatError(f"submodels[{i}]: id {sm['id']!r} must be {i}: a sub-model's id is its index "
+                            f"(workers' aggregation_node[g], filters' and the PS's `submodel`)")
+
+    # -- workers: unique known hosts; rank = index
+    workers = _list(plan, "workers", "plan")
+    if not workers:
+        raise GoatError("workers: the plan has no worker")
+    ranks: dict[str, int] = {}
+    for r, w in enumerate(workers):
+        name = _field(w, "name", f"workers[{r}]")
+        if name in ranks:
+            raise GoatError(f"workers[{r}]: the name {name!r} is already worker {ranks[name]}'s; give every worker "
+                            f"its own name (its rank is its index in `workers`)")
+        if name == ps:
+            raise GoatError(f"workers[{r}]: {name!r} is the parameter server; a host cannot be both")
+        if not topo.is_host(name):
+            raise GoatError(f"workers[{r}]: {name!r} is not a host of topology {topo.name}")
+        ranks[name] = r
     if len(ranks) > SWITCH_RANK_BASE:
         raise GoatError(f"{len(ranks)} workers: worker ranks must stay below {SWITCH_RANK_BASE}")
-    n_sub = len(plan["submodels"])
 
     def job_id(g: int) -> int:
         return job_base + g
 
+    # -- switch filters: each (worker, g) in at most one filter
     switch_jobs: list[AggregatorJob] = []
     filtered: dict[tuple[str, int], str] = {}  # (worker, g) -> switch
-    for sw in plan["switches"]:
-        if not topo.is_switch(sw["name"]):
-            raise GoatError(f"the plan's switch {sw['name']!r} is not a switch of topology {topo.name}")
-        for f in sw["filters"]:
-            if not f["workers"]:
+    aggregating: dict[int, list[str]] = {g: [] for g in range(n_sub)}  # g -> switches with workers of g
+    plan_switches: set[str] = set()
+    for i, sw in enumerate(_list(plan, "switches", "plan")):
+        name = _field(sw, "name", f"switches[{i}]")
+        if not topo.is_switch(name):
+            raise GoatError(f"the plan's switch {name!r} is not a switch of topology {topo.name}")
+        if name in plan_switches:
+            raise GoatError(f"switches: {name!r} is listed twice; give each switch one entry with all its filters")
+        plan_switches.add(name)
+        seen: set[int] = set()
+        for k, f in enumerate(_list(sw, "filters", f"switches[{name!r}]")):
+            g = _submodel_id(f, f"switches[{name!r}].filters", n_sub)
+            if g in seen:
+                raise GoatError(f"switches[{name!r}].filters: two filters for sub-model {g}; merge them into one")
+            seen.add(g)
+            where = f"switches[{name!r}].filters (sub-model {g})"
+            ws = _list(f, "workers", f"switches[{name!r}].filters[{k}]")
+            for w in ws:
+                if w not in ranks:
+                    raise GoatError(f"{where}: worker {w!r} is not in the plan's `workers`; add it there or remove "
+                                    f"it from the filter")
+                other = filtered.get((w, g))
+                if other == name:
+                    raise GoatError(f"{where}: worker {w!r} is listed twice; list it once")
+                if other is not None:
+                    raise GoatError(f"{where}: worker {w!r} is also in the filter of {other!r} for sub-model {g}: a "
+                                    f"worker's sub-model is aggregated at one node; keep it only in the filter of "
+                                    f"its aggregation_node[{g}]")
+                filtered[(w, g)] = name
+            if "expected_sources" in f and f["expected_sources"] != len(ws):
+                raise GoatError(f"{where}: expected_sources is {f['expected_sources']!r}, but the filter lists "
+                                f"{len(ws)} workers; set it to {len(ws)}")
+            if not ws:
                 continue
-            g = int(f["submodel"])
-            for w in f["workers"]:
-                filtered[(w, g)] = sw["name"]
-            switch_jobs.append(AggregatorJob(sw["name"], g, job_id(g), tuple(sorted(ranks[w] for w in f["workers"])),
-                                             parent=ps, rank=switch_rank(topo, sw["name"])))
-    ps_jobs = []
-    for e in plan["parameter_server"]["expect"]:
-        g = int(e["submodel"])
-        members = [switch_rank(topo, s) for s in e["from_switches"]] + [ranks[w] for w in e["direct_workers"]]
-        ps_jobs.append(AggregatorJob(ps, g, job_id(g), tuple(sorted(members))))
+            aggregating[g].append(name)
+            switch_jobs.append(AggregatorJob(name, g, job_id(g), tuple(sorted(ranks[w] for w in ws)),
+                                             parent=ps, rank=switch_rank(topo, name)))
+
+    # -- workers' nodes agree with the filters; who goes to the PS directly
+    direct: dict[int, list[str]] = {g: [] for g in range(n_sub)}
     targets: dict[str, list[WorkerTarget]] = {}
-    for w in plan["workers"]:
-        nodes = w["aggregation_node"]
+    for r, w in enumerate(workers):
+        nodes = _list(w, "aggregation_node", f"workers[{r}]")
         if len(nodes) != n_sub:
-            raise GoatError(f"worker {w['name']}: {len(nodes)} aggregation nodes for {n_sub} sub-models")
+            raise GoatError(f"worker {w['name']}: {len(nodes)} aggregation nodes for {n_sub} sub-models; give "
+                            f"workers[{r}].aggregation_node one node per sub-model")
         out = []
         for g, node in enumerate(nodes):
             expected = filtered.get((w["name"], g), ps)
             if node != expected:
-                raise GoatError(f"worker {w['name']} sends sub-model {g} to {node!r}, but the filters say {expected!r}")
-            out.append(WorkerTarget(g, job_id(g), ranks[w["name"]], node))
+                raise GoatError(f"worker {w['name']} sends sub-model {g} to {node!r}, but the filters say "
+                                f"{expected!r}; change workers[{r}].aggregation_node[{g}] or the switch filters")
+            if node == ps:
+                direct[g].append(w["name"])
+            out.append(WorkerTarget(g, job_id(g), r, node))
         targets[w["name"]] = out
+
+    # -- the PS completes every sub-model from exactly those
+    expect: dict[int, dict[str, Any]] = {}
+    for i, e in enumerate(_list(ps_entry, "expect", "parameter_server")):
+        g = _submodel_id(e, f"parameter_server.expect[{i}]", n_sub)
+        if g in expect:
+            raise GoatError(f"parameter_server.expect: two entries for sub-model {g}; keep one")
+        expect[g] = e
+    ps_jobs = []
+    for g in range(n_sub):
+        want = {"submodel": g, "from_switches": aggregating[g], "direct_workers": direct[g],
+                "expected_sources": len(aggregating[g]) + len(direct[g])}
+        if g not in expect:
+            raise GoatError(f"parameter_server.expect has no entry for sub-model {g}: the PS would never complete "
+                            f"it; add {json.dumps(want)}")
+        e, where = expect[g], f"parameter_server.expect (sub-model {g})"
+        from_switches = _list(e, "from_switches", where)
+        direct_workers = _list(e, "direct_workers", where)
+        for field_, listed in (("from_switches", from_switches), ("direct_workers", direct_workers)):
+            once: set[Any] = set()
+            for x in listed:
+                if x in once:
+                    raise GoatError(f"{where}: {field_} lists {x!r} twice; list it once")
+                once.add(x)
+        direct_set = set(direct[g])
+        for s in from_switches:
+            if s not in plan_switches:
+                raise GoatError(f"{where}: from_switches lists {s!r}, which is not a switch of the plan; remove it")
+            if s not in aggregating[g]:
+                raise GoatError(f"{where}: from_switches lists {s!r}, whose filter aggregates no worker's sub-model "
+                                f"{g}: the PS would wait for a partial that never comes; remove it")
+        for s in aggregating[g]:
+            if s not in from_switches:
+                n = sum(1 for (_, h), t in filtered.items() if h == g and t == s)
+                raise GoatError(f"{where}: from_switches lacks {s!r}, whose filter aggregates sub-model {g} of {n} "
+                                f"workers: their gradients would be missing from the sum; add it")
+        for w in direct_workers:
+            if w not in ranks:
+                raise GoatError(f"{where}: direct_workers lists {w!r}, which is not in the plan's `workers`; "
+                                f"remove it")
+            if w not in direct_set:
+                node = filtered[(w, g)]
+                raise GoatError(f"{where}: direct_workers lists {w!r}, but {node!r} aggregates its sub-model {g} "
+                                f"(that switch's filter and aggregation_node[{g}] say so): it would be counted "
+                                f"twice; remove it from direct_workers")
+        listed_direct = set(direct_workers)
+        for w in direct[g]:
+            if w not in listed_direct:
+                raise GoatError(f"{where}: direct_workers lacks {w!r}, which sends sub-model {g} to the PS "
+                                f"(aggregation_node[{g}] = {ps!r}, in no switch's filter): its gradient would be "
+                                f"missing from the sum; add it")
+        n = want["expected_sources"]
+        if "expected_sources" in e and e["expected_sources"] != n:
+            raise GoatError(f"{where}: expected_sources is {e['expected_sources']!r}, but the PS receives {n} "
+                            f"contributions ({len(aggregating[g])} switch partials + {len(direct[g])} direct "
+                            f"workers); set it to {n}")
+        members = [switch_rank(topo, s) for s in from_switches] + [ranks[w] for w in direct_workers]
+        ps_jobs.append(AggregatorJob(ps, g, job_id(g), tuple(sorted(members))))
     jp = JobPlan(ps, ps_jobs + switch_jobs, targets, ranks)
     if on_path:
         jp.targets, jp.transits = on_path_transits(plan, topo, jp)
