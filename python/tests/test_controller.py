@@ -837,3 +837,180 @@ def test_root_shards_follow_spare_capacity_and_a_switch_with_none_gets_no_share(
         weigh_root_shards(["x", "y"], {"x": 1.0, "y": float("nan")})
     with pytest.raises(ValueError, match="not a fraction of the link rate"):
         spare_capacity(["spine0"], ["leaf0"], {("leaf0", "spine0"): float("nan")})
+
+
+# -- controller restarts, partial failures, foreign jobs (from a review) ------------
+
+
+def test_a_rank_back_plainly_under_a_fresh_leaf_of_a_tree_that_ran_is_refused_even_by_a_restarted_controller():
+    """The controller that saw a rank leave refuses its plain subscribe; a
+    restarted one does not know, but the root does: its stream ran, and a
+    child added active would be answered from the stream's start, where it
+    holds results the rank's old process took part in (they look complete:
+    every rank of the next run got the first run's sums). The root refuses
+    the update (FAILED_PRECONDITION), the fresh leaf loses the job again,
+    and the way the message names works: a sync join, or a new run."""
+    from fanin.control import ControlClient
+
+    topo = topology.deep_tree(2, 3)  # s0 root; leaves s1_0, s1_1, s1_2; h0, h1, h2
+    hosts = ["h0", "h1", "h2"]
+    with LoopbackSwitches(topo) as sws:
+        ctl = Controller(topo, sws.fabric)
+        ctl.create_job(JobParams(1, block_cnt_max=16, block_grad_max=256, max_workers=3))
+        subs = [ctl.subscribe(1, r, hosts[r]) for r in range(3)]
+
+        def run(number):
+            def work(r):
+                s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256)
+                try:
+                    return [int(s.allreduce(np.full(1024, 1000 * number + 10 * r + k, dtype=np.int32))[0])
+                            for k in range(2)]
+                finally:
+                    del s
+            return in_threads(3, work, timeout=60)
+
+        assert run(1) == [[sum(1000 + 10 * q + k for q in range(3)) for k in range(2)]] * 3
+        ctl.unsubscribe(1, 0)
+        ctl.close()
+        ctl = Controller(topo, sws.fabric)  # the controller restarts
+        assert ctl.rebuild()["adopted"] == [1]
+        with pytest.raises(ControllerError) as e:
+            ctl.subscribe(1, 0, "h0")
+        assert e.value.code == "FAILED_PRECONDITION" and "sync_join=True" in str(e.value), e.value
+        assert "undone on ['s1_0']" in str(e.value), e.value
+        with ControlClient(sws.fabric.control_addr("s1_0")) as cc:
+            assert cc.list_jobs() == []  # the fresh leaf lost the job again
+        ctl.subscribe(1, 0, "h0", sync=True)  # as a sync joiner it is taken
+        # a new run: every rank leaves, then all subscribe again
+        for r in range(3):
+            ctl.unsubscribe(1, r)
+        subs = [ctl.subscribe(1, r, hosts[r]) for r in range(3)]
+        assert run(2) == [[sum(2000 + 10 * q + k for q in range(3)) for k in range(2)]] * 3
+        ctl.close()
+
+
+def test_a_sync_subscribe_that_failed_part_way_is_undone_so_its_retry_programs_the_joiner_awaiting():
+    """The new root's update fails once while worker 2 syncs into a running
+    job: the switches already programmed get their old roles back, and the
+    retry adds the joiner's branch as awaiting at every switch (it found
+    its leaf in place, added the branch active, and the job stopped)."""
+    from fanin.control import ControlClient, ControlError
+
+    topo = topology.deep_tree(2, 3)
+    n_elems, epp = 1024, 256
+    with LoopbackSwitches(topo, shards=2) as sws:
+        root = sws.fabric.control_addr("s0")
+        fail_once = {"armed": False}
+
+        class Flaky(ControlClient):
+            def update_job(self, job, awaiting=()):
+                if self.addr == root and fail_once["armed"]:
+                    fail_once["armed"] = False
+                    raise ControlError("UNAVAILABLE", "injected: s0 briefly unreachable")
+                return super().update_job(job, awaiting)
+
+        ctl = Controller(topo, sws.fabric, client_factory=lambda a: Flaky(a))
+        ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=3))
+        hosts = {0: "h0", 1: "h1", 2: "h2"}
+        subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}
+        results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}
+        join_now = threading.Event()
+        start: dict[int, int] = {}
+        start_together = threading.Barrier(2)
+        first_try: list[str] = []
+
+        def stream(r, sync, until):
+            _stream_block_sums(subs[r], r, n_elems=n_elems, epp=epp, sync=sync, until=until, into=results[r],
+                               deadline_s=30, start_together=start_together,
+                               on_start=lambda first: start.__setitem__(r, first),
+                               after_each=lambda k: r == 0 and k == 5 and join_now.set(),
+                               join_timeout_s=5, dead_after_s=5)
+
+        def joiner():
+            assert join_now.wait(30)
+            fail_once["armed"] = True
+            try:
+                ctl.subscribe(1, 2, hosts[2], sync=True)
+            except ControllerError as e:
+                first_try.append(f"{e.code}: {e}")
+            subs[2] = ctl.subscribe(1, 2, hosts[2], sync=True)
+            stream(2, True, lambda k: k >= 5)
+
+        def worker(r):
+            stream(r, False, lambda k: k >= start.get(2, k + 1) + 5)
+
+        tasks = [lambda: worker(0), lambda: worker(1), joiner]
+        in_threads(3, lambda i: tasks[i](), timeout=60)
+        assert first_try and first_try[0].startswith("UNAVAILABLE") and "undone on ['s1_2']" in first_try[0], first_try
+        for r, runs in results.items():
+            for k, blocks in runs.items():
+                assert (blocks == (0b111 if k >= start[2] else 0b011)).all(), (r, k, blocks)
+        ctl.close()
+
+
+def test_a_rebuilt_job_keeps_its_zero_parameters_and_an_idle_restart_is_no_restart_of_the_next_run():
+    """`slow_after_windows = 0` survives a controller restart (it became the
+    default 2, and every later update was refused as a change of it); a
+    switch that restarted while it held none of the job is not taken for a
+    restart of the run installed on it later (it was marked resumed, and
+    the run's workers refused)."""
+    from fanin.control import ControlClient
+
+    topo = topology.deep_tree(2, 3)
+    with LoopbackSwitches(topo) as sws:
+        ctl = Controller(topo, sws.fabric)
+        ctl.create_job(JobParams(1, block_cnt_max=16, block_grad_max=256, max_workers=3, slow_after_windows=0,
+                                 block_exp_ms=50))
+        ctl.subscribe(1, 0, "h0")
+        ctl.subscribe(1, 1, "h1")
+        ctl.close()
+        ctl = Controller(topo, sws.fabric)
+        assert ctl.rebuild()["adopted"] == [1]
+        ctl.unsubscribe(1, 0)  # an update of s0 with the adopted parameters: taken
+        ctl.unsubscribe(1, 1)  # the run ends: the job is off every switch
+        sws.restart("s1_0")    # restarted while it holds nothing
+        assert ctl.reconcile() == []
+        subs = {r: ctl.subscribe(1, r, h) for r, h in ((0, "h0"), (1, "h1"))}
+        assert ctl.reconcile() == []  # nothing restarted since the run was installed
+        subs[2] = ctl.subscribe(1, 2, "h0")
+        with ControlClient(sws.fabric.control_addr("s1_0")) as cc:
+            assert [j["resumed"] for j in cc.list_jobs()] == [False]
+
+        def work(r):
+            s = fanin.Session(subs[r]["data_addr"], 1, r, auth_key=subs[r]["member_key"], elems_per_packet=256)
+            try:
+                return int(s.allreduce(np.full(512, r + 1, dtype=np.int32))[0])
+            finally:
+                del s
+        assert in_threads(3, work, timeout=60) == [6, 6, 6]
+        ctl.close()
+
+
+def test_a_subscribe_the_fabric_cannot_address_programs_nothing():
+    topo = topology.leaf_spine(1, 2, 2)
+    with LoopbackSwitches(topo) as sws:
+        table = {s: {"control": sws.fabric.control_addr(s), "data": {"*": sws.fabric.data_addr(s, toward="x")}}
+                 for s in ("spine0", "leaf0")}
+        table["leaf1"] = {"control": sws.fabric.control_addr("leaf1"), "data": {"spine0": sws.fabric.data_addr("leaf1", toward="spine0")}}
+        ctl = Controller(topo, StaticFabric(table))
+        ctl.create_job(JobParams(1, max_workers=4, auth=False))
+        ctl.subscribe(1, 0, "h0_0")
+        with pytest.raises(ControllerError) as e:
+            ctl.subscribe(1, 1, "h1_0")  # leaf1 has no data address toward h1_0
+        assert e.value.code == "FAILED_PRECONDITION" and "h1_0" in str(e.value)
+        assert sorted(ctl._jobs[1].roles) == ["leaf0"] and list(ctl._jobs[1].workers) == [0]
+        ctl.close()
+
+
+def test_a_controller_needs_a_real_token_off_loopback_and_its_port_to_itself():
+    topo = topology.star(2)
+    with LoopbackSwitches(topo) as sws:
+        with pytest.raises(ValueError, match="needs a token"):
+            ControllerServer(Controller(topo, sws.fabric), listen="0.0.0.0:0", token="", rebuild=False)
+        first = ControllerServer(Controller(topo, sws.fabric), listen="127.0.0.1:0", rebuild=False)
+        try:
+            # (gRPC's SO_REUSEPORT let a second one bind it: calls went to either at random)
+            with pytest.raises(OSError, match="cannot listen"):
+                ControllerServer(Controller(topo, sws.fabric), listen=first.addr, rebuild=False)
+        finally:
+            first.stop()

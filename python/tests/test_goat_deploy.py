@@ -533,3 +533,28 @@ def test_on_path_filtering_on_the_testbed_gives_the_ps_what_direct_addressing_do
     (direct,), (on_path,) = runs["goat"], runs["goat-on-path"]
     assert on_path["ps_ingress_bytes"] == pytest.approx(direct["ps_ingress_bytes"], rel=0.02), (direct, on_path)
     assert on_path["payload_bytes"] == direct["payload_bytes"]
+
+
+def test_a_controller_over_the_same_topology_leaves_a_goat_plans_jobs_alone():
+    """A GOAT plan's switch jobs have the parameter server's daemon as their
+    parent, no switch of the topology: a controller (re)started over the
+    topology adopted them as its own trees, and when a switch restarted it
+    re-installed the job there as a root, whose results lacked the rest of
+    the plan. It leaves them alone now, and says why."""
+    import os
+
+    from fanin.controller import Controller
+    from fanin.controller.loopback import LoopbackSwitches
+    from fanin.goat.deploy import install_goat_plan
+
+    topo = topology.load(str(TOPO))
+    with LoopbackSwitches(topo, hosts=("ps",), seed=os.getpid()) as sws:
+        dep = install_goat_plan(hand_plan(), topo, sws.fabric, job_base=100)
+        ctl = Controller(topo, sws.fabric)
+        report = ctl.rebuild()
+        assert report["adopted"] == [] and set(report["not_adopted"]) == {100, 101}, report
+        assert all("no switch of topology" in why for why in report["not_adopted"].values()), report
+        sws.restart("tor0")
+        assert ctl.reconcile() == []
+        ctl.close()
+        dep.close()

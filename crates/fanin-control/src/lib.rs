@@ -152,7 +152,10 @@ impl From<AdmitError> for AdmitFailure {
             AdmitError::Duplicate(_) => AdmitFailure::Duplicate(msg),
             AdmitError::OutOfMemory { .. } => AdmitFailure::OutOfMemory(msg),
             AdmitError::Unknown(_) => AdmitFailure::NotFound(msg),
-            AdmitError::Immutable { .. } | AdmitError::PartialResultsAdded { .. } | AdmitError::WorkersGrown { .. } => {
+            AdmitError::Immutable { .. }
+            | AdmitError::PartialResultsAdded { .. }
+            | AdmitError::WorkersGrown { .. }
+            | AdmitError::PlainMemberIntoRunningTree { .. } => {
                 AdmitFailure::Immutable(msg)
             }
         }

@@ -153,7 +153,7 @@ impl SwitchCore {
         // results of blocks it completed without a member that left.
         for (i, shard) in self.shards.iter().enumerate() {
             let (reply, answer) = mpsc::sync_channel(1);
-            let asked = shard.commands.send(Command::CheckUpdate(spec.clone(), uplink(tree), reply)).ok();
+            let asked = shard.commands.send(Command::CheckUpdate(spec.clone(), uplink(tree), awaiting.clone(), reply)).ok();
             match asked.and_then(|_| answer.recv_timeout(Duration::from_secs(5)).ok()) {
                 Some(Ok(())) => {}
                 Some(Err(e)) => return Err(self.update_refused(i, e)),

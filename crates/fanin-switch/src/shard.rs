@@ -39,7 +39,7 @@ pub(crate) enum Command {
     UpdateJob(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     /// Would this shard take the update? Changes nothing
     /// ([`ValueSwitch::check_update`]).
-    CheckUpdate(JobSpec, Option<Uplink<SocketAddr>>, SyncSender<Result<(), AdmitError>>),
+    CheckUpdate(JobSpec, Option<Uplink<SocketAddr>>, Vec<u16>, SyncSender<Result<(), AdmitError>>),
     /// Remove a job: true, as an operator's removal; false, to undo an
     /// admission that failed on another shard (the result-key epochs stay
     /// where they were, [`ValueSwitch::undo_add_job`]).
@@ -548,8 +548,8 @@ impl ShardThread {
                     self.publish_schedules();
                     let _ = reply.send(result);
                 }
-                Ok(Command::CheckUpdate(spec, uplink, reply)) => {
-                    let _ = reply.send(self.switch.check_update(&spec, uplink.as_ref()).map(|_| ()));
+                Ok(Command::CheckUpdate(spec, uplink, awaiting, reply)) => {
+                    let _ = reply.send(self.switch.check_update(&spec, uplink.as_ref(), &awaiting).map(|_| ()));
                 }
                 Ok(Command::RemoveJob(id, ran, reply)) => {
                     let removed = if ran { self.switch.remove_job(id) } else { self.switch.undo_add_job(id) };

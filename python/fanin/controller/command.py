@@ -212,7 +212,7 @@ def _attach_testbed(name: str) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     from .. import topology
-    from .fabric import StaticFabric, TestbedFabric
+    from .fabric import FabricError, StaticFabric, TestbedFabric
     from .server import ControllerServer
     from .service import Controller
 
@@ -225,7 +225,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.testbed:
         fabric = TestbedFabric(_attach_testbed(args.testbed))
     elif args.fabric:
-        fabric = StaticFabric.load(args.fabric)
+        try:
+            fabric = StaticFabric.load(args.fabric)
+        except (FabricError, OSError) as e:
+            print(f"fanin controller: --fabric {args.fabric}: {e}", file=sys.stderr)
+            return 2
     else:
         from .loopback import LoopbackSwitches
 
@@ -235,7 +239,12 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        with ControllerServer(Controller(topo, fabric, token=args.token), args.listen, token=args.token) as srv:
+        try:
+            server = ControllerServer(Controller(topo, fabric, token=args.token), args.listen, token=args.token)
+        except (OSError, ValueError) as e:  # the port, or a token it needs
+            print(f"fanin controller: {e}", file=sys.stderr)
+            return 2
+        with server as srv:
             print(json.dumps({"controller": srv.addr, "topology": topo.name,
                               "switches": len(topo.switches), "hosts": len(topo.hosts)}), flush=True)
             stop.wait()

@@ -87,7 +87,8 @@ class ControllerServer:
 
     def __init__(self, controller: Controller, listen: str = "127.0.0.1:9200", token: Optional[str] = None,
                  reconcile_s: float = 0.25, rebuild: bool = True):
-        token = token if token is not None else control_token_from_env()
+        # an empty token is none (it would let "Bearer " with nothing after it in)
+        token = token or control_token_from_env()
         host = listen.rsplit(":", 1)[0].strip("[]")
         if token is None and host not in ("127.0.0.1", "localhost", "::1"):
             # Safe by default (docs/security.md): anyone who reaches the
@@ -105,13 +106,19 @@ class ControllerServer:
                 log.error("controller: job %d not adopted from the switches: %s", job_id, why)
             for why in report["unreachable"]:
                 log.warning("controller: switch not reachable while rebuilding: %s", why)
+        # gRPC's default SO_REUSEPORT let a second controller bind the same
+        # port, and calls then went to either at random: one owner per port
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ControllerServicer_to_server(_Servicer(controller, token), self._server)
+        try:
+            port = self._server.add_insecure_port(listen)
+        except RuntimeError:  # grpc's "Failed to bind"
+            port = 0
+        if port == 0:
+            raise OSError(f"controller: cannot listen on {listen} (in use by another process, or not an address "
+                          "of this machine): pick another --listen")
         # re-installs jobs on restarted switches (docs/restart.md)
         self._watcher = RestartWatcher(controller, reconcile_s)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        pb_grpc.add_ControllerServicer_to_server(_Servicer(controller, token), self._server)
-        port = self._server.add_insecure_port(listen)
-        if port == 0:
-            raise OSError(f"controller: cannot listen on {listen}")
         host = listen.rsplit(":", 1)[0]
         self.addr = f"{host}:{port}"
         self._server.start()

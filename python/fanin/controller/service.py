@@ -142,7 +142,8 @@ class Controller:
     def delete_job(self, job_id: int) -> None:
         with self._lock:
             job = self._job(job_id)
-            self._apply(job, {}, set())
+            # (partial progress stands: a retry removes what is left)
+            self._apply(job, {}, {}, undo_on_failure=False)
             del self._jobs[job_id]
 
     def subscribe(self, job_id: int, rank: int, host: str, sync: bool = False) -> dict:
@@ -189,6 +190,7 @@ class Controller:
             if len(job.workers) >= job.params.max_workers:
                 raise ControllerError("INVALID_ARGUMENT",
                                       f"job {job_id} already has max_workers={job.params.max_workers} workers")
+            self._data_addr(host)  # before anything is programmed: a fabric without it fails the call here
             workers = {**job.workers, rank: host}
             tree = self._tree(workers)
             new_roles = roles(self.topo, tree)
@@ -200,9 +202,8 @@ class Controller:
 
     def _subscribed(self, job: _Job, rank: int, host: str, programmed: list[str]) -> dict:
         job_id = job.params.job_id
-        switch = self.topo.attachment(host)
         member_key = derive_member_key(job.key, job_id, rank) if job.key is not None else None
-        return {"data_addr": self.fabric.data_addr(switch, toward=host), "programmed": programmed,
+        return {"data_addr": self._data_addr(host), "programmed": programmed,
                 "member_key": member_key}
 
     def unsubscribe(self, job_id: int, rank: int) -> dict:
@@ -311,6 +312,7 @@ class Controller:
                 if job_id in self._jobs:
                     continue
                 try:
+                    self._check_tree_roles(specs)
                     job = _adopt(self.topo, job_id, specs, by_rank)
                 except ValueError as e:
                     not_adopted[job_id] = str(e)
@@ -320,6 +322,34 @@ class Controller:
                     self._incarnations.setdefault(sw, incarnations[sw])
                 adopted.append(job_id)
         return {"adopted": adopted, "unreachable": unreachable, "not_adopted": not_adopted}
+
+    def _check_tree_roles(self, specs: dict[str, dict]) -> None:
+        """ValueError unless every tree role in `specs` (switch -> spec) is
+        one this controller could have programmed on its topology: the
+        switch's rank is its topology rank, and its parent address is a
+        switch of the topology's data address toward it. A job whose parent
+        is elsewhere (a GOAT plan's, whose parent is the parameter server's
+        daemon, `fanin controller install-goat`) is not this controller's
+        tree: adopted, a restart of one of its switches was re-installed
+        as a root and its results lacked the rest of the plan."""
+        from .fabric import FabricError
+
+        for sw, spec in specs.items():
+            tree = spec.get("tree")
+            if not tree:
+                continue
+            if tree["rank"] != switch_rank(self.topo, sw):
+                raise ValueError(f"{sw} holds it as tree rank {tree['rank']}, but its rank in topology "
+                                 f"{self.topo.name} is {switch_rank(self.topo, sw)} (another topology's job?)")
+            parents = []
+            for p in self.topo.switches:
+                try:
+                    parents.append(self.fabric.data_addr(p.name, toward=sw))
+                except (FabricError, ValueError, KeyError):
+                    continue
+            if tree["parent_addr"] not in parents:
+                raise ValueError(f"{sw}'s parent {tree['parent_addr']} is no switch of topology {self.topo.name}: "
+                                 "not a tree of this controller (a GOAT plan's job?), left as it is")
 
     def close(self) -> None:
         for c in self._clients.values():
@@ -352,6 +382,17 @@ class Controller:
             awaiting.setdefault(parent, set()).add(switch_rank(self.topo, node))
             node = parent
         return awaiting
+
+    def _data_addr(self, host: str) -> str:
+        """Where a worker on `host` sends: its switch's data address toward it."""
+        from .fabric import FabricError
+
+        switch = self.topo.attachment(host)
+        try:
+            return self.fabric.data_addr(switch, toward=host)
+        except FabricError as e:
+            raise ControllerError("FAILED_PRECONDITION", f"{e}: the fabric must name where {host}'s worker "
+                                                         f"sends to {switch} before it can subscribe") from None
 
     def _client(self, switch: str) -> ControlClient:
         if switch not in self._clients:
@@ -408,14 +449,31 @@ class Controller:
                 size = min(size, limit)
         job.params = dataclasses.replace(job.params, block_grad_max=size)
 
-    def _apply(self, job: _Job, new_roles: dict[str, Role], awaiting: dict[str, set[int]]) -> list[str]:
+    def _apply(self, job: _Job, new_roles: dict[str, Role], awaiting: dict[str, set[int]], *,
+               undo_on_failure: bool = True) -> list[str]:
         """Program the switches whose role differs between the job's current
-        roles and `new_roles`; returns their names in programming order."""
+        roles and `new_roles`; returns their names in programming order.
+
+        All or nothing up to the removals: when an admission or an update
+        fails (a switch refuses, or does not answer), the switches this
+        call admitted lose the job again and the ones it updated get their
+        old role back, so a retry starts from the tree as it was (a retried
+        sync subscribe found its new leaf already there and programmed the
+        parent with the joiner active). Removals come last and are not
+        undone: a switch that could not be told stays in `job.roles`, and
+        the next change removes it. The switch's refusal keeps its status
+        (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, ...: not
+        worth retrying as is); a switch that does not answer is UNAVAILABLE."""
         from ..control import ControlError
+        from .fabric import FabricError
 
         diff = diff_roles(job.roles, new_roles)
         done: list[str] = []
+        undo: list[tuple[str, Callable[[], None]]] = []
+        removing = False
         try:
+            for s in diff.added:
+                self._shards.pop(s, None)  # (re)learnt: it may have restarted with other shards
             self._fit_packets(job, new_roles)
             for s, role in diff.added.items():
                 # A switch added above the running tree (a new root over the
@@ -432,27 +490,64 @@ class Controller:
                     admitted = dataclasses.replace(role, members=tuple(m for m in role.members if m not in wait))
                 self._client(s).admit_job(**self._spec(job, s, admitted))
                 job.roles[s] = admitted
+                undo.append((s, lambda s=s: self._undo_admit(job, s)))
+                # the incarnation this controller programmed: a restart
+                # from now on is one (reconcile); an earlier one, while it
+                # held nothing of this controller's, is not
+                self._incarnations[s] = int(self._client(s).info()["incarnation"])
                 if admitted is not role:
                     self._client(s).update_job(self._spec(job, s, role), awaiting=sorted(wait))
                     job.roles[s] = role
                 done.append(s)
-                if s not in self._incarnations:
-                    self._incarnations[s] = int(self._client(s).info()["incarnation"])
             for s, role in diff.changed.items():
                 old = job.roles[s]
                 joined = set(role.members) - set(old.members)
                 self._client(s).update_job(self._spec(job, s, role), awaiting=sorted(joined & awaiting.get(s, set())))
                 job.roles[s] = role
+                undo.append((s, lambda s=s, old=old: self._undo_update(job, s, old)))
                 done.append(s)
+            removing = True
             for s in diff.removed:
-                self._client(s).remove_job(job.params.job_id)
+                try:
+                    self._client(s).remove_job(job.params.job_id)
+                except ControlError as e:
+                    if e.code != "NOT_FOUND":  # (gone already: it restarted, or was told before)
+                        raise
                 del job.roles[s]
                 job.resumed_on.discard(s)
                 done.append(s)
-        except ControlError as e:
-            raise ControllerError("UNAVAILABLE",
-                                  f"job {job.params.job_id}: programming the tree failed after {done or 'no switch'}: {e}") from None
+        except (ControlError, FabricError) as e:
+            undone, stuck = [], []
+            if undo_on_failure and not removing:
+                for s, step in reversed(undo):
+                    try:
+                        step()
+                        undone.append(s)
+                    except (ControlError, FabricError):
+                        stuck.append(s)
+            # a fabric without an address the tree needs: nothing to retry until it is described
+            code = getattr(e, "code", "FAILED_PRECONDITION")
+            if code in ("DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN"):
+                code = "UNAVAILABLE"
+            what = (f"; undone on {undone}" if undone else "") + (
+                f"; {stuck} could not be given their old role back (retry, or unsubscribe every rank)" if stuck else "")
+            raise ControllerError(code, f"job {job.params.job_id}: programming the tree failed after "
+                                        f"{done or 'no switch'}{what}: {e}") from None
         return done
+
+    def _undo_admit(self, job: _Job, switch: str) -> None:
+        from ..control import ControlError
+
+        try:
+            self._client(switch).remove_job(job.params.job_id)
+        except ControlError as e:
+            if e.code != "NOT_FOUND":
+                raise
+        job.roles.pop(switch, None)
+
+    def _undo_update(self, job: _Job, switch: str, old: Role) -> None:
+        self._client(switch).update_job(self._spec(job, switch, old), awaiting=[])
+        job.roles[switch] = old
 
 
 #: The job parameters a switch's spec carries, with their JobParams names.
@@ -470,7 +565,7 @@ def _adopt(topo: Topology, job_id: int, specs: dict[str, dict], by_rank: dict[in
         if differ:
             raise ValueError(f"switches {first_sw} and {sw} hold it with different {', '.join(differ)}")
     params = JobParams(job_id=job_id, auth=first["key"] is not None,
-                       **{name: first[k] for k, name in _SPEC_PARAMS.items() if first.get(k)})
+                       **{name: first[k] for k, name in _SPEC_PARAMS.items() if first.get(k) is not None})
     parent_of = {by_rank[m]: sw for sw, spec in specs.items() for m in spec["members"] if m in by_rank}
     job = _Job(params, key=first["key"])
     # A child switch its parent lists that does not hold the job itself lost

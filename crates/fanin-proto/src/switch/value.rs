@@ -113,6 +113,8 @@ pub enum AdmitError {
     PartialResultsAdded { job_id: u32 },
     #[error("job {job_id}: {workers} workers is more than the {admitted} it was admitted for (its workers scale block floating point and averages for {admitted}): admit it with workers = the most it will ever have, or remove and re-admit it")]
     WorkersGrown { job_id: u32, workers: u16, admitted: u16 },
+    #[error("job {job_id}: member {member} cannot be added to this tree switch as an active member: the job's stream has run here without rounds, so its Join would be answered from the stream's start, where this switch and those above hold results it took no part in (or an earlier process of it did). Add it as awaiting (a sync join: the controller's subscribe with sync=True, fanin.Session(sync_join=True)), or remove the job from every switch and admit it again for a new run")]
+    PlainMemberIntoRunningTree { job_id: u32, member: u16 },
     #[error("job {job_id}: tree rank {rank} must be at least {SWITCH_RANK_BASE} (ranks below name workers), and the parent needs at least one address")]
     BadUplink { job_id: u32, rank: u16 },
     #[error("job {job_id}: a transit needs the next hop's address of each of this switch's {shards} shards, got {hops}: every switch on a worker's path must run the same number of shards (a worker picks the shard from the aggregation node's answer)")]
@@ -446,7 +448,7 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         out: &mut impl Transmit<A>,
     ) -> Result<(), AdmitError> {
         let job_id = spec.job_id;
-        let (capacity, new_floor) = self.check_update(&spec, uplink.as_ref())?;
+        let (capacity, new_floor) = self.check_update(&spec, uplink.as_ref(), awaiting)?;
         let limits_changed = self.jobs[&job_id].spec.rate_limit != spec.rate_limit;
         let buckets = limits_changed.then(|| self.buckets_for(&spec, capacity));
         let job = self.jobs.get_mut(&job_id).expect("checked above");
@@ -687,7 +689,14 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
     /// changes none (an update taken and undone has already sent the
     /// results of blocks it completed without a member that left).
     /// With the job's new source capacity and pooled floor.
-    pub fn check_update(&self, spec: &JobSpec, uplink: Option<&Uplink<A>>) -> Result<(usize, Option<u32>), AdmitError> {
+    /// Whether `update_job(spec, uplink, awaiting)` would be taken, changing
+    /// nothing; its capacity and pooled-memory floor if so.
+    pub fn check_update(
+        &self,
+        spec: &JobSpec,
+        uplink: Option<&Uplink<A>>,
+        awaiting: &[u16],
+    ) -> Result<(usize, Option<u32>), AdmitError> {
         spec.validate()?;
         let job_id = spec.job_id;
         if let Some(up) = uplink {
@@ -704,6 +713,19 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         }
         if spec.worker_count() > job.scale_workers {
             return Err(AdmitError::WorkersGrown { job_id, workers: spec.worker_count(), admitted: job.scale_workers });
+        }
+        // A tree's switch has no rounds (docs/trees.md): a member added
+        // active once its stream ran is answered from the stream's start,
+        // where the switches hold results summed without it, or with an
+        // earlier process of its rank (a rank that left and came back under
+        // a fresh leaf: those look complete, and a new run would take them
+        // for its own sums). Only a sync join (awaiting) may come in then.
+        let in_tree = uplink.is_some() || spec.members.iter().any(|&m| m >= SWITCH_RANK_BASE);
+        if in_tree && spec.mode == JobMode::Aggregate && job.high_block.is_some() {
+            let plain = spec.members.iter().find(|&&m| !job.members.contains(m as usize) && !awaiting.contains(&m));
+            if let Some(&member) = plain {
+                return Err(AdmitError::PlainMemberIntoRunningTree { job_id, member });
+            }
         }
         let capacity = spec.source_capacity().max(job.members.capacity());
         // Pooled memory: child switches joining the members, or a parent,

@@ -1400,3 +1400,44 @@ fn a_rank_added_back_does_not_take_its_old_processs_contribution_for_its_own() {
         assert!(repr.degraded, "it lacks rank 2's new process: {repr:?}");
     }
 }
+
+/// A tree's switch has no rounds: once its stream ran, a member added
+/// active would be answered from the stream's start, where this switch and
+/// those above hold results summed without it, or with an earlier process
+/// of its rank (a rank that left and comes back under a fresh leaf: those
+/// results look complete, and the new run takes them for its own sums).
+/// Such an update is refused, changing nothing; the same member as awaiting
+/// (a sync join) is taken; and before the stream ran, a member added active
+/// starts with the others.
+#[test]
+fn a_tree_switch_whose_stream_ran_takes_new_members_only_as_sync_joiners() {
+    let up = Uplink { parent: vec![PARENT], rank: RANK };
+    let grown = JobSpec { members: vec![0, 1, 2], workers: 5, ..job(1, 2, 4) };
+    // not run yet: taken
+    let mut idle = leaf();
+    idle.update_job(T0, grown.clone(), Some(up.clone()), &[], &mut VecTransmit::new()).unwrap();
+    // run: block 0 opened and sent up
+    let mut sw = leaf();
+    assert!(send(&mut sw, Pkt::data(1, 0, 0, &[1, 2])).is_empty());
+    assert_eq!(send(&mut sw, Pkt::data(1, 1, 0, &[10, 20])).len(), 1);
+    let err = sw.update_job(T0, grown.clone(), Some(up.clone()), &[], &mut VecTransmit::new()).unwrap_err();
+    assert!(matches!(err, AdmitError::PlainMemberIntoRunningTree { job_id: 1, member: 2 }), "{err:?}");
+    assert!(err.to_string().contains("sync_join=True"), "{err}");
+    // nothing changed: worker 2 is no member
+    assert_eq!(sw.check_update(&grown, Some(&up), &[]).unwrap_err(), err);
+    // a root with child switches is a tree's switch too (a fresh leaf's rank added plainly)
+    let mut root = switch_with(&[JobSpec { members: vec![RANK], workers: 5, ..job(1, 1, 4) }]);
+    let mut p = Pkt::data(1, RANK, 0, &[1, 2]);
+    p.repr.src_cnt = 2;
+    assert_eq!(send(&mut root, p).len(), 1, "the root's result goes down");
+    let with_leaf = JobSpec { members: vec![RANK, RANK + 1], workers: 5, ..job(1, 2, 4) };
+    let err = root.check_update(&with_leaf, None, &[]).unwrap_err();
+    assert!(matches!(err, AdmitError::PlainMemberIntoRunningTree { member, .. } if member == RANK + 1), "{err:?}");
+    root.check_update(&with_leaf, None, &[RANK + 1]).unwrap();
+    // as a sync joiner: taken
+    sw.update_job(T0, grown, Some(up), &[2], &mut VecTransmit::new()).unwrap();
+    // a single switch's job (rounds) takes a member added plainly: its Join starts a round
+    let mut single = switch_with(&[JobSpec { workers: 3, ..job(1, 2, 4) }]);
+    assert!(send(&mut single, Pkt::data(1, 0, 0, &[1])).is_empty());
+    single.update_job(T0, JobSpec { members: vec![0, 1, 2], workers: 3, ..job(1, 2, 4) }, None, &[], &mut VecTransmit::new()).unwrap();
+}
