@@ -59,6 +59,7 @@ def main() -> int:
     print(json.dumps({"ready": True}), flush=True)
     step = 0
     out = None
+    barrier = np.zeros(1, dtype=np.int32)
     for line in sys.stdin:
         command = line.strip()
         if command == "check" and out is not None:
@@ -71,6 +72,11 @@ def main() -> int:
         if command != "go":
             break
         x = contribution(a.rank, a.elements, step)
+        # a barrier through the tree (one int32): the clock starts when
+        # every worker is here, not when the driver's "go" reached this one
+        # (it writes them one after another; the slowest worker's time then
+        # held the dispatch and wake-up skew)
+        s.allreduce(barrier)
         t0 = time.perf_counter()
         out = s.allreduce(x)
         dt = time.perf_counter() - t0
