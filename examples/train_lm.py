@@ -163,17 +163,18 @@ def wrap(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn
 
 
 def measure_overlap(model: nn.Module, xy: tuple[torch.Tensor, torch.Tensor], device: torch.device,
-                    k: int) -> dict:
+                    k: int, wire_dtype: torch.dtype = torch.float32) -> dict:
     """How much of a DDP step's gradient communication its backward pass
     hides. Times, per pass, over `k` passes each (after one untimed pass of
     each kind): forward+backward with DDP's communication (`step_s`),
     the same under `no_sync` (`compute_s`: no communication), and one
-    `all_reduce` of a flat tensor of all the gradients' bytes on the same
-    group (`comm_s`: communication alone). `overlap` = the part of `comm_s`
+    `all_reduce` of a flat tensor of all the gradients, in the dtype the
+    hook sends (`wire_dtype`: float16 or bfloat16 with `--compress`), on the
+    same group (`comm_s`: communication alone). `overlap` = the part of `comm_s`
     that `step_s` does not add to `compute_s`, as a fraction of `comm_s`
     (0: serial, 1: fully hidden). No optimizer step: the replicas stay equal."""
     x, y = (t.to(device) for t in xy)
-    grads = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad), device=device)
+    grads = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad), device=device, dtype=wire_dtype)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -276,7 +277,8 @@ def train(args: argparse.Namespace, log=print, delay=None) -> dict:
     if rank == 0:
         log(f"held-out loss {first / math.log(2):.3f} -> {last:.3f} bits per byte in {args.steps} "
             f"steps ({args.steps / trained_s:.1f} steps/s)")
-    overlap = measure_overlap(model, batch(train, args.batch, args.context, gen), device, args.overlap_steps) \
+    wire = {"none": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.compress]
+    overlap = measure_overlap(model, batch(train, args.batch, args.context, gen), device, args.overlap_steps, wire) \
         if args.overlap_steps > 0 and not args.fsdp else {}
     # the replicas must agree (every rank, every backend): one hash of all the parameters
     digest = fanin.torch.parameter_digest(model)
