@@ -178,3 +178,155 @@ def test_a_quorum_is_not_added_to_a_running_job_whose_workers_refuse_partial_res
         assert {s["job_id"]: s["quorum"] for s in c.list_jobs()} == {1: 0, 2: 3}
         c.update_job({**specs[2], "quorum": 2})  # admitted with one: K may change
         assert {s["job_id"]: s["quorum"] for s in c.list_jobs()} == {1: 0, 2: 2}
+
+
+# ------------------------------------------------ straggler-iterations bench
+
+def _fake_run(rows_by_rank, blocks=4):
+    """A run of `_run_arm` as `_arm_point` reads it: rows per rank."""
+    reports = []
+    for rank, rows in rows_by_rank.items():
+        full = [{"iter": i, "wall_s": w, "own_delay_s": d, "min_src_cnt": 3 if not deg else min(c for _, c in deg),
+                 "missed_blocks": sum(c == 0 for _, c in deg), "degraded_blocks": len(deg), "blocks": blocks,
+                 "degraded": deg, "check_s": 0.0, "check_overrun_s": 0.0} for i, (w, d, deg) in enumerate(rows)]
+        reports.append({"rank": rank, "ok": True, "rows": full, "result_errors": [], "results_checked": len(rows),
+                        "blocks_verified": 0, "blocks": blocks})
+    return {"arm": "mitigation", "p": 0.5, "reports": reports, "counters": {}}
+
+
+def test_the_iteration_headline_keeps_the_slow_iterations_of_the_mitigation_arm():
+    # audit: iteration_s averaged only rows with own_delay 0 and no missed
+    # blocks, and only the mitigation arm misses blocks: its slow iterations
+    # were dropped, the ideal's kept. The headline now takes, per iteration,
+    # the slowest worker the schedule did not delay, whatever happened to it.
+    from fanin_bench.bench import stragglers
+
+    schedule = [[(2, 0.3), None, None], [None, None, None]]
+    run = _fake_run({
+        # iteration 0: rank 2 straggles; iteration 1: rank 1 arrives late
+        # (catching up) and misses two blocks, a slow iteration for it
+        0: [(0.20, 0.0, [(0, 2), (1, 2), (2, 2), (3, 2)]), (0.15, 0.0, [])],
+        1: [(0.22, 0.0, [(0, 2), (1, 2), (2, 2), (3, 2)]), (0.60, 0.0, [(0, 0), (1, 0)])],
+        2: [(0.55, 0.3, [(0, 0), (1, 0), (2, 0), (3, 0)]), (0.15, 0.0, [])],
+    })
+    pt = stragglers._arm_point("mitigation", 0.5, [run], schedule, workers=3)
+    assert pt["iteration_s"] == pytest.approx((0.22 + 0.60) / 2)
+    # the old figure, kept as a secondary field, drops the slow row
+    assert pt["iteration_in_sync_mean_s"] == pytest.approx((0.20 + 0.22 + 0.15 + 0.15) / 4)
+    # iteration 0: every block summed 2 of 3 (rank 2 missed them all);
+    # iteration 1: rank 1 missed blocks 0 and 1, but the others' results of
+    # them summed all 3 (a block sums what the most any member saw): 4 of
+    # the 24 contributions were left out
+    assert pt["contributions_dropped_fraction"] == pytest.approx(4 / 24)
+    assert pt["iterations_all_straggled"] == 0
+
+
+def test_the_straggler_benches_never_print_nan_as_json(capsys):
+    from types import SimpleNamespace
+
+    from fanin_bench.bench import stragglers
+
+    with pytest.raises(ValueError, match="points.*iteration_s.*nan"):
+        stragglers._emit(SimpleNamespace(json=True), {"points": [{"iteration_s": float("nan")}]}, [], "human")
+    assert "NaN" not in capsys.readouterr().out
+
+
+def _mean_result(workers, n, members, epp=256):
+    """What fanin returns for an average over `members`: the float32 of the exact mean."""
+    total = np.zeros(n)
+    for r in members:
+        total += worker_inputs(r, n, "float32")
+    return (total / len(members)).astype(np.float32)
+
+
+def test_iteration_results_are_checked_full_partial_and_missed():
+    from fanin_bench.bench.stragglers import _Results, float_error_bound
+
+    workers, n, epp = 3, 1000, 256  # 4 blocks, the last one short
+    inputs = [worker_inputs(r, n, "float32") for r in range(workers)]
+    bound = float_error_bound(workers, n, epp)[::epp]
+    full = _mean_result(workers, n, range(workers))
+    partial = _mean_result(workers, n, [0, 2])
+
+    good = _Results(n, epp, workers, aging=True)
+    good.observe("warm-up", full.copy(), [])
+    out = full.copy()
+    out[256:512] = partial[256:512]
+    out[512:768] = 0  # missed
+    good.observe("iteration 0", out, [(1, 2), (2, 0)])
+    good.observe("iteration 1", full.copy(), [])  # same bits as the warm-up: nothing kept
+    assert not good.errors, good.errors
+    assert good.verify(inputs, bound) == 4 + 1  # the four first full blocks and the one partial
+
+    # a partial block that is no sum of two workers' inputs
+    bad = _Results(n, epp, workers, aging=True)
+    bad.observe("warm-up", full.copy(), [])
+    out = full.copy()
+    out[256:512] = partial[256:512]
+    out[300] += 1e-3
+    bad.observe("iteration 0", out, [(1, 2)])
+    assert not bad.errors
+    bad.verify(inputs, bound)
+    assert any("summed 2 sources" in e for e in bad.errors), bad.errors
+
+    # a full block that changed (not reported degraded) gets the full check
+    drift = _Results(n, epp, workers, aging=False)
+    drift.observe("warm-up", full.copy(), [])
+    out = full.copy()
+    out[10] *= 1.5
+    drift.observe("iteration 0", out, [])
+    drift.verify(inputs, bound)
+    assert any("every worker's input" in e for e in drift.errors), drift.errors
+
+    # a missed block that is not zero, a degraded block without aging
+    other = _Results(n, epp, workers, aging=False)
+    other.observe("iteration 0", full.copy(), [(3, 0)])
+    assert any("not zero" in e for e in other.errors) and any("without straggler aging" in e for e in other.errors)
+
+
+def test_straggler_iterations_arms_check_every_result_on_the_real_daemon():
+    from fanin_bench.bench import stragglers
+
+    workers, n, iters = 3, 20_000, 4
+    # rank 2 straggles 0.4 s at the first delay point of iterations 1 and 2
+    schedule = [[None] * 3, [(2, 0.4), None, None], [(2, 0.4), None, None], [None] * 3]
+    ideal = stragglers._run_arm("ideal", 0.0, workers, n, [[None] * 3] * iters, 0.03, 50, 1)
+    mitig = stragglers._run_arm("mitigation", 0.5, workers, n, schedule, 0.03, 50, 1)
+    none = stragglers._run_arm("none", 0.5, workers, n, schedule, 0.03, 50, 1)
+    pts = {arm: stragglers._arm_point(arm, p, [run], sch, workers)
+           for arm, p, run, sch in (("ideal", 0.0, ideal, [[None] * 3] * iters), ("mitigation", 0.5, mitig, schedule),
+                                    ("none", 0.5, none, schedule))}
+    for pt in pts.values():
+        # the warm-up and every timed result of every worker
+        assert pt["results_checked"] == workers * (iters + 1), pt
+        assert pt["blocks_verified"] >= workers * -(-n // 1024), pt
+    assert pts["ideal"]["contributions_dropped_fraction"] == pts["none"]["contributions_dropped_fraction"] == 0
+    assert pts["mitigation"]["contributions_dropped_fraction"] > 0, pts["mitigation"]
+    # the on-time workers waited for the straggler without mitigation (0.4 s
+    # in two of the four iterations)
+    assert pts["none"]["iteration_s"] > pts["ideal"]["iteration_s"] + 0.1, pts
+    assert pts["mitigation"]["iteration_s"] < pts["none"]["iteration_s"], pts
+
+
+def test_straggler_iterations_cli_reports_checked_figures_beside_an_ideal_per_p(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fanin", "bench", "straggler-iterations", "--quick", "--workers", "3",
+                        "--iters", "3", "--compute-ms", "30", "--probs", "0.3", "--json", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def no_nan(c):
+        raise AssertionError(f"{c} in the JSON")
+
+    report = json.loads(r.stdout, parse_constant=no_nan)
+    points = report["points"]
+    assert [(p["arm"], p["beside_p"]) for p in points] == [("ideal", 0.3), ("mitigation", 0.3), ("none", 0.3)]
+    for p in points:
+        assert p["iters"] == 3 and p["results_checked"] == 3 * (3 + 2), p  # two halves, a warm-up each
+        assert 0 <= p["contributions_dropped_fraction"] < 1
+    assert points[0]["vs_ideal"] == 1.0 and "slowest worker" in report["iteration_definition"]
+    (s,) = report["summary"]
+    assert s["mitigation_contributions_dropped_fraction"] == points[1]["contributions_dropped_fraction"]

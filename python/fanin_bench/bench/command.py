@@ -119,14 +119,18 @@ def _add_value_benches(bsub: Any) -> None:
 
     gl = bsub.add_parser("gloo-compare", help="fanin vs torch.distributed Gloo allreduce, side by side",
                          description="Run torch.distributed Gloo allreduce (what a PyTorch user has today) and fanin "
-                                     "allreduce at the same N and size in the same run.")
+                                     "allreduce at the same N and size in the same run: exactly --iters timed "
+                                     "allreduces of each, in blocks whose first system alternates. Every result is "
+                                     "checked (Gloo's per element against the bound of a recursive sum, fanin's "
+                                     "against its block floating point bound); a wrong one fails the run before any "
+                                     "figure is reported.")
     gl.add_argument("--workers", type=int, default=4)
     gl.add_argument("--size", help="tensor size per worker (default 100MB, 16MB with --quick)")
     gl.add_argument("--elems-per-packet", type=int, default=4096)
     gl.add_argument("--window", type=int, default=128)
     gl.add_argument("--shards", type=int, default=1)
     _results_option(gl)
-    gl.add_argument("--iters", type=int)
+    gl.add_argument("--iters", type=int, help="timed allreduces per system (default 7, 3 with --quick)")
     _common(gl)
     gl.set_defaults(func=_lazy("gloo", "run_gloo_compare"))
 
@@ -151,9 +155,14 @@ def _add_value_benches(bsub: Any) -> None:
                          description="Worker processes run iterations of compute + allreduce of a model-sized tensor "
                                      "(25M float32; 2M with --quick); at three delay points per iteration one worker "
                                      "straggles with probability p for U(0.5, 2) x the typical iteration time. fanin "
-                                     "with mitigation vs without (SwitchML behaviour) vs an ideal run, one run.")
+                                     "with mitigation vs without (SwitchML behaviour) vs an ideal run beside each p, "
+                                     "one run: each runs the first half of the iterations, then the second half in "
+                                     "the reverse order. Iteration time: per iteration, the slowest worker the "
+                                     "schedule did not delay (not filtered by outcome), with the fraction of "
+                                     "contributions the partial results dropped. Every result is checked (partial "
+                                     "sums against the sum of as many workers' inputs); a wrong one fails the run.")
     si.add_argument("--workers", type=int, default=4)
-    si.add_argument("--iters", type=int, help="iterations per arm (default 20, 10 with --quick)")
+    si.add_argument("--iters", type=int, help="iterations per arm and p (default 20, 10 with --quick)")
     si.add_argument("--compute-ms", type=float, default=100.0, help="simulated compute per iteration (default %(default)s)")
     si.add_argument("--block-exp-ms", type=int, default=50,
                     help="straggler timeout of the mitigation arm (default %(default)s; Trio uses 10 ms on dedicated "
@@ -206,8 +215,8 @@ def _add_value_benches(bsub: Any) -> None:
     ch.add_argument("--hang-s", type=float, default=30.0,
                     help="a worker or kv task without progress this long counts as hung (default %(default)s)")
     ch.add_argument("--skip", nargs="*", default=[], metavar="FAULT",
-                    help="fault kinds to leave out (garbage forge replay kill_worker restart_switch "
-                         "kv_forge kv_replay kill_kv_sender)")
+                    help="fault kinds to leave out (garbage forge replay kill_worker restart_rank restart_job "
+                         "restart_switch kv_forge kv_replay kill_kv_sender; an unknown name is refused)")
     ch.add_argument("--no-kv", action="store_true", help="value-stream jobs only")
     ch.add_argument("--out", default="out/chaos", help="directory for the JSON report (default %(default)s)")
     _common(ch)
@@ -313,10 +322,12 @@ def _add_kv_benches(bsub: Any) -> None:
         "kv-network", help="key-value word count over rate-limited links (testbed, root): adaptive vs ASK's fixed window",
         description=textwrap.fill("A star testbed: the receiver's kv daemon on h0, a sender daemon on each other "
                     "host, the switch on s0, every link limited by tbf. Per link rate: the links' measured capacity, "
-                    "then the same word count of real text (every count checked against Counter) from senders whose "
-                    "window and timeout adapt to the path (the default; docs/kv.md 'Congestion'), alternated with "
-                    "senders that keep ASK's fixed window and timeout. Median time, fraction of the capacity, "
-                    "retransmissions per packet. JSON with --json, CSV and PNG to --out. Needs root.", 100),
+                    "then the same word count of real text (every count checked against Counter; a wrong one fails "
+                    "the run) from senders whose window and timeout adapt to the path (the default; docs/kv.md "
+                    "'Congestion'), alternated with senders that keep ASK's fixed window and timeout, after an "
+                    "untimed warm-up task of each, the first arm alternating. Median time, fraction of the capacity "
+                    "(above 1.02 flagged as a measurement problem), retransmissions per packet. JSON with --json, "
+                    "CSV and PNG to --out. Needs root.", 100),
         epilog="example: fanin bench kv-network --quick --json\n"
                "         fanin bench kv-network --rates 100,400,1000 --words 500000 --reps 5")
     kn.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,400; 100 with --quick)")
@@ -342,10 +353,12 @@ def _add_tree_benches(bsub: Any) -> None:
     nw = bsub.add_parser(
         "network", help="fanin vs Gloo's ring on rate-limited links (testbed, root): where INA wins",
         description="A star testbed of N hosts, every link limited by tbf: for each link rate, the capacity the "
-                    "links really offer (a UDP blast over all of them at once), then fanin and Gloo's ring "
+                    "links really offer (a UDP blast over all of them at once, counted once every blaster is "
+                    "sending; below 0.8 of the tbf rate it is flagged), then fanin and Gloo's ring "
                     "(torch.distributed, routed through the switch namespace) allreduce the same float32 tensor, "
                     "alternating. Per rate: medians, ideal times at the measured capacity, fanin's fraction of "
-                    "it, the speed-up vs Gloo, retransmissions, trims and IP fragments. fanin runs with its "
+                    "it (above 1.02 flagged as a measurement problem: the capacity was under-read), the speed-up "
+                    "vs Gloo, retransmissions, trims and IP fragments. fanin runs with its "
                     "defaults unless told otherwise. JSON with --json, CSV and PNG to --out. Needs root.",
         epilog="example: fanin bench network --workers 4 --rates 100,200,400 --json\n"
                "         fanin bench network --quick --dtype float16 --json\n"

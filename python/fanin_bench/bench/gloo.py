@@ -1,6 +1,9 @@
 """`fanin bench gloo-compare`: torch.distributed Gloo allreduce (what a
 PyTorch user has today) and fanin allreduce at the same N and size, side by
-side in one run."""
+side in one run: exactly ``--iters`` timed allreduces of each, in blocks
+whose first system alternates (`blocks`). Every result is checked, Gloo's
+against the per-element bound of a recursive sum (net_worker.gloo_bound), and
+a wrong one fails the run before any figure is reported."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from fanin.proc import format_size, parse_size, reference_sum, worker_inputs
+from fanin.proc import format_size, parse_size, worker_inputs
+from fanin_bench.bench.net_worker import gloo_bound
 from fanin_bench.bench.runner import AllreduceParams, run_allreduce
 
 
@@ -36,9 +40,15 @@ def _gloo_worker(rank: int, world: int, port: int, n: int, iters: int, results: 
         x = torch.from_numpy(worker_inputs(rank, n, "float32"))
         buf = x.clone()
         dist.all_reduce(buf)  # warm-up and correctness
-        ref = reference_sum(world, n, "float32")
-        err = float(np.max(np.abs(buf.numpy().astype(np.float64) - ref))) if n else 0.0
-        ok = bool(np.allclose(buf.numpy(), ref, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(ref)) or 1)))
+        ref, allowed = gloo_bound(world, n, "float32")
+        got = buf.numpy().astype(np.float64)
+        err = np.abs(got - ref)
+        # every element within its own bound (an error in a small element
+        # is one, however large the others)
+        ok = bool(np.all(err <= allowed))
+        worst = float(np.max(err / allowed)) if n else 0.0
+        verified = buf.numpy().copy()
+        timed_checked, timed_full_checks = 0, 0
         times, cpu = [], []
         for _ in range(iters):
             buf.copy_(x)
@@ -48,8 +58,19 @@ def _gloo_worker(rank: int, world: int, port: int, n: int, iters: int, results: 
             dist.all_reduce(buf)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
+            # outside the clock, once every rank is out of its allreduce:
+            # the same bits as the verified result, or the full check
+            dist.barrier()
+            timed_checked += 1
+            if not np.array_equal(buf.numpy().view(np.uint32), verified.view(np.uint32)):
+                timed_full_checks += 1
+                e = np.abs(buf.numpy().astype(np.float64) - ref)
+                ok = ok and bool(np.all(e <= allowed))
+                err = np.maximum(err, e)
         dist.destroy_process_group()
-        results.put({"rank": rank, "ok": True, "times": times, "cpu": cpu, "verified": ok, "max_abs_error": err})
+        results.put({"rank": rank, "ok": True, "times": times, "cpu": cpu, "verified": ok,
+                     "max_abs_error": float(err.max()) if n else 0.0, "worst_fraction_of_bound": worst,
+                     "timed_checked": timed_checked, "timed_full_checks": timed_full_checks})
     except BaseException as e:
         results.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
@@ -71,7 +92,21 @@ def run_gloo(workers: int, elements: int, iters: int) -> dict[str, Any]:
     cpu = [sum(r["cpu"][i] for r in reports) for i in range(iters)]
     return {"median_s": statistics.median(times), "times_s": times, "cpu_s": cpu,
             "verified": all(r["verified"] for r in reports),
-            "max_abs_error": max(r["max_abs_error"] for r in reports)}
+            "max_abs_error": max(r["max_abs_error"] for r in reports),
+            "worst_fraction_of_bound": max(r["worst_fraction_of_bound"] for r in reports),
+            "timed_results_checked": sum(r["timed_checked"] for r in reports)}
+
+
+def blocks(iters: int) -> list[tuple[int, str]]:
+    """(timed iterations, the system that goes first) per block: exactly
+    `iters` in all, split over 2 blocks (4 from 4 iterations on), and the
+    system that goes first alternating, so drift on a noisy machine hits
+    both. (Each block is a Gloo process group and a switch with its
+    workers, started afresh: finer alternation would cost a start per
+    allreduce.)"""
+    rounds = min(iters, 2 if iters < 4 else 4)
+    sizes = [iters // rounds + (1 if i < iters % rounds else 0) for i in range(rounds)]
+    return [(k, "gloo" if i % 2 == 0 else "fanin") for i, k in enumerate(sizes)]
 
 
 def run_gloo_compare(args: Any) -> int:
@@ -83,30 +118,54 @@ def run_gloo_compare(args: Any) -> int:
     size = parse_size(args.size) if args.size else (16_000_000 if args.quick else 100_000_000)
     n = max(1, size // 4)
     iters = args.iters or (3 if args.quick else 7)
-    print(f"gloo-compare: {args.workers} workers x {format_size(size)} float32, {iters} iterations each", file=sys.stderr)
-    # Alternate the two systems so drift on a noisy machine hits both.
+    if iters < 1:
+        print(f"fanin bench gloo-compare: --iters {iters} must be at least 1", file=sys.stderr)
+        return 2
+    plan = blocks(iters)
+    print(f"gloo-compare: {args.workers} workers x {format_size(size)} float32, {iters} iterations each, in "
+          f"{len(plan)} blocks of {'/'.join(str(k) for k, _ in plan)}, the first system alternating",
+          file=sys.stderr)
     gloo_runs, fanin_runs = [], []
-    rounds = 2
-    for _ in range(rounds):
-        gloo_runs.append(run_gloo(args.workers, n, max(1, iters // rounds)))
-        p = AllreduceParams(workers=args.workers, elements=n, dtype="float32", elems_per_packet=args.elems_per_packet,
-                            window=args.window, iters=max(1, iters // rounds), shards=args.shards, seed=args.seed,
-                            noaggr=False, results=args.results)
-        fanin_runs.append(run_allreduce(p, label="fanin").summary())
+    for count, first in plan:
+        for system in (("gloo", "fanin") if first == "gloo" else ("fanin", "gloo")):
+            if system == "gloo":
+                gloo_runs.append(run_gloo(args.workers, n, count))
+            else:
+                p = AllreduceParams(workers=args.workers, elements=n, dtype="float32",
+                                    elems_per_packet=args.elems_per_packet, window=args.window, iters=count,
+                                    shards=args.shards, seed=args.seed, noaggr=False, results=args.results)
+                fanin_runs.append(run_allreduce(p, label="fanin").summary())
     gloo_times = [t for r in gloo_runs for t in r["times_s"]]
     fanin_times = [t for r in fanin_runs for t in r["times_s"]]
+    if len(gloo_times) != iters or len(fanin_times) != iters:
+        raise RuntimeError(f"gloo-compare: {len(gloo_times)} Gloo and {len(fanin_times)} fanin timed allreduces, "
+                           f"not {iters} each")
+    gloo_verified = all(r["verified"] for r in gloo_runs)
+    fanin_verified = all(r["verified"] for r in fanin_runs)
+    # a wrong sum fails the run before any figure is reported
+    if not gloo_verified:
+        raise RuntimeError(f"gloo-compare: a Gloo rank's sum is outside the per-element bound of a recursive sum "
+                           f"(max abs error {max(r['max_abs_error'] for r in gloo_runs):.3g})")
+    if not fanin_verified:
+        raise RuntimeError("gloo-compare: a fanin worker's sum is outside its block floating point bound")
     result = {
         "workers": args.workers,
         "size_bytes": size,
         "dtype": "float32",
         "elems_per_packet": args.elems_per_packet,
         "window": args.window,
+        "iters": iters,
+        "blocks": [{"iters": k, "first": first} for k, first in plan],
         "gloo_median_s": statistics.median(gloo_times),
         "gloo_times_s": gloo_times,
-        "gloo_verified": all(r["verified"] for r in gloo_runs),
+        "gloo_verified": gloo_verified,
+        # Gloo's warm-up result against the per-element bound (<= 1), and the
+        # timed results compared with it (bit for bit, else the full check)
+        "gloo_worst_fraction_of_bound": max(r["worst_fraction_of_bound"] for r in gloo_runs),
+        "gloo_timed_results_checked": sum(r["timed_results_checked"] for r in gloo_runs),
         "fanin_median_s": statistics.median(fanin_times),
         "fanin_times_s": fanin_times,
-        "fanin_verified": all(r["verified"] for r in fanin_runs),
+        "fanin_verified": fanin_verified,
         "fanin_retransmissions": sum(r["retransmissions"] for r in fanin_runs),
         # CPU seconds per allreduce, all processes together (fanin: the
         # workers and the switch). On this 2-core machine every arm is

@@ -10,10 +10,13 @@ allreduce, never inside one.
     python -m fanin_bench.bench.net_worker gloo --master 10.1.0.2:29500 --rank 0 --workers 4 --elements 2000000
     python -m fanin_bench.bench.net_worker blast --to 10.1.0.1:9999 --mbit 250
 
+A blaster says {"sending": true, ...} once its first datagrams are out
+(`_blast`), then {"sent_bytes": ...} when it stops.
+
 Both allreduce kinds reduce the same tensor (`fanin.proc.worker_inputs`;
 float32, float16 or bfloat16 with --dtype) and check the sum against the
-float64 reference: fanin within its block floating point bound, Gloo with a
-relative tolerance. fanin's session is
+float64 reference: fanin within its block floating point bound, Gloo within
+the per-element bound of a recursive sum (`gloo_bound`). fanin's session is
 made with every tunable left at its default unless the driver passes one.
 """
 
@@ -115,6 +118,24 @@ def shard_range(rank: int, workers: int, elements: int) -> tuple[int, int]:
     return rank * k, elements if rank == workers - 1 else (rank + 1) * k
 
 
+def gloo_bound(workers: int, elements: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 reference sum of `fanin.proc.worker_inputs` and the error
+    each element of Gloo's sum may have: Gloo adds in the tensor's own
+    precision along the ring, so the classic bound of a recursive sum,
+    N * u * sum(|x_i|) (u the unit roundoff), plus the last rounding, and
+    the spacing of the type's subnormals (float16's, 2**-24, are within
+    reach of these inputs). Per element: a wrong small element is caught
+    however large the others."""
+    ref = reference_sum(workers, elements, dtype)
+    u = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[dtype]
+    tiny = {"float32": 2.0 ** -149, "float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}[dtype]
+    abs_sum = np.zeros(elements)
+    for r in range(workers):
+        xr = worker_inputs(r, elements, dtype)
+        abs_sum += np.abs(half_values(xr, dtype) if dtype in HALF_DTYPES else xr)
+    return ref, workers * u * abs_sum + 2 * u * np.abs(ref) + tiny
+
+
 def _gloo(a: argparse.Namespace) -> int:
     import os
 
@@ -129,16 +150,7 @@ def _gloo(a: argparse.Namespace) -> int:
         x = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     else:
         x = torch.from_numpy(x)
-    ref = reference_sum(a.workers, a.elements, a.dtype)
-    # Gloo adds in the tensor's own precision along the ring: the classic
-    # bound of a recursive sum, N * u * sum(|x_i|) (u the unit roundoff),
-    # plus the last rounding
-    u = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[a.dtype]
-    abs_sum = np.zeros(a.elements)
-    for r in range(a.workers):
-        xr = worker_inputs(r, a.elements, a.dtype)
-        abs_sum += np.abs(half_values(xr, a.dtype) if a.dtype in HALF_DTYPES else xr)
-    allowed = a.workers * u * abs_sum + 2 * u * np.abs(ref) + 2.0 ** -24
+    ref, allowed = gloo_bound(a.workers, a.elements, a.dtype)
     buf = x.clone()
     scatter = a.collective == "reduce-scatter"
     if scatter:
@@ -183,7 +195,14 @@ def _blast(a: argparse.Namespace) -> int:
     """Send UDP as fast as `--mbit` allows (paced, so a slow link's queue is
     kept full without burning the CPU the other senders need) for
     `--seconds`, to every `--to` address in turn. What the link really
-    carried is read from its interface counters by the driver."""
+    carried is read from its interface counters by the driver.
+
+    Once the first datagrams are out it says so on stdout,
+    ``{"sending": true, "t0": ..., "until": ...}``: the monotonic clock
+    (one per machine, the same in every network namespace) at its first
+    send and when it stops, so the driver counts only while every blaster
+    is sending, however long each took to start. Its last line is
+    ``{"sent_bytes": ...}``."""
     targets = []
     for t in a.to:
         h, p = t.rsplit(":", 1)
@@ -202,6 +221,7 @@ def _blast(a: argparse.Namespace) -> int:
     sent = [0] * len(targets)
     t0 = time.monotonic()
     end = t0 + a.seconds
+    announced = False
     while True:
         now = time.monotonic()
         if now >= end:
@@ -213,6 +233,9 @@ def _blast(a: argparse.Namespace) -> int:
                     sent[i] += len(buf) + 28 * per_send
                 except (BlockingIOError, OSError):
                     pass  # a full queue: the link is the limit, which is the point
+        if not announced:
+            print(json.dumps({"sending": True, "t0": t0, "until": end}), flush=True)
+            announced = True
         if all(sent[i] >= rate * (now - t0) + len(buf) for i in range(len(targets))):
             time.sleep(0.0005)
     print(json.dumps({"sent_bytes": sum(sent)}), flush=True)

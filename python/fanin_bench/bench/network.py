@@ -13,7 +13,9 @@ the kernel) run in the host namespaces. For every link rate:
    a few Gbit/s the veths and the CPU, not tbf, set it). Then both directions
    at once, the load an allreduce makes: the duplex capacity, reported beside
    it (``fanin_fraction_of_duplex_capacity``) to show how much of a shortfall
-   is the testbed machine's own;
+   is the testbed machine's own. The counters are read only while every
+   blaster says it is sending; a capacity below 0.8 of the tbf rate is
+   flagged (``capacity_low``);
 2. **allreduce**: one fanin allreduce and one Gloo allreduce of the same
    tensor (float32, or float16 / bfloat16 with --dtype), alternating (the
    order swapped every repetition), each result checked against the float64
@@ -30,8 +32,10 @@ Reported per rate: medians; the ideal times at the measured capacity (S/C
 for fanin, whose every link carries the tensor once each way, 2(N-1)/N * S/C
 for the ring's allreduce); fanin's fraction of the capacity (ideal / median); the
 speed-up vs Gloo; fanin's retransmissions and trims; the IP fragments every
-namespace created. fanin runs with every setting at its default: nothing is
-tuned per rate.
+namespace created. A fraction of capacity above 1.02 (fanin, keyed, lanes
+or Gloo's of its ideal) is no result but an under-read capacity: the row
+lists it in ``measurement_problems`` and a warning goes to stderr. fanin
+runs with every setting at its default: nothing is tuned per rate.
 
 ``--mtu 9000`` builds the testbed with jumbo frames (every interface); fanin
 learns the MTU at join, the capacity blast sends full frames. ``--auth`` adds
@@ -46,6 +50,7 @@ the main one keeps ``--lanes``, alternated in the same run
 from __future__ import annotations
 
 import csv
+import json
 import os
 import statistics
 import subprocess
@@ -102,6 +107,41 @@ def _worker_argv(kind: str, **kw: Any) -> list[str]:
     return argv
 
 
+#: A link that measures below this fraction of its tbf rate is flagged
+#: (``capacity_low``): above a few Gbit/s the testbed machine, not tbf, is
+#: the limit, and every fraction of capacity is then against that.
+CAPACITY_LOW = 0.8
+#: An arm faster than this fraction of the measured capacity means the
+#: capacity was under-read: flagged as a measurement problem, not a result.
+FRACTION_SUSPECT = 1.02
+
+
+def _wait_sending(procs: list[subprocess.Popen], timeout: float) -> list[dict[str, Any]]:
+    """Each blaster's {"sending": true, "t0", "until"} line (net_worker
+    `_blast`), waiting at most `timeout` seconds for all of them."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    lines: list[Optional[dict[str, Any]]] = [None] * len(procs)
+    while any(x is None for x in lines):
+        left = deadline - time.monotonic()
+        waiting = [p.stdout for p, x in zip(procs, lines) if x is None]
+        ready, _, _ = select.select(waiting, [], [], max(0.0, left)) if left > 0 else ([], [], [])
+        if not ready:
+            late = sum(x is None for x in lines)
+            raise RuntimeError(f"capacity blast: {late} of {len(procs)} blasters did not start sending within "
+                               f"{timeout:g} s")
+        for i, p in enumerate(procs):
+            if lines[i] is None and p.stdout in ready:
+                line = p.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"capacity blast: a blaster exited ({p.wait()}) before it was sending")
+                msg = json.loads(line)
+                if msg.get("sending"):
+                    lines[i] = msg
+    return [x for x in lines if x is not None]
+
+
 def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float, mtu: int = 1500,
                      edge: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """What each direction of each link carries with every link of that
@@ -110,6 +150,13 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
     in the switch namespace); each link is read with its own timestamps, since
     one read takes milliseconds. That is ``capacity_mbit``, the figure every
     fraction of capacity is taken against.
+
+    Counting starts only once every blaster has said it is sending (a
+    blaster slow to start would otherwise be counted for part of the window
+    and under-read its link), after a settling time for the queues to fill,
+    and stops before the first blaster's end. A capacity below
+    ``CAPACITY_LOW`` of the tbf rate is flagged (``capacity_low``, and a
+    warning on stderr).
 
     Then both directions at once (``capacity_duplex_mbit``), the load an
     allreduce puts on the testbed: every link busy each way. Where the links
@@ -120,6 +167,7 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
     small even on the 2-core VM."""
 
     edge = edge or {h: "s0" for h in hosts}  # each host's switch
+    windows: list[dict[str, float]] = []
 
     def blast(direction: str) -> list[float]:
         """Per-link Mbit/s up, down, or (``both``) up then down of one run."""
@@ -129,11 +177,11 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
         if direction in ("up", "both"):
             procs += [tb.popen(h, _worker_argv("blast", to=f"{tb.addr(edge[h], toward=h)}:{BLAST_PORT}", mbit=offer,
                                                seconds=seconds, payload=payload),
-                               stdout=subprocess.DEVNULL) for h in hosts]
+                               stdout=subprocess.PIPE, text=True) for h in hosts]
         if direction in ("down", "both"):
             procs += [tb.popen(edge[h], _worker_argv("blast", to=f"{tb.addr(h, toward=edge[h])}:{BLAST_PORT}", mbit=offer,
                                                   seconds=seconds, payload=payload),
-                               stdout=subprocess.DEVNULL) for h in hosts]
+                               stdout=subprocess.PIPE, text=True) for h in hosts]
 
         def read() -> dict[str, tuple[float, Any]]:
             out = {}
@@ -143,13 +191,35 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
                 out[h] = ((t + time.monotonic()) / 2, b)
             return out
 
-        # let the queues fill before counting, stop counting before the blast ends
-        time.sleep(min(0.5, seconds / 4))
+        try:
+            started = _wait_sending(procs, timeout=30 + seconds)
+        except BaseException:
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise
+        # the blasters' monotonic clock is this process's (one per machine)
+        all_sending = max(m["t0"] for m in started)
+        first_end = min(m["until"] for m in started)
+        # let the queues fill before counting, stop counting before the first blast ends
+        t_first = all_sending + min(0.5, seconds / 4)
+        t_last = min(t_first + seconds / 2, first_end - min(0.25, seconds / 8))
+        if t_last - t_first < seconds / 8:
+            for p in procs:
+                p.wait(timeout=seconds + 30)
+            raise RuntimeError(f"capacity blast ({direction}): the blasters started "
+                               f"{all_sending - min(m['t0'] for m in started):.2f} s apart, leaving no "
+                               f"{seconds / 8:.2f} s while all were sending; rerun on a quieter machine")
+        time.sleep(max(0.0, t_first - time.monotonic()))
         first = read()
-        time.sleep(seconds / 2)
+        time.sleep(max(0.0, t_last - time.monotonic()))
         last = read()
         for p in procs:
             p.wait(timeout=seconds + 30)
+            if p.stdout:
+                p.stdout.close()
+        windows.append({"start_spread_s": all_sending - min(m["t0"] for m in started),
+                        "window_s": min(t1 for t1, _ in last.values()) - max(t0 for t0, _ in first.values())})
         rates = []
         for way in ("up", "down"):
             if direction not in (way, "both"):
@@ -164,10 +234,47 @@ def measure_capacity(tb: Any, hosts: list[str], rate_mbit: float, seconds: float
     dn = blast("down")
     one_way = up + dn
     duplex = blast("both")
-    return {"capacity_mbit": statistics.median(one_way), "capacity_min_mbit": min(one_way), "mtu": mtu,
+    capacity = statistics.median(one_way)
+    low = capacity < CAPACITY_LOW * rate_mbit
+    if low:
+        print(f"capacity: WARNING the links measured {capacity:.0f} Mbit/s, {capacity / rate_mbit:.2f} of tbf's "
+              f"{rate_mbit:g}: below {CAPACITY_LOW:g}, the testbed machine (not the links) is the limit, and "
+              f"every fraction of capacity is taken against what it carries", file=sys.stderr)
+    return {"capacity_mbit": capacity, "capacity_min_mbit": min(one_way), "mtu": mtu,
             "uplink_mbit": up, "downlink_mbit": dn,
             "capacity_duplex_mbit": statistics.median(duplex), "capacity_duplex_min_mbit": min(duplex),
-            "duplex_uplink_mbit": duplex[:len(hosts)], "duplex_downlink_mbit": duplex[len(hosts):]}
+            "duplex_uplink_mbit": duplex[:len(hosts)], "duplex_downlink_mbit": duplex[len(hosts):],
+            "capacity_vs_tbf": capacity / rate_mbit, "capacity_low": low,
+            # per blast (up, down, both): how far apart the blasters started
+            # sending, and the seconds counted while all were
+            "blast_start_spread_s": max(w["start_spread_s"] for w in windows),
+            "blast_window_s": min(w["window_s"] for w in windows)}
+
+
+def flag_fractions(row: dict[str, Any], label: str) -> list[str]:
+    """Every ``*fraction_of*`` figure of `row` (nested dicts too) above
+    ``FRACTION_SUSPECT``: faster than the measured capacity allows, so the
+    capacity was under-read. Marks the row (``measurement_problems``,
+    ``measurement_suspect``) and warns on stderr; the problems."""
+    problems = []
+
+    def scan(d: dict[str, Any], prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                scan(v, f"{prefix}{k}.")
+            elif "fraction_of" in k and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and v > FRACTION_SUSPECT:
+                problems.append(f"{prefix}{k} = {v:.3f} > {FRACTION_SUSPECT:g}: faster than the measured capacity, "
+                                "which was under-read")
+
+    scan(row, "")
+    if row.get("capacity_low"):
+        problems.append(f"capacity {row.get('capacity_mbit', 0):.0f} Mbit/s is below {CAPACITY_LOW:g} of the tbf rate")
+    row["measurement_problems"] = problems
+    row["measurement_suspect"] = bool(problems)
+    for p in problems:
+        print(f"{label}: WARNING measurement problem: {p}", file=sys.stderr)
+    return problems
 
 
 class _LinkBytes:
@@ -408,6 +515,8 @@ def run_network(args: Any) -> int:
                 row.update(_keyed(rate, row, keyed_t, keyed_answers))
             if lanes_t:
                 row.update(_lanes_arm(rate, row, lanes_t, lanes_answers))
+            # faster than the measured capacity: the capacity was under-read
+            flag_fractions(row, f"network {rate:g} Mbit/s")
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "network.csv", rows)
@@ -417,6 +526,9 @@ def run_network(args: Any) -> int:
               "elements": elements, "reps": reps,
               "queue_ms": args.queue_ms,
               "rates": rows,
+              # a rate whose fractions exceed the measured capacity, or whose
+              # capacity fell below CAPACITY_LOW of tbf (each row says which)
+              "measurement_suspect": any(r["measurement_suspect"] for r in rows),
               "fanin_settings": {"elems_per_packet": rows[0]["elems_per_packet"] if rows else None,
                                  "window": args.window, "shards": args.shards, "keyed_arm": bool(args.auth),
                                  "lanes": args.lanes, "lanes_arm": args.lanes_arm,
@@ -440,6 +552,7 @@ def run_network(args: Any) -> int:
            if "keyed_median_s" in r else "")
         + (f", {r['lanes_arm']} lanes {r['lanes_median_s']:.3f} s = {r['lanes_fraction_of_capacity']:.2f} of capacity, "
            f"{r['lanes_speedup']:.2f}x the {args.lanes}-lane arm" if "lanes_median_s" in r else "")
+        + (f" [MEASUREMENT PROBLEM: {'; '.join(r['measurement_problems'])}]" if r["measurement_problems"] else "")
         for r in rows)
     emit(result, f"network, {topo.name}, {args.collective}, {n} workers x {format_size(size)}: {human}", args.json)
     return 0
@@ -474,6 +587,11 @@ def _row(rate: float, n: int, size: int, cap: dict[str, Any], fanin_t: list[floa
         "mtu": cap["mtu"],
         "capacity_mbit": cap["capacity_mbit"],
         "capacity_min_mbit": cap["capacity_min_mbit"],
+        # the measured capacity over tbf's rate; capacity_low below CAPACITY_LOW
+        "capacity_vs_tbf": cap.get("capacity_vs_tbf"),
+        "capacity_low": cap.get("capacity_low", False),
+        "blast_start_spread_s": cap.get("blast_start_spread_s"),
+        "blast_window_s": cap.get("blast_window_s"),
         "fanin_median_s": statistics.median(fanin_t),
         "fanin_ideal_s": fanin_ideal,
         "ring_ideal_s": ring_ideal,
