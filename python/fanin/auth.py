@@ -17,9 +17,24 @@ from typing import Union
 
 from fanin import _native
 
-__all__ = ["derive_member_key", "new_job_key", "key_hex", "read_key_file", "write_key_file"]
+__all__ = ["KeyFileError", "derive_member_key", "new_job_key", "key_hex", "read_key_file", "write_key_file"]
 
 KeyLike = Union[bytes, bytearray, str]
+
+
+class KeyFileError(OSError, ValueError):
+    """A key file that cannot be opened (missing, a folder, no permission):
+    the OSError (``errno``, ``strerror``, ``filename``) that says why, and a
+    ValueError too (as io.UnsupportedOperation is both), so the command
+    lines that report a ValueError as one line (`fanin keys --job-key-file`,
+    `--job ...,key_file=`) name the file instead of printing a traceback."""
+
+    def __init__(self, action: str, err: OSError):
+        super().__init__(err.errno, err.strerror, err.filename)
+        self.action = action
+
+    def __str__(self) -> str:
+        return f"cannot {self.action} the key file {self.filename}: {self.strerror}"
 
 
 def new_job_key() -> bytes:
@@ -52,9 +67,13 @@ def read_key_file(path: str) -> bytes:
     """A key from a file: 32 hex digits (surrounding whitespace ignored, as
     `fanin keys` writes them) or 16 raw bytes. A file that holds neither is
     a ValueError that names the file and its size, never its content (it is
-    meant to be a secret); an unreadable one an OSError."""
-    with open(path, "rb") as f:
-        raw = f.read()
+    meant to be a secret); an unreadable one a :class:`KeyFileError` (an
+    OSError and a ValueError)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise KeyFileError("read", e) from None
     if len(raw) == 16 and all(chr(b) in "0123456789abcdefABCDEF" for b in raw):
         # 16 hex digits are half a key typed as text, not 16 raw bytes (a
         # random key is all hex digits with odds of about 1e-17)
@@ -74,7 +93,14 @@ def read_key_file(path: str) -> bytes:
 
 def write_key_file(path: str, key: KeyLike) -> None:
     """Write ``key`` as 32 hex digits and a newline to a new file that only
-    its owner may read (mode 0600); an existing file is never replaced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    its owner may read (mode 0600); an existing file is never replaced
+    (FileExistsError). A file that cannot be made (no such folder, no
+    permission) is a :class:`KeyFileError`."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise KeyFileError("write", e) from None
     with os.fdopen(fd, "w") as f:
         f.write(key_hex(key) + "\n")

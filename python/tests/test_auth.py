@@ -569,3 +569,32 @@ def test_fanin_keys_writes_private_key_files_that_a_cli_switch_and_workers_use(t
     said = subprocess.run([sys.executable, "-m", "fanin", "switch", "--job", f"id=5,sources=2,key_file={bad}"],
                           capture_output=True, text=True, timeout=60)
     assert said.returncode != 0 and "not a key" in said.stderr and "s3cret" not in said.stderr, said.stderr
+
+
+def test_an_unreadable_or_unwritable_key_file_is_one_error_naming_the_file(tmp_path):
+    """A key file that cannot be opened is an OSError (errno, filename) that is
+    also a ValueError, so `fanin keys --job-key-file`, `--job ...,key_file=`
+    and every command line that reports ValueErrors print one line naming the
+    file, never a traceback; writing one where no file can be made likewise.
+    An existing file stays a FileExistsError (`fanin keys` refuses to replace it)."""
+    import subprocess
+    import sys
+
+    missing = str(tmp_path / "nope" / "job1.key")
+    with pytest.raises(ValueError, match="cannot read the key file .*nope/job1.key: No such file"):
+        fanin.read_key_file(missing)
+    with pytest.raises(OSError) as e:
+        fanin.read_key_file(missing)
+    assert e.value.filename == missing and e.value.errno is not None
+    with pytest.raises(ValueError, match="cannot write the key file .*nope/job1.key: No such file"):
+        fanin.auth.write_key_file(missing, fanin.new_job_key())
+    kept = tmp_path / "kept.key"
+    fanin.auth.write_key_file(str(kept), fanin.new_job_key())
+    with pytest.raises(FileExistsError):
+        fanin.auth.write_key_file(str(kept), fanin.new_job_key())
+
+    said = subprocess.run([sys.executable, "-m", "fanin", "keys", "--job-id", "1", "--ranks", "2", "--out",
+                           str(tmp_path / "k"), "--job-key-file", missing], capture_output=True, text=True, timeout=60)
+    assert said.returncode != 0 and "Traceback" not in said.stderr, said.stderr
+    assert said.stderr.strip().splitlines() == [f"fanin keys: cannot read the key file {missing}: "
+                                                "No such file or directory"], said.stderr

@@ -92,3 +92,28 @@ def test_quick_chaos_soak_on_the_testbed(tmp_path):
     assert set(report["sessions_by_lanes"]) == {"1", "2"}, report["sessions_by_lanes"]
     assert report["ok"], {k: report[k] for k in ("value", "error_examples", "kv", "hangs", "accounting")}
     assert r.returncode == 0
+
+
+@pytest.mark.parametrize("skip, says", [
+    (["bogus"], "fanin bench chaos: --skip bogus: no such fault; the faults are garbage, forge, replay, "
+                "kill_worker, restart_rank, restart_job, restart_switch, kv_forge, kv_replay, kill_kv_sender"),
+    (["garbage", "forj"], "fanin bench chaos: --skip forj: no such fault; the faults are garbage, forge, "),
+    (["garbage", "forge", "replay", "kill_worker", "restart_rank", "restart_job", "restart_switch", "kv_forge",
+      "kv_replay", "kill_kv_sender"], "fanin bench chaos: --skip leaves no fault to inject; skip fewer"),
+])
+def test_chaos_refuses_unknown_or_all_skipped_faults_before_anything_starts(skip, says, capsys):
+    """`--skip bogus` was silently accepted (a typo ran the fault it meant to leave out); it is refused
+    with the list of fault names, before the testbed is checked or built."""
+    from fanin_bench.cli import main
+
+    assert main(["bench", "chaos", "--quick", "--skip", *skip]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(says), err
+
+
+def test_chaos_refuses_kv_faults_skipped_with_no_kv_only_when_they_leave_nothing(capsys):
+    from fanin_bench.cli import main
+
+    assert main(["bench", "chaos", "--quick", "--no-kv", "--skip", "garbage", "forge", "replay", "kill_worker",
+                 "restart_rank", "restart_job", "restart_switch"]) == 2
+    assert "--skip leaves no fault to inject" in capsys.readouterr().err

@@ -1014,3 +1014,88 @@ def test_a_controller_needs_a_real_token_off_loopback_and_its_port_to_itself():
                 ControllerServer(Controller(topo, sws.fabric), listen=first.addr, rebuild=False)
         finally:
             first.stop()
+
+
+# -- job parameters and the command line --------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("block_grad_max", 999_999, "block_grad_max 999999 is out of range (1..16370"),
+    ("block_grad_max", 0, "block_grad_max 0 is out of range (1..16370"),
+    ("block_cnt_max", 0, "block_cnt_max 0 is out of range (1..1048576)"),
+    ("block_cnt_max", -1, "block_cnt_max -1 is out of range (1..1048576)"),
+    ("block_cnt_max", 2**20 + 1, "block_cnt_max 1048577 is out of range (1..1048576)"),
+    ("member_timeout_ms", 700_000, "member_timeout_ms 700000 is out of range (0..600000"),
+    ("member_timeout_ms", -1, "member_timeout_ms -1 is out of range (0..600000"),
+    ("block_exp_ms", 600_001, "block_exp_ms 600001 is out of range (0..600000"),
+    ("block_exp_ms", -5, "block_exp_ms -5 is out of range (0..600000"),
+    ("slow_after_windows", 10_001, "slow_after_windows 10001 is out of range (0..10000"),
+    ("max_workers", -1, "max_workers -1 is out of range (1..2048)"),
+    ("max_workers", 2049, "max_workers 2049 is out of range (1..2048)"),
+    ("block_cnt_max", 8.5, "block_cnt_max 8.5 is not an integer"),
+])
+def test_create_job_refuses_what_the_switch_would_refuse_naming_the_field_and_its_range(field, value, message):
+    """The controller checks a job against the switch's own limits
+    (fanin-proto JobSpec::validate) when it is created, not when its first
+    worker subscribes and the switch refuses it (UNAVAILABLE)."""
+    import re
+
+    ctl = Controller(topology.star(2), StaticFabric({"s0": {"control": "127.0.0.1:1", "data": "127.0.0.1:2"}}))
+    with pytest.raises(ControllerError, match=re.escape(f"job 7: {message}")) as e:
+        ctl.create_job(JobParams(7, **{field: value}))
+    assert e.value.code == "INVALID_ARGUMENT"
+    assert 7 not in ctl._jobs
+    # the largest values the switch takes are taken
+    ctl.create_job(JobParams(8, block_cnt_max=2**20, block_grad_max=16370, block_exp_ms=600_000,
+                             slow_after_windows=10_000, max_workers=2048, member_timeout_ms=600_000))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block-grad-max", "999999"], "--block-grad-max 999999 is out of range: give 1..16370"),
+    (["--block-grad-max", "0"], "--block-grad-max 0 is out of range: give 1..16370"),
+    (["--max-workers", "0"], "--max-workers 0 is out of range: give 1..2048"),
+    (["--block-cnt-max", "0"], "--block-cnt-max 0 is out of range: give 1..1048576"),
+    (["--block-cnt-max", "-1"], "--block-cnt-max -1 is out of range: give 1..1048576"),
+    (["--block-exp-ms", "-1"], "--block-exp-ms -1 is out of range: give 0..600000"),
+    (["--block-exp-ms", "600001"], "--block-exp-ms 600001 is out of range: give 0..600000"),
+])
+def test_cli_create_job_refuses_out_of_range_flags_before_calling_the_controller(flags, message, capsys):
+    """A flag the switch would refuse is refused up front, exit 2, one line
+    naming the flag and the range (no controller is reached: the address is
+    a closed port), instead of a default in its place (0) or protobuf's
+    "Value out of range: -1"."""
+    from fanin.cli import main
+
+    assert main(["controller", "create-job", "1", *flags, "--addr", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fanin controller create-job: {message}"), err
+
+
+def test_cli_create_job_and_delete_job_say_what_they_did(capsys):
+    from fanin.cli import main
+
+    topo = topology.star(2)
+    with LoopbackSwitches(topo) as sws:
+        with ControllerServer(Controller(topo, sws.fabric), "127.0.0.1:0") as srv:
+            capsys.readouterr()
+            assert main(["controller", "create-job", "1", "--max-workers", "2", "--addr", srv.addr]) == 0
+            out = capsys.readouterr().out.strip().splitlines()
+            assert len(out) == 1 and out[0].startswith("job 1 created: keyed"), out
+            assert "max_workers 2" in out[0] and "on_failure fail" in out[0], out
+            assert main(["controller", "create-job", "2", "--no-auth", "--block-exp-ms", "10", "--addr",
+                         srv.addr]) == 0
+            out = capsys.readouterr().out
+            assert out.startswith("job 2 created: unauthenticated") and "on_failure degrade" in out, out
+            assert main(["controller", "delete-job", "1", "--addr", srv.addr]) == 0
+            assert capsys.readouterr().out.strip() == "job 1 deleted"
+            assert main(["controller", "delete-job", "1", "--addr", srv.addr]) == 1
+            assert "job 1 does not exist" in capsys.readouterr().err
+
+
+def test_the_controller_client_names_a_bad_job_field_before_calling():
+    c = ControllerClient("127.0.0.1:1")  # nothing listens: the check comes first
+    for kw, name in (({"block_cnt_max": -1}, "block_cnt_max"), ({"max_workers": 0}, "max_workers"),
+                     ({"block_grad_max": 10**6}, "block_grad_max")):
+        with pytest.raises(ValueError, match=name):
+            c.create_job(7, **kw)
+    c.close()

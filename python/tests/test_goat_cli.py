@@ -46,3 +46,17 @@ def test_plan_goat_writes_an_installable_plan(tmp_path, capsys):
 def test_plan_goat_rejects_bad_input_with_a_reason(argv, message, capsys):
     assert main(["plan", "goat", "--topology", "leaf-spine:2,3,3"] + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_goat_out_that_cannot_be_written_is_one_error_naming_the_flag(tmp_path, capsys):
+    """An --out the plan cannot be written to is refused with a line naming --out and why (exit 2, no
+    traceback), before the planner runs; nothing is left behind."""
+    base = ["plan", "goat", "--topology", "leaf-spine:2,3,3", "--programmable", "0.4", "--memory-mb", "4",
+            "--ps", "h0_0", "--even", "10,2"]
+    for out, why in ((tmp_path / "no" / "such" / "plan.json", "No such file or directory"),
+                     (tmp_path, "Is a directory")):
+        capsys.readouterr()
+        assert main(base + ["--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"fanin plan goat: --out {out}: cannot write the plan: {why}"], err
+    assert not (tmp_path / "no").exists()

@@ -209,3 +209,55 @@ def test_allreduce_with_ecn_marking_switch_ports_reports_the_marks_and_stays_exa
     assert m["exact"] and p["exact"]
     assert m["ce_marks"] > 0 and p["ce_marks"] == 0, (m, p)
     assert "ce_marks" in (tmp_path / "ecn" / "allreduce_summary.csv").read_text().splitlines()[0]
+
+
+def test_quick_keeps_the_flags_given_and_bad_values_are_refused_before_anything_runs(tmp_path):
+    """--quick fills in only what the command line left out: an explicit
+    --topology, --size or --workers is used as given (fat-tree:3 used to run
+    fat-tree-4, goat --workers 0 five workers and PASS). A value the run
+    cannot have is refused up front: exit 2, one line naming the flag and
+    what to give, nothing written."""
+    refused = [
+        (["allreduce", "--quick", "--topology", "fat-tree:3"],
+         "--topology fat-tree:3: fat-tree k=3 must be an even integer >= 2"),
+        (["allreduce", "--quick", "--loss", "2"], "--loss 2.0 is out of range: give a probability in [0, 1)"),
+        (["allreduce", "--quick", "--size", "0"], "--size 0 is out of range: give at least 1"),
+        (["allreduce", "--quick", "--workers", "0"], "--workers 0 is out of range: give at least 1"),
+        (["allreduce", "--quick", "--stragglers", "1.5"],
+         "--stragglers 1.5 is out of range: give a fraction in [0, 1]"),
+        (["goat", "--quick", "--workers", "0"], "--workers 0 is out of range: give at least 1"),
+        (["goat", "--loss", "1.5"], "--loss 1.5 is out of range: give a probability in [0, 1)"),
+        (["goat", "--quick", "--bytes-per-mb", "0"], "--bytes-per-mb 0.0 is out of range: give more than 0"),
+        (["background", "--quick", "--workers", "0"], "--workers 0 is out of range: give at least 1"),
+    ]
+    for argv, message in refused:
+        out = tmp_path / "refused"
+        r = run(*argv, "--out", str(out))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (argv, r.stderr)
+        assert r.stderr.strip().splitlines() == [f"fanin sim {argv[0]}: {message}"], (argv, r.stderr)
+        assert not out.exists(), argv
+
+    r = run("allreduce", "--quick", "--topology", "star:4", "--size", "20000", "--json", "--no-plot",
+            "--out", str(tmp_path / "star"))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["topology"], report["workers"], report["size_elements"]) == ("star-4", 4, 20000)
+    r = run("goat", "--quick", "--workers", "4", "--json", "--out", str(tmp_path / "goat"))
+    assert r.returncode == 0, r.stderr
+    goat = json.loads(r.stdout)
+    assert goat["instance"]["workers"] == 4 and goat["instance"]["bytes_per_mb"] == 4096.0
+
+
+def test_sim_help_and_usage_name_the_commands_users_type():
+    """`fanin sim` alone names the missing simulator command only (`fanin sim
+    goat` needs no further arguments); the help of a command the Rust binary
+    answers says `fanin sim X`, and no help cites internal issue numbers."""
+    r = run()
+    assert r.returncode == 2 and "sim_args" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("fanin sim: error: name a simulator command: trimming, "), \
+        r.stderr
+    for sim in ("trimming", "incast"):
+        r = run(sim, "--help")
+        assert r.returncode == 0 and f"fanin sim {sim} " in r.stdout and "fanin-sim" not in r.stdout, r.stdout
+    r = run("goat", "--help")
+    assert r.returncode == 0 and "issue" not in r.stdout, r.stdout

@@ -84,7 +84,7 @@ def add_parser(sub: Any) -> None:
     dj = csub.add_parser("delete-job", help="remove a job from every switch of its tree")
     dj.add_argument("job_id", type=int)
     client(dj)
-    dj.set_defaults(func=lambda a: _call(a, lambda c: c.delete_job(a.job_id)))
+    dj.set_defaults(func=_delete_job)
     su = csub.add_parser("subscribe", help="add a worker (prints the data address it sends to and its member key)")
     su.add_argument("job_id", type=int)
     su.add_argument("--rank", type=int, required=True)
@@ -152,11 +152,48 @@ def _printable(sub: dict) -> dict:
     return {**sub, "member_key": key.hex() if key is not None else None}
 
 
+# create-job's flags and the job fields they set (JobParams.LIMITS holds the switch's range of each)
+_JOB_FLAGS = {"block_cnt_max": "--block-cnt-max", "block_grad_max": "--block-grad-max",
+              "block_exp_ms": "--block-exp-ms", "max_workers": "--max-workers"}
+
+
 def _create_job(args: argparse.Namespace) -> int:
-    return _call(args, lambda c: c.create_job(args.job_id, block_cnt_max=args.block_cnt_max,
+    from .service import JobParams
+
+    # Checked here, before the request: the gRPC message cannot carry a negative value (protobuf's "Value out
+    # of range" names no field), and the controller reads 0 as "the default" (the field unset).
+    if not 0 <= args.job_id < 2**32:
+        print(f"fanin controller create-job: job id {args.job_id} is out of range: give 0..{2**32 - 1}",
+              file=sys.stderr)
+        return 2
+    for field, flag in _JOB_FLAGS.items():
+        value = getattr(args, field)
+        lo, hi, means = JobParams.LIMITS[field]
+        if value is not None and not lo <= value <= hi:
+            print(f"fanin controller create-job: {flag} {value} is out of range: give {lo}..{hi}{means}",
+                  file=sys.stderr)
+            return 2
+    params = JobParams(args.job_id, block_cnt_max=args.block_cnt_max, block_grad_max=args.block_grad_max,
+                       block_exp_ms=args.block_exp_ms, max_workers=args.max_workers, on_failure=args.on_failure,
+                       auth=not args.no_auth)
+    code = _call(args, lambda c: c.create_job(args.job_id, block_cnt_max=args.block_cnt_max,
                                               block_grad_max=args.block_grad_max, block_exp_ms=args.block_exp_ms,
                                               max_workers=args.max_workers, on_failure=args.on_failure,
                                               auth=not args.no_auth))
+    if code == 0:
+        grad = (params.block_grad_max if params.block_grad_max is not None
+                else f"<= {JOB_DEFAULTS['block_grad_max']} (sized to the tree's MTU)")
+        print(f"job {params.job_id} created: {'keyed' if params.auth else 'unauthenticated'}, "
+              f"max_workers {params.max_workers}, block_cnt_max {params.block_cnt_max}, block_grad_max {grad}, "
+              f"block_exp_ms {params.block_exp_ms}, on_failure {params.on_failure}")
+    return code
+
+
+def _delete_job(args: argparse.Namespace) -> int:
+    code = _call(args, lambda c: c.delete_job(args.job_id))
+    if code == 0:
+        print(f"job {args.job_id} deleted")
+    return code
 
 
 def _install_goat(args: argparse.Namespace) -> int:

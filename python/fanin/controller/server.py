@@ -183,6 +183,15 @@ class ControllerClient:
         if on_failure not in policy:
             raise ValueError(f"on_failure must be degrade, fail or None (the default for block_exp_ms), "
                              f"not {on_failure!r}")
+        # the controller's own checks, here, so a caller gets the field's
+        # name and range (protobuf says "Value out of range: -1"), and a 0
+        # is refused rather than sent as "the default"
+        try:
+            JobParams(job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max, block_exp_ms=block_exp_ms,
+                      slow_after_windows=slow_after_windows, max_workers=max_workers, on_failure=on_failure,
+                      member_timeout_ms=member_timeout_ms, auth=auth).validate()
+        except ControllerError as e:
+            raise ValueError(str(e)) from None
         self._call("CreateJob", pb.CreateJobRequest(
             job_id=job_id, block_cnt_max=block_cnt_max, block_grad_max=block_grad_max or 0, block_exp_ms=block_exp_ms,
             slow_after_windows=slow_after_windows, max_workers=max_workers, on_failure=policy[on_failure],

@@ -78,15 +78,35 @@ class JobParams:
         if self.on_failure is None:
             object.__setattr__(self, "on_failure", "degrade" if self.block_exp_ms > 0 else "fail")
 
+    #: What the switch admits (crates/fanin-proto/src/job.rs, JobSpec::validate): field -> (lowest, highest,
+    #: what the range means). Not dataclass fields (no annotation). `fanin controller create-job` checks its
+    #: flags against them too.
+    LIMITS = {
+        "block_cnt_max": (1, 1 << 20, ""),                                          # MAX_BLOCK_CNT
+        "block_grad_max": (1, 16370, ", the most elements one UDP datagram carries"),  # MAX_GRAD_CNT
+        "block_exp_ms": (0, 600_000, "; 0 disables aging"),                         # MAX_BLOCK_EXP_MS
+        "slow_after_windows": (0, 10_000, "; 0 never declares a source slow"),      # MAX_SLOW_AFTER_WINDOWS
+        "max_workers": (1, SWITCH_RANK_BASE, ""),                                   # a job's workers are ranks below it
+        "member_timeout_ms": (0, 600_000, "; 0 = the switch's default, 5000"),     # MAX_MEMBER_TIMEOUT_MS
+    }
+
     def validate(self) -> None:
-        if not 0 <= self.job_id < 2**32:
-            raise ControllerError("INVALID_ARGUMENT", f"job_id {self.job_id} is out of range")
+        """Refuse (INVALID_ARGUMENT, naming the field and its range) what the
+        switches would refuse when the first worker subscribes."""
+        if isinstance(self.job_id, bool) or not isinstance(self.job_id, int) or not 0 <= self.job_id < 2**32:
+            raise ControllerError("INVALID_ARGUMENT", f"job_id {self.job_id} is out of range (0..{2**32 - 1})")
         if self.on_failure not in ("degrade", "fail"):
             raise ControllerError("INVALID_ARGUMENT",
                                   f"job {self.job_id}: on_failure {self.on_failure!r} is not degrade or fail")
-        if not 1 <= self.max_workers <= SWITCH_RANK_BASE:
-            raise ControllerError("INVALID_ARGUMENT",
-                                  f"job {self.job_id}: max_workers {self.max_workers} is out of range (1..{SWITCH_RANK_BASE})")
+        for name, (lo, hi, means) in self.LIMITS.items():
+            value = getattr(self, name)
+            if value is None and name == "block_grad_max":
+                continue  # sized to the tree when it is built
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ControllerError("INVALID_ARGUMENT", f"job {self.job_id}: {name} {value!r} is not an integer")
+            if not lo <= value <= hi:
+                raise ControllerError("INVALID_ARGUMENT",
+                                      f"job {self.job_id}: {name} {value} is out of range ({lo}..{hi}{means})")
 
 
 @dataclass

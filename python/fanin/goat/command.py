@@ -86,6 +86,21 @@ def _submodels(args):
         raise GoatError(f"--even {args.even!r}: expected TOTAL_MB,PARTS, e.g. 221,111") from None
 
 
+def _unwritable(path: str) -> str | None:
+    """Why the plan could not be written to `path` (checked before planning, which may take a while), or None."""
+    import errno
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return os.strerror(errno.EISDIR)
+    if not os.path.isdir(folder):
+        return os.strerror(errno.ENOENT if not os.path.exists(folder) else errno.ENOTDIR)
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return os.strerror(errno.EACCES)
+    return None
+
+
 def run_plan_goat(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -95,6 +110,10 @@ def run_plan_goat(args: argparse.Namespace) -> int:
     from fanin.goat.schema import plan_to_json
 
     t0 = time.perf_counter()
+    unwritable = _unwritable(args.out) if args.out else None
+    if unwritable:
+        print(f"fanin plan goat: --out {args.out}: cannot write the plan: {unwritable}", file=sys.stderr)
+        return 2
     try:
         topo = topo_mod.load(args.topology)
         if args.programmable is not None:
@@ -121,8 +140,12 @@ def run_plan_goat(args: argparse.Namespace) -> int:
     doc["seconds"]["total"] = round(time.perf_counter() - t0, 4)
     text = json.dumps(doc, indent=1)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            print(f"fanin plan goat: --out {args.out}: cannot write the plan: {e.strerror or e}", file=sys.stderr)
+            return 2
     else:
         print(text)
     if args.summary or args.out:

@@ -667,6 +667,15 @@ class KvLoad:
 def run_bench_chaos(args) -> int:
     from fanin_bench.testbed import why_unavailable
 
+    # checked before the testbed: a misspelt --skip used to be ignored, and the fault it named injected
+    unknown = [f for f in args.skip if f not in FAULTS]
+    if unknown:
+        print(f"fanin bench chaos: --skip {' '.join(unknown)}: no such fault; the faults are {', '.join(FAULTS)}",
+              file=sys.stderr)
+        return 2
+    if not [f for f in FAULTS if f not in args.skip and not (args.no_kv and "kv_" in f)]:  # as Soak.run picks
+        print("fanin bench chaos: --skip leaves no fault to inject; skip fewer", file=sys.stderr)
+        return 2
     reason = why_unavailable()
     if reason:
         print(f"fanin bench chaos needs the namespace testbed: {reason}", file=sys.stderr)

@@ -133,8 +133,16 @@ def _worker(rank: int, addr: str, cfg: dict[str, Any], target: Any, sent: Any, r
 
 
 def run_flood(args: Any) -> int:
-    iters = args.iters or (4 if args.quick else 10)
-    size = args.size or (2_000_000 if args.quick else 8_000_000)
+    # a value given is used or refused, never replaced by the default; --flood-pps 0 divided by zero in the
+    # flooder, and a negative rate sent as fast as it could
+    for flag, value, least in (("--flood-pps", args.flood_pps, 1), ("--workers", args.workers, 1),
+                               ("--iters", args.iters, 1), ("--size", args.size, 4)):
+        if value is not None and value < least:
+            print(f"fanin bench flood: {flag} {value} is out of range: give at least {least}"
+                  + (" bytes (one element)" if flag == "--size" else ""), file=sys.stderr)
+            return 2
+    iters = args.iters if args.iters is not None else (4 if args.quick else 10)
+    size = args.size if args.size is not None else (2_000_000 if args.quick else 8_000_000)
     pps, burst = args.limit
     cfg = {"workers": args.workers, "elements": size // 4, "elems": 1024, "window": 64, "iters": iters,
            "ramp_s": 0.05}

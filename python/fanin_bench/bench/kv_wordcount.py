@@ -90,8 +90,22 @@ def _reference(paths: list[str]) -> Counter:
 CORPUS_DIR = os.path.join("out", "kv-corpus")
 
 
+#: the smallest --corpus-mb: 1 kB, a few lines of text for each sender (0 or less counted nothing and divided by it)
+MIN_CORPUS_MB = 0.001
+
+
 def _corpus_mb(args: Any) -> float:
-    return args.corpus_mb or (8 if args.quick else 64)
+    """--corpus-mb as given (checked by `_bad_corpus_mb`); not given: 64, 8 with --quick."""
+    return args.corpus_mb if args.corpus_mb is not None else (8 if args.quick else 64)
+
+
+def _bad_corpus_mb(args: Any, bench: str) -> bool:
+    """Print why --corpus-mb cannot be used and say so (the bench returns 2), or False."""
+    if args.corpus_mb is None or args.corpus_mb >= MIN_CORPUS_MB:
+        return False
+    print(f"fanin bench {bench}: --corpus-mb {args.corpus_mb} is out of range: give at least {MIN_CORPUS_MB} "
+          "(1 kB of text)", file=sys.stderr)
+    return True
 
 
 def _word_count_input(mb: float, datasets: tuple[str, ...] = ("doc", "man")) -> tuple[dict, list[str], Counter]:
@@ -135,6 +149,8 @@ def _fanin_run(svc: kv_service, parts: list[str], aa_size: int, as_str: bool = F
 # ------------------------------------------------------------ kv-traffic
 
 def run_kv_traffic(args: Any) -> int:
+    if _bad_corpus_mb(args, "kv-traffic"):
+        return 2
     mb = _corpus_mb(args)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -297,6 +313,8 @@ class spark_for_bench:
 
 
 def run_kv_wordcount(args: Any) -> int:
+    if _bad_corpus_mb(args, "kv-wordcount"):
+        return 2
     repeats = args.repeats or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
     manifest, parts, counted = _word_count_input(_corpus_mb(args))
@@ -483,6 +501,8 @@ def _wordcount_report(args: Any, manifest: dict, ref: dict, repeats: int, times:
 
 
 def run_kv_window(args: Any) -> int:
+    if _bad_corpus_mb(args, "kv-window"):
+        return 2
     repeats = args.repeats or (2 if args.quick else 5)
     try:
         windows = [int(w) for w in args.windows.split(",")]

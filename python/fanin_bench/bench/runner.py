@@ -337,11 +337,29 @@ def run_allreduce(p: AllreduceParams, label: str = "allreduce") -> AllreduceRun:
 
 def run_bench_allreduce(args: Any) -> int:
     """`fanin bench allreduce`."""
-    size = parse_size(args.size) if args.size else (16_000_000 if args.quick else 100_000_000)
-    p = AllreduceParams(workers=args.workers, elements=max(1, size // 4), dtype=args.dtype,
+    def refuse(why: str) -> int:
+        print(f"fanin bench allreduce: {why}", file=sys.stderr)
+        return 2
+
+    # a value given is used or refused, never replaced by the default (--iters 0 ran 3 iterations)
+    if args.iters is not None and args.iters < 1:
+        return refuse(f"--iters {args.iters} is out of range: give at least 1")
+    if not 1 <= args.shards <= 64:  # the switch's own range (fanin-switch config)
+        return refuse(f"--shards {args.shards} is out of range: give 1..64")
+    try:
+        size = parse_size(args.size) if args.size is not None else (16_000_000 if args.quick else 100_000_000)
+    except ValueError as e:
+        return refuse(f"--size: {e}")
+    if size < 4:  # 4 bytes: one float32 / int32 (--size 0 ran one element and reported verified=True)
+        return refuse(f"--size {args.size} is out of range: give at least 4 bytes (one element)")
+    p = AllreduceParams(workers=args.workers, elements=size // 4, dtype=args.dtype,
                         elems_per_packet=args.elems_per_packet, window=args.window, loss=args.loss,
-                        iters=args.iters or (3 if args.quick else 7), shards=args.shards, seed=args.seed,
-                        auth=args.auth, noaggr=not args.auth, results=args.results)
+                        iters=args.iters if args.iters is not None else (3 if args.quick else 7), shards=args.shards,
+                        seed=args.seed, auth=args.auth, noaggr=not args.auth, results=args.results)
+    try:
+        p.validate()
+    except ValueError as e:
+        return refuse(str(e))
     s = run_allreduce(p).summary()
     human = (f"fanin allreduce {args.workers} workers x {format_size(size)} {args.dtype}: median {s['median_s']:.3f} s "
              f"({s['goodput_gbps']:.2f} Gbit/s per worker), ")

@@ -31,6 +31,7 @@ from fanin._cli_util import Parser
 from fanin.controller.roots import spare_capacity, weigh_root_shards
 from fanin.controller.tree import build_tree, roles
 from fanin.topology import Topology, load
+from fanin_bench.sim import out_of_range
 
 __all__ = ["build_spec", "root_spare", "link_layers", "top_layer", "main", "run_report"]
 
@@ -190,9 +191,9 @@ def _scenarios(args) -> list[tuple[str, float, float]]:
 
 def _parser() -> argparse.ArgumentParser:
     p = Parser(prog="fanin sim allreduce", description=__doc__.split("\n\n")[0])
-    p.add_argument("--topology", default="fat-tree:8", help="generator spec or file (default %(default)s: 128 hosts)")
+    p.add_argument("--topology", help="generator spec or file (default fat-tree:8: 128 hosts; fat-tree:4 with --quick)")
     p.add_argument("--workers", type=int, help="workers on the first N hosts (default: every host)")
-    p.add_argument("--size", type=int, default=1 << 18, help="int32 elements per worker (default %(default)s)")
+    p.add_argument("--size", type=int, help=f"int32 elements per worker (default {1 << 18}; {1 << 14} with --quick)")
     p.add_argument("--elems-per-packet", type=int, default=256)
     p.add_argument("--window", type=int, default=128, help="packets (fanin: blocks) in flight per worker")
     p.add_argument("--rate-gbps", type=int, default=100)
@@ -244,7 +245,8 @@ def _parser() -> argparse.ArgumentParser:
                         "left for background traffic are on every edge switch too")
     p.add_argument("--sweep", action="store_true",
                    help="three scenarios: clean, --loss (default 0.01), --stragglers (default 0.1)")
-    p.add_argument("--quick", action="store_true", help="fat-tree:4, 16 workers, 16384 elements")
+    p.add_argument("--quick", action="store_true",
+                   help="fat-tree:4 (16 workers) and 16384 elements, unless --topology or --size says otherwise")
     p.add_argument("--json", action="store_true", help="summary JSON on stdout")
     p.add_argument("--out", default="out/sim")
     p.add_argument("--no-plot", action="store_true")
@@ -264,10 +266,25 @@ def run_report(binary: str, argv: list[str]) -> tuple[int, Optional[dict]]:
     the report, None on a failure). Files, plots and the summary on stderr
     as `main`."""
     args = _parser().parse_args(argv)
-    if args.quick:
-        args.topology, args.size = "fat-tree:4", min(args.size, 1 << 14)
+    # --quick fills in what the command line left out, and overrides nothing it gave
+    if args.topology is None:
+        args.topology = "fat-tree:4" if args.quick else "fat-tree:8"
+    if args.size is None:
+        args.size = 1 << 14 if args.quick else 1 << 18
+    bad = out_of_range(args, workers="count", size="count", elems_per_packet=(1, 16370), window="count",
+                       rate_gbps="count", delay_ns="nonnegative", queue_pkts="count", loss="probability",
+                       stragglers="fraction", straggler_delay_us="nonnegative", block_exp_ms="nonnegative",
+                       time_limit_ms="count", background_load="fraction", counters_us="count",
+                       ecn_pkts="nonnegative")
+    if bad:
+        print(f"fanin sim allreduce: {bad}", file=sys.stderr)
+        return 2, None
     try:
         topo = load(args.topology)
+    except ValueError as e:
+        print(f"fanin sim allreduce: --topology {args.topology}: {e}", file=sys.stderr)
+        return 2, None
+    try:
         spec = build_spec(topo, args.workers or len(topo.hosts), spread=args.spread, multi_root=args.multi_root)
     except ValueError as e:
         print(f"fanin sim allreduce: {e}", file=sys.stderr)
@@ -275,9 +292,6 @@ def run_report(binary: str, argv: list[str]) -> tuple[int, Optional[dict]]:
     if args.root_weights == "spare" and not args.multi_root:
         print("fanin sim allreduce: --root-weights spare needs --multi-root (one root has nothing to weigh)",
               file=sys.stderr)
-        return 2, None
-    if args.counters_us < 1:
-        print("fanin sim allreduce: --counters-us must be at least 1", file=sys.stderr)
         return 2, None
     os.makedirs(args.out, exist_ok=True)
     spec_path = os.path.join(args.out, "allreduce_spec.json")

@@ -36,6 +36,8 @@ import sys
 from typing import Optional
 
 from fanin._cli_util import Parser
+from fanin.topology import load as load_topology
+from fanin_bench.sim import out_of_range
 from fanin_bench.sim.allreduce import run_report
 
 __all__ = ["main", "ARMS"]
@@ -62,15 +64,15 @@ def _parser() -> argparse.ArgumentParser:
     p = Parser(prog="fanin sim background", description=__doc__.split("\n\n")[0],
                                 epilog="example:\n  fanin sim background --json   (leaf-spine:5,16,10, 128 workers x "
                                        "1 MiB, background 0 / 10 / 25 / 50 %%)")
-    p.add_argument("--topology", default="leaf-spine:5,16,10",
-                   help="a topology whose root's children share several parents (default %(default)s: 2:1 "
-                        "oversubscribed, 160 hosts)")
-    p.add_argument("--workers", type=int, default=128,
+    p.add_argument("--topology",
+                   help="a topology whose root's children share several parents (default leaf-spine:5,16,10: 2:1 "
+                        "oversubscribed, 160 hosts; leaf-spine:3,4,4 with --quick)")
+    p.add_argument("--workers", type=int,
                    help="workers, taken evenly from every leaf; the other hosts carry the background (default "
-                        "%(default)s)")
-    p.add_argument("--size", type=int, default=1 << 18, help="int32 elements per worker (default %(default)s)")
-    p.add_argument("--loads", type=_loads, default=[0.0, 0.1, 0.25, 0.5],
-                   help="background loads, fractions of the link rate (default 0,0.1,0.25,0.5)")
+                        "128; 8 with --quick)")
+    p.add_argument("--size", type=int, help=f"int32 elements per worker (default {1 << 18}; {1 << 14} with --quick)")
+    p.add_argument("--loads", type=_loads,
+                   help="background loads, fractions of the link rate (default 0,0.1,0.25,0.5; 0,0.5 with --quick)")
     p.add_argument("--seed", type=int, default=1, help="the first seed (default %(default)s)")
     p.add_argument("--seeds", type=int, default=1,
                    help="runs per arm and load, seeds --seed, --seed + 1, ...: the median and the tail (default "
@@ -81,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ring", action="store_true", help="fanin's arms only (the ring is the slowest run)")
     p.add_argument("--time-limit-ms", type=int, default=50,
                    help="simulated time per run after which it counts as unfinished (default %(default)s)")
-    p.add_argument("--quick", action="store_true", help="leaf-spine:3,4,4, 8 workers, 16384 elements, loads 0,0.5")
+    p.add_argument("--quick", action="store_true",
+                   help="leaf-spine:3,4,4, 8 workers, 16384 elements, loads 0,0.5, each unless its flag says "
+                        "otherwise")
     p.add_argument("--json", action="store_true", help="the table as JSON on stdout")
     p.add_argument("--out", default="out/sim-background")
     p.add_argument("--no-plot", action="store_true")
@@ -125,10 +129,25 @@ def _one_run(binary: str, argv: list[str], seed: int, algorithm: str) -> dict:
 
 def main(binary: str, argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.quick:
-        args.topology, args.workers, args.size, args.loads = "leaf-spine:3,4,4", 8, min(args.size, 1 << 14), [0.0, 0.5]
-    if args.seeds < 1 or args.time_limit_ms < 1:
-        print("fanin sim background: --seeds and --time-limit-ms must be at least 1", file=sys.stderr)
+    # --quick fills in what the command line left out, and overrides nothing it gave
+    quick = {"topology": "leaf-spine:3,4,4", "workers": 8, "size": 1 << 14, "loads": [0.0, 0.5]}
+    full = {"topology": "leaf-spine:5,16,10", "workers": 128, "size": 1 << 18, "loads": [0.0, 0.1, 0.25, 0.5]}
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    bad = out_of_range(args, workers="count", size="count", seeds="count", queue_pkts="count",
+                       time_limit_ms="count")
+    if bad:
+        print(f"fanin sim background: {bad}", file=sys.stderr)
+        return 2
+    try:
+        hosts = len(load_topology(args.topology).hosts)
+    except ValueError as e:
+        print(f"fanin sim background: --topology {args.topology}: {e}", file=sys.stderr)
+        return 2
+    if args.workers > hosts:
+        print(f"fanin sim background: --workers {args.workers} is out of range: {args.topology} has {hosts} hosts "
+              "(give fewer workers than hosts, the others carry the background)", file=sys.stderr)
         return 2
     common = ["--topology", args.topology, "--workers", str(args.workers), "--spread", "--size", str(args.size),
               "--queue-pkts", str(args.queue_pkts), "--time-limit-ms", str(args.time_limit_ms), "--no-plot"]

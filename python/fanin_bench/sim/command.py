@@ -11,6 +11,8 @@ from fanin_bench.plotting import set_quick
 
 __all__ = ["register"]
 
+SIMS = ["trimming", "incast", "end-to-end", "permutation", "allreduce", "background", "goat", "bench-events"]
+
 
 def register(sub: Any) -> None:
     sim = sub.add_parser("sim", help="the packet-level simulator (fanin-sim): trimming study, incast, end-to-end latency, permutation, allreduce, background traffic, GOAT, event rate",
@@ -27,12 +29,13 @@ def register(sub: Any) -> None:
                                 "by port counters, vs ring, as other tenants load a leaf-spine)\n"
                                 "  fanin sim goat --quick --json   (a GOAT study point at packet level vs flow level; "
                                 "see fanin sim goat --help)")
-    sim.add_argument("sim", choices=["trimming", "incast", "end-to-end", "permutation", "allreduce", "background",
-                                     "goat", "bench-events"],
-                     help="simulator command (see `fanin-sim --help`)")
+    # optional here so that `fanin sim` alone says which word is missing (argparse counts a REMAINDER
+    # positional as required, and `fanin sim goat` needs nothing after it); _cmd_sim refuses it missing
+    sim.add_argument("sim", nargs="?", choices=SIMS, help="simulator command (fanin sim SIM --help)")
     sim.add_argument("--no-plot", action="store_true", help="CSV/JSON only, no PNG")
-    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed to fanin-sim (e.g. --figure 6 --quick --json)")
-    sim.set_defaults(func=_cmd_sim)
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="the command's own options (e.g. --figure 6 --quick "
+                                                                "--json; fanin sim SIM --help lists them)")
+    sim.set_defaults(func=_cmd_sim, sim_parser=sim)
 
 
 def _find_sim_binary() -> Optional[str]:
@@ -60,9 +63,30 @@ def _minimal_allreduce(rest: list) -> bool:
     return False
 
 
+def _help_of_binary(argv: list, sim: str) -> int:
+    """The Rust binary's own help of `sim`, its usage lines saying `fanin sim SIM` (what the user types: the
+    same width as `fanin-sim SIM`, so the aligned lines stay aligned). For `allreduce --star` only the
+    one-switch usage is the user's (`fanin sim allreduce` without --star is the Python driver; the binary's
+    `--spec FILE` form is what that driver runs)."""
+    import subprocess
+
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+    if sim == "allreduce":
+        text = proc.stdout.replace("fanin-sim allreduce [", "fanin sim allreduce --star [", 1)
+    else:
+        text = proc.stdout.replace(f"fanin-sim {sim} ", f"fanin sim {sim} ")
+    sys.stdout.write(text)
+    return proc.returncode
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     import subprocess
 
+    if args.sim is None:
+        args.sim_parser.print_usage(sys.stderr)
+        print(f"fanin sim: error: name a simulator command: {', '.join(SIMS)} (fanin sim SIM --help)",
+              file=sys.stderr)
+        return 2
     binary = _find_sim_binary()
     if not binary:
         print("fanin sim: the simulator binary is not built; run `cargo build --release -p fanin-sim` "
@@ -85,6 +109,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 
         return sim_allreduce(binary, rest + (["--no-plot"] if no_plot else []))
     argv = [binary, args.sim] + rest
+    if "-h" in rest or "--help" in rest:
+        return _help_of_binary(argv, args.sim)
     if args.sim != "trimming":
         return subprocess.call(argv)
     rc = subprocess.call(argv)

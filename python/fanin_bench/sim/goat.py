@@ -1,5 +1,5 @@
 """`fanin sim goat`: one point of GOAT's flow-level study (`fanin bench
-goat`) validated at packet level in the simulator (issue 8 item 5).
+goat`) validated at packet level in the simulator.
 
 The instance is a point of the study, drawn by the study's own code
 (`fanin_bench.bench.goat._scenario`: leaf-spine 10 + 10 switches, 20% of them
@@ -41,6 +41,7 @@ import sys
 from typing import Any
 
 from fanin._cli_util import Parser
+from fanin_bench.sim import out_of_range
 
 __all__ = ["build_spec", "flow_metrics", "packet_metrics", "main"]
 
@@ -118,13 +119,14 @@ def _parser() -> argparse.ArgumentParser:
                                        "(--topology, --workers, --sigma, --seed). See docs/goat.md.")
     p.add_argument("--topology", default="leaf-spine:10,10,5",
                    help="generator spec, as in the study (default %(default)s: GOAT's leaf-spine)")
-    p.add_argument("--workers", type=int, default=15, help="workers (default %(default)s, a point of the study's sweep)")
+    p.add_argument("--workers", type=int, help="workers (default 15, a point of the study's sweep; 5 with --quick)")
     p.add_argument("--sigma", type=float, default=0.2, help="sigma of the rate ratio (default %(default)s)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--gradient-mb", type=float, default=221.0, help="gradient per worker in the plan (default %(default)s)")
     p.add_argument("--submodels", type=int, default=111, help="equal sub-models (default %(default)s, as the study)")
-    p.add_argument("--bytes-per-mb", type=float, default=65536.0,
-                   help="simulated bytes per planned MB (default %(default)s: 221 MB -> 14.5 MB per worker)")
+    p.add_argument("--bytes-per-mb", type=float,
+                   help="simulated bytes per planned MB (default 65536: 221 MB -> 14.5 MB per worker; 4096 with "
+                        "--quick)")
     p.add_argument("--elems-per-packet", type=int, default=256)
     p.add_argument("--window", type=int, default=32, help="blocks in flight per session (default %(default)s)")
     p.add_argument("--loss", type=float, default=0.0,
@@ -133,7 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mb", type=float, default=1.0, help="ATP/ESA fragment in the flow-level model")
     p.add_argument("--tolerance", type=float, default=0.001,
                    help="largest |measured / (flow x packetisation) - 1| (default %(default)s)")
-    p.add_argument("--quick", action="store_true", help="5 workers, 4096 bytes per MB (a few seconds)")
+    p.add_argument("--quick", action="store_true",
+                   help="5 workers, 4096 bytes per MB (a few seconds), unless --workers or --bytes-per-mb says "
+                        "otherwise")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--out", default="out/sim", help="spec and raw output (default %(default)s)")
     return p
@@ -243,8 +247,17 @@ def _human(r: dict) -> str:
 
 def main(binary: str, argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.quick:
-        args.workers, args.bytes_per_mb = 5, 4096.0
+    # --quick fills in what the command line left out, and overrides nothing it gave
+    if args.workers is None:
+        args.workers = 5 if args.quick else 15
+    if args.bytes_per_mb is None:
+        args.bytes_per_mb = 4096.0 if args.quick else 65536.0
+    bad = out_of_range(args, workers="count", sigma="nonnegative", gradient_mb="positive", submodels="count",
+                       bytes_per_mb="positive", elems_per_packet=(1, 16370), window="count", loss="probability",
+                       chunk_mb="positive", tolerance="nonnegative")
+    if bad:
+        print(f"fanin sim goat: {bad}", file=sys.stderr)
+        return 2
     from fanin.goat.model import GoatError
 
     try:
