@@ -8,7 +8,8 @@ import argparse
 import sys
 from typing import Any, Optional, Sequence
 
-__all__ = ["HelpFormatter", "Parser", "dispatch", "job_arg", "rate_limit_dict", "rate_limit_tuple"]
+__all__ = ["HelpFormatter", "Parser", "dispatch", "job_arg", "rate_limit_dict", "rate_limit_tuple", "int_in",
+           "drop_probability", "ip_port", "listen_addr", "data_ip"]
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -58,14 +59,14 @@ _JOB_FIELD_FORMS = {"members": "0:1:2", "sources": "N", "key": "32 hex digits", 
 def job_arg(text: str) -> dict[str, Any]:
     """Parse 'id=1,sources=4,block_cnt_max=256,block_grad_max=1024,mode=forward'. The field names are the
     Rust job description's (`fanin.switch.JOB_SCHEMA`); `id` is short for job_id."""
-    from fanin.switch import JOB_SCHEMA
+    from fanin.switch import JOB_INT_RANGES, JOB_SCHEMA, U32, check_job, range_text
 
     job: dict[str, Any] = {}
     for part in text.split(","):
         if "=" not in part:
             raise argparse.ArgumentTypeError(f"job field {part!r} is not key=value")
-        k, v = (s.strip() for s in part.split("=", 1))
-        k = {"id": "job_id"}.get(k, k)
+        given, v = (s.strip() for s in part.split("=", 1))
+        k = {"id": "job_id"}.get(given, given)
         if k == "key_file":
             # the job key from a file (`fanin keys` writes one), not on the command line other users can read
             from fanin.auth import key_hex, read_key_file
@@ -80,17 +81,28 @@ def job_arg(text: str) -> dict[str, Any]:
                               for name in JOB_SCHEMA if name != "job_id") + ", key_file=PATH"
             raise argparse.ArgumentTypeError(f"unknown job field {k!r} (use id=N, {forms})")
         default = JOB_SCHEMA[k]
+        label = f"job field {given}"
         if k == "members":
-            job[k] = [int(x) for x in v.split(":") if x]
+            try:
+                job[k] = [int(x) for x in v.split(":") if x]
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"job field members={v}: give source ids as 0:1:2") from None
+            label = f"job field members={v}"
         elif k == "rate_limit":
             job[k] = rate_limit_dict(v.replace(":", ","))
         elif isinstance(default, str) or k in ("key", "on_failure", "result_group"):
             job[k] = v
         else:
+            lo, hi = JOB_INT_RANGES.get(k, (0, U32))
             try:
                 job[k] = int(v)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"job field {k} must be an integer, got {v!r}") from None
+                raise argparse.ArgumentTypeError(f"job field {given} must be an integer {range_text(lo, hi)}, "
+                                                 f"got {v!r}") from None
+        try:
+            check_job({k: job[k]}, label)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     if "job_id" not in job:
         raise argparse.ArgumentTypeError("a job needs id=N")
     return job
@@ -104,9 +116,89 @@ def rate_limit_dict(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(f"rate limit {text!r}: expected PPS,BURST (e.g. 100000,256)") from None
     if pps < 1 or burst < 1:
         raise argparse.ArgumentTypeError(f"rate limit {text!r}: rate and burst must be at least 1")
+    if pps > 2**32 - 1 or burst > 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"rate limit {text!r}: rate and burst are at most 2**32-1")
     return {"pps": pps, "burst": burst}
 
 
 def rate_limit_tuple(text: str) -> tuple[int, int]:
     d = rate_limit_dict(text)
     return d["pps"], d["burst"]
+
+
+# Argument types that say what a flag takes: argparse prints "argument --shards: -1 is out of range (1 to 64)"
+# where the daemon's parser said "invalid value: integer -1, expected u16 at line 1 column 384" about a JSON the
+# user never saw.
+_U32, _U64 = 2**32 - 1, 2**64 - 1
+
+
+def int_in(lo: int, hi: int, unit: str = "") -> Any:
+    """An argparse type: an integer within lo..hi."""
+    from fanin.switch import range_text
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer {range_text(lo, hi, unit)}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range {range_text(lo, hi, unit)}")
+        return value
+
+    return parse
+
+
+def drop_probability(text: str) -> float:
+    """An argparse type: a fault-injection drop probability, 0 up to (not including) 1 (1 drops everything)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:  # NaN compares false
+        raise argparse.ArgumentTypeError(f"{text} is not a probability (0 to below 1: the share of datagrams "
+                                         "dropped, e.g. 0.05)")
+    return value
+
+
+def ip_port(example: str) -> Any:
+    """An argparse type: IP:PORT ([IPV6]:PORT), as the daemons parse addresses (no host names)."""
+    from fanin.switch import ip_port_error
+
+    def parse(text: str) -> str:
+        why = ip_port_error(text, example)
+        if why:
+            raise argparse.ArgumentTypeError(why)
+        return text
+
+    return parse
+
+
+def listen_addr(example: str) -> Any:
+    """An argparse type: 'auto', 'off' or IP:PORT (a switch's control API or metrics endpoint)."""
+    from fanin.switch import ip_port_error
+
+    def parse(text: str) -> str:
+        if text in ("auto", "off"):
+            return text
+        why = ip_port_error(text, example)
+        if why:
+            raise argparse.ArgumentTypeError(why if why.startswith("port") else
+                                             f'{text!r} is not an address: give "auto", "off" or ip:port '
+                                             f"(e.g. {example})")
+        return text
+
+    return parse
+
+
+def data_ip(text: str) -> str:
+    """An argparse type: this host's IP address toward the switch, which sends results to it (so not 0.0.0.0)."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (e.g. 127.0.0.1)") from None
+    if ip.is_unspecified or ip.is_multicast:
+        raise argparse.ArgumentTypeError(f"{text} is not an address the switch can send to: give this host's "
+                                         "address toward the switch (e.g. 127.0.0.1)")
+    return text

@@ -12,13 +12,14 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from fanin._cli_util import Parser, dispatch, job_arg, rate_limit_dict
+from fanin._cli_util import (Parser, data_ip, dispatch, drop_probability, int_in, ip_port, job_arg, listen_addr,
+                             rate_limit_dict)
 
 EPILOG_MAIN = """\
 examples:
   fanin demo                                   # switch + 4 workers on 127.0.0.1, 5% loss, checked results
   fanin switch --job id=1,sources=4            # run a switch with one 4-worker job
-  fanin switch --config switch.toml            # ... or from a config file (see docs/operations.md)
+  fanin switch --config examples/switch.toml   # ... or from a config file (every field: docs/operations.md)
   fanin keys --job-id 1 --ranks 4 --out keys/  # a keyed job without a controller: job key + one file per rank
   fanin bench allreduce --workers 4 --size 100MB --json
   fanin bench gloo-compare --workers 4 --size 100MB
@@ -80,19 +81,25 @@ def _add_switch(sub: Any) -> None:
                                     "port + i; jobs come from --job/--config or the control API.",
                         epilog="example: fanin switch --shards 2 --job id=1,sources=4,block_cnt_max=256\n"
                                "a second switch on this machine: fanin switch --data-addr 127.0.0.1:9010 "
-                               "(control API 127.0.0.1:9110, metrics 127.0.0.1:9111)")
+                               "(control API 127.0.0.1:9110, metrics 127.0.0.1:9111)\n"
+                               "the control API on the network needs a token: FANIN_CONTROL_TOKEN=SECRET fanin switch "
+                               "--data-addr 0.0.0.0:9000 --control-addr 10.0.0.2:9100")
     sw.add_argument("--config", help="TOML or JSON config file; flags given as well override its fields (a --job "
                                      "replaces the file's job of the same id)")
-    sw.add_argument("--data-addr", help="data port of shard 0 (default 127.0.0.1:9000)")
-    sw.add_argument("--shards", type=int, help="processing threads, one data port each "
-                                               "(default: one per two cores, 1 to 8)")
-    sw.add_argument("--control-addr", help="gRPC control API address, 'auto' or 'off' (default auto: 127.0.0.1 at the "
-                                           "data port + 100, e.g. 127.0.0.1:9100; a free port if that one is taken)")
+    sw.add_argument("--data-addr", type=ip_port("127.0.0.1:9000"), metavar="IP:PORT",
+                    help="data port of shard 0 (default 127.0.0.1:9000)")
+    sw.add_argument("--shards", type=int_in(1, 64), help="processing threads, one data port each, 1 to 64 "
+                                                         "(default: one per two cores, 1 to 8)")
+    sw.add_argument("--control-addr", type=listen_addr("127.0.0.1:9100"),
+                    help="gRPC control API address, 'auto' or 'off' (default auto: 127.0.0.1 at the "
+                         "data port + 100, e.g. 127.0.0.1:9100; a free port if that one is taken)")
     sw.add_argument("--control-token", help="bearer token the control API requires (default: $FANIN_CONTROL_TOKEN; "
                                              "required when --control-addr is not a loopback address)")
-    sw.add_argument("--metrics-addr", help="Prometheus endpoint address, 'auto' or 'off' (default auto: the data port + "
-                                           "101 on 127.0.0.1)")
-    sw.add_argument("--memory-mb", type=int, help="aggregation memory for all jobs (default 1024)")
+    sw.add_argument("--metrics-addr", type=listen_addr("127.0.0.1:9101"),
+                    help="Prometheus endpoint address, 'auto' or 'off' (default auto: 127.0.0.1 at the data port "
+                         "+ 101, e.g. 127.0.0.1:9101; a free port if that one is taken)")
+    sw.add_argument("--memory-mb", type=int_in(1, 2**30, "MiB"),
+                    help="aggregation memory for all jobs, in MiB (default 1024)")
     sw.add_argument("--job", action="append", type=job_arg, metavar="id=N,sources=N[,...]",
                     help="admit a job at start (repeatable); fields: id, sources or members=0:1:2, "
                          "block_cnt_max, block_grad_max, block_exp_ms, slow_after_windows, mode=aggregate|forward, "
@@ -106,16 +113,18 @@ def _add_switch(sub: Any) -> None:
                     help="per-source rate limit for jobs that set none: each worker may send PPS contributions "
                          "per second and BURST back to back; the excess is answered with a Trimmed nack so it "
                          "slows down (docs/overload.md). Default: unlimited")
-    sw.add_argument("--ingress-drop", type=float, help="fault injection: drop probability on receive (default 0)")
-    sw.add_argument("--egress-drop", type=float, help="fault injection: drop probability on send (default 0)")
-    sw.add_argument("--seed", type=int, help="seed of the fault injection (default 0)")
+    sw.add_argument("--ingress-drop", type=drop_probability,
+                    help="fault injection: drop probability on receive, 0 to below 1 (default 0)")
+    sw.add_argument("--egress-drop", type=drop_probability,
+                    help="fault injection: drop probability on send, 0 to below 1 (default 0)")
+    sw.add_argument("--seed", type=int_in(0, 2**64 - 1), help="seed of the fault injection (default 0)")
     sw.add_argument("--print-ready", action="store_true", help="print one JSON line on stdout once the ports are bound")
     sw.set_defaults(func=_cmd_switch)
 
 
 def _cmd_switch(args: argparse.Namespace) -> int:
     from fanin import _native
-    from fanin.switch import switch_config
+    from fanin.switch import config_json, switch_config
 
     if args.config:
         try:
@@ -155,15 +164,21 @@ def _cmd_switch(args: argparse.Namespace) -> int:
               f"metrics {('http://' + info['metrics_addr'] + '/metrics') if info.get('metrics_addr') else 'off'}; "
               "Ctrl-C to stop", file=sys.stderr, flush=True)
 
-    return _run_foreground("fanin switch", _native.run_switch, config, ready)
+    try:
+        text = config_json(config)
+    except ValueError as e:
+        print(f"fanin switch: {e}", file=sys.stderr)
+        return 2
+    return _run_foreground("fanin switch", _native.run_switch, text, ready)
 
 
-def _run_foreground(name: str, run: Any, config: dict[str, Any], ready: Any) -> int:
-    """Run a native daemon until SIGINT/SIGTERM; exit 2 on a bad config, 1 on a start failure."""
+def _run_foreground(name: str, run: Any, config: str, ready: Any) -> int:
+    """Run a native daemon (its config as JSON) until SIGINT/SIGTERM; exit 2 on a bad config, 1 on a start
+    failure."""
     from fanin import _native
 
     try:
-        run(json.dumps(config), ready)
+        run(config, ready)
     except ValueError as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2
@@ -182,11 +197,17 @@ def _add_demo(sub: Any) -> None:
                                       "and int32 tensors with injected loss, check every result against the "
                                       "reference; then (as root) the same on 200 Mbit/s links in network "
                                       "namespaces, where aggregation beats Gloo's ring.")
-    demo.add_argument("--workers", type=int, default=4)
-    demo.add_argument("--elements", type=int, default=1_000_000, help="elements per tensor (default %(default)s)")
-    demo.add_argument("--loss", type=float, default=0.05, help="drop probability on every send (default %(default)s)")
-    demo.add_argument("--rounds", type=int, default=2)
-    demo.add_argument("--shards", type=int, default=2)
+    from fanin.demo import MAX_ELEMENTS, MAX_ROUNDS, MAX_WORKERS
+
+    demo.add_argument("--workers", type=int_in(1, MAX_WORKERS), default=4,
+                      help=f"worker processes, 1 to {MAX_WORKERS} (default %(default)s)")
+    demo.add_argument("--elements", type=int_in(1, MAX_ELEMENTS), default=1_000_000,
+                      help="elements per tensor (default %(default)s)")
+    demo.add_argument("--loss", type=drop_probability, default=0.05,
+                      help="drop probability on every send, 0 to below 1 (default %(default)s)")
+    demo.add_argument("--rounds", type=int_in(1, MAX_ROUNDS), default=2,
+                      help="allreduces of each dtype (default %(default)s)")
+    demo.add_argument("--shards", type=int_in(1, 64), default=2, help="switch shards, 1 to 64 (default %(default)s)")
     demo.add_argument("--no-network", action="store_true",
                       help="skip the second part: the same on rate-limited links in network namespaces (root), "
                            "next to Gloo's ring when PyTorch is installed")
@@ -208,20 +229,27 @@ def _add_kv(sub: Any) -> None:
                           description="The host daemon of docs/kv.md §10: local API on a Unix socket, "
                                       "control channel (TCP) to other daemons, UDP data channels to the switch.")
     dm.add_argument("--socket", default="/tmp/fanin-kv.sock", help="local API socket (default %(default)s)")
-    dm.add_argument("--switch-control", default="127.0.0.1:9100", help="switch control API (default %(default)s)")
+    dm.add_argument("--switch-control", default="127.0.0.1:9100", type=ip_port("127.0.0.1:9100"), metavar="IP:PORT",
+                    help="switch control API (default %(default)s)")
     dm.add_argument("--switch-token", help="bearer token of the switch control API")
-    dm.add_argument("--control-addr", default="127.0.0.1:0", help="daemon control channel, TCP (default %(default)s)")
-    dm.add_argument("--bind-ip", default="127.0.0.1", help="address of the UDP data channels (default %(default)s)")
-    dm.add_argument("--receive-channels", type=int, default=1, help="data channels for receivers (default 1)")
-    dm.add_argument("--send-channels", type=int, default=1, help="data channels for senders (default 1)")
-    dm.add_argument("--tenant", type=int, default=0, help="tenant of the tasks created here (switch memory cap)")
-    dm.add_argument("--rto-us", type=int, default=20000,
+    dm.add_argument("--control-addr", default="127.0.0.1:0", type=ip_port("127.0.0.1:0"), metavar="IP:PORT",
+                    help="daemon control channel, TCP; port 0 picks one (default %(default)s)")
+    dm.add_argument("--bind-ip", default="127.0.0.1", type=data_ip,
+                    help="this host's address of the UDP data channels, toward the switch (default %(default)s)")
+    dm.add_argument("--receive-channels", type=int_in(1, 64), default=1,
+                    help="data channels for receivers, 1 to 64 (default 1)")
+    dm.add_argument("--send-channels", type=int_in(1, 64), default=1,
+                    help="data channels for senders, 1 to 64 (default 1)")
+    dm.add_argument("--tenant", type=int_in(0, 2**32 - 1), default=0,
+                    help="tenant of the tasks created here (switch memory cap)")
+    dm.add_argument("--rto-us", type=int_in(1, 2**32 - 1, "us"), default=20000,
                     help="sender retransmission timeout in us before the first round trip is measured "
                          "(default %(default)s)")
     dm.add_argument("--no-congestion", action="store_true",
                     help="senders keep ASK's fixed window and --rto-us instead of adapting both to the path "
                          "(docs/kv.md, 'Congestion'; for comparison)")
-    dm.add_argument("--silence-ms", type=int, default=5000, help="fail a task after this long without traffic")
+    dm.add_argument("--silence-ms", type=int_in(1, 2**32 - 1, "ms"), default=5000,
+                    help="fail a task after this long without traffic, in ms (default %(default)s)")
     dm.add_argument("--config-json", help="the whole config as JSON (overrides the options above)")
     dm.add_argument("--print-ready", action="store_true", help="print one JSON line when ready (for scripts)")
     dm.set_defaults(func=_cmd_kv_daemon)
@@ -246,7 +274,7 @@ def _cmd_kv_daemon(args: argparse.Namespace) -> int:
         print(f"fanin kv daemon: local API {info['socket_path']}, control channel {info['control_addr']}, "
               f"data channels {info['data_addrs']}; Ctrl-C to stop", file=sys.stderr, flush=True)
 
-    return _run_foreground("fanin kv daemon", _native.run_kv_daemon, config, ready)
+    return _run_foreground("fanin kv daemon", _native.run_kv_daemon, json.dumps(config), ready)
 
 
 def _add_keys(sub: Any) -> None:
@@ -279,7 +307,12 @@ def _cmd_keys(args: argparse.Namespace) -> int:
         raise ValueError(f"--ranks {args.ranks}: give 1 to 65535 ranks")
     if args.job_id < 0 or args.job_id > 0xFFFF_FFFF:
         raise ValueError(f"--job-id {args.job_id} is not a 32-bit job id")
-    os.makedirs(args.out, mode=0o700, exist_ok=True)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file: give a directory (made if missing)")
+    try:
+        os.makedirs(args.out, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {args.out}: cannot make the directory ({e.strerror}): give one you can write") from None
     if os.stat(args.out).st_mode & 0o077:
         # the files are 0600 whatever the folder; say so rather than chmod a folder we did not make
         print(f"fanin keys: note: {args.out} is open to other users (the key files themselves are not)",

@@ -17,7 +17,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from fanin.proc import SwitchProcess, check_result, format_size, worker_inputs
-from fanin.switch import job_config, switch_config
+from fanin.switch import check_int, check_probability, job_config, switch_config
+
+#: The demo's limits: one process per worker on this machine; a tensor up to 1 GiB of float32 per worker.
+MAX_WORKERS = 256
+MAX_ELEMENTS = 2**28
+MAX_ROUNDS = 10_000
 
 
 def _worker(rank: int, switch: str, workers: int, elements: int, loss: float, rounds: int, results: Any) -> None:
@@ -87,6 +92,14 @@ def network_run(say: Callable[..., None], workers: int = 4, rate_mbit: float = 2
 
 def run_demo(workers: int = 4, elements: int = 1_000_000, loss: float = 0.05, rounds: int = 2,
              shards: int = 2, as_json: bool = False, network: bool = True) -> int:
+    # up front: 0 elements or rounds passed having checked nothing, and a bad worker or shard count or loss
+    # failed only as "fanin switch exited with code 2"
+    check_int("workers", workers, 1, MAX_WORKERS)
+    check_int("elements", elements, 1, MAX_ELEMENTS)
+    check_int("rounds", rounds, 1, MAX_ROUNDS)
+    check_int("shards", shards, 1, 64)
+    if check_probability("loss", loss) >= 1.0:
+        raise ValueError(f"loss = {loss} drops every datagram: give a probability below 1 (e.g. 0.05)")
     cfg = switch_config(data_addr="127.0.0.1:0", shards=shards, control_addr=None, metrics_addr="127.0.0.1:0",
                         egress_drop=loss, seed=7, jobs=[job_config(1, workers)])
     say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print

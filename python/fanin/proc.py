@@ -66,6 +66,16 @@ def terminate(proc: subprocess.Popen) -> int:
     return proc.returncode
 
 
+def _last_error(log: Any) -> str:
+    """The last line a child wrote to its stderr file `log` (its error: `fanin switch: ...: invalid config:
+    shards = 0 is out of range`, or a traceback's last line), '' if none."""
+    if log is None:
+        return ""
+    log.seek(0)
+    lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 class SwitchProcess:
     """`fanin switch` in a child process, stopped with SIGTERM on exit.
 
@@ -75,25 +85,52 @@ class SwitchProcess:
     """
 
     def __init__(self, config: dict[str, Any], *, quiet: bool = True, netns: Optional[str] = None) -> None:
+        from fanin.switch import config_json
+
+        text = config_json(config)  # a NaN or an infinity refused by its field's name, before any file exists
         fd, self.config_path = tempfile.mkstemp(prefix="fanin-switch-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump(config, f)
+            f.write(text)
         self.netns = netns
-        self.proc = subprocess.Popen(
-            (["ip", "netns", "exec", netns] if netns else [])
-            + [sys.executable, "-m", "fanin", "switch", "--config", self.config_path, "--print-ready"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL if quiet else None,
-            text=True,
-        )
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not line:
-            code = self.proc.wait(timeout=10)
-            raise RuntimeError(f"fanin switch exited with code {code} before it was ready (config {self.config_path})")
-        self.info = json.loads(line)
+        # quiet: the switch's stderr goes to a file nobody reads (a pipe left unread could fill and stall it),
+        # unless it exits before it is ready: then its own error line is the exception's
+        log = tempfile.TemporaryFile() if quiet else None
+        try:
+            self.proc = subprocess.Popen(
+                (["ip", "netns", "exec", netns] if netns else [])
+                + [sys.executable, "-m", "fanin", "switch", "--config", self.config_path, "--print-ready"],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+            line = self.proc.stdout.readline() if self.proc.stdout else ""
+            if not line:
+                try:
+                    code = self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    code = terminate(self.proc)
+                raise RuntimeError(f"fanin switch exited with code {code} before it was ready: "
+                                   f"{_last_error(log) or 'its error is on stderr above'}")
+            self.info = json.loads(line)
+        except BaseException:
+            if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+                terminate(self.proc)  # (interrupted, or a ready line that is not JSON)
+            self._forget_config()
+            raise
+        finally:
+            if log is not None:
+                log.close()  # the child keeps its own descriptor
+        # the switch has read its config: nothing is left behind if this process dies without stop()
+        self._forget_config()
         self.data_addr: str = self.info["data_addr"]
         self.metrics_addr: Optional[str] = self.info.get("metrics_addr")
         self.control_addr: Optional[str] = self.info.get("control_addr")
+
+    def _forget_config(self) -> None:
+        try:
+            os.unlink(self.config_path)
+        except OSError:
+            pass
 
     def counters(self) -> dict[str, int]:
         if not self.metrics_addr:
@@ -102,10 +139,7 @@ class SwitchProcess:
 
     def stop(self) -> int:
         terminate(self.proc)
-        try:
-            os.unlink(self.config_path)
-        except OSError:
-            pass
+        self._forget_config()
         return self.proc.returncode
 
     def __enter__(self) -> "SwitchProcess":

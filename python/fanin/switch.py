@@ -3,13 +3,16 @@ for ``fanin switch``."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
+import numbers
 from typing import Any, Iterable, Optional, Union
 
 from fanin import _native
 
 __all__ = ["LocalSwitch", "local_switch", "job_config", "switch_config", "free_result_group", "JOB_DEFAULTS",
-           "JOB_SCHEMA"]
+           "JOB_SCHEMA", "check_job", "config_json"]
 
 #: Every field of a job with its default (None: unset), read from the Rust
 #: job description (`fanin_switch::JobConfig`), the one place they are
@@ -18,6 +21,122 @@ JOB_SCHEMA: dict[str, Any] = _native.job_schema()
 #: The sizing defaults (block_cnt_max, block_grad_max, block_exp_ms,
 #: slow_after_windows) every Python layer that describes a job uses.
 JOB_DEFAULTS: dict[str, int] = _native.job_defaults()
+
+
+U16, U32, U64 = 2**16 - 1, 2**32 - 1, 2**64 - 1
+#: Most shards a switch runs (`DaemonConfig::validate`).
+MAX_SHARDS = 64
+#: Most aggregation memory a config may give, in MiB (`config::MAX_MEMORY_MB`).
+MAX_MEMORY_MB = 2**30
+#: The range of each integer field of a job (the Rust type's; the switch
+#: checks what it means, e.g. block_grad_max against a datagram). A field
+#: not listed is a u32.
+JOB_INT_RANGES: dict[str, tuple[int, int]] = {"job_id": (0, U32), "sources": (1, U16), "workers": (0, U16),
+                                              "quorum": (0, U16)}
+#: The words a job's text fields take.
+JOB_CHOICES: dict[str, tuple[str, ...]] = {"mode": ("aggregate", "forward"), "on_failure": ("degrade", "fail")}
+
+
+def _bound(n: int) -> str:
+    return {U32: "2**32-1", U64: "2**64-1"}.get(n, str(n))
+
+
+def range_text(lo: int, hi: int, unit: str = "") -> str:
+    """'(1 to 64)', '(0 to 2**32-1 ms)': how every range check says what it takes."""
+    return f"({lo} to {_bound(hi)}{' ' + unit if unit else ''})"
+
+
+def check_int(name: str, value: Any, lo: int, hi: int, unit: str = "") -> int:
+    """``value`` as an int within lo..hi, or a ValueError naming ``name``,
+    the value and the range (a TypeError for what is no integer): the
+    switch's own parser would say only "invalid value: integer `-1`,
+    expected u16" about a JSON the caller never saw."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer {range_text(lo, hi, unit)}, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} = {value} is out of range {range_text(lo, hi, unit)}")
+    return int(value)
+
+
+def check_probability(name: str, value: Any) -> float:
+    """``value`` as a probability, 0 to 1 (NaN refused: it went into the
+    config's JSON as a bare NaN, "expected value at line 1 column 344")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a probability (0 to 1), got {value!r}")
+    if not 0.0 <= value <= 1.0:  # NaN compares false
+        raise ValueError(f"{name} = {value} is not a probability (0 to 1)")
+    return float(value)
+
+
+def ip_port_error(text: Any, example: str = "127.0.0.1:9000", ipv4: bool = False) -> Optional[str]:
+    """Why ``text`` is not an address the daemons parse (IPV4:PORT or
+    [IPV6]:PORT, as Rust's SocketAddr; no names), or None if it is."""
+    form = "IPV4:PORT" if ipv4 else "IP:PORT"
+    if not isinstance(text, str):
+        return f"{text!r} is not {form} (e.g. {example})"
+    host, sep, port = text.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+        if not sep or not port.isdigit() or (ip.version == 6) != bracketed or (ipv4 and ip.version != 4):
+            raise ValueError
+    except ValueError:
+        return f"{text!r} is not {form} (e.g. {example})"
+    if int(port) > U16:
+        return f"port {int(port)} is out of range (0 to {U16})"
+    return None
+
+
+def check_job(job: dict[str, Any], label: str = "{}") -> dict[str, Any]:
+    """Check a job description's fields before the switch parses it: each
+    integer within its type's range (:data:`JOB_INT_RANGES`), the words of
+    ``mode`` and ``on_failure``, ``result_group`` as IPV4:PORT, ``key``
+    as 32 hex digits. ``label`` formats each field's name in messages
+    (``"job field {}"`` for ``--job``). Returns ``job``."""
+    for name, value in job.items():
+        what = label.replace("{}", name)
+        if name == "members" and value is not None:
+            for m in value:
+                if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 0 <= m <= U16:
+                    raise ValueError(f"{what}: member {m!r} is out of range {range_text(0, U16)}")
+        elif name in JOB_CHOICES and value is not None:
+            if value not in JOB_CHOICES[name]:
+                raise ValueError(f"{what}={value!r}: give {' or '.join(JOB_CHOICES[name])}")
+        elif name == "result_group" and value is not None:
+            why = ip_port_error(value, "239.1.0.7:47001", ipv4=True)
+            if why:
+                raise ValueError(f"{what}={value!r} is not IPV4:PORT of a multicast group (e.g. 239.1.0.7:47001)"
+                                 if "is not" in why else f"{what}: {why}")
+        elif name == "key" and value is not None:
+            if not (isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdefABCDEF" for c in value)):
+                # (never echo the value: a mistyped key is still mostly a secret)
+                raise ValueError(f"{what}: give 32 hex digits (a 16-byte key, as `fanin keys` writes), not "
+                                 f"{len(value) if isinstance(value, str) else type(value).__name__} characters")
+        elif isinstance(JOB_SCHEMA.get(name), int) or name in JOB_INT_RANGES:
+            if value is None and name != "job_id" and JOB_SCHEMA.get(name) is None:
+                continue
+            lo, hi = JOB_INT_RANGES.get(name, (0, U32))
+            check_int(what, value, lo, hi)
+    return job
+
+
+def config_json(config: dict[str, Any]) -> str:
+    """A switch config as the JSON the daemon reads, refusing a NaN or an
+    infinity by its field's path (``faults.egress_drop``): JSON has none,
+    and the daemon's parser said only "expected value at line 1 column N"."""
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{path} = {value} is not a number the switch takes")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    walk(config, "")
+    return json.dumps(config)
 
 
 def job_config(
@@ -103,7 +222,7 @@ def job_config(
         from fanin.auth import key_hex
 
         job["key"] = key_hex(key)
-    return job
+    return check_job(job)
 
 
 def free_result_group() -> str:
@@ -176,6 +295,22 @@ def switch_config(
     limit of jobs that set none (docs/overload.md). ``ecn``: send results
     ECN-capable and mark a block whose contribution arrived CE-marked
     (docs/congestion.md, "ECN")."""
+    if shards is not None:
+        check_int("shards", shards, 1, MAX_SHARDS)
+    check_int("memory_mb", memory_mb, 1, MAX_MEMORY_MB, "MiB")
+    check_int("seed", seed, 0, U64)
+    for name, p in (("ingress_drop", ingress_drop), ("egress_drop", egress_drop),
+                    ("ingress_duplicate", ingress_duplicate), ("ingress_reorder", ingress_reorder)):
+        check_probability(name, p)
+    why = ip_port_error(data_addr)
+    if why:
+        raise ValueError(f"data_addr: {why}")
+    for name, addr, example in (("control_addr", control_addr, "127.0.0.1:9100"),
+                                ("metrics_addr", metrics_addr, "127.0.0.1:9101")):
+        if addr not in (None, "auto", "off") and ip_port_error(addr):
+            raise ValueError(f'{name}={addr!r} is not an address: give "auto", "off" (or None) or ip:port '
+                             f"(e.g. {example})")
+    jobs = [check_job(dict(j), f"jobs[{i}].{{}}") for i, j in enumerate(jobs)]
     cfg: dict[str, Any] = {
         "aging": {"scanners": scanners, "checks": checks, "max_factor": max_factor, "threads": scanner_threads},
         "trim": {"enabled": trim, "watermark": trim_watermark,
@@ -214,7 +349,7 @@ class LocalSwitch:
     """
 
     def __init__(self, config: dict[str, Any]) -> None:
-        self._switch = _native.Switch(json.dumps(config))
+        self._switch = _native.Switch(config_json(config))
 
     @property
     def data_addr(self) -> str:
@@ -262,6 +397,7 @@ def local_switch(
 ) -> LocalSwitch:
     """Start a switch on an ephemeral loopback port with one job of
     ``workers`` sources; no control API or metrics ports are opened."""
+    check_int("workers", workers, 1, U16)
     jobs = [
         job_config(
             job_id,

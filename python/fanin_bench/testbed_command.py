@@ -24,8 +24,8 @@ examples:
   fanin testbed up my.toml --name tb2           # a second testbed beside the first
   fanin testbed status                          # nodes, addresses, interfaces
   fanin testbed exec h0_0_0 -- ping -c1 10.1.0.2
-  fanin testbed exec s0 -- python3 -m fanin switch --data-addr 0.0.0.0:9000 \\
-        --control-addr MGMT_IP:9100 --job id=1,sources=2
+  fanin testbed exec s0 -- env FANIN_CONTROL_TOKEN=SECRET python3 -m fanin switch \\
+        --data-addr 0.0.0.0:9000 --control-addr MGMT_IP:9100 --job id=1,sources=2
   fanin testbed down                            # idempotent; removes processes started inside too
 """
 

@@ -434,3 +434,39 @@ def test_the_local_api_socket_is_for_the_daemons_own_user_only(daemon):
     import stat
 
     assert stat.S_IMODE(os.stat(daemon.socket_path).st_mode) == 0o600
+
+
+def test_the_socket_path_is_taken_only_when_free_or_stale(switch, tmp_path):
+    """`fanin kv daemon --socket PATH` used to delete whatever was at PATH:
+    a regular file, or a live daemon's socket, which it then took over and
+    left the first daemon unreachable. Only a free path or a stale socket
+    (nobody accepts on it) may be used."""
+    import subprocess
+    import sys
+
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    with pytest.raises(KvError, match=r"notes\.txt.*is a regular file, not a socket"):
+        DaemonProcess(switch.control_addr, socket_path=str(precious))
+    assert precious.read_text() == "keep me"
+    # the command line says the same (exit 1, one line naming the path)
+    r = subprocess.run([sys.executable, "-m", "fanin", "kv", "daemon", "--socket", str(precious),
+                        "--switch-control", switch.control_addr], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "is a regular file, not a socket" in r.stderr and str(precious) in r.stderr, r.stderr
+    assert precious.read_text() == "keep me"
+
+    live = str(tmp_path / "live.sock")
+    with DaemonProcess(switch.control_addr, socket_path=live) as first:
+        with pytest.raises(KvError, match="another kv daemon is listening on .*live.sock"):
+            DaemonProcess(switch.control_addr, socket_path=live)
+        with first.client() as c:  # the first daemon is still the one there
+            assert c.stats()["tasks_created"] >= 0
+
+    # a stale socket (its daemon died without removing it) is replaced
+    stale = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(stale)
+    s.close()
+    with DaemonProcess(switch.control_addr, socket_path=stale) as d:
+        with d.client() as c:
+            assert c.aggregate([[("a", 1)], [("a", 2)]]) == {"a": 3}

@@ -382,3 +382,153 @@ def test_control_api_admits_lists_and_removes_jobs_on_the_real_daemon():
         with pytest.raises(ControlError) as e:
             c.remove_transit(5)
         assert "NOT_FOUND" in str(e.value)
+
+
+def test_a_capacity_blaster_says_when_it_is_sending_and_until_when():
+    # the network benches count a link only while every blaster is sending:
+    # each one says so once its first datagrams are out, with the monotonic
+    # clock (the driver's too) at its first send and its end
+    t_before = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "fanin_bench.bench.net_worker", "blast", "--to", "127.0.0.1:9",
+                        "--mbit", "20", "--seconds", "0.3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    first, last = (json.loads(line) for line in r.stdout.splitlines())
+    assert first["sending"] is True and t_before < first["t0"] < time.monotonic()
+    assert first["until"] == pytest.approx(first["t0"] + 0.3)
+    assert last["sent_bytes"] > 0
+
+
+def test_gloo_results_are_checked_per_element_so_a_wrong_small_element_fails():
+    # audit: allclose(atol=1e-6 * max|ref|) passes any error in an element
+    # far below the largest; the bound is per element now (net_worker's)
+    from fanin.proc import reference_sum
+    from fanin_bench.bench.net_worker import gloo_bound
+
+    n = 4096
+    ref, allowed = gloo_bound(4, n, "float32")
+    assert np.array_equal(ref, reference_sum(4, n, "float32"))
+    good = ref.astype(np.float32).astype(np.float64)  # a correctly rounded sum
+    assert np.all(np.abs(good - ref) <= allowed)
+    small = int(np.argmin(np.abs(ref)))
+    bad = good.copy()
+    bad[small] += 1e-3 * abs(ref[small]) + 1e-12  # a thousandth off, in the smallest element
+    assert np.allclose(bad, ref, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(ref))))  # what the old check did
+    assert not np.all(np.abs(bad - ref) <= allowed)
+
+
+def test_gloo_compare_runs_exactly_the_iterations_asked_alternating_which_system_goes_first():
+    pytest.importorskip("torch")
+    from fanin_bench.bench.gloo import blocks
+
+    assert blocks(3) == [(2, "gloo"), (1, "fanin")]
+    assert blocks(7) == [(2, "gloo"), (2, "fanin"), (2, "gloo"), (1, "fanin")]
+    assert blocks(1) == [(1, "gloo")]
+    assert all(sum(k for k, _ in blocks(i)) == i for i in range(1, 30))
+    r = fanin_cli("bench", "gloo-compare", "--workers", "2", "--size", "1MB", "--iters", "3", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert len(report["gloo_times_s"]) == len(report["fanin_times_s"]) == 3, report
+    assert report["gloo_verified"] and report["gloo_timed_results_checked"] == 2 * 3
+    assert 0 < report["gloo_worst_fraction_of_bound"] <= 1
+
+
+def test_gloo_compare_fails_on_a_wrong_gloo_sum_before_reporting_a_speedup(monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from fanin_bench.bench import gloo
+
+    def fake_gloo(workers, elements, iters):
+        return {"median_s": 1.0, "times_s": [1.0] * iters, "cpu_s": [1.0] * iters, "verified": False,
+                "max_abs_error": 0.5, "worst_fraction_of_bound": 3.0, "timed_results_checked": iters * workers}
+
+    class FakeRun:
+        def __init__(self, iters):
+            self.iters = iters
+
+        def summary(self):
+            return {"times_s": [0.5] * self.iters, "verified": True, "retransmissions": 0,
+                    "cpu_s_times": [0.5] * self.iters}
+
+    monkeypatch.setattr(gloo, "run_gloo", fake_gloo)
+    monkeypatch.setattr(gloo, "run_allreduce", lambda p, label: FakeRun(p.iters))
+    args = SimpleNamespace(size="1MB", quick=False, iters=3, workers=2, elems_per_packet=4096, window=128, shards=1,
+                           seed=1, results="multicast", json=True)
+    with pytest.raises(RuntimeError, match="Gloo rank's sum is outside"):
+        gloo.run_gloo_compare(args)
+    assert "speedup_vs_gloo" not in capsys.readouterr().out
+
+
+def test_kv_network_fails_on_a_wrong_word_count_before_any_figure(monkeypatch):
+    # audit: a wrong count still produced the full report (exit 1 only)
+    import fanin.kv
+    from fanin_bench.bench import kv_network
+
+    class FakeClient:
+        def __init__(self, path, timeout=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def create(self, senders):
+            return 7
+
+        def send(self, ticket, ch, pairs):
+            return {"packets": 1, "retransmissions": 0, "first_bytes": 10}
+
+        def wait(self, ticket):
+            return {"the": 2, "cat": 2}  # one "cat" too many
+
+    monkeypatch.setattr(fanin.kv, "Client", FakeClient)
+    with pytest.raises(RuntimeError, match="word count is wrong for 1 of 2 words.*'cat': 2 \\(expected 1\\)"):
+        kv_network._task("rx", ["tx0"], [[("the", 1), ("cat", 1), ("the", 1)]])
+
+
+def test_a_switch_process_that_fails_to_start_says_why_and_leaves_no_config_behind(tmp_path, monkeypatch):
+    """SwitchProcess said only "fanin switch exited with code 2 before it was
+    ready (config /tmp/fanin-switch-XXXX.json)", and left that file behind
+    (58 of them were found in /tmp)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None)
+    cfg["shards"] = 0  # past switch_config's own check, as a config file could have it
+    with pytest.raises(RuntimeError, match=r"exited with code 2 before it was ready: .*shards = 0 is out of range"):
+        SwitchProcess(cfg)
+    assert list(tmp_path.iterdir()) == []
+    # a start failure (exit 1): the port is taken
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        cfg = switch_config(data_addr=f"127.0.0.1:{s.getsockname()[1]}", control_addr=None, metrics_addr=None)
+        with pytest.raises(RuntimeError, match="cannot bind data port"):
+            SwitchProcess(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "0"], "argument --workers: 0 is out of range (1 to "),
+    (["--loss", "-1"], "argument --loss: -1 is not a probability"),
+    (["--loss", "nan"], "argument --loss: nan is not a probability"),
+    (["--shards", "0"], "argument --shards: 0 is out of range (1 to 64)"),
+    (["--elements", "0"], "argument --elements: 0 is out of range (1 to "),
+    (["--rounds", "0"], "argument --rounds: 0 is out of range (1 to "),
+])
+def test_demo_refuses_values_that_test_nothing_or_cannot_run(args, says):
+    """`fanin demo --elements 0` (or --rounds 0) reported PASS having tested
+    nothing; --workers 0, --loss -1 and --shards 0 failed with only "fanin
+    switch exited with code 2"."""
+    r = fanin_cli("demo", "--no-network", *args, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "PASS" not in r.stdout + r.stderr, r.stderr
+
+
+def test_run_demo_refuses_values_that_test_nothing():
+    from fanin.demo import run_demo
+
+    for kw, says in [(dict(elements=0), "elements = 0 is out of range"), (dict(rounds=0), "rounds = 0 is out of range"),
+                     (dict(workers=0), "workers = 0 is out of range"), (dict(loss=1.5), "loss = 1.5 is not a probability")]:
+        with pytest.raises(ValueError, match=says):
+            run_demo(network=False, **kw)

@@ -627,3 +627,80 @@ def _raised(fn):
         return ("no error", None)
     except BaseException as e:
         return (type(e), str(e))
+
+
+def test_bad_integers_and_timeouts_name_the_argument_its_range_and_the_value_as_given():
+    """Out-of-range integers used to raise `OverflowError: out of range
+    integral type conversion attempted` naming nothing, and rto_ms=-5 said
+    "got -0.005" (converted to seconds before the message)."""
+    import re
+
+    most = fanin._native.Session.MAX_ELEMS_PER_PACKET  # the most one datagram carries
+
+    with fanin.local_switch(workers=1) as sw:
+        a = sw.data_addr
+        for kw, says in [
+            (dict(window=-1), "window = -1 is out of range (1 to 2**32-1; blocks in flight)"),
+            (dict(window=2**32), f"window = {2**32} is out of range (1 to 2**32-1"),
+            (dict(elems_per_packet=-1), f"elems_per_packet = -1 is out of range (0 to {most}; 0 = the job's)"),
+            (dict(elems_per_packet=10**7), f"elems_per_packet = 10000000 is out of range (0 to {most}"),
+            (dict(members=-1), "members = -1 is out of range (0 to 65535; 0 = any)"),
+            (dict(align_blocks=-1), "align_blocks = -1 is out of range (0 to 2**32-1)"),
+            (dict(seed=-1), "seed = -1 is out of range (0 to 2**64-1)"),
+            (dict(lanes=-1), "lanes = -1 is out of range (1 to 16)"),
+            (dict(rto_ms=-5), "rto_ms must be a positive number of milliseconds, got -5"),
+            (dict(rto_min_ms=0), "rto_min_ms must be a positive number of milliseconds, got 0"),
+            (dict(rto_max_ms=float("nan")), "rto_max_ms must be a positive number of milliseconds, got nan"),
+            (dict(rto_min_ms=50, rto_max_ms=10), "rto_min_ms = 50 must be at most rto_max_ms = 10"),
+            (dict(rto_ms=1e30), "rto_ms = 1e30 is too long"),
+            (dict(join_timeout_s=1e30), "join_timeout_s = 1e30 is too long"),
+            (dict(dead_after_s=-1), "dead_after_s must be a positive number of seconds, got -1"),
+        ]:
+            with pytest.raises(ValueError, match=re.escape(says)):
+                fanin.Session(a, 1, 0, **kw)
+        for args, says in [((-1, 0), "job_id = -1 is out of range (0 to 2**32-1)"),
+                           ((2**32, 0), f"job_id = {2**32} is out of range (0 to 2**32-1)"),
+                           ((1, -1), "rank = -1 is out of range (0 to 65535)"),
+                           ((1, 70000), "rank = 70000 is out of range (0 to 65535)")]:
+            with pytest.raises(ValueError, match=re.escape(says)):
+                fanin.Session(a, *args)
+        with pytest.raises(TypeError, match="window"):
+            fanin.Session(a, 1, 0, window=1.5)
+        # the values that still work
+        s = fanin.Session(a, 1, 0, window=1, rto_ms=5, rto_min_ms=1, rto_max_ms=5, seed=2**64 - 1)
+        assert np.array_equal(s.allreduce(np.arange(10, dtype=np.int32)), np.arange(10, dtype=np.int32))
+
+
+def test_port_0_is_refused_as_a_switch_address():
+    # used to fail with "socket error: Invalid argument (os error 22)"
+    with pytest.raises(ValueError, match=r"port 0 is not a switch's address.*127\.0\.0\.1:9000"):
+        fanin.Session("127.0.0.1:0", 1, 0)
+    with pytest.raises(ValueError, match="port 0 is not a switch's address"):
+        fanin.Session("localhost:0", 1, 0)
+
+
+def test_local_switch_and_the_config_builders_name_a_bad_argument():
+    """local_switch(workers=-1) said "invalid value: integer `-1`, expected u16 at line 1 column 524"."""
+    import re
+
+    for call, says in [
+        (lambda: fanin.local_switch(workers=-1), "workers = -1 is out of range (1 to 65535)"),
+        (lambda: fanin.local_switch(workers=0), "workers = 0 is out of range (1 to 65535)"),
+        (lambda: fanin.local_switch(workers=2, shards=-1), "shards = -1 is out of range (1 to 64)"),
+        (lambda: fanin.local_switch(workers=2, job_id=-1), "job_id = -1 is out of range (0 to 2**32-1)"),
+        (lambda: fanin.local_switch(workers=2, block_exp_ms=-1), "block_exp_ms = -1 is out of range (0 to 2**32-1)"),
+        (lambda: fanin.local_switch(workers=2, egress_drop=float("nan")), "egress_drop = nan is not a probability"),
+        (lambda: fanin.local_switch(workers=2, seed=-1), "seed = -1 is out of range (0 to 2**64-1)"),
+        (lambda: job_config(1, 2, mode="sum"), "mode='sum': give aggregate or forward"),
+        (lambda: job_config(1, members=[0, -1]), "members: member -1 is out of range (0 to 65535)"),
+        (lambda: switch_config(data_addr="nowhere"), "data_addr: 'nowhere' is not IP:PORT"),
+        (lambda: switch_config(metrics_addr="9101"), "metrics_addr='9101' is not an address: give \"auto\""),
+        (lambda: switch_config(jobs=[{"job_id": 1, "sources": -2}]), "jobs[0].sources = -2 is out of range"),
+        (lambda: fanin.LocalSwitch(switch_config(data_addr="127.0.0.1:0", control_addr=None, metrics_addr=None,
+                                                 trim_watermark=float("nan"))),
+         "trim.watermark = nan is not a number the switch takes"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            call()
+    with pytest.raises(TypeError, match="workers must be an integer"):
+        fanin.local_switch(workers=1.5)

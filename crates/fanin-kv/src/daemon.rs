@@ -113,6 +113,45 @@ pub struct KvDaemonConfig {
     pub socket_buffer: usize,
 }
 
+/// Most data channels of each kind (each is a thread and a socket).
+pub const MAX_CHANNELS: usize = 64;
+
+impl KvDaemonConfig {
+    /// Values the daemon would start with but could not work with, refused
+    /// with the field's name: a `silence_ms` of 0 failed every task with
+    /// "nothing arrived for 0ns", an `rto_us` of 0 resent without pause.
+    pub fn validate(&self) -> Result<(), DaemonError> {
+        let bad = |m: String| Err(DaemonError::Config(m));
+        if self.socket_path.as_os_str().is_empty() {
+            return bad("socket_path is empty: give the local API socket's path".into());
+        }
+        for (name, n) in [("receive_channels", self.receive_channels), ("send_channels", self.send_channels)] {
+            if n > MAX_CHANNELS {
+                return bad(format!("{name} = {n} is out of range (1 to {MAX_CHANNELS})"));
+            }
+        }
+        if self.silence_ms == 0 {
+            return bad("silence_ms = 0: give at least 1 ms (how long a task may hear nothing before it fails; \
+                        default 5000)"
+                .into());
+        }
+        if self.rto_us == 0 {
+            return bad("rto_us = 0: give at least 1 us (the senders' first retransmission timeout; default 20000)".into());
+        }
+        if self.min_rto_us == 0 {
+            return bad("min_rto_us = 0: give at least 1 us".into());
+        }
+        if self.bind_ip.is_unspecified() || self.bind_ip.is_multicast() {
+            return bad(format!(
+                "bind_ip = {}: give this host's address toward the switch (e.g. 127.0.0.1); the switch sends \
+                 results to it",
+                self.bind_ip
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A region's data address as senders and the receiver can use it: the
 /// switch answers with the address its data socket is bound to, which is
 /// unspecified when it binds 0.0.0.0.
@@ -247,8 +286,60 @@ struct Shared {
 pub enum DaemonError {
     #[error("kv daemon: cannot bind {what} {addr}: {source}")]
     Bind { what: &'static str, addr: String, source: std::io::Error },
+    /// The local API socket's path is held by something this daemon must
+    /// not remove: a live daemon's socket, or a file that is no socket.
+    #[error("kv daemon: {0}")]
+    SocketPath(String),
+    /// A config value the daemon cannot run with (named).
+    #[error("kv daemon: {0}")]
+    Config(String),
     #[error("kv daemon: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// Make `path` free for the local API socket without taking anything that
+/// is in use: nothing there, or a stale socket (its daemon died without
+/// removing it, so connecting is refused), which is removed. A socket a
+/// daemon accepts on, or anything that is not a socket (a file someone
+/// mistyped as `--socket`), is left as it is and refused.
+pub fn claim_socket_path(path: &Path) -> Result<(), DaemonError> {
+    use std::io::ErrorKind;
+    use std::os::unix::fs::FileTypeExt;
+    let shown = path.display();
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(DaemonError::SocketPath(format!("cannot use {shown} as the local API socket: {e}"))),
+    };
+    let kind = meta.file_type();
+    if !kind.is_socket() {
+        let what = if kind.is_dir() {
+            "a directory"
+        } else if kind.is_symlink() {
+            "a symbolic link"
+        } else if kind.is_file() {
+            "a regular file"
+        } else {
+            "a special file"
+        };
+        return Err(DaemonError::SocketPath(format!(
+            "{shown} exists and is {what}, not a socket: left as it is; remove it or give the daemon another \
+             --socket path"
+        )));
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(DaemonError::SocketPath(format!(
+            "another kv daemon is listening on {shown}: stop it first, or give this one another --socket path"
+        ))),
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => std::fs::remove_file(path).or_else(|e| match e.kind() {
+            ErrorKind::NotFound => Ok(()),
+            _ => Err(DaemonError::SocketPath(format!("cannot remove the stale socket {shown}: {e}"))),
+        }),
+        Err(e) => Err(DaemonError::SocketPath(format!(
+            "{shown} is a socket, and whether a daemon listens on it cannot be told ({e}): left as it is; remove \
+             it or give the daemon another --socket path"
+        ))),
+    }
 }
 
 /// A running daemon; dropping it stops every thread.
@@ -259,6 +350,9 @@ pub struct KvDaemon {
 
 impl KvDaemon {
     pub fn start(config: KvDaemonConfig) -> Result<Self, DaemonError> {
+        config.validate()?;
+        // First, so that a path in use fails the start before any port is bound.
+        claim_socket_path(&config.socket_path)?;
         let shutdown = Arc::new(AtomicBool::new(false));
         let epoch = Instant::now();
         let mut threads = Vec::new();
@@ -288,7 +382,8 @@ impl KvDaemon {
             source,
         })?;
         let control_addr = control.local_addr()?;
-        let _ = std::fs::remove_file(&config.socket_path);
+        // (free or stale when checked above; a daemon that bound it since then makes this fail, never replaced)
+        claim_socket_path(&config.socket_path)?;
         let local = UnixListener::bind(&config.socket_path).map_err(|source| DaemonError::Bind {
             what: "local API socket",
             addr: config.socket_path.display().to_string(),
@@ -477,4 +572,60 @@ fn error(message: impl std::fmt::Display) -> Value {
 /// start, so a restarted daemon continues above its old ones.
 fn wall_clock_us() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64)
+}
+
+#[cfg(test)]
+mod socket_path_tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("fanin-kv-claim-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn only_a_free_path_or_a_stale_socket_is_claimed() {
+        let d = dir("paths");
+        // free
+        assert!(claim_socket_path(&d.join("free.sock")).is_ok());
+        // a regular file is never removed
+        let file = d.join("notes.txt");
+        std::fs::write(&file, "keep").unwrap();
+        let err = claim_socket_path(&file).unwrap_err().to_string();
+        assert!(err.contains("is a regular file, not a socket") && err.contains("notes.txt"), "{err}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+        let err = claim_socket_path(&d).unwrap_err().to_string();
+        assert!(err.contains("is a directory"), "{err}");
+        // a live socket is refused and left working
+        let live = d.join("live.sock");
+        let listener = UnixListener::bind(&live).unwrap();
+        let err = claim_socket_path(&live).unwrap_err().to_string();
+        assert!(err.contains("another kv daemon is listening on") && err.contains("live.sock"), "{err}");
+        assert!(UnixStream::connect(&live).is_ok());
+        // once nobody accepts on it, it is stale: removed
+        drop(listener);
+        assert!(claim_socket_path(&live).is_ok());
+        assert!(!live.exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn values_the_daemon_cannot_work_with_are_named() {
+        let config = |extra: &str| -> KvDaemonConfig {
+            serde_json::from_str(&format!(r#"{{"socket_path": "/tmp/x.sock", "switch_control": "127.0.0.1:9100"{extra}}}"#))
+                .unwrap()
+        };
+        assert!(config("").validate().is_ok());
+        for (extra, says) in [
+            (r#", "silence_ms": 0"#, "silence_ms = 0"),
+            (r#", "rto_us": 0"#, "rto_us = 0"),
+            (r#", "receive_channels": 1000"#, "receive_channels = 1000 is out of range"),
+            (r#", "bind_ip": "0.0.0.0""#, "bind_ip = 0.0.0.0"),
+        ] {
+            let err = config(extra).validate().unwrap_err().to_string();
+            assert!(err.contains(says), "{extra}: {err}");
+        }
+    }
 }

@@ -41,6 +41,55 @@ fn resolve_switch(switch: &str) -> PyResult<SocketAddr> {
         .ok_or_else(|| bad("resolves to no address".into()))
 }
 
+/// [`resolve_switch`], refusing port 0: a socket binds port 0 to take any
+/// free port, but nothing can be sent to it ("socket error: Invalid
+/// argument (os error 22)" was all a caller learnt).
+fn switch_addr(switch: &str) -> PyResult<SocketAddr> {
+    let addr = resolve_switch(switch)?;
+    if addr.port() == 0 {
+        return Err(PyValueError::new_err(format!(
+            "switch address {switch:?}: port 0 is not a switch's address (a switch started on port 0 takes a free \
+             port: give the one it reports, its data port, e.g. 127.0.0.1:9000)"
+        )));
+    }
+    Ok(addr)
+}
+
+/// How a range reads in messages: `(0 to 2**32-1)`, `(0 to 65535; 0 = any)`.
+fn range_text(lo: i128, hi: i128, note: &str) -> String {
+    let bound = match hi {
+        h if h == u32::MAX as i128 => "2**32-1".to_string(),
+        h if h == u64::MAX as i128 => "2**64-1".to_string(),
+        h => h.to_string(),
+    };
+    format!("({lo} to {bound}{}{note})", if note.is_empty() { "" } else { "; " })
+}
+
+/// An integer argument within `lo..=hi`, or a ValueError naming it, its
+/// value and the range: Python's ints are unbounded, and a value outside
+/// the Rust type used to raise `OverflowError: out of range integral type
+/// conversion attempted`, naming nothing.
+fn ranged<T: TryFrom<i128>>(name: &str, v: i128, lo: i128, hi: i128, note: &str) -> PyResult<T> {
+    match T::try_from(v) {
+        Ok(t) if (lo..=hi).contains(&v) => Ok(t),
+        _ => Err(PyValueError::new_err(format!("{name} = {v} is out of range {}", range_text(lo, hi, note)))),
+    }
+}
+
+/// A duration argument given in `unit` (`"ms"` or `"s"`), checked and
+/// reported in that unit, not in the seconds it is converted to (`rto_ms=-5`
+/// said "got -0.005").
+fn duration_arg(name: &str, v: f64, unit: &str) -> PyResult<Duration> {
+    let (word, per_second) = if unit == "ms" { ("milliseconds", 1e3) } else { ("seconds", 1.0) };
+    if !(v.is_finite() && v > 0.0) {
+        // as Python writes them (Rust: NaN, inf)
+        let shown = if v.is_nan() { "nan".to_string() } else { v.to_string() };
+        return Err(PyValueError::new_err(format!("{name} must be a positive number of {word}, got {shown}")));
+    }
+    Duration::try_from_secs_f64(v / per_second)
+        .map_err(|_| PyValueError::new_err(format!("{name} = {v:e} is too long (in {word})")))
+}
+
 /// A worker's session with a fanin switch for one job (see `fanin.Session`).
 #[pyclass(module = "fanin._native", unsendable)]
 pub(crate) struct Session {
@@ -55,6 +104,11 @@ pub(crate) struct Session {
 
 #[pymethods]
 impl Session {
+    /// The most elements one packet (one UDP datagram) carries: the top of
+    /// `elems_per_packet`'s range.
+    #[classattr]
+    const MAX_ELEMS_PER_PACKET: usize = fanin_wire::value::MAX_GRAD_CNT;
+
     #[new]
     // The session's tunables default to None = SessionConfig's value: the
     // Rust config is the one place defaults live (`session_defaults()` shows
@@ -67,12 +121,12 @@ impl Session {
     fn new(
         py: Python<'_>,
         switch: &str,
-        job_id: u32,
-        rank: u16,
-        elems_per_packet: Option<u16>,
-        window: Option<u32>,
+        job_id: i128,
+        rank: i128,
+        elems_per_packet: Option<i128>,
+        window: Option<i128>,
         send_drop: f64,
-        seed: u64,
+        seed: i128,
         rto_ms: Option<f64>,
         rto_min_ms: Option<f64>,
         rto_max_ms: Option<f64>,
@@ -81,39 +135,61 @@ impl Session {
         offload: bool,
         recv_drop: f64,
         sync_join: bool,
-        align_blocks: u32,
+        align_blocks: i128,
         recv_duplicate: f64,
         recv_reorder: f64,
         auth_key: Option<Vec<u8>>,
         result_group: Option<&str>,
         barrier_timeout_s: Option<f64>,
-        members: u16,
-        lanes: usize,
+        members: i128,
+        lanes: i128,
         switch_gone_after_s: Option<f64>,
         ecn: bool,
     ) -> PyResult<Self> {
-        let addr = resolve_switch(switch)?;
-        let secs = |name: &str, v: f64| -> PyResult<Duration> {
-            if v.is_finite() && v > 0.0 {
-                Ok(Duration::from_secs_f64(v))
-            } else {
-                Err(PyValueError::new_err(format!("{name} must be a positive number, got {v}")))
-            }
+        // every integer checked against its type here, by name (Python ints are unbounded)
+        let (u16_max, u32_max) = (u16::MAX as i128, u32::MAX as i128);
+        let job_id: u32 = ranged("job_id", job_id, 0, u32_max, "")?;
+        let rank: u16 = ranged("rank", rank, 0, u16_max, "")?;
+        let most = fanin_wire::value::MAX_GRAD_CNT.min(u16::MAX as usize) as i128;
+        let elems_per_packet: Option<u16> =
+            elems_per_packet.map(|v| ranged("elems_per_packet", v, 0, most, "0 = the job's")).transpose()?;
+        let window: Option<u32> = window.map(|v| ranged("window", v, 1, u32_max, "blocks in flight")).transpose()?;
+        let seed: u64 = ranged("seed", seed, 0, u64::MAX as i128, "")?;
+        let align_blocks: u32 = ranged("align_blocks", align_blocks, 0, u32_max, "")?;
+        let members: u16 = ranged("members", members, 0, u16_max, "0 = any")?;
+        // (0 and too many: fanin_host says "lanes 0 is not 1 to 16")
+        let lanes: usize = if lanes < 0 {
+            ranged("lanes", lanes, 1, fanin_host::MAX_LANES as i128, "")?
+        } else {
+            usize::try_from(lanes).unwrap_or(usize::MAX)
         };
+        let addr = switch_addr(switch)?;
         let mut o = SessionOptions::new(addr, job_id, rank);
         let c = &mut o.session;
         c.elems_per_packet = elems_per_packet.unwrap_or(c.elems_per_packet);
         c.window = window.unwrap_or(c.window);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        c.rto_initial = secs("rto_ms", rto_ms.unwrap_or(ms(c.rto_initial)) / 1e3)?;
-        c.rto_min = secs("rto_min_ms", rto_min_ms.unwrap_or(ms(c.rto_min)) / 1e3)?;
-        c.rto_max = secs("rto_max_ms", rto_max_ms.unwrap_or(ms(c.rto_max)) / 1e3)?;
-        c.join_timeout = secs("join_timeout_s", join_timeout_s.unwrap_or(c.join_timeout.as_secs_f64()))?;
-        c.dead_after = secs("dead_after_s", dead_after_s.unwrap_or(c.dead_after.as_secs_f64()))?;
-        c.barrier_timeout = secs("barrier_timeout_s", barrier_timeout_s.unwrap_or(c.barrier_timeout.as_secs_f64()))?;
+        let (rto_ms, rto_min_ms, rto_max_ms) = (
+            rto_ms.unwrap_or(ms(c.rto_initial)),
+            rto_min_ms.unwrap_or(ms(c.rto_min)),
+            rto_max_ms.unwrap_or(ms(c.rto_max)),
+        );
+        c.rto_initial = duration_arg("rto_ms", rto_ms, "ms")?;
+        c.rto_min = duration_arg("rto_min_ms", rto_min_ms, "ms")?;
+        c.rto_max = duration_arg("rto_max_ms", rto_max_ms, "ms")?;
+        if rto_min_ms > rto_max_ms {
+            return Err(PyValueError::new_err(format!(
+                "rto_min_ms = {rto_min_ms} must be at most rto_max_ms = {rto_max_ms}"
+            )));
+        }
+        let secs = |name: &str, v: Option<f64>, default: Duration| duration_arg(name, v.unwrap_or(default.as_secs_f64()), "s");
+        c.join_timeout = secs("join_timeout_s", join_timeout_s, c.join_timeout)?;
+        c.dead_after = secs("dead_after_s", dead_after_s, c.dead_after)?;
+        c.barrier_timeout = secs("barrier_timeout_s", barrier_timeout_s, c.barrier_timeout)?;
         c.switch_gone_after = match switch_gone_after_s {
             None => c.switch_gone_after,
-            Some(v) if v.is_finite() && v >= 0.0 => Duration::from_secs_f64(v),
+            Some(0.0) => Duration::ZERO,
+            Some(v) if v.is_finite() && v > 0.0 => duration_arg("switch_gone_after_s", v, "s")?,
             Some(v) => return Err(PyValueError::new_err(format!("switch_gone_after_s must be 0 or more, got {v}"))),
         };
         o.session.expected_members = members;

@@ -53,7 +53,10 @@ impl Listen {
             "auto" => Ok(Listen::Auto),
             "off" | "none" => Ok(Listen::Off),
             t => t.parse().map(Listen::At).map_err(|_| {
-                format!("{t:?} is not an address: give \"auto\", \"off\" or ip:port (e.g. 127.0.0.1:9100)")
+                format!(
+                    "{t:?} is not an address: give \"auto\", \"off\" or ip:port (e.g. 127.0.0.1:9100 for \
+                     control_addr, 127.0.0.1:9101 for metrics_addr)"
+                )
             }),
         }
     }
@@ -412,6 +415,110 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// Most memory (`memory_mb`, `kv_memory_mb`, `kv_tenant_mb`) a config may
+/// give, in MiB (1 PiB): more overflowed the byte count to 0.
+pub const MAX_MEMORY_MB: u64 = 1 << 30;
+
+/// A JSON config's error with the field it is about (`jobs[0].sources:
+/// invalid value: integer `-1`, expected u16 at line 1 column 384`):
+/// serde_json says only where, and the JSON that the Python layers write
+/// is one long line, so "line 1 column 384" told a user nothing.
+fn json_error(text: &str, e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    match json_path_at(text, e.line(), e.column(), message.starts_with("missing field")) {
+        Some(path) if !path.is_empty() && !message.starts_with("unknown field") => format!("{path}: {message}"),
+        _ => message,
+    }
+}
+
+/// The field path (`faults.egress_drop`, `jobs[1].members[2]`) at `line`
+/// and `column` (1-based, as serde_json counts them) of a JSON text: the
+/// object keys and array indices that enclose that place; `of_object`: the
+/// path of the innermost object there, without the key last read in it
+/// (serde_json reports a missing field at its object's end, after the
+/// object's last value). None if the place is not in the text.
+pub fn json_path_at(text: &str, line: usize, column: usize, of_object: bool) -> Option<String> {
+    enum Frame {
+        Object { key: Option<String>, at_key: bool },
+        Array { index: usize },
+    }
+    if line == 0 {
+        return None;
+    }
+    let start: usize = text.split_inclusive('\n').take(line - 1).map(str::len).sum();
+    // serde_json's column is the byte it stopped at, 1-based; scan up to, not including, it
+    let mut end = (start + column.saturating_sub(1)).min(text.len());
+    while !text.is_char_boundary(end) {
+        end += 1;
+    }
+    let mut stack: Vec<Frame> = Vec::new();
+    let mut string: Option<(String, bool)> = None; // (text so far, is a key)
+    let mut escaped = false;
+    for c in text[..end].chars() {
+        if let Some((buf, is_key)) = string.as_mut() {
+            if escaped {
+                escaped = false;
+                buf.push(c);
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                let (buf, is_key) = (std::mem::take(buf), *is_key);
+                string = None;
+                if let (true, Some(Frame::Object { key, .. })) = (is_key, stack.last_mut()) {
+                    *key = Some(buf);
+                }
+            } else {
+                buf.push(c);
+            }
+            continue;
+        }
+        match c {
+            '"' => {
+                let is_key = matches!(stack.last(), Some(Frame::Object { at_key: true, .. }));
+                string = Some((String::new(), is_key));
+            }
+            '{' => stack.push(Frame::Object { key: None, at_key: true }),
+            '[' => stack.push(Frame::Array { index: 0 }),
+            '}' | ']' => {
+                stack.pop();
+            }
+            ',' => match stack.last_mut() {
+                Some(Frame::Array { index }) => *index += 1,
+                Some(Frame::Object { key, at_key }) => {
+                    *key = None;
+                    *at_key = true;
+                }
+                None => {}
+            },
+            ':' => {
+                if let Some(Frame::Object { at_key, .. }) = stack.last_mut() {
+                    *at_key = false;
+                }
+            }
+            _ => {}
+        }
+    }
+    if of_object {
+        if let Some(Frame::Object { key, .. }) = stack.last_mut() {
+            *key = None;
+        }
+    }
+    let mut path = String::new();
+    for frame in &stack {
+        match frame {
+            Frame::Object { key: Some(key), .. } => {
+                if !path.is_empty() {
+                    path.push('.');
+                }
+                path.push_str(key);
+            }
+            Frame::Object { key: None, .. } => {}
+            Frame::Array { index } => path.push_str(&format!("[{index}]")),
+        }
+    }
+    Some(path)
+}
+
 impl Default for DaemonConfig {
     fn default() -> Self {
         serde_json::from_str("{}").expect("every field has a default")
@@ -429,7 +536,7 @@ impl DaemonConfig {
     }
 
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
-        let cfg: Self = serde_json::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let cfg: Self = serde_json::from_str(text).map_err(|e| ConfigError::Parse(json_error(text, &e)))?;
         let cfg = cfg.with_env_token();
         cfg.validate()?;
         Ok(cfg)
@@ -479,6 +586,11 @@ impl DaemonConfig {
         }
         if self.memory_mb == 0 {
             return bad("memory_mb must be at least 1".into());
+        }
+        for (name, mb) in [("memory_mb", self.memory_mb), ("kv_memory_mb", self.kv_memory_mb), ("kv_tenant_mb", self.kv_tenant_mb)] {
+            if mb > MAX_MEMORY_MB {
+                return bad(format!("{name} = {mb} is out of range (at most {MAX_MEMORY_MB} MiB)"));
+            }
         }
         self.memory_model()?;
         for (name, p) in [
@@ -675,11 +787,93 @@ mod tests {
 }
 
 #[cfg(test)]
+mod json_paths {
+    use super::*;
+
+    fn err(json: &str) -> String {
+        DaemonConfig::from_json_str(json).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_json_error_names_the_field_not_only_the_column() {
+        assert!(err(r#"{"data_addr": "127.0.0.1:0", "shards": -1}"#).starts_with("invalid config: shards: invalid value"));
+        let e = err(r#"{"faults": {"seed": 1, "egress_drop": NaN}}"#);
+        assert!(e.starts_with("invalid config: faults.egress_drop: expected value"), "{e}");
+        let e = err(r#"{"jobs": [{"job_id": 1, "sources": 2}, {"job_id": 2, "sources": -1}]}"#);
+        assert!(e.starts_with("invalid config: jobs[1].sources: invalid value: integer `-1`, expected u16"), "{e}");
+        let e = err(r#"{"jobs": [{"job_id": 1, "members": [0, 70000]}]}"#);
+        assert!(e.starts_with("invalid config: jobs[0].members[1]: invalid value: integer `70000`"), "{e}");
+        let e = err(r#"{"data_addr": "nonsense"}"#);
+        assert!(e.starts_with("invalid config: data_addr: invalid socket address syntax"), "{e}");
+        let e = err("{\n  \"aging\": {\"scanners\": 2},\n  \"metrics_addr\": \"x\"\n}");
+        assert!(e.starts_with("invalid config: metrics_addr: \"x\" is not an address") && e.contains("9101"), "{e}");
+        // a key with an escaped quote, and the errors that are about no value
+        let e = err(r#"{"trim": {"mark_watermark": 0.1, "watermark": "half"}}"#);
+        assert!(e.starts_with("invalid config: trim.watermark: invalid type"), "{e}");
+        assert!(err(r#"{"bogus": 1}"#).starts_with("invalid config: unknown field `bogus`"));
+        let e = err(r#"{"jobs": [{"sources": 2}]}"#);
+        assert!(e.starts_with("invalid config: jobs[0]: missing field `job_id`"), "{e}");
+        assert_eq!(json_path_at(r#"{"a\"b": [1, {"c": x"#, 1, 18, false).as_deref(), Some("a\"b[1].c"));
+    }
+
+    #[test]
+    fn memory_that_would_overflow_is_refused() {
+        let e = err(r#"{"memory_mb": 17592186044416}"#);
+        assert!(e.contains("memory_mb = 17592186044416 is out of range (at most 1073741824 MiB)"), "{e}");
+        assert!(err(r#"{"kv_tenant_mb": 1099511627776}"#).contains("kv_tenant_mb = "));
+    }
+}
+
+#[cfg(test)]
 mod example_file {
     #[test]
     fn the_shipped_example_config_is_valid() {
         let cfg = super::DaemonConfig::from_toml_str(include_str!("../../../examples/switch.toml")).unwrap();
         assert_eq!(cfg.shards, 2);
         assert_eq!(cfg.jobs.len(), 1);
+    }
+
+    /// Every field of the config and of a job, by section: what the example
+    /// file and docs/operations.md claim to list.
+    fn every_field() -> Vec<(String, String)> {
+        let mut fields = Vec::new();
+        let config = serde_json::to_value(super::DaemonConfig::default()).unwrap();
+        for (name, value) in config.as_object().unwrap() {
+            match (name.as_str(), value) {
+                ("jobs", _) => {}
+                (section, serde_json::Value::Object(inner)) if section != "rate_limit" => {
+                    fields.extend(inner.keys().map(|k| (section.to_string(), k.clone())));
+                }
+                _ => fields.push((String::new(), name.clone())),
+            }
+        }
+        let job: super::JobConfig = serde_json::from_str(r#"{"job_id": 1, "sources": 1}"#).unwrap();
+        let job = serde_json::to_value(job).unwrap();
+        fields.extend(job.as_object().unwrap().keys().map(|k| ("jobs".to_string(), k.clone())));
+        fields
+    }
+
+    #[test]
+    fn the_example_config_and_the_operations_doc_name_every_field() {
+        let example = include_str!("../../../examples/switch.toml");
+        // a line `name = ...`, set or commented out (`# name = ...`), in its section
+        let mut section = String::new();
+        let mut listed = std::collections::BTreeSet::new();
+        for line in example.lines() {
+            let line = line.trim();
+            if let Some(table) = line.strip_prefix("[[").or(line.strip_prefix('[')) {
+                section = table.trim_end_matches(']').split(']').next().unwrap().to_string();
+                continue;
+            }
+            let code = line.trim_start_matches('#').trim_start();
+            if let Some((name, _)) = code.split_once('=') {
+                listed.insert((section.clone(), name.trim().to_string()));
+            }
+        }
+        let doc = include_str!("../../../docs/operations.md");
+        for (section, name) in every_field() {
+            assert!(listed.contains(&(section.clone(), name.clone())), "examples/switch.toml lacks [{section}] {name}");
+            assert!(doc.contains(&format!("`{name}`")), "docs/operations.md lacks `{name}` ([{section}])");
+        }
     }
 }

@@ -58,6 +58,10 @@ fn create_task(shared: &Arc<Shared>, req: &CreateTask) -> Result<Value, Value> {
     let window = req.window.unwrap_or(2048).min(u32::MAX as u64) as u32;
     let shadow_copies = req.shadow_copies.unwrap_or(true);
     let swap_threshold = req.swap_threshold.unwrap_or(1024);
+    if req.silence_ms == Some(0) {
+        // every task would fail at once with "nothing arrived for 0ns"
+        return Err(error("silence_ms = 0: give at least 1 ms (how long the task may hear nothing)"));
+    }
     let silence = Duration::from_millis(req.silence_ms.unwrap_or(shared.config.silence_ms));
     let key = task_key(req)?;
     let value_type = match req.value_type.as_deref() {
