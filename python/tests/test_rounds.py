@@ -224,6 +224,31 @@ def test_ranks_that_disagree_on_the_length_all_raise_at_once(switch2):
         assert at < 3, f"raised after {at:.1f} s"
 
 
+
+def test_ranks_that_disagree_on_the_dtype_all_raise_at_once(switch2):
+    # found by a user: the float16 rank got FaninRefused at once, the float32
+    # one MemberFailed after the member timeout, blaming the other as silent
+    import threading
+
+    errors, start = {}, time.monotonic()
+
+    def work(rank, dtype):
+        s = fanin.Session(switch2.data_addr, 1, rank, elems_per_packet=ELEMS, barrier_timeout_s=30)
+        try:
+            s.allreduce(np.ones(1000, dtype=dtype))
+        except fanin.FaninError as e:
+            errors[rank] = (type(e).__name__, str(e), time.monotonic() - start)
+
+    threads = [threading.Thread(target=work, args=(0, np.float32)), threading.Thread(target=work, args=(1, np.float16))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(errors) == [0, 1], errors
+    for name, msg, at in errors.values():
+        assert name == "FaninRefused" and "length or element type" in msg, msg
+        assert at < 3, f"raised after {at:.1f} s"
+
 _BLOCKED = r'''
 import sys, threading, time
 import numpy as np

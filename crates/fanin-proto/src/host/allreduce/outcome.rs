@@ -60,9 +60,9 @@ pub enum SessionError {
     )]
     Interrupted,
     #[error(
-        "job {job_id}: the ranks disagree on this allreduce's length (rank {rank}'s blocks do not line up with the \
-         others': another element count, or another tensor); every rank of the job raises this. Give every rank the \
-         same tensor sizes in the same order, then start new sessions"
+        "job {job_id}: the ranks disagree on this allreduce's length or element type (rank {rank}'s blocks do not \
+         line up with the others': another element count, another dtype, or another tensor); every rank of the job \
+         raises this. Give every rank the same tensors (sizes and dtypes) in the same order, then start new sessions"
     )]
     LengthMismatch { job_id: u32, rank: u16 },
     #[error("job {job_id} on the switch has {members} members but {expected} ranks join it; admit it with sources={expected}")]

@@ -228,8 +228,18 @@ impl<A: Copy + PartialEq> ValueSwitch<A> {
         if block.gen_id != packet.gen_id() || block.dtype != dtype {
             counters.mismatch += 1;
             if block.dtype != dtype {
+                let (same_allreduce, block_dtype) = (block.gen_id == packet.gen_id(), block.dtype);
+                if same_allreduce && uses_rounds(job) && job.barrier.is_none() {
+                    // The ranks disagree on the allreduce's element type: as
+                    // with a length that does not line up, every member of
+                    // the round raises at once (only this one was told, and
+                    // the others waited for its contribution until the
+                    // member timeout blamed it as silent).
+                    let end = RoundEnd { cause: MEMBERSHIP_MISMATCH, rank: src as u16 };
+                    return finish_round(job, &self.config, end, None, counters, out);
+                }
                 let env = envelope(job.auth.as_mut(), Peer::Member(src));
-                send_nack(counters, out, from, env, packet, NackReason::DtypeMismatch, block.dtype as u32);
+                send_nack(counters, out, from, env, packet, NackReason::DtypeMismatch, block_dtype as u32);
             }
             return Verdict::Consumed;
         }
