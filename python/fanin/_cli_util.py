@@ -23,7 +23,15 @@ class HelpFormatter(argparse.HelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" not in text.strip("\n"):
             return super()._fill_text(text, width, indent)
-        return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+        # as written, except that a line too long for the terminal that is
+        # not indented (a paragraph, not an example command) is wrapped
+        out = []
+        for line in text.splitlines(keepends=True):
+            if len(line.rstrip("\n")) > width and not line[:1].isspace():
+                out.append(super()._fill_text(line, width, indent) + ("\n" if line.endswith("\n") else ""))
+            else:
+                out.append(indent + line if line.strip() else line)
+        return "".join(out)
 
 
 class Parser(argparse.ArgumentParser):

@@ -55,7 +55,7 @@ def add_parser(sub: Any) -> None:
     where.add_argument("--loopback", action="store_true",
                        help="start a switch daemon per topology switch on 127.0.0.1 (demo, tests)")
     serve.add_argument("--listen", default="127.0.0.1:9200", help="controller address (default 127.0.0.1:9200)")
-    serve.add_argument("--shards", type=int, default=1, help="with --loopback: shards per switch")
+    serve.add_argument("--shards", type=int, default=1, help="with --loopback: shards per switch (default %(default)s)")
     serve.add_argument("--token", help="bearer token the switches' control APIs require (and this one)")
     serve.set_defaults(func=_serve)
 
@@ -71,7 +71,9 @@ def add_parser(sub: Any) -> None:
                     help="elements per block and packet (default: %d, capped to what one unfragmented datagram "
                          "carries on the tree's smallest-MTU switch)" % JOB_DEFAULTS["block_grad_max"])
     cj.add_argument("--block-exp-ms", type=int, default=0, help="straggler timeout (0: wait for every member)")
-    cj.add_argument("--max-workers", type=int, default=64, help="most workers at once (block floating point scales for it)")
+    cj.add_argument("--max-workers", type=int, default=64,
+                    help="most workers at once; block floating point keeps headroom for this many, so a smaller "
+                         "count keeps more precision (default %(default)s)")
     cj.add_argument("--on-failure", choices=["degrade", "fail"], default=None,
                     help="when a worker dies: fail every member with an error naming it, or go on without it "
                          "(partial sums flagged degraded); default: degrade with --block-exp-ms, else fail "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import textwrap
 from typing import Any, Callable
 
 from fanin._cli_util import rate_limit_tuple
@@ -101,14 +100,16 @@ def _add_value_benches(bsub: Any) -> None:
                          description="Time allreduce through a switch process with N worker processes, and the same "
                                      "packets through the same daemon with aggregation replaced by forwarding "
                                      "(NoAggr, ASK §5.7), alternating in one run. Every worker's result is verified.")
-    ar.add_argument("--workers", type=int, default=4)
+    ar.add_argument("--workers", type=int, default=4, help="worker processes (default %(default)s)")
     ar.add_argument("--size", help="tensor size per worker, e.g. 100MB (default 100MB, 16MB with --quick)")
-    ar.add_argument("--dtype", default="float32", choices=["float32", "int32"])
-    ar.add_argument("--elems-per-packet", type=int, default=1024)
-    ar.add_argument("--window", type=int, default=256, help="blocks in flight (= the job's block_cnt_max)")
-    ar.add_argument("--loss", type=float, default=0.0, help="drop probability on every send, both directions")
+    ar.add_argument("--dtype", default="float32", choices=["float32", "int32"], help="(default %(default)s)")
+    ar.add_argument("--elems-per-packet", type=int, default=1024, help="elements per datagram (default %(default)s)")
+    ar.add_argument("--window", type=int, default=256,
+                    help="blocks in flight (= the job's block_cnt_max; default %(default)s)")
+    ar.add_argument("--loss", type=float, default=0.0,
+                    help="drop probability on every send, both directions (default %(default)s)")
     ar.add_argument("--iters", type=int, help="timed iterations (default 7, 3 with --quick)")
-    ar.add_argument("--shards", type=int, default=1)
+    ar.add_argument("--shards", type=int, default=1, help="switch shards (default %(default)s)")
     _results_option(ar)
     ar.add_argument("--auth", action="store_true",
                     help="compare against the same allreduce on an authenticated job (every datagram sealed and "
@@ -124,11 +125,11 @@ def _add_value_benches(bsub: Any) -> None:
                                      "checked (Gloo's per element against the bound of a recursive sum, fanin's "
                                      "against its block floating point bound); a wrong one fails the run before any "
                                      "figure is reported.")
-    gl.add_argument("--workers", type=int, default=4)
+    gl.add_argument("--workers", type=int, default=4, help="ranks of each system (default %(default)s)")
     gl.add_argument("--size", help="tensor size per worker (default 100MB, 16MB with --quick)")
-    gl.add_argument("--elems-per-packet", type=int, default=4096)
-    gl.add_argument("--window", type=int, default=128)
-    gl.add_argument("--shards", type=int, default=1)
+    gl.add_argument("--elems-per-packet", type=int, default=4096, help="fanin's elements per datagram (default %(default)s)")
+    gl.add_argument("--window", type=int, default=128, help="fanin's blocks in flight (default %(default)s)")
+    gl.add_argument("--shards", type=int, default=1, help="switch shards (default %(default)s)")
     _results_option(gl)
     gl.add_argument("--iters", type=int, help="timed allreduces per system (default 7, 3 with --quick)")
     _common(gl)
@@ -298,11 +299,11 @@ def _add_kv_benches(bsub: Any) -> None:
 
     gb = bsub.add_parser(
         "kv-groupby", help="DataFrame group-by: fanin.spark.aggregate vs Spark's groupBy().agg(), results checked equal",
-        description=textwrap.fill("A generated table (k long, v double by default; uniform or Zipf-like keys) cached in Spark "
+        description=("A generated table (k long, v double by default; uniform or Zipf-like keys) cached in Spark "
                     "on local[2] (or --cluster); Spark's groupBy('k').agg(sum, count, min, max of v) and fanin.spark.aggregate "
                     "with the same aggregates alternate (a real switch and kv daemon). Results are compared in "
                     "Spark (float sums within rounding, everything else exactly). Medians, speed-up; JSON with "
-                    "--json, CSV and PNG to --out.", 100),
+                    "--json, CSV and PNG to --out."),
         epilog="example: fanin bench kv-groupby --quick --json\n"
                "         fanin bench kv-groupby --rows 10000000 --groups 100000,1000000 --dists uniform,zipf\n"
                "         fanin bench kv-groupby --cluster --quick --json")
@@ -320,14 +321,14 @@ def _add_kv_benches(bsub: Any) -> None:
 
     kn = bsub.add_parser(
         "kv-network", help="key-value word count over rate-limited links (testbed, root): adaptive vs ASK's fixed window",
-        description=textwrap.fill("A star testbed: the receiver's kv daemon on h0, a sender daemon on each other "
+        description=("A star testbed: the receiver's kv daemon on h0, a sender daemon on each other "
                     "host, the switch on s0, every link limited by tbf. Per link rate: the links' measured capacity, "
                     "then the same word count of real text (every count checked against Counter; a wrong one fails "
                     "the run) from senders whose window and timeout adapt to the path (the default; docs/kv.md "
                     "'Congestion'), alternated with senders that keep ASK's fixed window and timeout, after an "
                     "untimed warm-up task of each, the first arm alternating. Median time, fraction of the capacity "
                     "(above 1.02 flagged as a measurement problem), retransmissions per packet. JSON with --json, "
-                    "CSV and PNG to --out. Needs root.", 100),
+                    "CSV and PNG to --out. Needs root."),
         epilog="example: fanin bench kv-network --quick --json\n"
                "         fanin bench kv-network --rates 100,400,1000 --words 500000 --reps 5")
     kn.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,400; 100 with --quick)")
@@ -523,7 +524,7 @@ def _add_torch_benches(bsub: Any) -> None:
                                      "loopback; time to --target-acc.\n"
                                      "--model lm: the byte-level GPT of examples/train_lm.py on the namespace "
                                      "testbed (star:N, tbf at --rate-mbit, needs root); time to --target-bits "
-                                     "of held-out loss (default: what the ideal reaches at 80%% of its steps).",
+                                     "of held-out loss (default: what the ideal reaches at 80% of its steps).",
                          epilog="examples:\n  fanin bench time-to-accuracy --quick --json\n"
                                 "  fanin bench time-to-accuracy --model lm --rate-mbit 1000 --device cuda --workers 8")
     tt.add_argument("--model", choices=("digits", "lm"), default="digits")
@@ -549,7 +550,7 @@ def _add_torch_benches(bsub: Any) -> None:
 def _add_goat_benches(bsub: Any) -> None:
     b = bsub.add_parser("goat", help="GOAT §VII-D: PS overhead, in-network aggregation, communication vs workers",
                         description="GOAT's simulation study at flow level: leaf-spine (10+10 switches, 50 servers) "
-                                    "and fat-tree (80 switches, 192 servers), 20%% of switches programmable with "
+                                    "and fat-tree (80 switches, 192 servers), 20% of switches programmable with "
                                     "64 MB, 221 MB of gradients per worker in equal sub-models, sending rates "
                                     "ratio x 10 Gbit/s with ratio ~ Normal(1, sigma). GOAT (LP + KRGS), Geryon, ATP "
                                     "and ESA in one evaluator; plus GOAT-Async vs K-SGD (Algorithm 2) and the "
