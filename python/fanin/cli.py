@@ -303,8 +303,9 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
     from fanin.auth import derive_member_key, new_job_key, read_key_file, write_key_file
 
-    if args.ranks < 1 or args.ranks > 65535:
-        raise ValueError(f"--ranks {args.ranks}: give 1 to 65535 ranks")
+    if args.ranks < 1 or args.ranks > 2048:
+        # worker ranks lie below the tree's switch ranks (SWITCH_RANK_BASE)
+        raise ValueError(f"--ranks {args.ranks}: give 1 to 2048 ranks (a job's worker ranks are 0..2047)")
     if args.job_id < 0 or args.job_id > 0xFFFF_FFFF:
         raise ValueError(f"--job-id {args.job_id} is not a 32-bit job id")
     if os.path.exists(args.out) and not os.path.isdir(args.out):

@@ -31,8 +31,9 @@ MAX_MEMORY_MB = 2**30
 #: The range of each integer field of a job (the Rust type's; the switch
 #: checks what it means, e.g. block_grad_max against a datagram). A field
 #: not listed is a u32.
-JOB_INT_RANGES: dict[str, tuple[int, int]] = {"job_id": (0, U32), "sources": (1, U16), "workers": (0, U16),
-                                              "quorum": (0, U16)}
+#: (sources and workers: source ids lie below the switch's MAX_SOURCES, 4096)
+JOB_INT_RANGES: dict[str, tuple[int, int]] = {"job_id": (0, U32), "sources": (1, 4096), "workers": (0, 4096),
+                                              "quorum": (0, 4096)}
 #: The words a job's text fields take.
 JOB_CHOICES: dict[str, tuple[str, ...]] = {"mode": ("aggregate", "forward"), "on_failure": ("degrade", "fail")}
 
@@ -97,8 +98,8 @@ def check_job(job: dict[str, Any], label: str = "{}") -> dict[str, Any]:
         what = label.replace("{}", name)
         if name == "members" and value is not None:
             for m in value:
-                if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 0 <= m <= U16:
-                    raise ValueError(f"{what}: member {m!r} is out of range {range_text(0, U16)}")
+                if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 0 <= m < 4096:
+                    raise ValueError(f"{what}: member {m!r} is out of range {range_text(0, 4095)}")
         elif name in JOB_CHOICES and value is not None:
             if value not in JOB_CHOICES[name]:
                 raise ValueError(f"{what}={value!r}: give {' or '.join(JOB_CHOICES[name])}")
@@ -397,7 +398,7 @@ def local_switch(
 ) -> LocalSwitch:
     """Start a switch on an ephemeral loopback port with one job of
     ``workers`` sources; no control API or metrics ports are opened."""
-    check_int("workers", workers, 1, U16)
+    check_int("workers", workers, 1, 4096)
     jobs = [
         job_config(
             job_id,

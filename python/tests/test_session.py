@@ -684,15 +684,15 @@ def test_local_switch_and_the_config_builders_name_a_bad_argument():
     import re
 
     for call, says in [
-        (lambda: fanin.local_switch(workers=-1), "workers = -1 is out of range (1 to 65535)"),
-        (lambda: fanin.local_switch(workers=0), "workers = 0 is out of range (1 to 65535)"),
+        (lambda: fanin.local_switch(workers=-1), "workers = -1 is out of range (1 to 4096)"),
+        (lambda: fanin.local_switch(workers=0), "workers = 0 is out of range (1 to 4096)"),
         (lambda: fanin.local_switch(workers=2, shards=-1), "shards = -1 is out of range (1 to 64)"),
         (lambda: fanin.local_switch(workers=2, job_id=-1), "job_id = -1 is out of range (0 to 2**32-1)"),
         (lambda: fanin.local_switch(workers=2, block_exp_ms=-1), "block_exp_ms = -1 is out of range (0 to 2**32-1)"),
         (lambda: fanin.local_switch(workers=2, egress_drop=float("nan")), "egress_drop = nan is not a probability"),
         (lambda: fanin.local_switch(workers=2, seed=-1), "seed = -1 is out of range (0 to 2**64-1)"),
         (lambda: job_config(1, 2, mode="sum"), "mode='sum': give aggregate or forward"),
-        (lambda: job_config(1, members=[0, -1]), "members: member -1 is out of range (0 to 65535)"),
+        (lambda: job_config(1, members=[0, -1]), "members: member -1 is out of range (0 to 4095)"),
         (lambda: switch_config(data_addr="nowhere"), "data_addr: 'nowhere' is not IP:PORT"),
         (lambda: switch_config(metrics_addr="9101"), "metrics_addr='9101' is not an address: give \"auto\""),
         (lambda: switch_config(jobs=[{"job_id": 1, "sources": -2}]), "jobs[0].sources = -2 is out of range"),
