@@ -284,7 +284,7 @@ def test_iteration_results_are_checked_full_partial_and_missed():
     assert any("not zero" in e for e in other.errors) and any("without straggler aging" in e for e in other.errors)
 
 
-def test_straggler_iterations_arms_check_every_result_on_the_real_daemon():
+def test_straggler_iterations_arms_check_their_results_on_the_real_daemon():
     from fanin_bench.bench import stragglers
 
     workers, n, iters = 3, 20_000, 4
@@ -297,8 +297,8 @@ def test_straggler_iterations_arms_check_every_result_on_the_real_daemon():
            for arm, p, run, sch in (("ideal", 0.0, ideal, [[None] * 3] * iters), ("mitigation", 0.5, mitig, schedule),
                                     ("none", 0.5, none, schedule))}
     for pt in pts.values():
-        # the warm-up and every timed result of every worker
-        assert pt["results_checked"] == workers * (iters + 1), pt
+        # the warm-up and three timed results (first, middle, last) of every worker
+        assert pt["results_checked"] == workers * (1 + len({0, iters // 2, iters - 1})), pt
         assert pt["blocks_verified"] >= workers * -(-n // 1024), pt
     assert pts["ideal"]["contributions_dropped_fraction"] == pts["none"]["contributions_dropped_fraction"] == 0
     assert pts["mitigation"]["contributions_dropped_fraction"] > 0, pts["mitigation"]

@@ -160,8 +160,9 @@ def _add_value_benches(bsub: Any) -> None:
                                      "one run: each runs the first half of the iterations, then the second half in "
                                      "the reverse order. Iteration time: per iteration, the slowest worker the "
                                      "schedule did not delay (not filtered by outcome), with the fraction of "
-                                     "contributions the partial results dropped. Every result is checked (partial "
-                                     "sums against the sum of as many workers' inputs); a wrong one fails the run.")
+                                     "contributions the partial results dropped. The warm-up's and three timed results "
+                                     "per worker and arm are checked (partial sums against the sum of as many "
+                                     "workers' inputs); a wrong one fails the run.")
     si.add_argument("--workers", type=int, default=4)
     si.add_argument("--iters", type=int, help="iterations per arm and p (default 20, 10 with --quick)")
     si.add_argument("--compute-ms", type=float, default=100.0, help="simulated compute per iteration (default %(default)s)")
