@@ -724,6 +724,39 @@ def test_workers_join_and_leave_while_allreduces_stream():
             assert np.array_equal(blocks, results[0][k]), k
 
 
+def _two_stream_then_a_joiner_syncs(ctl, hosts, epp, subscribe_joiner, n_elems=1024):
+    """Ranks 0 and 1 stream allreduces of job 1 (worker r adds 2**r); at
+    rank 0's fifth, `subscribe_joiner()` subscribes rank 2 (sync) and
+    returns its subscription; rank 2 streams five allreduces and the others
+    go on to its last. Returns (per rank: allreduce index -> block sums,
+    the allreduce each rank started at)."""
+    subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}
+    results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}
+    join_now = threading.Event()
+    start: dict[int, int] = {}
+    start_together = threading.Barrier(2)
+
+    def stream(r, sync, until):
+        # short timeouts: a job that stops fails in seconds instead of hanging
+        _stream_block_sums(subs[r], r, n_elems=n_elems, epp=epp, sync=sync, until=until, into=results[r],
+                           deadline_s=30, start_together=start_together,
+                           on_start=lambda first: start.__setitem__(r, first),
+                           after_each=lambda k: r == 0 and k == 5 and join_now.set(),
+                           join_timeout_s=5, dead_after_s=5)
+
+    def joiner():
+        assert join_now.wait(30)
+        subs[2] = subscribe_joiner()
+        stream(2, True, lambda k: k >= 5)
+
+    def worker(r):
+        stream(r, False, lambda k: k >= start.get(2, k + 1) + 5)
+
+    tasks = [lambda: worker(0), lambda: worker(1), joiner]
+    in_threads(3, lambda i: tasks[i](), timeout=60)
+    return results, start
+
+
 def test_a_joiner_that_grows_a_new_root_gets_exact_sums_with_the_running_workers():
     """Workers 0 and 1 share leaf0, the tree's only switch; worker 2 joins
     the running job (sync) under leaf1, so the controller grows a new root
@@ -743,33 +776,14 @@ def test_a_joiner_that_grows_a_new_root_gets_exact_sums_with_the_running_workers
         # the running workers raised StaleResult on exact sums)
         ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=3))
         hosts = {0: "h0_0", 1: "h0_1", 2: "h1_0"}
-        subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}
-        assert ctl.tree(1).root == "leaf0"
-        results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}  # allreduce index -> block sums
-        join_now = threading.Event()
-        start: dict[int, int] = {}  # rank -> the allreduce it starts at
-        start_together = threading.Barrier(2)
 
-        def stream(r, sync, until):
-            # short timeouts: a job that stops fails in seconds instead of hanging
-            _stream_block_sums(subs[r], r, n_elems=n_elems, epp=epp, sync=sync, until=until, into=results[r],
-                               deadline_s=30, start_together=start_together,
-                               on_start=lambda first: start.__setitem__(r, first),
-                               after_each=lambda k: r == 0 and k == 5 and join_now.set(),
-                               join_timeout_s=5, dead_after_s=5)
-
-        def joiner():
-            assert join_now.wait(30)
-            subs[2] = ctl.subscribe(1, 2, hosts[2], sync=True)
+        def subscribe_joiner():
+            assert ctl.tree(1).root == "leaf0"
+            sub = ctl.subscribe(1, 2, hosts[2], sync=True)
             assert ctl.tree(1).root == "spine0" and ctl.tree(1).parent["leaf0"] == "spine0"
-            stream(2, True, lambda k: k >= 5)
+            return sub
 
-        def worker(r):
-            # on to the joiner's last allreduce: all three stop together
-            stream(r, False, lambda k: k >= start.get(2, k + 1) + 5)
-
-        tasks = [lambda: worker(0), lambda: worker(1), joiner]
-        in_threads(3, lambda i: tasks[i](), timeout=60)
+        results, start = _two_stream_then_a_joiner_syncs(ctl, hosts, epp, subscribe_joiner, n_elems)
         assert sorted(results[2]) == list(range(start[2], start[2] + 5))
         for r in (0, 1):
             assert sorted(results[r]) == list(range(start[2] + 5)), r
@@ -912,35 +926,17 @@ def test_a_sync_subscribe_that_failed_part_way_is_undone_so_its_retry_programs_t
         ctl = Controller(topo, sws.fabric, client_factory=lambda a: Flaky(a))
         ctl.create_job(JobParams(1, block_cnt_max=8, block_grad_max=epp, max_workers=3))
         hosts = {0: "h0", 1: "h1", 2: "h2"}
-        subs = {r: ctl.subscribe(1, r, hosts[r]) for r in (0, 1)}
-        results: dict[int, dict[int, np.ndarray]] = {r: {} for r in hosts}
-        join_now = threading.Event()
-        start: dict[int, int] = {}
-        start_together = threading.Barrier(2)
         first_try: list[str] = []
 
-        def stream(r, sync, until):
-            _stream_block_sums(subs[r], r, n_elems=n_elems, epp=epp, sync=sync, until=until, into=results[r],
-                               deadline_s=30, start_together=start_together,
-                               on_start=lambda first: start.__setitem__(r, first),
-                               after_each=lambda k: r == 0 and k == 5 and join_now.set(),
-                               join_timeout_s=5, dead_after_s=5)
-
-        def joiner():
-            assert join_now.wait(30)
+        def subscribe_joiner():
             fail_once["armed"] = True
             try:
                 ctl.subscribe(1, 2, hosts[2], sync=True)
             except ControllerError as e:
                 first_try.append(f"{e.code}: {e}")
-            subs[2] = ctl.subscribe(1, 2, hosts[2], sync=True)
-            stream(2, True, lambda k: k >= 5)
+            return ctl.subscribe(1, 2, hosts[2], sync=True)
 
-        def worker(r):
-            stream(r, False, lambda k: k >= start.get(2, k + 1) + 5)
-
-        tasks = [lambda: worker(0), lambda: worker(1), joiner]
-        in_threads(3, lambda i: tasks[i](), timeout=60)
+        results, start = _two_stream_then_a_joiner_syncs(ctl, hosts, epp, subscribe_joiner, n_elems)
         assert first_try and first_try[0].startswith("UNAVAILABLE") and "undone on ['s1_2']" in first_try[0], first_try
         for r, runs in results.items():
             for k, blocks in runs.items():

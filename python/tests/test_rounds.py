@@ -199,54 +199,34 @@ def test_a_member_that_never_joins_gives_a_clear_timeout(switch2):
         fanin.Session(switch2.data_addr, 1, 0, elems_per_packet=ELEMS, barrier_timeout_s=1.0)
 
 
-def test_ranks_that_disagree_on_the_length_all_raise_at_once(switch2):
+@pytest.mark.parametrize("inputs, says", [
     # found by a user: one rank got FaninRefused, the other its own values
     # back after 5 s, flagged only in last_stats
-    import threading
-
-    errors, start = {}, time.monotonic()
-
-    def work(rank, n):
-        s = fanin.Session(switch2.data_addr, 1, rank, elems_per_packet=ELEMS, barrier_timeout_s=30)
-        try:
-            s.allreduce(np.ones(n, dtype=np.float32))
-        except fanin.FaninError as e:
-            errors[rank] = (type(e).__name__, str(e), time.monotonic() - start)
-
-    threads = [threading.Thread(target=work, args=(0, 1000)), threading.Thread(target=work, args=(1, 1200))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert sorted(errors) == [0, 1], errors
-    for name, msg, at in errors.values():
-        assert name == "FaninRefused" and "disagree on this allreduce's length" in msg, msg
-        assert at < 3, f"raised after {at:.1f} s"
-
-
-
-def test_ranks_that_disagree_on_the_dtype_all_raise_at_once(switch2):
+    ((np.ones(1000, dtype=np.float32), np.ones(1200, dtype=np.float32)), "disagree on this allreduce's length"),
     # found by a user: the float16 rank got FaninRefused at once, the float32
     # one MemberFailed after the member timeout, blaming the other as silent
+    ((np.ones(1000, dtype=np.float32), np.ones(1000, dtype=np.float16)), "length or element type"),
+], ids=["length", "dtype"])
+def test_ranks_that_disagree_on_the_length_or_dtype_all_raise_at_once(switch2, inputs, says):
     import threading
 
     errors, start = {}, time.monotonic()
 
-    def work(rank, dtype):
+    def work(rank):
         s = fanin.Session(switch2.data_addr, 1, rank, elems_per_packet=ELEMS, barrier_timeout_s=30)
         try:
-            s.allreduce(np.ones(1000, dtype=dtype))
+            s.allreduce(inputs[rank])
         except fanin.FaninError as e:
             errors[rank] = (type(e).__name__, str(e), time.monotonic() - start)
 
-    threads = [threading.Thread(target=work, args=(0, np.float32)), threading.Thread(target=work, args=(1, np.float16))]
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert sorted(errors) == [0, 1], errors
     for name, msg, at in errors.values():
-        assert name == "FaninRefused" and "length or element type" in msg, msg
+        assert name == "FaninRefused" and says in msg, msg
         assert at < 3, f"raised after {at:.1f} s"
 
 _BLOCKED = r'''
