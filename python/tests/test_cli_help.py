@@ -119,7 +119,7 @@ def test_bad_flag_values_name_the_flag_and_its_range(argv, says, capsys, monkeyp
 @pytest.mark.parametrize("argv", [
     ["switch", "--shards", "8", "--data-addr", "[::1]:0", "--control-addr", "off", "--metrics-addr", "auto",
      "--egress-drop", "0.5", "--ingress-drop", "0", "--seed", "18446744073709551615", "--memory-mb", "64",
-     "--job", "id=4294967295,members=0:65535,mode=forward,on_failure=degrade,result_group=239.1.0.7:47001"],
+     "--job", "id=4294967295,members=0:4095,mode=forward,on_failure=degrade,result_group=239.1.0.7:47001"],
     ["switch", "--control-addr", "127.0.0.1:9100", "--metrics-addr", "0.0.0.0:9101"],
     ["kv", "daemon", "--receive-channels", "64", "--silence-ms", "1", "--rto-us", "1", "--bind-ip", "::1",
      "--control-addr", "10.0.0.1:0", "--tenant", "4294967295"],
