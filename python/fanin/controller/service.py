@@ -510,7 +510,7 @@ class Controller:
                     admitted = dataclasses.replace(role, members=tuple(m for m in role.members if m not in wait))
                 self._client(s).admit_job(**self._spec(job, s, admitted))
                 job.roles[s] = admitted
-                undo.append((s, lambda s=s: self._undo_admit(job, s)))
+                undo.append((s, lambda s=s: self._take_off(job, s)))
                 # the incarnation this controller programmed: a restart
                 # from now on is one (reconcile); an earlier one, while it
                 # held nothing of this controller's, is not
@@ -528,12 +528,7 @@ class Controller:
                 done.append(s)
             removing = True
             for s in diff.removed:
-                try:
-                    self._client(s).remove_job(job.params.job_id)
-                except ControlError as e:
-                    if e.code != "NOT_FOUND":  # (gone already: it restarted, or was told before)
-                        raise
-                del job.roles[s]
+                self._take_off(job, s)
                 job.resumed_on.discard(s)
                 done.append(s)
         except (ControlError, FabricError) as e:
@@ -555,7 +550,9 @@ class Controller:
                                         f"{done or 'no switch'}{what}: {e}") from None
         return done
 
-    def _undo_admit(self, job: _Job, switch: str) -> None:
+    def _take_off(self, job: _Job, switch: str) -> None:
+        """Remove the job from `switch` and its role from the job; a switch
+        that no longer holds it (it restarted, or was told before) counts."""
         from ..control import ControlError
 
         try:

@@ -284,15 +284,6 @@ class _Results:
         padded = np.zeros((self.blocks, self.epp), dtype=np.float32)
         return padded.reshape(-1)[:self.n], padded
 
-    def reserve(self, layers: int) -> None:
-        """Empty layers, their memory touched now: a new layer's page faults
-        (a tenth of a second for a 100 MB tensor) would land between two
-        timed iterations."""
-        for _ in range(layers):
-            values = np.empty((self.blocks, self.epp), dtype=np.float32)
-            values.fill(0)
-            self.layers.append((values, np.zeros(self.blocks, dtype=bool), np.zeros(self.blocks, dtype=np.int64)))
-
     def _rows(self, out: np.ndarray) -> np.ndarray:
         if out.shape == (self.blocks, self.epp):
             return out
@@ -415,8 +406,6 @@ def _iter_worker(rank: int, workers: int, switch: str, elements: int, first: int
         # later one is compared with
         sess.allreduce(x, average=True, out=out)
         log.observe("warm-up", blocks, list(sess.last_stats["degraded_blocks"]))
-        if aging:
-            log.reserve(2)  # partial sums to come
         sess.allreduce(sync)
         rows = []
         # Three timed results (the first, middle and last iteration) are
